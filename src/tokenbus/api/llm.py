@@ -1,0 +1,96 @@
+"""The offline API, shaped like vLLM's so users can switch by changing an import (L5).
+
+    from tokenbus import LLM, SamplingParams
+    llm = LLM()                       # the packaged SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping, Sequence
+
+from tqdm import tqdm
+
+from tokenbus.config import EngineArgs
+from tokenbus.engine.input_processor import PromptType
+from tokenbus.engine.llm_engine import LLMEngine
+from tokenbus.engine.outputs import RequestOutput
+from tokenbus.sampling_params import SamplingParams
+
+Conversation = Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        processor = self.engine.input_processor
+        tokenized = [processor.tokenize(p) for p in prompts]
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        processor = self.engine.input_processor
+        rendered = [processor.render_chat(c, add_generation_prompt, chat_template_kwargs)
+                    for c in conversations]
+        return self._run(rendered, sampling_params, use_tqdm)
+
+    def _run(self, tokenized: list[tuple[str | None, list[int]]], sampling_params,
+             use_tqdm: bool) -> list[RequestOutput]:
+        params_list = _broadcast_params(sampling_params, len(tokenized))
+        ids = []
+        try:
+            for (text, token_ids), params in zip(tokenized, params_list):
+                request_id = str(next(self._counter))
+                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(_all_child_ids(self.engine, ids))
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.client.call_utility("reset_prefix_cache")
+
+
+def _broadcast_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"sampling_params: got {len(params)} for {num_prompts} prompts; "
+                         "pass one, or one per prompt")
+    return params
+
+
+def _all_child_ids(engine: LLMEngine, parent_ids: list[str]) -> list[str]:
+    parents = set(parent_ids)
+    return [cid for cid, child in engine.output_processor.children.items()
+            if child.parent.request_id in parents]

@@ -1,0 +1,194 @@
+"""Frozen configuration (L0).
+
+`EngineArgs` is what a user passes (named like the CLI flags); `EngineConfig` is the validated,
+resolved configuration the engine runs with. Values found at run time (the model's shape, the
+number of KV blocks) are added by building new objects, never by writing into these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tokenbus.utils import parse_size
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
+
+    architecture: str  # "llama", "mistral" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, in elements (multiply by the dtype size)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # None or "smollm2": the packaged SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"  # auto: float32 on CPU (measured faster there), bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int = 0
+    max_logprobs: int = 20
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for K/V tensors; None: 2 GiB on CPU, profiled on CUDA
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # exact pool size (tests, forcing preemption); wins over memory
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: no cap; applies only when >1 request competes
+    max_model_len: int = 8192  # resolved against the model before the engine starts
+    max_waiting_requests: int | None = None  # front-end admission bound (server answers 503)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, "
+                             f"got {self.long_prefill_token_threshold}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"  # "ngram" or "draft_model"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None  # draft model path or name
+    draft_layers: int | None = None  # self-speculation: the target's first N layers
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model" and self.model is None and self.draft_layers is None:
+            raise ValueError("speculative_config: draft_model needs 'model' or 'draft_layers'")
+
+    @classmethod
+    def from_dict(cls, value: "dict | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        import json
+
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            value = json.loads(value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    speculative: SpeculativeConfig | None = None
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set, named like the CLI flags (`--max-num-seqs` → max_num_seqs)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    max_logprobs: int = 20
+    enforce_eager: bool = False
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    max_waiting_requests: int | None = None
+    speculative_config: dict | str | SpeculativeConfig | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        return cls(**kwargs)
+
+    def to_config(self, max_model_len: int) -> EngineConfig:
+        """Build the frozen config once the model's context length is known."""
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
+                max_model_len=max_model_len, seed=self.seed, max_logprobs=self.max_logprobs,
+                enforce_eager=self.enforce_eager),
+            cache=CacheConfig(
+                block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                max_model_len=max_model_len, max_waiting_requests=self.max_waiting_requests),
+            speculative=SpeculativeConfig.from_dict(self.speculative_config),
+        )

@@ -1,0 +1,27 @@
+"""The worker → scheduler seam (L1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenbus.protocol import TokenLogprobs
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request, the tokens sampled this step: empty for a partial prefill chunk, one token
+    # normally, up to 1 + num_drafts with speculative decoding (accepted drafts + one more).
+    sampled_token_ids: list[list[int]]
+    # Aligned with sampled_token_ids when the request asked for logprobs, else None.
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Draft proposals for the next step (spec decode), aligned with req_ids.
+    spec_token_ids: list[list[int]] | None = None
+    req_id_to_index: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.req_id_to_index:
+            self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -1,0 +1,300 @@
+"""The phase-less scheduler (L1, no torch).
+
+One rule, as in vLLM V1: each step, every scheduled request gets `num_new_tokens` so that its
+`num_computed_tokens` catches up with `num_tokens_with_spec`, under one token budget. Prefill,
+chunked prefill, decode, resume after preemption and speculative verification are all that rule.
+
+Step order: running requests first (in admission order), then waiting ones (strict head of
+line), then `num_computed_tokens` advances optimistically; `update_from_output` appends the
+sampled tokens, rolls back rejected drafts and checks stop conditions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from tokenbus.config import SchedulerConfig
+from tokenbus.core.kv import KVCacheManager
+from tokenbus.core.outputs import ModelRunnerOutput
+from tokenbus.core.request import Request, RequestStatus
+from tokenbus.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenbus.core.sched.ports import GrammarManager
+from tokenbus.core.sched.stop import check_stop
+from tokenbus.protocol import EngineOutput, SchedulerStats
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        grammar_manager: GrammarManager | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.grammar = grammar_manager
+        # Slots reserved past the scheduled tokens for next step's drafts (spec decode).
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the worker must drop their state.
+        self._finished_req_ids: set[str] = set()
+        self._num_preemptions_step = 0
+        self.num_preemptions_total = 0
+        self._num_prompt_tokens_step = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        if self.grammar is not None and request.sampling_params.structured_outputs is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.grammar.add_request(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the step (abort, stop string found by the front end)."""
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._num_preemptions_step = 0
+        self._schedule_running(plan)
+        # A step that preempted admits nobody: the pool is under pressure.
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=plan.spec_tokens,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids={r.request_id for r in plan.preempted},
+        )
+        if self.grammar is not None:
+            self.grammar.fill_bitmask(output, self.requests)
+        self._finished_req_ids = set()
+        self._advance_computed_tokens(plan)
+        return output
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int, num_tokens: int) -> int:
+        num_new = num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        # The chunk cap applies only when others compete for the budget.
+        if 0 < threshold < num_new and len(self.running) + len(self.waiting) > 1:
+            num_new = threshold
+        # Never compute past max_model_len - 1 positions (the last token is sampled, not fed).
+        return max(0, min(num_new, budget, self.config.max_model_len - 1 - num_computed))
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running) and plan.token_budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget,
+                                           request.num_tokens_with_spec)
+            if num_new == 0:
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            if new_blocks is None:  # the request preempted itself
+                break
+            plan.cached_reqs.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            self._record(request, num_new, plan)
+            i += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan):
+        """Allocate slots, preempting the last admitted request until it fits.
+
+        Returns the new blocks, or None if `request` itself had to be preempted.
+        """
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new,
+                                                num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()  # FCFS: the most recently admitted
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+        self._num_preemptions_step += 1
+        self.num_preemptions_total += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []
+        while (self.waiting and plan.token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if not self.grammar.is_ready(request):
+                    skipped.append(self.waiting.popleft())  # keeps its place, blocks nobody
+                    continue
+                request.status = RequestStatus.WAITING
+            if not self._admit(request, plan):
+                break  # strict head of line: nobody overtakes a request that does not fit
+            self.waiting.popleft()
+        self.waiting.extendleft(reversed(skipped))
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+        num_new = self._num_new_tokens(request, num_computed, plan.token_budget, request.num_tokens)
+        if num_new == 0:
+            return False
+        new_blocks = self.kv.allocate_slots(request, num_new, num_computed, computed_blocks,
+                                            num_lookahead_tokens=self.num_lookahead_tokens)
+        if new_blocks is None:
+            return False
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        self.running.append(request)
+        plan.new_reqs.append(NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=num_computed,
+        ))
+        self._record(request, num_new, plan)
+        return True
+
+    def _record(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        plan.num_scheduled_tokens[request.request_id] = num_new
+        plan.token_budget -= num_new
+        # Drafts that fall inside this step's tokens are verified; any past the budget are dropped.
+        num_spec = request.num_computed_tokens + num_new - request.num_tokens
+        if num_spec > 0:
+            plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+        request.spec_token_ids = []
+
+    def _advance_computed_tokens(self, plan: _StepPlan) -> None:
+        # Optimistic: the next schedule() may already issue the next chunk. Rejected drafts
+        # are subtracted in update_from_output.
+        self._num_prompt_tokens_step = 0
+        for req_id, num_new in plan.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            self._num_prompt_tokens_step += max(
+                0, min(request.num_prompt_tokens - request.num_computed_tokens, num_new))
+            request.num_computed_tokens += num_new
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineOutput]:
+        outputs = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            index = runner_output.req_id_to_index[req_id]
+            sampled = runner_output.sampled_token_ids[index]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and sampled:
+                request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            output = self._append_tokens(request, sampled, runner_output, index)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _append_tokens(self, request: Request, sampled: list[int],
+                       runner_output: ModelRunnerOutput, index: int) -> EngineOutput | None:
+        new_token_ids: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            if check_stop(request, self.config.max_model_len):
+                break
+        if self.grammar is not None and new_token_ids:
+            self.grammar.accept_tokens(request, new_token_ids)
+        if request.is_finished:
+            self.running.remove(request)
+            self._free_request(request)
+        elif runner_output.spec_token_ids is not None:
+            request.spec_token_ids = runner_output.spec_token_ids[index]
+        if not new_token_ids and not request.is_finished:
+            return None  # a partial prefill chunk: nothing to report
+        logprobs = None
+        if runner_output.logprobs is not None and runner_output.logprobs[index] is not None:
+            logprobs = runner_output.logprobs[index][: len(new_token_ids)]
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _free_request(self, request: Request) -> None:
+        self.kv.free(request)
+        if self.grammar is not None:
+            self.grammar.remove_request(request)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------ stats and checks
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv.make_prefix_cache_stats()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions_step,
+            num_prompt_tokens=self._num_prompt_tokens_step,
+        )
+
+    def check_integrity(self) -> None:
+        """After all requests finished: no request in any queue, every block free."""
+        assert not self.requests, f"requests left: {list(self.requests)}"
+        assert not self.waiting and not self.running, "queues not empty"
+        self.kv.check_integrity()

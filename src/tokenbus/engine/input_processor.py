@@ -1,0 +1,96 @@
+"""Front door: prompts and parameters in, validated EngineRequests out (L4).
+
+Everything a user can get wrong is caught here with a ValueError naming the field, before the
+request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+from tokenbus.config import EngineConfig
+from tokenbus.protocol import EngineRequest
+from tokenbus.sampling_params import SamplingParams
+
+# A prompt: text, or {"prompt": text}, or {"prompt_token_ids": [...]}.
+PromptType = str | Mapping[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, config: EngineConfig, eos_token_id: int | None, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]
+            token_ids = self.tokenizer.encode(text, add_special_tokens=True)
+        else:
+            raise ValueError("prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
+                             f"got {type(prompt).__name__}")
+        if text == "" or not token_ids:
+            raise ValueError("prompt: must not be empty")
+        return text, token_ids
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+        """Apply the model's chat template; return (rendered text, token ids)."""
+        if not messages:
+            raise ValueError("messages: must be a non-empty list of {'role', 'content'} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise ValueError(f"messages[{i}]: each message needs a 'role' (and usually 'content')")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("messages: this model has no chat template; send a plain prompt instead")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            **dict(chat_template_kwargs or {}))
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not token_ids:
+            raise ValueError("messages: rendered to an empty prompt")
+        return text, token_ids
+
+    def validate_params(self, params: SamplingParams) -> None:
+        cap = self.config.model.max_logprobs
+        if params.logprobs is not None and params.logprobs > cap:
+            raise ValueError(f"logprobs: requested {params.logprobs}, which is more than the maximum "
+                             f"allowed ({cap}; raise it with --max-logprobs)")
+        for token_id in list(params.stop_token_ids) + list((params.logit_bias or {}).keys()):
+            if not 0 <= int(token_id) < self.vocab_size:
+                raise ValueError(f"token id {token_id} in stop_token_ids/logit_bias is outside the "
+                                 f"vocabulary (size {self.vocab_size})")
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        num = len(prompt_token_ids)
+        if num >= self.max_model_len:
+            raise ValueError(
+                f"prompt: this model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {num} tokens (the prompt must leave room for at least one "
+                f"generated token)")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.vocab_size})")
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     priority: int = 0) -> EngineRequest:
+        self.validate_params(params)
+        self.validate_prompt(prompt_token_ids, params)
+        return EngineRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt, priority=priority)

@@ -1,0 +1,80 @@
+"""LLMEngine: the synchronous front end used by the offline `LLM` (L4).
+
+add_request → (input processing) → EngineCore client → step → (output processing) → outputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tokenbus.config import EngineArgs
+from tokenbus.engine.core_client import EngineCoreClient, InprocClient
+from tokenbus.engine.input_processor import InputProcessor
+from tokenbus.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from tokenbus.engine.outputs import RequestMetrics, RequestOutput
+from tokenbus.engine.setup import EngineSetup, create_engine_setup, create_tokenizer
+from tokenbus.protocol import SchedulerStats
+from tokenbus.sampling_params import SamplingParams
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Children sample independently: n=1 each, seed + index when seeded (as vLLM does)."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return params.clone(n=1, seed=seed)
+
+
+class LLMEngine:
+    def __init__(self, setup: EngineSetup, tokenizer, client: EngineCoreClient) -> None:
+        self.setup = setup
+        self.config = setup.config
+        self.tokenizer = tokenizer
+        self.client = client
+        self.input_processor = InputProcessor(tokenizer, setup.config, setup.eos_token_id,
+                                              setup.arch.vocab_size)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.last_stats: SchedulerStats | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        setup = create_engine_setup(args)
+        tokenizer = create_tokenizer(setup)
+        return cls(setup, tokenizer, InprocClient(setup))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        child_ids = child_request_ids(request_id, params.n)
+        # Validate every child before any reaches the engine: all or nothing.
+        requests = [self.input_processor.make_request(cid, prompt_token_ids, child_params(params, i),
+                                                      arrival_time, cache_salt)
+                    for i, cid in enumerate(child_ids)]
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, kind,
+                               RequestMetrics(arrival_time=arrival_time))
+        for i, request in enumerate(requests):
+            self.output_processor.add_request(parent, request.request_id, i, request.sampling_params)
+            self.client.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.client.abort_requests(request_ids)
+        self.output_processor.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        engine_outputs = self.client.get_output()
+        if engine_outputs.scheduler_stats is not None:
+            self.last_stats = engine_outputs.scheduler_stats
+        processed = self.output_processor.process_outputs(engine_outputs.outputs, time.time())
+        self.client.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

@@ -1,0 +1,45 @@
+"""Resolving a model and the engine configuration from user arguments (L4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenbus.config import EngineArgs, EngineConfig, ModelArch
+from tokenbus.loader import ModelSource, load_arch, load_generation_config, load_tokenizer, resolve_model
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    config: EngineConfig
+    source: ModelSource
+    arch: ModelArch
+    eos_token_id: int | None
+    generation_config: dict
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
+    if requested is None:
+        return arch.max_position_embeddings
+    if requested > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={requested} is larger than the model's context length "
+            f"({arch.max_position_embeddings})")
+    return requested
+
+
+def create_engine_setup(args: EngineArgs) -> EngineSetup:
+    """Resolve the model (metadata only) and freeze the configuration."""
+    source = resolve_model(args.model)
+    arch = load_arch(source)
+    config = args.to_config(resolve_max_model_len(args.max_model_len, arch))
+    generation_config = load_generation_config(source)
+    eos = generation_config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None and arch.eos_token_ids:
+        eos = arch.eos_token_ids[0]
+    return EngineSetup(config, source, arch, eos, generation_config)
+
+
+def create_tokenizer(setup: EngineSetup):
+    return load_tokenizer(setup.source, setup.config.model.tokenizer)

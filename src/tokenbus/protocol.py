@@ -1,0 +1,71 @@
+"""Types that cross the front end ↔ EngineCore boundary (L0). msgspec Structs, never pickle."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from tokenbus.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:  # the OpenAI spelling
+        return self.name.lower()
+
+
+class EngineRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one sampled position: the sampled token first, then the top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token in the full distribution
+
+
+class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended the request
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, null block excluded
+    prefix_cache_queries: int = 0  # tokens looked up (this step)
+    prefix_cache_hits: int = 0  # tokens found (this step)
+    num_preemptions: int = 0  # this step
+    num_prompt_tokens: int = 0  # computed this step (prefill work)
+    num_generation_tokens: int = 0  # sampled this step
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
+
+
+class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0

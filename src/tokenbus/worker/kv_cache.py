@@ -1,0 +1,50 @@
+"""Sizing and allocating the paged KV cache tensors (L3)."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenbus.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, ModelArch
+from tokenbus.utils import cdiv
+
+
+def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return arch.kv_bytes_per_token * block_size * element_size
+
+
+def determine_num_blocks(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype,
+                         device: torch.device, max_model_len: int) -> int:
+    """Blocks that fit the KV budget; fails if one max_model_len request cannot fit."""
+    per_block = bytes_per_block(arch, cache.block_size, dtype)
+    if cache.num_kv_blocks is not None:
+        num_blocks = cache.num_kv_blocks
+    else:
+        num_blocks = _kv_budget_bytes(cache, device) // per_block
+    needed = cdiv(max_model_len, cache.block_size) + 1  # + the null block
+    if num_blocks < needed:
+        raise ValueError(
+            f"kv_cache_memory: {num_blocks} KV blocks ({num_blocks * per_block / 2**20:.1f} MiB) "
+            f"cannot hold one request of max_model_len={max_model_len} tokens, which needs "
+            f"{needed} blocks ({needed * per_block / 2**20:.1f} MiB). Raise --kv-cache-memory or "
+            f"lower --max-model-len.")
+    return num_blocks
+
+
+def _kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory
+    if device.type == "cuda":
+        # Weights are loaded before sizing, so what is free now minus the headroom left by
+        # gpu_memory_utilization (activations of one max-sized step) is the KV budget.
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = int(total * (1.0 - cache.gpu_memory_utilization))
+        return max(0, free - reserve)
+    return DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+def allocate_kv_caches(arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]

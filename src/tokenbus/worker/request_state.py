@@ -1,0 +1,32 @@
+"""What the worker remembers about each request in its batch (L3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenbus.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None  # per-request seed: reproducible in any batch
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append_output(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.token_ids.extend(token_ids)
