@@ -33,7 +33,10 @@ class ModelRunner:
             max_blocks_per_req=cdiv(sched.max_model_len + num_spec, self.block_size) + 1,
             device=device,
         )
-        self.sampler = Sampler()
+        # Unseeded rows share one generator seeded from the engine seed: runs are repeatable.
+        default_generator = torch.Generator(device=device)
+        default_generator.manual_seed(config.model.seed)
+        self.sampler = Sampler(default_generator)
         self.requests: dict[str, CachedRequestState] = {}
 
     # ------------------------------------------------------------------ state updates
@@ -86,7 +89,9 @@ class ModelRunner:
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         out = self.sampler(logits, meta)
         sampled = out.sampled_token_ids.tolist()
-        logprobs = to_token_logprobs(out.logprobs, rows) if out.logprobs is not None else None
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = to_token_logprobs(out.logprobs, [r.params.logprobs for r in rows])
         return sampled, logprobs
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:

@@ -1,0 +1,177 @@
+"""Per-step sampling tensors (L3).
+
+The worker describes each row of the batch with a `SamplingRow`; `SamplingMetadata.build` turns
+the rows into batched tensors once per step. Every optional part stays None when no row uses
+it, so a batch of plain greedy or plain temperature rows takes the sampler's fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenbus.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Per-request generator created by the worker from `params.seed` (None: unseeded). It must
+    # live on the logits' device.
+    generator: torch.Generator | None = None
+    # EOS + stop_token_ids, masked while len(output_token_ids) < params.min_tokens.
+    stop_ids_for_min_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SamplingMetadata:
+    """Batched sampling settings for one step; B = rows, V = vocab_size."""
+
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    is_greedy: torch.Tensor | None  # Bool[B]; only when greedy and random rows are mixed
+    temperature: torch.Tensor | None  # Float[B]; None when no random row has temperature != 1
+    top_k: torch.Tensor | None  # Long[B]; rows without top-k hold vocab_size
+    top_p: torch.Tensor | None  # Float[B]; rows without top-p hold 1.0
+    min_p: torch.Tensor | None  # Float[B]; rows without min-p hold 0.0
+    generators: dict[int, torch.Generator]  # row → generator, seeded random rows only
+    repetition_penalty: torch.Tensor | None  # Float[B]; 1.0 = off
+    presence_penalty: torch.Tensor | None  # Float[B]; 0.0 = off
+    frequency_penalty: torch.Tensor | None  # Float[B]; 0.0 = off
+    prompt_token_mask: torch.Tensor | None  # Bool[B, V]: token occurs in the prompt (repetition)
+    output_token_counts: torch.Tensor | None  # Float[B, V]: occurrences in the output (penalties)
+    logit_bias_indices: torch.Tensor | None  # Long[2, N]: (row, token id) pairs
+    logit_bias_values: torch.Tensor | None  # Float[N]: added to the logits at those pairs
+    min_tokens_indices: torch.Tensor | None  # Long[2, M]: (row, token id) pairs set to -inf
+    max_num_logprobs: int | None  # None when no row asked for logprobs
+    # Structured output: Int32[B, ceil(V / 32)], bit i of word j allows token 32 * j + i; a row
+    # of all ones is unconstrained. Set by the worker after build (xgrammar fills it).
+    grammar_bitmask: torch.Tensor | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.output_token_counts is not None
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int,
+              device: torch.device | str = "cpu") -> "SamplingMetadata":
+        params = [row.params for row in rows]
+        is_greedy = [p.is_greedy for p in params]
+        random_params = [p for p in params if not p.is_greedy]
+        all_greedy = not random_params
+        all_random = not any(is_greedy)
+        return cls(
+            num_rows=len(rows),
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            is_greedy=None if all_greedy or all_random else _tensor(is_greedy, torch.bool, device),
+            temperature=_temperature(params, device),
+            top_k=_top_k(params, vocab_size, device),
+            top_p=_per_row(params, lambda p: p.top_p, off=1.0, device=device),
+            min_p=_per_row(params, lambda p: p.min_p, off=0.0, device=device),
+            generators={i: row.generator for i, row in enumerate(rows)
+                        if row.generator is not None and not row.params.is_greedy},
+            **_penalties(rows, vocab_size, device),
+            **_logit_bias(rows, vocab_size, device),
+            min_tokens_indices=_min_tokens_indices(rows, vocab_size, device),
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
+                                 default=None),
+        )
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _temperature(params: list[SamplingParams], device: torch.device | str) -> torch.Tensor | None:
+    # Greedy rows hold 1.0: they take the argmax before temperature is applied.
+    values = [1.0 if p.is_greedy else p.temperature for p in params]
+    if all(v == 1.0 for v in values):
+        return None
+    return _tensor(values, torch.float32, device)
+
+
+def _top_k(params: list[SamplingParams], vocab_size: int,
+           device: torch.device | str) -> torch.Tensor | None:
+    # top_k of 0 or -1 (or >= V) disables it.
+    values = [vocab_size if p.is_greedy or p.top_k <= 0 else min(p.top_k, vocab_size)
+              for p in params]
+    if all(v == vocab_size for v in values):
+        return None
+    return _tensor(values, torch.long, device)
+
+
+def _per_row(params: list[SamplingParams], get: Callable[[SamplingParams], float],
+             off: float, device: torch.device | str) -> torch.Tensor | None:
+    """A Float[B] of a random-sampling setting, or None when every row has it at `off`."""
+    values = [off if p.is_greedy else float(get(p)) for p in params]
+    if all(v == off for v in values):
+        return None
+    return _tensor(values, torch.float32, device)
+
+
+def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> dict:
+    params = [row.params for row in rows]
+    repetition = [p.repetition_penalty for p in params]
+    presence = [p.presence_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    uses_repetition = any(v != 1.0 for v in repetition)
+    uses_presence = any(v != 0.0 for v in presence)
+    uses_frequency = any(v != 0.0 for v in frequency)
+    uses_any = uses_repetition or uses_presence or uses_frequency
+    return dict(
+        repetition_penalty=_tensor(repetition, torch.float32, device) if uses_repetition else None,
+        presence_penalty=_tensor(presence, torch.float32, device) if uses_presence else None,
+        frequency_penalty=_tensor(frequency, torch.float32, device) if uses_frequency else None,
+        prompt_token_mask=(_token_counts([r.prompt_token_ids for r in rows], vocab_size, device) > 0
+                           if uses_repetition else None),
+        output_token_counts=(_token_counts([r.output_token_ids for r in rows], vocab_size, device)
+                             if uses_any else None),
+    )
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """Float[B, V]: how often each token id occurs in each row's list."""
+    token_ids = _tensor([t for ids in token_lists for t in ids], torch.long, device)  # [N]
+    lengths = _tensor([len(ids) for ids in token_lists], torch.long, device)  # [B]
+    row_ids = torch.arange(len(token_lists), device=device).repeat_interleave(lengths)  # [N]
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
+    ones = torch.ones(token_ids.shape, dtype=torch.float32, device=device)
+    return counts.index_put_((row_ids, token_ids), ones, accumulate=True)
+
+
+def _logit_bias(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> dict:
+    pairs = [(i, int(token_id), float(bias))
+             for i, row in enumerate(rows)
+             for token_id, bias in (row.params.logit_bias or {}).items()]
+    if not pairs:
+        return dict(logit_bias_indices=None, logit_bias_values=None)
+    bad = [token_id for _, token_id, _ in pairs if not 0 <= token_id < vocab_size]
+    if bad:  # the front door validates; this guards against a crash deep in a kernel
+        raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    row_ids, token_ids, values = zip(*pairs)
+    return dict(logit_bias_indices=_tensor([row_ids, token_ids], torch.long, device),
+                logit_bias_values=_tensor(list(values), torch.float32, device))
+
+
+def _min_tokens_indices(rows: list[SamplingRow], vocab_size: int,
+                        device: torch.device | str) -> torch.Tensor | None:
+    # Ids outside the vocabulary can never be sampled, so they need no mask.
+    pairs = [(i, token_id)
+             for i, row in enumerate(rows)
+             if len(row.output_token_ids) < row.params.min_tokens
+             for token_id in set(row.stop_ids_for_min_tokens)
+             if 0 <= token_id < vocab_size]
+    if not pairs:
+        return None
+    return _tensor(list(zip(*pairs)), torch.long, device)  # [2, M]
