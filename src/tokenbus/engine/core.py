@@ -7,27 +7,53 @@ offline) or inside its own process behind ZMQ.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Protocol
 
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.kv import KVCacheManager
+from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.kv import make_block_hasher
+from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
-from tokenbus.loader import ModelSource
-from tokenbus.protocol import EngineOutputs, EngineRequest
-from tokenbus.worker.worker import Worker
+from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, SchedulerStats
+
+if TYPE_CHECKING:
+    from tokenbus.loader import ModelSource, load_tokenizer
+from tokenbus.structured.backend import XgrammarBackend
+from tokenbus.structured.manager import StructuredOutputManager
+
+
+class WorkerLike(Protocol):
+    """What the EngineCore needs from a worker (tests pass a fake that samples fixed tokens)."""
+
+    num_blocks: int
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+def make_worker(config: EngineConfig, source: "ModelSource", arch: ModelArch,
+                eos_token_id: int | None) -> WorkerLike:
+    # Imported here: torch and the model loader are needed only when a real worker is built,
+    # so processes that never build one (the API server, fake-worker tests) start fast.
+    from tokenbus.worker.worker import Worker
+
+    return Worker(config, source, arch, eos_token_id)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource, arch: ModelArch,
-                 eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, source: "ModelSource", arch: ModelArch,
+                 eos_token_id: int | None, worker: WorkerLike | None = None) -> None:
         self.config = config
-        self.worker = Worker(config, source, arch, eos_token_id)
+        self.worker = worker if worker is not None else make_worker(config, source, arch, eos_token_id)
         block_size = config.cache.block_size
         self.kv_cache_manager = KVCacheManager(self.worker.num_blocks, block_size,
                                                enable_caching=config.cache.enable_prefix_caching)
         self._block_hasher = make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.grammar_manager = _make_grammar_manager(config, source, arch, eos_token_id)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.grammar_manager)
+        # req_id → wall-clock time of its first scheduling, until its first output carries it.
+        self._first_scheduled_times: dict[str, float] = {}
 
     @property
     def num_kv_blocks(self) -> int:
@@ -38,6 +64,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in request_ids:
+            self._first_scheduled_times.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -46,13 +74,49 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineOutputs(timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
+        self._note_first_scheduled(scheduler_output)
         runner_output = self.worker.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._attach_first_scheduled(outputs)
         return EngineOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                              timestamp=time.monotonic())
+
+    def _note_first_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        now = time.time()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            # A request resumed after preemption with output tokens was reported already;
+            # one preempted during its prefill keeps its first time (setdefault).
+            if not new_req.output_token_ids:
+                self._first_scheduled_times.setdefault(new_req.req_id, now)
+
+    def _attach_first_scheduled(self, outputs: list[EngineOutput]) -> None:
+        for output in outputs:
+            first = self._first_scheduled_times.pop(output.request_id, None)
+            if first is not None:
+                output.first_scheduled_time = first
+
+    def make_gauge_stats(self) -> SchedulerStats:
+        """Queue lengths and KV usage only, no per-step counters: sent when aborts change them
+        between steps (an idle engine takes no step that would report them)."""
+        return SchedulerStats(num_running_reqs=len(self.scheduler.running),
+                              num_waiting_reqs=len(self.scheduler.waiting),
+                              kv_cache_usage=self.kv_cache_manager.usage)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _make_grammar_manager(config: EngineConfig, source: ModelSource, arch: ModelArch,
+                          eos_token_id: int | None) -> StructuredOutputManager:
+    """The tokenizer is loaded only when the first constrained request arrives."""
+
+    def make_backend() -> XgrammarBackend:
+        tokenizer = load_tokenizer(source, config.model.tokenizer)
+        stops = [eos_token_id] if eos_token_id is not None else None
+        return XgrammarBackend(tokenizer, arch.vocab_size, stop_token_ids=stops)
+
+    num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
+    return StructuredOutputManager(make_backend, max_rollback_tokens=num_spec)

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 from tokenbus.config import EngineConfig
 from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
+from tokenbus.structured.validator import StructuredOutputValidator
 
 # A prompt: text, or {"prompt": text}, or {"prompt_token_ids": [...]}.
 PromptType = str | Mapping[str, Any]
@@ -23,6 +24,7 @@ class InputProcessor:
         self.config = config
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
+        self.structured_validator = StructuredOutputValidator(tokenizer, vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -63,6 +65,8 @@ class InputProcessor:
         return text, token_ids
 
     def validate_params(self, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            self.structured_validator.validate(params.structured_outputs)
         cap = self.config.model.max_logprobs
         if params.logprobs is not None and params.logprobs > cap:
             raise ValueError(f"logprobs: requested {params.logprobs}, which is more than the maximum "

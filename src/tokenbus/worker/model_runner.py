@@ -7,6 +7,7 @@ import torch
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
+from tokenbus.structured.manager import pad_bitmask_rows
 from tokenbus.utils import cdiv
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 from tokenbus.worker.request_state import CachedRequestState
@@ -78,15 +79,20 @@ class ModelRunner:
         ]
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches)
         hidden = self.model(batch.input_ids, batch.ctx)
-        sampled, logprobs = self._sample(batch, hidden)
+        sampled, logprobs = self._sample(batch, hidden, so)
         return self._make_output(batch, sampled, logprobs)
 
-    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor):
+    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor, so: SchedulerOutput):
         if not batch.sampling_requests:
             return [], []
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [rows, vocab] fp32
         rows = [self._sampling_row(batch.requests[i].state) for i in batch.sampling_requests]
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
+        if so.grammar_bitmask is not None:
+            row_req_ids = [batch.requests[i].state.req_id for i in batch.sampling_requests]
+            bitmask = pad_bitmask_rows(so.grammar_bitmask, so.structured_output_request_ids,
+                                       row_req_ids, so.grammar_bitmask.shape[1])
+            meta.grammar_bitmask = bitmask.to(self.device)
         out = self.sampler(logits, meta)
         sampled = out.sampled_token_ids.tolist()
         logprobs = None

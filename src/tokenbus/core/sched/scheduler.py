@@ -58,6 +58,8 @@ class Scheduler:
         self._num_preemptions_step = 0
         self.num_preemptions_total = 0
         self._num_prompt_tokens_step = 0
+        # Outputs for requests finished outside a model step (a grammar that failed to compile).
+        self._pending_outputs: list[EngineOutput] = []
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -176,6 +178,13 @@ class Scheduler:
                 if not self.grammar.is_ready(request):
                     skipped.append(self.waiting.popleft())  # keeps its place, blocks nobody
                     continue
+                if request.is_finished:  # the grammar failed to compile
+                    self.waiting.popleft()
+                    self._free_request(request)
+                    self._pending_outputs.append(EngineOutput(
+                        request_id=request.request_id, new_token_ids=[],
+                        finish_reason=request.status.finish_reason))
+                    continue
                 request.status = RequestStatus.WAITING
             if not self._admit(request, plan):
                 break  # strict head of line: nobody overtakes a request that does not fit
@@ -229,7 +238,7 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineOutput]:
-        outputs = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:

@@ -1,0 +1,75 @@
+"""xgrammar behind one small class: spec → compiled grammar → matcher (L2)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import xgrammar as xgr
+
+from tokenbus.sampling_params import StructuredOutputsParams
+
+_CPP_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: ")
+# Compiled grammars kept per backend (xgrammar's own cache, keyed by the grammar text).
+GRAMMAR_CACHE_BYTES = 64 << 20
+
+
+def spec_key(spec: StructuredOutputsParams) -> str:
+    """A stable key for a spec (caches, logs)."""
+    import msgspec
+
+    return msgspec.json.encode(spec).decode()
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    # JSON string escaping is valid EBNF string-literal escaping in xgrammar.
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class XgrammarBackend:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
+                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+
+    @property
+    def bitmask_width(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """Compile (or fetch from the cache); raises ValueError naming what is wrong."""
+        try:
+            return self._compile(spec)
+        except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as exc:
+            # xgrammar prefixes "[hh:mm:ss] /path/file.cc:123: "; users need only the reason.
+            reason = _CPP_LOCATION.sub("", str(exc)).strip()
+            raise ValueError(f"structured_outputs: {_kind(spec)} is invalid or unsupported: {reason}") from None
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        compiler = self._compiler
+        if spec.json is not None:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            json.loads(schema)  # a clear error for text that is not JSON at all
+            # Compact JSON: free whitespace lets small models wander until max_tokens.
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        if spec.json_object:
+            return compiler.compile_builtin_json_grammar()
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return compiler.compile_grammar(choice_ebnf(spec.choice))
+        return compiler.compile_grammar(spec.grammar)
+
+    @staticmethod
+    def new_matcher(compiled: xgr.CompiledGrammar, max_rollback_tokens: int = 0) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+
+
+def _kind(spec: StructuredOutputsParams) -> str:
+    for name in ("json", "regex", "choice", "grammar"):
+        if getattr(spec, name) is not None:
+            return {"json": "JSON schema", "regex": "regex", "choice": "choice",
+                    "grammar": "EBNF grammar"}[name]
+    return "json_object"

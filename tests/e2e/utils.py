@@ -1,0 +1,33 @@
+"""Helpers for end-to-end tests."""
+
+from __future__ import annotations
+
+import random
+
+from tokenbus import LLM
+
+
+def make_llm(model=None, **engine_args) -> LLM:
+    engine_args.setdefault("seed", 0)
+    return LLM(None if model is None else str(model), **engine_args)
+
+
+def random_prompts(num: int, min_len: int, max_len: int, seed: int = 0, vocab_low: int = 1000,
+                   vocab_high: int = 40000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_low, vocab_high) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num)]
+
+
+def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from tokenbus import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_engine_clean(llm: LLM) -> None:
+    """No request left anywhere, every KV block free (DESIGN.md §4)."""
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.client.call_utility("check_integrity")
