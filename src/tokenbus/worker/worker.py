@@ -43,7 +43,8 @@ class Worker:
         torch.manual_seed(config.model.seed)
         model = load_model(source, arch, self.dtype, self.device)
         max_model_len = config.scheduler.max_model_len
-        self.num_blocks = determine_num_blocks(config.cache, arch, self.dtype, self.device, max_model_len)
+        self.num_blocks = determine_num_blocks(config.cache, arch, self.dtype, self.device, max_model_len,
+                                               config.scheduler.max_num_seqs)
         kv_caches = allocate_kv_caches(arch, self.num_blocks, config.cache.block_size, self.dtype,
                                        self.device)
         logger.info("KV cache: %d blocks of %d tokens (%s, %s)", self.num_blocks,
