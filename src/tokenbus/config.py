@@ -165,6 +165,10 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int | None = None
     speculative_config: dict | str | SpeculativeConfig | None = None
+    # The EngineCore in its own process (ZMQ + msgspec) for the offline LLM; False runs it in
+    # the caller's process (tests, debugging). The server chooses with --engine-in-process.
+    multiprocess: bool = True
+    engine_ready_timeout_s: float = 600.0  # start-up (model load) limit for an engine process
     extra: dict = field(default_factory=dict)
 
     @classmethod

@@ -44,6 +44,9 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended the request
     num_cached_tokens: int = 0
+    # Wall-clock time (time.time(), the clock of EngineRequest.arrival_time) at which the engine
+    # first scheduled the request; set on the request's first output only (queue-time metric).
+    first_scheduled_time: float = 0.0
 
     @property
     def finished(self) -> bool:

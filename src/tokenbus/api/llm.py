@@ -77,6 +77,10 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.client.call_utility("reset_prefix_cache")
 
+    def shutdown(self) -> None:
+        """Stop the engine process now (otherwise it stops when this process exits)."""
+        self.engine.shutdown()
+
 
 def _broadcast_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
     if sampling_params is None:

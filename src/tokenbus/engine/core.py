@@ -19,7 +19,7 @@ from tokenbus.core.sched.scheduler import Scheduler
 from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, SchedulerStats
 
 if TYPE_CHECKING:
-    from tokenbus.loader import ModelSource, load_tokenizer
+    from tokenbus.loader import ModelSource
 from tokenbus.structured.backend import XgrammarBackend
 from tokenbus.structured.manager import StructuredOutputManager
 
@@ -51,7 +51,8 @@ class EngineCore:
                                                enable_caching=config.cache.enable_prefix_caching)
         self._block_hasher = make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         self.grammar_manager = _make_grammar_manager(config, source, arch, eos_token_id)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.grammar_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.grammar_manager,
+                                   num_lookahead_tokens=_num_lookahead_tokens(config))
         # req_id → wall-clock time of its first scheduling, until its first output carries it.
         self._first_scheduled_times: dict[str, float] = {}
 
@@ -109,11 +110,20 @@ class EngineCore:
         self.scheduler.check_integrity()
 
 
+def _num_lookahead_tokens(config: EngineConfig) -> int:
+    """KV slots past the scheduled tokens: a draft model writes its k drafts' KV there right
+    after the step (the n-gram proposer writes no KV)."""
+    spec = config.speculative
+    return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+
+
 def _make_grammar_manager(config: EngineConfig, source: ModelSource, arch: ModelArch,
                           eos_token_id: int | None) -> StructuredOutputManager:
     """The tokenizer is loaded only when the first constrained request arrives."""
 
     def make_backend() -> XgrammarBackend:
+        from tokenbus.loader import load_tokenizer
+
         tokenizer = load_tokenizer(source, config.model.tokenizer)
         stops = [eos_token_id] if eos_token_id is not None else None
         return XgrammarBackend(tokenizer, arch.vocab_size, stop_token_ids=stops)

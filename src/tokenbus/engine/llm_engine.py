@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from tokenbus.config import EngineArgs
-from tokenbus.engine.core_client import EngineCoreClient, InprocClient
+from tokenbus.engine.core_client import EngineCoreClient, make_engine_core_client
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from tokenbus.engine.outputs import RequestMetrics, RequestOutput
@@ -39,12 +39,19 @@ class LLMEngine:
                                               setup.arch.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.last_stats: SchedulerStats | None = None
+        # Running sums of the per-step counters (benchmarks and logs read them).
+        self.stats_totals = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+                             "num_prompt_tokens": 0}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Resolve the model, load the tokenizer and start the engine: in its own process
+        unless `args.multiprocess` is False (blocks until ready; raises if it cannot start)."""
         setup = create_engine_setup(args)
         tokenizer = create_tokenizer(setup)
-        return cls(setup, tokenizer, InprocClient(setup))
+        client = make_engine_core_client(setup, multiprocess=args.multiprocess, asyncio_mode=False,
+                                         ready_timeout_s=args.engine_ready_timeout_s)
+        return cls(setup, tokenizer, client)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
@@ -70,8 +77,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         engine_outputs = self.client.get_output()
-        if engine_outputs.scheduler_stats is not None:
-            self.last_stats = engine_outputs.scheduler_stats
+        stats = engine_outputs.scheduler_stats
+        if stats is not None:
+            self.last_stats = stats
+            for key in self.stats_totals:
+                self.stats_totals[key] += getattr(stats, key)
         processed = self.output_processor.process_outputs(engine_outputs.outputs, time.time())
         self.client.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

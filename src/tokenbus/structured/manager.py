@@ -66,8 +66,10 @@ class StructuredOutputManager:
         return True
 
     def fill_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
-        rows: dict[str, int] = {}
-        matchers = []
+        """One row per sampled position: 1 + drafts rows for a request verifying drafts."""
+        first_rows: dict[str, int] = {}
+        plans: list[tuple[xgr.GrammarMatcher, list[int]]] = []
+        num_rows = 0
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             grammar = self._grammars.get(req_id)
             request = requests[req_id]
@@ -76,15 +78,31 @@ class StructuredOutputManager:
             if grammar is None or grammar.matcher is None or (
                     request.num_computed_tokens + num_new < request.num_tokens):
                 continue
-            rows[req_id] = len(matchers)
-            matchers.append(grammar.matcher)
-        if not matchers:
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            first_rows[req_id] = num_rows
+            plans.append((grammar.matcher, drafts))
+            num_rows += 1 + len(drafts)
+        if not plans:
             return
-        bitmask = torch.full((len(matchers), self._get_backend().bitmask_width), -1, dtype=torch.int32)
-        for row, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, row)
-        scheduler_output.structured_output_request_ids = rows
+        bitmask = torch.full((num_rows, self._get_backend().bitmask_width), -1, dtype=torch.int32)
+        for (matcher, drafts), first_row in zip(plans, first_rows.values()):
+            _fill_rows(matcher, drafts, bitmask, first_row)
+        scheduler_output.structured_output_request_ids = first_rows
         scheduler_output.grammar_bitmask = bitmask.numpy()
+
+    def validate_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` (drafts) the request's grammar accepts next."""
+        grammar = self._grammars.get(request.request_id)
+        if grammar is None or grammar.matcher is None or not token_ids:
+            return token_ids
+        num_valid = 0
+        for token_id in token_ids:
+            if grammar.matcher.is_terminated() or not grammar.matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        if num_valid:
+            grammar.matcher.rollback(num_valid)
+        return token_ids[:num_valid]
 
     def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
         grammar = self._grammars.get(request.request_id)
@@ -108,14 +126,35 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _fill_rows(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Tensor, first_row: int) -> None:
+    """Row first_row + j: the mask after the first j drafts. The matcher advances over the
+    drafts to fill the rows, then rolls back. After a draft the grammar rejects (drafts are
+    validated, so only through a race) later rows repeat the last row: verification stops at
+    that draft anyway. Rows after the matcher terminated stay all-allowed."""
+    num_advanced = 0
+    for j in range(len(drafts) + 1):
+        if not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask, first_row + j)
+        if j == len(drafts) or not matcher.accept_token(drafts[j]):
+            bitmask[first_row + j + 1: first_row + len(drafts) + 1] = bitmask[first_row + j]
+            break
+        num_advanced += 1
+    if num_advanced:
+        matcher.rollback(num_advanced)
+
+
 def pad_bitmask_rows(bitmask: np.ndarray | None, row_of: dict[str, int], req_ids: list[str],
-                     width: int) -> torch.Tensor | None:
-    """Grow the constrained rows to one row per sampled request; unconstrained rows allow all."""
+                     width: int, num_rows: list[int] | None = None) -> torch.Tensor | None:
+    """Grow the constrained rows to all sampled rows: `num_rows[i]` consecutive rows for
+    request i (default 1; 1 + drafts with speculative decoding). Unconstrained rows allow all."""
     if bitmask is None:
         return None
-    full = torch.full((len(req_ids), width), -1, dtype=torch.int32)
-    for i, req_id in enumerate(req_ids):
+    counts = num_rows if num_rows is not None else [1] * len(req_ids)
+    full = torch.full((sum(counts), width), -1, dtype=torch.int32)
+    out_row = 0
+    for req_id, count in zip(req_ids, counts):
         row = row_of.get(req_id)
         if row is not None:
-            full[i] = torch.from_numpy(bitmask[row])
+            full[out_row: out_row + count] = torch.from_numpy(bitmask[row: row + count])
+        out_row += count
     return full

@@ -1,4 +1,5 @@
-"""Runs one scheduled step on the model: update states → flatten inputs → forward → sample (L3)."""
+"""Runs one scheduled step on the model: update states → flatten inputs → forward → sample
+(or verify drafts) → propose next drafts (L3)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,21 @@ import torch
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
+from tokenbus.protocol import TokenLogprobs
+from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.manager import pad_bitmask_rows
 from tokenbus.utils import cdiv
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 from tokenbus.worker.request_state import CachedRequestState
 from tokenbus.worker.sampler import Sampler, to_token_logprobs
 from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from tokenbus.worker.spec_decode import (
+    RejectionSampler,
+    SpecDecodeMetadata,
+    draft_cap,
+    expand_sampling_rows,
+    make_proposer,
+)
 
 
 class ModelRunner:
@@ -38,6 +48,9 @@ class ModelRunner:
         default_generator = torch.Generator(device=device)
         default_generator.manual_seed(config.model.seed)
         self.sampler = Sampler(default_generator)
+        self.rejection_sampler = RejectionSampler(default_generator)
+        self.num_spec_tokens = num_spec
+        self.proposer = make_proposer(config, arch, model, kv_caches, device)
         self.requests: dict[str, CachedRequestState] = {}
 
     # ------------------------------------------------------------------ state updates
@@ -80,45 +93,74 @@ class ModelRunner:
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches)
         hidden = self.model(batch.input_ids, batch.ctx)
         sampled, logprobs = self._sample(batch, hidden, so)
-        return self._make_output(batch, sampled, logprobs)
+        output = self._make_output(batch, sampled, logprobs)
+        if self.proposer is not None:
+            output.spec_token_ids = self._propose(batch, sampled)
+        return output
 
-    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor, so: SchedulerOutput):
+    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor, so: SchedulerOutput
+                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """Tokens (and logprobs) per sampling request: one, or accepted drafts + one."""
         if not batch.sampling_requests:
-            return [], []
+            return [], None
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [rows, vocab] fp32
-        rows = [self._sampling_row(batch.requests[i].state) for i in batch.sampling_requests]
+        states = [batch.requests[i].state for i in batch.sampling_requests]
+        drafts = [batch.requests[i].draft_token_ids for i in batch.sampling_requests]
+        verifies = any(drafts)
+        rows = [self._sampling_row(state) for state in states]
+        if verifies:
+            rows = expand_sampling_rows(rows, drafts)  # one row per position
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         if so.grammar_bitmask is not None:
-            row_req_ids = [batch.requests[i].state.req_id for i in batch.sampling_requests]
             bitmask = pad_bitmask_rows(so.grammar_bitmask, so.structured_output_request_ids,
-                                       row_req_ids, so.grammar_bitmask.shape[1])
+                                       [state.req_id for state in states], so.grammar_bitmask.shape[1],
+                                       [1 + len(d) for d in drafts])
             meta.grammar_bitmask = bitmask.to(self.device)
-        out = self.sampler(logits, meta)
-        sampled = out.sampled_token_ids.tolist()
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = to_token_logprobs(out.logprobs, [r.params.logprobs for r in rows])
-        return sampled, logprobs
+        if verifies:
+            spec = SpecDecodeMetadata.build(drafts, self.device)
+            out = self.rejection_sampler(logits, meta, spec)
+            tokens, first_rows, lp_tensors = out.token_ids, spec.first_rows, out.logprobs
+        else:
+            out = self.sampler(logits, meta)
+            tokens = [[t] for t in out.sampled_token_ids.tolist()]
+            first_rows, lp_tensors = list(range(len(states))), out.logprobs
+        if lp_tensors is None:
+            return tokens, None
+        per_row = to_token_logprobs(lp_tensors, [row.params.logprobs for row in rows])
+        return tokens, [None if per_row[first] is None else per_row[first: first + len(t)]
+                        for first, t in zip(first_rows, tokens)]
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
-        params = state.sampling_params
+        return SamplingRow(params=state.sampling_params, prompt_token_ids=state.prompt_token_ids,
+                           output_token_ids=state.output_token_ids, generator=state.generator,
+                           stop_ids_for_min_tokens=self._stop_token_ids(state.sampling_params))
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
         stop_ids = list(params.stop_token_ids)
         if self.eos_token_id is not None and not params.ignore_eos:
             stop_ids.append(self.eos_token_id)
-        return SamplingRow(params=params, prompt_token_ids=state.prompt_token_ids,
-                           output_token_ids=state.output_token_ids, generator=state.generator,
-                           stop_ids_for_min_tokens=stop_ids)
+        return stop_ids
 
-    def _make_output(self, batch: PreparedBatch, sampled: list[int], logprobs) -> ModelRunnerOutput:
+    def _make_output(self, batch: PreparedBatch, sampled: list[list[int]],
+                     logprobs: list[list[TokenLogprobs] | None] | None) -> ModelRunnerOutput:
         req_ids = [r.state.req_id for r in batch.requests]
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         all_logprobs: list | None = [None] * len(req_ids) if logprobs is not None else None
         for row, batch_index in enumerate(batch.sampling_requests):
-            token_id = sampled[row]
-            state = batch.requests[batch_index].state
-            state.append_output([token_id])
-            sampled_token_ids[batch_index] = [token_id]
-            if all_logprobs is not None and state.sampling_params.logprobs is not None:
-                all_logprobs[batch_index] = [logprobs[row]]
+            batch.requests[batch_index].state.append_output(sampled[row])
+            sampled_token_ids[batch_index] = sampled[row]
+            if all_logprobs is not None:
+                all_logprobs[batch_index] = logprobs[row]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                                  logprobs=all_logprobs)
+
+    def _propose(self, batch: PreparedBatch, sampled: list[list[int]]) -> list[list[int]]:
+        """Drafts for next step, per request in batch order (after the step's tokens were appended)."""
+        emitted: list[list[int] | None] = [None] * len(batch.requests)  # None: did not sample
+        for row, batch_index in enumerate(batch.sampling_requests):
+            emitted[batch_index] = sampled[row]
+        max_model_len = self.config.scheduler.max_model_len
+        caps = [draft_cap(req.state, self.num_spec_tokens, max_model_len,
+                          self._stop_token_ids(req.state.sampling_params), tokens)
+                for req, tokens in zip(batch.requests, emitted)]
+        return self.proposer.propose(batch, [tokens is not None for tokens in emitted], caps)

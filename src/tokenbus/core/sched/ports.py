@@ -21,6 +21,9 @@ class GrammarManager(Protocol):
     def fill_bitmask(self, scheduler_output: "SchedulerOutput", requests: dict[str, "Request"]) -> None:
         """Put the bitmask rows of the constrained requests scheduled to sample into the output."""
 
+    def validate_tokens(self, request: "Request", token_ids: list[int]) -> list[int]:
+        """The longest prefix of draft tokens the request's grammar accepts (spec decode)."""
+
     def accept_tokens(self, request: "Request", token_ids: list[int]) -> None:
         """Advance the request's matcher; a rejected token finishes it with an error."""
 

@@ -37,6 +37,26 @@ class _StepPlan:
     preempted: list[Request] = field(default_factory=list)
 
 
+@dataclass
+class _SpecCounts:
+    """Speculative decoding in one step (vLLM's semantics: per-position rates are
+    accepted_per_pos[j] / num_drafts)."""
+
+    num_drafts: int = 0  # requests that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [max drafts this step]
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+
 class Scheduler:
     def __init__(
         self,
@@ -58,6 +78,7 @@ class Scheduler:
         self._num_preemptions_step = 0
         self.num_preemptions_total = 0
         self._num_prompt_tokens_step = 0
+        self._spec_counts = _SpecCounts()
         # Outputs for requests finished outside a model step (a grammar that failed to compile).
         self._pending_outputs: list[EngineOutput] = []
 
@@ -239,6 +260,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self._spec_counts = _SpecCounts()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
@@ -247,7 +269,9 @@ class Scheduler:
             sampled = runner_output.sampled_token_ids[index]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts and sampled:
+                # Accepted drafts + 1 sampled token came back; the rest of the drafts' KV is void.
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                self._spec_counts.record(len(drafts), len(sampled) - 1)
             output = self._append_tokens(request, sampled, runner_output, index)
             if output is not None:
                 outputs.append(output)
@@ -267,7 +291,7 @@ class Scheduler:
             self.running.remove(request)
             self._free_request(request)
         elif runner_output.spec_token_ids is not None:
-            request.spec_token_ids = runner_output.spec_token_ids[index]
+            request.spec_token_ids = self._valid_drafts(request, runner_output.spec_token_ids[index])
         if not new_token_ids and not request.is_finished:
             return None  # a partial prefill chunk: nothing to report
         logprobs = None
@@ -281,6 +305,12 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+
+    def _valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """Structured output: only the drafts the grammar accepts are worth verifying."""
+        if drafts and self.grammar is not None and request.sampling_params.structured_outputs is not None:
+            return self.grammar.validate_tokens(request, drafts)
+        return drafts
 
     def _free_request(self, request: Request) -> None:
         self.kv.free(request)
@@ -300,6 +330,10 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions_step,
             num_prompt_tokens=self._num_prompt_tokens_step,
+            spec_num_drafts=self._spec_counts.num_drafts,
+            spec_num_draft_tokens=self._spec_counts.num_draft_tokens,
+            spec_num_accepted_tokens=self._spec_counts.num_accepted_tokens,
+            spec_accepted_per_pos=self._spec_counts.accepted_per_pos,
         )
 
     def check_integrity(self) -> None:

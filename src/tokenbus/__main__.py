@@ -1,0 +1,5 @@
+import sys
+
+from tokenbus.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,119 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` (L5).
+
+The HTTP status always equals `code`. Every path that can fail (validation, auth, body size,
+overload, a dead engine, a bug) ends up here, so clients see one shape everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenbus.api.openai.protocol import ErrorInfo, ErrorResponse
+from tokenbus.engine.exceptions import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# Engine and parameter errors start with the field they are about ("top_p must be in (0, 1]…",
+# "prompt: this model's maximum context length…"); that leading name becomes `param`.
+_LEADING_NAME = re.compile(r"^([A-Za-z_]\w*)[\w.\[\]]*[:\s]")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+class APIError(Exception):
+    status: int = 500
+    type: str = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+class BadRequestError(APIError):
+    status, type = 400, "BadRequestError"
+
+
+class AuthenticationError(APIError):
+    status, type = 401, "AuthenticationError"
+
+
+class NotFoundError(APIError):
+    status, type = 404, "NotFoundError"
+
+
+class RequestTooLargeError(APIError):
+    status, type = 413, "RequestTooLargeError"
+
+
+class ServiceUnavailableError(APIError):
+    status, type = 503, "ServiceUnavailableError"
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    info = ErrorInfo(message=_ADDRESS.sub("", message), type=type_, param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_bytes(status: int, message: str, type_: str, param: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, type_, param)).encode()
+
+
+def to_api_error(exc: BaseException, known_params: frozenset[str] = frozenset()) -> APIError:
+    """Map any exception from serving code or the engine onto an APIError."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailableError(f"The engine is not running: {exc}")
+    if isinstance(exc, (ValueError, TypeError, OverflowError)):
+        message = str(exc)
+        match = _LEADING_NAME.match(message)
+        param = match.group(1) if match and match.group(1) in known_params else None
+        return BadRequestError(message, param)
+    if isinstance(exc, NotImplementedError):
+        error = APIError(str(exc) or "not implemented")
+        error.status, error.type = 501, "NotImplementedError"
+        return error
+    logger.exception("internal error while serving a request", exc_info=exc)
+    return APIError(f"Internal server error: {type(exc).__name__}")
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.status, error.message, error.type, error.param),
+                        status_code=error.status, headers=error.headers)
+
+
+def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Pydantic's 422 becomes 400: OpenAI clients treat 4xx other than 400 as different errors.
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return error_response(BadRequestError(message, loc[0] if loc else None))
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase.replace(" ", "")
+        error = APIError(str(exc.detail), headers=exc.headers)
+        error.status, error.type = exc.status_code, f"{phrase}Error"
+        return error_response(error)
+
+    async def on_other(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc, known_params))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ValueError, on_other)
+    app.add_exception_handler(EngineDeadError, on_other)
+    app.add_exception_handler(Exception, on_other)

@@ -1,0 +1,63 @@
+"""Engine logprobs (one {token_id: Logprob} dict per sampled position) → OpenAI's two shapes (L5)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tokenbus.api.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogProbs, TopLogprob
+from tokenbus.engine.outputs import Logprob
+
+Decode = Callable[[int], str]
+# OpenAI's stand-in for "not computed" (JSON has no -inf).
+MISSING_LOGPROB = -9999.0
+
+
+def _token_text(token_id: int, logprob: Logprob, decode: Decode) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else decode(token_id)
+
+
+def _top(position: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    """The `num_top` most likely tokens. The dict holds the sampled token plus the top-n, so when
+    the sampled token ranks below n it is the one entry left out here."""
+    ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
+    return ranked[:num_top]
+
+
+def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], num_top: int,
+                        text_offset: int, decode: Decode) -> CompletionLogProbs:
+    """Legacy completions format; `text_offset` is where this delta's text starts in the choice."""
+    result = CompletionLogProbs()
+    for token_id, position in zip(token_ids, positions):
+        sampled = position.get(token_id)
+        token = _token_text(token_id, sampled, decode) if sampled else decode(token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(sampled.logprob if sampled else None)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+        result.top_logprobs.append({_token_text(t, lp, decode): lp.logprob
+                                    for t, lp in _top(position, num_top)} if num_top else None)
+    return result
+
+
+def chat_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], num_top: int,
+                  decode: Decode) -> ChatLogprobs:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        sampled = position.get(token_id)
+        token = _token_text(token_id, sampled, decode) if sampled else decode(token_id)
+        top = [TopLogprob(token=(text := _token_text(t, lp, decode)), logprob=lp.logprob,
+                          bytes=list(text.encode()))
+               for t, lp in _top(position, num_top)]
+        content.append(ChatTokenLogprob(token=token, logprob=sampled.logprob if sampled else MISSING_LOGPROB,
+                                        bytes=list(token.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def merge_completion_logprobs(into: CompletionLogProbs | None, more: CompletionLogProbs) -> CompletionLogProbs:
+    if into is None:
+        return more
+    into.tokens += more.tokens
+    into.token_logprobs += more.token_logprobs
+    into.text_offset += more.text_offset
+    into.top_logprobs += more.top_logprobs
+    return into

@@ -1,0 +1,131 @@
+"""OpenAI request fields → validated SamplingParams (L5).
+
+Every check here raises ValueError naming the field; the server turns it into a 400 before any
+response header is sent or the engine sees the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenbus.api.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
+
+# Fields whose default comes from the model's generation_config.json when the request omits them.
+GENERATION_CONFIG_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                            "repetition_penalty": 1.0}
+MAX_ABS_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class ParamLimits:
+    max_model_len: int
+    max_n: int = 16
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def default(self, name: str, value: Any) -> Any:
+        if value is not None:
+            return value
+        return self.generation_defaults.get(name, GENERATION_CONFIG_FIELDS[name])
+
+
+def completion_params(req: CompletionRequest, prompt_len: int, limits: ParamLimits) -> SamplingParams:
+    if req.suffix:
+        raise ValueError("suffix: is not supported")
+    if req.echo and req.logprobs is not None:
+        raise ValueError("echo: echo together with logprobs (prompt logprobs) is not supported")
+    max_tokens = _check_max_tokens("max_tokens", req.max_tokens, prompt_len, limits.max_model_len)
+    return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **_common(req, limits))
+
+
+def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ParamLimits) -> SamplingParams:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ValueError("top_logprobs: requires logprobs to be true")
+    if req.tools and req.tool_choice != "none":
+        raise ValueError("tools: tool calling is not supported by this server")
+    name, requested = ("max_completion_tokens", req.max_completion_tokens)
+    if requested is None:
+        name, requested = ("max_tokens", req.max_tokens)
+    if requested is None:  # chat default, as in vLLM: whatever room the context leaves
+        requested = max(limits.max_model_len - prompt_len, 1)
+    max_tokens = _check_max_tokens(name, requested, prompt_len, limits.max_model_len)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **_common(req, limits))
+
+
+def check_stream_options(req: SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise ValueError("stream_options: only allowed when stream is true")
+
+
+def _common(req: SamplingFields, limits: ParamLimits) -> dict[str, Any]:
+    if not 1 <= req.n <= limits.max_n:
+        raise ValueError(f"n must be between 1 and {limits.max_n}, got {req.n}")
+    if req.best_of is not None and req.best_of not in (1, req.n):
+        raise ValueError("best_of: values other than n are not supported")
+    check_stream_options(req)
+    return dict(
+        n=req.n, temperature=limits.default("temperature", req.temperature),
+        top_p=limits.default("top_p", req.top_p), top_k=limits.default("top_k", req.top_k),
+        min_p=limits.default("min_p", req.min_p),
+        repetition_penalty=limits.default("repetition_penalty", req.repetition_penalty),
+        seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req))
+
+
+def _check_max_tokens(name: str, max_tokens: int | None, prompt_len: int, max_model_len: int) -> int:
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+    if max_tokens < 1:
+        raise ValueError(f"{name} must be at least 1, got {max_tokens}")
+    if prompt_len >= max_model_len:
+        return max_tokens  # the prompt alone is too long: validate_prompt says so, naming it
+    if prompt_len + max_tokens > max_model_len:
+        raise ValueError(
+            f"{name}: this model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {max_tokens} output tokens and your prompt contains {prompt_len} input "
+            f"tokens, for a total of {prompt_len + max_tokens} tokens. Please reduce the length of "
+            f"the input prompt or the number of requested output tokens.")
+    return max_tokens
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    result: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+        if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: values must be in [-100, 100], got {value} for {key}")
+        result[token_id] = float(value)
+    return result
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """`response_format` (OpenAI) or `structured_outputs` (vLLM extension), at most one."""
+    from_format = _from_response_format(req)
+    if req.structured_outputs is None:
+        return from_format
+    if from_format is not None:
+        raise ValueError("structured_outputs: give either response_format or structured_outputs, not both")
+    spec = req.structured_outputs
+    return StructuredOutputsParams(json=spec.json_, regex=spec.regex, choice=spec.choice,
+                                   grammar=spec.grammar, json_object=spec.json_object)
+
+
+def _from_response_format(req: SamplingFields) -> StructuredOutputsParams | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema)

@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP server: app factory, background tasks, process life cycle (L5).
+
+    engine = AsyncLLM.from_engine_args(args, stat_loggers=[...])   # blocks until the engine is up
+    app = build_app(ServerState(...))                              # no module-level state
+    uvicorn serves app; SIGTERM → stop accepting, drain up to --shutdown-timeout, engine.shutdown()
+
+When the engine dies, in-flight requests end with an error, /health answers 503 for a short
+while (so a load balancer sees it), and the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+import tokenbus
+from tokenbus.api.openai import protocol as p
+from tokenbus.api.openai.errors import ServiceUnavailableError, error_response, install_error_handlers
+from tokenbus.api.openai.metrics import LoggingStatLogger, PrometheusStatLogger
+from tokenbus.api.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from tokenbus.api.openai.request_params import GENERATION_CONFIG_FIELDS, ParamLimits
+from tokenbus.api.openai.serving_chat import ChatServing
+from tokenbus.api.openai.serving_completions import CompletionServing
+from tokenbus.api.openai.serving_engine import Admission, ServingContext
+from tokenbus.api.openai.serving_tokenize import TokenizeServing
+
+logger = logging.getLogger("tokenbus.server")
+
+DEFAULT_MODEL_NAME = "smollm2"
+WATCHDOG_INTERVAL_S = 0.2
+DEAD_INFLIGHT_WAIT_S = 5.0  # time in-flight requests get to deliver their error after engine death
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the "Serving on" log line names it)
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model argument
+    max_n: int = 16  # cap on `n` per request
+    max_request_body_bytes: int = 10 * 1024 * 1024
+    shutdown_timeout: float = 30.0  # seconds in-flight requests may drain after SIGTERM
+    log_interval: float = 10.0  # seconds between stats log lines; 0 disables them
+    engine_in_process: bool = False
+    dead_exit_delay: float = 2.0  # seconds /health answers 503 before a dead-engine exit
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    ctx: ServingContext
+    registry: CollectorRegistry
+    log_stats: LoggingStatLogger | None = None
+    exit_code: int = 0
+    # Set by run_server: stops uvicorn. Tests that use the app alone leave it as a no-op.
+    request_exit: Callable[[int], None] = lambda code: None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+def known_params() -> frozenset[str]:
+    names: set[str] = {"prompt_token_ids"}
+    for model in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest):
+        names |= set(model.model_fields)
+    return frozenset(names)
+
+
+def make_serving_context(engine: Any, config: ServerConfig, served_model_names: list[str]) -> ServingContext:
+    generation_config = getattr(getattr(engine, "setup", None), "generation_config", None) or {}
+    defaults = {k: v for k, v in generation_config.items()
+                if k in GENERATION_CONFIG_FIELDS and isinstance(v, (int, float))}
+    if defaults:
+        logger.info("sampling defaults from the model's generation_config: %s", defaults)
+    scheduler = engine.config.scheduler
+    return ServingContext(
+        engine=engine, served_model_names=served_model_names,
+        limits=ParamLimits(engine.input_processor.max_model_len, config.max_n, defaults),
+        admission=Admission(scheduler.max_num_seqs, scheduler.max_waiting_requests),
+        known_params=known_params())
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="tokenbus", version=tokenbus.__version__, lifespan=_lifespan(state))
+    app.state.server = state
+    install_error_handlers(app, state.ctx.known_params)
+    _add_openai_routes(app, state)
+    _add_service_routes(app, state)
+    # Added last = outermost: the key is checked before any body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)
+    if state.config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    completions = CompletionServing(state.ctx)
+    chat = ChatServing(state.ctx)
+    tokenize = TokenizeServing(state.ctx)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: p.CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: p.ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create(request, raw_request)
+
+    @app.get("/v1/models")
+    async def list_models() -> p.ModelList:
+        return tokenize.models()
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: p.TokenizeRequest) -> p.TokenizeResponse:
+        return tokenize.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        return tokenize.detokenize(request)
+
+
+def _add_service_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if state.ctx.is_draining:
+            return error_response(ServiceUnavailableError("The server is shutting down."))
+        try:
+            await state.ctx.engine.check_health()
+        except Exception as exc:
+            return error_response(ServiceUnavailableError(f"The engine is not running: {exc}"))
+        return Response(status_code=200)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse(p.VersionResponse(version=tokenbus.__version__).model_dump())
+
+
+def _lifespan(state: ServerState):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.tasks.append(asyncio.create_task(_watch_engine(state), name="engine-watchdog"))
+        if state.log_stats is not None and state.config.log_interval > 0:
+            state.tasks.append(asyncio.create_task(_log_stats(state), name="stats-log"))
+        try:
+            yield
+        finally:
+            for task in state.tasks:
+                task.cancel()
+            await asyncio.gather(*state.tasks, return_exceptions=True)
+            state.tasks.clear()
+
+    return lifespan
+
+
+async def _watch_engine(state: ServerState) -> None:
+    """Exit (status 1) once the engine has died and in-flight requests got their errors."""
+    engine = state.ctx.engine
+    while not engine.errored:
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+    logger.error("the engine died (%s); failing in-flight requests and exiting", engine.dead_error)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEAD_INFLIGHT_WAIT_S
+    while state.ctx.admission.num_in_flight > 0 and loop.time() < deadline:
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+    await asyncio.sleep(state.config.dead_exit_delay)
+    state.exit_code = 1
+    state.request_exit(1)
+
+
+async def _log_stats(state: ServerState) -> None:
+    while True:
+        await asyncio.sleep(state.config.log_interval)
+        state.log_stats.log()
+
+
+# ---------------------------------------------------------------------------------------------
+# Process life cycle
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT only start a graceful shutdown.
+
+    uvicorn re-raises the signal after its own shutdown, which would kill this process before
+    the engine (a child process) is shut down; here run_server shuts the engine down and
+    returns an exit status instead.
+    """
+
+    on_signal: Callable[[], None] = staticmethod(lambda: None)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        def handle(sig: int, frame: Any) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            self.on_signal()
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def served_model_names(args: Any, config: ServerConfig) -> list[str]:
+    return [config.served_model_name or args.model or DEFAULT_MODEL_NAME]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then, and
+    # without it Nagle's algorithm holds each small SSE chunk back for the peer's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(args: Any, config: ServerConfig) -> int:
+    """Start the engine, serve until SIGTERM or engine death; return the exit status."""
+    from tokenbus.engine.async_llm import AsyncLLM
+
+    names = served_model_names(args, config)
+    registry = CollectorRegistry()
+    prometheus = PrometheusStatLogger(registry, names[0], args.max_model_len or 32768)
+    log_stats = LoggingStatLogger()
+    sock = bind_socket(config.host, config.port)  # before the engine: fail fast on a busy port
+    try:
+        engine = AsyncLLM.from_engine_args(args, in_process=config.engine_in_process,
+                                           stat_loggers=[prometheus, log_stats])
+    except BaseException:
+        sock.close()
+        raise
+    state: ServerState | None = None
+    try:
+        state = ServerState(config, make_serving_context(engine, config, names), registry, log_stats)
+        server = _Server(uvicorn.Config(build_app(state), log_config=None, access_log=False,
+                                        timeout_graceful_shutdown=config.shutdown_timeout,
+                                        h11_max_incomplete_event_size=4 * 1024 * 1024))
+        server.on_signal = lambda: setattr(state.ctx, "is_draining", True)
+        state.request_exit = lambda code: setattr(server, "should_exit", True)
+        host, port = sock.getsockname()[:2]
+        logger.info("Serving %s on http://%s:%d", names[0], host, port)
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        engine.shutdown()
+        sock.close()
+    logger.info("server stopped (exit status %d)", state.exit_code)
+    return state.exit_code

@@ -1,0 +1,194 @@
+"""POST /v1/completions (L5).
+
+Several prompts run as separate engine requests; choice index = prompt index * n + child index,
+as in OpenAI's API. Everything is validated before the engine sees any of them.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenbus.api.openai.errors import error_body, to_api_error
+from tokenbus.api.openai.logprobs import completion_logprobs, merge_completion_logprobs
+from tokenbus.api.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
+                                          CompletionResponse, UsageInfo)
+from tokenbus.api.openai.request_params import completion_params
+from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
+from tokenbus.api.openai.streaming import (DONE_EVENT, SSEResponse, cancel_on_disconnect,
+                                           merge_async_iterators, sse_event)
+from tokenbus.engine.outputs import CompletionOutput, RequestOutput
+from tokenbus.sampling_params import SamplingParams
+
+
+@dataclass
+class PreparedPrompt:
+    request_id: str
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ChoiceState:
+    """One choice being assembled from delta outputs."""
+
+    text: str = ""
+    num_tokens: int = 0
+    is_started: bool = False  # the echoed prompt goes before the first delta
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class CompletionRun:
+    """A validated request on its way through the engine."""
+
+    request_id: str
+    request: CompletionRequest
+    model: str
+    prompts: list[PreparedPrompt]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    def choice_index(self, prompt_index: int, child_index: int) -> int:
+        return prompt_index * self.request.n + child_index
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, request: CompletionRequest, raw: Request) -> Response:
+        self.preflight(request, request.model)
+        run = self._prepare(request)
+        ticket = self.ctx.admission.acquire(request.n * len(run.prompts))
+        if request.stream:
+            return SSEResponse(self._stream(run), on_close=ticket.release)
+        try:
+            response = await cancel_on_disconnect(raw, self._complete(run))
+        finally:
+            ticket.release()
+        return Response(status_code=499) if response is None else response
+
+    def _prepare(self, request: CompletionRequest) -> CompletionRun:
+        base_id = new_request_id("cmpl")
+        prompts = _split_prompts(request.prompt)
+        processor = self.engine.input_processor
+        prepared = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self.check_text_length("prompt", len(prompt))
+            text, token_ids = processor.tokenize(prompt if isinstance(prompt, str)
+                                                 else {"prompt_token_ids": prompt})
+            params = completion_params(request, len(token_ids), self.ctx.limits)
+            self.validate(token_ids, params)
+            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            prepared.append(PreparedPrompt(request_id, text, token_ids, params))
+        return CompletionRun(base_id, request, self.response_model_name(request.model), prepared)
+
+    def _generators(self, run: CompletionRun) -> list[AsyncIterator[RequestOutput]]:
+        return [self.engine.generate(p.request_id, p.token_ids, p.params, prompt=p.text,
+                                     cache_salt=run.request.cache_salt)
+                for p in run.prompts]
+
+    def _echo_text(self, prompt: PreparedPrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.engine.tokenizer.decode(prompt.token_ids)
+
+    def _update(self, run: CompletionRun, state: ChoiceState, prompt: PreparedPrompt,
+                output: CompletionOutput) -> tuple[str, CompletionLogProbs | None]:
+        """Fold one delta into its choice; return the delta's text and logprobs."""
+        text = output.text
+        if run.request.echo and not state.is_started:
+            text = self._echo_text(prompt) + text
+        state.is_started = True
+        logprobs = None
+        if run.request.logprobs is not None and output.logprobs is not None:
+            logprobs = completion_logprobs(output.token_ids, output.logprobs, run.request.logprobs,
+                                           len(state.text) + (len(text) - len(output.text)),
+                                           self.decode_token)
+            state.logprobs = merge_completion_logprobs(state.logprobs, logprobs.model_copy(deep=True))
+        state.text += text
+        state.num_tokens += len(output.token_ids)
+        state.finish_reason = output.finish_reason or state.finish_reason
+        state.stop_reason = output.stop_reason if output.finish_reason else state.stop_reason
+        return text, logprobs
+
+    async def _complete(self, run: CompletionRun) -> Response:
+        states: dict[int, ChoiceState] = {}
+        finished = False
+        try:
+            async with aclosing(merge_async_iterators(*self._generators(run))) as outputs:
+                async for p_idx, out in outputs:
+                    for output in out.outputs:
+                        index = run.choice_index(p_idx, output.index)
+                        state = states.setdefault(index, ChoiceState())
+                        self._update(run, state, run.prompts[p_idx], output)
+            finished = True
+        finally:
+            if not finished:
+                await self.abort([p.request_id for p in run.prompts])
+        choices = [CompletionChoice(index=i, text=s.text, logprobs=s.logprobs,
+                                    finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                   for i, s in sorted(states.items())]
+        num_completion = sum(s.num_tokens for s in states.values())
+        usage = UsageInfo(prompt_tokens=run.num_prompt_tokens, completion_tokens=num_completion,
+                          total_tokens=run.num_prompt_tokens + num_completion)
+        body = CompletionResponse(id=run.request_id, created=run.created, model=run.model,
+                                  choices=choices, usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _stream(self, run: CompletionRun) -> AsyncIterator[bytes]:
+        states: dict[int, ChoiceState] = {}
+        finished = False
+        try:
+            async with aclosing(merge_async_iterators(*self._generators(run))) as outputs:
+                async for p_idx, out in outputs:
+                    for output in out.outputs:
+                        index = run.choice_index(p_idx, output.index)
+                        state = states.setdefault(index, ChoiceState())
+                        text, logprobs = self._update(run, state, run.prompts[p_idx], output)
+                        if text or output.token_ids or output.finish_reason:
+                            yield sse_event(self._chunk(run, index, text, logprobs, output))
+            finished = True
+            if run.request.stream_options and run.request.stream_options.include_usage:
+                yield sse_event(self._usage_chunk(run, states))
+        except Exception as exc:
+            error = to_api_error(exc, self.ctx.known_params)
+            yield sse_event(error_body(error.status, error.message, error.type, error.param))
+        finally:
+            if not finished:
+                await self.abort([p.request_id for p in run.prompts])
+        yield DONE_EVENT
+
+    def _chunk(self, run: CompletionRun, index: int, text: str, logprobs: CompletionLogProbs | None,
+               output: CompletionOutput) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+        return CompletionResponse(id=run.request_id, created=run.created, model=run.model, choices=[choice])
+
+    def _usage_chunk(self, run: CompletionRun, states: dict[int, ChoiceState]) -> CompletionResponse:
+        num_completion = sum(s.num_tokens for s in states.values())
+        usage = UsageInfo(prompt_tokens=run.num_prompt_tokens, completion_tokens=num_completion,
+                          total_tokens=run.num_prompt_tokens + num_completion)
+        return CompletionResponse(id=run.request_id, created=run.created, model=run.model,
+                                  choices=[], usage=usage)
+
+
+def _split_prompts(prompt: str | list) -> list[str | list[int]]:
+    """OpenAI's prompt forms: text, a batch of texts, token ids, a batch of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError("prompt: must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)

@@ -1,0 +1,41 @@
+"""POST /tokenize and /detokenize, and GET /v1/models (L5)."""
+
+from __future__ import annotations
+
+from tokenbus.api.openai.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                          TokenizeRequest, TokenizeResponse)
+from tokenbus.api.openai.serving_chat import normalize_message, template_kwargs
+from tokenbus.api.openai.serving_engine import OpenAIServing
+
+
+class TokenizeServing(OpenAIServing):
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.preflight(request, request.model)
+        processor = self.engine.input_processor
+        if (request.prompt is None) == (request.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        if request.messages is not None:
+            messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
+            _, token_ids = processor.render_chat(messages, request.add_generation_prompt,
+                                                 template_kwargs(request.chat_template_kwargs))
+        else:
+            token_ids = self.engine.tokenizer.encode(request.prompt,
+                                                     add_special_tokens=request.add_special_tokens)
+        token_strs = None
+        if request.return_token_strs:
+            token_strs = self.engine.tokenizer.convert_ids_to_tokens(token_ids)
+        return TokenizeResponse(count=len(token_ids), max_model_len=processor.max_model_len,
+                                tokens=token_ids, token_strs=token_strs)
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.preflight(request, request.model)
+        vocab_size = self.engine.input_processor.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens))
+
+    def models(self) -> ModelList:
+        max_model_len = self.engine.input_processor.max_model_len
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=max_model_len)
+                               for name in self.ctx.served_model_names])

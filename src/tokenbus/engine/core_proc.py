@@ -1,0 +1,265 @@
+"""The EngineCore in its own process: I/O threads around a busy loop (L4).
+
+    input thread:  DEALER socket → decode → input_queue
+    main thread:   drain input_queue (ADD, ABORT, UTILITY, SHUTDOWN) → step() while there is
+                   work → output_queue; block on input_queue when idle
+    output thread: output_queue → encode → PUSH socket
+
+ZMQ releases the GIL, so (de)serialization overlaps with the model's forward pass. The same
+busy loop (`EngineCoreLoop`) also runs in a thread of the front end's process when the engine
+is in-process but the front end is asyncio (`AsyncInprocClient`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import zmq
+
+from tokenbus.engine.core import EngineCore
+from tokenbus.engine.messages import (
+    Codec,
+    EngineFailure,
+    MessageType,
+    ReadyInfo,
+    RequestType,
+    UtilityCall,
+    UtilityResult,
+)
+from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
+
+if TYPE_CHECKING:
+    from tokenbus.engine.setup import EngineSetup
+
+logger = logging.getLogger(__name__)
+
+# Builds the EngineCore in the engine process. Must be a module-level function (it crosses to
+# the spawned process by reference); tests pass one that builds a core with a fake worker.
+EngineFactory = Callable[["EngineSetup"], EngineCore]
+# Called by the busy loop with each message for the front end.
+Emit = Callable[[MessageType, Any], None]
+
+PARENT_POLL_S = 1.0  # how often the engine checks that its parent is still alive
+IO_POLL_MS = 100  # how often the input thread looks up from its socket to check for shutdown
+CLOSE_LINGER_MS = 2000  # time the last messages (ENGINE_DEAD) get to leave on exit
+IDLE_BACKOFF_S = 0.001  # wait when requests exist but none can run
+
+
+def make_engine_core(setup: "EngineSetup") -> EngineCore:
+    """The default factory: the real EngineCore (loads the model)."""
+    return EngineCore(setup.config, setup.source, setup.arch, setup.eos_token_id)
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    """ZMQ endpoints bound by the front end; the engine connects to both."""
+
+    input_address: str  # front end ROUTER → engine DEALER
+    output_address: str  # engine PUSH → front end PULL
+
+
+def call_utility(engine: EngineCore, call: UtilityCall) -> UtilityResult:
+    """Run a public EngineCore method; errors travel back as text, never as objects."""
+    try:
+        if call.method.startswith("_") or not callable(getattr(engine, call.method, None)):
+            raise ValueError(f"utility {call.method!r} is not a public EngineCore method")
+        return UtilityResult(call.call_id, result=getattr(engine, call.method)(*call.args))
+    except Exception as exc:  # the engine stays up: a bad utility call is the caller's problem
+        return UtilityResult(call.call_id, error_type=type(exc).__name__, error=str(exc))
+
+
+class EngineCoreLoop:
+    """The busy loop: inputs first (so aborts land before the next step), then one step."""
+
+    def __init__(self, engine: EngineCore, input_queue: "queue.Queue[tuple[RequestType, Any]]",
+                 emit: Emit) -> None:
+        self.engine = engine
+        self.input_queue = input_queue
+        self.emit = emit
+        self._shutdown = False
+        # Aborts changed the queues: an idle engine must still report its gauges once.
+        self._gauges_stale = False
+
+    def run(self) -> None:
+        """Return on SHUTDOWN; any exception escapes to the caller (the engine is then dead)."""
+        while not self._shutdown:
+            self._process_input_queue()
+            if not self._shutdown:
+                self._process_engine_step()
+
+    def _process_input_queue(self) -> None:
+        # Block only when idle: with requests in flight the loop must keep stepping.
+        if not self.engine.has_unfinished_requests() and not self._gauges_stale:
+            self._handle(*self.input_queue.get())
+        while not self._shutdown:
+            try:
+                self._handle(*self.input_queue.get_nowait())
+            except queue.Empty:
+                break
+
+    def _handle(self, kind: RequestType, payload: Any) -> None:
+        if kind is RequestType.ADD:
+            self._add_request(payload)
+        elif kind is RequestType.ABORT:
+            self.engine.abort_requests(payload)
+            self._gauges_stale = True
+        elif kind is RequestType.UTILITY:
+            self.emit(MessageType.UTILITY_RESULT, call_utility(self.engine, payload))
+        elif kind is RequestType.SHUTDOWN:
+            self._shutdown = True
+
+    def _add_request(self, request: EngineRequest) -> None:
+        # The front end validates requests; one that still fails here (a duplicate id) must
+        # fail alone, not take the engine and every other request down.
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:
+            logger.error("rejected request %r: %s", request.request_id, exc)
+            failed = EngineOutput(request.request_id, [], finish_reason=FinishReason.ERROR)
+            self.emit(MessageType.OUTPUTS, EngineOutputs(outputs=[failed], timestamp=time.monotonic()))
+
+    def _process_engine_step(self) -> None:
+        if self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            if _did_work(outputs) or self._gauges_stale:
+                self.emit(MessageType.OUTPUTS, outputs)
+                self._gauges_stale = False
+            else:
+                self._back_off()
+        elif self._gauges_stale:
+            stats = self.engine.make_gauge_stats()
+            self.emit(MessageType.OUTPUTS, EngineOutputs(scheduler_stats=stats, timestamp=time.monotonic()))
+            self._gauges_stale = False
+
+    def _back_off(self) -> None:
+        # Nothing could run (every request waits, e.g. for its grammar to compile): wait a
+        # little for new input instead of spinning and flooding the front end with reports.
+        try:
+            self._handle(*self.input_queue.get(timeout=IDLE_BACKOFF_S))
+        except queue.Empty:
+            pass
+
+
+def _did_work(outputs: EngineOutputs) -> bool:
+    """A step that ran nothing produces no outputs and leaves nobody running."""
+    stats = outputs.scheduler_stats
+    return bool(outputs.outputs) or stats is None or bool(stats.num_running_reqs or stats.num_preemptions)
+
+
+# ---------------------------------------------------------------------- the engine process
+def run_engine_core(setup: EngineSetup, addresses: EngineAddresses, parent_pid: int,
+                    engine_factory: EngineFactory = make_engine_core,
+                    log_level: int = logging.INFO) -> None:
+    """Entry point of the spawned EngineCore process."""
+    logging.basicConfig(level=log_level,
+                        format="(EngineCore pid=%(process)d) %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: the front end decides how to shut us down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
+                     name="EngineCoreParentWatch").start()
+    proc = EngineCoreProc(addresses)
+    try:
+        engine = proc.start_engine(setup, engine_factory)
+        if engine is not None:
+            proc.serve(engine)
+    finally:
+        proc.close()
+    # Everything is sent and the front end knows why we stop: skip the interpreter's teardown
+    # (a second or more of torch finalizers) so that shutdown is quick.
+    logging.shutdown()
+    os._exit(1 if proc.failed else 0)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    # The front end died without shutting us down (SIGKILL, crash): nobody will read our
+    # outputs, and staying up would leak the model's memory. Exit hard.
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
+class EngineCoreProc:
+    """Sockets and threads of the engine process around an EngineCoreLoop."""
+
+    def __init__(self, addresses: EngineAddresses) -> None:
+        self.failed = False
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.DEALER)
+        self.input_socket.connect(addresses.input_address)
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.connect(addresses.output_address)
+        self.input_queue: queue.Queue[tuple[RequestType, Any]] = queue.Queue()
+        # (kind, payload) for the front end; payloads are fresh objects the loop never touches
+        # again, so the output thread may encode them while the next step runs.
+        self.output_queue: queue.Queue[tuple[MessageType, Any] | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start_engine(self, setup: EngineSetup, engine_factory: EngineFactory) -> EngineCore | None:
+        """Build the engine and answer the handshake on the input socket (READY or
+        STARTUP_FAILED); the first message also registers our route with the ROUTER."""
+        codec = Codec()
+        try:
+            engine = engine_factory(setup)
+        except BaseException as exc:
+            logger.exception("EngineCore failed to start")
+            self.failed = True
+            self.input_socket.send_multipart(codec.encode(MessageType.STARTUP_FAILED, _failure(exc)))
+            return None
+        ready = ReadyInfo(num_kv_blocks=engine.num_kv_blocks,
+                          max_model_len=setup.config.scheduler.max_model_len, pid=os.getpid())
+        self.input_socket.send_multipart(codec.encode(MessageType.READY, ready))
+        return engine
+
+    def serve(self, engine: EngineCore) -> None:
+        threads = ((self._input_thread, "EngineCoreInput"), (self._output_thread, "EngineCoreOutput"))
+        for target, name in threads:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        try:
+            EngineCoreLoop(engine, self.input_queue, lambda *message: self.output_queue.put(message)).run()
+            logger.info("EngineCore shut down")
+        except BaseException as exc:
+            logger.exception("EngineCore hit a fatal error")
+            self.failed = True
+            self.output_queue.put((MessageType.ENGINE_DEAD, _failure(exc)))
+
+    def _input_thread(self) -> None:
+        codec = Codec()
+        while not self._stop.is_set():
+            if not self.input_socket.poll(IO_POLL_MS):
+                continue
+            frames = self.input_socket.recv_multipart(copy=True)
+            try:
+                self.input_queue.put(codec.decode_request(frames))
+            except Exception:  # a malformed message must not kill the engine
+                logger.exception("dropped a malformed message from the front end")
+
+    def _output_thread(self) -> None:
+        codec = Codec()  # this thread's own: encoders are not thread-safe
+        while (message := self.output_queue.get()) is not None:
+            self.output_socket.send_multipart(codec.encode(*message), copy=False)
+
+    def close(self) -> None:
+        # Order: stop reading, flush what is queued for the front end, then close sockets.
+        self._stop.set()
+        self.output_queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self.input_socket.close(linger=CLOSE_LINGER_MS)
+        self.output_socket.close(linger=CLOSE_LINGER_MS)
+        self.ctx.term()
+
+
+def _failure(exc: BaseException) -> EngineFailure:
+    return EngineFailure(error_type=type(exc).__name__, message=str(exc) or type(exc).__name__,
+                         traceback="".join(traceback.format_exception(exc)))

@@ -1,0 +1,294 @@
+"""Clients for an EngineCore in its own process (L4).
+
+The client binds two ZMQ sockets over `ipc://` in a private temp dir and spawns the engine:
+
+    ROUTER (here, bind) ⇄ DEALER (engine)   requests out; the start-up handshake comes back here
+    PULL   (here, bind) ← PUSH   (engine)   outputs, utility results, ENGINE_DEAD
+
+Threads on this side: a reader (PULL → OutputChannel / utility futures) and a monitor that
+waits on the process sentinel. When the engine dies, the monitor marks the connection dead at
+once: every waiter — blocking or asyncio — gets EngineDeadError, and every later call raises it.
+
+Lifetime: the threads and the finalizer hold the `EngineConnection`, never the client, so a
+client that is dropped without `shutdown()` is garbage-collected and stops its engine; at
+interpreter exit multiprocessing runs the finalizer before it joins its children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from tokenbus.engine.core_client import EngineCoreClient, OutputChannel, UtilityCalls
+from tokenbus.engine.core_proc import (
+    IO_POLL_MS,
+    EngineAddresses,
+    EngineFactory,
+    make_engine_core,
+    run_engine_core,
+)
+from tokenbus.engine.exceptions import EngineDeadError
+from tokenbus.engine.messages import Codec, Empty, EngineFailure, MessageType, ReadyInfo, RequestType
+from tokenbus.protocol import EngineOutputs, EngineRequest
+
+if TYPE_CHECKING:
+    from tokenbus.engine.setup import EngineSetup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_READY_TIMEOUT_S = 600.0  # model loading (and graph capture) on a slow machine
+SHUTDOWN_TIMEOUT_S = 5.0  # a clean SHUTDOWN before we terminate, then kill
+LATE_FAILURE_GRACE_MS = 1000  # an exited engine's STARTUP_FAILED may still be in flight
+FINALIZER_PRIORITY = 100  # run at exit before multiprocessing joins its children (priority < 0)
+
+
+class EngineConnection:
+    """The engine process, its sockets and the state the background threads share."""
+
+    def __init__(self, setup: "EngineSetup", engine_factory: EngineFactory) -> None:
+        self.outputs = OutputChannel()
+        self.utilities = UtilityCalls()
+        self.dead_error: EngineDeadError | None = None
+        self._dead_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._codec = Codec()  # used under _send_lock only: encoders are not thread-safe
+        self._send_lock = threading.Lock()
+        self._engine_identity: bytes | None = None  # the engine's route, learned at READY
+        self._threads: list[threading.Thread] = []
+        self.ipc_dir = tempfile.mkdtemp(prefix="tokenbus-")
+        addresses = EngineAddresses(f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output")
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.ROUTER)
+        # Fail (EHOSTUNREACH) instead of dropping silently when the engine is gone; never block.
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.bind(addresses.input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(addresses.output_address)
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="EngineCore", kwargs=dict(
+                setup=setup, addresses=addresses, parent_pid=os.getpid(), engine_factory=engine_factory,
+                log_level=logging.getLogger("tokenbus").getEffectiveLevel()))
+        self.proc.start()
+
+    # ------------------------------------------------------------------ start-up
+    def wait_ready(self, timeout_s: float) -> ReadyInfo:
+        """Wait for READY; raise with the engine's own message on STARTUP_FAILED, on exit
+        or on timeout — never hang."""
+        poller = zmq.Poller()
+        poller.register(self._input, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            events = dict(poller.poll(remaining * 1000))
+            if self._input in events:
+                return self._read_handshake()
+            if self.proc.sentinel in events:
+                if self._input.poll(LATE_FAILURE_GRACE_MS):
+                    return self._read_handshake()
+                self.proc.join(timeout=1.0)
+                raise RuntimeError(f"EngineCore process exited during start-up "
+                                   f"({_describe_exit(self.proc.exitcode)}); see its log above")
+        raise TimeoutError(f"EngineCore did not report ready within {timeout_s:.0f} s")
+
+    def _read_handshake(self) -> ReadyInfo:
+        identity, *frames = self._input.recv_multipart()
+        kind, payload = self._codec.decode_message(frames)
+        if kind is MessageType.READY:
+            self._engine_identity = identity
+            return payload
+        if kind is MessageType.STARTUP_FAILED:
+            raise _startup_error(payload)
+        raise RuntimeError(f"EngineCore sent {kind.name} before READY")
+
+    def start_threads(self) -> None:
+        self._threads = [threading.Thread(target=self._read_outputs, name="EngineOutputReader", daemon=True),
+                         threading.Thread(target=self._monitor, name="EngineMonitor", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ background threads
+    def _read_outputs(self) -> None:
+        codec = Codec()
+        while not self._closing.is_set():
+            if not self._output.poll(IO_POLL_MS):
+                continue
+            try:
+                kind, payload = codec.decode_message(self._output.recv_multipart())
+            except Exception:
+                logger.exception("dropped a malformed message from the EngineCore")
+                continue
+            if kind is MessageType.OUTPUTS:
+                self.outputs.put(payload)
+            elif kind is MessageType.UTILITY_RESULT:
+                self.utilities.resolve(payload)
+            elif kind is MessageType.ENGINE_DEAD:
+                # The traceback is in the engine's log; callers (HTTP clients) get the summary.
+                self.mark_dead(EngineDeadError(f"EngineCore died: {payload.error_type}: {payload.message}"))
+
+    def _monitor(self) -> None:
+        multiprocessing.connection.wait([self.proc.sentinel])
+        self.proc.join(timeout=1.0)  # reap it, for the exit code (safe alongside close's join)
+        if not self._closing.is_set():
+            self.mark_dead(EngineDeadError(
+                f"EngineCore process (pid {self.proc.pid}) died unexpectedly "
+                f"({_describe_exit(self.proc.exitcode)}); see its log above for the root cause"))
+
+    def mark_dead(self, error: EngineDeadError) -> None:
+        # The first cause wins (ENGINE_DEAD's text is better than the exit code that follows).
+        with self._dead_lock:
+            if self.dead_error is not None:
+                return
+            self.dead_error = error
+        if not self._closing.is_set():
+            logger.error("%s", error)
+        self.utilities.fail_all(error)
+        self.outputs.put(error)
+
+    # ------------------------------------------------------------------ requests
+    def send(self, kind: RequestType, payload: Any) -> None:
+        """Thread-safe and never blocks (a ROUTER drops or fails, it does not wait)."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        with self._send_lock:
+            frames = self._codec.encode(kind, payload)
+            try:
+                self._input.send_multipart([self._engine_identity, *frames], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                raise self.dead_error or EngineDeadError(f"cannot reach the EngineCore: {exc}") from exc
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Ask the engine to stop, then terminate, then kill; release sockets and the temp dir.
+        Runs once (the client's finalizer)."""
+        self._closing.set()
+        # A ready engine gets a SHUTDOWN and time to exit; one still starting is terminated.
+        is_ready = self._engine_identity is not None
+        if is_ready and self.proc.is_alive() and self.dead_error is None:
+            try:
+                self.send(RequestType.SHUTDOWN, Empty())
+            except EngineDeadError:
+                pass
+        _stop_process(self.proc, SHUTDOWN_TIMEOUT_S if is_ready else 0.0)
+        self.mark_dead(EngineDeadError("the engine was shut down"))
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        with self._send_lock:
+            self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class MPClient(EngineCoreClient):
+    """Starts the engine and owns its lifetime; the subclasses add the sync or asyncio half of
+    the interface."""
+
+    def __init__(self, setup: "EngineSetup", engine_factory: EngineFactory = make_engine_core,
+                 ready_timeout_s: float | None = None) -> None:
+        self.setup = setup
+        self._conn = conn = EngineConnection(setup, engine_factory)
+        self.proc = conn.proc
+        # Holds the connection, not the client: runs on shutdown(), when the client is
+        # garbage-collected, or at exit before multiprocessing joins its children.
+        self._finalizer = multiprocessing.util.Finalize(self, conn.close, exitpriority=FINALIZER_PRIORITY)
+        try:
+            timeout_s = DEFAULT_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s
+            self.ready = conn.wait_ready(timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_kv_blocks = self.ready.num_kv_blocks
+        conn.start_threads()
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._conn.dead_error
+
+    def add_request(self, request: EngineRequest) -> None:
+        self._conn.send(RequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._conn.send(RequestType.ABORT, list(request_ids))
+
+    def _start_utility(self, method: str, args: tuple) -> Future:
+        call, future = self._conn.utilities.start(method, args)
+        self._conn.send(RequestType.UTILITY, call)
+        return future
+
+    def shutdown(self) -> None:
+        """Stop the engine process; idempotent. Waiters get EngineDeadError."""
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    """For LLMEngine: blocking calls."""
+
+    def get_output(self) -> EngineOutputs:
+        return self._conn.outputs.get()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._start_utility(method, args).result()
+
+
+class AsyncMPClient(MPClient):
+    """For AsyncLLM: coroutines on the caller's event loop. Sends never block, so the sync
+    add_request/abort_requests are safe to call from the loop too (e.g. during cancellation)."""
+
+    async def add_request_async(self, request: EngineRequest) -> None:
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def get_output_async(self) -> EngineOutputs:
+        return await self._conn.outputs.get_async()
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._start_utility(method, args))
+
+
+def _stop_process(proc: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
+    proc.join(timeout=timeout_s)
+    if proc.is_alive():
+        if timeout_s:
+            logger.warning("EngineCore did not stop within %.0f s; terminating it", timeout_s)
+        proc.terminate()
+        proc.join(timeout=SHUTDOWN_TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def _startup_error(failure: EngineFailure) -> Exception:
+    # A ValueError (a config the engine cannot run, e.g. a KV cache too small for one request)
+    # stays a ValueError with the same text, as when the engine is built in-process.
+    if failure.error_type == "ValueError":
+        return ValueError(failure.message)
+    return RuntimeError(f"EngineCore failed to start: {failure.error_type}: {failure.message}")
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exit code unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -1,0 +1,49 @@
+"""Build a model on its device and dtype and fill it from its weight file(s)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from tokenbus.config import ModelArch
+from tokenbus.loader.gguf_file import read_gguf
+from tokenbus.loader.gguf_loader import arch_from_gguf, iter_gguf_weights
+from tokenbus.loader.hf_loader import arch_from_hf_config, iter_safetensors, read_json, safetensors_files
+from tokenbus.loader.source import ModelSource
+from tokenbus.model.registry import get_model_class
+
+
+def load_arch(src: ModelSource) -> ModelArch:
+    """The model's shape from metadata only (config.json or the GGUF header)."""
+    if src.kind == "hf":
+        config_path = src.path / "config.json"
+        return arch_from_hf_config(read_json(config_path), config_path)
+    return arch_from_gguf(read_gguf(src.path))
+
+
+def iter_weights(src: ModelSource, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF tensor name, tensor) pairs; GGUF tensors come dequantized to fp32 with q/k un-permuted."""
+    if src.kind == "hf":
+        return iter_safetensors(safetensors_files(src.path))
+    return iter_gguf_weights(read_gguf(src.path), arch)
+
+
+def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    model_class = get_model_class(arch.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(arch)  # parameters allocated uninitialised, in place
+    model.load_weights(iter_weights(src, arch))  # casts to dtype on copy
+    return model.eval()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,7 @@
+"""L2 models: nn.Modules of Llama-family decoders and their paged attention."""
+
+from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.llama import LlamaForCausalLM
+from tokenbus.model.registry import get_model_class, supported_architectures
+
+__all__ = ["ForwardContext", "LlamaForCausalLM", "get_model_class", "supported_architectures"]

@@ -1,0 +1,8 @@
+"""Small building blocks of a Llama-family decoder."""
+
+from tokenbus.model.layers.linear import LINEAR_BACKENDS, Linear, make_linear_kernel
+from tokenbus.model.layers.norm import RMSNorm
+from tokenbus.model.layers.rotary import ROPE_TYPES, RotaryEmbedding, apply_rotary, compute_inv_freq
+
+__all__ = ["LINEAR_BACKENDS", "Linear", "make_linear_kernel", "RMSNorm", "ROPE_TYPES", "RotaryEmbedding",
+           "apply_rotary", "compute_inv_freq"]

@@ -1,0 +1,82 @@
+"""Linear layers: weights load in HF layout, then run through a kernel picked per device.
+
+Layout measured on the 2-core CPU machine (torch 2.13, SmolLM2 shapes, 30 layers so weights
+stream from memory): a oneDNN weight pre-packed once with `torch.ops.mkldnn._reorder_linear_weight`
+ran 1.3–3x faster than both `F.linear(x, w)` and `torch.mm(x, w_t)` at 1–64 rows in fp32, and
+about as fast at 256+ rows; in bf16 it avoids F.linear's slow path (5x). So on CPU every linear
+runs packed when oneDNN supports the dtype; elsewhere (CUDA, fp16 on CPU) it runs `F.linear`.
+The dense weight stays the source of truth (state_dict, `.to()`), so `finalize` can re-pack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LINEAR_BACKENDS = ("auto", "dense", "onednn")
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+LinearKernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _onednn_supported(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str = "auto") -> LinearKernel:
+    """A callable x[..., in] -> [..., out] computing x @ weight.T + bias; weight is [out, in]."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    use_onednn = backend == "onednn" or (backend == "auto" and _onednn_supported(weight))
+    if not use_onednn:
+        return lambda x: F.linear(x, weight, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # opaque blocked layout
+    packed_bias = None if bias is None else bias.detach()
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, packed_bias, "none", [], "")
+
+
+class Linear(nn.Module):
+    """y = x @ W.T + b where W stacks one or more shards (fused q/k/v, gate/up) along `out`.
+
+    Shard i occupies output rows [offset_i, offset_i + out_sizes[i]). Until `finalize()` the
+    layer runs `F.linear`; afterwards it runs the kernel chosen for its device and dtype.
+    """
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = tuple(out_sizes)
+        self.out_features = sum(self.out_sizes)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        self._kernel: LinearKernel | None = None
+
+    def shard_rows(self, shard: int) -> slice:
+        start = sum(self.out_sizes[:shard])
+        return slice(start, start + self.out_sizes[shard])
+
+    def load_shard(self, name: str, tensor: torch.Tensor, shard: int = 0, is_bias: bool = False) -> None:
+        """Copy one HF tensor ([out_i, in] weight or [out_i] bias) into shard `shard`."""
+        target = self.bias if is_bias else self.weight
+        if target is None:
+            raise ValueError(f"unexpected weight {name}: this layer has no bias")
+        rows = self.shard_rows(shard)
+        expected = (self.out_sizes[shard],) if is_bias else (self.out_sizes[shard], self.in_features)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight {name}: expected shape {list(expected)}, got {list(tensor.shape)}")
+        with torch.no_grad():
+            target[rows].copy_(tensor)
+        self._kernel = None  # weights changed: re-pack in finalize()
+
+    def finalize(self, backend: str = "auto") -> None:
+        self._kernel = make_linear_kernel(self.weight, self.bias, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        return self._kernel(x)

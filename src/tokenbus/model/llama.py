@@ -1,0 +1,188 @@
+"""A Llama-family decoder (Llama/SmolLM2, Mistral, Qwen2) parameterised by `ModelArch`.
+
+Token layout is flat: every tensor is [T, ...] over the step's tokens of all requests; which
+request a token belongs to, and where its K/V live, is in the ForwardContext.
+Fused weights: q/k/v are one `qkv_proj` [Hq*D + 2*Hkv*D, hidden] and gate/up one
+`gate_up_proj` [2*I, hidden]; `load_weights` fills them from HF's separate tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenbus.config import ModelArch
+from tokenbus.model.attention import AttentionPlan, build_attention_plan, paged_attention
+from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+
+WeightLoader = Callable[[str, torch.Tensor], None]
+# Checkpoint tensors that carry no information for us (old HF checkpoints store inv_freq).
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.scale = arch.head_dim ** -0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size), bias=arch.attention_bias)
+        # HF Llama/Mistral's attention_bias also covers o_proj; Qwen2 has q/k/v biases only.
+        o_bias = arch.attention_bias and arch.architecture != "qwen2"
+        self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # [T, Hq + Hkv, D], q and k rotated at once
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
+        out = paged_attention(q, k, v, kv_cache, slot_mapping, plan, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        if arch.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {arch.hidden_act!r}")
+        size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, (size, size))
+        self.down_proj = Linear(size, (arch.hidden_size,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2I] -> 2 x [T, I]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block. `x` is the previous block's output, not yet added to `residual`."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], ctx) -> final-normed hidden [T, hidden]; compute_logits -> fp32 logits."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.num_layers = arch.num_hidden_layers
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                      arch.rope_scaling)
+        self.lm_head = Linear(arch.hidden_size, (arch.vocab_size,))
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+        """Run the first `num_layers` decoder layers (default: all), then the final norm.
+
+        With num_layers=N this is the self-speculative draft model; it writes K/V only into
+        ctx.kv_caches[:N], and those entries equal the full model's (same weights and inputs).
+        """
+        num_layers = self.num_layers if num_layers is None else num_layers
+        if not 1 <= num_layers <= self.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
+        plan = build_attention_plan(ctx, x.dtype)
+        residual = None
+        for layer_idx in range(num_layers):
+            x, residual = self.layers[layer_idx](x, residual, cos, sin, ctx.kv_caches[layer_idx],
+                                                 ctx.slot_mapping, plan)
+        return self.norm.add_and_norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (rows of forward's output) -> fp32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def finalize(self, linear_backend: str = "auto") -> None:
+        """Pack every linear for its device (see layers/linear.py); "dense" keeps plain F.linear."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize(linear_backend)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (any dtype; cast on copy), strictly, then finalize()."""
+        loaders = self._weight_loaders()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name in loaded:
+                raise ValueError(f"weight {name} appears twice")
+            loader = loaders.get(name)
+            if loader is None:
+                tied_head = name == "lm_head.weight" and self.arch.tie_word_embeddings
+                if name.endswith(IGNORED_WEIGHT_SUFFIXES) or tied_head:
+                    continue
+                raise ValueError(f"unexpected weight {name} for {self.arch.architecture} "
+                                 f"with {self.num_layers} layers")
+            loader(name, tensor)
+            loaded.add(name)
+        missing = sorted(set(loaders) - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise ValueError(f"missing weights: {shown}")
+        self.finalize()
+
+    def _weight_loaders(self) -> dict[str, WeightLoader]:
+        """HF tensor name -> function copying that tensor into our (possibly fused) parameter."""
+        loaders: dict[str, WeightLoader] = {
+            "model.embed_tokens.weight": partial(_copy_param, self.embed_tokens),
+            "model.norm.weight": partial(_copy_param, self.norm.weight),
+        }
+        if not self.arch.tie_word_embeddings:
+            loaders["lm_head.weight"] = self.lm_head.load_shard
+        for idx, layer in enumerate(self.layers):
+            loaders.update(_layer_loaders(f"model.layers.{idx}.", layer))
+        return loaders
+
+
+def _layer_loaders(prefix: str, layer: LlamaDecoderLayer) -> dict[str, WeightLoader]:
+    attn, mlp = layer.self_attn, layer.mlp
+    loaders: dict[str, WeightLoader] = {
+        prefix + "input_layernorm.weight": partial(_copy_param, layer.input_layernorm.weight),
+        prefix + "post_attention_layernorm.weight": partial(_copy_param, layer.post_attention_layernorm.weight),
+    }
+    fused = [(attn.qkv_proj, "self_attn.", ("q_proj", "k_proj", "v_proj")),
+             (attn.o_proj, "self_attn.", ("o_proj",)),
+             (mlp.gate_up_proj, "mlp.", ("gate_proj", "up_proj")),
+             (mlp.down_proj, "mlp.", ("down_proj",))]
+    for linear, scope, names in fused:
+        for shard, name in enumerate(names):
+            loaders[f"{prefix}{scope}{name}.weight"] = partial(linear.load_shard, shard=shard)
+            if linear.bias is not None:
+                loaders[f"{prefix}{scope}{name}.bias"] = partial(linear.load_shard, shard=shard, is_bias=True)
+    return loaders
+
+
+def _copy_param(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    if tensor.shape != param.shape:
+        raise ValueError(f"weight {name}: expected shape {list(param.shape)}, got {list(tensor.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)

@@ -1,0 +1,28 @@
+"""Architecture name -> model class. Names are our short names and HF's `architectures` entries."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenbus.model.llama import LlamaForCausalLM
+
+_MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_MODEL_CLASSES)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported model architecture {architecture!r}; "
+                         f"supported: {', '.join(_MODEL_CLASSES)}") from None

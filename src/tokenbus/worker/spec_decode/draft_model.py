@@ -1,0 +1,181 @@
+"""Draft-model proposer: a small model, or the target's own first N layers, drafts k tokens (L3).
+
+Each step, after the target sampled, the draft model runs:
+
+1. a catch-up pass over the tokens the step made final, ending at each request's newly sampled
+   token; its logits there give draft 1;
+2. k - 1 decode passes, each feeding the previous draft.
+
+Its KV lives in paged tensors indexed by the target's block tables (same block ids, same
+slots). A separate draft model owns its own layer tensors, so its catch-up pass feeds every
+token the target computed this step (prefill chunks too) and its KV holds wherever the
+target's does, prefix-cache hits included. Self-speculation (the target's first N layers and
+head) shares the target's tensors: the target already wrote layers < N for every token it
+computed, identically, so the catch-up pass feeds only the new token.
+
+Draft KV past the verified tokens is scratch: the scheduler reserves k lookahead slots for it,
+never caches it, and the target rewrites those positions before it reads them.
+Drafts are greedy (argmax), so q is one-hot and the rejection sampler needs no probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.model.forward_context import ForwardContext
+from tokenbus.utils import cdiv
+from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
+
+
+@dataclass
+class _CatchUpView:
+    """What prepare_batch reads of a request state, with the draft model's computed count."""
+
+    num_computed_tokens: int
+    token_ids: list[int]  # the state's own list (not copied)
+    block_ids: list[int]
+    batch_index: int  # the request's index in the target step's batch
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class DraftModelProposer:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], num_layers: int | None,
+                 shares_target_kv: bool, num_speculative_tokens: int, block_size: int,
+                 buffers: InputBuffers) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.num_layers = num_layers  # None: all of the draft model's layers
+        self.shares_target_kv = shares_target_kv
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.buffers = buffers  # the draft's own: the target's batch tensors view the runner's
+
+    def propose(self, batch: PreparedBatch, sampled: list[bool], caps: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in batch.requests]
+        first = self._catch_up(batch, sampled, caps)  # batch index → draft 1
+        for index, token in first.items():
+            drafts[index].append(token)
+        for j in range(1, self.k):
+            active = [i for i in first if caps[i] > j]
+            if not active:
+                break
+            # Draft j (0-based) is fed at position num_tokens - 1 + j and predicts draft j + 1.
+            states = [batch.requests[i].state for i in active]
+            positions = [s.num_tokens - 1 + j for s in states]
+            tokens = [drafts[i][-1] for i in active]
+            next_tokens = self._decode(tokens, positions, [s.block_ids for s in states])
+            for i, token in zip(active, next_tokens):
+                drafts[i].append(token)
+        return drafts
+
+    def _catch_up(self, batch: PreparedBatch, sampled: list[bool], caps: list[int]) -> dict[int, int]:
+        views = []
+        for index, req in enumerate(batch.requests):
+            state = req.state
+            if self.shares_target_kv:
+                if caps[index] > 0:  # only the new token: the target wrote the rest
+                    views.append((_CatchUpView(state.num_tokens - 1, state.token_ids, state.block_ids, index), 1))
+                continue
+            # Every token the target made final this step, and the new token if one was sampled.
+            end = state.num_tokens if sampled[index] else state.num_computed_tokens + req.num_new_tokens
+            start = state.num_computed_tokens
+            views.append((_CatchUpView(start, state.token_ids, state.block_ids, index), end - start))
+        if not views:
+            return {}
+        inputs = prepare_batch([ScheduledRequest(view, n, []) for view, n in views], self.buffers,
+                               self.block_size, self.kv_caches)
+        tokens = self._greedy(inputs.input_ids, inputs.ctx, inputs.logits_indices)
+        first = {}
+        for row, request_index in enumerate(inputs.sampling_requests):
+            index = inputs.requests[request_index].state.batch_index
+            if caps[index] > 0:
+                first[index] = tokens[row]
+        return first
+
+    def _decode(self, tokens: list[int], positions: list[int], block_ids: list[list[int]]) -> list[int]:
+        """One token per request at the given positions -> the draft's argmax after each."""
+        n, bs, buf = len(tokens), self.block_size, self.buffers
+        max_blocks = max(len(b) for b in block_ids)
+        for row, (pos, blocks) in enumerate(zip(positions, block_ids)):
+            buf.block_table[row, : len(blocks)] = blocks
+            buf.slot_mapping[row] = blocks[pos // bs] * bs + pos % bs  # slot of the fed token
+        buf.input_ids[:n] = tokens
+        buf.positions[:n] = positions
+        seq_lens = [p + 1 for p in positions]
+        ctx = ForwardContext(
+            positions=buf.to_device(buf.positions[:n]),
+            slot_mapping=buf.to_device(buf.slot_mapping[:n]),
+            kv_caches=self.kv_caches, block_size=bs,
+            query_start_loc=list(range(n + 1)), seq_lens=seq_lens,
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=buf.device),
+            block_tables=buf.to_device(buf.block_table[:n, :max_blocks]),
+            num_decodes=n)
+        rows = torch.arange(n, device=buf.device)
+        return self._greedy(buf.to_device(buf.input_ids[:n]), ctx, rows)
+
+    def _greedy(self, input_ids: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor) -> list[int]:
+        hidden = self.model(input_ids, ctx, num_layers=self.num_layers)  # [T, hidden]
+        return self.model.compute_logits(hidden[rows]).argmax(-1).tolist()
+
+
+def make_draft_model_proposer(config: EngineConfig, arch: ModelArch, model: torch.nn.Module,
+                              kv_caches: list[torch.Tensor], device: torch.device) -> DraftModelProposer:
+    """Self-speculation ("draft_layers" only) or a separate draft model ("model")."""
+    spec = config.speculative
+    sched = config.scheduler
+    buffers = InputBuffers(
+        max_num_tokens=sched.max_num_batched_tokens + sched.max_num_seqs,  # + one new token each
+        max_num_reqs=sched.max_num_seqs,
+        max_blocks_per_req=cdiv(sched.max_model_len + spec.num_speculative_tokens, config.cache.block_size) + 1,
+        device=device)
+    common = dict(num_speculative_tokens=spec.num_speculative_tokens,
+                  block_size=config.cache.block_size, buffers=buffers)
+    if spec.model is None:
+        num_layers = _check_draft_layers(spec.draft_layers, arch.num_hidden_layers - 1,
+                                         f"(self-speculation uses fewer than the target's {arch.num_hidden_layers})")
+        return DraftModelProposer(model, kv_caches, num_layers, shares_target_kv=True, **common)
+    draft_model, draft_arch = _load_draft_model(spec.model, arch, sched.max_model_len,
+                                                model.embed_tokens.dtype, device)
+    num_layers = None
+    if spec.draft_layers is not None:
+        num_layers = _check_draft_layers(spec.draft_layers, draft_arch.num_hidden_layers,
+                                         f"(the draft model has {draft_arch.num_hidden_layers})")
+    from tokenbus.worker.kv_cache import allocate_kv_caches
+
+    num_blocks = kv_caches[0].shape[1]  # [2, num_blocks, block_size, Hkv, D]
+    draft_kv = allocate_kv_caches(draft_arch, num_blocks, config.cache.block_size,
+                                  model.embed_tokens.dtype, device)
+    return DraftModelProposer(draft_model, draft_kv, num_layers, shares_target_kv=False, **common)
+
+
+def _check_draft_layers(draft_layers: int, max_layers: int, why: str) -> int:
+    if not 1 <= draft_layers <= max_layers:
+        raise ValueError(f"speculative_config.draft_layers must be in [1, {max_layers}] {why}, "
+                         f"got {draft_layers}")
+    return draft_layers
+
+
+def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.nn.Module, ModelArch]:
+    from tokenbus.loader import load_arch, load_model, resolve_model
+
+    source = resolve_model(name)
+    draft_arch = load_arch(source)
+    if draft_arch.vocab_size != target_arch.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: the draft model {name!r} has a vocabulary of "
+            f"{draft_arch.vocab_size} tokens but the target has {target_arch.vocab_size}; "
+            "a draft model must share the target's vocabulary")
+    if draft_arch.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"speculative_config.model: the draft model {name!r} supports "
+            f"{draft_arch.max_position_embeddings} positions, fewer than max_model_len={max_model_len}; "
+            "lower --max-model-len")
+    return load_model(source, draft_arch, dtype, device), draft_arch

@@ -1,0 +1,158 @@
+"""Failure behaviour of a real `tokenbus serve` (API key off): a storm of cancelled streams,
+queue overflow, engine death, and SIGTERM draining."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.fixtures.server import ServerProcess, metric_value
+
+NUM_STORM_REQUESTS = 100
+# With --max-num-seqs 1 the n children of a stream run one after another: 4 × 500 tokens
+# outlast the steps the test takes while the streams are open.
+LONG_STREAM_N, LONG_STREAM_TOKENS = 4, 500
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
+
+
+def gauges(url: str) -> tuple[float, float, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return (metric_value(text, "tokenbus:num_requests_running"),
+            metric_value(text, "tokenbus:num_requests_waiting"),
+            metric_value(text, "tokenbus:kv_cache_usage_perc"))
+
+
+def long_request(max_tokens: int = 200, stream: bool = True, n: int = 1) -> dict:
+    return {"prompt": "The bus goes", "max_tokens": max_tokens, "stream": stream, "ignore_eos": True, "n": n}
+
+
+async def stream_then_leave(client: httpx.AsyncClient, num_chunks: int, wait_s: float) -> int:
+    """Read `num_chunks` data chunks (or give up after wait_s), then drop the connection."""
+    seen = 0
+    try:
+        async with asyncio.timeout(wait_s):
+            async with client.stream("POST", "/v1/completions", json=long_request()) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        seen += 1
+                        if seen >= num_chunks:
+                            break
+    except TimeoutError:
+        pass
+    return seen
+
+
+def test_cancelled_stream_storm_frees_everything(tiny_llama_dir):
+    with ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "32") as server:
+        async def storm() -> list[int]:
+            limits = httpx.Limits(max_connections=NUM_STORM_REQUESTS + 10)
+            async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
+                return await asyncio.gather(*(stream_then_leave(client, 3, 20.0)
+                                              for _ in range(NUM_STORM_REQUESTS)))
+
+        seen = asyncio.run(storm())
+        assert sum(1 for s in seen if s > 0) >= 32, seen  # at least a batch was mid-stream
+        assert wait_until(lambda: gauges(server.url) == (0.0, 0.0, 0.0), 20.0), gauges(server.url)
+        r = httpx.post(server.url + "/v1/completions", json=long_request(8, stream=False), timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert "Avg generation throughput" in server.log()  # the periodic stats line
+
+
+def _open_stream(url: str, events: list, started: threading.Event) -> None:
+    """A long stream that records its data lines (run in a thread)."""
+    try:
+        payload = long_request(LONG_STREAM_TOKENS, n=LONG_STREAM_N)
+        with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=60) as r:
+            events.append(("status", r.status_code))
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(("data", line[len("data: "):]))
+                    started.set()
+    except httpx.HTTPError as exc:
+        events.append(("error", repr(exc)))
+    started.set()
+
+
+def test_overflow_then_engine_death(tiny_llama_dir):
+    # Room for 1 running + 8 waiting sequences: two n=4 streams leave room for one more.
+    server = ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "1", "--max-waiting-requests", "8")
+    try:
+        streams = []
+        for _ in range(2):
+            events, started = [], threading.Event()
+            threading.Thread(target=_open_stream, args=(server.url, events, started), daemon=True).start()
+            streams.append((events, started))
+        assert streams[0][1].wait(30)
+        assert wait_until(lambda: len(streams[1][0]) > 0, 10)  # the second one got its 200
+        overflow = httpx.post(server.url + "/v1/completions", json=long_request(4, stream=False, n=2),
+                              timeout=30)
+        assert overflow.status_code == 503 and overflow.headers["retry-after"]
+        assert overflow.json()["error"]["code"] == 503
+
+        engine_pids = server.engine_pids()
+        os.kill(server.engine_core_pid(), signal.SIGKILL)
+        killed_at = time.monotonic()
+        for events, _ in streams:
+            assert wait_until(lambda: _ended(events), 10), events
+        assert time.monotonic() - killed_at < 10
+        errors = [json.loads(data) for events, _ in streams for kind, data in events
+                  if kind == "data" and data.startswith('{"error"')]
+        assert len(errors) == 2, streams
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == 503
+        assert server.wait(30) != 0
+        assert wait_until(lambda: not any(_alive(pid) for pid in engine_pids), 10)
+    finally:
+        server.kill()
+
+
+def test_sigterm_drains_in_flight_requests(tiny_llama_dir):
+    server = ServerProcess(str(tiny_llama_dir), "--shutdown-timeout", "30")
+    try:
+        engine_pids = server.engine_pids()
+        result = {}
+
+        def finish_one() -> None:
+            r = httpx.post(server.url + "/v1/completions", json=long_request(64, stream=False), timeout=60)
+            result["response"] = r
+
+        thread = threading.Thread(target=finish_one)
+        thread.start()
+        wait_until(lambda: gauges(server.url)[0] >= 1, 10, 0.02)
+        server.proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        assert result["response"].status_code == 200
+        assert result["response"].json()["usage"]["completion_tokens"] == 64
+        assert server.wait(60) == 0
+        assert not any(_alive(pid) for pid in engine_pids)
+    finally:
+        server.kill()
+
+
+def _ended(events: list) -> bool:
+    return bool(events) and (events[-1] == ("data", "[DONE]") or events[-1][0] == "error")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,233 @@
+"""Loaders: sources, shapes, safetensors (sharded too) and GGUF weights, tokenizers, strict errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.fixtures.paged import PagedKV
+from tests.fixtures.tiny_models import (cached_tiny_model, llama_cpp_permute, make_tiny_model,
+                                        smollm2_tokenizer_dir, write_gguf)
+from tokenbus.config import ModelArch
+from tokenbus.loader import (ModelSource, iter_weights, load_arch, load_generation_config, load_model,
+                             load_tokenizer, resolve_model)
+from tokenbus.loader.gguf_loader import permute_qk, unpermute_qk
+from tokenbus.loader.hf_loader import HF_ROPE_TYPES
+from tokenbus.model.layers.rotary import ROPE_TYPES
+
+IDS = [101, 202, 303, 404, 505, 606, 707, 808, 909, 1010, 1111]
+
+
+def logits_of(src: ModelSource, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Prefill IDS[:-3] then decode the rest one by one; logits of every position."""
+    model = load_model(src, load_arch(src), dtype, "cpu")
+    kv = PagedKV.for_model(model, dtype=dtype)
+    rows = []
+    with torch.inference_mode():
+        for batch in [[("r", IDS[:-3])]] + [[("r", [t])] for t in IDS[-3:]]:
+            input_ids, ctx = kv.step(batch)
+            rows.append(model.compute_logits(model(input_ids, ctx)))
+    return torch.cat(rows)
+
+
+def hf_weights(path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------- sources, shapes
+
+def test_resolve_model_kinds(tmp_path):
+    default = resolve_model(None)
+    assert default.kind == "gguf" and default.path.name.endswith(".gguf") and default.path.is_file()
+    assert resolve_model("SmolLM2") == default
+    hf_dir = cached_tiny_model("llama")
+    assert resolve_model(str(hf_dir)) == ModelSource("hf", hf_dir.resolve())
+    gguf_path = write_gguf(hf_dir, tmp_path / "tiny.gguf", with_tokenizer=False)
+    assert resolve_model(str(gguf_path)) == ModelSource("gguf", gguf_path.resolve())
+    assert resolve_model(str(tmp_path)) == ModelSource("gguf", gguf_path.resolve())  # a dir with one .gguf
+    with pytest.raises(ValueError, match="no/such/model.*not found"):
+        resolve_model("no/such/model")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="notes.txt.*not a model"):
+        resolve_model(str(tmp_path / "notes.txt"))
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "mistral"])
+def test_load_arch_from_config_and_gguf_agree(tmp_path, arch_name):
+    hf_dir = cached_tiny_model(arch_name)
+    arch = load_arch(resolve_model(str(hf_dir)))
+    assert arch == ModelArch(
+        architecture=arch_name, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
+        attention_bias=arch_name == "qwen2", hidden_act="silu", bos_token_id=1, eos_token_ids=(2,))
+    gguf_arch = load_arch(resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False))))
+    # llama.cpp writes Mistral as "llama"; a GGUF's eps is stored as float32
+    assert gguf_arch.architecture == ("llama" if arch_name == "mistral" else arch_name)
+    assert gguf_arch.rms_norm_eps == pytest.approx(1e-5)
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "rope_scaling",
+              "tie_word_embeddings", "attention_bias")
+    expected = {f: getattr(arch, f) for f in fields}
+    assert {f: getattr(gguf_arch, f) for f in expected} == expected
+
+
+def test_hf_tokenizer_and_generation_config():
+    src = resolve_model(str(cached_tiny_model("llama")))
+    tokenizer = load_tokenizer(src)
+    assert len(tokenizer) == 49152 and tokenizer.chat_template
+    assert load_generation_config(src)["eos_token_id"] == 2
+    other = load_tokenizer(src, tokenizer=str(smollm2_tokenizer_dir()))  # an explicit tokenizer directory
+    assert other.encode("Hello world") == tokenizer.encode("Hello world")
+    with pytest.raises(ValueError, match="tokenizer.*missing-tok"):
+        load_tokenizer(src, tokenizer="missing-tok")
+
+
+def test_rope_types_understood_by_loader_are_built_by_model():
+    assert set(HF_ROPE_TYPES) <= set(ROPE_TYPES)
+
+
+# ----------------------------------------------------------------------------- weights
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2"])
+def test_f32_gguf_and_safetensors_give_identical_logits(tmp_path, arch_name):
+    hf_dir = cached_tiny_model(arch_name)
+    gguf_src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", "F32", with_tokenizer=False)))
+    assert torch.equal(logits_of(gguf_src), logits_of(resolve_model(str(hf_dir))))
+
+
+def test_llama3_rope_gguf_matches_safetensors(tmp_path):
+    """A llama3-rope model's GGUF carries llama.cpp's rope_freqs tensor instead of the config."""
+    hf_dir = cached_tiny_model("llama", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    gguf_src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False)))
+    assert load_arch(gguf_src).rope_scaling["rope_type"] == "freq_factors"
+    torch.testing.assert_close(logits_of(gguf_src), logits_of(resolve_model(str(hf_dir))), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qtype,logits_atol", [("F16", 0.02), ("BF16", 0.2), ("Q8_0", 0.2), ("Q4_0", None),
+                                               ("Q4_1", None)])
+def test_dequantized_weights_equal_gguf_round_trip(tmp_path, qtype, logits_atol):
+    """Every tensor equals gguf.quants' quantize->dequantize of the HF tensor (q/k un-permuted)."""
+    hf_dir = cached_tiny_model("llama")
+    src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
+    loaded = dict(iter_weights(src, load_arch(src)))
+    original = hf_weights(hf_dir)
+    assert loaded.keys() == original.keys()
+    qtype_enum = gguf.GGMLQuantizationType[qtype]
+    for name, tensor in original.items():
+        data = tensor.numpy()
+        round_trip = data if data.ndim == 1 else gguf.quants.quantize(data, qtype_enum)
+        expected = data if data.ndim == 1 else gguf.quants.dequantize(round_trip, qtype_enum)
+        assert np.array_equal(loaded[name].numpy(), expected), name
+    if logits_atol is not None:  # and the model runs on them, off by quantization error only
+        torch.testing.assert_close(logits_of(src), logits_of(resolve_model(str(hf_dir))), atol=logits_atol, rtol=0)
+
+
+def test_qk_permutation_is_llama_cpps_and_is_undone():
+    weight = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(8 * 16, 3)  # 8 heads, head_dim 16
+    permuted = permute_qk(weight, 8)
+    assert torch.equal(permuted, llama_cpp_permute(weight, 8))
+    assert not torch.equal(permuted, weight)
+    assert torch.equal(unpermute_qk(permuted, 8), weight)
+    bias = torch.arange(2 * 16, dtype=torch.float32)
+    assert torch.equal(unpermute_qk(permute_qk(bias, 2), 2), bias)
+    # the first head's rows 0..7 (first halves) and 8..15 (second halves) become interleaved pairs
+    assert permuted[:4, 0].tolist() == [0.0, 24.0, 3.0, 27.0]
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    hf_dir = cached_tiny_model("qwen2")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(hf_dir, sharded)
+    weights = hf_weights(sharded)
+    (sharded / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[:10], "model-00002-of-00002.safetensors": names[10:]}
+    for file, shard_names in shards.items():
+        save_file({n: weights[n] for n in shard_names}, str(sharded / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert torch.equal(logits_of(resolve_model(str(sharded))), logits_of(resolve_model(str(hf_dir))))
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors not found"):
+        logits_of(resolve_model(str(sharded)))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        load_arch(resolve_model(str(path)))
+
+
+def test_unsupported_hf_architecture_is_named(tmp_path):
+    hf_dir = shutil.copytree(cached_tiny_model("llama"), tmp_path / "m")
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'"):
+        load_arch(resolve_model(str(hf_dir)))
+
+
+def test_unsupported_gguf_quant_type_is_named(tmp_path):
+    path = write_gguf(cached_tiny_model("llama"), tmp_path / "m.gguf", "Q5_0", with_tokenizer=False)
+    src = resolve_model(str(path))
+    with pytest.raises(ValueError, match="tensor output.weight has unsupported type Q5_0"):
+        load_model(src, load_arch(src), torch.float32, "cpu")
+
+
+def test_truncated_safetensors_is_named(tmp_path):
+    hf_dir = shutil.copytree(cached_tiny_model("llama"), tmp_path / "m")
+    weights = hf_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    src = resolve_model(str(hf_dir))
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(src, load_arch(src), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("keep_bytes", [100, 500_000, -100])
+def test_truncated_gguf_is_named(tmp_path, keep_bytes):
+    path = write_gguf(cached_tiny_model("llama"), tmp_path / "m.gguf", "Q8_0", with_tokenizer=False)
+    path.write_bytes(path.read_bytes()[:keep_bytes])
+    with pytest.raises(ValueError, match="m.gguf"):
+        src = resolve_model(str(path))
+        load_model(src, load_arch(src), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda w: w.pop("model.layers.1.mlp.down_proj.weight"),
+     "missing weights: model.layers.1.mlp.down_proj.weight"),
+    (lambda w: w.__setitem__("model.layers.2.mlp.up_proj.weight", torch.zeros(128, 64)),
+     "unexpected weight model.layers.2.mlp.up_proj.weight"),
+    (lambda w: w.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)),
+     r"model.layers.0.self_attn.k_proj.weight: expected shape \[32, 64\], got \[16, 64\]"),
+    (lambda w: w.__setitem__("model.norm.weight", torch.zeros(65)), r"model.norm.weight: expected shape \[64\]"),
+], ids=["missing", "unexpected", "misshaped-fused", "misshaped"])
+def test_strict_weight_names_and_shapes(tmp_path, edit, message):
+    hf_dir = shutil.copytree(cached_tiny_model("llama"), tmp_path / "m")
+    weights = hf_weights(hf_dir)
+    edit(weights)
+    save_file(weights, str(hf_dir / "model.safetensors"))
+    src = resolve_model(str(hf_dir))
+    with pytest.raises(ValueError, match=message):
+        load_model(src, load_arch(src), torch.float32, "cpu")
+
+
+def test_make_tiny_model_overrides(tmp_path):
+    path = make_tiny_model(tmp_path / "m", arch="qwen2", seed=3, num_hidden_layers=3, tie_word_embeddings=True)
+    arch = load_arch(resolve_model(str(path)))
+    assert arch.num_hidden_layers == 3 and arch.tie_word_embeddings and arch.attention_bias
+    assert "lm_head.weight" not in hf_weights(path)
