@@ -223,18 +223,19 @@ def test_engine_exits_when_its_parent_dies(tmp_path):
         from tokenbus.engine.mp_client import SyncMPClient
         if __name__ == "__main__":
             client = SyncMPClient(make_fake_setup(), fake_engine_core)
-            print(client.proc.pid, flush=True)
+            print(client.proc.pid, client._conn.ipc_dir, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """)
     path = tmp_path / "front_end.py"
     path.write_text(script)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=60)
-    engine_pid = int(result.stdout.split()[0])
+    engine_pid, ipc_dir = result.stdout.split()
     deadline = time.monotonic() + 10
-    while _pid_alive(engine_pid):
+    while _pid_alive(int(engine_pid)):
         assert time.monotonic() < deadline, "the orphaned engine process is still running"
         time.sleep(0.1)
+    assert not os.path.exists(ipc_dir)  # its socket files went with it
 
 
 def _pid_alive(pid: int) -> bool:

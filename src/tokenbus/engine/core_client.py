@@ -103,11 +103,14 @@ class OutputChannel:
         self._sync: queue.Queue[EngineOutputs | Exception] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async: asyncio.Queue[EngineOutputs | Exception] | None = None
+        self._error: Exception | None = None  # kept for consumers on a later event loop
 
     def put(self, item: EngineOutputs | Exception) -> None:
         """Thread-safe; never blocks."""
         # Under the lock, so an item cannot slip into the sync queue after _bind_loop drained it.
         with self._lock:
+            if isinstance(item, Exception):
+                self._error = item
             if self._loop is None:
                 self._sync.put(item)
                 return
@@ -137,11 +140,13 @@ class OutputChannel:
             return
         with self._lock:
             self._loop, self._async = loop, asyncio.Queue()
-            while True:  # what arrived before any loop listened (or for a closed loop)
+            while True:  # what arrived before any loop listened
                 try:
                     self._async.put_nowait(self._sync.get_nowait())
                 except queue.Empty:
                     break
+            if self._error is not None:
+                self._async.put_nowait(self._error)
 
 
 class UtilityCalls:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -64,6 +65,13 @@ class EngineAddresses:
 
     input_address: str  # front end ROUTER → engine DEALER
     output_address: str  # engine PUSH → front end PULL
+
+    @property
+    def ipc_dir(self) -> str | None:
+        """The private directory holding both ipc:// socket files, if that is the transport."""
+        if not self.input_address.startswith("ipc://"):
+            return None
+        return os.path.dirname(self.input_address.removeprefix("ipc://"))
 
 
 def call_utility(engine: EngineCore, call: UtilityCall) -> UtilityResult:
@@ -163,7 +171,7 @@ def run_engine_core(setup: EngineSetup, addresses: EngineAddresses, parent_pid: 
                         format="(EngineCore pid=%(process)d) %(levelname)s %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group: the front end decides how to shut us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, addresses), daemon=True,
                      name="EngineCoreParentWatch").start()
     proc = EngineCoreProc(addresses)
     try:
@@ -178,11 +186,14 @@ def run_engine_core(setup: EngineSetup, addresses: EngineAddresses, parent_pid: 
     os._exit(1 if proc.failed else 0)
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def _exit_when_orphaned(parent_pid: int, addresses: EngineAddresses) -> None:
     # The front end died without shutting us down (SIGKILL, crash): nobody will read our
-    # outputs, and staying up would leak the model's memory. Exit hard.
+    # outputs, and staying up would leak the model's memory. Remove the socket files it can no
+    # longer remove, and exit hard.
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_S)
+    if (ipc_dir := addresses.ipc_dir) is not None:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(1)
 
 
