@@ -8,8 +8,9 @@ from transformers import AutoModelForCausalLM
 
 from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import cached_tiny_model
-from tokenbus.loader import load_arch, load_model, resolve_model
-from tokenbus.model import LlamaForCausalLM, attention, get_model_class
+from tokenbus.loader import load_arch, resolve_model
+from tokenbus.worker.model_loader import load_model
+from tokenbus.model import ForwardContext, LlamaForCausalLM, attention, get_model_class
 
 ATOL = 1e-4
 SEQS = {  # token ids; a few long enough to span several 4-token blocks
@@ -100,6 +101,24 @@ def test_decodes_in_several_tiles_match_hf(pair, monkeypatch):
         logits = ours.compute_logits(ours(input_ids, ctx))
     ref = torch.stack([hf_logits(hf, SEQS[k])[-1] for k in "cabd"])
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+
+
+def test_padded_decode_rows_stay_finite_and_harmless(pair):
+    """A captured-graph step pads decodes with rows of seq_len 0 writing to the null block (slot 0)."""
+    ours, hf = pair
+    kv = PagedKV.for_model(ours)
+    run(ours, kv, [("a", SEQS["a"][:-1])])
+    input_ids, ctx = kv.step([("a", SEQS["a"][-1:])])
+    padded = ForwardContext(
+        positions=torch.cat([ctx.positions, torch.zeros(1, dtype=torch.long)]),
+        slot_mapping=torch.cat([ctx.slot_mapping, torch.zeros(1, dtype=torch.long)]), kv_caches=ctx.kv_caches,
+        block_size=ctx.block_size, query_start_loc=[0, 1, 2], seq_lens=ctx.seq_lens + [0],
+        seq_lens_t=torch.tensor(ctx.seq_lens + [0]),
+        block_tables=torch.cat([ctx.block_tables, torch.zeros_like(ctx.block_tables[:1])]), num_decodes=2)
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(torch.cat([input_ids, torch.zeros(1, dtype=torch.long)]), padded))
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[0], hf_logits(hf, SEQS["a"])[-1], atol=ATOL, rtol=0)
 
 
 def test_first_n_layers_is_the_truncated_model(pair):

@@ -15,7 +15,8 @@ from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import (cached_tiny_model, llama_cpp_permute, make_tiny_model,
                                         smollm2_tokenizer_dir, write_gguf)
 from tokenbus.config import ModelArch
-from tokenbus.loader import (ModelSource, iter_weights, load_arch, load_generation_config, load_model,
+from tokenbus.worker.model_loader import load_model
+from tokenbus.loader import (ModelSource, iter_weights, load_arch, load_generation_config,
                              load_tokenizer, resolve_model)
 from tokenbus.loader.gguf_loader import permute_qk, unpermute_qk
 from tokenbus.loader.hf_loader import HF_ROPE_TYPES

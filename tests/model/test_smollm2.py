@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from tests.fixtures.paged import PagedKV
-from tokenbus.loader import load_arch, load_generation_config, load_model, load_tokenizer, resolve_model
+from tokenbus.loader import load_arch, load_generation_config, load_tokenizer, resolve_model
+from tokenbus.worker.model_loader import load_model
 
 
 def test_smollm2_arch_and_tokenizer():

@@ -1,19 +1,16 @@
-"""Build a model on its device and dtype and fill it from its weight file(s)."""
+"""A model's shape and weights from its files (config.json + safetensors, or GGUF)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
-from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.gguf_loader import arch_from_gguf, iter_gguf_weights
 from tokenbus.loader.hf_loader import arch_from_hf_config, iter_safetensors, read_json, safetensors_files
 from tokenbus.loader.source import ModelSource
-from tokenbus.model.registry import get_model_class
 
 
 def load_arch(src: ModelSource) -> ModelArch:
@@ -29,21 +26,3 @@ def iter_weights(src: ModelSource, arch: ModelArch) -> Iterator[tuple[str, torch
     if src.kind == "hf":
         return iter_safetensors(safetensors_files(src.path))
     return iter_gguf_weights(read_gguf(src.path), arch)
-
-
-def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    model_class = get_model_class(arch.architecture)
-    with torch.device(device), _default_dtype(dtype):
-        model = model_class(arch)  # parameters allocated uninitialised, in place
-    model.load_weights(iter_weights(src, arch))  # casts to dtype on copy
-    return model.eval()
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

@@ -123,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def finalize(self, linear_backend: str = "auto") -> None:
-        """Pack every linear for its device (see layers/linear.py); "dense" keeps plain F.linear."""
+        """Pack every linear for its device (see layers/linear.py); "dense" runs plain F.linear
+        (needed before torch.compile, which cannot trace packed oneDNN weights)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize(linear_backend)

@@ -9,7 +9,8 @@ import torch
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
-from tokenbus.loader import ModelSource, load_model
+from tokenbus.loader import ModelSource
+from tokenbus.worker.model_loader import load_model
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.worker.model_runner import ModelRunner
 

@@ -2,10 +2,12 @@
 
 Layout measured on the 2-core CPU machine (torch 2.13, SmolLM2 shapes, 30 layers so weights
 stream from memory): a oneDNN weight pre-packed once with `torch.ops.mkldnn._reorder_linear_weight`
-ran 1.3–3x faster than both `F.linear(x, w)` and `torch.mm(x, w_t)` at 1–64 rows in fp32, and
-about as fast at 256+ rows; in bf16 it avoids F.linear's slow path (5x). So on CPU every linear
-runs packed when oneDNN supports the dtype; elsewhere (CUDA, fp16 on CPU) it runs `F.linear`.
-The dense weight stays the source of truth (state_dict, `.to()`), so `finalize` can re-pack.
+ran 1.3–3x faster than both `F.linear(x, w)` and `torch.mm(x, w_t)` at 1–64 rows in fp32 and
+1.25x at 256 (pre-transposed `torch.mm` was no faster than F.linear there); in bf16 it avoids
+F.linear's slow path (5x). So on CPU every linear runs packed when oneDNN supports the dtype;
+elsewhere (CUDA, fp16 on CPU) it runs `F.linear`. The dense weight stays the source of truth
+(state_dict, `.to()`; re-run `finalize` after moving), at the cost of a second copy in memory. torch.compile cannot trace the opaque packed
+tensors: finalize("dense") before compiling.
 """
 
 from __future__ import annotations

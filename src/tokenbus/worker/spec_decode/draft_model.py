@@ -164,7 +164,8 @@ def _check_draft_layers(draft_layers: int, max_layers: int, why: str) -> int:
 
 def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.nn.Module, ModelArch]:
-    from tokenbus.loader import load_arch, load_model, resolve_model
+    from tokenbus.loader import load_arch, resolve_model
+    from tokenbus.worker.model_loader import load_model
 
     source = resolve_model(name)
     draft_arch = load_arch(source)
