@@ -128,5 +128,4 @@ def _make_grammar_manager(config: EngineConfig, source: ModelSource, arch: Model
         stops = [eos_token_id] if eos_token_id is not None else None
         return XgrammarBackend(tokenizer, arch.vocab_size, stop_token_ids=stops)
 
-    num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
-    return StructuredOutputManager(make_backend, max_rollback_tokens=num_spec)
+    return StructuredOutputManager(make_backend)

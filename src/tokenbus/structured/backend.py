@@ -63,8 +63,9 @@ class XgrammarBackend:
         return compiler.compile_grammar(spec.grammar)
 
     @staticmethod
-    def new_matcher(compiled: xgr.CompiledGrammar, max_rollback_tokens: int = 0) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+    def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+        # Rollback (for rejected draft tokens) is always unlimited in xgrammar >= 0.2.
+        return xgr.GrammarMatcher(compiled)
 
 
 def _kind(spec: StructuredOutputsParams) -> str:

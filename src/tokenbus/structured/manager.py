@@ -32,10 +32,9 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
-    def __init__(self, make_backend: Callable[[], XgrammarBackend], max_rollback_tokens: int = 0) -> None:
+    def __init__(self, make_backend: Callable[[], XgrammarBackend]) -> None:
         self._make_backend = make_backend
         self._backend: XgrammarBackend | None = None
-        self._max_rollback_tokens = max_rollback_tokens
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._grammars: dict[str, RequestGrammar] = {}
 
@@ -58,7 +57,7 @@ class StructuredOutputManager:
         if grammar.matcher is None and grammar.error is None:
             try:
                 compiled = grammar.future.result()
-                grammar.matcher = XgrammarBackend.new_matcher(compiled, self._max_rollback_tokens)
+                grammar.matcher = XgrammarBackend.new_matcher(compiled)
             except Exception as exc:  # noqa: BLE001 - any compile failure ends this request only
                 grammar.error = str(exc)
                 logger.warning("grammar for %s failed to compile: %s", request.request_id, exc)
