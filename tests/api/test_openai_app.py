@@ -234,6 +234,11 @@ def test_malformed_json_is_400(client):
     assert_error(r, 400)
 
 
+def test_non_json_content_type_is_400(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert "application/json" in assert_error(r, 400)["message"]
+
+
 def test_unknown_fields_are_ignored_and_logged(client, caplog):
     with caplog.at_level(logging.WARNING):
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "frobnicate": 3,

@@ -17,9 +17,9 @@ import pytest
 from tests.fixtures.server import ServerProcess, metric_value
 
 NUM_STORM_REQUESTS = 100
-# With --max-num-seqs 1 the n children of a stream run one after another: 4 × 500 tokens
+# With --max-num-seqs 1 the n children of a stream run one after another: 16 × 500 tokens
 # outlast the steps the test takes while the streams are open.
-LONG_STREAM_N, LONG_STREAM_TOKENS = 4, 500
+LONG_STREAM_N, LONG_STREAM_TOKENS = 16, 500
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.1):
@@ -60,8 +60,8 @@ async def stream_then_leave(client: httpx.AsyncClient, num_chunks: int, wait_s: 
     return seen
 
 
-def test_cancelled_stream_storm_frees_everything(tiny_llama_dir):
-    with ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "32") as server:
+def test_cancelled_stream_storm_frees_everything(tiny_llama_dir, tmp_path):
+    with ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "32", log_dir=tmp_path) as server:
         async def storm() -> list[int]:
             limits = httpx.Limits(max_connections=NUM_STORM_REQUESTS + 10)
             async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
@@ -73,14 +73,14 @@ def test_cancelled_stream_storm_frees_everything(tiny_llama_dir):
         assert wait_until(lambda: gauges(server.url) == (0.0, 0.0, 0.0), 20.0), gauges(server.url)
         r = httpx.post(server.url + "/v1/completions", json=long_request(8, stream=False), timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        assert "Avg generation throughput" in server.log()  # the periodic stats line
+        assert wait_until(lambda: "Avg generation throughput" in server.log(), 5)  # periodic stats line
 
 
 def _open_stream(url: str, events: list, started: threading.Event) -> None:
     """A long stream that records its data lines (run in a thread)."""
     try:
         payload = long_request(LONG_STREAM_TOKENS, n=LONG_STREAM_N)
-        with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=120) as r:
             events.append(("status", r.status_code))
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -91,21 +91,21 @@ def _open_stream(url: str, events: list, started: threading.Event) -> None:
     started.set()
 
 
-def test_overflow_then_engine_death(tiny_llama_dir):
-    # Room for 1 running + 8 waiting sequences: two n=4 streams leave room for one more.
-    server = ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "1", "--max-waiting-requests", "8")
+def test_overflow_then_engine_death(tiny_llama_dir, tmp_path):
+    # Room for 1 running + 31 waiting sequences: two n=16 streams fill it.
+    server = ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "1", "--max-waiting-requests", "31",
+                           log_dir=tmp_path)
     try:
         streams = []
         for _ in range(2):
             events, started = [], threading.Event()
             threading.Thread(target=_open_stream, args=(server.url, events, started), daemon=True).start()
             streams.append((events, started))
-        assert streams[0][1].wait(30)
-        assert wait_until(lambda: len(streams[1][0]) > 0, 10)  # the second one got its 200
-        overflow = httpx.post(server.url + "/v1/completions", json=long_request(4, stream=False, n=2),
-                              timeout=30)
+        assert wait_until(lambda: all(events for events, _ in streams), 30)  # both got their 200
+        overflow = httpx.post(server.url + "/v1/completions", json=long_request(4, stream=False), timeout=30)
         assert overflow.status_code == 503 and overflow.headers["retry-after"]
         assert overflow.json()["error"]["code"] == 503
+        assert wait_until(lambda: any(started.is_set() for _, started in streams), 60)  # tokens flow
 
         engine_pids = server.engine_pids()
         os.kill(server.engine_core_pid(), signal.SIGKILL)
@@ -121,30 +121,35 @@ def test_overflow_then_engine_death(tiny_llama_dir):
         assert server.wait(30) != 0
         assert wait_until(lambda: not any(_alive(pid) for pid in engine_pids), 10)
     finally:
-        server.kill()
+        server.close()
 
 
-def test_sigterm_drains_in_flight_requests(tiny_llama_dir):
-    server = ServerProcess(str(tiny_llama_dir), "--shutdown-timeout", "30")
+def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
+    server = ServerProcess(str(tiny_llama_dir), "--shutdown-timeout", "90", "--max-num-seqs", "1",
+                           log_dir=tmp_path)
     try:
         engine_pids = server.engine_pids()
-        result = {}
-
-        def finish_one() -> None:
-            r = httpx.post(server.url + "/v1/completions", json=long_request(64, stream=False), timeout=60)
-            result["response"] = r
-
-        thread = threading.Thread(target=finish_one)
-        thread.start()
-        wait_until(lambda: gauges(server.url)[0] >= 1, 10, 0.02)
-        server.proc.send_signal(signal.SIGTERM)
-        thread.join(60)
-        assert result["response"].status_code == 200
-        assert result["response"].json()["usage"]["completion_tokens"] == 64
-        assert server.wait(60) == 0
-        assert not any(_alive(pid) for pid in engine_pids)
+        payload = {**long_request(150, n=2), "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", server.url + "/v1/completions", json=payload, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            server.proc.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: _refused(server.url), 10)  # no new work while draining
+            data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        assert json.loads(data[-2])["usage"]["completion_tokens"] == 2 * 150  # drained, not cut
+        assert server.wait(90) == 0
+        # The resource tracker notices its parent is gone a moment later.
+        assert wait_until(lambda: not any(_alive(pid) for pid in engine_pids), 10)
     finally:
-        server.kill()
+        server.close()
+
+
+def _refused(url: str) -> bool:
+    try:
+        return httpx.post(url + "/v1/completions", json=long_request(2, stream=False), timeout=5).status_code == 503
+    except httpx.TransportError:
+        return True
 
 
 def _ended(events: list) -> bool:

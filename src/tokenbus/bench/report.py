@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import asdict, dataclass, field
 
@@ -36,8 +37,13 @@ class BenchResult:
 
 
 def machine_description() -> str:
-    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}")
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def print_table(results: list[BenchResult]) -> None:

@@ -33,7 +33,28 @@ def add_bench_parser(sub) -> None:
     px.add_argument("--output-json", default=None)
     px.set_defaults(func=_prefix)
 
+    _add_structured_parser(kinds)
+
     _add_serve_parser(kinds)
+
+
+def _add_structured_parser(kinds) -> None:
+    st = kinds.add_parser("structured", help="constrained (JSON schema) vs unconstrained batch")
+    add_engine_args(st)
+    st.add_argument("--num-prompts", type=int, default=32)
+    st.add_argument("--max-tokens", type=int, default=96)
+    st.add_argument("--output-json", default=None)
+    st.set_defaults(func=_structured)
+
+
+def _structured(ns: argparse.Namespace) -> int:
+    from tokenbus.bench.report import print_table
+    from tokenbus.bench.structured import run_structured_bench
+
+    results = run_structured_bench(engine_args_from(ns), ns.num_prompts, ns.max_tokens)
+    print_table(results)
+    _write_json(ns.output_json, results)
+    return 0
 
 
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
