@@ -36,16 +36,19 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm, chat_prompts):
     source = resolve_model(None)
     hf = load_hf(str(source.path.parent), source.path.name)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in chat_prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    # min_tokens masks EOS exactly as HF's min_new_tokens does in the oracle.
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
     for out, want in zip(outputs, expected):
         got = out.outputs[0].token_ids
         if got != want:
-            # Different summation orders may flip a near tie: the tokens must agree up to the first
-            # difference, and there ours must have HF's token among its top-5.
+            # Different summation orders (oneDNN vs HF's matmuls) may flip a near tie: the tokens
+            # agree up to the first difference, and there HF's token is in our top-5 within a
+            # small logprob gap of ours.
             i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-            assert want[i] in out.outputs[0].logprobs[i], (i, got, want)
-    assert sum(o.outputs[0].token_ids == w for o, w in zip(outputs, expected)) >= len(expected) - 1
+            position = out.outputs[0].logprobs[i]
+            assert want[i] in position, (i, got, want)
+            assert position[got[i]].logprob - position[want[i]].logprob < 0.1, (i, position)
     assert_engine_clean(llm)
 
 

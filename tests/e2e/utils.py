@@ -24,7 +24,8 @@ def random_prompts(num: int, min_len: int, max_len: int, seed: int = 0, vocab_lo
 def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from tokenbus import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # min_tokens masks EOS as the HF oracle's min_new_tokens does.
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
