@@ -15,7 +15,7 @@ from tests.e2e.utils import assert_engine_clean
 from tests.spec_decode.utils import make_spec_llm, spec_metrics
 from tests.structured.schemas import SCHEMAS
 
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 SELF_DRAFT = {"method": "draft_model", "draft_layers": 20, "num_speculative_tokens": 3}
 CODE = '''def merge(a, b):
@@ -39,7 +39,8 @@ QUESTIONS = [
 
 def _llm(spec=None, **kwargs):
     kwargs.setdefault("num_kv_blocks", 256)
-    return make_spec_llm(None, spec, max_model_len=1024, **kwargs)
+    kwargs.setdefault("max_model_len", 1024)
+    return make_spec_llm(None, spec, **kwargs)
 
 
 def _chat_prompts(llm, questions):
@@ -71,16 +72,18 @@ def test_greedy_identical_to_plain_decoding(spec, reference):
     llm = _llm(spec)
     with spec_metrics(llm) as metrics:
         got = _greedy(llm, prompts)
-        again = _greedy(llm, prompts[::-1])[::-1]  # other batch order, prompts now cached
-    assert got == want and again == want
+    assert got == want
+    if spec is NGRAM:  # another batch order, with the prompts now in the prefix cache
+        assert _greedy(llm, prompts[::-1])[::-1] == want
     assert metrics.num_accepted_tokens > 0, metrics
     assert_engine_clean(llm)
 
 
 def test_greedy_identical_under_forced_preemption(reference):
     prompts, want = reference
-    # 70 blocks of 16 tokens: one request needs 65 at max_model_len 1024, the batch needs far more.
-    llm = _llm(NGRAM, num_kv_blocks=70, max_num_batched_tokens=256)
+    # 20 blocks of 16 tokens: one request of max_model_len 256 fits, the batch needs ~40.
+    assert max(len(p) for p in prompts) + MAX_TOKENS < 256
+    llm = _llm(NGRAM, num_kv_blocks=20, max_model_len=256, max_num_batched_tokens=128)
     assert _greedy(llm, prompts) == want
     assert llm.engine.stats_totals["num_preemptions"] > 0
     assert_engine_clean(llm)

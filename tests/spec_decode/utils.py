@@ -12,7 +12,6 @@ from tokenbus import LLM
 from tokenbus.worker.spec_decode.metrics import SpecDecodeMetrics
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-SELF_DRAFT = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3}
 
 
 def make_spec_llm(model, speculative_config=None, **engine_args) -> LLM:

@@ -41,7 +41,8 @@ class LLMEngine:
         self.last_stats: SchedulerStats | None = None
         # Running sums of the per-step counters (benchmarks and logs read them).
         self.stats_totals = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
-                             "num_prompt_tokens": 0}
+                             "num_prompt_tokens": 0, "spec_num_drafts": 0, "spec_num_draft_tokens": 0,
+                             "spec_num_accepted_tokens": 0}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

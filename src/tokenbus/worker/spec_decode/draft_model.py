@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tokenbus.config import EngineConfig, ModelArch
@@ -167,8 +166,11 @@ def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dty
     from tokenbus.loader import load_arch, resolve_model
     from tokenbus.worker.model_loader import load_model
 
-    source = resolve_model(name)
-    draft_arch = load_arch(source)
+    try:
+        source = resolve_model(name)
+        draft_arch = load_arch(source)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config.model (the draft model): {exc}") from None
     if draft_arch.vocab_size != target_arch.vocab_size:
         raise ValueError(
             f"speculative_config.model: the draft model {name!r} has a vocabulary of "

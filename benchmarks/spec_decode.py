@@ -1,0 +1,179 @@
+"""Speculative decoding on vs off, same run, same model (default: SmolLM2-135M-Instruct).
+
+    python benchmarks/spec_decode.py                                   # n-gram, k=4
+    python benchmarks/spec_decode.py --spec '{"method": "draft_model", "draft_layers": 20, "num_speculative_tokens": 3}'
+
+Three workloads, greedy (outputs are identical on and off, so both produce the same tokens):
+  copy     single requests that repeat or lightly edit text (and code) given in the prompt
+  chat     single requests with ordinary questions
+  batch    concurrency 16: copy and chat prompts together, max_num_seqs=16
+Single-request figures run each prompt alone, alternating which engine goes first, so that
+drift in machine load hits both engines alike. Reports output tokens/s, the speed-up, and the
+acceptance figures of the spec engine (drafted, accepted, rate per position, mean accepted length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from contextlib import contextmanager
+
+import torch
+
+from tokenbus import LLM, SamplingParams
+from tokenbus.worker.spec_decode.metrics import SpecDecodeMetrics
+
+SOLAR = ("Solar panels convert sunlight into electricity using photovoltaic cells. When light hits a cell, "
+         "it knocks electrons loose from their atoms, and the flow of those electrons is an electric current. "
+         "Most home systems connect to the grid, so extra power can be sold back during the day and bought "
+         "again at night. Panels last about twenty-five years and need little care beyond the occasional "
+         "cleaning.")
+BREAD = ("To bake a simple loaf of bread, mix five hundred grams of flour with ten grams of salt and seven "
+         "grams of dried yeast. Add three hundred and fifty millilitres of warm water and knead the dough for "
+         "ten minutes until it is smooth and elastic. Leave it to rise in a warm place for an hour, shape it "
+         "into a loaf, let it rise again, and bake it at two hundred and twenty degrees for thirty minutes.")
+TYPOS = SOLAR.replace("electricity", "electrisity").replace("electrons", "electorns").replace("little", "litle")
+CODE = ("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
+        "print(add(2, 3), mul(4, 5))\n")
+# SmolLM2-135M copies and lightly edits prose faithfully; it tends to rewrite code instead.
+COPY_QUESTIONS = [
+    f"Copy this text word for word:\n\n{SOLAR}\n\n{BREAD}",
+    f"Fix the spelling mistakes in this text and write the corrected text:\n\n{TYPOS}",
+    f"Rewrite this text, replacing 'Solar panels' with 'PV modules':\n\n{SOLAR}",
+    f"Repeat this recipe exactly:\n\n{BREAD}",
+    f"Copy this code exactly:\n\n```python\n{CODE}```",
+]
+CHAT_QUESTIONS = [
+    "What is the capital of France, and what is it famous for?",
+    "Write a short poem about the sea.",
+    "Explain in a few sentences how a CPU works.",
+    "Give me three tips for learning a new language.",
+    "Why is the sky blue?",
+]
+
+
+@contextmanager
+def spec_metrics(llm: LLM):
+    """Sum the speculative-decoding stats of every engine step taken inside the block."""
+    metrics = SpecDecodeMetrics()
+    client = llm.engine.client
+    get_output = client.get_output
+
+    def counting_get_output():
+        outputs = get_output()
+        metrics.add(outputs.scheduler_stats)
+        return outputs
+
+    client.get_output = counting_get_output
+    try:
+        yield metrics
+    finally:
+        del client.get_output
+
+
+def chat_prompts(llm: LLM, questions: list[str]) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                               add_generation_prompt=True), add_special_tokens=False)
+            for q in questions]
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
+
+
+def run_single(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int) -> dict:
+    """Each prompt alone on each engine, alternating the order; tokens/s over all prompts."""
+    elapsed = {name: 0.0 for name in engines}
+    num_tokens = {name: 0 for name in engines}
+    names = list(engines)
+    with spec_metrics(engines["spec"]) as metrics:
+        for i, prompt in enumerate(prompts):
+            outputs = {}
+            for name in names if i % 2 == 0 else names[::-1]:
+                seconds, (tokens,) = timed_generate(engines[name], [prompt], max_tokens)
+                elapsed[name] += seconds
+                num_tokens[name] += len(tokens)
+                outputs[name] = tokens
+            if outputs["spec"] != outputs["plain"]:
+                print(f"  warning: prompt {i}: greedy outputs differ")
+    return _summary(elapsed, num_tokens, metrics)
+
+
+def run_batch(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int) -> dict:
+    elapsed, num_tokens = {}, {}
+    for name, llm in engines.items():
+        with spec_metrics(llm) as metrics:
+            elapsed[name], outputs = timed_generate(llm, prompts, max_tokens)
+        num_tokens[name] = sum(len(t) for t in outputs)
+        if name == "spec":
+            spec_metrics_result = metrics
+    return _summary(elapsed, num_tokens, spec_metrics_result)
+
+
+def _summary(elapsed: dict, num_tokens: dict, metrics: SpecDecodeMetrics) -> dict:
+    speed = {name: num_tokens[name] / elapsed[name] for name in elapsed}
+    return {"output_tokens": num_tokens, "elapsed_s": {k: round(v, 2) for k, v in elapsed.items()},
+            "output_tokens_per_s": {k: round(v, 2) for k, v in speed.items()},
+            "speedup": round(speed["spec"] / speed["plain"], 3), "spec": metrics.to_dict()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M-Instruct")
+    parser.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                          '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--batch-prompts", type=int, default=32)
+    parser.add_argument("--workloads", default="copy,chat,batch")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's); 1 is steadier on a loaded machine")
+    parser.add_argument("--output-json", default=None)
+    ns = parser.parse_args()
+
+    if ns.threads is not None:
+        torch.set_num_threads(ns.threads)
+    # In-process engines: both share this process's thread setting, and no IPC per step.
+    common = dict(max_model_len=2048, kv_cache_memory="768MiB", seed=0, max_num_seqs=ns.concurrency,
+                  multiprocess=False)
+    engines = {"plain": LLM(ns.model, **common), "spec": LLM(ns.model, speculative_config=ns.spec, **common)}
+    copy = chat_prompts(engines["plain"], COPY_QUESTIONS)
+    chat = chat_prompts(engines["plain"], CHAT_QUESTIONS)
+    for llm in engines.values():  # warm-up: first-call allocations and kernel selection
+        timed_generate(llm, [chat[0]], 8)
+    results = {"spec_config": json.loads(ns.spec), "max_tokens": ns.max_tokens,
+               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"}
+    workloads = ns.workloads.split(",")
+    if "copy" in workloads:
+        results["copy_single"] = run_single(engines, copy, ns.max_tokens)
+        _print("copy, single request", results["copy_single"])
+    if "chat" in workloads:
+        results["chat_single"] = run_single(engines, chat, ns.max_tokens)
+        _print("chat, single request", results["chat_single"])
+    if "batch" in workloads:
+        mixed = [(copy + chat)[i % (len(copy) + len(chat))] for i in range(ns.batch_prompts)]
+        results["batch"] = run_batch(engines, mixed, ns.max_tokens)
+        _print(f"batch of {ns.batch_prompts}, concurrency {ns.concurrency}", results["batch"])
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    for llm in engines.values():
+        llm.engine.shutdown()
+
+
+def _print(title: str, result: dict) -> None:
+    speed, spec = result["output_tokens_per_s"], result["spec"]
+    print(f"{title}: plain {speed['plain']:.1f} tok/s, spec {speed['spec']:.1f} tok/s "
+          f"({result['speedup']:.2f}x); acceptance {spec['acceptance_rate']:.2f}, "
+          f"mean accepted length {spec['mean_acceptance_length']:.2f}, "
+          f"per position {spec['acceptance_rate_per_pos']}, drafts {spec['num_drafts']}")
+
+
+if __name__ == "__main__":
+    main()
