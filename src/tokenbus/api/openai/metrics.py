@@ -64,6 +64,11 @@ class PrometheusStatLogger:
         self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        # Accepted drafts by position in the draft (vLLM's ..._per_pos): the acceptance rate at
+        # position j is accepted_per_pos{position=j} / num_drafts.
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            names + ["position"], registry=registry)
         success = Counter(PREFIX + "request_success", "Count of finished requests by reason.",
                           names + ["finished_reason"], registry=registry)
         self.success = {r: success.labels(**self.labels, finished_reason=r) for r in FINISH_REASONS}
@@ -95,6 +100,8 @@ class PrometheusStatLogger:
         self.spec_drafts.inc(getattr(stats, "spec_num_drafts", 0))
         self.spec_draft_tokens.inc(getattr(stats, "spec_num_draft_tokens", 0))
         self.spec_accepted.inc(getattr(stats, "spec_num_accepted_tokens", 0))
+        for position, accepted in enumerate(getattr(stats, "spec_accepted_per_pos", None) or []):
+            self.spec_accepted_per_pos.labels(**self.labels, position=str(position)).inc(accepted)
 
     def record_iteration(self, stats: Any) -> None:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
