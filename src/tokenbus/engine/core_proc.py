@@ -265,7 +265,13 @@ class EngineCoreProc:
         self._stop.set()
         self.output_queue.put(None)
         for thread in self._threads:
-            thread.join(timeout=5.0)
+            thread.join(timeout=2.0)
+        if any(thread.is_alive() for thread in self._threads):
+            # A PUSH send blocks forever once the front end has closed its end (it does so when it
+            # learns the engine is dead). The process exits right after close(): leave the
+            # sockets to the OS instead of hanging in ctx.term() on a socket that thread holds.
+            logger.warning("EngineCore I/O thread did not stop; exiting without closing sockets")
+            return
         self.input_socket.close(linger=CLOSE_LINGER_MS)
         self.output_socket.close(linger=CLOSE_LINGER_MS)
         self.ctx.term()
