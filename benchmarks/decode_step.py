@@ -29,6 +29,7 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--linear-backend", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "native"])
     p.add_argument("--profile", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -42,7 +43,7 @@ def main():
         attention.DECODE_TILE_BYTES = int(args.tile_mib * 2**20)
     src = resolve_model(None); arch = load_arch(src)
     dtype = getattr(torch, args.dtype)
-    model = load_model(src, arch, dtype, "cpu"); model.finalize(args.linear_backend)
+    model = load_model(src, arch, dtype, "cpu", args.attention_backend); model.finalize(args.linear_backend)
     bs = args.block_size
     num_blocks = max(args.batches) * ((args.context + bs) // bs + 1) + 2
     g = torch.Generator().manual_seed(0)

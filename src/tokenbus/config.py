@@ -14,6 +14,7 @@ from tokenbus.utils import parse_size
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "native")
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,15 @@ class ModelConfig:
     seed: int = 0
     max_logprobs: int = 20
     enforce_eager: bool = False
+    # auto: the native CPU kernel (model/native) in float32 on CPU when it builds, else torch
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_logprobs < 0:
@@ -155,6 +161,7 @@ class EngineArgs:
     seed: int = 0
     max_logprobs: int = 20
     enforce_eager: bool = False
+    attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
@@ -185,7 +192,7 @@ class EngineArgs:
             model=ModelConfig(
                 model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
                 max_model_len=max_model_len, seed=self.seed, max_logprobs=self.max_logprobs,
-                enforce_eager=self.enforce_eager),
+                enforce_eager=self.enforce_eager, attention_backend=self.attention_backend),
             cache=CacheConfig(
                 block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -5,6 +5,9 @@ block tables, so a block written this step by one request can be read by another
 the same step (prefix caching relies on it).
 
 Reading, with requests ordered decodes first (see ForwardContext):
+- with the native CPU kernel (model/native, fp32): every request of at most
+  NATIVE_MAX_QUERY_LEN queries (decodes, spec-decode verification, short chunks) in one call
+  that reads its K/V in place; longer ones take the prefill path below. Otherwise:
 - the `num_decodes` single-query requests: batched `scaled_dot_product_attention` over their
   gathered blocks, in tiles of consecutive requests, each tile padded to its longest request
   and masked by `seq_lens`, and sized so its gathered K/V stays in cache (DECODE_TILE_BYTES);
@@ -20,18 +23,26 @@ once per step and shared by all layers.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from tokenbus.config import ATTENTION_BACKENDS
 from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.native import NativeBuildError, PagedAttentionKernel, load_paged_attention
 from tokenbus.utils import cdiv
+
+logger = logging.getLogger(__name__)
 
 # Gathered K+V bytes per decode tile: big enough to amortise per-op overhead, small enough to
 # stay in cache between the gather and the SDPA that reads it. Measured on the 2-core machine
 # (SmolLM2, context 256, batch 16/64): 2 MiB beat 0.5, 1, 4, 8 MiB and one tile by 10-25 %.
 DECODE_TILE_BYTES = 2 << 20
+# Requests with at most this many queries go to the native kernel, which reads K/V once per
+# (request, KV head) but computes scores row by row; longer chunks run faster as SDPA's GEMMs.
+NATIVE_MAX_QUERY_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -56,19 +67,72 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class NativeBatch:
+    """Requests `reqs` (indices into the step's requests) for the native kernel."""
+
+    kernel: PagedAttentionKernel
+    reqs: torch.Tensor  # [n] int64
+    query_start: torch.Tensor  # [num_reqs + 1] int64
+    seq_lens: torch.Tensor  # [num_reqs] int64
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     decode_tiles: list[DecodeTile]
     prefills: list[PrefillSpan]
     num_tokens: int
+    native: NativeBatch | None = None
 
 
-def build_attention_plan(ctx: ForwardContext, dtype: torch.dtype) -> AttentionPlan:
+def select_attention_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> PagedAttentionKernel | None:
+    """The native kernel for "native", and for "auto" on CPU in fp32 when it builds; else None
+    (the torch path). "native" where it cannot run is an error naming the reason."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return None
+    supported = device.type == "cpu" and dtype == torch.float32
+    if not supported:
+        if backend == "native":
+            raise ValueError(f"attention_backend 'native' runs on CPU in float32, not {device.type} {dtype}")
+        return None
+    try:
+        return load_paged_attention()
+    except NativeBuildError as exc:
+        if backend == "native":
+            raise ValueError(f"attention_backend 'native' is unavailable: {exc}") from exc
+        logger.warning("native paged attention unavailable (%s); using the torch path", exc)
+        return None
+
+
+def build_attention_plan(ctx: ForwardContext, dtype: torch.dtype,
+                         native_kernel: PagedAttentionKernel | None = None) -> AttentionPlan:
     """Derive per-step index tensors and masks (in the activation `dtype`) from `ctx`."""
     _, _, block_size, num_kv_heads, head_dim = ctx.kv_caches[0].shape
+    if native_kernel is not None and dtype == torch.float32 and ctx.kv_caches[0].device.type == "cpu":
+        return _plan_native(ctx, native_kernel, block_size, dtype)
     bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K and V
     decode_tiles = _plan_decode_tiles(ctx, block_size, bytes_per_key, dtype)
     prefills = [_plan_prefill(ctx, r, block_size, dtype) for r in range(ctx.num_decodes, ctx.num_reqs)]
     return AttentionPlan(decode_tiles, prefills, ctx.num_tokens)
+
+
+def _plan_native(ctx: ForwardContext, kernel: PagedAttentionKernel, block_size: int,
+                 dtype: torch.dtype) -> AttentionPlan:
+    starts = ctx.query_start_loc
+    native, prefills = [], []
+    for r in range(ctx.num_reqs):
+        q_len = starts[r + 1] - starts[r]
+        if q_len > NATIVE_MAX_QUERY_LEN:
+            prefills.append(_plan_prefill(ctx, r, block_size, dtype))
+        elif q_len > 0 and ctx.seq_lens[r] > 0:  # padding requests keep their zero rows
+            native.append(r)
+    batch = None
+    if native:
+        batch = NativeBatch(kernel, torch.tensor(native, dtype=torch.int64),
+                            torch.tensor(starts, dtype=torch.int64), ctx.seq_lens_t, ctx.block_tables)
+    return AttentionPlan([], prefills, ctx.num_tokens, batch)
 
 
 def _plan_decode_tiles(ctx: ForwardContext, block_size: int, bytes_per_key: int,
@@ -126,7 +190,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]."""
     n = plan.num_tokens
     write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
-    out = torch.zeros_like(q)  # rows past num_tokens (padding) stay 0
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # padding rows stay 0
+    if plan.native is not None:
+        b = plan.native
+        b.kernel(q, kv_cache, b.block_tables, b.query_start, b.seq_lens, b.reqs, scale, out)
     for tile in plan.decode_tiles:
         out[tile.start:tile.end] = _decode_attention(q[tile.start:tile.end], kv_cache, tile, scale)
     for span in plan.prefills:

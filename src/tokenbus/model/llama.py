@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenbus.config import ModelArch
-from tokenbus.model.attention import AttentionPlan, build_attention_plan, paged_attention
+from tokenbus.model.attention import (AttentionPlan, build_attention_plan, paged_attention,
+                                      select_attention_kernel)
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from tokenbus.model.native import PagedAttentionKernel
 
 WeightLoader = Callable[[str, torch.Tensor], None]
 # Checkpoint tensors that carry no information for us (old HF checkpoints store inv_freq).
@@ -97,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling)
         self.lm_head = Linear(arch.hidden_size, (arch.vocab_size,))
+        self.attention_kernel: PagedAttentionKernel | None = None  # None: the torch path
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
 
@@ -111,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
-        plan = build_attention_plan(ctx, x.dtype)
+        plan = build_attention_plan(ctx, x.dtype, self.attention_kernel)
         residual = None
         for layer_idx in range(num_layers):
             x, residual = self.layers[layer_idx](x, residual, cos, sin, ctx.kv_caches[layer_idx],
@@ -128,6 +131,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize(linear_backend)
+
+    def set_attention_backend(self, backend: str) -> None:
+        """"torch" (the default), "native" or "auto": see attention.select_attention_kernel."""
+        self.attention_kernel = select_attention_kernel(backend, self.embed_tokens.device,
+                                                        self.embed_tokens.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (any dtype; cast on copy), strictly, then finalize()."""

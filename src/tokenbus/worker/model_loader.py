@@ -17,11 +17,13 @@ from tokenbus.loader import ModelSource, iter_weights
 from tokenbus.model.registry import get_model_class
 
 
-def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str,
+               attention_backend: str = "auto") -> nn.Module:
     model_class = get_model_class(arch.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(arch)  # parameters allocated uninitialised, in place
     model.load_weights(iter_weights(src, arch))  # casts to dtype on copy
+    model.set_attention_backend(attention_backend)
     return model.eval()
 
 

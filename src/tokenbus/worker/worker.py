@@ -42,7 +42,7 @@ class Worker:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
-        model = load_model(source, arch, self.dtype, self.device)
+        model = load_model(source, arch, self.dtype, self.device, config.model.attention_backend)
         max_model_len = config.scheduler.max_model_len
         self.num_blocks = determine_num_blocks(config.cache, arch, self.dtype, self.device, max_model_len,
                                                config.scheduler.max_num_seqs)

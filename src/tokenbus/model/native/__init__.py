@@ -1,0 +1,113 @@
+"""Native CPU kernels (L2): C sources next to this file, built on first use, loaded with ctypes.
+
+Built with the system C compiler (`$CC`, else `cc`) for this machine (-march=native) into a
+cache directory keyed by the source, the flags and the CPU, so a later process loads the
+shared object without compiling. No compiler, or a failed build, is not an error: `load_*`
+returns None with the reason, and callers keep the portable torch path.
+
+OpenMP: the object links `libgomp.so.1` by soname, and torch has already loaded its own copy
+under that name, so both share one runtime and one thread pool instead of two spinning ones.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    """$TOKENBUS_CACHE_DIR, else $XDG_CACHE_HOME/tokenbus, else ~/.cache/tokenbus."""
+    root = os.environ.get("TOKENBUS_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenbus"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_shared_object(source: Path) -> Path:
+    """Compile `source` into the cache (once per source, flags, compiler and CPU); its path."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise NativeBuildError("no C compiler found (set $CC)")
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(CFLAGS).encode(), compiler.encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent builders (engine processes, test
+    # workers) never load a half-written object.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode != 0:
+            raise NativeBuildError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@dataclass(frozen=True)
+class PagedAttentionKernel:
+    """fp32 paged attention over K/V read in place (see paged_attention.c for the contract)."""
+
+    fn: ctypes._CFuncPtr
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 query_start: torch.Tensor, seq_lens: torch.Tensor, reqs: torch.Tensor, scale: float,
+                 out: torch.Tensor) -> None:
+        """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, D]."""
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_heads = q.shape[1]
+        assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+        assert kv_cache.is_contiguous() and block_tables.stride(1) == 1
+        status = self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size, num_kv_heads,
+                         head_dim, num_heads, block_tables.data_ptr(), block_tables.stride(0),
+                         query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.numel(),
+                         ctypes.c_float(scale), out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("paged_attention_f32: out of memory for its scratch buffers")
+
+
+def load_paged_attention() -> PagedAttentionKernel:
+    """Build (or find in the cache) and load the kernel; NativeBuildError says why not."""
+    try:
+        lib = ctypes.CDLL(str(build_shared_object(_SOURCE)))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {_SOURCE.stem}: {exc}") from exc
+    fn = lib.paged_attention_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                   ctypes.c_float, _PTR, _I64, ctypes.c_int]
+    return PagedAttentionKernel(fn)

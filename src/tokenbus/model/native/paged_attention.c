@@ -1,0 +1,164 @@
+/* Paged attention for CPU that reads K/V in place through the block tables.
+
+   The torch path (attention.py) has to copy each request's blocks out of the cache before
+   SDPA can read them; at decode that copy is most of the step (every key is read, written and
+   read again). Here every key and value is read once, straight from its block.
+
+   Shapes (all fp32, row-major):
+     q      [*, Hq, D]           token t's head x at q + t * q_tok_stride + x * D
+     kv     [2, NB, bs, Hkv, D]  K then V; token j of block b, KV head h at (b * bs + j) * Hkv + h
+     tables [*, table_stride]    int64 block ids of each request
+     out    [*, Hq, D]           token t's head x at out + t * out_tok_stride + x * D
+   Request r (one of reqs[0..num_reqs)) owns query rows query_start[r] .. query_start[r + 1] and
+   has seq_lens[r] keys in the cache, this step's included. Query i of a request with q_len
+   queries sees keys 0 .. seq_len - q_len + i (causal, aligned to the end).
+
+   Work item = (request, KV head): the G = Hq / Hkv query heads sharing a KV head and all
+   q_len query tokens of the request form R = q_len * G rows that go over the keys together,
+   so each key and value is loaded from memory once per work item.
+
+   Built with -O3 -march=native -ffast-math: the dot products and the exp are vectorised
+   (libmvec). fast-math is safe here because no infinity or NaN is ever produced: masked keys
+   are skipped by the loop bounds, never set to -inf. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline float dot(const float *a, const float *b, const int64_t D) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* One work item: request with q_len queries and seq_len keys, KV heads [h0, h1). Its rows are
+   ordered (KV head, query, group member): row ((h - h0) * q_len + i) * G + g is query i, head
+   h * G + g, and sees keys 0 .. ctx_len + i. Keys are visited in cache order (block by block,
+   token by token, then head) so memory is read sequentially within each block.
+   scores [rows, seq_len] and acc [rows, D] are the caller's scratch. Always inlined into the
+   callers below with a constant D, so the inner loops are fully unrolled vector code. */
+static inline __attribute__((always_inline)) void attend(
+        const float *q, int64_t q_tok_stride, const float *k_cache, const float *v_cache,
+        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1, int64_t G,
+        int64_t bs, int64_t hkv, const int64_t D, float scale, float *out, int64_t out_tok_stride,
+        float *scores, float *acc) {
+    const int64_t ctx_len = seq_len - q_len, rows_per_head = q_len * G, R = (h1 - h0) * rows_per_head;
+
+    /* Pass 1: scores. */
+    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
+        const int64_t nt = min64(bs, seq_len - t0);
+        for (int64_t j = 0; j < nt; j++) {
+            const int64_t t = t0 + j, first_query = t > ctx_len ? t - ctx_len : 0;
+            const float *key = k_cache + (table[b] * bs + j) * hkv * D;
+            for (int64_t h = h0; h < h1; h++) {
+                for (int64_t i = first_query; i < q_len; i++) {
+                    const float *qi = q + i * q_tok_stride + h * G * D;
+                    float *s = scores + ((h - h0) * rows_per_head + i * G) * seq_len + t;
+                    for (int64_t g = 0; g < G; g++) s[g * seq_len] = dot(qi + g * D, key + h * D, D) * scale;
+                }
+            }
+        }
+    }
+
+    /* Softmax over each row's visible keys; the probabilities overwrite the scores. */
+    float inv_sum[R];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t visible = ctx_len + (r % rows_per_head) / G + 1;
+        float *row = scores + r * seq_len, m = row[0], sum = 0.f;
+        for (int64_t t = 1; t < visible; t++) m = row[t] > m ? row[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < visible; t++) {
+            row[t] = expf(row[t] - m);
+            sum += row[t];
+        }
+        inv_sum[r] = 1.f / sum;
+    }
+
+    /* Pass 2: probability-weighted values. */
+    memset(acc, 0, (size_t)(R * D) * sizeof(float));
+    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
+        const int64_t nt = min64(bs, seq_len - t0);
+        for (int64_t j = 0; j < nt; j++) {
+            const int64_t t = t0 + j, first_row = (t > ctx_len ? t - ctx_len : 0) * G;
+            const float *value = v_cache + (table[b] * bs + j) * hkv * D;
+            for (int64_t h = h0; h < h1; h++) {
+                const float *v = value + h * D;
+                for (int64_t r = (h - h0) * rows_per_head + first_row; r < (h - h0 + 1) * rows_per_head; r++) {
+                    const float p = scores[r * seq_len + t];
+                    float *a = acc + r * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
+                }
+            }
+        }
+    }
+
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t h = h0 + r / rows_per_head, i = (r % rows_per_head) / G, g = r % G;
+        float *o = out + i * out_tok_stride + (h * G + g) * D;
+        const float *a = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] = a[d] * inv_sum[r];
+    }
+}
+
+/* Specialisations for the common head sizes, and the generic fallback. */
+#define ATTEND_ARGS q, q_tok_stride, k_cache, v_cache, table, seq_len, q_len, h0, h1, G, bs, hkv
+#define ATTEND_TAIL scale, out, out_tok_stride, scores, acc
+static void attend_any(const float *q, int64_t q_tok_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1,
+                       int64_t G, int64_t bs, int64_t hkv, int64_t D, float scale, float *out,
+                       int64_t out_tok_stride, float *scores, float *acc) {
+    switch (D) {
+        case 64: attend(ATTEND_ARGS, 64, ATTEND_TAIL); break;
+        case 128: attend(ATTEND_ARGS, 128, ATTEND_TAIL); break;
+        default: attend(ATTEND_ARGS, D, ATTEND_TAIL); break;
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete).
+   heads_per_item KV heads form one work item: all of them (each key row read as one
+   contiguous run) when there are enough requests to keep the threads busy, else fewer. */
+int paged_attention_f32(const float *q, int64_t q_tok_stride, const float *kv, int64_t num_blocks,
+                        int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
+                        int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
+                        const int64_t *reqs, int64_t num_reqs, float scale, float *out,
+                        int64_t out_tok_stride, int num_threads) {
+    const int64_t G = hq / hkv;
+    const int64_t heads_per_item = num_reqs >= 4 * num_threads ? hkv : 1, splits = hkv / heads_per_item;
+    const float *k_cache = kv, *v_cache = kv + num_blocks * bs * hkv * D;
+    int64_t max_scores = 0, max_rows = 0;
+    for (int64_t n = 0; n < num_reqs; n++) {
+        const int64_t r = reqs[n], rows = (query_start[r + 1] - query_start[r]) * G * heads_per_item;
+        if (rows * seq_lens[r] > max_scores) max_scores = rows * seq_lens[r];
+        if (rows > max_rows) max_rows = rows;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = malloc((size_t)max_scores * sizeof(float));
+        float *acc = malloc((size_t)(max_rows * D) * sizeof(float));
+        /* Every thread must reach the worksharing loop, so a failed allocation skips items. */
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t n = 0; n < num_reqs; n++) {
+            for (int64_t split = 0; split < splits; split++) {
+                if (!scores || !acc) {
+                    failed = 1;
+                    continue;
+                }
+                const int64_t r = reqs[n], start = query_start[r], h0 = split * heads_per_item;
+                attend_any(q + start * q_tok_stride, q_tok_stride, k_cache, v_cache,
+                           tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, h0,
+                           h0 + heads_per_item, G, bs, hkv, D, scale, out + start * out_tok_stride,
+                           out_tok_stride, scores, acc);
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,147 @@
+"""The native CPU paged-attention kernel against the torch path on the same cache and batch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tokenbus.model import ForwardContext, attention
+from tokenbus.model.attention import build_attention_plan, paged_attention, select_attention_kernel
+from tokenbus.model.native import NativeBuildError, build_shared_object, load_paged_attention
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return load_paged_attention()
+
+
+def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+               seed: int = 0):
+    """requests: (q_len, context_len) each; decodes (q_len 1) must come first. A random cache with
+    shuffled blocks, this step's q/k/v, and the ForwardContext."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-(q + c) // BLOCK_SIZE) for q, c in requests]
+    num_blocks = sum(blocks_per_req) + 3
+    kv = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    width = max(blocks_per_req)
+    tables = torch.zeros(len(requests), width + 2, dtype=torch.int64)  # wider than needed, like the runner's
+    slots, positions, starts, seq_lens = [], [], [0], []
+    for r, ((q_len, ctx_len), n) in enumerate(zip(requests, blocks_per_req)):
+        ids = [perm.pop() for _ in range(n)]
+        tables[r, :n] = torch.tensor(ids)
+        for pos in range(ctx_len, ctx_len + q_len):
+            slots.append(ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            positions.append(pos)
+        starts.append(starts[-1] + q_len)
+        seq_lens.append(ctx_len + q_len)
+    num_decodes = sum(1 for q, _ in requests if q == 1)
+    ctx = ForwardContext(positions=torch.tensor(positions), slot_mapping=torch.tensor(slots), kv_caches=[kv],
+                         block_size=BLOCK_SIZE, query_start_loc=starts, seq_lens=seq_lens,
+                         seq_lens_t=torch.tensor(seq_lens), block_tables=tables[:, :width],
+                         num_decodes=num_decodes)
+    num_tokens = starts[-1]
+    # q as the model makes it: a view into a wider [T, Hq + Hkv, D] tensor (row-strided).
+    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim, generator=g)
+    q = qk[:, :num_heads]
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    return q, k, v, kv, ctx
+
+
+def both_paths(kernel, requests, num_heads=9, num_kv_heads=3, head_dim=64):
+    q, k, v, kv, ctx = make_batch(requests, num_heads, num_kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, torch.float32), scale)
+    plan = build_attention_plan(ctx, torch.float32, kernel)
+    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale)
+    return out, ref, plan
+
+
+DECODES = [(1, c) for c in (0, 1, 14, 15, 16, 17, 31, 33, 200, 450)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decodes_match_torch_path(kernel, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ref, plan = both_paths(kernel, DECODES)
+    finally:
+        torch.set_num_threads(previous)
+    assert plan.native is not None and plan.native.reqs.tolist() == list(range(len(DECODES)))
+    assert plan.decode_tiles == [] and plan.prefills == []
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48)])
+def test_head_layouts_match_torch_path(kernel, heads):
+    """GQA group sizes 1/3/4/6, the specialised head sizes 64/128 and the generic one (32, 48);
+    few requests (a work item per KV head) and many (a work item per request)."""
+    for requests in (DECODES[:3], DECODES * 2):
+        out, ref, _ = both_paths(kernel, requests, *heads)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_multi_query_requests_are_causal_and_match(kernel):
+    """Spec-decode verification and short chunks (q_len <= NATIVE_MAX_QUERY_LEN) run natively,
+    causal aligned to the end; a longer chunk takes the prefill path in the same step."""
+    requests = [(1, 40), (1, 3), (5, 30), (2, 0), (attention.NATIVE_MAX_QUERY_LEN, 17),
+                (attention.NATIVE_MAX_QUERY_LEN + 1, 20), (40, 0)]
+    out, ref, plan = both_paths(kernel, requests)
+    assert plan.native.reqs.tolist() == [0, 1, 2, 3, 4]
+    assert [(p.start, p.end) for p in plan.prefills] == [(25, 42), (42, 82)]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_padding_requests_keep_zero_rows(kernel):
+    """A padding request (seq_len 0) is left out of the kernel and its row stays zero."""
+    q, k, v, kv, ctx = make_batch([(1, 20), (1, 5)], 9, 3, 64)
+    ctx.seq_lens[1] = 0
+    ctx.seq_lens_t[1] = 0
+    plan = build_attention_plan(ctx, torch.float32, kernel)
+    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, 0.125)
+    assert plan.native.reqs.tolist() == [0]
+    assert out[1].abs().sum() == 0 and out[0].abs().sum() > 0
+
+
+def test_select_attention_kernel():
+    cpu = torch.device("cpu")
+    assert select_attention_kernel("torch", cpu, torch.float32) is None
+    assert select_attention_kernel("auto", cpu, torch.bfloat16) is None  # fp32 only: torch path
+    assert select_attention_kernel("auto", cpu, torch.float32) is not None
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        select_attention_kernel("flash", cpu, torch.float32)
+    with pytest.raises(ValueError, match="'native' runs on CPU in float32"):
+        select_attention_kernel("native", cpu, torch.bfloat16)
+
+
+def test_missing_compiler_falls_back_or_fails_clearly(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(tmp_path))  # nothing cached: a build is needed
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(NativeBuildError, match="no C compiler"):
+        load_paged_attention()
+    with caplog.at_level(logging.WARNING):
+        assert select_attention_kernel("auto", torch.device("cpu"), torch.float32) is None
+    assert "using the torch path" in caplog.text
+    with pytest.raises(ValueError, match="'native' is unavailable: no C compiler"):
+        select_attention_kernel("native", torch.device("cpu"), torch.float32)
+
+
+def test_build_is_cached_and_reports_compile_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(tmp_path))
+    good = tmp_path / "ok.c"
+    good.write_text("int answer(void) { return 42; }\n")
+    first = build_shared_object(good)
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert build_shared_object(good) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    bad = tmp_path / "bad.c"
+    bad.write_text("int broken( {\n")
+    with pytest.raises(NativeBuildError, match="failed on bad.c"):
+        build_shared_object(bad)
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.name]  # no leftovers
