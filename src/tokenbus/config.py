@@ -55,7 +55,7 @@ class ModelConfig:
     seed: int = 0
     max_logprobs: int = 20
     enforce_eager: bool = False
-    # auto: the native CPU kernel (model/native) in float32 on CPU when it builds, else torch
+    # auto: the native CPU kernel (model/native) on CPU in fp32/bf16 when it builds, else torch
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:

@@ -53,11 +53,13 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     return q, k, v, kv, ctx
 
 
-def both_paths(kernel, requests, num_heads=9, num_kv_heads=3, head_dim=64):
+def both_paths(kernel, requests, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32):
     q, k, v, kv, ctx = make_batch(requests, num_heads, num_kv_heads, head_dim)
+    q, k, v, kv = (t.to(dtype) for t in (q, k, v, kv))
+    ctx.kv_caches = [kv]
     scale = head_dim ** -0.5
-    ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, torch.float32), scale)
-    plan = build_attention_plan(ctx, torch.float32, kernel)
+    ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, dtype), scale)
+    plan = build_attention_plan(ctx, dtype, kernel)
     out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale)
     return out, ref, plan
 
@@ -76,6 +78,13 @@ def test_decodes_match_torch_path(kernel, threads):
     assert plan.native is not None and plan.native.reqs.tolist() == list(range(len(DECODES)))
     assert plan.decode_tiles == [] and plan.prefills == []
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_bfloat16_matches_torch_path(kernel):
+    """bf16 cache and queries, fp32 scores and sums inside; the output rounded to bf16."""
+    out, ref, plan = both_paths(kernel, DECODES + [(5, 30), (2, 0)], dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and plan.native.reqs.numel() == len(DECODES) + 2
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48)])
@@ -112,12 +121,13 @@ def test_padding_requests_keep_zero_rows(kernel):
 def test_select_attention_kernel():
     cpu = torch.device("cpu")
     assert select_attention_kernel("torch", cpu, torch.float32) is None
-    assert select_attention_kernel("auto", cpu, torch.bfloat16) is None  # fp32 only: torch path
+    assert select_attention_kernel("auto", cpu, torch.float16) is None  # fp32/bf16 only: torch path
     assert select_attention_kernel("auto", cpu, torch.float32) is not None
+    assert select_attention_kernel("auto", cpu, torch.bfloat16) is not None
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         select_attention_kernel("flash", cpu, torch.float32)
-    with pytest.raises(ValueError, match="'native' runs on CPU in float32"):
-        select_attention_kernel("native", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="'native' runs on CPU in float32 or bfloat16, not cpu torch.float16"):
+        select_attention_kernel("native", cpu, torch.float16)
 
 
 def test_missing_compiler_falls_back_or_fails_clearly(tmp_path, monkeypatch, caplog):

@@ -21,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=20)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "native"],
-                   help="auto: a native C kernel on CPU in float32 when it builds, else torch")
+                   help="auto: a native C kernel on CPU (float32/bfloat16) when it builds, else torch")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="bytes or a size like 2GiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

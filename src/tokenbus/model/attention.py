@@ -5,7 +5,7 @@ block tables, so a block written this step by one request can be read by another
 the same step (prefix caching relies on it).
 
 Reading, with requests ordered decodes first (see ForwardContext):
-- with the native CPU kernel (model/native, fp32): every request of at most
+- with the native CPU kernel (model/native, fp32 or bf16): every request of at most
   NATIVE_MAX_QUERY_LEN queries (decodes, spec-decode verification, short chunks) in one call
   that reads its K/V in place; longer ones take the prefill path below. Otherwise:
 - the `num_decodes` single-query requests: batched `scaled_dot_product_attention` over their
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from tokenbus.config import ATTENTION_BACKENDS
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.native import NativeBuildError, PagedAttentionKernel, load_paged_attention
+from tokenbus.model.native import KERNEL_DTYPES, NativeBuildError, PagedAttentionKernel, load_paged_attention
 from tokenbus.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -86,16 +86,17 @@ class AttentionPlan:
 
 
 def select_attention_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> PagedAttentionKernel | None:
-    """The native kernel for "native", and for "auto" on CPU in fp32 when it builds; else None
-    (the torch path). "native" where it cannot run is an error naming the reason."""
+    """The native kernel for "native", and for "auto" on CPU in fp32/bf16 when it builds; else
+    None (the torch path). "native" where it cannot run is an error naming the reason."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return None
-    supported = device.type == "cpu" and dtype == torch.float32
+    supported = device.type == "cpu" and dtype in KERNEL_DTYPES
     if not supported:
         if backend == "native":
-            raise ValueError(f"attention_backend 'native' runs on CPU in float32, not {device.type} {dtype}")
+            raise ValueError(f"attention_backend 'native' runs on CPU in float32 or bfloat16, "
+                             f"not {device.type} {dtype}")
         return None
     try:
         return load_paged_attention()
@@ -110,7 +111,7 @@ def build_attention_plan(ctx: ForwardContext, dtype: torch.dtype,
                          native_kernel: PagedAttentionKernel | None = None) -> AttentionPlan:
     """Derive per-step index tensors and masks (in the activation `dtype`) from `ctx`."""
     _, _, block_size, num_kv_heads, head_dim = ctx.kv_caches[0].shape
-    if native_kernel is not None and dtype == torch.float32 and ctx.kv_caches[0].device.type == "cpu":
+    if native_kernel is not None and dtype in KERNEL_DTYPES and ctx.kv_caches[0].device.type == "cpu":
         return _plan_native(ctx, native_kernel, block_size, dtype)
     bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K and V
     decode_tiles = _plan_decode_tiles(ctx, block_size, bytes_per_key, dtype)

@@ -78,9 +78,13 @@ def build_shared_object(source: Path) -> Path:
     return target
 
 
+# Element-type codes of paged_attention.c.
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
 @dataclass(frozen=True)
 class PagedAttentionKernel:
-    """fp32 paged attention over K/V read in place (see paged_attention.c for the contract)."""
+    """fp32/bf16 paged attention over K/V read in place (see paged_attention.c for the contract)."""
 
     fn: ctypes._CFuncPtr
 
@@ -92,12 +96,14 @@ class PagedAttentionKernel:
         num_heads = q.shape[1]
         assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
         assert kv_cache.is_contiguous() and block_tables.stride(1) == 1
+        assert q.dtype == kv_cache.dtype == out.dtype and q.dtype in KERNEL_DTYPES
         status = self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size, num_kv_heads,
                          head_dim, num_heads, block_tables.data_ptr(), block_tables.stride(0),
                          query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.numel(),
-                         ctypes.c_float(scale), out.data_ptr(), out.stride(0), torch.get_num_threads())
+                         ctypes.c_float(scale), out.data_ptr(), out.stride(0), KERNEL_DTYPES[q.dtype],
+                         torch.get_num_threads())
         if status != 0:
-            raise MemoryError("paged_attention_f32: out of memory for its scratch buffers")
+            raise MemoryError("paged_attention: out of memory for its scratch buffers")
 
 
 def load_paged_attention() -> PagedAttentionKernel:
@@ -106,8 +112,8 @@ def load_paged_attention() -> PagedAttentionKernel:
         lib = ctypes.CDLL(str(build_shared_object(_SOURCE)))
     except OSError as exc:
         raise NativeBuildError(f"cannot load {_SOURCE.stem}: {exc}") from exc
-    fn = lib.paged_attention_f32
+    fn = lib.paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                   ctypes.c_float, _PTR, _I64, ctypes.c_int]
+                   ctypes.c_float, _PTR, _I64, ctypes.c_int, ctypes.c_int]
     return PagedAttentionKernel(fn)

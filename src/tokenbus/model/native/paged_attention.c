@@ -4,7 +4,8 @@
    SDPA can read them; at decode that copy is most of the step (every key is read, written and
    read again). Here every key and value is read once, straight from its block.
 
-   Shapes (all fp32, row-major):
+   Element type: fp32 or bf16 (q, kv and out share it); scores and sums are always fp32.
+   Shapes (row-major):
      q      [*, Hq, D]           token t's head x at q + t * q_tok_stride + x * D
      kv     [2, NB, bs, Hkv, D]  K then V; token j of block b, KV head h at (b * bs + j) * Hkv + h
      tables [*, table_stride]    int64 block ids of each request
@@ -26,39 +27,65 @@
 #include <stdlib.h>
 #include <string.h>
 
+enum { ELEM_F32 = 0, ELEM_BF16 = 1 };
+
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static inline float dot(const float *a, const float *b, const int64_t D) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; d++) s += a[d] * b[d];
-    return s;
+/* Element i of a tensor of the given type, as fp32 (bf16 is the top half of an fp32). */
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int elem) {
+    if (elem == ELEM_F32) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Store fp32 x as element i; bf16 rounds to nearest even (x is finite here). */
+static inline __attribute__((always_inline)) void store(void *p, int64_t i, float x, const int elem) {
+    if (elem == ELEM_F32) {
+        ((float *)p)[i] = x;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
 }
 
 /* One work item: request with q_len queries and seq_len keys, KV heads [h0, h1). Its rows are
    ordered (KV head, query, group member): row ((h - h0) * q_len + i) * G + g is query i, head
    h * G + g, and sees keys 0 .. ctx_len + i. Keys are visited in cache order (block by block,
    token by token, then head) so memory is read sequentially within each block.
-   scores [rows, seq_len] and acc [rows, D] are the caller's scratch. Always inlined into the
-   callers below with a constant D, so the inner loops are fully unrolled vector code. */
+   Scratch: qf [rows, D] (the queries in fp32), scores [rows, seq_len], acc [rows, D].
+   Always inlined into attend_any with a constant D and element type, so the inner loops are
+   fully unrolled vector code. Offsets below are in elements. */
 static inline __attribute__((always_inline)) void attend(
-        const float *q, int64_t q_tok_stride, const float *k_cache, const float *v_cache,
-        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1, int64_t G,
-        int64_t bs, int64_t hkv, const int64_t D, float scale, float *out, int64_t out_tok_stride,
-        float *scores, float *acc) {
+        const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
+        int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv,
+        const int64_t D, const int elem, float scale, void *out, int64_t out_tok_stride,
+        float *qf, float *scores, float *acc) {
     const int64_t ctx_len = seq_len - q_len, rows_per_head = q_len * G, R = (h1 - h0) * rows_per_head;
+
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t h = h0 + r / rows_per_head, i = (r % rows_per_head) / G, g = r % G;
+        const int64_t base = i * q_tok_stride + (h * G + g) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) qf[r * D + d] = load(q, base + d, elem) * scale;
+    }
 
     /* Pass 1: scores. */
     for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
         const int64_t nt = min64(bs, seq_len - t0);
         for (int64_t j = 0; j < nt; j++) {
             const int64_t t = t0 + j, first_query = t > ctx_len ? t - ctx_len : 0;
-            const float *key = k_cache + (table[b] * bs + j) * hkv * D;
+            const int64_t key = (table[b] * bs + j) * hkv * D;
             for (int64_t h = h0; h < h1; h++) {
-                for (int64_t i = first_query; i < q_len; i++) {
-                    const float *qi = q + i * q_tok_stride + h * G * D;
-                    float *s = scores + ((h - h0) * rows_per_head + i * G) * seq_len + t;
-                    for (int64_t g = 0; g < G; g++) s[g * seq_len] = dot(qi + g * D, key + h * D, D) * scale;
+                for (int64_t r = (h - h0) * rows_per_head + first_query * G; r < (h - h0 + 1) * rows_per_head; r++) {
+                    const float *qr = qf + r * D;
+                    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t d = 0; d < D; d++) s += qr[d] * load(kv, key + h * D + d, elem);
+                    scores[r * seq_len + t] = s;
                 }
             }
         }
@@ -84,9 +111,11 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t nt = min64(bs, seq_len - t0);
         for (int64_t j = 0; j < nt; j++) {
             const int64_t t = t0 + j, first_row = (t > ctx_len ? t - ctx_len : 0) * G;
-            const float *value = v_cache + (table[b] * bs + j) * hkv * D;
+            const int64_t value = v_offset + (table[b] * bs + j) * hkv * D;
             for (int64_t h = h0; h < h1; h++) {
-                const float *v = value + h * D;
+                float v[D];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) v[d] = load(kv, value + h * D + d, elem);
                 for (int64_t r = (h - h0) * rows_per_head + first_row; r < (h - h0 + 1) * rows_per_head; r++) {
                     const float p = scores[r * seq_len + t];
                     float *a = acc + r * D;
@@ -99,38 +128,47 @@ static inline __attribute__((always_inline)) void attend(
 
     for (int64_t r = 0; r < R; r++) {
         const int64_t h = h0 + r / rows_per_head, i = (r % rows_per_head) / G, g = r % G;
-        float *o = out + i * out_tok_stride + (h * G + g) * D;
+        const int64_t base = i * out_tok_stride + (h * G + g) * D;
         const float *a = acc + r * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; d++) o[d] = a[d] * inv_sum[r];
+        for (int64_t d = 0; d < D; d++) store(out, base + d, a[d] * inv_sum[r], elem);
     }
 }
 
-/* Specialisations for the common head sizes, and the generic fallback. */
-#define ATTEND_ARGS q, q_tok_stride, k_cache, v_cache, table, seq_len, q_len, h0, h1, G, bs, hkv
-#define ATTEND_TAIL scale, out, out_tok_stride, scores, acc
-static void attend_any(const float *q, int64_t q_tok_stride, const float *k_cache, const float *v_cache,
+/* Specialisations for the common head sizes and both element types, and the generic fallback. */
+#define ATTEND_ARGS q, q_tok_stride, kv, v_offset, table, seq_len, q_len, h0, h1, G, bs, hkv
+#define ATTEND_TAIL scale, out, out_tok_stride, qf, scores, acc
+static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1,
-                       int64_t G, int64_t bs, int64_t hkv, int64_t D, float scale, float *out,
-                       int64_t out_tok_stride, float *scores, float *acc) {
-    switch (D) {
-        case 64: attend(ATTEND_ARGS, 64, ATTEND_TAIL); break;
-        case 128: attend(ATTEND_ARGS, 128, ATTEND_TAIL); break;
-        default: attend(ATTEND_ARGS, D, ATTEND_TAIL); break;
+                       int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, float scale, void *out,
+                       int64_t out_tok_stride, float *qf, float *scores, float *acc) {
+    if (elem == ELEM_F32) {
+        switch (D) {
+            case 64: attend(ATTEND_ARGS, 64, ELEM_F32, ATTEND_TAIL); break;
+            case 128: attend(ATTEND_ARGS, 128, ELEM_F32, ATTEND_TAIL); break;
+            default: attend(ATTEND_ARGS, D, ELEM_F32, ATTEND_TAIL); break;
+        }
+    } else {
+        switch (D) {
+            case 64: attend(ATTEND_ARGS, 64, ELEM_BF16, ATTEND_TAIL); break;
+            case 128: attend(ATTEND_ARGS, 128, ELEM_BF16, ATTEND_TAIL); break;
+            default: attend(ATTEND_ARGS, D, ELEM_BF16, ATTEND_TAIL); break;
+        }
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete).
-   heads_per_item KV heads form one work item: all of them (each key row read as one
-   contiguous run) when there are enough requests to keep the threads busy, else fewer. */
-int paged_attention_f32(const float *q, int64_t q_tok_stride, const float *kv, int64_t num_blocks,
-                        int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
-                        int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
-                        const int64_t *reqs, int64_t num_reqs, float scale, float *out,
-                        int64_t out_tok_stride, int num_threads) {
-    const int64_t G = hq / hkv;
+/* Returns 0, -1 when scratch memory could not be allocated (out is then incomplete), or -2
+   for an unknown element type. heads_per_item KV heads form one work item: all of them (each
+   key row read as one contiguous run) when there are enough requests to keep the threads
+   busy, else one. */
+int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks,
+                    int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
+                    int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
+                    const int64_t *reqs, int64_t num_reqs, float scale, void *out,
+                    int64_t out_tok_stride, int elem, int num_threads) {
+    if (elem != ELEM_F32 && elem != ELEM_BF16) return -2;
+    const int64_t G = hq / hkv, v_offset = num_blocks * bs * hkv * D;
     const int64_t heads_per_item = num_reqs >= 4 * num_threads ? hkv : 1, splits = hkv / heads_per_item;
-    const float *k_cache = kv, *v_cache = kv + num_blocks * bs * hkv * D;
     int64_t max_scores = 0, max_rows = 0;
     for (int64_t n = 0; n < num_reqs; n++) {
         const int64_t r = reqs[n], rows = (query_start[r + 1] - query_start[r]) * G * heads_per_item;
@@ -141,24 +179,26 @@ int paged_attention_f32(const float *q, int64_t q_tok_stride, const float *kv, i
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *scores = malloc((size_t)max_scores * sizeof(float));
-        float *acc = malloc((size_t)(max_rows * D) * sizeof(float));
+        float *rows = malloc((size_t)(2 * max_rows * D) * sizeof(float));  /* qf, then acc */
         /* Every thread must reach the worksharing loop, so a failed allocation skips items. */
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t n = 0; n < num_reqs; n++) {
             for (int64_t split = 0; split < splits; split++) {
-                if (!scores || !acc) {
+                if (!scores || !rows) {
                     failed = 1;
                     continue;
                 }
                 const int64_t r = reqs[n], start = query_start[r], h0 = split * heads_per_item;
-                attend_any(q + start * q_tok_stride, q_tok_stride, k_cache, v_cache,
+                const size_t elem_size = elem == ELEM_F32 ? 4 : 2;
+                attend_any((const char *)q + start * q_tok_stride * elem_size, q_tok_stride, kv, v_offset,
                            tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, h0,
-                           h0 + heads_per_item, G, bs, hkv, D, scale, out + start * out_tok_stride,
-                           out_tok_stride, scores, acc);
+                           h0 + heads_per_item, G, bs, hkv, D, elem, scale,
+                           (char *)out + start * out_tok_stride * elem_size, out_tok_stride,
+                           rows, scores, rows + max_rows * D);
             }
         }
         free(scores);
-        free(acc);
+        free(rows);
     }
     return failed ? -1 : 0;
 }
