@@ -1,0 +1,54 @@
+"""One paged-attention layer, torch path vs native kernel, on the same random cache.
+
+`batch` decode requests with `context` keys each in shuffled 16-token blocks, SmolLM2's heads
+(9 query, 3 KV, head size 64). Prints the best of `--repeats` calls and the largest difference.
+Usage: python benchmarks/attention_layer.py [--batch 64] [--context 450] [--threads 2] [--dtype float32]
+"""
+import argparse
+import time
+
+import torch
+
+from tokenbus.model import ForwardContext
+from tokenbus.model.attention import build_attention_plan, paged_attention
+from tokenbus.model.native import load_paged_attention
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=450)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    batch, context, bs, num_kv_heads, num_heads, head_dim = args.batch, args.context, 16, 3, 9, 64
+    blocks_per_req = (context + bs) // bs
+    num_blocks = batch * blocks_per_req + 1
+    kv = torch.randn(2, num_blocks, bs, num_kv_heads, head_dim, generator=g).to(dtype)
+    tables = (torch.randperm(num_blocks - 1, generator=g)[:batch * blocks_per_req] + 1).view(batch, blocks_per_req)
+    seq_lens = [context + 1] * batch
+    slots = tables[:, context // bs] * bs + context % bs
+    ctx = ForwardContext(positions=torch.full((batch,), context), slot_mapping=slots, kv_caches=[kv],
+                         block_size=bs, query_start_loc=list(range(batch + 1)), seq_lens=seq_lens,
+                         seq_lens_t=torch.tensor(seq_lens), block_tables=tables, num_decodes=batch)
+    q = torch.randn(batch, num_heads + num_kv_heads, head_dim, generator=g).to(dtype)[:, :num_heads]
+    k, v = (torch.randn(batch, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    outputs = {}
+    for name, kernel in (("torch", None), ("native", load_paged_attention())):
+        plan = build_attention_plan(ctx, dtype, kernel)
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            outputs[name] = paged_attention(q, k, v, kv, slots, plan, head_dim ** -0.5)
+            times.append(time.perf_counter() - start)
+        kv_bytes = 2 * batch * (context + 1) * num_kv_heads * head_dim * kv.element_size()
+        print(f"{name:7s} {min(times) * 1e3:7.2f} ms  ({kv_bytes / min(times) / 1e9:5.1f} GB/s of K/V)")
+    print(f"max |native - torch| = {(outputs['native'] - outputs['torch']).abs().max().item():.2e}")
+
+
+if __name__ == "__main__":
+    main()
