@@ -18,7 +18,6 @@ import argparse
 import json
 import platform
 import time
-from contextlib import contextmanager
 
 import torch
 
@@ -54,25 +53,6 @@ CHAT_QUESTIONS = [
 ]
 
 
-@contextmanager
-def spec_metrics(llm: LLM):
-    """Sum the speculative-decoding stats of every engine step taken inside the block."""
-    metrics = SpecDecodeMetrics()
-    client = llm.engine.client
-    get_output = client.get_output
-
-    def counting_get_output():
-        outputs = get_output()
-        metrics.add(outputs.scheduler_stats)
-        return outputs
-
-    client.get_output = counting_get_output
-    try:
-        yield metrics
-    finally:
-        del client.get_output
-
-
 def chat_prompts(llm: LLM, questions: list[str]) -> list[list[int]]:
     tok = llm.get_tokenizer()
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
@@ -92,7 +72,7 @@ def run_single(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: in
     elapsed = {name: 0.0 for name in engines}
     num_tokens = {name: 0 for name in engines}
     names = list(engines)
-    with spec_metrics(engines["spec"]) as metrics:
+    with engines["spec"].engine.measure_spec_decode() as metrics:
         for i, prompt in enumerate(prompts):
             outputs = {}
             for name in names if i % 2 == 0 else names[::-1]:
@@ -108,7 +88,7 @@ def run_single(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: in
 def run_batch(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int) -> dict:
     elapsed, num_tokens = {}, {}
     for name, llm in engines.items():
-        with spec_metrics(llm) as metrics:
+        with llm.engine.measure_spec_decode() as metrics:
             elapsed[name], outputs = timed_generate(llm, prompts, max_tokens)
         num_tokens[name] = sum(len(t) for t in outputs)
         if name == "spec":

@@ -155,3 +155,11 @@ def test_build_is_cached_and_reports_compile_errors(tmp_path, monkeypatch):
     with pytest.raises(NativeBuildError, match="failed on bad.c"):
         build_shared_object(bad)
     assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.name]  # no leftovers
+
+
+def test_unwritable_cache_is_a_build_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(NativeBuildError, match="cannot write the kernel cache"):
+        load_paged_attention()

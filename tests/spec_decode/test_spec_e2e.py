@@ -62,6 +62,10 @@ def test_greedy_identical_with_prefix_caching(kind, models, plain_outputs):
     assert metrics.num_accepted_tokens > 0, metrics  # speculation really ran
     assert metrics.num_accepted_tokens <= metrics.num_draft_tokens
     assert sum(metrics.accepted_per_pos) == metrics.num_accepted_tokens
+    # The engine's running total took the measured block's figures back in.
+    totals = llm.engine.spec_metrics
+    assert totals.num_accepted_tokens == llm.engine.stats_totals["spec_num_accepted_tokens"]
+    assert totals.num_draft_tokens == llm.engine.stats_totals["spec_num_draft_tokens"] >= metrics.num_draft_tokens
     assert_engine_clean(llm)
 
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 from tokenbus import LLM
-from tokenbus.worker.spec_decode.metrics import SpecDecodeMetrics
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
@@ -20,23 +18,9 @@ def make_spec_llm(model, speculative_config=None, **engine_args) -> LLM:
     return LLM(None if model is None else str(model), speculative_config=speculative_config, **engine_args)
 
 
-@contextmanager
 def spec_metrics(llm: LLM):
     """Sum the speculative-decoding stats of every engine step taken inside the block."""
-    metrics = SpecDecodeMetrics()
-    client = llm.engine.client
-    get_output = client.get_output
-
-    def counting_get_output():
-        outputs = get_output()
-        metrics.add(outputs.scheduler_stats)
-        return outputs
-
-    client.get_output = counting_get_output
-    try:
-        yield metrics
-    finally:
-        del client.get_output  # back to the class's method
+    return llm.engine.measure_spec_decode()
 
 
 def mixed_prompts(seed: int = 0) -> list[list[int]]:

@@ -12,6 +12,7 @@ is in-process but the front end is asyncio (`AsyncInprocClient`).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
@@ -52,6 +53,9 @@ PARENT_POLL_S = 1.0  # how often the engine checks that its parent is still aliv
 IO_POLL_MS = 100  # how often the input thread looks up from its socket to check for shutdown
 CLOSE_LINGER_MS = 2000  # time the last messages (ENGINE_DEAD) get to leave on exit
 IDLE_BACKOFF_S = 0.001  # wait when requests exist but none can run
+# Leaving (close() + logging) takes well under this; past it the exit is stuck: dump every
+# thread's stack to stderr and exit anyway. Below the front end's SHUTDOWN_TIMEOUT_S.
+EXIT_DEADLINE_S = 4.0
 
 
 def make_engine_core(setup: "EngineSetup") -> EngineCore:
@@ -179,6 +183,7 @@ def run_engine_core(setup: EngineSetup, addresses: EngineAddresses, parent_pid: 
         if engine is not None:
             proc.serve(engine)
     finally:
+        faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)
         proc.close()
     # Everything is sent and the front end knows why we stop: skip the interpreter's teardown
     # (a second or more of torch finalizers) so that shutdown is quick.

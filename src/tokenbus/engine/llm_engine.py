@@ -6,6 +6,8 @@ add_request → (input processing) → EngineCore client → step → (output pr
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tokenbus.config import EngineArgs
 from tokenbus.engine.core_client import EngineCoreClient, make_engine_core_client
@@ -15,6 +17,7 @@ from tokenbus.engine.outputs import RequestMetrics, RequestOutput
 from tokenbus.engine.setup import EngineSetup, create_engine_setup, create_tokenizer
 from tokenbus.protocol import SchedulerStats
 from tokenbus.sampling_params import SamplingParams
+from tokenbus.worker.spec_decode.metrics import SpecDecodeMetrics
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -39,6 +42,7 @@ class LLMEngine:
                                               setup.arch.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.last_stats: SchedulerStats | None = None
+        self.spec_metrics = SpecDecodeMetrics()  # summed over every step (see measure_spec_decode)
         # Running sums of the per-step counters (benchmarks and logs read them).
         self.stats_totals = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
                              "num_prompt_tokens": 0, "spec_num_drafts": 0, "spec_num_draft_tokens": 0,
@@ -81,11 +85,22 @@ class LLMEngine:
         stats = engine_outputs.scheduler_stats
         if stats is not None:
             self.last_stats = stats
+            self.spec_metrics.add(stats)
             for key in self.stats_totals:
                 self.stats_totals[key] += getattr(stats, key)
         processed = self.output_processor.process_outputs(engine_outputs.outputs, time.time())
         self.client.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
+
+    @contextmanager
+    def measure_spec_decode(self) -> Iterator[SpecDecodeMetrics]:
+        """Speculative-decoding figures of just the steps taken inside the block."""
+        outer, self.spec_metrics = self.spec_metrics, SpecDecodeMetrics()
+        try:
+            yield self.spec_metrics
+        finally:
+            inner, self.spec_metrics = self.spec_metrics, outer
+            self.spec_metrics.merge(inner)
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -49,13 +49,7 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        if meta.grammar_bitmask is not None:
-            # Before the logprobs, as in vLLM: reported logprobs are those of the allowed tokens.
-            apply_token_bitmask(logits, meta.grammar_bitmask)
-        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
-        logits = apply_logits_processors(logits, meta)
+        logits, raw_logprobs = prepare_logits(logits, meta)
         sampled = self._sample(logits, meta)
         logprobs = None
         if raw_logprobs is not None:
@@ -72,13 +66,31 @@ class Sampler:
         return torch.where(meta.is_greedy, greedy, random)
 
     def _random_sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        if meta.temperature is not None:
-            logits = logits.div_(meta.temperature.unsqueeze(1))
-        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        probs = logits.softmax(-1)
-        return exponential_race(probs, meta.generators, self.generator)
+        return exponential_race(sampling_probs(logits, meta), meta.generators, self.generator)
+
+
+def prepare_logits(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What every sampler does first, in this order: fp32; the grammar bitmask; the raw
+    logprobs when a row asked for them (after the mask, as in vLLM: reported logprobs are those
+    of the allowed tokens; before the processors); then the logits processors. May work in
+    place on `logits`. Returns (processed logits, raw logprobs or None)."""
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    if meta.grammar_bitmask is not None:
+        apply_token_bitmask(logits, meta.grammar_bitmask)
+    raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+    return apply_logits_processors(logits, meta), raw_logprobs
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Float[B, V]: the distribution random rows draw from (temperature, top-k/p, min-p).
+    Works in place on `logits`."""
+    if meta.temperature is not None:
+        logits = logits.div_(meta.temperature.unsqueeze(1))
+    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    return logits.softmax(-1)
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -61,17 +61,23 @@ def build_shared_object(source: Path) -> Path:
     target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name, then rename: concurrent builders (engine processes, test
-    # workers) never load a half-written object.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Compile to a private name, then rename: concurrent builders (engine processes, test
+        # workers) never load a half-written object.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise NativeBuildError(f"cannot write the kernel cache {target.parent} "
+                               f"(set $TOKENBUS_CACHE_DIR): {exc}") from exc
     try:
         done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source), "-lm"], capture_output=True,
                               text=True, timeout=120)
         if done.returncode != 0:
             raise NativeBuildError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NativeBuildError(f"{compiler} could not build {source.name}: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -23,10 +23,17 @@ class SpecDecodeMetrics:
         """Add one step's SchedulerStats (None is ignored)."""
         if stats is None:
             return
-        self.num_drafts += stats.spec_num_drafts
-        self.num_draft_tokens += stats.spec_num_draft_tokens
-        self.num_accepted_tokens += stats.spec_num_accepted_tokens
-        per_pos = stats.spec_accepted_per_pos
+        self._add(stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+                  stats.spec_accepted_per_pos)
+
+    def merge(self, other: "SpecDecodeMetrics") -> None:
+        self._add(other.num_drafts, other.num_draft_tokens, other.num_accepted_tokens, other.accepted_per_pos)
+
+    def _add(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+             per_pos: list[int]) -> None:
+        self.num_drafts += num_drafts
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
         if len(self.accepted_per_pos) < len(per_pos):
             self.accepted_per_pos.extend([0] * (len(per_pos) - len(self.accepted_per_pos)))
         for pos, count in enumerate(per_pos):

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenbus.worker.sampler import LogprobsTensors, apply_logits_processors, gather_logprobs
+from tokenbus.worker.sampler import LogprobsTensors, gather_logprobs, prepare_logits, sampling_probs
 from tokenbus.worker.sampling_metadata import SamplingMetadata
-from tokenbus.worker.sampling_ops import apply_min_p, apply_token_bitmask, apply_top_k_top_p, exponential_race
+from tokenbus.worker.sampling_ops import exponential_race
 from tokenbus.worker.spec_decode.metadata import SpecDecodeMetadata
 
 
@@ -51,14 +51,9 @@ class RejectionSampler:
         if logits.shape[0] != spec.num_rows or meta.num_rows != spec.num_rows:
             raise ValueError(f"rejection sampler: {logits.shape[0]} logits rows and {meta.num_rows} "
                              f"sampling rows for {spec.num_rows} positions")
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        if meta.grammar_bitmask is not None:
-            apply_token_bitmask(logits, meta.grammar_bitmask)
-        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
-        logits = apply_logits_processors(logits, meta)
+        logits, raw_logprobs = prepare_logits(logits, meta)
         greedy_ids = None if meta.all_random else logits.argmax(-1)  # [R]
-        probs = None if meta.all_greedy else target_probs(logits, meta)  # [R, V]
+        probs = None if meta.all_greedy else sampling_probs(logits, meta)  # [R, V]: the target's p
 
         accepted = self._accept(greedy_ids, probs, meta, spec)  # Bool[D]
         num_accepted = _num_leading_accepted(accepted, spec)  # Long[B]
@@ -128,17 +123,6 @@ class RejectionSampler:
         if greedy_final is None:
             return random_final
         return torch.where(meta.is_greedy[final_rows], greedy_final, random_final)
-
-
-def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Float[R, V]: the distribution the Sampler draws random rows from (same transforms).
-    Works in place on `logits`."""
-    if meta.temperature is not None:
-        logits = logits.div_(meta.temperature.unsqueeze(1))
-    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-    if meta.min_p is not None:
-        logits = apply_min_p(logits, meta.min_p)
-    return logits.softmax(-1)
 
 
 def _residual(p: torch.Tensor, spec: SpecDecodeMetadata, failed: torch.Tensor) -> torch.Tensor:
