@@ -63,6 +63,7 @@ class EngineConnection:
         self.utilities = UtilityCalls()
         self.dead_error: EngineDeadError | None = None
         self._dead_lock = threading.Lock()
+        self._reap_lock = threading.Lock()  # see wait_exit
         self._closing = threading.Event()
         self._codec = Codec()  # used under _send_lock only: encoders are not thread-safe
         self._send_lock = threading.Lock()
@@ -100,9 +101,8 @@ class EngineConnection:
             if self.proc.sentinel in events:
                 if self._input.poll(LATE_FAILURE_GRACE_MS):
                     return self._read_handshake()
-                self.proc.join(timeout=1.0)
                 raise RuntimeError(f"EngineCore process exited during start-up "
-                                   f"({_describe_exit(self.proc.exitcode)}); see its log above")
+                                   f"({_describe_exit(self.wait_exit(1.0))}); see its log above")
         raise TimeoutError(f"EngineCore did not report ready within {timeout_s:.0f} s")
 
     def _read_handshake(self) -> ReadyInfo:
@@ -142,11 +142,21 @@ class EngineConnection:
 
     def _monitor(self) -> None:
         multiprocessing.connection.wait([self.proc.sentinel])
-        self.proc.join(timeout=1.0)  # reap it, for the exit code (safe alongside close's join)
+        exitcode = self.wait_exit(1.0)  # reap it, for the exit code
         if not self._closing.is_set():
             self.mark_dead(EngineDeadError(
                 f"EngineCore process (pid {self.proc.pid}) died unexpectedly "
-                f"({_describe_exit(self.proc.exitcode)}); see its log above for the root cause"))
+                f"({_describe_exit(exitcode)}); see its log above for the root cause"))
+
+    def wait_exit(self, timeout_s: float | None) -> int | None:
+        """Wait up to `timeout_s` (None: for ever) for the engine process to end; its exit
+        code, or None while it runs. Every wait for or look at the process goes through here:
+        multiprocessing's Popen is not thread-safe, and two threads in waitpid() at once can
+        lose the exit status (one reaps, the other gets ECHILD and, if it looks before the
+        first has stored the code, sees a process that is still running)."""
+        with self._reap_lock:
+            self.proc.join(timeout=timeout_s)
+            return self.proc.exitcode
 
     def mark_dead(self, error: EngineDeadError) -> None:
         # The first cause wins (ENGINE_DEAD's text is better than the exit code that follows).
@@ -178,12 +188,12 @@ class EngineConnection:
         self._closing.set()
         # A ready engine gets a SHUTDOWN and time to exit; one still starting is terminated.
         is_ready = self._engine_identity is not None
-        if is_ready and self.proc.is_alive() and self.dead_error is None:
+        if is_ready and self.wait_exit(0) is None and self.dead_error is None:
             try:
                 self.send(RequestType.SHUTDOWN, Empty())
             except EngineDeadError:
                 pass
-        _stop_process(self.proc, SHUTDOWN_TIMEOUT_S if is_ready else 0.0)
+        self._stop_process(SHUTDOWN_TIMEOUT_S if is_ready else 0.0)
         self.mark_dead(EngineDeadError("the engine was shut down"))
         for thread in self._threads:
             thread.join(timeout=2.0)
@@ -192,6 +202,15 @@ class EngineConnection:
         self._output.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def _stop_process(self, timeout_s: float) -> None:
+        if self.wait_exit(timeout_s) is None:
+            if timeout_s:
+                logger.warning("EngineCore did not stop within %.0f s; terminating it", timeout_s)
+            self.proc.terminate()
+            if self.wait_exit(SHUTDOWN_TIMEOUT_S) is None:
+                self.proc.kill()
+                self.wait_exit(None)
 
 
 class MPClient(EngineCoreClient):
@@ -235,6 +254,10 @@ class MPClient(EngineCoreClient):
         """Stop the engine process; idempotent. Waiters get EngineDeadError."""
         self._finalizer()
 
+    def wait_engine_exit(self, timeout_s: float | None) -> int | None:
+        """The engine process's exit code once it has ended (waiting up to `timeout_s`), else None."""
+        return self._conn.wait_exit(timeout_s)
+
 
 class SyncMPClient(MPClient):
     """For LLMEngine: blocking calls."""
@@ -261,18 +284,6 @@ class AsyncMPClient(MPClient):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return await asyncio.wrap_future(self._start_utility(method, args))
-
-
-def _stop_process(proc: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
-    proc.join(timeout=timeout_s)
-    if proc.is_alive():
-        if timeout_s:
-            logger.warning("EngineCore did not stop within %.0f s; terminating it", timeout_s)
-        proc.terminate()
-        proc.join(timeout=SHUTDOWN_TIMEOUT_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
 
 
 def _startup_error(failure: EngineFailure) -> Exception:
