@@ -103,6 +103,8 @@ class PagedAttentionKernel:
         assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
         assert kv_cache.is_contiguous() and block_tables.stride(1) == 1
         assert q.dtype == kv_cache.dtype == out.dtype and q.dtype in KERNEL_DTYPES
+        for index in (block_tables, query_start, seq_lens, reqs):  # read as int64 arrays in C
+            assert index.dtype == torch.int64 and index.device.type == "cpu" and index.stride(-1) == 1
         status = self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size, num_kv_heads,
                          head_dim, num_heads, block_tables.data_ptr(), block_tables.stride(0),
                          query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.numel(),
