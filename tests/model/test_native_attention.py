@@ -174,3 +174,10 @@ def test_unwritable_cache_is_a_build_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(blocker / "cache"))
     with pytest.raises(NativeBuildError, match="cannot write the kernel cache"):
         load_paged_attention()
+
+
+def test_loading_the_kernel_keeps_denormals(kernel):
+    """Built with -ffast-math but not linked with it: GCC would otherwise link crtfastmath.o,
+    which turns on flush-to-zero for the whole process when the object is loaded."""
+    tiny = torch.tensor([1e-40]) * 1.0
+    assert tiny.item() != 0.0

@@ -1,4 +1,4 @@
-"""Paged attention in plain torch ops (portable: CPU and CUDA).
+"""Paged attention: portable torch ops (CPU and CUDA), or the native CPU kernel (model/native).
 
 Per layer and step: FIRST write every token's K/V through `slot_mapping`, THEN read through
 block tables, so a block written this step by one request can be read by another request of
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from tokenbus.config import ATTENTION_BACKENDS
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.native import KERNEL_DTYPES, NativeBuildError, PagedAttentionKernel, load_paged_attention
+from tokenbus.model.native import (KERNEL_DTYPES, NativeBuildError, PagedAttentionKernel, check_indices,
+                                   load_paged_attention)
 from tokenbus.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class NativeBatch:
     query_start: torch.Tensor  # [num_reqs + 1] int64
     seq_lens: torch.Tensor  # [num_reqs] int64
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
+
+    def __post_init__(self) -> None:
+        check_indices(self.reqs, self.query_start, self.seq_lens, self.block_tables)  # once per step
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
                 module.finalize(linear_backend)
 
     def set_attention_backend(self, backend: str) -> None:
-        """"torch" (the default), "native" or "auto": see attention.select_attention_kernel."""
+        """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.
+        A model built without load_model runs the torch path until this is called."""
         self.attention_kernel = select_attention_kernel(backend, self.embed_tokens.device,
                                                         self.embed_tokens.dtype)
 

@@ -23,7 +23,11 @@ from pathlib import Path
 
 import torch
 
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# No -ffast-math when linking: GCC < 13 then links crtfastmath.o, whose constructor turns on
+# flush-to-zero / denormals-are-zero for the whole process at dlopen, changing every later
+# torch op (denormals become 0) in a process that loads us.
+LINK_FLAGS = ("-shared", "-fopenmp")
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -56,7 +60,8 @@ def build_shared_object(source: Path) -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise NativeBuildError("no C compiler found (set $CC)")
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(CFLAGS).encode(), compiler.encode(),
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), flags, compiler.encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
@@ -70,17 +75,20 @@ def build_shared_object(source: Path) -> Path:
     except OSError as exc:
         raise NativeBuildError(f"cannot write the kernel cache {target.parent} "
                                f"(set $TOKENBUS_CACHE_DIR): {exc}") from exc
+    obj = tmp[:-len(".so")] + ".o"
     try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source), "-lm"], capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode != 0:
-            raise NativeBuildError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+        for command in ([compiler, *COMPILE_FLAGS, "-c", "-o", obj, str(source)],
+                        [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise NativeBuildError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise NativeBuildError(f"{compiler} could not build {source.name}: {exc}") from exc
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return target
 
 
@@ -101,10 +109,8 @@ class PagedAttentionKernel:
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = q.shape[1]
         assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
-        assert kv_cache.is_contiguous() and block_tables.stride(1) == 1
+        assert kv_cache.is_contiguous()  # the index tensors are checked once per step: check_indices
         assert q.dtype == kv_cache.dtype == out.dtype and q.dtype in KERNEL_DTYPES
-        for index in (block_tables, query_start, seq_lens, reqs):  # read as int64 arrays in C
-            assert index.dtype == torch.int64 and index.device.type == "cpu" and index.stride(-1) == 1
         status = self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size, num_kv_heads,
                          head_dim, num_heads, block_tables.data_ptr(), block_tables.stride(0),
                          query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.numel(),
@@ -112,6 +118,13 @@ class PagedAttentionKernel:
                          torch.get_num_threads())
         if status != 0:
             raise MemoryError("paged_attention: out of memory for its scratch buffers")
+
+
+def check_indices(*index: torch.Tensor) -> None:
+    """The kernel reads block tables, query starts, sequence lengths and request ids as
+    row-major int64 arrays in host memory."""
+    for tensor in index:
+        assert tensor.dtype == torch.int64 and tensor.device.type == "cpu" and tensor.stride(-1) == 1
 
 
 def load_paged_attention() -> PagedAttentionKernel:

@@ -56,14 +56,15 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
    ordered (KV head, query, group member): row ((h - h0) * q_len + i) * G + g is query i, head
    h * G + g, and sees keys 0 .. ctx_len + i. Keys are visited in cache order (block by block,
    token by token, then head) so memory is read sequentially within each block.
-   Scratch: qf [rows, D] (the queries in fp32), scores [rows, seq_len], acc [rows, D].
+   Scratch: qf [rows, D] (the queries in fp32), scores [rows, seq_len], acc [rows, D],
+   inv_sum [rows].
    Always inlined into attend_any with a constant D and element type, so the inner loops are
    fully unrolled vector code. Offsets below are in elements. */
 static inline __attribute__((always_inline)) void attend(
         const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
         int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv,
         const int64_t D, const int elem, float scale, void *out, int64_t out_tok_stride,
-        float *qf, float *scores, float *acc) {
+        float *qf, float *scores, float *acc, float *inv_sum) {
     const int64_t ctx_len = seq_len - q_len, rows_per_head = q_len * G, R = (h1 - h0) * rows_per_head;
 
     for (int64_t r = 0; r < R; r++) {
@@ -92,7 +93,6 @@ static inline __attribute__((always_inline)) void attend(
     }
 
     /* Softmax over each row's visible keys; the probabilities overwrite the scores. */
-    float inv_sum[R];
     for (int64_t r = 0; r < R; r++) {
         const int64_t visible = ctx_len + (r % rows_per_head) / G + 1;
         float *row = scores + r * seq_len, m = row[0], sum = 0.f;
@@ -137,11 +137,11 @@ static inline __attribute__((always_inline)) void attend(
 
 /* Specialisations for the common head sizes and both element types, and the generic fallback. */
 #define ATTEND_ARGS q, q_tok_stride, kv, v_offset, table, seq_len, q_len, h0, h1, G, bs, hkv
-#define ATTEND_TAIL scale, out, out_tok_stride, qf, scores, acc
+#define ATTEND_TAIL scale, out, out_tok_stride, qf, scores, acc, inv_sum
 static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1,
                        int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, float scale, void *out,
-                       int64_t out_tok_stride, float *qf, float *scores, float *acc) {
+                       int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
     if (elem == ELEM_F32) {
         switch (D) {
             case 64: attend(ATTEND_ARGS, 64, ELEM_F32, ATTEND_TAIL); break;
@@ -179,7 +179,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *scores = malloc((size_t)max_scores * sizeof(float));
-        float *rows = malloc((size_t)(2 * max_rows * D) * sizeof(float));  /* qf, then acc */
+        float *rows = malloc((size_t)((2 * D + 1) * max_rows) * sizeof(float));  /* qf, acc, inv_sum */
         /* Every thread must reach the worksharing loop, so a failed allocation skips items. */
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t n = 0; n < num_reqs; n++) {
@@ -194,7 +194,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                            tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, h0,
                            h0 + heads_per_item, G, bs, hkv, D, elem, scale,
                            (char *)out + start * out_tok_stride * elem_size, out_tok_stride,
-                           rows, scores, rows + max_rows * D);
+                           rows, scores, rows + max_rows * D, rows + 2 * max_rows * D);
             }
         }
         free(scores);
