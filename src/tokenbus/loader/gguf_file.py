@@ -21,6 +21,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
+from tokenbus.utils import round_up
+
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
     GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
@@ -127,7 +129,7 @@ def _parse(path: Path, buffer: mmap.mmap) -> GGUFFile:
         metadata[key] = cursor.read_value(cursor.read("<I"))
     table = [_read_tensor_info(cursor) for _ in range(num_tensors)]
     alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-    data_start = -(-cursor.pos // alignment) * alignment
+    data_start = round_up(cursor.pos, alignment)
     tensors = {}
     for name, shape, qtype, rel_offset in table:
         nbytes = _tensor_nbytes(path, name, shape, qtype)

@@ -67,7 +67,7 @@ class StructuredOutputManager:
     def fill_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """One row per sampled position: 1 + drafts rows for a request verifying drafts."""
         first_rows: dict[str, int] = {}
-        plans: list[tuple[xgr.GrammarMatcher, list[int]]] = []
+        plans: list[tuple[xgr.GrammarMatcher, list[int], int]] = []  # matcher, drafts, first row
         num_rows = 0
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             grammar = self._grammars.get(req_id)
@@ -79,12 +79,12 @@ class StructuredOutputManager:
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
             first_rows[req_id] = num_rows
-            plans.append((grammar.matcher, drafts))
+            plans.append((grammar.matcher, drafts, num_rows))
             num_rows += 1 + len(drafts)
         if not plans:
             return
         bitmask = torch.full((num_rows, self._get_backend().bitmask_width), -1, dtype=torch.int32)
-        for (matcher, drafts), first_row in zip(plans, first_rows.values()):
+        for matcher, drafts, first_row in plans:
             _fill_rows(matcher, drafts, bitmask, first_row)
         scheduler_output.structured_output_request_ids = first_rows
         scheduler_output.grammar_bitmask = bitmask.numpy()
@@ -143,15 +143,14 @@ def _fill_rows(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Te
 
 
 def pad_bitmask_rows(bitmask: np.ndarray | None, row_of: dict[str, int], req_ids: list[str],
-                     width: int, num_rows: list[int] | None = None) -> torch.Tensor | None:
+                     width: int, num_rows: list[int]) -> torch.Tensor | None:
     """Grow the constrained rows to all sampled rows: `num_rows[i]` consecutive rows for
-    request i (default 1; 1 + drafts with speculative decoding). Unconstrained rows allow all."""
+    request i (1 + its drafts). Unconstrained rows allow all."""
     if bitmask is None:
         return None
-    counts = num_rows if num_rows is not None else [1] * len(req_ids)
-    full = torch.full((sum(counts), width), -1, dtype=torch.int32)
+    full = torch.full((sum(num_rows), width), -1, dtype=torch.int32)
     out_row = 0
-    for req_id, count in zip(req_ids, counts):
+    for req_id, count in zip(req_ids, num_rows):
         row = row_of.get(req_id)
         if row is not None:
             full[out_row: out_row + count] = torch.from_numpy(bitmask[row: row + count])

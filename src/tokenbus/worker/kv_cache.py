@@ -17,6 +17,7 @@ def determine_num_blocks(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype
                          device: torch.device, max_model_len: int, max_num_seqs: int) -> int:
     """Blocks that fit the KV budget; fails if one max_model_len request cannot fit."""
     per_block = bytes_per_block(arch, cache.block_size, dtype)
+    needed = cdiv(max_model_len, cache.block_size) + 1  # one full-length request + the null block
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:
@@ -24,8 +25,7 @@ def determine_num_blocks(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype
         if cache.kv_cache_memory is None:
             # The default never exceeds what max_num_seqs full-length requests could use (a tiny
             # model would otherwise get millions of blocks).
-            num_blocks = min(num_blocks, max_num_seqs * cdiv(max_model_len, cache.block_size) + 1)
-    needed = cdiv(max_model_len, cache.block_size) + 1  # + the null block
+            num_blocks = min(num_blocks, max_num_seqs * (needed - 1) + 1)
     if num_blocks < needed:
         raise ValueError(
             f"kv_cache_memory: {num_blocks} KV blocks ({num_blocks * per_block / 2**20:.1f} MiB) "

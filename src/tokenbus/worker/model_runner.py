@@ -114,7 +114,7 @@ class ModelRunner:
         if so.grammar_bitmask is not None:
             bitmask = pad_bitmask_rows(so.grammar_bitmask, so.structured_output_request_ids,
                                        [state.req_id for state in states], so.grammar_bitmask.shape[1],
-                                       [1 + len(d) for d in drafts])
+                                       batch.num_logits_per_request)
             meta.grammar_bitmask = bitmask.to(self.device)
         if verifies:
             spec = SpecDecodeMetadata.build(drafts, self.device)

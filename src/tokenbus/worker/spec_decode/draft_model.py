@@ -141,7 +141,8 @@ def make_draft_model_proposer(config: EngineConfig, arch: ModelArch, model: torc
                                          f"(self-speculation uses fewer than the target's {arch.num_hidden_layers})")
         return DraftModelProposer(model, kv_caches, num_layers, shares_target_kv=True, **common)
     draft_model, draft_arch = _load_draft_model(spec.model, arch, sched.max_model_len,
-                                                model.embed_tokens.dtype, device)
+                                                model.embed_tokens.dtype, device,
+                                                config.model.attention_backend)
     num_layers = None
     if spec.draft_layers is not None:
         num_layers = _check_draft_layers(spec.draft_layers, draft_arch.num_hidden_layers,
@@ -162,7 +163,7 @@ def _check_draft_layers(draft_layers: int, max_layers: int, why: str) -> int:
 
 
 def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dtype: torch.dtype,
-                      device: torch.device) -> tuple[torch.nn.Module, ModelArch]:
+                      device: torch.device, attention_backend: str) -> tuple[torch.nn.Module, ModelArch]:
     from tokenbus.loader import load_arch, resolve_model
     from tokenbus.worker.model_loader import load_model
 
@@ -181,4 +182,4 @@ def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dty
             f"speculative_config.model: the draft model {name!r} supports "
             f"{draft_arch.max_position_embeddings} positions, fewer than max_model_len={max_model_len}; "
             "lower --max-model-len")
-    return load_model(source, draft_arch, dtype, device), draft_arch
+    return load_model(source, draft_arch, dtype, device, attention_backend), draft_arch

@@ -38,6 +38,12 @@ class SpecDecodeMetadata:
         return self.num_requests + sum(self.num_draft_tokens)
 
     @property
+    def draft_starts(self) -> list[int]:
+        """[B] index of each request's first draft in the flat (request-major) draft list:
+        request i's rows start at first_rows[i] and each earlier request adds one bonus row."""
+        return [first - i for i, first in enumerate(self.first_rows)]
+
+    @property
     def max_num_draft_tokens(self) -> int:
         return max(self.num_draft_tokens, default=0)
 

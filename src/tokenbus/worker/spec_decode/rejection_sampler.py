@@ -98,7 +98,7 @@ class RejectionSampler:
                   if first in meta.generators and spec.num_draft_tokens[i] > 0]
         if len(seeded) < spec.num_requests:
             u.uniform_(generator=self.generator)
-        starts = _draft_starts(spec)
+        starts = spec.draft_starts
         for i, generator in seeded:
             u[starts[i]: starts[i] + spec.num_draft_tokens[i]].uniform_(generator=generator)
         return u
@@ -114,7 +114,7 @@ class RejectionSampler:
         rejected = (num_accepted < torch.tensor(spec.num_draft_tokens, device=probs.device)).nonzero().squeeze(1)
         if rejected.numel() > 0:
             # Index of each rejected request's first failing draft in the flat draft list.
-            starts = torch.tensor(_draft_starts(spec), dtype=torch.long, device=probs.device)
+            starts = torch.tensor(spec.draft_starts, dtype=torch.long, device=probs.device)
             failed = starts[rejected] + num_accepted[rejected]  # [Rj]
             final_probs[rejected] = _residual(final_probs[rejected], spec, failed)
         generators = {i: meta.generators[row] for i, row in enumerate(spec.first_rows)
@@ -145,12 +145,3 @@ def _num_leading_accepted(accepted: torch.Tensor, spec: SpecDecodeMetadata) -> t
                          device=accepted.device)  # [B, K + 1]; padding counts as a failure
     padded[spec.draft_req_index, spec.draft_pos] = accepted.long()
     return padded.cumprod(dim=1).sum(dim=1)
-
-
-def _draft_starts(spec: SpecDecodeMetadata) -> list[int]:
-    """Index of each request's first draft in the flat (request-major) draft list."""
-    starts, total = [], 0
-    for k in spec.num_draft_tokens:
-        starts.append(total)
-        total += k
-    return starts
