@@ -15,21 +15,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from tokenbus.config import EngineArgs
 from tokenbus.engine.core_client import EngineCoreClient, make_engine_core_client
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.input_processor import InputProcessor
-from tokenbus.engine.llm_engine import child_params, child_request_ids
-from tokenbus.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
-from tokenbus.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenbus.engine.llm_engine import child_request_ids, register_children
+from tokenbus.engine.output_processor import OutputKind, OutputProcessor
+from tokenbus.engine.outputs import CompletionOutput, RequestOutput
+from tokenbus.engine.setup import EngineSetup, create_engine_setup, create_tokenizer
 from tokenbus.engine.stats import IterationStats, RequestStatsTracker, StatLogger
 from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats
 from tokenbus.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenbus.engine.setup import EngineSetup
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +36,7 @@ _StreamItem = RequestOutput | BaseException
 
 
 class AsyncLLM:
-    def __init__(self, setup: "EngineSetup", tokenizer, client: EngineCoreClient,
+    def __init__(self, setup: EngineSetup, tokenizer, client: EngineCoreClient,
                  stat_loggers: list[StatLogger] | None = None) -> None:
         self.setup = setup
         self.config = setup.config
@@ -59,8 +57,6 @@ class AsyncLLM:
                          stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
         """Resolve the model, load the tokenizer and start the engine (blocks until it is
         ready; raises with the engine's message when it cannot start)."""
-        from tokenbus.engine.setup import create_engine_setup, create_tokenizer
-
         setup = create_engine_setup(args)
         tokenizer = create_tokenizer(setup)
         client = make_engine_core_client(setup, multiprocess=not in_process, asyncio_mode=True,
@@ -104,16 +100,13 @@ class AsyncLLM:
         if request_id in self._streams or any(c in self.output_processor.children for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use by a running request")
         arrival_time = time.time()
-        requests = [self.input_processor.make_request(child_id, prompt_token_ids, child_params(params, i),
-                                                      arrival_time, cache_salt)
-                    for i, child_id in enumerate(child_ids)]
+        requests = register_children(self.input_processor, self.output_processor, request_id,
+                                     prompt_token_ids, params, prompt, OutputKind.DELTA, arrival_time,
+                                     cache_salt)
         self._ensure_output_handler()
         stream: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[request_id] = stream
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, OutputKind.DELTA,
-                               RequestMetrics(arrival_time=arrival_time))
-        for i, request in enumerate(requests):
-            self.output_processor.add_request(parent, request.request_id, i, request.sampling_params)
+        for request in requests:
             self.stats_tracker.add_request(request.request_id, arrival_time, len(prompt_token_ids))
         return requests, stream
 

@@ -91,6 +91,8 @@ class EngineCore:
                 self._first_scheduled_times.setdefault(new_req.req_id, now)
 
     def _attach_first_scheduled(self, outputs: list[EngineOutput]) -> None:
+        if not self._first_scheduled_times:  # steady decoding: nothing newly scheduled
+            return
         for output in outputs:
             first = self._first_scheduled_times.pop(output.request_id, None)
             if first is not None:

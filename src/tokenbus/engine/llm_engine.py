@@ -10,14 +10,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tokenbus.config import EngineArgs
+from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 from tokenbus.engine.core_client import EngineCoreClient, make_engine_core_client
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from tokenbus.engine.outputs import RequestMetrics, RequestOutput
 from tokenbus.engine.setup import EngineSetup, create_engine_setup, create_tokenizer
-from tokenbus.protocol import SchedulerStats
+from tokenbus.protocol import EngineRequest, SchedulerStats
 from tokenbus.sampling_params import SamplingParams
-from tokenbus.worker.spec_decode.metrics import SpecDecodeMetrics
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -30,6 +30,22 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = None if params.seed is None else params.seed + index
     return params.clone(n=1, seed=seed)
+
+
+def register_children(input_processor: InputProcessor, output_processor: OutputProcessor,
+                      request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prompt: str | None, kind: OutputKind, arrival_time: float,
+                      cache_salt: str | None) -> list[EngineRequest]:
+    """Build the n child requests of one request, validating every child before any is
+    registered (all or nothing), then register them with the output processor."""
+    requests = [input_processor.make_request(child_id, prompt_token_ids, child_params(params, i),
+                                             arrival_time, cache_salt)
+                for i, child_id in enumerate(child_request_ids(request_id, params.n))]
+    parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, kind,
+                           RequestMetrics(arrival_time=arrival_time))
+    for i, request in enumerate(requests):
+        output_processor.add_request(parent, request.request_id, i, request.sampling_params)
+    return requests
 
 
 class LLMEngine:
@@ -62,15 +78,8 @@ class LLMEngine:
                     prompt: str | None = None, kind: OutputKind = OutputKind.FINAL_ONLY,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
-        child_ids = child_request_ids(request_id, params.n)
-        # Validate every child before any reaches the engine: all or nothing.
-        requests = [self.input_processor.make_request(cid, prompt_token_ids, child_params(params, i),
-                                                      arrival_time, cache_salt)
-                    for i, cid in enumerate(child_ids)]
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n, kind,
-                               RequestMetrics(arrival_time=arrival_time))
-        for i, request in enumerate(requests):
-            self.output_processor.add_request(parent, request.request_id, i, request.sampling_params)
+        for request in register_children(self.input_processor, self.output_processor, request_id,
+                                         prompt_token_ids, params, prompt, kind, arrival_time, cache_salt):
             self.client.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -207,10 +207,16 @@ class EngineConnection:
         if self.wait_exit(timeout_s) is None:
             if timeout_s:
                 logger.warning("EngineCore did not stop within %.0f s; terminating it", timeout_s)
-            self.proc.terminate()
+            self._signal(kill=False)
             if self.wait_exit(SHUTDOWN_TIMEOUT_S) is None:
-                self.proc.kill()
+                self._signal(kill=True)
                 self.wait_exit(None)
+
+    def _signal(self, kill: bool) -> None:
+        # Under the reap lock too: terminate()/kill() look at the exit code (a waitpid).
+        with self._reap_lock:
+            if self.proc.exitcode is None:
+                (self.proc.kill if kill else self.proc.terminate)()
 
 
 class MPClient(EngineCoreClient):

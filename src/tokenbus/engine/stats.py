@@ -51,7 +51,6 @@ class _RequestTimes:
     arrival_time: float
     num_prompt_tokens: int
     first_scheduled_time: float = 0.0
-    first_token_time: float = 0.0
     last_token_time: float = 0.0
     num_generation_tokens: int = 0
 
@@ -84,7 +83,6 @@ class RequestStatsTracker:
             if times.num_generation_tokens == 0:
                 stats.num_prompt_tokens += times.num_prompt_tokens
                 stats.time_to_first_tokens_s.append(now - times.arrival_time)
-                times.first_token_time = now
             else:
                 stats.inter_token_latencies_s.append(now - times.last_token_time)
             times.last_token_time = now

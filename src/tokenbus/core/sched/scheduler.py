@@ -21,6 +21,7 @@ from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenbus.core.sched.ports import GrammarManager
+from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 from tokenbus.core.sched.stop import check_stop
 from tokenbus.protocol import EngineOutput, SchedulerStats
 
@@ -35,26 +36,6 @@ class _StepPlan:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
-
-
-@dataclass
-class _SpecCounts:
-    """Speculative decoding in one step (vLLM's semantics: per-position rates are
-    accepted_per_pos[j] / num_drafts)."""
-
-    num_drafts: int = 0  # requests that verified drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [max drafts this step]
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_draft_tokens:
-            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
-        for pos in range(num_accepted):
-            self.accepted_per_pos[pos] += 1
 
 
 class Scheduler:
@@ -78,7 +59,7 @@ class Scheduler:
         self._num_preemptions_step = 0
         self.num_preemptions_total = 0
         self._num_prompt_tokens_step = 0
-        self._spec_counts = _SpecCounts()
+        self._spec_counts = SpecDecodeMetrics()
         # Outputs for requests finished outside a model step (a grammar that failed to compile).
         self._pending_outputs: list[EngineOutput] = []
 
@@ -260,7 +241,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        self._spec_counts = _SpecCounts()
+        self._spec_counts = SpecDecodeMetrics()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
