@@ -86,6 +86,13 @@ def to_api_error(exc: BaseException, known_params: frozenset[str] = frozenset())
     return APIError(f"Internal server error: {type(exc).__name__}")
 
 
+def error_event_body(exc: BaseException, known_params: frozenset[str]) -> dict:
+    """The body of a stream's error event: once a stream's 200 headers are out, a failure can
+    no longer change the status, so it goes in the body."""
+    error = to_api_error(exc, known_params)
+    return error_body(error.status, error.message, error.type, error.param)
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error_body(error.status, error.message, error.type, error.param),
                         status_code=error.status, headers=error.headers)

@@ -15,14 +15,14 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenbus.api.openai.errors import error_body, to_api_error
+from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import chat_logprobs
 from tokenbus.api.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                           ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                           ChatStreamChoice, DeltaMessage, UsageInfo)
 from tokenbus.api.openai.request_params import chat_params
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
-from tokenbus.api.openai.streaming import DONE_EVENT, SSEResponse, cancel_on_disconnect, sse_event
+from tokenbus.api.openai.streaming import DONE_EVENT, sse_event
 from tokenbus.engine.outputs import CompletionOutput
 from tokenbus.sampling_params import SamplingParams
 
@@ -64,14 +64,7 @@ class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.preflight(request, request.model)
         run = self._prepare(request)
-        ticket = self.ctx.admission.acquire(request.n)
-        if request.stream:
-            return SSEResponse(self._stream(run), on_close=ticket.release)
-        try:
-            response = await cancel_on_disconnect(raw, self._complete(run))
-        finally:
-            ticket.release()
-        return Response(status_code=499) if response is None else response
+        return await self.respond(raw, request.stream, request.n, run)
 
     def _prepare(self, request: ChatCompletionRequest) -> ChatRun:
         messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
@@ -94,16 +87,12 @@ class ChatServing(OpenAIServing):
 
     async def _complete(self, run: ChatRun) -> Response:
         states = {i: ChatChoiceState() for i in range(run.request.n)}
-        finished = False
-        try:
-            async with aclosing(self._generate(run)) as outputs:
-                async for out in outputs:
-                    for output in out.outputs:
-                            _fold(states[output.index], output, self._delta_logprobs(run, output))
-            finished = True
-        finally:
-            if not finished:
-                await self.abort([run.request_id])
+        # Leaving early (a disconnect cancels us, or a failure) closes the engine stream,
+        # and generate() aborts its request when closed; _stream relies on the same.
+        async with aclosing(self._generate(run)) as outputs:
+            async for out in outputs:
+                for output in out.outputs:
+                    _fold(states[output.index], output, self._delta_logprobs(run, output))
         choices = [ChatChoice(index=i, message=ChatMessage(role=ASSISTANT, content=s.text),
                               logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                    for i, s in sorted(states.items())]
@@ -115,7 +104,6 @@ class ChatServing(OpenAIServing):
     async def _stream(self, run: ChatRun) -> AsyncIterator[bytes]:
         num_tokens = 0
         is_first = True
-        finished = False
         try:
             async with aclosing(self._generate(run)) as outputs:
                 async for out in outputs:
@@ -129,15 +117,10 @@ class ChatServing(OpenAIServing):
                         num_tokens += len(output.token_ids)
                         if output.text or output.token_ids or output.finish_reason:
                             yield _chunk_event(run, [self._content_choice(run, output)])
-            finished = True
             if run.request.stream_options and run.request.stream_options.include_usage:
                 yield _chunk_event(run, [], run.usage(num_tokens))
         except Exception as exc:
-            error = to_api_error(exc, self.ctx.known_params)
-            yield sse_event(error_body(error.status, error.message, error.type, error.param))
-        finally:
-            if not finished:
-                await self.abort([run.request_id])
+            yield sse_event(error_event_body(exc, self.ctx.known_params))
         yield DONE_EVENT
 
     def _content_choice(self, run: ChatRun, output: CompletionOutput) -> ChatStreamChoice:

@@ -14,14 +14,13 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenbus.api.openai.errors import error_body, to_api_error
+from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import completion_logprobs, merge_completion_logprobs
 from tokenbus.api.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                           CompletionResponse, UsageInfo)
 from tokenbus.api.openai.request_params import completion_params
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
-from tokenbus.api.openai.streaming import (DONE_EVENT, SSEResponse, cancel_on_disconnect,
-                                           merge_async_iterators, sse_event)
+from tokenbus.api.openai.streaming import DONE_EVENT, merge_async_iterators, sse_event
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
 from tokenbus.sampling_params import SamplingParams
 
@@ -47,6 +46,16 @@ class ChoiceState:
 
 
 @dataclass
+class Delta:
+    """One engine output, folded into its choice's state: what a stream chunk carries."""
+
+    index: int  # the choice's: prompt index * n + child index
+    output: CompletionOutput
+    text: str  # with the echoed prompt before the choice's first delta
+    logprobs: CompletionLogProbs | None
+
+
+@dataclass
 class CompletionRun:
     """A validated request on its way through the engine."""
 
@@ -63,19 +72,17 @@ class CompletionRun:
     def choice_index(self, prompt_index: int, child_index: int) -> int:
         return prompt_index * self.request.n + child_index
 
+    def usage(self, num_completion_tokens: int) -> UsageInfo:
+        num_prompt = self.num_prompt_tokens
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion_tokens,
+                         total_tokens=num_prompt + num_completion_tokens)
+
 
 class CompletionServing(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
         self.preflight(request, request.model)
         run = self._prepare(request)
-        ticket = self.ctx.admission.acquire(request.n * len(run.prompts))
-        if request.stream:
-            return SSEResponse(self._stream(run), on_close=ticket.release)
-        try:
-            response = await cancel_on_disconnect(raw, self._complete(run))
-        finally:
-            ticket.release()
-        return Response(status_code=499) if response is None else response
+        return await self.respond(raw, request.stream, request.n * len(run.prompts), run)
 
     def _prepare(self, request: CompletionRequest) -> CompletionRun:
         base_id = new_request_id("cmpl")
@@ -105,7 +112,8 @@ class CompletionServing(OpenAIServing):
 
     def _update(self, run: CompletionRun, state: ChoiceState, prompt: PreparedPrompt,
                 output: CompletionOutput) -> tuple[str, CompletionLogProbs | None]:
-        """Fold one delta into its choice; return the delta's text and logprobs."""
+        """Fold one delta into its choice (all but the logprobs, which only _complete keeps);
+        return the delta's text and logprobs."""
         text = output.text
         if run.request.echo and not state.is_started:
             text = self._echo_text(prompt) + text
@@ -115,72 +123,68 @@ class CompletionServing(OpenAIServing):
             logprobs = completion_logprobs(output.token_ids, output.logprobs, run.request.logprobs,
                                            len(state.text) + (len(text) - len(output.text)),
                                            self.decode_token)
-            state.logprobs = merge_completion_logprobs(state.logprobs, logprobs.model_copy(deep=True))
         state.text += text
         state.num_tokens += len(output.token_ids)
         state.finish_reason = output.finish_reason or state.finish_reason
         state.stop_reason = output.stop_reason if output.finish_reason else state.stop_reason
         return text, logprobs
 
+    async def _deltas(self, run: CompletionRun, states: dict[int, ChoiceState]) -> AsyncIterator[Delta]:
+        """Every prompt's outputs in arrival order, each folded into its choice in `states`.
+
+        Leaving early (a disconnect cancels the caller, or a failure) closes every engine stream,
+        and generate() aborts its request when closed.
+        """
+        async with aclosing(merge_async_iterators(*self._generators(run))) as outputs:
+            async for p_idx, out in outputs:
+                for output in out.outputs:
+                    index = run.choice_index(p_idx, output.index)
+                    state = states.setdefault(index, ChoiceState())
+                    text, logprobs = self._update(run, state, run.prompts[p_idx], output)
+                    yield Delta(index, output, text, logprobs)
+
     async def _complete(self, run: CompletionRun) -> Response:
         states: dict[int, ChoiceState] = {}
-        finished = False
-        try:
-            async with aclosing(merge_async_iterators(*self._generators(run))) as outputs:
-                async for p_idx, out in outputs:
-                    for output in out.outputs:
-                        index = run.choice_index(p_idx, output.index)
-                        state = states.setdefault(index, ChoiceState())
-                        self._update(run, state, run.prompts[p_idx], output)
-            finished = True
-        finally:
-            if not finished:
-                await self.abort([p.request_id for p in run.prompts])
+        async with aclosing(self._deltas(run, states)) as deltas:
+            async for delta in deltas:
+                if delta.logprobs is not None:
+                    # Each delta's logprobs are built fresh and used only here, so the first
+                    # can become the choice's accumulator as it is.
+                    state = states[delta.index]
+                    state.logprobs = merge_completion_logprobs(state.logprobs, delta.logprobs)
         choices = [CompletionChoice(index=i, text=s.text, logprobs=s.logprobs,
                                     finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                    for i, s in sorted(states.items())]
-        num_completion = sum(s.num_tokens for s in states.values())
-        usage = UsageInfo(prompt_tokens=run.num_prompt_tokens, completion_tokens=num_completion,
-                          total_tokens=run.num_prompt_tokens + num_completion)
         body = CompletionResponse(id=run.request_id, created=run.created, model=run.model,
-                                  choices=choices, usage=usage)
+                                  choices=choices, usage=run.usage(_num_tokens(states)))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(self, run: CompletionRun) -> AsyncIterator[bytes]:
         states: dict[int, ChoiceState] = {}
-        finished = False
         try:
-            async with aclosing(merge_async_iterators(*self._generators(run))) as outputs:
-                async for p_idx, out in outputs:
-                    for output in out.outputs:
-                        index = run.choice_index(p_idx, output.index)
-                        state = states.setdefault(index, ChoiceState())
-                        text, logprobs = self._update(run, state, run.prompts[p_idx], output)
-                        if text or output.token_ids or output.finish_reason:
-                            yield sse_event(self._chunk(run, index, text, logprobs, output))
-            finished = True
+            async with aclosing(self._deltas(run, states)) as deltas:
+                async for delta in deltas:
+                    if delta.text or delta.output.token_ids or delta.output.finish_reason:
+                        yield sse_event(self._chunk(run, delta))
             if run.request.stream_options and run.request.stream_options.include_usage:
                 yield sse_event(self._usage_chunk(run, states))
         except Exception as exc:
-            error = to_api_error(exc, self.ctx.known_params)
-            yield sse_event(error_body(error.status, error.message, error.type, error.param))
-        finally:
-            if not finished:
-                await self.abort([p.request_id for p in run.prompts])
+            yield sse_event(error_event_body(exc, self.ctx.known_params))
         yield DONE_EVENT
 
-    def _chunk(self, run: CompletionRun, index: int, text: str, logprobs: CompletionLogProbs | None,
-               output: CompletionOutput) -> CompletionResponse:
-        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                  finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+    def _chunk(self, run: CompletionRun, delta: Delta) -> CompletionResponse:
+        choice = CompletionChoice(index=delta.index, text=delta.text, logprobs=delta.logprobs,
+                                  finish_reason=delta.output.finish_reason,
+                                  stop_reason=delta.output.stop_reason)
         return CompletionResponse(id=run.request_id, created=run.created, model=run.model, choices=[choice])
 
     def _usage_chunk(self, run: CompletionRun, states: dict[int, ChoiceState]) -> CompletionResponse:
-        num_completion = sum(s.num_tokens for s in states.values())
-        usage = UsageInfo(prompt_tokens=run.num_prompt_tokens, completion_tokens=num_completion,
-                          total_tokens=run.num_prompt_tokens + num_completion)
         return CompletionResponse(id=run.request_id, created=run.created, model=run.model,
-                                  choices=[], usage=usage)
+                                  choices=[], usage=run.usage(_num_tokens(states)))
+
+
+def _num_tokens(states: dict[int, ChoiceState]) -> int:
+    return sum(s.num_tokens for s in states.values())
 
 
 def _split_prompts(prompt: str | list) -> list[str | list[int]]:

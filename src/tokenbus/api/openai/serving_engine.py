@@ -1,17 +1,19 @@
-"""What every OpenAI endpoint shares: model check, admission, validation, abort (L5)."""
+"""What every OpenAI endpoint shares: model check, admission, validation, responding (L5)."""
 
 from __future__ import annotations
 
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
-import anyio
+from starlette.requests import Request
+from starlette.responses import Response
 
 from tokenbus.api.openai.errors import NotFoundError, ServiceUnavailableError
 from tokenbus.api.openai.protocol import OpenAIRequest
 from tokenbus.api.openai.request_params import ParamLimits
+from tokenbus.api.openai.streaming import SSEResponse, cancel_on_disconnect
 from tokenbus.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -105,14 +107,30 @@ class OpenAIServing:
     def decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    async def abort(self, request_ids: list[str]) -> None:
-        """Abort engine requests, even from a cancelled task (shielded; idempotent)."""
-        with anyio.CancelScope(shield=True):
-            for request_id in request_ids:
-                try:
-                    await self.engine.abort(request_id)
-                except Exception:  # a dead engine has nothing left to abort
-                    logger.debug("abort of %s failed", request_id, exc_info=True)
+    async def respond(self, raw: Request, stream: bool, num_seqs: int, run: Any) -> Response:
+        """Admit `num_seqs` sequences, then answer with `run` as an event stream or as one body.
+
+        The admission slot is held until the stream closes or the body is built. Engine requests
+        need no abort here: engine.generate() aborts its own when closed early, cancelled (a
+        disconnect) or failing.
+        """
+        ticket = self.ctx.admission.acquire(num_seqs)
+        if stream:
+            return SSEResponse(self._stream(run), on_close=ticket.release)
+        try:
+            response = await cancel_on_disconnect(raw, self._complete(run))
+        finally:
+            ticket.release()
+        # None: the client disconnected first; 499 is nginx's "client closed request".
+        return Response(status_code=499) if response is None else response
+
+    async def _complete(self, run: Any) -> Response:
+        """The whole answer to a non-streaming request (endpoints that generate override it)."""
+        raise NotImplementedError
+
+    def _stream(self, run: Any) -> AsyncIterator[bytes]:
+        """The server-sent events of a streaming request (endpoints that generate override it)."""
+        raise NotImplementedError
 
 
 def new_request_id(prefix: str) -> str:
