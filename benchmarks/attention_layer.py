@@ -1,7 +1,8 @@
 """One paged-attention layer, torch path vs native kernel, on the same random cache.
 
 `batch` decode requests with `context` keys each in shuffled 16-token blocks, SmolLM2's heads
-(9 query, 3 KV, head size 64). Prints the best of `--repeats` calls and the largest difference.
+(9 query, 3 KV, head size 64). Prints the best of `--repeats` calls and the largest difference,
+and, for reference, the GB/s of a plain `torch.sum` streaming a ~176 MB fp32 tensor.
 Usage: python benchmarks/attention_layer.py [--batch 64] [--context 450] [--threads 2] [--dtype float32]
 """
 import argparse
@@ -9,9 +10,24 @@ import time
 
 import torch
 
-from tokenbus.model import ForwardContext
 from tokenbus.model.attention import build_attention_plan, paged_attention
 from tokenbus.model.native import load_paged_attention
+
+from decode_step import make_ctx  # benchmarks/ is sys.path[0] when run as a script
+
+SUM_REFERENCE_NUMEL = 44_000_000  # fp32: 176 MB, far larger than the CPU caches
+SUM_REPEATS = 5
+
+
+def sum_bandwidth(repeats: int) -> float:
+    """GB/s of a plain torch.sum over SUM_REFERENCE_NUMEL fp32 values, best of `repeats`."""
+    x = torch.ones(SUM_REFERENCE_NUMEL, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.sum(x)
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * x.element_size() / best / 1e9
 
 
 def main():
@@ -29,12 +45,8 @@ def main():
     blocks_per_req = (context + bs) // bs
     num_blocks = batch * blocks_per_req + 1
     kv = torch.randn(2, num_blocks, bs, num_kv_heads, head_dim, generator=g).to(dtype)
-    tables = (torch.randperm(num_blocks - 1, generator=g)[:batch * blocks_per_req] + 1).view(batch, blocks_per_req)
-    seq_lens = [context + 1] * batch
-    slots = tables[:, context // bs] * bs + context % bs
-    ctx = ForwardContext(positions=torch.full((batch,), context), slot_mapping=slots, kv_caches=[kv],
-                         block_size=bs, query_start_loc=list(range(batch + 1)), seq_lens=seq_lens,
-                         seq_lens_t=torch.tensor(seq_lens), block_tables=tables, num_decodes=batch)
+    ctx = make_ctx([kv], batch, context, bs, g)
+    slots = ctx.slot_mapping
     q = torch.randn(batch, num_heads + num_kv_heads, head_dim, generator=g).to(dtype)[:, :num_heads]
     k, v = (torch.randn(batch, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
     outputs = {}
@@ -48,6 +60,8 @@ def main():
         kv_bytes = 2 * batch * (context + 1) * num_kv_heads * head_dim * kv.element_size()
         print(f"{name:7s} {min(times) * 1e3:7.2f} ms  ({kv_bytes / min(times) / 1e9:5.1f} GB/s of K/V)")
     print(f"max |native - torch| = {(outputs['native'] - outputs['torch']).abs().max().item():.2e}")
+    print(f"reference: torch.sum over {SUM_REFERENCE_NUMEL * 4 / 1e6:.0f} MB fp32 "
+          f"{sum_bandwidth(SUM_REPEATS):5.1f} GB/s (best of {SUM_REPEATS})")
 
 
 if __name__ == "__main__":

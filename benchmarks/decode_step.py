@@ -1,16 +1,18 @@
-"""Decode-step time of SmolLM2-135M (fp32, CPU) with tokenbus' model + paged attention.
+"""Decode-step time of SmolLM2-135M on the CPU (--dtype, default fp32) with tokenbus' model + paged attention.
 
 Each of `batch` requests has `context` tokens in the paged cache (random K/V, shuffled blocks);
 one step = model forward of `batch` single-token queries + compute_logits for those rows.
-Usage: python benchmarks/decode_step.py [--batches 1 16 64] [--context 256] [--steps 10] [--profile]
+Usage: python benchmarks/decode_step.py [--batches 1 16 64] [--context 256] [--steps 10] [--dtype float32] [--profile]
 """
 import argparse, statistics, time
 import torch
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.worker.model_loader import load_model
 from tokenbus.model import ForwardContext
+from tokenbus.model.layers.linear import LINEAR_BACKENDS
 
-def make_ctx(arch, kv_caches, batch, context, block_size, generator):
+def make_ctx(kv_caches, batch, context, block_size, generator):
+    """`batch` decode requests of `context` cached tokens each, in shuffled blocks of the cache."""
     blocks_per_req = (context + 1 + block_size - 1) // block_size
     num_blocks = kv_caches[0].shape[1]
     perm = torch.randperm(num_blocks - 1, generator=generator)[: batch * blocks_per_req] + 1
@@ -28,7 +30,7 @@ def main():
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--linear-backend", default="auto")
+    p.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "native"])
     p.add_argument("--profile", action="store_true")
     p.add_argument("--threads", type=int, default=2)
@@ -43,13 +45,15 @@ def main():
         attention.DECODE_TILE_BYTES = int(args.tile_mib * 2**20)
     src = resolve_model(None); arch = load_arch(src)
     dtype = getattr(torch, args.dtype)
-    model = load_model(src, arch, dtype, "cpu", args.attention_backend); model.finalize(args.linear_backend)
+    model = load_model(src, arch, dtype, "cpu", args.attention_backend)  # finalized for "auto"
+    if args.linear_backend != "auto":
+        model.finalize(args.linear_backend)
     bs = args.block_size
     num_blocks = max(args.batches) * ((args.context + bs) // bs + 1) + 2
     g = torch.Generator().manual_seed(0)
     kv = [torch.randn(2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim, generator=g).to(dtype) for _ in range(arch.num_hidden_layers)]
     for batch in args.batches:
-        ctx = make_ctx(arch, kv, batch, args.context, bs, g)
+        ctx = make_ctx(kv, batch, args.context, bs, g)
         ids = torch.randint(0, arch.vocab_size, (batch,), generator=g)
         times = []
         with torch.inference_mode():

@@ -32,7 +32,7 @@ def main():
     for dtype in ("float32", "bfloat16"):
         llm = LLM(dtype=dtype, multiprocess=False)
         outputs[dtype] = [r.outputs[0].token_ids for r in llm.chat(conversations, params, use_tqdm=False)]
-        llm.engine.shutdown()
+        llm.shutdown()
     pairs = list(zip(outputs["float32"], outputs["bfloat16"]))
     identical = sum(a == b for a, b in pairs)
     print(f"identical completions: {identical} of {len(pairs)}")

@@ -5,15 +5,14 @@ Usage: .venv/bin/python benchmarks/make_hf_copy.py /tmp/smollm2-hf
 
 import sys
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from tokenbus.bench.hf_peer import load_hf_model
 from tokenbus.loader import resolve_model
 
 
 def main(out_dir: str) -> None:
-    source = resolve_model(None)
-    kwargs = {"gguf_file": source.path.name}
-    loaded = AutoModelForCausalLM.from_pretrained(str(source.path.parent), **kwargs)
+    loaded = load_hf_model(None, "float32")
     # transformers refuses to save a GGUF-loaded model: copy its (dequantized) weights into a
     # fresh model built from the same config, without the GGUF quantization marker.
     config = loaded.config
@@ -23,7 +22,8 @@ def main(out_dir: str) -> None:
     model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(str(source.path.parent), **kwargs).save_pretrained(out_dir)
+    source = resolve_model(None)
+    AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name).save_pretrained(out_dir)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 
 from tokenbus import LLM, SamplingParams
-from tokenbus.worker.spec_decode.metrics import SpecDecodeMetrics
+from tokenbus.bench.report import machine_description
+from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 
 SOLAR = ("Solar panels convert sunlight into electricity using photovoltaic cells. When light hits a cell, "
          "it knocks electrons loose from their atoms, and the flow of those electrons is an electric current. "
@@ -54,10 +54,8 @@ CHAT_QUESTIONS = [
 
 
 def chat_prompts(llm: LLM, questions: list[str]) -> list[list[int]]:
-    tok = llm.get_tokenizer()
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                               add_generation_prompt=True), add_special_tokens=False)
-            for q in questions]
+    render = llm.engine.input_processor.render_chat
+    return [render([{"role": "user", "content": q}])[1] for q in questions]
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -86,14 +84,13 @@ def run_single(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: in
 
 
 def run_batch(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int) -> dict:
-    elapsed, num_tokens = {}, {}
-    for name, llm in engines.items():
-        with llm.engine.measure_spec_decode() as metrics:
-            elapsed[name], outputs = timed_generate(llm, prompts, max_tokens)
-        num_tokens[name] = sum(len(t) for t in outputs)
-        if name == "spec":
-            spec_metrics_result = metrics
-    return _summary(elapsed, num_tokens, spec_metrics_result)
+    """All prompts at once on each engine in turn; acceptance figures from the spec engine's run."""
+    elapsed, outputs = {}, {}
+    elapsed["plain"], outputs["plain"] = timed_generate(engines["plain"], prompts, max_tokens)
+    with engines["spec"].engine.measure_spec_decode() as metrics:
+        elapsed["spec"], outputs["spec"] = timed_generate(engines["spec"], prompts, max_tokens)
+    num_tokens = {name: sum(len(t) for t in tokens) for name, tokens in outputs.items()}
+    return _summary(elapsed, num_tokens, metrics)
 
 
 def _summary(elapsed: dict, num_tokens: dict, metrics: SpecDecodeMetrics) -> dict:
@@ -128,7 +125,7 @@ def main() -> None:
     for llm in engines.values():  # warm-up: first-call allocations and kernel selection
         timed_generate(llm, [chat[0]], 8)
     results = {"spec_config": json.loads(ns.spec), "max_tokens": ns.max_tokens,
-               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"}
+               "machine": machine_description()}
     workloads = ns.workloads.split(",")
     if "copy" in workloads:
         results["copy_single"] = run_single(engines, copy, ns.max_tokens)
@@ -144,7 +141,7 @@ def main() -> None:
         with open(ns.output_json, "w") as f:
             json.dump(results, f, indent=2)
     for llm in engines.values():
-        llm.engine.shutdown()
+        llm.shutdown()
 
 
 def _print(title: str, result: dict) -> None:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
+
+from tokenbus.bench.hf_peer import load_hf_model
 
 
 @functools.lru_cache(maxsize=4)
 def load_hf(model_dir: str, gguf_file: str | None = None):
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    """An HF model directory, or `gguf_file` inside `model_dir`, in fp32 (cached)."""
+    return load_hf_model(str(Path(model_dir) / gguf_file) if gguf_file else model_dir, "float32")
 
 
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:

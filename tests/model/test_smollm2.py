@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from tests.fixtures.paged import PagedKV
+from tokenbus.bench.hf_peer import load_hf_model
 from tokenbus.loader import load_arch, load_generation_config, load_tokenizer, resolve_model
 from tokenbus.worker.model_loader import load_model
 
@@ -28,8 +29,6 @@ def test_smollm2_arch_and_tokenizer():
 
 def test_smollm2_gguf_greedy_matches_transformers():
     """Greedy tokens of 3 prompts batched through the paged cache equal transformers' on the same GGUF (fp32)."""
-    from transformers import AutoModelForCausalLM
-
     src = resolve_model(None)
     ours = load_model(src, load_arch(src), torch.float32, "cpu")
     prompts = {"a": [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575,
@@ -47,8 +46,7 @@ def test_smollm2_gguf_greedy_matches_transformers():
             for (req, _), token in zip(batch, next_ids):
                 ours_out[req].append(token)
             batch = [(req, [token]) for (req, _), token in zip(batch, next_ids)]
-        hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                  dtype=torch.float32).eval()
+        hf = load_hf_model(None, "float32")
         for req, prompt in prompts.items():
             ids = torch.tensor([prompt])
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_new,

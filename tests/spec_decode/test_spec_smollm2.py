@@ -44,10 +44,8 @@ def _llm(spec=None, **kwargs):
 
 
 def _chat_prompts(llm, questions):
-    tok = llm.get_tokenizer()
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                               add_generation_prompt=True), add_special_tokens=False)
-            for q in questions]
+    render = llm.engine.input_processor.render_chat
+    return [render([{"role": "user", "content": q}])[1] for q in questions]
 
 
 def _greedy(llm, prompts):

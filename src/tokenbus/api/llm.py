@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Mapping, Sequence
 
@@ -26,6 +27,12 @@ class LLM:
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        """Build from a ready EngineArgs (the CLI, the benchmarks): the same as passing each of
+        its fields as a keyword, so both paths validate and build the engine alike."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 
 from tokenbus.loader import resolve_model
-
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
+from tokenbus.worker.worker import resolve_dtype
 
 
 def load_hf_model(model: str | None, dtype: str = "auto"):
+    """The model in HF transformers, on the CPU (where it is loaded), in our `dtype` for that
+    device: `auto` is float32 there, as for our own engine on a CPU."""
     from transformers import AutoModelForCausalLM
 
     source = resolve_model(model)
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
     if source.kind == "gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
                                                   dtype=torch_dtype)

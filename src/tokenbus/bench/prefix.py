@@ -26,7 +26,7 @@ def run_prefix_bench(args: EngineArgs, num_prompts: int, prefix_len: int, questi
 
 
 def _run(args: EngineArgs, workload, name: str) -> BenchResult:
-    llm = LLM(**{k: v for k, v in dataclasses.asdict(args).items() if k != "extra"})
+    llm = LLM.from_engine_args(args)
     # Warm up on unrelated tokens so the timed run starts with an empty prefix cache.
     llm.generate([{"prompt_token_ids": [1000 + i for i in range(20)]}],
                  SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
@@ -45,7 +45,7 @@ def _run(args: EngineArgs, workload, name: str) -> BenchResult:
     }
     result = BenchResult(name, len(workload), elapsed, sum(len(r.prompt_token_ids) for r in workload),
                          sum(len(o.outputs[0].token_ids) for o in outputs), extra)
-    llm.engine.shutdown()
+    llm.shutdown()
     del llm
     gc.collect()
     return result

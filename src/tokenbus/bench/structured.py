@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 
@@ -25,7 +24,7 @@ SCHEMA = {
 
 
 def run_structured_bench(args: EngineArgs, num_prompts: int, max_tokens: int) -> list[BenchResult]:
-    llm = LLM(**{k: v for k, v in dataclasses.asdict(args).items() if k != "extra"})
+    llm = LLM.from_engine_args(args)
     compile_times = _compile_times(llm)
     prompts = [llm.engine.input_processor.render_chat(
         [{"role": "user", "content": f"Describe person number {i} as JSON with name, age, hobbies, city."}])[1]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 
@@ -17,7 +16,7 @@ from tokenbus.sampling_params import SamplingParams
 
 def run_tokenbus_throughput(args: EngineArgs, workload: list[BenchRequest],
                             name: str = "tokenbus") -> BenchResult:
-    llm = LLM(**{k: v for k, v in dataclasses.asdict(args).items() if k != "extra"})
+    llm = LLM.from_engine_args(args)
     warmup = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([{"prompt_token_ids": workload[0].prompt_token_ids[:32]}], warmup, use_tqdm=False)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
@@ -30,7 +29,7 @@ def run_tokenbus_throughput(args: EngineArgs, workload: list[BenchRequest],
     totals = llm.engine.stats_totals
     result = BenchResult(name, len(workload), elapsed, sum(len(r.prompt_token_ids) for r in workload),
                          num_output, extra={"preemptions": totals["num_preemptions"]})
-    llm.engine.shutdown()
+    llm.shutdown()
     del llm
     gc.collect()
     return result

@@ -1,4 +1,4 @@
-"""`tokenbus bench throughput | serve | prefix` (L7)."""
+"""`tokenbus bench throughput | prefix | structured | serve` (L7)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _structured(ns: argparse.Namespace) -> int:
 
     results = run_structured_bench(engine_args_from(ns), ns.num_prompts, ns.max_tokens)
     print_table(results)
-    _write_json(ns.output_json, results)
+    _write_json(ns.output_json, [r.to_dict() for r in results])
     return 0
 
 
@@ -79,7 +79,7 @@ def _throughput(ns: argparse.Namespace) -> int:
     if "hf" in ns.compare:
         results.append(run_hf_throughput(args, workload, ns.hf_batch_size))
     print_table(results)
-    _write_json(ns.output_json, results)
+    _write_json(ns.output_json, [r.to_dict() for r in results])
     return 0
 
 
@@ -90,14 +90,15 @@ def _prefix(ns: argparse.Namespace) -> int:
     results = run_prefix_bench(engine_args_from(ns), ns.num_prompts, ns.prefix_len, ns.question_len,
                                ns.output_len, ns.dataset_seed)
     print_table(results)
-    _write_json(ns.output_json, results)
+    _write_json(ns.output_json, [r.to_dict() for r in results])
     return 0
 
 
-def _write_json(path: str | None, results) -> None:
+def _write_json(path: str | None, payload) -> None:
+    """Write `payload` to `path` as indented JSON; no path, no file."""
     if path:
         with open(path, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=2)
+            json.dump(payload, f, indent=2)
 
 
 def _add_serve_parser(kinds) -> None:
@@ -142,9 +143,7 @@ def _serve_bench(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(serve.format_report(summary, percentiles))
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump({"config": serve.config_dict(config), **summary}, f, indent=2)
+    _write_json(ns.output_json, {"config": serve.config_dict(config), **summary})
     return 0 if summary["completed"] else 1
 
 

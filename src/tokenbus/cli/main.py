@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _generate(ns: argparse.Namespace) -> int:
     from tokenbus.api.llm import LLM
 
-    llm = LLM(**vars(engine_args_from(ns)))
+    llm = LLM.from_engine_args(engine_args_from(ns))
     params = sampling_params_from(ns)
     if ns.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params, use_tqdm=False)
