@@ -21,6 +21,7 @@ from tokenbus.model.attention import (AttentionPlan, build_attention_plan, paged
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenbus.model.native import PagedAttentionKernel
+from tokenbus.utils.cpu import CpuFeatures
 
 WeightLoader = Callable[[str, torch.Tensor], None]
 # Checkpoint tensors that carry no information for us (old HF checkpoints store inv_freq).
@@ -125,12 +126,13 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] (rows of forward's output) -> fp32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
 
-    def finalize(self, linear_backend: str = "auto") -> None:
-        """Pack every linear for its device (see layers/linear.py); "dense" runs plain F.linear
-        (needed before torch.compile, which cannot trace packed oneDNN weights)."""
+    def finalize(self, linear_backend: str = "auto", cpu: CpuFeatures | None = None) -> None:
+        """Pack every linear for its device and CPU (see layers/linear.py); "dense" runs plain
+        F.linear (needed before torch.compile, which cannot trace packed oneDNN weights)."""
+        cpu = cpu or CpuFeatures.detect()
         for module in self.modules():
             if isinstance(module, Linear):
-                module.finalize(linear_backend)
+                module.finalize(linear_backend, cpu)
 
     def set_attention_backend(self, backend: str) -> None:
         """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.

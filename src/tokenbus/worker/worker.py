@@ -10,6 +10,7 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.loader import ModelSource
+from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures
 from tokenbus.worker.model_loader import load_model
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.worker.model_runner import ModelRunner
@@ -35,6 +36,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def cpu_dtype_warning(dtype: torch.dtype, cpu: CpuFeatures) -> str | None:
+    """bf16 runs everywhere (portable kernels where oneDNN's packed path is refused), but on a
+    CPU without bf16 dot products it is emulated and slower than float32: say so once."""
+    if dtype == torch.bfloat16 and not cpu.has_bf16_dot:
+        return (f"dtype bfloat16 on a CPU without bf16 instructions ({', '.join(BF16_DOT_FLAGS)}): "
+                f"it runs correctly but emulated, slower than float32 (the CPU default)")
+    return None
+
+
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, arch: ModelArch,
                  eos_token_id: int | None) -> None:
@@ -42,6 +52,12 @@ class Worker:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
+        if self.device.type == "cpu":
+            cpu = CpuFeatures.detect()
+            logger.info("CPU: %s; %d torch threads", cpu.describe(), torch.get_num_threads())
+            warning = cpu_dtype_warning(self.dtype, cpu)
+            if warning:
+                logger.warning(warning)
         model = load_model(source, arch, self.dtype, self.device, config.model.attention_backend)
         max_model_len = config.scheduler.max_model_len
         self.num_blocks = determine_num_blocks(config.cache, arch, self.dtype, self.device, max_model_len,

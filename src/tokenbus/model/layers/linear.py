@@ -4,8 +4,9 @@ Layout measured on the 2-core CPU machine (torch 2.13, SmolLM2 shapes, 30 layers
 stream from memory): a oneDNN weight pre-packed once with `torch.ops.mkldnn._reorder_linear_weight`
 ran 1.3–3x faster than both `F.linear(x, w)` and `torch.mm(x, w_t)` at 1–64 rows in fp32 and
 1.25x at 256 (pre-transposed `torch.mm` was no faster than F.linear there); in bf16 it avoids
-F.linear's slow path (5x). So on CPU every linear runs packed when oneDNN supports the dtype;
-elsewhere (CUDA, fp16 on CPU) it runs `F.linear`. The dense weight stays the source of truth
+F.linear's slow path (5x). So on CPU every linear runs packed when oneDNN supports the dtype
+on this CPU (bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU runs bf16
+through `F.linear`); elsewhere (CUDA, fp16 on CPU) it runs `F.linear`. The dense weight stays the source of truth
 (state_dict, `.to()`; re-run `finalize` after moving), at the cost of a second copy in memory. torch.compile cannot trace the opaque packed
 tensors: finalize("dense") before compiling.
 """
@@ -18,24 +19,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenbus.utils.cpu import CpuFeatures
+
 LINEAR_BACKENDS = ("auto", "dense", "onednn")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 LinearKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _onednn_supported(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+def onednn_unsupported_reason(weight: torch.Tensor, cpu: CpuFeatures | None = None) -> str | None:
+    """Why a packed oneDNN linear cannot run this weight here, or None when it can."""
+    if weight.device.type != "cpu" or weight.dtype not in _ONEDNN_DTYPES:
+        return f"packed oneDNN linears run on CPU in float32 or bfloat16, not {weight.device.type} {weight.dtype}"
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return "this torch build has no oneDNN"
+    if weight.dtype == torch.bfloat16:
+        missing = (cpu or CpuFeatures.detect()).missing_for_bf16_packed_linear()
+        if missing:
+            return (f"packed bfloat16 linears need AVX-512 BW/VL/DQ or AVX-NE-CONVERT; "
+                    f"this CPU lacks {', '.join(missing)}")
+    return None
 
 
-def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str = "auto") -> LinearKernel:
-    """A callable x[..., in] -> [..., out] computing x @ weight.T + bias; weight is [out, in]."""
+def choose_linear_backend(weight: torch.Tensor, backend: str = "auto", cpu: CpuFeatures | None = None) -> str:
+    """"dense" or "onednn" for this weight here: `auto` packs for oneDNN where
+    `onednn_unsupported_reason` allows; `onednn` where it cannot run is a ValueError with the reason."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
-    use_onednn = backend == "onednn" or (backend == "auto" and _onednn_supported(weight))
-    if not use_onednn:
+    if backend == "dense":
+        return "dense"
+    reason = onednn_unsupported_reason(weight, cpu)
+    if backend == "onednn" and reason is not None:
+        raise ValueError(f"linear backend 'onednn': {reason}")
+    return "dense" if reason is not None else "onednn"
+
+
+def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str = "auto",
+                       cpu: CpuFeatures | None = None) -> LinearKernel:
+    """A callable x[..., in] -> [..., out] computing x @ weight.T + bias; weight is [out, in]."""
+    if choose_linear_backend(weight, backend, cpu) == "dense":
         return lambda x: F.linear(x, weight, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # opaque blocked layout
     packed_bias = None if bias is None else bias.detach()
@@ -57,6 +79,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self._kernel: LinearKernel | None = None
+        self.backend = "dense"  # the kernel finalize() chose: "dense" or "onednn"
 
     def shard_rows(self, shard: int) -> slice:
         start = sum(self.out_sizes[:shard])
@@ -75,8 +98,9 @@ class Linear(nn.Module):
             target[rows].copy_(tensor)
         self._kernel = None  # weights changed: re-pack in finalize()
 
-    def finalize(self, backend: str = "auto") -> None:
-        self._kernel = make_linear_kernel(self.weight, self.bias, backend)
+    def finalize(self, backend: str = "auto", cpu: CpuFeatures | None = None) -> None:
+        self.backend = choose_linear_backend(self.weight, backend, cpu)
+        self._kernel = make_linear_kernel(self.weight, self.bias, self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is None:

@@ -1,7 +1,8 @@
 """Native CPU kernels (L2): C sources next to this file, built on first use, loaded with ctypes.
 
-Built with the system C compiler (`$CC`, else `cc`) for this machine (-march=native) into a
-cache directory keyed by the source, the flags and the CPU, so a later process loads the
+Built with the system C compiler (`$CC`, else `cc`) for this machine (-march=native, or the
+x86-64 level that `$TOKENBUS_CPU_ISA` caps it to: utils/cpu.py) into a cache directory keyed by
+the source, the flags and the CPU, so a later process loads the
 shared object without compiling. No compiler, or a failed build, is not an error: `load_*`
 returns None with the reason, and callers keep the portable torch path.
 
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+from tokenbus.utils.cpu import CpuFeatures
+
+OPT_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 # No -ffast-math when linking: GCC < 13 then links crtfastmath.o, whose constructor turns on
 # flush-to-zero / denormals-are-zero for the whole process at dlopen, changing every later
 # torch op (denormals become 0) in a process that loads us.
@@ -45,24 +48,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenbus"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def compile_flags(cpu: CpuFeatures) -> tuple[str, ...]:
+    """-march from the CPU (its own instructions, or the capped x86-64 level), then -O3 & co."""
+    return (f"-march={cpu.march}", *OPT_FLAGS)
 
 
-def build_shared_object(source: Path) -> Path:
+def build_shared_object(source: Path, cpu: CpuFeatures | None = None) -> Path:
     """Compile `source` into the cache (once per source, flags, compiler and CPU); its path."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise NativeBuildError("no C compiler found (set $CC)")
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
+    cpu = cpu or CpuFeatures.detect()
+    compile_args = compile_flags(cpu)
+    flags = " ".join(compile_args + LINK_FLAGS).encode()
+    cpu_key = " ".join(sorted(cpu.flags)) or platform.processor()
     key = hashlib.sha256(b"\0".join([source.read_bytes(), flags, compiler.encode(),
-                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+                                     platform.machine().encode(), cpu_key.encode()])).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -77,7 +78,7 @@ def build_shared_object(source: Path) -> Path:
                                f"(set $TOKENBUS_CACHE_DIR): {exc}") from exc
     obj = tmp[:-len(".so")] + ".o"
     try:
-        for command in ([compiler, *COMPILE_FLAGS, "-c", "-o", obj, str(source)],
+        for command in ([compiler, *compile_args, "-c", "-o", obj, str(source)],
                         [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]):
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
@@ -127,10 +128,10 @@ def check_indices(*index: torch.Tensor) -> None:
         assert tensor.dtype == torch.int64 and tensor.device.type == "cpu" and tensor.stride(-1) == 1
 
 
-def load_paged_attention() -> PagedAttentionKernel:
+def load_paged_attention(cpu: CpuFeatures | None = None) -> PagedAttentionKernel:
     """Build (or find in the cache) and load the kernel; NativeBuildError says why not."""
     try:
-        lib = ctypes.CDLL(str(build_shared_object(_SOURCE)))
+        lib = ctypes.CDLL(str(build_shared_object(_SOURCE, cpu)))
     except OSError as exc:
         raise NativeBuildError(f"cannot load {_SOURCE.stem}: {exc}") from exc
     fn = lib.paged_attention

@@ -1,0 +1,118 @@
+"""What this CPU can run, so every fast path is chosen at run time (L0, stdlib only).
+
+The flags come from /proc/cpuinfo (Linux's names: avx2, avx512bw, avx512_bf16, amx_bf16, ...).
+`$TOKENBUS_CPU_ISA` caps what tokenbus believes the CPU has, to exercise a portable path on a
+machine that has more (tests, bug reports from older CPUs):
+
+    native    what the CPU reports (default)
+    avx512    x86-64-v4: AVX-512 F/BW/CD/DQ/VL, no BF16/FP16/VNNI extensions or AMX
+    avx2      x86-64-v3: AVX2 + FMA, no AVX-512, AMX or AVX-VNNI (an AMD Zen 3)
+    baseline  x86-64: SSE2 only
+
+The cap steers tokenbus's own choices (packed linears, the attention kernel's -march); torch
+and oneDNN still pick their inner kernels from the real CPU unless `ATEN_CPU_CAPABILITY` and
+`ONEDNN_MAX_CPU_ISA` cap those. torch's cap is honoured here too (the lower of the two wins):
+under ATEN_CPU_CAPABILITY=avx2 torch itself refuses to pack bf16 weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+CPU_ISA_ENV = "TOKENBUS_CPU_ISA"
+ISA_CAPS = ("native", "avx512", "avx2", "baseline")  # widest first
+# torch's own ISA cap, in our names (its other values are not x86 and cap nothing here).
+_ATEN_CAPS = {"default": "baseline", "avx2": "avx2", "avx512": "avx512"}
+
+# The psABI levels a cap compiles for (GCC >= 11 and clang >= 12 know these names).
+_MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "baseline": "x86-64"}
+_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
+_V4 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
+# oneDNN's packed bf16 linear (torch's mkldnn_bf16_device_check): either set suffices.
+BF16_PACKED_LINEAR_FLAGS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
+# Hardware bf16 dot products; without them bf16 matmuls are emulated (slower than fp32).
+BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
+
+
+@functools.cache
+def _reported_flags() -> frozenset[str]:
+    """The CPU's flags; read once per process (they cannot change under it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _capped(flags: frozenset[str], cap: str) -> frozenset[str]:
+    if cap == "native":
+        return flags
+    # Everything newer than AVX2: every AVX-512 extension, AMX, and the VEX-coded AVX-VNNI /
+    # AVX-IFMA / AVX-NE-CONVERT families that x86-64-v3 does not include.
+    beyond_v3 = {f for f in flags if f.startswith(("avx512", "amx", "avx_"))}
+    if cap == "avx512":
+        return (flags - beyond_v3) | (flags & _V4)
+    if cap == "avx2":
+        return flags - beyond_v3
+    return flags - beyond_v3 - _V3
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    flags: frozenset[str]
+    cap: str = "native"
+
+    @classmethod
+    def detect(cls) -> "CpuFeatures":
+        """This CPU's features under `$TOKENBUS_CPU_ISA` (read on every call, so a test or a
+        child process can set it)."""
+        cap = os.environ.get(CPU_ISA_ENV, "native").strip().lower() or "native"
+        if cap not in ISA_CAPS:
+            raise ValueError(f"{CPU_ISA_ENV} must be one of {ISA_CAPS}, got {cap!r}")
+        aten = _ATEN_CAPS.get(os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower(), "native")
+        cap = max(cap, aten, key=ISA_CAPS.index)
+        return cls(_capped(_reported_flags(), cap), cap)
+
+    def has(self, *flags: str) -> bool:
+        return all(flag in self.flags for flag in flags)
+
+    @property
+    def is_x86(self) -> bool:
+        return platform.machine().lower() in ("x86_64", "amd64")
+
+    @property
+    def isa(self) -> str:
+        """The widest vector level: 'avx512', 'avx2' or 'baseline' (what a kernel targets)."""
+        if self.has(*_V4):
+            return "avx512"
+        return "avx2" if self.has("avx2", "fma") else "baseline"
+
+    @property
+    def march(self) -> str:
+        """The -march a native kernel is built with: the CPU itself unless capped."""
+        return _MARCH[self.cap] if self.is_x86 else "native"
+
+    def missing_for_bf16_packed_linear(self) -> tuple[str, ...]:
+        """() when oneDNN can pack bf16 weights here, else the instructions it lacks (of the
+        closest of the alternatives)."""
+        if not self.is_x86:
+            return ()  # torch's check is x86-only
+        missing = [tuple(f for f in option if f not in self.flags) for option in BF16_PACKED_LINEAR_FLAGS]
+        return () if any(not m for m in missing) else missing[0]
+
+    @property
+    def has_bf16_dot(self) -> bool:
+        return any(flag in self.flags for flag in BF16_DOT_FLAGS)
+
+    def describe(self) -> str:
+        """One line for logs and benchmark records: ISA level and the bf16/AMX extras."""
+        extras = [f for f in ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
+                              "avx512_fp16") if f in self.flags]
+        capped = "" if self.cap == "native" else f" (capped by {CPU_ISA_ENV}={self.cap})"
+        return f"{self.isa}" + (f" + {', '.join(extras)}" if extras else "") + capped

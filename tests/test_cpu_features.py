@@ -1,0 +1,65 @@
+"""CPU feature detection and the $TOKENBUS_CPU_ISA cap that forces each portable path."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenbus.utils.cpu import CPU_ISA_ENV, CpuFeatures, _capped
+
+# A Sapphire Rapids Xeon's SIMD flags (as in /proc/cpuinfo), plus the scalar ones that stay.
+SPR = frozenset("sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe abm avx512f "
+                "avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16 avx_vnni "
+                "amx_tile amx_bf16 amx_int8".split())
+ZEN3 = frozenset("sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe abm".split())
+
+
+def test_native_is_what_the_cpu_reports():
+    cpu = CpuFeatures(SPR)
+    assert cpu.isa == "avx512" and cpu.missing_for_bf16_packed_linear() == () and cpu.has_bf16_dot
+    assert "avx512_bf16" in cpu.describe() and "amx_bf16" in cpu.describe()
+
+
+def test_avx2_cap_is_a_zen3():
+    cpu = CpuFeatures(_capped(SPR, "avx2"), "avx2")
+    assert cpu.flags == ZEN3 and cpu.isa == "avx2" and not cpu.has_bf16_dot
+    assert cpu.missing_for_bf16_packed_linear() == ("avx512bw", "avx512vl", "avx512dq")
+    assert cpu.describe() == f"avx2 (capped by {CPU_ISA_ENV}=avx2)"
+    if cpu.is_x86:
+        assert cpu.march == "x86-64-v3"
+
+
+def test_avx512_cap_keeps_only_x86_64_v4():
+    cpu = CpuFeatures(_capped(SPR, "avx512"), "avx512")
+    assert cpu.flags == ZEN3 | {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"}
+    assert cpu.isa == "avx512" and cpu.missing_for_bf16_packed_linear() == () and not cpu.has_bf16_dot
+
+
+def test_baseline_cap_drops_avx():
+    cpu = CpuFeatures(_capped(SPR, "baseline"), "baseline")
+    assert cpu.isa == "baseline" and not cpu.has("avx") and cpu.has("sse4_2")
+
+
+def test_avx_ne_convert_alone_packs_bf16():
+    assert CpuFeatures(ZEN3 | {"avx_ne_convert"}).missing_for_bf16_packed_linear() == ()
+
+
+def test_torchs_own_cap_is_honoured(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert CpuFeatures.detect().cap == "avx2"
+    monkeypatch.setenv(CPU_ISA_ENV, "baseline")  # the lower cap wins
+    assert CpuFeatures.detect().cap == "baseline"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv(CPU_ISA_ENV, "native")
+    assert CpuFeatures.detect().cap == "baseline"
+
+
+def test_detect_reads_the_cap_on_every_call(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv(CPU_ISA_ENV, "AVX2")
+    capped = CpuFeatures.detect()
+    assert capped.cap == "avx2" and not any(f.startswith("avx512") for f in capped.flags)
+    monkeypatch.delenv(CPU_ISA_ENV)
+    assert CpuFeatures.detect().cap == "native"
+    monkeypatch.setenv(CPU_ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match=f"{CPU_ISA_ENV} must be one of"):
+        CpuFeatures.detect()
