@@ -141,42 +141,96 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # ranks that split each layer's heads and MLP columns
+    data_parallel_size: int = 1  # independent EngineCores behind a load balancer
+    # How the ranks of one engine run: "uni" (one worker in the EngineCore's process), "mp"
+    # (a process per rank) or "ray" (Ray actors). None: "uni" for one rank, else "mp".
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}")
+        if backend is None:  # resolved once, here: frozen afterwards
+            object.__setattr__(self, "distributed_executor_backend",
+                               "uni" if self.tensor_parallel_size == 1 else "mp")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size="
+                             f"{self.tensor_parallel_size} needs 'mp' or 'ray'")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine (data-parallel engines each have their own)."""
+        return self.tensor_parallel_size
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def _arg(default=None, help: str | None = None, *, choices: tuple | None = None, flag: bool = True,
+         hidden: bool = False, default_factory=None):
+    """An EngineArgs field; `help`/`choices` feed its CLI flag (cli/args.py); flag=False has no
+    flag, hidden=True one that --help does not list."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "hidden": hidden}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineArgs:
-    """Everything a user may set, named like the CLI flags (`--max-num-seqs` → max_num_seqs)."""
+    """Everything a user may set, named like the CLI flags (`--max-num-seqs` → max_num_seqs).
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    max_logprobs: int = 20
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0
-    max_waiting_requests: int | None = None
-    speculative_config: dict | str | SpeculativeConfig | None = None
+    The one list of engine options: each field becomes a flag (cli/args.py) and lands in the
+    sub-config with a field of the same name (to_config); nothing else repeats them."""
+
+    model: str | None = _arg(flag=False)  # the CLI's positional argument
+    tokenizer: str | None = _arg()
+    dtype: str = _arg("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    device: str = _arg("auto", "auto: cuda when available, else cpu")
+    max_model_len: int | None = _arg()
+    seed: int = _arg(0)
+    max_logprobs: int = _arg(20)
+    enforce_eager: bool = _arg(False)
+    attention_backend: str = _arg("auto", "auto: a native C kernel on CPU (float32/bfloat16) when it "
+                                          "builds, else torch", choices=ATTENTION_BACKENDS)
+    block_size: int = _arg(16)
+    kv_cache_memory: int | str | None = _arg(None, "bytes or a size like 2GiB")
+    gpu_memory_utilization: float = _arg(0.9)
+    enable_prefix_caching: bool = _arg(True)
+    num_kv_blocks: int | None = _arg(None, "an exact KV pool size (tests)", hidden=True)
+    max_num_seqs: int = _arg(128)
+    max_num_batched_tokens: int = _arg(2048)
+    long_prefill_token_threshold: int = _arg(0)
+    # The server's admission bound; `serve` has its own flag for it (the server answers 503).
+    max_waiting_requests: int | None = _arg(flag=False)
+    speculative_config: dict | str | SpeculativeConfig | None = _arg(
+        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    tensor_parallel_size: int = _arg(1, "ranks that split each layer (torch.distributed)")
+    data_parallel_size: int = _arg(1, "EngineCore processes behind one load-balancing client")
+    distributed_executor_backend: str | None = _arg(
+        None, "how ranks run: uni (in the engine process), mp (a process each), ray; default: uni "
+              "for one rank, else mp", choices=EXECUTOR_BACKENDS)
     # The EngineCore in its own process (ZMQ + msgspec) for the offline LLM; False runs it in
     # the caller's process (tests, debugging). The server chooses with --engine-in-process.
-    multiprocess: bool = True
-    engine_ready_timeout_s: float = 600.0  # start-up (model load) limit for an engine process
-    extra: dict = field(default_factory=dict)
+    multiprocess: bool = _arg(True, flag=False)
+    engine_ready_timeout_s: float = _arg(600.0, flag=False)  # start-up (model load) limit
+    extra: dict = _arg(flag=False, default_factory=dict)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -187,19 +241,17 @@ class EngineArgs:
         return cls(**kwargs)
 
     def to_config(self, max_model_len: int) -> EngineConfig:
-        """Build the frozen config once the model's context length is known."""
+        """Build the frozen config once the model's context length is known: each sub-config
+        takes the fields named like its own, with these resolved values in their place."""
+        resolved = dict(max_model_len=max_model_len, kv_cache_memory=parse_size(self.kv_cache_memory))
         return EngineConfig(
-            model=ModelConfig(
-                model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
-                max_model_len=max_model_len, seed=self.seed, max_logprobs=self.max_logprobs,
-                enforce_eager=self.enforce_eager, attention_backend=self.attention_backend),
-            cache=CacheConfig(
-                block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                max_model_len=max_model_len, max_waiting_requests=self.max_waiting_requests),
+            model=self._sub_config(ModelConfig, resolved),
+            cache=self._sub_config(CacheConfig, resolved),
+            scheduler=self._sub_config(SchedulerConfig, resolved),
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
+            parallel=self._sub_config(ParallelConfig, resolved),
         )
+
+    def _sub_config(self, cls: type, resolved: dict):
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: resolved[name] if name in resolved else getattr(self, name) for name in names})

@@ -9,7 +9,7 @@ import pytest
 from tokenbus.core.request import Request
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
-from tokenbus.structured.manager import StructuredOutputManager, pad_bitmask_rows
+from tokenbus.structured.manager import StructuredOutputManager, bitmask_rows, pad_bitmask_rows
 
 CHOICES = ["Paris is lovely", "London"]
 
@@ -66,7 +66,7 @@ def test_bitmask_has_a_row_per_draft_position(manager, tokenizer):
                          scheduled_spec_decode_tokens={"r": drafts})
     request.num_computed_tokens = 2  # the scheduled chunk reaches the end of the known tokens
     manager.fill_bitmask(so, {"r": request})
-    rows = so.grammar_bitmask
+    rows = bitmask_rows(so.grammar_bitmask)
     assert rows.shape[0] == 1 + len(drafts) and so.structured_output_request_ids == {"r": 0}
     assert _allowed(rows[0], paris[0]) and _allowed(rows[0], london[0])
     assert _allowed(rows[1], paris[1]) and not _allowed(rows[1], london[0])

@@ -1,11 +1,26 @@
-"""Engine flags shared by every subcommand, named like vLLM's (L7)."""
+"""Engine flags shared by every subcommand, named like vLLM's (L7).
+
+Derived from the EngineArgs fields (config.py), the one list of engine options: a field
+`max_num_seqs: int` with its help becomes `--max-num-seqs N`; a bool one a
+`--flag/--no-flag` pair.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
+import typing
 
 from tokenbus.config import EngineArgs
+
+
+def _flag_type(annotation) -> type:
+    """The argparse type of a field: str when a union admits str (sizes, JSON), else its one
+    non-None member."""
+    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    members = tuple(m for m in members if m is not type(None))
+    return str if str in members else members[0]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -13,25 +28,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="HF model directory, .gguf file, or 'smollm2' (default: the packaged "
                              "SmolLM2-135M-Instruct GGUF)")
     g = parser.add_argument_group("engine")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-logprobs", type=int, default=20)
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "native"],
-                   help="auto: a native C kernel on CPU (float32/bfloat16) when it builds, else torch")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default=None, help="bytes or a size like 2GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--speculative-config", default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        meta = f.metadata
+        if not meta.get("flag", True):
+            continue
+        help_text = argparse.SUPPRESS if meta.get("hidden") else meta.get("help")
+        name = "--" + f.name.replace("_", "-")
+        kind = _flag_type(hints[f.name])
+        if kind is bool:
+            g.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            g.add_argument(name, type=kind, default=f.default, choices=meta.get("choices"), help=help_text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -1,14 +1,13 @@
-"""The worker → scheduler seam (L1)."""
+"""The worker → scheduler seam (L1): a msgspec Struct, sent back by rank 0 of an executor."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from tokenbus.protocol import TokenLogprobs
 
 
-@dataclass
-class ModelRunnerOutput:
+class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     req_ids: list[str]
     # Per request, the tokens sampled this step: empty for a partial prefill chunk, one token
     # normally, up to 1 + num_drafts with speculative decoding (accepted drafts + one more).
@@ -17,7 +16,8 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # Draft proposals for the next step (spec decode), aligned with req_ids.
     spec_token_ids: list[list[int]] | None = None
-    req_id_to_index: dict[str, int] = field(default_factory=dict)
+    # Derived from req_ids (also after decoding: msgspec runs __post_init__ then).
+    req_id_to_index: dict[str, int] = {}
 
     def __post_init__(self) -> None:
         if not self.req_id_to_index:

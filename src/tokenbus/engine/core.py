@@ -7,15 +7,15 @@ offline) or inside its own process behind ZMQ.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.kv import KVCacheManager
-from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.kv import make_block_hasher
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
+from tokenbus.engine.executor import Executor, UniProcExecutor, WorkerBase, make_executor
 from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, SchedulerStats
 
 if TYPE_CHECKING:
@@ -24,30 +24,23 @@ from tokenbus.structured.backend import XgrammarBackend
 from tokenbus.structured.manager import StructuredOutputManager
 
 
-class WorkerLike(Protocol):
-    """What the EngineCore needs from a worker (tests pass a fake that samples fixed tokens)."""
-
-    num_blocks: int
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
-def make_worker(config: EngineConfig, source: "ModelSource", arch: ModelArch,
-                eos_token_id: int | None) -> WorkerLike:
-    # Imported here: torch and the model loader are needed only when a real worker is built,
-    # so processes that never build one (the API server, fake-worker tests) start fast.
-    from tokenbus.worker.worker import Worker
-
-    return Worker(config, source, arch, eos_token_id)
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, source: "ModelSource", arch: ModelArch,
-                 eos_token_id: int | None, worker: WorkerLike | None = None) -> None:
+                 eos_token_id: int | None, worker: WorkerBase | None = None,
+                 executor: Executor | None = None) -> None:
+        """`worker` (tests: a fake) runs under a UniProcExecutor; by default the executor
+        for config.parallel is built."""
         self.config = config
-        self.worker = worker if worker is not None else make_worker(config, source, arch, eos_token_id)
+        if executor is None:
+            executor = (UniProcExecutor(worker) if worker is not None
+                        else make_executor(config, source, arch, eos_token_id))
+        self.executor = executor
+        # Every rank measures what it can hold; all get the smallest count, so a block id means
+        # the same slots on every rank.
+        self.num_kv_blocks = executor.determine_num_kv_blocks()
+        executor.initialize_kv_cache(self.num_kv_blocks)
         block_size = config.cache.block_size
-        self.kv_cache_manager = KVCacheManager(self.worker.num_blocks, block_size,
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size,
                                                enable_caching=config.cache.enable_prefix_caching)
         self._block_hasher = make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         self.grammar_manager = _make_grammar_manager(config, source, arch, eos_token_id)
@@ -55,10 +48,6 @@ class EngineCore:
                                    num_lookahead_tokens=_num_lookahead_tokens(config))
         # req_id → wall-clock time of its first scheduling, until its first output carries it.
         self._first_scheduled_times: dict[str, float] = {}
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.worker.num_blocks
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(Request.from_engine_request(request, self._block_hasher))
@@ -76,7 +65,7 @@ class EngineCore:
             return EngineOutputs(timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
         self._note_first_scheduled(scheduler_output)
-        runner_output = self.worker.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._attach_first_scheduled(outputs)
         return EngineOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
@@ -110,6 +99,9 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
 
 def _num_lookahead_tokens(config: EngineConfig) -> int:

@@ -91,6 +91,9 @@ class InprocClient(EngineCoreClient):
             raise ValueError(f"utility {method!r} is not callable")
         return getattr(self.engine_core, method)(*args)
 
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
 
 # ---------------------------------------------------------------------- shared plumbing
 class OutputChannel:
@@ -218,6 +221,8 @@ class AsyncInprocClient(EngineCoreClient):
         except BaseException as exc:
             error = EngineDeadError(f"EngineCore died: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
+        finally:
+            self._loop.engine.shutdown()
         self._dead_error = error
         self._utilities.fail_all(error)
         self._outputs.put(error)

@@ -160,6 +160,13 @@ class EngineCoreLoop:
             pass
 
 
+def _shutdown_executor(engine: EngineCore) -> None:
+    try:
+        engine.shutdown()
+    except Exception:  # leaving anyway: the workers' own sentinels and watchdogs end them
+        logger.exception("executor shutdown failed")
+
+
 def _did_work(outputs: EngineOutputs) -> bool:
     """A step that ran nothing produces no outputs and leaves nobody running."""
     stats = outputs.scheduler_stats
@@ -248,6 +255,8 @@ class EngineCoreProc:
             logger.exception("EngineCore hit a fatal error")
             self.failed = True
             self.output_queue.put((MessageType.ENGINE_DEAD, _failure(exc)))
+        finally:
+            _shutdown_executor(engine)
 
     def _input_thread(self) -> None:
         codec = Codec()

@@ -27,11 +27,24 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     return requested
 
 
+def check_parallel_layout(config: EngineConfig) -> None:
+    """Only one rank in one engine runs today: any other layout is refused at the front door."""
+    parallel = config.parallel
+    if parallel.distributed_executor_backend != "uni":
+        raise ValueError(f"distributed_executor_backend {parallel.distributed_executor_backend!r} "
+                         f"(tensor_parallel_size={parallel.tensor_parallel_size}) is not available yet: "
+                         f"this build runs one rank per engine")
+    if parallel.data_parallel_size != 1:
+        raise ValueError(f"data_parallel_size={parallel.data_parallel_size} is not available yet: "
+                         f"this build runs one engine")
+
+
 def create_engine_setup(args: EngineArgs) -> EngineSetup:
     """Resolve the model (metadata only) and freeze the configuration."""
     source = resolve_model(args.model)
     arch = load_arch(source)
     config = args.to_config(resolve_max_model_len(args.max_model_len, arch))
+    check_parallel_layout(config)
     generation_config = load_generation_config(source)
     eos = generation_config.get("eos_token_id")
     if isinstance(eos, list):

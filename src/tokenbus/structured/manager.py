@@ -18,7 +18,7 @@ import torch
 import xgrammar as xgr
 
 from tokenbus.core.request import Request, RequestStatus
-from tokenbus.core.sched.output import SchedulerOutput
+from tokenbus.core.sched.output import GrammarBitmask, SchedulerOutput
 from tokenbus.structured.backend import XgrammarBackend
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class StructuredOutputManager:
         for matcher, drafts, first_row in plans:
             _fill_rows(matcher, drafts, bitmask, first_row)
         scheduler_output.structured_output_request_ids = first_rows
-        scheduler_output.grammar_bitmask = bitmask.numpy()
+        scheduler_output.grammar_bitmask = GrammarBitmask(bitmask.numpy().tobytes(), *bitmask.shape)
 
     def validate_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """The longest prefix of `token_ids` (drafts) the request's grammar accepts next."""
@@ -142,6 +142,11 @@ def _fill_rows(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Te
         matcher.rollback(num_advanced)
 
 
+def bitmask_rows(mask: GrammarBitmask) -> np.ndarray:
+    """The int32 [num_rows, num_words] array a GrammarBitmask carries (a view of its bytes)."""
+    return np.frombuffer(mask.data, dtype=np.int32).reshape(mask.num_rows, mask.num_words)
+
+
 def pad_bitmask_rows(bitmask: np.ndarray | None, row_of: dict[str, int], req_ids: list[str],
                      width: int, num_rows: list[int]) -> torch.Tensor | None:
     """Grow the constrained rows to all sampled rows: `num_rows[i]` consecutive rows for
@@ -153,6 +158,6 @@ def pad_bitmask_rows(bitmask: np.ndarray | None, row_of: dict[str, int], req_ids
     for req_id, count in zip(req_ids, num_rows):
         row = row_of.get(req_id)
         if row is not None:
-            full[out_row: out_row + count] = torch.from_numpy(bitmask[row: row + count])
+            full[out_row: out_row + count] = torch.tensor(bitmask[row: row + count])  # a copy: may be read-only
         out_row += count
     return full

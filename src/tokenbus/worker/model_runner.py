@@ -10,7 +10,7 @@ from tokenbus.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.protocol import TokenLogprobs
 from tokenbus.sampling_params import SamplingParams
-from tokenbus.structured.manager import pad_bitmask_rows
+from tokenbus.structured.manager import bitmask_rows, pad_bitmask_rows
 from tokenbus.utils import cdiv
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 from tokenbus.worker.request_state import CachedRequestState
@@ -112,8 +112,9 @@ class ModelRunner:
             rows = expand_sampling_rows(rows, drafts)  # one row per position
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         if so.grammar_bitmask is not None:
-            bitmask = pad_bitmask_rows(so.grammar_bitmask, so.structured_output_request_ids,
-                                       [state.req_id for state in states], so.grammar_bitmask.shape[1],
+            constrained = bitmask_rows(so.grammar_bitmask)
+            bitmask = pad_bitmask_rows(constrained, so.structured_output_request_ids,
+                                       [state.req_id for state in states], constrained.shape[1],
                                        batch.num_logits_per_request)
             meta.grammar_bitmask = bitmask.to(self.device)
         if verifies:

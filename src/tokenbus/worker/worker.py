@@ -46,27 +46,52 @@ def cpu_dtype_warning(dtype: torch.dtype, cpu: CpuFeatures) -> str | None:
 
 
 class Worker:
+    """One rank's device, model, KV cache and runner, built in the phases of WorkerBase
+    (engine/executor/abstract.py): init_device → load_model → determine_num_kv_blocks →
+    initialize_kv_cache(num_blocks), the block count chosen by the engine."""
+
     def __init__(self, config: EngineConfig, source: ModelSource, arch: ModelArch,
                  eos_token_id: int | None) -> None:
         self.config = config
-        self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
-        torch.manual_seed(config.model.seed)
+        self.source = source
+        self.arch = arch
+        self.eos_token_id = eos_token_id
+        self.model: torch.nn.Module | None = None
+        self.runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        self.device = resolve_device(self.config.model.device)
+        self.dtype = resolve_dtype(self.config.model.dtype, self.device)
+        torch.manual_seed(self.config.model.seed)
         if self.device.type == "cpu":
             cpu = CpuFeatures.detect()
             logger.info("CPU: %s; %d torch threads", cpu.describe(), torch.get_num_threads())
             warning = cpu_dtype_warning(self.dtype, cpu)
             if warning:
                 logger.warning(warning)
-        model = load_model(source, arch, self.dtype, self.device, config.model.attention_backend)
-        max_model_len = config.scheduler.max_model_len
-        self.num_blocks = determine_num_blocks(config.cache, arch, self.dtype, self.device, max_model_len,
-                                               config.scheduler.max_num_seqs)
-        kv_caches = allocate_kv_caches(arch, self.num_blocks, config.cache.block_size, self.dtype,
+
+    def load_model(self) -> None:
+        self.model = load_model(self.source, self.arch, self.dtype, self.device,
+                                self.config.model.attention_backend)
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks this rank can hold after its weights (what it measures, not what it gets)."""
+        return determine_num_blocks(self.config.cache, self.arch, self.dtype, self.device,
+                                    self.config.scheduler.max_model_len, self.config.scheduler.max_num_seqs)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        kv_caches = allocate_kv_caches(self.arch, num_blocks, self.config.cache.block_size, self.dtype,
                                        self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%s, %s)", self.num_blocks,
-                    config.cache.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(config, arch, model, kv_caches, self.device, eos_token_id)
+        logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks,
+                    self.config.cache.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.config, self.arch, self.model, kv_caches, self.device,
+                                  self.eos_token_id)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        """A rank is healthy while it answers."""
+
+    def shutdown(self) -> None:
+        """Nothing to release for one in-process rank."""

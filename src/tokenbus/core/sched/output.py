@@ -2,18 +2,18 @@
 
 Full data only for requests new to the worker's batch (first scheduling, or resumed after a
 preemption, since the worker dropped them); only changes for the rest, so that the output is
-cheap to send to another process.
+cheap to send to another process. msgspec Structs: an executor sends them to worker processes
+as msgpack frames, never by pickle.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from tokenbus.sampling_params import SamplingParams
 
 
-@dataclass
-class NewRequestData:
+class NewRequestData(msgspec.Struct, array_like=True):
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty when resumed after preemption
@@ -22,29 +22,37 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct, array_like=True):
     req_id: str
     new_block_ids: list[int]  # appended to the request's block table
     num_computed_tokens: int  # tokens already in the KV cache before this step
 
 
-@dataclass
-class SchedulerOutput:
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """An int32 [num_rows, num_words] array (one bit per token, row-major, native byte order)
+    as raw bytes, so that it crosses a process boundary without pickle or a copy per row."""
+
+    data: bytes
+    num_rows: int
+    num_words: int
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
     # req_id → tokens to compute this step; insertion order is the batch order.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # req_id → draft tokens to verify this step (spec decode); their slots are allocated.
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # Requests the worker must forget: finished or aborted since the last step, or preempted.
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    # Structured output: req_id → rows in grammar_bitmask (1 + drafts rows per request).
-    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-    grammar_bitmask: object | None = None  # numpy int32 [rows, ceil(vocab / 32)]
-    kv_connector_metadata: object | None = None
+    finished_req_ids: set[str] = set()
+    preempted_req_ids: set[str] = set()
+    # Structured output: req_id → its first row in grammar_bitmask (1 + drafts rows each).
+    structured_output_request_ids: dict[str, int] = {}
+    grammar_bitmask: GrammarBitmask | None = None
+    # Opaque to the scheduler: what a KV connector's scheduler half tells its worker half.
+    kv_connector_metadata: bytes | None = None
 
     @property
     def is_empty(self) -> bool:
