@@ -196,7 +196,7 @@ class AsyncInprocClient(EngineCoreClient):
     the engine. Same loop as the engine process (`EngineCoreLoop`), minus the sockets."""
 
     def __init__(self, setup: "EngineSetup", engine_factory: "EngineFactory | None" = None) -> None:
-        from tokenbus.engine.core_proc import EngineCoreLoop, make_engine_core
+        from tokenbus.engine.core_proc import EngineCoreLoop, make_engine_core, raise_in_loop_on_worker_death
 
         engine = (engine_factory or make_engine_core)(setup)
         self.num_kv_blocks = engine.num_kv_blocks
@@ -205,6 +205,7 @@ class AsyncInprocClient(EngineCoreClient):
         self._utilities = UtilityCalls()
         self._dead_error: EngineDeadError | None = None
         self._loop = EngineCoreLoop(engine, self._inputs, self._emit)
+        raise_in_loop_on_worker_death(engine, self._inputs)
         self._thread = threading.Thread(target=self._run, name="EngineCoreThread", daemon=True)
         self._thread.start()
 

@@ -88,6 +88,13 @@ def call_utility(engine: EngineCore, call: UtilityCall) -> UtilityResult:
         return UtilityResult(call.call_id, error_type=type(exc).__name__, error=str(exc))
 
 
+def raise_in_loop_on_worker_death(engine: EngineCore,
+                                  input_queue: "queue.Queue[tuple[RequestType, Any]]") -> None:
+    """A dead worker wakes the busy loop (which may be idle, blocked on its queue) so that it
+    raises at once: the engine then reports itself dead and every waiter fails."""
+    engine.executor.register_failure_callback(lambda: input_queue.put((RequestType.EXECUTOR_FAILED, None)))
+
+
 class EngineCoreLoop:
     """The busy loop: inputs first (so aborts land before the next step), then one step."""
 
@@ -127,6 +134,9 @@ class EngineCoreLoop:
             self.emit(MessageType.UTILITY_RESULT, call_utility(self.engine, payload))
         elif kind is RequestType.SHUTDOWN:
             self._shutdown = True
+        elif kind is RequestType.EXECUTOR_FAILED:
+            self.engine.executor.check_health()  # raises the executor's own message
+            raise RuntimeError("the executor reported a failed worker")
 
     def _add_request(self, request: EngineRequest) -> None:
         # The front end validates requests; one that still fails here (a duplicate id) must
@@ -248,6 +258,7 @@ class EngineCoreProc:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        raise_in_loop_on_worker_death(engine, self.input_queue)
         try:
             EngineCoreLoop(engine, self.input_queue, lambda *message: self.output_queue.put(message)).run()
             logger.info("EngineCore shut down")

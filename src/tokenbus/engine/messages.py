@@ -26,6 +26,9 @@ class RequestType(enum.IntEnum):
     ABORT = 1
     UTILITY = 2
     SHUTDOWN = 3
+    # Never on the wire: the executor's failure callback puts it on the engine's own input
+    # queue when a worker dies, so the busy loop raises even while idle.
+    EXECUTOR_FAILED = 4
 
 
 class MessageType(enum.IntEnum):

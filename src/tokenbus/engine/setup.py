@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from tokenbus.config import EngineArgs, EngineConfig, ModelArch
+from tokenbus.utils.cpu import available_cpus
 from tokenbus.loader import ModelSource, load_arch, load_generation_config, load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,16 +31,33 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     return requested
 
 
-def check_parallel_layout(config: EngineConfig) -> None:
-    """Only one rank in one engine runs today: any other layout is refused at the front door."""
+def check_parallel_layout(config: EngineConfig, arch: ModelArch) -> None:
+    """Refuse at the front door, naming the flag, a layout that cannot start: nothing is
+    spawned for it."""
+    from tokenbus.model.parallel import TensorParallel
+
     parallel = config.parallel
-    if parallel.distributed_executor_backend != "uni":
-        raise ValueError(f"distributed_executor_backend {parallel.distributed_executor_backend!r} "
-                         f"(tensor_parallel_size={parallel.tensor_parallel_size}) is not available yet: "
-                         f"this build runs one rank per engine")
+    tp = parallel.tensor_parallel_size
+    if parallel.distributed_executor_backend == "ray":
+        raise ValueError("distributed_executor_backend 'ray' is not available yet: use 'mp'")
     if parallel.data_parallel_size != 1:
         raise ValueError(f"data_parallel_size={parallel.data_parallel_size} is not available yet: "
                          f"this build runs one engine")
+    TensorParallel(0, tp).check_divides(arch)
+    _check_devices_for(tp, config.model.device)
+
+
+def _check_devices_for(tp: int, device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        if tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+        return
+    cores = available_cpus()
+    if tp > cores:
+        logger.warning("tensor_parallel_size=%d ranks on %d cores: they will share cores (slower, "
+                       "still correct)", tp, cores)
 
 
 def create_engine_setup(args: EngineArgs) -> EngineSetup:
@@ -44,7 +65,7 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
     source = resolve_model(args.model)
     arch = load_arch(source)
     config = args.to_config(resolve_max_model_len(args.max_model_len, arch))
-    check_parallel_layout(config)
+    check_parallel_layout(config, arch)
     generation_config = load_generation_config(source)
     eos = generation_config.get("eos_token_id")
     if isinstance(eos, list):

@@ -4,6 +4,9 @@ Token layout is flat: every tensor is [T, ...] over the step's tokens of all req
 request a token belongs to, and where its K/V live, is in the ForwardContext.
 Fused weights: q/k/v are one `qkv_proj` [Hq*D + 2*Hkv*D, hidden] and gate/up one
 `gate_up_proj` [2*I, hidden]; `load_weights` fills them from HF's separate tensors.
+Under tensor parallelism (model/parallel.py) each rank builds the same modules at its shard's
+sizes, loads its slice of every HF tensor, and joins partial results with one all-reduce after
+o_proj, one after down_proj and one after the embedding; logits are all-gathered.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tokenbus.model.attention import (AttentionPlan, build_attention_plan, paged
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenbus.model.native import PagedAttentionKernel
+from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
 
 WeightLoader = Callable[[str, torch.Tensor], None]
@@ -29,10 +33,12 @@ IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        self.tp = tp
+        local = tp.shard_arch(arch)
+        self.num_heads = local.num_attention_heads
+        self.num_kv_heads = local.num_key_value_heads
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim ** -0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -50,30 +56,32 @@ class LlamaAttention(nn.Module):
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
         out = paged_attention(q, k, v, kv_cache, slot_mapping, plan, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+        # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {arch.hidden_act!r}")
-        size = arch.intermediate_size
+        self.tp = tp
+        size = tp.shard_arch(arch).intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, (size, size))
         self.down_proj = Linear(size, (arch.hidden_size,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2I] -> 2 x [T, I]
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch)
+        self.self_attn = LlamaAttention(arch, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -88,18 +96,22 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], ctx) -> final-normed hidden [T, hidden]; compute_logits -> fp32 logits."""
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        tp.check_divides(arch)
         self.arch = arch
+        self.tp = tp
         self.num_layers = arch.num_hidden_layers
-        self.num_kv_heads = arch.num_key_value_heads
+        self.num_kv_heads = tp.shard_arch(arch).num_key_value_heads
         self.head_dim = arch.head_dim
-        self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        # This rank's vocabulary rows (all of them without TP).
+        self.vocab_start, self.vocab_per_rank = tp.vocab_shard(arch.vocab_size)
+        self.embed_tokens = nn.Parameter(torch.empty(self.vocab_per_rank, arch.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling)
-        self.lm_head = Linear(arch.hidden_size, (arch.vocab_size,))
+        self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
         self.attention_kernel: PagedAttentionKernel | None = None  # None: the torch path
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
@@ -113,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         num_layers = self.num_layers if num_layers is None else num_layers
         if not 1 <= num_layers <= self.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
         plan = build_attention_plan(ctx, x.dtype, self.attention_kernel)
         residual = None
@@ -122,9 +134,20 @@ class LlamaForCausalLM(nn.Module):
                                                  ctx.slot_mapping, plan)
         return self.norm.add_and_norm(x, residual)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_per_rank)
+        x = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.embed_tokens)
+        return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))  # other ranks' ids gave 0
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (rows of forward's output) -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden] (rows of forward's output) -> fp32 logits [N, vocab], on every rank."""
+        logits = self.lm_head(hidden).float()
+        if not self.tp.enabled:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.arch.vocab_size]  # drop the padding rows
 
     def finalize(self, linear_backend: str = "auto", cpu: CpuFeatures | None = None) -> None:
         """Pack every linear for its device and CPU (see layers/linear.py); "dense" runs plain
@@ -163,34 +186,89 @@ class LlamaForCausalLM(nn.Module):
         self.finalize()
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
-        """HF tensor name -> function copying that tensor into our (possibly fused) parameter."""
+        """HF tensor name -> function copying that tensor (this rank's slice of it) into our
+        (possibly fused) parameter."""
+        vocab = _TensorSlicer(self.tp, self.arch).vocab_rows(self.vocab_start, self.vocab_per_rank)
         loaders: dict[str, WeightLoader] = {
-            "model.embed_tokens.weight": partial(_copy_param, self.embed_tokens),
+            "model.embed_tokens.weight": _sliced(partial(_copy_param, self.embed_tokens), vocab),
             "model.norm.weight": partial(_copy_param, self.norm.weight),
         }
         if not self.arch.tie_word_embeddings:
-            loaders["lm_head.weight"] = self.lm_head.load_shard
+            loaders["lm_head.weight"] = _sliced(self.lm_head.load_shard, vocab)
         for idx, layer in enumerate(self.layers):
-            loaders.update(_layer_loaders(f"model.layers.{idx}.", layer))
+            loaders.update(_layer_loaders(f"model.layers.{idx}.", layer, self.tp, self.arch))
         return loaders
 
 
-def _layer_loaders(prefix: str, layer: LlamaDecoderLayer) -> dict[str, WeightLoader]:
+def _layer_loaders(prefix: str, layer: LlamaDecoderLayer, tp: TensorParallel,
+                   arch: ModelArch) -> dict[str, WeightLoader]:
     attn, mlp = layer.self_attn, layer.mlp
     loaders: dict[str, WeightLoader] = {
         prefix + "input_layernorm.weight": partial(_copy_param, layer.input_layernorm.weight),
         prefix + "post_attention_layernorm.weight": partial(_copy_param, layer.post_attention_layernorm.weight),
     }
-    fused = [(attn.qkv_proj, "self_attn.", ("q_proj", "k_proj", "v_proj")),
-             (attn.o_proj, "self_attn.", ("o_proj",)),
-             (mlp.gate_up_proj, "mlp.", ("gate_proj", "up_proj")),
-             (mlp.down_proj, "mlp.", ("down_proj",))]
-    for linear, scope, names in fused:
-        for shard, name in enumerate(names):
-            loaders[f"{prefix}{scope}{name}.weight"] = partial(linear.load_shard, shard=shard)
+    cut = _TensorSlicer(tp, arch)
+    q_rows = cut.head_rows(attn.num_heads * tp.rank, attn.num_heads)
+    kv_rows = cut.head_rows(tp.kv_head_start(arch.num_key_value_heads), attn.num_kv_heads)
+    mlp_rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)
+    # (linear, scope, [(HF name, weight slicer, bias slicer)]) per fused linear.
+    fused = [(attn.qkv_proj, "self_attn.", [("q_proj", q_rows, q_rows), ("k_proj", kv_rows, kv_rows),
+                                            ("v_proj", kv_rows, kv_rows)]),
+             (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),
+             (mlp.gate_up_proj, "mlp.", [("gate_proj", mlp_rows, None), ("up_proj", mlp_rows, None)]),
+             (mlp.down_proj, "mlp.", [("down_proj", cut.columns(mlp_rows), None)])]
+    for linear, scope, shards in fused:
+        for shard, (name, weight_slice, bias_slice) in enumerate(shards):
+            loaders[f"{prefix}{scope}{name}.weight"] = _sliced(partial(linear.load_shard, shard=shard),
+                                                               weight_slice)
             if linear.bias is not None:
-                loaders[f"{prefix}{scope}{name}.bias"] = partial(linear.load_shard, shard=shard, is_bias=True)
+                loaders[f"{prefix}{scope}{name}.bias"] = _sliced(
+                    partial(linear.load_shard, shard=shard, is_bias=True), bias_slice)
     return loaders
+
+
+Slicer = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _TensorSlicer:
+    """This rank's slice of a full HF tensor; None (no slicing) without tensor parallelism."""
+
+    def __init__(self, tp: TensorParallel, arch: ModelArch) -> None:
+        self.tp = tp
+        self.head_dim = arch.head_dim
+
+    def rows(self, start: int, count: int) -> Slicer | None:
+        return None if not self.tp.enabled else (lambda t: t[start: start + count])
+
+    def head_rows(self, first_head: int, num_heads: int) -> Slicer | None:
+        return self.rows(first_head * self.head_dim, num_heads * self.head_dim)
+
+    def columns(self, rows: Slicer | None) -> Slicer | None:
+        """The same range along the input dim (row-parallel weights are [out, in])."""
+        return None if rows is None else (lambda t: rows(t.T).T)
+
+    def rank0_only(self) -> Slicer | None:
+        """A row-parallel bias is added once: rank 0 keeps it, the others add zeros."""
+        if not self.tp.enabled:
+            return None
+        return (lambda t: t) if self.tp.rank == 0 else torch.zeros_like
+
+    def vocab_rows(self, start: int, per_rank: int) -> Slicer | None:
+        """Rows [start, start + per_rank), zero-padded past the real vocabulary."""
+        if not self.tp.enabled:
+            return None
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            part = t[start: start + per_rank]
+            pad = per_rank - part.shape[0]
+            return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+        return cut
+
+
+def _sliced(loader: WeightLoader, slicer: Slicer | None) -> WeightLoader:
+    if slicer is None:
+        return loader
+    return lambda name, tensor: loader(name, slicer(tensor))
 
 
 def _copy_param(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:

@@ -116,3 +116,11 @@ class CpuFeatures:
                               "avx512_fp16") if f in self.flags]
         capped = "" if self.cap == "native" else f" (capped by {CPU_ISA_ENV}={self.cap})"
         return f"{self.isa}" + (f" + {', '.join(extras)}" if extras else "") + capped
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (its affinity mask), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

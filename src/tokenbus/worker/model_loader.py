@@ -14,14 +14,16 @@ from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.loader import ModelSource, iter_weights
+from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
 
 
 def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str,
-               attention_backend: str = "auto") -> nn.Module:
+               attention_backend: str = "auto", tp: TensorParallel = SINGLE) -> nn.Module:
+    """The whole model, or this rank's shard of it under tensor parallelism."""
     model_class = get_model_class(arch.architecture)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(arch)  # parameters allocated uninitialised, in place
+        model = model_class(arch, tp)  # parameters allocated uninitialised, in place
     model.load_weights(iter_weights(src, arch))  # casts to dtype on copy
     model.set_attention_backend(attention_backend)
     return model.eval()

@@ -10,7 +10,8 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.loader import ModelSource
-from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures
+from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
 from tokenbus.worker.model_loader import load_model
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.worker.model_runner import ModelRunner
@@ -51,19 +52,38 @@ class Worker:
     initialize_kv_cache(num_blocks), the block count chosen by the engine."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, arch: ModelArch,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        """`distributed_init_method` (tcp://host:port) joins the ranks of a tensor-parallel
+        engine; one rank needs none."""
         self.config = config
         self.source = source
         self.arch = arch
         self.eos_token_id = eos_token_id
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.tp = SINGLE
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
 
+    @property
+    def rank_arch(self) -> ModelArch:
+        """This rank's share of the model's shape (its heads size its KV cache)."""
+        return self.tp.shard_arch(self.arch)
+
     def init_device(self) -> None:
         self.device = resolve_device(self.config.model.device)
+        world_size = self.config.parallel.world_size
+        if world_size > 1:
+            self.tp = init_tensor_parallel(self.rank, world_size, self.distributed_init_method, self.device)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.rank)
+                torch.cuda.set_device(self.device)
+            else:
+                # Each rank gets its share of the cores this process may run on.
+                torch.set_num_threads(max(1, available_cpus() // world_size))
         self.dtype = resolve_dtype(self.config.model.dtype, self.device)
         torch.manual_seed(self.config.model.seed)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.rank == 0:
             cpu = CpuFeatures.detect()
             logger.info("CPU: %s; %d torch threads", cpu.describe(), torch.get_num_threads())
             warning = cpu_dtype_warning(self.dtype, cpu)
@@ -72,26 +92,40 @@ class Worker:
 
     def load_model(self) -> None:
         self.model = load_model(self.source, self.arch, self.dtype, self.device,
-                                self.config.model.attention_backend)
+                                self.config.model.attention_backend, self.tp)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold after its weights (what it measures, not what it gets)."""
-        return determine_num_blocks(self.config.cache, self.arch, self.dtype, self.device,
+        return determine_num_blocks(self.config.cache, self.rank_arch, self.dtype, self.device,
                                     self.config.scheduler.max_model_len, self.config.scheduler.max_num_seqs)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        kv_caches = allocate_kv_caches(self.arch, num_blocks, self.config.cache.block_size, self.dtype,
-                                       self.device)
+        kv_caches = allocate_kv_caches(self.rank_arch, num_blocks, self.config.cache.block_size,
+                                       self.dtype, self.device)
         logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks,
                     self.config.cache.block_size, self.dtype, self.device)
         self.runner = ModelRunner(self.config, self.arch, self.model, kv_caches, self.device,
                                   self.eos_token_id)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Every rank runs the step (and samples the same tokens from the same gathered
+        logits, so their request states stay equal); only rank 0 reports it."""
+        output = self.runner.execute_model(scheduler_output)
+        return output if self.rank == 0 else None
 
     def check_health(self) -> None:
         """A rank is healthy while it answers."""
 
     def shutdown(self) -> None:
-        """Nothing to release for one in-process rank."""
+        if self.tp.enabled and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str | None,
+                         device: torch.device) -> TensorParallel:
+    """Join the engine's ranks: gloo on CPU, nccl on CUDA."""
+    if init_method is None:
+        raise ValueError("tensor parallelism needs a distributed_init_method (tcp://host:port)")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return TensorParallel(rank, world_size, torch.distributed.group.WORLD)

@@ -1,6 +1,7 @@
 """Executors: the EngineCore's one view of the workers that run the model (L4).
 
     UniProcExecutor   one Worker in the EngineCore's own process (tensor_parallel_size 1)
+    MultiProcExecutor a spawned process per tensor-parallel rank (multiproc.py, imported lazily)
 
 `make_executor` picks one from the ParallelConfig.
 """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
@@ -55,6 +55,10 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise if a worker is dead or unhealthy."""
         self.collective_rpc("check_health")
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs (in another thread) as soon as a worker dies, so an idle engine
+        learns of it without waiting for its next step. In-process workers cannot die alone."""
 
     def shutdown(self) -> None:
         """Stop every worker; safe to call twice."""

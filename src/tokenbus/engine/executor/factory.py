@@ -21,5 +21,9 @@ def make_executor(config: EngineConfig, source: "ModelSource", arch: ModelArch,
         from tokenbus.worker.worker import Worker
 
         return UniProcExecutor(Worker(config, source, arch, eos_token_id))
+    if backend == "mp":
+        from tokenbus.engine.executor.multiproc import MultiProcExecutor
+
+        return MultiProcExecutor(config, source, arch, eos_token_id)
     raise ValueError(f"distributed_executor_backend {backend!r} is not available yet "
                      f"(tensor_parallel_size={config.parallel.tensor_parallel_size})")

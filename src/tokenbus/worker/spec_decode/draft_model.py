@@ -26,6 +26,7 @@ import torch
 
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.parallel import TensorParallel
 from tokenbus.utils import cdiv
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 
@@ -142,7 +143,7 @@ def make_draft_model_proposer(config: EngineConfig, arch: ModelArch, model: torc
         return DraftModelProposer(model, kv_caches, num_layers, shares_target_kv=True, **common)
     draft_model, draft_arch = _load_draft_model(spec.model, arch, sched.max_model_len,
                                                 model.embed_tokens.dtype, device,
-                                                config.model.attention_backend)
+                                                config.model.attention_backend, model.tp)
     num_layers = None
     if spec.draft_layers is not None:
         num_layers = _check_draft_layers(spec.draft_layers, draft_arch.num_hidden_layers,
@@ -150,7 +151,7 @@ def make_draft_model_proposer(config: EngineConfig, arch: ModelArch, model: torc
     from tokenbus.worker.kv_cache import allocate_kv_caches
 
     num_blocks = kv_caches[0].shape[1]  # [2, num_blocks, block_size, Hkv, D]
-    draft_kv = allocate_kv_caches(draft_arch, num_blocks, config.cache.block_size,
+    draft_kv = allocate_kv_caches(model.tp.shard_arch(draft_arch), num_blocks, config.cache.block_size,
                                   model.embed_tokens.dtype, device)
     return DraftModelProposer(draft_model, draft_kv, num_layers, shares_target_kv=False, **common)
 
@@ -163,7 +164,9 @@ def _check_draft_layers(draft_layers: int, max_layers: int, why: str) -> int:
 
 
 def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dtype: torch.dtype,
-                      device: torch.device, attention_backend: str) -> tuple[torch.nn.Module, ModelArch]:
+                      device: torch.device, attention_backend: str,
+                      tp: TensorParallel) -> tuple[torch.nn.Module, ModelArch]:
+    """Sharded like the target (the same ranks run both)."""
     from tokenbus.loader import load_arch, resolve_model
     from tokenbus.worker.model_loader import load_model
 
@@ -182,4 +185,4 @@ def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dty
             f"speculative_config.model: the draft model {name!r} supports "
             f"{draft_arch.max_position_embeddings} positions, fewer than max_model_len={max_model_len}; "
             "lower --max-model-len")
-    return load_model(source, draft_arch, dtype, device, attention_backend), draft_arch
+    return load_model(source, draft_arch, dtype, device, attention_backend, tp), draft_arch
