@@ -151,6 +151,11 @@ class ParallelConfig:
     # How the ranks of one engine run: "uni" (one worker in the EngineCore's process), "mp"
     # (a process per rank) or "ray" (Ray actors). None: "uni" for one rank, else "mp".
     distributed_executor_backend: str | None = None
+    # Which of the data-parallel engines this is (set per engine by the front end; it picks
+    # the engine's GPUs: data_parallel_rank * tensor_parallel_size + rank).
+    data_parallel_rank: int = 0
+    # The Ray cluster to attach to ("host:port", "auto"); None: $RAY_ADDRESS, else a local one.
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -226,6 +231,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = _arg(
         None, "how ranks run: uni (in the engine process), mp (a process each), ray; default: uni "
               "for one rank, else mp", choices=EXECUTOR_BACKENDS)
+    ray_address: str | None = _arg(None, "the Ray cluster for --distributed-executor-backend ray "
+                                         "(host:port); default: $RAY_ADDRESS, else a local cluster")
     # The EngineCore in its own process (ZMQ + msgspec) for the offline LLM; False runs it in
     # the caller's process (tests, debugging). The server chooses with --engine-in-process.
     multiprocess: bool = _arg(True, flag=False)
@@ -243,7 +250,8 @@ class EngineArgs:
     def to_config(self, max_model_len: int) -> EngineConfig:
         """Build the frozen config once the model's context length is known: each sub-config
         takes the fields named like its own, with these resolved values in their place."""
-        resolved = dict(max_model_len=max_model_len, kv_cache_memory=parse_size(self.kv_cache_memory))
+        resolved = dict(max_model_len=max_model_len, kv_cache_memory=parse_size(self.kv_cache_memory),
+                        data_parallel_rank=0)  # each data-parallel engine gets its own (dp_client)
         return EngineConfig(
             model=self._sub_config(ModelConfig, resolved),
             cache=self._sub_config(CacheConfig, resolved),

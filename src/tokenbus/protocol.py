@@ -72,3 +72,5 @@ class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # Which data-parallel engine sent them: set on the front end's side as they arrive.
+    engine_index: int = 0

@@ -50,7 +50,7 @@ class RecordingLogger:
     def __init__(self) -> None:
         self.records: list[tuple[object, IterationStats | None]] = []
 
-    def record(self, scheduler_stats, iteration_stats) -> None:
+    def record(self, scheduler_stats, iteration_stats, engine_index: int = 0) -> None:
         self.records.append((scheduler_stats, iteration_stats))
 
 

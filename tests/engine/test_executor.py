@@ -90,15 +90,15 @@ def test_parallel_config_resolves_and_validates():
             ParallelConfig(**kwargs)
 
 
-def test_layouts_not_built_yet_are_refused_at_the_front_door():
-    arch = make_fake_setup().arch  # 1 head: no tensor parallelism
+def test_layouts_that_cannot_start_are_refused_at_the_front_door():
+    arch = make_fake_setup().arch  # 1 head, 1 KV head, MLP 16
     check_parallel_layout(EngineArgs().to_config(256), arch)
-    with pytest.raises(ValueError, match="'ray' is not available yet"):
-        check_parallel_layout(EngineArgs(distributed_executor_backend="ray").to_config(256), arch)
-    with pytest.raises(ValueError, match="data_parallel_size=2 is not available yet"):
-        check_parallel_layout(EngineArgs(data_parallel_size=2).to_config(256), arch)
+    check_parallel_layout(EngineArgs(data_parallel_size=2).to_config(256), arch)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the 1 attention heads"):
         check_parallel_layout(EngineArgs(tensor_parallel_size=2).to_config(256), arch)
+    with pytest.raises(ValueError, match="ray_address '127.0.0.1:1': cannot reach"):
+        check_parallel_layout(EngineArgs(distributed_executor_backend="ray", ray_address="127.0.0.1:1")
+                              .to_config(256), arch)
 
 
 def test_every_sub_config_field_comes_from_engine_args():

@@ -180,7 +180,7 @@ class AsyncLLM:
             self.client.abort_requests(processed.reqs_to_abort)
         if engine_outputs.scheduler_stats is not None:
             self.last_scheduler_stats = engine_outputs.scheduler_stats
-        self._log_stats(engine_outputs.scheduler_stats, iteration_stats)
+        self._log_stats(engine_outputs.scheduler_stats, iteration_stats, engine_outputs.engine_index)
 
     def _record_finished(self, engine_outputs: EngineOutputs, now: float, stats: IterationStats) -> None:
         for output in engine_outputs.outputs:
@@ -189,10 +189,11 @@ class AsyncLLM:
                 reason = str(output.finish_reason) if output.finish_reason is not None else "stop"
                 self.stats_tracker.finish(output.request_id, reason, now, stats)
 
-    def _log_stats(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+    def _log_stats(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats,
+                   engine_index: int) -> None:
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger.record(scheduler_stats, iteration_stats)
+                stat_logger.record(scheduler_stats, iteration_stats, engine_index)
             except Exception:  # metrics must never take serving down
                 logger.exception("stat logger %r failed", stat_logger)
 

@@ -4,6 +4,7 @@
     AsyncInprocClient  asyncio, engine in a thread of this process (server --engine-in-process)
     SyncMPClient       sync,    engine in its own process (the offline LLM)     — mp_client.py
     AsyncMPClient      asyncio, engine in its own process (the server)          — mp_client.py
+    DPLBClient         both,    N engine processes, load-balanced (data parallel) — dp_client.py
 
 Use `make_engine_core_client` to pick one.
 """
@@ -276,6 +277,15 @@ def make_engine_core_client(setup: "EngineSetup", *, multiprocess: bool, asyncio
     from tokenbus.engine.core_proc import make_engine_core
 
     factory = engine_factory or make_engine_core
+    num_engines = setup.config.parallel.data_parallel_size
+    if num_engines > 1:
+        if not multiprocess:
+            raise ValueError(f"data_parallel_size={num_engines} runs each engine in its own process; "
+                             "it cannot be combined with an in-process engine (multiprocess=False, "
+                             "--engine-in-process)")
+        from tokenbus.engine.dp_client import DPLBClient
+
+        return DPLBClient(setup, factory, asyncio_mode=asyncio_mode, ready_timeout_s=ready_timeout_s)
     if not multiprocess:
         return AsyncInprocClient(setup, factory) if asyncio_mode else InprocClient(setup, factory(setup))
     from tokenbus.engine.mp_client import AsyncMPClient, SyncMPClient

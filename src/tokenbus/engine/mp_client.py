@@ -58,8 +58,12 @@ FINALIZER_PRIORITY = 100  # run at exit before multiprocessing joins its childre
 class EngineConnection:
     """The engine process, its sockets and the state the background threads share."""
 
-    def __init__(self, setup: "EngineSetup", engine_factory: EngineFactory) -> None:
-        self.outputs = OutputChannel()
+    def __init__(self, setup: "EngineSetup", engine_factory: EngineFactory,
+                 outputs: OutputChannel | None = None, engine_index: int = 0) -> None:
+        """`outputs`: a channel shared with other engines' connections (data parallelism),
+        each EngineOutputs tagged with `engine_index`."""
+        self.outputs = outputs if outputs is not None else OutputChannel()
+        self.engine_index = engine_index
         self.utilities = UtilityCalls()
         self.dead_error: EngineDeadError | None = None
         self._dead_lock = threading.Lock()
@@ -133,6 +137,7 @@ class EngineConnection:
                 logger.exception("dropped a malformed message from the EngineCore")
                 continue
             if kind is MessageType.OUTPUTS:
+                payload.engine_index = self.engine_index
                 self.outputs.put(payload)
             elif kind is MessageType.UTILITY_RESULT:
                 self.utilities.resolve(payload)
@@ -224,9 +229,10 @@ class MPClient(EngineCoreClient):
     the interface."""
 
     def __init__(self, setup: "EngineSetup", engine_factory: EngineFactory = make_engine_core,
-                 ready_timeout_s: float | None = None) -> None:
+                 ready_timeout_s: float | None = None, connection: EngineConnection | None = None) -> None:
+        """`connection`: an engine already spawned (data parallelism starts all first)."""
         self.setup = setup
-        self._conn = conn = EngineConnection(setup, engine_factory)
+        self._conn = conn = connection or EngineConnection(setup, engine_factory)
         self.proc = conn.proc
         # Holds the connection, not the client: runs on shutdown(), when the client is
         # garbage-collected, or at exit before multiprocessing joins its children.
@@ -256,6 +262,10 @@ class MPClient(EngineCoreClient):
         self._conn.send(RequestType.UTILITY, call)
         return future
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Blocking (LLMEngine, and data parallelism's sync half)."""
+        return self._start_utility(method, args).result()
+
     def shutdown(self) -> None:
         """Stop the engine process; idempotent. Waiters get EngineDeadError."""
         self._finalizer()
@@ -270,9 +280,6 @@ class SyncMPClient(MPClient):
 
     def get_output(self) -> EngineOutputs:
         return self._conn.outputs.get()
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        return self._start_utility(method, args).result()
 
 
 class AsyncMPClient(MPClient):

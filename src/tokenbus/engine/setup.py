@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from tokenbus.config import EngineArgs, EngineConfig, ModelArch
@@ -39,25 +40,29 @@ def check_parallel_layout(config: EngineConfig, arch: ModelArch) -> None:
     parallel = config.parallel
     tp = parallel.tensor_parallel_size
     if parallel.distributed_executor_backend == "ray":
-        raise ValueError("distributed_executor_backend 'ray' is not available yet: use 'mp'")
-    if parallel.data_parallel_size != 1:
-        raise ValueError(f"data_parallel_size={parallel.data_parallel_size} is not available yet: "
-                         f"this build runs one engine")
+        # Before anything starts: Ray installed, the cluster reachable.
+        from tokenbus.engine.executor.ray_executor import check_ray_address, import_ray
+
+        import_ray()
+        if address := parallel.ray_address or os.environ.get("RAY_ADDRESS"):
+            check_ray_address(address)
     TensorParallel(0, tp).check_divides(arch)
-    _check_devices_for(tp, config.model.device)
+    _check_devices_for(tp * parallel.data_parallel_size, config.model.device)
 
 
-def _check_devices_for(tp: int, device: str) -> None:
+def _check_devices_for(num_ranks: int, device: str) -> None:
+    """tensor_parallel_size × data_parallel_size ranks in all: one GPU each, or CPU cores."""
     import torch
 
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        if tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+        if num_ranks > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size × data_parallel_size = {num_ranks} ranks need "
+                             f"{num_ranks} GPUs; {torch.cuda.device_count()} visible")
         return
     cores = available_cpus()
-    if tp > cores:
-        logger.warning("tensor_parallel_size=%d ranks on %d cores: they will share cores (slower, "
-                       "still correct)", tp, cores)
+    if num_ranks > cores:
+        logger.warning("%d ranks (tensor_parallel_size × data_parallel_size) on %d cores: they will "
+                       "share cores (slower, still correct)", num_ranks, cores)
 
 
 def create_engine_setup(args: EngineArgs) -> EngineSetup:

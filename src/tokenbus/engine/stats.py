@@ -41,9 +41,11 @@ class IterationStats:
 
 
 class StatLogger(Protocol):
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               engine_index: int = 0) -> None:
         """Called once per batch of engine outputs. `scheduler_stats` is the engine's report of
-        one step (its counters are per step: add them up) or None."""
+        one step (its counters are per step: add them up) or None; `engine_index` says which
+        data-parallel engine sent them."""
 
 
 @dataclass

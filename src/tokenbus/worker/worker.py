@@ -72,15 +72,18 @@ class Worker:
 
     def init_device(self) -> None:
         self.device = resolve_device(self.config.model.device)
-        world_size = self.config.parallel.world_size
-        if world_size > 1:
-            self.tp = init_tensor_parallel(self.rank, world_size, self.distributed_init_method, self.device)
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", self.rank)
-                torch.cuda.set_device(self.device)
-            else:
-                # Each rank gets its share of the cores this process may run on.
-                torch.set_num_threads(max(1, available_cpus() // world_size))
+        parallel = self.config.parallel
+        if self.device.type == "cuda" and (parallel.world_size > 1 or parallel.data_parallel_size > 1):
+            # One GPU per rank: engine d's rank r takes GPU d * tp + r (before NCCL starts).
+            self.device = torch.device("cuda", parallel.data_parallel_rank * parallel.world_size + self.rank)
+            torch.cuda.set_device(self.device)
+        if parallel.world_size > 1:
+            self.tp = init_tensor_parallel(self.rank, parallel.world_size, self.distributed_init_method,
+                                           self.device)
+        ranks_here = parallel.world_size * parallel.data_parallel_size
+        if self.device.type == "cpu" and ranks_here > 1:
+            # Each rank of each engine gets its share of the cores this process may run on.
+            torch.set_num_threads(max(1, available_cpus() // ranks_here))
         self.dtype = resolve_dtype(self.config.model.dtype, self.device)
         torch.manual_seed(self.config.model.seed)
         if self.device.type == "cpu" and self.rank == 0:

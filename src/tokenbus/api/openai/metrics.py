@@ -1,6 +1,7 @@
 """Stat loggers: Prometheus metrics and a periodic log line (L5).
 
-The engine front end calls `record(scheduler_stats, iteration_stats)` after each step's outputs.
+The engine front end calls `record(scheduler_stats, iteration_stats, engine_index)` after each
+step's outputs (engine_index: which data-parallel engine they came from).
 Metric names are vLLM's with our prefix (`vllm:num_requests_running` → `tokenbus:num_requests_running`)
 so existing dashboards and autoscalers need only the prefix changed. Each logger owns its
 metrics in a registry it is given: no process-global state, several servers per process work.
@@ -39,56 +40,82 @@ def token_buckets(max_value: int) -> tuple[float, ...]:
 
 
 class PrometheusStatLogger:
+    """One set of metric families; each engine (data parallelism) gets its own series under
+    the `engine` label, exported from the start (an idle server already shows its gauges)."""
+
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int,
-                 engine_index: int = 0) -> None:
-        self.labels = {"model_name": model_name, "engine": str(engine_index)}
-        names = list(self.labels)
+                 num_engines: int = 1) -> None:
+        self.model_name = model_name
+        names = ["model_name", "engine"]
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(PREFIX + name, doc, names, registry=registry).labels(**self.labels)
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, names, registry=registry)
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(PREFIX + name, doc, names, registry=registry).labels(**self.labels)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, names + list(extra), registry=registry)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=registry).labels(**self.labels)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=registry)
 
-        self.running = gauge("num_requests_running", "Requests in model execution batches.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be processed.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in tokens.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens.")
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        size_buckets = token_buckets(max_model_len)
+        # attribute → family; _EngineSeries holds each family's child for one engine.
+        self.families: dict[str, Any] = {
+            "running": gauge("num_requests_running", "Requests in model execution batches."),
+            "waiting": gauge("num_requests_waiting", "Requests waiting to be processed."),
+            "kv_usage": gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            "prefix_queries": counter("prefix_cache_queries", "Prefix cache queries, in tokens."),
+            "prefix_hits": counter("prefix_cache_hits", "Prefix cache hits, in tokens."),
+            "preemptions": counter("num_preemptions", "Cumulative number of preemptions."),
+            "prompt_tokens": counter("prompt_tokens", "Number of prefill tokens processed."),
+            "generation_tokens": counter("generation_tokens", "Number of generation tokens processed."),
+            "spec_drafts": counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+            "spec_draft_tokens": counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
+            "spec_accepted": counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+            "ttft": histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS),
+            "itl": histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS),
+            "e2e": histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                             LATENCY_BUCKETS),
+            "queue_time": histogram("request_queue_time_seconds", "Time spent waiting in seconds.",
+                                    LATENCY_BUCKETS),
+            "request_prompt": histogram("request_prompt_tokens", "Prompt tokens per request.", size_buckets),
+            "request_generation": histogram("request_generation_tokens", "Generated tokens per request.",
+                                            size_buckets),
+        }
         # Accepted drafts by position in the draft (vLLM's ..._per_pos): the acceptance rate at
         # position j is accepted_per_pos{position=j} / num_drafts.
-        self.spec_accepted_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-            names + ["position"], registry=registry)
-        success = Counter(PREFIX + "request_success", "Count of finished requests by reason.",
-                          names + ["finished_reason"], registry=registry)
-        self.success = {r: success.labels(**self.labels, finished_reason=r) for r in FINISH_REASONS}
-        self._success_family = success
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                             LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting in seconds.",
-                                    LATENCY_BUCKETS)
-        size_buckets = token_buckets(max_model_len)
-        self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", size_buckets)
-        self.request_generation = histogram("request_generation_tokens", "Generated tokens per request.",
-                                            size_buckets)
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", ("position",))
+        self.success = counter("request_success", "Count of finished requests by reason.", ("finished_reason",))
+        self._engines: dict[int, _EngineSeries] = {}
+        for index in range(num_engines):
+            self.engine(index)
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+    def engine(self, index: int) -> "_EngineSeries":
+        if index not in self._engines:
+            labels = {"model_name": self.model_name, "engine": str(index)}
+            children = {name: family.labels(**labels) for name, family in self.families.items()}
+            self._engines[index] = _EngineSeries(labels, children, self.spec_accepted_per_pos, self.success)
+        return self._engines[index]
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_index: int = 0) -> None:
+        series = self.engine(engine_index)
         if scheduler_stats is not None:
-            self.record_scheduler(scheduler_stats)
+            series.record_scheduler(scheduler_stats)
         if iteration_stats is not None:
-            self.record_iteration(iteration_stats)
+            series.record_iteration(iteration_stats)
+
+
+class _EngineSeries:
+    """The series of one engine (its `engine` label)."""
+
+    def __init__(self, labels: dict[str, str], children: dict[str, Any], per_pos: Counter,
+                 success: Counter) -> None:
+        self.labels = labels
+        for name, child in children.items():
+            setattr(self, name, child)
+        self._per_pos = per_pos
+        self._success_family = success
+        self.success = {r: success.labels(**labels, finished_reason=r) for r in FINISH_REASONS}
 
     def record_scheduler(self, stats: Any) -> None:
         self.running.set(stats.num_running_reqs)
@@ -101,7 +128,7 @@ class PrometheusStatLogger:
         self.spec_draft_tokens.inc(getattr(stats, "spec_num_draft_tokens", 0))
         self.spec_accepted.inc(getattr(stats, "spec_num_accepted_tokens", 0))
         for position, accepted in enumerate(getattr(stats, "spec_accepted_per_pos", None) or []):
-            self.spec_accepted_per_pos.labels(**self.labels, position=str(position)).inc(accepted)
+            self._per_pos.labels(**self.labels, position=str(position)).inc(accepted)
 
     def record_iteration(self, stats: Any) -> None:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
@@ -135,12 +162,12 @@ class LoggingStatLogger:
         self._num_generation_tokens = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
-        self._last_stats: Any = None
+        self._last_stats: dict[int, Any] = {}  # engine index → its last scheduler stats
         self._was_idle = False
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_index: int = 0) -> None:
         if scheduler_stats is not None:
-            self._last_stats = scheduler_stats
+            self._last_stats[engine_index] = scheduler_stats
             self._prefix_queries += scheduler_stats.prefix_cache_queries
             self._prefix_hits += scheduler_stats.prefix_cache_hits
         if iteration_stats is not None:
@@ -151,15 +178,17 @@ class LoggingStatLogger:
         """Log and return the line for the interval since the last call; quiet when idle twice."""
         now = self._clock()
         elapsed = max(now - self._last_log_time, 1e-9)
-        stats = self._last_stats
-        running = stats.num_running_reqs if stats else 0
-        waiting = stats.num_waiting_reqs if stats else 0
+        # Summed over data-parallel engines; KV usage is their mean (each has its own pool).
+        engines = list(self._last_stats.values())
+        running = sum(s.num_running_reqs for s in engines)
+        waiting = sum(s.num_waiting_reqs for s in engines)
+        kv_usage = sum(s.kv_cache_usage for s in engines) / len(engines) if engines else 0.0
         is_idle = not (self._num_prompt_tokens or self._num_generation_tokens or running or waiting)
         hit_rate = self._prefix_hits / self._prefix_queries if self._prefix_queries else 0.0
         line = (f"Avg prompt throughput: {self._num_prompt_tokens / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self._num_generation_tokens / elapsed:.1f} tokens/s, "
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
-                f"KV cache usage: {100 * (stats.kv_cache_usage if stats else 0.0):.1f}%, "
+                f"KV cache usage: {100 * kv_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
         self._last_log_time = now
         self._num_prompt_tokens = self._num_generation_tokens = 0

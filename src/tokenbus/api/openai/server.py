@@ -237,7 +237,8 @@ def run_server(args: Any, config: ServerConfig) -> int:
 
     names = served_model_names(args, config)
     registry = CollectorRegistry()
-    prometheus = PrometheusStatLogger(registry, names[0], args.max_model_len or 32768)
+    prometheus = PrometheusStatLogger(registry, names[0], args.max_model_len or 32768,
+                                      num_engines=args.data_parallel_size)
     log_stats = LoggingStatLogger()
     sock = bind_socket(config.host, config.port)  # before the engine: fail fast on a busy port
     try:

@@ -2,6 +2,7 @@
 
     UniProcExecutor   one Worker in the EngineCore's own process (tensor_parallel_size 1)
     MultiProcExecutor a spawned process per tensor-parallel rank (multiproc.py, imported lazily)
+    RayExecutor       ranks as Ray actors in a placement group, across machines (ray_executor.py)
 
 `make_executor` picks one from the ParallelConfig.
 """

@@ -25,5 +25,9 @@ def make_executor(config: EngineConfig, source: "ModelSource", arch: ModelArch,
         from tokenbus.engine.executor.multiproc import MultiProcExecutor
 
         return MultiProcExecutor(config, source, arch, eos_token_id)
+    if backend == "ray":
+        from tokenbus.engine.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, source, arch, eos_token_id)
     raise ValueError(f"distributed_executor_backend {backend!r} is not available yet "
                      f"(tensor_parallel_size={config.parallel.tensor_parallel_size})")

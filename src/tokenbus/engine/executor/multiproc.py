@@ -182,12 +182,11 @@ class MultiProcExecutor(Executor):
         return [replies[rank] for rank in sorted(replies)]
 
     def _raise_reply_error(self, reply: WorkerReply) -> None:
-        message = f"tensor-parallel rank {reply.rank}: {reply.error}"
         # A rank that dies mid-step makes its peers' collectives fail first: wait a moment for
         # the monitor, so the error names the dead rank rather than the symptom.
         if reply.error_type != "ValueError" and self._died.wait(DEATH_GRACE_S):
-            raise WorkerFailedError(f"{self._failure}; {message}")
-        raise _reraise_type(reply.error_type)(message)
+            raise WorkerFailedError(f"{self._failure}; {reply_error(reply)}")
+        raise reply_error(reply)
 
     def _watch_ranks(self) -> None:
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
@@ -203,10 +202,29 @@ class MultiProcExecutor(Executor):
             callback()
 
 
-def _reraise_type(name: str | None) -> type[Exception]:
+def reply_error(reply: WorkerReply) -> Exception:
     """A rank's ValueError (bad configuration: KV too small, a bad draft model) stays a
     ValueError for the front end; anything else is a worker failure."""
-    return ValueError if name == "ValueError" else WorkerFailedError
+    message = f"tensor-parallel rank {reply.rank}: {reply.error}"
+    return ValueError(message) if reply.error_type == "ValueError" else WorkerFailedError(message)
+
+
+def encode_reply(encoder: msgspec.msgpack.Encoder, rank: int, value: Any = None,
+                 exc: BaseException | None = None) -> bytes:
+    """A WorkerReply carrying `value` (encoded once, into the reply) or the exception's text."""
+    if exc is not None:
+        return encoder.encode(WorkerReply(rank, msgspec.Raw(encoder.encode(None)), error_type=type(exc).__name__,
+                                          error=str(exc) or type(exc).__name__))
+    return encoder.encode(WorkerReply(rank, msgspec.Raw(encoder.encode(value))))
+
+
+def dispatch_call(worker: Any, call: RpcCall | StepCall) -> Any:
+    """Run one call on a rank's Worker: a step (None off rank 0) or a public method."""
+    if isinstance(call, StepCall):
+        return worker.execute_model(call.scheduler_output)
+    if call.method.startswith("_") or not callable(getattr(worker, call.method, None)):
+        raise ValueError(f"collective_rpc: {call.method!r} is not a public worker method")
+    return getattr(worker, call.method)(*call.args)
 
 
 def _free_port() -> int:
@@ -233,12 +251,7 @@ def run_worker(config: EngineConfig, source: "ModelSource", arch: ModelArch, eos
     decoder = msgspec.msgpack.Decoder(WorkerCall)
 
     def reply(value: Any = None, exc: BaseException | None = None) -> None:
-        encoded = msgspec.Raw(encoder.encode(None if exc is not None else value))
-        if exc is not None:
-            msg = WorkerReply(rank, encoded, error_type=type(exc).__name__, error=str(exc) or type(exc).__name__)
-        else:
-            msg = WorkerReply(rank, encoded)
-        results.send(encoder.encode(msg))
+        results.send(encode_reply(encoder, rank, value, exc))
 
     from tokenbus.worker.worker import Worker
 
@@ -264,14 +277,9 @@ def _serve(worker, rank: int, calls: zmq.Socket, decoder: msgspec.msgpack.Decode
         if isinstance(call, ShutdownCall):
             return
         try:
-            if isinstance(call, StepCall):
-                output = worker.execute_model(call.scheduler_output)
-                if rank == 0:
-                    reply(output)
-            elif call.method.startswith("_") or not callable(getattr(worker, call.method, None)):
-                raise ValueError(f"collective_rpc: {call.method!r} is not a public worker method")
-            else:
-                reply(getattr(worker, call.method)(*call.args))
+            value = dispatch_call(worker, call)
+            if isinstance(call, RpcCall) or rank == 0:  # only rank 0 reports a step
+                reply(value)
         except Exception as exc:
             # A failed step leaves this rank's state out of step with the others: report it
             # (the engine dies with the message) and keep serving so shutdown is orderly.

@@ -1,0 +1,151 @@
+"""Data parallelism: N EngineCore processes behind one client that balances load (L4).
+
+Each engine is a whole EngineCore with its own executor, KV cache and scheduler; the front end
+(tokenizer, detokenizer, HTTP) stays one. The engines' reader threads all feed ONE
+OutputChannel, each EngineOutputs tagged with its engine's index, so the front end reads a
+single stream whatever N is.
+
+Routing (after vLLM's DPLBAsyncMPClient): a new request goes to the engine with the lowest
+
+    score = in-flight requests routed there + WAITING_WEIGHT × the engine's last reported
+            waiting queue
+
+(the in-flight count is exact and current; the waiting queue, reported each step, says where a
+new request would queue behind others), ties broken by KV-cache usage, then by index. Aborts go
+to the owning engine. If any engine dies, the client is dead: every waiter fails and /health
+turns 503 (a dead engine's requests cannot move).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from tokenbus.engine.core_client import EngineCoreClient, OutputChannel
+from tokenbus.engine.exceptions import EngineDeadError
+from tokenbus.engine.mp_client import AsyncMPClient, EngineConnection, MPClient, SyncMPClient
+from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats
+
+if TYPE_CHECKING:
+    from tokenbus.engine.core_proc import EngineFactory
+    from tokenbus.engine.setup import EngineSetup
+
+WAITING_WEIGHT = 3
+
+
+class DPLBClient(EngineCoreClient):
+    """Both halves of the client interface: sync for LLMEngine, asyncio for AsyncLLM (the
+    engines' sends never block, so the coroutines call the sync methods)."""
+
+    def __init__(self, setup: "EngineSetup", engine_factory: "EngineFactory", *, asyncio_mode: bool,
+                 ready_timeout_s: float | None = None) -> None:
+        num_engines = setup.config.parallel.data_parallel_size
+        self._outputs = OutputChannel()
+        cls = AsyncMPClient if asyncio_mode else SyncMPClient
+        self.clients: list[MPClient] = []
+        connections: list[EngineConnection] = []
+        try:
+            # Spawn every engine first, then wait: their models load at the same time.
+            for index in range(num_engines):
+                connections.append(EngineConnection(_for_engine(setup, index), engine_factory, self._outputs, index))
+            for connection in connections:
+                self.clients.append(cls(setup, engine_factory, ready_timeout_s, connection=connection))
+        except BaseException:
+            for connection in connections[len(self.clients):]:
+                connection.close()
+            self.shutdown()
+            raise
+        self.num_kv_blocks = min(client.num_kv_blocks for client in self.clients)
+        self._owner: dict[str, int] = {}  # request id → engine index, until it finishes
+        self._in_flight = [0] * num_engines
+        self._stats: list[SchedulerStats | None] = [None] * num_engines
+        self.num_routed = [0] * num_engines  # requests sent to each engine, ever
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.clients)
+
+    # ------------------------------------------------------------------ routing
+    def add_request(self, request: EngineRequest) -> None:
+        index = pick_engine(self._in_flight, self._stats)
+        self.clients[index].add_request(request)
+        self._owner[request.request_id] = index
+        self._in_flight[index] += 1
+        self.num_routed[index] += 1
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self._owner.pop(request_id, None)
+            if index is not None:  # None: finished meanwhile, nothing to abort
+                self._in_flight[index] -= 1
+                by_engine.setdefault(index, []).append(request_id)
+        for index, ids in by_engine.items():
+            self.clients[index].abort_requests(ids)
+
+    def _account(self, outputs: EngineOutputs) -> EngineOutputs:
+        if outputs.scheduler_stats is not None:
+            self._stats[outputs.engine_index] = outputs.scheduler_stats
+        for output in outputs.outputs:
+            if output.finished and self._owner.pop(output.request_id, None) is not None:
+                self._in_flight[outputs.engine_index] -= 1
+        return outputs
+
+    def get_output(self) -> EngineOutputs:
+        return self._account(self._outputs.get())
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """On every engine; booleans are and-ed (reset_prefix_cache), otherwise the first result."""
+        return _combine([client.call_utility(method, *args) for client in self.clients])
+
+    # ------------------------------------------------------------------ asyncio half
+    async def add_request_async(self, request: EngineRequest) -> None:
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def get_output_async(self) -> EngineOutputs:
+        return self._account(await self._outputs.get_async())
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        results = await asyncio.gather(*(client.call_utility_async(method, *args) for client in self.clients))
+        return _combine(list(results))
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        for index, client in enumerate(self.clients):
+            if client.dead_error is not None:
+                return EngineDeadError(f"data-parallel engine {index}: {client.dead_error}")
+        return None
+
+    def shutdown(self) -> None:
+        for client in self.clients:
+            client.shutdown()
+
+    def engine_stats(self) -> list[SchedulerStats | None]:
+        """Each engine's last reported stats (tests, the load balancer's view)."""
+        return list(self._stats)
+
+
+def _for_engine(setup: "EngineSetup", index: int) -> "EngineSetup":
+    parallel = dataclasses.replace(setup.config.parallel, data_parallel_rank=index)
+    return dataclasses.replace(setup, config=dataclasses.replace(setup.config, parallel=parallel))
+
+
+def pick_engine(in_flight: list[int], stats: list[SchedulerStats | None]) -> int:
+    """The engine with the lowest score (module docstring); ties: less KV in use, lower index."""
+    def score(index: int) -> tuple[float, float, int]:
+        engine = stats[index]
+        waiting = engine.num_waiting_reqs if engine is not None else 0
+        usage = engine.kv_cache_usage if engine is not None else 0.0
+        return in_flight[index] + WAITING_WEIGHT * waiting, usage, index
+    return min(range(len(in_flight)), key=score)
+
+
+def _combine(results: list[Any]) -> Any:
+    if all(isinstance(r, bool) for r in results):
+        return all(results)
+    return results[0]
