@@ -15,6 +15,7 @@ from tokenbus.utils import parse_size
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "native")
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,13 @@ class ModelConfig:
     enforce_eager: bool = False
     # auto: the native CPU kernel (model/native) on CPU in fp32/bf16 when it builds, else torch
     attention_backend: str = "auto"
+    # gguf: GGUF weights stay in their blocks (native weight-only kernels, fp32 activations);
+    # none: dequantized to `dtype` at load; auto: gguf for a GGUF model on CPU, else none.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -214,6 +220,9 @@ class EngineArgs:
     enforce_eager: bool = _arg(False)
     attention_backend: str = _arg("auto", "auto: a native C kernel on CPU (float32/bfloat16) when it "
                                           "builds, else torch", choices=ATTENTION_BACKENDS)
+    quantization: str = _arg("auto", "gguf: GGUF weights stay quantized (native kernels); none: "
+                                     "dequantize to --dtype; auto: gguf for GGUF models on CPU",
+                             choices=QUANTIZATIONS)
     block_size: int = _arg(16)
     kv_cache_memory: int | str | None = _arg(None, "bytes or a size like 2GiB")
     gpu_memory_utilization: float = _arg(0.9)

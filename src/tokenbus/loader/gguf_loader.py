@@ -1,4 +1,5 @@
-"""GGUF models: metadata -> ModelArch; tensors -> dequantized fp32 weights with HF names.
+"""GGUF models: metadata -> ModelArch; tensors -> weights with HF names: dequantized fp32, or
+(keep_quantized) the GGUF blocks themselves for the types the native kernels run.
 
 llama.cpp's converter permutes the rows of q/k weights of llama-arch models (interleaved
 rotary pairs instead of HF's rotate-half halves); `unpermute_qk` undoes it. Qwen2 GGUFs are
@@ -8,6 +9,7 @@ written unpermuted. Mistral is written as architecture "llama".
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,7 +20,24 @@ from tokenbus.config import ModelArch
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we load
-SUPPORTED_QTYPES = tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"))
+SUPPORTED_QTYPES = tuple(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K"))
+# Types model/native/quant_matmul.c runs on their blocks; the rest are dequantized on load.
+KERNEL_QTYPES = tuple(GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K"))
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A GGUF matrix kept in its blocks: uint8 [rows, row_bytes] (a private copy, not the
+    file's mapping), `cols` values per row."""
+
+    qtype: int
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -94,18 +113,25 @@ def hf_weight_name(gf: GGUFFile, name: str) -> str:
     raise ValueError(f"{gf.path}: unexpected GGUF tensor {name}")
 
 
-def iter_gguf_weights(gf: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every tensor, dequantized and with q/k un-permuted."""
+def iter_gguf_weights(gf: GGUFFile, arch: ModelArch, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yield (HF name, weight) for every tensor with q/k un-permuted: an fp32 tensor, or with
+    keep_quantized a QuantizedWeight for each matrix of a KERNEL_QTYPES type."""
     for info in gf.tensors.values():
         if info.name == _ROPE_FREQS:
             continue
         name = hf_weight_name(gf, info.name)
-        tensor = torch.from_numpy(_dequantize(gf, info))
+        if keep_quantized and info.qtype in KERNEL_QTYPES and len(info.shape) == 2:
+            tensor = torch.from_numpy(np.array(gf.tensor_bytes(info)))  # [rows, row bytes]
+        else:
+            tensor = torch.from_numpy(_dequantize(gf, info))
         if arch.architecture == "llama" and ".self_attn.q_proj." in name:
             tensor = unpermute_qk(tensor, arch.num_attention_heads)
         elif arch.architecture == "llama" and ".self_attn.k_proj." in name:
             tensor = unpermute_qk(tensor, arch.num_key_value_heads)
-        yield name, tensor
+        # The permutation moves whole rows, so it applies to rows of blocks unchanged.
+        yield name, (QuantizedWeight(int(info.qtype), tensor.contiguous(), info.shape[1])
+                     if tensor.dtype == torch.uint8 else tensor)
 
 
 def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:

@@ -8,7 +8,7 @@ import torch
 
 from tokenbus.config import ModelArch
 from tokenbus.loader.gguf_file import read_gguf
-from tokenbus.loader.gguf_loader import arch_from_gguf, iter_gguf_weights
+from tokenbus.loader.gguf_loader import QuantizedWeight, arch_from_gguf, iter_gguf_weights
 from tokenbus.loader.hf_loader import arch_from_hf_config, iter_safetensors, read_json, safetensors_files
 from tokenbus.loader.source import ModelSource
 
@@ -21,8 +21,10 @@ def load_arch(src: ModelSource) -> ModelArch:
     return arch_from_gguf(read_gguf(src.path))
 
 
-def iter_weights(src: ModelSource, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF tensor name, tensor) pairs; GGUF tensors come dequantized to fp32 with q/k un-permuted."""
+def iter_weights(src: ModelSource, arch: ModelArch, keep_quantized: bool = False
+                 ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
+    """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
+    fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them."""
     if src.kind == "hf":
         return iter_safetensors(safetensors_files(src.path))
-    return iter_gguf_weights(read_gguf(src.path), arch)
+    return iter_gguf_weights(read_gguf(src.path), arch, keep_quantized)

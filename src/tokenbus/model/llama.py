@@ -23,7 +23,8 @@ from tokenbus.model.attention import (AttentionPlan, build_attention_plan, paged
                                       select_attention_kernel)
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from tokenbus.model.native import PagedAttentionKernel
+from tokenbus.model.layers.quantized import QuantizedWeight, is_quantized, quantized_embedding
+from tokenbus.model.native import PagedAttentionKernel, QuantKernels, load_quant_kernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
 
@@ -113,6 +114,9 @@ class LlamaForCausalLM(nn.Module):
                                       arch.rope_scaling)
         self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
         self.attention_kernel: PagedAttentionKernel | None = None  # None: the torch path
+        # A GGUF embedding kept in its blocks (then embed_tokens is released), and its kernels.
+        self.embed_quantized: QuantizedWeight | None = None
+        self.quant_kernels: QuantKernels | None = None
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
 
@@ -135,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_and_norm(x, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quantized is not None:
+            return quantized_embedding(self.quant_kernels, self.embed_quantized, input_ids, self.embed_tokens.dtype)
         if not self.tp.enabled:
             return F.embedding(input_ids, self.embed_tokens)
         local = input_ids - self.vocab_start
@@ -153,9 +159,14 @@ class LlamaForCausalLM(nn.Module):
         """Pack every linear for its device and CPU (see layers/linear.py); "dense" runs plain
         F.linear (needed before torch.compile, which cannot trace packed oneDNN weights)."""
         cpu = cpu or CpuFeatures.detect()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.finalize(linear_backend, cpu)
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        if self.embed_quantized is not None or any(linear.quantized for linear in linears):
+            self.quant_kernels = load_quant_kernels(cpu)  # GGUF blocks run on the native kernels
+        for linear in linears:
+            linear.finalize(linear_backend, cpu, self.quant_kernels)
+        if self.embed_quantized is not None:  # lookups read the blocks: no dense table
+            self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0, self.arch.hidden_size),
+                                             requires_grad=False)
 
     def set_attention_backend(self, backend: str) -> None:
         """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.
@@ -190,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         (possibly fused) parameter."""
         vocab = _TensorSlicer(self.tp, self.arch).vocab_rows(self.vocab_start, self.vocab_per_rank)
         loaders: dict[str, WeightLoader] = {
-            "model.embed_tokens.weight": _sliced(partial(_copy_param, self.embed_tokens), vocab),
+            "model.embed_tokens.weight": _sliced(self._load_embedding, vocab),
             "model.norm.weight": partial(_copy_param, self.norm.weight),
         }
         if not self.arch.tie_word_embeddings:
@@ -198,6 +209,18 @@ class LlamaForCausalLM(nn.Module):
         for idx, layer in enumerate(self.layers):
             loaders.update(_layer_loaders(f"model.layers.{idx}.", layer, self.tp, self.arch))
         return loaders
+
+
+    def _load_embedding(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+        if not is_quantized(tensor):
+            _copy_param(self.embed_tokens, name, tensor)
+            return
+        if (tensor.rows, tensor.cols) != tuple(self.embed_tokens.shape):
+            raise ValueError(f"weight {name}: expected shape {list(self.embed_tokens.shape)}, "
+                             f"got {[tensor.rows, tensor.cols]}")
+        self.embed_quantized = tensor
+        if self.arch.tie_word_embeddings:  # the LM head reads the same blocks
+            self.lm_head.load_shard(name, tensor)
 
 
 def _layer_loaders(prefix: str, layer: LlamaDecoderLayer, tp: TensorParallel,
@@ -268,7 +291,13 @@ class _TensorSlicer:
 def _sliced(loader: WeightLoader, slicer: Slicer | None) -> WeightLoader:
     if slicer is None:
         return loader
-    return lambda name, tensor: loader(name, slicer(tensor))
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        if is_quantized(tensor):
+            raise ValueError(f"weight {name}: GGUF blocks cannot be split for tensor parallelism; "
+                             f"use --quantization none")
+        loader(name, slicer(tensor))
+    return load
 
 
 def _copy_param(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:

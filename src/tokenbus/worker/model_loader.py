@@ -6,6 +6,7 @@ Here, not in `loader`, because it joins two L2 siblings: `model` (the classes) a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,19 +15,59 @@ from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.loader import ModelSource, iter_weights
+from tokenbus.model.native import NativeBuildError, load_quant_kernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
 
+logger = logging.getLogger(__name__)
+
 
 def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str,
-               attention_backend: str = "auto", tp: TensorParallel = SINGLE) -> nn.Module:
-    """The whole model, or this rank's shard of it under tensor parallelism."""
+               attention_backend: str = "auto", tp: TensorParallel = SINGLE,
+               quantization: str = "none") -> nn.Module:
+    """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
+    in their blocks when `quantization` resolves to gguf (resolve_quantization)."""
     model_class = get_model_class(arch.architecture)
+    keep_quantized = resolve_quantization(quantization, src, torch.device(device), tp) == "gguf"
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(arch, tp)  # parameters allocated uninitialised, in place
-    model.load_weights(iter_weights(src, arch))  # casts to dtype on copy
+        model = model_class(arch, tp)  # parameters allocated uninitialised, in place (never
+        # written, so never resident, for weights that stay quantized)
+    model.load_weights(iter_weights(src, arch, keep_quantized))  # casts to dtype on copy
     model.set_attention_backend(attention_backend)
     return model.eval()
+
+
+def quantization_problem(src: ModelSource, device: torch.device, tp: TensorParallel | int) -> str | None:
+    """Why GGUF weights cannot stay quantized here, or None."""
+    tp_size = tp if isinstance(tp, int) else tp.size
+    if src.kind != "gguf":
+        return "the model is not a GGUF file"
+    if device.type != "cpu":
+        return f"the quantized kernels run on CPU, not {device.type}"
+    if tp_size > 1:
+        return "GGUF blocks are not split for tensor parallelism"
+    return None
+
+
+def resolve_quantization(requested: str, src: ModelSource, device: torch.device,
+                         tp: TensorParallel | int = 1) -> str:
+    """"gguf" or "none". auto picks gguf where it can run and the kernels build; an explicit
+    gguf that cannot run is a ValueError with the reason."""
+    if requested == "none":
+        return "none"
+    problem = quantization_problem(src, device, tp)
+    if problem is None:
+        try:
+            load_quant_kernels()
+        except NativeBuildError as exc:
+            problem = f"the quantized kernels cannot be built ({exc})"
+    if problem is None:
+        return "gguf"
+    if requested == "gguf":
+        raise ValueError(f"quantization 'gguf': {problem}; use --quantization none")
+    if src.kind == "gguf" and device.type == "cpu":
+        logger.warning("GGUF weights are dequantized: %s", problem)
+    return "none"
 
 
 @contextmanager

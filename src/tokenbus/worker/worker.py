@@ -95,7 +95,7 @@ class Worker:
 
     def load_model(self) -> None:
         self.model = load_model(self.source, self.arch, self.dtype, self.device,
-                                self.config.model.attention_backend, self.tp)
+                                self.config.model.attention_backend, self.tp, self.config.model.quantization)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold after its weights (what it measures, not what it gets)."""

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenbus.model.layers.quantized import QuantizedLinearKernel, QuantizedWeight, is_quantized
+from tokenbus.model.native import QuantKernels
 from tokenbus.utils.cpu import CpuFeatures
 
 LINEAR_BACKENDS = ("auto", "dense", "onednn")
@@ -79,14 +81,19 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self._kernel: LinearKernel | None = None
-        self.backend = "dense"  # the kernel finalize() chose: "dense" or "onednn"
+        self.backend = "dense"  # the kernel finalize() chose: "dense", "onednn" or "gguf"
+        self.quantized: dict[int, QuantizedWeight] = {}  # shard → GGUF blocks (kept quantized)
 
     def shard_rows(self, shard: int) -> slice:
         start = sum(self.out_sizes[:shard])
         return slice(start, start + self.out_sizes[shard])
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int = 0, is_bias: bool = False) -> None:
-        """Copy one HF tensor ([out_i, in] weight or [out_i] bias) into shard `shard`."""
+        """Copy one HF tensor ([out_i, in] weight or [out_i] bias) into shard `shard`, or keep
+        a quantized weight's GGUF blocks for the quantized kernel."""
+        if is_quantized(tensor):
+            self._keep_quantized(name, tensor, shard, is_bias)
+            return
         target = self.bias if is_bias else self.weight
         if target is None:
             raise ValueError(f"unexpected weight {name}: this layer has no bias")
@@ -98,7 +105,28 @@ class Linear(nn.Module):
             target[rows].copy_(tensor)
         self._kernel = None  # weights changed: re-pack in finalize()
 
-    def finalize(self, backend: str = "auto", cpu: CpuFeatures | None = None) -> None:
+    def _keep_quantized(self, name: str, weight: QuantizedWeight, shard: int, is_bias: bool) -> None:
+        expected = (self.out_sizes[shard], self.in_features)
+        if is_bias or (weight.rows, weight.cols) != expected:
+            raise ValueError(f"weight {name}: expected shape {list(expected)}, got {[weight.rows, weight.cols]}")
+        self.quantized[shard] = weight
+        self._kernel = None
+
+    def finalize(self, backend: str = "auto", cpu: CpuFeatures | None = None,
+                 quant_kernels: QuantKernels | None = None) -> None:
+        """Choose the kernel. Quantized shards run on their blocks when every shard is
+        quantized (and the dense weight is released); a mix is dequantized into the weight."""
+        if self.quantized and len(self.quantized) == len(self.out_sizes):
+            shards = [self.quantized[i] for i in range(len(self.out_sizes))]
+            self.backend = "gguf"
+            self._kernel = QuantizedLinearKernel(quant_kernels, shards, self.bias)
+            self.weight = nn.Parameter(self.weight.new_empty(0, self.in_features), requires_grad=False)
+            return
+        for shard, weight in self.quantized.items():
+            with torch.no_grad():
+                self.weight[self.shard_rows(shard)].copy_(
+                    quant_kernels.dequant_rows(weight.qtype, weight.data, weight.cols, torch.arange(weight.rows)))
+        self.quantized = {}
         self.backend = choose_linear_backend(self.weight, backend, cpu)
         self._kernel = make_linear_kernel(self.weight, self.bias, self.backend)
 

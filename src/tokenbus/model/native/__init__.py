@@ -139,3 +139,48 @@ def load_paged_attention(cpu: CpuFeatures | None = None) -> PagedAttentionKernel
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                    ctypes.c_float, _PTR, _I64, ctypes.c_int, ctypes.c_int]
     return PagedAttentionKernel(fn)
+
+
+_QUANT_SOURCE = Path(__file__).with_name("quant_matmul.c")
+# Largest activation batch quant_matmul takes (MAX_M in quant_matmul.c).
+QUANT_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """Weight-only GGUF-block kernels (see quant_matmul.c); W is uint8 [N, row_bytes]."""
+
+    matmul_fn: ctypes._CFuncPtr
+    dequant_fn: ctypes._CFuncPtr
+
+    def matmul(self, qtype: int, w: torch.Tensor, num_cols: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[M, N] (row-strided, may be a column slice of a wider tensor) = x[M, K] @ W.T."""
+        assert w.dtype == torch.uint8 and w.is_contiguous() and x.dtype == out.dtype == torch.float32
+        assert x.stride(1) == 1 and out.stride(1) == 1 and x.shape[0] <= QUANT_MAX_ROWS
+        status = self.matmul_fn(qtype, w.data_ptr(), w.shape[0], num_cols, x.data_ptr(), x.shape[0], x.stride(0),
+                                out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"quant_matmul: GGML type {qtype} with {num_cols} columns is not supported")
+
+    def dequant_rows(self, qtype: int, w: torch.Tensor, num_cols: int, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(rows), K]: the given rows of W (int64 row ids)."""
+        assert w.dtype == torch.uint8 and w.is_contiguous() and rows.dtype == torch.int64 and rows.is_contiguous()
+        out = torch.empty(rows.numel(), num_cols, dtype=torch.float32)
+        status = self.dequant_fn(qtype, w.data_ptr(), num_cols, rows.data_ptr(), rows.numel(), out.data_ptr(),
+                                 torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"quant_dequant_rows: GGML type {qtype} with {num_cols} columns is not supported")
+        return out
+
+
+def load_quant_kernels(cpu: CpuFeatures | None = None) -> QuantKernels:
+    """Build (or find in the cache) and load the quantized kernels; NativeBuildError says why not."""
+    try:
+        lib = ctypes.CDLL(str(build_shared_object(_QUANT_SOURCE, cpu)))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {_QUANT_SOURCE.stem}: {exc}") from exc
+    matmul, dequant = lib.quant_matmul, lib.quant_dequant_rows
+    matmul.restype = dequant.restype = ctypes.c_int
+    matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
+    dequant.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
+    return QuantKernels(matmul, dequant)

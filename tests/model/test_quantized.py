@@ -1,0 +1,158 @@
+"""GGUF weights kept quantized: the native block kernels against dequantize-then-matmul, per
+type, shape and CPU path; K-quant GGUF models; SmolLM2 greedy against HF on the same GGUF."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks, write_gguf
+from tokenbus.loader import iter_weights, load_arch, resolve_model
+from tokenbus.loader.gguf_loader import QuantizedWeight
+from tokenbus.model.layers import Linear
+from tokenbus.model.layers.quantized import QUANT_GEMV_MAX_ROWS, QuantizedLinearKernel
+from tokenbus.model.native import load_quant_kernels
+from tokenbus.utils.cpu import CpuFeatures, _capped
+from tokenbus.worker.model_loader import load_model, resolve_quantization
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+                                reason="no C compiler: the quantized kernels cannot be built here")
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+DETECTED = CpuFeatures.detect()
+
+
+def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    if qtype.name in ("Q8_0", "Q4_0", "Q4_1"):
+        data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+        return gguf.quants.quantize(data, qtype)
+    return random_k_quant_blocks(qtype.name, rows, cols, seed)
+
+
+def kernels_for(cap: str):
+    if cap != "native" and not DETECTED.is_x86:
+        pytest.skip("ISA caps apply to x86-64 only")
+    if cap == "avx512" and DETECTED.isa != "avx512":
+        pytest.skip(f"an AVX-512 build needs AVX-512 F/BW/CD/DQ/VL; this CPU is {DETECTED.describe()}")
+    return load_quant_kernels(CpuFeatures(_capped(DETECTED.flags, cap), cap))
+
+
+@pytest.mark.parametrize("cap", ["native", "avx512", "avx2", "baseline"])  # SIMD paths and the generic one
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_equals_dequantize_then_matmul(qtype, cap):
+    kernels = kernels_for(cap)
+    for rows, cols in ((40, 256), (7, 512)):
+        w = blocks(qtype, rows, cols, seed=rows)
+        dense = torch.from_numpy(gguf.quants.dequantize(w, qtype).astype(np.float32))
+        ids = torch.tensor([rows - 1, 0, 3, 3])
+        assert torch.equal(kernels.dequant_rows(int(qtype), torch.from_numpy(w), cols, ids), dense[ids])
+        for m in (1, 5, 16, 64):
+            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+            out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]  # a column slice, like fused q/k/v
+            kernels.matmul(int(qtype), torch.from_numpy(w), cols, x, out)
+            torch.testing.assert_close(out, x @ dense.T, rtol=1e-4, atol=1e-4 * dense.abs().max().item())
+
+
+def test_unsupported_shapes_and_types_are_errors():
+    kernels = load_quant_kernels()
+    w = torch.from_numpy(blocks(Q.Q4_K, 4, 256))
+    with pytest.raises(ValueError, match="GGML type 6 with 256 columns is not supported"):  # Q5_0
+        kernels.matmul(int(Q.Q5_0), w, 256, torch.zeros(1, 256), torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="GGML type 12 with 200 columns"):  # not a multiple of 256
+        kernels.dequant_rows(int(Q.Q4_K), w, 200, torch.tensor([0]))
+
+
+def test_fused_linear_mixes_types_and_switches_to_gemm_for_big_batches():
+    kernels = load_quant_kernels()
+    shards = [QuantizedWeight(int(t), torch.from_numpy(blocks(t, n, 256, seed=n)), 256)
+              for t, n in ((Q.Q4_1, 24), (Q.Q6_K, 8), (Q.Q8_0, 8))]
+    dense = torch.cat([torch.from_numpy(gguf.quants.dequantize(s.data.numpy(), Q(s.qtype)).astype(np.float32))
+                       for s in shards])
+    bias = torch.randn(40)
+    linear = Linear(256, [24, 8, 8], bias=True)
+    for shard, weight in enumerate(shards):
+        linear.load_shard(f"w{shard}", weight, shard)
+    with torch.no_grad():
+        linear.bias.copy_(bias)
+    linear.finalize(quant_kernels=kernels)
+    assert linear.backend == "gguf" and linear.weight.numel() == 0  # no dense copy kept
+    assert isinstance(linear._kernel, QuantizedLinearKernel)
+    for m in (3, QUANT_GEMV_MAX_ROWS + 5):  # the block kernel, then dequantize + GEMM
+        x = torch.randn(2, m, 256)
+        torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
+
+
+def _logits(src, quantization: str) -> torch.Tensor:
+    from tests.fixtures.paged import PagedKV
+    from tests.model.test_llama_vs_hf import run
+
+    model = load_model(src, load_arch(src), torch.float32, "cpu", quantization=quantization)
+    ids = [101, 202, 303, 404, 505, 606, 707, 808, 909]
+    kv = PagedKV.for_model(model)
+    return torch.cat([run(model, kv, [("a", ids[:5])])] + [run(model, kv, [("a", [t])]) for t in ids[5:]]), model
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K"])
+def test_gguf_model_quantized_equals_dequantized(tmp_path, qtype):
+    """A GGUF of each type (K-quants need 256-wide rows), run on its blocks and dequantized."""
+    hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512)
+    src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
+    weights = dict(iter_weights(src, load_arch(src), keep_quantized=True))
+    assert isinstance(weights["model.layers.0.self_attn.q_proj.weight"], QuantizedWeight)
+    assert isinstance(weights["model.norm.weight"], torch.Tensor)
+    quantized, model = _logits(src, "gguf")
+    assert {m.backend for m in model.modules() if isinstance(m, Linear)} == {"gguf"}
+    assert model.embed_tokens.numel() == 0 and model.embed_quantized is not None
+    dequantized, _ = _logits(src, "none")
+    torch.testing.assert_close(quantized, dequantized, rtol=1e-4, atol=1e-4)
+
+
+def test_quantization_choice_and_its_errors(tmp_path):
+    hf_src = resolve_model(str(cached_tiny_model("llama")))
+    gguf_src = resolve_model(str(write_gguf(cached_tiny_model("llama"), tmp_path / "m.gguf", "Q8_0",
+                                            with_tokenizer=False)))
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", gguf_src, cpu) == "gguf"
+    assert resolve_quantization("auto", hf_src, cpu) == "none"
+    assert resolve_quantization("auto", gguf_src, cpu, tp=2) == "none"
+    assert resolve_quantization("none", gguf_src, cpu) == "none"
+    with pytest.raises(ValueError, match="quantization 'gguf': the model is not a GGUF file"):
+        resolve_quantization("gguf", hf_src, cpu)
+    with pytest.raises(ValueError, match="quantization 'gguf': GGUF blocks are not split for tensor parallelism"):
+        resolve_quantization("gguf", gguf_src, cpu, tp=2)
+
+
+def test_smollm2_quantized_greedy_matches_transformers_on_the_same_gguf():
+    """The default model with its Q4_1/Q8_0 blocks kept: HF's dequantized weights give the
+    same greedy tokens (a differing token must be a near tie, as in tests/e2e/test_smollm2.py)."""
+    from tests.e2e.oracle import hf_greedy, load_hf
+    from tests.e2e.utils import assert_engine_clean, make_llm
+    from tokenbus import SamplingParams
+
+    llm = make_llm(None, max_model_len=1024, quantization="gguf")
+    try:
+        model = llm.engine.client.engine_core.executor.worker.model
+        assert {m.backend for m in model.modules() if isinstance(m, Linear)} == {"gguf"}
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+            for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+        source = resolve_model(None)
+        hf = load_hf(str(source.path.parent), source.path.name)
+        params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24, logprobs=5)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for out, prompt in zip(outputs, prompts):
+            got, want = out.outputs[0].token_ids, hf_greedy(hf, prompt, 24)
+            if got != want:
+                i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+                position = out.outputs[0].logprobs[i]
+                assert want[i] in position, (i, got, want)
+                assert position[got[i]].logprob - position[want[i]].logprob < 0.1, (i, position)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
