@@ -156,3 +156,17 @@ def test_smollm2_quantized_greedy_matches_transformers_on_the_same_gguf():
         assert_engine_clean(llm)
     finally:
         llm.shutdown()
+
+
+def test_weight_memory_is_the_gguf_size_when_quantized(tmp_path):
+    """No dense copy beside the blocks: the model holds about the file's bytes."""
+    from tokenbus.worker.worker import model_weight_bytes
+
+    path = write_gguf(cached_tiny_model("llama", hidden_size=256, intermediate_size=512), tmp_path / "m.gguf",
+                      "Q4_1", with_tokenizer=False)
+    src = resolve_model(str(path))
+    quantized = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
+    dense = load_model(src, load_arch(src), torch.float32, "cpu", quantization="none")
+    size = path.stat().st_size
+    assert 0.9 * size < model_weight_bytes(quantized) < 1.1 * size
+    assert model_weight_bytes(dense) > 5 * size  # fp32: 4 bytes a value against Q4_1's 0.625

@@ -105,8 +105,12 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         kv_caches = allocate_kv_caches(self.rank_arch, num_blocks, self.config.cache.block_size,
                                        self.dtype, self.device)
+        kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
         logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks,
                     self.config.cache.block_size, self.dtype, self.device)
+        # KV tensors are zero-filled lazily by the OS: RSS grows as blocks are first written.
+        logger.info("memory: weights %.1f MiB, KV cache %.1f MiB reserved, peak RSS %.1f MiB",
+                    model_weight_bytes(self.model) / 2**20, kv_bytes / 2**20, peak_rss_bytes() / 2**20)
         self.runner = ModelRunner(self.config, self.arch, self.model, kv_caches, self.device,
                                   self.eos_token_id)
 
@@ -122,6 +126,28 @@ class Worker:
     def shutdown(self) -> None:
         if self.tp.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight the model holds: parameters (a tensor shared by two modules
+    counted once) and GGUF blocks kept quantized."""
+    seen: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    for module in model.modules():
+        quantized = list(getattr(module, "quantized", {}).values())
+        if getattr(module, "embed_quantized", None) is not None:
+            quantized.append(module.embed_quantized)
+        for weight in quantized:
+            seen[weight.data.data_ptr()] = weight.data.numel()
+    return sum(seen.values())
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str | None,
