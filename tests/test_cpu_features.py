@@ -63,3 +63,51 @@ def test_detect_reads_the_cap_on_every_call(monkeypatch):
     monkeypatch.setenv(CPU_ISA_ENV, "sse9")
     with pytest.raises(ValueError, match=f"{CPU_ISA_ENV} must be one of"):
         CpuFeatures.detect()
+
+
+def test_cgroup_quota_v2_and_v1(tmp_path):
+    from tokenbus.utils.cpu import cgroup_cpu_quota
+
+    (tmp_path / "cg" / "app").mkdir(parents=True)
+    (tmp_path / "cg" / "app" / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "self").write_text("0::/app\n")
+    assert cgroup_cpu_quota(tmp_path / "cg", tmp_path / "self") == 1.5
+    (tmp_path / "cg" / "app" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(tmp_path / "cg", tmp_path / "self") is None
+    v1 = tmp_path / "cg" / "cpu,cpuacct" / "box"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "self").write_text("4:memory:/box\n3:cpu,cpuacct:/box\n")
+    assert cgroup_cpu_quota(tmp_path / "cg", tmp_path / "self") == 0.5
+    assert cgroup_cpu_quota(tmp_path / "cg", tmp_path / "missing") is None
+
+
+def test_threads_follow_flag_cores_and_ranks(monkeypatch):
+    from tokenbus.config import EngineArgs
+    from tokenbus.utils import cpu
+    from tokenbus.worker import worker
+
+    monkeypatch.setattr(worker, "available_cpus", lambda: 4)
+    assert worker.cpu_threads(EngineArgs().to_config(64)) == 4
+    assert worker.cpu_threads(EngineArgs(data_parallel_size=2).to_config(64)) == 2
+    assert worker.cpu_threads(EngineArgs(tensor_parallel_size=2, data_parallel_size=3).to_config(64)) == 1
+    assert worker.cpu_threads(EngineArgs(num_threads=3).to_config(64)) == 3
+    with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
+        EngineArgs(num_threads=0).to_config(64)
+    assert cpu.available_cpus() >= 1
+
+
+def test_engine_processes_spin_less_unless_the_user_chose(monkeypatch):
+    import os
+
+    from tokenbus.utils.cpu import ENGINE_GOMP_SPINCOUNT, engine_process_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with engine_process_env():
+        assert os.environ["GOMP_SPINCOUNT"] == ENGINE_GOMP_SPINCOUNT
+    assert "GOMP_SPINCOUNT" not in os.environ  # the front end's own environment is left alone
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with engine_process_env():
+        assert "GOMP_SPINCOUNT" not in os.environ

@@ -61,8 +61,13 @@ class ModelConfig:
     # gguf: GGUF weights stay in their blocks (native weight-only kernels, fp32 activations);
     # none: dequantized to `dtype` at load; auto: gguf for a GGUF model on CPU, else none.
     quantization: str = "auto"
+    # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
+    # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
@@ -223,6 +228,8 @@ class EngineArgs:
     quantization: str = _arg("auto", "gguf: GGUF weights stay quantized (native kernels); none: "
                                      "dequantize to --dtype; auto: gguf for GGUF models on CPU",
                              choices=QUANTIZATIONS)
+    num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
+                                         "(affinity, cgroup quota) / ranks")
     block_size: int = _arg(16)
     kv_cache_memory: int | str | None = _arg(None, "bytes or a size like 2GiB")
     gpu_memory_utilization: float = _arg(0.9)

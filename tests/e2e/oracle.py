@@ -24,3 +24,35 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
                              do_sample=False, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(prompt_token_ids):].tolist()
+
+
+def assert_same_or_near_tie(got: list[int], want: list[int], logprobs, gap: float = 0.1) -> None:
+    """Greedy tokens equal, or (different summation orders: oneDNN vs HF's matmuls, an
+    all-reduce, quantized blocks) equal up to a first difference where `want`'s token is in our
+    top-k (`logprobs` of our sequence) within `gap` nats of ours."""
+    if got == want:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    position = logprobs[i]
+    assert want[i] in position, (i, got, want)
+    assert position[got[i]].logprob - position[want[i]].logprob < gap, (i, position)
+
+
+def assert_smollm2_chat_matches_hf(llm, questions: list[str], max_tokens: int) -> None:
+    """Greedy answers of `llm` (on the packaged SmolLM2 GGUF) to chat `questions` against HF
+    transformers on the same GGUF, near ties allowed; then the leak check."""
+    from tests.e2e.utils import assert_engine_clean
+    from tokenbus import SamplingParams
+    from tokenbus.loader import resolve_model
+
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        for q in questions]
+    source = resolve_model(None)
+    hf = load_hf(str(source.path.parent), source.path.name)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, prompt in zip(outputs, prompts):
+        assert_same_or_near_tie(out.outputs[0].token_ids, hf_greedy(hf, prompt, max_tokens), out.outputs[0].logprobs)
+    assert_engine_clean(llm)

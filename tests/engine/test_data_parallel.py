@@ -5,14 +5,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import httpx
-import psutil
 import pytest
 
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
-from tests.fixtures.server import ServerProcess
+from tests.fixtures.server import ServerProcess, spawned_children
 from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus.engine.dp_client import pick_engine
 from tokenbus.protocol import SchedulerStats
@@ -66,18 +64,10 @@ def test_server_dp2_metrics_per_engine_and_health_when_one_dies(tmp_path):
         generated = [float(re.search(rf'^tokenbus:generation_tokens_total{{engine="{e}",[^}}]*}} (\S+)$',
                                      text, re.MULTILINE).group(1)) for e in (0, 1)]
         assert min(generated) > 0 and sum(generated) == 6 * 32, generated  # both engines worked
-        engines = [p for p in psutil.Process(server.proc.pid).children()
-                   if "resource_tracker" not in " ".join(p.cmdline())]
+        engines = spawned_children(server.proc.pid)
         assert len(engines) == 2
         os.kill(engines[1].pid, signal.SIGKILL)
-        killed_at, status = time.monotonic(), None
-        while time.monotonic() - killed_at < 2.0 and status != 503:
-            try:
-                status = httpx.get(server.url + "/health", timeout=1).status_code
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
-        assert status == 503, server.log()[-3000:]
+        assert server.wait_for_health(503, timeout_s=2.0), server.log()[-3000:]
         assert server.wait(30) != 0
     finally:
         server.close()

@@ -130,30 +130,14 @@ def test_quantization_choice_and_its_errors(tmp_path):
 def test_smollm2_quantized_greedy_matches_transformers_on_the_same_gguf():
     """The default model with its Q4_1/Q8_0 blocks kept: HF's dequantized weights give the
     same greedy tokens (a differing token must be a near tie, as in tests/e2e/test_smollm2.py)."""
-    from tests.e2e.oracle import hf_greedy, load_hf
-    from tests.e2e.utils import assert_engine_clean, make_llm
-    from tokenbus import SamplingParams
+    from tests.e2e.oracle import assert_smollm2_chat_matches_hf
+    from tests.e2e.utils import make_llm
 
     llm = make_llm(None, max_model_len=1024, quantization="gguf")
     try:
         model = llm.engine.client.engine_core.executor.worker.model
         assert {m.backend for m in model.modules() if isinstance(m, Linear)} == {"gguf"}
-        tokenizer = llm.get_tokenizer()
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
-            for q in ("What is the capital of France?", "Write a haiku about the sea.")]
-        source = resolve_model(None)
-        hf = load_hf(str(source.path.parent), source.path.name)
-        params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24, logprobs=5)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for out, prompt in zip(outputs, prompts):
-            got, want = out.outputs[0].token_ids, hf_greedy(hf, prompt, 24)
-            if got != want:
-                i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-                position = out.outputs[0].logprobs[i]
-                assert want[i] in position, (i, got, want)
-                assert position[got[i]].logprob - position[want[i]].logprob < 0.1, (i, position)
-        assert_engine_clean(llm)
+        assert_smollm2_chat_matches_hf(llm, ["What is the capital of France?", "Write a haiku about the sea."], 24)
     finally:
         llm.shutdown()
 

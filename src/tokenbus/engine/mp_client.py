@@ -43,6 +43,7 @@ from tokenbus.engine.core_proc import (
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.messages import Codec, Empty, EngineFailure, MessageType, ReadyInfo, RequestType
 from tokenbus.protocol import EngineOutputs, EngineRequest
+from tokenbus.utils.cpu import engine_process_env
 
 if TYPE_CHECKING:
     from tokenbus.engine.setup import EngineSetup
@@ -88,7 +89,8 @@ class EngineConnection:
             target=run_engine_core, name="EngineCore", kwargs=dict(
                 setup=setup, addresses=addresses, parent_pid=os.getpid(), engine_factory=engine_factory,
                 log_level=logging.getLogger("tokenbus").getEffectiveLevel()))
-        self.proc.start()
+        with engine_process_env():
+            self.proc.start()
 
     # ------------------------------------------------------------------ start-up
     def wait_ready(self, timeout_s: float) -> ReadyInfo:

@@ -17,8 +17,11 @@ under ATEN_CPU_CAPABILITY=avx2 torch itself refuses to pack bf16 weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
+from collections.abc import Iterator
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,8 +122,71 @@ class CpuFeatures:
 
 
 def available_cpus() -> int:
-    """Cores this process may run on (its affinity mask), not the machine's count."""
+    """Cores this process may use: its affinity mask, capped by a cgroup CPU quota (a
+    container's --cpus), not the machine's count."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+                     ) -> float | None:
+    """CPUs' worth of time this process's cgroup may use per period (cgroup v2 cpu.max, or v1
+    cfs_quota_us / cfs_period_us), or None when unlimited or unknown."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2: "0::/path"
+            quota = _read_pair(root / rel / "cpu.max", " ")
+        elif "cpu" in controllers.split(","):
+            directory = root / controllers / rel
+            quota = _read_pair(directory / "cpu.cfs_quota_us", None, directory / "cpu.cfs_period_us")
+        else:
+            continue
+        if quota is not None:
+            return quota
+    return None
+
+
+def _read_pair(path: Path, sep: str | None, second: Path | None = None) -> float | None:
+    """quota / period from "quota period" in one file (sep) or from two files; None if
+    unlimited ("max" or -1) or unreadable."""
+    try:
+        if second is None:
+            quota, period = path.read_text().split(sep)[:2]
+        else:
+            quota, period = path.read_text().strip(), second.read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+# libgomp's spin before a waiting thread sleeps (iterations). Its default (300k, ~1 ms) made a
+# c1 request 7.8x slower through the engine process than in-process with a CPU hog on one core
+# (spinning threads steal the shared core); 1k fixed that but halved quiet single-stream decode
+# (a sleep/wake per parallel region); 10k kept quiet decode and cut the hogged case to 2.2x.
+# Measured on the 2-core Xeon: docs/benchmarks.md, "Shared cores".
+ENGINE_GOMP_SPINCOUNT = "10000"
+
+
+@contextlib.contextmanager
+def engine_process_env() -> Iterator[None]:
+    """The environment a spawned engine or rank process starts with (around Process.start()):
+    a shorter OpenMP spin unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        yield
+        return
+    os.environ["GOMP_SPINCOUNT"] = ENGINE_GOMP_SPINCOUNT
+    try:
+        yield
+    finally:
+        os.environ.pop("GOMP_SPINCOUNT", None)

@@ -80,10 +80,8 @@ class Worker:
         if parallel.world_size > 1:
             self.tp = init_tensor_parallel(self.rank, parallel.world_size, self.distributed_init_method,
                                            self.device)
-        ranks_here = parallel.world_size * parallel.data_parallel_size
-        if self.device.type == "cpu" and ranks_here > 1:
-            # Each rank of each engine gets its share of the cores this process may run on.
-            torch.set_num_threads(max(1, available_cpus() // ranks_here))
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(self.config))
         self.dtype = resolve_dtype(self.config.model.dtype, self.device)
         torch.manual_seed(self.config.model.seed)
         if self.device.type == "cpu" and self.rank == 0:
@@ -126,6 +124,15 @@ class Worker:
     def shutdown(self) -> None:
         if self.tp.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def cpu_threads(config: EngineConfig) -> int:
+    """--num-threads, else each rank of each engine's share of the cores this process may use
+    (its affinity mask and cgroup quota, which torch's own default ignores)."""
+    if config.model.num_threads is not None:
+        return config.model.num_threads
+    ranks = config.parallel.world_size * config.parallel.data_parallel_size
+    return max(1, available_cpus() // ranks)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

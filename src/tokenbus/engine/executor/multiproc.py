@@ -34,6 +34,7 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor
+from tokenbus.utils.cpu import engine_process_env
 
 if TYPE_CHECKING:
     from tokenbus.loader import ModelSource
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often a wait for replies looks at the ranks' health
 READY_TIMEOUT_S = 600.0  # a rank's device + model phases (load_model) must finish by then
+# A step or RPC that no rank answers by then is a hung rank: the engine fails instead of waiting
+# for ever (a dead rank is noticed at once by its sentinel; this catches live but stuck ones).
+CALL_TIMEOUT_S = 300.0
 SHUTDOWN_GRACE_S = 5.0  # after SHUTDOWN, before a rank is terminated
 PARENT_POLL_S = 1.0
 DEATH_GRACE_S = 1.0  # how long a failed collective waits to learn which rank died
@@ -102,7 +106,8 @@ class MultiProcExecutor(Executor):
                 proc = spawn.Process(target=run_worker, name=f"TPWorker-{rank}", daemon=True,
                                      args=(config, source, arch, eos_token_id, rank, init_method,
                                            call_address, result_address, os.getpid()))
-                proc.start()
+                with engine_process_env():
+                    proc.start()
                 self._procs.append(proc)
             self._monitor = threading.Thread(target=self._watch_ranks, name="TPWorkerMonitor", daemon=True)
             self._monitor.start()
@@ -121,11 +126,11 @@ class MultiProcExecutor(Executor):
         if kwargs:
             raise ValueError("collective_rpc: the multi-process executor takes positional args only")
         self._broadcast(RpcCall(method, list(args)))
-        return [msgspec.msgpack.decode(reply.value) for reply in self._gather()]
+        return [msgspec.msgpack.decode(reply.value) for reply in self._gather(CALL_TIMEOUT_S)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(StepCall(scheduler_output))
-        (reply,) = self._gather(ranks=(0,))
+        (reply,) = self._gather(CALL_TIMEOUT_S, ranks=(0,))
         return self._output_decoder.decode(reply.value)
 
     def check_health(self) -> None:
@@ -171,7 +176,8 @@ class MultiProcExecutor(Executor):
         while waiting:
             self.check_health()
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerFailedError(f"ranks {sorted(waiting)} did not answer within {timeout_s:.0f} s")
+                raise WorkerFailedError(f"tensor-parallel ranks {sorted(waiting)} did not answer within "
+                                        f"{timeout_s:.0f} s (hung)")
             if not self._result_socket.poll(POLL_MS):
                 continue
             reply = self._reply_decoder.decode(self._result_socket.recv(copy=False).buffer)

