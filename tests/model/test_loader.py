@@ -232,3 +232,22 @@ def test_make_tiny_model_overrides(tmp_path):
     arch = load_arch(resolve_model(str(path)))
     assert arch.num_hidden_layers == 3 and arch.tie_word_embeddings and arch.attention_bias
     assert "lm_head.weight" not in hf_weights(path)
+
+
+def test_gguf_tokenizer_is_converted_once_and_cached(tmp_path, monkeypatch):
+    from tokenbus.loader import load_tokenizer
+    from tokenbus.loader.source import resolve_model
+
+    monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(tmp_path / "cache"))
+    src = resolve_model(None)
+    first = load_tokenizer(src)  # converted from the GGUF, then saved
+    (entry,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file()
+    second = load_tokenizer(src)  # from the cache
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    for tokenizer in (first, second):
+        assert tokenizer.encode("Hello, world! 123") == first.encode("Hello, world! 123")
+        assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            first.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert tokenizer.eos_token_id == first.eos_token_id
+    assert list((tmp_path / "cache" / "tokenizers").iterdir()) == [entry]  # nothing left behind

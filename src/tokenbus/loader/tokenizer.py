@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from tokenbus.loader.hf_loader import read_json
 from tokenbus.loader.source import ModelSource
+from tokenbus.utils import cache_dir
 
 
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     """A transformers tokenizer: `tokenizer` (a directory or .gguf file) if given, else the model's.
 
-    For GGUF, transformers builds it (vocabulary, merges, chat template) from the file's metadata.
+    For GGUF, transformers builds it (vocabulary, merges, chat template) from the file's metadata
+    (~3.5 s for SmolLM2); the result is saved once under the cache dir and loaded from there.
     """
     if tokenizer is not None:
         path = Path(tokenizer).expanduser()
@@ -20,8 +26,35 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
             raise ValueError(f"tokenizer: {tokenizer!r} not found (expected a directory or a .gguf file)")
         return _from_pretrained(path.parent if path.is_file() else path, path.name if path.is_file() else None)
     if src.kind == "gguf":
-        return _from_pretrained(src.path.parent, src.path.name)
+        return _from_gguf_cached(src.path)
     return _from_pretrained(src.path, None)
+
+
+def _from_gguf_cached(path: Path):
+    """The GGUF's tokenizer, converted on first use and saved under cache_dir()/tokenizers,
+    keyed by the file (path, size, mtime) and the transformers version."""
+    import transformers
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+                         .encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / f"{path.stem}-{key}"
+    if (cached / "tokenizer.json").is_file():
+        try:
+            return _from_pretrained(cached, None)
+        except ValueError:
+            pass  # a damaged cache entry: convert again below
+    tokenizer = _from_pretrained(path.parent, path.name)
+    tmp = None
+    try:  # save to a private dir, then rename: a concurrent start never reads half a tokenizer
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cached.parent)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached)  # raises if another start got there first: theirs is as good
+    except OSError:  # that, or an unwritable cache (then the next start converts again)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def _from_pretrained(directory: Path, gguf_file: str | None):

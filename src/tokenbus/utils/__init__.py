@@ -1,5 +1,17 @@
 """L0 helpers: stdlib only, import nothing else from tokenbus."""
 
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where tokenbus keeps what it builds once (kernels, converted tokenizers):
+    $TOKENBUS_CACHE_DIR, else $XDG_CACHE_HOME/tokenbus, else ~/.cache/tokenbus."""
+    root = os.environ.get("TOKENBUS_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenbus"
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""

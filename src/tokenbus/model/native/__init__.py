@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tokenbus.utils import cache_dir
 from tokenbus.utils.cpu import CpuFeatures
 
 OPT_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
@@ -38,14 +39,6 @@ _PTR = ctypes.c_void_p
 
 class NativeBuildError(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    """$TOKENBUS_CACHE_DIR, else $XDG_CACHE_HOME/tokenbus, else ~/.cache/tokenbus."""
-    root = os.environ.get("TOKENBUS_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenbus"
 
 
 def compile_flags(cpu: CpuFeatures) -> tuple[str, ...]:
