@@ -123,3 +123,18 @@ def test_cli_flags_are_derived_from_engine_args():
     assert engine_args_from(parser.parse_args([])) == EngineArgs()
     with pytest.raises(SystemExit):
         parser.parse_args(["--distributed-executor-backend", "slurm"])
+
+
+def test_a_failed_engine_start_shuts_its_executor_down():
+    class TooSmall(RecordingWorker):
+        def determine_num_kv_blocks(self) -> int:
+            raise ValueError("kv_cache_memory: too small for one request")
+
+        def shutdown(self) -> None:
+            self.calls.append("shutdown")
+
+    setup = make_fake_setup(num_kv_blocks=32)
+    worker = TooSmall(32)
+    with pytest.raises(ValueError, match="too small for one request"):
+        EngineCore(setup.config, None, setup.arch, setup.eos_token_id, worker=worker)
+    assert worker.calls == ["init_device", "load_model", "shutdown"]

@@ -85,6 +85,9 @@ def test_fused_linear_mixes_types_and_switches_to_gemm_for_big_batches():
     for m in (3, QUANT_GEMV_MAX_ROWS + 5):  # the block kernel, then dequantize + GEMM
         x = torch.randn(2, m, 256)
         torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
+    linear._kernel.buffer.MAX_VALUES = 10 * 256  # force row chunks (10 rows) across shard edges
+    x = torch.randn(QUANT_GEMV_MAX_ROWS + 1, 256)
+    torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
 
 
 def _logits(src, quantization: str) -> torch.Tensor:

@@ -35,10 +35,18 @@ class EngineCore:
             executor = (UniProcExecutor(worker) if worker is not None
                         else make_executor(config, source, arch, eos_token_id))
         self.executor = executor
+        try:
+            self._init_after_executor(config, source, arch, eos_token_id)
+        except BaseException:
+            executor.shutdown()  # no rank process (or placement group) outlives a failed start
+            raise
+
+    def _init_after_executor(self, config: EngineConfig, source: "ModelSource", arch: ModelArch,
+                             eos_token_id: int | None) -> None:
         # Every rank measures what it can hold; all get the smallest count, so a block id means
         # the same slots on every rank.
-        self.num_kv_blocks = executor.determine_num_kv_blocks()
-        executor.initialize_kv_cache(self.num_kv_blocks)
+        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_kv_cache(self.num_kv_blocks)
         block_size = config.cache.block_size
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size,
                                                enable_caching=config.cache.enable_prefix_caching)

@@ -33,17 +33,18 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
 def _from_gguf_cached(path: Path):
     """The GGUF's tokenizer, converted on first use and saved under cache_dir()/tokenizers,
     keyed by the file (path, size, mtime) and the transformers version."""
+    import tokenizers
     import transformers
 
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
+                         f"{tokenizers.__version__}".encode()).hexdigest()[:16]
     cached = cache_dir() / "tokenizers" / f"{path.stem}-{key}"
-    if (cached / "tokenizer.json").is_file():
+    if cached.exists():
         try:
             return _from_pretrained(cached, None)
-        except ValueError:
-            pass  # a damaged cache entry: convert again below
+        except Exception:  # noqa: BLE001 - a damaged entry, whatever the error: convert again
+            shutil.rmtree(cached, ignore_errors=True)
     tokenizer = _from_pretrained(path.parent, path.name)
     tmp = None
     try:  # save to a private dir, then rename: a concurrent start never reads half a tokenizer

@@ -23,7 +23,7 @@ from tokenbus.model.attention import (AttentionPlan, build_attention_plan, paged
                                       select_attention_kernel)
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from tokenbus.model.layers.quantized import QuantizedWeight, is_quantized, quantized_embedding
+from tokenbus.model.layers.quantized import DequantBuffer, QuantizedWeight, is_quantized, quantized_embedding
 from tokenbus.model.native import PagedAttentionKernel, QuantKernels, load_quant_kernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
@@ -162,8 +162,9 @@ class LlamaForCausalLM(nn.Module):
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         if self.embed_quantized is not None or any(linear.quantized for linear in linears):
             self.quant_kernels = load_quant_kernels(cpu)  # GGUF blocks run on the native kernels
+        buffer = DequantBuffer()  # one scratch for all linears: they run one at a time
         for linear in linears:
-            linear.finalize(linear_backend, cpu, self.quant_kernels)
+            linear.finalize(linear_backend, cpu, self.quant_kernels, buffer)
         if self.embed_quantized is not None:  # lookups read the blocks: no dense table
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0, self.arch.hidden_size),
                                              requires_grad=False)

@@ -52,15 +52,19 @@ class Worker:
     initialize_kv_cache(num_blocks), the block count chosen by the engine."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, arch: ModelArch,
-                 eos_token_id: int | None, rank: int = 0, distributed_init_method: str | None = None) -> None:
+                 eos_token_id: int | None, rank: int = 0, distributed_init_method: str | None = None,
+                 local_device_index: int | None = None) -> None:
         """`distributed_init_method` (tcp://host:port) joins the ranks of a tensor-parallel
-        engine; one rank needs none."""
+        engine; one rank needs none. `local_device_index`: the GPU this rank uses when a
+        scheduler (Ray) has already narrowed what it sees; default: one GPU per rank of the
+        machine's, data_parallel_rank * tensor_parallel_size + rank."""
         self.config = config
         self.source = source
         self.arch = arch
         self.eos_token_id = eos_token_id
         self.rank = rank
         self.distributed_init_method = distributed_init_method
+        self.local_device_index = local_device_index
         self.tp = SINGLE
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
@@ -75,7 +79,10 @@ class Worker:
         parallel = self.config.parallel
         if self.device.type == "cuda" and (parallel.world_size > 1 or parallel.data_parallel_size > 1):
             # One GPU per rank: engine d's rank r takes GPU d * tp + r (before NCCL starts).
-            self.device = torch.device("cuda", parallel.data_parallel_rank * parallel.world_size + self.rank)
+            index = self.local_device_index
+            if index is None:
+                index = parallel.data_parallel_rank * parallel.world_size + self.rank
+            self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         if parallel.world_size > 1:
             self.tp = init_tensor_parallel(self.rank, parallel.world_size, self.distributed_init_method,
@@ -107,7 +114,7 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks,
                     self.config.cache.block_size, self.dtype, self.device)
         # KV tensors are zero-filled lazily by the OS: RSS grows as blocks are first written.
-        logger.info("memory: weights %.1f MiB, KV cache %.1f MiB reserved, peak RSS %.1f MiB",
+        logger.info("memory: weights %.1f MiB, KV cache %.1f MiB (resident as blocks fill), peak RSS %.1f MiB",
                     model_weight_bytes(self.model) / 2**20, kv_bytes / 2**20, peak_rss_bytes() / 2**20)
         self.runner = ModelRunner(self.config, self.arch, self.model, kv_caches, self.device,
                                   self.eos_token_id)

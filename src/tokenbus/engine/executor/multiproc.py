@@ -101,6 +101,7 @@ class MultiProcExecutor(Executor):
             for rank in range(self.world_size):
                 call_address = f"ipc://{self._ipc_dir}/calls-{rank}"
                 sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDTIMEO, POLL_MS)  # a send to a dead rank must not block for ever
                 sock.bind(call_address)
                 self._call_sockets.append(sock)
                 proc = spawn.Process(target=run_worker, name=f"TPWorker-{rank}", daemon=True,
@@ -166,7 +167,12 @@ class MultiProcExecutor(Executor):
         self.check_health()
         frame = self._encoder.encode(call)  # once, whatever the number of ranks
         for sock in self._call_sockets:
-            sock.send(frame, copy=False)
+            while True:
+                try:
+                    sock.send(frame, copy=False)
+                    break
+                except zmq.Again:  # that rank is not reading: dead (raises) or busy (retry)
+                    self.check_health()
 
     def _gather(self, timeout_s: float | None = None, ranks: tuple[int, ...] | None = None) -> list[WorkerReply]:
         """Replies from `ranks` (default: all) in rank order; raises as soon as a rank fails."""
@@ -174,17 +180,21 @@ class MultiProcExecutor(Executor):
         replies: dict[int, WorkerReply] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
-            self.check_health()
-            if deadline is not None and time.monotonic() > deadline:
-                raise WorkerFailedError(f"tensor-parallel ranks {sorted(waiting)} did not answer within "
-                                        f"{timeout_s:.0f} s (hung)")
-            if not self._result_socket.poll(POLL_MS):
-                continue
+            # Replies already queued first: a rank's last words (its start-up error) beat the
+            # news of its exit.
+            if not self._result_socket.poll(0):
+                self.check_health()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise WorkerFailedError(f"tensor-parallel ranks {sorted(waiting)} did not answer within "
+                                            f"{timeout_s:.0f} s (hung)")
+                if not self._result_socket.poll(POLL_MS):
+                    continue
             reply = self._reply_decoder.decode(self._result_socket.recv(copy=False).buffer)
             if reply.error is not None:
                 self._raise_reply_error(reply)
-            waiting.discard(reply.rank)
-            replies[reply.rank] = reply
+            if reply.rank in waiting:  # a stray reply (a rank not asked) is dropped
+                waiting.discard(reply.rank)
+                replies[reply.rank] = reply
         return [replies[rank] for rank in sorted(replies)]
 
     def _raise_reply_error(self, reply: WorkerReply) -> None:
@@ -269,6 +279,7 @@ def run_worker(config: EngineConfig, source: "ModelSource", arch: ModelArch, eos
     except BaseException as exc:
         logger.exception("rank %d failed to start", rank)
         reply(exc=exc)
+        results.close(linger=1000)  # let the reply leave before the process does
         os._exit(1)
     _serve(worker, rank, calls, decoder, reply)
     worker.shutdown()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -26,8 +27,9 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor
-from tokenbus.engine.executor.multiproc import (RpcCall, StepCall, WorkerCall, WorkerFailedError, WorkerReply,
-                                                dispatch_call, encode_reply, reply_error)
+from tokenbus.engine.executor.multiproc import (CALL_TIMEOUT_S, READY_TIMEOUT_S, RpcCall, StepCall, WorkerCall,
+                                                WorkerFailedError, WorkerReply, dispatch_call, encode_reply,
+                                                reply_error)
 from tokenbus.utils.cpu import available_cpus
 
 if TYPE_CHECKING:
@@ -87,8 +89,9 @@ class RayWorkerActor:
         from tokenbus.worker.worker import Worker
 
         try:
+            # Ray shows an actor only the GPU it was given: that is device 0 in here.
             self.worker = Worker(self.config, self.source, self.arch, self.eos_token_id, rank=self.rank,
-                                 distributed_init_method=init_method)
+                                 distributed_init_method=init_method, local_device_index=0)
             self.worker.init_device()
             self.worker.load_model()
         except Exception as exc:
@@ -144,8 +147,8 @@ class RayExecutor(Executor):
                                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i))
                 .remote(config, source, arch, eos_token_id, i)
                 for i in range(self.world_size)]
-            init_method = ray.get(self._actors[0].rendezvous.remote())
-            self._check(ray.get([actor.start.remote(init_method) for actor in self._actors]))
+            init_method = ray.get(self._actors[0].rendezvous.remote(), timeout=PLACEMENT_TIMEOUT_S)
+            self._check(self._get([actor.start.remote(init_method) for actor in self._actors], READY_TIMEOUT_S))
         except BaseException:
             self.shutdown()
             raise
@@ -203,11 +206,26 @@ class RayExecutor(Executor):
     # ------------------------------------------------------------------ plumbing
     def _call_all(self, call: RpcCall | StepCall) -> list[WorkerReply]:
         frame = self._encoder.encode(call)  # once: Ray puts the bytes in its object store
+        return self._check(self._get([actor.handle.remote(frame) for actor in self._actors], CALL_TIMEOUT_S))
+
+    def _get(self, refs: list[Any], timeout_s: float) -> list[bytes]:
+        """Every rank's encoded reply; a dead or silent rank is a WorkerFailedError, and a rank's
+        error reply is raised as soon as it arrives (its peers may be stuck in a collective)."""
+        ray = self._ray
+        pending, done = list(refs), {}
+        deadline = time.monotonic() + timeout_s
         try:
-            raw = self._ray.get([actor.handle.remote(frame) for actor in self._actors])
-        except self._ray.exceptions.RayActorError as exc:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise WorkerFailedError(f"Ray workers did not answer within {timeout_s:.0f} s (hung)")
+                reply = ray.get(ready[0])
+                if self._reply_decoder.decode(reply).error is not None:
+                    self._check([reply])
+                done[ready[0]] = reply
+        except ray.exceptions.RayActorError as exc:
             raise WorkerFailedError(f"a Ray worker died: {exc}") from exc
-        return self._check(raw)
+        return [done[ref] for ref in refs]
 
     def _check(self, raw: list[bytes]) -> list[WorkerReply]:
         replies = [self._reply_decoder.decode(r) for r in raw]

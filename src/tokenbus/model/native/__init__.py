@@ -155,10 +155,13 @@ class QuantKernels:
         if status != 0:
             raise ValueError(f"quant_matmul: GGML type {qtype} with {num_cols} columns is not supported")
 
-    def dequant_rows(self, qtype: int, w: torch.Tensor, num_cols: int, rows: torch.Tensor) -> torch.Tensor:
-        """fp32 [len(rows), K]: the given rows of W (int64 row ids)."""
+    def dequant_rows(self, qtype: int, w: torch.Tensor, num_cols: int, rows: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 [len(rows), K]: the given rows of W (int64 row ids), into `out` if given."""
         assert w.dtype == torch.uint8 and w.is_contiguous() and rows.dtype == torch.int64 and rows.is_contiguous()
-        out = torch.empty(rows.numel(), num_cols, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(rows.numel(), num_cols, dtype=torch.float32)
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (rows.numel(), num_cols)
         status = self.dequant_fn(qtype, w.data_ptr(), num_cols, rows.data_ptr(), rows.numel(), out.data_ptr(),
                                  torch.get_num_threads())
         if status != 0:
