@@ -9,8 +9,8 @@ model's reused DequantBuffer and multiplied by a GEMM, so no dense copy is ever 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -37,19 +37,6 @@ def is_quantized(tensor: object) -> bool:
     return not isinstance(tensor, torch.Tensor)
 
 
-@dataclass(frozen=True)
-class _Blocks:
-    """Consecutive shards of one type stacked into one matrix of blocks."""
-
-    qtype: int
-    data: torch.Tensor
-    cols: int
-
-    @property
-    def rows(self) -> int:
-        return self.data.shape[0]
-
-
 def merge_shards(shards: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
     """Stack neighbouring shards of the same type (q/k/v, gate/up usually are): one kernel call
     (one OpenMP region) per linear instead of one per shard. A decode step made 211 calls of
@@ -60,8 +47,9 @@ def merge_shards(shards: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
             merged[-1].append(shard)
         else:
             merged.append([shard])
-    return [group[0] if len(group) == 1 else
-            _Blocks(group[0].qtype, torch.cat([s.data for s in group]), group[0].cols) for group in merged]
+    # replace(): the loader's own frozen dataclass, with the stacked blocks.
+    return [group[0] if len(group) == 1 else dataclasses.replace(group[0], data=torch.cat([s.data for s in group]))
+            for group in merged]
 
 
 class DequantBuffer:
