@@ -1,5 +1,6 @@
 """The quantized block kernel against oneDNN's packed fp32 linear at SmolLM2's shapes, and the
-dequantize + GEMM path, per activation row count (2 threads).
+dequantize + GEMM path, per activation row count; and dequantizing into a fresh tensor vs a
+reused one (2 threads).
 
     .venv/bin/python benchmarks/quant_linear.py
 """
@@ -49,6 +50,11 @@ def main() -> None:
             print(f"{qtype.name} {rows}x{cols} rows={m}: block kernel {t_quant * 1e3:.3f} ms, "
                   f"dequantize+GEMM {t_gemm * 1e3:.3f} ms, oneDNN fp32 {t_dense * 1e3:.3f} ms "
                   f"(fp32 / kernel {t_dense / t_quant:.2f})")
+        scratch = torch.empty(rows, cols)  # the DequantBuffer's case: dequantize into a reused tensor
+        t_fresh = per_call(lambda: kernels.dequant_rows(int(qtype), blocks, cols, all_rows), reps)
+        t_reused = per_call(lambda: kernels.dequant_rows(int(qtype), blocks, cols, all_rows, out=scratch), reps)
+        print(f"{qtype.name} {rows}x{cols} dequantize: fresh tensor {t_fresh * 1e3:.3f} ms, "
+              f"reused {t_reused * 1e3:.3f} ms ({t_fresh / t_reused:.1f}x)")
 
 
 if __name__ == "__main__":

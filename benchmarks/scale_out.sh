@@ -5,20 +5,17 @@
 # Results in bench_out/scale_*.{txt,json}.
 set -u
 cd "$(dirname "$0")/.."
+source benchmarks/lib.sh
 B=.venv/bin
 TP_MODEL=${TP_MODEL:-/tmp/llama-tp2}
-mkdir -p bench_out
 [ -f "$TP_MODEL/config.json" ] || $B/python benchmarks/make_random_model.py "$TP_MODEL"
 common="--num-prompts ${NUM_PROMPTS:-64} --input-len 20 600 --output-len 16 256 --max-concurrency 16 --temperature 0 --ignore-eos"
 
 run_layout() {  # name, port, model-or-empty, extra serve flags...
   local name=$1 port=$2 model=$3; shift 3
-  $B/tokenbus serve ${model:+"$model"} --port "$port" "$@" > "bench_out/scale_${name}.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 180); do curl -sf "127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
-  $B/tokenbus bench serve --base-url "http://127.0.0.1:$port" $common ${model:+--tokenizer "$model"} \
-    --output-json "bench_out/scale_${name}.json" > "bench_out/scale_${name}.txt" 2>&1
-  kill -TERM "$pid"; sleep 3; kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  start_server "bench_out/scale_${name}.log" "$port" /health $B/tokenbus serve ${model:+"$model"} --port "$port" "$@"
+  bench_serve "$port" "scale_${name}" $common ${model:+--tokenizer "$model"}
+  stop_server
 }
 
 run_layout smollm2_1x2 8021 ""

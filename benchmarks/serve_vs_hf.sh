@@ -3,22 +3,19 @@
 # weights), `tokenbus bench serve` at concurrency 1, 8 and 32. Loopback only. Results in bench_out/.
 set -u
 cd "$(dirname "$0")/.."
+source benchmarks/lib.sh
 B=.venv/bin
 HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
-mkdir -p bench_out
 [ -f "$HF_DIR/config.json" ] || $B/python benchmarks/make_hf_copy.py "$HF_DIR"
 common="--num-prompts 16 --input-len 20 400 --output-len 16 96 --tokenizer $HF_DIR --temperature 0"
 
 run_peer() {  # name, port, model-or-empty, server command...
   local name=$1 port=$2 model=$3; shift 3
-  "$@" > "bench_out/serve_${name}.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 120); do curl -sf "127.0.0.1:$port/v1/models" >/dev/null && break; sleep 1; done
+  start_server "bench_out/serve_${name}.log" "$port" /v1/models "$@"
   for c in 1 8 32; do
-    $B/tokenbus bench serve --base-url "http://127.0.0.1:$port" ${model:+--model "$model"} $common \
-      --max-concurrency "$c" --output-json "bench_out/serve_${name}_c$c.json" > "bench_out/serve_${name}_c$c.txt" 2>&1
+    bench_serve "$port" "serve_${name}_c$c" ${model:+--model "$model"} $common --max-concurrency "$c"
   done
-  kill -TERM "$pid"; sleep 3; kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  stop_server
 }
 
 run_peer ours 8011 "" $B/tokenbus serve --port 8011

