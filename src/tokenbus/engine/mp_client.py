@@ -43,7 +43,7 @@ from tokenbus.engine.core_proc import (
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.messages import Codec, Empty, EngineFailure, MessageType, ReadyInfo, RequestType
 from tokenbus.protocol import EngineOutputs, EngineRequest
-from tokenbus.utils.cpu import engine_process_env
+from tokenbus.utils.spawn import start_process
 
 if TYPE_CHECKING:
     from tokenbus.engine.setup import EngineSetup
@@ -89,8 +89,7 @@ class EngineConnection:
             target=run_engine_core, name="EngineCore", kwargs=dict(
                 setup=setup, addresses=addresses, parent_pid=os.getpid(), engine_factory=engine_factory,
                 log_level=logging.getLogger("tokenbus").getEffectiveLevel()))
-        with engine_process_env():
-            self.proc.start()
+        start_process(self.proc)
 
     # ------------------------------------------------------------------ start-up
     def wait_ready(self, timeout_s: float) -> ReadyInfo:

@@ -34,7 +34,7 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor
-from tokenbus.utils.cpu import engine_process_env
+from tokenbus.utils.spawn import start_process
 
 if TYPE_CHECKING:
     from tokenbus.loader import ModelSource
@@ -107,8 +107,7 @@ class MultiProcExecutor(Executor):
                 proc = spawn.Process(target=run_worker, name=f"TPWorker-{rank}", daemon=True,
                                      args=(config, source, arch, eos_token_id, rank, init_method,
                                            call_address, result_address, os.getpid()))
-                with engine_process_env():
-                    proc.start()
+                start_process(proc)
                 self._procs.append(proc)
             self._monitor = threading.Thread(target=self._watch_ranks, name="TPWorkerMonitor", daemon=True)
             self._monitor.start()
