@@ -51,6 +51,8 @@ class FakeAsyncLLM:
         self.input_processor.structured_validator = SimpleNamespace(validate=lambda spec: None)
         self.token_delay_s = token_delay_s
         self.errored = False
+        self.silent_s: float | None = None
+        self.stack_dumps = 0
         self.dead_error: EngineDeadError | None = None
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -113,6 +115,12 @@ class FakeAsyncLLM:
     def kill(self) -> None:
         self.errored = True
         self.dead_error = EngineDeadError()
+
+    def seconds_without_progress(self) -> float | None:
+        return self.silent_s  # tests set it to play a stalled engine
+
+    def dump_engine_stacks(self) -> None:
+        self.stack_dumps += 1
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -61,7 +61,9 @@ async def stream_then_leave(client: httpx.AsyncClient, num_chunks: int, wait_s: 
 
 
 def test_cancelled_stream_storm_frees_everything(tiny_llama_dir, tmp_path):
-    with ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "32", log_dir=tmp_path) as server:
+    # The whole storm is admitted (the default queue bound would refuse some: tested elsewhere).
+    with ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "32", "--max-waiting-requests", "-1",
+                       log_dir=tmp_path) as server:
         async def storm() -> list[int]:
             limits = httpx.Limits(max_connections=NUM_STORM_REQUESTS + 10)
             async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:

@@ -18,3 +18,51 @@ def test_compile_past_the_deadline_is_a_clear_error():
     validator._backend = _SlowBackend()  # stands in for a pathological regex
     with pytest.raises(ValueError, match="longer than"):
         validator.validate(StructuredOutputsParams(regex="(a|aa)*b"))
+
+
+class _SelectiveBackend:
+    """Slow for the one pathological spec, instant for the rest; counts compiles."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def compile(self, spec):
+        import time
+
+        self.calls.append(spec.regex)
+        if spec.regex == "slow":
+            time.sleep(1.0)
+        if spec.regex == "bad":
+            raise ValueError("structured_outputs: regex is invalid")
+
+
+def test_overdue_compiles_do_not_starve_later_specs_and_outcomes_are_cached():
+    import time
+
+    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=0.1, max_concurrent=3)
+    backend = validator._backend = _SelectiveBackend()
+    for _ in range(2):  # two compiles overdue, each still holding a slot
+        with pytest.raises(ValueError, match="longer than"):
+            validator.validate(StructuredOutputsParams(regex="slow"))
+        validator._outcomes.clear()  # forget, so that the second one compiles again
+    start = time.monotonic()
+    validator.validate(StructuredOutputsParams(regex="fast"))  # the free slot: no waiting
+    assert time.monotonic() - start < 0.1
+    with pytest.raises(ValueError, match="invalid"):
+        validator.validate(StructuredOutputsParams(regex="bad"))
+    calls = len(backend.calls)
+    validator.validate(StructuredOutputsParams(regex="fast"))  # cached: not compiled again
+    with pytest.raises(ValueError, match="invalid"):
+        validator.validate(StructuredOutputsParams(regex="bad"))
+    assert len(backend.calls) == calls
+
+
+def test_every_slot_taken_by_slow_compiles_is_a_capacity_error():
+    from tokenbus.structured.validator import CompileCapacityError
+
+    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=0.1, max_concurrent=1)
+    validator._backend = _SelectiveBackend()
+    with pytest.raises(ValueError, match="longer than"):
+        validator.validate(StructuredOutputsParams(regex="slow"))
+    with pytest.raises(CompileCapacityError):
+        validator.validate(StructuredOutputsParams(regex="fast"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from tokenbus.cli.args import add_engine_args, engine_args_from
@@ -19,10 +20,16 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--served-model-name", default=None, help="default: the model argument")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="sequences that may wait beyond --max-num-seqs; more get 503 + "
-                            "Retry-After (default: unbounded)")
-    serve.add_argument("--max-n", type=int, default=16, help="cap on n per request")
+                            "Retry-After (default: as many as --max-num-seqs; -1: unbounded)")
     serve.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
                        help="larger bodies get 413")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may take from arrival to its last byte; past it, "
+                            "it is aborted (408, or an error event in a stream). Default: no limit")
+    serve.add_argument("--engine-stall-timeout", type=float, default=60.0,
+                       help="seconds the engine may have work without completing a step before "
+                            "/health answers 503 (its stacks are logged); 0: never")
+    _add_limit_args(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     serve.add_argument("--log-interval", type=float, default=10.0,
@@ -32,12 +39,26 @@ def add_serve_parser(sub) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _add_limit_args(serve: argparse.ArgumentParser) -> None:
+    """A flag per RequestLimits field (api/openai/limits.py): the caps on one request's work."""
+    from tokenbus.api.openai.limits import RequestLimits
+
+    group = serve.add_argument_group("request limits (over one: a 400 naming the flag)")
+    for f in dataclasses.fields(RequestLimits):
+        default = "" if f.default is None else f" (default: {f.default})"
+        group.add_argument(RequestLimits.flag(f.name), type=int, default=f.default,
+                           help=f"the most {f.metadata['help']}{default}")
+
+
 def _serve(ns: argparse.Namespace) -> int:
+    from tokenbus.api.openai.limits import RequestLimits
     from tokenbus.api.openai.server import ServerConfig, run_server
 
+    limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
     config = ServerConfig(
         host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
-        max_n=ns.max_n, max_request_body_bytes=ns.max_request_body_bytes,
+        limits=limits, max_request_body_bytes=ns.max_request_body_bytes,
+        request_timeout=ns.request_timeout, engine_stall_timeout=ns.engine_stall_timeout,
         shutdown_timeout=ns.shutdown_timeout, log_interval=ns.log_interval,
         engine_in_process=ns.engine_in_process)
     args = engine_args_from(ns)

@@ -217,6 +217,18 @@ class AsyncLLM:
     async def check_health(self) -> None:
         self._raise_if_dead()
 
+    def seconds_without_progress(self) -> float | None:
+        """The longest an engine with unfinished requests has gone without a word (step
+        outputs, or the heartbeat its loop sends while it turns); None while none has work.
+        A step that runs long counts too: the loop only speaks between steps."""
+        silent = self.client.seconds_silent()
+        in_flight = self.client.in_flight_per_engine() or [self.num_unfinished_requests]
+        busy = [seconds for seconds, num in zip(silent, in_flight) if num > 0]
+        return max(busy) if busy else None
+
+    def dump_engine_stacks(self) -> None:
+        self.client.dump_engine_stacks()
+
     async def reset_prefix_cache(self) -> bool:
         return await self.call_utility("reset_prefix_cache")
 

@@ -12,9 +12,11 @@ Use `make_engine_core_client` to pick one.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import itertools
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +61,19 @@ class EngineCoreClient:
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         raise NotImplementedError
+
+    def seconds_silent(self) -> list[float]:
+        """Per engine: seconds since it last sent anything (outputs, or the heartbeat its loop
+        sends every second it has nothing else to say). Empty: not known (sync clients)."""
+        return []
+
+    def in_flight_per_engine(self) -> list[int] | None:
+        """Per engine: requests routed there and not finished; None when there is one engine
+        (the front end's own count is exact then)."""
+        return None
+
+    def dump_engine_stacks(self) -> None:
+        """Have every engine log all its threads' stacks (a stall being investigated)."""
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -205,12 +220,14 @@ class AsyncInprocClient(EngineCoreClient):
         self._outputs = OutputChannel()
         self._utilities = UtilityCalls()
         self._dead_error: EngineDeadError | None = None
+        self._last_heard = time.monotonic()
         self._loop = EngineCoreLoop(engine, self._inputs, self._emit)
         raise_in_loop_on_worker_death(engine, self._inputs)
         self._thread = threading.Thread(target=self._run, name="EngineCoreThread", daemon=True)
         self._thread.start()
 
     def _emit(self, kind: MessageType, payload: Any) -> None:
+        self._last_heard = time.monotonic()
         if kind is MessageType.OUTPUTS:
             self._outputs.put(payload)
         elif kind is MessageType.UTILITY_RESULT:
@@ -259,6 +276,12 @@ class AsyncInprocClient(EngineCoreClient):
         call, future = self._utilities.start(method, args)
         self._put(RequestType.UTILITY, call)
         return await asyncio.wrap_future(future)
+
+    def seconds_silent(self) -> list[float]:
+        return [time.monotonic() - self._last_heard]
+
+    def dump_engine_stacks(self) -> None:
+        faulthandler.dump_traceback(all_threads=True)  # the engine's thread is one of ours
 
     @property
     def dead_error(self) -> EngineDeadError | None:

@@ -2,7 +2,8 @@
 
     input thread:  DEALER socket → decode → input_queue
     main thread:   drain input_queue (ADD, ABORT, UTILITY, SHUTDOWN) → step() while there is
-                   work → output_queue; block on input_queue when idle
+                   work → output_queue; block on input_queue when idle; a HEARTBEAT after
+                   HEARTBEAT_S without any other message
     output thread: output_queue → encode → PUSH socket
 
 ZMQ releases the GIL, so (de)serialization overlaps with the model's forward pass. The same
@@ -29,6 +30,7 @@ import zmq
 from tokenbus.engine.core import EngineCore
 from tokenbus.engine.messages import (
     Codec,
+    Empty,
     EngineFailure,
     MessageType,
     ReadyInfo,
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 # Builds the EngineCore in the engine process. Must be a module-level function (it crosses to
 # the spawned process by reference); tests pass one that builds a core with a fake worker.
 EngineFactory = Callable[["EngineSetup"], EngineCore]
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 # Called by the busy loop with each message for the front end.
 Emit = Callable[[MessageType, Any], None]
 
@@ -53,6 +56,7 @@ PARENT_POLL_S = 1.0  # how often the engine checks that its parent is still aliv
 IO_POLL_MS = 100  # how often the input thread looks up from its socket to check for shutdown
 CLOSE_LINGER_MS = 2000  # time the last messages (ENGINE_DEAD) get to leave on exit
 IDLE_BACKOFF_S = 0.001  # wait when requests exist but none can run
+HEARTBEAT_S = 1.0  # the longest the loop stays silent while it turns (see MessageType.HEARTBEAT)
 # Leaving (close() + logging) takes well under this; past it the exit is stuck: dump every
 # thread's stack to stderr and exit anyway. Below the front end's SHUTDOWN_TIMEOUT_S.
 EXIT_DEADLINE_S = 4.0
@@ -102,7 +106,8 @@ class EngineCoreLoop:
                  emit: Emit) -> None:
         self.engine = engine
         self.input_queue = input_queue
-        self.emit = emit
+        self._send = emit
+        self._last_emit = time.monotonic()
         self._shutdown = False
         # Aborts changed the queues: an idle engine must still report its gauges once.
         self._gauges_stale = False
@@ -113,11 +118,21 @@ class EngineCoreLoop:
             self._process_input_queue()
             if not self._shutdown:
                 self._process_engine_step()
+            if time.monotonic() - self._last_emit >= HEARTBEAT_S:
+                self.emit(MessageType.HEARTBEAT, Empty())
+
+    def emit(self, kind: MessageType, payload: Any) -> None:
+        self._last_emit = time.monotonic()
+        self._send(kind, payload)
 
     def _process_input_queue(self) -> None:
-        # Block only when idle: with requests in flight the loop must keep stepping.
+        # Block only when idle: with requests in flight the loop must keep stepping. Even idle,
+        # wake up for the heartbeat.
         if not self.engine.has_unfinished_requests() and not self._gauges_stale:
-            self._handle(*self.input_queue.get())
+            try:
+                self._handle(*self.input_queue.get(timeout=HEARTBEAT_S))
+            except queue.Empty:
+                return
         while not self._shutdown:
             try:
                 self._handle(*self.input_queue.get_nowait())
@@ -192,6 +207,9 @@ def run_engine_core(setup: EngineSetup, addresses: EngineAddresses, parent_pid: 
                         format="(EngineCore pid=%(process)d) %(levelname)s %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group: the front end decides how to shut us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The front end's stall watchdog asks for every thread's stack this way; faulthandler's
+    # handler is C, so it answers even while a step hangs inside native code.
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid, addresses), daemon=True,
                      name="EngineCoreParentWatch").start()
     proc = EngineCoreProc(addresses)

@@ -125,6 +125,16 @@ class DPLBClient(EngineCoreClient):
         for client in self.clients:
             client.shutdown()
 
+    def seconds_silent(self) -> list[float]:
+        return [seconds for client in self.clients for seconds in client.seconds_silent()]
+
+    def in_flight_per_engine(self) -> list[int] | None:
+        return list(self._in_flight)
+
+    def dump_engine_stacks(self) -> None:
+        for client in self.clients:
+            client.dump_engine_stacks()
+
     def engine_stats(self) -> list[SchedulerStats | None]:
         """Each engine's last reported stats (tests, the load balancer's view)."""
         return list(self._stats)

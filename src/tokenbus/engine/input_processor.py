@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
+import jinja2
+
 from tokenbus.config import EngineConfig
 from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
@@ -56,9 +58,14 @@ class InputProcessor:
                 raise ValueError(f"messages[{i}]: each message needs a 'role' (and usually 'content')")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("messages: this model has no chat template; send a plain prompt instead")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-            **dict(chat_template_kwargs or {}))
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                **dict(chat_template_kwargs or {}))
+        except jinja2.TemplateError as exc:
+            # The template's own checks (raise_exception: "roles must alternate") and fields it
+            # needs but the messages lack: the input's fault, not the server's.
+            raise ValueError(f"messages: the model's chat template cannot render them: {exc}") from None
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not token_ids:
             raise ValueError("messages: rendered to an empty prompt")

@@ -6,7 +6,8 @@ the plain values these types allow.
 
     front end → engine (ROUTER → DEALER): ADD EngineRequest | ABORT [ids] | UTILITY | SHUTDOWN
     engine → front end, start-up (DEALER → ROUTER): READY | STARTUP_FAILED
-    engine → front end, afterwards (PUSH → PULL): OUTPUTS | UTILITY_RESULT | ENGINE_DEAD
+    engine → front end, afterwards (PUSH → PULL): OUTPUTS | UTILITY_RESULT | ENGINE_DEAD |
+                                                 HEARTBEAT (a second without anything else)
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class MessageType(enum.IntEnum):
     OUTPUTS = 2
     UTILITY_RESULT = 3
     ENGINE_DEAD = 4
+    # Sent by the busy loop when it has sent nothing else for a while: the front end's proof
+    # that the loop still turns (a stopped or hung engine goes silent; see AsyncLLM).
+    HEARTBEAT = 5
 
 
 class UtilityCall(msgspec.Struct, array_like=True):
@@ -73,7 +77,7 @@ class EngineFailure(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class Empty(msgspec.Struct, array_like=True):
-    """The payload of SHUTDOWN."""
+    """The payload of SHUTDOWN and HEARTBEAT."""
 
 
 _REQUEST_TYPES: dict[RequestType, Any] = {
@@ -88,6 +92,7 @@ _MESSAGE_TYPES: dict[MessageType, Any] = {
     MessageType.OUTPUTS: EngineOutputs,
     MessageType.UTILITY_RESULT: UtilityResult,
     MessageType.ENGINE_DEAD: EngineFailure,
+    MessageType.HEARTBEAT: Empty,
 }
 
 

@@ -35,6 +35,7 @@ import zmq
 from tokenbus.engine.core_client import EngineCoreClient, OutputChannel, UtilityCalls
 from tokenbus.engine.core_proc import (
     IO_POLL_MS,
+    STACK_DUMP_SIGNAL,
     EngineAddresses,
     EngineFactory,
     make_engine_core,
@@ -74,6 +75,7 @@ class EngineConnection:
         self._send_lock = threading.Lock()
         self._engine_identity: bytes | None = None  # the engine's route, learned at READY
         self._threads: list[threading.Thread] = []
+        self.last_heard = time.monotonic()  # written by the reader thread (a float: atomic)
         self.ipc_dir = tempfile.mkdtemp(prefix="tokenbus-")
         addresses = EngineAddresses(f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output")
         self._ctx = zmq.Context()
@@ -137,6 +139,7 @@ class EngineConnection:
             except Exception:
                 logger.exception("dropped a malformed message from the EngineCore")
                 continue
+            self.last_heard = time.monotonic()
             if kind is MessageType.OUTPUTS:
                 payload.engine_index = self.engine_index
                 self.outputs.put(payload)
@@ -266,6 +269,15 @@ class MPClient(EngineCoreClient):
     def call_utility(self, method: str, *args: Any) -> Any:
         """Blocking (LLMEngine, and data parallelism's sync half)."""
         return self._start_utility(method, args).result()
+
+    def seconds_silent(self) -> list[float]:
+        return [time.monotonic() - self._conn.last_heard]
+
+    def dump_engine_stacks(self) -> None:
+        try:
+            os.kill(self.proc.pid, STACK_DUMP_SIGNAL)
+        except (OSError, TypeError):  # gone already (its death is reported elsewhere)
+            pass
 
     def shutdown(self) -> None:
         """Stop the engine process; idempotent. Waiters get EngineDeadError."""

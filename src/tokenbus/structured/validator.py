@@ -2,34 +2,92 @@
 
 A spec that does not compile is a ValueError (HTTP 400) before the request reaches the engine;
 one whose compilation runs past the deadline (a pathological regex) is refused the same way.
+
+Called from the server's preparation threads, never from its event loop. Each compile runs on a
+thread of its own: a compile past its deadline cannot be killed (xgrammar has no cancel), so it
+keeps its thread and one of `max_concurrent` slots until it ends, while later specs compile on
+the other slots instead of queueing behind it. Outcomes are remembered by spec (LRU), so a spec
+seen before (good, bad or too slow) is answered at once.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import threading
 
 from tokenbus.sampling_params import StructuredOutputsParams
-from tokenbus.structured.backend import XgrammarBackend
+from tokenbus.structured.backend import XgrammarBackend, spec_key
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONCURRENT = 4
+OUTCOME_CACHE_SIZE = 1024
+
+
+class CompileCapacityError(RuntimeError):
+    """Every compile slot is taken (by slow compiles): retry later (HTTP 503)."""
 
 
 class StructuredOutputValidator:
-    def __init__(self, tokenizer, vocab_size: int, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+    def __init__(self, tokenizer, vocab_size: int, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 max_concurrent: int = DEFAULT_MAX_CONCURRENT) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._timeout_s = timeout_s
         self._backend: XgrammarBackend | None = None  # built on first use: ~1 s of tokenizer work
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
+        self._backend_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        # spec key → None (compiles) or the error message; guarded by _lock.
+        self._outcomes: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def validate(self, spec: StructuredOutputsParams) -> None:
-        if self._backend is None:
-            self._backend = XgrammarBackend(self._tokenizer, self._vocab_size)
-        future = self._pool.submit(self._backend.compile, spec)
+        key = spec_key(spec)
+        with self._lock:
+            if key in self._outcomes:
+                self._outcomes.move_to_end(key)
+                error = self._outcomes[key]
+                if error is not None:
+                    raise ValueError(error)
+                return
+        # Waiting for a slot counts against the same deadline as the compile itself.
+        if not self._slots.acquire(timeout=self._timeout_s):
+            raise CompileCapacityError("structured_outputs: every grammar compiler is busy; retry later")
+        future = self._start_compile(spec)
         try:
             future.result(timeout=self._timeout_s)
+            error = None
         except concurrent.futures.TimeoutError:
-            # The compile thread cannot be killed; it finishes in the background, the engine
-            # never sees this request.
-            raise ValueError(f"structured_outputs: grammar compilation took longer than "
-                             f"{self._timeout_s:g} s; simplify the schema/regex") from None
+            error = (f"structured_outputs: grammar compilation took longer than {self._timeout_s:g} s; "
+                     f"simplify the schema/regex")
+        except ValueError as exc:
+            error = str(exc)
+        self._remember(key, error)
+        if error is not None:
+            raise ValueError(error)
+
+    def _start_compile(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._get_backend().compile(spec))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                future.set_exception(exc)
+            finally:
+                self._slots.release()
+
+        threading.Thread(target=run, name="grammar-check", daemon=True).start()
+        return future
+
+    def _get_backend(self) -> XgrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = XgrammarBackend(self._tokenizer, self._vocab_size)
+            return self._backend
+
+    def _remember(self, key: str, error: str | None) -> None:
+        with self._lock:
+            self._outcomes[key] = error
+            while len(self._outcomes) > OUTCOME_CACHE_SIZE:
+                self._outcomes.popitem(last=False)

@@ -18,6 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenbus.api.openai.protocol import ErrorInfo, ErrorResponse
 from tokenbus.engine.exceptions import EngineDeadError
+from tokenbus.structured.validator import CompileCapacityError
+from tokenbus.utils.log import log_safe
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,10 @@ class NotFoundError(APIError):
     status, type = 404, "NotFoundError"
 
 
+class RequestTimeoutError(APIError):
+    status, type = 408, "RequestTimeoutError"
+
+
 class RequestTooLargeError(APIError):
     status, type = 413, "RequestTooLargeError"
 
@@ -73,6 +79,8 @@ def to_api_error(exc: BaseException, known_params: frozenset[str] = frozenset())
         return exc
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(f"The engine is not running: {exc}")
+    if isinstance(exc, CompileCapacityError):
+        return ServiceUnavailableError(str(exc), param="structured_outputs", headers={"Retry-After": "5"})
     if isinstance(exc, (ValueError, TypeError, OverflowError)):
         message = str(exc)
         match = _LEADING_NAME.match(message)
@@ -94,12 +102,25 @@ def error_event_body(exc: BaseException, known_params: frozenset[str]) -> dict:
 
 
 def error_response(error: APIError) -> JSONResponse:
+    headers = dict(error.headers or {})
+    if error.status >= 500 and error.status != 503:
+        # Whatever broke may have left this connection's state unknown: close it (only it).
+        headers["Connection"] = "close"
     return JSONResponse(error_body(error.status, error.message, error.type, error.param),
-                        status_code=error.status, headers=error.headers)
+                        status_code=error.status, headers=headers or None)
+
+
+def log_client_error(request: Request, error: APIError) -> None:
+    """One line per refused request: no traceback (nothing is wrong with the server), the
+    client's text escaped and truncated."""
+    if error.status < 500 or error.status == 503:
+        logger.info("%d %s %s: %s", error.status, request.method, log_safe(request.url.path, 100),
+                    log_safe(error.message))
 
 
 def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        log_client_error(request, exc)
         return error_response(exc)
 
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -110,7 +131,9 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(BadRequestError(message, loc[0] if loc else None))
+        error = BadRequestError(message, loc[0] if loc else None)
+        log_client_error(request, error)
+        return error_response(error)
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         phrase = HTTPStatus(exc.status_code).phrase.replace(" ", "")
@@ -119,11 +142,17 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
         return error_response(error)
 
     async def on_other(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(to_api_error(exc, known_params))
+        error = to_api_error(exc, known_params)  # logs the traceback of a real 500, once
+        log_client_error(request, error)
+        return error_response(error)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(ValueError, on_other)
-    app.add_exception_handler(EngineDeadError, on_other)
-    app.add_exception_handler(Exception, on_other)
+    # Each class by name: starlette's ExceptionMiddleware answers these and is done with them.
+    # (A handler for `Exception` would run in ServerErrorMiddleware, which re-raises after
+    # answering, so uvicorn logs a 70-line traceback even for a 400; anything else is answered
+    # by middleware.InternalErrorMiddleware.)
+    for exc_type in (ValueError, TypeError, OverflowError, NotImplementedError, EngineDeadError,
+                     CompileCapacityError):
+        app.add_exception_handler(exc_type, on_other)

@@ -1,4 +1,4 @@
-"""ASGI middleware: API-key check and request-body size limit (L5).
+"""ASGI middleware: API-key check, request-body size limit, the last word on a bug (L5).
 
 Plain ASGI (not BaseHTTPMiddleware) so that streaming responses and disconnects pass through
 untouched.
@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import posixpath
 import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenbus.api.openai.errors import error_bytes
+from tokenbus.utils.log import log_safe
+
+logger = logging.getLogger(__name__)
 
 # Paths open without a key; everything else needs one (deny by default, unlike vLLM's /v1 prefix
 # check, which new routes and path tricks like `//v1` kept bypassing).
@@ -24,6 +28,35 @@ DRAIN_FACTOR = 8
 
 def normalize_path(path: str) -> str:
     return posixpath.normpath(_SLASHES.sub("/", path or "/"))
+
+
+class InternalErrorMiddleware:
+    """A bug (any exception no handler answered) becomes a 500 in OpenAI's shape that closes
+    its own connection; it is logged once, with its traceback, and never reaches uvicorn (which
+    would log it again). Innermost of ours: the other middleware never raise."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("internal error serving %s %s", scope.get("method"),
+                             log_safe(scope.get("path", ""), 100), exc_info=exc)
+            if not started:  # else uvicorn ends the half-sent response by closing the connection
+                await send_error(send, 500, f"Internal server error: {type(exc).__name__}",
+                                 "InternalServerError", [(b"connection", b"close")])
 
 
 async def send_error(send: Send, status: int, message: str, type_: str,

@@ -6,9 +6,11 @@ response header is sent or the engine sees the request.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenbus.api.openai.limits import RequestLimits, json_depth
 from tokenbus.api.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -21,8 +23,11 @@ MAX_ABS_LOGIT_BIAS = 100.0
 @dataclass(frozen=True)
 class ParamLimits:
     max_model_len: int
-    max_n: int = 16
+    caps: RequestLimits = field(default_factory=RequestLimits)  # resolved for max_model_len
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "caps", self.caps.resolved(self.max_model_len))
 
     def default(self, name: str, value: Any) -> Any:
         if value is not None:
@@ -59,12 +64,17 @@ def check_stream_options(req: SamplingFields) -> None:
         raise ValueError("stream_options: only allowed when stream is true")
 
 
+def check_n(req: SamplingFields, caps: RequestLimits) -> None:
+    if not 1 <= req.n <= caps.max_n:
+        raise ValueError(f"n must be between 1 and {caps.max_n} (--max-n), got {req.n}")
+
+
 def _common(req: SamplingFields, limits: ParamLimits) -> dict[str, Any]:
-    if not 1 <= req.n <= limits.max_n:
-        raise ValueError(f"n must be between 1 and {limits.max_n}, got {req.n}")
+    check_n(req, limits.caps)
     if req.best_of is not None and req.best_of not in (1, req.n):
         raise ValueError("best_of: values other than n are not supported")
     check_stream_options(req)
+    check_stop(req, limits.caps)
     return dict(
         n=req.n, temperature=limits.default("temperature", req.temperature),
         top_p=limits.default("top_p", req.top_p), top_k=limits.default("top_k", req.top_k),
@@ -72,9 +82,16 @@ def _common(req: SamplingFields, limits: ParamLimits) -> dict[str, Any]:
         repetition_penalty=limits.default("repetition_penalty", req.repetition_penalty),
         seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req))
+        logit_bias=_logit_bias(req.logit_bias, limits.caps), min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req, limits.caps))
+
+
+def check_stop(req: SamplingFields, caps: RequestLimits) -> None:
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    caps.check("max_stop_strings", len(stops), "number of stop strings", "stop")
+    for stop in stops:
+        caps.check("max_stop_string_chars", len(stop), "stop string length", "stop")
 
 
 def _check_max_tokens(name: str, max_tokens: int | None, prompt_len: int, max_model_len: int) -> int:
@@ -93,9 +110,10 @@ def _check_max_tokens(name: str, max_tokens: int | None, prompt_len: int, max_mo
     return max_tokens
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+def _logit_bias(bias: dict[str, float] | None, caps: RequestLimits) -> dict[int, float] | None:
     if not bias:
         return None
+    caps.check("max_logit_bias", len(bias), "number of entries", "logit_bias")
     result: dict[int, float] = {}
     for key, value in bias.items():
         try:
@@ -108,16 +126,41 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return result
 
 
-def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+def structured_outputs(req: SamplingFields, caps: RequestLimits) -> StructuredOutputsParams | None:
     """`response_format` (OpenAI) or `structured_outputs` (vLLM extension), at most one."""
     from_format = _from_response_format(req)
     if req.structured_outputs is None:
-        return from_format
-    if from_format is not None:
+        spec = from_format
+    elif from_format is not None:
         raise ValueError("structured_outputs: give either response_format or structured_outputs, not both")
-    spec = req.structured_outputs
-    return StructuredOutputsParams(json=spec.json_, regex=spec.regex, choice=spec.choice,
-                                   grammar=spec.grammar, json_object=spec.json_object)
+    else:
+        given = req.structured_outputs
+        spec = StructuredOutputsParams(json=given.json_, regex=given.regex, choice=given.choice,
+                                       grammar=given.grammar, json_object=given.json_object)
+    if spec is not None:
+        check_spec_size(spec, caps)
+    return spec
+
+
+def check_spec_size(spec: StructuredOutputsParams, caps: RequestLimits) -> None:
+    """Bound what a grammar compile may be asked to do: a deep schema takes xgrammar seconds."""
+    param = "structured_outputs"
+    if spec.regex is not None:
+        caps.check("max_regex_chars", len(spec.regex), "regex length", param)
+    if spec.grammar is not None:
+        caps.check("max_schema_bytes", len(spec.grammar.encode()), "grammar size in bytes", param)
+    if spec.choice is not None:
+        caps.check("max_schema_bytes", sum(len(c.encode()) for c in spec.choice), "choice list size in bytes", param)
+    if spec.json is not None:
+        text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        caps.check("max_schema_bytes", len(text.encode()), "JSON schema size in bytes", param)
+        schema = spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                return  # not JSON at all: the compile says so
+        caps.check("max_schema_depth", json_depth(schema, caps.max_schema_depth), "JSON schema depth", param)
 
 
 def _from_response_format(req: SamplingFields) -> StructuredOutputsParams | None:

@@ -5,7 +5,9 @@
     uvicorn serves app; SIGTERM → stop accepting, drain up to --shutdown-timeout, engine.shutdown()
 
 When the engine dies, in-flight requests end with an error, /health answers 503 for a short
-while (so a load balancer sees it), and the process exits with status 1.
+while (so a load balancer sees it), and the process exits with status 1. When it stalls (work
+pending, no step completed for --engine-stall-timeout seconds: stopped, or hung in a step),
+/health answers 503 and new requests are refused until it steps again; its stacks are logged.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import tokenbus
 from tokenbus.api.openai import protocol as p
 from tokenbus.api.openai.errors import ServiceUnavailableError, error_response, install_error_handlers
 from tokenbus.api.openai.metrics import LoggingStatLogger, PrometheusStatLogger
-from tokenbus.api.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from tokenbus.api.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, InternalErrorMiddleware
+from tokenbus.api.openai.limits import RequestLimits
 from tokenbus.api.openai.request_params import GENERATION_CONFIG_FIELDS, ParamLimits
 from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
@@ -39,6 +42,8 @@ logger = logging.getLogger("tokenbus.server")
 DEFAULT_MODEL_NAME = "smollm2"
 WATCHDOG_INTERVAL_S = 0.2
 DEAD_INFLIGHT_WAIT_S = 5.0  # time in-flight requests get to deliver their error after engine death
+# Without --max-waiting-requests: sequences that may wait, per sequence the engine runs at once.
+DEFAULT_WAITING_PER_RUNNING = 1
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,10 @@ class ServerConfig:
     port: int = 8000  # 0: any free port (the "Serving on" log line names it)
     api_key: str | None = None
     served_model_name: str | None = None  # default: the model argument
-    max_n: int = 16  # cap on `n` per request
+    limits: RequestLimits = field(default_factory=RequestLimits)
     max_request_body_bytes: int = 10 * 1024 * 1024
+    request_timeout: float | None = None  # seconds from arrival to a request's last byte; None: none
+    engine_stall_timeout: float = 60.0  # seconds of pending work without a step → 503; 0: off
     shutdown_timeout: float = 30.0  # seconds in-flight requests may drain after SIGTERM
     log_interval: float = 10.0  # seconds between stats log lines; 0 disables them
     engine_in_process: bool = False
@@ -83,9 +90,18 @@ def make_serving_context(engine: Any, config: ServerConfig, served_model_names: 
     scheduler = engine.config.scheduler
     return ServingContext(
         engine=engine, served_model_names=served_model_names,
-        limits=ParamLimits(engine.input_processor.max_model_len, config.max_n, defaults),
-        admission=Admission(scheduler.max_num_seqs, scheduler.max_waiting_requests),
-        known_params=known_params())
+        limits=ParamLimits(engine.input_processor.max_model_len, config.limits, defaults),
+        admission=Admission(scheduler.max_num_seqs, max_waiting(scheduler.max_num_seqs,
+                                                                scheduler.max_waiting_requests)),
+        known_params=known_params(), request_timeout_s=config.request_timeout)
+
+
+def max_waiting(max_num_seqs: int, requested: int | None) -> int | None:
+    """The waiting-queue bound: DEFAULT_WAITING_PER_RUNNING × max_num_seqs unless set; a
+    negative setting means unbounded (None)."""
+    if requested is None:
+        return DEFAULT_WAITING_PER_RUNNING * max_num_seqs
+    return None if requested < 0 else requested
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -95,6 +111,7 @@ def build_app(state: ServerState) -> FastAPI:
     _add_openai_routes(app, state)
     _add_service_routes(app, state)
     # Added last = outermost: the key is checked before any body is read.
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)
     if state.config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
@@ -120,11 +137,11 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(request: p.TokenizeRequest) -> p.TokenizeResponse:
-        return tokenize.tokenize(request)
+        return await tokenize.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize_route(request: p.DetokenizeRequest) -> p.DetokenizeResponse:
-        return tokenize.detokenize(request)
+        return await tokenize.detokenize(request)
 
 
 def _add_service_routes(app: FastAPI, state: ServerState) -> None:
@@ -136,6 +153,9 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
             await state.ctx.engine.check_health()
         except Exception as exc:
             return error_response(ServiceUnavailableError(f"The engine is not running: {exc}"))
+        if (stalled := state.ctx.stalled_for_s) is not None:
+            return error_response(ServiceUnavailableError(
+                f"The engine has had work but completed no step for {stalled:.0f} s."))
         return Response(status_code=200)
 
     app.add_api_route("/ping", health, methods=["GET", "POST"])
@@ -167,9 +187,11 @@ def _lifespan(state: ServerState):
 
 
 async def _watch_engine(state: ServerState) -> None:
-    """Exit (status 1) once the engine has died and in-flight requests got their errors."""
+    """Mark a stalled engine (and its recovery); exit (status 1) once the engine has died and
+    in-flight requests got their errors."""
     engine = state.ctx.engine
     while not engine.errored:
+        _check_progress(state)
         await asyncio.sleep(WATCHDOG_INTERVAL_S)
     logger.error("the engine died (%s); failing in-flight requests and exiting", engine.dead_error)
     loop = asyncio.get_running_loop()
@@ -179,6 +201,23 @@ async def _watch_engine(state: ServerState) -> None:
     await asyncio.sleep(state.config.dead_exit_delay)
     state.exit_code = 1
     state.request_exit(1)
+
+
+def _check_progress(state: ServerState) -> None:
+    timeout = state.config.engine_stall_timeout
+    if not timeout:
+        return
+    ctx = state.ctx
+    silent = ctx.engine.seconds_without_progress()
+    stalled = silent is not None and silent > timeout
+    if stalled and ctx.stalled_for_s is None:
+        logger.error("the engine has had work but completed no step for %.0f s (--engine-stall-timeout "
+                     "%g): /health answers 503 and new requests are refused until it steps again; "
+                     "its threads' stacks follow in its log", silent, timeout)
+        ctx.engine.dump_engine_stacks()
+    elif not stalled and ctx.stalled_for_s is not None:
+        logger.warning("the engine is stepping again after a stall of %.0f s or more", ctx.stalled_for_s)
+    ctx.stalled_for_s = silent if stalled else None
 
 
 async def _log_stats(state: ServerState) -> None:

@@ -27,6 +27,8 @@ from tokenbus.engine.outputs import CompletionOutput
 from tokenbus.sampling_params import SamplingParams
 
 ASSISTANT = "assistant"
+# Roles whose `content` may be null or absent (OpenAI: an assistant turn with only tool calls).
+CONTENT_OPTIONAL_ROLES = frozenset({ASSISTANT, "tool", "function"})
 # apply_chat_template arguments a request must not set through chat_template_kwargs: they change
 # what the call returns or does (tokenize=True on a huge input blocks the event loop).
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -63,15 +65,16 @@ class ChatChoiceState:
 class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.preflight(request, request.model)
-        run = self._prepare(request)
+        self.check_messages(request.messages)
+        run = await self.prepare(self._prepare, request)
         return await self.respond(raw, request.stream, request.n, run)
 
     def _prepare(self, request: ChatCompletionRequest) -> ChatRun:
         messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
-        self.check_text_length("messages", sum(len(str(m.get("content") or "")) for m in messages))
         text, token_ids = self.engine.input_processor.render_chat(
             messages, request.add_generation_prompt, template_kwargs(request.chat_template_kwargs))
         params = chat_params(request, len(token_ids), self.ctx.limits)
+        self.check_request_tokens((len(token_ids) + params.max_tokens) * params.n)
         self.validate(token_ids, params)
         return ChatRun(new_request_id("chatcmpl"), request, self.response_model_name(request.model),
                        text, token_ids, params)
@@ -154,10 +157,24 @@ def _fold(state: ChatChoiceState, output: CompletionOutput, logprobs: ChatLogpro
 
 
 def normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
-    """OpenAI content parts ([{"type": "text", "text": …}]) → one string; other parts are refused."""
+    """A message as chat templates expect it: `content` a string.
+
+    OpenAI content parts ([{"type": "text", "text": …}]) become one string (other parts are
+    refused); a null or absent content is "" where OpenAI allows it (an assistant message that
+    only calls tools, a tool result) and a 400 where it does not.
+    """
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise ValueError(f"messages[{index}].role: required, and must be a string")
     content = message.get("content")
-    if not isinstance(content, list):
+    if content is None:
+        if role not in CONTENT_OPTIONAL_ROLES:
+            raise ValueError(f"messages[{index}].content: required for role {role!r}")
+        return {**message, "content": ""}
+    if isinstance(content, str):
         return message
+    if not isinstance(content, list):
+        raise ValueError(f"messages[{index}].content: must be a string or a list of text parts")
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):

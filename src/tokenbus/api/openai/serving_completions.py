@@ -18,7 +18,7 @@ from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import completion_logprobs, merge_completion_logprobs
 from tokenbus.api.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                           CompletionResponse, UsageInfo)
-from tokenbus.api.openai.request_params import completion_params
+from tokenbus.api.openai.request_params import check_n, completion_params
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import DONE_EVENT, merge_async_iterators, sse_event
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
@@ -81,23 +81,28 @@ class CompletionRun:
 class CompletionServing(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
         self.preflight(request, request.model)
-        run = self._prepare(request)
+        prompts = _split_prompts(request.prompt)
+        # The caps that need no tokenizing, before any is done: a request's fan-out (each
+        # sequence queues like a request of its own) and its text.
+        check_n(request, self.ctx.limits.caps)
+        self.ctx.limits.caps.check("max_sequences_per_request", len(prompts) * request.n,
+                                   "number of sequences (prompts × n)", "prompt")
+        self.check_text_length("prompt", sum(len(p) for p in prompts if isinstance(p, str)))
+        run = await self.prepare(self._prepare, request, prompts)
         return await self.respond(raw, request.stream, request.n * len(run.prompts), run)
 
-    def _prepare(self, request: CompletionRequest) -> CompletionRun:
+    def _prepare(self, request: CompletionRequest, prompts: list[str | list[int]]) -> CompletionRun:
         base_id = new_request_id("cmpl")
-        prompts = _split_prompts(request.prompt)
         processor = self.engine.input_processor
         prepared = []
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                self.check_text_length("prompt", len(prompt))
             text, token_ids = processor.tokenize(prompt if isinstance(prompt, str)
                                                  else {"prompt_token_ids": prompt})
             params = completion_params(request, len(token_ids), self.ctx.limits)
             self.validate(token_ids, params)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prepared.append(PreparedPrompt(request_id, text, token_ids, params))
+        self.check_request_tokens(sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared))
         return CompletionRun(base_id, request, self.response_model_name(request.model), prepared)
 
     def _generators(self, run: CompletionRun) -> list[AsyncIterator[RequestOutput]]:

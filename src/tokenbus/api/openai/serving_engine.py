@@ -1,27 +1,44 @@
-"""What every OpenAI endpoint shares: model check, admission, validation, responding (L5)."""
+"""What every OpenAI endpoint shares: model check, admission, validation, responding (L5).
+
+The order a request goes through, the same for every endpoint:
+
+    preflight (event loop: cheap checks, no tokenizing) → prepare (a preparation thread:
+    caps, tokenizing, chat template, grammar check) → admission → generate, under the
+    request's deadline → respond (one body, or server-sent events)
+"""
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
 import logging
+import math
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenbus.api.openai.errors import NotFoundError, ServiceUnavailableError
+from tokenbus.api.openai.errors import (NotFoundError, RequestTimeoutError, ServiceUnavailableError,
+                                        error_event_body)
 from tokenbus.api.openai.protocol import OpenAIRequest
 from tokenbus.api.openai.request_params import ParamLimits
-from tokenbus.api.openai.streaming import SSEResponse, cancel_on_disconnect
+from tokenbus.api.openai.streaming import DONE_EVENT, SSEResponse, cancel_on_disconnect, sse_event
+from tokenbus.api.openai.text_checks import find_lone_surrogate
 from tokenbus.sampling_params import SamplingParams
+from tokenbus.utils.log import log_safe
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_S = "1"
-# No token is longer than this many characters in the tokenizers we serve; longer text cannot
-# fit the context, and refusing it by length spares the event loop from tokenizing megabytes.
-MAX_CHARS_PER_TOKEN = 32
+T = TypeVar("T")
+
+MAX_RETRY_AFTER_S = 60
+RATE_WINDOW = 256  # finished requests the drain-rate estimate looks back over
+UNKNOWN_FIELDS_LOGGED = 5  # names a warning about ignored fields lists; the rest are counted
+PREPARE_THREADS = 4
 
 
 class Admission:
@@ -29,20 +46,43 @@ class Admission:
     stays at most `max_waiting` deep beyond what the engine runs at once.
 
     Checked and counted synchronously (no await in between), so concurrent requests on the
-    event loop cannot all slip past the bound.
+    event loop cannot all slip past the bound. A refusal's Retry-After is the time the queue
+    ahead needs to drain at the rate sequences recently finished.
     """
 
-    def __init__(self, max_running: int, max_waiting: int | None) -> None:
+    def __init__(self, max_running: int, max_waiting: int | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_running = max_running
         self.limit = None if max_waiting is None else max_running + max_waiting
         self.num_in_flight = 0
+        self._clock = clock
+        self._finished: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_WINDOW)
 
-    def acquire(self, num_seqs: int) -> "Ticket":
+    def check_room(self, num_seqs: int) -> None:
+        """Raise the 503 now if `num_seqs` would not be admitted (before preparing them)."""
         if self.limit is not None and self.num_in_flight + num_seqs > self.limit:
             raise ServiceUnavailableError(
                 "The server is overloaded: the request queue is full. Retry later.",
-                headers={"Retry-After": RETRY_AFTER_S})
+                headers={"Retry-After": str(self.retry_after_s())})
+
+    def acquire(self, num_seqs: int) -> "Ticket":
+        self.check_room(num_seqs)
         self.num_in_flight += num_seqs
         return Ticket(self, num_seqs)
+
+    def release(self, num_seqs: int) -> None:
+        self.num_in_flight -= num_seqs
+        self._finished.append((self._clock(), num_seqs))
+
+    def retry_after_s(self) -> int:
+        """Seconds until the sequences queued beyond the running batch have drained."""
+        queued = max(self.num_in_flight - self.max_running, 0) + 1
+        if len(self._finished) < 2:
+            return 1
+        # Sequences finished after the window's first, over the time since it.
+        span = self._clock() - self._finished[0][0]
+        rate = (sum(n for _, n in self._finished) - self._finished[0][1]) / span if span > 0 else math.inf
+        return int(min(max(math.ceil(queued / rate), 1), MAX_RETRY_AFTER_S))
 
 
 @dataclass
@@ -54,7 +94,7 @@ class Ticket:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.admission.num_in_flight -= self.num_seqs
+            self.admission.release(self.num_seqs)
 
 
 @dataclass
@@ -67,6 +107,12 @@ class ServingContext:
     admission: Admission
     is_draining: bool = False
     known_params: frozenset[str] = field(default_factory=frozenset)
+    request_timeout_s: float | None = None  # a request's deadline, from arrival to its last byte
+    # Tokenizing, chat templates and grammar checks run here, never on the event loop.
+    prepare_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "prepare"))
+    # Seconds the engine has had work but completed no step; set by the server's watchdog.
+    stalled_for_s: float | None = None
 
     @property
     def model_name(self) -> str:
@@ -79,22 +125,40 @@ class OpenAIServing:
         self.engine = ctx.engine
 
     def preflight(self, request: OpenAIRequest, model: str | None) -> None:
-        """Checks that need no tokenization: the server can take work, the model exists."""
+        """Checks that need no tokenization: the server can take work, the model exists, every
+        string is valid Unicode (a lone surrogate would fail later, at the engine's socket)."""
         if self.ctx.is_draining:
             raise ServiceUnavailableError("The server is shutting down.")
         if self.engine.errored:
             raise ServiceUnavailableError(f"The engine is not running: {self.engine.dead_error}")
+        if self.ctx.stalled_for_s is not None:
+            raise ServiceUnavailableError(f"The engine has completed no step for "
+                                          f"{self.ctx.stalled_for_s:.0f} s.", headers={"Retry-After": "5"})
         if model is not None and model not in self.ctx.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+        if (path := find_lone_surrogate(request)) is not None:
+            raise ValueError(f"{path}: contains a lone UTF-16 surrogate, which is not valid Unicode text")
         unknown = request.unknown_fields()
         if unknown:
-            logger.warning("ignored unknown request fields: %s", ", ".join(unknown))
+            shown = ", ".join(log_safe(name, 40) for name in unknown[:UNKNOWN_FIELDS_LOGGED])
+            more = f" and {len(unknown) - UNKNOWN_FIELDS_LOGGED} more" if len(unknown) > UNKNOWN_FIELDS_LOGGED else ""
+            logger.warning("ignored %d unknown request field(s): %s%s", len(unknown), shown, more)
+
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` (tokenizing, templates, grammar checks) on a preparation thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.ctx.prepare_pool, fn, *args)
 
     def check_text_length(self, name: str, num_chars: int) -> None:
-        max_model_len = self.engine.input_processor.max_model_len
-        if num_chars > MAX_CHARS_PER_TOKEN * max_model_len:
-            raise ValueError(f"{name}: {num_chars} characters cannot fit this model's maximum "
-                             f"context length of {max_model_len} tokens")
+        self.ctx.limits.caps.check("max_input_chars", num_chars, "number of characters", name)
+
+    def check_messages(self, messages: list) -> None:
+        """The caps on a chat (cheap: before anything is rendered)."""
+        self.ctx.limits.caps.check("max_chat_messages", len(messages), "number of messages", "messages")
+        self.check_text_length("messages", sum(_content_chars(m) for m in messages))
+
+    def check_request_tokens(self, num_tokens: int) -> None:
+        self.ctx.limits.caps.check("max_request_tokens", num_tokens,
+                                   "number of tokens (prompt + max_tokens over all sequences)", "max_tokens")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         processor = self.engine.input_processor
@@ -115,14 +179,49 @@ class OpenAIServing:
         disconnect) or failing.
         """
         ticket = self.ctx.admission.acquire(num_seqs)
+        deadline = self._deadline()
         if stream:
-            return SSEResponse(self._stream(run), on_close=ticket.release)
+            return SSEResponse(self._stream_before(self._stream(run), deadline), on_close=ticket.release)
         try:
-            response = await cancel_on_disconnect(raw, self._complete(run))
+            response = await cancel_on_disconnect(raw, self._complete_before(run, deadline))
         finally:
             ticket.release()
         # None: the client disconnected first; 499 is nginx's "client closed request".
         return Response(status_code=499) if response is None else response
+
+    def _deadline(self) -> float | None:
+        timeout = self.ctx.request_timeout_s
+        return None if not timeout else asyncio.get_running_loop().time() + timeout
+
+    def _timeout_error(self) -> RequestTimeoutError:
+        return RequestTimeoutError(f"The request ran past the server's {self.ctx.request_timeout_s:g} s "
+                                   f"limit (--request-timeout) and was aborted.")
+
+    async def _complete_before(self, run: Any, deadline: float | None) -> Response:
+        # Cancelling _complete closes its engine stream, which aborts the request in the engine.
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._complete(run)
+        except TimeoutError:
+            raise self._timeout_error() from None
+
+    async def _stream_before(self, events: AsyncIterator[bytes], deadline: float | None) -> AsyncIterator[bytes]:
+        """`events` until the deadline; then an error event, [DONE], and the stream closed (so
+        that its engine request is aborted)."""
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    yield sse_event(error_event_body(self._timeout_error(), self.ctx.known_params))
+                    yield DONE_EVENT
+                    return
+                yield event
+        finally:
+            await events.aclose()
 
     async def _complete(self, run: Any) -> Response:
         """The whole answer to a non-streaming request (endpoints that generate override it)."""
@@ -131,6 +230,17 @@ class OpenAIServing:
     def _stream(self, run: Any) -> AsyncIterator[bytes]:
         """The server-sent events of a streaming request (endpoints that generate override it)."""
         raise NotImplementedError
+
+
+def _content_chars(message: Any) -> int:
+    """Characters of a chat message's text: a string content, or its text parts."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part["text"]) for part in content
+                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return 0
 
 
 def new_request_id(prefix: str) -> str:

@@ -9,11 +9,18 @@ from tokenbus.api.openai.serving_engine import OpenAIServing
 
 
 class TokenizeServing(OpenAIServing):
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.preflight(request, request.model)
-        processor = self.engine.input_processor
         if (request.prompt is None) == (request.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
+        if request.messages is not None:
+            self.check_messages(request.messages)
+        else:
+            self.check_text_length("prompt", len(request.prompt))
+        return await self.prepare(self._tokenize, request)
+
+    def _tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        processor = self.engine.input_processor
         if request.messages is not None:
             messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
             _, token_ids = processor.render_chat(messages, request.add_generation_prompt,
@@ -27,13 +34,16 @@ class TokenizeServing(OpenAIServing):
         return TokenizeResponse(count=len(token_ids), max_model_len=processor.max_model_len,
                                 tokens=token_ids, token_strs=token_strs)
 
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.preflight(request, request.model)
+        # As many tokens as characters of text /tokenize would take: a token is at least one.
+        self.check_text_length("tokens", len(request.tokens))
         vocab_size = self.engine.input_processor.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens))
+        text = await self.prepare(self.engine.tokenizer.decode, request.tokens)
+        return DetokenizeResponse(prompt=text)
 
     def models(self) -> ModelList:
         max_model_len = self.engine.input_processor.max_model_len
