@@ -1,0 +1,164 @@
+"""A real `tokenbus serve` under hostile and unlucky traffic: heavy requests do not stall others,
+a stopped engine is noticed and forgiven, valid odd input works, invalid text is refused early."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.api.test_hostile_traffic import deep_schema
+from tests.fixtures.server import ServerProcess
+
+HUGE_PROMPT_BYTES = 9 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    # Caps raised so that the heavy requests get through to the work they ask for.
+    with ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
+                       "--max-schema-depth", "100000", "--max-schema-bytes", "10000000",
+                       "--max-input-chars", "100000000") as server:
+        yield server
+
+
+async def _gaps_while(url: str, heavy) -> tuple[float, float, list]:
+    """Run `heavy` (coroutines) while probing /health every 50 ms and reading a stream; the
+    longest /health answer and the longest gap between stream chunks meanwhile."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        done = asyncio.Event()
+        health_s: list[float] = []
+        gaps: list[float] = []
+
+        async def probe() -> None:
+            while not done.is_set():
+                start = time.monotonic()
+                assert (await http.get("/health")).status_code == 200
+                health_s.append(time.monotonic() - start)
+                await asyncio.sleep(0.05)
+
+        async def stream() -> None:
+            body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                last = time.monotonic()
+                async for line in response.aiter_lines():
+                    if done.is_set():
+                        break
+                    if line.startswith("data: "):
+                        now = time.monotonic()
+                        gaps.append(now - last)
+                        last = now
+
+        streamer = asyncio.create_task(stream())
+        prober = asyncio.create_task(probe())
+        await asyncio.sleep(1.0)  # the stream is decoding
+        gaps.clear()
+        results = await asyncio.gather(*(h(http) for h in heavy))
+        done.set()
+        await prober
+        streamer.cancel()
+        await asyncio.gather(streamer, return_exceptions=True)
+        return max(health_s), max(gaps), results
+
+
+@pytest.mark.slow
+def test_deep_schema_and_huge_tokenize_do_not_delay_health_or_other_streams(smollm2):
+    async def deep(http):
+        body = {"prompt": "{", "max_tokens": 4,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "deep", "schema": deep_schema(400)}}}
+        start = time.monotonic()
+        response = await http.post("/v1/completions", json=body)
+        return response.status_code, time.monotonic() - start
+
+    async def tokenize(http):
+        start = time.monotonic()
+        response = await http.post("/tokenize", json={"prompt": "hello world " * (HUGE_PROMPT_BYTES // 12)})
+        return response.status_code, time.monotonic() - start
+
+    health_s, gap_s, results = asyncio.run(_gaps_while(smollm2.url, [deep, tokenize]))
+    (deep_status, deep_s), (tokenize_status, tokenize_s) = results
+    # The heavy requests took their time (or were refused by the compile deadline)...
+    assert deep_status in (200, 400) and tokenize_status == 200
+    assert max(deep_s, tokenize_s) > 1.0, results
+    # ...while everything else went on.
+    assert health_s < 1.0 and gap_s < 1.0, (health_s, gap_s, results)
+
+
+@pytest.mark.slow
+def test_valid_histories_with_null_content_and_invalid_text(smollm2):
+    http = httpx.Client(base_url=smollm2.url, timeout=120)
+    history = [{"role": "system", "content": "You are terse."},
+               {"role": "user", "content": "What is 6 times 7?"},
+               {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "c1", "type": "function",
+                                "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    r = http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert http.post("/tokenize", json={"messages": history}).status_code == 200
+    absent = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "again"}]
+    assert http.post("/v1/chat/completions", json={"messages": absent, "max_tokens": 2}).status_code == 200
+
+    body = '{"prompt": "hi", "max_tokens": 4, "stream": true, "stop": ["\\ud800"]}'
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+
+    fan_out = {"prompt": [[1, 2, 3]] * 2000, "n": 16, "max_tokens": 1}
+    r = http.post("/v1/completions", json=fan_out)
+    assert r.status_code == 400 and "--max-sequences-per-request" in r.json()["error"]["message"]
+    assert http.get("/health").status_code == 200
+    assert "Traceback" not in smollm2.log()
+
+
+def _long_stream(url: str, result: dict) -> None:
+    body = {"prompt": "The bus goes", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        result["status"] = response.status_code
+        result["events"] = [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_stopped_engine_turns_health_503_within_the_stall_timeout_and_back(tiny_llama_dir, tmp_path):
+    stall_timeout_s = 2.0
+    with ServerProcess(str(tiny_llama_dir), "--engine-stall-timeout", str(stall_timeout_s),
+                       log_dir=tmp_path) as server:
+        engine_pid = server.engine_core_pid()
+        result: dict = {}
+        streamer = threading.Thread(target=_long_stream, args=(server.url, result))
+        streamer.start()
+        time.sleep(0.5)  # the stream is running: the engine has work
+        os.kill(engine_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            assert server.wait_for_health(503, stall_timeout_s + 2.0), server.log()[-3000:]
+            assert time.monotonic() - stopped_at < stall_timeout_s + 2.0
+            r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+            assert r.status_code == 503
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        assert server.wait_for_health(200, 5.0)
+        streamer.join(timeout=60)
+        assert result["status"] == 200 and result["events"][-1] == "data: [DONE]"
+        assert len(result["events"]) > 300  # every token arrived after the stall
+        log = server.log()
+        assert "completed no step" in log and "stepping again" in log
+        assert "most recent call first" in log  # the engine's stacks (faulthandler)
+
+
+def test_default_queue_bound_answers_503_with_retry_after(tiny_llama_dir, tmp_path):
+    with ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "2", log_dir=tmp_path) as server:
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True}
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
+
+        responses = asyncio.run(flood())
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses.count(200) >= 4 and 503 in statuses, statuses  # 2 running + 2 waiting
+        refused = [r for r in responses if r.status_code == 503]
+        assert all(1 <= int(r.headers["retry-after"]) <= 60 for r in refused)
