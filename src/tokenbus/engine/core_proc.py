@@ -39,6 +39,7 @@ from tokenbus.engine.messages import (
     UtilityResult,
 )
 from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
+from tokenbus.utils.log import log_safe
 
 if TYPE_CHECKING:
     from tokenbus.engine.setup import EngineSetup
@@ -159,7 +160,7 @@ class EngineCoreLoop:
         try:
             self.engine.add_request(request)
         except Exception as exc:
-            logger.error("rejected request %r: %s", request.request_id, exc)
+            logger.error("rejected request %s: %s", log_safe(request.request_id, 100), log_safe(exc))
             failed = EngineOutput(request.request_id, [], finish_reason=FinishReason.ERROR)
             self.emit(MessageType.OUTPUTS, EngineOutputs(outputs=[failed], timestamp=time.monotonic()))
 

@@ -20,6 +20,7 @@ import xgrammar as xgr
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import GrammarBitmask, SchedulerOutput
 from tokenbus.structured.backend import XgrammarBackend
+from tokenbus.utils.log import log_safe
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ class StructuredOutputManager:
                 grammar.matcher = XgrammarBackend.new_matcher(compiled)
             except Exception as exc:  # noqa: BLE001 - any compile failure ends this request only
                 grammar.error = str(exc)
-                logger.warning("grammar for %s failed to compile: %s", request.request_id, exc)
+                logger.warning("grammar for %s failed to compile: %s", log_safe(request.request_id, 100),
+                               log_safe(exc))
                 request.status = RequestStatus.FINISHED_ERROR
         return True
 
@@ -111,7 +113,7 @@ class StructuredOutputManager:
             if grammar.matcher.is_terminated():
                 break
             if not grammar.matcher.accept_token(token_id):
-                logger.warning("grammar rejected token %d of %s", token_id, request.request_id)
+                logger.warning("grammar rejected token %d of %s", token_id, log_safe(request.request_id, 100))
                 if not request.is_finished:
                     request.status = RequestStatus.FINISHED_ERROR
                 return

@@ -150,7 +150,8 @@ def check_spec_size(spec: StructuredOutputsParams, caps: RequestLimits) -> None:
     if spec.grammar is not None:
         caps.check("max_schema_bytes", len(spec.grammar.encode()), "grammar size in bytes", param)
     if spec.choice is not None:
-        caps.check("max_schema_bytes", sum(len(c.encode()) for c in spec.choice), "choice list size in bytes", param)
+        caps.check("max_schema_bytes", sum(len(c.encode()) for c in spec.choice),
+                   "choice list size in bytes", param)
     if spec.json is not None:
         text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
         caps.check("max_schema_bytes", len(text.encode()), "JSON schema size in bytes", param)

@@ -141,7 +141,8 @@ class OpenAIServing:
         unknown = request.unknown_fields()
         if unknown:
             shown = ", ".join(log_safe(name, 40) for name in unknown[:UNKNOWN_FIELDS_LOGGED])
-            more = f" and {len(unknown) - UNKNOWN_FIELDS_LOGGED} more" if len(unknown) > UNKNOWN_FIELDS_LOGGED else ""
+            num_more = len(unknown) - UNKNOWN_FIELDS_LOGGED
+            more = f" and {num_more} more" if num_more > 0 else ""
             logger.warning("ignored %d unknown request field(s): %s%s", len(unknown), shown, more)
 
     async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
@@ -205,7 +206,8 @@ class OpenAIServing:
         except TimeoutError:
             raise self._timeout_error() from None
 
-    async def _stream_before(self, events: AsyncIterator[bytes], deadline: float | None) -> AsyncIterator[bytes]:
+    async def _stream_before(self, events: AsyncIterator[bytes],
+                             deadline: float | None) -> AsyncIterator[bytes]:
         """`events` until the deadline; then an error event, [DONE], and the stream closed (so
         that its engine request is aborted)."""
         try:
