@@ -66,3 +66,29 @@ def test_every_slot_taken_by_slow_compiles_is_a_capacity_error():
         validator.validate(StructuredOutputsParams(regex="slow"))
     with pytest.raises(CompileCapacityError):
         validator.validate(StructuredOutputsParams(regex="fast"))
+
+
+def test_concurrent_requests_with_one_spec_share_its_compile():
+    import threading
+
+    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=5.0, max_concurrent=4)
+    backend = validator._backend = _SelectiveBackend()
+    gate = threading.Event()
+    real_compile = backend.compile
+
+    def gated_compile(spec):
+        gate.wait(5.0)
+        return real_compile(spec)
+
+    backend.compile = gated_compile
+    threads = [threading.Thread(target=validator.validate, args=(StructuredOutputsParams(regex="same"),))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    import time
+
+    time.sleep(0.2)
+    gate.set()
+    for thread in threads:
+        thread.join(5.0)
+    assert backend.calls == ["same"]

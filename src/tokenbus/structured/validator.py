@@ -7,7 +7,8 @@ Called from the server's preparation threads, never from its event loop. Each co
 thread of its own: a compile past its deadline cannot be killed (xgrammar has no cancel), so it
 keeps its thread and one of `max_concurrent` slots until it ends, while later specs compile on
 the other slots instead of queueing behind it. Outcomes are remembered by spec (LRU), so a spec
-seen before (good, bad or too slow) is answered at once.
+seen before (good, bad or too slow) is answered at once, and requests with a spec that is being
+compiled wait for that compile instead of starting another.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ class StructuredOutputValidator:
         self._backend: XgrammarBackend | None = None  # built on first use: ~1 s of tokenizer work
         self._backend_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
-        # spec key → None (compiles) or the error message; guarded by _lock.
+        # spec key → None (compiles) or the error message; and the compiles running, by spec key.
+        # Both guarded by _lock.
         self._outcomes: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._running: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
 
     def validate(self, spec: StructuredOutputsParams) -> None:
@@ -50,35 +53,46 @@ class StructuredOutputValidator:
                 if error is not None:
                     raise ValueError(error)
                 return
-        # Waiting for a slot counts against the same deadline as the compile itself.
-        if not self._slots.acquire(timeout=self._timeout_s):
-            raise CompileCapacityError("structured_outputs: every grammar compiler is busy; retry later")
-        future = self._start_compile(spec)
+            is_owner = key not in self._running
+            if is_owner:
+                self._running[key] = concurrent.futures.Future()
+            future = self._running[key]
+        if is_owner:
+            # Waiting for a slot counts against the same deadline as the compile itself.
+            if not self._slots.acquire(timeout=self._timeout_s):
+                error = CompileCapacityError("structured_outputs: every grammar compiler is busy; retry later")
+                with self._lock:
+                    self._running.pop(key, None)
+                future.set_exception(error)  # for those waiting on this compile
+                raise error
+            self._start_compile(key, spec, future)
         try:
             future.result(timeout=self._timeout_s)
             error = None
         except concurrent.futures.TimeoutError:
             error = (f"structured_outputs: grammar compilation took longer than {self._timeout_s:g} s; "
                      f"simplify the schema/regex")
+        except CompileCapacityError:
+            raise
         except ValueError as exc:
             error = str(exc)
         self._remember(key, error)
         if error is not None:
             raise ValueError(error)
 
-    def _start_compile(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
+    def _start_compile(self, key: str, spec: StructuredOutputsParams,
+                       future: concurrent.futures.Future) -> None:
         def run() -> None:
             try:
                 future.set_result(self._get_backend().compile(spec))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 future.set_exception(exc)
             finally:
+                with self._lock:
+                    self._running.pop(key, None)
                 self._slots.release()
 
         threading.Thread(target=run, name="grammar-check", daemon=True).start()
-        return future
 
     def _get_backend(self) -> XgrammarBackend:
         with self._backend_lock:
