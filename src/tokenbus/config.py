@@ -240,6 +240,13 @@ class EngineArgs:
     long_prefill_token_threshold: int = _arg(0)
     # The server's admission bound; `serve` has its own flag for it (the server answers 503).
     max_waiting_requests: int | None = _arg(flag=False)
+    generation_config: str = _arg(
+        "auto", "sampling defaults for requests that leave them out: auto (the model's "
+                "generation_config.json; the packaged SmolLM2: its model card's temperature 0.2, "
+                "top_p 0.9), vllm (none: temperature 1, top_p 1, as vLLM's), or a directory or "
+                "file holding a generation_config.json")
+    override_generation_config: dict | str | None = _arg(
+        None, 'JSON overriding single sampling defaults, e.g. \'{"temperature": 0.5}\'')
     speculative_config: dict | str | SpeculativeConfig | None = _arg(
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     tensor_parallel_size: int = _arg(1, "ranks that split each layer (torch.distributed)")

@@ -6,6 +6,10 @@ import msgspec
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
+# The fields a model's generation_config.json may give defaults for, with the defaults they
+# have without one (as vLLM reads it: do_sample and max_new_tokens are not among them).
+GENERATION_CONFIG_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                            "repetition_penalty": 1.0}
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):

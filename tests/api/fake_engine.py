@@ -44,7 +44,7 @@ class FakeAsyncLLM:
     def __init__(self, token_delay_s: float = 0.0, **engine_args) -> None:
         args = EngineArgs(**engine_args)
         self.config = args.to_config(MAX_MODEL_LEN)
-        self.setup = SimpleNamespace(generation_config={})
+        self.setup = SimpleNamespace(sampling_defaults={})
         self.tokenizer = CharTokenizer()
         self.input_processor = InputProcessor(self.tokenizer, self.config, 0, VOCAB_SIZE)
         # Grammars need a real vocabulary; the serving code only has to pass the spec along.

@@ -52,3 +52,9 @@ def test_chat_answers_sensibly(llm):
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_default_sampling_follows_the_model_card(llm):
+    # No generation config in the GGUF: the packaged model's recommended settings fill in.
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p) == (0.2, 0.9)

@@ -37,6 +37,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: SamplingParams' defaults,
+        with the model's recommended sampling settings (--generation-config) in their place."""
+        return SamplingParams(**self.engine.setup.sampling_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -58,6 +63,8 @@ class LLM:
 
     def _run(self, tokenized: list[tuple[str | None, list[int]]], sampling_params,
              use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _broadcast_params(sampling_params, len(tokenized))
         ids = []
         try:
@@ -90,8 +97,6 @@ class LLM:
 
 
 def _broadcast_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     params = list(sampling_params)

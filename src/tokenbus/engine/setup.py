@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from tokenbus.config import EngineArgs, EngineConfig, ModelArch
 from tokenbus.utils.cpu import available_cpus
 from tokenbus.loader import ModelSource, load_arch, load_generation_config, load_tokenizer, resolve_model
+from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
+from tokenbus.loader.hf_loader import read_json
+from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +24,10 @@ class EngineSetup:
     source: ModelSource
     arch: ModelArch
     eos_token_id: int | None
-    generation_config: dict
+    generation_config: dict  # the model's own generation_config.json ({} without one)
+    # Sampling fields a request leaves out take these values (--generation-config); by name,
+    # a subset of sampling_params.GENERATION_CONFIG_FIELDS.
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
@@ -77,7 +85,39 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
         eos = eos[0] if eos else None
     if eos is None and arch.eos_token_ids:
         eos = arch.eos_token_ids[0]
-    return EngineSetup(config, source, arch, eos, generation_config)
+    defaults = sampling_defaults(args.generation_config, args.override_generation_config, source,
+                                 generation_config)
+    return EngineSetup(config, source, arch, eos, generation_config, defaults)
+
+
+def sampling_defaults(mode: str, overrides: dict | str | None, source: ModelSource,
+                      model_generation_config: dict) -> dict:
+    """The sampling defaults --generation-config and --override-generation-config name."""
+    if mode == "auto":
+        given = dict(DEFAULT_MODEL_SAMPLING) if source.is_default_model else model_generation_config
+    elif mode == "vllm":
+        given = {}
+    else:
+        path = Path(mode).expanduser()
+        path = path / "generation_config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"generation_config: expected auto, vllm, or a directory or file with a "
+                             f"generation_config.json; {mode!r} is none of them")
+        given = read_json(path)
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except ValueError as exc:
+            raise ValueError(f"override_generation_config: not JSON: {exc}") from None
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError("override_generation_config: expected a JSON object")
+    unknown = sorted(set(overrides or {}) - GENERATION_CONFIG_FIELDS.keys())
+    if unknown:
+        raise ValueError(f"override_generation_config: unknown fields {unknown}; known: "
+                         f"{sorted(GENERATION_CONFIG_FIELDS)}")
+    merged = {**given, **(overrides or {})}
+    return {name: merged[name] for name in GENERATION_CONFIG_FIELDS
+            if isinstance(merged.get(name), (int, float)) and not isinstance(merged.get(name), bool)}
 
 
 def create_tokenizer(setup: EngineSetup):

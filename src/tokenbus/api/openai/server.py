@@ -31,7 +31,7 @@ from tokenbus.api.openai.errors import ServiceUnavailableError, error_response, 
 from tokenbus.api.openai.metrics import LoggingStatLogger, PrometheusStatLogger
 from tokenbus.api.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, InternalErrorMiddleware
 from tokenbus.api.openai.limits import RequestLimits
-from tokenbus.api.openai.request_params import GENERATION_CONFIG_FIELDS, ParamLimits
+from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
 from tokenbus.api.openai.serving_engine import Admission, ServingContext
@@ -82,11 +82,9 @@ def known_params() -> frozenset[str]:
 
 
 def make_serving_context(engine: Any, config: ServerConfig, served_model_names: list[str]) -> ServingContext:
-    generation_config = getattr(getattr(engine, "setup", None), "generation_config", None) or {}
-    defaults = {k: v for k, v in generation_config.items()
-                if k in GENERATION_CONFIG_FIELDS and isinstance(v, (int, float))}
+    defaults = engine.setup.sampling_defaults
     if defaults:
-        logger.info("sampling defaults from the model's generation_config: %s", defaults)
+        logger.info("sampling defaults for fields a request leaves out (--generation-config): %s", defaults)
     scheduler = engine.config.scheduler
     return ServingContext(
         engine=engine, served_model_names=served_model_names,
