@@ -234,9 +234,9 @@ def test_malformed_json_is_400(client):
     assert_error(r, 400)
 
 
-def test_non_json_content_type_is_400(client):
+def test_non_json_content_type_is_415(client):
     r = client.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
-    assert "application/json" in assert_error(r, 400)["message"]
+    assert "application/json" in assert_error(r, 415)["message"]
 
 
 def test_unknown_fields_are_ignored_and_logged(client, caplog):

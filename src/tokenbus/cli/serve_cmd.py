@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 from tokenbus.cli.args import add_engine_args, engine_args_from
@@ -29,6 +30,11 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--engine-stall-timeout", type=float, default=60.0,
                        help="seconds the engine may have work without completing a step before "
                             "/health answers 503 (its stacks are logged); 0: never")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens in responses (as vLLM)")
+    serve.add_argument("--allowed-origins", default=None,
+                       help='CORS: origins browsers may call from, as JSON (\'["*"]\') or '
+                            "comma-separated; default: none (no CORS headers)")
     _add_limit_args(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before they are aborted")
@@ -50,6 +56,17 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
                            help=f"the most {f.metadata['help']}{default}")
 
 
+def _origins(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if value.lstrip().startswith("["):
+        origins = json.loads(value)
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError("allowed_origins: expected a JSON list of strings")
+        return tuple(origins)
+    return tuple(o.strip() for o in value.split(",") if o.strip())
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from tokenbus.api.openai.limits import RequestLimits
     from tokenbus.api.openai.server import ServerConfig, run_server
@@ -59,6 +76,8 @@ def _serve(ns: argparse.Namespace) -> int:
         host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
         limits=limits, max_request_body_bytes=ns.max_request_body_bytes,
         request_timeout=ns.request_timeout, engine_stall_timeout=ns.engine_stall_timeout,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        allowed_origins=_origins(ns.allowed_origins),
         shutdown_timeout=ns.shutdown_timeout, log_interval=ns.log_interval,
         engine_in_process=ns.engine_in_process)
     args = engine_args_from(ns)

@@ -126,8 +126,10 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Pydantic's 422 becomes 400: OpenAI clients treat 4xx other than 400 as different errors.
         if not request.headers.get("content-type", "").startswith("application/json"):
-            return error_response(BadRequestError("Unsupported media type: only 'application/json' "
-                                                  "request bodies are accepted"))
+            error = APIError("Unsupported media type: only 'application/json' request bodies are accepted")
+            error.status, error.type = 415, "UnsupportedMediaTypeError"
+            log_client_error(request, error)
+            return error_response(error)
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"

@@ -24,6 +24,11 @@ class OpenAIResponse(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
 
+# An extension field that only appears when its request asked for it (return_token_ids, ...).
+def OnRequest(default=None):  # noqa: N802 - reads as a field type
+    return Field(default=default, exclude_if=lambda value: value is None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 
@@ -98,12 +103,21 @@ class SamplingFields(OpenAIRequest):
     user: str | None = None
     cache_salt: str | None = None
     best_of: int | None = None
+    # vLLM extensions: the token ids of prompt and output in the response; keep only the last
+    # k prompt tokens (-1: as many as the context holds).
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None
+
+
+class PromptTokensDetails(OpenAIResponse):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class UsageInfo(OpenAIResponse):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = OnRequest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +147,8 @@ class CompletionChoice(OpenAIResponse):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = OnRequest()  # with return_token_ids
+    token_ids: list[int] | None = OnRequest()
 
 
 class CompletionResponse(OpenAIResponse):
@@ -155,6 +171,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    echo: bool = False  # the reply starts with the last message's content, when it is the assistant's
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -185,6 +203,7 @@ class ChatChoice(OpenAIResponse):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = OnRequest()  # with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIResponse):
@@ -194,6 +213,7 @@ class ChatCompletionResponse(OpenAIResponse):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = OnRequest()  # with return_token_ids
 
 
 class DeltaMessage(OpenAIResponse):
@@ -207,6 +227,7 @@ class ChatStreamChoice(OpenAIResponse):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = OnRequest()  # with return_token_ids: this delta's
 
 
 class ChatCompletionChunk(OpenAIResponse):
@@ -216,6 +237,7 @@ class ChatCompletionChunk(OpenAIResponse):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = OnRequest()  # with return_token_ids: on the first chunks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +258,19 @@ class ModelCard(OpenAIResponse):
 class ModelList(OpenAIResponse):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizerInfoResponse(OpenAIResponse):
+    """GET /tokenizer_info (vLLM): what a client needs to tokenize and render chats itself."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    chat_template: str | None = None
+    model_max_length: int
+    vocab_size: int
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
 
 
 class TokenizeRequest(OpenAIRequest):

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenbus.api.openai.limits import RequestLimits, json_depth
-from tokenbus.api.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenbus.api.openai.protocol import (ChatCompletionRequest, CompletionRequest, PromptTokensDetails,
+                                          SamplingFields, UsageInfo)
 from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams, StructuredOutputsParams
 
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -54,6 +55,27 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ParamLimits
     max_tokens = _check_max_tokens(name, requested, prompt_len, limits.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **_common(req, limits))
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """`truncate_prompt_tokens` (vLLM): only the last `keep` tokens; -1 keeps max_model_len.
+    The same list when nothing is cut."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1:
+        raise ValueError(f"truncate_prompt_tokens: must be -1 or at least 1, got {keep}")
+    return token_ids if len(token_ids) <= keep else token_ids[-keep:]
+
+
+def make_usage(prompt_lens: list[int], cached: list[int] | None, num_completion_tokens: int) -> UsageInfo:
+    """Usage of a request: each prompt counted once (not per choice); with `cached` (as vLLM,
+    only with --enable-prompt-tokens-details) the prompts' tokens the prefix cache served."""
+    num_prompt = sum(prompt_lens)
+    details = None if cached is None else PromptTokensDetails(cached_tokens=sum(cached))
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion_tokens,
+                     total_tokens=num_prompt + num_completion_tokens, prompt_tokens_details=details)
 
 
 def check_stream_options(req: SamplingFields) -> None:

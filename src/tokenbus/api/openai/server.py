@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -56,6 +57,8 @@ class ServerConfig:
     max_request_body_bytes: int = 10 * 1024 * 1024
     request_timeout: float | None = None  # seconds from arrival to a request's last byte; None: none
     engine_stall_timeout: float = 60.0  # seconds of pending work without a step → 503; 0: off
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers (browsers refuse)
     shutdown_timeout: float = 30.0  # seconds in-flight requests may drain after SIGTERM
     log_interval: float = 10.0  # seconds between stats log lines; 0 disables them
     engine_in_process: bool = False
@@ -91,7 +94,8 @@ def make_serving_context(engine: Any, config: ServerConfig, served_model_names: 
         limits=ParamLimits(engine.input_processor.max_model_len, config.limits, defaults),
         admission=Admission(scheduler.max_num_seqs, max_waiting(scheduler.max_num_seqs,
                                                                 scheduler.max_waiting_requests)),
-        known_params=known_params(), request_timeout_s=config.request_timeout)
+        known_params=known_params(), request_timeout_s=config.request_timeout,
+        enable_prompt_tokens_details=config.enable_prompt_tokens_details)
 
 
 def max_waiting(max_num_seqs: int, requested: int | None) -> int | None:
@@ -113,6 +117,11 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)
     if state.config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
+    if state.config.allowed_origins:
+        # Outermost: a browser's preflight OPTIONS carries no key, and every answer, a 401 too,
+        # needs the CORS headers for the page to read it.
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
     return app
 
 
@@ -129,9 +138,17 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def create_chat_completion(request: p.ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(request, raw_request)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models() -> p.ModelList:
         return tokenize.models()
+
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    async def retrieve_model(model: str) -> p.ModelCard:
+        return tokenize.model_card(model)
+
+    @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
+    async def tokenizer_info() -> p.TokenizerInfoResponse:
+        return tokenize.tokenizer_info()
 
     @app.post("/tokenize")
     async def tokenize_route(request: p.TokenizeRequest) -> p.TokenizeResponse:
@@ -143,7 +160,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_service_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if state.ctx.is_draining:
             return error_response(ServiceUnavailableError("The server is shutting down."))
@@ -156,7 +173,7 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
                 f"The engine has had work but completed no step for {stalled:.0f} s."))
         return Response(status_code=200)
 
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    app.add_api_route("/ping", health, methods=["GET", "POST", "HEAD"])
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -20,7 +20,7 @@ from tokenbus.api.openai.logprobs import chat_logprobs
 from tokenbus.api.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                           ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                           ChatStreamChoice, DeltaMessage, UsageInfo)
-from tokenbus.api.openai.request_params import chat_params
+from tokenbus.api.openai.request_params import chat_params, make_usage, truncate_prompt
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import DONE_EVENT, sse_event
 from tokenbus.engine.outputs import CompletionOutput
@@ -42,21 +42,24 @@ class ChatRun:
     request_id: str
     request: ChatCompletionRequest
     model: str
-    prompt_text: str
+    prompt_text: str | None  # None once truncate_prompt_tokens cut the rendered prompt
     prompt_token_ids: list[int]
     params: SamplingParams
+    echo_text: str = ""  # `echo`: the last (assistant) message's content, before each reply
     created: int = field(default_factory=lambda: int(time.time()))
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served, from the outputs
+    with_cache_details: bool = False  # --enable-prompt-tokens-details
 
     def usage(self, num_completion_tokens: int) -> UsageInfo:
-        num_prompt = len(self.prompt_token_ids)
-        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt + num_completion_tokens)
+        cached = [self.num_cached_tokens] if self.with_cache_details else None
+        return make_usage([len(self.prompt_token_ids)], cached, num_completion_tokens)
 
 
 @dataclass
 class ChatChoiceState:
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -70,14 +73,21 @@ class ChatServing(OpenAIServing):
         return await self.respond(raw, request.stream, request.n, run)
 
     def _prepare(self, request: ChatCompletionRequest) -> ChatRun:
+        if request.continue_final_message and request.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt "
+                             "(set add_generation_prompt to false)")
         messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
         text, token_ids = self.engine.input_processor.render_chat(
-            messages, request.add_generation_prompt, template_kwargs(request.chat_template_kwargs))
-        params = chat_params(request, len(token_ids), self.ctx.limits)
-        self.check_request_tokens((len(token_ids) + params.max_tokens) * params.n)
-        self.validate(token_ids, params)
+            messages, request.add_generation_prompt, template_kwargs(request.chat_template_kwargs),
+            continue_final_message=request.continue_final_message)
+        truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len)
+        params = chat_params(request, len(truncated), self.ctx.limits)
+        self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
+        self.validate(truncated, params)
+        echo = messages[-1]["content"] if request.echo and messages[-1].get("role") == ASSISTANT else ""
         return ChatRun(new_request_id("chatcmpl"), request, self.response_model_name(request.model),
-                       text, token_ids, params)
+                       text if truncated is token_ids else None, truncated, params, echo_text=echo,
+                       with_cache_details=self.ctx.enable_prompt_tokens_details)
 
     def _generate(self, run: ChatRun) -> AsyncIterator:
         return self.engine.generate(run.request_id, run.prompt_token_ids, run.params,
@@ -94,37 +104,59 @@ class ChatServing(OpenAIServing):
         # and generate() aborts its request when closed; _stream relies on the same.
         async with aclosing(self._generate(run)) as outputs:
             async for out in outputs:
+                run.num_cached_tokens = out.num_cached_tokens
                 for output in out.outputs:
                     _fold(states[output.index], output, self._delta_logprobs(run, output))
-        choices = [ChatChoice(index=i, message=ChatMessage(role=ASSISTANT, content=s.text),
-                              logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+        with_ids = run.request.return_token_ids
+        choices = [ChatChoice(index=i, message=ChatMessage(role=ASSISTANT, content=run.echo_text + s.text),
+                              logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                              token_ids=s.token_ids if with_ids else None)
                    for i, s in sorted(states.items())]
         body = ChatCompletionResponse(id=run.request_id, created=run.created, model=run.model,
                                       choices=choices,
-                                      usage=run.usage(sum(s.num_tokens for s in states.values())))
+                                      usage=run.usage(sum(s.num_tokens for s in states.values())),
+                                      prompt_token_ids=run.prompt_token_ids if with_ids else None)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[bytes]:
         num_tokens = 0
         is_first = True
+        options = run.request.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous_usage = include_usage and options.continuous_usage_stats
         try:
             async with aclosing(self._generate(run)) as outputs:
                 async for out in outputs:
+                    run.num_cached_tokens = out.num_cached_tokens
                     if is_first:  # role chunks once the request is running, as vLLM does
-                        for i in range(run.request.n):
-                            yield _chunk_event(run, [ChatStreamChoice(
-                                index=i, delta=DeltaMessage(role=ASSISTANT, content=""),
-                                logprobs=None, finish_reason=None)])
+                        for event in self._first_events(run):
+                            yield event
                         is_first = False
                     for output in out.outputs:
                         num_tokens += len(output.token_ids)
                         if output.text or output.token_ids or output.finish_reason:
-                            yield _chunk_event(run, [self._content_choice(run, output)])
-            if run.request.stream_options and run.request.stream_options.include_usage:
+                            usage = run.usage(num_tokens) if continuous_usage else None
+                            yield _chunk_event(run, [self._content_choice(run, output)], usage)
+            if include_usage:
                 yield _chunk_event(run, [], run.usage(num_tokens))
         except Exception as exc:
             yield sse_event(error_event_body(exc, self.ctx.known_params))
         yield DONE_EVENT
+
+    def _first_events(self, run: ChatRun) -> list[bytes]:
+        """Each choice's role chunk (the first also carrying the prompt's token ids when asked
+        for), then the echoed message as each choice's first content."""
+        events = []
+        for i in range(run.request.n):
+            chunk = _chunk(run, [ChatStreamChoice(index=i, delta=DeltaMessage(role=ASSISTANT, content=""),
+                                                  logprobs=None, finish_reason=None)])
+            if run.request.return_token_ids and i == 0:
+                chunk.prompt_token_ids = run.prompt_token_ids
+            events.append(sse_event(chunk, exclude_unset=True))
+        if run.echo_text:
+            events.extend(_chunk_event(run, [ChatStreamChoice(index=i, delta=DeltaMessage(content=run.echo_text))])
+                          for i in range(run.request.n))
+        return events
 
     def _content_choice(self, run: ChatRun, output: CompletionOutput) -> ChatStreamChoice:
         delta = DeltaMessage(content=output.text) if output.text or not output.finish_reason else DeltaMessage()
@@ -133,13 +165,19 @@ class ChatServing(OpenAIServing):
                                   finish_reason=output.finish_reason)
         if output.finish_reason:
             choice.stop_reason = output.stop_reason
+        if run.request.return_token_ids:
+            choice.token_ids = list(output.token_ids)
         return choice
+
+
+def _chunk(run: ChatRun, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
+    return ChatCompletionChunk(id=run.request_id, object="chat.completion.chunk", created=run.created,
+                               model=run.model, choices=choices)
 
 
 def _chunk_event(run: ChatRun, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
     # Serialized with exclude_unset (as vLLM does): a delta carries only what it changes.
-    chunk = ChatCompletionChunk(id=run.request_id, object="chat.completion.chunk", created=run.created,
-                                model=run.model, choices=choices)
+    chunk = _chunk(run, choices)
     if usage is not None:
         chunk.usage = usage
     return sse_event(chunk, exclude_unset=True)
@@ -148,6 +186,7 @@ def _chunk_event(run: ChatRun, choices: list[ChatStreamChoice], usage: UsageInfo
 def _fold(state: ChatChoiceState, output: CompletionOutput, logprobs: ChatLogprobs | None) -> None:
     state.text += output.text
     state.num_tokens += len(output.token_ids)
+    state.token_ids.extend(output.token_ids)
     if logprobs is not None:
         if state.logprobs is None:
             state.logprobs = ChatLogprobs(content=[])

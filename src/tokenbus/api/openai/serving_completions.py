@@ -18,7 +18,7 @@ from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import completion_logprobs, merge_completion_logprobs
 from tokenbus.api.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                           CompletionResponse, UsageInfo)
-from tokenbus.api.openai.request_params import check_n, completion_params
+from tokenbus.api.openai.request_params import check_n, completion_params, make_usage, truncate_prompt
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import DONE_EVENT, merge_async_iterators, sse_event
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
@@ -31,6 +31,7 @@ class PreparedPrompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    num_cached_tokens: int = 0  # from the engine's outputs
 
 
 @dataclass
@@ -39,6 +40,7 @@ class ChoiceState:
 
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     is_started: bool = False  # the echoed prompt goes before the first delta
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
@@ -50,6 +52,7 @@ class Delta:
     """One engine output, folded into its choice's state: what a stream chunk carries."""
 
     index: int  # the choice's: prompt index * n + child index
+    prompt: PreparedPrompt
     output: CompletionOutput
     text: str  # with the echoed prompt before the choice's first delta
     logprobs: CompletionLogProbs | None
@@ -64,6 +67,7 @@ class CompletionRun:
     model: str
     prompts: list[PreparedPrompt]
     created: int = field(default_factory=lambda: int(time.time()))
+    with_cache_details: bool = False  # --enable-prompt-tokens-details
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,9 +77,8 @@ class CompletionRun:
         return prompt_index * self.request.n + child_index
 
     def usage(self, num_completion_tokens: int) -> UsageInfo:
-        num_prompt = self.num_prompt_tokens
-        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt + num_completion_tokens)
+        cached = [p.num_cached_tokens for p in self.prompts] if self.with_cache_details else None
+        return make_usage([len(p.token_ids) for p in self.prompts], cached, num_completion_tokens)
 
 
 class CompletionServing(OpenAIServing):
@@ -98,12 +101,16 @@ class CompletionServing(OpenAIServing):
         for i, prompt in enumerate(prompts):
             text, token_ids = processor.tokenize(prompt if isinstance(prompt, str)
                                                  else {"prompt_token_ids": prompt})
+            truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len)
+            if truncated is not token_ids:
+                text, token_ids = None, truncated  # echo decodes what is left
             params = completion_params(request, len(token_ids), self.ctx.limits)
             self.validate(token_ids, params)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prepared.append(PreparedPrompt(request_id, text, token_ids, params))
         self.check_request_tokens(sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared))
-        return CompletionRun(base_id, request, self.response_model_name(request.model), prepared)
+        return CompletionRun(base_id, request, self.response_model_name(request.model), prepared,
+                             with_cache_details=self.ctx.enable_prompt_tokens_details)
 
     def _generators(self, run: CompletionRun) -> list[AsyncIterator[RequestOutput]]:
         return [self.engine.generate(p.request_id, p.token_ids, p.params, prompt=p.text,
@@ -130,6 +137,7 @@ class CompletionServing(OpenAIServing):
                                            self.decode_token)
         state.text += text
         state.num_tokens += len(output.token_ids)
+        state.token_ids.extend(output.token_ids)
         state.finish_reason = output.finish_reason or state.finish_reason
         state.stop_reason = output.stop_reason if output.finish_reason else state.stop_reason
         return text, logprobs
@@ -142,11 +150,13 @@ class CompletionServing(OpenAIServing):
         """
         async with aclosing(merge_async_iterators(*self._generators(run))) as outputs:
             async for p_idx, out in outputs:
+                prompt = run.prompts[p_idx]
+                prompt.num_cached_tokens = out.num_cached_tokens
                 for output in out.outputs:
                     index = run.choice_index(p_idx, output.index)
                     state = states.setdefault(index, ChoiceState())
-                    text, logprobs = self._update(run, state, run.prompts[p_idx], output)
-                    yield Delta(index, output, text, logprobs)
+                    text, logprobs = self._update(run, state, prompt, output)
+                    yield Delta(index, prompt, output, text, logprobs)
 
     async def _complete(self, run: CompletionRun) -> Response:
         states: dict[int, ChoiceState] = {}
@@ -157,8 +167,11 @@ class CompletionServing(OpenAIServing):
                     # can become the choice's accumulator as it is.
                     state = states[delta.index]
                     state.logprobs = merge_completion_logprobs(state.logprobs, delta.logprobs)
+        with_ids = run.request.return_token_ids
         choices = [CompletionChoice(index=i, text=s.text, logprobs=s.logprobs,
-                                    finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                                    finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                    prompt_token_ids=run.prompts[i // run.request.n].token_ids if with_ids else None,
+                                    token_ids=s.token_ids if with_ids else None)
                    for i, s in sorted(states.items())]
         body = CompletionResponse(id=run.request_id, created=run.created, model=run.model,
                                   choices=choices, usage=run.usage(_num_tokens(states)))
@@ -166,21 +179,31 @@ class CompletionServing(OpenAIServing):
 
     async def _stream(self, run: CompletionRun) -> AsyncIterator[bytes]:
         states: dict[int, ChoiceState] = {}
+        options = run.request.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous_usage = include_usage and options.continuous_usage_stats
         try:
             async with aclosing(self._deltas(run, states)) as deltas:
                 async for delta in deltas:
                     if delta.text or delta.output.token_ids or delta.output.finish_reason:
-                        yield sse_event(self._chunk(run, delta))
-            if run.request.stream_options and run.request.stream_options.include_usage:
+                        chunk = self._chunk(run, delta, states[delta.index])
+                        if continuous_usage:
+                            chunk.usage = run.usage(_num_tokens(states))
+                        yield sse_event(chunk)
+            if include_usage:
                 yield sse_event(self._usage_chunk(run, states))
         except Exception as exc:
             yield sse_event(error_event_body(exc, self.ctx.known_params))
         yield DONE_EVENT
 
-    def _chunk(self, run: CompletionRun, delta: Delta) -> CompletionResponse:
+    def _chunk(self, run: CompletionRun, delta: Delta, state: ChoiceState) -> CompletionResponse:
         choice = CompletionChoice(index=delta.index, text=delta.text, logprobs=delta.logprobs,
                                   finish_reason=delta.output.finish_reason,
                                   stop_reason=delta.output.stop_reason)
+        if run.request.return_token_ids:
+            choice.token_ids = list(delta.output.token_ids)
+            if len(state.token_ids) == len(delta.output.token_ids):  # the choice's first chunk
+                choice.prompt_token_ids = delta.prompt.token_ids
         return CompletionResponse(id=run.request_id, created=run.created, model=run.model, choices=[choice])
 
     def _usage_chunk(self, run: CompletionRun, states: dict[int, ChoiceState]) -> CompletionResponse:

@@ -108,6 +108,7 @@ class ServingContext:
     is_draining: bool = False
     known_params: frozenset[str] = field(default_factory=frozenset)
     request_timeout_s: float | None = None  # a request's deadline, from arrival to its last byte
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     # Tokenizing, chat templates and grammar checks run here, never on the event loop.
     prepare_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "prepare"))

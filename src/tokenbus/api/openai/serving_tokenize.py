@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from tokenbus.api.openai.errors import NotFoundError
 from tokenbus.api.openai.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                          TokenizeRequest, TokenizeResponse)
+                                          TokenizeRequest, TokenizerInfoResponse, TokenizeResponse)
 from tokenbus.api.openai.serving_chat import normalize_message, template_kwargs
 from tokenbus.api.openai.serving_engine import OpenAIServing
 
@@ -45,7 +46,28 @@ class TokenizeServing(OpenAIServing):
         text = await self.prepare(self.engine.tokenizer.decode, request.tokens)
         return DetokenizeResponse(prompt=text)
 
+    def model_card(self, model: str) -> ModelCard:
+        if model not in self.ctx.served_model_names:
+            raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+        max_model_len = self.engine.input_processor.max_model_len
+        return ModelCard(id=model, root=model, max_model_len=max_model_len)
+
+    def tokenizer_info(self) -> TokenizerInfoResponse:
+        tokenizer = self.engine.tokenizer
+        return TokenizerInfoResponse(
+            tokenizer_class=type(tokenizer).__name__, chat_template=getattr(tokenizer, "chat_template", None),
+            model_max_length=self.engine.input_processor.max_model_len,
+            vocab_size=self.engine.input_processor.vocab_size,
+            bos_token=_token_text(getattr(tokenizer, "bos_token", None)),
+            eos_token=_token_text(getattr(tokenizer, "eos_token", None)),
+            pad_token=_token_text(getattr(tokenizer, "pad_token", None)))
+
     def models(self) -> ModelList:
         max_model_len = self.engine.input_processor.max_model_len
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=max_model_len)
                                for name in self.ctx.served_model_names])
+
+
+def _token_text(token) -> str | None:
+    """A special token as text (tokenizers hold str or AddedToken)."""
+    return None if token is None else str(token)
