@@ -77,8 +77,8 @@ class ModelConfig:
                              f"got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit, got {self.max_logprobs}")
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ class EngineArgs:
     device: str = _arg("auto", "auto: cuda when available, else cpu")
     max_model_len: int | None = _arg()
     seed: int = _arg(0)
-    max_logprobs: int = _arg(20)
+    max_logprobs: int = _arg(20, "the most logprobs a request may ask for per position; -1: no limit")
     enforce_eager: bool = _arg(False)
     attention_backend: str = _arg("auto", "auto: a native C kernel on CPU (float32/bfloat16) when it "
                                           "builds, else torch", choices=ATTENTION_BACKENDS)

@@ -51,7 +51,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
-    logprobs: int | None = None  # top-n logprobs of each sampled position (plus the sampled token)
+    logprobs: int | None = None  # top-n logprobs of each sampled position (plus the sampled token); -1: all
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -79,12 +79,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be >= 0, got {self.logprobs}")
+        _check(self.logprobs is None or self.logprobs >= -1, "logprobs",
+               f"must be >= 0, or -1 for the whole vocabulary, got {self.logprobs}")
         _check(all(s for s in self.stop), "stop", "must not contain an empty string")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", f"must fit in int64, got {self.seed}")
+
+    def with_resolved_logprobs(self, vocab_size: int) -> "SamplingParams":
+        """-1 ("the whole vocabulary", as vLLM) spelled out as the vocabulary's size."""
+        return self.clone(logprobs=vocab_size) if self.logprobs == -1 else self
 
     @property
     def is_greedy(self) -> bool:

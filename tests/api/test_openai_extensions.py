@@ -121,3 +121,19 @@ def test_cors_only_when_configured():
         assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "http://app.example"
         other = cors.options("/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+
+
+def test_logprobs_minus_one_means_the_whole_vocabulary():
+    from tests.api.fake_engine import FakeAsyncLLM, VOCAB_SIZE
+
+    with make_client(FakeAsyncLLM()) as capped:  # --max-logprobs 20: the vocabulary is more
+        assert_error(capped.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": -1}),
+                     400, "logprobs")
+    engine = FakeAsyncLLM(max_logprobs=-1)  # no limit
+    with make_client(engine) as client:
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "logprobs": True,
+                                                       "top_logprobs": -1})
+        assert r.status_code == 200, r.text
+        assert engine.requests[-1][2].logprobs == VOCAB_SIZE
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": -1})
+        assert r.status_code == 200 and engine.requests[-1][2].logprobs == VOCAB_SIZE

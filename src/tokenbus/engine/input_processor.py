@@ -76,7 +76,8 @@ class InputProcessor:
         if params.structured_outputs is not None:
             self.structured_validator.validate(params.structured_outputs)
         cap = self.config.model.max_logprobs
-        if params.logprobs is not None and params.logprobs > cap:
+        params = params.with_resolved_logprobs(self.vocab_size)
+        if params.logprobs is not None and cap != -1 and params.logprobs > cap:
             raise ValueError(f"logprobs: requested {params.logprobs}, which is more than the maximum "
                              f"allowed ({cap}; raise it with --max-logprobs)")
         for token_id in list(params.stop_token_ids) + list((params.logit_bias or {}).keys()):
@@ -101,6 +102,7 @@ class InputProcessor:
                      priority: int = 0) -> EngineRequest:
         self.validate_params(params)
         self.validate_prompt(prompt_token_ids, params)
+        params = params.with_resolved_logprobs(self.vocab_size)
         return EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
             eos_token_id=self.eos_token_id,

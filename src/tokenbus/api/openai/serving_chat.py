@@ -83,7 +83,7 @@ class ChatServing(OpenAIServing):
         truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len)
         params = chat_params(request, len(truncated), self.ctx.limits)
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
-        self.validate(truncated, params)
+        params = self.validate(truncated, params)
         echo = messages[-1]["content"] if request.echo and messages[-1].get("role") == ASSISTANT else ""
         return ChatRun(new_request_id("chatcmpl"), request, self.response_model_name(request.model),
                        text if truncated is token_ids else None, truncated, params, echo_text=echo,

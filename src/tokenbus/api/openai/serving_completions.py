@@ -105,7 +105,7 @@ class CompletionServing(OpenAIServing):
             if truncated is not token_ids:
                 text, token_ids = None, truncated  # echo decodes what is left
             params = completion_params(request, len(token_ids), self.ctx.limits)
-            self.validate(token_ids, params)
+            params = self.validate(token_ids, params)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prepared.append(PreparedPrompt(request_id, text, token_ids, params))
         self.check_request_tokens(sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared))
@@ -131,8 +131,8 @@ class CompletionServing(OpenAIServing):
             text = self._echo_text(prompt) + text
         state.is_started = True
         logprobs = None
-        if run.request.logprobs is not None and output.logprobs is not None:
-            logprobs = completion_logprobs(output.token_ids, output.logprobs, run.request.logprobs,
+        if prompt.params.logprobs is not None and output.logprobs is not None:
+            logprobs = completion_logprobs(output.token_ids, output.logprobs, prompt.params.logprobs,
                                            len(state.text) + (len(text) - len(output.text)),
                                            self.decode_token)
         state.text += text

@@ -162,10 +162,13 @@ class OpenAIServing:
         self.ctx.limits.caps.check("max_request_tokens", num_tokens,
                                    "number of tokens (prompt + max_tokens over all sequences)", "max_tokens")
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check a prompt and its parameters; the parameters as the engine will run them
+        (logprobs -1 spelled out as the vocabulary's size)."""
         processor = self.engine.input_processor
         processor.validate_params(params)
         processor.validate_prompt(prompt_token_ids, params)
+        return params.with_resolved_logprobs(processor.vocab_size)
 
     def response_model_name(self, model: str | None) -> str:
         return model or self.ctx.model_name
