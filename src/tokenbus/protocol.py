@@ -41,6 +41,9 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # Prompt logprobs of this step's prefill chunk: one per prompt token after the first that
+    # the chunk's positions predict (the prompt token first, then the top-n).
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended the request
     num_cached_tokens: int = 0

@@ -54,6 +54,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # top-n logprobs of each sampled position (plus the sampled token); -1: all
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Logprobs of each prompt token (the first has none) plus the top-n at its position; -1: all.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +83,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"must be in [-2, 2], got {self.frequency_penalty}")
         _check(self.logprobs is None or self.logprobs >= -1, "logprobs",
                f"must be >= 0, or -1 for the whole vocabulary, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
+               f"must be >= 0, or -1 for the whole vocabulary, got {self.prompt_logprobs}")
         _check(all(s for s in self.stop), "stop", "must not contain an empty string")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
@@ -89,7 +93,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def with_resolved_logprobs(self, vocab_size: int) -> "SamplingParams":
         """-1 ("the whole vocabulary", as vLLM) spelled out as the vocabulary's size."""
-        return self.clone(logprobs=vocab_size) if self.logprobs == -1 else self
+        changes = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(self, name) == -1}
+        return self.clone(**changes) if changes else self
 
     @property
     def is_greedy(self) -> bool:

@@ -77,9 +77,11 @@ class InputProcessor:
             self.structured_validator.validate(params.structured_outputs)
         cap = self.config.model.max_logprobs
         params = params.with_resolved_logprobs(self.vocab_size)
-        if params.logprobs is not None and cap != -1 and params.logprobs > cap:
-            raise ValueError(f"logprobs: requested {params.logprobs}, which is more than the maximum "
-                             f"allowed ({cap}; raise it with --max-logprobs)")
+        for name in ("logprobs", "prompt_logprobs"):
+            requested = getattr(params, name)
+            if requested is not None and cap != -1 and requested > cap:
+                raise ValueError(f"{name}: requested {requested}, which is more than the maximum "
+                                 f"allowed ({cap}; raise it with --max-logprobs)")
         for token_id in list(params.stop_token_ids) + list((params.logit_bias or {}).keys()):
             if not 0 <= int(token_id) < self.vocab_size:
                 raise ValueError(f"token id {token_id} in stop_token_ids/logit_bias is outside the "

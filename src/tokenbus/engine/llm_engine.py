@@ -25,11 +25,13 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Children sample independently: n=1 each, seed + index when seeded (as vLLM does)."""
+    """Children sample independently: n=1 each, seed + index when seeded (as vLLM does). They
+    share the prompt, so only the first computes its logprobs."""
     if params.n == 1:
         return params
     seed = None if params.seed is None else params.seed + index
-    return params.clone(n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return params.clone(n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def register_children(input_processor: InputProcessor, output_processor: OutputProcessor,

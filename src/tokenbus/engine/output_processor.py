@@ -32,6 +32,10 @@ class ParentRequest:
     metrics: RequestMetrics
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    # With prompt_logprobs: one entry per prompt token (the first None), filled chunk by chunk
+    # from the first child's outputs; handed out with the request's first output (DELTA).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -65,6 +69,8 @@ class OutputProcessor:
 
     def add_request(self, parent: ParentRequest, child_id: str, index: int, params: SamplingParams) -> None:
         self.parents[parent.request_id] = parent
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params)
         self.children[child_id] = ChildState(
             child_id, index, parent, params, detok,
@@ -88,6 +94,8 @@ class OutputProcessor:
             if child is None:
                 continue  # aborted by the front end while the engine was stepping
             finish_reason, stop_reason = self._update_child(child, out, timestamp)
+            if not out.new_token_ids and finish_reason is None:
+                continue  # a prefill chunk's prompt logprobs: kept for the first real output
             if finish_reason is not None and out.finish_reason is None:
                 reqs_to_abort.append(child.request_id)  # a stop string the engine cannot see
             request_output = self._make_output(child, finish_reason, stop_reason, timestamp)
@@ -104,6 +112,11 @@ class OutputProcessor:
             metrics.last_token_time = now
             metrics.num_generation_tokens += len(out.new_token_ids)
         child.parent.num_cached_tokens = out.num_cached_tokens
+        prompt_logprobs = child.parent.prompt_logprobs
+        if out.new_prompt_logprobs and prompt_logprobs is not None:
+            # A preempted request recomputes its prompt: what is known already is not added again.
+            room = len(child.parent.prompt_token_ids) - len(prompt_logprobs)
+            prompt_logprobs.extend(self._convert_logprobs(e) for e in out.new_prompt_logprobs[:room])
         child.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and child.logprobs is not None:
             for entry in out.new_logprobs:
@@ -153,10 +166,17 @@ class OutputProcessor:
     @staticmethod
     def _request_output(parent: ParentRequest, completions: list[CompletionOutput],
                         finished: bool) -> RequestOutput:
+        prompt_logprobs = None
+        # Only once complete: with n > 1 another child's first token may come before the prompt
+        # logprobs of the child computing them are all in.
+        if (parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent
+                and len(parent.prompt_logprobs) == len(parent.prompt_token_ids)):
+            prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions, finished=finished,
-            metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens)
+            metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs)
 
     def _finish_child(self, child: ChildState) -> None:
         del self.children[child.request_id]

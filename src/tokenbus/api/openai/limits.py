@@ -38,6 +38,8 @@ class RequestLimits:
     max_schema_bytes: int = _cap(64 * 1024, "bytes of a JSON schema, grammar or choice list")
     max_schema_depth: int = _cap(64, "nesting depth of a JSON schema")
     max_regex_chars: int = _cap(4096, "characters of a structured-output regex")
+    max_prompt_logprob_entries: int = _cap(1 << 20, "prompt positions × (1 + prompt_logprobs) of a "
+                                                     "prompt (echo with logprobs, prompt_logprobs)")
 
     @staticmethod
     def flag(name: str) -> str:

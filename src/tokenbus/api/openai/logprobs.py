@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tokenbus.api.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogProbs, TopLogprob
+from tokenbus.api.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogProbs, PromptLogprob,
+                                          TopLogprob)
 from tokenbus.engine.outputs import Logprob
 
 Decode = Callable[[int], str]
@@ -23,20 +24,29 @@ def _top(position: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]
     return ranked[:num_top]
 
 
-def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], num_top: int,
+def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob] | None], num_top: int,
                         text_offset: int, decode: Decode) -> CompletionLogProbs:
-    """Legacy completions format; `text_offset` is where this delta's text starts in the choice."""
+    """Legacy completions format; `text_offset` is where this delta's text starts in the choice.
+    A position of None (the first prompt token, echoed) has no logprobs: null, as OpenAI sends."""
     result = CompletionLogProbs()
     for token_id, position in zip(token_ids, positions):
-        sampled = position.get(token_id)
+        sampled = position.get(token_id) if position is not None else None
         token = _token_text(token_id, sampled, decode) if sampled else decode(token_id)
         result.tokens.append(token)
         result.token_logprobs.append(sampled.logprob if sampled else None)
         result.text_offset.append(text_offset)
         text_offset += len(token)
         result.top_logprobs.append({_token_text(t, lp, decode): lp.logprob
-                                    for t, lp in _top(position, num_top)} if num_top else None)
+                                    for t, lp in _top(position, num_top)} if num_top and position else None)
     return result
+
+
+def prompt_logprobs_body(positions: list[dict[int, Logprob] | None]) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token, {token id: logprob, rank, text}."""
+    return [None if position is None else
+            {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for t, lp in position.items()}
+            for position in positions]
 
 
 def chat_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], num_top: int,

@@ -107,6 +107,7 @@ class SamplingFields(OpenAIRequest):
     # k prompt tokens (-1: as many as the context holds).
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt's tokens, top-n each
 
 
 class PromptTokensDetails(OpenAIResponse):
@@ -134,6 +135,15 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
+class PromptLogprob(OpenAIResponse):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionLogProbs(OpenAIResponse):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -149,6 +159,7 @@ class CompletionChoice(OpenAIResponse):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = OnRequest()  # with return_token_ids
     token_ids: list[int] | None = OnRequest()
+    prompt_logprobs: PromptLogprobs | None = OnRequest()  # with prompt_logprobs
 
 
 class CompletionResponse(OpenAIResponse):
@@ -214,6 +225,7 @@ class ChatCompletionResponse(OpenAIResponse):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = OnRequest()  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = OnRequest()  # with prompt_logprobs
 
 
 class DeltaMessage(OpenAIResponse):

@@ -34,12 +34,18 @@ class ParamLimits:
 
 
 def completion_params(req: CompletionRequest, prompt_len: int, limits: ParamLimits) -> SamplingParams:
+    """With echo and max_tokens 0 (legacy scoring: the prompt's logprobs, nothing generated),
+    the engine still generates one token, which the response leaves out."""
     if req.suffix:
         raise ValueError("suffix: is not supported")
+    requested = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
+    max_tokens = _check_max_tokens("max_tokens", requested, prompt_len, limits.max_model_len)
+    # echo + logprobs: the echoed prompt's tokens carry logprobs too (OpenAI's legacy API).
+    prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
-        raise ValueError("echo: echo together with logprobs (prompt logprobs) is not supported")
-    max_tokens = _check_max_tokens("max_tokens", req.max_tokens, prompt_len, limits.max_model_len)
-    return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **_common(req, limits))
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                          **_common(req, limits))
 
 
 def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ParamLimits) -> SamplingParams:
@@ -54,7 +60,8 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ParamLimits
         requested = max(limits.max_model_len - prompt_len, 1)
     max_tokens = _check_max_tokens(name, requested, prompt_len, limits.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **_common(req, limits))
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+                          **_common(req, limits))
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenbus.api.openai.errors import error_event_body
-from tokenbus.api.openai.logprobs import chat_logprobs
+from tokenbus.api.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from tokenbus.api.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                           ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                           ChatStreamChoice, DeltaMessage, UsageInfo)
@@ -48,6 +48,7 @@ class ChatRun:
     echo_text: str = ""  # `echo`: the last (assistant) message's content, before each reply
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, from the outputs
+    prompt_logprobs: list | None = None  # from the outputs, when asked for
     with_cache_details: bool = False  # --enable-prompt-tokens-details
 
     def usage(self, num_completion_tokens: int) -> UsageInfo:
@@ -84,6 +85,7 @@ class ChatServing(OpenAIServing):
         params = chat_params(request, len(truncated), self.ctx.limits)
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
         params = self.validate(truncated, params)
+        self.check_prompt_logprobs(len(truncated), params)
         echo = messages[-1]["content"] if request.echo and messages[-1].get("role") == ASSISTANT else ""
         return ChatRun(new_request_id("chatcmpl"), request, self.response_model_name(request.model),
                        text if truncated is token_ids else None, truncated, params, echo_text=echo,
@@ -105,6 +107,7 @@ class ChatServing(OpenAIServing):
         async with aclosing(self._generate(run)) as outputs:
             async for out in outputs:
                 run.num_cached_tokens = out.num_cached_tokens
+                run.prompt_logprobs = out.prompt_logprobs or run.prompt_logprobs
                 for output in out.outputs:
                     _fold(states[output.index], output, self._delta_logprobs(run, output))
         with_ids = run.request.return_token_ids
@@ -116,6 +119,8 @@ class ChatServing(OpenAIServing):
                                       choices=choices,
                                       usage=run.usage(sum(s.num_tokens for s in states.values())),
                                       prompt_token_ids=run.prompt_token_ids if with_ids else None)
+        if run.prompt_logprobs is not None:
+            body.prompt_logprobs = prompt_logprobs_body(run.prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[bytes]:

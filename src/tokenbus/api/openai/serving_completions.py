@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenbus.api.openai.errors import error_event_body
-from tokenbus.api.openai.logprobs import completion_logprobs, merge_completion_logprobs
+from tokenbus.api.openai.logprobs import completion_logprobs, merge_completion_logprobs, prompt_logprobs_body
 from tokenbus.api.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                           CompletionResponse, UsageInfo)
 from tokenbus.api.openai.request_params import check_n, completion_params, make_usage, truncate_prompt
@@ -32,6 +32,7 @@ class PreparedPrompt:
     token_ids: list[int]
     params: SamplingParams
     num_cached_tokens: int = 0  # from the engine's outputs
+    prompt_logprobs: list | None = None  # from the engine's outputs, when asked for
 
 
 @dataclass
@@ -42,6 +43,9 @@ class ChoiceState:
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     is_started: bool = False  # the echoed prompt goes before the first delta
+    # echo + logprobs, when the choice started before its prompt's logprobs arrived (another
+    # choice of the prompt computes them): they go in front once known (non-streamed only).
+    echo_logprobs_pending: bool = False
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -56,6 +60,7 @@ class Delta:
     output: CompletionOutput
     text: str  # with the echoed prompt before the choice's first delta
     logprobs: CompletionLogProbs | None
+    is_first: bool  # the choice's first delta
 
 
 @dataclass
@@ -68,6 +73,11 @@ class CompletionRun:
     prompts: list[PreparedPrompt]
     created: int = field(default_factory=lambda: int(time.time()))
     with_cache_details: bool = False  # --enable-prompt-tokens-details
+
+    @property
+    def generates(self) -> bool:
+        """False for echo with max_tokens 0: the engine's one token is left out."""
+        return self.request.max_tokens != 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,6 +101,11 @@ class CompletionServing(OpenAIServing):
         self.ctx.limits.caps.check("max_sequences_per_request", len(prompts) * request.n,
                                    "number of sequences (prompts × n)", "prompt")
         self.check_text_length("prompt", sum(len(p) for p in prompts if isinstance(p, str)))
+        if request.max_tokens == 0 and not request.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo (the prompt's logprobs, "
+                             "nothing generated)")
+        if request.stream and request.echo and request.logprobs is not None and request.n > 1:
+            raise ValueError("echo: streaming echo with logprobs is supported for n = 1 only")
         run = await self.prepare(self._prepare, request, prompts)
         return await self.respond(raw, request.stream, request.n * len(run.prompts), run)
 
@@ -106,6 +121,7 @@ class CompletionServing(OpenAIServing):
                 text, token_ids = None, truncated  # echo decodes what is left
             params = completion_params(request, len(token_ids), self.ctx.limits)
             params = self.validate(token_ids, params)
+            self.check_prompt_logprobs(len(token_ids), params)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prepared.append(PreparedPrompt(request_id, text, token_ids, params))
         self.check_request_tokens(sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared))
@@ -126,21 +142,32 @@ class CompletionServing(OpenAIServing):
                 output: CompletionOutput) -> tuple[str, CompletionLogProbs | None]:
         """Fold one delta into its choice (all but the logprobs, which only _complete keeps);
         return the delta's text and logprobs."""
-        text = output.text
+        generated = output.text if run.generates else ""
+        token_ids = list(output.token_ids) if run.generates else []
+        text, logprobs = generated, None
         if run.request.echo and not state.is_started:
-            text = self._echo_text(prompt) + text
+            text = self._echo_text(prompt) + generated
+            if prompt.params.logprobs is not None:
+                logprobs = self._echo_logprobs(prompt, state)
         state.is_started = True
-        logprobs = None
-        if prompt.params.logprobs is not None and output.logprobs is not None:
-            logprobs = completion_logprobs(output.token_ids, output.logprobs, prompt.params.logprobs,
-                                           len(state.text) + (len(text) - len(output.text)),
-                                           self.decode_token)
+        if prompt.params.logprobs is not None and output.logprobs is not None and token_ids:
+            more = completion_logprobs(token_ids, output.logprobs, prompt.params.logprobs,
+                                       len(state.text) + (len(text) - len(generated)), self.decode_token)
+            logprobs = merge_completion_logprobs(logprobs, more)
         state.text += text
-        state.num_tokens += len(output.token_ids)
-        state.token_ids.extend(output.token_ids)
+        state.num_tokens += len(token_ids)
+        state.token_ids.extend(token_ids)
         state.finish_reason = output.finish_reason or state.finish_reason
         state.stop_reason = output.stop_reason if output.finish_reason else state.stop_reason
         return text, logprobs
+
+    def _echo_logprobs(self, prompt: PreparedPrompt, state: ChoiceState) -> CompletionLogProbs | None:
+        """The echoed prompt's tokens with their logprobs (the first one's null)."""
+        if prompt.prompt_logprobs is None:
+            state.echo_logprobs_pending = True
+            return None
+        return completion_logprobs(prompt.token_ids, prompt.prompt_logprobs, prompt.params.logprobs, 0,
+                                   self.decode_token)
 
     async def _deltas(self, run: CompletionRun, states: dict[int, ChoiceState]) -> AsyncIterator[Delta]:
         """Every prompt's outputs in arrival order, each folded into its choice in `states`.
@@ -152,11 +179,14 @@ class CompletionServing(OpenAIServing):
             async for p_idx, out in outputs:
                 prompt = run.prompts[p_idx]
                 prompt.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    prompt.prompt_logprobs = out.prompt_logprobs
                 for output in out.outputs:
                     index = run.choice_index(p_idx, output.index)
                     state = states.setdefault(index, ChoiceState())
+                    is_first = not state.is_started
                     text, logprobs = self._update(run, state, prompt, output)
-                    yield Delta(index, prompt, output, text, logprobs)
+                    yield Delta(index, prompt, output, text, logprobs, is_first)
 
     async def _complete(self, run: CompletionRun) -> Response:
         states: dict[int, ChoiceState] = {}
@@ -167,15 +197,25 @@ class CompletionServing(OpenAIServing):
                     # can become the choice's accumulator as it is.
                     state = states[delta.index]
                     state.logprobs = merge_completion_logprobs(state.logprobs, delta.logprobs)
-        with_ids = run.request.return_token_ids
-        choices = [CompletionChoice(index=i, text=s.text, logprobs=s.logprobs,
-                                    finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                                    prompt_token_ids=run.prompts[i // run.request.n].token_ids if with_ids else None,
-                                    token_ids=s.token_ids if with_ids else None)
-                   for i, s in sorted(states.items())]
+        for i, state in states.items():
+            if state.echo_logprobs_pending:
+                echoed = self._echo_logprobs(run.prompts[i // run.request.n], state)
+                state.logprobs = merge_completion_logprobs(echoed, state.logprobs) if state.logprobs else echoed
+        choices = [self._final_choice(run, i, s) for i, s in sorted(states.items())]
         body = CompletionResponse(id=run.request_id, created=run.created, model=run.model,
                                   choices=choices, usage=run.usage(_num_tokens(states)))
         return Response(body.model_dump_json(), media_type="application/json")
+
+    def _final_choice(self, run: CompletionRun, index: int, state: ChoiceState) -> CompletionChoice:
+        prompt = run.prompts[index // run.request.n]
+        with_ids = run.request.return_token_ids
+        choice = CompletionChoice(index=index, text=state.text, logprobs=state.logprobs,
+                                  finish_reason=state.finish_reason, stop_reason=state.stop_reason,
+                                  prompt_token_ids=prompt.token_ids if with_ids else None,
+                                  token_ids=state.token_ids if with_ids else None)
+        if run.request.prompt_logprobs is not None and prompt.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_body(prompt.prompt_logprobs)
+        return choice
 
     async def _stream(self, run: CompletionRun) -> AsyncIterator[bytes]:
         states: dict[int, ChoiceState] = {}
@@ -201,9 +241,11 @@ class CompletionServing(OpenAIServing):
                                   finish_reason=delta.output.finish_reason,
                                   stop_reason=delta.output.stop_reason)
         if run.request.return_token_ids:
-            choice.token_ids = list(delta.output.token_ids)
-            if len(state.token_ids) == len(delta.output.token_ids):  # the choice's first chunk
+            choice.token_ids = list(delta.output.token_ids) if run.generates else []
+            if delta.is_first:
                 choice.prompt_token_ids = delta.prompt.token_ids
+        if delta.is_first and run.request.prompt_logprobs is not None and delta.prompt.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_body(delta.prompt.prompt_logprobs)
         return CompletionResponse(id=run.request_id, created=run.created, model=run.model, choices=[choice])
 
     def _usage_chunk(self, run: CompletionRun, states: dict[int, ChoiceState]) -> CompletionResponse:

@@ -162,6 +162,13 @@ class OpenAIServing:
         self.ctx.limits.caps.check("max_request_tokens", num_tokens,
                                    "number of tokens (prompt + max_tokens over all sequences)", "max_tokens")
 
+    def check_prompt_logprobs(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """What prompt logprobs cost the response (and the engine's output), bounded."""
+        if params.prompt_logprobs is not None:
+            self.ctx.limits.caps.check("max_prompt_logprob_entries",
+                                       num_prompt_tokens * (1 + params.prompt_logprobs),
+                                       "prompt positions × (1 + prompt_logprobs)", "prompt_logprobs")
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a prompt and its parameters; the parameters as the engine will run them
         (logprobs -1 spelled out as the vocabulary's size)."""

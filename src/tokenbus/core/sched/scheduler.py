@@ -273,7 +273,10 @@ class Scheduler:
             self._free_request(request)
         elif runner_output.spec_token_ids is not None:
             request.spec_token_ids = self._valid_drafts(request, runner_output.spec_token_ids[index])
-        if not new_token_ids and not request.is_finished:
+        prompt_logprobs = None
+        if runner_output.prompt_logprobs is not None:
+            prompt_logprobs = runner_output.prompt_logprobs[index] or None
+        if not new_token_ids and not request.is_finished and prompt_logprobs is None:
             return None  # a partial prefill chunk: nothing to report
         logprobs = None
         if runner_output.logprobs is not None and runner_output.logprobs[index] is not None:
@@ -282,6 +285,7 @@ class Scheduler:
             request_id=request.request_id,
             new_token_ids=new_token_ids,
             new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
