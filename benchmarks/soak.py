@@ -1,0 +1,400 @@
+"""Memory soak: drive a running server with a mixed load for a long time and check that the
+engine's and the server's memory stay flat and that the gauges return to 0 once it drains.
+
+    .venv/bin/python benchmarks/soak.py --server-pid PID [--url http://127.0.0.1:8000]
+        [--concurrency 8] [--duration 1800] [--warmup 300] [--sample-interval 30] [--out soak.json]
+
+The load mixes four kinds of request, round robin over the workers: streaming chat
+completions, non-streaming completions with n=2, structured output (response_format
+json_schema) and streams the client aborts after a few chunks (it closes the connection).
+Prompts differ from request to request so the prefix cache keeps taking new blocks.
+
+Memory is sampled every --sample-interval seconds from /proc: the server (--server-pid) and the
+engine (its child processes, summed; multiprocessing's resource tracker is not an engine). On
+CPU the KV pool is calloc'd: its pages become resident only when a block is first written, so
+engine RSS rises by up to the pool's size as the LRU free queue cycles through every block. That
+growth is bounded and expected; the verdict therefore judges the engine's RSS *net of the KV
+pool's resident pages* (the pool's per-layer tensors are found in /proc/PID/smaps as a run of
+equally sized anonymous mappings), and the raw RSS is reported beside it.
+
+Exit status 1 if any request failed, if the engine's (net) or the server's RSS grew more than
+--max-growth (5%) from the first sample after --warmup to the last, or if the gauges
+tokenbus:num_requests_running / _waiting / kv_cache_usage_perc are not 0 after draining.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+KINDS = ("chat_stream", "completion_n2", "structured", "abort")
+GAUGES = ("tokenbus:num_requests_running", "tokenbus:num_requests_waiting",
+          "tokenbus:kv_cache_usage_perc")
+MIB = 2**20
+# The structured-output request's schema: small, and bounded (maxLength, enum) so that the
+# grammar lets the model finish well inside max_tokens.
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"type": "string", "enum": ["happy", "sad", "calm"]},
+    },
+    "required": ["name", "age", "mood"],
+    "additionalProperties": False,
+}
+WORDS = ("river stone lantern maple orbit copper violet harbor meadow signal thunder glacier "
+         "pepper canyon marble falcon ember willow quartz saddle").split()
+ABORT_AFTER_CHUNKS = 3
+REQUEST_TIMEOUT_S = 300  # generous: 8 streams share 2 cores; a hang still shows up as an error
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class Options:
+    url: str
+    server_pid: int
+    concurrency: int
+    duration: float
+    warmup: float
+    sample_interval: float
+    drain_timeout: float
+    max_growth: float
+    seed: int
+    out: Path | None
+
+
+@dataclass
+class Tally:
+    """Requests finished and failed so far, by kind (failures also by cause)."""
+
+    requests: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    error_causes: Counter = field(default_factory=Counter)
+    last_error: str = ""
+
+    def fail(self, kind: str, cause: str) -> None:
+        self.errors[kind] += 1
+        self.error_causes[cause.split(":")[0][:60]] += 1
+        self.last_error = f"{kind}: {cause}"[:300]
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the load started
+    engine_rss_mib: float
+    engine_kv_rss_mib: float  # resident pages of the KV pool (part of engine_rss_mib)
+    server_rss_mib: float
+    requests: dict[str, int]  # finished so far, by kind
+    errors: dict[str, int]  # failed so far, by kind
+
+    @property
+    def engine_net_mib(self) -> float:
+        return self.engine_rss_mib - self.engine_kv_rss_mib
+
+
+@dataclass
+class Growth:
+    name: str
+    first: float  # MiB in the first sample after warm-up
+    last: float
+    limit: float
+
+    @property
+    def relative(self) -> float:
+        return (self.last - self.first) / self.first if self.first else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.relative <= self.limit
+
+
+# ---------------------------------------------------------------------------- memory
+def engine_processes(server: psutil.Process) -> list[psutil.Process]:
+    """The server's descendants that run an engine (not multiprocessing's resource tracker)."""
+    found = []
+    for child in server.children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def kv_pool_rss_bytes(pid: int) -> int:
+    """Resident bytes of the KV pool: the largest group (>= 8) of equally sized anonymous
+    mappings of >= 16 MiB, one per layer. 0 if there is no such group (e.g. a GPU pool)."""
+    groups: dict[int, int] = {}  # mapping size (KiB) → resident KiB summed
+    counts: Counter = Counter()
+    size_kib, anonymous = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                fields = line.split()
+                anonymous = len(fields) < 6  # no path: anonymous
+            elif line.startswith("Size:"):
+                size_kib = int(line.split()[1])
+            elif line.startswith("Rss:") and anonymous and size_kib >= 16 * 1024:
+                groups[size_kib] = groups.get(size_kib, 0) + int(line.split()[1])
+                counts[size_kib] += 1
+    if not counts:
+        return 0
+    size, count = counts.most_common(1)[0]
+    return groups[size] * 1024 if count >= 8 else 0
+
+
+def take_sample(server: psutil.Process, t: float, tally: Tally) -> Sample:
+    engine_rss = kv_rss = 0
+    for proc in engine_processes(server):
+        try:
+            engine_rss += proc.memory_info().rss
+            kv_rss += kv_pool_rss_bytes(proc.pid)
+        except (psutil.NoSuchProcess, FileNotFoundError):
+            pass
+    return Sample(t=round(t, 1), engine_rss_mib=engine_rss / MIB, engine_kv_rss_mib=kv_rss / MIB,
+                  server_rss_mib=server.memory_info().rss / MIB,
+                  requests=dict(tally.requests), errors=dict(tally.errors))
+
+
+# ---------------------------------------------------------------------------- requests
+def make_prompt(rng: random.Random, serial: int) -> str:
+    # A shared opening (prefix-cache hits) and a tail that differs (new blocks every request);
+    # ~20 to ~600 tokens, so prefill shapes (and the allocations they make) vary widely.
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 450)))
+    return f"Write a short note about these words, number {serial}: {words}."
+
+
+async def read_sse(resp: aiohttp.ClientResponse, max_chunks: int | None = None) -> int:
+    """Count `data:` chunks until [DONE] (or `max_chunks`). Raises if the stream reports an
+    error or ends without [DONE]."""
+    chunks = 0
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return chunks
+        if '"error"' in data and "error" in json.loads(data):
+            raise RuntimeError(f"stream error: {data[:200]}")
+        chunks += 1
+        if max_chunks is not None and chunks >= max_chunks:
+            return chunks
+    raise RuntimeError("stream ended without [DONE]")
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        return await resp.json()
+
+
+async def chat_stream(session: aiohttp.ClientSession, base: str, prompt: str) -> None:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 64,
+            "temperature": 0.8, "stream": True}
+    async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        await read_sse(resp)
+
+
+async def completion_n2(session: aiohttp.ClientSession, base: str, prompt: str) -> None:
+    body = {"prompt": prompt, "max_tokens": 32, "n": 2, "temperature": 1.0}
+    result = await post_json(session, f"{base}/v1/completions", body)
+    if len(result.get("choices", [])) != 2:
+        raise RuntimeError(f"expected 2 choices, got {len(result.get('choices', []))}")
+
+
+async def structured(session: aiohttp.ClientSession, base: str, prompt: str) -> None:
+    body = {"messages": [{"role": "user", "content": f"Describe a person as JSON. {prompt}"}],
+            "max_tokens": 96, "temperature": 0.7,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}}
+    result = await post_json(session, f"{base}/v1/chat/completions", body)
+    choice = result["choices"][0]
+    # A completed answer must parse; one cut by max_tokens ("length") cannot be judged.
+    if choice["finish_reason"] == "stop":
+        value = json.loads(choice["message"]["content"])
+        if set(value) != set(PERSON_SCHEMA["required"]):
+            raise RuntimeError(f"schema violated: {choice['message']['content'][:200]}")
+
+
+async def abort_mid_stream(session: aiohttp.ClientSession, base: str, prompt: str) -> None:
+    # Long enough that it is still generating when we hang up: the server must abort it.
+    body = {"prompt": prompt, "max_tokens": 256, "min_tokens": 256, "stream": True}
+    resp = await session.post(f"{base}/v1/completions", json=body)
+    try:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        await read_sse(resp, max_chunks=ABORT_AFTER_CHUNKS)
+    finally:
+        resp.close()  # drops the connection (not returned to the pool): the abort
+
+
+REQUESTS = {"chat_stream": chat_stream, "completion_n2": completion_n2,
+            "structured": structured, "abort": abort_mid_stream}
+
+
+async def worker(index: int, session: aiohttp.ClientSession, opts: Options, deadline: float,
+                 tally: Tally, serials: itertools.count) -> None:
+    """Send requests back to back until the deadline; worker i starts at kind i (mod 4) so
+    every kind is in flight at any moment."""
+    rng = random.Random(opts.seed * 1000 + index)
+    for kind in itertools.islice(itertools.cycle(KINDS), index % len(KINDS), None):
+        if time.monotonic() >= deadline:
+            return
+        try:
+            await asyncio.wait_for(REQUESTS[kind](session, opts.url, make_prompt(rng, next(serials))),
+                                   REQUEST_TIMEOUT_S)
+            tally.requests[kind] += 1
+        except asyncio.TimeoutError:
+            tally.fail(kind, "timeout")
+        except Exception as exc:  # every failure counts; the soak goes on
+            tally.fail(kind, f"{type(exc).__name__}: {exc}")
+
+
+# ---------------------------------------------------------------------------- gauges
+def parse_gauges(metrics_text: str) -> dict[str, float]:
+    """Each gauge summed over its series (one per data-parallel engine)."""
+    values = dict.fromkeys(GAUGES, 0.0)
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
+async def drained_gauges(session: aiohttp.ClientSession, opts: Options) -> dict[str, float]:
+    """The gauges once they read 0, or their last values after --drain-timeout: aborts reach
+    the engine asynchronously, so the first read after the load may still count them."""
+    deadline = time.monotonic() + opts.drain_timeout
+    while True:
+        async with session.get(f"{opts.url}/metrics") as resp:
+            gauges = parse_gauges(await resp.text())
+        if not any(gauges.values()) or time.monotonic() >= deadline:
+            return gauges
+        await asyncio.sleep(1.0)
+
+
+# ---------------------------------------------------------------------------- the run
+async def sample_every(opts: Options, server: psutil.Process, start: float, stop: asyncio.Event,
+                       tally: Tally, samples: list[Sample]) -> None:
+    while True:
+        samples.append(take_sample(server, time.monotonic() - start, tally))
+        print_sample(samples[-1])
+        try:
+            await asyncio.wait_for(stop.wait(), opts.sample_interval)
+            return
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run(opts: Options) -> tuple[list[Sample], Tally, dict[str, float]]:
+    server = psutil.Process(opts.server_pid)
+    tally, samples, stop = Tally(), [], asyncio.Event()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    connector = aiohttp.TCPConnector(limit=opts.concurrency + 2)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.monotonic()
+        print_header()
+        sampler = asyncio.create_task(sample_every(opts, server, start, stop, tally, samples))
+        serials = itertools.count()
+        await asyncio.gather(*(worker(i, session, opts, start + opts.duration, tally, serials)
+                               for i in range(opts.concurrency)))
+        gauges = await drained_gauges(session, opts)
+        stop.set()
+        await sampler
+        # The last sample is taken after draining, so it shows the idle engine.
+        samples.append(take_sample(server, time.monotonic() - start, tally))
+        print_sample(samples[-1])
+    return samples, tally, gauges
+
+
+def growths(samples: list[Sample], opts: Options) -> list[Growth]:
+    after = [s for s in samples if s.t >= opts.warmup]
+    first = after[0] if len(after) >= 2 else samples[0]  # run too short for warm-up: from the start
+    last = samples[-1]
+    return [Growth("engine RSS net of KV pool", first.engine_net_mib, last.engine_net_mib, opts.max_growth),
+            Growth("engine RSS (raw)", first.engine_rss_mib, last.engine_rss_mib, float("inf")),
+            Growth("server RSS", first.server_rss_mib, last.server_rss_mib, opts.max_growth)]
+
+
+# ---------------------------------------------------------------------------- output
+def print_header() -> None:
+    print(f"{'t (s)':>7} {'engine MiB':>11} {'KV pool':>8} {'net':>8} {'server MiB':>11} "
+          f"{'requests':>9} {'errors':>7}", flush=True)
+
+
+def print_sample(s: Sample) -> None:
+    by_kind = " ".join(f"{k}={s.requests.get(k, 0)}" for k in KINDS)
+    print(f"{s.t:7.0f} {s.engine_rss_mib:11.1f} {s.engine_kv_rss_mib:8.1f} {s.engine_net_mib:8.1f} "
+          f"{s.server_rss_mib:11.1f} {sum(s.requests.values()):9d} {sum(s.errors.values()):7d}  {by_kind}",
+          flush=True)
+
+
+def report(samples: list[Sample], tally: Tally, gauges: dict[str, float], opts: Options) -> bool:
+    checks = growths(samples, opts)
+    errors = sum(tally.errors.values())
+    gauges_ok = not any(gauges.values())
+    print()
+    for g in checks:
+        limit = "" if g.limit == float("inf") else f"  (limit +{g.limit:.0%}: {'ok' if g.ok else 'GREW'})"
+        print(f"{g.name:>26}: {g.first:8.1f} -> {g.last:8.1f} MiB  {g.relative:+.1%}{limit}")
+    print(f"{'requests':>26}: {dict(tally.requests)}")
+    print(f"{'errors':>26}: {errors} {dict(tally.errors) or ''} {dict(tally.error_causes) or ''}")
+    if tally.last_error:
+        print(f"{'last error':>26}: {tally.last_error}")
+    print(f"{'gauges after drain':>26}: {gauges} ({'ok' if gauges_ok else 'NOT 0'})")
+    ok = errors == 0 and gauges_ok and all(g.ok for g in checks)
+    print(f"{'verdict':>26}: {'PASS' if ok else 'FAIL'}")
+    if opts.out is not None:
+        result = {"options": {**asdict(opts), "out": str(opts.out)},
+                  "samples": [{**asdict(s), "engine_net_mib": s.engine_net_mib} for s in samples],
+                  "growth": [{**asdict(g), "relative": g.relative, "ok": g.ok} for g in checks],
+                  "requests": dict(tally.requests), "errors": dict(tally.errors),
+                  "error_causes": dict(tally.error_causes), "last_error": tally.last_error,
+                  "gauges": gauges, "pass": ok}
+        opts.out.write_text(json.dumps(result, indent=1, default=str))
+    return ok
+
+
+def parse_args() -> Options:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--server-pid", type=int, required=True, help="the `tokenbus serve` process")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--duration", type=float, default=1800, help="seconds of load")
+    p.add_argument("--warmup", type=float, default=300, help="growth is measured from the first sample after this")
+    p.add_argument("--sample-interval", type=float, default=30)
+    p.add_argument("--drain-timeout", type=float, default=30, help="seconds for the gauges to reach 0")
+    p.add_argument("--max-growth", type=float, default=0.05, help="allowed relative RSS growth after warm-up")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    a = p.parse_args()
+    return Options(url=a.url.rstrip("/"), server_pid=a.server_pid, concurrency=a.concurrency,
+                   duration=a.duration, warmup=a.warmup, sample_interval=a.sample_interval,
+                   drain_timeout=a.drain_timeout, max_growth=a.max_growth, seed=a.seed, out=a.out)
+
+
+def main() -> int:
+    opts = parse_args()
+    samples, tally, gauges = asyncio.run(run(opts))
+    return 0 if report(samples, tally, gauges, opts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
