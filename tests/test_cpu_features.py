@@ -111,3 +111,23 @@ def test_engine_processes_spin_less_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     with engine_process_env():
         assert "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_engine_processes_bound_onednn_caches_unless_the_user_sized_them(monkeypatch):
+    """oneDNN keeps a primitive per token count a step had: unbounded (1024 + 1024 entries of
+    ~1 MiB) it grew the engine's RSS for the whole of a soak (benchmarks/soak.py)."""
+    import os
+
+    from tokenbus.utils.cpu import ENGINE_ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES, engine_process_env
+
+    for name in ONEDNN_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # independent of the OpenMP choice
+    with engine_process_env():
+        assert all(os.environ[name] == ENGINE_ONEDNN_CACHE_CAPACITY for name in ONEDNN_CACHE_VARIABLES)
+    assert not any(name in os.environ for name in ONEDNN_CACHE_VARIABLES)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "4096")
+    with engine_process_env():
+        assert os.environ["LRU_CACHE_CAPACITY"] == "4096"
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == ENGINE_ONEDNN_CACHE_CAPACITY
+    assert os.environ["LRU_CACHE_CAPACITY"] == "4096"

@@ -178,15 +178,30 @@ def _read_pair(path: Path, sep: str | None, second: Path | None = None) -> float
 ENGINE_GOMP_SPINCOUNT = "10000"
 
 
+# oneDNN (the packed fp32/bf16 linears of model/layers/linear.py) builds a primitive per input
+# shape, and a step's shape is its token count, which changes from step to step. ideep
+# (LRU_CACHE_CAPACITY) and oneDNN (ONEDNN_PRIMITIVE_CACHE_CAPACITY) each keep 1024 of them by
+# default, ~0.5-1.5 MiB apiece, and one is freed only once both have dropped it: engine RSS
+# net of the KV pool rose 1.3 -> 2.1 GiB in a 6-minute soak with --quantization none, still
+# climbing (benchmarks/soak.py). 128 holds every decode batch size of a busy engine (5 linear
+# shapes each); a miss costs ~1 ms to rebuild a primitive.
+ENGINE_ONEDNN_CACHE_CAPACITY = "128"
+ONEDNN_CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+
+
 @contextlib.contextmanager
 def engine_process_env() -> Iterator[None]:
     """The environment a spawned engine or rank process starts with (around Process.start()):
-    a shorter OpenMP spin unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        yield
-        return
-    os.environ["GOMP_SPINCOUNT"] = ENGINE_GOMP_SPINCOUNT
+    a shorter OpenMP spin unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT, and bounded
+    oneDNN primitive caches unless the user sized them. The front end's own environment is
+    restored afterwards."""
+    defaults = {name: ENGINE_ONEDNN_CACHE_CAPACITY for name in ONEDNN_CACHE_VARIABLES}
+    if "OMP_WAIT_POLICY" not in os.environ:
+        defaults["GOMP_SPINCOUNT"] = ENGINE_GOMP_SPINCOUNT
+    added = [name for name in defaults if name not in os.environ]
+    os.environ.update({name: defaults[name] for name in added})
     try:
         yield
     finally:
-        os.environ.pop("GOMP_SPINCOUNT", None)
+        for name in added:
+            os.environ.pop(name, None)
