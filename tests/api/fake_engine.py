@@ -41,9 +41,9 @@ class CharTokenizer:
 
 
 class FakeAsyncLLM:
-    def __init__(self, token_delay_s: float = 0.0, **engine_args) -> None:
+    def __init__(self, token_delay_s: float = 0.0, max_model_len: int = MAX_MODEL_LEN, **engine_args) -> None:
         args = EngineArgs(**engine_args)
-        self.config = args.to_config(MAX_MODEL_LEN)
+        self.config = args.to_config(max_model_len)
         self.setup = SimpleNamespace(sampling_defaults={})
         self.tokenizer = CharTokenizer()
         self.input_processor = InputProcessor(self.tokenizer, self.config, 0, VOCAB_SIZE)
@@ -52,6 +52,7 @@ class FakeAsyncLLM:
         self.token_delay_s = token_delay_s
         self.errored = False
         self.silent_s: float | None = None
+        self.script: str | None = None  # when set, every child "generates" this text, then stops
         self.stack_dumps = 0
         self.dead_error: EngineDeadError | None = None
         self.running: set[str] = set()
@@ -84,9 +85,15 @@ class FakeAsyncLLM:
                 await asyncio.sleep(self.token_delay_s)
                 if self.errored:
                     raise self.dead_error
-                token_id = ord("a") + (step + i) % 26
-                texts[i] += chr(token_id)
-                finish, stop_reason = self._finish(texts[i], step, params)
+                if self.script is not None:
+                    token_id = ord(self.script[step])
+                    texts[i] += chr(token_id)
+                    finish, stop_reason = ("stop", None) if step + 1 == len(self.script) else \
+                        self._finish(texts[i], step, params)
+                else:
+                    token_id = ord("a") + (step + i) % 26
+                    texts[i] += chr(token_id)
+                    finish, stop_reason = self._finish(texts[i], step, params)
                 if finish:
                     done.add(i)
                 logprobs = None if params.logprobs is None else [_logprobs(token_id, params.logprobs)]

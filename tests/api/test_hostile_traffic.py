@@ -151,12 +151,12 @@ def test_stalled_engine_turns_health_503_dumps_stacks_and_recovers(caplog):
 
 
 def test_null_and_absent_content_per_role(client, engine):
-    history = [{"role": "user", "content": "call the tool"},
+    history = [{"role": "user", "content": "go"},
                {"role": "assistant", "content": None,
                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                {"role": "tool", "tool_call_id": "c1", "content": "42"},
                {"role": "assistant"},
-               {"role": "user", "content": "thanks"}]
+               {"role": "user", "content": "ok"}]
     r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert client.post("/tokenize", json={"messages": history}).status_code == 200

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 
+from tokenbus.api.openai.tool_parsers import PARSERS
 from tokenbus.cli.args import add_engine_args, engine_args_from
 
 
@@ -35,6 +36,11 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--allowed-origins", default=None,
                        help='CORS: origins browsers may call from, as JSON (\'["*"]\') or '
                             "comma-separated; default: none (no CORS headers)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": the model decides, its text parsed by --tool-call-parser')
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                       help="how tool calls look in the model's text (hermes: also what models "
+                            "whose chat template has no tools are shown)")
     _add_limit_args(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before they are aborted")
@@ -78,6 +84,7 @@ def _serve(ns: argparse.Namespace) -> int:
         request_timeout=ns.request_timeout, engine_stall_timeout=ns.engine_stall_timeout,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         allowed_origins=_origins(ns.allowed_origins),
+        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
         shutdown_timeout=ns.shutdown_timeout, log_interval=ns.log_interval,
         engine_in_process=ns.engine_in_process)
     args = engine_args_from(ns)

@@ -50,7 +50,8 @@ class InputProcessor:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     chat_template_kwargs: Mapping[str, Any] | None = None,
-                    continue_final_message: bool = False) -> tuple[str, list[int]]:
+                    continue_final_message: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """Apply the model's chat template; return (rendered text, token ids)."""
         if not messages:
             raise ValueError("messages: must be a non-empty list of {'role', 'content'} dicts")
@@ -62,7 +63,8 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **dict(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, tools=tools,
+                **dict(chat_template_kwargs or {}))
         except jinja2.TemplateError as exc:
             # The template's own checks (raise_exception: "roles must alternate") and fields it
             # needs but the messages lack: the input's fault, not the server's.

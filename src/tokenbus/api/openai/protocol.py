@@ -186,7 +186,10 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False  # the reply starts with the last message's content, when it is the assistant's
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # legacy: tools
+    function_call: str | dict[str, Any] | None = None  # legacy: tool_choice
 
 
 class TopLogprob(OpenAIResponse):
@@ -203,9 +206,21 @@ class ChatLogprobs(OpenAIResponse):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIResponse):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIResponse):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIResponse):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = OnRequest()
 
 
 class ChatChoice(OpenAIResponse):
@@ -228,9 +243,24 @@ class ChatCompletionResponse(OpenAIResponse):
     prompt_logprobs: PromptLogprobs | None = OnRequest()  # with prompt_logprobs
 
 
+class DeltaFunctionCall(OpenAIResponse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIResponse):
+    """A streamed call: index, id, type and name in its first delta, argument text after."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIResponse):

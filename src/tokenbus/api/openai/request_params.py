@@ -51,8 +51,6 @@ def completion_params(req: CompletionRequest, prompt_len: int, limits: ParamLimi
 def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ParamLimits) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise ValueError("top_logprobs: requires logprobs to be true")
-    if req.tools and req.tool_choice != "none":
-        raise ValueError("tools: tool calling is not supported by this server")
     name, requested = ("max_completion_tokens", req.max_completion_tokens)
     if requested is None:
         name, requested = ("max_tokens", req.max_tokens)

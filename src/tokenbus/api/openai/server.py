@@ -37,6 +37,7 @@ from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
 from tokenbus.api.openai.serving_engine import Admission, ServingContext
 from tokenbus.api.openai.serving_tokenize import TokenizeServing
+from tokenbus.api.openai.tool_parsers import PARSERS, ToolCallParser, make_parser
 
 logger = logging.getLogger("tokenbus.server")
 
@@ -59,6 +60,8 @@ class ServerConfig:
     engine_stall_timeout: float = 60.0  # seconds of pending work without a step → 503; 0: off
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers (browsers refuse)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto", parsed by tool_call_parser
+    tool_call_parser: str | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests may drain after SIGTERM
     log_interval: float = 10.0  # seconds between stats log lines; 0 disables them
     engine_in_process: bool = False
@@ -95,7 +98,17 @@ def make_serving_context(engine: Any, config: ServerConfig, served_model_names: 
         admission=Admission(scheduler.max_num_seqs, max_waiting(scheduler.max_num_seqs,
                                                                 scheduler.max_waiting_requests)),
         known_params=known_params(), request_timeout_s=config.request_timeout,
-        enable_prompt_tokens_details=config.enable_prompt_tokens_details)
+        enable_prompt_tokens_details=config.enable_prompt_tokens_details,
+        tool_parser=_tool_parser(config))
+
+
+def _tool_parser(config: ServerConfig) -> ToolCallParser | None:
+    if not config.enable_auto_tool_choice:
+        return None
+    if config.tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: needs --tool-call-parser "
+                         f"({', '.join(sorted(PARSERS))})")
+    return make_parser(config.tool_call_parser)
 
 
 def max_waiting(max_num_seqs: int, requested: int | None) -> int | None:

@@ -19,12 +19,15 @@ from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from tokenbus.api.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                           ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                          ChatStreamChoice, DeltaMessage, UsageInfo)
+                                          ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                          FunctionCall, ToolCall, UsageInfo)
 from tokenbus.api.openai.request_params import chat_params, make_usage, truncate_prompt
+from tokenbus.api.openai.tools import (ToolPlan, messages_for_template, new_call_id, plan_tools,
+                                       template_supports_tools)
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import DONE_EVENT, sse_event
 from tokenbus.engine.outputs import CompletionOutput
-from tokenbus.sampling_params import SamplingParams
+from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
 
 ASSISTANT = "assistant"
 # Roles whose `content` may be null or absent (OpenAI: an assistant turn with only tool calls).
@@ -46,6 +49,7 @@ class ChatRun:
     prompt_token_ids: list[int]
     params: SamplingParams
     echo_text: str = ""  # `echo`: the last (assistant) message's content, before each reply
+    tools: ToolPlan | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, from the outputs
     prompt_logprobs: list | None = None  # from the outputs, when asked for
@@ -78,18 +82,40 @@ class ChatServing(OpenAIServing):
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt "
                              "(set add_generation_prompt to false)")
         messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
-        text, token_ids = self.engine.input_processor.render_chat(
-            messages, request.add_generation_prompt, template_kwargs(request.chat_template_kwargs),
-            continue_final_message=request.continue_final_message)
+        plan = plan_tools(request, self.ctx.tool_parser)
+        processor = self.engine.input_processor
+        native_tools = template_supports_tools(getattr(self.engine.tokenizer, "chat_template", None))
+        if plan is not None:
+            self._check_tool_schemas(plan)
+        text, token_ids = processor.render_chat(
+            messages_for_template(messages, plan, native_tools), request.add_generation_prompt,
+            template_kwargs(request.chat_template_kwargs), continue_final_message=request.continue_final_message,
+            tools=plan.tools if plan is not None and native_tools else None)
         truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len)
         params = chat_params(request, len(truncated), self.ctx.limits)
+        if plan is not None and (constraint := plan.structured_outputs()) is not None:
+            if params.structured_outputs is not None:
+                raise ValueError("tool_choice: a required or named tool call cannot be combined with "
+                                 "response_format / structured_outputs")
+            params = params.clone(structured_outputs=constraint)
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
         params = self.validate(truncated, params)
         self.check_prompt_logprobs(len(truncated), params)
         echo = messages[-1]["content"] if request.echo and messages[-1].get("role") == ASSISTANT else ""
         return ChatRun(new_request_id("chatcmpl"), request, self.response_model_name(request.model),
                        text if truncated is token_ids else None, truncated, params, echo_text=echo,
-                       with_cache_details=self.ctx.enable_prompt_tokens_details)
+                       with_cache_details=self.ctx.enable_prompt_tokens_details, tools=plan)
+
+    def _check_tool_schemas(self, plan: ToolPlan) -> None:
+        """Every tool's parameters compile as a JSON schema (a 400 naming the tool otherwise);
+        compiled once per schema, then cached by the validator."""
+        validator = self.engine.input_processor.structured_validator
+        for index, schema in enumerate(plan.parameters.values()):
+            try:
+                validator.validate(StructuredOutputsParams(json=schema))
+            except ValueError as exc:
+                reason = str(exc).removeprefix("structured_outputs: ")
+                raise ValueError(f"tools[{index}].function.parameters: {reason}") from None
 
     def _generate(self, run: ChatRun) -> AsyncIterator:
         return self.engine.generate(run.request_id, run.prompt_token_ids, run.params,
@@ -110,18 +136,26 @@ class ChatServing(OpenAIServing):
                 run.prompt_logprobs = out.prompt_logprobs or run.prompt_logprobs
                 for output in out.outputs:
                     _fold(states[output.index], output, self._delta_logprobs(run, output))
-        with_ids = run.request.return_token_ids
-        choices = [ChatChoice(index=i, message=ChatMessage(role=ASSISTANT, content=run.echo_text + s.text),
-                              logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                              token_ids=s.token_ids if with_ids else None)
-                   for i, s in sorted(states.items())]
+        choices = [self._final_choice(run, i, s) for i, s in sorted(states.items())]
         body = ChatCompletionResponse(id=run.request_id, created=run.created, model=run.model,
                                       choices=choices,
                                       usage=run.usage(sum(s.num_tokens for s in states.values())),
-                                      prompt_token_ids=run.prompt_token_ids if with_ids else None)
+                                      prompt_token_ids=run.prompt_token_ids if run.request.return_token_ids else None)
         if run.prompt_logprobs is not None:
             body.prompt_logprobs = prompt_logprobs_body(run.prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")
+
+    def _final_choice(self, run: ChatRun, index: int, state: ChatChoiceState) -> ChatChoice:
+        content, finish_reason, tool_calls = run.echo_text + state.text, state.finish_reason, None
+        if run.tools is not None:
+            content, calls = run.tools.calls_from_text(state.text)
+            if calls:
+                tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                              for c in calls]
+                finish_reason = _tool_finish_reason(run.tools, finish_reason)
+        return ChatChoice(index=index, message=ChatMessage(role=ASSISTANT, content=content, tool_calls=tool_calls),
+                          logprobs=state.logprobs, finish_reason=finish_reason, stop_reason=state.stop_reason,
+                          token_ids=state.token_ids if run.request.return_token_ids else None)
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[bytes]:
         num_tokens = 0
@@ -129,6 +163,7 @@ class ChatServing(OpenAIServing):
         options = run.request.stream_options
         include_usage = options is not None and options.include_usage
         continuous_usage = include_usage and options.continuous_usage_stats
+        tool_streams: dict[int, ToolStream] = {}
         try:
             async with aclosing(self._generate(run)) as outputs:
                 async for out in outputs:
@@ -139,8 +174,12 @@ class ChatServing(OpenAIServing):
                         is_first = False
                     for output in out.outputs:
                         num_tokens += len(output.token_ids)
-                        if output.text or output.token_ids or output.finish_reason:
-                            usage = run.usage(num_tokens) if continuous_usage else None
+                        usage = run.usage(num_tokens) if continuous_usage else None
+                        if run.tools is not None and run.tools.mode != "none":
+                            stream = tool_streams.setdefault(output.index, ToolStream(run.tools))
+                            for choice in stream.feed(output):
+                                yield _chunk_event(run, [choice], usage)
+                        elif output.text or output.token_ids or output.finish_reason:
                             yield _chunk_event(run, [self._content_choice(run, output)], usage)
             if include_usage:
                 yield _chunk_event(run, [], run.usage(num_tokens))
@@ -186,6 +225,103 @@ def _chunk_event(run: ChatRun, choices: list[ChatStreamChoice], usage: UsageInfo
     if usage is not None:
         chunk.usage = usage
     return sse_event(chunk, exclude_unset=True)
+
+
+def _tool_finish_reason(plan: ToolPlan, finish_reason: str | None) -> str | None:
+    """OpenAI's: "tool_calls" when the model chose to call (auto, required), "stop" when the
+    request named the function; a cut-short output keeps "length"."""
+    if finish_reason != "stop" or plan.mode == "named":
+        return finish_reason
+    return "tool_calls"
+
+
+class ToolStream:
+    """One choice's stream when tools are in play: OpenAI-shaped `tool_calls` deltas.
+
+    named     the output is the arguments: a first delta with id and name, then each token's
+              text as an argument fragment
+    required  the output is a JSON array of calls: parsed at the end, one delta per call
+    auto      text streams as content, except what may be a call (the parser's marker, held
+              back while it could still begin one): that is parsed at the end
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.num_sent = 0  # characters of text streamed as content
+        self.call_id = new_call_id()
+        self.started = False
+
+    def feed(self, output: CompletionOutput) -> list[ChatStreamChoice]:
+        self.text += output.text
+        if self.plan.mode == "named":
+            choices = self._named(output)
+        elif self.plan.mode == "auto":
+            choices = self._auto_content(output.index, final=output.finish_reason is not None)
+        else:
+            choices = []
+        if output.finish_reason is not None:
+            choices += self._finish(output)
+        return choices
+
+    def _named(self, output: CompletionOutput) -> list[ChatStreamChoice]:
+        choices = []
+        if not self.started:
+            self.started = True
+            choices.append(_tool_delta(output.index, DeltaToolCall(
+                index=0, id=self.call_id, type="function",
+                function=DeltaFunctionCall(name=self.plan.named, arguments=""))))
+        if output.text:
+            choices.append(_tool_delta(output.index, DeltaToolCall(
+                index=0, function=DeltaFunctionCall(arguments=output.text))))
+        return choices
+
+    def _auto_content(self, index: int, final: bool) -> list[ChatStreamChoice]:
+        parser = self.plan.parser
+        if final or (self.num_sent == 0 and parser.may_start_call(self.text)):
+            return []  # the end decides (calls, or the rest as content); or a call may be starting
+        if not parser.calls_after_text:
+            end = len(self.text)  # calls only ever open the output: the rest is prose
+        else:
+            marker = self.text.find(parser.marker, self.num_sent)
+            end = marker if marker >= 0 else len(self.text) - _held_back(self.text, parser.marker)
+        if end <= self.num_sent:
+            return []
+        piece, self.num_sent = self.text[self.num_sent:end], end
+        return [ChatStreamChoice(index=index, delta=DeltaMessage(content=piece))]
+
+    def _finish(self, output: CompletionOutput) -> list[ChatStreamChoice]:
+        choices: list[ChatStreamChoice] = []
+        finish_reason = output.finish_reason
+        if self.plan.mode != "named":
+            content, calls = self.plan.calls_from_text(self.text)
+            # What was streamed is a prefix of the content (nothing past a marker is sent).
+            rest = (content or "")[self.num_sent:] if calls else self.text[self.num_sent:]
+            if rest:
+                choices.append(ChatStreamChoice(index=output.index, delta=DeltaMessage(content=rest)))
+            for i, call in enumerate(calls):
+                choices.append(_tool_delta(output.index, DeltaToolCall(
+                    index=i, id=new_call_id(), type="function",
+                    function=DeltaFunctionCall(name=call.name, arguments=call.arguments))))
+            if calls:
+                finish_reason = _tool_finish_reason(self.plan, finish_reason)
+        else:
+            finish_reason = _tool_finish_reason(self.plan, finish_reason)
+        last = ChatStreamChoice(index=output.index, delta=DeltaMessage(), finish_reason=finish_reason)
+        last.stop_reason = output.stop_reason
+        return choices + [last]
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Characters at the end of `text` that could be the start of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _tool_delta(index: int, call: DeltaToolCall) -> ChatStreamChoice:
+    return ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[call]))
 
 
 def _fold(state: ChatChoiceState, output: CompletionOutput, logprobs: ChatLogprobs | None) -> None:

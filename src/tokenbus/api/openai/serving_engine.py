@@ -28,6 +28,7 @@ from tokenbus.api.openai.protocol import OpenAIRequest
 from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.streaming import DONE_EVENT, SSEResponse, cancel_on_disconnect, sse_event
 from tokenbus.api.openai.text_checks import find_lone_surrogate
+from tokenbus.api.openai.tool_parsers import ToolCallParser
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.utils.log import log_safe
 
@@ -109,6 +110,7 @@ class ServingContext:
     known_params: frozenset[str] = field(default_factory=frozenset)
     request_timeout_s: float | None = None  # a request's deadline, from arrival to its last byte
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    tool_parser: ToolCallParser | None = None  # tool_choice "auto": --enable-auto-tool-choice
     # Tokenizing, chat templates and grammar checks run here, never on the event loop.
     prepare_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "prepare"))
