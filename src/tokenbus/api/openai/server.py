@@ -36,6 +36,7 @@ from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
 from tokenbus.api.openai.serving_engine import Admission, ServingContext
+from tokenbus.api.openai.serving_responses import ResponsesRequest, ResponsesServing
 from tokenbus.api.openai.serving_tokenize import TokenizeServing
 from tokenbus.api.openai.tool_parsers import PARSERS, ToolCallParser, make_parser
 
@@ -82,7 +83,8 @@ class ServerState:
 
 def known_params() -> frozenset[str]:
     names: set[str] = {"prompt_token_ids"}
-    for model in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest):
+    for model in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest,
+                  ResponsesRequest):
         names |= set(model.model_fields)
     return frozenset(names)
 
@@ -141,6 +143,7 @@ def build_app(state: ServerState) -> FastAPI:
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     completions = CompletionServing(state.ctx)
     chat = ChatServing(state.ctx)
+    responses = ResponsesServing(chat)
     tokenize = TokenizeServing(state.ctx)
 
     @app.post("/v1/completions")
@@ -150,6 +153,14 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: p.ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models() -> p.ModelList:

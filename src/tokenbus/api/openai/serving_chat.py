@@ -74,10 +74,10 @@ class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.preflight(request, request.model)
         self.check_messages(request.messages)
-        run = await self.prepare(self._prepare, request)
+        run = await self.prepare(self.build_run, request)
         return await self.respond(raw, request.stream, request.n, run)
 
-    def _prepare(self, request: ChatCompletionRequest) -> ChatRun:
+    def build_run(self, request: ChatCompletionRequest) -> ChatRun:
         if request.continue_final_message and request.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt "
                              "(set add_generation_prompt to false)")
@@ -117,7 +117,7 @@ class ChatServing(OpenAIServing):
                 reason = str(exc).removeprefix("structured_outputs: ")
                 raise ValueError(f"tools[{index}].function.parameters: {reason}") from None
 
-    def _generate(self, run: ChatRun) -> AsyncIterator:
+    def generate(self, run: ChatRun) -> AsyncIterator:
         return self.engine.generate(run.request_id, run.prompt_token_ids, run.params,
                                     prompt=run.prompt_text, cache_salt=run.request.cache_salt)
 
@@ -130,13 +130,13 @@ class ChatServing(OpenAIServing):
         states = {i: ChatChoiceState() for i in range(run.request.n)}
         # Leaving early (a disconnect cancels us, or a failure) closes the engine stream,
         # and generate() aborts its request when closed; _stream relies on the same.
-        async with aclosing(self._generate(run)) as outputs:
+        async with aclosing(self.generate(run)) as outputs:
             async for out in outputs:
                 run.num_cached_tokens = out.num_cached_tokens
                 run.prompt_logprobs = out.prompt_logprobs or run.prompt_logprobs
                 for output in out.outputs:
-                    _fold(states[output.index], output, self._delta_logprobs(run, output))
-        choices = [self._final_choice(run, i, s) for i, s in sorted(states.items())]
+                    fold_choice(states[output.index], output, self._delta_logprobs(run, output))
+        choices = [self.final_choice(run, i, s) for i, s in sorted(states.items())]
         body = ChatCompletionResponse(id=run.request_id, created=run.created, model=run.model,
                                       choices=choices,
                                       usage=run.usage(sum(s.num_tokens for s in states.values())),
@@ -145,7 +145,7 @@ class ChatServing(OpenAIServing):
             body.prompt_logprobs = prompt_logprobs_body(run.prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")
 
-    def _final_choice(self, run: ChatRun, index: int, state: ChatChoiceState) -> ChatChoice:
+    def final_choice(self, run: ChatRun, index: int, state: ChatChoiceState) -> ChatChoice:
         content, finish_reason, tool_calls = run.echo_text + state.text, state.finish_reason, None
         if run.tools is not None:
             content, calls = run.tools.calls_from_text(state.text)
@@ -165,7 +165,7 @@ class ChatServing(OpenAIServing):
         continuous_usage = include_usage and options.continuous_usage_stats
         tool_streams: dict[int, ToolStream] = {}
         try:
-            async with aclosing(self._generate(run)) as outputs:
+            async with aclosing(self.generate(run)) as outputs:
                 async for out in outputs:
                     run.num_cached_tokens = out.num_cached_tokens
                     if is_first:  # role chunks once the request is running, as vLLM does
@@ -324,7 +324,7 @@ def _tool_delta(index: int, call: DeltaToolCall) -> ChatStreamChoice:
     return ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[call]))
 
 
-def _fold(state: ChatChoiceState, output: CompletionOutput, logprobs: ChatLogprobs | None) -> None:
+def fold_choice(state: ChatChoiceState, output: CompletionOutput, logprobs: ChatLogprobs | None) -> None:
     state.text += output.text
     state.num_tokens += len(output.token_ids)
     state.token_ids.extend(output.token_ids)
