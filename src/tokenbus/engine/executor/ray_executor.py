@@ -12,13 +12,18 @@ arguments, the frozen configs, once at start-up, as multiprocessing's spawn does
 A dead actor is noticed by the next call (Ray raises ActorDiedError there), and by
 check_health, which pings every rank.
 
-Seen with Ray 2.60: a local cluster (and `ray start --head`) binds the machine's routed
-address, whatever `_node_ip_address` / `--node-ip-address` say, so "loopback only" is not
-something this executor can promise.
+Loopback: a local cluster, and the driver's side of an attach to a loopback address, are kept
+on 127.0.0.1 (`ray_on_loopback`). A cluster to attach to on this machine must be started on
+loopback too, and a driver attaching by address uses the cluster's token only when told to:
+
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address=127.0.0.1 --port=6379
+    RAY_AUTH_MODE=token tokenbus serve --distributed-executor-backend ray --ray-address 127.0.0.1:6379
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -64,6 +69,46 @@ def check_ray_address(address: str) -> None:
             pass
     except (OSError, ValueError) as exc:
         raise ValueError(f"ray_address {address!r}: cannot reach a Ray cluster there ({exc})") from None
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (host:port) names this machine's loopback."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def ray_on_loopback():
+    """Within: ray.init keeps 127.0.0.1 as this node's address.
+
+    Why forced: on Linux Ray 2.60 replaces 127.0.0.1 (in `_node_ip_address`, `--node-ip-address`
+    and the address it is given to attach to) with the machine's routed address and advertises
+    that, so "127.0.0.1" alone still sends Ray's traffic to eth0's address. Ray has a loopback-only
+    mode, its default on macOS and Windows: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes the node's
+    address 127.0.0.1, which its servers then also bind (not 0.0.0.0). The variable is read by the
+    processes ray.init starts, and by `ray._private.ray_constants` when Ray is first imported,
+    which in this process has already happened: both are set, and put back afterwards (the nodes
+    keep their environment). Only for a local cluster or a loopback address: a node of a
+    multi-machine cluster must advertise its network address.
+    """
+    from ray._private import ray_constants
+
+    variable = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    saved_env, saved_flag = os.environ.get(variable), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[variable], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved_env
 
 
 class RayWorkerActor:
@@ -161,15 +206,17 @@ class RayExecutor(Executor):
         ray = self._ray
         if ray.is_initialized():
             return
-        # No usage reports leave this machine; the local cluster is asked for loopback (Ray 2.60
-        # binds the routed address anyway: module docstring).
+        # No usage reports leave this machine.
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if address:
             check_ray_address(address)
-            ray.init(address=address, log_to_driver=True)
+            with ray_on_loopback() if is_loopback_address(address) else contextlib.nullcontext():
+                ray.init(address=address, log_to_driver=True)
         else:
-            ray.init(num_cpus=available_cpus(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                     log_to_driver=True)
+            # "local": a new cluster, even where `ray start` left an address in /tmp/ray.
+            with ray_on_loopback():
+                ray.init(address="local", num_cpus=available_cpus(), include_dashboard=False,
+                         _node_ip_address="127.0.0.1", log_to_driver=True)
         self._started_ray = True
 
     # ------------------------------------------------------------------ Executor
