@@ -16,6 +16,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in f
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 QUANTIZATIONS = ("auto", "gguf", "none")
+POOLERS = ("last", "mean")
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,11 @@ class ModelConfig:
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
     num_threads: int | None = None
+    pooler: str = "last"  # how /v1/embeddings pools the final hidden states: last | mean
 
     def __post_init__(self) -> None:
+        if self.pooler not in POOLERS:
+            raise ValueError(f"pooler must be one of {POOLERS}, got {self.pooler!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.quantization not in QUANTIZATIONS:
@@ -230,6 +234,8 @@ class EngineArgs:
                              choices=QUANTIZATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks")
+    pooler: str = _arg("last", "how /v1/embeddings pools the final hidden states (then L2-normalised)",
+                       choices=POOLERS)
     block_size: int = _arg(16)
     kv_cache_memory: int | str | None = _arg(None, "bytes or a size like 2GiB")
     gpu_memory_utilization: float = _arg(0.9)

@@ -46,6 +46,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended the request
+    pooled: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling)
     num_cached_tokens: int = 0
     # Wall-clock time (time.time(), the clock of EngineRequest.arrival_time) at which the engine
     # first scheduled the request; set on the request's first output only (queue-time metric).

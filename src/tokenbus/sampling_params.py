@@ -56,6 +56,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
     # Logprobs of each prompt token (the first has none) plus the top-n at its position; -1: all.
     prompt_logprobs: int | None = None
+    # An embedding request: the prompt's final hidden states pooled ("last" token or "mean"),
+    # L2-normalised, instead of generated tokens; it finishes when its prefill does.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +91,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(s for s in self.stop), "stop", "must not contain an empty string")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
+        _check(self.pooling in (None, "last", "mean"), "pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", f"must fit in int64, got {self.seed}")
 

@@ -14,6 +14,8 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     sampled_token_ids: list[list[int]]
     # Aligned with sampled_token_ids when the request asked for logprobs, else None.
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Embedding requests whose prefill ended this step: their pooled vector, aligned with req_ids.
+    pooled: list[list[float] | None] | None = None
     # Prompt logprobs of the step's prefill chunk, aligned with req_ids (None: not asked for).
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
     # Draft proposals for the next step (spec decode), aligned with req_ids.

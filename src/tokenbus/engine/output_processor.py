@@ -36,6 +36,7 @@ class ParentRequest:
     # from the first child's outputs; handed out with the request's first output (DELTA).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    pooled: list[float] | None = None  # an embedding request's vector, from its last output
 
     @property
     def finished(self) -> bool:
@@ -112,6 +113,8 @@ class OutputProcessor:
             metrics.last_token_time = now
             metrics.num_generation_tokens += len(out.new_token_ids)
         child.parent.num_cached_tokens = out.num_cached_tokens
+        if out.pooled is not None:
+            child.parent.pooled = out.pooled
         prompt_logprobs = child.parent.prompt_logprobs
         if out.new_prompt_logprobs and prompt_logprobs is not None:
             # A preempted request recomputes its prompt: what is known already is not added again.
@@ -176,7 +179,7 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions, finished=finished,
             metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, pooled=parent.pooled)
 
     def _finish_child(self, child: ChildState) -> None:
         del self.children[child.request_id]

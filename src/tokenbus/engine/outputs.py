@@ -57,3 +57,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = field(default=None)
+    pooled: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling)

@@ -28,9 +28,14 @@ class ScheduledRequest:
         return self.num_new_tokens == 1
 
     @property
-    def samples(self) -> bool:
-        """Only a chunk that reaches the end of the known tokens produces a token."""
+    def completes_prompt(self) -> bool:
         return self.state.num_computed_tokens + self.num_new_tokens >= self.state.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Only a chunk that reaches the end of the known tokens produces a token (embedding
+        requests never do: they are pooled)."""
+        return self.completes_prompt and self.state.sampling_params.pooling is None
 
 
 @dataclass

@@ -13,6 +13,7 @@ from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.manager import bitmask_rows, pad_bitmask_rows
 from tokenbus.utils import cdiv
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
+from tokenbus.worker.pooling import compute_pooled
 from tokenbus.worker.prompt_logprobs import compute_prompt_logprobs
 from tokenbus.worker.request_state import CachedRequestState
 from tokenbus.worker.sampler import Sampler, to_token_logprobs
@@ -96,6 +97,7 @@ class ModelRunner:
         sampled, logprobs = self._sample(batch, hidden, so)
         output = self._make_output(batch, sampled, logprobs)
         output.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
+        output.pooled = compute_pooled(hidden, batch)
         if self.proposer is not None:
             output.spec_token_ids = self._propose(batch, sampled)
         return output

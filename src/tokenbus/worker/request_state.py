@@ -19,6 +19,8 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None  # per-request seed: reproducible in any batch
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    # Mean pooling (embedding requests): the hidden states summed over the chunks so far.
+    pooled_sum: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids

@@ -302,6 +302,30 @@ class ModelList(OpenAIResponse):
     data: list[ModelCard]
 
 
+class EmbeddingRequest(OpenAIRequest):
+    model: str | None = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM
+
+
+class EmbeddingData(OpenAIResponse):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64 of little-endian float32 with encoding_format "base64"
+
+
+class EmbeddingResponse(OpenAIResponse):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
 class TokenizerInfoResponse(OpenAIResponse):
     """GET /tokenizer_info (vLLM): what a client needs to tokenize and render chats itself."""
 

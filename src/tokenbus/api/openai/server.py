@@ -35,6 +35,7 @@ from tokenbus.api.openai.limits import RequestLimits
 from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
+from tokenbus.api.openai.serving_embeddings import EmbeddingServing
 from tokenbus.api.openai.serving_engine import Admission, ServingContext
 from tokenbus.api.openai.serving_responses import ResponsesRequest, ResponsesServing
 from tokenbus.api.openai.serving_tokenize import TokenizeServing
@@ -84,7 +85,7 @@ class ServerState:
 def known_params() -> frozenset[str]:
     names: set[str] = {"prompt_token_ids"}
     for model in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest,
-                  ResponsesRequest):
+                  ResponsesRequest, p.EmbeddingRequest):
         names |= set(model.model_fields)
     return frozenset(names)
 
@@ -144,6 +145,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     completions = CompletionServing(state.ctx)
     chat = ChatServing(state.ctx)
     responses = ResponsesServing(chat)
+    embeddings = EmbeddingServing(state.ctx)
     tokenize = TokenizeServing(state.ctx)
 
     @app.post("/v1/completions")
@@ -153,6 +155,10 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: p.ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: p.EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.create(request, raw_request)
 
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:

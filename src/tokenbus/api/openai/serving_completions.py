@@ -94,7 +94,7 @@ class CompletionRun:
 class CompletionServing(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
         self.preflight(request, request.model)
-        prompts = _split_prompts(request.prompt)
+        prompts = split_prompts(request.prompt)
         # The caps that need no tokenizing, before any is done: a request's fan-out (each
         # sequence queues like a request of its own) and its text.
         check_n(request, self.ctx.limits.caps)
@@ -257,7 +257,7 @@ def _num_tokens(states: dict[int, ChoiceState]) -> int:
     return sum(s.num_tokens for s in states.values())
 
 
-def _split_prompts(prompt: str | list) -> list[str | list[int]]:
+def split_prompts(prompt: str | list) -> list[str | list[int]]:
     """OpenAI's prompt forms: text, a batch of texts, token ids, a batch of token-id lists."""
     if isinstance(prompt, str):
         return [prompt]

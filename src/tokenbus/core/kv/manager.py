@@ -187,5 +187,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _skips_prefix_cache(request: Request) -> bool:
-    """Prompt logprobs need every prompt position computed: no cache reads (writes are fine)."""
-    return getattr(request.sampling_params, "prompt_logprobs", None) is not None
+    """Prompt logprobs and mean pooling need every prompt position computed: no cache reads
+    (writes are fine)."""
+    params = request.sampling_params
+    return params.prompt_logprobs is not None or params.pooling == "mean"

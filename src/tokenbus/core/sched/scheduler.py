@@ -253,6 +253,9 @@ class Scheduler:
                 # Accepted drafts + 1 sampled token came back; the rest of the drafts' KV is void.
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
                 self._spec_counts.record(len(drafts), len(sampled) - 1)
+            if runner_output.pooled is not None and runner_output.pooled[index] is not None:
+                outputs.append(self._finish_pooled(request, runner_output.pooled[index]))
+                continue
             output = self._append_tokens(request, sampled, runner_output, index)
             if output is not None:
                 outputs.append(output)
@@ -290,6 +293,15 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+
+    def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineOutput:
+        """An embedding request is done once its whole prompt went through the model."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.running.remove(request)
+        self._free_request(request)
+        return EngineOutput(request_id=request.request_id, new_token_ids=[], pooled=pooled,
+                            finish_reason=request.status.finish_reason,
+                            num_cached_tokens=max(request.num_cached_tokens, 0))
 
     def _valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Structured output: only the drafts the grammar accepts are worth verifying."""
