@@ -44,6 +44,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Prompt logprobs of this step's prefill chunk: one per prompt token after the first that
     # the chunk's positions predict (the prompt token first, then the top-n).
     new_prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0  # the prompt position of new_prompt_logprobs[0]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended the request
     pooled: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling)

@@ -46,7 +46,7 @@ def test_streamed_events(setup):
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+                          "response.incomplete"]  # cut by max_output_tokens
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert "".join(deltas) == "abcd" and events[-1].response.output_text == "abcd"
     assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
@@ -84,3 +84,9 @@ def test_bad_input_is_400(setup, body):
     response = http.post("/v1/responses", json={"model": MODEL, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == 400
+
+
+def test_malformed_text_format_is_400(setup):
+    engine, client, http = setup
+    response = http.post("/v1/responses", json={"model": MODEL, "input": "x", "text": {"format": "json"}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "text"

@@ -156,3 +156,42 @@ def test_bad_tools_are_400(body, param):
     with client:
         assert_error(client.post("/v1/chat/completions", json={"messages": ASK, **body}), 400, param)
     assert engine.requests == []
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("pythonic", "[f(x={1, 2})]"), ("pythonic", "[f(x={[1]: 2})]"),
+    ("hermes", "<tool_call>" + "[" * 100_000 + "</tool_call>"), ("llama3_json", "{" * 100_000)])
+def test_parsers_never_raise(parser, text):
+    parsed = make_parser(parser).parse(text)
+    assert parsed.calls == [] and parsed.content == text
+
+
+def test_tools_count_against_the_caps():
+    from tokenbus.api.openai.limits import RequestLimits
+
+    engine, client = _client("ok", limits=RequestLimits(max_tools=2, max_input_chars=2000))
+    with client:
+        many = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(3)]
+        assert_error(client.post("/v1/chat/completions", json={"messages": ASK, "tools": many,
+                                                               "tool_choice": "required"}), 400, "tools")
+        big_call = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "x" * 5000}}]}]
+        assert_error(client.post("/v1/chat/completions", json={"messages": big_call}), 400, "messages")
+        deep: dict = {"type": "string"}
+        for _ in range(40):  # JSON depth 80 > 64, in fewer than 2000 characters
+            deep = {"type": "object", "properties": {"k": deep}}
+        deep_tool = [{"type": "function", "function": {"name": "deep", "parameters": deep}}]
+        error = assert_error(client.post("/v1/chat/completions", json={"messages": ASK, "tools": deep_tool,
+                                                                       "tool_choice": "required"}), 400, "tools")
+        assert "--max-schema-depth" in error["message"]
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "assistant", "tool_calls": ["x"]}]}, "messages"),
+    ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+     "tool_choice")])
+def test_malformed_tool_shapes_are_400_not_500(body, param):
+    engine, client = _client()
+    with client:
+        assert_error(client.post("/v1/chat/completions", json=body), 400, param)

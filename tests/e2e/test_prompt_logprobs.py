@@ -76,3 +76,18 @@ def test_bad_prompt_logprobs_are_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         capped.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(prompt_logprobs=21), use_tqdm=False)
     capped.shutdown()
+
+
+def test_preempted_mid_prefill_prompt_logprobs_stay_aligned(tiny_llama_dir, hf):
+    # 8 usable blocks of 16 tokens and 16-token chunks: the long generating request needs the
+    # blocks of the scoring one, which is preempted while its prompt is half done and recomputed.
+    llm = make_llm(tiny_llama_dir, max_model_len=128, max_num_batched_tokens=16, num_kv_blocks=9,
+                   max_logprobs=-1, enable_prefix_caching=False)
+    generating = random_prompts(1, 47, 47, seed=13, vocab_low=5, vocab_high=200)[0]
+    scoring = random_prompts(1, 70, 70, seed=14, vocab_low=5, vocab_high=200)[0]
+    params = [SamplingParams(max_tokens=60, ignore_eos=True), SamplingParams(max_tokens=1, prompt_logprobs=1)]
+    outputs = llm.generate([{"prompt_token_ids": generating}, {"prompt_token_ids": scoring}], params, use_tqdm=False)
+    assert llm.engine.stats_totals["num_preemptions"] > 0
+    assert_matches_hf(outputs[1].prompt_logprobs, scoring, hf_prompt_logprobs(hf, scoring), 1)
+    assert_engine_clean(llm)
+    llm.shutdown()

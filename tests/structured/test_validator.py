@@ -92,3 +92,15 @@ def test_concurrent_requests_with_one_spec_share_its_compile():
     for thread in threads:
         thread.join(5.0)
     assert backend.calls == ["same"]
+
+
+def test_a_compile_past_its_deadline_is_not_remembered_as_slow():
+    import time
+
+    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=0.3, max_concurrent=2)
+    backend = validator._backend = _SelectiveBackend()
+    with pytest.raises(ValueError, match="longer than"):
+        validator.validate(StructuredOutputsParams(regex="slow"))  # takes 1 s
+    time.sleep(1.0)  # it ends meanwhile; its outcome (it compiles) is what a retry gets
+    validator.validate(StructuredOutputsParams(regex="slow"))
+    assert backend.calls == ["slow"]

@@ -18,6 +18,7 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     pooled: list[list[float] | None] | None = None
     # Prompt logprobs of the step's prefill chunk, aligned with req_ids (None: not asked for).
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+    prompt_logprobs_start: list[int] | None = None  # the prompt position of each one's first entry
     # Draft proposals for the next step (spec decode), aligned with req_ids.
     spec_token_ids: list[list[int]] | None = None
     # Derived from req_ids (also after decoding: msgspec runs __post_init__ then).

@@ -67,6 +67,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.children: dict[str, ChildState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
 
     def add_request(self, parent: ParentRequest, child_id: str, index: int, params: SamplingParams) -> None:
         self.parents[parent.request_id] = parent
@@ -117,9 +118,11 @@ class OutputProcessor:
             child.parent.pooled = out.pooled
         prompt_logprobs = child.parent.prompt_logprobs
         if out.new_prompt_logprobs and prompt_logprobs is not None:
-            # A preempted request recomputes its prompt: what is known already is not added again.
-            room = len(child.parent.prompt_token_ids) - len(prompt_logprobs)
-            prompt_logprobs.extend(self._convert_logprobs(e) for e in out.new_prompt_logprobs[:room])
+            # Entries cover positions start, start + 1, ...; a preempted request recomputes its
+            # prompt from the start: what is known already is not added again.
+            skip = len(prompt_logprobs) - out.prompt_logprobs_start
+            if skip >= 0:
+                prompt_logprobs.extend(self._convert_logprobs(e) for e in out.new_prompt_logprobs[skip:])
         child.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and child.logprobs is not None:
             for entry in out.new_logprobs:
@@ -137,8 +140,15 @@ class OutputProcessor:
         result: dict[int, Logprob] = {}
         for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, ranks):
             if token_id not in result:
-                result[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+                result[token_id] = Logprob(logprob, rank, self._token_text(token_id))
         return result
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text alone, decoded once per token id (prompt logprobs ask for a lot)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _make_output(self, child: ChildState, finish_reason, stop_reason, now) -> RequestOutput | None:
         parent = child.parent

@@ -6,9 +6,9 @@ one whose compilation runs past the deadline (a pathological regex) is refused t
 Called from the server's preparation threads, never from its event loop. Each compile runs on a
 thread of its own: a compile past its deadline cannot be killed (xgrammar has no cancel), so it
 keeps its thread and one of `max_concurrent` slots until it ends, while later specs compile on
-the other slots instead of queueing behind it. Outcomes are remembered by spec (LRU), so a spec
-seen before (good, bad or too slow) is answered at once, and requests with a spec that is being
-compiled wait for that compile instead of starting another.
+the other slots instead of queueing behind it. Outcomes are remembered by spec (LRU) when the
+compile ends, also one that ended past its deadline, so a spec seen before is answered at once;
+requests with a spec that is being compiled wait for that compile instead of starting another.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class StructuredOutputValidator:
                 self._running[key] = concurrent.futures.Future()
             future = self._running[key]
         if is_owner:
+            self._get_backend()  # its ~1 s of tokenizer work is not the spec's compile time
             # Waiting for a slot counts against the same deadline as the compile itself.
             if not self._slots.acquire(timeout=self._timeout_s):
                 error = CompileCapacityError("structured_outputs: every grammar compiler is busy; retry later")
@@ -68,29 +69,33 @@ class StructuredOutputValidator:
             self._start_compile(key, spec, future)
         try:
             future.result(timeout=self._timeout_s)
-            error = None
         except concurrent.futures.TimeoutError:
-            error = (f"structured_outputs: grammar compilation took longer than {self._timeout_s:g} s; "
-                     f"simplify the schema/regex")
-        except CompileCapacityError:
-            raise
-        except ValueError as exc:
-            error = str(exc)
-        self._remember(key, error)
-        if error is not None:
-            raise ValueError(error)
+            # Not remembered: the compile goes on, and its outcome is what a retry gets.
+            raise ValueError(f"structured_outputs: grammar compilation took longer than {self._timeout_s:g} s; "
+                             f"simplify the schema/regex") from None
 
     def _start_compile(self, key: str, spec: StructuredOutputsParams,
                        future: concurrent.futures.Future) -> None:
         def run() -> None:
+            # Order: the outcome is remembered before the spec stops counting as running, so a
+            # request arriving in between finds one of the two.
+            result, error = None, None
             try:
-                future.set_result(self._get_backend().compile(spec))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                future.set_exception(exc)
+                result = self._get_backend().compile(spec)
+                self._remember(key, None)
+            except ValueError as exc:  # the spec's fault: remembered
+                self._remember(key, str(exc))
+                error = exc
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller, not remembered
+                error = exc
             finally:
                 with self._lock:
                     self._running.pop(key, None)
                 self._slots.release()
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
         threading.Thread(target=run, name="grammar-check", daemon=True).start()
 

@@ -96,7 +96,8 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.ctx)
         sampled, logprobs = self._sample(batch, hidden, so)
         output = self._make_output(batch, sampled, logprobs)
-        output.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
+        if (prompt_logprobs := compute_prompt_logprobs(self.model, hidden, batch)) is not None:
+            output.prompt_logprobs, output.prompt_logprobs_start = prompt_logprobs
         output.pooled = compute_pooled(hidden, batch)
         if self.proposer is not None:
             output.spec_token_ids = self._propose(batch, sampled)

@@ -19,10 +19,12 @@ from tokenbus.worker.sampler import gather_logprobs, to_token_logprobs
 LOGITS_SLICE = 256
 
 
-def compute_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor,
-                            batch: PreparedBatch) -> list[list[TokenLogprobs] | None] | None:
+def compute_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, batch: PreparedBatch
+                            ) -> tuple[list[list[TokenLogprobs] | None], list[int]] | None:
     """Per request in batch order: its chunk's prompt logprobs ([] when the chunk predicts no
-    prompt token), None when it did not ask; None for the whole batch when nobody did."""
+    prompt token; None when it did not ask), and the prompt position of the chunk's first entry
+    (a request preempted mid-prefill recomputes from position 1: the front end must know where
+    entries belong); None for the whole batch when nobody asked."""
     rows: list[int] = []  # rows of `hidden`
     targets: list[int] = []  # the prompt token each row predicts
     num_top: list[int] = []  # each row's top-n
@@ -45,6 +47,7 @@ def compute_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor,
         return None
     result: list[list[TokenLogprobs] | None] = [
         [] if req.state.sampling_params.prompt_logprobs is not None else None for req in batch.requests]
+    starts = [req.state.num_computed_tokens + 1 for req in batch.requests]
     for begin in range(0, len(rows), LOGITS_SLICE):
         end = begin + LOGITS_SLICE
         row_index = torch.tensor(rows[begin:end], dtype=torch.int64, device=hidden.device)
@@ -53,4 +56,4 @@ def compute_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor,
         tensors = gather_logprobs(logprobs, max(num_top[begin:end]), target)
         for owner, entry in zip(owners[begin:end], to_token_logprobs(tensors, num_top[begin:end])):
             result[owner].append(entry)
-    return result
+    return result, starts

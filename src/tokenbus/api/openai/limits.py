@@ -32,14 +32,16 @@ class RequestLimits:
         None, f"characters of prompt text, of a chat's contents, of /tokenize input (default: "
               f"{MAX_CHARS_PER_TOKEN} × the context length)")
     max_chat_messages: int = _cap(2048, "messages of one chat")
+    max_tools: int = _cap(128, "tools (or functions) of one chat")
     max_stop_strings: int = _cap(16, "stop strings of one request")
     max_stop_string_chars: int = _cap(1024, "characters of one stop string")
     max_logit_bias: int = _cap(1024, "logit_bias entries")
     max_schema_bytes: int = _cap(64 * 1024, "bytes of a JSON schema, grammar or choice list")
     max_schema_depth: int = _cap(64, "nesting depth of a JSON schema")
     max_regex_chars: int = _cap(4096, "characters of a structured-output regex")
-    max_prompt_logprob_entries: int = _cap(1 << 20, "prompt positions × (1 + prompt_logprobs) of a "
-                                                     "prompt (echo with logprobs, prompt_logprobs)")
+    max_prompt_logprob_entries: int = _cap(1 << 18, "prompt positions × (1 + prompt_logprobs), summed "
+                                                     "over a request's prompts (echo with logprobs, "
+                                                     "prompt_logprobs)")
 
     @staticmethod
     def flag(name: str) -> str:

@@ -42,8 +42,9 @@ def completion_params(req: CompletionRequest, prompt_len: int, limits: ParamLimi
     max_tokens = _check_max_tokens("max_tokens", requested, prompt_len, limits.max_model_len)
     # echo + logprobs: the echoed prompt's tokens carry logprobs too (OpenAI's legacy API).
     prompt_logprobs = req.prompt_logprobs
-    if req.echo and req.logprobs is not None:
-        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    if req.echo and req.logprobs is not None:  # the larger of the two; -1 (everything) is the largest
+        wanted = (req.logprobs, prompt_logprobs if prompt_logprobs is not None else 0)
+        prompt_logprobs = -1 if -1 in wanted else max(wanted)
     return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                           **_common(req, limits))
 

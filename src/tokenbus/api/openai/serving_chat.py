@@ -21,7 +21,7 @@ from tokenbus.api.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatC
                                           ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                           ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                           FunctionCall, ToolCall, UsageInfo)
-from tokenbus.api.openai.request_params import chat_params, make_usage, truncate_prompt
+from tokenbus.api.openai.request_params import chat_params, check_n, check_spec_size, make_usage, truncate_prompt
 from tokenbus.api.openai.tools import (ToolPlan, messages_for_template, new_call_id, plan_tools,
                                        template_supports_tools)
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
@@ -73,7 +73,9 @@ class ChatChoiceState:
 class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.preflight(request, request.model)
-        self.check_messages(request.messages)
+        self.check_messages(request.messages, request.tools, request.functions)
+        check_n(request, self.ctx.limits.caps)
+        self.ctx.admission.check_room(request.n)  # overloaded: refuse before preparing
         run = await self.prepare(self.build_run, request)
         return await self.respond(raw, request.stream, request.n, run)
 
@@ -97,10 +99,13 @@ class ChatServing(OpenAIServing):
             if params.structured_outputs is not None:
                 raise ValueError("tool_choice: a required or named tool call cannot be combined with "
                                  "response_format / structured_outputs")
+            check_spec_size(constraint, self.ctx.limits.caps)
             params = params.clone(structured_outputs=constraint)
+        if plan is not None and plan.mode == "auto" and plan.parser.needs_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # its marker is a special token
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
         params = self.validate(truncated, params)
-        self.check_prompt_logprobs(len(truncated), params)
+        self.check_prompt_logprobs([(len(truncated), params)])
         echo = messages[-1]["content"] if request.echo and messages[-1].get("role") == ASSISTANT else ""
         return ChatRun(new_request_id("chatcmpl"), request, self.response_model_name(request.model),
                        text if truncated is token_ids else None, truncated, params, echo_text=echo,
@@ -111,8 +116,10 @@ class ChatServing(OpenAIServing):
         compiled once per schema, then cached by the validator."""
         validator = self.engine.input_processor.structured_validator
         for index, schema in enumerate(plan.parameters.values()):
+            spec = StructuredOutputsParams(json=schema)
             try:
-                validator.validate(StructuredOutputsParams(json=schema))
+                check_spec_size(spec, self.ctx.limits.caps)
+                validator.validate(spec)
             except ValueError as exc:
                 reason = str(exc).removeprefix("structured_outputs: ")
                 raise ValueError(f"tools[{index}].function.parameters: {reason}") from None
@@ -346,6 +353,11 @@ def normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str):
         raise ValueError(f"messages[{index}].role: required, and must be a string")
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+        raise ValueError(f'messages[{index}].tool_calls: expected [{{"id", "type": "function", '
+                         f'"function": {{"name", "arguments"}}}}, ...]')
     content = message.get("content")
     if content is None:
         if role not in CONTENT_OPTIONAL_ROLES:

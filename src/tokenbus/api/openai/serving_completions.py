@@ -106,6 +106,7 @@ class CompletionServing(OpenAIServing):
                              "nothing generated)")
         if request.stream and request.echo and request.logprobs is not None and request.n > 1:
             raise ValueError("echo: streaming echo with logprobs is supported for n = 1 only")
+        self.ctx.admission.check_room(len(prompts) * request.n)  # overloaded: refuse before preparing
         run = await self.prepare(self._prepare, request, prompts)
         return await self.respond(raw, request.stream, request.n * len(run.prompts), run)
 
@@ -121,10 +122,10 @@ class CompletionServing(OpenAIServing):
                 text, token_ids = None, truncated  # echo decodes what is left
             params = completion_params(request, len(token_ids), self.ctx.limits)
             params = self.validate(token_ids, params)
-            self.check_prompt_logprobs(len(token_ids), params)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prepared.append(PreparedPrompt(request_id, text, token_ids, params))
         self.check_request_tokens(sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared))
+        self.check_prompt_logprobs([(len(p.token_ids), p.params) for p in prepared])
         return CompletionRun(base_id, request, self.response_model_name(request.model), prepared,
                              with_cache_details=self.ctx.enable_prompt_tokens_details)
 

@@ -37,6 +37,7 @@ class EmbeddingServing(OpenAIServing):
         inputs = split_prompts(request.input)
         self.ctx.limits.caps.check("max_sequences_per_request", len(inputs), "number of inputs", "input")
         self.check_text_length("input", sum(len(p) for p in inputs if isinstance(p, str)))
+        self.ctx.admission.check_room(len(inputs))
         run = await self.prepare(self._prepare, request, inputs)
         return await self.respond(raw, False, len(run.prompts), run)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import concurrent.futures
 import logging
 import math
@@ -155,21 +156,29 @@ class OpenAIServing:
     def check_text_length(self, name: str, num_chars: int) -> None:
         self.ctx.limits.caps.check("max_input_chars", num_chars, "number of characters", name)
 
-    def check_messages(self, messages: list) -> None:
-        """The caps on a chat (cheap: before anything is rendered)."""
-        self.ctx.limits.caps.check("max_chat_messages", len(messages), "number of messages", "messages")
-        self.check_text_length("messages", sum(_content_chars(m) for m in messages))
+    def check_messages(self, messages: list, tools: list | None = None, functions: list | None = None) -> None:
+        """The caps on a chat (cheap: before anything is rendered). Tools and the calls in the
+        history are rendered too: their JSON counts like text."""
+        caps = self.ctx.limits.caps
+        caps.check("max_chat_messages", len(messages), "number of messages", "messages")
+        tools = (tools or []) + (functions or [])
+        caps.check("max_tools", len(tools), "number of tools", "tools")
+        num_chars = sum(_content_chars(m) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        num_chars += sum(len(json.dumps(m["tool_calls"])) for m in messages
+                         if isinstance(m, dict) and m.get("tool_calls"))
+        self.check_text_length("messages", num_chars)
 
     def check_request_tokens(self, num_tokens: int) -> None:
         self.ctx.limits.caps.check("max_request_tokens", num_tokens,
                                    "number of tokens (prompt + max_tokens over all sequences)", "max_tokens")
 
-    def check_prompt_logprobs(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """What prompt logprobs cost the response (and the engine's output), bounded."""
-        if params.prompt_logprobs is not None:
-            self.ctx.limits.caps.check("max_prompt_logprob_entries",
-                                       num_prompt_tokens * (1 + params.prompt_logprobs),
-                                       "prompt positions × (1 + prompt_logprobs)", "prompt_logprobs")
+    def check_prompt_logprobs(self, prompts: list[tuple[int, SamplingParams]]) -> None:
+        """What prompt logprobs cost the response (and the engine's output), bounded over the
+        request's (prompt length, params) pairs."""
+        entries = sum(n * (1 + params.prompt_logprobs) for n, params in prompts
+                      if params.prompt_logprobs is not None)
+        self.ctx.limits.caps.check("max_prompt_logprob_entries", entries,
+                                   "prompt positions × (1 + prompt_logprobs)", "prompt_logprobs")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a prompt and its parameters; the parameters as the engine will run them

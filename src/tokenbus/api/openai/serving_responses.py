@@ -9,6 +9,7 @@ input/output tokens. Streamed, it is the typed event sequence OpenAI sends:
     response.created → response.in_progress → response.output_item.added →
     response.content_part.added → response.output_text.delta … → response.output_text.done →
     response.content_part.done → response.output_item.done → response.completed
+    (response.incomplete when max_output_tokens cut it short)
 
 (function calls: output_item.added → function_call_arguments.delta/done → output_item.done).
 Responses are kept in a bounded in-memory store (LRU) for GET and previous_response_id, unless
@@ -85,7 +86,8 @@ class ResponsesServing(OpenAIServing):
         self.preflight(request, request.model)
         conversation = self._conversation(request)
         chat_request = _chat_request(request, conversation)
-        self.check_messages(chat_request.messages)
+        self.check_messages(chat_request.messages, chat_request.tools)
+        self.ctx.admission.check_room(1)
         chat_run = await self.prepare(self.chat.build_run, chat_request)
         return await self.respond(raw, request.stream, 1, ResponsesRun(chat_run, request, conversation))
 
@@ -141,6 +143,7 @@ class ResponsesServing(OpenAIServing):
         try:
             async with aclosing(self.chat.generate(run.chat)) as outputs:
                 async for out in outputs:
+                    run.chat.num_cached_tokens = out.num_cached_tokens
                     for output in out.outputs:
                         fold_choice(state, output, None)
                         if not streams_text or not output.text:
@@ -159,7 +162,8 @@ class ResponsesServing(OpenAIServing):
                 for index, item in enumerate(body["output"]):
                     for event in _item_events(run, index, item):
                         yield event
-            yield run.event("response.completed", response=body)
+            yield run.event("response.completed" if body["status"] == "completed" else "response.incomplete",
+                            response=body)
         except Exception as exc:
             yield run.event("error", **error_event_body(exc, self.ctx.known_params)["error"])
 
@@ -207,6 +211,8 @@ def _chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> 
                               "max_completion_tokens": request.max_output_tokens,
                               "temperature": request.temperature, "top_p": request.top_p}
     fmt = (request.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ValueError('text: format must be an object such as {"type": "json_schema", ...}')
     if fmt is not None:
         if fmt.get("type") == "json_schema":
             fields["response_format"] = {"type": "json_schema", "json_schema": {

@@ -54,8 +54,17 @@ class ToolCallParser:
     # How a call begins; streamed text is held back while it could still be the start of one.
     marker: str
     calls_after_text = False  # whether calls may follow prose (else they open the output)
+    needs_special_tokens = False  # the marker is a special token: detokenize with it kept
 
     def parse(self, text: str) -> ParsedOutput:
+        """Never raises: whatever a model writes (sets in a pythonic call, JSON nested past the
+        recursion limit) that does not parse as calls is content."""
+        try:
+            return self._parse(text)
+        except Exception:  # noqa: BLE001 - the model's text decides, not our parser
+            return ParsedOutput(text, [])
+
+    def _parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
 
     def may_start_call(self, text: str) -> bool:
@@ -68,7 +77,7 @@ class HermesParser(ToolCallParser):
     name, marker, calls_after_text = "hermes", "<tool_call>", True
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
-    def parse(self, text: str) -> ParsedOutput:
+    def _parse(self, text: str) -> ParsedOutput:
         start = text.find(self.marker)
         if start < 0:
             return ParsedOutput(text, [])
@@ -87,7 +96,7 @@ class HermesParser(ToolCallParser):
 class Llama3JsonParser(ToolCallParser):
     name, marker = "llama3_json", "{"
 
-    def parse(self, text: str) -> ParsedOutput:
+    def _parse(self, text: str) -> ParsedOutput:
         stripped = text.strip().removeprefix("<|python_tag|>").strip()
         if not stripped.startswith("{"):
             return ParsedOutput(text, [])
@@ -108,9 +117,9 @@ class Llama3JsonParser(ToolCallParser):
 
 
 class MistralParser(ToolCallParser):
-    name, marker, calls_after_text = "mistral", "[TOOL_CALLS]", True
+    name, marker, calls_after_text, needs_special_tokens = "mistral", "[TOOL_CALLS]", True, True
 
-    def parse(self, text: str) -> ParsedOutput:
+    def _parse(self, text: str) -> ParsedOutput:
         start = text.find(self.marker)
         if start < 0:
             return ParsedOutput(text, [])
@@ -128,7 +137,7 @@ class MistralParser(ToolCallParser):
 class PythonicParser(ToolCallParser):
     name, marker = "pythonic", "["
 
-    def parse(self, text: str) -> ParsedOutput:
+    def _parse(self, text: str) -> ParsedOutput:
         stripped = text.strip()
         if not (stripped.startswith("[") and stripped.endswith("]")):
             return ParsedOutput(text, [])

@@ -105,7 +105,8 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolCallParser | None) ->
         raise ValueError("tools: function names must be unique")
     choice = "auto" if choice is None else choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function")
+        name = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
         if not isinstance(name, str):
             raise ValueError('tool_choice: expected "none", "auto", "required" or '
                              '{"type": "function", "function": {"name": ...}}')

@@ -276,9 +276,10 @@ class Scheduler:
             self._free_request(request)
         elif runner_output.spec_token_ids is not None:
             request.spec_token_ids = self._valid_drafts(request, runner_output.spec_token_ids[index])
-        prompt_logprobs = None
+        prompt_logprobs, prompt_logprobs_start = None, 0
         if runner_output.prompt_logprobs is not None:
             prompt_logprobs = runner_output.prompt_logprobs[index] or None
+            prompt_logprobs_start = runner_output.prompt_logprobs_start[index]
         if not new_token_ids and not request.is_finished and prompt_logprobs is None:
             return None  # a partial prefill chunk: nothing to report
         logprobs = None
@@ -289,6 +290,7 @@ class Scheduler:
             new_token_ids=new_token_ids,
             new_logprobs=logprobs,
             new_prompt_logprobs=prompt_logprobs,
+            prompt_logprobs_start=prompt_logprobs_start,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
