@@ -22,6 +22,7 @@ class ScheduledRequest:
     state: CachedRequestState
     num_new_tokens: int
     draft_token_ids: list[int]
+    pools: bool = False  # an embedding request: pooled (worker/pooling.py), never sampled
 
     @property
     def is_decode(self) -> bool:
@@ -35,7 +36,7 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """Only a chunk that reaches the end of the known tokens produces a token (embedding
         requests never do: they are pooled)."""
-        return self.completes_prompt and self.state.sampling_params.pooling is None
+        return self.completes_prompt and not self.pools
 
 
 @dataclass

@@ -89,7 +89,8 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         scheduled = [
             ScheduledRequest(self.requests[req_id], num_new,
-                             so.scheduled_spec_decode_tokens.get(req_id, []))
+                             so.scheduled_spec_decode_tokens.get(req_id, []),
+                             pools=self.requests[req_id].sampling_params.pooling is not None)
             for req_id, num_new in so.num_scheduled_tokens.items()
         ]
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches)
