@@ -114,14 +114,20 @@ class CompletionServing(OpenAIServing):
         base_id = new_request_id("cmpl")
         processor = self.engine.input_processor
         prepared = []
+        # The parameters depend on a prompt only through its length (the max_tokens check):
+        # built and validated (grammar included) once per length, not once per prompt.
+        params_for_length: dict[int, SamplingParams] = {}
         for i, prompt in enumerate(prompts):
             text, token_ids = processor.tokenize(prompt if isinstance(prompt, str)
                                                  else {"prompt_token_ids": prompt})
             truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len)
             if truncated is not token_ids:
                 text, token_ids = None, truncated  # echo decodes what is left
-            params = completion_params(request, len(token_ids), self.ctx.limits)
-            params = self.validate(token_ids, params)
+            params = params_for_length.get(len(token_ids))
+            if params is None:
+                params = completion_params(request, len(token_ids), self.ctx.limits)
+                params = params_for_length[len(token_ids)] = self.validate_params(params)
+            processor.validate_prompt(token_ids, params)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prepared.append(PreparedPrompt(request_id, text, token_ids, params))
         self.check_request_tokens(sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared))

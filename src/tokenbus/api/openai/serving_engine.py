@@ -181,11 +181,15 @@ class OpenAIServing:
                                    "prompt positions × (1 + prompt_logprobs)", "prompt_logprobs")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Check a prompt and its parameters; the parameters as the engine will run them
-        (logprobs -1 spelled out as the vocabulary's size)."""
+        """Check a prompt and its parameters; the parameters as the engine will run them."""
+        params = self.validate_params(params)
+        self.engine.input_processor.validate_prompt(prompt_token_ids, params)
+        return params
+
+    def validate_params(self, params: SamplingParams) -> SamplingParams:
+        """Check parameters (grammar included); logprobs -1 spelled out as the vocabulary's size."""
         processor = self.engine.input_processor
         processor.validate_params(params)
-        processor.validate_prompt(prompt_token_ids, params)
         return params.with_resolved_logprobs(processor.vocab_size)
 
     def response_model_name(self, model: str | None) -> str:

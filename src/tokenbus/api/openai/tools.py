@@ -169,23 +169,23 @@ def messages_for_template(messages: list[dict[str, Any]], plan: ToolPlan | None,
     return rendered
 
 
-def _call_json(call: dict) -> dict:
-    function = call.get("function") or {}
+def _arguments_object(function: dict) -> Any:
+    """A call's arguments as an object (OpenAI sends JSON text); text that is not JSON as is."""
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            return json.loads(arguments)
         except ValueError:
             pass
-    return {"name": function.get("name"), "arguments": arguments}
+    return arguments
+
+
+def _call_json(call: dict) -> dict:
+    function = call.get("function") or {}
+    return {"name": function.get("name"), "arguments": _arguments_object(function)}
 
 
 def _with_object_arguments(call: dict) -> dict:
     call = copy.deepcopy(call)
-    function = call.get("function") or {}
-    if isinstance(function.get("arguments"), str):
-        try:
-            function["arguments"] = json.loads(function["arguments"])
-        except ValueError:
-            pass
+    call["function"]["arguments"] = _arguments_object(call["function"])
     return call
