@@ -156,6 +156,67 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector (kv_transfer/): which one, and whether this instance produces KV (saves or
+    serves it), consumes it (loads it instead of computing) or both."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    # A block that fails to load: recompute its tokens, or fail the request.
+    kv_load_failure_policy: str = "recompute"
+    engine_id: str | None = None  # names this instance to its peers; None: one is made up
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ValueError("kv_transfer_config.kv_connector must name a connector")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config.kv_load_failure_policy must be one of "
+                             f"{KV_LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object")
+        if self.engine_id is None:  # resolved once, here: every half and rank sees the same
+            import uuid
+
+            object.__setattr__(self, "engine_id", f"tokenbus-{uuid.uuid4().hex[:12]}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, value: "dict | str | KVTransferConfig | None") -> "KVTransferConfig | None":
+        import json
+
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_transfer_config: not valid JSON ({exc})") from exc
+        if not isinstance(value, dict):
+            raise ValueError("kv_transfer_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config: 'kv_connector' is required")
+        return cls(**value)
+
+
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -200,6 +261,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig | None = None
 
 
 def _arg(default=None, help: str | None = None, *, choices: tuple | None = None, flag: bool = True,
@@ -255,6 +317,9 @@ class EngineArgs:
         None, 'JSON overriding single sampling defaults, e.g. \'{"temperature": 0.5}\'')
     speculative_config: dict | str | SpeculativeConfig | None = _arg(
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    kv_transfer_config: dict | str | KVTransferConfig | None = _arg(
+        None, 'JSON naming a KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", '
+              '"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'')
     tensor_parallel_size: int = _arg(1, "ranks that split each layer (torch.distributed)")
     data_parallel_size: int = _arg(1, "EngineCore processes behind one load-balancing client")
     distributed_executor_backend: str | None = _arg(
@@ -287,7 +352,15 @@ class EngineArgs:
             scheduler=self._sub_config(SchedulerConfig, resolved),
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
             parallel=self._sub_config(ParallelConfig, resolved),
+            kv_transfer=self._kv_transfer_config(),
         )
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        if config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_transfer_config: KV connectors run with tensor_parallel_size 1 "
+                             f"(got {self.tensor_parallel_size})")
+        return config
 
     def _sub_config(self, cls: type, resolved: dict):
         names = [f.name for f in dataclasses.fields(cls)]

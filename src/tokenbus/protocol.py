@@ -52,6 +52,8 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Wall-clock time (time.time(), the clock of EngineRequest.arrival_time) at which the engine
     # first scheduled the request; set on the request's first output only (queue-time metric).
     first_scheduled_time: float = 0.0
+    # A finished request's KV connector params (a prefiller's: where a decoder finds its KV).
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,6 +73,14 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # KV connector (kv_transfer/): prefix tokens looked up / found outside the pool this step,
+    # and K/V moved.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_load_seconds: float = 0.0
+    kv_save_seconds: float = 0.0
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -59,6 +59,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # An embedding request: the prompt's final hidden states pooled ("last" token or "mean"),
     # L2-normalised, instead of generated tokens; it finishes when its prefill does.
     pooling: str | None = None
+    # Disaggregated prefill/decode (kv_transfer/): what the instance's KV connector needs, e.g.
+    # {"do_remote_decode": true} on a prefiller, or a prefiller's returned params on a decoder.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +94,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(s for s in self.stop), "stop", "must not contain an empty string")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
+        _check(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict),
+               "kv_transfer_params", "must be an object")
         _check(self.pooling in (None, "last", "mean"), "pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", f"must fit in int64, got {self.seed}")

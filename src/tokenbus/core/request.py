@@ -76,6 +76,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
+        # Set when it finishes, by the KV connector (kv_transfer/): sent with its last output.
+        self.kv_transfer_params_out: dict | None = None
+        self.kv_load_failed = False  # a connector load failed: compute everything from now on
         self._block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
@@ -84,6 +87,11 @@ class Request:
     def from_engine_request(cls, req: EngineRequest, block_hasher: BlockHasher | None = None) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
                    req.arrival_time, req.cache_salt, req.priority, block_hasher)
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """What the client sent for the KV connector (SamplingParams.kv_transfer_params)."""
+        return self.sampling_params.kv_transfer_params
 
     @property
     def num_prompt_tokens(self) -> int:

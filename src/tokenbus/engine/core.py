@@ -52,8 +52,15 @@ class EngineCore:
                                                enable_caching=config.cache.enable_prefix_caching)
         self._block_hasher = make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         self.grammar_manager = _make_grammar_manager(config, source, arch, eos_token_id)
+        self.kv_connector = _make_scheduler_connector(config, arch)
+        if self.kv_connector is not None:
+            block_size = config.cache.block_size
+            self._block_hasher = make_block_hasher(block_size)  # connectors key blocks by hash
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.grammar_manager,
-                                   num_lookahead_tokens=_num_lookahead_tokens(config))
+                                   num_lookahead_tokens=_num_lookahead_tokens(config),
+                                   kv_connector=self.kv_connector,
+                                   kv_load_failure_policy=(config.kv_transfer.kv_load_failure_policy
+                                                           if config.kv_transfer else "recompute"))
         # req_id → wall-clock time of its first scheduling, until its first output carries it.
         self._first_scheduled_times: dict[str, float] = {}
 
@@ -109,7 +116,18 @@ class EngineCore:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
+        if getattr(self, "kv_connector", None) is not None and hasattr(self.kv_connector, "shutdown"):
+            self.kv_connector.shutdown()
         self.executor.shutdown()
+
+
+def _make_scheduler_connector(config: EngineConfig, arch: ModelArch):
+    if config.kv_transfer is None:
+        return None
+    from tokenbus.kv_transfer.factory import connector_context, make_scheduler_connector
+    from tokenbus.worker.worker import connector_layout
+
+    return make_scheduler_connector(connector_context(config.kv_transfer, connector_layout(config, arch)))
 
 
 def _num_lookahead_tokens(config: EngineConfig) -> int:

@@ -37,6 +37,7 @@ class ParentRequest:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
     pooled: list[float] | None = None  # an embedding request's vector, from its last output
+    kv_transfer_params: dict | None = None  # the KV connector's, from its last output
 
     @property
     def finished(self) -> bool:
@@ -116,6 +117,8 @@ class OutputProcessor:
         child.parent.num_cached_tokens = out.num_cached_tokens
         if out.pooled is not None:
             child.parent.pooled = out.pooled
+        if out.kv_transfer_params is not None:
+            child.parent.kv_transfer_params = out.kv_transfer_params
         prompt_logprobs = child.parent.prompt_logprobs
         if out.new_prompt_logprobs and prompt_logprobs is not None:
             # Entries cover positions start, start + 1, ...; a preempted request recomputes its
@@ -189,7 +192,8 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions, finished=finished,
             metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs, pooled=parent.pooled)
+            prompt_logprobs=prompt_logprobs, pooled=parent.pooled,
+            kv_transfer_params=parent.kv_transfer_params if finished else None)
 
     def _finish_child(self, child: ChildState) -> None:
         del self.children[child.request_id]

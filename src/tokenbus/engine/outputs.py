@@ -58,3 +58,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = field(default=None)
     pooled: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling)
+    # Set on the final output by a KV connector: a prefiller's says where a decoder finds the KV.
+    kv_transfer_params: dict | None = None

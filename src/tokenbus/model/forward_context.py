@@ -8,6 +8,7 @@ flattened batch belongs to request r where query_start_loc[r] <= i < query_start
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,9 @@ class ForwardContext:
     seq_lens_t: torch.Tensor  # [num_reqs] int64, the same on the device
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64, padded with 0 (the null block)
     num_decodes: int  # the first num_decodes requests have query length 1
+    # A KV connector's worker half (kv_transfer/base.KVConnectorWorker), told of each layer:
+    # wait_for_layer_load(i) before layer i runs, save_kv_layer(i, cache) after.
+    kv_connector: Any = None
 
     @property
     def num_reqs(self) -> int:

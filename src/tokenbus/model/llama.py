@@ -133,9 +133,14 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
         plan = build_attention_plan(ctx, x.dtype, self.attention_kernel)
         residual = None
+        connector = ctx.kv_connector
         for layer_idx in range(num_layers):
+            if connector is not None:
+                connector.wait_for_layer_load(layer_idx)
             x, residual = self.layers[layer_idx](x, residual, cos, sin, ctx.kv_caches[layer_idx],
                                                  ctx.slot_mapping, plan)
+            if connector is not None:
+                connector.save_kv_layer(layer_idx, ctx.kv_caches[layer_idx])
         return self.norm.add_and_norm(x, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
+from tokenbus.kv_transfer.base import KVConnectorWorker
 from tokenbus.protocol import TokenLogprobs
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.manager import bitmask_rows, pad_bitmask_rows
@@ -30,7 +31,7 @@ from tokenbus.worker.spec_decode import (
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, model: torch.nn.Module,
                  kv_caches: list[torch.Tensor], device: torch.device,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, kv_connector: KVConnectorWorker | None = None) -> None:
         self.config = config
         self.arch = arch
         self.model = model
@@ -54,6 +55,7 @@ class ModelRunner:
         self.num_spec_tokens = num_spec
         self.proposer = make_proposer(config, arch, model, kv_caches, device)
         self.requests: dict[str, CachedRequestState] = {}
+        self.kv_connector = kv_connector
 
     # ------------------------------------------------------------------ state updates
     def update_states(self, so: SchedulerOutput) -> None:
@@ -85,6 +87,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute(so)
+        # Loads land before any layer reads the pool; saves end before its blocks may change.
+        connector.bind_connector_metadata(so.kv_connector_metadata)
+        connector.start_load_kv()
+        output = self._execute(so)
+        connector.wait_for_save()
+        kv_output = connector.build_output(so.finished_req_ids)
+        if kv_output is not None:
+            if output is EMPTY_MODEL_RUNNER_OUTPUT:
+                output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            output.kv_connector_output = kv_output
+        return output
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         scheduled = [
@@ -94,6 +112,7 @@ class ModelRunner:
             for req_id, num_new in so.num_scheduled_tokens.items()
         ]
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches)
+        batch.ctx.kv_connector = self.kv_connector
         hidden = self.model(batch.input_ids, batch.ctx)
         sampled, logprobs = self._sample(batch, hidden, so)
         output = self._make_output(batch, sampled, logprobs)

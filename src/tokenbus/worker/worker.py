@@ -9,6 +9,8 @@ import torch
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
+from tokenbus.kv_transfer.base import KVLayout, kv_layout
+from tokenbus.kv_transfer.factory import connector_context, make_worker_connector
 from tokenbus.loader import ModelSource
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
@@ -116,8 +118,13 @@ class Worker:
         # KV tensors are zero-filled lazily by the OS: RSS grows as blocks are first written.
         logger.info("memory: weights %.1f MiB, KV cache %.1f MiB (resident as blocks fill), peak RSS %.1f MiB",
                     model_weight_bytes(self.model) / 2**20, kv_bytes / 2**20, peak_rss_bytes() / 2**20)
+        self.kv_connector = None
+        if self.config.kv_transfer is not None:
+            ctx = connector_context(self.config.kv_transfer, connector_layout(self.config, self.rank_arch))
+            self.kv_connector = make_worker_connector(ctx)
+            self.kv_connector.register_kv_caches(kv_caches)
         self.runner = ModelRunner(self.config, self.arch, self.model, kv_caches, self.device,
-                                  self.eos_token_id)
+                                  self.eos_token_id, self.kv_connector)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs the step (and samples the same tokens from the same gathered
@@ -129,8 +136,17 @@ class Worker:
         """A rank is healthy while it answers."""
 
     def shutdown(self) -> None:
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.shutdown()
         if self.tp.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def connector_layout(config: EngineConfig, arch: ModelArch) -> KVLayout:
+    """The KV layout a connector keys and checks blocks by (both halves compute the same)."""
+    dtype = resolve_dtype(config.model.dtype, resolve_device(config.model.device))
+    return kv_layout(config.model.model or "smollm2", dtype, config.model.quantization,
+                     config.cache.block_size, arch)
 
 
 def cpu_threads(config: EngineConfig) -> int:

@@ -108,6 +108,8 @@ class SamplingFields(OpenAIRequest):
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt's tokens, top-n each
+    # vLLM: disaggregated prefill/decode, for the instance's KV connector (see tokenbus proxy).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class PromptTokensDetails(OpenAIResponse):
@@ -169,6 +171,7 @@ class CompletionResponse(OpenAIResponse):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = OnRequest()  # a KV connector's, when it set some
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +244,7 @@ class ChatCompletionResponse(OpenAIResponse):
     usage: UsageInfo
     prompt_token_ids: list[int] | None = OnRequest()  # with return_token_ids
     prompt_logprobs: PromptLogprobs | None = OnRequest()  # with prompt_logprobs
+    kv_transfer_params: dict[str, Any] | None = OnRequest()  # a KV connector's, when it set some
 
 
 class DeltaFunctionCall(OpenAIResponse):

@@ -100,6 +100,7 @@ def _common(req: SamplingFields, limits: ParamLimits) -> dict[str, Any]:
         raise ValueError("best_of: values other than n are not supported")
     check_stream_options(req)
     check_stop(req, limits.caps)
+    check_kv_transfer_params(req)
     return dict(
         n=req.n, temperature=limits.default("temperature", req.temperature),
         top_p=limits.default("top_p", req.top_p), top_k=limits.default("top_k", req.top_k),
@@ -109,7 +110,19 @@ def _common(req: SamplingFields, limits: ParamLimits) -> dict[str, Any]:
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         logit_bias=_logit_bias(req.logit_bias, limits.caps), min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req, limits.caps))
+        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req, limits.caps),
+        kv_transfer_params=req.kv_transfer_params)
+
+
+# kv_transfer_params is a small object (ids, host, port, block ids): bounded so that a hostile
+# one cannot make the engine's serialisation recurse deeply.
+MAX_KV_TRANSFER_PARAMS_DEPTH = 4
+
+
+def check_kv_transfer_params(req: SamplingFields) -> None:
+    params = req.kv_transfer_params
+    if params is not None and json_depth(params, MAX_KV_TRANSFER_PARAMS_DEPTH) > MAX_KV_TRANSFER_PARAMS_DEPTH:
+        raise ValueError(f"kv_transfer_params: nested deeper than {MAX_KV_TRANSFER_PARAMS_DEPTH} levels")
 
 
 def check_stop(req: SamplingFields, caps: RequestLimits) -> None:

@@ -53,6 +53,7 @@ class ChatRun:
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, from the outputs
     prompt_logprobs: list | None = None  # from the outputs, when asked for
+    kv_transfer_params: dict | None = None  # from the final output, when a KV connector set them
     with_cache_details: bool = False  # --enable-prompt-tokens-details
 
     def usage(self, num_completion_tokens: int) -> UsageInfo:
@@ -141,13 +142,15 @@ class ChatServing(OpenAIServing):
             async for out in outputs:
                 run.num_cached_tokens = out.num_cached_tokens
                 run.prompt_logprobs = out.prompt_logprobs or run.prompt_logprobs
+                run.kv_transfer_params = out.kv_transfer_params or run.kv_transfer_params
                 for output in out.outputs:
                     fold_choice(states[output.index], output, self._delta_logprobs(run, output))
         choices = [self.final_choice(run, i, s) for i, s in sorted(states.items())]
         body = ChatCompletionResponse(id=run.request_id, created=run.created, model=run.model,
                                       choices=choices,
                                       usage=run.usage(sum(s.num_tokens for s in states.values())),
-                                      prompt_token_ids=run.prompt_token_ids if run.request.return_token_ids else None)
+                                      prompt_token_ids=run.prompt_token_ids if run.request.return_token_ids else None,
+                                      kv_transfer_params=run.kv_transfer_params)
         if run.prompt_logprobs is not None:
             body.prompt_logprobs = prompt_logprobs_body(run.prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")

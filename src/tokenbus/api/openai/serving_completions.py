@@ -33,6 +33,7 @@ class PreparedPrompt:
     params: SamplingParams
     num_cached_tokens: int = 0  # from the engine's outputs
     prompt_logprobs: list | None = None  # from the engine's outputs, when asked for
+    kv_transfer_params: dict | None = None  # from the final output, when a KV connector set them
 
 
 @dataclass
@@ -188,6 +189,8 @@ class CompletionServing(OpenAIServing):
                 prompt.num_cached_tokens = out.num_cached_tokens
                 if out.prompt_logprobs is not None:
                     prompt.prompt_logprobs = out.prompt_logprobs
+                if out.kv_transfer_params is not None:
+                    prompt.kv_transfer_params = out.kv_transfer_params
                 for output in out.outputs:
                     index = run.choice_index(p_idx, output.index)
                     state = states.setdefault(index, ChoiceState())
@@ -210,7 +213,8 @@ class CompletionServing(OpenAIServing):
                 state.logprobs = merge_completion_logprobs(echoed, state.logprobs) if state.logprobs else echoed
         choices = [self._final_choice(run, i, s) for i, s in sorted(states.items())]
         body = CompletionResponse(id=run.request_id, created=run.created, model=run.model,
-                                  choices=choices, usage=run.usage(_num_tokens(states)))
+                                  choices=choices, usage=run.usage(_num_tokens(states)),
+                                  kv_transfer_params=run.prompts[0].kv_transfer_params)
         return Response(body.model_dump_json(), media_type="application/json")
 
     def _final_choice(self, run: CompletionRun, index: int, state: ChoiceState) -> CompletionChoice:

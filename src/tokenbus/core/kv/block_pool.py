@@ -63,7 +63,7 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
-            self._evict_cached_hash(block)
+            self.evict_cached_hash(block)
             block.ref_cnt = 1
         return blocks
 
@@ -154,7 +154,7 @@ class BlockPool:
         _require(num_mapped == num_hashed,
                  f"{num_hashed} blocks carry a hash but the hash map holds {num_mapped}")
 
-    def _evict_cached_hash(self, block: KVBlock) -> None:
+    def evict_cached_hash(self, block: KVBlock) -> None:
         """Drop ``block`` from the hash map before its KV is overwritten."""
         if block.block_hash is None:
             return

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from tokenbus.core.kv.block import KVBlock
@@ -56,7 +56,7 @@ class KVCacheManager:
         Call it for a request holding no blocks (``num_computed_tokens == 0``); pass the result
         to ``allocate_slots``. The hit blocks are not referenced until then.
         """
-        if not self.enable_caching or _skips_prefix_cache(request):
+        if not self.enable_caching or skips_prefix_cache(request):
             return [], 0
         # The last token is always recomputed to get its logits: the hit stops at num_tokens - 1,
         # rounded down to whole blocks (a cached 32-token prompt hits 1 block of 16).
@@ -75,7 +75,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
                        new_computed_blocks: Sequence[KVBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVBlock] | None:
+                       num_lookahead_tokens: int = 0,
+                       cache_blocks: bool = True) -> list[KVBlock] | None:
         """Give ``request`` slots for this step; None (changing nothing) if they don't fit.
 
         Token layout of the request after this call::
@@ -85,7 +86,8 @@ class KVCacheManager:
               new_computed_blocks), num_new_tokens to compute now, num_lookahead_tokens draft slots.
 
         Returns the blocks appended to the request's table (hit blocks first, then new ones):
-        the scheduler sends their ids to the worker.
+        the scheduler sends their ids to the worker. ``cache_blocks=False`` registers no new
+        full block yet: a KV connector fills them asynchronously (``cache_blocks`` once loaded).
         """
         if min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) < 0:
             raise ValueError("allocate_slots: token counts must be >= 0")
@@ -112,13 +114,28 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(hit_blocks)
         req_blocks.extend(hit_blocks)
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache_blocks:
             # Cache every block full once this step is computed, so that other requests in the
             # same step can hit it (within a layer, every KV write precedes every read). Capped
             # at num_tokens: lookahead/draft tokens are unverified and never cached.
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self._cache_full_blocks(request, num_tokens_to_cache)
         return hit_blocks + new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks full up to ``num_tokens`` (e.g. after a KV load)."""
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return request_id in self.req_to_blocks
+
+    def evict_cached_blocks(self, block_ids: Iterable[int]) -> None:
+        """Forget the hashes of blocks whose KV is wrong (a failed load): nobody may hit them.
+        Requests holding them must be freed (preempted or failed) before the next step."""
+        for block_id in block_ids:
+            if 0 < block_id < self.block_pool.num_blocks:
+                self.block_pool.evict_cached_hash(self.block_pool.blocks[block_id])
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (finished, aborted or preempted) and forget it."""
@@ -186,7 +203,7 @@ def _require(condition: bool, message: str) -> None:
         raise AssertionError(message)
 
 
-def _skips_prefix_cache(request: Request) -> bool:
+def skips_prefix_cache(request: Request) -> bool:
     """Prompt logprobs and mean pooling need every prompt position computed: no cache reads
     (writes are fine)."""
     params = request.sampling_params

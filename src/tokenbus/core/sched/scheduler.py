@@ -7,23 +7,42 @@ chunked prefill, decode, resume after preemption and speculative verification ar
 Step order: running requests first (in admission order), then waiting ones (strict head of
 line), then `num_computed_tokens` advances optimistically; `update_from_output` appends the
 sampled tokens, rolls back rejected drafts and checks stop conditions.
+
+With a KV connector (kv_transfer/, seen through core/sched/ports.KVConnectorScheduler), a
+waiting request may get tokens from outside the pool:
+- synchronously: the worker loads them before the step's forward; they count as computed at
+  once and the rest of the prompt is scheduled in the same step;
+- asynchronously: the request takes its blocks, waits in WAITING_FOR_REMOTE_KVS (keeping its
+  place, holding nobody up) until the worker reports the load done, then runs like a resumed
+  request. If the whole prompt came in, its last token is computed again for its logits.
+A finished request whose blocks the connector still sends keeps them (a delayed free) until
+the worker reports them sent. Blocks that failed to load are evicted from the prefix cache and
+their requests recompute (preempted) or fail, per kv_load_failure_policy.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from tokenbus.config import SchedulerConfig
 from tokenbus.core.kv import KVCacheManager
-from tokenbus.core.outputs import ModelRunnerOutput
+from tokenbus.core.kv.manager import skips_prefix_cache
+from tokenbus.core.outputs import KVConnectorOutput, ModelRunnerOutput
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from tokenbus.core.sched.ports import GrammarManager
+from tokenbus.core.sched.ports import GrammarManager, KVConnectorScheduler
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 from tokenbus.core.sched.stop import check_stop
 from tokenbus.protocol import EngineOutput, SchedulerStats
+
+
+class _Admission(enum.Enum):
+    ADMITTED = 0
+    NO_ROOM = 1  # strict head of line: nobody behind it is admitted this step
+    WAITS = 2  # it keeps its place but holds nobody up (an asynchronous KV load)
 
 
 @dataclass
@@ -45,6 +64,8 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         grammar_manager: GrammarManager | None = None,
         num_lookahead_tokens: int = 0,
+        kv_connector: KVConnectorScheduler | None = None,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -62,10 +83,22 @@ class Scheduler:
         self._spec_counts = SpecDecodeMetrics()
         # Outputs for requests finished outside a model step (a grammar that failed to compile).
         self._pending_outputs: list[EngineOutput] = []
+        self.connector = kv_connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        # req_id → tokens its asynchronous connector load provides (WAITING_FOR_REMOTE_KVS).
+        self._remote_loads: dict[str, int] = {}
+        # Finished requests whose blocks the connector's worker half still reads (sending) or
+        # writes (an aborted load): freed when the worker reports that request done.
+        self._delayed_free: dict[str, Request] = {}
+        # Preempted outside schedule() (a failed KV load): reported with the next step.
+        self._preempted_outside_step: set[str] = set()
+        self._external_queries_step = 0
+        self._external_hits_step = 0
+        self._kv_output_step: KVConnectorOutput | None = None
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._delayed_free:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         if self.grammar is not None and request.sampling_params.structured_outputs is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -84,13 +117,16 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             request.status = status
-            self._free_request(request)
+            # A load in flight still writes into the request's blocks: keep them until it ends.
+            self._free_request(request, keep_blocks=loading)
             finished.append(request)
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or blocks a connector still moves (the worker must be polled)."""
+        return bool(self.requests) or bool(self._delayed_free)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -111,11 +147,14 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             scheduled_spec_decode_tokens=plan.spec_tokens,
             finished_req_ids=self._finished_req_ids,
-            preempted_req_ids={r.request_id for r in plan.preempted},
+            preempted_req_ids={r.request_id for r in plan.preempted} | self._preempted_outside_step,
         )
         if self.grammar is not None:
             self.grammar.fill_bitmask(output, self.requests)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._finished_req_ids = set()
+        self._preempted_outside_step = set()
         self._advance_computed_tokens(plan)
         return output
 
@@ -188,20 +227,44 @@ class Scheduler:
                         finish_reason=request.status.finish_reason))
                     continue
                 request.status = RequestStatus.WAITING
-            if not self._admit(request, plan):
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.popleft())  # its load is in flight
+                continue
+            admission = self._admit(request, plan)
+            if admission is _Admission.NO_ROOM:
                 break  # strict head of line: nobody overtakes a request that does not fit
+            if admission is _Admission.WAITS:
+                skipped.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
         self.waiting.extendleft(reversed(skipped))
 
-    def _admit(self, request: Request, plan: _StepPlan) -> bool:
-        computed_blocks, num_computed = self.kv.get_computed_blocks(request)
-        num_new = self._num_new_tokens(request, num_computed, plan.token_budget, request.num_tokens)
+    def _admit(self, request: Request, plan: _StepPlan) -> _Admission:
+        resumed_from_load = self.kv.holds_blocks(request.request_id)
+        if resumed_from_load:
+            # Its KV came in through an asynchronous connector load: it keeps its table.
+            computed_blocks, num_computed, num_external, load_async = [], request.num_computed_tokens, 0, False
+        else:
+            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            num_external, load_async = self._external_tokens(request, num_computed)
+            if num_external is None:
+                return _Admission.WAITS  # the connector cannot tell yet
+        if load_async:
+            return self._start_remote_load(request, num_computed, computed_blocks, num_external)
+        num_new = self._num_new_tokens(request, num_computed + num_external, plan.token_budget,
+                                       request.num_tokens)
         if num_new == 0:
-            return False
-        new_blocks = self.kv.allocate_slots(request, num_new, num_computed, computed_blocks,
+            return _Admission.NO_ROOM
+        # External tokens take slots like new ones (the worker loads them before the forward).
+        new_blocks = self.kv.allocate_slots(request, num_external + num_new, num_computed, computed_blocks,
                                             num_lookahead_tokens=self.num_lookahead_tokens)
         if new_blocks is None:
-            return False
+            return _Admission.NO_ROOM
+        request.num_computed_tokens = num_computed  # the local hit: external tokens follow it
+        if self.connector is not None and not resumed_from_load:
+            self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
+                                                    num_external)
+        num_computed += num_external
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
@@ -216,7 +279,31 @@ class Scheduler:
             num_computed_tokens=num_computed,
         ))
         self._record(request, num_new, plan)
-        return True
+        return _Admission.ADMITTED
+
+    def _external_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        """What the connector can provide past the local prefix hit: (tokens, asynchronously?)."""
+        if self.connector is None or skips_prefix_cache(request) or request.kv_load_failed:
+            return 0, False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_computed)
+        if num_external is not None and request.num_cached_tokens < 0:  # first lookup only
+            self._external_queries_step += request.num_tokens - num_computed
+            self._external_hits_step += num_external
+        return num_external, load_async
+
+    def _start_remote_load(self, request: Request, num_computed: int, computed_blocks,
+                           num_external: int) -> _Admission:
+        """Allocate the blocks an asynchronous load fills; not cached until it has."""
+        new_blocks = self.kv.allocate_slots(request, num_external, num_computed, computed_blocks,
+                                            cache_blocks=False)
+        if new_blocks is None:
+            return _Admission.NO_ROOM
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._remote_loads[request.request_id] = num_external
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
+                                                num_external)
+        return _Admission.WAITS
 
     def _record(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         plan.num_scheduled_tokens[request.request_id] = num_new
@@ -242,10 +329,14 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         self._spec_counts = SpecDecodeMetrics()
+        self._kv_output_step = runner_output.kv_connector_output
+        failed_loads: set[str] = set()
+        if self._kv_output_step is not None:
+            failed_loads = self._update_from_kv_output(self._kv_output_step, outputs)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran
+            if request is None or request.is_finished or req_id in failed_loads:
+                continue  # aborted while the step ran, or its KV load failed (recomputed)
             index = runner_output.req_id_to_index[req_id]
             sampled = runner_output.sampled_token_ids[index]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -294,6 +385,7 @@ class Scheduler:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            kv_transfer_params=request.kv_transfer_params_out,
         )
 
     def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineOutput:
@@ -311,8 +403,86 @@ class Scheduler:
             return self.grammar.validate_tokens(request, drafts)
         return drafts
 
-    def _free_request(self, request: Request) -> None:
-        self.kv.free(request)
+    # ------------------------------------------------------------------ KV connector
+    def _update_from_kv_output(self, kv_output: KVConnectorOutput, outputs: list[EngineOutput]) -> set[str]:
+        """Apply the worker half's report; returns the requests whose load failed this step
+        (their sampled tokens are void)."""
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+        failed = self._handle_invalid_blocks(set(kv_output.invalid_block_ids), outputs)
+        for req_id in kv_output.finished_recving:
+            if req_id in self._delayed_free:  # aborted while loading: now nothing writes its blocks
+                self.kv.free(self._delayed_free.pop(req_id))
+                continue
+            request = self.requests.get(req_id)
+            num_external = self._remote_loads.pop(req_id, None)
+            if request is None or num_external is None or req_id in failed:
+                continue
+            request.num_computed_tokens += num_external
+            if request.num_computed_tokens >= request.num_tokens:
+                request.num_computed_tokens = request.num_tokens - 1  # compute the last for logits
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.WAITING  # admitted in its place next step
+        for req_id in kv_output.finished_sending:
+            request = self._delayed_free.pop(req_id, None)
+            if request is not None:
+                self.kv.free(request)
+        return failed
+
+    def _handle_invalid_blocks(self, invalid: set[int], outputs: list[EngineOutput]) -> set[str]:
+        """Blocks whose load failed: evict their hashes; every request holding one recomputes
+        from scratch (preempted: its valid blocks are prefix hits again) or fails."""
+        if not invalid:
+            return set()
+        self.kv.evict_cached_blocks(invalid)
+        affected = [request for request in self.requests.values()
+                    if invalid.intersection(self.kv.get_block_ids(request.request_id))]
+        failed = set()
+        for request in affected:
+            request.kv_load_failed = True  # never asks the connector again: it computes
+            if request.request_id in self._remote_loads and self.kv_load_failure_policy == "recompute":
+                self._truncate_remote_load(request, invalid)
+                continue
+            failed.add(request.request_id)
+            self._remote_loads.pop(request.request_id, None)
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            if self.kv_load_failure_policy == "fail":
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                outputs.append(EngineOutput(request_id=request.request_id, new_token_ids=[],
+                                            finish_reason=request.status.finish_reason))
+                continue
+            self.kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.spec_token_ids = []
+            self.waiting.appendleft(request)
+            self._preempted_outside_step.add(request.request_id)
+        return failed
+
+    def _truncate_remote_load(self, request: Request, invalid: set[int]) -> None:
+        """An asynchronous load that failed in part: keep the blocks before the first bad one
+        (its finished_recving comes in the same report), compute the rest."""
+        block_ids = self.kv.get_block_ids(request.request_id)
+        first_bad = next(i for i, block_id in enumerate(block_ids) if block_id in invalid)
+        valid_tokens = max(first_bad * self.kv.block_size, request.num_computed_tokens)
+        self._remote_loads[request.request_id] = valid_tokens - request.num_computed_tokens
+
+    def _free_request(self, request: Request, keep_blocks: bool = False) -> None:
+        delay_free = keep_blocks
+        if self.connector is not None:
+            delay, request.kv_transfer_params_out = self.connector.request_finished(
+                request, self.kv.get_block_ids(request.request_id))
+            delay_free = delay_free or delay
+        self._remote_loads.pop(request.request_id, None)
+        if delay_free and self.kv.holds_blocks(request.request_id):
+            self._delayed_free[request.request_id] = request
+        else:
+            self.kv.free(request)
         if self.grammar is not None:
             self.grammar.remove_request(request)
         self._finished_req_ids.add(request.request_id)
@@ -333,10 +503,25 @@ class Scheduler:
             spec_num_draft_tokens=self._spec_counts.num_draft_tokens,
             spec_num_accepted_tokens=self._spec_counts.num_accepted_tokens,
             spec_accepted_per_pos=self._spec_counts.accepted_per_pos,
+            **self._kv_transfer_stats(),
         )
+
+    def _kv_transfer_stats(self) -> dict:
+        stats: dict = {}
+        if self.connector is not None:
+            stats.update(external_prefix_cache_queries=self._external_queries_step,
+                         external_prefix_cache_hits=self._external_hits_step)
+            self._external_queries_step = self._external_hits_step = 0
+        out, self._kv_output_step = self._kv_output_step, None
+        if out is not None:
+            stats.update(kv_bytes_loaded=out.bytes_loaded, kv_bytes_saved=out.bytes_saved,
+                         kv_load_seconds=out.load_seconds, kv_save_seconds=out.save_seconds)
+        return stats
 
     def check_integrity(self) -> None:
         """After all requests finished: no request in any queue, every block free."""
         assert not self.requests, f"requests left: {list(self.requests)}"
+        assert not self._delayed_free, f"blocks still held for KV transfer: {list(self._delayed_free)}"
+        assert not self._remote_loads, f"KV loads still tracked: {list(self._remote_loads)}"
         assert not self.waiting and not self.running, "queues not empty"
         self.kv.check_integrity()
