@@ -81,6 +81,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_bytes_saved: int = 0
     kv_load_seconds: float = 0.0
     kv_save_seconds: float = 0.0
+    kv_tier_bytes: dict[str, int] = {}  # bytes held per tier of the connector's store (gauges)
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -35,4 +35,6 @@ def test_consumer_loads_what_producer_saved_and_matches_hf(tiny_llama_dir, tmp_p
         assert out.num_cached_tokens == (len(prompt) - 1) // 16 * 16
     totals = consumer.engine.stats_totals
     assert totals["prefix_cache_hits"] == 0  # a fresh pool: the hits were external
+    assert totals["external_prefix_cache_hits"] == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert totals["kv_bytes_loaded"] > 0 and totals["kv_bytes_saved"] == 0  # a consumer only
     assert_engine_clean(consumer)

@@ -64,7 +64,8 @@ class LLMEngine:
         # Running sums of the per-step counters (benchmarks and logs read them).
         self.stats_totals = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
                              "num_prompt_tokens": 0, "spec_num_drafts": 0, "spec_num_draft_tokens": 0,
-                             "spec_num_accepted_tokens": 0}
+                             "spec_num_accepted_tokens": 0, "external_prefix_cache_queries": 0,
+                             "external_prefix_cache_hits": 0, "kv_bytes_loaded": 0, "kv_bytes_saved": 0}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

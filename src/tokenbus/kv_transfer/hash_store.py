@@ -115,6 +115,9 @@ class HashStoreScheduler:
     def on_news(self, news: HashStoreNews) -> None:
         """A subclass with an index updates it here."""
 
+    def tier_occupancy(self) -> dict[str, int]:
+        return {}
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         # Its last step's saves ran before that step returned: nothing holds its blocks.
         for table in (self._requests, self._tables, self._num_considered, self._loads):

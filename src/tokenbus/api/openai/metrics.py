@@ -71,6 +71,14 @@ class PrometheusStatLogger:
             "spec_drafts": counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
             "spec_draft_tokens": counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
             "spec_accepted": counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+            "external_queries": counter("external_prefix_cache_queries",
+                                        "External prefix cache queries (KV connector), in tokens."),
+            "external_hits": counter("external_prefix_cache_hits",
+                                     "External prefix cache hits (KV connector), in tokens."),
+            "kv_bytes_loaded": counter("kv_transfer_loaded_bytes", "K/V bytes a KV connector loaded."),
+            "kv_bytes_saved": counter("kv_transfer_saved_bytes", "K/V bytes a KV connector saved or sent."),
+            "kv_load_seconds": counter("kv_transfer_load_seconds", "Seconds a KV connector spent loading."),
+            "kv_save_seconds": counter("kv_transfer_save_seconds", "Seconds a KV connector spent saving."),
             "ttft": histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS),
             "itl": histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS),
             "e2e": histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
@@ -85,6 +93,9 @@ class PrometheusStatLogger:
         # position j is accepted_per_pos{position=j} / num_drafts.
         self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted tokens per draft position.", ("position",))
+        # Bytes held by each tier of a KV connector's store (OffloadingConnector: cpu, disk).
+        self.kv_tier_bytes = Gauge(PREFIX + "kv_offload_tier_bytes", "Bytes of K/V held by each offload tier.",
+                                   names + ["tier"], registry=registry)
         self.success = counter("request_success", "Count of finished requests by reason.", ("finished_reason",))
         self._engines: dict[int, _EngineSeries] = {}
         for index in range(num_engines):
@@ -94,7 +105,8 @@ class PrometheusStatLogger:
         if index not in self._engines:
             labels = {"model_name": self.model_name, "engine": str(index)}
             children = {name: family.labels(**labels) for name, family in self.families.items()}
-            self._engines[index] = _EngineSeries(labels, children, self.spec_accepted_per_pos, self.success)
+            self._engines[index] = _EngineSeries(labels, children, self.spec_accepted_per_pos, self.success,
+                                                 self.kv_tier_bytes)
         return self._engines[index]
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, engine_index: int = 0) -> None:
@@ -109,8 +121,9 @@ class _EngineSeries:
     """The series of one engine (its `engine` label)."""
 
     def __init__(self, labels: dict[str, str], children: dict[str, Any], per_pos: Counter,
-                 success: Counter) -> None:
+                 success: Counter, tier_bytes: Gauge) -> None:
         self.labels = labels
+        self._tier_bytes = tier_bytes
         for name, child in children.items():
             setattr(self, name, child)
         self._per_pos = per_pos
@@ -129,6 +142,14 @@ class _EngineSeries:
         self.spec_accepted.inc(getattr(stats, "spec_num_accepted_tokens", 0))
         for position, accepted in enumerate(getattr(stats, "spec_accepted_per_pos", None) or []):
             self._per_pos.labels(**self.labels, position=str(position)).inc(accepted)
+        self.external_queries.inc(getattr(stats, "external_prefix_cache_queries", 0))
+        self.external_hits.inc(getattr(stats, "external_prefix_cache_hits", 0))
+        self.kv_bytes_loaded.inc(getattr(stats, "kv_bytes_loaded", 0))
+        self.kv_bytes_saved.inc(getattr(stats, "kv_bytes_saved", 0))
+        self.kv_load_seconds.inc(getattr(stats, "kv_load_seconds", 0.0))
+        self.kv_save_seconds.inc(getattr(stats, "kv_save_seconds", 0.0))
+        for tier, num_bytes in (getattr(stats, "kv_tier_bytes", None) or {}).items():
+            self._tier_bytes.labels(**self.labels, tier=tier).set(num_bytes)
 
     def record_iteration(self, stats: Any) -> None:
         self.prompt_tokens.inc(stats.num_prompt_tokens)

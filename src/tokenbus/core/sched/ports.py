@@ -60,3 +60,6 @@ class KVConnectorScheduler(Protocol):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         """(keep the blocks until the worker reports them sent?, kv_transfer_params for the
         request's final output)."""
+
+    def tier_occupancy(self) -> dict[str, int]:
+        """Bytes held per tier of the connector's store, e.g. {"cpu": …, "disk": …}; {} if none."""

@@ -510,7 +510,8 @@ class Scheduler:
         stats: dict = {}
         if self.connector is not None:
             stats.update(external_prefix_cache_queries=self._external_queries_step,
-                         external_prefix_cache_hits=self._external_hits_step)
+                         external_prefix_cache_hits=self._external_hits_step,
+                         kv_tier_bytes=self.connector.tier_occupancy())
             self._external_queries_step = self._external_hits_step = 0
         out, self._kv_output_step = self._kv_output_step, None
         if out is not None:
