@@ -18,12 +18,12 @@ BLOCK_SIZE = 16
 
 def make_scheduler(num_blocks: int = 100, max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                    long_prefill_token_threshold: int = 0, max_model_len: int = 1024,
-                   enable_caching: bool = False) -> Scheduler:
+                   enable_caching: bool = False, **scheduler_kwargs) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              long_prefill_token_threshold=long_prefill_token_threshold,
                              max_model_len=max_model_len)
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=enable_caching)
-    return Scheduler(config, kv)
+    return Scheduler(config, kv, **scheduler_kwargs)
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int | None = 16,

@@ -249,14 +249,16 @@ class Scheduler:
             num_external, load_async = self._external_tokens(request, num_computed)
             if num_external is None:
                 return _Admission.WAITS  # the connector cannot tell yet
-        if load_async:
+        if load_async and num_external > 0:
             return self._start_remote_load(request, num_computed, computed_blocks, num_external)
         num_new = self._num_new_tokens(request, num_computed + num_external, plan.token_budget,
                                        request.num_tokens)
         if num_new == 0:
             return _Admission.NO_ROOM
         # External tokens take slots like new ones (the worker loads them before the forward).
-        new_blocks = self.kv.allocate_slots(request, num_external + num_new, num_computed, computed_blocks,
+        # (A request resumed from a load holds its computed tokens already: no new hit tokens.)
+        new_blocks = self.kv.allocate_slots(request, num_external + num_new,
+                                            num_computed - request.num_computed_tokens, computed_blocks,
                                             num_lookahead_tokens=self.num_lookahead_tokens)
         if new_blocks is None:
             return _Admission.NO_ROOM
