@@ -194,9 +194,12 @@ def _shutdown_executor(engine: EngineCore) -> None:
 
 
 def _did_work(outputs: EngineOutputs) -> bool:
-    """A step that ran nothing produces no outputs and leaves nobody running."""
+    """A step that ran nothing produces no outputs, leaves nobody running and moved no KV (a
+    prefiller serves pulls in steps that run nothing: their byte counts must still reach the
+    front end)."""
     stats = outputs.scheduler_stats
-    return bool(outputs.outputs) or stats is None or bool(stats.num_running_reqs or stats.num_preemptions)
+    return (bool(outputs.outputs) or stats is None
+            or bool(stats.num_running_reqs or stats.num_preemptions or stats.kv_bytes_saved or stats.kv_bytes_loaded))
 
 
 # ---------------------------------------------------------------------- the engine process
