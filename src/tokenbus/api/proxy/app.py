@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from dataclasses import dataclass, field
 
 import httpx
@@ -23,6 +22,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenbus.utils.net import bind_socket
 from tokenbus.api.proxy.config import ProxyConfig
 from tokenbus.api.proxy.errors import ProxyError, error_response
 from tokenbus.api.proxy.health import probe_forever
@@ -148,16 +148,6 @@ def _lifespan(state: ProxyState):
             await client.aclose()
 
     return lifespan
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    # As api/openai/server.py's (which imports the engine): proto IPPROTO_TCP makes asyncio set
-    # TCP_NODELAY on accepted connections, so small SSE chunks are not held back by Nagle.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
 
 
 def run_proxy(config: ProxyConfig) -> int:
