@@ -157,6 +157,7 @@ def test_failed_synchronous_load_recomputes_or_fails_and_evicts_the_bad_block(po
     assert so.scheduled_new_reqs[0].num_computed_tokens == 16
     assert so.num_scheduled_tokens == {"a": 24}
     assert outputs[0].new_token_ids == [7]
+    assert outputs[0].num_cached_tokens == 16  # what it found, not the 32 first offered
     while sched.has_unfinished_requests():
         _step(sched)
     sched.check_integrity()

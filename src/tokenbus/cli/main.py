@@ -1,4 +1,4 @@
-"""`tokenbus serve / generate / chat / bench` (L7): argument parsing, then hand-off."""
+"""`tokenbus serve / proxy / generate / chat / bench` (L7): argument parsing, then hand-off."""
 
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     from tokenbus.cli.bench_cmd import add_bench_parser
+    from tokenbus.cli.proxy_cmd import add_proxy_parser
     from tokenbus.cli.serve_cmd import add_serve_parser
 
     add_serve_parser(sub)
+    add_proxy_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -11,6 +11,7 @@ from tokenbus.kv_transfer.base import ConnectorContext, KVConnectorWorker, KVLay
 CONNECTORS: dict[str, tuple[str, str, str]] = {
     "SharedStorageConnector": ("tokenbus.kv_transfer.shared_storage", "SharedStorageScheduler",
                                "SharedStorageWorker"),
+    "OffloadingConnector": ("tokenbus.kv_transfer.offloading", "OffloadingScheduler", "OffloadingWorker"),
     "P2PConnector": ("tokenbus.kv_transfer.p2p", "P2PScheduler", "P2PWorker"),
 }
 

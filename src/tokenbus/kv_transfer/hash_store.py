@@ -45,6 +45,8 @@ class HashStoreNews(msgspec.Struct, array_like=True, omit_defaults=True):
 class HashStoreScheduler:
     """KVConnectorScheduler over a store; `contains(hash)` answers membership."""
 
+    news_type: type[HashStoreNews] = HashStoreNews  # a subclass's worker half may report more
+
     def __init__(self, ctx: ConnectorContext, contains: Callable[[bytes], bool]) -> None:
         self.ctx = ctx
         self.block_size = ctx.layout.block_size
@@ -78,11 +80,16 @@ class HashStoreScheduler:
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> bytes | None:
+        meta = self.make_meta(scheduler_output)
+        return None if meta is None else msgspec.msgpack.encode(meta)
+
+    def make_meta(self, scheduler_output: "SchedulerOutput") -> HashStoreMeta | None:
+        """This step's metadata (a subclass may add to it); None: nothing to do."""
         loads, self._loads = self._loads, {}
         saves = self._plan_saves(scheduler_output) if self.ctx.config.is_producer else []
         if not loads and not saves:
             return None
-        return msgspec.msgpack.encode(HashStoreMeta(loads=loads, saves=saves))
+        return HashStoreMeta(loads=loads, saves=saves)
 
     def _plan_saves(self, so: "SchedulerOutput") -> list[BlockJob]:
         for new in so.scheduled_new_reqs:
@@ -108,7 +115,7 @@ class HashStoreScheduler:
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         if output.worker_meta is None:
             return
-        news = msgspec.msgpack.decode(output.worker_meta, type=HashStoreNews)
+        news = msgspec.msgpack.decode(output.worker_meta, type=self.news_type)
         self._saving.difference_update(news.stored)
         self.on_news(news)
 
@@ -129,9 +136,11 @@ class HashStoreWorker(KVConnectorWorker):
     """Worker half: `load(hash)` returns a block's K/V [L, 2, bs, Hkv, D] or raises; `store`
     keeps one. Both synchronous (a subclass may defer the slow part of a store)."""
 
+    meta_type: type[HashStoreMeta] = HashStoreMeta  # what its scheduler half's make_meta builds
+
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
-        self._meta = HashStoreMeta()
+        self._meta = self.meta_type()
         self._stored: list[bytes] = []
         self._dropped: list[bytes] = []
 
@@ -142,7 +151,8 @@ class HashStoreWorker(KVConnectorWorker):
         raise NotImplementedError
 
     def bind_connector_metadata(self, metadata: bytes | None) -> None:
-        self._meta = HashStoreMeta() if metadata is None else msgspec.msgpack.decode(metadata, type=HashStoreMeta)
+        self._meta = (self.meta_type() if metadata is None
+                      else msgspec.msgpack.decode(metadata, type=self.meta_type))
 
     def start_load_kv(self) -> None:
         import torch

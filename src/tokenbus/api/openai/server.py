@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 import tokenbus
+from tokenbus.utils.net import bind_socket
 from tokenbus.api.openai import protocol as p
 from tokenbus.api.openai.errors import ServiceUnavailableError, error_response, install_error_handlers
 from tokenbus.api.openai.metrics import LoggingStatLogger, PrometheusStatLogger
@@ -303,16 +303,6 @@ class _Server(uvicorn.Server):
 
 def served_model_names(args: Any, config: ServerConfig) -> list[str]:
     return [config.served_model_name or args.model or DEFAULT_MODEL_NAME]
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then, and
-    # without it Nagle's algorithm holds each small SSE chunk back for the peer's delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
 
 
 def run_server(args: Any, config: ServerConfig) -> int:

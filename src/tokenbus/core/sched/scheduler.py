@@ -288,7 +288,7 @@ class Scheduler:
         if self.connector is None or skips_prefix_cache(request) or request.kv_load_failed:
             return 0, False
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_computed)
-        if num_external is not None and request.num_cached_tokens < 0:  # first lookup only
+        if num_external is not None and request.num_cached_tokens < 0 and not request.kv_load_failed:
             self._external_queries_step += request.num_tokens - num_computed
             self._external_hits_step += num_external
         return num_external, load_async
@@ -461,6 +461,9 @@ class Scheduler:
             self.kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            # What it reports as cached is what its next admission really finds (the external
+            # tokens it was counted for are computed now; the step's hit counter keeps them).
+            request.num_cached_tokens = -1
             request.spec_token_ids = []
             self.waiting.appendleft(request)
             self._preempted_outside_step.add(request.request_id)

@@ -1,0 +1,290 @@
+"""One request through the proxy: the prefill leg, then the decode leg (L5).
+
+    body ──► prefill instance: max_tokens=1, stream=false, n=1,
+             kv_transfer_params={"do_remote_decode": true}
+         ◄── its response's top-level kv_transfer_params (an object; null: it has no connector)
+    body + kv_transfer_params ──► decode instance ──► relayed to the client byte for byte
+
+Failures, by leg:
+- an instance that cannot be reached or drops the connection (httpx.TransportError) is marked
+  down (the health probe brings it back) and the leg is retried on another of its kind;
+- prefill: a 4xx is the client's error and is returned as is (the decoder would refuse the
+  same body); a 5xx tries the next prefiller; with none left the decoder gets the body
+  unchanged and computes the prompt itself;
+- decode: with no decoder left, 503 (without a prefill when none is known to be healthy).
+  Whatever a decoder answers, errors included, is relayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Mapping
+
+import anyio
+import httpx
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tokenbus.api.proxy.config import ProxyConfig
+from tokenbus.api.proxy.errors import ProxyError, error_body
+from tokenbus.api.proxy.metrics import ProxyMetrics
+from tokenbus.api.proxy.pool import Instance, InstancePool
+
+logger = logging.getLogger("tokenbus.proxy")
+
+# Fields a one-token prefill must not carry: they would make it generate more than it needs
+# (best_of, max_completion_tokens), or contradict max_tokens=1 and be refused (min_tokens).
+_NOT_FOR_PREFILL = ("max_completion_tokens", "stream_options", "min_tokens", "best_of")
+_FORWARDED_REQUEST_HEADERS = ("authorization",)
+_RELAYED_RESPONSE_HEADERS = frozenset({"content-type", "cache-control", "x-accel-buffering",
+                                       "retry-after", "x-request-id"})
+
+
+def prefill_body(body: dict) -> dict:
+    """The prefill leg's body: the client's, cut to computing the prompt and one token."""
+    prefill = {name: value for name, value in body.items() if name not in _NOT_FOR_PREFILL}
+    prefill.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    return prefill
+
+
+def upstream_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
+    headers = {"content-type": "application/json",
+               # aiter_raw relays bytes as they come: keep the instances from compressing them.
+               "accept-encoding": "identity",
+               # One id on both legs, so the two instances' logs of a request can be matched.
+               "x-request-id": client_headers.get("x-request-id") or uuid.uuid4().hex}
+    for name in _FORWARDED_REQUEST_HEADERS:
+        if name in client_headers:
+            headers[name] = client_headers[name]
+    return headers
+
+
+@dataclass(frozen=True)
+class Deadline:
+    at: float | None  # time.monotonic() by which the request's last byte must be out; None: never
+
+    @classmethod
+    def after(cls, seconds: float | None) -> Deadline:
+        return cls(None if seconds is None else time.monotonic() + seconds)
+
+    def scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
+        """A scope that raises TimeoutError when the time left runs out (anyio's clock is the
+        event loop's, which is time.monotonic())."""
+        return anyio.fail_after(None if self.at is None else max(0.0, self.at - time.monotonic()))
+
+
+class InstanceDown(Exception):
+    """An instance could not be reached, or dropped the connection; it is marked down."""
+
+
+class Router:
+    def __init__(self, client: httpx.AsyncClient, prefill: InstancePool, decode: InstancePool,
+                 metrics: ProxyMetrics, config: ProxyConfig) -> None:
+        self.client = client
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+        self.config = config
+        self._is_falling_back = False  # warned that decoders compute prompts; reset by a prefill
+        self._warned_no_params: set[str] = set()  # prefill URLs that answered null params
+
+    async def complete(self, path: str, raw_body: bytes, body: dict,
+                       client_headers: Mapping[str, str]) -> Response:
+        """POST `path` (/v1/completions, /v1/chat/completions): prefill, then decode."""
+        if not self.decode.healthy:  # before prefilling: its KV would wait for nobody
+            raise self._no_instance_error(self.decode)
+        deadline = Deadline.after(self.config.request_timeout)
+        headers = upstream_headers(client_headers)
+        outcome = await self._prefill(path, body, headers, deadline)
+        if isinstance(outcome, Response):
+            return outcome
+        if outcome is None:  # the decoder computes the prompt: the client's bytes as they came
+            content = raw_body
+        else:
+            content = json.dumps({**body, "kv_transfer_params": outcome}).encode()
+        answer = await self._first_answer(self.decode, "POST", path, content, headers, deadline,
+                                          stream=True)
+        if answer is None:
+            raise self._no_instance_error(self.decode)
+        instance, upstream = answer
+        return RelayResponse(upstream, self._relay(instance, upstream, deadline),
+                             on_close=functools.partial(self.decode.release, instance))
+
+    async def forward_get(self, path: str, client_headers: Mapping[str, str]) -> Response:
+        """GET `path` (/v1/models) from a decoder."""
+        deadline = Deadline.after(self.config.request_timeout)
+        answer = await self._first_answer(self.decode, "GET", path, None,
+                                          upstream_headers(client_headers), deadline)
+        if answer is None:
+            raise self._no_instance_error(self.decode)
+        instance, upstream = answer
+        self.decode.release(instance)
+        return relay_whole(upstream)
+
+    async def _prefill(self, path: str, body: dict, headers: dict[str, str],
+                       deadline: Deadline) -> dict | Response | None:
+        """The prefiller's kv_transfer_params; its answer when it refused the request (4xx);
+        None when the decoder is to compute the prompt itself."""
+        content = json.dumps(prefill_body(body)).encode()
+        answer = await self._first_answer(self.prefill, "POST", path, content, headers, deadline,
+                                          is_answer=lambda r: r.status_code < 500)
+        if answer is None:
+            self._fall_back()
+            return None
+        instance, response = answer
+        self.prefill.release(instance)
+        if not response.is_success:
+            return relay_whole(response)
+        if self._is_falling_back:
+            logger.info("prefill instances serve again: prompts are prefilled remotely again")
+            self._is_falling_back = False
+        return self._kv_transfer_params(instance, response)
+
+    async def _first_answer(self, pool: InstancePool, method: str, path: str, content: bytes | None,
+                            headers: dict[str, str], deadline: Deadline, stream: bool = False,
+                            is_answer: Callable[[httpx.Response], bool] = lambda r: True,
+                            ) -> tuple[Instance, httpx.Response] | None:
+        """Send to the least-loaded healthy instance of `pool`, then to the next, until one
+        gives an answer; None when none did. The answering instance is left acquired."""
+        tried: list[Instance] = []
+        while (instance := pool.acquire(exclude=tried)) is not None:
+            tried.append(instance)
+            try:
+                response = await self._send(pool, instance, method, path, content, headers,
+                                            deadline, stream)
+            except InstanceDown:
+                pool.release(instance)
+                continue
+            except BaseException:
+                pool.release(instance)
+                raise
+            if is_answer(response):
+                return instance, response
+            pool.release(instance)
+            await response.aclose()
+            self.metrics.failure(instance)
+            logger.warning("%s instance %s answered %s %s with %d; trying another",
+                           pool.kind.value, instance.url, method, path, response.status_code)
+        return None
+
+    async def _send(self, pool: InstancePool, instance: Instance, method: str, path: str,
+                    content: bytes | None, headers: dict[str, str], deadline: Deadline,
+                    stream: bool) -> httpx.Response:
+        """One try; with stream=True it returns once the headers are in."""
+        self.metrics.request(instance)
+        request = self.client.build_request(method, instance.url + path, content=content,
+                                            headers=headers)
+        try:
+            with deadline.scope():
+                return await self.client.send(request, stream=stream)
+        except httpx.TransportError as exc:
+            self.metrics.failure(instance)
+            pool.mark_down(instance, f"{method} {path}: {type(exc).__name__}: {exc}")
+            raise InstanceDown(instance.url) from exc
+        except TimeoutError:
+            raise self._timeout_error() from None
+
+    async def _relay(self, instance: Instance, upstream: httpx.Response,
+                     deadline: Deadline) -> AsyncIterator[bytes]:
+        """The decoder's body as it arrives. Past the headers a failure can no longer change
+        the status: a stream ends with an error event (as the server's own streams do), any
+        other body is cut short (the client sees an incomplete response, not a wrong one)."""
+        chunks = upstream.aiter_raw()
+        ends_event = True  # whether the bytes so far end on an SSE event boundary
+        try:
+            while True:
+                with deadline.scope():
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    return
+                ends_event = chunk.endswith(b"\n\n")
+                yield chunk
+        except httpx.TransportError as exc:
+            self.metrics.failure(instance)
+            self.decode.mark_down(instance, f"dropped a response mid-body: {type(exc).__name__}: {exc}")
+            error = ProxyError(502, "The decode instance failed while answering.")
+        except TimeoutError:
+            error = self._timeout_error()
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            raise BodyCut(error.message)
+        # After a partial event, a blank line ends it, so the error event parses on its own.
+        event = json.dumps(error_body(error.status, error.message, error.param))
+        yield (b"" if ends_event else b"\n\n") + f"data: {event}\n\ndata: [DONE]\n\n".encode()
+
+    def _fall_back(self) -> None:
+        self.metrics.fallback()
+        if not self._is_falling_back:
+            down = "; ".join(f"{i.url}: {i.down_reason or 'failed'}" for i in self.prefill.instances)
+            logger.warning("no prefill instance can serve requests (%s): decode instances compute "
+                           "prompts themselves until one is back", down or "none configured")
+            self._is_falling_back = True
+
+    def _kv_transfer_params(self, instance: Instance, response: httpx.Response) -> dict | None:
+        try:
+            params = response.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            params = "(the body is not a JSON object)"
+        if isinstance(params, dict):
+            return params
+        if instance.url not in self._warned_no_params:
+            self._warned_no_params.add(instance.url)
+            logger.warning("prefill instance %s answered kv_transfer_params %s, not an object "
+                           "(no KV connector?): decoders compute its requests' prompts themselves",
+                           instance.url, json.dumps(params)[:200])
+        return None
+
+    def _no_instance_error(self, pool: InstancePool) -> ProxyError:
+        # Upstream addresses stay in the log (mark_down wrote why): clients don't need them.
+        retry_after = str(math.ceil(self.config.health_interval))
+        return ProxyError(503, f"No {pool.kind.value} instance is available; try again later.",
+                          headers={"Retry-After": retry_after})
+
+    def _timeout_error(self) -> ProxyError:
+        return ProxyError(408, f"The request took longer than the proxy's --request-timeout "
+                               f"({self.config.request_timeout:g} s).")
+
+
+class BodyCut(Exception):
+    """A non-stream body failed midway: it ends the response unfinished, so the client's
+    connection is dropped rather than a truncated body ended as if it were whole."""
+
+
+def relay_whole(upstream: httpx.Response) -> Response:
+    """A read upstream response, status and body unchanged."""
+    return Response(upstream.content, status_code=upstream.status_code,
+                    headers=_relayed_headers(upstream))
+
+
+def _relayed_headers(upstream: httpx.Response) -> dict[str, str]:
+    return {name: value for name, value in upstream.headers.items()
+            if name.lower() in _RELAYED_RESPONSE_HEADERS}
+
+
+class RelayResponse(StreamingResponse):
+    """An upstream response relayed as it arrives. However it ends (done, client gone, error),
+    the upstream response is closed, so the instance sees the disconnect and aborts the
+    request, and the instance is released."""
+
+    def __init__(self, upstream: httpx.Response, body: AsyncIterator[bytes],
+                 on_close: Callable[[], None]) -> None:
+        super().__init__(body, status_code=upstream.status_code, headers=_relayed_headers(upstream))
+        self._upstream = upstream
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except BodyCut:
+            pass  # logged by mark_down; uvicorn drops the connection of an incomplete response
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._upstream.aclose()
+            self._on_close()

@@ -1,0 +1,603 @@
+"""`tokenbus proxy` against fake prefill and decode instances, all served by uvicorn in threads.
+
+The fakes record every body they get. The prefiller answers kv_transfer_params (or null); the
+decoder answers, or streams, a fixed text and echoes the kv_transfer_params it received. A
+`delay_s` / `chunk_delay_s` field in a request body slows a decoder down (the proxy forwards
+unknown fields, so tests steer the fakes through it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenbus.api.proxy.app import build_app
+from tokenbus.api.proxy.config import ProxyConfig
+from tokenbus.api.proxy.pool import InstanceKind, InstancePool
+from tokenbus.api.proxy.router import prefill_body
+from tokenbus.cli.main import build_parser
+from tokenbus.cli.proxy_cmd import config_from
+
+STREAM_PIECES = ["Hel", "lo", ", wörld", " — ", "ok", "!"]  # non-ASCII: bytes must pass intact
+TEXT = "".join(STREAM_PIECES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake instances
+
+
+@dataclass
+class Fake:
+    name: str
+    kind: str  # "prefill" | "decode"
+    null_params: bool = False  # a prefiller without a KV connector
+    is_healthy: bool = True  # what GET /health says
+    bodies: list[dict] = field(default_factory=list)
+    raw_bodies: list[bytes] = field(default_factory=list)
+    headers: list[dict] = field(default_factory=list)
+    num_active: int = 0
+    max_active: int = 0
+    num_streams_cut: int = 0  # streams that ended before their last chunk (client gone)
+
+    def kv_params(self) -> dict:
+        return {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_block_ids": [1, 2],
+                "remote_host": "127.0.0.1", "remote_port": 5600}
+
+
+def stream_chunks(chat: bool, fake: Fake, body: dict) -> list[bytes]:
+    chunks = []
+    for i, piece in enumerate(STREAM_PIECES):
+        if chat:
+            choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": piece, "finish_reason": None, "logprobs": None}
+        chunk = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
+                 "created": 0, "model": body["model"], "choices": [choice]}
+        if i == 0:
+            chunk["served_by"] = fake.name
+            chunk["kv_transfer_params_received"] = body.get("kv_transfer_params")
+        chunks.append(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
+    return chunks + [b"data: [DONE]\n\n"]
+
+
+def answer(chat: bool, fake: Fake, body: dict, text: str) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+    return {"id": "x", "object": "chat.completion" if chat else "text_completion", "created": 0,
+            "model": body["model"], "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            "served_by": fake.name, "kv_transfer_params_received": body.get("kv_transfer_params")}
+
+
+def fake_app(fake: Fake) -> FastAPI:
+    app = FastAPI()
+
+    async def complete(request: Request) -> Response:
+        raw = await request.body()
+        body = json.loads(raw)
+        fake.raw_bodies.append(raw)
+        fake.bodies.append(body)
+        fake.headers.append(dict(request.headers))
+        chat = request.url.path.endswith("/chat/completions")
+        if body.get("prompt") == "bad":
+            return JSONResponse({"error": {"message": "prompt: bad by design", "type": "BadRequestError",
+                                           "param": "prompt", "code": 400}}, status_code=400)
+        if fake.kind == "prefill":
+            result = answer(chat, fake, body, "H")
+            result["kv_transfer_params"] = None if fake.null_params else fake.kv_params()
+            return JSONResponse(result)
+        if body.get("stream") or "fail_after_chunks" in body:
+            chunks = stream_chunks(chat, fake, body)
+            if "fail_after_chunks" in body:  # the instance dies mid-answer
+                chunks = chunks[:body["fail_after_chunks"]] + [None]
+            media_type = "text/event-stream" if body.get("stream") else "application/json"
+            return StreamingResponse(_stream(fake, chunks, body.get("chunk_delay_s", 0)),
+                                     media_type=media_type)
+        fake.num_active += 1
+        fake.max_active = max(fake.max_active, fake.num_active)
+        try:
+            await asyncio.sleep(body.get("delay_s", 0))
+        finally:
+            fake.num_active -= 1
+        return JSONResponse(answer(chat, fake, body, TEXT))
+
+    app.add_api_route("/v1/completions", complete, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", complete, methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if fake.is_healthy else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": f"model-of-{fake.name}", "object": "model",
+                                            "created": 0, "owned_by": "tokenbus"}]}
+
+    return app
+
+
+async def _stream(fake: Fake, chunks: list[bytes | None], delay_s: float):
+    fake.num_active += 1
+    is_done = False
+    try:
+        for chunk in chunks:
+            if chunk is None:
+                raise ConnectionAbortedError("the fake instance dies mid-answer")
+            yield chunk
+            await asyncio.sleep(delay_s)
+        is_done = True
+    finally:
+        fake.num_active -= 1
+        if not is_done:
+            fake.num_streams_cut += 1
+
+
+class ServerThread:
+    """An ASGI app on 127.0.0.1 in a thread; stop() closes its port (connections are refused
+    from then on), start() serves again on the same port."""
+
+    def __init__(self, app: FastAPI, port: int = 0) -> None:
+        self.app = app
+        self.port = port
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.port = sock.getsockname()[1]
+        self._sock = sock
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_config=None, access_log=False,
+                                                     timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        daemon=True)
+        self._thread.start()
+        wait_until(lambda: self._server.started, 10)
+
+    def request_stop(self) -> None:
+        self._server.should_exit = True
+
+    def join(self) -> None:
+        self._thread.join(10)
+        self._sock.close()
+
+    def stop(self) -> None:
+        self.request_stop()
+        self.join()
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+@dataclass
+class Cluster:
+    prefillers: list[Fake]
+    decoders: list[Fake]
+    servers: dict[str, ServerThread]
+    proxy: ServerThread
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    @property
+    def state(self):
+        return self.proxy.app.state.proxy
+
+    def instance(self, name: str):
+        url = self.servers[name].url
+        return next(i for pool in (self.state.prefill, self.state.decode) for i in pool.instances
+                    if i.url == url)
+
+    def prefill_bodies(self) -> list[dict]:
+        return [b for f in self.prefillers for b in f.bodies]
+
+    def decode_bodies(self) -> list[dict]:
+        return [b for f in self.decoders for b in f.bodies]
+
+
+def start_cluster(num_prefill: int = 2, num_decode: int = 2, **config) -> Cluster:
+    prefillers = [Fake(f"p{i}", "prefill") for i in range(num_prefill)]
+    decoders = [Fake(f"d{i}", "decode") for i in range(num_decode)]
+    servers = {f.name: ServerThread(fake_app(f)) for f in prefillers + decoders}
+    proxy_config = ProxyConfig(
+        prefill_urls=tuple(servers[f.name].url for f in prefillers),
+        decode_urls=tuple(servers[f.name].url for f in decoders),
+        **{"health_interval": 0.1, "health_timeout": 1.0, **config})
+    return Cluster(prefillers, decoders, servers, ServerThread(build_app(proxy_config)))
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    # Every request is over: nothing may be left counted in flight.
+    wait_until(lambda: all(i.num_in_flight == 0 for pool in (cluster.state.prefill, cluster.state.decode)
+                           for i in pool.instances))
+    servers = [cluster.proxy, *cluster.servers.values()]
+    for server in servers:  # all at once: each takes a tick of uvicorn's loop to stop
+        server.request_stop()
+    for server in servers:
+        server.join()
+
+
+@pytest.fixture
+def cluster():
+    c = start_cluster()
+    yield c
+    stop_cluster(c)
+
+
+@pytest.fixture
+def quiet_cluster():
+    """No health probe after the first: only requests find dead instances."""
+    c = start_cluster(health_interval=60)
+    yield c
+    stop_cluster(c)
+
+
+def client_for(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="sk-test", max_retries=0, timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two legs
+
+
+def test_completion_prefill_then_decode(cluster):
+    completion = client_for(cluster).completions.create(
+        model="m", prompt="Once upon", max_tokens=9, n=1, temperature=0.5,
+        extra_body={"min_tokens": 2, "best_of": 1})
+    assert completion.choices[0].text == TEXT
+    [prefill] = cluster.prefill_bodies()
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False and prefill["n"] == 1
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
+    assert prefill["prompt"] == "Once upon" and prefill["temperature"] == 0.5
+    assert "min_tokens" not in prefill and "best_of" not in prefill
+    [decode] = cluster.decode_bodies()
+    prefiller = next(f for f in cluster.prefillers if f.bodies)
+    original = {"model": "m", "prompt": "Once upon", "max_tokens": 9, "n": 1, "temperature": 0.5,
+                "min_tokens": 2, "best_of": 1}
+    assert decode == {**original, "kv_transfer_params": prefiller.kv_params()}
+    assert completion.model_extra["kv_transfer_params_received"] == prefiller.kv_params()
+    # One request id on both legs; the client's key reaches both instances.
+    [p_headers] = prefiller.headers
+    d_headers = next(f for f in cluster.decoders if f.headers).headers[0]
+    assert p_headers["x-request-id"] == d_headers["x-request-id"]
+    assert p_headers["authorization"] == d_headers["authorization"] == "Bearer sk-test"
+
+
+def test_chat_stream_through_openai_client(cluster):
+    stream = client_for(cluster).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+        stream_options={"include_usage": True}, max_completion_tokens=7)
+    pieces = [chunk.choices[0].delta.content for chunk in stream]
+    assert pieces == STREAM_PIECES
+    [prefill] = cluster.prefill_bodies()
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert "max_completion_tokens" not in prefill and "stream_options" not in prefill
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
+    [decode] = cluster.decode_bodies()
+    assert decode["stream"] is True and decode["max_completion_tokens"] == 7
+    assert decode["stream_options"] == {"include_usage": True}
+    assert decode["messages"] == [{"role": "user", "content": "hi"}]
+    assert decode["kv_transfer_params"]["remote_block_ids"] == [1, 2]
+
+
+def test_stream_bytes_relayed_intact_and_in_order(cluster):
+    body = {"model": "m", "prompt": "x", "max_tokens": 6, "stream": True, "chunk_delay_s": 0.01}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=10) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        received = b"".join(response.iter_raw())
+    decoder = next(f for f in cluster.decoders if f.bodies)
+    assert received == b"".join(stream_chunks(False, decoder, decoder.bodies[0]))
+
+
+def test_null_kv_transfer_params_sends_the_body_unchanged(cluster):
+    for prefiller in cluster.prefillers:
+        prefiller.null_params = True
+    raw = b'{"model": "m",   "prompt": "caf\\u00e9", "max_tokens": 3}'
+    response = httpx.post(cluster.url + "/v1/completions", content=raw,
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 200 and response.json()["kv_transfer_params_received"] is None
+    assert len(cluster.prefill_bodies()) == 1
+    assert [r for f in cluster.decoders for r in f.raw_bodies] == [raw]
+
+
+def test_models_and_metrics(cluster):
+    models = client_for(cluster).models.list()
+    assert models.data[0].id in ("model-of-d0", "model-of-d1")
+    httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    decoder = next(f for f in cluster.decoders if f.bodies)
+    url = cluster.servers[decoder.name].url
+    assert f'tokenbus:proxy_upstream_requests_total{{kind="decode",url="{url}"}}' in text
+    assert f'tokenbus:proxy_upstream_in_flight{{kind="decode",url="{url}"}} 0.0' in text
+    assert "tokenbus:proxy_upstream_failures_total" in text
+    assert httpx.get(cluster.url + "/health", timeout=10).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Choice of instance
+
+
+def test_ties_go_round_robin(cluster):
+    for _ in range(4):
+        response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+        assert response.status_code == 200
+    assert [len(f.bodies) for f in cluster.prefillers] == [2, 2]
+    assert [len(f.bodies) for f in cluster.decoders] == [2, 2]
+
+
+def test_least_loaded_decoder_is_chosen(cluster):
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=10) as client:
+            slow = asyncio.ensure_future(client.post(
+                "/v1/completions", json={"model": "m", "prompt": "slow", "delay_s": 1.0}))
+            await asyncio.to_thread(wait_until, lambda: any(f.num_active for f in cluster.decoders))
+            fast = []
+            for _ in range(3):  # round robin alone would send one of these to the busy decoder
+                fast.append((await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).json())
+            return [(await slow).json()["served_by"]] + [r["served_by"] for r in fast]
+
+    busy, *others = asyncio.run(run())
+    assert len(set(others)) == 1 and others[0] != busy
+
+
+def test_concurrent_slow_requests_spread_evenly(cluster):
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=10) as client:
+            body = {"model": "m", "prompt": "x", "delay_s": 0.8}
+            responses = await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(6)])
+            return [r.status_code for r in responses]
+
+    assert asyncio.run(run()) == [200] * 6
+    assert [len(f.bodies) for f in cluster.decoders] == [3, 3]
+    assert [f.max_active for f in cluster.decoders] == [3, 3]
+
+
+def test_pool_choice_unit():
+    pool = InstancePool(InstanceKind.DECODE, ["http://a", "http://b", "http://c"])
+    a, b, c = pool.instances
+    assert [pool.acquire() for _ in range(3)] == [a, b, c]  # all tied: round robin
+    pool.release(a)
+    assert pool.acquire() is a  # the only one with nothing in flight
+    pool.release(b)
+    pool.mark_down(b, "test")
+    assert pool.acquire() in (a, c) and b.num_in_flight == 0
+    assert pool.acquire(exclude=[a, c]) is None
+    pool.mark_up(b)
+    assert pool.acquire(exclude=[a, c]) is b
+
+
+# ---------------------------------------------------------------------------------------------
+# Dead and unhealthy instances
+
+
+def test_killed_prefiller_is_skipped(quiet_cluster):
+    cluster = quiet_cluster
+    cluster.servers["p0"].stop()
+    for _ in range(3):
+        response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+        assert response.status_code == 200
+        assert response.json()["kv_transfer_params_received"]["remote_engine_id"] == "p1"
+    assert not cluster.instance("p0").is_healthy
+    assert len(cluster.prefillers[1].bodies) == 3
+
+
+def test_killed_instance_comes_back(cluster):
+    p0 = cluster.servers["p0"]
+    p0.stop()
+    wait_until(lambda: not cluster.instance("p0").is_healthy)
+    p0.start()  # the same port: the health probe brings it back
+    wait_until(lambda: cluster.instance("p0").is_healthy)
+    for _ in range(2):
+        httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+    assert len(cluster.prefillers[0].bodies) == 1
+
+
+def test_killed_decoder_is_skipped(quiet_cluster):
+    cluster = quiet_cluster
+    cluster.servers["d0"].stop()
+    client = client_for(cluster)
+    for _ in range(3):
+        assert client.completions.create(model="m", prompt="x").model_extra["served_by"] == "d1"
+    assert not cluster.instance("d0").is_healthy
+    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    d0_url = cluster.servers["d0"].url
+    failures = [line for line in text.splitlines()
+                if line.startswith("tokenbus:proxy_upstream_failures_total") and d0_url in line]
+    assert failures and float(failures[0].split()[-1]) >= 1
+
+
+def test_unhealthy_decoder_leaves_rotation(cluster):
+    cluster.decoders[0].is_healthy = False  # its /health answers 503 (a dead or stalled engine)
+    wait_until(lambda: not cluster.instance("d0").is_healthy)
+    for _ in range(3):
+        response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+        assert response.json()["served_by"] == "d1"
+    cluster.decoders[0].is_healthy = True
+    wait_until(lambda: cluster.instance("d0").is_healthy)
+
+
+def test_no_prefiller_falls_back_to_the_decoder(quiet_cluster, caplog):
+    cluster = quiet_cluster
+    for name in ("p0", "p1"):
+        cluster.servers[name].stop()
+    caplog.set_level(logging.WARNING, logger="tokenbus.proxy")
+    raw = b'{"model":"m","prompt":"x","max_tokens":4}'
+    for _ in range(3):
+        response = httpx.post(cluster.url + "/v1/completions", content=raw, timeout=10)
+        assert response.status_code == 200 and response.json()["kv_transfer_params_received"] is None
+    assert [r for f in cluster.decoders for r in f.raw_bodies] == [raw] * 3
+    fallback_warnings = [r for r in caplog.records if "compute prompts themselves" in r.getMessage()]
+    assert len(fallback_warnings) == 1
+
+
+def test_no_decoder_answers_503(quiet_cluster):
+    cluster = quiet_cluster
+    for name in ("d0", "d1"):
+        cluster.servers[name].stop()
+    response = httpx.post(cluster.url + "/v1/chat/completions",
+                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+    assert "decode" in error["message"] and "127.0.0.1" not in error["message"]
+    assert "retry-after" in response.headers
+    assert httpx.get(cluster.url + "/health", timeout=10).status_code == 503
+    # Now that both are known to be down, nothing is prefilled for a decoder that isn't there.
+    num_prefills = len(cluster.prefill_bodies())
+    response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+    assert response.status_code == 503 and len(cluster.prefill_bodies()) == num_prefills
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors and bad input
+
+
+def test_prefill_400_is_returned_as_is(cluster):
+    response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "bad"}, timeout=10)
+    assert response.status_code == 400
+    assert response.json() == {"error": {"message": "prompt: bad by design", "type": "BadRequestError",
+                                         "param": "prompt", "code": 400}}
+    assert cluster.decode_bodies() == []
+    with pytest.raises(openai.BadRequestError, match="bad by design"):
+        client_for(cluster).completions.create(model="m", prompt="bad")
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "m", "prompt": ', b"[1, 2]", b"\xff\xfe"])
+def test_malformed_body_is_400_and_not_forwarded(cluster, raw):
+    response = httpx.post(cluster.url + "/v1/completions", content=raw,
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
+    assert cluster.prefill_bodies() == [] and cluster.decode_bodies() == []
+
+
+def test_too_large_body_is_413():
+    c = start_cluster(1, 1, max_request_body_bytes=100)
+    try:
+        response = httpx.post(c.url + "/v1/completions", json={"model": "m", "prompt": "x" * 200}, timeout=10)
+        assert response.status_code == 413 and response.json()["error"]["code"] == 413
+        assert c.prefill_bodies() == []
+    finally:
+        stop_cluster(c)
+
+
+def test_client_disconnect_closes_the_decode_stream(cluster):
+    body = {"model": "m", "prompt": "x", "stream": True, "chunk_delay_s": 0.5}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=10) as response:
+        next(response.iter_raw())  # the first chunk is in; then the client goes away
+    wait_until(lambda: sum(f.num_streams_cut for f in cluster.decoders) == 1)
+    assert all(f.num_active == 0 for f in cluster.decoders)
+
+
+def test_decoder_dying_mid_stream_ends_it_with_an_error_event(quiet_cluster):
+    cluster = quiet_cluster
+    body = {"model": "m", "prompt": "x", "stream": True, "fail_after_chunks": 2}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=10) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 4 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == 502
+    decoder = next(f for f in cluster.decoders if f.bodies)
+    assert not cluster.instance(decoder.name).is_healthy
+
+
+def test_decoder_dying_mid_body_drops_the_connection(quiet_cluster):
+    # A body cut short must not reach the client as if it were whole.
+    body = {"model": "m", "prompt": "x", "fail_after_chunks": 2}
+    with pytest.raises(httpx.RemoteProtocolError):
+        httpx.post(quiet_cluster.url + "/v1/completions", json=body, timeout=10)
+
+
+def test_request_timeout():
+    c = start_cluster(1, 1, request_timeout=0.5)
+    try:
+        response = httpx.post(c.url + "/v1/completions", json={"model": "m", "prompt": "x", "delay_s": 1},
+                              timeout=10)
+        assert response.status_code == 408 and response.json()["error"]["type"] == "RequestTimeoutError"
+        body = {"model": "m", "prompt": "x", "stream": True, "chunk_delay_s": 0.3}
+        with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=10) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert 1 <= len(events) - 2 < len(STREAM_PIECES)  # some chunks, then the error and [DONE]
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 408
+        assert events[-1] == "data: [DONE]"
+        wait_until(lambda: c.decoders[0].num_streams_cut == 1)
+    finally:
+        stop_cluster(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration and CLI
+
+
+def test_prefill_body_keeps_everything_else():
+    body = {"model": "m", "prompt": "p", "max_tokens": 50, "stream": True, "n": 3, "stop": ["\n"],
+            "stream_options": {"include_usage": True}, "kv_transfer_params": {"stale": 1}}
+    assert prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False, "n": 1,
+                                  "stop": ["\n"], "kv_transfer_params": {"do_remote_decode": True}}
+    assert body["max_tokens"] == 50  # the client's body is left alone
+
+
+def test_cli_parses_into_a_config():
+    ns = build_parser().parse_args(["proxy", "--prefill", "http://p:1/", "https://p:2", "--decode",
+                                    "http://d:3", "--port", "0", "--request-timeout", "30"])
+    config = config_from(ns)
+    assert config.prefill_urls == ("http://p:1", "https://p:2") and config.decode_urls == ("http://d:3",)
+    assert config.port == 0 and config.request_timeout == 30 and config.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--prefill", "http://p:1", "--port", "1"], "--decode"),
+    (["--prefill", "http://p:1", "--decode", "localhost:8100", "--port", "1"], "--decode"),
+    (["--prefill", "p:1", "--decode", "http://d:1", "--port", "1"], "--prefill"),
+])
+def test_cli_rejects_bad_flags(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["proxy", *argv])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"decode_urls \(--decode\): at least one"):
+        ProxyConfig(prefill_urls=("http://p:1",), decode_urls=())
+    with pytest.raises(ValueError, match=r"prefill_urls \(--prefill\): 'ftp://p' is not an http"):
+        ProxyConfig(prefill_urls=("ftp://p",), decode_urls=("http://d:1",))
+    with pytest.raises(ValueError, match=r"decode_urls \(--decode\): a URL is listed twice"):
+        ProxyConfig(prefill_urls=(), decode_urls=("http://d:1", "http://d:1/"))
+    with pytest.raises(ValueError, match="request_timeout"):
+        ProxyConfig(prefill_urls=(), decode_urls=("http://d:1",), request_timeout=0)
+
+
+def test_proxy_imports_no_torch_and_no_engine():
+    code = ("import sys, tokenbus.api.proxy.app, tokenbus.cli.proxy_cmd; "
+            "bad = [m for m in sys.modules "
+            "       if m == 'torch' or m.startswith(('tokenbus.engine', 'tokenbus.api.openai'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
