@@ -102,7 +102,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--port", type=int, default=8061)
-    parser.add_argument("--system-words", type=int, default=1100, help="~1.4 tokens per word")
+    parser.add_argument("--system-words", type=int, default=1250, help="about 1.2 tokens per word: ~1,500 tokens")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--log", default="bench_out/kv_tier_restart.log")
     ns = parser.parse_args()

@@ -302,3 +302,28 @@ def test_killed_prefiller_recomputes(producer, decoder, hf):
     assert out.outputs[0].token_ids == hf(prompt)
     assert out.num_cached_tokens == 0
     assert_engine_clean(decoder)
+
+
+def test_decoder_pulls_only_from_allowed_peer_hosts(caplog):
+    from tokenbus.kv_transfer.p2p import P2PSettings
+
+    settings = P2PSettings.from_extra({})
+    assert settings.allows_peer("127.0.0.1") and not settings.allows_peer("10.0.0.7")
+    assert P2PSettings.from_extra({"kv_peer_hosts": ["10.0.0.7"]}).allows_peer("10.0.0.7")
+    assert P2PSettings.from_extra({"kv_peer_hosts": ["*"]}).allows_peer("192.168.1.1")
+    with pytest.raises(ValueError, match="kv_peer_hosts"):
+        P2PSettings.from_extra({"kv_peer_hosts": "10.0.0.7"})
+
+
+def test_params_naming_a_host_outside_kv_peer_hosts_compute_locally(decoder, hf, caplog):
+    prompt = _prompts([40], seed=9)[0]
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "169.254.169.254",
+              "remote_port": 80, "remote_request_id": "r", "remote_block_ids": [1, 2, 3],
+              "remote_num_tokens": len(prompt)}
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, kv_transfer_params=params)
+    with caplog.at_level(logging.WARNING):
+        out = decoder.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf(prompt)
+    assert out.num_cached_tokens == 0
+    assert "not in kv_peer_hosts" in caplog.text
+    decoder.engine.client.call_utility("check_integrity")

@@ -167,6 +167,10 @@ class EngineCoreLoop:
     def _process_engine_step(self) -> None:
         if self.engine.has_unfinished_requests():
             outputs = self.engine.step()
+            if not self.engine.has_unfinished_requests():
+                # The last work just ended (e.g. a KV connector's delayed free): the gauges an
+                # idle engine shows must be this step's, not the last reported one's.
+                self._gauges_stale = True
             if _did_work(outputs) or self._gauges_stale:
                 self.emit(MessageType.OUTPUTS, outputs)
                 self._gauges_stale = False

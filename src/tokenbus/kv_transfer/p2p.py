@@ -26,11 +26,13 @@ once, also when the request was aborted meanwhile.
 kv_connector_extra_config: kv_host (127.0.0.1) and kv_port (14579): where a producer serves;
 kv_advertise_host (kv_host): the host decoders are told; abort_timeout_s (120): a pending send
 nobody pulls is freed after it; pull_timeout_s (10): a load gives up after it;
-debug_delay_pull_s (0): tests only, a decoder waits this long before each pull.
+debug_delay_pull_s (0): tests only, a decoder waits this long before each pull; kv_peer_hosts
+(loopback): the prefiller hosts a decoder may pull from (request params come from clients),
+["*"] for any.
 
 One worker per engine (tensor_parallel_size 1): each engine needs its own kv_port. The server
-authenticates nobody and a decoder pulls from whatever host its request's params name: keep both
-on a private network.
+authenticates nobody: keep prefillers on a private network, and list them in the decoders'
+kv_peer_hosts.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_KV_PORT = 14579
 NOT_READY_RETRY_S = 0.05  # a Pull that came before the prefiller registered the request
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _SENT_NORMALLY = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
@@ -85,6 +88,12 @@ class P2PSettings:
     abort_timeout_s: float
     pull_timeout_s: float
     debug_delay_pull_s: float
+    # Hosts a decoder may pull from: request params come from clients, and a decoder must not
+    # be pointed at arbitrary hosts of its network. "*" allows any.
+    peer_hosts: tuple[str, ...] = LOOPBACK_HOSTS
+
+    def allows_peer(self, host: str) -> bool:
+        return "*" in self.peer_hosts or host in self.peer_hosts
 
     @classmethod
     def from_extra(cls, extra: dict) -> "P2PSettings":
@@ -97,10 +106,15 @@ class P2PSettings:
         advertise_host = extra.get("kv_advertise_host", host)
         if not isinstance(advertise_host, str) or not advertise_host:
             raise ValueError("kv_connector_extra_config.kv_advertise_host must be a host name or address")
+        peer_hosts = extra.get("kv_peer_hosts", list(LOOPBACK_HOSTS))
+        if not isinstance(peer_hosts, list) or not all(isinstance(h, str) and h for h in peer_hosts):
+            raise ValueError("kv_connector_extra_config.kv_peer_hosts must be a list of host names "
+                             "or addresses (\"*\": any)")
         return cls(host, port, advertise_host,
                    _seconds(extra, "abort_timeout_s", 120.0, positive=True),
                    _seconds(extra, "pull_timeout_s", 10.0, positive=True),
-                   _seconds(extra, "debug_delay_pull_s", 0.0, positive=False))
+                   _seconds(extra, "debug_delay_pull_s", 0.0, positive=False),
+                   tuple(peer_hosts))
 
 
 def _seconds(extra: dict, key: str, default: float, positive: bool) -> float:
@@ -191,6 +205,10 @@ class P2PScheduler:
             remote = RemotePrefill.parse(request.kv_transfer_params)
         except ValueError as exc:
             self._warn_once(request, f"{exc}; computing the prompt locally")
+            return None
+        if remote is not None and not self.settings.allows_peer(remote.host):
+            self._warn_once(request, f"remote_host {remote.host!r} is not in kv_peer_hosts "
+                                     f"{list(self.settings.peer_hosts)}; computing the prompt locally")
             return None
         if remote is not None and remote.num_tokens != request.num_prompt_tokens:
             self._warn_once(request, f"the prefiller computed {remote.num_tokens} tokens but the prompt has "
