@@ -199,11 +199,12 @@ def _shutdown_executor(engine: EngineCore) -> None:
 
 def _did_work(outputs: EngineOutputs) -> bool:
     """A step that ran nothing produces no outputs, leaves nobody running and moved no KV (a
-    prefiller serves pulls in steps that run nothing: their byte counts must still reach the
-    front end)."""
+    prefiller serves pulls, and a decoder starts its loads, in steps that run nothing: their
+    counters must still reach the front end)."""
     stats = outputs.scheduler_stats
     return (bool(outputs.outputs) or stats is None
-            or bool(stats.num_running_reqs or stats.num_preemptions or stats.kv_bytes_saved or stats.kv_bytes_loaded))
+            or bool(stats.num_running_reqs or stats.num_preemptions or stats.kv_bytes_saved or stats.kv_bytes_loaded
+                    or stats.external_prefix_cache_queries))
 
 
 # ---------------------------------------------------------------------- the engine process
