@@ -188,3 +188,26 @@ def test_connector_is_not_asked_for_requests_that_need_every_position():
     assert so.num_scheduled_tokens == {"a": 40}
     _step(sched)
     sched.check_integrity()
+
+
+def test_failed_synchronous_load_uncaches_the_blocks_computed_over_it():
+    """Blocks computed in the step whose load failed read the bad block: their K/V is wrong too,
+    so no later request may hit them (even once the bad block's hash is cached again)."""
+    connector = FakeConnector(external={"a": 32})
+    sched = make_scheduler(num_blocks=10, kv_connector=connector, enable_caching=True)
+    sched.add_request(make_request("a", 56, max_tokens=1, ignore_eos=True, enable_caching=True))
+    so, _ = _step(sched, invalid_block_ids=[2])  # blocks 1, 2 loaded (2 failed), 3 computed over 2
+    assert so.num_scheduled_tokens == {"a": 24}
+    assert [sched.kv.block_pool.blocks[i].block_hash is None for i in (1, 2, 3)] == [False, True, True]
+    so, _ = _step(sched)  # a recomputes from its second block: those hashes are cached anew
+    recomputed_table = so.scheduled_new_reqs[0].block_ids
+    while sched.has_unfinished_requests():
+        _step(sched)
+    connector.external = {}
+    sched.add_request(make_request("b", 56, max_tokens=1, ignore_eos=True, enable_caching=True))
+    so, _ = _step(sched)
+    # b hits what a recomputed, never the block computed over the failed load.
+    assert so.scheduled_new_reqs[0].block_ids[:3] == recomputed_table[:3]
+    while sched.has_unfinished_requests():
+        _step(sched)
+    sched.check_integrity()

@@ -443,6 +443,11 @@ class Scheduler:
         failed = set()
         for request in affected:
             request.kv_load_failed = True  # never asks the connector again: it computes
+            # A block computed in the same step read the bad one: its K/V is wrong as well, and
+            # must not stay findable under its hash (a chained hash is hit again once the bad
+            # block's hash is cached anew).
+            block_ids = self.kv.get_block_ids(request.request_id)
+            self.kv.evict_cached_blocks(block_ids[_first_index_in(block_ids, invalid):])
             if request.request_id in self._remote_loads and self.kv_load_failure_policy == "recompute":
                 self._truncate_remote_load(request, invalid)
                 continue
@@ -472,8 +477,7 @@ class Scheduler:
     def _truncate_remote_load(self, request: Request, invalid: set[int]) -> None:
         """An asynchronous load that failed in part: keep the blocks before the first bad one
         (its finished_recving comes in the same report), compute the rest."""
-        block_ids = self.kv.get_block_ids(request.request_id)
-        first_bad = next(i for i, block_id in enumerate(block_ids) if block_id in invalid)
+        first_bad = _first_index_in(self.kv.get_block_ids(request.request_id), invalid)
         valid_tokens = max(first_bad * self.kv.block_size, request.num_computed_tokens)
         self._remote_loads[request.request_id] = valid_tokens - request.num_computed_tokens
 
@@ -531,3 +535,8 @@ class Scheduler:
         assert not self._remote_loads, f"KV loads still tracked: {list(self._remote_loads)}"
         assert not self.waiting and not self.running, "queues not empty"
         self.kv.check_integrity()
+
+
+def _first_index_in(block_ids: list[int], wanted: set[int]) -> int:
+    """The position of the first of `block_ids` in `wanted` (one is)."""
+    return next(i for i, block_id in enumerate(block_ids) if block_id in wanted)
