@@ -10,6 +10,7 @@ it found corrupt (dropped), so an index kept by the scheduler half stays true.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from tokenbus.core.outputs import KVConnectorOutput
     from tokenbus.core.request import Request
     from tokenbus.core.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class BlockJob(msgspec.Struct, array_like=True):
@@ -116,7 +119,9 @@ class HashStoreScheduler:
         if output.worker_meta is None:
             return
         news = msgspec.msgpack.decode(output.worker_meta, type=self.news_type)
+        # Dropped: a save that was skipped or failed is not in the store either.
         self._saving.difference_update(news.stored)
+        self._saving.difference_update(news.dropped)
         self.on_news(news)
 
     def on_news(self, news: HashStoreNews) -> None:
@@ -143,6 +148,7 @@ class HashStoreWorker(KVConnectorWorker):
         self._meta = self.meta_type()
         self._stored: list[bytes] = []
         self._dropped: list[bytes] = []
+        self._load_failed = False  # this step: a block did not load, the forward read it anyway
 
     def load(self, block_hash: bytes) -> "torch.Tensor":
         raise NotImplementedError
@@ -157,16 +163,19 @@ class HashStoreWorker(KVConnectorWorker):
     def start_load_kv(self) -> None:
         import torch
 
+        self._load_failed = False
         for jobs in self._meta.loads.values():
             started = time.perf_counter()
             block_ids, blocks = [], []
             for job in jobs:
                 try:
                     kv = self.load(job.block_hash)
+                    self._check_block(kv)
                 except Exception:  # missing, corrupt, unreadable: a miss, never wrong K/V
                     # The blocks after it chain from it: they are recomputed anyway.
                     self.counters.invalid_block_ids.update(j.block_id for j in jobs[len(block_ids):])
                     self._dropped.append(job.block_hash)
+                    self._load_failed = True
                     break
                 block_ids.append(job.block_id)
                 blocks.append(kv)
@@ -175,15 +184,42 @@ class HashStoreWorker(KVConnectorWorker):
                 self.write_blocks(block_ids, stacked)
                 self.counters.timed_load(stacked.numel() * stacked.element_size(), started)
 
+    def _check_block(self, kv: "torch.Tensor") -> None:
+        """A loaded block must fit the pool: [L, 2, bs, Hkv, D] of its dtype."""
+        layout = self.ctx.layout
+        shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        dtype = str(kv.dtype).removeprefix("torch.")
+        if tuple(kv.shape) != shape or dtype != layout.dtype:
+            raise ValueError(f"stored block is {dtype} {list(kv.shape)}, the pool's {layout.dtype} {list(shape)}")
+
     def wait_for_save(self) -> None:
-        if not self._meta.saves:
+        if self._skip_saves():
             return
         started = time.perf_counter()
         kv = self.read_blocks([job.block_id for job in self._meta.saves])  # [L, 2, n, bs, Hkv, D]
         for i, job in enumerate(self._meta.saves):
-            self.store(job.block_hash, kv[:, :, i])
-            self._stored.append(job.block_hash)
+            self.store_or_drop(job.block_hash, kv[:, :, i])
         self.counters.timed_save(kv.numel() * kv.element_size(), started)
+
+    def _skip_saves(self) -> bool:
+        """True when this step saves nothing. After a failed load every save is dropped: the
+        forward read the block that did not load, so what it computed is wrong as well (the
+        scheduler recomputes those requests; their blocks are saved then)."""
+        if self._meta.saves and self._load_failed:
+            self._dropped.extend(job.block_hash for job in self._meta.saves)
+            return True
+        return not self._meta.saves
+
+    def store_or_drop(self, block_hash: bytes, kv: "torch.Tensor") -> None:
+        """Store one block; a store that fails (disk full, …) loses that block, not the engine."""
+        try:
+            self.store(block_hash, kv)
+        except Exception:
+            logger.exception("KV connector: storing block %s failed; it stays out of the store",
+                             block_hash.hex()[:16])
+            self._dropped.append(block_hash)
+            return
+        self._stored.append(block_hash)
 
     def worker_meta(self) -> bytes | None:
         if not self._stored and not self._dropped:

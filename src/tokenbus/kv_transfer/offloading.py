@@ -481,16 +481,14 @@ class OffloadingWorker(HashStoreWorker):
         self.store_tiers.touch(self._meta.touches)  # after the loads: a chain's head ends newest
 
     def wait_for_save(self) -> None:
-        if not self._meta.saves:
+        if self._skip_saves():
             return
         started = time.perf_counter()
         # One device → host copy for the step's blocks, then one CPU copy each.
         kv = self.read_blocks([job.block_id for job in self._meta.saves]).to("cpu")  # [L, 2, n, bs, Hkv, D]
         # Tail blocks first: the LRUs then drop a chain from its tail, never its head.
         for i in reversed(range(len(self._meta.saves))):
-            job = self._meta.saves[i]
-            self.store(job.block_hash, kv[:, :, i])
-            self._stored.append(job.block_hash)
+            self.store_or_drop(self._meta.saves[i].block_hash, kv[:, :, i])
         self.counters.timed_save(kv.numel() * kv.element_size(), started)
 
     def worker_meta(self) -> bytes | None:
