@@ -19,7 +19,7 @@ from tokenbus import SamplingParams
 from tokenbus.config import KVTransferConfig
 from tokenbus.core.request import RequestStatus
 from tokenbus.kv_transfer.base import ConnectorContext, KVLayout, TransferCounters
-from tokenbus.kv_transfer.p2p import P2PSettings, RemotePrefill, _Sender, handshake_reply
+from tokenbus.kv_transfer.p2p import P2PSettings, RemotePrefill, SendSpec, _Sender, handshake_reply, prompt_digest
 from tokenbus.kv_transfer.p2p_transport import ERROR, NOT_READY, OK, Done, Hello, Pull
 from tokenbus.utils import cdiv
 
@@ -218,19 +218,23 @@ def _sender(abort_timeout_s: float):
     return _Sender(ctx, settings, zmq_ctx, read_blocks), zmq_ctx
 
 
+PROMPT = list(range(100, 120))
+
+
 def test_sender_serves_only_registered_blocks_until_done():
     sender, zmq_ctx = _sender(abort_timeout_s=60)
     try:
         def pull(block_ids, engine_id="prefill-1"):
-            return sender.handle(Pull(seq=1, engine_id=engine_id, request_id="r1", block_ids=block_ids))
+            return sender.handle(Pull(seq=1, engine_id=engine_id, request_id="r1", block_ids=block_ids,
+                                      prompt_digest=prompt_digest(PROMPT)))
 
         assert pull([3])[0].status == NOT_READY  # its metadata has not arrived yet
-        sender.register({"r1": [3, 5]})
+        sender.register({"r1": SendSpec([3, 5], prompt_digest(PROMPT))})
         reply, data = pull([5])
         assert (reply.status, reply.dtype, reply.shape) == (OK, "float32", [2, 2, 1, 16, 1, 4])
         assert reply.nbytes == data.numel() == 2 * 2 * 16 * 4 * 4
         assert torch.equal(data.view(torch.float32), torch.full((256,), 5.0))
-        assert "not request r1's prompt blocks" in pull([4])[0].message  # never another block
+        assert "r1's prompt blocks" in pull([4])[0].message  # never another block
         assert "this is engine prefill-1, not other" in pull([3], engine_id="other")[0].message
         assert sender.handle(Done(seq=2, engine_id="prefill-1", request_id="r1"))[0].status == OK
         counters = TransferCounters()
@@ -242,10 +246,31 @@ def test_sender_serves_only_registered_blocks_until_done():
         zmq_ctx.term()
 
 
+def test_sender_serves_a_pull_only_for_the_same_prompt_and_block_positions():
+    """Pulls follow kv_transfer_params a client sent the decoder: blocks out of order, twice,
+    or another prompt's would be wrong K/V in the decoder's pool (and its prefix cache)."""
+    sender, zmq_ctx = _sender(abort_timeout_s=60)
+    try:
+        def pull(block_ids, prompt=PROMPT):
+            return sender.handle(Pull(seq=1, engine_id="prefill-1", request_id="r1", block_ids=block_ids,
+                                      prompt_digest=prompt_digest(prompt)))[0]
+
+        sender.register({"r1": SendSpec([3, 5, 7], prompt_digest(PROMPT))})
+        assert pull([3, 5, 7]).status == OK and pull([5, 7]).status == OK  # after a local prefix hit
+        for block_ids in ([7, 5, 3], [5, 5], [3, 5], [3, 3, 3, 3]):
+            reply = pull(block_ids)
+            assert reply.status == ERROR and "prompt blocks" in reply.message, block_ids
+        reply = pull([3, 5, 7], prompt=PROMPT[:-1] + [7])
+        assert reply.status == ERROR and "another prompt" in reply.message
+    finally:
+        sender.close()
+        zmq_ctx.term()
+
+
 def test_sender_frees_an_unpulled_send_after_abort_timeout(caplog):
     sender, zmq_ctx = _sender(abort_timeout_s=0.2)
     try:
-        sender.register({"r1": [1]})
+        sender.register({"r1": SendSpec([1], prompt_digest(PROMPT))})
         assert sender.take_finished(TransferCounters()) == set()
         time.sleep(0.3)
         with caplog.at_level(logging.WARNING, logger="tokenbus.kv_transfer.p2p"):

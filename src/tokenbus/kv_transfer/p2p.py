@@ -37,6 +37,7 @@ kv_peer_hosts.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -136,11 +137,25 @@ class LoadJob(msgspec.Struct, array_like=True):
     remote_port: int
     remote_request_id: str
     remote_block_ids: list[int]
+    prompt_digest: str  # of the decoder's prompt: the prefiller serves only the same prompt's KV
+
+
+class SendSpec(msgspec.Struct, array_like=True):
+    """A finished prefill's blocks that the prefiller may serve, and its prompt's digest."""
+
+    block_ids: list[int]
+    prompt_digest: str
 
 
 class P2PMeta(msgspec.Struct, array_like=True, omit_defaults=True):
     loads: list[LoadJob] = []  # decoder: new loads
-    sends: dict[str, list[int]] = {}  # prefiller: request id → prompt blocks it may serve now
+    sends: dict[str, SendSpec] = {}  # prefiller: request id → what it may serve now
+
+
+def prompt_digest(prompt_token_ids: list[int]) -> str:
+    """Names a prompt's tokens. A decoder's params come from a client, which could pair one
+    prompt with another's prefill: the prefiller compares digests and refuses a mismatch."""
+    return hashlib.sha256(msgspec.msgpack.encode(prompt_token_ids)).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -183,7 +198,7 @@ class P2PScheduler:
         self.ctx = ctx
         self.block_size = ctx.layout.block_size
         self.settings = P2PSettings.from_extra(ctx.extra)
-        self._new_sends: dict[str, list[int]] = {}  # finished, for the worker to serve
+        self._new_sends: dict[str, SendSpec] = {}  # finished, for the worker to serve
         self._new_loads: list[LoadJob] = []
         # Requests a load was started for: never a second (after a preemption the prefiller has
         # freed its blocks; the loaded ones are local prefix hits by then).
@@ -231,7 +246,8 @@ class P2PScheduler:
         self._new_loads.append(LoadJob(
             request_id=request.request_id, local_block_ids=block_ids[first:end],
             remote_engine_id=remote.engine_id, remote_host=remote.host, remote_port=remote.port,
-            remote_request_id=remote.request_id, remote_block_ids=remote.block_ids[first:end]))
+            remote_request_id=remote.request_id, remote_block_ids=remote.block_ids[first:end],
+            prompt_digest=prompt_digest(request.prompt_token_ids)))
         self._load_started.add(request.request_id)
 
     # ------------------------------------------------------------------ per step
@@ -260,7 +276,7 @@ class P2PScheduler:
                 or request.num_computed_tokens < request.num_prompt_tokens or len(block_ids) < num_blocks):
             return False, None
         prompt_block_ids = list(block_ids[:num_blocks])
-        self._new_sends[request.request_id] = prompt_block_ids
+        self._new_sends[request.request_id] = SendSpec(prompt_block_ids, prompt_digest(request.prompt_token_ids))
         return True, {"do_remote_prefill": True, "remote_engine_id": self.ctx.engine_id,
                       "remote_host": self.settings.advertise_host, "remote_port": self.settings.port,
                       "remote_request_id": request.request_id, "remote_block_ids": prompt_block_ids,
@@ -327,7 +343,7 @@ def handshake_reply(layout: KVLayout, engine_id: str, hello: Hello) -> Reply:
 
 @dataclass
 class _PendingSend:
-    block_ids: list[int]
+    spec: SendSpec
     deadline: float  # time.monotonic() after which it is freed unpulled
 
 
@@ -348,11 +364,11 @@ class _Sender:
         self._counters = TransferCounters()
         self._server = BlockServer(zmq_ctx, settings.host, settings.port, self.handle)
 
-    def register(self, sends: dict[str, list[int]]) -> None:
+    def register(self, sends: dict[str, SendSpec]) -> None:
         deadline = time.monotonic() + self.settings.abort_timeout_s
         with self._lock:
-            for req_id, block_ids in sends.items():
-                self._pending[req_id] = _PendingSend(block_ids, deadline)
+            for req_id, spec in sends.items():
+                self._pending[req_id] = _PendingSend(spec, deadline)
 
     def take_finished(self, counters: TransferCounters) -> set[str]:
         now = time.monotonic()
@@ -395,8 +411,14 @@ class _Sender:
             return self._serve_pull(message, send)
 
     def _serve_pull(self, pull: Pull, send: _PendingSend) -> tuple[Reply, torch.Tensor | None]:
-        if not pull.block_ids or not set(pull.block_ids) <= set(send.block_ids):
-            return _error(pull, f"blocks {pull.block_ids} are not request {pull.request_id}'s prompt blocks"), None
+        # A decoder with a local prefix hit pulls the rest: the registered blocks' tail, in order
+        # (out of order or repeated, they would land as wrong K/V at the decoder's positions).
+        block_ids = send.spec.block_ids
+        if not pull.block_ids or pull.block_ids != block_ids[len(block_ids) - len(pull.block_ids):]:
+            return _error(pull, f"blocks {pull.block_ids[:64]} are not the tail of request "
+                                f"{pull.request_id}'s prompt blocks"), None
+        if pull.prompt_digest != send.spec.prompt_digest:
+            return _error(pull, f"request {pull.request_id} prefilled another prompt than the puller's"), None
         started = time.perf_counter()
         kv = self._read_blocks(pull.block_ids).cpu().contiguous()  # [L, 2, n, block_size, Hkv, D]
         data = kv.reshape(-1).view(torch.uint8)  # bf16 and friends travel as bytes
@@ -548,7 +570,7 @@ class _Puller:
                 raise _Refused(f"handshake refused: {reply.message}")
             self._client.greeted_engine_id = reply.engine_id
         pull = Pull(seq=0, engine_id=spec.remote_engine_id, request_id=spec.remote_request_id,
-                    block_ids=spec.remote_block_ids)
+                    block_ids=spec.remote_block_ids, prompt_digest=spec.prompt_digest)
         while not job.cancelled.is_set():
             reply, data = self._call(pull, deadline)
             if reply.status == OK:

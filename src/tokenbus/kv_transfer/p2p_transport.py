@@ -39,6 +39,7 @@ class Pull(msgspec.Struct, tag="pull", kw_only=True):
     engine_id: str  # the server the client expects (a restarted engine has a new id)
     request_id: str  # the server's request id
     block_ids: list[int]  # the server's block ids
+    prompt_digest: str  # p2p.prompt_digest of the client's prompt: it must be the server's
 
 
 class Done(msgspec.Struct, tag="done", kw_only=True):
