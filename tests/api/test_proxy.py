@@ -327,6 +327,19 @@ def test_null_kv_transfer_params_sends_the_body_unchanged(cluster):
     assert [r for f in cluster.decoders for r in f.raw_bodies] == [raw]
 
 
+def test_client_kv_transfer_params_never_reach_the_decoder(cluster):
+    """The proxy owns kv_transfer_params: a client's (a host and blocks of its choosing) must
+    not reach a decoder's KV connector, also when the prefill leg gives none."""
+    for prefiller in cluster.prefillers:
+        prefiller.null_params = True
+    forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 22,
+              "remote_block_ids": [7, 7, 7]}
+    response = httpx.post(cluster.url + "/v1/completions", timeout=10, json={
+        "model": "m", "prompt": "x", "max_tokens": 3, "kv_transfer_params": forged})
+    assert response.status_code == 200 and response.json()["kv_transfer_params_received"] is None
+    assert [b.get("kv_transfer_params") for b in cluster.prefill_bodies()] == [{"do_remote_decode": True}]
+
+
 def test_models_and_metrics(cluster):
     models = client_for(cluster).models.list()
     assert models.data[0].id in ("model-of-d0", "model-of-d1")

@@ -10,7 +10,7 @@ Failures, by leg:
   down (the health probe brings it back) and the leg is retried on another of its kind;
 - prefill: a 4xx is the client's error and is returned as is (the decoder would refuse the
   same body); a 5xx tries the next prefiller; with none left the decoder gets the body
-  unchanged and computes the prompt itself;
+  unchanged (less any kv_transfer_params of the client's) and computes the prompt itself;
 - decode: with no decoder left, 503 (without a prefill when none is known to be healthy).
   Whatever a decoder answers, errors included, is relayed.
 """
@@ -105,8 +105,12 @@ class Router:
         outcome = await self._prefill(path, body, headers, deadline)
         if isinstance(outcome, Response):
             return outcome
-        if outcome is None:  # the decoder computes the prompt: the client's bytes as they came
-            content = raw_body
+        if outcome is None and "kv_transfer_params" not in body:
+            content = raw_body  # the decoder computes the prompt: the client's bytes as they came
+        elif outcome is None:
+            # The proxy owns kv_transfer_params: a client's own (any host, port and blocks) must
+            # not reach the decoder's KV connector.
+            content = json.dumps({k: v for k, v in body.items() if k != "kv_transfer_params"}).encode()
         else:
             content = json.dumps({**body, "kv_transfer_params": outcome}).encode()
         answer = await self._first_answer(self.decode, "POST", path, content, headers, deadline,
