@@ -137,3 +137,18 @@ def test_logprobs_minus_one_means_the_whole_vocabulary():
         assert engine.requests[-1][2].logprobs == VOCAB_SIZE
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": -1})
         assert r.status_code == 200 and engine.requests[-1][2].logprobs == VOCAB_SIZE
+
+
+def test_kv_transfer_params_reach_the_engine_and_are_bounded(client, engine):
+    params = {"do_remote_decode": True}
+    assert client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1,
+                                                "kv_transfer_params": params}).status_code == 200
+    assert engine.requests[-1][2].kv_transfer_params == params
+    chat = {"messages": CHAT, "max_tokens": 1, "kv_transfer_params": params}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert engine.requests[-1][2].kv_transfer_params == params
+    for bad in ({"prompt": ["a", "b"], "kv_transfer_params": params},
+                {"prompt": "a", "n": 2, "kv_transfer_params": params},
+                {"prompt": "a", "kv_transfer_params": {"a": {"b": {"c": {"d": {"e": 1}}}}}}):
+        assert_error(client.post("/v1/completions", json={"max_tokens": 1, **bad}), 400, "kv_transfer_params")
+    assert_error(client.post("/v1/chat/completions", json={**chat, "n": 2}), 400, "kv_transfer_params")

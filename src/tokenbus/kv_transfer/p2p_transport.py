@@ -75,6 +75,9 @@ _encoder = msgspec.msgpack.Encoder()
 Handler = Callable[[Message], tuple[Reply, torch.Tensor | None]]
 
 
+MAX_REQUEST_BYTES = 1 << 20
+
+
 class BlockServer:
     """A ROUTER bound at host:port, served by one background thread calling `handler`."""
 
@@ -82,6 +85,9 @@ class BlockServer:
         self.address = f"tcp://{host}:{port}"
         self._socket = zmq_ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # Peers send small msgpack headers (block id lists): whoever reaches the port may not
+        # make us buffer more (ZMQ drops the connection of a sender over the limit).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
             self._socket.bind(self.address)
         except zmq.ZMQError as exc:

@@ -119,10 +119,16 @@ def _common(req: SamplingFields, limits: ParamLimits) -> dict[str, Any]:
 MAX_KV_TRANSFER_PARAMS_DEPTH = 4
 
 
-def check_kv_transfer_params(req: SamplingFields) -> None:
+def check_kv_transfer_params(req: SamplingFields, num_prompts: int = 1) -> None:
+    """One prompt and one sequence: a response carries one set of params (a prefiller would
+    hold the blocks of the others until its timeout)."""
     params = req.kv_transfer_params
-    if params is not None and json_depth(params, MAX_KV_TRANSFER_PARAMS_DEPTH) > MAX_KV_TRANSFER_PARAMS_DEPTH:
+    if params is None:
+        return
+    if json_depth(params, MAX_KV_TRANSFER_PARAMS_DEPTH) > MAX_KV_TRANSFER_PARAMS_DEPTH:
         raise ValueError(f"kv_transfer_params: nested deeper than {MAX_KV_TRANSFER_PARAMS_DEPTH} levels")
+    if req.n != 1 or num_prompts != 1:
+        raise ValueError("kv_transfer_params: supported with one prompt and n = 1")
 
 
 def check_stop(req: SamplingFields, caps: RequestLimits) -> None:

@@ -18,7 +18,8 @@ from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import completion_logprobs, merge_completion_logprobs, prompt_logprobs_body
 from tokenbus.api.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                           CompletionResponse, UsageInfo)
-from tokenbus.api.openai.request_params import check_n, completion_params, make_usage, truncate_prompt
+from tokenbus.api.openai.request_params import (check_kv_transfer_params, check_n, completion_params, make_usage,
+                                                truncate_prompt)
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import DONE_EVENT, merge_async_iterators, sse_event
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
@@ -107,6 +108,7 @@ class CompletionServing(OpenAIServing):
                              "nothing generated)")
         if request.stream and request.echo and request.logprobs is not None and request.n > 1:
             raise ValueError("echo: streaming echo with logprobs is supported for n = 1 only")
+        check_kv_transfer_params(request, len(prompts))
         self.ctx.admission.check_room(len(prompts) * request.n)  # overloaded: refuse before preparing
         run = await self.prepare(self._prepare, request, prompts)
         return await self.respond(raw, request.stream, request.n * len(run.prompts), run)
