@@ -113,6 +113,7 @@ class ModelRunner:
         ]
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches)
         batch.ctx.kv_connector = self.kv_connector
+        batch.ctx.attn_metadata = self.model.attention_backend.build_metadata(batch.ctx)
         hidden = self.model(batch.input_ids, batch.ctx)
         sampled, logprobs = self._sample(batch, hidden, so)
         output = self._make_output(batch, sampled, logprobs)

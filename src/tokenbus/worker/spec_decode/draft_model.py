@@ -121,6 +121,7 @@ class DraftModelProposer:
         return self._greedy(buf.to_device(buf.input_ids[:n]), ctx, rows)
 
     def _greedy(self, input_ids: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor) -> list[int]:
+        ctx.attn_metadata = self.model.attention_backend.build_metadata(ctx)
         hidden = self.model(input_ids, ctx, num_layers=self.num_layers)  # [T, hidden]
         return self.model.compute_logits(hidden[rows]).argmax(-1).tolist()
 
