@@ -47,6 +47,8 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # [num_sampled_rows] rows of the hidden states to sample from
     sampling_requests: list[int]  # batch indices of requests that sample, one row each
     num_logits_per_request: list[int]  # rows in logits_indices per sampling request (1 + drafts)
+    num_tokens: int = 0  # the real requests' tokens (input_ids and ctx may hold padding after them)
+    padded_size: int | None = None  # tokens of a padded (captured) step, padding included
 
 
 class StagedBuffer:
@@ -116,7 +118,11 @@ class InputBuffers:
 
 
 def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block_size: int,
-                  kv_caches: list[torch.Tensor]) -> PreparedBatch:
+                  kv_caches: list[torch.Tensor], padded_size: int | None = None) -> PreparedBatch:
+    """The step's inputs in `buffers`. With `padded_size` (a captured step: every request a
+    single-token decode), padding requests fill rows up to padded_size: token 0 at position 0
+    in slot 0 of the null block, seq_len 1, a block table of zeros; tables are then passed at
+    their full width, so every shape depends on padded_size alone."""
     buffers.wait_for_copies()
     requests = sorted(requests, key=lambda r: not r.is_decode)  # stable: decodes first
     query_start_loc = [0]
@@ -138,6 +144,11 @@ def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block
             sampling_requests.append(i)
             num_logits.append(rows)
     num_tokens, num_reqs = query_start_loc[-1], len(requests)
+    real_tokens, table_width = num_tokens, max_blocks
+    if padded_size is not None:
+        _fill_padding(buffers, num_reqs, padded_size, query_start_loc, seq_lens)
+        num_tokens = num_reqs = padded_size
+        table_width = buffers.block_table.shape[1]
     buffers.seq_lens[:num_reqs] = seq_lens
     buffers.query_start_loc[:num_reqs + 1] = query_start_loc
     buffers.logits_indices[:len(logits_rows)] = logits_rows
@@ -150,8 +161,8 @@ def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         seq_lens_t=view("seq_lens", num_reqs),
-        block_tables=view("block_table", num_reqs, max_blocks),
-        num_decodes=sum(1 for r in requests if r.is_decode),
+        block_tables=view("block_table", num_reqs, table_width),
+        num_decodes=sum(1 for r in requests if r.is_decode) + num_reqs - len(requests),
         query_start_loc_t=view("query_start_loc", num_reqs + 1),
     )
     return PreparedBatch(
@@ -161,7 +172,25 @@ def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block
         logits_indices=view("logits_indices", len(logits_rows)),
         sampling_requests=sampling_requests,
         num_logits_per_request=num_logits,
+        num_tokens=real_tokens,
+        padded_size=padded_size,
     )
+
+
+def _fill_padding(buffers: InputBuffers, num_reqs: int, padded_size: int, query_start_loc: list[int],
+                  seq_lens: list[int]) -> None:
+    """Rows [num_reqs, padded_size): one padding token each (decodes only, so row == token)."""
+    if query_start_loc[-1] != num_reqs:
+        raise ValueError("only a batch of single-token decodes can be padded to a capture size")
+    if padded_size < num_reqs:
+        raise ValueError(f"padded_size {padded_size} is below the batch's {num_reqs} requests")
+    pad = slice(num_reqs, padded_size)
+    buffers.input_ids[pad] = 0
+    buffers.positions[pad] = 0
+    buffers.slot_mapping[pad] = 0  # slot 0: the null block
+    buffers.block_table[pad] = 0
+    query_start_loc.extend(range(num_reqs + 1, padded_size + 1))
+    seq_lens.extend([1] * (padded_size - num_reqs))  # reads the key it wrote, in the null block
 
 
 def _fill_request(req: ScheduledRequest, buffers: InputBuffers, block_size: int,

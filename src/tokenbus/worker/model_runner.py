@@ -43,7 +43,7 @@ class ModelRunner:
         num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
         self.buffers = InputBuffers(
             max_num_tokens=sched.max_num_batched_tokens,
-            max_num_reqs=sched.max_num_seqs,
+            max_num_reqs=max(sched.max_num_seqs, config.compilation.max_capture_size),
             max_blocks_per_req=cdiv(sched.max_model_len + num_spec, self.block_size) + 1,
             device=device,
         )
