@@ -10,7 +10,7 @@ persistent buffers at a captured shape, the model never changes, and the guards 
 30-layer model cost ~1 ms a step.
 
 Compiled artifacts (inductor's FX graph cache and AOTAutograd cache) live under
-tokenbus.utils.cache_dir()/inductor/torch-<version>-<cpu>, unless $TORCHINDUCTOR_CACHE_DIR is
+tokenbus.utils.cache_dir()/inductor/torch-<version>-<isa>-<cpu flags hash>, unless $TORCHINDUCTOR_CACHE_DIR is
 set; their keys cover the graph (model shape, dtype, sizes), inductor's configuration and the
 compiler, so a second start loads instead of compiling (dynamo still traces the forward).
 `compile_counters()` tells them apart (cache hits vs misses).
@@ -18,6 +18,7 @@ compiler, so a second start loads instead of compiling (dynamo still traces the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -33,7 +34,11 @@ INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 
 
 def inductor_cache_dir() -> str:
-    return str(cache_dir() / "inductor" / f"torch-{torch.__version__}-{CpuFeatures.detect().march}")
+    """One directory per torch version and CPU (its ISA level and a hash of its flags, as the
+    native kernels' cache is keyed): graphs compiled for one CPU are never offered to another."""
+    cpu = CpuFeatures.detect()
+    flags = hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:12]
+    return str(cache_dir() / "inductor" / f"torch-{torch.__version__}-{cpu.isa}-{flags}")
 
 
 def use_tokenbus_compile_cache() -> None:
