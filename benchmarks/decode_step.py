@@ -54,6 +54,7 @@ def main():
     kv = [torch.randn(2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim, generator=g).to(dtype) for _ in range(arch.num_hidden_layers)]
     for batch in args.batches:
         ctx = make_ctx(kv, batch, args.context, bs, g)
+        ctx.attn_metadata = model.attention_backend.build_metadata(ctx)
         ids = torch.randint(0, arch.vocab_size, (batch,), generator=g)
         times = []
         with torch.inference_mode():

@@ -56,7 +56,6 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     max_logprobs: int = 20
-    enforce_eager: bool = False
     # auto: the native CPU kernel (model/native) on CPU in fp32/bf16 when it builds, else torch
     attention_backend: str = "auto"
     # gguf: GGUF weights stay in their blocks (native weight-only kernels, fp32 activations);
@@ -217,6 +216,65 @@ class KVTransferConfig:
         return cls(**value)
 
 
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 8, up to max_num_seqs (included), none above the token budget."""
+    largest = min(max_num_seqs, max_num_batched_tokens)
+    sizes = sorted({s for s in (1, 2, 4, 8, *range(16, largest + 1, 8), largest) if s <= largest})
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """Captured decode steps (DESIGN idea 6): uniform decode batches padded to a capture size
+    run a recorded step (CUDA graphs on CUDA, a compiled forward on CPU); others run eagerly."""
+
+    enforce_eager: bool = False  # never capture: every step runs eagerly
+    # Batch sizes (tokens of a uniform decode batch) to capture, strictly increasing; resolved
+    # from max_num_seqs when not given (default_capture_sizes). Empty with enforce_eager.
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+    # The user listed the sizes: a capture that fails at start-up is then an error, not a
+    # warning and eager steps.
+    capture_sizes_explicit: bool = False
+
+    @property
+    def max_capture_size(self) -> int:
+        return self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0
+
+    @classmethod
+    def resolve(cls, enforce_eager: bool, sizes: "list[int] | tuple[int, ...] | str | None",
+                max_num_seqs: int, max_num_batched_tokens: int) -> "CompilationConfig":
+        """Check --enforce-eager / --cudagraph-capture-sizes against the scheduler's limits."""
+        flag = "cudagraph_capture_sizes (--cudagraph-capture-sizes)"
+        if sizes is not None and enforce_eager:
+            raise ValueError(f"{flag} cannot be combined with enforce_eager (--enforce-eager): "
+                             "eager mode captures nothing")
+        if enforce_eager:
+            return cls(enforce_eager=True)
+        if sizes is None:
+            return cls(cudagraph_capture_sizes=default_capture_sizes(max_num_seqs, max_num_batched_tokens))
+        parsed = _parse_sizes(sizes, flag)
+        if not parsed:
+            raise ValueError(f"{flag} must list at least one size (or use --enforce-eager)")
+        if min(parsed) < 1:
+            raise ValueError(f"{flag}: sizes must be >= 1, got {min(parsed)}")
+        if any(b <= a for a, b in zip(parsed, parsed[1:])):
+            raise ValueError(f"{flag} must be strictly increasing, got {list(parsed)}")
+        if parsed[-1] > max_num_batched_tokens:
+            raise ValueError(f"{flag}: size {parsed[-1]} is above max_num_batched_tokens "
+                             f"(--max-num-batched-tokens) = {max_num_batched_tokens}")
+        return cls(cudagraph_capture_sizes=parsed, capture_sizes_explicit=True)
+
+
+def _parse_sizes(sizes: "list[int] | tuple[int, ...] | str", flag: str) -> tuple[int, ...]:
+    items = sizes.replace(",", " ").split() if isinstance(sizes, str) else list(sizes)
+    try:
+        if any(isinstance(item, bool) or float(item) != int(item) for item in items):
+            raise ValueError
+        return tuple(int(item) for item in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} must be integers, got {sizes!r}") from None
+
+
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -262,13 +320,14 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
 
 def _arg(default=None, help: str | None = None, *, choices: tuple | None = None, flag: bool = True,
-         hidden: bool = False, default_factory=None):
+         hidden: bool = False, default_factory=None, nargs: str | None = None):
     """An EngineArgs field; `help`/`choices` feed its CLI flag (cli/args.py); flag=False has no
-    flag, hidden=True one that --help does not list."""
-    metadata = {"help": help, "choices": choices, "flag": flag, "hidden": hidden}
+    flag, hidden=True one that --help does not list; nargs="+" one that takes a list of ints."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "hidden": hidden, "nargs": nargs}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -288,7 +347,10 @@ class EngineArgs:
     max_model_len: int | None = _arg()
     seed: int = _arg(0)
     max_logprobs: int = _arg(20, "the most logprobs a request may ask for per position; -1: no limit")
-    enforce_eager: bool = _arg(False)
+    enforce_eager: bool = _arg(False, "never capture decode steps (CUDA graphs on CUDA, a compiled step on CPU)")
+    cudagraph_capture_sizes: list[int] | str | None = _arg(
+        None, "decode batch sizes to capture, strictly increasing (default: 1 2 4 8, then steps of 8 "
+              "up to --max-num-seqs); larger and mixed prefill batches run eagerly", nargs="+")
     attention_backend: str = _arg("auto", "auto: a native C kernel on CPU (float32/bfloat16) when it "
                                           "builds, else torch", choices=ATTENTION_BACKENDS)
     quantization: str = _arg("auto", "gguf: GGUF weights stay quantized (native kernels); none: "
@@ -353,6 +415,8 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
             parallel=self._sub_config(ParallelConfig, resolved),
             kv_transfer=self._kv_transfer_config(),
+            compilation=CompilationConfig.resolve(self.enforce_eager, self.cudagraph_capture_sizes,
+                                                  self.max_num_seqs, self.max_num_batched_tokens),
         )
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:

@@ -124,6 +124,7 @@ def test_padded_decode_rows_stay_finite_and_harmless(pair):
         block_size=ctx.block_size, query_start_loc=[0, 1, 2], seq_lens=ctx.seq_lens + [0],
         seq_lens_t=torch.tensor(ctx.seq_lens + [0]),
         block_tables=torch.cat([ctx.block_tables, torch.zeros_like(ctx.block_tables[:1])]), num_decodes=2)
+    padded.attn_metadata = ours.attention_backend.build_metadata(padded)
     with torch.inference_mode():
         logits = ours.compute_logits(ours(torch.cat([input_ids, torch.zeros(1, dtype=torch.long)]), padded))
     assert torch.isfinite(logits).all()

@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind = _flag_type(hints[f.name])
         if kind is bool:
             g.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif meta.get("nargs"):
+            g.add_argument(name, type=int, nargs=meta["nargs"], default=f.default, help=help_text)
         else:
             g.add_argument(name, type=kind, default=f.default, choices=meta.get("choices"), help=help_text)
 

@@ -18,7 +18,12 @@ GQA never repeats K/V: decode folds the G query heads of one KV head into G quer
 prefill uses SDPA's `enable_gqa`.
 
 `AttentionPlan` holds the index tensors and masks derived from a ForwardContext; it is built
-once per step and shared by all layers.
+once per step (by the worker, through model/attention_backend.py) and shared by all layers.
+
+A captured or compiled step reads a static plan instead (`NativeDecodePlan`, `TorchDecodePlan`):
+a uniform batch (every request the same q_len: decodes, or spec-decode verifications of k
+drafts) whose tensor shapes depend only on the padded token count, with padding requests
+that read and write only the null block (block 0).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tokenbus.config import ATTENTION_BACKENDS
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.native import (KERNEL_DTYPES, NativeBuildError, PagedAttentionKernel, check_indices,
                                    load_paged_attention)
+from tokenbus.model.native import ops as native_ops
 from tokenbus.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -87,6 +93,72 @@ class AttentionPlan:
     prefills: list[PrefillSpan]
     num_tokens: int
     native: NativeBatch | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
+        n = self.num_tokens
+        write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # padding rows stay 0
+        if self.native is not None:
+            b = self.native
+            b.kernel(q, kv_cache, b.block_tables, b.query_start, b.seq_lens, b.reqs, scale, out)
+        for tile in self.decode_tiles:
+            out[tile.start:tile.end] = _decode_attention(q[tile.start:tile.end], kv_cache, tile, scale)
+        for span in self.prefills:
+            rows = slice(span.start, span.end)
+            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
+        return out
+
+
+@dataclass(frozen=True)
+class NativeDecodePlan:
+    """A uniform batch for the native kernel with static shapes: R requests of q_len queries
+    each (num_tokens = R * q_len), block tables at the buffers' full width. The kernel reads
+    only the first cdiv(seq_len, block_size) entries of a table row; padding requests have
+    seq_len q_len and a table of zeros, so they read the null block they wrote. Runs the
+    kernel as the custom op `tokenbus::paged_attention`, which torch.compile traces."""
+
+    num_tokens: int
+    query_start: torch.Tensor  # [R + 1] int64 (host)
+    seq_lens: torch.Tensor  # [R] int64
+    block_tables: torch.Tensor  # [R, W] int64
+    reqs: torch.Tensor  # [R] int64: arange(R), every request
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
+        native_ops.write_kv(kv_cache, k, v, slot_mapping)
+        return native_ops.paged_attention(q, kv_cache, self.block_tables, self.query_start, self.seq_lens,
+                                          self.reqs, scale)
+
+
+@dataclass(frozen=True)
+class TorchDecodePlan:
+    """A uniform batch for the portable path with static shapes: each query token attends the
+    first positions[t] + 1 keys of its request's blocks, gathered at the tables' full width W
+    (one tile of W * block_size keys per token: the price of a shape fixed at capture)."""
+
+    num_tokens: int
+    block_tables: torch.Tensor  # [R, W] int64
+    token_requests: torch.Tensor  # [T] int64: the request (row of block_tables) of each token
+    positions: torch.Tensor  # [T] int64
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, slot_mapping)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        tables = self.block_tables.index_select(0, self.token_requests)  # [T, W]
+        kv = gather_blocks(kv_cache, tables).view(2, num_tokens, -1, num_kv_heads, head_dim)  # [2, T, L, Hkv, D]
+        kv = kv.transpose(2, 3)  # [2, T, Hkv, L, D]
+        key_ids = torch.arange(tables.shape[1] * block_size, device=q.device)
+        masked = key_ids[None, :] > self.positions[:, None]  # [T, L]: after the token itself
+        bias = torch.zeros(masked.shape, dtype=q.dtype, device=q.device).masked_fill_(masked, float("-inf"))
+        q = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [T, Hkv, G, D]
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bias[:, None, None, :], scale=scale)
+        return out.reshape(num_tokens, num_heads, head_dim)
+
+
+Plan = AttentionPlan | NativeDecodePlan | TorchDecodePlan
 
 
 def select_attention_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> PagedAttentionKernel | None:
@@ -191,20 +263,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, plan: Plan, scale: float) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]."""
-    n = plan.num_tokens
-    write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # padding rows stay 0
-    if plan.native is not None:
-        b = plan.native
-        b.kernel(q, kv_cache, b.block_tables, b.query_start, b.seq_lens, b.reqs, scale, out)
-    for tile in plan.decode_tiles:
-        out[tile.start:tile.end] = _decode_attention(q[tile.start:tile.end], kv_cache, tile, scale)
-    for span in plan.prefills:
-        rows = slice(span.start, span.end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
-    return out
+    return plan.forward(q, k, v, kv_cache, slot_mapping, scale)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,10 @@
 Batch layout: requests are ordered so that the `num_decodes` requests with exactly one query
 token come first; the rest (prefill chunks, spec-decode verification) follow. Token i of the
 flattened batch belongs to request r where query_start_loc[r] <= i < query_start_loc[r + 1].
+
+`attn_metadata` is what the attention layers read (model/attention.py: an AttentionPlan, or a
+static decode plan for a captured step). The worker builds it through the model's attention
+backend (model/attention_backend.py) before the forward; the model never builds it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ class ForwardContext:
     seq_lens_t: torch.Tensor  # [num_reqs] int64, the same on the device
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64, padded with 0 (the null block)
     num_decodes: int  # the first num_decodes requests have query length 1
+    # Built by the worker before the forward (AttentionBackend.build_metadata & co).
+    attn_metadata: Any = None
+    # query_start_loc on the device (int64 [num_reqs + 1]); None: made from the host list when needed.
+    query_start_loc_t: torch.Tensor | None = None
     # A KV connector's worker half (kv_transfer/base.KVConnectorWorker), told of each layer:
     # wait_for_layer_load(i) before layer i runs, save_kv_layer(i, cache) after.
     kv_connector: Any = None

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenbus.config import ModelArch
-from tokenbus.model.attention import (AttentionPlan, build_attention_plan, paged_attention,
-                                      select_attention_kernel)
+from tokenbus.model.attention import Plan, paged_attention
+from tokenbus.model.attention_backend import AttentionBackend, TorchAttentionBackend, select_attention_backend
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenbus.model.layers.quantized import DequantBuffer, QuantizedWeight, is_quantized, quantized_embedding
@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+                slot_mapping: torch.Tensor, plan: Plan) -> torch.Tensor:
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
@@ -86,7 +86,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block. `x` is the previous block's output, not yet added to `residual`."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan)
@@ -113,7 +113,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling)
         self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
-        self.attention_kernel: PagedAttentionKernel | None = None  # None: the torch path
+        # Builds the attention metadata the worker hands to forward (ctx.attn_metadata); the
+        # torch path until set_attention_backend chooses.
+        self.attention_backend: AttentionBackend = TorchAttentionBackend(self.embed_tokens.dtype)
         # A GGUF embedding kept in its blocks (then embed_tokens is released), and its kernels.
         self.embed_quantized: QuantizedWeight | None = None
         self.quant_kernels: QuantKernels | None = None
@@ -129,9 +131,12 @@ class LlamaForCausalLM(nn.Module):
         num_layers = self.num_layers if num_layers is None else num_layers
         if not 1 <= num_layers <= self.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
+        plan = ctx.attn_metadata
+        if plan is None:
+            raise ValueError("ForwardContext.attn_metadata is not set: build it with the model's "
+                             "attention_backend before the forward")
         x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
-        plan = build_attention_plan(ctx, x.dtype, self.attention_kernel)
         residual = None
         connector = ctx.kv_connector
         for layer_idx in range(num_layers):
@@ -177,8 +182,13 @@ class LlamaForCausalLM(nn.Module):
     def set_attention_backend(self, backend: str) -> None:
         """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.
         A model built without load_model runs the torch path until this is called."""
-        self.attention_kernel = select_attention_kernel(backend, self.embed_tokens.device,
-                                                        self.embed_tokens.dtype)
+        self.attention_backend = select_attention_backend(backend, self.embed_tokens.device,
+                                                          self.embed_tokens.dtype)
+
+    @property
+    def attention_kernel(self) -> PagedAttentionKernel | None:
+        """The native kernel the backend runs; None: the torch path."""
+        return self.attention_backend.kernel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (any dtype; cast on copy), strictly, then finalize()."""

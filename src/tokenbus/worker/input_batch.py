@@ -2,8 +2,8 @@
 
 Every scheduled token of every request goes into one forward: decodes (one query token) first,
 then prefill chunks and multi-token verifications. Inputs are written into persistent,
-preallocated host buffers (reused every step, and by a captured-graph path) and then moved to
-the device.
+preallocated buffers (reused every step, and read at fixed addresses by a captured step):
+host staging arrays, copied into device tensors of the same shape on CUDA.
 """
 
 from __future__ import annotations
@@ -47,27 +47,83 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # [num_sampled_rows] rows of the hidden states to sample from
     sampling_requests: list[int]  # batch indices of requests that sample, one row each
     num_logits_per_request: list[int]  # rows in logits_indices per sampling request (1 + drafts)
+    num_tokens: int = 0  # the real requests' tokens (input_ids and ctx may hold padding after them)
+    padded_size: int | None = None  # tokens of a padded (captured) step, padding included
+
+
+class StagedBuffer:
+    """One persistent int64 input: a host staging tensor written in place (through `np`, a
+    numpy view of it; pinned memory on CUDA) and the device tensor the step reads, at a fixed
+    address (a captured graph reads it there). On CPU both are the same memory."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=torch.int64, pin_memory=on_cuda and torch.cuda.is_available())
+        self.np = self.host.numpy()
+        self.device = torch.zeros(shape, dtype=torch.int64, device=device) if on_cuda else self.host
+
+    def to_device(self, rows: int, cols: int | None = None) -> torch.Tensor:
+        """The device tensor's first `rows` (by `cols`), copied from the host if they differ
+        (asynchronously: pinned memory)."""
+        index = (slice(0, rows),) if cols is None else (slice(0, rows), slice(0, cols))
+        target = self.device[index]
+        if self.device is not self.host:
+            target.copy_(self.host[index], non_blocking=True)
+        return target
 
 
 class InputBuffers:
-    """Persistent host buffers (numpy views shared with torch) sized for the largest step."""
+    """The persistent inputs of a step, sized for the largest one (max_num_tokens tokens,
+    max_num_reqs requests): written in place every step, never reallocated.
+
+    Host-side writes go to the numpy views (`input_ids`, `positions`, `slot_mapping`,
+    `logits_indices` [max_num_tokens]; `block_table` [max_num_reqs, max_blocks_per_req];
+    `seq_lens` [max_num_reqs]; `query_start_loc` [max_num_reqs + 1]); `device_view` returns the
+    device tensor of the rows a step uses. On CUDA the host copies are pinned and copied
+    asynchronously; `wait_for_copies` (called before the host buffers are written again) makes
+    sure the last step's copies have read them.
+    """
 
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
                  device: torch.device) -> None:
         self.device = device
-        self.input_ids = np.zeros(max_num_tokens, dtype=np.int64)
-        self.positions = np.zeros(max_num_tokens, dtype=np.int64)
-        self.slot_mapping = np.zeros(max_num_tokens, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
-        self.seq_lens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.max_num_tokens = max_num_tokens
+        self.max_num_reqs = max_num_reqs
+        self.staged = {name: StagedBuffer((max_num_tokens,), device)
+                       for name in ("input_ids", "positions", "slot_mapping", "logits_indices")}
+        self.staged["block_table"] = StagedBuffer((max_num_reqs, max_blocks_per_req), device)
+        self.staged["seq_lens"] = StagedBuffer((max_num_reqs,), device)
+        self.staged["query_start_loc"] = StagedBuffer((max_num_reqs + 1,), device)
+        self.input_ids = self.staged["input_ids"].np
+        self.positions = self.staged["positions"].np
+        self.slot_mapping = self.staged["slot_mapping"].np
+        self.logits_indices = self.staged["logits_indices"].np
+        self.block_table = self.staged["block_table"].np
+        self.seq_lens = self.staged["seq_lens"].np
+        self.query_start_loc = self.staged["query_start_loc"].np
+        self._copies_done: torch.cuda.Event | None = None
 
-    def to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+    def device_view(self, name: str, rows: int, cols: int | None = None) -> torch.Tensor:
+        view = self.staged[name].to_device(rows, cols)
+        if self.device.type == "cuda":
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+        return view
+
+    def wait_for_copies(self) -> None:
+        """Before writing the host buffers: the previous step's copies out of them are done."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+            self._copies_done = None
 
 
 def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block_size: int,
-                  kv_caches: list[torch.Tensor]) -> PreparedBatch:
+                  kv_caches: list[torch.Tensor], padded_size: int | None = None) -> PreparedBatch:
+    """The step's inputs in `buffers`. With `padded_size` (a captured step: every request a
+    single-token decode), padding requests fill rows up to padded_size: token 0 at position 0
+    in slot 0 of the null block, seq_len 1, a block table of zeros; tables are then passed at
+    their full width, so every shape depends on padded_size alone."""
+    buffers.wait_for_copies()
     requests = sorted(requests, key=lambda r: not r.is_decode)  # stable: decodes first
     query_start_loc = [0]
     seq_lens: list[int] = []
@@ -88,26 +144,53 @@ def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block
             sampling_requests.append(i)
             num_logits.append(rows)
     num_tokens, num_reqs = query_start_loc[-1], len(requests)
-    to_dev = buffers.to_device
+    real_tokens, table_width = num_tokens, max_blocks
+    if padded_size is not None:
+        _fill_padding(buffers, num_reqs, padded_size, query_start_loc, seq_lens)
+        num_tokens = num_reqs = padded_size
+        table_width = buffers.block_table.shape[1]
+    buffers.seq_lens[:num_reqs] = seq_lens
+    buffers.query_start_loc[:num_reqs + 1] = query_start_loc
+    buffers.logits_indices[:len(logits_rows)] = logits_rows
+    view = buffers.device_view
     ctx = ForwardContext(
-        positions=to_dev(buffers.positions[:num_tokens]),
-        slot_mapping=to_dev(buffers.slot_mapping[:num_tokens]),
+        positions=view("positions", num_tokens),
+        slot_mapping=view("slot_mapping", num_tokens),
         kv_caches=kv_caches,
         block_size=block_size,
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
-        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=buffers.device),
-        block_tables=to_dev(buffers.block_table[:num_reqs, :max_blocks]),
-        num_decodes=sum(1 for r in requests if r.is_decode),
+        seq_lens_t=view("seq_lens", num_reqs),
+        block_tables=view("block_table", num_reqs, table_width),
+        num_decodes=sum(1 for r in requests if r.is_decode) + num_reqs - len(requests),
+        query_start_loc_t=view("query_start_loc", num_reqs + 1),
     )
     return PreparedBatch(
         requests=requests,
-        input_ids=to_dev(buffers.input_ids[:num_tokens]),
+        input_ids=view("input_ids", num_tokens),
         ctx=ctx,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=buffers.device),
+        logits_indices=view("logits_indices", len(logits_rows)),
         sampling_requests=sampling_requests,
         num_logits_per_request=num_logits,
+        num_tokens=real_tokens,
+        padded_size=padded_size,
     )
+
+
+def _fill_padding(buffers: InputBuffers, num_reqs: int, padded_size: int, query_start_loc: list[int],
+                  seq_lens: list[int]) -> None:
+    """Rows [num_reqs, padded_size): one padding token each (decodes only, so row == token)."""
+    if query_start_loc[-1] != num_reqs:
+        raise ValueError("only a batch of single-token decodes can be padded to a capture size")
+    if padded_size < num_reqs:
+        raise ValueError(f"padded_size {padded_size} is below the batch's {num_reqs} requests")
+    pad = slice(num_reqs, padded_size)
+    buffers.input_ids[pad] = 0
+    buffers.positions[pad] = 0
+    buffers.slot_mapping[pad] = 0  # slot 0: the null block
+    buffers.block_table[pad] = 0
+    query_start_loc.extend(range(num_reqs + 1, padded_size + 1))
+    seq_lens.extend([1] * (padded_size - num_reqs))  # reads the key it wrote, in the null block
 
 
 def _fill_request(req: ScheduledRequest, buffers: InputBuffers, block_size: int,

@@ -17,14 +17,19 @@ def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int
 
 
 def determine_num_blocks(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype,
-                         device: torch.device, max_model_len: int, max_num_seqs: int) -> int:
-    """Blocks that fit the KV budget; fails if one max_model_len request cannot fit."""
+                         device: torch.device, max_model_len: int, max_num_seqs: int,
+                         reserved_bytes: int = 0) -> int:
+    """Blocks that fit the KV budget, less `reserved_bytes` (CUDA graphs) of a profiled budget;
+    fails if one max_model_len request cannot fit."""
     per_block = bytes_per_block(arch, cache.block_size, dtype)
     needed = cdiv(max_model_len, cache.block_size) + 1  # one full-length request + the null block
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:
-        num_blocks = _kv_budget_bytes(cache, device) // per_block
+        budget = _kv_budget_bytes(cache, device)
+        if cache.kv_cache_memory is None:
+            budget = max(0, budget - reserved_bytes)
+        num_blocks = budget // per_block
         if cache.kv_cache_memory is None:
             # The default never exceeds what max_num_seqs full-length requests could use (a tiny
             # model would otherwise get millions of blocks).

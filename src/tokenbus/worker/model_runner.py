@@ -13,6 +13,7 @@ from tokenbus.protocol import TokenLogprobs
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.manager import bitmask_rows, pad_bitmask_rows
 from tokenbus.utils import cdiv
+from tokenbus.worker.captured_step import CapturedSteps, make_captured_steps
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 from tokenbus.worker.pooling import compute_pooled
 from tokenbus.worker.prompt_logprobs import compute_prompt_logprobs
@@ -43,7 +44,7 @@ class ModelRunner:
         num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
         self.buffers = InputBuffers(
             max_num_tokens=sched.max_num_batched_tokens,
-            max_num_reqs=sched.max_num_seqs,
+            max_num_reqs=max(sched.max_num_seqs, config.compilation.max_capture_size),
             max_blocks_per_req=cdiv(sched.max_model_len + num_spec, self.block_size) + 1,
             device=device,
         )
@@ -56,6 +57,13 @@ class ModelRunner:
         self.proposer = make_proposer(config, arch, model, kv_caches, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_connector = kv_connector
+        self.captured: CapturedSteps | None = None  # set by capture_model()
+
+    def capture_model(self) -> None:
+        """Record the decode step of every capture size (warm-up, after the KV cache exists);
+        steps stay eager when capture is off or fails (captured_step.make_captured_steps)."""
+        with torch.inference_mode():
+            self.captured = make_captured_steps(self.config, self.model, self.buffers, self.kv_caches, self.device)
 
     # ------------------------------------------------------------------ state updates
     def update_states(self, so: SchedulerOutput) -> None:
@@ -111,9 +119,14 @@ class ModelRunner:
                              pools=self.requests[req_id].sampling_params.pooling is not None)
             for req_id, num_new in so.num_scheduled_tokens.items()
         ]
-        batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches)
+        padded_size = self.captured.padded_size(scheduled) if self.captured is not None else None
+        batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches, padded_size)
         batch.ctx.kv_connector = self.kv_connector
-        hidden = self.model(batch.input_ids, batch.ctx)
+        if padded_size is not None:
+            hidden = self.captured.run(batch)[:batch.num_tokens]  # padding rows are never sampled
+        else:
+            batch.ctx.attn_metadata = self.model.attention_backend.build_metadata(batch.ctx)
+            hidden = self.model(batch.input_ids, batch.ctx)
         sampled, logprobs = self._sample(batch, hidden, so)
         output = self._make_output(batch, sampled, logprobs)
         if (prompt_logprobs := compute_prompt_logprobs(self.model, hidden, batch)) is not None:

@@ -16,6 +16,9 @@ from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
 from tokenbus.worker.model_loader import load_model
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from tokenbus.utils import cdiv
+from tokenbus.worker.captured_step import CapturedSteps, capture_disabled_reason
+from tokenbus.worker.input_batch import InputBuffers
 from tokenbus.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -105,9 +108,40 @@ class Worker:
                                 self.config.model.attention_backend, self.tp, self.config.model.quantization)
 
     def determine_num_kv_blocks(self) -> int:
-        """Blocks this rank can hold after its weights (what it measures, not what it gets)."""
+        """Blocks this rank can hold after its weights and its CUDA graphs (what it measures,
+        not what it gets)."""
         return determine_num_blocks(self.config.cache, self.rank_arch, self.dtype, self.device,
-                                    self.config.scheduler.max_model_len, self.config.scheduler.max_num_seqs)
+                                    self.config.scheduler.max_model_len, self.config.scheduler.max_num_seqs,
+                                    reserved_bytes=self._graph_memory_bytes())
+
+    def _graph_memory_bytes(self) -> int:
+        """On CUDA with captured steps: what capturing the largest size takes, measured on a
+        throwaway two-block KV cache (0 if that capture fails: the real one will say why)."""
+        if self.device.type != "cuda" or capture_disabled_reason(self.config, self.device) is not None:
+            return 0
+        from tokenbus.worker.cuda_graphs import CudaGraphRunner, profile_graph_memory
+
+        largest = self.config.compilation.max_capture_size
+        block_size = self.config.cache.block_size
+
+        def capture_largest() -> CapturedSteps:
+            kv_caches = allocate_kv_caches(self.rank_arch, 2, block_size, self.dtype, self.device)
+            buffers = InputBuffers(largest, largest, cdiv(self.config.scheduler.max_model_len, block_size) + 1,
+                                   self.device)
+            steps = CapturedSteps(self.model, CudaGraphRunner(self.model, self.device), (largest,), buffers,
+                                  block_size, kv_caches)
+            with torch.inference_mode():
+                steps.capture_all()
+            return steps
+
+        try:
+            graph_bytes = profile_graph_memory(capture_largest)
+        except Exception as exc:  # noqa: BLE001 - reported by the real capture
+            logger.debug("profiling CUDA graph memory failed: %s", exc)
+            return 0
+        logger.info("CUDA graphs: %.1f MiB for the largest capture size (%d), kept out of the KV budget",
+                    graph_bytes / 2**20, largest)
+        return graph_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         kv_caches = allocate_kv_caches(self.rank_arch, num_blocks, self.config.cache.block_size,
@@ -125,6 +159,7 @@ class Worker:
             self.kv_connector.register_kv_caches(kv_caches)
         self.runner = ModelRunner(self.config, self.arch, self.model, kv_caches, self.device,
                                   self.eos_token_id, self.kv_connector)
+        self.runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs the step (and samples the same tokens from the same gathered

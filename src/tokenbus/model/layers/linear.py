@@ -8,7 +8,8 @@ F.linear's slow path (5x). So on CPU every linear runs packed when oneDNN suppor
 on this CPU (bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU runs bf16
 through `F.linear`); elsewhere (CUDA, fp16 on CPU) it runs `F.linear`. The dense weight stays the source of truth
 (state_dict, `.to()`; re-run `finalize` after moving), at the cost of a second copy in memory. torch.compile cannot trace the opaque packed
-tensors: finalize("dense") before compiling.
+tensors: a traced forward uses the dense weight (F.linear); GGUF blocks go through the custom
+ops of model/native/ops.py.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ class Linear(nn.Module):
         self._kernel = make_linear_kernel(self.weight, self.bias, self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is None:
+        # torch.compile cannot trace oneDNN's opaque packed weight: it sees the dense one
+        # (inductor chooses its own GEMM for it).
+        if self._kernel is None or (self.backend == "onednn" and torch.compiler.is_compiling()):
             return F.linear(x, self.weight, self.bias)
         return self._kernel(x)

@@ -15,11 +15,8 @@ from typing import Protocol
 
 import torch
 
-from tokenbus.model.native import QUANT_MAX_ROWS, QuantKernels
-
-# Rows up to which the block kernel beats dequantize + GEMM (measured on the 2-core CPU at
-# SmolLM2's shapes, benchmarks/quant_linear.py).
-QUANT_GEMV_MAX_ROWS = min(16, QUANT_MAX_ROWS)
+from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, QuantKernels
+from tokenbus.model.native import ops as native_ops
 
 
 class QuantizedWeight(Protocol):
@@ -86,6 +83,8 @@ class QuantizedLinearKernel:
         self.buffer = buffer or DequantBuffer()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._traced(x)
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
         if flat.shape[0] <= QUANT_GEMV_MAX_ROWS:
@@ -97,6 +96,15 @@ class QuantizedLinearKernel:
             self._dequantize_and_multiply(flat, out)
         if self.bias is not None:
             out += self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _traced(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic through custom ops that torch.compile traces (native/ops.py)."""
+        flat = x.reshape(-1, self.in_features).float()  # [M, K]
+        parts = [native_ops.quant_matmul(flat, shard.data, shard.qtype, shard.cols) for shard in self.shards]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
+        if self.bias is not None:
+            out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _dequantize_and_multiply(self, flat: torch.Tensor, out: torch.Tensor) -> None:
@@ -121,5 +129,7 @@ class QuantizedLinearKernel:
 def quantized_embedding(kernels: QuantKernels, weight: QuantizedWeight, input_ids: torch.Tensor,
                         dtype: torch.dtype) -> torch.Tensor:
     """Rows `input_ids` of a quantized embedding table as [T, hidden] in `dtype`."""
+    if torch.compiler.is_compiling():
+        return native_ops.dequant_rows(weight.data, weight.qtype, weight.cols, input_ids).to(dtype)
     rows = kernels.dequant_rows(weight.qtype, weight.data, weight.cols, input_ids.to(torch.int64).contiguous())
     return rows.to(dtype)

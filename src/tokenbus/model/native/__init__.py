@@ -137,6 +137,9 @@ def load_paged_attention(cpu: CpuFeatures | None = None) -> PagedAttentionKernel
 _QUANT_SOURCE = Path(__file__).with_name("quant_matmul.c")
 # Largest activation batch quant_matmul takes (MAX_M in quant_matmul.c).
 QUANT_MAX_ROWS = 64
+# Rows up to which the block kernel beats dequantize + GEMM (measured on the 2-core CPU at
+# SmolLM2's shapes, benchmarks/quant_linear.py).
+QUANT_GEMV_MAX_ROWS = min(16, QUANT_MAX_ROWS)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,7 @@ class DraftModelProposer:
     def _decode(self, tokens: list[int], positions: list[int], block_ids: list[list[int]]) -> list[int]:
         """One token per request at the given positions -> the draft's argmax after each."""
         n, bs, buf = len(tokens), self.block_size, self.buffers
+        buf.wait_for_copies()
         max_blocks = max(len(b) for b in block_ids)
         for row, (pos, blocks) in enumerate(zip(positions, block_ids)):
             buf.block_table[row, : len(blocks)] = blocks
@@ -109,18 +110,21 @@ class DraftModelProposer:
         buf.input_ids[:n] = tokens
         buf.positions[:n] = positions
         seq_lens = [p + 1 for p in positions]
+        buf.seq_lens[:n] = seq_lens
+        buf.query_start_loc[:n + 1] = range(n + 1)
+        buf.logits_indices[:n] = range(n)
         ctx = ForwardContext(
-            positions=buf.to_device(buf.positions[:n]),
-            slot_mapping=buf.to_device(buf.slot_mapping[:n]),
+            positions=buf.device_view("positions", n),
+            slot_mapping=buf.device_view("slot_mapping", n),
             kv_caches=self.kv_caches, block_size=bs,
             query_start_loc=list(range(n + 1)), seq_lens=seq_lens,
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=buf.device),
-            block_tables=buf.to_device(buf.block_table[:n, :max_blocks]),
-            num_decodes=n)
-        rows = torch.arange(n, device=buf.device)
-        return self._greedy(buf.to_device(buf.input_ids[:n]), ctx, rows)
+            seq_lens_t=buf.device_view("seq_lens", n),
+            block_tables=buf.device_view("block_table", n, max_blocks),
+            num_decodes=n, query_start_loc_t=buf.device_view("query_start_loc", n + 1))
+        return self._greedy(buf.device_view("input_ids", n), ctx, buf.device_view("logits_indices", n))
 
     def _greedy(self, input_ids: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor) -> list[int]:
+        ctx.attn_metadata = self.model.attention_backend.build_metadata(ctx)
         hidden = self.model(input_ids, ctx, num_layers=self.num_layers)  # [T, hidden]
         return self.model.compute_logits(hidden[rows]).argmax(-1).tolist()
 

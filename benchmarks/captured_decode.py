@@ -1,0 +1,224 @@
+"""Eager vs captured decode steps in one run (CUDA graphs on CUDA, the compiled step on CPU).
+
+1. Step latency: `batch` decode requests of `--context` cached tokens (random K/V, shuffled
+   blocks) through the worker's own path (prepare_batch -> forward -> compute_logits of the
+   sampled rows), eager and captured interleaved round by round (a shared machine drifts;
+   ratios of the same run hold), median and min of each.
+2. Single-request decode: tokens/s of one greedy request (--gen-tokens tokens) through LLM
+   (scheduler, sampler and all, the EngineCore in this process), --enforce-eager vs
+   --cudagraph-capture-sizes 1.
+3. Start-up: LLM construction time in fresh processes on an empty cache dir (cold: every
+   graph compiled), then again on the same dir (warm: loaded), eager vs captured.
+
+    python benchmarks/captured_decode.py [--quantization auto|none] [--batches 1 8 16 64]
+        [--device cpu|cuda] [--threads 2] [--rounds 20] [--skip-e2e] [--skip-startup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build(args):
+    from tokenbus.config import EngineArgs
+    from tokenbus.loader import load_arch, resolve_model
+    from tokenbus.worker.kv_cache import allocate_kv_caches
+    from tokenbus.worker.input_batch import InputBuffers
+    from tokenbus.worker.model_loader import load_model
+    from tokenbus.worker.worker import resolve_dtype
+    from tokenbus.utils import cdiv
+
+    device = torch.device(args.device)
+    src = resolve_model(args.model)
+    arch = load_arch(src)
+    dtype = resolve_dtype(args.dtype, device)
+    model = load_model(src, arch, dtype, device, "auto", quantization=args.quantization)
+    max_batch = max(args.batches)
+    config = EngineArgs(model=args.model, max_num_seqs=max_batch, max_model_len=args.max_model_len,
+                        cudagraph_capture_sizes=sorted(set(args.batches))).to_config(args.max_model_len)
+    bs = config.cache.block_size
+    num_blocks = max_batch * cdiv(args.context + 1, bs) + 2
+    kv = allocate_kv_caches(arch, num_blocks, bs, dtype, device)
+    g = torch.Generator().manual_seed(0)
+    for cache in kv:
+        cache.copy_(torch.randn(cache.shape, generator=g).to(dtype))
+    buffers = InputBuffers(config.scheduler.max_num_batched_tokens, max_batch,
+                           cdiv(args.max_model_len, bs) + 1, device)
+    return model, arch, config, kv, buffers
+
+
+def make_requests(batch: int, context: int, block_size: int, num_blocks: int, vocab: int, seed: int):
+    from tokenbus.sampling_params import SamplingParams
+    from tokenbus.worker.input_batch import ScheduledRequest
+    from tokenbus.worker.request_state import CachedRequestState
+
+    g = torch.Generator().manual_seed(seed)
+    per_req = -(-(context + 1) // block_size)
+    perm = (torch.randperm(num_blocks - 1, generator=g)[: batch * per_req] + 1).view(batch, per_req).tolist()
+    requests = []
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (context + 1,), generator=g).tolist()
+        state = CachedRequestState(f"r{i}", prompt, [], SamplingParams(max_tokens=1), perm[i], context)
+        requests.append(ScheduledRequest(state, 1, []))
+    return requests
+
+
+def step_latency(args) -> list[dict]:
+    from tokenbus.worker.captured_step import CapturedSteps
+    from tokenbus.worker.input_batch import prepare_batch
+
+    model, arch, config, kv, buffers = build(args)
+    bs = config.cache.block_size
+    if args.device == "cuda":
+        from tokenbus.worker.cuda_graphs import CudaGraphRunner
+        runner = CudaGraphRunner(model, torch.device("cuda"))
+    else:
+        from tokenbus.worker.compiled_cpu import CompiledCpuRunner
+        runner = CompiledCpuRunner(model, config)
+    steps = CapturedSteps(model, runner, config.compilation.cudagraph_capture_sizes, buffers, bs, kv)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        steps.capture_all()
+        sync()
+        capture_s = time.perf_counter() - start
+    print(f"captured sizes {list(steps.dispatcher.sizes)} in {capture_s:.1f} s", flush=True)
+    results = []
+    for batch_size in args.batches:
+        requests = make_requests(batch_size, args.context, bs, kv[0].shape[1], arch.vocab_size, batch_size)
+
+        def eager():
+            batch = prepare_batch(requests, buffers, bs, kv)
+            batch.ctx.attn_metadata = model.attention_backend.build_metadata(batch.ctx)
+            return model.compute_logits(model(batch.input_ids, batch.ctx)[batch.logits_indices])
+
+        def captured():
+            batch = prepare_batch(requests, buffers, bs, kv, padded_size=steps.padded_size(requests))
+            return model.compute_logits(steps.run(batch)[:batch.num_tokens][batch.logits_indices])
+
+        times = {"eager": [], "captured": []}
+        with torch.inference_mode():
+            diff = (eager() - captured()).abs().max().item()
+            for _ in range(3):
+                eager(), captured()
+            sync()
+            for _ in range(args.rounds):
+                for name, fn in (("eager", eager), ("captured", captured)):
+                    start = time.perf_counter()
+                    fn()
+                    sync()
+                    times[name].append(time.perf_counter() - start)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        low = {k: min(v) * 1e3 for k, v in times.items()}
+        row = dict(batch=batch_size, eager_ms=med["eager"], captured_ms=med["captured"], eager_min_ms=low["eager"],
+                   captured_min_ms=low["captured"], speedup=med["eager"] / med["captured"],
+                   speedup_min=low["eager"] / low["captured"], max_abs_logit_diff=diff)
+        print(f"batch {batch_size:3d}: eager {med['eager']:7.2f} ms (min {low['eager']:.2f})  captured "
+              f"{med['captured']:7.2f} ms (min {low['captured']:.2f})  x{row['speedup']:.2f} "
+              f"(min/min x{row['speedup_min']:.2f})  max |dlogit| {diff:.1e}", flush=True)
+        results.append(row)
+    return results
+
+
+E2E = """
+import json, sys, time
+import torch
+from tokenbus import LLM, SamplingParams
+args = json.loads(sys.argv[1])
+t0 = time.perf_counter()
+llm = LLM(args["model"], multiprocess=False, enable_prefix_caching=False, max_model_len=args["max_model_len"],
+          max_num_seqs=args["max_num_seqs"], quantization=args["quantization"], device=args["device"],
+          num_threads=args.get("threads"), **args["mode"])
+start_s = time.perf_counter() - t0
+out = {"start_s": start_s}
+if args["gen_tokens"]:
+    params = SamplingParams(temperature=0.0, max_tokens=args["gen_tokens"], min_tokens=args["gen_tokens"], ignore_eos=True)
+    request = [{"prompt_token_ids": [1234, 567, 89]}]
+    llm.generate(request, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    best = 0.0
+    for _ in range(args["repeats"]):
+        t = time.perf_counter()
+        llm.generate(request, params, use_tqdm=False)
+        best = max(best, args["gen_tokens"] / (time.perf_counter() - t))
+    out["tok_s"] = best
+print("RESULT", json.dumps(out))
+llm.shutdown()
+"""
+
+
+def run_llm(args, mode: dict, cache: str, gen_tokens: int) -> dict:
+    env = dict(os.environ, TOKENBUS_CACHE_DIR=cache, PYTHONPATH=os.path.join(ROOT, "src"))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    spec = dict(model=args.model, max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
+                quantization=args.quantization, device=args.device, threads=args.threads, mode=mode,
+                gen_tokens=gen_tokens, repeats=args.repeats)
+    done = subprocess.run([sys.executable, "-c", E2E, json.dumps(spec)], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    from tokenbus.utils.cpu import CpuFeatures
+    print(f"torch {torch.__version__}, {args.device}, CPU: {CpuFeatures.detect().describe()}, "
+          f"quantization {args.quantization}, {args.threads} threads", flush=True)
+    report: dict = {"device": args.device, "quantization": args.quantization}
+    if not args.skip_latency:
+        report["latency"] = step_latency(args)
+    eager, captured = dict(enforce_eager=True), dict(cudagraph_capture_sizes=[1])
+    with tempfile.TemporaryDirectory() as cache:
+        if not args.skip_e2e:
+            # Warm the captured engine's compile cache first: this part measures steady decode.
+            run_llm(args, captured, cache, 0)
+            rates = {name: run_llm(args, mode, cache, args.gen_tokens)["tok_s"]
+                     for name, mode in (("eager", eager), ("captured", captured))}
+            report["single_request_tok_s"] = rates
+            print(f"single request: eager {rates['eager']:.1f} tok/s, captured {rates['captured']:.1f} tok/s "
+                  f"(x{rates['captured'] / rates['eager']:.2f})", flush=True)
+    if not args.skip_startup:
+        with tempfile.TemporaryDirectory() as cache:
+            run_llm(args, eager, cache, 0)  # the native kernels built: not what is measured here
+            start = {"eager": run_llm(args, eager, cache, 0)["start_s"],
+                     "captured_cold": run_llm(args, captured, cache, 0)["start_s"],
+                     "captured_warm": run_llm(args, captured, cache, 0)["start_s"]}
+        report["startup_s"] = start
+        print(f"start-up: eager {start['eager']:.1f} s, captured cold {start['captured_cold']:.1f} s "
+              f"(+{start['captured_cold'] - start['eager']:.1f}), warm {start['captured_warm']:.1f} s "
+              f"(+{start['captured_warm'] - start['eager']:.1f})", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Attention backends: how a step's attention metadata is built from its ForwardContext (L2).
+
+The worker calls a backend before every forward and stores the result in ctx.attn_metadata;
+the attention layers only read it (model/attention.py). Three entry points:
+
+- build_metadata(ctx): an eager step of any shape (ragged decodes, prefill chunks, drafts).
+- prepare_for_capture(ctx): a dummy uniform batch over the worker's persistent buffers, all of
+  it padding, at warm-up: the static plan a captured graph (CUDA) or compiled step (CPU) of
+  that size is recorded with.
+- prepare_for_replay(ctx, padded_size): a real uniform batch padded to a captured size over the
+  same buffers: the same static plan, so the recorded graph reads this step's inputs.
+
+A uniform batch has R requests of q_len query tokens each (decodes: 1; spec-decode
+verification: 1 + k drafts), num_tokens = R * q_len; its padding requests come after the real
+ones with seq_len q_len, zero block tables and slots in block 0, so they read and write only
+the null block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenbus.model.attention import (NATIVE_MAX_QUERY_LEN, AttentionPlan, NativeDecodePlan, TorchDecodePlan,
+                                      build_attention_plan, select_attention_kernel)
+from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.native import PagedAttentionKernel
+
+
+class AttentionBackend:
+    """The entry points; subclasses choose the kernels (`kernel`) and the static plan."""
+
+    name: str
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # of the activations (masks are built in it)
+        # (num_tokens, q_len) -> the token -> request map of a static plan, made once at capture
+        # (a captured graph reads it at a fixed address).
+        self._token_requests: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def kernel(self) -> PagedAttentionKernel | None:
+        return None
+
+    def build_metadata(self, ctx: ForwardContext) -> AttentionPlan:
+        return build_attention_plan(ctx, self.dtype, self.kernel)
+
+    def max_capture_query_len(self) -> int:
+        """The longest uniform q_len a static plan takes."""
+        return NATIVE_MAX_QUERY_LEN
+
+    def prepare_for_capture(self, ctx: ForwardContext) -> TorchDecodePlan | NativeDecodePlan:
+        num_reqs, q_len = self._uniform_shape(ctx)
+        key = (ctx.num_tokens, q_len)
+        if key not in self._token_requests:
+            device = ctx.block_tables.device
+            self._token_requests[key] = torch.arange(num_reqs, device=device).repeat_interleave(q_len)
+        return self._static_plan(ctx, q_len)
+
+    def prepare_for_replay(self, ctx: ForwardContext, padded_size: int) -> TorchDecodePlan | NativeDecodePlan:
+        if ctx.num_tokens != padded_size:
+            raise ValueError(f"a replayed batch must be padded to {padded_size} tokens, got {ctx.num_tokens}")
+        _, q_len = self._uniform_shape(ctx)
+        if (padded_size, q_len) not in self._token_requests:
+            raise ValueError(f"no step was captured for {padded_size} tokens of q_len {q_len}")
+        return self._static_plan(ctx, q_len)
+
+    def _uniform_shape(self, ctx: ForwardContext) -> tuple[int, int]:
+        num_reqs = ctx.num_reqs
+        q_len = ctx.num_tokens // max(num_reqs, 1)
+        starts = ctx.query_start_loc
+        if num_reqs == 0 or any(starts[r + 1] - starts[r] != q_len for r in range(num_reqs)):
+            raise ValueError("a static attention plan needs a uniform batch (every request the same q_len)")
+        if q_len > self.max_capture_query_len():
+            raise ValueError(f"a static attention plan takes q_len <= {self.max_capture_query_len()}, got {q_len}")
+        return num_reqs, q_len
+
+    def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan | NativeDecodePlan:
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The portable torch path (CPU and CUDA)."""
+
+    name = "torch"
+
+    def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan:
+        return TorchDecodePlan(ctx.num_tokens, ctx.block_tables, self._token_requests[(ctx.num_tokens, q_len)],
+                               ctx.positions)
+
+
+class NativeAttentionBackend(AttentionBackend):
+    """The native CPU kernel (model/native/paged_attention.c) for short queries, SDPA for long
+    prefill chunks."""
+
+    name = "native"
+
+    def __init__(self, dtype: torch.dtype, kernel: PagedAttentionKernel) -> None:
+        super().__init__(dtype)
+        self._kernel = kernel
+        self._reqs: dict[int, torch.Tensor] = {}  # num_reqs -> arange(num_reqs)
+
+    @property
+    def kernel(self) -> PagedAttentionKernel:
+        return self._kernel
+
+    def _static_plan(self, ctx: ForwardContext, q_len: int) -> NativeDecodePlan:
+        num_reqs = ctx.num_reqs
+        reqs = self._reqs.get(num_reqs)
+        if reqs is None:
+            reqs = self._reqs[num_reqs] = torch.arange(num_reqs, dtype=torch.int64)
+        query_start = ctx.query_start_loc_t
+        if query_start is None:
+            query_start = torch.tensor(ctx.query_start_loc, dtype=torch.int64)
+        return NativeDecodePlan(ctx.num_tokens, query_start, ctx.seq_lens_t, ctx.block_tables, reqs)
+
+
+def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend for --attention-backend `name` (see attention.select_attention_kernel)."""
+    kernel = select_attention_kernel(name, device, dtype)
+    if kernel is None:
+        return TorchAttentionBackend(dtype)
+    return NativeAttentionBackend(dtype, kernel)

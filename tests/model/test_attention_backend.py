@@ -1,0 +1,91 @@
+"""Attention backends: eager metadata and the static plans of captured steps (padded uniform
+batches)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.model.test_native_attention import BLOCK_SIZE, make_batch
+from tokenbus.model import ForwardContext
+from tokenbus.model.attention import NativeDecodePlan, TorchDecodePlan, paged_attention
+from tokenbus.model.attention_backend import TorchAttentionBackend, select_attention_backend
+
+
+def backends() -> list:
+    found = [TorchAttentionBackend(torch.float32)]
+    if shutil.which(os.environ.get("CC", "cc")) is not None:
+        found.append(select_attention_backend("native", torch.device("cpu"), torch.float32))
+    return found
+
+
+def pad_uniform(ctx: ForwardContext, q, k, v, padded_reqs: int, q_len: int, width: int):
+    """`ctx` (a uniform batch) padded to `padded_reqs` requests of q_len tokens, as the worker
+    pads a replayed step: padding tokens at positions 0.. of the null block, tables of zeros
+    at the full `width`."""
+    num_reqs, num_tokens = ctx.num_reqs, ctx.num_tokens
+    pad_tokens = (padded_reqs - num_reqs) * q_len
+    pad_positions = torch.arange(q_len).repeat(padded_reqs - num_reqs)
+    tables = torch.zeros(padded_reqs, width, dtype=torch.int64)
+    tables[:num_reqs, :ctx.block_tables.shape[1]] = ctx.block_tables
+    seq_lens = ctx.seq_lens + [q_len] * (padded_reqs - num_reqs)
+    padded = ForwardContext(
+        positions=torch.cat([ctx.positions, pad_positions]),
+        slot_mapping=torch.cat([ctx.slot_mapping, pad_positions % BLOCK_SIZE]),  # block 0
+        kv_caches=ctx.kv_caches, block_size=BLOCK_SIZE,
+        query_start_loc=[r * q_len for r in range(padded_reqs + 1)], seq_lens=seq_lens,
+        seq_lens_t=torch.tensor(seq_lens), block_tables=tables, num_decodes=padded_reqs if q_len == 1 else 0,
+        query_start_loc_t=torch.arange(padded_reqs + 1) * q_len)
+    g = torch.Generator().manual_seed(7)
+    extra = [torch.randn(pad_tokens, *t.shape[1:], generator=g) for t in (q, k, v)]
+    assert padded.num_tokens == num_tokens + pad_tokens
+    return padded, *(torch.cat([t, e]) for t, e in zip((q, k, v), extra))
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_static_plan_of_a_padded_batch_matches_eager(backend, q_len):
+    """Real rows equal the eager plan's; padding rows are finite and write only the null block."""
+    requests = [(q_len, c) for c in (0, 5, 16, 40)]
+    q, k, v, kv, ctx = make_batch(requests, 9, 3, 64)
+    ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, backend.build_metadata(ctx), 0.125)
+    padded, pq, pk, pv = pad_uniform(ctx, q, k, v, padded_reqs=7, q_len=q_len, width=ctx.block_tables.shape[1] + 3)
+    before = kv.clone()
+    plan = backend.prepare_for_capture(padded)
+    assert isinstance(plan, NativeDecodePlan if backend.name == "native" else TorchDecodePlan)
+    plan = backend.prepare_for_replay(padded, padded.num_tokens)
+    out = paged_attention(pq, pk, pv, kv, padded.slot_mapping, plan, 0.125)
+    n = ctx.num_tokens
+    torch.testing.assert_close(out[:n], ref, atol=2e-5, rtol=1e-4)
+    assert torch.isfinite(out).all()
+    written = kv.view(2, -1, 3, 64).ne(before.view(2, -1, 3, 64)).any(-1).any(-1).any(0)  # [slots]
+    allowed = set(ctx.slot_mapping.tolist()) | set(range(BLOCK_SIZE))  # own slots + the null block
+    assert set(written.nonzero().flatten().tolist()) <= allowed
+
+
+def test_replay_needs_the_captured_shape():
+    backend = TorchAttentionBackend(torch.float32)
+    q, k, v, kv, ctx = make_batch([(1, 3), (1, 9)], 4, 2, 32)
+    with pytest.raises(ValueError, match="no step was captured for 2 tokens"):
+        backend.prepare_for_replay(ctx, 2)
+    with pytest.raises(ValueError, match="must be padded to 4 tokens"):
+        backend.prepare_for_replay(ctx, 4)
+    _, _, _, _, mixed = make_batch([(1, 3), (2, 9)], 4, 2, 32)
+    with pytest.raises(ValueError, match="uniform batch"):
+        backend.prepare_for_capture(mixed)
+
+
+def test_model_forward_reads_metadata_it_never_builds(tiny_llama_dir):
+    from tests.fixtures.paged import PagedKV
+    from tokenbus.loader import load_arch, resolve_model
+    from tokenbus.worker.model_loader import load_model
+
+    src = resolve_model(str(tiny_llama_dir))
+    model = load_model(src, load_arch(src), torch.float32, "cpu")
+    input_ids, ctx = PagedKV.for_model(model).step([("a", [1, 2, 3])])
+    ctx.attn_metadata = None
+    with pytest.raises(ValueError, match="attn_metadata is not set"), torch.inference_mode():
+        model(input_ids, ctx)
