@@ -352,3 +352,17 @@ def test_params_naming_a_host_outside_kv_peer_hosts_compute_locally(decoder, hf,
     assert out.num_cached_tokens == 0
     assert "not in kv_peer_hosts" in caplog.text
     decoder.engine.client.call_utility("check_integrity")
+
+
+def test_data_parallel_engines_get_their_own_port_and_engine_id():
+    from tokenbus.kv_transfer.factory import connector_context
+
+    config = KVTransferConfig(kv_connector="P2PConnector", kv_role="kv_producer",
+                              kv_connector_extra_config={"kv_port": 15000})
+    layout = KVLayout("m", "float32", "none", 16, 2, 2, 8)
+    first, second = connector_context(config, layout, 0), connector_context(config, layout, 1)
+    assert first.engine_id != second.engine_id
+    assert P2PSettings.from_extra(first.extra, port_offset=first.data_parallel_rank).port == 15000
+    assert P2PSettings.from_extra(second.extra, port_offset=second.data_parallel_rank).port == 15001
+    with pytest.raises(ValueError, match="kv_port"):
+        P2PSettings.from_extra({"kv_port": 65535}, port_offset=1)

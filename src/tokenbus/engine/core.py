@@ -127,7 +127,8 @@ def _make_scheduler_connector(config: EngineConfig, arch: ModelArch):
     from tokenbus.kv_transfer.factory import connector_context, make_scheduler_connector
     from tokenbus.worker.worker import connector_layout
 
-    return make_scheduler_connector(connector_context(config.kv_transfer, connector_layout(config, arch)))
+    return make_scheduler_connector(connector_context(config.kv_transfer, connector_layout(config, arch),
+                                                      config.parallel.data_parallel_rank))
 
 
 def _num_lookahead_tokens(config: EngineConfig) -> int:

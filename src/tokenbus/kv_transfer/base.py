@@ -60,6 +60,7 @@ class ConnectorContext:
     config: KVTransferConfig
     layout: KVLayout
     engine_id: str
+    data_parallel_rank: int = 0  # which of the data-parallel engines this is
 
     @property
     def extra(self) -> dict:

@@ -25,8 +25,11 @@ def _halves(name: str) -> tuple[type, type]:
     return getattr(module, scheduler_name), getattr(module, worker_name)
 
 
-def connector_context(config: KVTransferConfig, layout: KVLayout) -> ConnectorContext:
-    return ConnectorContext(config=config, layout=layout, engine_id=config.engine_id)
+def connector_context(config: KVTransferConfig, layout: KVLayout, data_parallel_rank: int = 0) -> ConnectorContext:
+    """Data-parallel engines share one config: each gets its own engine id (and, P2P, port)."""
+    engine_id = config.engine_id if data_parallel_rank == 0 else f"{config.engine_id}-dp{data_parallel_rank}"
+    return ConnectorContext(config=config, layout=layout, engine_id=engine_id,
+                            data_parallel_rank=data_parallel_rank)
 
 
 def make_scheduler_connector(ctx: ConnectorContext):

@@ -30,9 +30,9 @@ debug_delay_pull_s (0): tests only, a decoder waits this long before each pull; 
 (loopback): the prefiller hosts a decoder may pull from (request params come from clients),
 ["*"] for any.
 
-One worker per engine (tensor_parallel_size 1): each engine needs its own kv_port. The server
-authenticates nobody: keep prefillers on a private network, and list them in the decoders'
-kv_peer_hosts.
+One worker per engine (tensor_parallel_size 1); data-parallel engine d serves on kv_port + d.
+The server authenticates nobody: keep prefillers on a private network, and list them in the
+decoders' kv_peer_hosts.
 """
 
 from __future__ import annotations
@@ -97,13 +97,15 @@ class P2PSettings:
         return "*" in self.peer_hosts or host in self.peer_hosts
 
     @classmethod
-    def from_extra(cls, extra: dict) -> "P2PSettings":
+    def from_extra(cls, extra: dict, port_offset: int = 0) -> "P2PSettings":
+        """`port_offset`: data-parallel engine d serves on kv_port + d."""
         host = extra.get("kv_host", "127.0.0.1")
         if not isinstance(host, str) or not host:
             raise ValueError("kv_connector_extra_config.kv_host must be a host name or address")
         port = extra.get("kv_port", DEFAULT_KV_PORT)
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port + port_offset < 65536:
             raise ValueError(f"kv_connector_extra_config.kv_port must be a port number, got {port!r}")
+        port += port_offset
         advertise_host = extra.get("kv_advertise_host", host)
         if not isinstance(advertise_host, str) or not advertise_host:
             raise ValueError("kv_connector_extra_config.kv_advertise_host must be a host name or address")
@@ -197,7 +199,7 @@ class P2PScheduler:
     def __init__(self, ctx: ConnectorContext) -> None:
         self.ctx = ctx
         self.block_size = ctx.layout.block_size
-        self.settings = P2PSettings.from_extra(ctx.extra)
+        self.settings = P2PSettings.from_extra(ctx.extra, port_offset=ctx.data_parallel_rank)
         self._new_sends: dict[str, SendSpec] = {}  # finished, for the worker to serve
         self._new_loads: list[LoadJob] = []
         # Requests a load was started for: never a second (after a preemption the prefiller has
@@ -288,7 +290,7 @@ class P2PWorker(KVConnectorWorker):
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
         _check_single_rank()
-        self.settings = P2PSettings.from_extra(ctx.extra)
+        self.settings = P2PSettings.from_extra(ctx.extra, port_offset=ctx.data_parallel_rank)
         self._meta = P2PMeta()
         self._zmq = zmq.Context()
         self._sender = _Sender(ctx, self.settings, self._zmq, self.read_blocks) if ctx.config.is_producer else None

@@ -154,7 +154,8 @@ class Worker:
                     model_weight_bytes(self.model) / 2**20, kv_bytes / 2**20, peak_rss_bytes() / 2**20)
         self.kv_connector = None
         if self.config.kv_transfer is not None:
-            ctx = connector_context(self.config.kv_transfer, connector_layout(self.config, self.rank_arch))
+            ctx = connector_context(self.config.kv_transfer, connector_layout(self.config, self.rank_arch),
+                                    self.config.parallel.data_parallel_rank)
             self.kv_connector = make_worker_connector(ctx)
             self.kv_connector.register_kv_caches(kv_caches)
         self.runner = ModelRunner(self.config, self.arch, self.model, kv_caches, self.device,
