@@ -366,3 +366,29 @@ def test_data_parallel_engines_get_their_own_port_and_engine_id():
     assert P2PSettings.from_extra(second.extra, port_offset=second.data_parallel_rank).port == 15001
     with pytest.raises(ValueError, match="kv_port"):
         P2PSettings.from_extra({"kv_port": 65535}, port_offset=1)
+
+
+def test_a_reply_larger_than_asked_for_is_never_buffered():
+    import threading
+
+    from tokenbus.kv_transfer.p2p_transport import BlockServer, PeerClient, Reply, TransportError
+
+    port = _free_port()
+    zmq_ctx = zmq.Context()
+    data = torch.zeros(4096, dtype=torch.uint8)
+
+    def handler(message):
+        return Reply(seq=message.seq, status=OK, dtype="uint8", shape=[4096], nbytes=4096), data
+
+    server = BlockServer(zmq_ctx, "127.0.0.1", port, handler)
+    client = PeerClient(zmq_ctx, "127.0.0.1", port, threading.Event())
+    try:
+        pull = Pull(seq=0, engine_id="e", request_id="r", block_ids=[1], prompt_digest="d")
+        reply, got = client.call(pull, time.monotonic() + 2, max_reply_bytes=4096)
+        assert reply.status == OK and got.numel() == 4096
+        with pytest.raises(TransportError, match="no reply"):
+            client.call(pull, time.monotonic() + 0.5, max_reply_bytes=1024)
+    finally:
+        client.reset()
+        server.close()
+        zmq_ctx.term()

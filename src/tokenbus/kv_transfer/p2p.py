@@ -573,8 +573,9 @@ class _Puller:
             self._client.greeted_engine_id = reply.engine_id
         pull = Pull(seq=0, engine_id=spec.remote_engine_id, request_id=spec.remote_request_id,
                     block_ids=spec.remote_block_ids, prompt_digest=spec.prompt_digest)
+        expected = self._num_bytes(len(spec.local_block_ids))
         while not job.cancelled.is_set():
-            reply, data = self._call(pull, deadline)
+            reply, data = self._call(pull, deadline, expected)
             if reply.status == OK:
                 return self._blocks(reply, data, len(spec.local_block_ids))
             if reply.status != NOT_READY:
@@ -584,9 +585,14 @@ class _Puller:
             job.cancelled.wait(NOT_READY_RETRY_S)
         return None
 
-    def _call(self, message: Message, deadline: float) -> tuple[Reply, torch.Tensor | None]:
+    def _num_bytes(self, num_blocks: int) -> int:
+        layout = self.ctx.layout
+        itemsize = getattr(torch, layout.dtype).itemsize
+        return layout.num_layers * 2 * num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
+
+    def _call(self, message: Message, deadline: float, max_reply_bytes: int = 0) -> tuple[Reply, torch.Tensor | None]:
         try:
-            return self._client.call(message, deadline)
+            return self._client.call(message, deadline, max_reply_bytes)
         except TransportError as exc:
             raise _NoAnswer(str(exc)) from exc
 

@@ -146,9 +146,10 @@ class PeerClient:
         self._socket: zmq.Socket | None = None
         self.greeted_engine_id: str | None = None  # whose server accepted our Hello on this connection
 
-    def call(self, message: Message, deadline: float) -> tuple[Reply, torch.Tensor | None]:
+    def call(self, message: Message, deadline: float, max_reply_bytes: int = 0) -> tuple[Reply, torch.Tensor | None]:
         """Send `message` (its seq is set here), wait for its reply until `deadline`
-        (time.monotonic()); a reply with bytes comes with them as a uint8 tensor."""
+        (time.monotonic()); a reply with bytes comes with them as a uint8 tensor. A reply that
+        announces more than `max_reply_bytes` is dropped unread (nothing is allocated for it)."""
         self._seq += 1
         message.seq = self._seq
         try:
@@ -157,7 +158,7 @@ class PeerClient:
             while (remaining := deadline - time.monotonic()) > 0 and not self._stop.is_set():
                 if not socket.poll(max(1, min(POLL_MS, int(remaining * 1000)))):
                     continue
-                reply, data = self._receive(socket)
+                reply, data = self._receive(socket, max_reply_bytes)
                 if reply is not None and reply.seq == message.seq:
                     return reply, data
         except zmq.ZMQError as exc:  # a bad address, a full queue
@@ -166,11 +167,13 @@ class PeerClient:
         self.reset()  # a late reply must not meet the next request
         raise TransportError("shutting down" if self._stop.is_set() else f"no reply from {self.address} in time")
 
-    def _receive(self, socket: zmq.Socket) -> tuple[Reply | None, torch.Tensor | None]:
+    def _receive(self, socket: zmq.Socket, max_bytes: int) -> tuple[Reply | None, torch.Tensor | None]:
         try:
             reply = _reply_decoder.decode(socket.recv())
         except (msgspec.DecodeError, msgspec.ValidationError):
             reply = None
+        if reply is not None and reply.nbytes > max_bytes:
+            reply = None  # more than we asked for: not ours to buffer
         data = None
         while socket.getsockopt(zmq.RCVMORE):
             if reply is None or reply.nbytes <= 0 or data is not None:
