@@ -211,3 +211,33 @@ def test_failed_synchronous_load_uncaches_the_blocks_computed_over_it():
     while sched.has_unfinished_requests():
         _step(sched)
     sched.check_integrity()
+
+
+def test_external_lookups_are_counted_once_per_request_not_per_retry():
+    connector = FakeConnector(external={"b": 16})
+    sched = make_scheduler(num_blocks=6, kv_connector=connector)  # 5 usable blocks
+    sched.add_request(make_request("a", 64, max_tokens=2, ignore_eos=True))  # takes 4 (+1 to decode)
+    sched.add_request(make_request("b", 40, max_tokens=1, ignore_eos=True, first_token=500))
+    queries = hits = 0
+    while sched.has_unfinished_requests():
+        _step(sched)
+        stats = sched.make_stats()
+        queries += stats.external_prefix_cache_queries
+        hits += stats.external_prefix_cache_hits
+    assert (queries, hits) == (40 + 64, 16)  # b waited for room at least once
+    sched.check_integrity()
+
+
+def test_fail_policy_keeps_blocks_of_a_load_still_in_flight_until_it_ends():
+    connector = FakeConnector(external={"a": 48}, load_async=True)
+    sched = make_scheduler(num_blocks=10, kv_connector=connector, kv_load_failure_policy="fail")
+    sched.add_request(make_request("a", 48, max_tokens=1, ignore_eos=True))
+    _step(sched)
+    # The connector reports a bad block before the load's end: the request fails at once...
+    _, outputs = _step(sched, invalid_block_ids=[2])
+    assert [o.finish_reason for o in outputs] == [FinishReason.ERROR]
+    # ...but its blocks stay held while the worker may still write them.
+    assert sched.kv.holds_blocks("a") and sched.has_unfinished_requests()
+    _step(sched, finished_recving=["a"])
+    assert not sched.has_unfinished_requests()
+    sched.check_integrity()

@@ -263,6 +263,8 @@ class Scheduler:
         if new_blocks is None:
             return _Admission.NO_ROOM
         request.num_computed_tokens = num_computed  # the local hit: external tokens follow it
+        if not resumed_from_load:
+            self._count_external(request, num_computed, num_external)
         if self.connector is not None and not resumed_from_load:
             self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
                                                     num_external)
@@ -287,11 +289,13 @@ class Scheduler:
         """What the connector can provide past the local prefix hit: (tokens, asynchronously?)."""
         if self.connector is None or skips_prefix_cache(request) or request.kv_load_failed:
             return 0, False
-        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_computed)
-        if num_external is not None and request.num_cached_tokens < 0 and not request.kv_load_failed:
+        return self.connector.get_num_new_matched_tokens(request, num_computed)
+
+    def _count_external(self, request: Request, num_computed: int, num_external: int) -> None:
+        """Once per request, when it is admitted (not each step it waits for room)."""
+        if self.connector is not None and request.num_cached_tokens < 0 and not request.kv_load_failed:
             self._external_queries_step += request.num_tokens - num_computed
             self._external_hits_step += num_external
-        return num_external, load_async
 
     def _start_remote_load(self, request: Request, num_computed: int, computed_blocks,
                            num_external: int) -> _Admission:
@@ -300,6 +304,7 @@ class Scheduler:
                                             cache_blocks=False)
         if new_blocks is None:
             return _Admission.NO_ROOM
+        self._count_external(request, num_computed, num_external)
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self._remote_loads[request.request_id] = num_external
@@ -411,7 +416,8 @@ class Scheduler:
         (their sampled tokens are void)."""
         if self.connector is not None:
             self.connector.update_connector_output(kv_output)
-        failed = self._handle_invalid_blocks(set(kv_output.invalid_block_ids), outputs)
+        failed = self._handle_invalid_blocks(set(kv_output.invalid_block_ids), set(kv_output.finished_recving),
+                                             outputs)
         for req_id in kv_output.finished_recving:
             if req_id in self._delayed_free:  # aborted while loading: now nothing writes its blocks
                 self.kv.free(self._delayed_free.pop(req_id))
@@ -432,7 +438,7 @@ class Scheduler:
                 self.kv.free(request)
         return failed
 
-    def _handle_invalid_blocks(self, invalid: set[int], outputs: list[EngineOutput]) -> set[str]:
+    def _handle_invalid_blocks(self, invalid: set[int], recving: set[str], outputs: list[EngineOutput]) -> set[str]:
         """Blocks whose load failed: evict their hashes; every request holding one recomputes
         from scratch (preempted: its valid blocks are prefix hits again) or fails."""
         if not invalid:
@@ -452,6 +458,8 @@ class Scheduler:
                 self._truncate_remote_load(request, invalid)
                 continue
             failed.add(request.request_id)
+            # A load still in flight (its end not in this report) writes into the blocks.
+            loading = request.request_id in self._remote_loads and request.request_id not in recving
             self._remote_loads.pop(request.request_id, None)
             if request in self.running:
                 self.running.remove(request)
@@ -459,7 +467,7 @@ class Scheduler:
                 self.waiting.remove(request)
             if self.kv_load_failure_policy == "fail":
                 request.status = RequestStatus.FINISHED_ERROR
-                self._free_request(request)
+                self._free_request(request, keep_blocks=loading)
                 outputs.append(EngineOutput(request_id=request.request_id, new_token_ids=[],
                                             finish_reason=request.status.finish_reason))
                 continue
