@@ -19,7 +19,9 @@ from tokenbus import SamplingParams
 from tokenbus.config import KVTransferConfig
 from tokenbus.core.request import RequestStatus
 from tokenbus.kv_transfer.base import ConnectorContext, KVLayout, TransferCounters
-from tokenbus.kv_transfer.p2p import P2PSettings, RemotePrefill, SendSpec, _Sender, handshake_reply, prompt_digest
+from tokenbus.kv_transfer.p2p import RemotePrefill
+from tokenbus.kv_transfer.p2p_config import P2PSettings, SendSpec, prompt_digest
+from tokenbus.kv_transfer.p2p_peers import _Sender, handshake_reply
 from tokenbus.kv_transfer.p2p_transport import ERROR, NOT_READY, OK, Done, Hello, Pull
 from tokenbus.utils import cdiv
 
@@ -330,8 +332,6 @@ def test_killed_prefiller_recomputes(producer, decoder, hf):
 
 
 def test_decoder_pulls_only_from_allowed_peer_hosts(caplog):
-    from tokenbus.kv_transfer.p2p import P2PSettings
-
     settings = P2PSettings.from_extra({})
     assert settings.allows_peer("127.0.0.1") and not settings.allows_peer("10.0.0.7")
     assert P2PSettings.from_extra({"kv_peer_hosts": ["10.0.0.7"]}).allows_peer("10.0.0.7")

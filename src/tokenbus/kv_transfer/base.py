@@ -34,6 +34,12 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's K/V over every layer: [num_layers, 2, block_size, Hkv, D]."""
+        itemsize = getattr(torch, self.dtype).itemsize
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
     def describe(self) -> dict:
         return dict(self.__dict__)
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import msgspec
 import torch
 
-from tokenbus.kv_transfer.base import ConnectorContext, KVLayout
+from tokenbus.kv_transfer.base import ConnectorContext
 from tokenbus.kv_transfer.block_files import BlockFiles
 from tokenbus.kv_transfer.hash_store import HashStoreMeta, HashStoreNews, HashStoreScheduler, HashStoreWorker
 from tokenbus.utils import parse_size
@@ -103,12 +103,6 @@ def _size(extra: dict, key: str, default: int) -> int:
     if size < 0:
         raise ValueError(f"kv_connector_extra_config.{key} must be >= 0, got {value!r}")
     return size
-
-
-def block_nbytes(layout: KVLayout) -> int:
-    """Bytes of one block's K/V over every layer: [num_layers, 2, block_size, Hkv, D]."""
-    itemsize = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
-    return layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
 
 
 # ---------------------------------------------------------------------- tiers
@@ -402,7 +396,7 @@ class OffloadingScheduler(HashStoreScheduler):
 
     def __init__(self, ctx: ConnectorContext) -> None:
         self.config = OffloadConfig.from_extra(ctx.extra)
-        self.block_nbytes = block_nbytes(ctx.layout)
+        self.block_nbytes = ctx.layout.block_nbytes
         self._index: set[bytes] = set()
         self._touches: list[bytes] = []
         self._num_cpu_blocks = 0
@@ -464,9 +458,9 @@ class OffloadingWorker(HashStoreWorker):
             # Every rank would keep its own shard under the same hash, and only rank 0 reports.
             raise ValueError("kv_transfer_config: the OffloadingConnector does not support tensor "
                              "parallelism (world_size > 1) yet")
-        if 0 < config.cpu_bytes < block_nbytes(ctx.layout):
+        if 0 < config.cpu_bytes < ctx.layout.block_nbytes:
             logger.warning("KV offload: cpu_bytes=%d holds no block (one is %d bytes)",
-                           config.cpu_bytes, block_nbytes(ctx.layout))
+                           config.cpu_bytes, ctx.layout.block_nbytes)
         self.store_tiers = TieredStore(config, ctx.layout.fingerprint())
         self._occupancy_sent = (0, -1)
 
