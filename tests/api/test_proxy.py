@@ -1,246 +1,25 @@
-"""`tokenbus proxy` against fake prefill and decode instances, all served by uvicorn in threads.
-
-The fakes record every body they get. The prefiller answers kv_transfer_params (or null); the
-decoder answers, or streams, a fixed text and echoes the kv_transfer_params it received. A
-`delay_s` / `chunk_delay_s` field in a request body slows a decoder down (the proxy forwards
-unknown fields, so tests steer the fakes through it).
-"""
+"""`tokenbus proxy` against fake prefill and decode instances (tests/fixtures/proxy_fakes.py),
+all served by uvicorn in threads."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import socket
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenbus.api.proxy.app import build_app
+from tests.fixtures.proxy_fakes import STREAM_PIECES, TEXT, Cluster, start_cluster, stop_cluster, stream_chunks
+from tests.fixtures.server import wait_until
 from tokenbus.api.proxy.config import ProxyConfig
 from tokenbus.api.proxy.pool import InstanceKind, InstancePool
 from tokenbus.api.proxy.router import prefill_body
 from tokenbus.cli.main import build_parser
 from tokenbus.cli.proxy_cmd import config_from
-
-STREAM_PIECES = ["Hel", "lo", ", wörld", " — ", "ok", "!"]  # non-ASCII: bytes must pass intact
-TEXT = "".join(STREAM_PIECES)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fake instances
-
-
-@dataclass
-class Fake:
-    name: str
-    kind: str  # "prefill" | "decode"
-    null_params: bool = False  # a prefiller without a KV connector
-    is_healthy: bool = True  # what GET /health says
-    bodies: list[dict] = field(default_factory=list)
-    raw_bodies: list[bytes] = field(default_factory=list)
-    headers: list[dict] = field(default_factory=list)
-    num_active: int = 0
-    max_active: int = 0
-    num_streams_cut: int = 0  # streams that ended before their last chunk (client gone)
-
-    def kv_params(self) -> dict:
-        return {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_block_ids": [1, 2],
-                "remote_host": "127.0.0.1", "remote_port": 5600}
-
-
-def stream_chunks(chat: bool, fake: Fake, body: dict) -> list[bytes]:
-    chunks = []
-    for i, piece in enumerate(STREAM_PIECES):
-        if chat:
-            choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
-        else:
-            choice = {"index": 0, "text": piece, "finish_reason": None, "logprobs": None}
-        chunk = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
-                 "created": 0, "model": body["model"], "choices": [choice]}
-        if i == 0:
-            chunk["served_by"] = fake.name
-            chunk["kv_transfer_params_received"] = body.get("kv_transfer_params")
-        chunks.append(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
-    return chunks + [b"data: [DONE]\n\n"]
-
-
-def answer(chat: bool, fake: Fake, body: dict, text: str) -> dict:
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
-    return {"id": "x", "object": "chat.completion" if chat else "text_completion", "created": 0,
-            "model": body["model"], "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-            "served_by": fake.name, "kv_transfer_params_received": body.get("kv_transfer_params")}
-
-
-def fake_app(fake: Fake) -> FastAPI:
-    app = FastAPI()
-
-    async def complete(request: Request) -> Response:
-        raw = await request.body()
-        body = json.loads(raw)
-        fake.raw_bodies.append(raw)
-        fake.bodies.append(body)
-        fake.headers.append(dict(request.headers))
-        chat = request.url.path.endswith("/chat/completions")
-        if body.get("prompt") == "bad":
-            return JSONResponse({"error": {"message": "prompt: bad by design", "type": "BadRequestError",
-                                           "param": "prompt", "code": 400}}, status_code=400)
-        if fake.kind == "prefill":
-            result = answer(chat, fake, body, "H")
-            result["kv_transfer_params"] = None if fake.null_params else fake.kv_params()
-            return JSONResponse(result)
-        if body.get("stream") or "fail_after_chunks" in body:
-            chunks = stream_chunks(chat, fake, body)
-            if "fail_after_chunks" in body:  # the instance dies mid-answer
-                chunks = chunks[:body["fail_after_chunks"]] + [None]
-            media_type = "text/event-stream" if body.get("stream") else "application/json"
-            return StreamingResponse(_stream(fake, chunks, body.get("chunk_delay_s", 0)),
-                                     media_type=media_type)
-        fake.num_active += 1
-        fake.max_active = max(fake.max_active, fake.num_active)
-        try:
-            await asyncio.sleep(body.get("delay_s", 0))
-        finally:
-            fake.num_active -= 1
-        return JSONResponse(answer(chat, fake, body, TEXT))
-
-    app.add_api_route("/v1/completions", complete, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", complete, methods=["POST"])
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if fake.is_healthy else 503)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": f"model-of-{fake.name}", "object": "model",
-                                            "created": 0, "owned_by": "tokenbus"}]}
-
-    return app
-
-
-async def _stream(fake: Fake, chunks: list[bytes | None], delay_s: float):
-    fake.num_active += 1
-    is_done = False
-    try:
-        for chunk in chunks:
-            if chunk is None:
-                raise ConnectionAbortedError("the fake instance dies mid-answer")
-            yield chunk
-            await asyncio.sleep(delay_s)
-        is_done = True
-    finally:
-        fake.num_active -= 1
-        if not is_done:
-            fake.num_streams_cut += 1
-
-
-class ServerThread:
-    """An ASGI app on 127.0.0.1 in a thread; stop() closes its port (connections are refused
-    from then on), start() serves again on the same port."""
-
-    def __init__(self, app: FastAPI, port: int = 0) -> None:
-        self.app = app
-        self.port = port
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
-        self.port = sock.getsockname()[1]
-        self._sock = sock
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_config=None, access_log=False,
-                                                     timeout_graceful_shutdown=1))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        daemon=True)
-        self._thread.start()
-        wait_until(lambda: self._server.started, 10)
-
-    def request_stop(self) -> None:
-        self._server.should_exit = True
-
-    def join(self) -> None:
-        self._thread.join(10)
-        self._sock.close()
-
-    def stop(self) -> None:
-        self.request_stop()
-        self.join()
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-
-
-@dataclass
-class Cluster:
-    prefillers: list[Fake]
-    decoders: list[Fake]
-    servers: dict[str, ServerThread]
-    proxy: ServerThread
-
-    @property
-    def url(self) -> str:
-        return self.proxy.url
-
-    @property
-    def state(self):
-        return self.proxy.app.state.proxy
-
-    def instance(self, name: str):
-        url = self.servers[name].url
-        return next(i for pool in (self.state.prefill, self.state.decode) for i in pool.instances
-                    if i.url == url)
-
-    def prefill_bodies(self) -> list[dict]:
-        return [b for f in self.prefillers for b in f.bodies]
-
-    def decode_bodies(self) -> list[dict]:
-        return [b for f in self.decoders for b in f.bodies]
-
-
-def start_cluster(num_prefill: int = 2, num_decode: int = 2, **config) -> Cluster:
-    prefillers = [Fake(f"p{i}", "prefill") for i in range(num_prefill)]
-    decoders = [Fake(f"d{i}", "decode") for i in range(num_decode)]
-    servers = {f.name: ServerThread(fake_app(f)) for f in prefillers + decoders}
-    proxy_config = ProxyConfig(
-        prefill_urls=tuple(servers[f.name].url for f in prefillers),
-        decode_urls=tuple(servers[f.name].url for f in decoders),
-        **{"health_interval": 0.1, "health_timeout": 1.0, **config})
-    return Cluster(prefillers, decoders, servers, ServerThread(build_app(proxy_config)))
-
-
-def stop_cluster(cluster: Cluster) -> None:
-    # Every request is over: nothing may be left counted in flight.
-    wait_until(lambda: all(i.num_in_flight == 0 for pool in (cluster.state.prefill, cluster.state.decode)
-                           for i in pool.instances))
-    servers = [cluster.proxy, *cluster.servers.values()]
-    for server in servers:  # all at once: each takes a tick of uvicorn's loop to stop
-        server.request_stop()
-    for server in servers:
-        server.join()
 
 
 @pytest.fixture

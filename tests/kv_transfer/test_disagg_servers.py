@@ -10,13 +10,12 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.fixtures.server import ServerProcess
+from tests.fixtures.server import ServerProcess, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +33,6 @@ def _metric(url: str, name: str) -> float:
     return sum(values)
 
 
-def _wait_for(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
-
-
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], tmp_path) -> None:
         self.port = _free_port()
@@ -51,7 +42,7 @@ class Proxy:
             [sys.executable, "-m", "tokenbus", "proxy", "--prefill", *prefill, "--decode", *decode,
              "--port", str(self.port), "--health-interval", "0.5"],
             stdout=self.log, stderr=subprocess.STDOUT)
-        _wait_for(self._healthy, 60)
+        wait_until(self._healthy, 60, 0.1)
 
     def _healthy(self) -> bool:
         try:
@@ -122,7 +113,7 @@ def test_through_the_proxy_equals_colocated_and_decodes_only_the_last_token(clus
     assert _metric(decode.url, "tokenbus:kv_transfer_loaded_bytes_total") > 0
     # Both sides free every block once the prefiller's sends are done (DONE from the decoder).
     for server in (prefill, decode):
-        _wait_for(lambda s=server: _metric(s.url, "tokenbus:kv_cache_usage_perc") == 0.0)
+        wait_until(lambda s=server: _metric(s.url, "tokenbus:kv_cache_usage_perc") == 0.0, 20, 0.1)
         assert _metric(server.url, "tokenbus:num_requests_running") == 0
 
 
@@ -147,4 +138,4 @@ def test_a_dead_prefiller_is_skipped(cluster):
     reference = _client(decode.url).chat.completions.create(model="smollm2", messages=messages,
                                                             max_tokens=24, temperature=0)
     assert ours.choices[0].message.content == reference.choices[0].message.content
-    _wait_for(lambda: _metric(decode.url, "tokenbus:kv_cache_usage_perc") == 0.0)
+    wait_until(lambda: _metric(decode.url, "tokenbus:kv_cache_usage_perc") == 0.0, 20, 0.1)

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 import tokenbus
 from tokenbus.utils.net import bind_socket
+from tokenbus.utils.tasks import cancel_all
 from tokenbus.api.openai import protocol as p
 from tokenbus.api.openai.errors import ServiceUnavailableError, error_response, install_error_handlers
 from tokenbus.api.openai.metrics import LoggingStatLogger, PrometheusStatLogger
@@ -223,10 +224,7 @@ def _lifespan(state: ServerState):
         try:
             yield
         finally:
-            for task in state.tasks:
-                task.cancel()
-            await asyncio.gather(*state.tasks, return_exceptions=True)
-            state.tasks.clear()
+            await cancel_all(state.tasks)
 
     return lifespan
 

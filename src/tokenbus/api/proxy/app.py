@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenbus.utils.net import bind_socket
+from tokenbus.utils.tasks import cancel_all
 from tokenbus.api.proxy.config import ProxyConfig
 from tokenbus.api.proxy.errors import ProxyError, error_response
 from tokenbus.api.proxy.health import probe_forever
@@ -140,10 +141,7 @@ def _lifespan(state: ProxyState):
         try:
             yield
         finally:
-            for task in state.tasks:
-                task.cancel()
-            await asyncio.gather(*state.tasks, return_exceptions=True)
-            state.tasks.clear()
+            await cancel_all(state.tasks)
             state.router = None
             await client.aclose()
 
