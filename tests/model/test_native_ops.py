@@ -11,7 +11,7 @@ import torch
 
 from tests.model.test_native_attention import make_batch
 from tokenbus.model.attention import build_attention_plan, paged_attention
-from tokenbus.model.native import load_paged_attention
+from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, load_paged_attention, load_quant_kernels
 from tokenbus.model.native import ops as native_ops
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
@@ -33,9 +33,13 @@ def test_custom_ops_pass_opcheck():
     qtype = gguf.GGMLQuantizationType.Q8_0
     w = torch.from_numpy(gguf.quants.quantize(np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32),
                                               qtype))
-    for rows in (3, native_ops.QUANT_GEMV_MAX_ROWS + 2):  # the block kernel, then dequantize + GEMM
-        torch.library.opcheck(native_ops.quant_matmul, (torch.randn(rows, 64), w, int(qtype), 64))
-    torch.library.opcheck(native_ops.dequant_rows, (w, int(qtype), 64, torch.tensor([3, 0, 39])))
+    tiles = load_quant_kernels().repack_tiles(int(qtype), w, 64)
+    for rows in (3, QUANT_GEMV_MAX_ROWS + 2):  # the block kernel, then dequantize + GEMM
+        torch.library.opcheck(native_ops.quant_matmul, (torch.randn(rows, 64), w, int(qtype), 64, 40, False, False))
+        for int8 in (False, True):  # 16-row tiles, fp32 or int8 activations
+            torch.library.opcheck(native_ops.quant_matmul, (torch.randn(rows, 64), tiles, int(qtype), 64, 40, True, int8))
+    for weight, tiled in ((w, False), (tiles, True)):
+        torch.library.opcheck(native_ops.dequant_rows, (weight, int(qtype), 64, 40, tiled, torch.tensor([3, 0, 39])))
 
 
 @needs_cc

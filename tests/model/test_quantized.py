@@ -58,6 +58,52 @@ def test_kernel_equals_dequantize_then_matmul(qtype, cap):
             torch.testing.assert_close(out, x @ dense.T, rtol=1e-4, atol=1e-4 * dense.abs().max().item())
 
 
+TILE_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation kernel sees it: each 32-value block rounded to multiples of
+    max|block| / 127."""
+    blocks_ = x.reshape(x.shape[0], -1, 32)
+    amax = blocks_.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return ((blocks_ * inverse).round() * (amax / 127.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("cap", ["native", "avx512", "avx2"])  # VNNI where the CPU has it; vpmaddubsw
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
+def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
+    """16-row tiles (a partial last tile too): repacking keeps every value; fp32 activations
+    equal dequantize-then-matmul to rounding, int8 ones equal it on x rounded as the kernel does."""
+    kernels = kernels_for(cap)
+    assert kernels.tiles(int(qtype)), f"no tiled kernels on {DETECTED.describe()} capped to {cap}"
+    for rows, cols in ((40, 256), (7, 512), (64, 96)):
+        w = torch.from_numpy(blocks(qtype, rows, cols, seed=rows))
+        dense = kernels.dequant_rows(int(qtype), w, cols, torch.arange(rows))
+        tiles = kernels.repack_tiles(int(qtype), w, cols)
+        assert tiles.numel() == -(-rows // 16) * 16 * w.shape[1]  # the same bytes per row
+        ids = torch.tensor([rows - 1, 0, 3, 3])
+        assert torch.equal(kernels.tile_dequant_rows(int(qtype), tiles, rows, cols, ids), dense[ids])
+        weight_t = torch.full((cols, tiles.shape[0] * 16 + 5), float("nan"))[:, 2:-3]  # row-strided
+        kernels.tile_dequant_t(int(qtype), tiles, rows, cols, 0, weight_t)
+        assert torch.equal(weight_t[:, :rows], dense.T) and not weight_t[:, rows:].any()
+        for m in (1, 5, 16, 64):
+            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+            scale = 1e-4 * dense.abs().max().item()
+            for int8, want in ((False, x @ dense.T), (True, int8_rounded(x) @ dense.T)):
+                out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]  # a column slice
+                kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, int8)
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=scale * x.abs().max().item())
+
+
+def test_no_tiles_below_avx2():
+    """The portable build has no tiled kernels: every type stays in GGUF rows."""
+    if not DETECTED.is_x86:
+        pytest.skip("ISA caps apply to x86-64 only")
+    kernels = kernels_for("baseline")
+    assert not any(kernels.tiles(int(t)) for t in TILE_TYPES)
+
+
 def test_unsupported_shapes_and_types_are_errors():
     kernels = load_quant_kernels()
     w = torch.from_numpy(blocks(Q.Q4_K, 4, 256))
@@ -90,11 +136,12 @@ def test_fused_linear_mixes_types_and_switches_to_gemm_for_big_batches():
     torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
 
 
-def _logits(src, quantization: str) -> torch.Tensor:
+def _logits(src, quantization: str, quant_activations: str = "fp32") -> torch.Tensor:
     from tests.fixtures.paged import PagedKV
     from tests.model.test_llama_vs_hf import run
 
-    model = load_model(src, load_arch(src), torch.float32, "cpu", quantization=quantization)
+    model = load_model(src, load_arch(src), torch.float32, "cpu", quantization=quantization,
+                       quant_activations=quant_activations)
     ids = [101, 202, 303, 404, 505, 606, 707, 808, 909]
     kv = PagedKV.for_model(model)
     return torch.cat([run(model, kv, [("a", ids[:5])])] + [run(model, kv, [("a", [t])]) for t in ids[5:]]), model
@@ -113,6 +160,30 @@ def test_gguf_model_quantized_equals_dequantized(tmp_path, qtype):
     assert model.embed_tokens.numel() == 0 and model.embed_quantized is not None
     dequantized, _ = _logits(src, "none")
     torch.testing.assert_close(quantized, dequantized, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_model_on_int8_activations_stays_close_to_dequantized(tmp_path, qtype):
+    """int8 activations (the default) round each 32-value block of x to 1/254 of its largest
+    value: the decode logits move by a fraction of a percent, and the greedy choices stay."""
+    hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512)
+    src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
+    int8, model = _logits(src, "gguf", "int8")
+    if not model.quant_kernels.tiles(int(Q[qtype])):
+        pytest.skip(f"no tiled kernels on this CPU ({DETECTED.describe()}): int8 activations do not apply")
+    assert all(k.int8_activations for k in (m.kernel for m in model.modules() if isinstance(m, Linear)))
+    dequantized, _ = _logits(src, "none")
+    error = (int8 - dequantized).norm() / dequantized.norm()
+    assert 1e-5 < error < 3e-2, error  # not the fp32 path, and close to it (a random model: worst case)
+    # Each greedy choice is the dequantized model's, or a near tie there (0.1 nats, the oracle's gap).
+    chosen = dequantized.gather(1, int8.argmax(-1, keepdim=True)).squeeze(1)
+    assert (dequantized.max(-1).values - chosen < 0.1).all()
+
+
+def test_quant_activations_int8_needs_gguf_blocks(tmp_path):
+    src = resolve_model(str(cached_tiny_model("llama")))
+    with pytest.raises(ValueError, match="quant_activations 'int8' needs GGUF weights kept quantized"):
+        load_model(src, load_arch(src), torch.float32, "cpu", quantization="auto", quant_activations="int8")
 
 
 def test_quantization_choice_and_its_errors(tmp_path):

@@ -23,7 +23,8 @@ from tokenbus.model.attention import Plan, paged_attention
 from tokenbus.model.attention_backend import AttentionBackend, TorchAttentionBackend, select_attention_backend
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from tokenbus.model.layers.quantized import DequantBuffer, QuantizedWeight, is_quantized, quantized_embedding
+from tokenbus.model.layers.quantized import (DequantBuffer, KernelWeight, QuantizedLinearKernel, QuantizedWeight,
+                                             is_quantized, kernel_weight, quantized_embedding)
 from tokenbus.model.native import PagedAttentionKernel, QuantKernels, load_quant_kernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
@@ -117,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         # torch path until set_attention_backend chooses.
         self.attention_backend: AttentionBackend = TorchAttentionBackend(self.embed_tokens.dtype)
         # A GGUF embedding kept in its blocks (then embed_tokens is released), and its kernels.
-        self.embed_quantized: QuantizedWeight | None = None
+        self.embed_quantized: QuantizedWeight | KernelWeight | None = None
         self.quant_kernels: QuantKernels | None = None
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
@@ -176,8 +177,20 @@ class LlamaForCausalLM(nn.Module):
         for linear in linears:
             linear.finalize(linear_backend, cpu, self.quant_kernels, buffer)
         if self.embed_quantized is not None:  # lookups read the blocks: no dense table
+            head = self.lm_head.quantized_weights()
+            if self.arch.tie_word_embeddings and len(head) == 1:
+                self.embed_quantized = head[0]  # the LM head's (maybe tiled) copy: one in memory
+            else:
+                self.embed_quantized = kernel_weight(self.quant_kernels, self.embed_quantized)
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0, self.arch.hidden_size),
                                              requires_grad=False)
+
+    def set_quant_activations(self, int8: bool) -> None:
+        """int8 (True) or fp32 activations for the tiled GGUF linears' decode-sized calls
+        (layers/quantized.py); prefill always multiplies fp32."""
+        for module in self.modules():
+            if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
+                module.kernel.int8_activations = int8
 
     def set_attention_backend(self, backend: str) -> None:
         """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.

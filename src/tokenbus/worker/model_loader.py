@@ -24,16 +24,21 @@ logger = logging.getLogger(__name__)
 
 def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str,
                attention_backend: str = "auto", tp: TensorParallel = SINGLE,
-               quantization: str = "none") -> nn.Module:
+               quantization: str = "none", quant_activations: str = "auto") -> nn.Module:
     """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
-    in their blocks when `quantization` resolves to gguf (resolve_quantization)."""
+    in their blocks when `quantization` resolves to gguf (resolve_quantization), their decode
+    calls on int8 or fp32 activations (`quant_activations`: ModelConfig)."""
     model_class = get_model_class(arch.architecture)
     keep_quantized = resolve_quantization(quantization, src, torch.device(device), tp) == "gguf"
+    if quant_activations == "int8" and not keep_quantized:
+        raise ValueError("quant_activations 'int8' needs GGUF weights kept quantized (--quantization gguf)")
     with torch.device(device), _default_dtype(dtype):
         model = model_class(arch, tp)  # parameters allocated uninitialised, in place (never
         # written, so never resident, for weights that stay quantized)
     model.load_weights(iter_weights(src, arch, keep_quantized))  # casts to dtype on copy
     model.set_attention_backend(attention_backend)
+    if keep_quantized:
+        model.set_quant_activations(quant_activations != "fp32")
     return model.eval()
 
 

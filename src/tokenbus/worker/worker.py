@@ -105,7 +105,8 @@ class Worker:
 
     def load_model(self) -> None:
         self.model = load_model(self.source, self.arch, self.dtype, self.device,
-                                self.config.model.attention_backend, self.tp, self.config.model.quantization)
+                                self.config.model.attention_backend, self.tp, self.config.model.quantization,
+                                self.config.model.quant_activations)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold after its weights and its CUDA graphs (what it measures,
@@ -201,7 +202,7 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     for tensor in [*model.parameters(), *model.buffers()]:
         seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
     for module in model.modules():
-        quantized = list(getattr(module, "quantized", {}).values())
+        quantized = module.quantized_weights() if hasattr(module, "quantized_weights") else []
         if getattr(module, "embed_quantized", None) is not None:
             quantized.append(module.embed_quantized)
         for weight in quantized:

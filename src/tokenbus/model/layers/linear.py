@@ -117,11 +117,14 @@ class Linear(nn.Module):
                  quant_kernels: QuantKernels | None = None, dequant_buffer: DequantBuffer | None = None) -> None:
         """Choose the kernel. Quantized shards run on their blocks when every shard is
         quantized (and the dense weight is released); a mix is dequantized into the weight."""
+        if self.backend == "gguf":
+            return  # already on its blocks (the loaded shards were handed to the kernel)
         if self.quantized and len(self.quantized) == len(self.out_sizes):
             shards = [self.quantized[i] for i in range(len(self.out_sizes))]
             self.backend = "gguf"
             self._kernel = QuantizedLinearKernel(quant_kernels, shards, self.bias, dequant_buffer)
             self.weight = nn.Parameter(self.weight.new_empty(0, self.in_features), requires_grad=False)
+            self.quantized = {}  # the kernel holds them now (merged, maybe repacked): no second copy
             return
         for shard, weight in self.quantized.items():
             with torch.no_grad():
@@ -130,6 +133,17 @@ class Linear(nn.Module):
         self.quantized = {}
         self.backend = choose_linear_backend(self.weight, backend, cpu)
         self._kernel = make_linear_kernel(self.weight, self.bias, self.backend)
+
+    @property
+    def kernel(self) -> LinearKernel | None:
+        return self._kernel
+
+    def quantized_weights(self) -> list:
+        """The GGUF blocks this layer holds: as loaded before finalize(), as its kernel holds
+        them after (KernelWeight, merged and maybe tiled)."""
+        if isinstance(self._kernel, QuantizedLinearKernel):
+            return list(self._kernel.shards)
+        return list(self.quantized.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch.compile cannot trace oneDNN's opaque packed weight: it sees the dense one

@@ -135,6 +135,7 @@ def load_paged_attention(cpu: CpuFeatures | None = None) -> PagedAttentionKernel
 
 
 _QUANT_SOURCE = Path(__file__).with_name("quant_matmul.c")
+_TILE_SOURCE = Path(__file__).with_name("quant_tiles.c")
 # Largest activation batch quant_matmul takes (MAX_M in quant_matmul.c).
 QUANT_MAX_ROWS = 64
 # Rows up to which the block kernel beats dequantize + GEMM (measured on the 2-core CPU at
@@ -142,12 +143,69 @@ QUANT_MAX_ROWS = 64
 QUANT_GEMV_MAX_ROWS = min(16, QUANT_MAX_ROWS)
 
 
+# Rows per tile of quant_tiles.c, and the GGML types it repacks (Q8_0, Q4_0, Q4_1).
+TILE_ROWS = 16
+TILE_QTYPES = (8, 2, 3)
+
+
 @dataclass(frozen=True)
 class QuantKernels:
-    """Weight-only GGUF-block kernels (see quant_matmul.c); W is uint8 [N, row_bytes]."""
+    """GGUF-block kernels: on W in GGUF rows, uint8 [N, row_bytes] (quant_matmul.c: every
+    kernel type, weight-only), and on W repacked in 16-row tiles, uint8 [ceil(N / 16),
+    tile_bytes] (quant_tiles.c: Q8_0/Q4_0/Q4_1, fp32 or int8 activations)."""
 
     matmul_fn: ctypes._CFuncPtr
     dequant_fn: ctypes._CFuncPtr
+    tile_fns: dict[str, ctypes._CFuncPtr] | None  # None: this CPU has no tiled kernels
+
+    def tiles(self, qtype: int) -> bool:
+        """Whether weights of this GGML type are repacked in tiles here."""
+        return self.tile_fns is not None and qtype in TILE_QTYPES
+
+    def repack_tiles(self, qtype: int, w: torch.Tensor, num_cols: int) -> torch.Tensor:
+        """W in GGUF rows -> a new uint8 [ceil(N / 16), tile_bytes] (same bytes, 16-row tiles)."""
+        assert self.tiles(qtype) and w.dtype == torch.uint8 and w.is_contiguous()
+        rows = w.shape[0]
+        nbytes = self.tile_fns["nbytes"](qtype, rows, num_cols)
+        num_tiles = -(-rows // TILE_ROWS)
+        out = torch.empty(num_tiles, nbytes // num_tiles, dtype=torch.uint8)
+        if self.tile_fns["repack"](qtype, w.data_ptr(), rows, num_cols, out.data_ptr()) != 0:
+            raise ValueError(f"tile_repack: GGML type {qtype} with {num_cols} columns is not supported")
+        return out
+
+    def tile_matmul(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int, x: torch.Tensor,
+                    out: torch.Tensor, int8_activations: bool) -> None:
+        """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); int8_activations
+        quantizes x per 32-value block first (quant_tiles.c)."""
+        assert tiles.dtype == torch.uint8 and tiles.is_contiguous() and x.dtype == out.dtype == torch.float32
+        assert x.stride(1) == 1 and out.stride(1) == 1 and x.shape[0] <= QUANT_MAX_ROWS
+        status = self.tile_fns["matmul"](qtype, tiles.data_ptr(), num_rows, num_cols, x.data_ptr(), x.shape[0],
+                                         x.stride(0), out.data_ptr(), out.stride(0), int(int8_activations),
+                                         torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"tile_matmul: GGML type {qtype} with {num_cols} columns is not supported")
+
+    def tile_dequant_rows(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int,
+                          rows: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(rows), K]: the given rows (int64 ids) of a tiled W."""
+        assert rows.dtype == torch.int64 and rows.is_contiguous()
+        out = torch.empty(rows.numel(), num_cols, dtype=torch.float32)
+        status = self.tile_fns["dequant_rows"](qtype, tiles.data_ptr(), num_rows, num_cols, rows.data_ptr(),
+                                               rows.numel(), out.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"tile_dequant_rows: GGML type {qtype} with {num_cols} columns is not supported")
+        return out
+
+    def tile_dequant_t(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int, first_tile: int,
+                       out: torch.Tensor) -> None:
+        """out [K, 16 * count] (row-strided) = W^T of tiles [first_tile, first_tile + count)."""
+        assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape[0] == num_cols
+        assert out.shape[1] % TILE_ROWS == 0
+        status = self.tile_fns["dequant_t"](qtype, tiles.data_ptr(), num_rows, num_cols, first_tile,
+                                            out.shape[1] // TILE_ROWS, out.data_ptr(), out.stride(0),
+                                            torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"tile_dequant_t: GGML type {qtype} with {num_cols} columns is not supported")
 
     def matmul(self, qtype: int, w: torch.Tensor, num_cols: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[M, N] (row-strided, may be a column slice of a wider tensor) = x[M, K] @ W.T."""
@@ -182,4 +240,26 @@ def load_quant_kernels(cpu: CpuFeatures | None = None) -> QuantKernels:
     matmul.restype = dequant.restype = ctypes.c_int
     matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
     dequant.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
-    return QuantKernels(matmul, dequant)
+    return QuantKernels(matmul, dequant, _load_tile_fns(cpu))
+
+
+def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | None:
+    """quant_tiles.c's entry points, or None where this CPU has no tiled kernels (below AVX2)."""
+    try:
+        lib = ctypes.CDLL(str(build_shared_object(_TILE_SOURCE, cpu)))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {_TILE_SOURCE.stem}: {exc}") from exc
+    lib.tile_supported.restype = ctypes.c_int
+    if not lib.tile_supported():
+        return None
+    fns = {"nbytes": lib.tile_nbytes, "repack": lib.tile_repack, "matmul": lib.tile_matmul,
+           "dequant_rows": lib.tile_dequant_rows, "dequant_t": lib.tile_dequant_t}
+    for fn in fns.values():
+        fn.restype = ctypes.c_int
+    fns["nbytes"].restype = _I64
+    fns["nbytes"].argtypes = [ctypes.c_int, _I64, _I64]
+    fns["repack"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR]
+    fns["matmul"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, ctypes.c_int]
+    fns["dequant_rows"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
+    fns["dequant_t"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int]
+    return fns

@@ -18,10 +18,8 @@ import functools
 
 import torch
 
-from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, PagedAttentionKernel, QuantKernels, check_indices
+from tokenbus.model.native import PagedAttentionKernel, QuantKernels, check_indices
 
-# fp32 values of dequantized weight per chunk of the GEMM path (as layers/quantized.DequantBuffer).
-DEQUANT_CHUNK_VALUES = 4 << 20
 
 
 @functools.cache
@@ -82,34 +80,31 @@ def _(q, kv_cache, block_tables, query_start, seq_lens, reqs, scale):
 
 
 @torch.library.custom_op("tokenbus::quant_matmul", mutates_args=(), device_types="cpu")
-def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
-    """x [M, cols] fp32 @ W.T -> [M, N] fp32, W = uint8 [N, row_bytes] of GGML type `qtype`:
-    the block kernel for few rows, else a GEMM over dequantized row chunks."""
-    kernels = _quant_kernels()
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    if x.shape[0] <= QUANT_GEMV_MAX_ROWS:
-        kernels.matmul(qtype, w, cols, x, out)
-        return out
-    chunk = max(1, DEQUANT_CHUNK_VALUES // cols)
-    for first in range(0, w.shape[0], chunk):
-        count = min(chunk, w.shape[0] - first)
-        weight = kernels.dequant_rows(qtype, w, cols, torch.arange(first, first + count))
-        torch.mm(x, weight.T, out=out[:, first:first + count])
+def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int, cols: int, rows: int, tiled: bool,
+                 int8_activations: bool) -> torch.Tensor:
+    """x [M, cols] fp32 @ W.T -> [M, rows] fp32, W of GGML type `qtype` in GGUF rows (uint8
+    [rows, row_bytes]) or `tiled` (layers/quantized.KernelWeight): layers/quantized.shard_matmul."""
+    from tokenbus.model.layers.quantized import DequantBuffer, KernelWeight, shard_matmul
+
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    shard_matmul(_quant_kernels(), KernelWeight(qtype, w, cols, rows, tiled), x.contiguous(), out,
+                 int8_activations, DequantBuffer())
     return out
 
 
 @quant_matmul.register_fake
-def _(x, w, qtype, cols):
-    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+def _(x, w, qtype, cols, rows, tiled, int8_activations):
+    return x.new_empty(x.shape[0], rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("tokenbus::dequant_rows", mutates_args=(), device_types="cpu")
-def dequant_rows(w: torch.Tensor, qtype: int, cols: int, rows: torch.Tensor) -> torch.Tensor:
-    """fp32 [len(rows), cols]: the given rows (int64 ids) of W in GGUF blocks."""
-    return _quant_kernels().dequant_rows(qtype, w, cols, rows.to(torch.int64).contiguous())
+def dequant_rows(w: torch.Tensor, qtype: int, cols: int, num_rows: int, tiled: bool, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 [len(rows), cols]: the given rows (int64 ids) of W (as quant_matmul's)."""
+    from tokenbus.model.layers.quantized import KernelWeight, dequantize_weight
+
+    return dequantize_weight(_quant_kernels(), KernelWeight(qtype, w, cols, num_rows, tiled), rows)
 
 
 @dequant_rows.register_fake
-def _(w, qtype, cols, rows):
+def _(w, qtype, cols, num_rows, tiled, rows):
     return w.new_empty(rows.shape[0], cols, dtype=torch.float32)

@@ -1,0 +1,462 @@
+/* Q8_0 / Q4_0 / Q4_1 weights repacked in tiles of 16 rows, for decode-shaped matmuls
+   (tokenbus, model/native).
+
+   GGUF stores a matrix row by row, block by block. Dotting one row at a time leaves a GEMV
+   latency-bound: one accumulator chain per row, a horizontal sum per output, a scalar scale per
+   block. Here 16 rows are interleaved so that one 16-lane vector holds the same 4 quants of 16
+   rows and the scales of a block are 16 fp16 values in a row: each instruction then works for
+   16 outputs, and a tile's 16 results come out as one vector store.
+
+   Layout, per tile of rows [16t, 16t + 16) and per block b of 32 values (tile-block), in the
+   same bytes as the 16 GGUF blocks it replaces (nothing is added):
+       chunks: Q4_0/Q4_1 4, Q8_0 8; chunk c is 16 rows x 4 bytes, row r's being bytes
+               [4c, 4c + 4) of that row's GGUF quants (for Q4: the low nibbles are values
+               4c..4c+3, the high ones 16+4c..16+4c+3; for Q8_0 the bytes are values 4c..4c+3)
+       d[16]:  fp16 scales, row r at 2r
+       m[16]:  fp16 mins (Q4_1 only)
+   A matrix is ceil(N / 16) tiles of (K / 32) tile-blocks; rows past N are zero (d = 0).
+
+   Two kernels per call shape, y[m, n] = sum_k x[m, k] W[n, k] (y row-strided: a column slice
+   of a wider output):
+   - fp32 activations (weight-only): each quant is converted to fp32 and multiplied exactly as a
+     dequantize-then-matmul would, so results match that reference to rounding;
+   - int8 activations (llama.cpp's approach): each 32-value block of an x row is quantized to
+     int8 with scale da = max|x| / 127, and a tile-block is 8 integer dot products of 4 bytes
+     per lane (vpdpbusd on VNNI, vpmaddubsw + vpmaddwd otherwise):
+         sum_j (d q_j + m) x_j  ~=  d da (q . qa) + m sa,   sa = da sum_j qa_j.
+     Q4 nibbles are unsigned already. Q8_0's signed quants go in biased by 128 on VNNI (and
+     the bias comes back out as m = -128 d) or as |q| with the sign moved onto qa otherwise.
+     Q4_0 is Q4_1 with m = -8 d. The integer part is exact (|q| <= 128, |qa| <= 127: int16 pair
+     sums stay below 32767); only the rounding of x differs from the fp32 kernel.
+   Also: repacking from GGUF rows, and dequantizing (rows for embeddings; whole tiles as W^T
+   for the prefill GEMM). Built like quant_matmul.c (-O3 -march=<cpu> -ffast-math, OpenMP over
+   tiles, every thread writing only its own columns of y). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TR 16      /* rows per tile */
+#define MAX_M 64   /* activation rows per call (QUANT_MAX_ROWS) */
+
+enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 };  /* GGMLQuantizationType */
+
+/* Bytes of one GGUF block, of its quants, and whether it carries a min. 0 if not tiled. */
+static int tile_info(int qtype, int *block_bytes, int *quant_bytes, int *has_min) {
+    switch (qtype) {
+    case Q8_0: *block_bytes = 34; *quant_bytes = 32; *has_min = 0; return 1;
+    case Q4_0: *block_bytes = 18; *quant_bytes = 16; *has_min = 0; return 1;
+    case Q4_1: *block_bytes = 20; *quant_bytes = 16; *has_min = 1; return 1;
+    default: return 0;
+    }
+}
+
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Tile-blocks the matrix has, and the size of one; 0 if the type or shape is not tiled. */
+static int64_t tile_geometry(int qtype, int64_t N, int64_t K, int64_t *blocks, int64_t *tile_block_bytes) {
+    int bb, qb, hm;
+    if (!tile_info(qtype, &bb, &qb, &hm) || K % 32 || N <= 0) return 0;
+    *blocks = K / 32;
+    *tile_block_bytes = (int64_t)TR * bb;
+    return (N + TR - 1) / TR;
+}
+
+int64_t tile_nbytes(int qtype, int64_t N, int64_t K) {
+    int64_t blocks, tbb, tiles = tile_geometry(qtype, N, K, &blocks, &tbb);
+    return tiles * blocks * tbb;
+}
+
+/* out (tile_nbytes) <- W in GGUF rows [N, K / 32 blocks]. 0 on success, 1: not tiled. */
+int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
+    int bb, qb, hm;
+    int64_t blocks, tbb, tiles = tile_geometry(qtype, N, K, &blocks, &tbb);
+    if (!tiles) return 1;
+    tile_info(qtype, &bb, &qb, &hm);
+    const int qoff = hm ? 4 : 2;
+    memset(out, 0, (size_t)(tiles * blocks * tbb));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t t = n / TR, r = n % TR;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *src = w + (n * blocks + b) * bb;
+            uint8_t *dst = out + (t * blocks + b) * tbb;
+            for (int c = 0; c < qb / 4; c++) memcpy(dst + c * 64 + r * 4, src + qoff + 4 * c, 4);
+            memcpy(dst + qb * TR + 2 * r, src, 2);
+            if (hm) memcpy(dst + qb * TR + 2 * TR + 2 * r, src + 2, 2);
+        }
+    }
+    return 0;
+}
+
+/* Value k (< 32) of row r in a tile-block, before scale and min. */
+static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
+    if (qtype == Q8_0) return (int8_t)tb[(k / 4) * 64 + r * 4 + k % 4];
+    const int low = k < 16, kk = low ? k : k - 16;
+    const uint8_t byte = tb[(kk / 4) * 64 + r * 4 + kk % 4];
+    return low ? (byte & 0xF) : (byte >> 4);
+}
+
+/* out[i, :] = row rows[i] of the tiled W as fp32 (embedding lookups). 0 on success. */
+int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const int64_t *rows,
+                      int64_t num_rows, float *out, int num_threads) {
+    int bb, qb, hm;
+    int64_t blocks, tbb;
+    if (!tile_geometry(qtype, N, K, &blocks, &tbb)) return 1;
+    tile_info(qtype, &bb, &qb, &hm);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
+    for (int64_t i = 0; i < num_rows; i++) {
+        const int64_t t = rows[i] / TR;
+        const int r = (int)(rows[i] % TR);
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+            uint16_t h;
+            memcpy(&h, tb + qb * TR + 2 * r, 2);
+            const float d = half_to_float(h);
+            float m = qtype == Q4_0 ? -8.0f * d : 0.0f;
+            if (hm) { memcpy(&h, tb + qb * TR + 2 * TR + 2 * r, 2); m = half_to_float(h); }
+            for (int k = 0; k < 32; k++) out[i * K + b * 32 + k] = d * (float)tile_quant(qtype, tb, r, k) + m;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- 16-lane vectors
+   One __m512 on AVX-512, two __m256 halves (rows 0-7, 8-15) on AVX2: the kernels below are
+   written once against these. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_TILES 1
+typedef __m512i vi;
+typedef __m512 vf;
+static inline vi vi_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_set8(int8_t v) { return _mm512_set1_epi8(v); }
+static inline vi vi_set32(int32_t v) { return _mm512_set1_epi32(v); }
+static inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+static inline vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi vi_srli16(vi a, int s) { return _mm512_srli_epi16(a, s); }
+static inline vi vi_srli32(vi a, int s) { return _mm512_srli_epi32(a, s); }
+static inline vi vi_slli32(vi a, int s) { return _mm512_slli_epi32(a, s); }
+static inline vi vi_srai32(vi a, int s) { return _mm512_srai_epi32(a, s); }
+static inline vi vi_bcast32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+/* acc + per lane: sum of 4 products u8 (u) x s8 (s). */
+static inline vi vi_dot(vi acc, vi u, vi s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+/* s with the sign of w (0 where w is 0): vpsignb has no 512-bit form. */
+static inline vi vi_sign(vi s, vi w) {
+    const __mmask64 neg = _mm512_movepi8_mask(w), zero = _mm512_cmpeq_epi8_mask(w, _mm512_setzero_si512());
+    return _mm512_maskz_mov_epi8(~zero, _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
+}
+static inline vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
+static inline vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float v) { return _mm512_set1_ps(v); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline void vf_store_t(float *p, vf v, int64_t stride) {  /* lane r to p[r * stride] */
+    float tmp[16];
+    _mm512_storeu_ps(tmp, v);
+    for (int r = 0; r < 16; r++) p[r * stride] = tmp[r];
+}
+#if defined(__AVX512VNNI__)
+#define Q8_BIAS 128  /* Q8_0 quants go in as q + 128 (u8) */
+#else
+#define Q8_BIAS 0    /* Q8_0 quants go in as |q|, their sign moved onto x */
+#endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_TILES 1
+typedef struct { __m256i a, b; } vi;
+typedef struct { __m256 a, b; } vf;
+static inline vi vi_load(const uint8_t *p) {
+    vi r = {_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+    return r;
+}
+static inline vi vi_zero(void) { vi r = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return r; }
+static inline vi vi_set8(int8_t v) { vi r = {_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; return r; }
+static inline vi vi_set32(int32_t v) { vi r = {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; return r; }
+#define VI_BIN(name, op) static inline vi name(vi x, vi y) { vi r = {op(x.a, y.a), op(x.b, y.b)}; return r; }
+VI_BIN(vi_and, _mm256_and_si256)
+VI_BIN(vi_xor, _mm256_xor_si256)
+VI_BIN(vi_add, _mm256_add_epi32)
+VI_BIN(vi_sign, _mm256_sign_epi8)
+#define VI_SHIFT(name, op) static inline vi name(vi x, int s) { vi r = {op(x.a, s), op(x.b, s)}; return r; }
+VI_SHIFT(vi_srli16, _mm256_srli_epi16)
+VI_SHIFT(vi_srli32, _mm256_srli_epi32)
+VI_SHIFT(vi_slli32, _mm256_slli_epi32)
+VI_SHIFT(vi_srai32, _mm256_srai_epi32)
+static inline vi vi_bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    vi r = {_mm256_set1_epi32(v), _mm256_set1_epi32(v)};
+    return r;
+}
+static inline __m256i dot8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+static inline vi vi_dot(vi acc, vi u, vi s) { vi r = {dot8(acc.a, u.a, s.a), dot8(acc.b, u.b, s.b)}; return r; }
+static inline vi vi_abs8(vi w) { vi r = {_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)}; return r; }
+static inline vf vf_cvt(vi x) { vf r = {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; return r; }
+static inline vf vf_zero(void) { vf r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline vf vf_set1(float v) { vf r = {_mm256_set1_ps(v), _mm256_set1_ps(v)}; return r; }
+static inline vf vf_add(vf x, vf y) { vf r = {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; return r; }
+static inline vf vf_mul(vf x, vf y) { vf r = {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; return r; }
+static inline vf vf_fma(vf x, vf y, vf z) {
+    vf r = {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
+    return r;
+}
+static inline vf vf_half(const uint8_t *p) {
+    vf r = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+    return r;
+}
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+static inline void vf_store_t(float *p, vf v, int64_t stride) {
+    float tmp[16];
+    vf_store(tmp, v);
+    for (int r = 0; r < 16; r++) p[r * stride] = tmp[r];
+}
+#if defined(__AVXVNNI__)
+#define Q8_BIAS 128
+#else
+#define Q8_BIAS 0
+#endif
+#endif
+
+#ifdef HAVE_TILES
+/* The d and m vectors of a tile-block (m = -8d for Q4_0, -Q8_BIAS d or 0 for Q8_0 under int8
+   activations, 0 for Q8_0 under fp32 ones). */
+static inline void tile_scales(int qtype, const uint8_t *tb, int qb, float q8_bias, vf *d, vf *m) {
+    *d = vf_half(tb + qb * TR);
+    if (qtype == Q4_1) *m = vf_half(tb + qb * TR + 2 * TR);
+    else *m = vf_mul(*d, vf_set1(qtype == Q4_0 ? -8.0f : -q8_bias));
+}
+
+/* The 16 outputs of tile t (its first `valid` lanes) of M rows into y. */
+static inline void store_tile(const vf *acc, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t valid) {
+    for (int64_t m = 0; m < M; m++) {
+        if (valid == TR) {
+            vf_store(y + m * ldy + n0, acc[m]);
+        } else {
+            float tmp[TR];
+            vf_store(tmp, acc[m]);
+            memcpy(y + m * ldy + n0, tmp, sizeof(float) * (size_t)valid);
+        }
+    }
+}
+
+/* ---- int8 activations */
+static void quantize_rows_q8(const float *x, int64_t M, int64_t ldx, int64_t K, int8_t *qa, float *da, float *sa) {
+    const int64_t blocks = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + m * ldx + b * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = qa + m * K + b * 32;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                q[j] = (int8_t)lrintf(xb[j] * id);
+                sum += q[j];
+            }
+            da[m * blocks + b] = amax / 127.0f;
+            sa[m * blocks + b] = amax / 127.0f * (float)sum;
+        }
+}
+
+static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, const int8_t *qa,
+                     const float *da, const float *sa, int64_t M, int64_t K, float *y, int64_t ldy, int64_t N,
+                     int64_t t) {
+    vf accd[MAX_M], accm[MAX_M];
+    for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
+    const vi nibble = vi_set8(0xF), bias = vi_set8((int8_t)0x80);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        vf d, mn;
+        tile_scales(qtype, tb, qb, (float)Q8_BIAS, &d, &mn);
+        vi w[8];  /* w[c]: the quants that meet dword c of an activation block */
+        if (qtype == Q8_0) {
+            for (int c = 0; c < 8; c++) w[c] = Q8_BIAS ? vi_xor(vi_load(tb + 64 * c), bias) : vi_load(tb + 64 * c);
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const vi raw = vi_load(tb + 64 * c);
+                w[c] = vi_and(raw, nibble);
+                w[c + 4] = vi_and(vi_srli16(raw, 4), nibble);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *a = qa + m * K + b * 32;
+            vi i0 = vi_zero(), i1 = vi_zero();  /* two chains: the dot latency is 5 cycles */
+            for (int c = 0; c < 8; c += 2) {
+                if (qtype == Q8_0 && !Q8_BIAS) {
+                    i0 = vi_dot(i0, vi_abs8(w[c]), vi_sign(vi_bcast32(a + 4 * c), w[c]));
+                    i1 = vi_dot(i1, vi_abs8(w[c + 1]), vi_sign(vi_bcast32(a + 4 * c + 4), w[c + 1]));
+                } else {
+                    i0 = vi_dot(i0, w[c], vi_bcast32(a + 4 * c));
+                    i1 = vi_dot(i1, w[c + 1], vi_bcast32(a + 4 * c + 4));
+                }
+            }
+            accd[m] = vf_fma(vf_cvt(vi_add(i0, i1)), vf_mul(d, vf_set1(da[m * blocks + b])), accd[m]);
+            accm[m] = vf_fma(mn, vf_set1(sa[m * blocks + b]), accm[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) accd[m] = vf_add(accd[m], accm[m]);
+    store_tile(accd, M, y, ldy, t * TR, N - t * TR < TR ? N - t * TR : TR);
+}
+
+/* ---- fp32 activations */
+/* The 32 quants of a tile-block as fp32: quant k of the 16 rows in q[k]. */
+static inline void unpack_fp32(int qtype, const uint8_t *tb, vf *q) {
+    if (qtype == Q8_0) {
+        for (int c = 0; c < 8; c++) {  /* byte j of each lane, sign-extended */
+            const vi raw = vi_load(tb + 64 * c);
+            q[4 * c + 0] = vf_cvt(vi_srai32(vi_slli32(raw, 24), 24));
+            q[4 * c + 1] = vf_cvt(vi_srai32(vi_slli32(raw, 16), 24));
+            q[4 * c + 2] = vf_cvt(vi_srai32(vi_slli32(raw, 8), 24));
+            q[4 * c + 3] = vf_cvt(vi_srai32(raw, 24));
+        }
+        return;
+    }
+    const vi nibble = vi_set32(0xF);
+    for (int c = 0; c < 4; c++) {  /* nibble 2j of each lane is value 4c+j, nibble 2j+1 value 16+4c+j */
+        const vi raw = vi_load(tb + 64 * c);
+        for (int j = 0; j < 4; j++) {
+            q[4 * c + j] = vf_cvt(vi_and(vi_srli32(raw, 8 * j), nibble));
+            q[16 + 4 * c + j] = vf_cvt(vi_and(vi_srli32(raw, 8 * j + 4), nibble));
+        }
+    }
+}
+
+/* xsum[m * blocks + b]: the sum of block b of x row m (for the mins). */
+static void tile_fp32(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, const float *x,
+                      int64_t ldx, const float *xsum, int64_t M, float *y, int64_t ldy, int64_t N, int64_t t) {
+    vf accd[MAX_M], accm[MAX_M], q[32];
+    for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        vf d, mn;
+        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        unpack_fp32(qtype, tb, q);
+        for (int64_t m = 0; m < M; m++) {
+            const float *xb = x + m * ldx + b * 32;
+            vf s[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};  /* four chains: FMA latency */
+            for (int k = 0; k < 32; k++) s[k % 4] = vf_fma(q[k], vf_set1(xb[k]), s[k % 4]);
+            accd[m] = vf_fma(vf_add(vf_add(s[0], s[1]), vf_add(s[2], s[3])), d, accd[m]);
+            accm[m] = vf_fma(mn, vf_set1(xsum[m * blocks + b]), accm[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) accd[m] = vf_add(accd[m], accm[m]);
+    store_tile(accd, M, y, ldy, t * TR, N - t * TR < TR ? N - t * TR : TR);
+}
+
+/* out [K, 16 * count] (row stride ldo) = W^T for tiles [first, first + count): the prefill GEMM
+   reads it as x @ out. Rows past N come out 0. */
+static void tile_dequant_t_one(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, int64_t t,
+                               float *out, int64_t ldo) {
+    vf q[32];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        vf d, mn;
+        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        unpack_fp32(qtype, tb, q);
+        for (int k = 0; k < 32; k++) vf_store(out + (b * 32 + k) * ldo, vf_fma(q[k], d, mn));
+    }
+}
+#endif
+
+/* 1 when this build has the tiled kernels (AVX2 + FMA + F16C, or AVX-512 BW). */
+int tile_supported(void) {
+#ifdef HAVE_TILES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[M, N] = x[M, K] @ W.T on tiles; int8_act: quantize x per block first. 0 on success; 1: not
+   tiled here; 2: M > MAX_M; 3: out of memory. */
+int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx,
+                float *y, int64_t ldy, int int8_act, int num_threads) {
+    int64_t blocks, tbb, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb);
+    if (!ntiles || !tile_supported()) return 1;
+    if (M > MAX_M) return 2;
+#ifdef HAVE_TILES
+    int bb, qb, hm;
+    tile_info(qtype, &bb, &qb, &hm);
+    if (int8_act) {
+        int8_t *qa = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + 64);
+        if (!qa) return 3;
+        float *da = (float *)(((uintptr_t)(qa + M * K) + 63) & ~(uintptr_t)63), *sa = da + M * blocks;
+        quantize_rows_q8(x, M, ldx, K, qa, da, sa);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t t = 0; t < ntiles; t++) tile_q8a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
+        free(qa);
+        return 0;
+    }
+    float *xsum = malloc(sizeof(float) * (size_t)(M * blocks));
+    if (!xsum) return 3;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += x[m * ldx + b * 32 + j];
+            xsum[m * blocks + b] = s;
+        }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < ntiles; t++) tile_fp32(qtype, qb, tiles, blocks, tbb, x, ldx, xsum, M, y, ldy, N, t);
+    free(xsum);
+    return 0;
+#else
+    (void)tiles; (void)x; (void)ldx; (void)y; (void)ldy; (void)int8_act; (void)num_threads;
+    return 1;
+#endif
+}
+
+/* out [K, ldo] columns [0, 16 * count) = (tiles [first, first + count) of W)^T as fp32. */
+int tile_dequant_t(int qtype, const uint8_t *tiles, int64_t N, int64_t K, int64_t first, int64_t count,
+                   float *out, int64_t ldo, int num_threads) {
+    int64_t blocks, tbb, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb);
+    if (!ntiles || !tile_supported() || first < 0 || first + count > ntiles || ldo < TR * count) return 1;
+#ifdef HAVE_TILES
+    int bb, qb, hm;
+    tile_info(qtype, &bb, &qb, &hm);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < count; i++) tile_dequant_t_one(qtype, qb, tiles, blocks, tbb, first + i, out + i * TR, ldo);
+    return 0;
+#else
+    (void)tiles; (void)out; (void)num_threads;
+    return 1;
+#endif
+}
