@@ -16,7 +16,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in f
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 QUANTIZATIONS = ("auto", "gguf", "none")
-QUANT_ACTIVATIONS = ("auto", "int8", "fp32")
+QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32")
 POOLERS = ("last", "mean")
 
 
@@ -62,9 +62,10 @@ class ModelConfig:
     # gguf: GGUF weights stay in their blocks (native weight-only kernels, fp32 activations);
     # none: dequantized to `dtype` at load; auto: gguf for a GGUF model on CPU, else none.
     quantization: str = "auto"
-    # The activations of decode-sized calls on Q8_0/Q4_0/Q4_1 blocks kept quantized: int8 per
-    # 32 values (llama.cpp's approach, integer dot products) or fp32 (weight-only: equal to the
-    # dequantized model up to rounding). auto: int8. Prefill multiplies fp32 either way.
+    # The activations of decode-sized calls on Q8_0/Q4_0/Q4_1 blocks kept quantized: rounded per
+    # 32 values to int16 (integer dot products, ~1e-5 relative error) or int8 (llama.cpp's
+    # approach: faster, ~0.6 % error per matmul), or fp32 (weight-only: equal to the dequantized
+    # model up to rounding). auto: int16. Prefill multiplies fp32 either way.
     quant_activations: str = "auto"
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
@@ -363,9 +364,10 @@ class EngineArgs:
     quantization: str = _arg("auto", "gguf: GGUF weights stay quantized (native kernels); none: "
                                      "dequantize to --dtype; auto: gguf for GGUF models on CPU",
                              choices=QUANTIZATIONS)
-    quant_activations: str = _arg("auto", "activations of decode steps on Q8_0/Q4_0/Q4_1 blocks: int8 per "
-                                          "32 values (llama.cpp's approach, faster) or fp32 (weight-only); "
-                                          "auto: int8", choices=QUANT_ACTIVATIONS)
+    quant_activations: str = _arg("auto", "activations of decode steps on Q8_0/Q4_0/Q4_1 blocks, rounded "
+                                          "per 32 values: int16 (~1e-5 error), int8 (llama.cpp's approach: "
+                                          "faster, ~0.6%% error a matmul), or fp32 (weight-only); auto: "
+                                          "int16", choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks")
     pooler: str = _arg("last", "how /v1/embeddings pools the final hidden states (then L2-normalised)",

@@ -35,9 +35,10 @@ def test_custom_ops_pass_opcheck():
                                               qtype))
     tiles = load_quant_kernels().repack_tiles(int(qtype), w, 64)
     for rows in (3, QUANT_GEMV_MAX_ROWS + 2):  # the block kernel, then dequantize + GEMM
-        torch.library.opcheck(native_ops.quant_matmul, (torch.randn(rows, 64), w, int(qtype), 64, 40, False, False))
-        for int8 in (False, True):  # 16-row tiles, fp32 or int8 activations
-            torch.library.opcheck(native_ops.quant_matmul, (torch.randn(rows, 64), tiles, int(qtype), 64, 40, True, int8))
+        torch.library.opcheck(native_ops.quant_matmul, (torch.randn(rows, 64), w, int(qtype), 64, 40, False, "fp32"))
+        for activations in ("fp32", "int16", "int8"):  # 16-row tiles
+            torch.library.opcheck(native_ops.quant_matmul,
+                                  (torch.randn(rows, 64), tiles, int(qtype), 64, 40, True, activations))
     for weight, tiled in ((w, False), (tiles, True)):
         torch.library.opcheck(native_ops.dequant_rows, (weight, int(qtype), 64, 40, tiled, torch.tensor([3, 0, 39])))
 

@@ -61,20 +61,21 @@ def test_kernel_equals_dequantize_then_matmul(qtype, cap):
 TILE_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 
 
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the int8-activation kernel sees it: each 32-value block rounded to multiples of
-    max|block| / 127."""
+def rounded(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x as an integer-activation kernel sees it: each 32-value block rounded to multiples of
+    max|block| / levels (127: int8, 32767: int16)."""
     blocks_ = x.reshape(x.shape[0], -1, 32)
     amax = blocks_.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return ((blocks_ * inverse).round() * (amax / 127.0)).reshape(x.shape)
+    inverse = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    return ((blocks_ * inverse).round() * (amax / levels)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("cap", ["native", "avx512", "avx2"])  # VNNI where the CPU has it; vpmaddubsw
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
     """16-row tiles (a partial last tile too): repacking keeps every value; fp32 activations
-    equal dequantize-then-matmul to rounding, int8 ones equal it on x rounded as the kernel does."""
+    equal dequantize-then-matmul to rounding, int8 and int16 ones equal it on x rounded as the
+    kernel does."""
     kernels = kernels_for(cap)
     assert kernels.tiles(int(qtype)), f"no tiled kernels on {DETECTED.describe()} capped to {cap}"
     for rows, cols in ((40, 256), (7, 512), (64, 96)):
@@ -90,9 +91,10 @@ def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
         for m in (1, 5, 16, 64):
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
             scale = 1e-4 * dense.abs().max().item()
-            for int8, want in ((False, x @ dense.T), (True, int8_rounded(x) @ dense.T)):
+            for activations, want in (("fp32", x @ dense.T), ("int8", rounded(x, 127) @ dense.T),
+                                      ("int16", rounded(x, 32767) @ dense.T)):
                 out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]  # a column slice
-                kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, int8)
+                kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, activations)
                 torch.testing.assert_close(out, want, rtol=1e-4, atol=scale * x.abs().max().item())
 
 
@@ -163,27 +165,31 @@ def test_gguf_model_quantized_equals_dequantized(tmp_path, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
-def test_gguf_model_on_int8_activations_stays_close_to_dequantized(tmp_path, qtype):
-    """int8 activations (the default) round each 32-value block of x to 1/254 of its largest
-    value: the decode logits move by a fraction of a percent, and the greedy choices stay."""
+def test_gguf_model_on_integer_activations(tmp_path, qtype):
+    """int16 activations (the default) round each 32-value block of x to 1/65534 of its largest
+    value: the logits stay the weight-only model's to ~1e-4. int8 (llama.cpp's) rounds to 1/254:
+    they move by a few percent on a random model, its greedy choices stay near ties."""
     hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512)
     src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
-    int8, model = _logits(src, "gguf", "int8")
-    if not model.quant_kernels.tiles(int(Q[qtype])):
-        pytest.skip(f"no tiled kernels on this CPU ({DETECTED.describe()}): int8 activations do not apply")
-    assert all(k.int8_activations for k in (m.kernel for m in model.modules() if isinstance(m, Linear)))
     dequantized, _ = _logits(src, "none")
-    error = (int8 - dequantized).norm() / dequantized.norm()
-    assert 1e-5 < error < 3e-2, error  # not the fp32 path, and close to it (a random model: worst case)
+    default, model = _logits(src, "gguf", "auto")
+    if not model.quant_kernels.tiles(int(Q[qtype])):
+        pytest.skip(f"no tiled kernels on this CPU ({DETECTED.describe()}): integer activations do not apply")
+    assert {m.kernel.activations for m in model.modules() if isinstance(m, Linear)} == {"int16"}
+    error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
+    assert 0 < error(default) < 1e-4
+    int8, _ = _logits(src, "gguf", "int8")
+    assert 1e-4 < error(int8) < 3e-2  # not the fp32 path, and close to it (a random model: worst case)
     # Each greedy choice is the dequantized model's, or a near tie there (0.1 nats, the oracle's gap).
     chosen = dequantized.gather(1, int8.argmax(-1, keepdim=True)).squeeze(1)
     assert (dequantized.max(-1).values - chosen < 0.1).all()
 
 
-def test_quant_activations_int8_needs_gguf_blocks(tmp_path):
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_integer_activations_need_gguf_blocks(activations):
     src = resolve_model(str(cached_tiny_model("llama")))
-    with pytest.raises(ValueError, match="quant_activations 'int8' needs GGUF weights kept quantized"):
-        load_model(src, load_arch(src), torch.float32, "cpu", quantization="auto", quant_activations="int8")
+    with pytest.raises(ValueError, match=f"quant_activations '{activations}' needs GGUF weights kept quantized"):
+        load_model(src, load_arch(src), torch.float32, "cpu", quantization="auto", quant_activations=activations)
 
 
 def test_quantization_choice_and_its_errors(tmp_path):

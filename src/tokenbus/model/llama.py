@@ -11,6 +11,7 @@ o_proj, one after down_proj and one after the embedding; logits are all-gathered
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -19,16 +20,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenbus.config import ModelArch
-from tokenbus.model.attention import Plan, paged_attention
+from tokenbus.model.attention import AttentionPlan, Plan, paged_attention
 from tokenbus.model.attention_backend import AttentionBackend, TorchAttentionBackend, select_attention_backend
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenbus.model.layers.quantized import (DequantBuffer, KernelWeight, QuantizedLinearKernel, QuantizedWeight,
                                              is_quantized, kernel_weight, quantized_embedding)
-from tokenbus.model.native import PagedAttentionKernel, QuantKernels, load_quant_kernels
+from tokenbus.model.native.decode_layer import DecodeLayers, LayerWeights, LinearWeights
+from tokenbus.model.native import (QUANT_GEMV_MAX_ROWS, FusedOps, NativeBuildError, PagedAttentionKernel, QuantKernels, load_fused_ops,
+                                   load_quant_kernels)
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
 
+logger = logging.getLogger(__name__)
 WeightLoader = Callable[[str, torch.Tensor], None]
 # Checkpoint tensors that carry no information for us (old HF checkpoints store inv_freq).
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -48,14 +52,21 @@ class LlamaAttention(nn.Module):
         # HF Llama/Mistral's attention_bias also covers o_proj; Qwen2 has q/k/v biases only.
         o_bias = arch.attention_bias and arch.architecture != "qwen2"
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
+        self.fused: FusedOps | None = None  # fp32 CPU rotary in C (set by the model's finalize)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, plan: Plan) -> torch.Tensor:
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # [T, Hq + Hkv, D], q and k rotated at once
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D], a fresh tensor
+        if self.fused is not None and not torch.compiler.is_compiling():
+            self.fused.rope_(qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1), num_qk_heads, self.head_dim)
+            qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+            q, k = qkv[:, :self.num_heads], qkv[:, self.num_heads:num_qk_heads]  # rotated in place
+        else:
+            qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # [T, Hq + Hkv, D], q and k rotated at once
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
         out = paged_attention(q, k, v, kv_cache, slot_mapping, plan, self.scale)  # [T, Hq, D]
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
@@ -71,9 +82,13 @@ class LlamaMLP(nn.Module):
         size = tp.shard_arch(arch).intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, (size, size))
         self.down_proj = Linear(size, (arch.hidden_size,))
+        self.fused: FusedOps | None = None  # fp32 CPU SiLU-and-multiply in C (set by finalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2I] -> 2 x [T, I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused is not None and gate_up.dim() == 2 and not torch.compiler.is_compiling():
+            return self.tp.all_reduce(self.down_proj(self.fused.silu_mul(gate_up)))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, 2I] -> 2 x [T, I]
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
@@ -120,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
         # A GGUF embedding kept in its blocks (then embed_tokens is released), and its kernels.
         self.embed_quantized: QuantizedWeight | KernelWeight | None = None
         self.quant_kernels: QuantKernels | None = None
+        self._activations = "fp32"  # of the tiled GGUF linears: set_quant_activations
+        self._decode_layers: DecodeLayers | None = None  # decode_layer.c (set_attention_backend)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
 
@@ -138,16 +155,38 @@ class LlamaForCausalLM(nn.Module):
                              "attention_backend before the forward")
         x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
+        step = self._native_decode_step(x, cos, sin, ctx, plan)
         residual = None
         connector = ctx.kv_connector
         for layer_idx in range(num_layers):
             if connector is not None:
                 connector.wait_for_layer_load(layer_idx)
-            x, residual = self.layers[layer_idx](x, residual, cos, sin, ctx.kv_caches[layer_idx],
-                                                 ctx.slot_mapping, plan)
+            if step is not None:  # the whole layer in one C call, x and residual updated in place
+                out = residual if residual is not None else torch.empty_like(x)
+                self._decode_layers.run(layer_idx, step, ctx.kv_caches[layer_idx], x, residual, x, out)
+                residual = out
+            else:
+                x, residual = self.layers[layer_idx](x, residual, cos, sin, ctx.kv_caches[layer_idx],
+                                                     ctx.slot_mapping, plan)
             if connector is not None:
                 connector.save_kv_layer(layer_idx, ctx.kv_caches[layer_idx])
         return self.norm.add_and_norm(x, residual)[0]
+
+    def _native_decode_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+                            plan: Plan):
+        """decode_layer.c's step arguments when this step can run layer by layer in C: a
+        decode-sized fp32 batch whose attention is all the native kernel's (eager); else None."""
+        layers = self._decode_layers
+        if (layers is None or x.shape[0] > QUANT_GEMV_MAX_ROWS or not isinstance(plan, AttentionPlan)
+                or plan.native is None or plan.decode_tiles or plan.prefills or plan.num_tokens != x.shape[0]
+                or torch.compiler.is_compiling()):
+            return None
+        kv = ctx.kv_caches[0]
+        if kv.dtype != torch.float32 or not kv.is_contiguous():
+            return None
+        native = plan.native
+        return layers.step_args(x.shape[0], cos, sin, ctx.slot_mapping, native.block_tables, native.query_start,
+                                native.seq_lens, native.reqs, kv, self._activations)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:
@@ -170,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         """Pack every linear for its device and CPU (see layers/linear.py); "dense" runs plain
         F.linear (needed before torch.compile, which cannot trace packed oneDNN weights)."""
         cpu = cpu or CpuFeatures.detect()
+        self._set_fused_ops(cpu)
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         if self.embed_quantized is not None or any(linear.quantized for linear in linears):
             self.quant_kernels = load_quant_kernels(cpu)  # GGUF blocks run on the native kernels
@@ -185,18 +225,55 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0, self.arch.hidden_size),
                                              requires_grad=False)
 
-    def set_quant_activations(self, int8: bool) -> None:
-        """int8 (True) or fp32 activations for the tiled GGUF linears' decode-sized calls
+    def _set_fused_ops(self, cpu: CpuFeatures) -> None:
+        """The norms, rotary and SiLU run fused_ops.c on CPU in fp32 (one C call each instead of
+        3-6 ATen ops: native/fused_ops.c), where it builds; torch otherwise."""
+        fused = None
+        if self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.float32:
+            try:
+                fused = load_fused_ops(cpu)
+            except NativeBuildError as exc:
+                logger.warning("fused CPU ops unavailable, torch runs them: %s", exc)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                module.fused = fused
+
+    def set_quant_activations(self, activations: str) -> None:
+        """fp32, int16 or int8 activations for the tiled GGUF linears' decode-sized calls
         (layers/quantized.py); prefill always multiplies fp32."""
+        self._activations = activations
         for module in self.modules():
             if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
-                module.kernel.int8_activations = int8
+                module.kernel.activations = activations
 
     def set_attention_backend(self, backend: str) -> None:
         """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.
         A model built without load_model runs the torch path until this is called."""
         self.attention_backend = select_attention_backend(backend, self.embed_tokens.device,
                                                           self.embed_tokens.dtype)
+        self._decode_layers = self._build_decode_layers()
+
+    def _build_decode_layers(self) -> DecodeLayers | None:
+        """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the
+        fused ops and the native attention kernel, every linear one tiled GGUF shard, no TP."""
+        kernel = self.attention_backend.kernel
+        fused = self.layers[0].input_layernorm.fused
+        if kernel is None or fused is None or self.quant_kernels is None or self.tp.enabled:
+            return None
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_tiled_linear(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if None in linears:
+                return None
+            layers.append(LayerWeights(*linears, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                       layer.input_layernorm.eps, attn.scale, attn.num_heads, attn.num_kv_heads,
+                                       attn.head_dim))
+        try:
+            return DecodeLayers(layers, self.quant_kernels, kernel, fused)
+        except NativeBuildError as exc:
+            logger.warning("decode layers in C unavailable, torch runs them: %s", exc)
+            return None
 
     @property
     def attention_kernel(self) -> PagedAttentionKernel | None:
@@ -250,6 +327,15 @@ class LlamaForCausalLM(nn.Module):
         self.embed_quantized = tensor
         if self.arch.tie_word_embeddings:  # the LM head reads the same blocks
             self.lm_head.load_shard(name, tensor)
+
+
+def _tiled_linear(linear: Linear) -> LinearWeights | None:
+    """A linear as decode_layer.c runs it (one tiled GGUF shard), or None."""
+    kernel = linear.kernel
+    if not isinstance(kernel, QuantizedLinearKernel) or len(kernel.shards) != 1 or not kernel.shards[0].tiled:
+        return None
+    shard = kernel.shards[0]
+    return LinearWeights(shard.qtype, shard.data, shard.rows, shard.cols, linear.bias)
 
 
 def _layer_loaders(prefix: str, layer: LlamaDecoderLayer, tp: TensorParallel,

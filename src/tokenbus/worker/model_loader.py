@@ -30,15 +30,16 @@ def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: to
     calls on int8 or fp32 activations (`quant_activations`: ModelConfig)."""
     model_class = get_model_class(arch.architecture)
     keep_quantized = resolve_quantization(quantization, src, torch.device(device), tp) == "gguf"
-    if quant_activations == "int8" and not keep_quantized:
-        raise ValueError("quant_activations 'int8' needs GGUF weights kept quantized (--quantization gguf)")
+    if quant_activations in ("int8", "int16") and not keep_quantized:
+        raise ValueError(f"quant_activations {quant_activations!r} needs GGUF weights kept quantized "
+                         f"(--quantization gguf)")
     with torch.device(device), _default_dtype(dtype):
         model = model_class(arch, tp)  # parameters allocated uninitialised, in place (never
         # written, so never resident, for weights that stay quantized)
     model.load_weights(iter_weights(src, arch, keep_quantized))  # casts to dtype on copy
     model.set_attention_backend(attention_backend)
     if keep_quantized:
-        model.set_quant_activations(quant_activations != "fp32")
+        model.set_quant_activations("int16" if quant_activations == "auto" else quant_activations)
     return model.eval()
 
 

@@ -6,19 +6,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenbus.model.native import FusedOps
+
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim (bit-equal to HF's in fp32)."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim (bit-equal to HF's in fp32 on the
+    torch path; to rounding on the fused C one)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.fused: FusedOps | None = None  # the fp32 CPU kernel (set by the model's finalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x (the running stream), then return (norm(residual), residual)."""
+        if self.fused is not None and x.dim() == 2 and not torch.compiler.is_compiling():
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x if residual is None else residual + x
         return self.forward(residual), residual

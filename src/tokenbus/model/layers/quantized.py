@@ -6,8 +6,9 @@ the K-quants, and every type on older CPUs, stay in GGUF rows (quant_matmul.c).
 A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows) runs the block kernel, which reads each weight
 block once for all rows: a Q4_1 weight streams 0.625 bytes per value instead of fp32's 4. On
 tiles its activations are fp32 (weight-only: equal to dequantize-then-matmul up to rounding) or,
-with `int8_activations`, quantized to int8 per 32 values (llama.cpp's approach: integer dot
-products, ~4x faster, ~0.5 % relative error per block). A larger batch (prefill) is
+rounded per 32 values to int16 (integer dot products, ~3x faster, ~1e-5 relative error: the
+default) or to int8 (llama.cpp's approach: ~4x faster, but ~0.6 % relative error per
+matmul, which 120 matmuls compound into greedy choices that differ from the model's). A larger batch (prefill) is
 compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
 and multiplied by an fp32 GEMM, so no dense copy is ever kept.
 """
@@ -100,7 +101,7 @@ class DequantBuffer:
 
 class QuantizedLinearKernel:
     """x[..., K] -> [..., N] over shards of GGUF blocks stacked along N (fused q/k/v may mix
-    types), plus an optional dense bias. `int8_activations` (set by the model: see
+    types), plus an optional dense bias. `activations` (fp32 | int16 | int8, set by the model:
     LlamaForCausalLM.set_quant_activations) applies to tiled shards in decode-sized calls."""
 
     def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None,
@@ -111,7 +112,7 @@ class QuantizedLinearKernel:
         self.out_features = sum(q.rows for q in self.shards)
         self.bias = bias
         self.buffer = buffer or DequantBuffer()
-        self.int8_activations = False
+        self.activations = "fp32"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -120,7 +121,7 @@ class QuantizedLinearKernel:
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
         start = 0
         for shard in self.shards:
-            shard_matmul(self.kernels, shard, flat, out[:, start:start + shard.rows], self.int8_activations,
+            shard_matmul(self.kernels, shard, flat, out[:, start:start + shard.rows], self.activations,
                          self.buffer)
             start += shard.rows
         if self.bias is not None:
@@ -131,7 +132,7 @@ class QuantizedLinearKernel:
         """The same arithmetic through custom ops that torch.compile traces (native/ops.py)."""
         flat = x.reshape(-1, self.in_features).float()  # [M, K]
         parts = [native_ops.quant_matmul(flat, shard.data, shard.qtype, shard.cols, shard.rows,
-                                         shard.tiled, self.int8_activations)
+                                         shard.tiled, self.activations)
                  for shard in self.shards]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
         if self.bias is not None:
@@ -145,14 +146,14 @@ class QuantizedLinearKernel:
 
 
 def shard_matmul(kernels: QuantKernels, shard: KernelWeight, flat: torch.Tensor,
-                 out: torch.Tensor, int8_activations: bool, buffer: DequantBuffer) -> None:
+                 out: torch.Tensor, activations: str, buffer: DequantBuffer) -> None:
     """out [M, rows] (a column slice) = flat [M, K] @ shard.T: the block kernel for a
     decode-sized M, else a GEMM per chunk of dequantized rows (of W^T, whole tiles, when tiled):
     prefill is compute-bound."""
     tiled = shard.tiled
     if flat.shape[0] <= QUANT_GEMV_MAX_ROWS:
         if tiled:
-            kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, int8_activations)
+            kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, activations)
         else:
             kernels.matmul(shard.qtype, shard.data, shard.cols, flat, out)
         return

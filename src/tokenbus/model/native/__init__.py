@@ -146,6 +146,8 @@ QUANT_GEMV_MAX_ROWS = min(16, QUANT_MAX_ROWS)
 # Rows per tile of quant_tiles.c, and the GGML types it repacks (Q8_0, Q4_0, Q4_1).
 TILE_ROWS = 16
 TILE_QTYPES = (8, 2, 3)
+# How quant_tiles.c takes the activations (its ACT_*): as they are, or rounded per 32 values.
+TILE_ACTIVATIONS = {"fp32": 0, "int8": 1, "int16": 2}
 
 
 @dataclass(frozen=True)
@@ -174,13 +176,13 @@ class QuantKernels:
         return out
 
     def tile_matmul(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int, x: torch.Tensor,
-                    out: torch.Tensor, int8_activations: bool) -> None:
-        """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); int8_activations
-        quantizes x per 32-value block first (quant_tiles.c)."""
+                    out: torch.Tensor, activations: str) -> None:
+        """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); `activations`
+        (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (quant_tiles.c)."""
         assert tiles.dtype == torch.uint8 and tiles.is_contiguous() and x.dtype == out.dtype == torch.float32
         assert x.stride(1) == 1 and out.stride(1) == 1 and x.shape[0] <= QUANT_MAX_ROWS
         status = self.tile_fns["matmul"](qtype, tiles.data_ptr(), num_rows, num_cols, x.data_ptr(), x.shape[0],
-                                         x.stride(0), out.data_ptr(), out.stride(0), int(int8_activations),
+                                         x.stride(0), out.data_ptr(), out.stride(0), TILE_ACTIVATIONS[activations],
                                          torch.get_num_threads())
         if status != 0:
             raise ValueError(f"tile_matmul: GGML type {qtype} with {num_cols} columns is not supported")
@@ -263,3 +265,59 @@ def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | Non
     fns["dequant_rows"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
     fns["dequant_t"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int]
     return fns
+
+
+_FUSED_SOURCE = Path(__file__).with_name("fused_ops.c")
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """fp32 CPU elementwise steps of a decoder layer in one C call each (fused_ops.c)."""
+
+    add_rms_norm_fn: ctypes._CFuncPtr
+    rope_fn: ctypes._CFuncPtr
+    silu_mul_fn: ctypes._CFuncPtr
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual) * weight, x + residual) for x [T, H] (residual None: x alone)."""
+        assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+        assert residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1)
+        num_tokens, hidden = x.shape
+        residual_out, out = torch.empty(num_tokens, hidden), torch.empty(num_tokens, hidden)
+        self.add_rms_norm_fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                             0 if residual is None else residual.stride(0), residual_out.data_ptr(),
+                             weight.data_ptr(), out.data_ptr(), num_tokens, hidden, ctypes.c_float(eps),
+                             torch.get_num_threads())
+        return out, residual_out
+
+    def rope_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rot_heads: int,
+              head_dim: int) -> None:
+        """Rotate (rotate-half) the first num_rot_heads heads of each row of qkv [T, *] in place,
+        by cos/sin [T, head_dim / 2] (contiguous)."""
+        assert qkv.dtype == cos.dtype == sin.dtype == torch.float32 and qkv.stride(1) == 1
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == (qkv.shape[0], head_dim // 2)
+        self.rope_fn(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], cos.data_ptr(), sin.data_ptr(), num_rot_heads,
+                     head_dim, torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2I] (contiguous) -> [T, I]."""
+        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
+        num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(num_tokens, size)
+        self.silu_mul_fn(gate_up.data_ptr(), num_tokens, size, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
+    """Build (or find in the cache) and load fused_ops.c; NativeBuildError says why not."""
+    try:
+        lib = ctypes.CDLL(str(build_shared_object(_FUSED_SOURCE, cpu)))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {_FUSED_SOURCE.stem}: {exc}") from exc
+    norm, rope, silu = lib.add_rms_norm, lib.rope_inplace, lib.silu_mul
+    norm.restype = rope.restype = silu.restype = None
+    norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]
+    rope.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
+    silu.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
+    return FusedOps(norm, rope, silu)

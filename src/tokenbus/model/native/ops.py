@@ -81,19 +81,19 @@ def _(q, kv_cache, block_tables, query_start, seq_lens, reqs, scale):
 
 @torch.library.custom_op("tokenbus::quant_matmul", mutates_args=(), device_types="cpu")
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int, cols: int, rows: int, tiled: bool,
-                 int8_activations: bool) -> torch.Tensor:
+                 activations: str) -> torch.Tensor:
     """x [M, cols] fp32 @ W.T -> [M, rows] fp32, W of GGML type `qtype` in GGUF rows (uint8
     [rows, row_bytes]) or `tiled` (layers/quantized.KernelWeight): layers/quantized.shard_matmul."""
     from tokenbus.model.layers.quantized import DequantBuffer, KernelWeight, shard_matmul
 
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     shard_matmul(_quant_kernels(), KernelWeight(qtype, w, cols, rows, tiled), x.contiguous(), out,
-                 int8_activations, DequantBuffer())
+                 activations, DequantBuffer())
     return out
 
 
 @quant_matmul.register_fake
-def _(x, w, qtype, cols, rows, tiled, int8_activations):
+def _(x, w, qtype, cols, rows, tiled, activations):
     return x.new_empty(x.shape[0], rows, dtype=torch.float32)
 
 

@@ -41,6 +41,7 @@
 #define MAX_M 64   /* activation rows per call (QUANT_MAX_ROWS) */
 
 enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 };  /* GGMLQuantizationType */
+enum { ACT_FP32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };  /* how tile_matmul takes x */
 
 /* Bytes of one GGUF block, of its quants, and whether it carries a min. 0 if not tiled. */
 static int tile_info(int qtype, int *block_bytes, int *quant_bytes, int *has_min) {
@@ -156,6 +157,16 @@ static inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
 static inline vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_srli16(vi a, int s) { return _mm512_srli_epi16(a, s); }
+static inline vi vi_slli16(vi a, int s) { return _mm512_slli_epi16(a, s); }
+static inline vi vi_srai16(vi a, int s) { return _mm512_srai_epi16(a, s); }
+/* acc + per lane: the sum of its two int16 x int16 products. */
+static inline vi vi_dot16(vi acc, vi w, vi a) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, a);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a));
+#endif
+}
 static inline vi vi_srli32(vi a, int s) { return _mm512_srli_epi32(a, s); }
 static inline vi vi_slli32(vi a, int s) { return _mm512_slli_epi32(a, s); }
 static inline vi vi_srai32(vi a, int s) { return _mm512_srai_epi32(a, s); }
@@ -211,6 +222,8 @@ VI_BIN(vi_add, _mm256_add_epi32)
 VI_BIN(vi_sign, _mm256_sign_epi8)
 #define VI_SHIFT(name, op) static inline vi name(vi x, int s) { vi r = {op(x.a, s), op(x.b, s)}; return r; }
 VI_SHIFT(vi_srli16, _mm256_srli_epi16)
+VI_SHIFT(vi_slli16, _mm256_slli_epi16)
+VI_SHIFT(vi_srai16, _mm256_srai_epi16)
 VI_SHIFT(vi_srli32, _mm256_srli_epi32)
 VI_SHIFT(vi_slli32, _mm256_slli_epi32)
 VI_SHIFT(vi_srai32, _mm256_srai_epi32)
@@ -228,6 +241,14 @@ static inline __m256i dot8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 static inline vi vi_dot(vi acc, vi u, vi s) { vi r = {dot8(acc.a, u.a, s.a), dot8(acc.b, u.b, s.b)}; return r; }
+static inline __m256i dot16(__m256i acc, __m256i w, __m256i a) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, w, a);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a));
+#endif
+}
+static inline vi vi_dot16(vi acc, vi w, vi a) { vi r = {dot16(acc.a, w.a, a.a), dot16(acc.b, w.b, a.b)}; return r; }
 static inline vi vi_abs8(vi w) { vi r = {_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)}; return r; }
 static inline vf vf_cvt(vi x) { vf r = {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; return r; }
 static inline vf vf_zero(void) { vf r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
@@ -337,6 +358,75 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
     store_tile(accd, M, y, ldy, t * TR, N - t * TR < TR ? N - t * TR : TR);
 }
 
+/* ---- int16 activations
+   As int8, with x rounded to int16 per 32-value block (da = max|x| / 32767: 258x finer, so the
+   result is the fp32 one to ~1e-5) and int16 x int16 pair products (vpdpwssd on VNNI, vpmaddwd
+   otherwise): twice the int8 kernel's dot instructions, no saturation anywhere (a lane sums 32
+   products of |qa| <= 32767 and |q| <= 128: < 2^31), no bias on Q8_0.
+   A lane's 4 bytes are values k..k+3; as int16 pairs they are (k, k+2) and (k+1, k+3), so each
+   group of 4 activations is stored (a0, a2, a1, a3): the two pairs are two broadcast dwords. */
+static void quantize_rows_q16(const float *x, int64_t M, int64_t ldx, int64_t K, int16_t *qa, float *da, float *sa) {
+    const int64_t blocks = K / 32;
+    static const int order[4] = {0, 2, 1, 3};
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + m * ldx + b * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            int16_t *q = qa + m * K + b * 32;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                const int v = (int)lrintf(xb[j] * id);
+                q[(j & ~3) + order[j & 3]] = (int16_t)v;
+                sum += v;
+            }
+            da[m * blocks + b] = amax / 32767.0f;
+            sa[m * blocks + b] = amax / 32767.0f * (float)sum;
+        }
+}
+
+static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, const int16_t *qa,
+                      const float *da, const float *sa, int64_t M, int64_t K, float *y, int64_t ldy, int64_t N,
+                      int64_t t) {
+    vf accd[MAX_M], accm[MAX_M];
+    for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
+    const vi low4 = vi_set32(0x000F000F);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        vf d, mn;
+        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        vi w[16];  /* w[2p], w[2p + 1]: int16 pairs (k, k+2), (k+1, k+3) of activation group p */
+        if (qtype == Q8_0) {
+            for (int c = 0; c < 8; c++) {
+                const vi raw = vi_load(tb + 64 * c);
+                w[2 * c] = vi_srai16(vi_slli16(raw, 8), 8);
+                w[2 * c + 1] = vi_srai16(raw, 8);
+            }
+        } else {  /* groups 0-3: low nibbles of chunks 0-3; groups 4-7: their high nibbles */
+            for (int c = 0; c < 4; c++) {
+                const vi raw = vi_load(tb + 64 * c);
+                w[2 * c] = vi_and(raw, low4);
+                w[2 * c + 1] = vi_and(vi_srli16(raw, 8), low4);
+                w[8 + 2 * c] = vi_and(vi_srli16(raw, 4), low4);
+                w[8 + 2 * c + 1] = vi_srli16(raw, 12);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *a = (const int8_t *)(qa + m * K + b * 32);
+            vi i0 = vi_zero(), i1 = vi_zero();
+            for (int p = 0; p < 16; p += 2) {
+                i0 = vi_dot16(i0, w[p], vi_bcast32(a + 4 * p));
+                i1 = vi_dot16(i1, w[p + 1], vi_bcast32(a + 4 * p + 4));
+            }
+            accd[m] = vf_fma(vf_cvt(vi_add(i0, i1)), vf_mul(d, vf_set1(da[m * blocks + b])), accd[m]);
+            accm[m] = vf_fma(mn, vf_set1(sa[m * blocks + b]), accm[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) accd[m] = vf_add(accd[m], accm[m]);
+    store_tile(accd, M, y, ldy, t * TR, N - t * TR < TR ? N - t * TR : TR);
+}
+
 /* ---- fp32 activations */
 /* The 32 quants of a tile-block as fp32: quant k of the 16 rows in q[k]. */
 static inline void unpack_fp32(int qtype, const uint8_t *tb, vf *q) {
@@ -406,17 +496,29 @@ int tile_supported(void) {
 #endif
 }
 
-/* y[M, N] = x[M, K] @ W.T on tiles; int8_act: quantize x per block first. 0 on success; 1: not
-   tiled here; 2: M > MAX_M; 3: out of memory. */
+/* y[M, N] = x[M, K] @ W.T on tiles, x as fp32, or quantized per block to int8 or int16 first
+   (act: ACT_*). 0 on success; 1: not tiled here (or an unknown act); 2: M > MAX_M; 3: out of
+   memory. */
 int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx,
-                float *y, int64_t ldy, int int8_act, int num_threads) {
+                float *y, int64_t ldy, int act, int num_threads) {
+    if (act != ACT_FP32 && act != ACT_INT8 && act != ACT_INT16) return 1;
     int64_t blocks, tbb, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb);
     if (!ntiles || !tile_supported()) return 1;
     if (M > MAX_M) return 2;
 #ifdef HAVE_TILES
     int bb, qb, hm;
     tile_info(qtype, &bb, &qb, &hm);
-    if (int8_act) {
+    if (act == ACT_INT16) {
+        int16_t *qa = malloc(sizeof(int16_t) * (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + 64);
+        if (!qa) return 3;
+        float *da = (float *)(((uintptr_t)(qa + M * K) + 63) & ~(uintptr_t)63), *sa = da + M * blocks;
+        quantize_rows_q16(x, M, ldx, K, qa, da, sa);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t t = 0; t < ntiles; t++) tile_q16a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
+        free(qa);
+        return 0;
+    }
+    if (act == ACT_INT8) {
         int8_t *qa = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + 64);
         if (!qa) return 3;
         float *da = (float *)(((uintptr_t)(qa + M * K) + 63) & ~(uintptr_t)63), *sa = da + M * blocks;
@@ -439,7 +541,7 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
     free(xsum);
     return 0;
 #else
-    (void)tiles; (void)x; (void)ldx; (void)y; (void)ldy; (void)int8_act; (void)num_threads;
+    (void)tiles; (void)x; (void)ldx; (void)y; (void)ldy; (void)num_threads;
     return 1;
 #endif
 }

@@ -1,0 +1,111 @@
+/* One Llama decoder layer of a decode-sized step in one C call (tokenbus, model/native).
+
+   At one stream a layer's arithmetic takes ~150 us and the ~40 torch ops and ctypes calls
+   around it took another ~130 us of dispatch. Here the layer is the same kernels in sequence,
+   called through function pointers to the other native objects (quant_tiles.c,
+   paged_attention.c, fused_ops.c), with no Python in between:
+
+     h, residual = add_rms_norm(x, residual) * input_norm
+     qkv         = h @ Wqkv.T (+ bias)                  tiled Q8_0/Q4_0/Q4_1; x fp32, int16 or int8
+     q, k        rotated in place (rotate-half)
+     K, V        written to the cache at the step's slots
+     attn        = paged attention of q over the cache (each request's rows)
+     o           = attn @ Wo.T (+ bias)
+     h, residual = add_rms_norm(o, residual) * post_norm
+     x_out       = silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T
+
+   Exactly what LlamaDecoderLayer.forward computes on the same kernels (the eager path with
+   the native attention backend): the same results, bit for bit. The caller checks the
+   preconditions (fp32, one tiled shard per linear, only the native attention in the plan).
+   x_out may alias x, residual_out may alias residual (both are read before they are written,
+   element by element). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, float *,
+                              int64_t, int, int);
+typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t,
+                            float, void *, int64_t, int, int);
+typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t,
+                        int64_t, float, int);
+typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int);
+typedef void (*silu_fn)(const float *, int64_t, int64_t, float *, int);
+
+typedef struct {
+    tile_matmul_fn matmul;
+    attention_fn attention;
+    norm_fn add_rms_norm;
+    rope_fn rope;
+    silu_fn silu_mul;
+} kernels;
+
+typedef struct {
+    int64_t qtype;
+    const uint8_t *tiles;
+    int64_t rows, cols;
+    const float *bias;  /* NULL: none */
+} linear;
+
+typedef struct {
+    linear qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+    float eps, scale;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+} layer;
+
+typedef struct {
+    int64_t num_tokens;
+    const float *cos, *sin;  /* [T, D / 2] */
+    const int64_t *slots;    /* [T] */
+    const int64_t *block_tables;
+    int64_t table_stride;
+    const int64_t *query_start, *seq_lens, *reqs;
+    int64_t num_reqs, num_blocks, block_size, activations, num_threads;  /* activations: ACT_* */
+} step;
+
+static int run_linear(const kernels *k, const linear *l, const float *x, int64_t T, float *y, const step *s) {
+    const int status = k->matmul((int)l->qtype, l->tiles, l->rows, l->cols, x, T, l->cols, y, l->rows,
+                                 (int)s->activations, (int)s->num_threads);
+    if (status || !l->bias) return status;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < l->rows; n++) y[t * l->rows + n] += l->bias[n];
+    return 0;
+}
+
+/* 0 on success; a kernel's status otherwise (3: out of memory). */
+int decode_layer(const kernels *k, const layer *w, const step *s, float *kv_cache, const float *x,
+                 const float *residual, float *x_out, float *residual_out) {
+    const int64_t T = s->num_tokens, H = w->hidden, D = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads;
+    const int64_t qkv_n = (hq + 2 * hkv) * D, I = w->intermediate;
+    const int threads = (int)s->num_threads;
+    float *buf = malloc(sizeof(float) * (size_t)(T * (H + qkv_n + hq * D + H + 3 * I)));
+    if (!buf) return 3;
+    float *h = buf, *qkv = h + T * H, *attn = qkv + T * qkv_n, *o = attn + T * hq * D, *gate_up = o + T * H,
+          *act = gate_up + T * 2 * I;
+    int status;
+    k->add_rms_norm(x, H, residual, H, residual_out, w->input_norm, h, T, H, w->eps, threads);
+    if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
+    k->rope(qkv, qkv_n, T, s->cos, s->sin, hq + hkv, D, threads);
+    const int64_t token_values = hkv * D, v_offset = s->num_blocks * s->block_size * token_values;
+    for (int64_t t = 0; t < T; t++) {  /* K and V of token t to its slot: [2, NB * bs, Hkv, D] */
+        float *slot = kv_cache + s->slots[t] * token_values;
+        memcpy(slot, qkv + t * qkv_n + hq * D, sizeof(float) * (size_t)token_values);
+        memcpy(slot + v_offset, qkv + t * qkv_n + (hq + hkv) * D, sizeof(float) * (size_t)token_values);
+    }
+    memset(attn, 0, sizeof(float) * (size_t)(T * hq * D));
+    if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, s->block_tables,
+                               s->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale, attn,
+                               hq * D, 0, threads)))
+        goto done;
+    if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
+    k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);
+    if ((status = run_linear(k, &w->gate_up, h, T, gate_up, s))) goto done;
+    k->silu_mul(gate_up, T, I, act, threads);
+    status = run_linear(k, &w->down, act, T, x_out, s);
+done:
+    free(buf);
+    return status;
+}

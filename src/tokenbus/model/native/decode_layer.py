@@ -1,0 +1,127 @@
+"""A whole Llama decoder layer of a decode-sized step in one C call (decode_layer.c).
+
+The structs mirror decode_layer.c field for field. `DecodeLayers` holds one `layer` struct per
+decoder layer (pointers into the model's own tensors: the model must outlive it) and runs a
+step over them; `step_args` packs what a step shares (rotary rows, slots, the attention batch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenbus.model.native import (TILE_ACTIVATIONS, FusedOps, NativeBuildError, PagedAttentionKernel,
+                                   QuantKernels, build_shared_object)
+from tokenbus.utils.cpu import CpuFeatures
+
+_SOURCE = Path(__file__).with_name("decode_layer.c")
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("matmul", _PTR), ("attention", _PTR), ("add_rms_norm", _PTR), ("rope", _PTR), ("silu_mul", _PTR)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("qtype", _I64), ("tiles", _PTR), ("rows", _I64), ("cols", _I64), ("bias", _PTR)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _PTR), ("post_norm", _PTR), ("eps", _F32), ("scale", _F32),
+                ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _I64), ("cos", _PTR), ("sin", _PTR), ("slots", _PTR), ("block_tables", _PTR),
+                ("table_stride", _I64), ("query_start", _PTR), ("seq_lens", _PTR), ("reqs", _PTR),
+                ("num_reqs", _I64), ("num_blocks", _I64), ("block_size", _I64), ("activations", _I64),
+                ("num_threads", _I64)]
+
+
+def _address(fn: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@dataclass(frozen=True)
+class LinearWeights:
+    """One linear as decode_layer.c reads it: a single tiled shard, an optional fp32 bias."""
+
+    qtype: int
+    tiles: torch.Tensor
+    rows: int
+    cols: int
+    bias: torch.Tensor | None
+
+    def struct(self) -> _Linear:
+        return _Linear(self.qtype, self.tiles.data_ptr(), self.rows, self.cols,
+                       None if self.bias is None else self.bias.data_ptr())
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    qkv: LinearWeights
+    o: LinearWeights
+    gate_up: LinearWeights
+    down: LinearWeights
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    scale: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def struct(self) -> _Layer:
+        return _Layer(self.qkv.struct(), self.o.struct(), self.gate_up.struct(), self.down.struct(),
+                      self.input_norm.data_ptr(), self.post_norm.data_ptr(), self.eps, self.scale,
+                      self.input_norm.numel(), self.num_heads, self.num_kv_heads, self.head_dim,
+                      self.down.cols)
+
+
+class DecodeLayers:
+    """The model's decoder layers as decode_layer.c structs, and the call that runs one."""
+
+    def __init__(self, layers: list[LayerWeights], quant: QuantKernels, attention: PagedAttentionKernel,
+                 fused: FusedOps, cpu: CpuFeatures | None = None) -> None:
+        try:
+            lib = ctypes.CDLL(str(build_shared_object(_SOURCE, cpu)))
+        except OSError as exc:
+            raise NativeBuildError(f"cannot load {_SOURCE.stem}: {exc}") from exc
+        self._fn = lib.decode_layer
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR]
+        self._kernels = _Kernels(_address(quant.tile_fns["matmul"]), _address(attention.fn),
+                                 _address(fused.add_rms_norm_fn), _address(fused.rope_fn),
+                                 _address(fused.silu_mul_fn))
+        self._weights = layers  # keeps every tensor the structs point into alive
+        self._layers = [layer.struct() for layer in layers]
+        self._kernels_ref = ctypes.byref(self._kernels)
+        self._layer_refs = [ctypes.byref(layer) for layer in self._layers]
+        self.hidden = layers[0].input_norm.numel()
+
+    def step_args(self, num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  block_tables: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+                  reqs: torch.Tensor, kv_cache: torch.Tensor, activations: str) -> _Step:
+        """What every layer of this step shares. The tensors must live until the step ends
+        (the caller's context holds them); cos/sin [T, 1, D/2] contiguous fp32; the index
+        tensors int64, contiguous (as the attention plan checked them)."""
+        assert cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous() and slots.dtype == torch.int64
+        _, num_blocks, block_size, _, _ = kv_cache.shape
+        return _Step(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                     block_tables.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(),
+                     reqs.numel(), num_blocks, block_size, TILE_ACTIVATIONS[activations], torch.get_num_threads())
+
+    def run(self, index: int, step: _Step, kv_cache: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+            x_out: torch.Tensor, residual_out: torch.Tensor) -> None:
+        """Layer `index` on x [T, hidden] (fp32, contiguous): x_out = its MLP output, residual_out
+        = the residual stream after its attention (x_out may be x, residual_out residual)."""
+        status = self._fn(self._kernels_ref, self._layer_refs[index], ctypes.byref(step), kv_cache.data_ptr(),
+                          x.data_ptr(), None if residual is None else residual.data_ptr(), x_out.data_ptr(),
+                          residual_out.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"decode_layer: a kernel failed with status {status}")

@@ -1,0 +1,62 @@
+/* The elementwise steps of a decoder layer in fp32, one C call each (tokenbus, model/native).
+
+   At decode sizes (a few rows of 576 values) torch spends more time dispatching than computing:
+   F.rms_norm alone is six ATen ops (~8 us a call at one row), the rotate-half rotary five, SiLU
+   times up three. Each of these is one loop here. Built like the other kernels (-O3
+   -march=<cpu> -ffast-math): the sums are reordered, so results match torch to rounding, not bit
+   for bit. Rows are independent; OpenMP splits them when there are enough (prefill).
+
+   add_rms_norm:  residual_out = x + residual (or x), out = residual_out / rms * weight
+   rope_inplace:  rotate-half rotary (HF Llama) of the first `num_rot_heads` heads of each row
+                  of qkv, in place, by row t of cos / sin [T, head_dim / 2]
+   silu_mul:      out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]
+*/
+
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN_VALUES 65536  /* below this, one thread: the fork/join costs more */
+
+void add_rms_norm(const float *x, int64_t ldx, const float *residual, int64_t ldr, float *residual_out,
+                  const float *weight, float *out, int64_t T, int64_t H, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H >= PARALLEL_MIN_VALUES)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * ldx;
+        float *r = residual_out + t * H, *o = out + t * H;
+        float ss = 0.0f;
+        if (residual) {
+            const float *rr = residual + t * ldr;
+            for (int64_t i = 0; i < H; i++) { r[i] = xr[i] + rr[i]; ss += r[i] * r[i]; }
+        } else {
+            for (int64_t i = 0; i < H; i++) { r[i] = xr[i]; ss += r[i] * r[i]; }
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) o[i] = r[i] * inv * weight[i];
+    }
+}
+
+void rope_inplace(float *qkv, int64_t ld, int64_t T, const float *cos, const float *sin, int64_t num_rot_heads,
+                  int64_t head_dim, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * num_rot_heads * head_dim >= PARALLEL_MIN_VALUES)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < num_rot_heads; h++) {
+            float *x1 = qkv + t * ld + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I >= PARALLEL_MIN_VALUES)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
