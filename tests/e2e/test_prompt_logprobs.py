@@ -39,7 +39,10 @@ def assert_matches_hf(entries, prompt, reference, top_n: int) -> None:
         entry, row = entries[position], reference[position - 1]
         token = prompt[position]
         assert math.isclose(entry[token].logprob, row[token].item(), abs_tol=1e-3), position
-        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        # The rank among 49152 values: exact up to values within rounding of the token's (our
+        # kernels sum in another order than HF's, and a random model has many near ties).
+        value = row[token].item()
+        assert int((row > value + 1e-4).sum()) + 1 <= entry[token].rank <= int((row > value - 1e-4).sum()) + 1
         top = row.topk(top_n)
         for token_id, value in zip(top.indices.tolist(), top.values.tolist()):
             assert math.isclose(entry[token_id].logprob, value, abs_tol=1e-3)

@@ -1,0 +1,99 @@
+"""The fused CPU ops (fused_ops.c) against torch, and a whole decoder layer in C
+(decode_layer.c) against the layer-by-layer path on the same kernels: bit for bit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.fixtures.paged import PagedKV
+from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tokenbus.loader import load_arch, resolve_model
+from tokenbus.model.layers.rotary import apply_rotary
+from tokenbus.model.native import load_fused_ops
+from tokenbus.utils.cpu import CpuFeatures
+from tokenbus.worker.model_loader import load_model
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+                                reason="no C compiler: the native kernels cannot be built here")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 576: OpenMP splits the rows
+def test_fused_ops_equal_torch(rows):
+    ops = load_fused_ops()
+    g = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
+    weight = torch.randn(576, generator=g)
+    for res in (None, residual):
+        out, res_out = ops.add_rms_norm(x, res, weight, 1e-5)
+        want_res = x if res is None else x + res
+        torch.testing.assert_close(res_out, want_res)
+        torch.testing.assert_close(out, F.rms_norm(want_res, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    qkv = torch.randn(rows, 15 * 64, generator=g)  # 9 q + 3 k heads rotated, 3 v heads left alone
+    angles = torch.rand(rows, 1, 32, generator=g) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    want = qkv.view(rows, 15, 64).clone()
+    want[:, :12] = apply_rotary(want[:, :12], cos, sin)
+    ops.rope_(qkv, cos.view(rows, 32), sin.view(rows, 32), 12, 64)
+    torch.testing.assert_close(qkv.view(rows, 15, 64), want, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(rows, 2 * 1536, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def _model(tmp_path, arch: str, qtype: str, **kwargs):
+    overrides = dict(hidden_size=256, intermediate_size=512)
+    path = write_gguf(cached_tiny_model(arch, **overrides), tmp_path / f"{arch}.gguf", qtype, with_tokenizer=False)
+    src = resolve_model(str(path))
+    return load_model(src, load_arch(src), kwargs.pop("dtype", torch.float32), "cpu", **kwargs)
+
+
+def _steps(model, use_c: bool) -> list[torch.Tensor]:
+    """Logits of a few steps: a prefill, decodes of two requests, a mixed step."""
+    saved = model._decode_layers
+    if not use_c:
+        model._decode_layers = None
+    try:
+        kv = PagedKV.for_model(model)
+        batches = [[("a", [5, 6, 7, 8, 9, 10])], [("a", [11])], [("a", [12]), ("b", [3, 4, 5])],
+                   [("a", [13]), ("b", [6])], [("b", [7]), ("a", [14])]]
+        out = []
+        for batch in batches:
+            input_ids, ctx = kv.step(batch)
+            with torch.inference_mode():
+                out.append(model.compute_logits(model(input_ids, ctx)))
+        return out
+    finally:
+        model._decode_layers = saved
+
+
+@pytest.mark.parametrize("arch, qtype, activations", [("llama", "Q4_1", "auto"), ("llama", "Q8_0", "int8"),
+                                                      ("qwen2", "Q4_0", "fp32")])  # qwen2: q/k/v biases
+def test_decoder_layer_in_c_equals_the_layer_by_layer_path(tmp_path, arch, qtype, activations):
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    model = _model(tmp_path, arch, qtype, quantization="gguf", quant_activations=activations)
+    layers = model._decode_layers
+    assert layers is not None
+    calls = []
+    run = layers.run
+    layers.run = lambda *args: (calls.append(args[0]), run(*args))
+    for got, want in zip(_steps(model, True), _steps(model, False)):
+        assert torch.equal(got, want)
+    assert len(calls) == 5 * model.num_layers  # every step ran in C (all fit the native kernel)
+
+
+@pytest.mark.parametrize("case", ["dequantized", "k-quant", "bf16"])
+def test_decoder_layer_in_c_only_where_it_applies(tmp_path, case):
+    """Dense weights, K-quant blocks (not tiled) and bf16 run layer by layer, as before."""
+    if case == "dequantized":
+        model = _model(tmp_path, "llama", "Q4_1", quantization="none")
+    elif case == "k-quant":
+        model = _model(tmp_path, "llama", "Q4_K", quantization="gguf")
+    else:
+        model = _model(tmp_path, "llama", "Q4_1", quantization="gguf", dtype=torch.bfloat16)
+    assert model._decode_layers is None
