@@ -11,7 +11,7 @@ import torch
 
 from tests.model.test_native_attention import make_batch
 from tokenbus.model.attention import build_attention_plan, paged_attention
-from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, load_paged_attention, load_quant_kernels
+from tokenbus.model.native import TILE_GEMV_MAX_ROWS, load_paged_attention, load_quant_kernels
 from tokenbus.model.native import ops as native_ops
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
@@ -34,7 +34,7 @@ def test_custom_ops_pass_opcheck():
     w = torch.from_numpy(gguf.quants.quantize(np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32),
                                               qtype))
     tiles = load_quant_kernels().repack_tiles(int(qtype), w, 64)
-    for rows in (3, QUANT_GEMV_MAX_ROWS + 2):  # the block kernel, then dequantize + GEMM
+    for rows in (3, TILE_GEMV_MAX_ROWS + 2):  # the block kernels, then dequantize + GEMM
         torch.library.opcheck(native_ops.quant_matmul, (torch.randn(rows, 64), w, int(qtype), 64, 40, False, "fp32"))
         for activations in ("fp32", "int16", "int8"):  # 16-row tiles
             torch.library.opcheck(native_ops.quant_matmul,

@@ -16,7 +16,7 @@ from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks,
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
 from tokenbus.model.layers import Linear
-from tokenbus.model.layers.quantized import QUANT_GEMV_MAX_ROWS, QuantizedLinearKernel
+from tokenbus.model.layers.quantized import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, QuantizedLinearKernel
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures, _capped
 from tokenbus.worker.model_loader import load_model, resolve_quantization
@@ -130,11 +130,12 @@ def test_fused_linear_mixes_types_and_switches_to_gemm_for_big_batches():
     linear.finalize(quant_kernels=kernels)
     assert linear.backend == "gguf" and linear.weight.numel() == 0  # no dense copy kept
     assert isinstance(linear._kernel, QuantizedLinearKernel)
-    for m in (3, QUANT_GEMV_MAX_ROWS + 5):  # the block kernel, then dequantize + GEMM
+    # The block kernels; the K-quant shard's GEMM with the tiles' kernels; every shard's GEMM.
+    for m in (3, QUANT_GEMV_MAX_ROWS + 5, TILE_GEMV_MAX_ROWS + 3):
         x = torch.randn(2, m, 256)
         torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
-    linear._kernel.buffer.MAX_VALUES = 10 * 256  # force row chunks (10 rows) across shard edges
-    x = torch.randn(QUANT_GEMV_MAX_ROWS + 1, 256)
+    linear._kernel.buffer.MAX_VALUES = 10 * 256  # force row chunks (10 rows, 16 on tiles) across shard edges
+    x = torch.randn(TILE_GEMV_MAX_ROWS + 1, 256)
     torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
 
 

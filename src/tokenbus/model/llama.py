@@ -27,7 +27,7 @@ from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenbus.model.layers.quantized import (DequantBuffer, KernelWeight, QuantizedLinearKernel, QuantizedWeight,
                                              is_quantized, kernel_weight, quantized_embedding)
 from tokenbus.model.native.decode_layer import DecodeLayers, LayerWeights, LinearWeights
-from tokenbus.model.native import (QUANT_GEMV_MAX_ROWS, FusedOps, NativeBuildError, PagedAttentionKernel, QuantKernels, load_fused_ops,
+from tokenbus.model.native import (TILE_GEMV_MAX_ROWS, FusedOps, NativeBuildError, PagedAttentionKernel, QuantKernels, load_fused_ops,
                                    load_quant_kernels)
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         """decode_layer.c's step arguments when this step can run layer by layer in C: a
         decode-sized fp32 batch whose attention is all the native kernel's (eager); else None."""
         layers = self._decode_layers
-        if (layers is None or x.shape[0] > QUANT_GEMV_MAX_ROWS or not isinstance(plan, AttentionPlan)
+        if (layers is None or x.shape[0] > TILE_GEMV_MAX_ROWS or not isinstance(plan, AttentionPlan)
                 or plan.native is None or plan.decode_tiles or plan.prefills or plan.num_tokens != x.shape[0]
                 or torch.compiler.is_compiling()):
             return None

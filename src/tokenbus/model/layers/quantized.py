@@ -3,7 +3,7 @@ model/native: Q8_0/Q4_0/Q4_1 matrices are repacked once into 16-row tiles (quant
 same bytes, interleaved so one vector instruction serves 16 outputs) where the CPU has AVX2;
 the K-quants, and every type on older CPUs, stay in GGUF rows (quant_matmul.c).
 
-A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows) runs the block kernel, which reads each weight
+A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows, TILE_GEMV_MAX_ROWS on tiles) runs the block kernel, which reads each weight
 block once for all rows: a Q4_1 weight streams 0.625 bytes per value instead of fp32's 4. On
 tiles its activations are fp32 (weight-only: equal to dequantize-then-matmul up to rounding) or,
 rounded per 32 values to int16 (integer dot products, ~3x faster, ~1e-5 relative error: the
@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, TILE_ROWS, QuantKernels
+from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, TILE_ROWS, QuantKernels
 from tokenbus.model.native import ops as native_ops
 
 
@@ -151,7 +151,7 @@ def shard_matmul(kernels: QuantKernels, shard: KernelWeight, flat: torch.Tensor,
     decode-sized M, else a GEMM per chunk of dequantized rows (of W^T, whole tiles, when tiled):
     prefill is compute-bound."""
     tiled = shard.tiled
-    if flat.shape[0] <= QUANT_GEMV_MAX_ROWS:
+    if flat.shape[0] <= (TILE_GEMV_MAX_ROWS if tiled else QUANT_GEMV_MAX_ROWS):
         if tiled:
             kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, activations)
         else:
