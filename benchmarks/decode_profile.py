@@ -1,7 +1,11 @@
 """Where one stream's decode step goes: cProfile of 129 greedy steps of the default model with
 the EngineCore in this process (so the profile sees the model), after one warm-up run.
 
-    .venv/bin/python benchmarks/decode_profile.py [--top 20]
+    .venv/bin/python benchmarks/decode_profile.py [--top 20] [--layer-by-layer]
+
+--layer-by-layer drops the model's C decode layers (model/native/decode_layer.c), so every layer
+runs its torch ops and kernel calls one by one, as before they existed. Also prints the step time
+without the profiler (best of 3).
 """
 
 from __future__ import annotations
@@ -18,12 +22,21 @@ from tokenbus.utils.cpu import CpuFeatures
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--layer-by-layer", action="store_true")
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
     llm = LLM(multiprocess=False, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=129, min_tokens=129, ignore_eos=True)
     request = [{"prompt_token_ids": [1234]}]
+    if args.layer_by_layer:
+        llm.engine.client.engine_core.executor.worker.model._decode_layers = None
     llm.generate(request, params, use_tqdm=False)  # warm-up
+    plain = []
+    for _ in range(3):
+        start = time.perf_counter()
+        llm.generate(request, params, use_tqdm=False)
+        plain.append(time.perf_counter() - start)
+    print(f"without the profiler: {min(plain) / 129 * 1e3:.2f} ms a step (best of 3, 129 steps)")
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()

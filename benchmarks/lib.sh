@@ -2,11 +2,11 @@
 # 127.0.0.1, wait until it answers, drive it with `tokenbus bench serve`, stop it by PID.
 mkdir -p bench_out
 
-start_server() {  # LOG PORT READY_PATH command... ; sets SERVER_PID; waits up to 180 s
+start_server() {  # LOG PORT READY_PATH command... ; sets SERVER_PID; waits up to $START_TIMEOUT s (180)
   local log=$1 port=$2 path=$3; shift 3
   "$@" > "$log" 2>&1 &
   SERVER_PID=$!
-  for _ in $(seq 3600); do curl -sf "127.0.0.1:$port$path" >/dev/null && return 0; sleep 0.05; done
+  for _ in $(seq $((${START_TIMEOUT:-180} * 20))); do curl -sf "127.0.0.1:$port$path" >/dev/null && return 0; sleep 0.05; done
   echo "server on port $port never answered $path; see $log" >&2
   return 1
 }

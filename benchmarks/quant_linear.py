@@ -1,12 +1,15 @@
-"""The quantized block kernel against oneDNN's packed fp32 linear at SmolLM2's shapes, and the
+"""The quantized block kernels against oneDNN's packed fp32 linear at SmolLM2's shapes, and the
 dequantize + GEMM path, per activation row count; and dequantizing into a fresh tensor vs a
-reused one (2 threads).
+reused one (2 threads). --step: a whole decode step's linears (30 layers + the LM head, distinct
+weights, so they stream from memory as in a real step) per row count, on GGUF rows and on 16-row
+tiles with fp32, int16 and int8 activations, against dequantize + GEMM.
 
-    .venv/bin/python benchmarks/quant_linear.py
+    .venv/bin/python benchmarks/quant_linear.py [--step]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -16,7 +19,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from tokenbus.model.layers.linear import make_linear_kernel
-from tokenbus.model.native import load_quant_kernels
+from tokenbus.model.layers.quantized import DequantBuffer
+from tokenbus.model.native import QUANT_MAX_ROWS, TILE_ACTIVATIONS, load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
 
 SHAPES = [(3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1), (49152, 576, Q.Q8_0)]  # gate_up, down, tied LM head
@@ -31,25 +35,63 @@ def per_call(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def step_linears(kernels) -> None:
+    """SmolLM2-135M's decode step: per layer qkv 960x576, o 576x576, gate_up 3072x576, down
+    576x1536 (Q4_1), then the tied Q8_0 LM head 49152x576."""
+    rng = np.random.default_rng(0)
+    shapes = [(960, 576, Q.Q4_1), (576, 576, Q.Q4_1), (3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1)] * 30
+    shapes.append((49152, 576, Q.Q8_0))
+    base = {shape: torch.from_numpy(quantize(rng.standard_normal(shape[:2]).astype(np.float32), shape[2]))
+            for shape in set(shapes)}
+    rows_layout = [(int(q), base[(n, k, q)].clone(), n, k) for n, k, q in shapes]  # a copy per layer
+    tiled = [(q, kernels.repack_tiles(q, w, k), n, k) for q, w, n, k in rows_layout]
+    buffer = DequantBuffer()
+    for m in (1, 4, 16, 32, 64):
+        x = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        outs = [torch.empty(m, n) for _, _, n, _ in rows_layout]
+
+        def run(weights, fn) -> float:  # ms for all of a step's linears
+            return per_call(lambda: [fn(q, w, n, k, o) for (q, w, n, k), o in zip(weights, outs)],
+                            5 if m > 16 else 20) * 1e3
+        times = {}
+        if m <= QUANT_MAX_ROWS:
+            times["rows"] = run(rows_layout, lambda q, w, n, k, o: kernels.matmul(q, w, k, x[k], o))
+        times["dequantize+GEMM"] = run(rows_layout, lambda q, w, n, k, o: o.copy_(
+            x[k] @ kernels.dequant_rows(q, w, k, torch.arange(n), out=buffer.take(n, k)).T))
+        for mode in TILE_ACTIVATIONS:
+            times[f"tiles {mode}"] = run(tiled, lambda q, w, n, k, o: kernels.tile_matmul(q, w, n, k, x[k], o, mode))
+        print(f"step linears, {m} rows: " + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items()))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--step", action="store_true", help="a whole decode step's linears instead")
+    args = parser.parse_args()
     torch.set_num_threads(2)
     print(f"CPU: {CpuFeatures.detect().describe()}")
     kernels = load_quant_kernels()
+    if args.step:
+        step_linears(kernels)
+        return
     rng = np.random.default_rng(0)
     for rows, cols, qtype in SHAPES:
         dense_w = rng.standard_normal((rows, cols)).astype(np.float32)
         blocks = torch.from_numpy(quantize(dense_w, qtype))
+        tiles = kernels.repack_tiles(int(qtype), blocks, cols)
         onednn = make_linear_kernel(torch.from_numpy(dense_w), None, "onednn")
         reps = 50 if rows < 10_000 else 10
         all_rows = torch.arange(rows)
         for m in (1, 4, 16, 64):
             x, out = torch.randn(m, cols), torch.empty(m, rows)
             t_quant = per_call(lambda: kernels.matmul(int(qtype), blocks, cols, x, out), reps)
+            t_tiles = {mode: per_call(lambda: kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, mode), reps)
+                       for mode in TILE_ACTIVATIONS}
             t_dense = per_call(lambda: onednn(x), reps)
             t_gemm = per_call(lambda: F.linear(x, kernels.dequant_rows(int(qtype), blocks, cols, all_rows)), reps)
             print(f"{qtype.name} {rows}x{cols} rows={m}: block kernel {t_quant * 1e3:.3f} ms, "
-                  f"dequantize+GEMM {t_gemm * 1e3:.3f} ms, oneDNN fp32 {t_dense * 1e3:.3f} ms "
-                  f"(fp32 / kernel {t_dense / t_quant:.2f})")
+                  + "".join(f"tiles {mode} {t * 1e3:.3f} ms, " for mode, t in t_tiles.items())
+                  + f"dequantize+GEMM {t_gemm * 1e3:.3f} ms, oneDNN fp32 {t_dense * 1e3:.3f} ms "
+                  f"(fp32 / block kernel {t_dense / t_quant:.2f}, / int16 tiles {t_dense / t_tiles['int16']:.2f})")
         scratch = torch.empty(rows, cols)  # the DequantBuffer's case: dequantize into a reused tensor
         t_fresh = per_call(lambda: kernels.dequant_rows(int(qtype), blocks, cols, all_rows), reps)
         t_reused = per_call(lambda: kernels.dequant_rows(int(qtype), blocks, cols, all_rows, out=scratch), reps)

@@ -172,10 +172,12 @@ def _read_pair(path: Path, sep: str | None, second: Path | None = None) -> float
 
 # libgomp's spin before a waiting thread sleeps (iterations). Its default (300k, ~1 ms) made a
 # c1 request 7.8x slower through the engine process than in-process with a CPU hog on one core
-# (spinning threads steal the shared core); 1k fixed that but halved quiet single-stream decode
-# (a sleep/wake per parallel region); 10k kept quiet decode and cut the hogged case to 2.2x.
-# Measured on the 2-core Xeon: docs/benchmarks.md, "Shared cores".
-ENGINE_GOMP_SPINCOUNT = "10000"
+# (spinning threads steal the shared core). 1k fixed that, but while a decode step was ~300
+# small parallel regions it halved quiet single-stream decode (a sleep/wake each), so 10k was
+# chosen (2.3x). With a decoder layer per C call (model/native/decode_layer.c) the regions are
+# fewer and longer: 1k now costs ~3 % of quiet tg128 (139 vs 143 tok/s) and brings the hogged
+# case to 1.14x (10k: 2.7x). Measured on the 2-core Xeon: docs/benchmarks.md, "Shared cores".
+ENGINE_GOMP_SPINCOUNT = "1000"
 
 
 # oneDNN (the packed fp32/bf16 linears of model/layers/linear.py) builds a primitive per input
