@@ -1,14 +1,16 @@
-"""Eager vs captured decode steps in one run (CUDA graphs on CUDA, the compiled step on CPU).
+"""Eager vs captured decode steps in one run: CUDA graphs on CUDA; on CPU the default step (each
+decoder layer in one C call, model/native/decode_layer.c) and the compiled one. "eager" is
+--enforce-eager: every layer op by op.
 
 1. Step latency: `batch` decode requests of `--context` cached tokens (random K/V, shuffled
    blocks) through the worker's own path (prepare_batch -> forward -> compute_logits of the
-   sampled rows), eager and captured interleaved round by round (a shared machine drifts;
-   ratios of the same run hold), median and min of each.
+   sampled rows), the modes interleaved round by round (a shared machine drifts; ratios of the
+   same run hold), median and min of each.
 2. Single-request decode: tokens/s of one greedy request (--gen-tokens tokens) through LLM
-   (scheduler, sampler and all, the EngineCore in this process), --enforce-eager vs
-   --cudagraph-capture-sizes 1.
+   (scheduler, sampler and all, the EngineCore in this process): --enforce-eager, the default
+   (on CPU: C layers) and --cudagraph-capture-sizes 1.
 3. Start-up: LLM construction time in fresh processes on an empty cache dir (cold: every
-   graph compiled), then again on the same dir (warm: loaded), eager vs captured.
+   graph compiled), then again on the same dir (warm: loaded), for the same modes.
 
     python benchmarks/captured_decode.py [--quantization auto|none] [--batches 1 8 16 64]
         [--device cpu|cuda] [--threads 2] [--rounds 20] [--skip-e2e] [--skip-startup]
@@ -44,6 +46,7 @@ def build(args):
     arch = load_arch(src)
     dtype = resolve_dtype(args.dtype, device)
     model = load_model(src, arch, dtype, device, "auto", quantization=args.quantization)
+    eager_model = load_model(src, arch, dtype, device, "auto", quantization=args.quantization, enforce_eager=True)
     max_batch = max(args.batches)
     config = EngineArgs(model=args.model, max_num_seqs=max_batch, max_model_len=args.max_model_len,
                         cudagraph_capture_sizes=sorted(set(args.batches))).to_config(args.max_model_len)
@@ -55,7 +58,7 @@ def build(args):
         cache.copy_(torch.randn(cache.shape, generator=g).to(dtype))
     buffers = InputBuffers(config.scheduler.max_num_batched_tokens, max_batch,
                            cdiv(args.max_model_len, bs) + 1, device)
-    return model, arch, config, kv, buffers
+    return model, eager_model, arch, config, kv, buffers
 
 
 def make_requests(batch: int, context: int, block_size: int, num_blocks: int, vocab: int, seed: int):
@@ -78,7 +81,7 @@ def step_latency(args) -> list[dict]:
     from tokenbus.worker.captured_step import CapturedSteps
     from tokenbus.worker.input_batch import prepare_batch
 
-    model, arch, config, kv, buffers = build(args)
+    model, eager_model, arch, config, kv, buffers = build(args)
     bs = config.cache.block_size
     if args.device == "cuda":
         from tokenbus.worker.cuda_graphs import CudaGraphRunner
@@ -98,35 +101,42 @@ def step_latency(args) -> list[dict]:
     for batch_size in args.batches:
         requests = make_requests(batch_size, args.context, bs, kv[0].shape[1], arch.vocab_size, batch_size)
 
-        def eager():
-            batch = prepare_batch(requests, buffers, bs, kv)
-            batch.ctx.attn_metadata = model.attention_backend.build_metadata(batch.ctx)
-            return model.compute_logits(model(batch.input_ids, batch.ctx)[batch.logits_indices])
+        def plain(m):
+            def step():
+                batch = prepare_batch(requests, buffers, bs, kv)
+                batch.ctx.attn_metadata = m.attention_backend.build_metadata(batch.ctx)
+                return m.compute_logits(m(batch.input_ids, batch.ctx)[batch.logits_indices])
+            return step
 
         def captured():
             batch = prepare_batch(requests, buffers, bs, kv, padded_size=steps.padded_size(requests))
             return model.compute_logits(steps.run(batch)[:batch.num_tokens][batch.logits_indices])
 
-        times = {"eager": [], "captured": []}
+        modes = {"eager": plain(eager_model), "captured": captured}
+        if args.device == "cpu":
+            modes["c_layers"] = plain(model)
+        times = {name: [] for name in modes}
         with torch.inference_mode():
-            diff = (eager() - captured()).abs().max().item()
+            reference = modes["eager"]()
+            diff = {name: (reference - fn()).abs().max().item() for name, fn in modes.items()}
             for _ in range(3):
-                eager(), captured()
+                for fn in modes.values():
+                    fn()
             sync()
             for _ in range(args.rounds):
-                for name, fn in (("eager", eager), ("captured", captured)):
+                for name, fn in modes.items():
                     start = time.perf_counter()
                     fn()
                     sync()
                     times[name].append(time.perf_counter() - start)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         low = {k: min(v) * 1e3 for k, v in times.items()}
-        row = dict(batch=batch_size, eager_ms=med["eager"], captured_ms=med["captured"], eager_min_ms=low["eager"],
-                   captured_min_ms=low["captured"], speedup=med["eager"] / med["captured"],
-                   speedup_min=low["eager"] / low["captured"], max_abs_logit_diff=diff)
-        print(f"batch {batch_size:3d}: eager {med['eager']:7.2f} ms (min {low['eager']:.2f})  captured "
-              f"{med['captured']:7.2f} ms (min {low['captured']:.2f})  x{row['speedup']:.2f} "
-              f"(min/min x{row['speedup_min']:.2f})  max |dlogit| {diff:.1e}", flush=True)
+        row = dict(batch=batch_size, **{f"{k}_ms": v for k, v in med.items()},
+                   **{f"{k}_min_ms": v for k, v in low.items()}, max_abs_logit_diff=diff)
+        print(f"batch {batch_size:3d}: " + "  ".join(
+            f"{name} {med[name]:7.2f} ms (min {low[name]:.2f}" + ("" if name == "eager" else
+                                                                 f", x{med['eager'] / med[name]:.2f}") + ")"
+            for name in modes) + f"  max |dlogit| vs eager {max(diff.values()):.1e}", flush=True)
         results.append(row)
     return results
 
@@ -195,26 +205,26 @@ def main() -> None:
     report: dict = {"device": args.device, "quantization": args.quantization}
     if not args.skip_latency:
         report["latency"] = step_latency(args)
-    eager, captured = dict(enforce_eager=True), dict(cudagraph_capture_sizes=[1])
+    eager, default, captured = dict(enforce_eager=True), {}, dict(cudagraph_capture_sizes=[1])
     with tempfile.TemporaryDirectory() as cache:
         if not args.skip_e2e:
             # Warm the captured engine's compile cache first: this part measures steady decode.
             run_llm(args, captured, cache, 0)
             rates = {name: run_llm(args, mode, cache, args.gen_tokens)["tok_s"]
-                     for name, mode in (("eager", eager), ("captured", captured))}
+                     for name, mode in (("eager", eager), ("default", default), ("captured", captured))}
             report["single_request_tok_s"] = rates
-            print(f"single request: eager {rates['eager']:.1f} tok/s, captured {rates['captured']:.1f} tok/s "
-                  f"(x{rates['captured'] / rates['eager']:.2f})", flush=True)
+            print("single request: " + ", ".join(
+                f"{name} {rate:.1f} tok/s (x{rate / rates['eager']:.2f})" for name, rate in rates.items()), flush=True)
     if not args.skip_startup:
         with tempfile.TemporaryDirectory() as cache:
             run_llm(args, eager, cache, 0)  # the native kernels built: not what is measured here
             start = {"eager": run_llm(args, eager, cache, 0)["start_s"],
+                     "default": run_llm(args, default, cache, 0)["start_s"],
                      "captured_cold": run_llm(args, captured, cache, 0)["start_s"],
                      "captured_warm": run_llm(args, captured, cache, 0)["start_s"]}
         report["startup_s"] = start
-        print(f"start-up: eager {start['eager']:.1f} s, captured cold {start['captured_cold']:.1f} s "
-              f"(+{start['captured_cold'] - start['eager']:.1f}), warm {start['captured_warm']:.1f} s "
-              f"(+{start['captured_warm'] - start['eager']:.1f})", flush=True)
+        print("start-up: " + ", ".join(f"{name} {t:.1f} s (+{t - start['eager']:.1f})" for name, t in start.items()),
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

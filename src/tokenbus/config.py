@@ -236,7 +236,7 @@ class CompilationConfig:
     """Captured decode steps (DESIGN idea 6): uniform decode batches padded to a capture size
     run a recorded step (CUDA graphs on CUDA, a compiled forward on CPU); others run eagerly."""
 
-    enforce_eager: bool = False  # never capture: every step runs eagerly
+    enforce_eager: bool = False  # never capture: every step runs op by op (on CPU: no C decode layers either)
     # Batch sizes (tokens of a uniform decode batch) to capture, strictly increasing; resolved
     # from max_num_seqs when not given (default_capture_sizes). Empty with enforce_eager.
     cudagraph_capture_sizes: tuple[int, ...] = ()
@@ -355,7 +355,8 @@ class EngineArgs:
     max_model_len: int | None = _arg()
     seed: int = _arg(0)
     max_logprobs: int = _arg(20, "the most logprobs a request may ask for per position; -1: no limit")
-    enforce_eager: bool = _arg(False, "never capture decode steps (CUDA graphs on CUDA, a compiled step on CPU)")
+    enforce_eager: bool = _arg(False, "never capture decode steps: every step runs op by op (no CUDA graphs on "
+                                      "CUDA; on CPU no compiled step and no decoder layer per C call)")
     cudagraph_capture_sizes: list[int] | str | None = _arg(
         None, "decode batch sizes to capture, strictly increasing (default: 1 2 4 8, then steps of 8 "
               "up to --max-num-seqs); larger and mixed prefill batches run eagerly", nargs="+")

@@ -96,4 +96,4 @@ def test_decoder_layer_in_c_only_where_it_applies(tmp_path, case):
         model = _model(tmp_path, "llama", "Q4_K", quantization="gguf")
     else:
         model = _model(tmp_path, "llama", "Q4_1", quantization="gguf", dtype=torch.bfloat16)
-    assert model._decode_layers is None
+    assert not model.decodes_in_c

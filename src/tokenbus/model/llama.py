@@ -246,12 +246,19 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
                 module.kernel.activations = activations
 
-    def set_attention_backend(self, backend: str) -> None:
+    def set_attention_backend(self, backend: str, decode_layers: bool = True) -> None:
         """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.
-        A model built without load_model runs the torch path until this is called."""
+        A model built without load_model runs the torch path until this is called.
+        `decode_layers`: decode-sized steps run each layer in one C call where they can (False:
+        op by op, as --enforce-eager asks)."""
         self.attention_backend = select_attention_backend(backend, self.embed_tokens.device,
                                                           self.embed_tokens.dtype)
-        self._decode_layers = self._build_decode_layers()
+        self._decode_layers = self._build_decode_layers() if decode_layers else None
+
+    @property
+    def decodes_in_c(self) -> bool:
+        """Whether decode-sized steps run each decoder layer in one C call (decode_layer.c)."""
+        return self._decode_layers is not None
 
     def _build_decode_layers(self) -> DecodeLayers | None:
         """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the

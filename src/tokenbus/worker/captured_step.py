@@ -87,20 +87,25 @@ class CapturedSteps:
 
 
 # On CPU the default capture sizes are not compiled: measured on the 2-core Xeon (docs/
-# benchmarks.md, benchmarks/decode_step.py --compare), a compiled step was at most ~1.1x an
-# eager one with the default GGUF weights (the quantized GEMV kernel is most of a step and
-# compiling does not touch it), and it costs a compile at every start (tens of seconds cold,
-# seconds warm). Listing --cudagraph-capture-sizes compiles them (dense fp32 weights measured
-# faster at batch 1).
+# benchmarks.md, benchmarks/captured_decode.py), a compiled step was at most ~1.1x an eager one
+# with the default GGUF weights (the quantized GEMV kernel is most of a step and compiling does
+# not touch it), and it costs a compile at every start (tens of seconds cold, seconds warm).
+# Listing --cudagraph-capture-sizes compiles them (dense fp32 weights measured faster at batch
+# 1) — except for a model whose decode steps run a layer per C call (model/native/
+# decode_layer.c: 1.53x eager at batch 1, 1.24x at 16, against the compiled step's 0.90-0.99x).
 CPU_CAPTURES_BY_DEFAULT = False
 
 
-def capture_disabled_reason(config: EngineConfig, device: torch.device) -> str | None:
-    """Why this engine runs every step eagerly, or None."""
+def capture_disabled_reason(config: EngineConfig, device: torch.device,
+                            model: torch.nn.Module | None = None) -> str | None:
+    """Why this engine runs every step eagerly (or, on CPU, on its C decode layers), or None."""
     if config.compilation.enforce_eager:
         return "--enforce-eager"
     if not config.compilation.cudagraph_capture_sizes:
         return "no capture sizes"
+    if device.type == "cpu" and getattr(model, "decodes_in_c", False):
+        return ("each decoder layer of a decode step runs in one C call, faster than a compiled step at "
+                "every batch size measured (docs/benchmarks.md, \"Captured decode steps\")")
     if device.type == "cpu" and not (config.compilation.capture_sizes_explicit or CPU_CAPTURES_BY_DEFAULT):
         return "on CPU a compiled step runs only for sizes listed with --cudagraph-capture-sizes"
     if config.kv_transfer is not None:
@@ -117,7 +122,7 @@ def make_captured_steps(config: EngineConfig, model: torch.nn.Module, buffers: I
     """Capture every size now; None (eager steps) when disabled or, for default sizes, when
     capturing fails (one warning naming the cause). With explicit --cudagraph-capture-sizes a
     failure is an error."""
-    reason = capture_disabled_reason(config, device)
+    reason = capture_disabled_reason(config, device, model)
     if reason is not None:
         logger.info("captured decode steps off: %s", reason)
         return None

@@ -24,10 +24,11 @@ logger = logging.getLogger(__name__)
 
 def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str,
                attention_backend: str = "auto", tp: TensorParallel = SINGLE,
-               quantization: str = "none", quant_activations: str = "auto") -> nn.Module:
+               quantization: str = "none", quant_activations: str = "auto", enforce_eager: bool = False) -> nn.Module:
     """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
     in their blocks when `quantization` resolves to gguf (resolve_quantization), their decode
-    calls on int8 or fp32 activations (`quant_activations`: ModelConfig)."""
+    calls on int16, int8 or fp32 activations (`quant_activations`: ModelConfig). Decode steps
+    run a layer per C call where they can, unless `enforce_eager` (op by op)."""
     model_class = get_model_class(arch.architecture)
     keep_quantized = resolve_quantization(quantization, src, torch.device(device), tp) == "gguf"
     if quant_activations in ("int8", "int16") and not keep_quantized:
@@ -37,7 +38,7 @@ def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: to
         model = model_class(arch, tp)  # parameters allocated uninitialised, in place (never
         # written, so never resident, for weights that stay quantized)
     model.load_weights(iter_weights(src, arch, keep_quantized))  # casts to dtype on copy
-    model.set_attention_backend(attention_backend)
+    model.set_attention_backend(attention_backend, decode_layers=not enforce_eager)
     if keep_quantized:
         model.set_quant_activations("int16" if quant_activations == "auto" else quant_activations)
     return model.eval()

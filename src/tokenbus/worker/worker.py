@@ -106,7 +106,7 @@ class Worker:
     def load_model(self) -> None:
         self.model = load_model(self.source, self.arch, self.dtype, self.device,
                                 self.config.model.attention_backend, self.tp, self.config.model.quantization,
-                                self.config.model.quant_activations)
+                                self.config.model.quant_activations, self.config.compilation.enforce_eager)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold after its weights and its CUDA graphs (what it measures,
