@@ -11,9 +11,12 @@ decoder layer in one C call, model/native/decode_layer.c) and the compiled one. 
    (on CPU: C layers) and --cudagraph-capture-sizes 1.
 3. Start-up: LLM construction time in fresh processes on an empty cache dir (cold: every
    graph compiled), then again on the same dir (warm: loaded), for the same modes.
+4. --aoti (CPU): the batch-1 step exported (torch.export) and compiled into an AOTInductor
+   package, against eager and the C layers, interleaved as in 1; plus the package's compile and
+   load times. The exported graph reaches the native kernels through the same custom ops.
 
     python benchmarks/captured_decode.py [--quantization auto|none] [--batches 1 8 16 64]
-        [--device cpu|cuda] [--threads 2] [--rounds 20] [--skip-e2e] [--skip-startup]
+        [--device cpu|cuda] [--threads 2] [--rounds 20] [--skip-e2e] [--skip-startup] [--aoti]
 """
 
 from __future__ import annotations
@@ -75,6 +78,78 @@ def make_requests(batch: int, context: int, block_size: int, num_blocks: int, vo
         state = CachedRequestState(f"r{i}", prompt, [], SamplingParams(max_tokens=1), perm[i], context)
         requests.append(ScheduledRequest(state, 1, []))
     return requests
+
+
+def aoti_step(args) -> dict:
+    """Batch 1: eager vs C layers vs an AOTInductor package of the static decode step."""
+    import dataclasses
+
+    from tokenbus.model.attention import NativeDecodePlan
+    from tokenbus.worker.input_batch import prepare_batch
+
+    model, eager_model, arch, config, kv, buffers = build(args)
+    bs = config.cache.block_size
+    requests = make_requests(1, args.context, bs, kv[0].shape[1], arch.vocab_size, 1)
+    template = prepare_batch(requests, buffers, bs, kv, padded_size=1).ctx
+    template.attn_metadata = model.attention_backend.prepare_for_capture(template)
+    num_tokens = template.attn_metadata.num_tokens
+
+    class Step(torch.nn.Module):  # the step's tensors as flat inputs, as torch.export takes them
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens_t, query_start_t,
+                    plan_query_start, plan_seq_lens, plan_block_tables, plan_reqs, *kv_caches):
+            ctx = dataclasses.replace(template, positions=positions, slot_mapping=slot_mapping,
+                                      kv_caches=list(kv_caches), block_tables=block_tables,
+                                      seq_lens_t=seq_lens_t, query_start_loc_t=query_start_t)
+            ctx.attn_metadata = NativeDecodePlan(num_tokens, plan_query_start, plan_seq_lens, plan_block_tables,
+                                                 plan_reqs)
+            return self.model(input_ids, ctx)
+
+    def flat_inputs():
+        batch = prepare_batch(requests, buffers, bs, kv, padded_size=1)
+        ctx, plan = batch.ctx, model.attention_backend.prepare_for_replay(batch.ctx, 1)
+        return batch, (batch.input_ids, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens_t,
+                       ctx.query_start_loc_t, plan.query_start, plan.seq_lens, plan.block_tables, plan.reqs, *kv)
+
+    with tempfile.TemporaryDirectory() as out_dir, torch.inference_mode():
+        start = time.perf_counter()
+        exported = torch.export.export(Step(), flat_inputs()[1], strict=False)
+        package = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(out_dir, "step.pt2"))
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        runner = torch._inductor.aoti_load_package(package)
+        load_s = time.perf_counter() - start
+
+        def plain(m):
+            def step():
+                batch = prepare_batch(requests, buffers, bs, kv)
+                batch.ctx.attn_metadata = m.attention_backend.build_metadata(batch.ctx)
+                return m.compute_logits(m(batch.input_ids, batch.ctx)[batch.logits_indices])
+            return step
+
+        def aoti():
+            batch, inputs = flat_inputs()
+            return model.compute_logits(runner(*inputs)[:batch.num_tokens][batch.logits_indices])
+
+        modes = {"eager": plain(eager_model), "c_layers": plain(model), "aoti": aoti}
+        diff = (modes["eager"]() - aoti()).abs().max().item()
+        times = {name: [] for name in modes}
+        for _ in range(3):
+            for fn in modes.values():
+                fn()
+        for _ in range(args.rounds):
+            for name, fn in modes.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"AOTInductor package, batch 1: compile {compile_s:.1f} s, load {load_s:.2f} s; " + "  ".join(
+        f"{name} {med[name]:.2f} ms (x{med['eager'] / med[name]:.2f})" for name in modes)
+        + f"  max |dlogit| aoti vs eager {diff:.1e}", flush=True)
+    return dict(compile_s=compile_s, load_s=load_s, **{f"{k}_ms": v for k, v in med.items()}, max_abs_logit_diff=diff)
 
 
 def step_latency(args) -> list[dict]:
@@ -195,6 +270,7 @@ def main() -> None:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--aoti", action="store_true", help="also an AOTInductor package of the batch-1 step (CPU)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -205,6 +281,8 @@ def main() -> None:
     report: dict = {"device": args.device, "quantization": args.quantization}
     if not args.skip_latency:
         report["latency"] = step_latency(args)
+    if args.aoti:
+        report["aoti"] = aoti_step(args)
     eager, default, captured = dict(enforce_eager=True), {}, dict(cudagraph_capture_sizes=[1])
     with tempfile.TemporaryDirectory() as cache:
         if not args.skip_e2e:
