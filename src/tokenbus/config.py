@@ -65,7 +65,8 @@ class ModelConfig:
     # The activations of decode-sized calls on Q8_0/Q4_0/Q4_1 blocks kept quantized: rounded per
     # 32 values to int16 (integer dot products, ~1e-5 relative error) or int8 (llama.cpp's
     # approach: faster, ~0.6 % error per matmul), or fp32 (weight-only: equal to the dequantized
-    # model up to rounding). auto: int16. Prefill multiplies fp32 either way.
+    # model up to rounding). auto: int16. Calls of more than 64 rows (long prefill chunks)
+    # dequantize and multiply in fp32 either way.
     quant_activations: str = "auto"
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).

@@ -139,6 +139,22 @@ def test_fused_linear_mixes_types_and_switches_to_gemm_for_big_batches():
     torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
 
 
+def test_reloading_a_quantized_linear_rebuilds_its_kernel():
+    """finalize() after new blocks were loaded runs on them, not on nothing (the dense weight
+    was released at the first finalize)."""
+    kernels = load_quant_kernels()
+    first, second = (QuantizedWeight(int(Q.Q8_0), torch.from_numpy(blocks(Q.Q8_0, 24, 256, seed=s)), 256)
+                     for s in (1, 2))
+    linear = Linear(256, [24])
+    linear.load_shard("w", first)
+    linear.finalize(quant_kernels=kernels)
+    linear.load_shard("w", second)
+    linear.finalize(quant_kernels=kernels)
+    dense = torch.from_numpy(gguf.quants.dequantize(second.data.numpy(), Q.Q8_0).astype(np.float32))
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(linear(x), x @ dense.T, rtol=1e-4, atol=1e-4)
+
+
 def _logits(src, quantization: str, quant_activations: str = "fp32") -> torch.Tensor:
     from tests.fixtures.paged import PagedKV
     from tests.model.test_llama_vs_hf import run

@@ -91,7 +91,9 @@ class EngineConnection:
             target=run_engine_core, name="EngineCore", kwargs=dict(
                 setup=setup, addresses=addresses, parent_pid=os.getpid(), engine_factory=engine_factory,
                 log_level=logging.getLogger("tokenbus").getEffectiveLevel()))
-        start_process(self.proc)
+        from tokenbus.worker.worker import expects_c_decode_layers  # the model's modules: only to start one
+
+        start_process(self.proc, decodes_in_c=expects_c_decode_layers(setup.config, setup.source))
 
     # ------------------------------------------------------------------ start-up
     def wait_ready(self, timeout_s: float) -> ReadyInfo:

@@ -209,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         """Pack every linear for its device and CPU (see layers/linear.py); "dense" runs plain
         F.linear (needed before torch.compile, which cannot trace packed oneDNN weights)."""
         cpu = cpu or CpuFeatures.detect()
+        self._decode_layers = None  # points into the kernels' weights: rebuilt by set_attention_backend
         self._set_fused_ops(cpu)
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         if self.embed_quantized is not None or any(linear.quantized for linear in linears):
@@ -239,8 +240,8 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = fused
 
     def set_quant_activations(self, activations: str) -> None:
-        """fp32, int16 or int8 activations for the tiled GGUF linears' decode-sized calls
-        (layers/quantized.py); prefill always multiplies fp32."""
+        """fp32, int16 or int8 activations for the tiled GGUF linears' calls of up to 64 rows
+        (decode steps, short prefill chunks: layers/quantized.py); bigger ones multiply in fp32."""
         self._activations = activations
         for module in self.modules():
             if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
@@ -254,6 +255,12 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend = select_attention_backend(backend, self.embed_tokens.device,
                                                           self.embed_tokens.dtype)
         self._decode_layers = self._build_decode_layers() if decode_layers else None
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .float(), share_memory() & co may replace parameters' storage, which the C
+        # layers hold raw pointers into: drop them (layer by layer from then on).
+        self._decode_layers = None
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def decodes_in_c(self) -> bool:

@@ -117,7 +117,7 @@ class Linear(nn.Module):
                  quant_kernels: QuantKernels | None = None, dequant_buffer: DequantBuffer | None = None) -> None:
         """Choose the kernel. Quantized shards run on their blocks when every shard is
         quantized (and the dense weight is released); a mix is dequantized into the weight."""
-        if self.backend == "gguf":
+        if self.backend == "gguf" and self._kernel is not None and not self.quantized:
             return  # already on its blocks (the loaded shards were handed to the kernel)
         if self.quantized and len(self.quantized) == len(self.out_sizes):
             shards = [self.quantized[i] for i in range(len(self.out_sizes))]

@@ -8,9 +8,9 @@ block once for all rows: a Q4_1 weight streams 0.625 bytes per value instead of 
 tiles its activations are fp32 (weight-only: equal to dequantize-then-matmul up to rounding) or,
 rounded per 32 values to int16 (integer dot products, ~3x faster, ~1e-5 relative error: the
 default) or to int8 (llama.cpp's approach: ~4x faster, but ~0.6 % relative error per
-matmul, which 120 matmuls compound into greedy choices that differ from the model's). A larger batch (prefill) is
-compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
-and multiplied by an fp32 GEMM, so no dense copy is ever kept.
+matmul, which 120 matmuls compound into greedy choices that differ from the model's). A larger batch (a
+long prefill chunk) is compute-bound: its weight is dequantized chunk by chunk into the model's
+reused DequantBuffer and multiplied by an fp32 GEMM, so no dense copy is ever kept.
 """
 
 from __future__ import annotations

@@ -184,6 +184,8 @@ class QuantKernels:
         (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (quant_tiles.c)."""
         assert tiles.dtype == torch.uint8 and tiles.is_contiguous() and x.dtype == out.dtype == torch.float32
         assert x.stride(1) == 1 and out.stride(1) == 1 and x.shape[0] <= QUANT_MAX_ROWS
+        assert x.shape[1] == num_cols and out.shape == (x.shape[0], num_rows)
+        assert tiles.numel() == self.tile_fns["nbytes"](qtype, num_rows, num_cols), "tiles of another shape"
         status = self.tile_fns["matmul"](qtype, tiles.data_ptr(), num_rows, num_cols, x.data_ptr(), x.shape[0],
                                          x.stride(0), out.data_ptr(), out.stride(0), TILE_ACTIVATIONS[activations],
                                          torch.get_num_threads())
@@ -287,7 +289,8 @@ class FusedOps:
         assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
         assert residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1)
         num_tokens, hidden = x.shape
-        residual_out, out = torch.empty(num_tokens, hidden), torch.empty(num_tokens, hidden)
+        residual_out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+        out = torch.empty(num_tokens, hidden, dtype=torch.float32)
         self.add_rms_norm_fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                              0 if residual is None else residual.stride(0), residual_out.data_ptr(),
                              weight.data_ptr(), out.data_ptr(), num_tokens, hidden, ctypes.c_float(eps),
@@ -307,7 +310,7 @@ class FusedOps:
         """silu(gate) * up for gate_up [T, 2I] (contiguous) -> [T, I]."""
         assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
         num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(num_tokens, size)
+        out = torch.empty(num_tokens, size, dtype=torch.float32)
         self.silu_mul_fn(gate_up.data_ptr(), num_tokens, size, out.data_ptr(), torch.get_num_threads())
         return out
 

@@ -99,6 +99,7 @@ class DecodeLayers:
                                  _address(fused.add_rms_norm_fn), _address(fused.rope_fn),
                                  _address(fused.silu_mul_fn))
         self._weights = layers  # keeps every tensor the structs point into alive
+        self._libraries = (quant, attention, fused)  # and the objects behind the function pointers
         self._layers = [layer.struct() for layer in layers]
         self._kernels_ref = ctypes.byref(self._kernels)
         self._layer_refs = [ctypes.byref(layer) for layer in self._layers]
@@ -112,6 +113,9 @@ class DecodeLayers:
         tensors int64, contiguous (as the attention plan checked them)."""
         assert cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous() and slots.dtype == torch.int64
         _, num_blocks, block_size, _, _ = kv_cache.shape
+        written = slots[:num_tokens]
+        if num_tokens and (int(written.min()) < 0 or int(written.max()) >= num_blocks * block_size):
+            raise ValueError(f"slot_mapping outside the KV cache's {num_blocks * block_size} slots")
         return _Step(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                      block_tables.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(),
                      reqs.numel(), num_blocks, block_size, TILE_ACTIVATIONS[activations], torch.get_num_threads())
