@@ -28,18 +28,18 @@ def model_of(llm):
     return llm.engine.client.engine_core.executor.worker.model
 
 
-def count_c_steps(llm) -> list[int]:
-    """Wrap the model's C layers: the token count of every step that ran them (layer 0)."""
+def count_c_steps(llm) -> list[tuple[int, int]]:
+    """Wrap the model's C layers: (tokens, requests) of every step that ran them (layer 0)."""
     layers = model_of(llm)._decode_layers
-    tokens: list[int] = []
+    steps: list[tuple[int, int]] = []
     run = layers.run
 
     def counting(index, step, *args):
         if index == 0:
-            tokens.append(step.num_tokens)
+            steps.append((step.num_tokens, step.num_reqs))
         return run(index, step, *args)
     layers.run = counting
-    return tokens
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +72,11 @@ def test_greedy_tokens_equal_eager_at_every_batch_size_with_prefill_chunks(in_c,
     prompts = random_prompts(4, 3, 12, seed=1) + random_prompts(2, 90, 150, seed=2)
     params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in (4, 9, 14, 20, 6, 11)]
     requests = [{"prompt_token_ids": p} for p in prompts]
-    tokens = count_c_steps(in_c)
+    steps = count_c_steps(in_c)
     ours = [o.outputs[0].token_ids for o in in_c.generate(requests, params, use_tqdm=False)]
     ref = [o.outputs[0].token_ids for o in eager.generate(requests, params, use_tqdm=False)]
     assert ours == ref
-    assert {1, 2, 3, 4} <= set(tokens)  # every decode batch size ran in C
+    assert {(n, n) for n in (1, 2, 3, 4)} <= set(steps)  # every decode batch size ran in C
     assert_engine_clean(in_c)
 
 
@@ -98,10 +98,12 @@ def test_ngram_spec_decode_equal_eager(gguf_path):
     ref_llm.shutdown()
     spec = make_llm(gguf_path, speculative_config=NGRAM, **ENGINE)
     try:
-        tokens = count_c_steps(spec)
+        steps = count_c_steps(spec)
         with spec.engine.measure_spec_decode() as metrics:
             assert generate_greedy(spec, prompts, 16) == ref
-        assert tokens and metrics.num_drafts > 0
+        assert metrics.num_drafts > 0
+        # After the prompts' step, a step of more tokens than requests verifies drafts, in C.
+        assert any(tokens > reqs for tokens, reqs in steps[1:])
     finally:
         spec.shutdown()
 
