@@ -59,12 +59,13 @@ class ModelConfig:
     max_logprobs: int = 20
     # auto: the native CPU kernel (model/native) on CPU in fp32/bf16 when it builds, else torch
     attention_backend: str = "auto"
-    # gguf: GGUF weights stay in their blocks (native weight-only kernels, fp32 activations);
+    # gguf: GGUF weights stay in their blocks (native kernels; their activations: quant_activations);
     # none: dequantized to `dtype` at load; auto: gguf for a GGUF model on CPU, else none.
     quantization: str = "auto"
     # The activations of decode-sized calls on Q8_0/Q4_0/Q4_1 blocks kept quantized: rounded per
-    # 32 values to int16 (integer dot products, ~1e-5 relative error) or int8 (llama.cpp's
-    # approach: faster, ~0.6 % error per matmul), or fp32 (weight-only: equal to the dequantized
+    # 32 values to int16 (integer dot products; SmolLM2's greedy answers unchanged, logprobs
+    # within ~3e-4) or int8 (llama.cpp's approach: faster, but most answers change; both from
+    # benchmarks/activation_error.py), or fp32 (weight-only: equal to the dequantized
     # model up to rounding). auto: int16. Calls of more than 64 rows (long prefill chunks)
     # dequantize and multiply in fp32 either way.
     quant_activations: str = "auto"
@@ -367,9 +368,9 @@ class EngineArgs:
                                      "dequantize to --dtype; auto: gguf for GGUF models on CPU",
                              choices=QUANTIZATIONS)
     quant_activations: str = _arg("auto", "activations of decode steps on Q8_0/Q4_0/Q4_1 blocks, rounded "
-                                          "per 32 values: int16 (~1e-5 error), int8 (llama.cpp's approach: "
-                                          "faster, ~0.6%% error a matmul), or fp32 (weight-only); auto: "
-                                          "int16", choices=QUANT_ACTIVATIONS)
+                                          "per 32 values: int16 (logprobs within ~3e-4 of fp32's), int8 "
+                                          "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
+                                          "auto: int16", choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks")
     pooler: str = _arg("last", "how /v1/embeddings pools the final hidden states (then L2-normalised)",

@@ -359,8 +359,8 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
 }
 
 /* ---- int16 activations
-   As int8, with x rounded to int16 per 32-value block (da = max|x| / 32767: 258x finer, so the
-   result is the fp32 one to ~1e-5) and int16 x int16 pair products (vpdpwssd on VNNI, vpmaddwd
+   As int8, with x rounded to int16 per 32-value block (da = max|x| / 32767: 258x finer) and
+   int16 x int16 pair products (vpdpwssd on VNNI, vpmaddwd
    otherwise): twice the int8 kernel's dot instructions, no saturation anywhere (a lane sums 32
    products of |qa| <= 32767 and |q| <= 128: < 2^31), no bias on Q8_0.
    A lane's 4 bytes are values k..k+3; as int16 pairs they are (k, k+2) and (k+1, k+3), so each
