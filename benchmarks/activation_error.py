@@ -46,8 +46,9 @@ def main() -> None:
         first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                  for a, b in zip(answers[mode], answers["fp32"])]
         diffs = [abs(x - y) for got, ref in zip(scores[mode], scores["fp32"]) for x, y in zip(got, ref)]
+        differing = [f for f in first if f is not None] or "-"
         print(f"{mode}: {same}/{len(QUESTIONS)} greedy answers equal fp32's (first difference at token "
-              f"{[f for f in first if f is not None] or '-'}); per-token logprob |diff| mean {sum(diffs) / len(diffs):.2e}, "
+              f"{differing}); per-token logprob |diff| mean {sum(diffs) / len(diffs):.2e}, "
               f"max {max(diffs):.2e} over {len(diffs)} tokens")
 
 

@@ -26,9 +26,9 @@ from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenbus.model.layers.quantized import (DequantBuffer, KernelWeight, QuantizedLinearKernel, QuantizedWeight,
                                              is_quantized, kernel_weight, quantized_embedding)
+from tokenbus.model.native import (TILE_GEMV_MAX_ROWS, FusedOps, NativeBuildError, PagedAttentionKernel,
+                                   QuantKernels, load_fused_ops, load_quant_kernels)
 from tokenbus.model.native.decode_layer import DecodeLayers, LayerWeights, LinearWeights
-from tokenbus.model.native import (TILE_GEMV_MAX_ROWS, FusedOps, NativeBuildError, PagedAttentionKernel, QuantKernels, load_fused_ops,
-                                   load_quant_kernels)
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
 

@@ -3,16 +3,17 @@ model/native: Q8_0/Q4_0/Q4_1 matrices are repacked once into 16-row tiles (quant
 same bytes, interleaved so one vector instruction serves 16 outputs) where the CPU has AVX2;
 the K-quants, and every type on older CPUs, stay in GGUF rows (quant_matmul.c).
 
-A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows, TILE_GEMV_MAX_ROWS on tiles) runs the block kernel, which reads each weight
-block once for all rows: a Q4_1 weight streams 0.625 bytes per value instead of fp32's 4. On
-tiles its activations are fp32 (weight-only: equal to dequantize-then-matmul up to rounding) or,
-rounded per 32 values to int16 (integer dot products: a step's linears 1.8x faster than fp32
-tiles, 2.5x than GGUF rows, by benchmarks/quant_linear.py --step: the default; SmolLM2's
-logprobs stay within ~3e-4 of fp32's) or to int8 (llama.cpp's approach: a little faster, but
-~1/254 of a block's largest value per activation, which 120 matmuls compound into greedy
-answers that differ from the model's: benchmarks/activation_error.py). A larger batch (a
-long prefill chunk) is compute-bound: its weight is dequantized chunk by chunk into the model's
-reused DequantBuffer and multiplied by an fp32 GEMM, so no dense copy is ever kept.
+A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows, TILE_GEMV_MAX_ROWS on tiles) runs the block
+kernel, which reads each weight block once for all rows: a Q4_1 weight streams 0.625 bytes per
+value instead of fp32's 4. On tiles its activations are fp32 (weight-only: equal to
+dequantize-then-matmul up to rounding), or rounded per 32 values to int16 (integer dot
+products: a step's linears 1.8x faster than fp32 tiles and 2.5x than GGUF rows, by
+benchmarks/quant_linear.py --step; the default, SmolLM2's logprobs stay within ~3e-4 of
+fp32's), or to int8 (llama.cpp's approach: a little faster, but ~1/254 of a block's largest
+value per activation, which 120 matmuls compound into greedy answers that differ from the
+model's: benchmarks/activation_error.py). A larger batch (a long prefill chunk) is
+compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
+and multiplied by an fp32 GEMM, so no dense copy is ever kept.
 """
 
 from __future__ import annotations

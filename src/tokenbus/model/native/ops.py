@@ -98,7 +98,8 @@ def _(x, w, qtype, cols, rows, tiled, activations):
 
 
 @torch.library.custom_op("tokenbus::dequant_rows", mutates_args=(), device_types="cpu")
-def dequant_rows(w: torch.Tensor, qtype: int, cols: int, num_rows: int, tiled: bool, rows: torch.Tensor) -> torch.Tensor:
+def dequant_rows(w: torch.Tensor, qtype: int, cols: int, num_rows: int, tiled: bool,
+                 rows: torch.Tensor) -> torch.Tensor:
     """fp32 [len(rows), cols]: the given rows (int64 ids) of W (as quant_matmul's)."""
     from tokenbus.model.layers.quantized import KernelWeight, dequantize_weight
 
