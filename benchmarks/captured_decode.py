@@ -80,6 +80,18 @@ def make_requests(batch: int, context: int, block_size: int, num_blocks: int, vo
     return requests
 
 
+def plain_step(model, requests, buffers, block_size: int, kv):
+    """One uncaptured step of `requests` through `model`: the worker's path, logits of the
+    sampled rows (what "eager" and the C layers run)."""
+    from tokenbus.worker.input_batch import prepare_batch
+
+    def step():
+        batch = prepare_batch(requests, buffers, block_size, kv)
+        batch.ctx.attn_metadata = model.attention_backend.build_metadata(batch.ctx)
+        return model.compute_logits(model(batch.input_ids, batch.ctx)[batch.logits_indices])
+    return step
+
+
 def aoti_step(args) -> dict:
     """Batch 1: eager vs C layers vs an AOTInductor package of the static decode step."""
     import dataclasses
@@ -123,18 +135,12 @@ def aoti_step(args) -> dict:
         runner = torch._inductor.aoti_load_package(package)
         load_s = time.perf_counter() - start
 
-        def plain(m):
-            def step():
-                batch = prepare_batch(requests, buffers, bs, kv)
-                batch.ctx.attn_metadata = m.attention_backend.build_metadata(batch.ctx)
-                return m.compute_logits(m(batch.input_ids, batch.ctx)[batch.logits_indices])
-            return step
-
         def aoti():
             batch, inputs = flat_inputs()
             return model.compute_logits(runner(*inputs)[:batch.num_tokens][batch.logits_indices])
 
-        modes = {"eager": plain(eager_model), "c_layers": plain(model), "aoti": aoti}
+        modes = {"eager": plain_step(eager_model, requests, buffers, bs, kv),
+                 "c_layers": plain_step(model, requests, buffers, bs, kv), "aoti": aoti}
         diff = (modes["eager"]() - aoti()).abs().max().item()
         times = {name: [] for name in modes}
         for _ in range(3):
@@ -176,20 +182,13 @@ def step_latency(args) -> list[dict]:
     for batch_size in args.batches:
         requests = make_requests(batch_size, args.context, bs, kv[0].shape[1], arch.vocab_size, batch_size)
 
-        def plain(m):
-            def step():
-                batch = prepare_batch(requests, buffers, bs, kv)
-                batch.ctx.attn_metadata = m.attention_backend.build_metadata(batch.ctx)
-                return m.compute_logits(m(batch.input_ids, batch.ctx)[batch.logits_indices])
-            return step
-
         def captured():
             batch = prepare_batch(requests, buffers, bs, kv, padded_size=steps.padded_size(requests))
             return model.compute_logits(steps.run(batch)[:batch.num_tokens][batch.logits_indices])
 
-        modes = {"eager": plain(eager_model), "captured": captured}
+        modes = {"eager": plain_step(eager_model, requests, buffers, bs, kv), "captured": captured}
         if args.device == "cpu":
-            modes["c_layers"] = plain(model)
+            modes["c_layers"] = plain_step(model, requests, buffers, bs, kv)
         times = {name: [] for name in modes}
         with torch.inference_mode():
             reference = modes["eager"]()

@@ -16,15 +16,14 @@ import textwrap
 import pytest
 import torch
 
-from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
+from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm
+from tests.fixtures.mode_equality import ENGINE, NGRAM, json_batch, ngram_prompts, staggered_batch, token_ids
 from tests.fixtures.tiny_models import cached_tiny_model
-from tokenbus import SamplingParams, StructuredOutputsParams
+from tokenbus import SamplingParams
 from tokenbus.worker.input_batch import ScheduledRequest, prepare_batch
 from tokenbus.worker.request_state import CachedRequestState
 
 SIZES = [1, 2, 4]
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def runner_of(llm):
@@ -69,30 +68,21 @@ def test_eager_engine_captures_nothing(eager):
 def test_greedy_tokens_equal_eager_at_every_batch_size_with_prefill_chunks(captured, eager):
     """Staggered lengths: the decode batch shrinks 4 -> 3 (padded to 4) -> 2 -> 1, and long
     prompts prefill in 64-token chunks next to decodes (mixed steps run eagerly)."""
-    prompts = random_prompts(4, 3, 12, seed=1) + random_prompts(2, 90, 150, seed=2)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in (4, 9, 14, 20, 6, 11)]
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    requests, params = staggered_batch()
     counts = count_captured_steps(runner_of(captured))
-    ours = [o.outputs[0].token_ids for o in captured.generate(requests, params, use_tqdm=False)]
-    ref = [o.outputs[0].token_ids for o in eager.generate(requests, params, use_tqdm=False)]
-    assert ours == ref
+    assert token_ids(captured, requests, params) == token_ids(eager, requests, params)
     assert set(counts) == set(SIZES)  # every size replayed, 3 padded to 4
     assert_engine_clean(captured)
 
 
 def test_structured_output_equal_eager(captured, eager):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    params = SamplingParams(temperature=0.0, max_tokens=24,
-                            structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 4, 10, seed=3)]
-    ours = [o.outputs[0].token_ids for o in captured.generate(prompts, params, use_tqdm=False)]
-    assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    requests, params = json_batch()
+    assert token_ids(captured, requests, params) == token_ids(eager, requests, params)
 
 
 def test_ngram_spec_decode_equal_eager(model_dir):
     """Steps verifying drafts run eagerly, steps without drafts are captured: same tokens."""
-    motif = random_prompts(1, 6, 6, seed=4)[0]
-    prompts = [motif * 5, random_prompts(1, 9, 9, seed=5)[0], motif * 3]
+    prompts = ngram_prompts()
     ref_llm = make_llm(model_dir, speculative_config=NGRAM, enforce_eager=True, **ENGINE)
     ref = generate_greedy(ref_llm, prompts, 16)
     ref_llm.shutdown()

@@ -5,23 +5,20 @@ spec decode; explicit capture sizes do not compile over it."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 import pytest
 
-from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
+from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm
+from tests.fixtures.mode_equality import ENGINE, NGRAM, json_batch, ngram_prompts, staggered_batch, token_ids
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-from tokenbus import SamplingParams, StructuredOutputsParams
 from tokenbus.utils.cpu import CpuFeatures
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None or not CpuFeatures.detect().has("avx2", "fma"),
     reason="the C decode layer runs tiled GGUF kernels: a C compiler and AVX2 + FMA needed")
 
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def model_of(llm):
@@ -69,30 +66,21 @@ def test_default_engine_decodes_in_c_and_enforce_eager_does_not(in_c, eager):
 def test_greedy_tokens_equal_eager_at_every_batch_size_with_prefill_chunks(in_c, eager):
     """Staggered lengths: the decode batch shrinks 4 -> 1, and long prompts prefill in 64-token
     chunks next to decodes (a step of up to 64 tokens on the native attention runs in C too)."""
-    prompts = random_prompts(4, 3, 12, seed=1) + random_prompts(2, 90, 150, seed=2)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in (4, 9, 14, 20, 6, 11)]
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    requests, params = staggered_batch()
     steps = count_c_steps(in_c)
-    ours = [o.outputs[0].token_ids for o in in_c.generate(requests, params, use_tqdm=False)]
-    ref = [o.outputs[0].token_ids for o in eager.generate(requests, params, use_tqdm=False)]
-    assert ours == ref
+    assert token_ids(in_c, requests, params) == token_ids(eager, requests, params)
     assert {(n, n) for n in (1, 2, 3, 4)} <= set(steps)  # every decode batch size ran in C
     assert_engine_clean(in_c)
 
 
 def test_structured_output_equal_eager(in_c, eager):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    params = SamplingParams(temperature=0.0, max_tokens=24,
-                            structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 4, 10, seed=3)]
-    ours = [o.outputs[0].token_ids for o in in_c.generate(prompts, params, use_tqdm=False)]
-    assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    requests, params = json_batch()
+    assert token_ids(in_c, requests, params) == token_ids(eager, requests, params)
 
 
 def test_ngram_spec_decode_equal_eager(gguf_path):
     """Verification steps (several tokens a request) run in C as well: same tokens."""
-    motif = random_prompts(1, 6, 6, seed=4)[0]
-    prompts = [motif * 5, random_prompts(1, 9, 9, seed=5)[0], motif * 3]
+    prompts = ngram_prompts()
     ref_llm = make_llm(gguf_path, speculative_config=NGRAM, enforce_eager=True, **ENGINE)
     ref = generate_greedy(ref_llm, prompts, 16)
     ref_llm.shutdown()

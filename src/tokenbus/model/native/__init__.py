@@ -86,6 +86,14 @@ def build_shared_object(source: Path, cpu: CpuFeatures | None = None) -> Path:
     return target
 
 
+def load_library(source: Path, cpu: CpuFeatures | None = None) -> ctypes.CDLL:
+    """Build (or find in the cache) and load `source`; NativeBuildError says why not."""
+    try:
+        return ctypes.CDLL(str(build_shared_object(source, cpu)))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {source.stem}: {exc}") from exc
+
+
 # Element-type codes of paged_attention.c.
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -123,10 +131,7 @@ def check_indices(*index: torch.Tensor) -> None:
 
 def load_paged_attention(cpu: CpuFeatures | None = None) -> PagedAttentionKernel:
     """Build (or find in the cache) and load the kernel; NativeBuildError says why not."""
-    try:
-        lib = ctypes.CDLL(str(build_shared_object(_SOURCE, cpu)))
-    except OSError as exc:
-        raise NativeBuildError(f"cannot load {_SOURCE.stem}: {exc}") from exc
+    lib = load_library(_SOURCE, cpu)
     fn = lib.paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
@@ -239,10 +244,7 @@ class QuantKernels:
 
 def load_quant_kernels(cpu: CpuFeatures | None = None) -> QuantKernels:
     """Build (or find in the cache) and load the quantized kernels; NativeBuildError says why not."""
-    try:
-        lib = ctypes.CDLL(str(build_shared_object(_QUANT_SOURCE, cpu)))
-    except OSError as exc:
-        raise NativeBuildError(f"cannot load {_QUANT_SOURCE.stem}: {exc}") from exc
+    lib = load_library(_QUANT_SOURCE, cpu)
     matmul, dequant = lib.quant_matmul, lib.quant_dequant_rows
     matmul.restype = dequant.restype = ctypes.c_int
     matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
@@ -252,10 +254,7 @@ def load_quant_kernels(cpu: CpuFeatures | None = None) -> QuantKernels:
 
 def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | None:
     """quant_tiles.c's entry points, or None where this CPU has no tiled kernels (below AVX2)."""
-    try:
-        lib = ctypes.CDLL(str(build_shared_object(_TILE_SOURCE, cpu)))
-    except OSError as exc:
-        raise NativeBuildError(f"cannot load {_TILE_SOURCE.stem}: {exc}") from exc
+    lib = load_library(_TILE_SOURCE, cpu)
     lib.tile_supported.restype = ctypes.c_int
     if not lib.tile_supported():
         return None
@@ -317,10 +316,7 @@ class FusedOps:
 
 def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
     """Build (or find in the cache) and load fused_ops.c; NativeBuildError says why not."""
-    try:
-        lib = ctypes.CDLL(str(build_shared_object(_FUSED_SOURCE, cpu)))
-    except OSError as exc:
-        raise NativeBuildError(f"cannot load {_FUSED_SOURCE.stem}: {exc}") from exc
+    lib = load_library(_FUSED_SOURCE, cpu)
     norm, rope, silu = lib.add_rms_norm, lib.rope_inplace, lib.silu_mul
     norm.restype = rope.restype = silu.restype = None
     norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]

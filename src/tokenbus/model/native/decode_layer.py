@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tokenbus.model.native import (TILE_ACTIVATIONS, FusedOps, NativeBuildError, PagedAttentionKernel,
-                                   QuantKernels, build_shared_object)
+from tokenbus.model.native import TILE_ACTIVATIONS, FusedOps, PagedAttentionKernel, QuantKernels, load_library
 from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
@@ -88,10 +87,7 @@ class DecodeLayers:
 
     def __init__(self, layers: list[LayerWeights], quant: QuantKernels, attention: PagedAttentionKernel,
                  fused: FusedOps, cpu: CpuFeatures | None = None) -> None:
-        try:
-            lib = ctypes.CDLL(str(build_shared_object(_SOURCE, cpu)))
-        except OSError as exc:
-            raise NativeBuildError(f"cannot load {_SOURCE.stem}: {exc}") from exc
+        lib = load_library(_SOURCE, cpu)
         self._fn = lib.decode_layer
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR]

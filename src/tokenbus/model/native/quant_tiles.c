@@ -53,27 +53,6 @@ static int tile_info(int qtype, int *block_bytes, int *quant_bytes, int *has_min
     }
 }
 
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* Tile-blocks the matrix has, and the size of one; 0 if the type or shape is not tiled. */
 static int64_t tile_geometry(int qtype, int64_t N, int64_t K, int64_t *blocks, int64_t *tile_block_bytes) {
     int bb, qb, hm;
@@ -109,42 +88,10 @@ int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out)
     return 0;
 }
 
-/* Value k (< 32) of row r in a tile-block, before scale and min. */
-static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
-    if (qtype == Q8_0) return (int8_t)tb[(k / 4) * 64 + r * 4 + k % 4];
-    const int low = k < 16, kk = low ? k : k - 16;
-    const uint8_t byte = tb[(kk / 4) * 64 + r * 4 + kk % 4];
-    return low ? (byte & 0xF) : (byte >> 4);
-}
-
-/* out[i, :] = row rows[i] of the tiled W as fp32 (embedding lookups). 0 on success. */
-int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const int64_t *rows,
-                      int64_t num_rows, float *out, int num_threads) {
-    int bb, qb, hm;
-    int64_t blocks, tbb;
-    if (!tile_geometry(qtype, N, K, &blocks, &tbb)) return 1;
-    tile_info(qtype, &bb, &qb, &hm);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
-    for (int64_t i = 0; i < num_rows; i++) {
-        const int64_t t = rows[i] / TR;
-        const int r = (int)(rows[i] % TR);
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *tb = tiles + (t * blocks + b) * tbb;
-            uint16_t h;
-            memcpy(&h, tb + qb * TR + 2 * r, 2);
-            const float d = half_to_float(h);
-            float m = qtype == Q4_0 ? -8.0f * d : 0.0f;
-            if (hm) { memcpy(&h, tb + qb * TR + 2 * TR + 2 * r, 2); m = half_to_float(h); }
-            for (int k = 0; k < 32; k++) out[i * K + b * 32 + k] = d * (float)tile_quant(qtype, tb, r, k) + m;
-        }
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------------- 16-lane vectors
    One __m512 on AVX-512, two __m256 halves (rows 0-7, 8-15) on AVX2: the kernels below are
    written once against these. */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_TILES 1
 typedef __m512i vi;
@@ -285,36 +232,54 @@ static inline void tile_scales(int qtype, const uint8_t *tb, int qb, float q8_bi
     else *m = vf_mul(*d, vf_set1(qtype == Q4_0 ? -8.0f : -q8_bias));
 }
 
-/* The 16 outputs of tile t (its first `valid` lanes) of M rows into y. */
-static inline void store_tile(const vf *acc, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t valid) {
+/* Tile t's 16 outputs (those below N) of M rows into y: the scaled dots plus the mins. */
+static inline void finish_tile(const vf *accd, const vf *accm, int64_t M, float *y, int64_t ldy, int64_t N,
+                               int64_t t) {
+    const int64_t n0 = t * TR, valid = N - n0 < TR ? N - n0 : TR;
     for (int64_t m = 0; m < M; m++) {
+        const vf acc = vf_add(accd[m], accm[m]);
         if (valid == TR) {
-            vf_store(y + m * ldy + n0, acc[m]);
+            vf_store(y + m * ldy + n0, acc);
         } else {
             float tmp[TR];
-            vf_store(tmp, acc[m]);
+            vf_store(tmp, acc);
             memcpy(y + m * ldy + n0, tmp, sizeof(float) * (size_t)valid);
         }
     }
 }
 
-/* ---- int8 activations */
+/* Value k (< 32) of row r in a tile-block, before scale and min. */
+static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
+    if (qtype == Q8_0) return (int8_t)tb[(k / 4) * 64 + r * 4 + k % 4];
+    const int low = k < 16, kk = low ? k : k - 16;
+    const uint8_t byte = tb[(kk / 4) * 64 + r * 4 + kk % 4];
+    return low ? (byte & 0xF) : (byte >> 4);
+}
+
+/* ---- integer activations (int8, int16) */
+/* Block b of row m of x rounded to multiples of da = max|x| / levels: v[32], and
+   da[m * blocks + b], sa[...] = da * sum(v) (what the mins multiply). */
+static inline void quantize_block(const float *xb, float levels, int *v, float *da, float *sa) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    const float id = amax > 0.0f ? levels / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+        v[j] = (int)lrintf(xb[j] * id);
+        sum += v[j];
+    }
+    *da = amax / levels;
+    *sa = amax / levels * (float)sum;
+}
+
+/* x as int8 per block, in order (qa[m * K + k]). */
 static void quantize_rows_q8(const float *x, int64_t M, int64_t ldx, int64_t K, int8_t *qa, float *da, float *sa) {
     const int64_t blocks = K / 32;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + m * ldx + b * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *q = qa + m * K + b * 32;
-            int sum = 0;
-            for (int j = 0; j < 32; j++) {
-                q[j] = (int8_t)lrintf(xb[j] * id);
-                sum += q[j];
-            }
-            da[m * blocks + b] = amax / 127.0f;
-            sa[m * blocks + b] = amax / 127.0f * (float)sum;
+            int v[32];
+            quantize_block(x + m * ldx + b * 32, 127.0f, v, da + m * blocks + b, sa + m * blocks + b);
+            for (int j = 0; j < 32; j++) qa[m * K + b * 32 + j] = (int8_t)v[j];
         }
 }
 
@@ -354,8 +319,7 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
             accm[m] = vf_fma(mn, vf_set1(sa[m * blocks + b]), accm[m]);
         }
     }
-    for (int64_t m = 0; m < M; m++) accd[m] = vf_add(accd[m], accm[m]);
-    store_tile(accd, M, y, ldy, t * TR, N - t * TR < TR ? N - t * TR : TR);
+    finish_tile(accd, accm, M, y, ldy, N, t);
 }
 
 /* ---- int16 activations
@@ -370,19 +334,9 @@ static void quantize_rows_q16(const float *x, int64_t M, int64_t ldx, int64_t K,
     static const int order[4] = {0, 2, 1, 3};
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + m * ldx + b * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            const float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
-            int16_t *q = qa + m * K + b * 32;
-            int sum = 0;
-            for (int j = 0; j < 32; j++) {
-                const int v = (int)lrintf(xb[j] * id);
-                q[(j & ~3) + order[j & 3]] = (int16_t)v;
-                sum += v;
-            }
-            da[m * blocks + b] = amax / 32767.0f;
-            sa[m * blocks + b] = amax / 32767.0f * (float)sum;
+            int v[32];
+            quantize_block(x + m * ldx + b * 32, 32767.0f, v, da + m * blocks + b, sa + m * blocks + b);
+            for (int j = 0; j < 32; j++) qa[m * K + b * 32 + (j & ~3) + order[j & 3]] = (int16_t)v[j];
         }
 }
 
@@ -423,8 +377,7 @@ static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
             accm[m] = vf_fma(mn, vf_set1(sa[m * blocks + b]), accm[m]);
         }
     }
-    for (int64_t m = 0; m < M; m++) accd[m] = vf_add(accd[m], accm[m]);
-    store_tile(accd, M, y, ldy, t * TR, N - t * TR < TR ? N - t * TR : TR);
+    finish_tile(accd, accm, M, y, ldy, N, t);
 }
 
 /* ---- fp32 activations */
@@ -468,8 +421,7 @@ static void tile_fp32(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
             accm[m] = vf_fma(mn, vf_set1(xsum[m * blocks + b]), accm[m]);
         }
     }
-    for (int64_t m = 0; m < M; m++) accd[m] = vf_add(accd[m], accm[m]);
-    store_tile(accd, M, y, ldy, t * TR, N - t * TR < TR ? N - t * TR : TR);
+    finish_tile(accd, accm, M, y, ldy, N, t);
 }
 
 /* out [K, 16 * count] (row stride ldo) = W^T for tiles [first, first + count): the prefill GEMM
@@ -496,6 +448,37 @@ int tile_supported(void) {
 #endif
 }
 
+/* out[i, :] = row rows[i] of the tiled W as fp32 (embedding lookups; scalar: a row or a few
+   per token). 0 on success. Tiles exist only where the tiled kernels do, so this too. */
+int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const int64_t *rows,
+                      int64_t num_rows, float *out, int num_threads) {
+    int bb, qb, hm;
+    int64_t blocks, tbb;
+    if (!tile_geometry(qtype, N, K, &blocks, &tbb) || !tile_supported()) return 1;
+#ifdef HAVE_TILES
+    tile_info(qtype, &bb, &qb, &hm);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
+    for (int64_t i = 0; i < num_rows; i++) {
+        const int64_t t = rows[i] / TR;
+        const int r = (int)(rows[i] % TR);
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+            uint16_t h;
+            memcpy(&h, tb + qb * TR + 2 * r, 2);
+            const float d = _cvtsh_ss(h);
+            float m = qtype == Q4_0 ? -8.0f * d : 0.0f;
+            if (hm) { memcpy(&h, tb + qb * TR + 2 * TR + 2 * r, 2); m = _cvtsh_ss(h); }
+            for (int k = 0; k < 32; k++) out[i * K + b * 32 + k] = d * (float)tile_quant(qtype, tb, r, k) + m;
+        }
+    }
+    return 0;
+#else
+    (void)bb; (void)qb; (void)hm; (void)tiles; (void)rows; (void)num_rows; (void)out; (void)num_threads;
+    return 1;
+#endif
+}
+
+
 /* y[M, N] = x[M, K] @ W.T on tiles, x as fp32, or quantized per block to int8 or int16 first
    (act: ACT_*). 0 on success; 1: not tiled here (or an unknown act); 2: M > MAX_M; 3: out of
    memory. */
@@ -508,23 +491,18 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
 #ifdef HAVE_TILES
     int bb, qb, hm;
     tile_info(qtype, &bb, &qb, &hm);
-    if (act == ACT_INT16) {
-        int16_t *qa = malloc(sizeof(int16_t) * (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + 64);
+    if (act != ACT_FP32) {  /* x rounded per block first: qa (int8 or int16), then its scales */
+        const size_t elem = act == ACT_INT16 ? sizeof(int16_t) : sizeof(int8_t);
+        void *qa = malloc(elem * (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + 64);
         if (!qa) return 3;
-        float *da = (float *)(((uintptr_t)(qa + M * K) + 63) & ~(uintptr_t)63), *sa = da + M * blocks;
-        quantize_rows_q16(x, M, ldx, K, qa, da, sa);
+        float *da = (float *)(((uintptr_t)qa + elem * (size_t)(M * K) + 63) & ~(uintptr_t)63), *sa = da + M * blocks;
+        if (act == ACT_INT16) quantize_rows_q16(x, M, ldx, K, qa, da, sa);
+        else quantize_rows_q8(x, M, ldx, K, qa, da, sa);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t t = 0; t < ntiles; t++) tile_q16a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
-        free(qa);
-        return 0;
-    }
-    if (act == ACT_INT8) {
-        int8_t *qa = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + 64);
-        if (!qa) return 3;
-        float *da = (float *)(((uintptr_t)(qa + M * K) + 63) & ~(uintptr_t)63), *sa = da + M * blocks;
-        quantize_rows_q8(x, M, ldx, K, qa, da, sa);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t t = 0; t < ntiles; t++) tile_q8a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
+        for (int64_t t = 0; t < ntiles; t++) {
+            if (act == ACT_INT16) tile_q16a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
+            else tile_q8a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
+        }
         free(qa);
         return 0;
     }
