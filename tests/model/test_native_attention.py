@@ -168,6 +168,18 @@ def test_build_is_cached_and_reports_compile_errors(tmp_path, monkeypatch):
 
 
 @needs_cc
+def test_editing_an_included_header_rebuilds(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(tmp_path))
+    header, source = tmp_path / "answer.h", tmp_path / "uses.c"
+    header.write_text("#define ANSWER 42\n")
+    source.write_text('#include "answer.h"\nint answer(void) { return ANSWER; }\n')
+    first = build_shared_object(source)
+    header.write_text("#define ANSWER 43\n")
+    second = build_shared_object(source)
+    assert second != first and second.exists()
+
+
+@needs_cc
 def test_unwritable_cache_is_a_build_error(tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")

@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -46,6 +47,14 @@ def compile_flags(cpu: CpuFeatures) -> tuple[str, ...]:
     return (f"-march={cpu.march}", *OPT_FLAGS)
 
 
+def source_texts(source: Path) -> list[bytes]:
+    """`source` and the local headers it includes (`#include "name.h"`, next to it): what the
+    cache key hashes, so editing a header rebuilds every object that includes it."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return [text, *(source.with_name(name.decode()).read_bytes() for name in headers)]
+
+
 def build_shared_object(source: Path, cpu: CpuFeatures | None = None) -> Path:
     """Compile `source` into the cache (once per source, flags, compiler and CPU); its path."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -55,7 +64,7 @@ def build_shared_object(source: Path, cpu: CpuFeatures | None = None) -> Path:
     compile_args = compile_flags(cpu)
     flags = " ".join(compile_args + LINK_FLAGS).encode()
     cpu_key = " ".join(sorted(cpu.flags)) or platform.processor()
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), flags, compiler.encode(),
+    key = hashlib.sha256(b"\0".join([*source_texts(source), flags, compiler.encode(),
                                      platform.machine().encode(), cpu_key.encode()])).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
