@@ -16,7 +16,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in f
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 QUANTIZATIONS = ("auto", "gguf", "none")
-QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32")
+QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16")
 POOLERS = ("last", "mean")
 
 
@@ -66,8 +66,10 @@ class ModelConfig:
     # 32 values to int16 (integer dot products; SmolLM2's greedy answers unchanged, logprobs
     # within ~3e-4) or int8 (llama.cpp's approach: faster, but most answers change; both from
     # benchmarks/activation_error.py), or fp32 (weight-only: equal to the dequantized
-    # model up to rounding). auto: int16. Calls of more than 64 rows (long prefill chunks)
-    # dequantize and multiply in fp32 either way.
+    # model up to rounding); calls of more than 64 rows (long prefill chunks) then dequantize
+    # and multiply in fp32. bf16 (AMX CPUs only): x and W rounded to bf16 for every call,
+    # summed in fp32 by AMX tiles. auto: int16, and on AMX bf16 from 16 rows up (prefill chunks,
+    # decode batches of 16+: 2-3x faster there, logprobs within ~7e-3).
     quant_activations: str = "auto"
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
@@ -370,7 +372,9 @@ class EngineArgs:
     quant_activations: str = _arg("auto", "activations of decode steps on Q8_0/Q4_0/Q4_1 blocks, rounded "
                                           "per 32 values: int16 (logprobs within ~3e-4 of fp32's), int8 "
                                           "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
-                                          "auto: int16", choices=QUANT_ACTIVATIONS)
+                                          "bf16: every call in bf16 on AMX tiles (AMX CPUs only); auto: "
+                                          "int16, and bf16 on AMX for calls of 16+ rows (prefill, "
+                                          "batches)", choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks")
     pooler: str = _arg("last", "how /v1/embeddings pools the final hidden states (then L2-normalised)",

@@ -14,7 +14,7 @@ from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model.layers.rotary import apply_rotary
-from tokenbus.model.native import load_fused_ops
+from tokenbus.model.native import load_fused_ops, load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
 from tokenbus.worker.model_loader import load_model
 
@@ -72,10 +72,13 @@ def _steps(model, use_c: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch, qtype, activations", [("llama", "Q4_1", "auto"), ("llama", "Q8_0", "int8"),
-                                                      ("qwen2", "Q4_0", "fp32")])  # qwen2: q/k/v biases
+                                                      ("qwen2", "Q4_0", "fp32"),  # qwen2: q/k/v biases
+                                                      ("llama", "Q4_1", "bf16")])  # AMX only
 def test_decoder_layer_in_c_equals_the_layer_by_layer_path(tmp_path, arch, qtype, activations):
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    if activations == "bf16" and not load_quant_kernels().amx:
+        pytest.skip(f"bf16 tiles need AMX; this CPU is {CpuFeatures.detect().describe()}")
     model = _model(tmp_path, arch, qtype, quantization="gguf", quant_activations=activations)
     layers = model._decode_layers
     assert layers is not None

@@ -155,15 +155,17 @@ def test_reloading_a_quantized_linear_rebuilds_its_kernel():
     torch.testing.assert_close(linear(x), x @ dense.T, rtol=1e-4, atol=1e-4)
 
 
-def _logits(src, quantization: str, quant_activations: str = "fp32") -> torch.Tensor:
+def _logits(src, quantization: str, quant_activations: str = "fp32", prompt_len: int = 5) -> torch.Tensor:
+    """Logits of a `prompt_len`-token prefill, then 4 decodes."""
     from tests.fixtures.paged import PagedKV
     from tests.model.test_llama_vs_hf import run
 
     model = load_model(src, load_arch(src), torch.float32, "cpu", quantization=quantization,
                        quant_activations=quant_activations)
-    ids = [101, 202, 303, 404, 505, 606, 707, 808, 909]
+    ids = [101 * (i + 1) % 997 for i in range(prompt_len)] + [606, 707, 808, 909]
     kv = PagedKV.for_model(model)
-    return torch.cat([run(model, kv, [("a", ids[:5])])] + [run(model, kv, [("a", [t])]) for t in ids[5:]]), model
+    return torch.cat([run(model, kv, [("a", ids[:prompt_len])])]
+                     + [run(model, kv, [("a", [t])]) for t in ids[prompt_len:]]), model
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K"])

@@ -25,7 +25,7 @@ from tokenbus.model.attention_backend import AttentionBackend, TorchAttentionBac
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenbus.model.layers.quantized import (DequantBuffer, KernelWeight, QuantizedLinearKernel, QuantizedWeight,
-                                             is_quantized, kernel_weight, quantized_embedding)
+                                             is_quantized, kernel_weight, quantized_embedding, tile_mode)
 from tokenbus.model.native import (TILE_GEMV_MAX_ROWS, FusedOps, NativeBuildError, PagedAttentionKernel,
                                    QuantKernels, load_fused_ops, load_quant_kernels)
 from tokenbus.model.native.decode_layer import DecodeLayers, LayerWeights, LinearWeights
@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         # A GGUF embedding kept in its blocks (then embed_tokens is released), and its kernels.
         self.embed_quantized: QuantizedWeight | KernelWeight | None = None
         self.quant_kernels: QuantKernels | None = None
-        self._activations = "fp32"  # of the tiled GGUF linears: set_quant_activations
+        self._activations, self._bf16_from_rows = "fp32", 0  # of the tiled GGUF linears: set_quant_activations
         self._decode_layers: DecodeLayers | None = None  # decode_layer.c (set_attention_backend)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
@@ -186,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         native = plan.native
         return layers.step_args(x.shape[0], cos, sin, ctx.slot_mapping, native.block_tables, native.query_start,
-                                native.seq_lens, native.reqs, kv, self._activations)
+                                native.seq_lens, native.reqs, kv,
+                                tile_mode(self._activations, self._bf16_from_rows, x.shape[0]))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:
@@ -239,13 +240,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
                 module.fused = fused
 
-    def set_quant_activations(self, activations: str) -> None:
-        """fp32, int16 or int8 activations for the tiled GGUF linears' calls of up to 64 rows
-        (decode steps, short prefill chunks: layers/quantized.py); bigger ones multiply in fp32."""
-        self._activations = activations
+    def set_quant_activations(self, activations: str, bf16_from_rows: int = 0) -> None:
+        """fp32, int16, int8 or bf16 activations for the tiled GGUF linears' calls of up to 64 rows
+        (decode steps, short prefill chunks: layers/quantized.py); bigger ones multiply in fp32.
+        Calls of at least `bf16_from_rows` rows (0: none) take bf16 on AMX instead, any size."""
+        self._activations, self._bf16_from_rows = activations, bf16_from_rows
         for module in self.modules():
             if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
-                module.kernel.activations = activations
+                module.kernel.activations, module.kernel.bf16_from_rows = activations, bf16_from_rows
 
     def set_attention_backend(self, backend: str, decode_layers: bool = True) -> None:
         """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.

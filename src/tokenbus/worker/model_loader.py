@@ -15,9 +15,11 @@ from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.loader import ModelSource, iter_weights
-from tokenbus.model.native import NativeBuildError, load_quant_kernels
+from tokenbus.model.layers.quantized import AMX_AUTO_MIN_ROWS
+from tokenbus.model.native import NativeBuildError, QuantKernels, load_quant_kernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
+from tokenbus.utils.cpu import CpuFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +29,11 @@ def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: to
                quantization: str = "none", quant_activations: str = "auto", enforce_eager: bool = False) -> nn.Module:
     """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
     in their blocks when `quantization` resolves to gguf (resolve_quantization), their decode
-    calls on int16, int8 or fp32 activations (`quant_activations`: ModelConfig). Decode steps
+    calls on int16, int8, fp32 or (AMX) bf16 activations (`quant_activations`: ModelConfig). Decode steps
     run a layer per C call where they can, unless `enforce_eager` (op by op)."""
     model_class = get_model_class(arch.architecture)
     keep_quantized = resolve_quantization(quantization, src, torch.device(device), tp) == "gguf"
-    if quant_activations in ("int8", "int16") and not keep_quantized:
+    if quant_activations in ("int8", "int16", "bf16") and not keep_quantized:
         raise ValueError(f"quant_activations {quant_activations!r} needs GGUF weights kept quantized "
                          f"(--quantization gguf)")
     with torch.device(device), _default_dtype(dtype):
@@ -40,8 +42,23 @@ def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: to
     model.load_weights(iter_weights(src, arch, keep_quantized))  # casts to dtype on copy
     model.set_attention_backend(attention_backend, decode_layers=not enforce_eager)
     if keep_quantized:
-        model.set_quant_activations("int16" if quant_activations == "auto" else quant_activations)
+        model.set_quant_activations(*quant_activation_modes(quant_activations, model.quant_kernels))
     return model.eval()
+
+
+def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> tuple[str, int]:
+    """set_quant_activations' (activations, bf16_from_rows) for a ModelConfig.quant_activations:
+    auto is int16, and bf16 on AMX from AMX_AUTO_MIN_ROWS rows (prefill chunks, larger decode
+    batches); bf16 is bf16 for every call and needs AMX."""
+    amx = kernels is not None and kernels.amx
+    if requested == "bf16":
+        if not amx:
+            raise ValueError("quant_activations 'bf16' needs AMX (amx_bf16, amx_tile and avx512_bf16, "
+                             f"granted by the kernel); this CPU: {CpuFeatures.detect().describe()}")
+        return "bf16", 1
+    if requested == "auto":
+        return "int16", AMX_AUTO_MIN_ROWS if amx else 0
+    return requested, 0
 
 
 def quantization_problem(src: ModelSource, device: torch.device, tp: TensorParallel | int) -> str | None:

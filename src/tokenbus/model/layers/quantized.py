@@ -14,6 +14,11 @@ value per activation, which 120 matmuls compound into greedy answers that differ
 model's: benchmarks/activation_error.py). A larger batch (a long prefill chunk) is
 compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
 and multiplied by an fp32 GEMM, so no dense copy is ever kept.
+
+On a CPU with AMX, calls from AMX_AUTO_MIN_ROWS rows up (prefill chunks, decode batches of 16+)
+take bf16 activations instead, at any size: each weight tile is dequantized once per call into
+bf16 AMX tiles, x is rounded to bf16, and the tiles sum the products in fp32 (quant_tiles.c),
+2-3x faster than the int16 kernel or the fp32 GEMM there.
 """
 
 from __future__ import annotations
@@ -26,6 +31,18 @@ from typing import Protocol
 import torch
 
 from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, TILE_ROWS, QuantKernels
+
+# From how many rows a call on tiles takes bf16 activations on AMX under quant_activations=auto:
+# below it the int16 kernel is faster (a SmolLM2 step's linears, benchmarks/quant_linear.py
+# --step: 11.3 vs 11.5 ms at 8 rows, 17.7 vs 11.8 at 16, 68 vs 23 at 64), and closer to fp32.
+AMX_AUTO_MIN_ROWS = 16
+
+
+def tile_mode(activations: str, bf16_from_rows: int, rows: int) -> str:
+    """How a call of `rows` rows on tiles takes x: bf16 (AMX) from `bf16_from_rows` rows up (0:
+    never), else `activations` (fp32 | int16 | int8; beyond TILE_GEMV_MAX_ROWS rows such a call
+    dequantizes for an fp32 GEMM instead)."""
+    return "bf16" if bf16_from_rows and rows >= bf16_from_rows else activations
 from tokenbus.model.native import ops as native_ops
 
 
@@ -104,8 +121,9 @@ class DequantBuffer:
 
 class QuantizedLinearKernel:
     """x[..., K] -> [..., N] over shards of GGUF blocks stacked along N (fused q/k/v may mix
-    types), plus an optional dense bias. `activations` (fp32 | int16 | int8, set by the model:
-    LlamaForCausalLM.set_quant_activations) applies to tiled shards in decode-sized calls."""
+    types), plus an optional dense bias. How tiled shards take x (set by the model:
+    LlamaForCausalLM.set_quant_activations): `activations` (fp32 | int16 | int8) in decode-sized
+    calls, bf16 on AMX from `bf16_from_rows` rows (0: never): tile_mode."""
 
     def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None,
                  buffer: DequantBuffer | None = None) -> None:
@@ -116,16 +134,16 @@ class QuantizedLinearKernel:
         self.bias = bias
         self.buffer = buffer or DequantBuffer()
         self.activations = "fp32"
+        self.bf16_from_rows = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._traced(x)
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
-        start = 0
+        start, mode = 0, tile_mode(self.activations, self.bf16_from_rows, flat.shape[0])
         for shard in self.shards:
-            shard_matmul(self.kernels, shard, flat, out[:, start:start + shard.rows], self.activations,
-                         self.buffer)
+            shard_matmul(self.kernels, shard, flat, out[:, start:start + shard.rows], mode, self.buffer)
             start += shard.rows
         if self.bias is not None:
             out += self.bias
@@ -134,8 +152,8 @@ class QuantizedLinearKernel:
     def _traced(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic through custom ops that torch.compile traces (native/ops.py)."""
         flat = x.reshape(-1, self.in_features).float()  # [M, K]
-        parts = [native_ops.quant_matmul(flat, shard.data, shard.qtype, shard.cols, shard.rows,
-                                         shard.tiled, self.activations)
+        mode = tile_mode(self.activations, self.bf16_from_rows, flat.shape[0])
+        parts = [native_ops.quant_matmul(flat, shard.data, shard.qtype, shard.cols, shard.rows, shard.tiled, mode)
                  for shard in self.shards]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
         if self.bias is not None:
@@ -151,9 +169,12 @@ class QuantizedLinearKernel:
 def shard_matmul(kernels: QuantKernels, shard: KernelWeight, flat: torch.Tensor,
                  out: torch.Tensor, activations: str, buffer: DequantBuffer) -> None:
     """out [M, rows] (a column slice) = flat [M, K] @ shard.T: the block kernel for a
-    decode-sized M, else a GEMM per chunk of dequantized rows (of W^T, whole tiles, when tiled):
-    prefill is compute-bound."""
+    decode-sized M or (tiles only) bf16 activations (AMX, any M), else a GEMM per chunk of
+    dequantized rows (of W^T, whole tiles, when tiled): prefill is compute-bound."""
     tiled = shard.tiled
+    if tiled and activations == "bf16":
+        kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, activations)
+        return
     if flat.shape[0] <= (TILE_GEMV_MAX_ROWS if tiled else QUANT_GEMV_MAX_ROWS):
         if tiled:
             kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, activations)

@@ -164,7 +164,7 @@ TILE_GEMV_MAX_ROWS = QUANT_MAX_ROWS
 TILE_ROWS = 16
 TILE_QTYPES = (8, 2, 3)
 # How quant_tiles.c takes the activations (its ACT_*): as they are, or rounded per 32 values.
-TILE_ACTIVATIONS = {"fp32": 0, "int8": 1, "int16": 2}
+TILE_ACTIVATIONS = {"fp32": 0, "int8": 1, "int16": 2, "bf16": 3}
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,7 @@ class QuantKernels:
     matmul_fn: ctypes._CFuncPtr
     dequant_fn: ctypes._CFuncPtr
     tile_fns: dict[str, ctypes._CFuncPtr] | None  # None: this CPU has no tiled kernels
+    amx: bool = False  # tile_matmul takes "bf16" activations (AMX built and granted)
 
     def tiles(self, qtype: int) -> bool:
         """Whether weights of this GGML type are repacked in tiles here."""
@@ -197,7 +198,7 @@ class QuantKernels:
         """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); `activations`
         (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (quant_tiles.c)."""
         assert tiles.dtype == torch.uint8 and tiles.is_contiguous() and x.dtype == out.dtype == torch.float32
-        assert x.stride(1) == 1 and out.stride(1) == 1 and x.shape[0] <= QUANT_MAX_ROWS
+        assert x.stride(1) == 1 and out.stride(1) == 1 and (x.shape[0] <= QUANT_MAX_ROWS or activations == "bf16")
         assert x.shape[1] == num_cols and out.shape == (x.shape[0], num_rows)
         assert tiles.numel() == self.tile_fns["nbytes"](qtype, num_rows, num_cols), "tiles of another shape"
         status = self.tile_fns["matmul"](qtype, tiles.data_ptr(), num_rows, num_cols, x.data_ptr(), x.shape[0],
@@ -258,7 +259,8 @@ def load_quant_kernels(cpu: CpuFeatures | None = None) -> QuantKernels:
     matmul.restype = dequant.restype = ctypes.c_int
     matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
     dequant.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
-    return QuantKernels(matmul, dequant, _load_tile_fns(cpu))
+    tile_fns = _load_tile_fns(cpu)
+    return QuantKernels(matmul, dequant, tile_fns, amx=tile_fns is not None and bool(tile_fns["amx"]()))
 
 
 def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | None:
@@ -268,10 +270,11 @@ def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | Non
     if not lib.tile_supported():
         return None
     fns = {"nbytes": lib.tile_nbytes, "repack": lib.tile_repack, "matmul": lib.tile_matmul,
-           "dequant_rows": lib.tile_dequant_rows, "dequant_t": lib.tile_dequant_t}
+           "dequant_rows": lib.tile_dequant_rows, "dequant_t": lib.tile_dequant_t, "amx": lib.tile_amx_supported}
     for fn in fns.values():
         fn.restype = ctypes.c_int
     fns["nbytes"].restype = _I64
+    fns["amx"].argtypes = []
     fns["nbytes"].argtypes = [ctypes.c_int, _I64, _I64]
     fns["repack"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR]
     fns["matmul"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, ctypes.c_int]

@@ -41,7 +41,7 @@
 #define MAX_M 64   /* activation rows per call (QUANT_MAX_ROWS) */
 
 enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 };  /* GGMLQuantizationType */
-enum { ACT_FP32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };  /* how tile_matmul takes x */
+enum { ACT_FP32 = 0, ACT_INT8 = 1, ACT_INT16 = 2, ACT_BF16 = 3 };  /* how tile_matmul takes x */
 
 /* Bytes of one GGUF block, of its quants, and whether it carries a min. 0 if not tiled. */
 static int tile_info(int qtype, int *block_bytes, int *quant_bytes, int *has_min) {
@@ -306,6 +306,135 @@ static void tile_dequant_t_one(int qtype, int qb, const uint8_t *tiles, int64_t 
 }
 #endif
 
+/* ---- bf16 activations on AMX (Sapphire Rapids and later): any number of rows
+   A weight tile is dequantized once per call (exactly as tile_dequant_t: d q + m in fp32), rounded
+   to bf16 and laid out as AMX B tiles: per tile-block (32 values) one 16 x 64-byte tile whose
+   row p holds, for each of the 16 weight rows n, the pair (W[n][2p], W[n][2p + 1]). x is rounded
+   to bf16 once per call, zero-padded to whole 16-row A tiles. tdpbf16ps then multiplies a
+   16-row A tile by a B tile into a 16 x 16 fp32 C tile, summing in fp32 over all K (no
+   per-block scales left to apply), so y = x W^T with both rounded to bf16 and nothing else;
+   three C tiles (48 rows of x) share each loaded B tile. */
+#if defined(HAVE_TILES) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023  /* Linux: ask for the AMX tile state (arch/x86 uapi) */
+#define XFEATURE_XTILEDATA 18
+#define AMX_MB 3                    /* 16-row A and C tiles per loaded B tile */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Tiles 0-2: C, 3-5: A, 6: B; all 16 rows of 64 bytes. Per thread: the config is thread state. */
+static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 7; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* Tile-block tb as one B tile: bt[p * 32 + 2n + j] = bf16(W[n][2p + j]) for its 16 rows n. */
+static inline void amx_pack_block(int qtype, int qb, const uint8_t *tb, __m512i interleave, uint16_t *bt) {
+    vf q[32], d, mn;
+    tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+    unpack_fp32(qtype, tb, q);
+    for (int p = 0; p < 16; p++) {  /* words 0-15: W[.][2p], 16-31: W[.][2p + 1]; then paired per row */
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vf_fma(q[2 * p + 1], d, mn), vf_fma(q[2 * p], d, mn));
+        _mm512_storeu_si512((void *)(bt + p * 32), _mm512_permutexvar_epi16(interleave, both));
+    }
+}
+
+/* C tile i (rows [m0 + 16i, +16) of y, tile t's columns) to y, or only the rows and columns that
+   exist through a scratch copy. */
+#define AMX_STORE(i)                                                                                    \
+    do {                                                                                                \
+        const int64_t r0 = m0 + 16 * (i), nr = M - r0 < 16 ? M - r0 : 16;                               \
+        if (nr == 16 && valid == TR) {                                                                  \
+            _tile_stored(i, y + r0 * ldy + n0, ldy * (int64_t)sizeof(float));                          \
+        } else if (nr > 0) {                                                                            \
+            _tile_stored(i, scratch, 16 * sizeof(float));                                               \
+            for (int64_t r = 0; r < nr; r++) memcpy(y + (r0 + r) * ldy + n0, scratch + 16 * r, sizeof(float) * (size_t)valid); \
+        }                                                                                               \
+    } while (0)
+
+/* Tile t of W times all Mpad rows of xb into y. The first 48 rows pack each B tile just before
+   using it (so a decode-sized call reads it back from L1), into bt [blocks * 512], which the
+   later rows reuse. */
+static void amx_tile(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, uint16_t *bt,
+                     const uint16_t *xb, int64_t Mpad, int64_t K, float *y, int64_t ldy, int64_t M, int64_t N,
+                     int64_t t) {
+    static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_loadu_si512((const void *)pairs);
+    const int64_t n0 = t * TR, valid = N - n0 < TR ? N - n0 : TR, lda = K * (int64_t)sizeof(uint16_t);
+    float scratch[256];
+    for (int64_t m0 = 0; m0 < Mpad; m0 += 16 * AMX_MB) {
+        const int64_t mb = (Mpad - m0) / 16 < AMX_MB ? (Mpad - m0) / 16 : AMX_MB;
+        const uint16_t *a = xb + m0 * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (int64_t b = 0; b < blocks; b++) {
+            if (m0 == 0) amx_pack_block(qtype, qb, tiles + (t * blocks + b) * tbb, interleave, bt + b * 512);
+            _tile_loadd(6, bt + b * 512, 64);
+            _tile_loadd(3, a + b * 32, lda);
+            _tile_dpbf16ps(0, 3, 6);
+            if (mb > 1) { _tile_loadd(4, a + 16 * K + b * 32, lda); _tile_dpbf16ps(1, 4, 6); }
+            if (mb > 2) { _tile_loadd(5, a + 32 * K + b * 32, lda); _tile_dpbf16ps(2, 5, 6); }
+        }
+        AMX_STORE(0);
+        if (mb > 1) AMX_STORE(1);
+        if (mb > 2) AMX_STORE(2);
+    }
+}
+
+/* 0 on success, 3 out of memory. */
+static int amx_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, int64_t blocks, int64_t tbb,
+                      int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                      int num_threads) {
+    const int64_t Mpad = (M + 15) / 16 * 16;
+    uint16_t *xb = aligned_alloc(64, (size_t)(Mpad * K) * sizeof(uint16_t) + 64);
+    if (!xb) return 3;
+    for (int64_t m = 0; m < Mpad; m++)
+        for (int64_t k = 0; k < K; k += 16) {  /* K % 32 == 0 */
+            const __m512 v = m < M ? _mm512_loadu_ps(x + m * ldx + k) : _mm512_setzero_ps();
+            _mm256_storeu_si256((__m256i *)(xb + m * K + k), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        uint16_t *bt = aligned_alloc(64, (size_t)blocks * 1024);
+        if (bt) amx_configure();
+        else failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            if (!bt) continue;
+            amx_tile(qtype, qb, tiles, blocks, tbb, bt, xb, Mpad, K, y, ldy, M, N, t);
+        }
+        if (bt) _tile_release();
+        free(bt);
+    }
+    free(xb);
+    return failed ? 3 : 0;
+}
+#endif
+
+/* 1 when tile_matmul takes bf16 activations here: an AMX build on a kernel that grants this
+   process the tile state (asked once; the answer is the process's). */
+int tile_amx_supported(void) {
+#ifdef HAVE_AMX
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
 /* 1 when this build has the tiled kernels (AVX2 + FMA + F16C, or AVX-512 BW). */
 int tile_supported(void) {
 #ifdef HAVE_TILES
@@ -346,18 +475,26 @@ int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, con
 }
 
 
-/* y[M, N] = x[M, K] @ W.T on tiles, x as fp32, or quantized per block to int8 or int16 first
-   (act: ACT_*). 0 on success; 1: not tiled here (or an unknown act); 2: M > MAX_M; 3: out of
-   memory. */
+/* y[M, N] = x[M, K] @ W.T on tiles, x as fp32, or quantized per block to int8 or int16 first,
+   or (any M, on AMX: check tile_amx_supported) W and x rounded to bf16 (act: ACT_*). 0 on
+   success; 1: not tiled here (or an unknown act); 2: M > MAX_M; 3: out of memory. */
 int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx,
                 float *y, int64_t ldy, int act, int num_threads) {
-    if (act != ACT_FP32 && act != ACT_INT8 && act != ACT_INT16) return 1;
+    if (act != ACT_FP32 && act != ACT_INT8 && act != ACT_INT16 && act != ACT_BF16) return 1;
     int64_t blocks, tbb, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb);
     if (!ntiles || !tile_supported()) return 1;
-    if (M > MAX_M) return 2;
+    if (M > MAX_M && act != ACT_BF16) return 2;
 #ifdef HAVE_TILES
     int bb, qb, hm;
     tile_info(qtype, &bb, &qb, &hm);
+    if (act == ACT_BF16) {
+#ifdef HAVE_AMX
+        if (!tile_amx_supported()) return 1;  /* a syscall (~1 us): never a tile instruction unpermitted */
+        return amx_matmul(qtype, qb, tiles, ntiles, blocks, tbb, N, K, x, M, ldx, y, ldy, num_threads);
+#else
+        return 1;
+#endif
+    }
     if (act != ACT_FP32) {  /* x rounded per block first: qa (int8 or int16), then its scales */
         const size_t elem = act == ACT_INT16 ? sizeof(int16_t) : sizeof(int8_t);
         void *qa = malloc(elem * (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + 64);
