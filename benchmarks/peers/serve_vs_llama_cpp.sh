@@ -4,7 +4,8 @@
 # concurrency 1 (12 requests) and 16 (64 requests), prompts 20-600, outputs 16-256, EOS
 # ignored. Also cold start to healthy for both. Loopback only; results in bench_out/peer_*.
 # PEERS="llama_cpp vllm" adds vLLM's CPU build (benchmarks/peers/vllm_cpu.sh: an HF copy of the
-# same weights in fp32, since it cannot run GGUF on CPU; ~190 s of torch.compile at start).
+# same weights in fp32, since it cannot run GGUF on CPU; ~190 s of torch.compile at start);
+# vllm_bf16 runs it in bf16 (its choice for SmolLM2's bf16 checkpoint; AMX where the CPU has it).
 set -u
 cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh
@@ -34,6 +35,7 @@ for peer in ${PEERS:-llama_cpp}; do
   case $peer in
     llama_cpp) run_peer llama_cpp 8042 bash benchmarks/peers/llama_cpp.sh server 8042 "$MODEL" -np 16 -c 32768 --alias smollm2 ;;
     vllm) START_TIMEOUT=600 run_peer vllm 8043 bash benchmarks/peers/vllm_cpu.sh server 8043 ;;
+    vllm_bf16) START_TIMEOUT=600 run_peer vllm_bf16 8044 bash benchmarks/peers/vllm_cpu.sh server 8044 --dtype bfloat16 ;;
   esac
 done
 grep -H -E "Output token throughput|Total token throughput|Median TTFT|Median ITL" bench_out/peer_*_c*.txt
