@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "native")
 QUANTIZATIONS = ("auto", "gguf", "none")
 QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16")
 POOLERS = ("last", "mean")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # exact pool size (tests, forcing preemption); wins over memory
+    # K/V element type. auto: float16 for an fp32 model on GGUF blocks on CPU (a batched decode
+    # step reads mostly K/V: half the bytes, rounding ~5e-4), else the model's dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -384,6 +390,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(0.9)
     enable_prefix_caching: bool = _arg(True)
     num_kv_blocks: int | None = _arg(None, "an exact KV pool size (tests)", hidden=True)
+    kv_cache_dtype: str = _arg("auto", "K/V element type; auto: float16 for float32 models on GGUF blocks "
+                                       "on CPU (half the bytes a decode step reads), else --dtype",
+                               choices=KV_CACHE_DTYPES)
     max_num_seqs: int = _arg(128)
     max_num_batched_tokens: int = _arg(2048)
     long_prefill_token_threshold: int = _arg(0)

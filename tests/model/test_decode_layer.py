@@ -52,13 +52,13 @@ def _model(tmp_path, arch: str, qtype: str, **kwargs):
     return load_model(src, load_arch(src), kwargs.pop("dtype", torch.float32), "cpu", **kwargs)
 
 
-def _steps(model, use_c: bool) -> list[torch.Tensor]:
+def _steps(model, use_c: bool, kv_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Logits of a few steps: a prefill, decodes of two requests, a mixed step."""
     saved = model._decode_layers
     if not use_c:
         model._decode_layers = None
     try:
-        kv = PagedKV.for_model(model)
+        kv = PagedKV.for_model(model, kv_dtype=kv_dtype)
         batches = [[("a", [5, 6, 7, 8, 9, 10])], [("a", [11])], [("a", [12]), ("b", [3, 4, 5])],
                    [("a", [13]), ("b", [6])], [("b", [7]), ("a", [14])]]
         out = []
@@ -71,10 +71,12 @@ def _steps(model, use_c: bool) -> list[torch.Tensor]:
         model._decode_layers = saved
 
 
-@pytest.mark.parametrize("arch, qtype, activations", [("llama", "Q4_1", "auto"), ("llama", "Q8_0", "int8"),
-                                                      ("qwen2", "Q4_0", "fp32"),  # qwen2: q/k/v biases
-                                                      ("llama", "Q4_1", "bf16")])  # AMX only
-def test_decoder_layer_in_c_equals_the_layer_by_layer_path(tmp_path, arch, qtype, activations):
+@pytest.mark.parametrize("arch, qtype, activations, kv_dtype", [
+    ("llama", "Q4_1", "auto", torch.float32), ("llama", "Q8_0", "int8", torch.float32),
+    ("qwen2", "Q4_0", "fp32", torch.float32),  # qwen2: q/k/v biases
+    ("llama", "Q4_1", "bf16", torch.float32),  # AMX only
+    ("llama", "Q4_1", "auto", torch.float16)])  # --kv-cache-dtype float16 (the default on GGUF blocks)
+def test_decoder_layer_in_c_equals_the_layer_by_layer_path(tmp_path, arch, qtype, activations, kv_dtype):
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
     if activations == "bf16" and not load_quant_kernels().amx:
@@ -85,7 +87,7 @@ def test_decoder_layer_in_c_equals_the_layer_by_layer_path(tmp_path, arch, qtype
     calls = []
     run = layers.run
     layers.run = lambda *args: (calls.append(args[0]), run(*args))
-    for got, want in zip(_steps(model, True), _steps(model, False)):
+    for got, want in zip(_steps(model, True, kv_dtype), _steps(model, False, kv_dtype)):
         assert torch.equal(got, want)
     assert len(calls) == 5 * model.num_layers  # every step ran in C (all fit the native kernel)
 

@@ -61,9 +61,10 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     return q, k, v, kv, ctx
 
 
-def both_paths(kernel, requests, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32):
+def both_paths(kernel, requests, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, kv_dtype=None):
     q, k, v, kv, ctx = make_batch(requests, num_heads, num_kv_heads, head_dim)
-    q, k, v, kv = (t.to(dtype) for t in (q, k, v, kv))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    kv = kv.to(kv_dtype or dtype)
     ctx.kv_caches = [kv]
     scale = head_dim ** -0.5
     ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, dtype), scale)
@@ -93,6 +94,16 @@ def test_bfloat16_matches_torch_path(kernel):
     out, ref, plan = both_paths(kernel, DECODES + [(5, 30), (2, 0)], dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and plan.native.reqs.numel() == len(DECODES) + 2
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_float16_cache_under_float32_queries_matches_torch_path(kernel):
+    """fp16 K/V (--kv-cache-dtype float16) under fp32 queries: both paths attend over the values
+    as the cache holds them (rounded to fp16, this step's too), in fp32."""
+    out, ref, plan = both_paths(kernel, DECODES + [(5, 30), (2, 0)], kv_dtype=torch.float16)
+    assert out.dtype == torch.float32 and plan.native.reqs.numel() == len(DECODES) + 2
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    fp32, _, _ = both_paths(kernel, DECODES + [(5, 30), (2, 0)])
+    assert 0 < (out - fp32).abs().max() < 5e-3  # the rounding, and nothing more
 
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48)])

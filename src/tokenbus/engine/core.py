@@ -52,7 +52,7 @@ class EngineCore:
                                                enable_caching=config.cache.enable_prefix_caching)
         self._block_hasher = make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         self.grammar_manager = _make_grammar_manager(config, source, arch, eos_token_id)
-        self.kv_connector = _make_scheduler_connector(config, arch)
+        self.kv_connector = _make_scheduler_connector(config, arch, source)
         if self.kv_connector is not None:
             block_size = config.cache.block_size
             self._block_hasher = make_block_hasher(block_size)  # connectors key blocks by hash
@@ -121,13 +121,13 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def _make_scheduler_connector(config: EngineConfig, arch: ModelArch):
+def _make_scheduler_connector(config: EngineConfig, arch: ModelArch, source: "ModelSource"):
     if config.kv_transfer is None:
         return None
     from tokenbus.kv_transfer.factory import connector_context, make_scheduler_connector
     from tokenbus.worker.worker import connector_layout
 
-    return make_scheduler_connector(connector_context(config.kv_transfer, connector_layout(config, arch),
+    return make_scheduler_connector(connector_context(config.kv_transfer, connector_layout(config, arch, source),
                                                       config.parallel.data_parallel_rank))
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from tokenbus.config import ATTENTION_BACKENDS
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.native import (KERNEL_DTYPES, NativeBuildError, PagedAttentionKernel, check_indices,
+from tokenbus.model.native import (KERNEL_KV_DTYPES, NativeBuildError, PagedAttentionKernel, check_indices,
                                    load_paged_attention)
 from tokenbus.model.native import ops as native_ops
 from tokenbus.utils import cdiv
@@ -148,7 +148,8 @@ class TorchDecodePlan:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         tables = self.block_tables.index_select(0, self.token_requests)  # [T, W]
-        kv = gather_blocks(kv_cache, tables).view(2, num_tokens, -1, num_kv_heads, head_dim)  # [2, T, L, Hkv, D]
+        kv = gather_blocks(kv_cache, tables, q.dtype)
+        kv = kv.view(2, num_tokens, -1, num_kv_heads, head_dim)  # [2, T, L, Hkv, D]
         kv = kv.transpose(2, 3)  # [2, T, Hkv, L, D]
         key_ids = torch.arange(tables.shape[1] * block_size, device=q.device)
         masked = key_ids[None, :] > self.positions[:, None]  # [T, L]: after the token itself
@@ -168,7 +169,7 @@ def select_attention_kernel(backend: str, device: torch.device, dtype: torch.dty
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return None
-    supported = device.type == "cpu" and dtype in KERNEL_DTYPES
+    supported = device.type == "cpu" and dtype in KERNEL_KV_DTYPES
     if not supported:
         if backend == "native":
             raise ValueError(f"attention_backend 'native' runs on CPU in float32 or bfloat16, "
@@ -187,9 +188,10 @@ def build_attention_plan(ctx: ForwardContext, dtype: torch.dtype,
                          native_kernel: PagedAttentionKernel | None = None) -> AttentionPlan:
     """Derive per-step index tensors and masks (in the activation `dtype`) from `ctx`."""
     _, _, block_size, num_kv_heads, head_dim = ctx.kv_caches[0].shape
-    if native_kernel is not None and dtype in KERNEL_DTYPES and ctx.kv_caches[0].device.type == "cpu":
+    kv = ctx.kv_caches[0]
+    if native_kernel is not None and kv.dtype in KERNEL_KV_DTYPES.get(dtype, ()) and kv.device.type == "cpu":
         return _plan_native(ctx, native_kernel, block_size, dtype)
-    bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K and V
+    bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K and V, as gathered
     decode_tiles = _plan_decode_tiles(ctx, block_size, bytes_per_key, dtype)
     prefills = [_plan_prefill(ctx, r, block_size, dtype) for r in range(ctx.num_decodes, ctx.num_reqs)]
     return AttentionPlan(decode_tiles, prefills, ctx.num_tokens)
@@ -255,11 +257,12 @@ def _plan_prefill(ctx: ForwardContext, req: int, block_size: int, dtype: torch.d
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v [T, Hkv, D] at slots (block_id * block_size + offset) of kv_cache [2, NB, bs, Hkv, D]."""
+    """Store k, v [T, Hkv, D] at slots (block_id * block_size + offset) of kv_cache [2, NB, bs, Hkv, D]
+    (rounded to the cache's dtype: --kv-cache-dtype)."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, NB * bs, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -268,21 +271,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return plan.forward(q, k, v, kv_cache, slot_mapping, scale)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy out blocks: kv_cache [2, NB, bs, Hkv, D], block_ids [*] -> [2, len(block_ids) * bs, Hkv, D].
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Copy out blocks: kv_cache [2, NB, bs, Hkv, D], block_ids [*] -> [2, len(block_ids) * bs, Hkv, D]
+    in `dtype` (the queries', where the cache holds another: --kv-cache-dtype).
 
     index_select over whole blocks (contiguous rows) measured 2-13x faster than kv_cache[:, ids].
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids.reshape(-1))  # [2, n_ids, bs*Hkv*D]
-    return rows.view(2, -1, num_kv_heads, head_dim)
+    return rows.view(2, -1, num_kv_heads, head_dim).to(dtype)
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, tile: DecodeTile, scale: float) -> torch.Tensor:
     """q [n, Hq, D] (one query per request) -> [n, Hq, D]."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    kv = gather_blocks(kv_cache, tile.block_ids).view(2, n, -1, num_kv_heads, head_dim)  # [2, n, L, Hkv, D]
+    kv = gather_blocks(kv_cache, tile.block_ids, q.dtype).view(2, n, -1, num_kv_heads, head_dim)  # [2, n, L, Hkv, D]
     kv = kv.transpose(2, 3)  # [2, n, Hkv, L, D]
     # GQA: query head h uses KV head h // G, so view the G heads of a KV head as G query rows.
     q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, Hkv, G, D]
@@ -295,10 +299,12 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
     """q [q_len, Hq, D], k/v [q_len, Hkv, D] of this step -> [q_len, Hq, D]."""
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
     if span.block_ids is None:
+        if kv_cache.dtype != q.dtype:  # attend over K/V as the cache holds them, as later steps will
+            k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        kv = gather_blocks(kv_cache, span.block_ids)[:, :span.seq_len]  # [2, seq_len, Hkv, D]
+        kv = gather_blocks(kv_cache, span.block_ids, q.dtype)[:, :span.seq_len]  # [2, seq_len, Hkv, D]
         kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, Hkv, seq_len, D]
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=span.bias, scale=scale,
                                              enable_gqa=True)

@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
                 or torch.compiler.is_compiling()):
             return None
         kv = ctx.kv_caches[0]
-        if kv.dtype != torch.float32 or not kv.is_contiguous():
+        if kv.dtype not in (torch.float32, torch.float16) or not kv.is_contiguous():
             return None
         native = plan.native
         return layers.step_args(x.shape[0], cos, sin, ctx.slot_mapping, native.block_tables, native.query_start,

@@ -103,13 +103,16 @@ def load_library(source: Path, cpu: CpuFeatures | None = None) -> ctypes.CDLL:
         raise NativeBuildError(f"cannot load {source.stem}: {exc}") from exc
 
 
-# Element-type codes of paged_attention.c.
-KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Element-type codes of paged_attention.c, and the KV cache dtypes it reads under each activation
+# dtype (fp16 K/V under fp32 queries: half the bytes; --kv-cache-dtype).
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+KERNEL_KV_DTYPES = {torch.float32: (torch.float32, torch.float16), torch.bfloat16: (torch.bfloat16,)}
 
 
 @dataclass(frozen=True)
 class PagedAttentionKernel:
-    """fp32/bf16 paged attention over K/V read in place (see paged_attention.c for the contract)."""
+    """fp32/bf16 paged attention over K/V read in place, fp16 K/V under fp32 (see
+    paged_attention.c for the contract)."""
 
     fn: ctypes._CFuncPtr
 
@@ -121,12 +124,12 @@ class PagedAttentionKernel:
         num_heads = q.shape[1]
         assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
         assert kv_cache.is_contiguous()  # the index tensors are checked once per step: check_indices
-        assert q.dtype == kv_cache.dtype == out.dtype and q.dtype in KERNEL_DTYPES
+        assert q.dtype == out.dtype and kv_cache.dtype in KERNEL_KV_DTYPES.get(q.dtype, ())
         status = self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size, num_kv_heads,
                          head_dim, num_heads, block_tables.data_ptr(), block_tables.stride(0),
                          query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.numel(),
                          ctypes.c_float(scale), out.data_ptr(), out.stride(0), KERNEL_DTYPES[q.dtype],
-                         torch.get_num_threads())
+                         KERNEL_DTYPES[kv_cache.dtype], torch.get_num_threads())
         if status != 0:
             raise MemoryError("paged_attention: out of memory for its scratch buffers")
 
@@ -144,7 +147,7 @@ def load_paged_attention(cpu: CpuFeatures | None = None) -> PagedAttentionKernel
     fn = lib.paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                   ctypes.c_float, _PTR, _I64, ctypes.c_int, ctypes.c_int]
+                   ctypes.c_float, _PTR, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return PagedAttentionKernel(fn)
 
 

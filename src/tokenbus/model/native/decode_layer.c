@@ -8,7 +8,7 @@
      h, residual = add_rms_norm(x, residual) * input_norm
      qkv         = h @ Wqkv.T (+ bias)                  tiled Q8_0/Q4_0/Q4_1; x fp32, int16 or int8
      q, k        rotated in place (rotate-half)
-     K, V        written to the cache at the step's slots
+     K, V        written to the cache at the step's slots (fp32, or rounded to fp16)
      attn        = paged attention of q over the cache (each request's rows)
      o           = attn @ Wo.T (+ bias)
      h, residual = add_rms_norm(o, residual) * post_norm
@@ -28,7 +28,7 @@ typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const floa
                               int64_t, int, int);
 typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
                             const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t,
-                            float, void *, int64_t, int, int);
+                            float, void *, int64_t, int, int, int);
 typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t,
                         int64_t, float, int);
 typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int);
@@ -64,7 +64,20 @@ typedef struct {
     int64_t table_stride;
     const int64_t *query_start, *seq_lens, *reqs;
     int64_t num_reqs, num_blocks, block_size, activations, num_threads;  /* activations: ACT_* */
+    int64_t kv_elem;  /* the cache's element type (paged_attention.c's ELEM_*): fp32 or fp16 */
 } step;
+
+enum { ELEM_F32 = 0, ELEM_F16 = 2 };
+
+/* n fp32 values to the cache at dst, in its element type. */
+static void store_kv(void *dst, const float *src, int64_t n, int64_t kv_elem) {
+    if (kv_elem == ELEM_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    _Float16 *half = dst;
+    for (int64_t i = 0; i < n; i++) half[i] = (_Float16)src[i];
+}
 
 static int run_linear(const kernels *k, const linear *l, const float *x, int64_t T, float *y, const step *s) {
     const int status = k->matmul((int)l->qtype, l->tiles, l->rows, l->cols, x, T, l->cols, y, l->rows,
@@ -76,7 +89,7 @@ static int run_linear(const kernels *k, const linear *l, const float *x, int64_t
 }
 
 /* 0 on success; a kernel's status otherwise (3: out of memory). */
-int decode_layer(const kernels *k, const layer *w, const step *s, float *kv_cache, const float *x,
+int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache, const float *x,
                  const float *residual, float *x_out, float *residual_out) {
     const int64_t T = s->num_tokens, H = w->hidden, D = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads;
     const int64_t qkv_n = (hq + 2 * hkv) * D, I = w->intermediate;
@@ -90,15 +103,16 @@ int decode_layer(const kernels *k, const layer *w, const step *s, float *kv_cach
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
     k->rope(qkv, qkv_n, T, s->cos, s->sin, hq + hkv, D, threads);
     const int64_t token_values = hkv * D, v_offset = s->num_blocks * s->block_size * token_values;
+    const size_t elem_size = s->kv_elem == ELEM_F32 ? sizeof(float) : sizeof(_Float16);
     for (int64_t t = 0; t < T; t++) {  /* K and V of token t to its slot: [2, NB * bs, Hkv, D] */
-        float *slot = kv_cache + s->slots[t] * token_values;
-        memcpy(slot, qkv + t * qkv_n + hq * D, sizeof(float) * (size_t)token_values);
-        memcpy(slot + v_offset, qkv + t * qkv_n + (hq + hkv) * D, sizeof(float) * (size_t)token_values);
+        char *slot = (char *)kv_cache + (size_t)(s->slots[t] * token_values) * elem_size;
+        store_kv(slot, qkv + t * qkv_n + hq * D, token_values, s->kv_elem);
+        store_kv(slot + (size_t)v_offset * elem_size, qkv + t * qkv_n + (hq + hkv) * D, token_values, s->kv_elem);
     }
     memset(attn, 0, sizeof(float) * (size_t)(T * hq * D));
     if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, s->block_tables,
                                s->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale, attn,
-                               hq * D, 0, threads)))
+                               hq * D, ELEM_F32, (int)s->kv_elem, threads)))
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from tokenbus.model.native import TILE_ACTIVATIONS, FusedOps, PagedAttentionKernel, QuantKernels, load_library
+from tokenbus.model.native import (KERNEL_DTYPES, TILE_ACTIVATIONS, FusedOps, PagedAttentionKernel, QuantKernels,
+                                   load_library)
 from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
@@ -39,7 +40,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _I64), ("cos", _PTR), ("sin", _PTR), ("slots", _PTR), ("block_tables", _PTR),
                 ("table_stride", _I64), ("query_start", _PTR), ("seq_lens", _PTR), ("reqs", _PTR),
                 ("num_reqs", _I64), ("num_blocks", _I64), ("block_size", _I64), ("activations", _I64),
-                ("num_threads", _I64)]
+                ("num_threads", _I64), ("kv_elem", _I64)]
 
 
 def _address(fn: ctypes._CFuncPtr) -> int:
@@ -114,7 +115,8 @@ class DecodeLayers:
             raise ValueError(f"slot_mapping outside the KV cache's {num_blocks * block_size} slots")
         return _Step(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                      block_tables.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(),
-                     reqs.numel(), num_blocks, block_size, TILE_ACTIVATIONS[activations], torch.get_num_threads())
+                     reqs.numel(), num_blocks, block_size, TILE_ACTIVATIONS[activations], torch.get_num_threads(),
+                     KERNEL_DTYPES[kv_cache.dtype])
 
     def run(self, index: int, step: _Step, kv_cache: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
             x_out: torch.Tensor, residual_out: torch.Tensor) -> None:

@@ -51,8 +51,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     whole cache out and back around every write."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, NB * bs, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))  # rounded to the cache's dtype
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
 @write_kv.register_fake

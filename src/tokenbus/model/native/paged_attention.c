@@ -4,7 +4,8 @@
    SDPA can read them; at decode that copy is most of the step (every key is read, written and
    read again). Here every key and value is read once, straight from its block.
 
-   Element type: fp32 or bf16 (q, kv and out share it); scores and sums are always fp32.
+   Element types: q and out fp32 or bf16 (the same), kv the same or, under fp32 q, fp16 (half the
+   bytes a decode step reads: K/V is most of a batch's traffic); scores and sums are always fp32.
    Shapes (row-major):
      q      [*, Hq, D]           token t's head x at q + t * q_tok_stride + x * D
      kv     [2, NB, bs, Hkv, D]  K then V; token j of block b, KV head h at (b * bs + j) * Hkv + h
@@ -23,21 +24,48 @@
    are skipped by the loop bounds, never set to -inf. */
 
 #include <math.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { ELEM_F32 = 0, ELEM_BF16 = 1 };
+enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2 };
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Element i of a tensor of the given type, as fp32 (bf16 is the top half of an fp32). */
+/* Element i of a tensor of the given type, as fp32 (bf16 is the top half of an fp32; fp16
+   converts in hardware where the CPU has F16C). */
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int elem) {
     if (elem == ELEM_F32) return ((const float *)p)[i];
+    if (elem == ELEM_F16) return (float)((const _Float16 *)p)[i];
     const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+/* D elements from offset on, as fp32, into out. fp16 converts 16 or 8 at a time with F16C: the
+   element-wise load above is not vectorised for it. */
+static inline __attribute__((always_inline)) void load_row(const void *p, int64_t offset, const int64_t D,
+                                                           const int elem, float *out) {
+#if defined(__F16C__)
+    if (elem == ELEM_F16) {
+        const uint16_t *h = (const uint16_t *)p + offset;
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= D; d += 16)
+            _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + d))));
+#endif
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+        for (; d < D; d++) out[d] = _cvtsh_ss(h[d]);
+        return;
+    }
+#endif
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) out[d] = load(p, offset + d, elem);
 }
 
 /* Store fp32 x as element i; bf16 rounds to nearest even (x is finite here). */
@@ -63,7 +91,7 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
 static inline __attribute__((always_inline)) void attend(
         const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
         int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv,
-        const int64_t D, const int elem, float scale, void *out, int64_t out_tok_stride,
+        const int64_t D, const int elem, const int kv_elem, float scale, void *out, int64_t out_tok_stride,
         float *qf, float *scores, float *acc, float *inv_sum) {
     const int64_t ctx_len = seq_len - q_len, rows_per_head = q_len * G, R = (h1 - h0) * rows_per_head;
 
@@ -81,11 +109,17 @@ static inline __attribute__((always_inline)) void attend(
             const int64_t t = t0 + j, first_query = t > ctx_len ? t - ctx_len : 0;
             const int64_t key = (table[b] * bs + j) * hkv * D;
             for (int64_t h = h0; h < h1; h++) {
+                float converted[D];  /* the key row as fp32, read by its G rows (fp32: in place) */
+                const float *kr = (const float *)kv + key + h * D;
+                if (kv_elem != ELEM_F32) {
+                    load_row(kv, key + h * D, D, kv_elem, converted);
+                    kr = converted;
+                }
                 for (int64_t r = (h - h0) * rows_per_head + first_query * G; r < (h - h0 + 1) * rows_per_head; r++) {
                     const float *qr = qf + r * D;
                     float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < D; d++) s += qr[d] * load(kv, key + h * D + d, elem);
+                    for (int64_t d = 0; d < D; d++) s += qr[d] * kr[d];
                     scores[r * seq_len + t] = s;
                 }
             }
@@ -114,8 +148,7 @@ static inline __attribute__((always_inline)) void attend(
             const int64_t value = v_offset + (table[b] * bs + j) * hkv * D;
             for (int64_t h = h0; h < h1; h++) {
                 float v[D];
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) v[d] = load(kv, value + h * D + d, elem);
+                load_row(kv, value + h * D, D, kv_elem, v);
                 for (int64_t r = (h - h0) * rows_per_head + first_row; r < (h - h0 + 1) * rows_per_head; r++) {
                     const float p = scores[r * seq_len + t];
                     float *a = acc + r * D;
@@ -135,38 +168,41 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-/* Specialisations for the common head sizes and both element types, and the generic fallback. */
+/* Specialisations for the common head sizes and each element-type pair, and the generic fallback. */
 #define ATTEND_ARGS q, q_tok_stride, kv, v_offset, table, seq_len, q_len, h0, h1, G, bs, hkv
 #define ATTEND_TAIL scale, out, out_tok_stride, qf, scores, acc, inv_sum
+#define ATTEND_D(elem, kv_elem)                                                                  \
+    switch (D) {                                                                                  \
+        case 64: attend(ATTEND_ARGS, 64, elem, kv_elem, ATTEND_TAIL); break;                     \
+        case 128: attend(ATTEND_ARGS, 128, elem, kv_elem, ATTEND_TAIL); break;                   \
+        default: attend(ATTEND_ARGS, D, elem, kv_elem, ATTEND_TAIL); break;                      \
+    }
 static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1,
-                       int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, float scale, void *out,
-                       int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
-    if (elem == ELEM_F32) {
-        switch (D) {
-            case 64: attend(ATTEND_ARGS, 64, ELEM_F32, ATTEND_TAIL); break;
-            case 128: attend(ATTEND_ARGS, 128, ELEM_F32, ATTEND_TAIL); break;
-            default: attend(ATTEND_ARGS, D, ELEM_F32, ATTEND_TAIL); break;
-        }
+                       int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, int kv_elem, float scale,
+                       void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
+    if (elem == ELEM_BF16) {
+        ATTEND_D(ELEM_BF16, ELEM_BF16)
+    } else if (kv_elem == ELEM_F16) {
+        ATTEND_D(ELEM_F32, ELEM_F16)
     } else {
-        switch (D) {
-            case 64: attend(ATTEND_ARGS, 64, ELEM_BF16, ATTEND_TAIL); break;
-            case 128: attend(ATTEND_ARGS, 128, ELEM_BF16, ATTEND_TAIL); break;
-            default: attend(ATTEND_ARGS, D, ELEM_BF16, ATTEND_TAIL); break;
-        }
+        ATTEND_D(ELEM_F32, ELEM_F32)
     }
 }
 
 /* Returns 0, -1 when scratch memory could not be allocated (out is then incomplete), or -2
-   for an unknown element type. heads_per_item KV heads form one work item: all of them (each
+   for an element-type pair it does not take (q/out fp32 with kv fp32 or fp16; bf16 with bf16).
+   heads_per_item KV heads form one work item: all of them (each
    key row read as one contiguous run) when there are enough requests to keep the threads
    busy, else one. */
 int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks,
                     int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
                     int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
                     const int64_t *reqs, int64_t num_reqs, float scale, void *out,
-                    int64_t out_tok_stride, int elem, int num_threads) {
-    if (elem != ELEM_F32 && elem != ELEM_BF16) return -2;
+                    int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
+    if (!((elem == ELEM_F32 && (kv_elem == ELEM_F32 || kv_elem == ELEM_F16)) ||
+          (elem == ELEM_BF16 && kv_elem == ELEM_BF16)))
+        return -2;
     const int64_t G = hq / hkv, v_offset = num_blocks * bs * hkv * D;
     const int64_t heads_per_item = num_reqs >= 4 * num_threads ? hkv : 1, splits = hkv / heads_per_item;
     int64_t max_scores = 0, max_rows = 0;
@@ -192,7 +228,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                 const size_t elem_size = elem == ELEM_F32 ? 4 : 2;
                 attend_any((const char *)q + start * q_tok_stride * elem_size, q_tok_stride, kv, v_offset,
                            tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, h0,
-                           h0 + heads_per_item, G, bs, hkv, D, elem, scale,
+                           h0 + heads_per_item, G, bs, hkv, D, elem, kv_elem, scale,
                            (char *)out + start * out_tok_stride * elem_size, out_tok_stride,
                            rows, scores, rows + max_rows * D, rows + 2 * max_rows * D);
             }

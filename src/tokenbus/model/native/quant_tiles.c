@@ -359,7 +359,8 @@ static inline void amx_pack_block(int qtype, int qb, const uint8_t *tb, __m512i 
             _tile_stored(i, y + r0 * ldy + n0, ldy * (int64_t)sizeof(float));                          \
         } else if (nr > 0) {                                                                            \
             _tile_stored(i, scratch, 16 * sizeof(float));                                               \
-            for (int64_t r = 0; r < nr; r++) memcpy(y + (r0 + r) * ldy + n0, scratch + 16 * r, sizeof(float) * (size_t)valid); \
+            for (int64_t r = 0; r < nr; r++)                                                            \
+                memcpy(y + (r0 + r) * ldy + n0, scratch + 16 * r, sizeof(float) * (size_t)valid);      \
         }                                                                                               \
     } while (0)
 
