@@ -8,11 +8,15 @@
 #   benchmarks/peers/llama_cpp.sh path               # print the binaries' directory
 #
 # MODEL defaults to the packaged SmolLM2-135M-Instruct Q4_1 GGUF. Loopback only.
+# LLAMA_CPP_AMX=1 builds (into build-amx/) and runs ggml's AMX kernels too, for CPUs whose kernel
+# grants the tile state; the default build leaves them out.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CACHE=${TOKENBUS_PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenbus/peers}/llama-cpp-python-$VERSION
-BIN=$CACHE/build/bin  # a build from before the AMX fix: rm -rf "$CACHE/build"
+BUILD=$CACHE/build${LLAMA_CPP_AMX:+-amx}
+BIN=$BUILD/bin  # a build from before the AMX fix: rm -rf "$CACHE/build"
+if [ -n "${LLAMA_CPP_AMX:-}" ]; then NO_AMX=""; else NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 PY=.venv/bin/python
 
 default_model() {
@@ -28,15 +32,14 @@ build() {
     mkdir -p "$CACHE/src"
     tar -xzf "$CACHE"/llama_cpp_python-"$VERSION".tar.gz -C "$CACHE/src" --strip-components=1
   fi
-  # AMX off: these VMs report amx_* flags but do not enable the tile state, and ggml's AMX
-  # kernels then die with SIGILL (seen on a Sapphire Rapids guest).
-  cmake -S "$CACHE/src/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
-    -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+  # AMX off by default: some VMs report amx_* flags but do not enable the tile state, and ggml's
+  # AMX kernels then die with SIGILL (seen on a Sapphire Rapids guest).
+  cmake -S "$CACHE/src/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_OPENMP=ON -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_CURL=OFF >/dev/null
-  cmake --build "$CACHE/build" --config Release -j2 --target llama-server llama-bench >/dev/null
+  cmake --build "$BUILD" --config Release -j2 --target llama-server llama-bench >/dev/null
   echo "$BIN"
 }
 

@@ -5,7 +5,8 @@
 # ignored. Also cold start to healthy for both. Loopback only; results in bench_out/peer_*.
 # PEERS="llama_cpp vllm" adds vLLM's CPU build (benchmarks/peers/vllm_cpu.sh: an HF copy of the
 # same weights in fp32, since it cannot run GGUF on CPU; ~190 s of torch.compile at start);
-# vllm_bf16 runs it in bf16 (its choice for SmolLM2's bf16 checkpoint; AMX where the CPU has it).
+# vllm_bf16 runs it in bf16 (its choice for SmolLM2's bf16 checkpoint; AMX where the CPU has it);
+# llama_cpp_amx is llama.cpp built with ggml's AMX kernels (LLAMA_CPP_AMX=1 llama_cpp.sh build).
 set -u
 cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh
@@ -34,6 +35,7 @@ run_peer tokenbus 8041 $B/tokenbus serve --port 8041 --served-model-name smollm2
 for peer in ${PEERS:-llama_cpp}; do
   case $peer in
     llama_cpp) run_peer llama_cpp 8042 bash benchmarks/peers/llama_cpp.sh server 8042 "$MODEL" -np 16 -c 32768 --alias smollm2 ;;
+    llama_cpp_amx) LLAMA_CPP_AMX=1 run_peer llama_cpp_amx 8045 bash benchmarks/peers/llama_cpp.sh server 8045 "$MODEL" -np 16 -c 32768 --alias smollm2 ;;
     vllm) START_TIMEOUT=600 run_peer vllm 8043 bash benchmarks/peers/vllm_cpu.sh server 8043 ;;
     vllm_bf16) START_TIMEOUT=600 run_peer vllm_bf16 8044 bash benchmarks/peers/vllm_cpu.sh server 8044 --dtype bfloat16 ;;
   esac

@@ -38,7 +38,7 @@ def amx_kernels():
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 def test_amx_kernel_equals_bf16_rounded_reference(qtype):
     kernels = amx_kernels()
-    for rows, cols in ((200, 576), (16, 64), (7, 1536)):  # partial tiles; 48 B tiles per weight tile
+    for rows, cols in ((200, 576), (64, 128), (16, 64), (7, 1536)):  # odd/even tile counts, partial tiles, 48 blocks
         w = blocks(qtype, rows, cols, seed=rows)
         tiles = kernels.repack_tiles(int(qtype), torch.from_numpy(w), cols)
         dense = torch.from_numpy(gguf.quants.dequantize(w, qtype).astype(np.float32))

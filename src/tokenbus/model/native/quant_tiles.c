@@ -312,8 +312,7 @@ static void tile_dequant_t_one(int qtype, int qb, const uint8_t *tiles, int64_t 
    row p holds, for each of the 16 weight rows n, the pair (W[n][2p], W[n][2p + 1]). x is rounded
    to bf16 once per call, zero-padded to whole 16-row A tiles. tdpbf16ps then multiplies a
    16-row A tile by a B tile into a 16 x 16 fp32 C tile, summing in fp32 over all K (no
-   per-block scales left to apply), so y = x W^T with both rounded to bf16 and nothing else;
-   three C tiles (48 rows of x) share each loaded B tile. */
+   per-block scales left to apply), so y = x W^T with both rounded to bf16 and nothing else. */
 #if defined(HAVE_TILES) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
     defined(__AMX_BF16__)
 #define HAVE_AMX 1
@@ -322,7 +321,6 @@ static void tile_dequant_t_one(int qtype, int qb, const uint8_t *tiles, int64_t 
 
 #define ARCH_REQ_XCOMP_PERM 0x1023  /* Linux: ask for the AMX tile state (arch/x86 uapi) */
 #define XFEATURE_XTILEDATA 18
-#define AMX_MB 3                    /* 16-row A and C tiles per loaded B tile */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -330,12 +328,12 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* Tiles 0-2: C, 3-5: A, 6: B; all 16 rows of 64 bytes. Per thread: the config is thread state. */
+/* Tiles 0-3: C, 4-5: A, 6-7: B; all 16 rows of 64 bytes. Per thread: the config is thread state. */
 static void amx_configure(void) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int i = 0; i < 7; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+    for (int i = 0; i < 8; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
     _tile_loadconfig(&cfg);
 }
 
@@ -350,48 +348,65 @@ static inline void amx_pack_block(int qtype, int qb, const uint8_t *tb, __m512i 
     }
 }
 
-/* C tile i (rows [m0 + 16i, +16) of y, tile t's columns) to y, or only the rows and columns that
-   exist through a scratch copy. */
-#define AMX_STORE(i)                                                                                    \
+/* C tile `reg` (rows [m0 + 16 rb, +16) of y, weight tile tt's columns) to y, or only the rows
+   and columns that exist through a scratch copy. */
+#define AMX_STORE(reg, rb, tt)                                                                          \
     do {                                                                                                \
-        const int64_t r0 = m0 + 16 * (i), nr = M - r0 < 16 ? M - r0 : 16;                               \
+        const int64_t r0 = m0 + 16 * (rb), nr = M - r0 < 16 ? M - r0 : 16, n0 = (tt) * TR;              \
+        const int64_t valid = N - n0 < TR ? N - n0 : TR;                                                \
         if (nr == 16 && valid == TR) {                                                                  \
-            _tile_stored(i, y + r0 * ldy + n0, ldy * (int64_t)sizeof(float));                          \
+            _tile_stored(reg, y + r0 * ldy + n0, ldy * (int64_t)sizeof(float));                        \
         } else if (nr > 0) {                                                                            \
-            _tile_stored(i, scratch, 16 * sizeof(float));                                               \
+            _tile_stored(reg, scratch, 16 * sizeof(float));                                             \
             for (int64_t r = 0; r < nr; r++)                                                            \
                 memcpy(y + (r0 + r) * ldy + n0, scratch + 16 * r, sizeof(float) * (size_t)valid);      \
         }                                                                                               \
     } while (0)
 
-/* Tile t of W times all Mpad rows of xb into y. The first 48 rows pack each B tile just before
-   using it (so a decode-sized call reads it back from L1), into bt [blocks * 512], which the
-   later rows reuse. */
-static void amx_tile(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, uint16_t *bt,
-                     const uint16_t *xb, int64_t Mpad, int64_t K, float *y, int64_t ldy, int64_t M, int64_t N,
-                     int64_t t) {
+/* Weight tiles t and t + 1 (only t when `two` is 0) times all Mpad rows of xb into y, in groups
+   of 32 rows: C tiles 0/1 take rows 0-15 of the group (weight tile t / t + 1), 2/3 rows 16-31;
+   A tiles 4/5, B tiles 6/7. Each loaded A tile serves two B tiles and each B tile two A tiles
+   (x is read from L2 once per two weight tiles). The first group packs each B tile just before
+   using it (a decode-sized call reads it back from L1) into bt [2][blocks * 512], which the
+   later groups reuse. */
+static void amx_tile_pair(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, uint16_t *bt,
+                          const uint16_t *xb, int64_t Mpad, int64_t K, float *y, int64_t ldy, int64_t M,
+                          int64_t N, int64_t t, int two) {
     static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i interleave = _mm512_loadu_si512((const void *)pairs);
-    const int64_t n0 = t * TR, valid = N - n0 < TR ? N - n0 : TR, lda = K * (int64_t)sizeof(uint16_t);
+    const int64_t lda = K * (int64_t)sizeof(uint16_t);
+    uint16_t *bt1 = bt + blocks * 512;
     float scratch[256];
-    for (int64_t m0 = 0; m0 < Mpad; m0 += 16 * AMX_MB) {
-        const int64_t mb = (Mpad - m0) / 16 < AMX_MB ? (Mpad - m0) / 16 : AMX_MB;
+    for (int64_t m0 = 0; m0 < Mpad; m0 += 32) {
+        const int two_rows = Mpad - m0 > 16;
         const uint16_t *a = xb + m0 * K;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
+        _tile_zero(3);
         for (int64_t b = 0; b < blocks; b++) {
-            if (m0 == 0) amx_pack_block(qtype, qb, tiles + (t * blocks + b) * tbb, interleave, bt + b * 512);
+            if (m0 == 0) {
+                amx_pack_block(qtype, qb, tiles + (t * blocks + b) * tbb, interleave, bt + b * 512);
+                if (two) amx_pack_block(qtype, qb, tiles + ((t + 1) * blocks + b) * tbb, interleave, bt1 + b * 512);
+            }
             _tile_loadd(6, bt + b * 512, 64);
-            _tile_loadd(3, a + b * 32, lda);
-            _tile_dpbf16ps(0, 3, 6);
-            if (mb > 1) { _tile_loadd(4, a + 16 * K + b * 32, lda); _tile_dpbf16ps(1, 4, 6); }
-            if (mb > 2) { _tile_loadd(5, a + 32 * K + b * 32, lda); _tile_dpbf16ps(2, 5, 6); }
+            _tile_loadd(4, a + b * 32, lda);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) {
+                _tile_loadd(7, bt1 + b * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (two_rows) {
+                _tile_loadd(5, a + 16 * K + b * 32, lda);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) _tile_dpbf16ps(3, 5, 7);
+            }
         }
-        AMX_STORE(0);
-        if (mb > 1) AMX_STORE(1);
-        if (mb > 2) AMX_STORE(2);
+        AMX_STORE(0, 0, t);
+        if (two) AMX_STORE(1, 0, t + 1);
+        if (two_rows) AMX_STORE(2, 1, t);
+        if (two_rows && two) AMX_STORE(3, 1, t + 1);
     }
 }
 
@@ -410,13 +425,14 @@ static int amx_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, i
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        uint16_t *bt = aligned_alloc(64, (size_t)blocks * 1024);
+        uint16_t *bt = aligned_alloc(64, (size_t)blocks * 2048);
         if (bt) amx_configure();
         else failed = 1;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < ntiles; t++) {
+        for (int64_t pair = 0; pair < (ntiles + 1) / 2; pair++) {
             if (!bt) continue;
-            amx_tile(qtype, qb, tiles, blocks, tbb, bt, xb, Mpad, K, y, ldy, M, N, t);
+            amx_tile_pair(qtype, qb, tiles, blocks, tbb, bt, xb, Mpad, K, y, ldy, M, N, 2 * pair,
+                          2 * pair + 1 < ntiles);
         }
         if (bt) _tile_release();
         free(bt);
