@@ -3,7 +3,9 @@
 `batch` decode requests with `context` keys each in shuffled 16-token blocks, SmolLM2's heads
 (9 query, 3 KV, head size 64). Prints the best of `--repeats` calls and the largest difference,
 and, for reference, the GB/s of a plain `torch.sum` streaming a ~176 MB fp32 tensor.
+--kv-dtype float16 keeps the cache in fp16 under fp32 queries (--kv-cache-dtype).
 Usage: python benchmarks/attention_layer.py [--batch 64] [--context 450] [--threads 2] [--dtype float32]
+       [--kv-dtype float16]
 """
 import argparse
 import time
@@ -37,14 +39,16 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: --dtype")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    kv_dtype = getattr(torch, args.kv_dtype or args.dtype)
     g = torch.Generator().manual_seed(0)
     batch, context, bs, num_kv_heads, num_heads, head_dim = args.batch, args.context, 16, 3, 9, 64
     blocks_per_req = (context + bs) // bs
     num_blocks = batch * blocks_per_req + 1
-    kv = torch.randn(2, num_blocks, bs, num_kv_heads, head_dim, generator=g).to(dtype)
+    kv = torch.randn(2, num_blocks, bs, num_kv_heads, head_dim, generator=g).to(kv_dtype)
     ctx = make_ctx([kv], batch, context, bs, g)
     slots = ctx.slot_mapping
     q = torch.randn(batch, num_heads + num_kv_heads, head_dim, generator=g).to(dtype)[:, :num_heads]

@@ -106,9 +106,9 @@ def test_float16_cache_under_float32_queries_matches_torch_path(kernel):
     assert 0 < (out - fp32).abs().max() < 5e-3  # the rounding, and nothing more
 
 
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (8, 2, 64), (2, 2, 64)])
 def test_head_layouts_match_torch_path(kernel, heads):
-    """GQA group sizes 1/3/4/6, the specialised head sizes 64/128 and the generic one (32, 48);
+    """GQA group sizes 1/2/3/4/6, the specialised head sizes 64/128 and the generic one (32, 48);
     few requests (a work item per KV head) and many (a work item per request)."""
     for requests in (DECODES[:3], DECODES * 2):
         out, ref, _ = both_paths(kernel, requests, *heads)
