@@ -70,7 +70,7 @@ class ModelConfig:
     # model up to rounding); calls of more than 64 rows (long prefill chunks) then dequantize
     # and multiply in fp32. bf16 (AMX CPUs only): x and W rounded to bf16 for every call,
     # summed in fp32 by AMX tiles. auto: int16, and on AMX bf16 from 16 rows up (prefill chunks,
-    # decode batches of 16+: 2-3x faster there, logprobs within ~7e-3).
+    # decode batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2 from fp32's on average).
     quant_activations: str = "auto"
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
