@@ -42,7 +42,7 @@ def test_amx_kernel_equals_bf16_rounded_reference(qtype):
         w = blocks(qtype, rows, cols, seed=rows)
         tiles = kernels.repack_tiles(int(qtype), torch.from_numpy(w), cols)
         dense = torch.from_numpy(gguf.quants.dequantize(w, qtype).astype(np.float32))
-        for m in (1, 15, 16, 17, 48, 49, 100, 300):  # partial A tiles, one and several 48-row groups
+        for m in (1, 15, 16, 17, 32, 33, 49, 100, 300):  # partial A tiles, one and several 32-row groups
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
             wide = torch.full((m, rows + 3), float("nan"))
             out = wide[:, 1:rows + 1]  # a column slice, like fused q/k/v

@@ -23,7 +23,7 @@ import torch
 from tokenbus.model.attention import (NATIVE_MAX_QUERY_LEN, AttentionPlan, NativeDecodePlan, TorchDecodePlan,
                                       build_attention_plan, select_attention_kernel)
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.native import PagedAttentionKernel
+from tokenbus.model.native import KERNEL_KV_DTYPES, PagedAttentionKernel
 
 
 class AttentionBackend:
@@ -77,6 +77,10 @@ class AttentionBackend:
     def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan | NativeDecodePlan:
         raise NotImplementedError
 
+    def _torch_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan:
+        return TorchDecodePlan(ctx.num_tokens, ctx.block_tables, self._token_requests[(ctx.num_tokens, q_len)],
+                               ctx.positions)
+
 
 class TorchAttentionBackend(AttentionBackend):
     """The portable torch path (CPU and CUDA)."""
@@ -84,8 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan:
-        return TorchDecodePlan(ctx.num_tokens, ctx.block_tables, self._token_requests[(ctx.num_tokens, q_len)],
-                               ctx.positions)
+        return self._torch_plan(ctx, q_len)
 
 
 class NativeAttentionBackend(AttentionBackend):
@@ -103,7 +106,9 @@ class NativeAttentionBackend(AttentionBackend):
     def kernel(self) -> PagedAttentionKernel:
         return self._kernel
 
-    def _static_plan(self, ctx: ForwardContext, q_len: int) -> NativeDecodePlan:
+    def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan | NativeDecodePlan:
+        if ctx.kv_caches[0].dtype not in KERNEL_KV_DTYPES.get(self.dtype, ()):  # e.g. bf16 K/V, fp32 queries
+            return self._torch_plan(ctx, q_len)
         num_reqs = ctx.num_reqs
         reqs = self._reqs.get(num_reqs)
         if reqs is None:

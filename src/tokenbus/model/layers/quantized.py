@@ -17,8 +17,8 @@ and multiplied by an fp32 GEMM, so no dense copy is ever kept.
 
 On a CPU with AMX, calls from AMX_AUTO_MIN_ROWS rows up (prefill chunks, decode batches of 16+)
 take bf16 activations instead, at any size: each weight tile is dequantized once per call into
-bf16 AMX tiles, x is rounded to bf16, and the tiles sum the products in fp32 (quant_tiles.c),
-2-3x faster than the int16 kernel or the fp32 GEMM there.
+bf16 AMX tiles, x is rounded to bf16, and the tiles sum the products in fp32 (quant_tiles.c):
+1.6x the int16 kernel at 16 rows, 2.6x at 64, 3.8x the fp32 GEMM at 256.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import torch
 
 from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, TILE_ROWS, QuantKernels
 
-# From how many rows a call on tiles takes bf16 activations on AMX under quant_activations=auto:
-# below it the int16 kernel is faster (a SmolLM2 step's linears, benchmarks/quant_linear.py
-# --step: 11.3 vs 11.5 ms at 8 rows, 17.7 vs 11.8 at 16, 68 vs 23 at 64), and closer to fp32.
+# From how many rows a call on tiles takes bf16 activations on AMX under quant_activations=auto.
+# A SmolLM2 step's linears (benchmarks/quant_linear.py --step, int16 vs bf16): 6.8 vs 12.8 ms at
+# 1 row, 14.4 vs 12.6 at 8, 20.1 vs 12.9 at 16, 71 vs 27 at 64. They cross near 8 rows; from 16
+# bf16 wins clearly, and below it int16's numerics, closer to fp32, are kept.
 AMX_AUTO_MIN_ROWS = 16
 
 

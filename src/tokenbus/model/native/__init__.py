@@ -199,7 +199,8 @@ class QuantKernels:
     def tile_matmul(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int, x: torch.Tensor,
                     out: torch.Tensor, activations: str) -> None:
         """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); `activations`
-        (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (quant_tiles.c)."""
+        (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first, bf16 rounds x and W to
+        bf16 on AMX tiles (any M; where `amx`) (quant_tiles.c)."""
         assert tiles.dtype == torch.uint8 and tiles.is_contiguous() and x.dtype == out.dtype == torch.float32
         assert x.stride(1) == 1 and out.stride(1) == 1 and (x.shape[0] <= QUANT_MAX_ROWS or activations == "bf16")
         assert x.shape[1] == num_cols and out.shape == (x.shape[0], num_rows)

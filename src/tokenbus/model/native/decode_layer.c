@@ -6,7 +6,7 @@
    paged_attention.c, fused_ops.c), with no Python in between:
 
      h, residual = add_rms_norm(x, residual) * input_norm
-     qkv         = h @ Wqkv.T (+ bias)                  tiled Q8_0/Q4_0/Q4_1; x fp32, int16 or int8
+     qkv         = h @ Wqkv.T (+ bias)                  tiled Q8_0/Q4_0/Q4_1; x fp32, int16, int8, bf16
      q, k        rotated in place (rotate-half)
      K, V        written to the cache at the step's slots (fp32, or rounded to fp16)
      attn        = paged attention of q over the cache (each request's rows)
@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, float *,
                               int64_t, int, int);
@@ -69,14 +72,22 @@ typedef struct {
 
 enum { ELEM_F32 = 0, ELEM_F16 = 2 };
 
-/* n fp32 values to the cache at dst, in its element type. */
-static void store_kv(void *dst, const float *src, int64_t n, int64_t kv_elem) {
+/* n fp32 values to the cache at dst, in its element type: fp16 rounds to nearest even, as torch's
+   .to(torch.float16) does (F16C; a build without it has no tiled kernels, so no C layers). 0, or
+   4 for a type this build cannot write. */
+static int store_kv(void *dst, const float *src, int64_t n, int64_t kv_elem) {
     if (kv_elem == ELEM_F32) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
-        return;
+        return 0;
     }
-    _Float16 *half = dst;
-    for (int64_t i = 0; i < n; i++) half[i] = (_Float16)src[i];
+#if defined(__F16C__)
+    if (kv_elem == ELEM_F16) {
+        uint16_t *half = dst;
+        for (int64_t i = 0; i < n; i++) half[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+        return 0;
+    }
+#endif
+    return 4;
 }
 
 static int run_linear(const kernels *k, const linear *l, const float *x, int64_t T, float *y, const step *s) {
@@ -88,7 +99,7 @@ static int run_linear(const kernels *k, const linear *l, const float *x, int64_t
     return 0;
 }
 
-/* 0 on success; a kernel's status otherwise (3: out of memory). */
+/* 0 on success; a kernel's status otherwise (3: out of memory, 4: a KV type it cannot write). */
 int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache, const float *x,
                  const float *residual, float *x_out, float *residual_out) {
     const int64_t T = s->num_tokens, H = w->hidden, D = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads;
@@ -103,11 +114,13 @@ int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
     k->rope(qkv, qkv_n, T, s->cos, s->sin, hq + hkv, D, threads);
     const int64_t token_values = hkv * D, v_offset = s->num_blocks * s->block_size * token_values;
-    const size_t elem_size = s->kv_elem == ELEM_F32 ? sizeof(float) : sizeof(_Float16);
+    const size_t elem_size = s->kv_elem == ELEM_F32 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t t = 0; t < T; t++) {  /* K and V of token t to its slot: [2, NB * bs, Hkv, D] */
         char *slot = (char *)kv_cache + (size_t)(s->slots[t] * token_values) * elem_size;
-        store_kv(slot, qkv + t * qkv_n + hq * D, token_values, s->kv_elem);
-        store_kv(slot + (size_t)v_offset * elem_size, qkv + t * qkv_n + (hq + hkv) * D, token_values, s->kv_elem);
+        if ((status = store_kv(slot, qkv + t * qkv_n + hq * D, token_values, s->kv_elem)) ||
+            (status = store_kv(slot + (size_t)v_offset * elem_size, qkv + t * qkv_n + (hq + hkv) * D, token_values,
+                               s->kv_elem)))
+            goto done;
     }
     memset(attn, 0, sizeof(float) * (size_t)(T * hq * D));
     if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, s->block_tables,

@@ -109,6 +109,7 @@ class DecodeLayers:
         (the caller's context holds them); cos/sin [T, 1, D/2] contiguous fp32; the index
         tensors int64, contiguous (as the attention plan checked them)."""
         assert cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous() and slots.dtype == torch.int64
+        assert kv_cache.dtype in (torch.float32, torch.float16)  # what decode_layer.c writes
         _, num_blocks, block_size, _, _ = kv_cache.shape
         written = slots[:num_tokens]
         if num_tokens and (int(written.min()) < 0 or int(written.max()) >= num_blocks * block_size):

@@ -35,11 +35,28 @@ enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2 };
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Element i of a tensor of the given type, as fp32 (bf16 is the top half of an fp32; fp16
-   converts in hardware where the CPU has F16C). */
+/* IEEE half -> fp32: F16C where the CPU has it, else by hand (no _Float16: GCC < 12 lacks it). */
+static inline __attribute__((always_inline)) float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0) {  /* zero or subnormal: mant * 2^-24 */
+        const float f = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? sign | 0x7F800000u | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Element i of a tensor of the given type, as fp32 (bf16 is the top half of an fp32). */
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int elem) {
     if (elem == ELEM_F32) return ((const float *)p)[i];
-    if (elem == ELEM_F16) return (float)((const _Float16 *)p)[i];
+    if (elem == ELEM_F16) return half_to_float(((const uint16_t *)p)[i]);
     const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -60,7 +77,7 @@ static inline __attribute__((always_inline)) void load_row(const void *p, int64_
 #endif
         for (; d + 8 <= D; d += 8)
             _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
-        for (; d < D; d++) out[d] = _cvtsh_ss(h[d]);
+        for (; d < D; d++) out[d] = half_to_float(h[d]);
         return;
     }
 #endif

@@ -16,8 +16,8 @@
        m[16]:  fp16 mins (Q4_1 only)
    A matrix is ceil(N / 16) tiles of (K / 32) tile-blocks; rows past N are zero (d = 0).
 
-   Two kernels per call shape, y[m, n] = sum_k x[m, k] W[n, k] (y row-strided: a column slice
-   of a wider output):
+   Kernels per call shape, y[m, n] = sum_k x[m, k] W[n, k] (y row-strided: a column slice of a
+   wider output), and on AMX a third for any number of rows (bf16, below):
    - fp32 activations (weight-only): each quant is converted to fp32 and multiplied exactly as a
      dequantize-then-matmul would, so results match that reference to rounding;
    - int8 activations (llama.cpp's approach): each 32-value block of an x row is quantized to
@@ -443,10 +443,17 @@ static int amx_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, i
 #endif
 
 /* 1 when tile_matmul takes bf16 activations here: an AMX build on a kernel that grants this
-   process the tile state (asked once; the answer is the process's). */
+   process the tile state. The grant is the process's: asked once, the answer kept (a race
+   only asks twice). */
 int tile_amx_supported(void) {
 #ifdef HAVE_AMX
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    static int granted = -1;  /* -1: not asked yet */
+    int answer = __atomic_load_n(&granted, __ATOMIC_ACQUIRE);
+    if (answer < 0) {
+        answer = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&granted, answer, __ATOMIC_RELEASE);
+    }
+    return answer;
 #else
     return 0;
 #endif
@@ -506,7 +513,7 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
     tile_info(qtype, &bb, &qb, &hm);
     if (act == ACT_BF16) {
 #ifdef HAVE_AMX
-        if (!tile_amx_supported()) return 1;  /* a syscall (~1 us): never a tile instruction unpermitted */
+        if (!tile_amx_supported()) return 1;  /* never a tile instruction unpermitted */
         return amx_matmul(qtype, qb, tiles, ntiles, blocks, tbb, N, K, x, M, ldx, y, ldy, num_threads);
 #else
         return 1;

@@ -155,8 +155,9 @@ def make_draft_model_proposer(config: EngineConfig, arch: ModelArch, model: torc
     from tokenbus.worker.kv_cache import allocate_kv_caches
 
     num_blocks = kv_caches[0].shape[1]  # [2, num_blocks, block_size, Hkv, D]
+    # The target's pool dtype (--kv-cache-dtype) too: its block count was sized for that.
     draft_kv = allocate_kv_caches(model.tp.shard_arch(draft_arch), num_blocks, config.cache.block_size,
-                                  model.embed_tokens.dtype, device)
+                                  kv_caches[0].dtype, device)
     return DraftModelProposer(draft_model, draft_kv, num_layers, shares_target_kv=False, **common)
 
 
