@@ -9,7 +9,8 @@
 #
 # MODEL defaults to the packaged SmolLM2-135M-Instruct Q4_1 GGUF. Loopback only.
 # LLAMA_CPP_AMX=1 builds (into build-amx/) and runs ggml's AMX kernels too, for CPUs whose kernel
-# grants the tile state; the default build leaves them out.
+# grants the tile state; the default build leaves them out. (On the AMX-granting Sapphire Rapids
+# guest of docs/benchmarks.md's "Third session" that build crashed: SIGSEGV loading the model.)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
