@@ -106,6 +106,19 @@ def test_float16_cache_under_float32_queries_matches_torch_path(kernel):
     assert 0 < (out - fp32).abs().max() < 5e-3  # the rounding, and nothing more
 
 
+def test_float16_cache_without_f16c_matches_torch_path():
+    """The kernel built for plain x86-64 (no F16C) converts fp16 K/V by hand: the same results."""
+    from tokenbus.utils.cpu import CpuFeatures, _capped
+
+    detected = CpuFeatures.detect()
+    if not detected.is_x86 or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("the baseline x86-64 build needs an x86-64 CPU and a C compiler")
+    baseline = load_paged_attention(CpuFeatures(_capped(detected.flags, "baseline"), "baseline"))
+    out, ref, plan = both_paths(baseline, DECODES + [(5, 30)], kv_dtype=torch.float16)
+    assert plan.native is not None
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (8, 2, 64), (2, 2, 64)])
 def test_head_layouts_match_torch_path(kernel, heads):
     """GQA group sizes 1/2/3/4/6, the specialised head sizes 64/128 and the generic one (32, 48);
