@@ -140,7 +140,7 @@ def test_engines_expected_to_decode_in_c(tmp_path):
     from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
     from tokenbus.loader import resolve_model
     from tokenbus.config import EngineArgs
-    from tokenbus.worker.worker import expects_c_decode_layers
+    from tokenbus.worker.start_env import expects_c_decode_layers
 
     tiled = resolve_model(str(write_gguf(cached_tiny_model("llama", hidden_size=256, intermediate_size=512),
                                          tmp_path / "q4_1.gguf", "Q4_1", with_tokenizer=False)))
@@ -154,3 +154,10 @@ def test_engines_expected_to_decode_in_c(tmp_path):
     assert not expects_c_decode_layers(config, dense)
     for args in (dict(enforce_eager=True), dict(quantization="none"), dict(dtype="bfloat16")):
         assert not expects_c_decode_layers(EngineArgs(**args).to_config(64), tiled)
+
+
+def test_start_env_knows_the_tile_kernels_qtypes():
+    from tokenbus.model.native import TILE_QTYPES
+    from tokenbus.worker import start_env
+
+    assert start_env.TILE_QTYPES == TILE_QTYPES

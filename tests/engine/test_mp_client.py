@@ -166,3 +166,38 @@ def test_greedy_tokens_are_the_same_from_every_client(tiny_llama_dir):
     assert _llm_tokens(tiny_llama_dir, multiprocess=True) == reference
     assert _async_tokens(tiny_llama_dir, in_process=False) == reference
     assert _async_tokens(tiny_llama_dir, in_process=True) == reference
+
+
+def test_server_spawns_the_engine_before_importing_torch(tmp_path):
+    """Cold start: the API process reaches the engine's spawn without torch (the engine imports
+    its own meanwhile), and loads the default model's tokenizer from the cache without it too."""
+    import subprocess
+    import sys
+
+    from tokenbus.loader import load_tokenizer, resolve_model
+
+    env = {**os.environ, "TOKENBUS_CACHE_DIR": str(tmp_path)}
+    os.environ["TOKENBUS_CACHE_DIR"] = str(tmp_path)
+    try:
+        load_tokenizer(resolve_model(None))  # the conversion, saved in the cache
+    finally:
+        del os.environ["TOKENBUS_CACHE_DIR"]
+    code = """
+import multiprocessing.process, sys
+class Spawned(Exception): pass
+seen = []
+def start(self):
+    seen.append("torch" in sys.modules)
+    raise Spawned
+multiprocessing.process.BaseProcess.start = start
+import tokenbus.api.openai.server
+from tokenbus.config import EngineArgs
+from tokenbus.engine.async_llm import AsyncLLM
+try:
+    AsyncLLM.from_engine_args(EngineArgs())
+except Spawned:
+    pass
+assert seen == [False], seen
+assert "torch" not in sys.modules and "xgrammar" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)

@@ -250,4 +250,5 @@ def test_gguf_tokenizer_is_converted_once_and_cached(tmp_path, monkeypatch):
         assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
             first.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert tokenizer.eos_token_id == first.eos_token_id
+    assert type(second) is type(first)  # the generic class loaded directly is what AutoTokenizer gave
     assert list((tmp_path / "cache" / "tokenizers").iterdir()) == [entry]  # nothing left behind

@@ -18,13 +18,13 @@ import time
 from typing import Any, AsyncIterator
 
 from tokenbus.config import EngineArgs
-from tokenbus.engine.core_client import EngineCoreClient, make_engine_core_client
+from tokenbus.engine.core_client import EngineCoreClient, start_engine
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.llm_engine import child_request_ids, register_children
 from tokenbus.engine.output_processor import OutputKind, OutputProcessor
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
-from tokenbus.engine.setup import EngineSetup, create_engine_setup, create_tokenizer
+from tokenbus.engine.setup import EngineSetup, create_engine_setup
 from tokenbus.engine.stats import IterationStats, RequestStatsTracker, StatLogger
 from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats
 from tokenbus.sampling_params import SamplingParams
@@ -58,8 +58,7 @@ class AsyncLLM:
         """Resolve the model, load the tokenizer and start the engine (blocks until it is
         ready; raises with the engine's message when it cannot start)."""
         setup = create_engine_setup(args)
-        tokenizer = create_tokenizer(setup)
-        client = make_engine_core_client(setup, multiprocess=not in_process, asyncio_mode=True,
+        tokenizer, client = start_engine(setup, multiprocess=not in_process, asyncio_mode=True,
                                          ready_timeout_s=args.engine_ready_timeout_s)
         return cls(setup, tokenizer, client, stat_loggers)
 

@@ -17,11 +17,11 @@ from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
 from tokenbus.engine.executor import Executor, UniProcExecutor, WorkerBase, make_executor
 from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, SchedulerStats
+from tokenbus.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from tokenbus.loader import ModelSource
-from tokenbus.structured.backend import XgrammarBackend
-from tokenbus.structured.manager import StructuredOutputManager
+    from tokenbus.structured.backend import XgrammarBackend
 
 
 class EngineCore:
@@ -144,6 +144,7 @@ def _make_grammar_manager(config: EngineConfig, source: ModelSource, arch: Model
 
     def make_backend() -> XgrammarBackend:
         from tokenbus.loader import load_tokenizer
+        from tokenbus.structured.backend import XgrammarBackend  # xgrammar: off the engine's start-up
 
         tokenizer = load_tokenizer(source, config.model.tokenizer)
         stops = [eos_token_id] if eos_token_id is not None else None

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
-from tokenbus.engine.core import EngineCore
 from tokenbus.engine.messages import (
     Codec,
     Empty,
@@ -42,13 +41,16 @@ from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, Finish
 from tokenbus.utils.log import log_safe
 
 if TYPE_CHECKING:
+    # Not at run time: the front end imports this module to spawn the engine, and EngineCore's
+    # imports (torch, xgrammar) belong to the engine process, off the server's start-up path.
+    from tokenbus.engine.core import EngineCore
     from tokenbus.engine.setup import EngineSetup
 
 logger = logging.getLogger(__name__)
 
 # Builds the EngineCore in the engine process. Must be a module-level function (it crosses to
 # the spawned process by reference); tests pass one that builds a core with a fake worker.
-EngineFactory = Callable[["EngineSetup"], EngineCore]
+EngineFactory = Callable[["EngineSetup"], "EngineCore"]
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 # Called by the busy loop with each message for the front end.
 Emit = Callable[[MessageType, Any], None]
@@ -65,6 +67,8 @@ EXIT_DEADLINE_S = 4.0
 
 def make_engine_core(setup: "EngineSetup") -> EngineCore:
     """The default factory: the real EngineCore (loads the model)."""
+    from tokenbus.engine.core import EngineCore
+
     return EngineCore(setup.config, setup.source, setup.arch, setup.eos_token_id)
 
 

@@ -11,11 +11,11 @@ from contextlib import contextmanager
 
 from tokenbus.config import EngineArgs
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
-from tokenbus.engine.core_client import EngineCoreClient, make_engine_core_client
+from tokenbus.engine.core_client import EngineCoreClient, start_engine
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from tokenbus.engine.outputs import RequestMetrics, RequestOutput
-from tokenbus.engine.setup import EngineSetup, create_engine_setup, create_tokenizer
+from tokenbus.engine.setup import EngineSetup, create_engine_setup
 from tokenbus.protocol import EngineRequest, SchedulerStats
 from tokenbus.sampling_params import SamplingParams
 
@@ -72,8 +72,7 @@ class LLMEngine:
         """Resolve the model, load the tokenizer and start the engine: in its own process
         unless `args.multiprocess` is False (blocks until ready; raises if it cannot start)."""
         setup = create_engine_setup(args)
-        tokenizer = create_tokenizer(setup)
-        client = make_engine_core_client(setup, multiprocess=args.multiprocess, asyncio_mode=False,
+        tokenizer, client = start_engine(setup, multiprocess=args.multiprocess, asyncio_mode=False,
                                          ready_timeout_s=args.engine_ready_timeout_s)
         return cls(setup, tokenizer, client)
 

@@ -42,11 +42,15 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
 
 def check_parallel_layout(config: EngineConfig, arch: ModelArch) -> None:
     """Refuse at the front door, naming the flag, a layout that cannot start: nothing is
-    spawned for it."""
-    from tokenbus.model.parallel import TensorParallel
-
+    spawned for it. One rank on the CPU (or on whatever `auto` finds) always fits, and is
+    checked without importing torch or the model: the server starts the engine sooner."""
     parallel = config.parallel
     tp = parallel.tensor_parallel_size
+    if tp * parallel.data_parallel_size == 1 and parallel.distributed_executor_backend != "ray" \
+            and not config.model.device.startswith("cuda"):
+        return
+    from tokenbus.model.parallel import TensorParallel
+
     if parallel.distributed_executor_backend == "ray":
         # Before anything starts: Ray installed, the cluster reachable.
         from tokenbus.engine.executor.ray_executor import check_ray_address, import_ray

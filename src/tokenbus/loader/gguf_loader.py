@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenbus.config import ModelArch
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
+    import torch  # metadata through this module, and its start-up is shorter without torch
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we load
 SUPPORTED_QTYPES = tuple(GGMLQuantizationType[name] for name in (
@@ -117,6 +120,8 @@ def iter_gguf_weights(gf: GGUFFile, arch: ModelArch, keep_quantized: bool = Fals
                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (HF name, weight) for every tensor with q/k un-permuted: an fp32 tensor, or with
     keep_quantized a QuantizedWeight for each matrix of a KERNEL_QTYPES type."""
+    import torch
+
     for info in gf.tensors.values():
         if info.name == _ROPE_FREQS:
             continue

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenbus.config import ModelArch
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
+    import torch  # metadata through this module, and its start-up is shorter without torch
 
 # HF `architectures` entry -> ModelArch.architecture (model_type); all built by model/llama.py.
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}

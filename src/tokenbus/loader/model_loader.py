@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenbus.config import ModelArch
 from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.gguf_loader import QuantizedWeight, arch_from_gguf, iter_gguf_weights
 from tokenbus.loader.hf_loader import arch_from_hf_config, iter_safetensors, read_json, safetensors_files
 from tokenbus.loader.source import ModelSource
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
+    import torch  # metadata through this module, and its start-up is shorter without torch
 
 
 def load_arch(src: ModelSource) -> ModelArch:

@@ -42,7 +42,7 @@ def _from_gguf_cached(path: Path):
     cached = cache_dir() / "tokenizers" / f"{path.stem}-{key}"
     if cached.exists():
         try:
-            return _from_pretrained(cached, None)
+            return _from_cache_entry(cached)
         except Exception:  # noqa: BLE001 - a damaged entry, whatever the error: convert again
             shutil.rmtree(cached, ignore_errors=True)
     tokenizer = _from_pretrained(path.parent, path.name)
@@ -56,6 +56,23 @@ def _from_gguf_cached(path: Path):
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
+
+
+# The classes AutoTokenizer resolves a tokenizer_config.json naming them to, as themselves.
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _from_cache_entry(directory: Path):
+    """A conversion saved above. When its tokenizer_config.json names the generic fast class
+    (SmolLM2's does), that class loads it directly: the class AutoTokenizer would pick, without
+    AutoTokenizer's model-config machinery, which imports torch (1.2 s of a server's start-up,
+    whose API process needs no torch). Any other class goes through AutoTokenizer."""
+    import transformers
+
+    name = read_json(directory / "tokenizer_config.json").get("tokenizer_class")
+    if name in GENERIC_TOKENIZER_CLASSES and hasattr(transformers, name):
+        return getattr(transformers, name).from_pretrained(str(directory), local_files_only=True)
+    return _from_pretrained(directory, None)
 
 
 def _from_pretrained(directory: Path, gguf_file: str | None):

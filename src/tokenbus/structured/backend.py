@@ -14,13 +14,6 @@ _CPP_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: ")
 GRAMMAR_CACHE_BYTES = 64 << 20
 
 
-def spec_key(spec: StructuredOutputsParams) -> str:
-    """A stable key for a spec (caches, logs)."""
-    import msgspec
-
-    return msgspec.json.encode(spec).decode()
-
-
 def choice_ebnf(choices: list[str]) -> str:
     # JSON string escaping is valid EBNF string-literal escaping in xgrammar.
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)

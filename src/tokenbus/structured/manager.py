@@ -11,16 +11,19 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import GrammarBitmask, SchedulerOutput
-from tokenbus.structured.backend import XgrammarBackend
 from tokenbus.utils.log import log_safe
+
+if TYPE_CHECKING:  # xgrammar (~0.6 s with transformers) loads with the first grammar: backend.py
+    import xgrammar as xgr
+
+    from tokenbus.structured.backend import XgrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class StructuredOutputManager:
         if grammar.matcher is None and grammar.error is None:
             try:
                 compiled = grammar.future.result()
-                grammar.matcher = XgrammarBackend.new_matcher(compiled)
+                grammar.matcher = self._get_backend().new_matcher(compiled)
             except Exception as exc:  # noqa: BLE001 - any compile failure ends this request only
                 grammar.error = str(exc)
                 logger.warning("grammar for %s failed to compile: %s", log_safe(request.request_id, 100),

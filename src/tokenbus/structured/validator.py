@@ -9,6 +9,9 @@ keeps its thread and one of `max_concurrent` slots until it ends, while later sp
 the other slots instead of queueing behind it. Outcomes are remembered by spec (LRU) when the
 compile ends, also one that ended past its deadline, so a spec seen before is answered at once;
 requests with a spec that is being compiled wait for that compile instead of starting another.
+
+xgrammar (which imports torch and transformers: ~1.6 s) is imported with the first spec, not
+with this module: the API server imports this module, and its start-up is on the cold-start path.
 """
 
 from __future__ import annotations
@@ -16,13 +19,23 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from tokenbus.sampling_params import StructuredOutputsParams
-from tokenbus.structured.backend import XgrammarBackend, spec_key
+
+if TYPE_CHECKING:
+    from tokenbus.structured.backend import XgrammarBackend
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONCURRENT = 4
 OUTCOME_CACHE_SIZE = 1024
+
+
+def spec_key(spec: StructuredOutputsParams) -> str:
+    """A stable key for a spec (the outcome cache)."""
+    return msgspec.json.encode(spec).decode()
 
 
 class CompileCapacityError(RuntimeError):
@@ -102,6 +115,8 @@ class StructuredOutputValidator:
     def _get_backend(self) -> XgrammarBackend:
         with self._backend_lock:
             if self._backend is None:
+                from tokenbus.structured.backend import XgrammarBackend
+
                 self._backend = XgrammarBackend(self._tokenizer, self._vocab_size)
             return self._backend
 

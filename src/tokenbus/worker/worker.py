@@ -195,28 +195,6 @@ class Worker:
             torch.distributed.destroy_process_group()
 
 
-def expects_c_decode_layers(config: EngineConfig, src: ModelSource | None) -> bool:
-    """Whether an engine on this config will likely run its decode steps a layer per C call
-    (model/native/decode_layer.c), judged before it starts (from the GGUF header and the CPU)
-    to tune its process environment: a wrong guess costs speed, never correctness."""
-    from tokenbus.loader.gguf_file import read_gguf
-    from tokenbus.model.native import TILE_QTYPES
-
-    if src is None or src.kind != "gguf":  # (an engine factory of its own may have no model file)
-        return False
-    device = resolve_device(config.model.device)
-    if (config.compilation.enforce_eager or device.type != "cpu" or config.parallel.tensor_parallel_size > 1
-            or resolve_dtype(config.model.dtype, device) != torch.float32 or config.model.quantization == "none"
-            or not CpuFeatures.detect().has("avx2", "fma", "f16c")):
-        return False
-    try:
-        tensors = read_gguf(src.path).tensors.values()
-    except (OSError, ValueError):
-        return False
-    layer_matrices = [t for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    return bool(layer_matrices) and all(int(t.qtype) in TILE_QTYPES for t in layer_matrices)
-
-
 def connector_layout(config: EngineConfig, arch: ModelArch, src: ModelSource | None) -> KVLayout:
     """The KV layout a connector keys and checks blocks by (both halves compute the same)."""
     return kv_layout(config.model.model or "smollm2", resolve_kv_cache_dtype(config, src), config.model.quantization,
