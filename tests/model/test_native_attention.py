@@ -28,13 +28,13 @@ def kernel():
 
 
 def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-               seed: int = 0):
+               seed: int = 0, block_size: int = BLOCK_SIZE):
     """requests: (q_len, context_len) each; decodes (q_len 1) must come first. A random cache with
     shuffled blocks, this step's q/k/v, and the ForwardContext."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_req = [-(-(q + c) // BLOCK_SIZE) for q, c in requests]
+    blocks_per_req = [-(-(q + c) // block_size) for q, c in requests]
     num_blocks = sum(blocks_per_req) + 3
-    kv = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     width = max(blocks_per_req)
     tables = torch.zeros(len(requests), width + 2, dtype=torch.int64)  # wider than needed, like the runner's
@@ -43,13 +43,13 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
         ids = [perm.pop() for _ in range(n)]
         tables[r, :n] = torch.tensor(ids)
         for pos in range(ctx_len, ctx_len + q_len):
-            slots.append(ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            slots.append(ids[pos // block_size] * block_size + pos % block_size)
             positions.append(pos)
         starts.append(starts[-1] + q_len)
         seq_lens.append(ctx_len + q_len)
     num_decodes = sum(1 for q, _ in requests if q == 1)
     ctx = ForwardContext(positions=torch.tensor(positions), slot_mapping=torch.tensor(slots), kv_caches=[kv],
-                         block_size=BLOCK_SIZE, query_start_loc=starts, seq_lens=seq_lens,
+                         block_size=block_size, query_start_loc=starts, seq_lens=seq_lens,
                          seq_lens_t=torch.tensor(seq_lens), block_tables=tables[:, :width],
                          num_decodes=num_decodes)
     num_tokens = starts[-1]
@@ -61,8 +61,9 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     return q, k, v, kv, ctx
 
 
-def both_paths(kernel, requests, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, kv_dtype=None):
-    q, k, v, kv, ctx = make_batch(requests, num_heads, num_kv_heads, head_dim)
+def both_paths(kernel, requests, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, kv_dtype=None,
+               block_size=BLOCK_SIZE):
+    q, k, v, kv, ctx = make_batch(requests, num_heads, num_kv_heads, head_dim, block_size=block_size)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     kv = kv.to(kv_dtype or dtype)
     ctx.kv_caches = [kv]
@@ -86,6 +87,15 @@ def test_decodes_match_torch_path(kernel, threads):
         torch.set_num_threads(previous)
     assert plan.native is not None and plan.native.reqs.tolist() == list(range(len(DECODES)))
     assert plan.decode_tiles == [] and plan.prefills == []
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 48])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_decodes_match_torch_path_at_other_block_sizes(kernel, block_size, kv_dtype):
+    """Blocks of 8 (the 16-key chunks of the decode path cut short), 32 and 48 (two and three
+    chunks per block)."""
+    out, ref, _ = both_paths(kernel, DECODES, kv_dtype=kv_dtype, block_size=block_size)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -119,10 +129,12 @@ def test_float16_cache_without_f16c_matches_torch_path():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (8, 2, 64), (2, 2, 64)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (8, 2, 64), (2, 2, 64),
+                                   (14, 2, 64), (16, 2, 64), (18, 2, 64)])
 def test_head_layouts_match_torch_path(kernel, heads):
-    """GQA group sizes 1/2/3/4/6, the specialised head sizes 64/128 and the generic one (32, 48);
-    few requests (a work item per KV head) and many (a work item per request)."""
+    """GQA group sizes 1/2/3/4/6/7/8/9, the specialised head sizes 64/128 and the generic one (32,
+    48); few requests (a work item per KV head) and many (a work item per request). On AVX-512,
+    decodes of head size 64 with groups up to 8 take their own path (attend_decode64)."""
     for requests in (DECODES[:3], DECODES * 2):
         out, ref, _ = both_paths(kernel, requests, *heads)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
