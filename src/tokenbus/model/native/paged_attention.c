@@ -97,6 +97,19 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
     ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
 }
 
+/* Softmax of row[0 .. n) in place (the scores become probabilities, unnormalised); returns
+   1 / their sum. */
+static inline __attribute__((always_inline)) float softmax_row(float *row, int64_t n) {
+    float m = row[0], sum = 0.f;
+    for (int64_t t = 1; t < n; t++) m = row[t] > m ? row[t] : m;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        row[t] = expf(row[t] - m);
+        sum += row[t];
+    }
+    return 1.f / sum;
+}
+
 /* One work item: request with q_len queries and seq_len keys, KV heads [h0, h1). Its rows are
    ordered (KV head, query, group member): row ((h - h0) * q_len + i) * G + g is query i, head
    h * G + g, and sees keys 0 .. ctx_len + i. Keys are visited in cache order (block by block,
@@ -144,17 +157,8 @@ static inline __attribute__((always_inline)) void attend(
     }
 
     /* Softmax over each row's visible keys; the probabilities overwrite the scores. */
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t visible = ctx_len + (r % rows_per_head) / G + 1;
-        float *row = scores + r * seq_len, m = row[0], sum = 0.f;
-        for (int64_t t = 1; t < visible; t++) m = row[t] > m ? row[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < visible; t++) {
-            row[t] = expf(row[t] - m);
-            sum += row[t];
-        }
-        inv_sum[r] = 1.f / sum;
-    }
+    for (int64_t r = 0; r < R; r++)
+        inv_sum[r] = softmax_row(scores + r * seq_len, ctx_len + (r % rows_per_head) / G + 1);
 
     /* Pass 2: probability-weighted values. */
     memset(acc, 0, (size_t)(R * D) * sizeof(float));
@@ -264,16 +268,7 @@ static inline __attribute__((always_inline)) void attend_decode64(
 
         /* Softmax over all seq_len keys (one query: every key is visible). */
         float inv_sum[G];
-        for (int g = 0; g < G; g++) {
-            float *row = sc + g * seq_len, m = row[0], sum = 0.f;
-            for (int64_t t = 1; t < seq_len; t++) m = row[t] > m ? row[t] : m;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < seq_len; t++) {
-                row[t] = expf(row[t] - m);
-                sum += row[t];
-            }
-            inv_sum[g] = 1.f / sum;
-        }
+        for (int g = 0; g < G; g++) inv_sum[g] = softmax_row(sc + g * seq_len, seq_len);
 
         /* Pass 2: the G output rows in registers. */
         __m512 acc[G][4];
