@@ -52,7 +52,21 @@ def _model(tmp_path, arch: str, qtype: str, **kwargs):
     return load_model(src, load_arch(src), kwargs.pop("dtype", torch.float32), "cpu", **kwargs)
 
 
-def _steps(model, use_c: bool, kv_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+class _LayerHooks:
+    """A KV connector that only records its per-layer calls (so the layers run one C call each)."""
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        pass
+
+    def save_kv_layer(self, layer_idx: int, kv: torch.Tensor) -> None:
+        self.saved.append(layer_idx)
+
+
+def _steps(model, use_c: bool, kv_dtype: torch.dtype = torch.float32,
+           connector: _LayerHooks | None = None) -> list[torch.Tensor]:
     """Logits of a few steps: a prefill, decodes of two requests, a mixed step."""
     saved = model._decode_layers
     if not use_c:
@@ -64,6 +78,7 @@ def _steps(model, use_c: bool, kv_dtype: torch.dtype = torch.float32) -> list[to
         out = []
         for batch in batches:
             input_ids, ctx = kv.step(batch)
+            ctx.kv_connector = connector
             with torch.inference_mode():
                 out.append(model.compute_logits(model(input_ids, ctx)))
         return out
@@ -84,12 +99,18 @@ def test_decoder_layer_in_c_equals_the_layer_by_layer_path(tmp_path, arch, qtype
     model = _model(tmp_path, arch, qtype, quantization="gguf", quant_activations=activations)
     layers = model._decode_layers
     assert layers is not None
-    calls = []
-    run = layers.run
-    layers.run = lambda *args: (calls.append(args[0]), run(*args))
-    for got, want in zip(_steps(model, True, kv_dtype), _steps(model, False, kv_dtype)):
-        assert torch.equal(got, want)
-    assert len(calls) == 5 * model.num_layers  # every step ran in C (all fit the native kernel)
+    calls, per_layer = [], []
+    run_all, run = layers.run_all, layers.run
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    layers.run = lambda *args: (per_layer.append(args[0]), run(*args))
+    want = _steps(model, False, kv_dtype)
+    for got, expected in zip(_steps(model, True, kv_dtype), want):
+        assert torch.equal(got, expected)
+    assert calls == [model.num_layers] * 5 and not per_layer  # every step's layers in one C call
+    hooks = _LayerHooks()  # a connector between layers: one C call per layer, the same logits
+    for got, expected in zip(_steps(model, True, kv_dtype, hooks), want):
+        assert torch.equal(got, expected)
+    assert per_layer == list(range(model.num_layers)) * 5 and hooks.saved == per_layer
 
 
 @pytest.mark.parametrize("case", ["dequantized", "k-quant", "bf16"])

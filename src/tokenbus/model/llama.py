@@ -158,6 +158,10 @@ class LlamaForCausalLM(nn.Module):
         step = self._native_decode_step(x, cos, sin, ctx, plan)
         residual = None
         connector = ctx.kv_connector
+        if step is not None and connector is None:  # every layer in one C call
+            residual = torch.empty_like(x)
+            self._decode_layers.run_all(num_layers, step, ctx.kv_caches, x, residual)
+            return self.norm.add_and_norm(x, residual)[0]
         for layer_idx in range(num_layers):
             if connector is not None:
                 connector.wait_for_layer_load(layer_idx)

@@ -136,3 +136,16 @@ done:
     free(buf);
     return status;
 }
+
+/* Layers w[0 .. n) in order, each on its own cache kv_caches[i]: x (updated in place) and the
+   residual stream (filled by layer 0, which has none coming in). One C call for the whole step's
+   layers: no Python between them, and OpenMP's threads never wait long enough between two
+   kernels to sleep. Stops at the first failing layer, with its status. */
+int decode_layers(const kernels *k, const layer *const *w, int64_t n, const step *s, void *const *kv_caches,
+                  float *x, float *residual) {
+    for (int64_t i = 0; i < n; i++) {
+        const int status = decode_layer(k, w[i], s, kv_caches[i], x, i ? residual : NULL, x, residual);
+        if (status) return status;
+    }
+    return 0;
+}

@@ -92,6 +92,9 @@ class DecodeLayers:
         self._fn = lib.decode_layer
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR]
+        self._all_fn = lib.decode_layers
+        self._all_fn.restype = ctypes.c_int
+        self._all_fn.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
         self._kernels = _Kernels(_address(quant.tile_fns["matmul"]), _address(attention.fn),
                                  _address(fused.add_rms_norm_fn), _address(fused.rope_fn),
                                  _address(fused.silu_mul_fn))
@@ -100,6 +103,7 @@ class DecodeLayers:
         self._layers = [layer.struct() for layer in layers]
         self._kernels_ref = ctypes.byref(self._kernels)
         self._layer_refs = [ctypes.byref(layer) for layer in self._layers]
+        self._layer_array = (_PTR * len(self._layers))(*(ctypes.addressof(layer) for layer in self._layers))
         self.hidden = layers[0].input_norm.numel()
 
     def step_args(self, num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -126,5 +130,16 @@ class DecodeLayers:
         status = self._fn(self._kernels_ref, self._layer_refs[index], ctypes.byref(step), kv_cache.data_ptr(),
                           x.data_ptr(), None if residual is None else residual.data_ptr(), x_out.data_ptr(),
                           residual_out.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"decode_layer: a kernel failed with status {status}")
+
+    def run_all(self, num_layers: int, step: _Step, kv_caches: list[torch.Tensor], x: torch.Tensor,
+                residual_out: torch.Tensor) -> None:
+        """Layers 0 .. num_layers - 1 in one C call, as `run` one after another would: x [T,
+        hidden] in place (the last layer's MLP output), residual_out the residual stream after
+        the last layer's attention."""
+        caches = (_PTR * num_layers)(*(kv_caches[i].data_ptr() for i in range(num_layers)))
+        status = self._all_fn(self._kernels_ref, self._layer_array, num_layers, ctypes.byref(step), caches,
+                              x.data_ptr(), residual_out.data_ptr())
         if status != 0:
             raise RuntimeError(f"decode_layer: a kernel failed with status {status}")
