@@ -294,7 +294,7 @@ static inline __attribute__((always_inline)) void attend_decode64(
     }
 }
 
-/* 1 when it ran: a decode of head size 64 under fp32 queries with G <= 8. */
+/* 1 when it ran: one query of head size 64 under fp32 queries with G <= 8. */
 static int attend_decode(const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len,
                          int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv, int kv_elem, float scale,
                          float *out, float *scores) {
@@ -327,10 +327,15 @@ static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int6
                        int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, int kv_elem, float scale,
                        void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
 #if defined(__AVX512F__)
-    if (q_len == 1 && D == 64 && elem == ELEM_F32 && seq_len > 0 &&
-        attend_decode((const float *)q, kv, v_offset, table, seq_len, h0, h1, G, bs, hkv, kv_elem, scale,
-                      (float *)out, scores))
+    /* Every query token as a decode of the keys it sees: a row's arithmetic must not depend on
+       how many queries its request has this step (a speculative verification's rows must give
+       what decoding them one by one gives, bit for bit), and attend() sums in another order. */
+    if (D == 64 && elem == ELEM_F32 && G <= 8 && seq_len >= q_len && q_len > 0) {
+        for (int64_t i = 0; i < q_len; i++)
+            attend_decode((const float *)q + i * q_tok_stride, kv, v_offset, table, seq_len - q_len + i + 1, h0, h1,
+                          G, bs, hkv, kv_elem, scale, (float *)out + i * out_tok_stride, scores);
         return;
+    }
 #endif
     if (elem == ELEM_BF16) {
         ATTEND_D(ELEM_BF16, ELEM_BF16)
