@@ -26,16 +26,16 @@ def model_of(llm):
 
 
 def count_c_steps(llm) -> list[tuple[int, int]]:
-    """Wrap the model's C layers: (tokens, requests) of every step that ran them (layer 0)."""
+    """Wrap the model's C layers: (tokens, requests) of every step that ran them (all layers in
+    one call: no connector here)."""
     layers = model_of(llm)._decode_layers
     steps: list[tuple[int, int]] = []
-    run = layers.run
+    run_all = layers.run_all
 
-    def counting(index, step, *args):
-        if index == 0:
-            steps.append((step.num_tokens, step.num_reqs))
-        return run(index, step, *args)
-    layers.run = counting
+    def counting(num_layers, step, *args):
+        steps.append((step.num_tokens, step.num_reqs))
+        return run_all(num_layers, step, *args)
+    layers.run_all = counting
     return steps
 
 
