@@ -199,7 +199,8 @@ static inline __attribute__((always_inline)) void attend(
 
 /* 16 fp32 values of row p from element offset on (fp32, or fp16 converted). */
 static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t offset, const int kv_elem) {
-    if (kv_elem == ELEM_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + offset)));
+    if (kv_elem == ELEM_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + offset)));
     return _mm512_loadu_ps((const float *)p + offset);
 }
 
