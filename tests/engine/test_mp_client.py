@@ -168,7 +168,7 @@ def test_greedy_tokens_are_the_same_from_every_client(tiny_llama_dir):
     assert _async_tokens(tiny_llama_dir, in_process=True) == reference
 
 
-def test_server_spawns_the_engine_before_importing_torch(tmp_path):
+def test_server_spawns_the_engine_before_importing_torch(tmp_path, monkeypatch):
     """Cold start: the API process reaches the engine's spawn without torch (the engine imports
     its own meanwhile), and loads the default model's tokenizer from the cache without it too."""
     import subprocess
@@ -176,12 +176,9 @@ def test_server_spawns_the_engine_before_importing_torch(tmp_path):
 
     from tokenbus.loader import load_tokenizer, resolve_model
 
-    env = {**os.environ, "TOKENBUS_CACHE_DIR": str(tmp_path)}
-    os.environ["TOKENBUS_CACHE_DIR"] = str(tmp_path)
-    try:
-        load_tokenizer(resolve_model(None))  # the conversion, saved in the cache
-    finally:
-        del os.environ["TOKENBUS_CACHE_DIR"]
+    monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(tmp_path))
+    load_tokenizer(resolve_model(None))  # the conversion, saved in the cache
+    env = dict(os.environ)
     code = """
 import multiprocessing.process, sys
 class Spawned(Exception): pass
@@ -201,3 +198,12 @@ assert seen == [False], seen
 assert "torch" not in sys.modules and "xgrammar" not in sys.modules
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
+
+
+def test_a_missing_tokenizer_is_refused_before_an_engine_starts():
+    """The tokenizer loads beside the starting engine, so a --tokenizer that does not exist is
+    refused at setup, before anything is spawned."""
+    from tokenbus.engine.setup import create_engine_setup
+
+    with pytest.raises(ValueError, match="tokenizer: 'missing-tok' not found"):
+        create_engine_setup(EngineArgs(tokenizer="missing-tok"))

@@ -243,6 +243,11 @@ def test_gguf_tokenizer_is_converted_once_and_cached(tmp_path, monkeypatch):
     first = load_tokenizer(src)  # converted from the GGUF, then saved
     (entry,) = (tmp_path / "cache" / "tokenizers").iterdir()
     assert (entry / "tokenizer.json").is_file()
+    import tokenbus.loader.tokenizer as tokenizer_module
+
+    def no_conversion(*args):
+        raise AssertionError("the cached entry must load through its generic class, not AutoTokenizer")
+    monkeypatch.setattr(tokenizer_module, "_from_pretrained", no_conversion)
     second = load_tokenizer(src)  # from the cache
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     for tokenizer in (first, second):

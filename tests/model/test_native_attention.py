@@ -90,12 +90,12 @@ def test_decodes_match_torch_path(kernel, threads):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("block_size", [8, 32, 48])
+@pytest.mark.parametrize("block_size", [4, 8, 32, 64])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_decodes_match_torch_path_at_other_block_sizes(kernel, block_size, kv_dtype):
-    """Blocks of 8 (the 16-key chunks of the decode path cut short), 32 and 48 (two and three
-    chunks per block)."""
-    out, ref, _ = both_paths(kernel, DECODES, kv_dtype=kv_dtype, block_size=block_size)
+    """Blocks of 4 and 8 (the 16-key chunks of the decode path cut short), 32 and 64 (two and
+    four chunks per block); a 5-query request too."""
+    out, ref, _ = both_paths(kernel, DECODES + [(5, 30)], kv_dtype=kv_dtype, block_size=block_size)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -149,6 +149,28 @@ def test_multi_query_requests_are_causal_and_match(kernel):
     assert plan.native.reqs.tolist() == [0, 1, 2, 3, 4]
     assert [(p.start, p.end) for p in plan.prefills] == [(25, 42), (42, 82)]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("copies", [1, 9])
+def test_a_query_row_does_not_depend_on_its_requests_query_count(kernel, kv_dtype, copies):
+    """Row i of a 5-query request (a speculative verification) equals, bit for bit, decoding its
+    token alone over the keys it sees; `copies` requests at once also takes the path where a
+    work item holds every KV head."""
+    q, k, v, kv, ctx = make_batch([(5, 30)] * copies, 9, 3, 64)
+    kv = kv.to(kv_dtype)
+    ctx.kv_caches = [kv]
+    many = paged_attention(q, k, v, kv, ctx.slot_mapping, build_attention_plan(ctx, torch.float32, kernel), 0.125)
+    # The same tokens as 5 * copies decodes of one query each, on the same cache and tables.
+    tables = ctx.block_tables.repeat_interleave(5, dim=0)
+    seq_lens = [30 + i + 1 for _ in range(copies) for i in range(5)]
+    one_by_one = ForwardContext(positions=ctx.positions, slot_mapping=ctx.slot_mapping, kv_caches=[kv],
+                                block_size=BLOCK_SIZE, query_start_loc=list(range(5 * copies + 1)),
+                                seq_lens=seq_lens, seq_lens_t=torch.tensor(seq_lens), block_tables=tables,
+                                num_decodes=5 * copies)
+    single = paged_attention(q, k, v, kv, ctx.slot_mapping, build_attention_plan(one_by_one, torch.float32, kernel),
+                             0.125)
+    assert torch.equal(many, single)
 
 
 def test_padding_requests_keep_zero_rows(kernel):

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.messages import MessageType, RequestType, UtilityCall, UtilityResult, utility_error
@@ -298,8 +298,10 @@ class AsyncInprocClient(EngineCoreClient):
 
 def make_engine_core_client(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool,
                             engine_factory: "EngineFactory | None" = None,
-                            ready_timeout_s: float | None = None) -> EngineCoreClient:
-    """Pick the client for a front end (sync LLMEngine or asyncio AsyncLLM) and a process layout."""
+                            ready_timeout_s: float | None = None,
+                            after_spawn: Callable[[], None] | None = None) -> EngineCoreClient:
+    """Pick the client for a front end (sync LLMEngine or asyncio AsyncLLM) and a process layout.
+    `after_spawn`: called once the engine processes have started, before waiting for them."""
     from tokenbus.engine.core_proc import make_engine_core
 
     factory = engine_factory or make_engine_core
@@ -311,13 +313,14 @@ def make_engine_core_client(setup: "EngineSetup", *, multiprocess: bool, asyncio
                              "--engine-in-process)")
         from tokenbus.engine.dp_client import DPLBClient
 
-        return DPLBClient(setup, factory, asyncio_mode=asyncio_mode, ready_timeout_s=ready_timeout_s)
+        return DPLBClient(setup, factory, asyncio_mode=asyncio_mode, ready_timeout_s=ready_timeout_s,
+                          after_spawn=after_spawn)
     if not multiprocess:
         return AsyncInprocClient(setup, factory) if asyncio_mode else InprocClient(setup, factory(setup))
     from tokenbus.engine.mp_client import AsyncMPClient, SyncMPClient
 
     cls = AsyncMPClient if asyncio_mode else SyncMPClient
-    return cls(setup, factory, ready_timeout_s=ready_timeout_s)
+    return cls(setup, factory, ready_timeout_s=ready_timeout_s, after_spawn=after_spawn)
 
 
 def start_engine(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool,
@@ -333,11 +336,14 @@ def start_engine(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool
         return tokenizer, make_engine_core_client(setup, multiprocess=False, asyncio_mode=asyncio_mode,
                                                   ready_timeout_s=ready_timeout_s)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-        pending = pool.submit(create_tokenizer, setup)
+        pending: list[concurrent.futures.Future] = []
+        # Submitted once the engine has spawned: spawning briefly sets the engine's environment
+        # (OpenMP, oneDNN) in this process, which a torch import on the thread must not read.
         client = make_engine_core_client(setup, multiprocess=True, asyncio_mode=asyncio_mode,
-                                         ready_timeout_s=ready_timeout_s)
+                                         ready_timeout_s=ready_timeout_s,
+                                         after_spawn=lambda: pending.append(pool.submit(create_tokenizer, setup)))
         try:
-            return pending.result(), client
+            return pending[0].result(), client
         except BaseException:
             client.shutdown()
             raise

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tokenbus.engine.core_client import EngineCoreClient, OutputChannel
 from tokenbus.engine.exceptions import EngineDeadError
@@ -39,7 +39,7 @@ class DPLBClient(EngineCoreClient):
     engines' sends never block, so the coroutines call the sync methods)."""
 
     def __init__(self, setup: "EngineSetup", engine_factory: "EngineFactory", *, asyncio_mode: bool,
-                 ready_timeout_s: float | None = None) -> None:
+                 ready_timeout_s: float | None = None, after_spawn: Callable[[], None] | None = None) -> None:
         num_engines = setup.config.parallel.data_parallel_size
         self._outputs = OutputChannel()
         cls = AsyncMPClient if asyncio_mode else SyncMPClient
@@ -49,6 +49,8 @@ class DPLBClient(EngineCoreClient):
             # Spawn every engine first, then wait: their models load at the same time.
             for index in range(num_engines):
                 connections.append(EngineConnection(_for_engine(setup, index), engine_factory, self._outputs, index))
+            if after_spawn is not None:
+                after_spawn()
             for connection in connections:
                 self.clients.append(cls(setup, engine_factory, ready_timeout_s, connection=connection))
         except BaseException:

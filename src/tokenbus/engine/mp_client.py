@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
@@ -235,8 +235,10 @@ class MPClient(EngineCoreClient):
     the interface."""
 
     def __init__(self, setup: "EngineSetup", engine_factory: EngineFactory = make_engine_core,
-                 ready_timeout_s: float | None = None, connection: EngineConnection | None = None) -> None:
-        """`connection`: an engine already spawned (data parallelism starts all first)."""
+                 ready_timeout_s: float | None = None, connection: EngineConnection | None = None,
+                 after_spawn: Callable[[], None] | None = None) -> None:
+        """`connection`: an engine already spawned (data parallelism starts all first).
+        `after_spawn`: called once the engine process has started, before waiting for READY."""
         self.setup = setup
         self._conn = conn = connection or EngineConnection(setup, engine_factory)
         self.proc = conn.proc
@@ -244,6 +246,8 @@ class MPClient(EngineCoreClient):
         # garbage-collected, or at exit before multiprocessing joins its children.
         self._finalizer = multiprocessing.util.Finalize(self, conn.close, exitpriority=FINALIZER_PRIORITY)
         try:
+            if after_spawn is not None:
+                after_spawn()
             timeout_s = DEFAULT_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s
             self.ready = conn.wait_ready(timeout_s)
         except BaseException:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tokenbus.config import EngineArgs, EngineConfig, ModelArch
 from tokenbus.utils.cpu import available_cpus
-from tokenbus.loader import ModelSource, load_arch, load_generation_config, load_tokenizer, resolve_model
+from tokenbus.loader import (ModelSource, load_arch, load_generation_config, load_tokenizer, resolve_model,
+                             tokenizer_path)
 from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
 from tokenbus.loader.hf_loader import read_json
 from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS
@@ -83,6 +84,8 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
     arch = load_arch(source)
     config = args.to_config(resolve_max_model_len(args.max_model_len, arch))
     check_parallel_layout(config, arch)
+    if config.model.tokenizer is not None:
+        tokenizer_path(config.model.tokenizer)
     generation_config = load_generation_config(source)
     eos = generation_config.get("eos_token_id")
     if isinstance(eos, list):

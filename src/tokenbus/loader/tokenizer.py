@@ -14,6 +14,15 @@ from tokenbus.loader.source import ModelSource
 from tokenbus.utils import cache_dir
 
 
+def tokenizer_path(tokenizer: str) -> Path:
+    """An explicit --tokenizer as a path; ValueError naming the field when it does not exist
+    (checked again at setup, before an engine starts: the tokenizer itself loads beside it)."""
+    path = Path(tokenizer).expanduser()
+    if not path.exists():
+        raise ValueError(f"tokenizer: {tokenizer!r} not found (expected a directory or a .gguf file)")
+    return path
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     """A transformers tokenizer: `tokenizer` (a directory or .gguf file) if given, else the model's.
 
@@ -21,9 +30,7 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     (~3.5 s for SmolLM2); the result is saved once under the cache dir and loaded from there.
     """
     if tokenizer is not None:
-        path = Path(tokenizer).expanduser()
-        if not path.exists():
-            raise ValueError(f"tokenizer: {tokenizer!r} not found (expected a directory or a .gguf file)")
+        path = tokenizer_path(tokenizer)
         return _from_pretrained(path.parent if path.is_file() else path, path.name if path.is_file() else None)
     if src.kind == "gguf":
         return _from_gguf_cached(src.path)

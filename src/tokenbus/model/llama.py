@@ -271,7 +271,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def decodes_in_c(self) -> bool:
-        """Whether decode-sized steps run each decoder layer in one C call (decode_layer.c)."""
+        """Whether decode-sized steps run their decoder layers in C (decode_layer.c: all in one
+        call, or one call per layer when a KV connector hooks in between)."""
         return self._decode_layers is not None
 
     def _build_decode_layers(self) -> DecodeLayers | None:

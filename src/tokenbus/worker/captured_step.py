@@ -91,7 +91,7 @@ class CapturedSteps:
 # with the default GGUF weights (the quantized GEMV kernel is most of a step and compiling does
 # not touch it), and it costs a compile at every start (tens of seconds cold, seconds warm).
 # Listing --cudagraph-capture-sizes compiles them (dense fp32 weights measured faster at batch
-# 1) — except for a model whose decode steps run a layer per C call (model/native/
+# 1) — except for a model whose decode steps run their layers in C (model/native/
 # decode_layer.c: 1.53x eager at batch 1, 1.24x at 16, against the compiled step's 0.90-0.99x).
 CPU_CAPTURES_BY_DEFAULT = False
 

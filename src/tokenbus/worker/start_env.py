@@ -18,14 +18,14 @@ TILE_QTYPES = (8, 2, 3)
 
 
 def expects_c_decode_layers(config: EngineConfig, src: ModelSource | None) -> bool:
-    """Whether an engine on this config will likely run its decode steps a layer per C call
+    """Whether an engine on this config will likely run its decode steps' layers in C
     (model/native/decode_layer.c), judged from the config, the GGUF header and the CPU: a wrong
     guess costs speed, never correctness. Device `auto` is taken to be the CPU (deciding needs
     torch); on a GPU the spin count hardly matters, its host threads seldom enter OpenMP."""
     if src is None or src.kind != "gguf":  # (an engine factory of its own may have no model file)
         return False
     model = config.model
-    if (config.compilation.enforce_eager or model.device.startswith("cuda")
+    if (config.compilation.enforce_eager or model.device not in ("auto", "cpu")
             or config.parallel.tensor_parallel_size > 1 or model.dtype not in ("auto", "float32")
             or model.quantization == "none" or not CpuFeatures.detect().has("avx2", "fma", "f16c")):
         return False

@@ -17,7 +17,10 @@
 
    Work item = (request, KV head): the G = Hq / Hkv query heads sharing a KV head and all
    q_len query tokens of the request form R = q_len * G rows that go over the keys together,
-   so each key and value is loaded from memory once per work item.
+   so each key and value is loaded from memory once per work item. On AVX-512 (head size 64,
+   fp32 queries, G <= 8) each query token instead runs as a decode of the keys it sees
+   (attend_decode64), reading them once per query token: a row's bits never depend on how many
+   queries its request has.
 
    Built with -O3 -march=native -ffast-math: the dot products and the exp are vectorised
    (libmvec). fast-math is safe here because no infinity or NaN is ever produced: masked keys
@@ -190,7 +193,7 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 #if defined(__AVX512F__)
-/* ---- Decode on AVX-512: one query per request, head size 64, fp32 queries, G query heads per KV
+/* ---- Decode on AVX-512: one query token, head size 64, fp32 queries, G query heads per KV
    head known at compile time (the generic attend() keeps its sums in memory and reduces every
    dot product on its own). Per KV head: the G queries stay in registers (4 zmm each); pass 1
    takes keys 16 at a time, one zmm of partial products per key, and sums the 16 with one
@@ -219,13 +222,13 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
-/* Ask for the 64-value rows row0, row0 + stride, ... (16 of them) of the next block ahead of
-   use: a head's rows are 1 / hkv of each token's bytes, a pattern the hardware prefetcher
-   follows poorly once the loop reads one head at a time. */
+/* Ask for the 64-value rows row0, row0 + stride, ... (n <= 16 of them, all inside the next block)
+   ahead of use: a head's rows are 1 / hkv of each token's bytes, a pattern the hardware
+   prefetcher follows poorly once the loop reads one head at a time. */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *p, int64_t row0, int64_t stride,
-                                                                const int kv_elem) {
+                                                                int64_t n, const int kv_elem) {
     const int64_t row_bytes = 64 * (kv_elem == ELEM_F16 ? 2 : 4);
-    for (int j = 0; j < 16; j++) {
+    for (int64_t j = 0; j < n; j++) {
         const char *r = (const char *)p + (row0 + j * stride) * row_bytes;
         for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
     }
@@ -249,7 +252,8 @@ static inline __attribute__((always_inline)) void attend_decode64(
             const int64_t nt = min64(bs, seq_len - t0);
             for (int64_t j0 = 0; j0 < nt; j0 += 16) {
                 const int n = (int)min64(16, nt - j0);
-                if (t0 + bs < seq_len) prefetch_rows(kv, (table[b + 1] * bs + j0) * hkv + h, hkv, kv_elem);
+                if (t0 + bs < seq_len)
+                    prefetch_rows(kv, (table[b + 1] * bs + j0) * hkv + h, hkv, min64(16, bs - j0), kv_elem);
                 __m512 k[16][4];
                 for (int j = 0; j < 16; j++) {
                     const int64_t key = ((table[b] * bs + j0 + j) * hkv + h) * D;
@@ -278,7 +282,7 @@ static inline __attribute__((always_inline)) void attend_decode64(
         for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
             const int64_t nt = min64(bs, seq_len - t0);
             if (t0 + bs < seq_len) prefetch_rows((const char *)kv + v_offset * (kv_elem == ELEM_F16 ? 2 : 4),
-                                                 table[b + 1] * bs * hkv + h, hkv, kv_elem);
+                                                 table[b + 1] * bs * hkv + h, hkv, min64(16, bs), kv_elem);
             for (int64_t j = 0; j < nt; j++) {
                 const int64_t value = v_offset + ((table[b] * bs + j) * hkv + h) * D;
                 __m512 v[4];
@@ -331,7 +335,7 @@ static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int6
     /* Every query token as a decode of the keys it sees: a row's arithmetic must not depend on
        how many queries its request has this step (a speculative verification's rows must give
        what decoding them one by one gives, bit for bit), and attend() sums in another order. */
-    if (D == 64 && elem == ELEM_F32 && G <= 8 && seq_len >= q_len && q_len > 0) {
+    if (D == 64 && elem == ELEM_F32 && G >= 1 && G <= 8 && seq_len >= q_len && q_len > 0) {
         for (int64_t i = 0; i < q_len; i++)
             attend_decode((const float *)q + i * q_tok_stride, kv, v_offset, table, seq_len - q_len + i + 1, h0, h1,
                           G, bs, hkv, kv_elem, scale, (float *)out + i * out_tok_stride, scores);

@@ -366,9 +366,9 @@ static inline void amx_pack_block(int qtype, int qb, const uint8_t *tb, __m512i 
 /* Weight tiles t and t + 1 (only t when `two` is 0) times all Mpad rows of xb into y, in groups
    of 32 rows: C tiles 0/1 take rows 0-15 of the group (weight tile t / t + 1), 2/3 rows 16-31;
    A tiles 4/5, B tiles 6/7. Each loaded A tile serves two B tiles and each B tile two A tiles
-   (x is read from L2 once per two weight tiles). The first group packs each B tile just before
-   using it (a decode-sized call reads it back from L1) into bt [2][blocks * 512], which the
-   later groups reuse. */
+   (x is read from L2 once per two weight tiles). The first group packs each B tile one block
+   ahead of using it (a decode-sized call reads it back from L1) into bt [2][blocks * 512],
+   which the later groups reuse. */
 static void amx_tile_pair(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, uint16_t *bt,
                           const uint16_t *xb, int64_t Mpad, int64_t K, float *y, int64_t ldy, int64_t M,
                           int64_t N, int64_t t, int two) {
@@ -385,7 +385,7 @@ static void amx_tile_pair(int qtype, int qb, const uint8_t *tiles, int64_t block
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        if (m0 == 0) {
+        if (m0 == 0 && blocks > 0) {
             amx_pack_block(qtype, qb, tiles + t * blocks * tbb, interleave, bt);
             if (two) amx_pack_block(qtype, qb, tiles + (t + 1) * blocks * tbb, interleave, bt1);
         }
