@@ -43,6 +43,11 @@ class _Step(ctypes.Structure):
                 ("num_threads", _I64), ("kv_elem", _I64)]
 
 
+def _check(status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"decode_layer: a kernel failed with status {status}")
+
+
 def _address(fn: ctypes._CFuncPtr) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
@@ -127,11 +132,9 @@ class DecodeLayers:
             x_out: torch.Tensor, residual_out: torch.Tensor) -> None:
         """Layer `index` on x [T, hidden] (fp32, contiguous): x_out = its MLP output, residual_out
         = the residual stream after its attention (x_out may be x, residual_out residual)."""
-        status = self._fn(self._kernels_ref, self._layer_refs[index], ctypes.byref(step), kv_cache.data_ptr(),
-                          x.data_ptr(), None if residual is None else residual.data_ptr(), x_out.data_ptr(),
-                          residual_out.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"decode_layer: a kernel failed with status {status}")
+        _check(self._fn(self._kernels_ref, self._layer_refs[index], ctypes.byref(step), kv_cache.data_ptr(),
+                        x.data_ptr(), None if residual is None else residual.data_ptr(), x_out.data_ptr(),
+                        residual_out.data_ptr()))
 
     def run_all(self, num_layers: int, step: _Step, kv_caches: list[torch.Tensor], x: torch.Tensor,
                 residual_out: torch.Tensor) -> None:
@@ -139,7 +142,5 @@ class DecodeLayers:
         hidden] in place (the last layer's MLP output), residual_out the residual stream after
         the last layer's attention."""
         caches = (_PTR * num_layers)(*(kv_caches[i].data_ptr() for i in range(num_layers)))
-        status = self._all_fn(self._kernels_ref, self._layer_array, num_layers, ctypes.byref(step), caches,
-                              x.data_ptr(), residual_out.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"decode_layer: a kernel failed with status {status}")
+        _check(self._all_fn(self._kernels_ref, self._layer_array, num_layers, ctypes.byref(step), caches,
+                            x.data_ptr(), residual_out.data_ptr()))
