@@ -33,7 +33,7 @@ def main() -> None:
     print(f"CPU: {CpuFeatures.detect().describe()}")
     answers, scores = {}, {}
     texts = None
-    modes = [mode for mode in MODES if mode != "bf16" or load_quant_kernels().amx]
+    modes = [mode for mode in MODES if mode != "bf16" or load_quant_kernels().bf16_engine]
     for mode in modes:
         llm = LLM(multiprocess=False, enable_prefix_caching=False, max_num_batched_tokens=64, max_model_len=1024,
                   **MODES[mode])

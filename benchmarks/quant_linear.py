@@ -2,7 +2,7 @@
 dequantize + GEMM path, per activation row count; and dequantizing into a fresh tensor vs a
 reused one (2 threads). --step: a whole decode step's linears (30 layers + the LM head, distinct
 weights, so they stream from memory as in a real step) per row count, on GGUF rows and on 16-row
-tiles with fp32, int16, int8 and (on AMX) bf16 activations, against dequantize + GEMM.
+tiles with fp32, int16, int8 and (AVX512-BF16: AMX or dot products) bf16 activations, against dequantize + GEMM.
 
     .venv/bin/python benchmarks/quant_linear.py [--step]
 """
@@ -46,7 +46,7 @@ def step_linears(kernels) -> None:
     rows_layout = [(int(q), base[(n, k, q)].clone(), n, k) for n, k, q in shapes]  # a copy per layer
     tiled = [(q, kernels.repack_tiles(q, w, k), n, k) for q, w, n, k in rows_layout]
     buffer = DequantBuffer()
-    modes = [mode for mode in TILE_ACTIVATIONS if mode != "bf16" or kernels.amx]
+    modes = [mode for mode in TILE_ACTIVATIONS if mode != "bf16" or kernels.bf16_engine]
     for m in (1, 4, 8, 16, 32, 64, 256):
         x = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
         outs = [torch.empty(m, n) for _, _, n, _ in rows_layout]
@@ -86,7 +86,7 @@ def main() -> None:
             x, out = torch.randn(m, cols), torch.empty(m, rows)
             t_quant = per_call(lambda: kernels.matmul(int(qtype), blocks, cols, x, out), reps)
             t_tiles = {mode: per_call(lambda: kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, mode), reps)
-                       for mode in TILE_ACTIVATIONS if mode != "bf16" or kernels.amx}
+                       for mode in TILE_ACTIVATIONS if mode != "bf16" or kernels.bf16_engine}
             t_dense = per_call(lambda: onednn(x), reps)
             t_gemm = per_call(lambda: F.linear(x, kernels.dequant_rows(int(qtype), blocks, cols, all_rows)), reps)
             print(f"{qtype.name} {rows}x{cols} rows={m}: block kernel {t_quant * 1e3:.3f} ms, "

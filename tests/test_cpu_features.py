@@ -34,6 +34,18 @@ def test_avx512_cap_keeps_only_x86_64_v4():
     assert cpu.isa == "avx512" and cpu.missing_for_bf16_packed_linear() == () and not cpu.has_bf16_dot
 
 
+def test_avx512_bf16_cap_is_a_zen4():
+    """x86-64-v4 plus AVX512-VNNI/BF16, no AMX or FP16: the bf16 dot-product path on an AMX CPU."""
+    cpu = CpuFeatures(_capped(SPR, "avx512_bf16"), "avx512_bf16")
+    v4 = {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"}
+    assert cpu.flags == ZEN3 | v4 | {"avx512_vnni", "avx512_bf16"} and cpu.has_bf16_dot
+    without = CpuFeatures(_capped(ZEN3 | v4, "avx512_bf16"), "avx512_bf16")  # nothing is added
+    assert without.flags == ZEN3 | v4 and not without.has_bf16_dot
+    if cpu.is_x86:
+        assert cpu.march == "x86-64-v4" and cpu.march_extras == ("-mavx512vnni", "-mavx512bf16")
+        assert without.march_extras == () and CpuFeatures(SPR).march_extras == ()
+
+
 def test_baseline_cap_drops_avx():
     cpu = CpuFeatures(_capped(SPR, "baseline"), "baseline")
     assert cpu.isa == "baseline" and not cpu.has("avx") and cpu.has("sse4_2")

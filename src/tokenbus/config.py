@@ -68,9 +68,10 @@ class ModelConfig:
     # within ~3e-4) or int8 (llama.cpp's approach: faster, but most answers change; both from
     # benchmarks/activation_error.py), or fp32 (weight-only: equal to the dequantized
     # model up to rounding); calls of more than 64 rows (long prefill chunks) then dequantize
-    # and multiply in fp32. bf16 (AMX CPUs only): x and W rounded to bf16 for every call,
-    # summed in fp32 by AMX tiles. auto: int16, and on AMX bf16 from 16 rows up (prefill chunks,
-    # decode batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2 from fp32's on average).
+    # and multiply in fp32. bf16 (CPUs with AVX512-BF16): x and W rounded to bf16 for every
+    # call, summed in fp32 by AMX tiles or (no AMX) vdpbf16ps. auto: int16, and bf16 from 16 rows
+    # up on AMX (prefill chunks, decode batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2
+    # from fp32's on average), from 32 rows with vdpbf16ps (prefill chunks: 2.9x the fp32 GEMM).
     quant_activations: str = "auto"
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
@@ -378,9 +379,10 @@ class EngineArgs:
     quant_activations: str = _arg("auto", "activations of decode steps on Q8_0/Q4_0/Q4_1 blocks, rounded "
                                           "per 32 values: int16 (logprobs within ~3e-4 of fp32's), int8 "
                                           "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
-                                          "bf16: every call in bf16 on AMX tiles (AMX CPUs only); auto: "
-                                          "int16, and bf16 on AMX for calls of 16+ rows (prefill, "
-                                          "batches)", choices=QUANT_ACTIVATIONS)
+                                          "bf16: every call in bf16 (CPUs with AVX512-BF16: AMX tiles or "
+                                          "vdpbf16ps); auto: int16, and bf16 for calls of 16+ rows on "
+                                          "AMX (prefill, batches), 32+ without (prefill)",
+                                  choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks")
     pooler: str = _arg("last", "how /v1/embeddings pools the final hidden states (then L2-normalised)",

@@ -89,13 +89,13 @@ def _steps(model, use_c: bool, kv_dtype: torch.dtype = torch.float32,
 @pytest.mark.parametrize("arch, qtype, activations, kv_dtype", [
     ("llama", "Q4_1", "auto", torch.float32), ("llama", "Q8_0", "int8", torch.float32),
     ("qwen2", "Q4_0", "fp32", torch.float32),  # qwen2: q/k/v biases
-    ("llama", "Q4_1", "bf16", torch.float32),  # AMX only
+    ("llama", "Q4_1", "bf16", torch.float32),  # AVX512-BF16 (AMX or not) only
     ("llama", "Q4_1", "auto", torch.float16)])  # --kv-cache-dtype float16 (the default on GGUF blocks)
 def test_decoder_layer_in_c_equals_the_layer_by_layer_path(tmp_path, arch, qtype, activations, kv_dtype):
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
-    if activations == "bf16" and not load_quant_kernels().amx:
-        pytest.skip(f"bf16 tiles need AMX; this CPU is {CpuFeatures.detect().describe()}")
+    if activations == "bf16" and not load_quant_kernels().bf16_engine:
+        pytest.skip(f"bf16 tiles need AVX512-BF16; this CPU is {CpuFeatures.detect().describe()}")
     model = _model(tmp_path, arch, qtype, quantization="gguf", quant_activations=activations)
     layers = model._decode_layers
     assert layers is not None

@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
     def set_quant_activations(self, activations: str, bf16_from_rows: int = 0) -> None:
         """fp32, int16 or int8 activations for the tiled GGUF linears' calls of up to 64 rows
         (decode steps, short prefill chunks: layers/quantized.py); bigger ones multiply in fp32.
-        Calls of at least `bf16_from_rows` rows (0: none) take bf16 on AMX instead, any size
+        Calls of at least `bf16_from_rows` rows (0: none) take bf16 instead (AVX512-BF16), any size
         (layers/quantized.tile_mode; worker/model_loader.quant_activation_modes chooses both)."""
         self._activations, self._bf16_from_rows = activations, bf16_from_rows
         for module in self.modules():

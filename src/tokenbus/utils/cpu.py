@@ -4,10 +4,12 @@ The flags come from /proc/cpuinfo (Linux's names: avx2, avx512bw, avx512_bf16, a
 `$TOKENBUS_CPU_ISA` caps what tokenbus believes the CPU has, to exercise a portable path on a
 machine that has more (tests, bug reports from older CPUs):
 
-    native    what the CPU reports (default)
-    avx512    x86-64-v4: AVX-512 F/BW/CD/DQ/VL, no BF16/FP16/VNNI extensions or AMX
-    avx2      x86-64-v3: AVX2 + FMA, no AVX-512, AMX or AVX-VNNI (an AMD Zen 3)
-    baseline  x86-64: SSE2 only
+    native       what the CPU reports (default)
+    avx512_bf16  x86-64-v4 + AVX512-VNNI/BF16 where reported, no AMX (an AMD Zen 4, a Cooper
+                 Lake): on an AMX CPU, bf16 activations take the AVX512-BF16 dot products
+    avx512       x86-64-v4: AVX-512 F/BW/CD/DQ/VL, no BF16/FP16/VNNI extensions or AMX
+    avx2         x86-64-v3: AVX2 + FMA, no AVX-512, AMX or AVX-VNNI (an AMD Zen 3)
+    baseline     x86-64: SSE2 only
 
 The cap steers tokenbus's own choices (packed linears, the attention kernel's -march); torch
 and oneDNN still pick their inner kernels from the real CPU unless `ATEN_CPU_CAPABILITY` and
@@ -27,12 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CPU_ISA_ENV = "TOKENBUS_CPU_ISA"
-ISA_CAPS = ("native", "avx512", "avx2", "baseline")  # widest first
+ISA_CAPS = ("native", "avx512_bf16", "avx512", "avx2", "baseline")  # widest first
 # torch's own ISA cap, in our names (its other values are not x86 and cap nothing here).
 _ATEN_CAPS = {"default": "baseline", "avx2": "avx2", "avx512": "avx512"}
 
 # The psABI levels a cap compiles for (GCC >= 11 and clang >= 12 know these names).
-_MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "baseline": "x86-64"}
+_MARCH = {"native": "native", "avx512_bf16": "x86-64-v4", "avx512": "x86-64-v4", "avx2": "x86-64-v3",
+          "baseline": "x86-64"}
+# The extensions the avx512_bf16 cap keeps on top of x86-64-v4 (where the CPU reports them), with
+# the GCC flags that enable them.
+_V4_EXTRAS = {"avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16"}
 _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
 _V4 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 # oneDNN's packed bf16 linear (torch's mkldnn_bf16_device_check): either set suffices.
@@ -59,6 +65,8 @@ def _capped(flags: frozenset[str], cap: str) -> frozenset[str]:
     # Everything newer than AVX2: every AVX-512 extension, AMX, and the VEX-coded AVX-VNNI /
     # AVX-IFMA / AVX-NE-CONVERT families that x86-64-v3 does not include.
     beyond_v3 = {f for f in flags if f.startswith(("avx512", "amx", "avx_"))}
+    if cap == "avx512_bf16":
+        return (flags - beyond_v3) | (flags & (_V4 | _V4_EXTRAS.keys()))
     if cap == "avx512":
         return (flags - beyond_v3) | (flags & _V4)
     if cap == "avx2":
@@ -100,6 +108,13 @@ class CpuFeatures:
     def march(self) -> str:
         """The -march a native kernel is built with: the CPU itself unless capped."""
         return _MARCH[self.cap] if self.is_x86 else "native"
+
+    @property
+    def march_extras(self) -> tuple[str, ...]:
+        """Flags that enable, on top of a capped -march, the extensions the cap keeps."""
+        if self.cap != "avx512_bf16" or not self.is_x86:
+            return ()
+        return tuple(flag for name, flag in _V4_EXTRAS.items() if name in self.flags)
 
     def missing_for_bf16_packed_linear(self) -> tuple[str, ...]:
         """() when oneDNN can pack bf16 weights here, else the instructions it lacks (of the

@@ -15,7 +15,7 @@ from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.loader import ModelSource, iter_weights
-from tokenbus.model.layers.quantized import AMX_AUTO_MIN_ROWS
+from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS
 from tokenbus.model.native import NativeBuildError, QuantKernels, load_quant_kernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
@@ -48,16 +48,17 @@ def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: to
 
 def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> tuple[str, int]:
     """set_quant_activations' (activations, bf16_from_rows) for a ModelConfig.quant_activations:
-    auto is int16, and bf16 on AMX from AMX_AUTO_MIN_ROWS rows (prefill chunks, larger decode
-    batches); bf16 is bf16 for every call and needs AMX."""
-    amx = kernels is not None and kernels.amx
+    auto is int16, and bf16 from BF16_AUTO_MIN_ROWS[engine] rows where the CPU has a bf16 engine
+    (AMX: prefill chunks and decode batches of 16+; AVX512-BF16: prefill chunks); bf16 is bf16
+    for every call and needs one of them."""
+    engine = kernels.bf16_engine if kernels is not None else ""
     if requested == "bf16":
-        if not amx:
-            raise ValueError("quant_activations 'bf16' needs AMX (amx_bf16, amx_tile and avx512_bf16, "
-                             f"granted by the kernel); this CPU: {CpuFeatures.detect().describe()}")
+        if not engine:
+            raise ValueError("quant_activations 'bf16' needs AVX512-BF16 (avx512_bf16; AMX tiles where the "
+                             f"kernel grants them); this CPU: {CpuFeatures.detect().describe()}")
         return "bf16", 1
     if requested == "auto":
-        return "int16", AMX_AUTO_MIN_ROWS if amx else 0
+        return "int16", BF16_AUTO_MIN_ROWS.get(engine, 0)
     return requested, 0
 
 

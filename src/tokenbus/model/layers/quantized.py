@@ -15,10 +15,12 @@ model's: benchmarks/activation_error.py). A larger batch (a long prefill chunk) 
 compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
 and multiplied by an fp32 GEMM, so no dense copy is ever kept.
 
-On a CPU with AMX, calls from AMX_AUTO_MIN_ROWS rows up (prefill chunks, decode batches of 16+)
-take bf16 activations instead, at any size: each weight tile is dequantized once per call into
-bf16 AMX tiles, x is rounded to bf16, and the tiles sum the products in fp32 (quant_tiles.c):
-1.6x the int16 kernel at 16 rows, 2.6x at 64, 3.8x the fp32 GEMM at 256.
+On a CPU with AVX512-BF16, calls from BF16_AUTO_MIN_ROWS rows up (prefill chunks, and on AMX
+decode batches of 16+) take bf16 activations instead, at any size: each weight tile is
+dequantized once per call into bf16, x is rounded to bf16, and AMX tiles (or, without AMX,
+vdpbf16ps) sum the products in fp32 (quant_tiles.c). On AMX: 1.6x the int16 kernel at 16 rows,
+2.6x at 64, 3.8x the fp32 GEMM at 256; with vdpbf16ps (Zen 4): 1.1x int16 at 64 rows, 2.9x the
+fp32 GEMM at 256.
 """
 
 from __future__ import annotations
@@ -32,15 +34,19 @@ import torch
 
 from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, TILE_ROWS, QuantKernels
 
-# From how many rows a call on tiles takes bf16 activations on AMX under quant_activations=auto.
-# A SmolLM2 step's linears (benchmarks/quant_linear.py --step, int16 vs bf16): 6.8 vs 12.8 ms at
-# 1 row, 14.4 vs 12.6 at 8, 20.1 vs 12.9 at 16, 71 vs 27 at 64. They cross near 8 rows; from 16
-# bf16 wins clearly, and below it int16's numerics, closer to fp32, are kept.
-AMX_AUTO_MIN_ROWS = 16
+# From how many rows a call on tiles takes bf16 activations under quant_activations=auto, per
+# bf16 engine (QuantKernels.bf16_engine). A SmolLM2 step's linears (benchmarks/quant_linear.py
+# --step, int16 vs bf16), on AMX (Sapphire Rapids): 6.8 vs 12.8 ms at 1 row, 14.4 vs 12.6 at 8,
+# 20.1 vs 12.9 at 16, 71 vs 27 at 64. They cross near 8 rows; from 16 bf16 wins clearly, and
+# below it int16's numerics, closer to fp32, are kept.
+# With AVX512-BF16 dot products instead (AMD Zen 4, no AMX), the same: 5.6 vs 15.4 ms at 1 row,
+# 25.6 vs 36.6 at 16, 47.6 vs 41.7 at 32, 86 vs 76 at 64, and at 256 rows 224 ms against the
+# fp32 GEMM's 641: the crossing is near 32.
+BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 
 
 def tile_mode(activations: str, bf16_from_rows: int, rows: int) -> str:
-    """How a call of `rows` rows on tiles takes x: bf16 (AMX) from `bf16_from_rows` rows up (0:
+    """How a call of `rows` rows on tiles takes x: bf16 from `bf16_from_rows` rows up (0:
     never), else `activations` (fp32 | int16 | int8; beyond TILE_GEMV_MAX_ROWS rows such a call
     dequantizes for an fp32 GEMM instead)."""
     return "bf16" if bf16_from_rows and rows >= bf16_from_rows else activations
@@ -124,7 +130,7 @@ class QuantizedLinearKernel:
     """x[..., K] -> [..., N] over shards of GGUF blocks stacked along N (fused q/k/v may mix
     types), plus an optional dense bias. How tiled shards take x (set by the model:
     LlamaForCausalLM.set_quant_activations): `activations` (fp32 | int16 | int8) in decode-sized
-    calls, bf16 on AMX from `bf16_from_rows` rows (0: never): tile_mode."""
+    calls, bf16 from `bf16_from_rows` rows (0: never): tile_mode."""
 
     def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None,
                  buffer: DequantBuffer | None = None) -> None:
@@ -170,7 +176,7 @@ class QuantizedLinearKernel:
 def shard_matmul(kernels: QuantKernels, shard: KernelWeight, flat: torch.Tensor,
                  out: torch.Tensor, activations: str, buffer: DequantBuffer) -> None:
     """out [M, rows] (a column slice) = flat [M, K] @ shard.T: the block kernel for a
-    decode-sized M or (tiles only) bf16 activations (AMX, any M), else a GEMM per chunk of
+    decode-sized M or (tiles only) bf16 activations (any M), else a GEMM per chunk of
     dequantized rows (of W^T, whole tiles, when tiled): prefill is compute-bound."""
     tiled = shard.tiled
     if tiled and activations == "bf16":

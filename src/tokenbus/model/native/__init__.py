@@ -48,7 +48,7 @@ def compile_flags(cpu: CpuFeatures) -> tuple[str, ...]:
     otherwise stops at ymm, which halved the attention kernel's dot products and value sums
     (its intrinsics were 512-bit, the `omp simd` loops between them 256-bit)."""
     wide = ("-mprefer-vector-width=512",) if cpu.isa == "avx512" else ()
-    return (f"-march={cpu.march}", *wide, *OPT_FLAGS)
+    return (f"-march={cpu.march}", *cpu.march_extras, *wide, *OPT_FLAGS)
 
 
 def source_texts(source: Path) -> list[bytes]:
@@ -172,6 +172,9 @@ TILE_ROWS = 16
 TILE_QTYPES = (8, 2, 3)
 # How quant_tiles.c takes the activations (its ACT_*): as they are, or rounded per 32 values.
 TILE_ACTIVATIONS = {"fp32": 0, "int8": 1, "int16": 2, "bf16": 3}
+# What quant_tiles.c's tile_bf16_engine() answers: how "bf16" activations run (none, AVX512-BF16
+# dot products, AMX tiles).
+BF16_ENGINES = ("", "avx512_bf16", "amx")
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ class QuantKernels:
     matmul_fn: ctypes._CFuncPtr
     dequant_fn: ctypes._CFuncPtr
     tile_fns: dict[str, ctypes._CFuncPtr] | None  # None: this CPU has no tiled kernels
-    amx: bool = False  # tile_matmul takes "bf16" activations (AMX built and granted)
+    bf16_engine: str = ""  # what runs tile_matmul's "bf16" activations here (BF16_ENGINES; "": none)
 
     def tiles(self, qtype: int) -> bool:
         """Whether weights of this GGML type are repacked in tiles here."""
@@ -204,7 +207,7 @@ class QuantKernels:
                     out: torch.Tensor, activations: str) -> None:
         """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); `activations`
         (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first, bf16 rounds x and W to
-        bf16 on AMX tiles (any M; where `amx`) (quant_tiles.c)."""
+        bf16 (any M; where `bf16_engine`: AMX tiles or AVX512-BF16 dot products) (quant_tiles.c)."""
         assert tiles.dtype == torch.uint8 and tiles.is_contiguous() and x.dtype == out.dtype == torch.float32
         assert x.stride(1) == 1 and out.stride(1) == 1 and (x.shape[0] <= QUANT_MAX_ROWS or activations == "bf16")
         assert x.shape[1] == num_cols and out.shape == (x.shape[0], num_rows)
@@ -268,7 +271,8 @@ def load_quant_kernels(cpu: CpuFeatures | None = None) -> QuantKernels:
     matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
     dequant.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
     tile_fns = _load_tile_fns(cpu)
-    return QuantKernels(matmul, dequant, tile_fns, amx=tile_fns is not None and bool(tile_fns["amx"]()))
+    engine = BF16_ENGINES[tile_fns["bf16_engine"]()] if tile_fns is not None else ""
+    return QuantKernels(matmul, dequant, tile_fns, bf16_engine=engine)
 
 
 def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | None:
@@ -278,11 +282,12 @@ def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | Non
     if not lib.tile_supported():
         return None
     fns = {"nbytes": lib.tile_nbytes, "repack": lib.tile_repack, "matmul": lib.tile_matmul,
-           "dequant_rows": lib.tile_dequant_rows, "dequant_t": lib.tile_dequant_t, "amx": lib.tile_amx_supported}
+           "dequant_rows": lib.tile_dequant_rows, "dequant_t": lib.tile_dequant_t,
+           "bf16_engine": lib.tile_bf16_engine}
     for fn in fns.values():
         fn.restype = ctypes.c_int
     fns["nbytes"].restype = _I64
-    fns["amx"].argtypes = []
+    fns["bf16_engine"].argtypes = []
     fns["nbytes"].argtypes = [ctypes.c_int, _I64, _I64]
     fns["repack"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR]
     fns["matmul"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, ctypes.c_int]

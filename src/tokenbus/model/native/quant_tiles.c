@@ -17,7 +17,7 @@
    A matrix is ceil(N / 16) tiles of (K / 32) tile-blocks; rows past N are zero (d = 0).
 
    Kernels per call shape, y[m, n] = sum_k x[m, k] W[n, k] (y row-strided: a column slice of a
-   wider output), and on AMX a third for any number of rows (bf16, below):
+   wider output), and with AVX512-BF16 (AMX or not) a third for any number of rows (bf16, below):
    - fp32 activations (weight-only): each quant is converted to fp32 and multiplied exactly as a
      dequantize-then-matmul would, so results match that reference to rounding;
    - int8 activations (llama.cpp's approach): each 32-value block of an x row is quantized to
@@ -306,15 +306,46 @@ static void tile_dequant_t_one(int qtype, int qb, const uint8_t *tiles, int64_t 
 }
 #endif
 
-/* ---- bf16 activations on AMX (Sapphire Rapids and later): any number of rows
+/* ---- bf16 activations: any number of rows, on AMX tiles or (no AMX) AVX512-BF16 dot products
    A weight tile is dequantized once per call (exactly as tile_dequant_t: d q + m in fp32), rounded
-   to bf16 and laid out as AMX B tiles: per tile-block (32 values) one 16 x 64-byte tile whose
-   row p holds, for each of the 16 weight rows n, the pair (W[n][2p], W[n][2p + 1]). x is rounded
-   to bf16 once per call, zero-padded to whole 16-row A tiles. tdpbf16ps then multiplies a
-   16-row A tile by a B tile into a 16 x 16 fp32 C tile, summing in fp32 over all K (no
-   per-block scales left to apply), so y = x W^T with both rounded to bf16 and nothing else. */
-#if defined(HAVE_TILES) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
-    defined(__AMX_BF16__)
+   to bf16 and laid out per tile-block (32 values) as 16 rows of 64 bytes (an AMX B tile, or 16
+   zmm vectors): row p holds, for each of the 16 weight rows n, the pair (W[n][2p], W[n][2p + 1]).
+   x is rounded to bf16 once per call. Both engines sum pairs of bf16 products in fp32 over all K
+   (no per-block scales left to apply), so y = x W^T with both rounded to bf16 and nothing else. */
+#if defined(HAVE_TILES) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_BF16_TILES 1
+
+/* Tile-block tb as 16 packed pair rows: bt[p * 32 + 2n + j] = bf16(W[n][2p + j]) for its 16 rows n. */
+static inline void bf16_pack_block(int qtype, int qb, const uint8_t *tb, __m512i interleave, uint16_t *bt) {
+    vf q[32], d, mn;
+    tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+    unpack_fp32(qtype, tb, q);
+    for (int p = 0; p < 16; p++) {  /* words 0-15: W[.][2p], 16-31: W[.][2p + 1]; then paired per row */
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vf_fma(q[2 * p + 1], d, mn), vf_fma(q[2 * p], d, mn));
+        _mm512_storeu_si512((void *)(bt + p * 32), _mm512_permutexvar_epi16(interleave, both));
+    }
+}
+
+static inline __m512i bf16_pair_order(void) {
+    static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_loadu_si512((const void *)pairs);
+}
+
+/* x [M, K] (row stride ldx) rounded to bf16, rows [M, Mpad) zero: a fresh [Mpad, K] buffer, or NULL. */
+static uint16_t *bf16_round_rows(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t Mpad) {
+    uint16_t *xb = aligned_alloc(64, (size_t)(Mpad * K) * sizeof(uint16_t) + 64);
+    if (!xb) return NULL;
+    for (int64_t m = 0; m < Mpad; m++)
+        for (int64_t k = 0; k < K; k += 16) {  /* K % 32 == 0 */
+            const __m512 v = m < M ? _mm512_loadu_ps(x + m * ldx + k) : _mm512_setzero_ps();
+            _mm256_storeu_si256((__m256i *)(xb + m * K + k), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    return xb;
+}
+#endif
+
+#if defined(HAVE_BF16_TILES) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -335,17 +366,6 @@ static void amx_configure(void) {
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
     _tile_loadconfig(&cfg);
-}
-
-/* Tile-block tb as one B tile: bt[p * 32 + 2n + j] = bf16(W[n][2p + j]) for its 16 rows n. */
-static inline void amx_pack_block(int qtype, int qb, const uint8_t *tb, __m512i interleave, uint16_t *bt) {
-    vf q[32], d, mn;
-    tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
-    unpack_fp32(qtype, tb, q);
-    for (int p = 0; p < 16; p++) {  /* words 0-15: W[.][2p], 16-31: W[.][2p + 1]; then paired per row */
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vf_fma(q[2 * p + 1], d, mn), vf_fma(q[2 * p], d, mn));
-        _mm512_storeu_si512((void *)(bt + p * 32), _mm512_permutexvar_epi16(interleave, both));
-    }
 }
 
 /* C tile `reg` (rows [m0 + 16 rb, +16) of y, weight tile tt's columns) to y, or only the rows
@@ -372,9 +392,7 @@ static inline void amx_pack_block(int qtype, int qb, const uint8_t *tb, __m512i 
 static void amx_tile_pair(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, uint16_t *bt,
                           const uint16_t *xb, int64_t Mpad, int64_t K, float *y, int64_t ldy, int64_t M,
                           int64_t N, int64_t t, int two) {
-    static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i interleave = _mm512_loadu_si512((const void *)pairs);
+    const __m512i interleave = bf16_pair_order();
     const int64_t lda = K * (int64_t)sizeof(uint16_t);
     uint16_t *bt1 = bt + blocks * 512;
     float scratch[256];
@@ -386,17 +404,17 @@ static void amx_tile_pair(int qtype, int qb, const uint8_t *tiles, int64_t block
         _tile_zero(2);
         _tile_zero(3);
         if (m0 == 0 && blocks > 0) {
-            amx_pack_block(qtype, qb, tiles + t * blocks * tbb, interleave, bt);
-            if (two) amx_pack_block(qtype, qb, tiles + (t + 1) * blocks * tbb, interleave, bt1);
+            bf16_pack_block(qtype, qb, tiles + t * blocks * tbb, interleave, bt);
+            if (two) bf16_pack_block(qtype, qb, tiles + (t + 1) * blocks * tbb, interleave, bt1);
         }
         for (int64_t b = 0; b < blocks; b++) {
             /* One block ahead: a tile load waits for every store to the bytes it reads to reach
                L1 (no forwarding from the store buffer), so block b's stores drain while b - 1's
                tiles multiply. */
             if (m0 == 0 && b + 1 < blocks) {
-                amx_pack_block(qtype, qb, tiles + (t * blocks + b + 1) * tbb, interleave, bt + (b + 1) * 512);
+                bf16_pack_block(qtype, qb, tiles + (t * blocks + b + 1) * tbb, interleave, bt + (b + 1) * 512);
                 if (two)
-                    amx_pack_block(qtype, qb, tiles + ((t + 1) * blocks + b + 1) * tbb, interleave,
+                    bf16_pack_block(qtype, qb, tiles + ((t + 1) * blocks + b + 1) * tbb, interleave,
                                    bt1 + (b + 1) * 512);
             }
             _tile_loadd(6, bt + b * 512, 64);
@@ -423,14 +441,9 @@ static void amx_tile_pair(int qtype, int qb, const uint8_t *tiles, int64_t block
 static int amx_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, int64_t blocks, int64_t tbb,
                       int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                       int num_threads) {
-    const int64_t Mpad = (M + 15) / 16 * 16;
-    uint16_t *xb = aligned_alloc(64, (size_t)(Mpad * K) * sizeof(uint16_t) + 64);
+    const int64_t Mpad = (M + 15) / 16 * 16;  /* whole 16-row A tiles */
+    uint16_t *xb = bf16_round_rows(x, M, ldx, K, Mpad);
     if (!xb) return 3;
-    for (int64_t m = 0; m < Mpad; m++)
-        for (int64_t k = 0; k < K; k += 16) {  /* K % 32 == 0 */
-            const __m512 v = m < M ? _mm512_loadu_ps(x + m * ldx + k) : _mm512_setzero_ps();
-            _mm256_storeu_si256((__m256i *)(xb + m * K + k), (__m256i)_mm512_cvtneps_pbh(v));
-        }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -451,10 +464,98 @@ static int amx_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, i
 }
 #endif
 
-/* 1 when tile_matmul takes bf16 activations here: an AMX build on a kernel that grants this
-   process the tile state. The grant is the process's: asked once, the answer kept (a race
-   only asks twice). */
-int tile_amx_supported(void) {
+#ifdef HAVE_BF16_TILES
+/* AVX512-BF16 without AMX (Cooper Lake, AMD Zen 4 and later): the same packed blocks as 16 zmm
+   rows each, and vdpbf16ps: one instruction adds, for the 16 weight rows of a tile, the products
+   of their pair p with x's pair p of one row (a broadcast dword). A register block is DP_ROWS
+   rows of x by two weight tiles: 2 * DP_ROWS accumulators, and per pair 2 weight loads and
+   DP_ROWS broadcasts for 2 * DP_ROWS dot products (vdpbf16ps' latency is ~6 cycles: 16
+   independent chains keep it busy). */
+#define DP_ROWS 8
+
+/* R (<= DP_ROWS) rows of xb (bf16, row stride K) times packed tiles bt0 (and bt1 when `two`)
+   over all K, to y's columns [n0, n0 + valid0) (and the next tile's valid1). Inlined with R and
+   `two` constant, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dp_rows(const uint16_t *bt0, const uint16_t *bt1, const int two,
+                                                          const uint16_t *xb, int64_t K, int64_t blocks, const int R,
+                                                          float *y, int64_t ldy, int64_t n0, __mmask16 valid0,
+                                                          __mmask16 valid1) {
+    __m512 acc0[DP_ROWS], acc1[DP_ROWS];
+    for (int r = 0; r < R; r++) { acc0[r] = _mm512_setzero_ps(); acc1[r] = _mm512_setzero_ps(); }
+    for (int64_t b = 0; b < blocks; b++)
+        for (int p = 0; p < 16; p++) {
+            const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(bt0 + b * 512 + p * 32));
+            const __m512bh w1 = two ? (__m512bh)_mm512_load_si512((const void *)(bt1 + b * 512 + p * 32)) : w0;
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, xb + r * K + b * 32 + 2 * p, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                acc0[r] = _mm512_dpbf16_ps(acc0[r], w0, xv);
+                if (two) acc1[r] = _mm512_dpbf16_ps(acc1[r], w1, xv);
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy + n0, valid0, acc0[r]);
+        if (two) _mm512_mask_storeu_ps(y + r * ldy + n0 + TR, valid1, acc1[r]);
+    }
+}
+
+/* dp_rows for a run-time R: one inlined copy per (R, two). */
+static void dp_rows_any(const uint16_t *bt0, const uint16_t *bt1, int two, const uint16_t *xb, int64_t K,
+                        int64_t blocks, int R, float *y, int64_t ldy, int64_t n0, __mmask16 v0, __mmask16 v1) {
+#define DP_CASE(n)                                                                            \
+    case n:                                                                                   \
+        if (two) dp_rows(bt0, bt1, 1, xb, K, blocks, n, y, ldy, n0, v0, v1);                  \
+        else dp_rows(bt0, bt1, 0, xb, K, blocks, n, y, ldy, n0, v0, v1);                      \
+        break;
+    switch (R) { DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8) }
+#undef DP_CASE
+}
+
+static inline __mmask16 dp_valid(int64_t N, int64_t t) {
+    const int64_t left = N - t * TR;
+    return left >= TR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+/* 0 on success, 3 out of memory. Each thread packs a pair of weight tiles (all K) into its bt,
+   then runs every row of x against it, DP_ROWS at a time. */
+static int dp_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, int64_t blocks, int64_t tbb,
+                     int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                     int num_threads) {
+    uint16_t *xb = bf16_round_rows(x, M, ldx, K, M);
+    if (!xb) return 3;
+    const __m512i interleave = bf16_pair_order();
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        uint16_t *bt = aligned_alloc(64, (size_t)blocks * 2048 + 64);
+        failed = !bt;
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < (ntiles + 1) / 2; pair++) {
+            if (!bt) continue;
+            const int64_t t = 2 * pair;
+            const int two = t + 1 < ntiles;
+            uint16_t *bt1 = bt + blocks * 512;
+            for (int64_t b = 0; b < blocks; b++) {
+                bf16_pack_block(qtype, qb, tiles + (t * blocks + b) * tbb, interleave, bt + b * 512);
+                if (two) bf16_pack_block(qtype, qb, tiles + ((t + 1) * blocks + b) * tbb, interleave, bt1 + b * 512);
+            }
+            const __mmask16 v0 = dp_valid(N, t), v1 = two ? dp_valid(N, t + 1) : 0;
+            for (int64_t m0 = 0; m0 < M; m0 += DP_ROWS) {
+                const int R = M - m0 < DP_ROWS ? (int)(M - m0) : DP_ROWS;
+                dp_rows_any(bt, bt1, two, xb + m0 * K, K, blocks, R, y + m0 * ldy, ldy, t * TR, v0, v1);
+            }
+        }
+        free(bt);
+    }
+    free(xb);
+    return failed ? 3 : 0;
+}
+#endif
+
+/* 1 when this is an AMX build on a kernel that grants this process the tile state. The grant
+   is the process's: asked once, the answer kept (a race only asks twice). */
+static int tile_amx_supported(void) {
 #ifdef HAVE_AMX
     static int granted = -1;  /* -1: not asked yet */
     int answer = __atomic_load_n(&granted, __ATOMIC_ACQUIRE);
@@ -463,6 +564,17 @@ int tile_amx_supported(void) {
         __atomic_store_n(&granted, answer, __ATOMIC_RELEASE);
     }
     return answer;
+#else
+    return 0;
+#endif
+}
+
+/* How tile_matmul takes bf16 activations here: 2 on AMX tiles, 1 by AVX512-BF16 dot products
+   (an AVX512-BF16 build where AMX is not built or not granted), 0 not at all. */
+int tile_bf16_engine(void) {
+    if (tile_amx_supported()) return 2;
+#ifdef HAVE_BF16_TILES
+    return 1;
 #else
     return 0;
 #endif
@@ -509,7 +621,7 @@ int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, con
 
 
 /* y[M, N] = x[M, K] @ W.T on tiles, x as fp32, or quantized per block to int8 or int16 first,
-   or (any M, on AMX: check tile_amx_supported) W and x rounded to bf16 (act: ACT_*). 0 on
+   or (any M, where tile_bf16_engine() is not 0) W and x rounded to bf16 (act: ACT_*). 0 on
    success; 1: not tiled here (or an unknown act); 2: M > MAX_M; 3: out of memory. */
 int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx,
                 float *y, int64_t ldy, int act, int num_threads) {
@@ -522,8 +634,11 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
     tile_info(qtype, &bb, &qb, &hm);
     if (act == ACT_BF16) {
 #ifdef HAVE_AMX
-        if (!tile_amx_supported()) return 1;  /* never a tile instruction unpermitted */
-        return amx_matmul(qtype, qb, tiles, ntiles, blocks, tbb, N, K, x, M, ldx, y, ldy, num_threads);
+        if (tile_amx_supported())  /* never a tile instruction unpermitted */
+            return amx_matmul(qtype, qb, tiles, ntiles, blocks, tbb, N, K, x, M, ldx, y, ldy, num_threads);
+#endif
+#ifdef HAVE_BF16_TILES
+        return dp_matmul(qtype, qb, tiles, ntiles, blocks, tbb, N, K, x, M, ldx, y, ldy, num_threads);
 #else
         return 1;
 #endif
