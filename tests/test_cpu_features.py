@@ -46,6 +46,15 @@ def test_avx512_bf16_cap_is_a_zen4():
         assert without.march_extras == () and CpuFeatures(SPR).march_extras == ()
 
 
+@pytest.mark.parametrize("cap", ["avx512_bf16", "avx512"])
+def test_a_cap_never_widens(cap):
+    """An AVX-512 cap on an AVX2-only CPU (a Zen 3) builds for x86-64-v3, never for v4."""
+    cpu = CpuFeatures(_capped(ZEN3, cap), cap)
+    assert cpu.flags == ZEN3 and cpu.isa == "avx2"
+    if cpu.is_x86:
+        assert cpu.march == "x86-64-v3" and cpu.march_extras == ()
+
+
 def test_baseline_cap_drops_avx():
     cpu = CpuFeatures(_capped(SPR, "baseline"), "baseline")
     assert cpu.isa == "baseline" and not cpu.has("avx") and cpu.has("sse4_2")

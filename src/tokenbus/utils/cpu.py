@@ -33,9 +33,9 @@ ISA_CAPS = ("native", "avx512_bf16", "avx512", "avx2", "baseline")  # widest fir
 # torch's own ISA cap, in our names (its other values are not x86 and cap nothing here).
 _ATEN_CAPS = {"default": "baseline", "avx2": "avx2", "avx512": "avx512"}
 
-# The psABI levels a cap compiles for (GCC >= 11 and clang >= 12 know these names).
-_MARCH = {"native": "native", "avx512_bf16": "x86-64-v4", "avx512": "x86-64-v4", "avx2": "x86-64-v3",
-          "baseline": "x86-64"}
+# The psABI level a capped build compiles for, by the widest level its flags still have (`isa`;
+# GCC >= 11 and clang >= 12 know these names).
+_MARCH = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "baseline": "x86-64"}
 # The extensions the avx512_bf16 cap keeps on top of x86-64-v4 (where the CPU reports them), with
 # the GCC flags that enable them.
 _V4_EXTRAS = {"avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16"}
@@ -106,13 +106,15 @@ class CpuFeatures:
 
     @property
     def march(self) -> str:
-        """The -march a native kernel is built with: the CPU itself unless capped."""
-        return _MARCH[self.cap] if self.is_x86 else "native"
+        """The -march a native kernel is built with: the CPU itself unless capped, else the
+        level the capped flags reach. A cap narrows, never widens: TOKENBUS_CPU_ISA=avx512 on
+        an AVX2-only CPU builds for x86-64-v3, not for instructions the CPU lacks."""
+        return _MARCH[self.isa] if self.is_x86 and self.cap != "native" else "native"
 
     @property
     def march_extras(self) -> tuple[str, ...]:
         """Flags that enable, on top of a capped -march, the extensions the cap keeps."""
-        if self.cap != "avx512_bf16" or not self.is_x86:
+        if self.cap != "avx512_bf16" or not self.is_x86 or self.isa != "avx512":
             return ()
         return tuple(flag for name, flag in _V4_EXTRAS.items() if name in self.flags)
 

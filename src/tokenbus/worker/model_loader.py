@@ -29,7 +29,7 @@ def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: to
                quantization: str = "none", quant_activations: str = "auto", enforce_eager: bool = False) -> nn.Module:
     """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
     in their blocks when `quantization` resolves to gguf (resolve_quantization), their decode
-    calls on int16, int8, fp32 or (AMX) bf16 activations (`quant_activations`: ModelConfig). Decode steps
+    calls on int16, int8, fp32 or (AVX512-BF16) bf16 activations (`quant_activations`: ModelConfig). Decode steps
     run their layers in C where they can, unless `enforce_eager` (op by op)."""
     model_class = get_model_class(arch.architecture)
     keep_quantized = resolve_quantization(quantization, src, torch.device(device), tp) == "gguf"
