@@ -5,6 +5,11 @@ weights, so they stream from memory as in a real step) per row count, on GGUF ro
 tiles with fp32, int16, int8 and (AVX512-BF16: AMX or dot products) bf16 activations, against dequantize + GEMM.
 
     .venv/bin/python benchmarks/quant_linear.py [--step]
+    .venv/bin/python benchmarks/quant_linear.py --step --rows 1 16 --kernels int16 --repeats 15
+
+--rows, --kernels (rows, dequantize+GEMM, fp32, int8, int16, bf16) and --repeats (the best of
+that many timings) narrow --step to the cells a comparison needs, so two builds can be timed
+in turn.
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ def per_call(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def step_linears(kernels) -> None:
+STEP_ROWS = (1, 4, 8, 16, 32, 64, 256)
+STEP_KERNELS = ("rows", "dequantize+GEMM", *TILE_ACTIVATIONS)
+
+
+def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int = 1) -> None:
     """SmolLM2-135M's decode step: per layer qkv 960x576, o 576x576, gate_up 3072x576, down
     576x1536 (Q4_1), then the tied Q8_0 LM head 49152x576."""
     rng = np.random.default_rng(0)
@@ -46,19 +55,20 @@ def step_linears(kernels) -> None:
     rows_layout = [(int(q), base[(n, k, q)].clone(), n, k) for n, k, q in shapes]  # a copy per layer
     tiled = [(q, kernels.repack_tiles(q, w, k), n, k) for q, w, n, k in rows_layout]
     buffer = DequantBuffer()
-    modes = [mode for mode in TILE_ACTIVATIONS if mode != "bf16" or kernels.bf16_engine]
-    for m in (1, 4, 8, 16, 32, 64, 256):
+    modes = [mode for mode in TILE_ACTIVATIONS if mode in names and (mode != "bf16" or kernels.bf16_engine)]
+    for m in row_counts:
         x = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
         outs = [torch.empty(m, n) for _, _, n, _ in rows_layout]
 
-        def run(weights, fn) -> float:  # ms for all of a step's linears
-            return per_call(lambda: [fn(q, w, n, k, o) for (q, w, n, k), o in zip(weights, outs)],
-                            5 if m > 16 else 20) * 1e3
+        def run(weights, fn) -> float:  # ms for all of a step's linears, the best of `repeats`
+            return min(per_call(lambda: [fn(q, w, n, k, o) for (q, w, n, k), o in zip(weights, outs)],
+                                5 if m > 16 else 20) for _ in range(repeats)) * 1e3
         times = {}
-        if m <= QUANT_MAX_ROWS:
+        if m <= QUANT_MAX_ROWS and "rows" in names:
             times["rows"] = run(rows_layout, lambda q, w, n, k, o: kernels.matmul(q, w, k, x[k], o))
-        times["dequantize+GEMM"] = run(rows_layout, lambda q, w, n, k, o: o.copy_(
-            x[k] @ kernels.dequant_rows(q, w, k, torch.arange(n), out=buffer.take(n, k)).T))
+        if "dequantize+GEMM" in names:
+            times["dequantize+GEMM"] = run(rows_layout, lambda q, w, n, k, o: o.copy_(
+                x[k] @ kernels.dequant_rows(q, w, k, torch.arange(n), out=buffer.take(n, k)).T))
         for mode in modes if m <= QUANT_MAX_ROWS else [mode for mode in modes if mode == "bf16"]:
             times[f"tiles {mode}"] = run(tiled, lambda q, w, n, k, o: kernels.tile_matmul(q, w, n, k, x[k], o, mode))
         print(f"step linears, {m} rows: " + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items()))
@@ -67,12 +77,15 @@ def step_linears(kernels) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--step", action="store_true", help="a whole decode step's linears instead")
+    parser.add_argument("--rows", type=int, nargs="+", default=STEP_ROWS, help="--step: activation row counts")
+    parser.add_argument("--kernels", nargs="+", default=STEP_KERNELS, choices=STEP_KERNELS, help="--step: which")
+    parser.add_argument("--repeats", type=int, default=1, help="--step: the best of this many timings")
     args = parser.parse_args()
     torch.set_num_threads(2)
     print(f"CPU: {CpuFeatures.detect().describe()}")
     kernels = load_quant_kernels()
     if args.step:
-        step_linears(kernels)
+        step_linears(kernels, args.rows, args.kernels, args.repeats)
         return
     rng = np.random.default_rng(0)
     for rows, cols, qtype in SHAPES:

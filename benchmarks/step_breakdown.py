@@ -4,15 +4,19 @@ EngineCore in this process. Prints the wall time, the time in pure-decode steps 
 per batch size) and in steps that carry prefill chunks.
 
     .venv/bin/python benchmarks/step_breakdown.py [engine args as key=value ...]
+    .venv/bin/python benchmarks/step_breakdown.py --fixed 16 300 200 [--gc-freeze]
 
 e.g. `quant_activations=int16 kv_cache_dtype=float32` for the paths without AMX and fp16 K/V.
+--fixed N P O runs N requests of P prompt and O output tokens instead (16 300 200: mostly
+batch-16 decode steps); --gc-freeze freezes Python's GC generations after start-up.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import gc
 import random
-import sys
 import time
 
 from tokenbus import LLM, SamplingParams
@@ -21,8 +25,15 @@ from tokenbus.worker.model_runner import ModelRunner
 
 
 def main() -> None:
-    overrides = dict(arg.split("=", 1) for arg in sys.argv[1:])
-    print(f"CPU: {CpuFeatures.detect().describe()}; engine args {overrides or 'defaults'}")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("overrides", nargs="*", help="engine args as key=value")
+    parser.add_argument("--fixed", type=int, nargs=3, metavar=("N", "PROMPT", "OUTPUT"))
+    parser.add_argument("--gc-freeze", action="store_true")
+    args = parser.parse_args()
+    overrides = dict(arg.split("=", 1) for arg in args.overrides)
+    print(f"CPU: {CpuFeatures.detect().describe()}; engine args {overrides or 'defaults'}"
+          + (f"; {args.fixed[0]} requests of {args.fixed[1]} + {args.fixed[2]} tokens" if args.fixed else "")
+          + ("; gc frozen" if args.gc_freeze else ""))
     steps: list[tuple[int, int, float]] = []  # (decode tokens, prefill tokens, seconds)
     execute = ModelRunner._execute
 
@@ -35,10 +46,14 @@ def main() -> None:
     ModelRunner._execute = timed
     rng = random.Random(0)
     llm = LLM(multiprocess=False, max_num_seqs=16, **overrides)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     prompts, params = [], []
-    for _ in range(64):
-        prompts.append({"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(20, 600))]})
-        out_len = rng.randint(16, 256)
+    for _ in range(args.fixed[0] if args.fixed else 64):
+        prompt_len = args.fixed[1] if args.fixed else rng.randint(20, 600)
+        prompts.append({"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(prompt_len)]})
+        out_len = args.fixed[2] if args.fixed else rng.randint(16, 256)
         params.append(SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True))
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     steps.clear()

@@ -71,7 +71,8 @@ class ModelConfig:
     # and multiply in fp32. bf16 (CPUs with AVX512-BF16): x and W rounded to bf16 for every
     # call, summed in fp32 by AMX tiles or (no AMX) vdpbf16ps. auto: int16, and bf16 from 16 rows
     # up on AMX (prefill chunks, decode batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2
-    # from fp32's on average), from 32 rows with vdpbf16ps (prefill chunks: 2.9x the fp32 GEMM).
+    # from fp32's on average), from 32 rows with vdpbf16ps (prefill chunks: 2.9x the fp32 GEMM
+    # on an AMD Zen 4).
     quant_activations: str = "auto"
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
