@@ -173,6 +173,25 @@ def test_a_query_row_does_not_depend_on_its_requests_query_count(kernel, kv_dtyp
     assert torch.equal(many, single)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_decode_row_does_not_depend_on_the_work_split(kernel, kv_dtype):
+    """Ten decodes at once make work items of every KV head (each block read once, head by head
+    while it is in cache); a request alone splits its heads over the threads. The rows agree bit
+    for bit."""
+    q, k, v, kv, ctx = make_batch(DECODES, 9, 3, 64)
+    kv = kv.to(kv_dtype)
+    ctx.kv_caches = [kv]
+    together = paged_attention(q, k, v, kv, ctx.slot_mapping, build_attention_plan(ctx, torch.float32, kernel), 0.125)
+    for i in range(len(DECODES)):
+        seq = ctx.seq_lens[i: i + 1]
+        alone = ForwardContext(positions=ctx.positions[i: i + 1], slot_mapping=ctx.slot_mapping[i: i + 1],
+                               kv_caches=[kv], block_size=BLOCK_SIZE, query_start_loc=[0, 1], seq_lens=seq,
+                               seq_lens_t=torch.tensor(seq), block_tables=ctx.block_tables[i: i + 1], num_decodes=1)
+        out = paged_attention(q[i: i + 1], k[i: i + 1], v[i: i + 1], kv, ctx.slot_mapping[i: i + 1],
+                              build_attention_plan(alone, torch.float32, kernel), 0.125)
+        assert torch.equal(out, together[i: i + 1]), i
+
+
 def test_padding_requests_keep_zero_rows(kernel):
     """A padding request (seq_len 0) is left out of the kernel and its row stays zero."""
     q, k, v, kv, ctx = make_batch([(1, 20), (1, 5)], 9, 3, 64)

@@ -222,67 +222,77 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
-/* Ask for the 64-value rows row0, row0 + stride, ... (n <= 16 of them, all inside the next block)
-   ahead of use: a head's rows are 1 / hkv of each token's bytes, a pattern the hardware
-   prefetcher follows poorly once the loop reads one head at a time. */
-static inline __attribute__((always_inline)) void prefetch_rows(const void *p, int64_t row0, int64_t stride,
-                                                                int64_t n, const int kv_elem) {
+/* Ask for the next block's rows of KV heads [h0, h1) (n <= 16 tokens) ahead of use. The block
+   is token-major (token, head, value), so with every head this is one contiguous run. */
+static inline __attribute__((always_inline)) void prefetch_block(const void *p, int64_t block, int64_t bs,
+                                                                 int64_t hkv, int64_t h0, int64_t h1, int64_t n,
+                                                                 const int kv_elem) {
     const int64_t row_bytes = 64 * (kv_elem == ELEM_F16 ? 2 : 4);
     for (int64_t j = 0; j < n; j++) {
-        const char *r = (const char *)p + (row0 + j * stride) * row_bytes;
-        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+        const char *r = (const char *)p + ((block * bs + j) * hkv + h0) * row_bytes;
+        for (int64_t o = 0; o < (h1 - h0) * row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
     }
 }
 
+/* Block-major: each block's K (then V) rows of every head of the item are used while the block
+   is in L1, so a work item with all KV heads reads each block once, front to back, instead of
+   once per head at a stride of hkv rows. A row's arithmetic is the same as head-major order
+   (per key: the same dot product; per output: the same sequence of FMAs). */
 static inline __attribute__((always_inline)) void attend_decode64(
         const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len, int64_t h0,
         int64_t h1, const int G, int64_t bs, int64_t hkv, const int kv_elem, float scale, float *out,
-        float *scores) {
+        float *scores, float *acc_mem) {
     enum { D = 64 };
     const __m512 zero = _mm512_setzero_ps();
-    for (int64_t h = h0; h < h1; h++) {
-        float *sc = scores + (h - h0) * G * seq_len;  /* rows as attend() orders them (q_len 1) */
-        __m512 qv[G][4];
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 4; c++)
-                qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + g) * D + 16 * c), _mm512_set1_ps(scale));
+    const int64_t H = h1 - h0, elem_bytes = kv_elem == ELEM_F16 ? 2 : 4;
+    /* Rows as attend() orders them (q_len 1): row (h - h0) * G + g. */
+    float *qs = acc_mem + H * G * D;  /* the queries, scaled */
+    for (int64_t i = 0; i < H * G * D; i++) qs[i] = q[h0 * G * D + i] * scale;
 
-        /* Pass 1: scores, 16 keys at a time (a chunk never spans two blocks). */
-        for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
-            const int64_t nt = min64(bs, seq_len - t0);
-            for (int64_t j0 = 0; j0 < nt; j0 += 16) {
-                const int n = (int)min64(16, nt - j0);
-                if (t0 + bs < seq_len)
-                    prefetch_rows(kv, (table[b + 1] * bs + j0) * hkv + h, hkv, min64(16, bs - j0), kv_elem);
+    /* Pass 1: scores, 16 keys at a time (a chunk never spans two blocks). */
+    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
+        const int64_t nt = min64(bs, seq_len - t0);
+        if (t0 + bs < seq_len) prefetch_block(kv, table[b + 1], bs, hkv, h0, h1, min64(bs, seq_len - t0 - bs), kv_elem);
+        for (int64_t j0 = 0; j0 < nt; j0 += 16) {
+            const int n = (int)min64(16, nt - j0);
+            for (int64_t h = h0; h < h1; h++) {
                 __m512 k[16][4];
                 for (int j = 0; j < 16; j++) {
                     const int64_t key = ((table[b] * bs + j0 + j) * hkv + h) * D;
                     for (int c = 0; c < 4; c++) k[j][c] = j < n ? load16(kv, key + 16 * c, kv_elem) : zero;
                 }
                 for (int g = 0; g < G; g++) {
-                    __m512 v[16];
+                    const float *qr = qs + ((h - h0) * G + g) * D;
+                    __m512 qv[4], v[16];
+                    for (int c = 0; c < 4; c++) qv[c] = _mm512_loadu_ps(qr + 16 * c);
                     for (int j = 0; j < 16; j++) {
-                        __m512 acc = _mm512_mul_ps(qv[g][0], k[j][0]);
-                        for (int c = 1; c < 4; c++) acc = _mm512_fmadd_ps(qv[g][c], k[j][c], acc);
+                        __m512 acc = _mm512_mul_ps(qv[0], k[j][0]);
+                        for (int c = 1; c < 4; c++) acc = _mm512_fmadd_ps(qv[c], k[j][c], acc);
                         v[j] = acc;
                     }
-                    _mm512_mask_storeu_ps(sc + g * seq_len + t0 + j0, (__mmask16)((1u << n) - 1), sum16(v));
+                    _mm512_mask_storeu_ps(scores + ((h - h0) * G + g) * seq_len + t0 + j0,
+                                          (__mmask16)((1u << n) - 1), sum16(v));
                 }
             }
         }
+    }
 
-        /* Softmax over all seq_len keys (one query: every key is visible). */
-        float inv_sum[G];
-        for (int g = 0; g < G; g++) inv_sum[g] = softmax_row(sc + g * seq_len, seq_len);
+    /* Softmax over all seq_len keys (one query: every key is visible). */
+    for (int64_t r = 0; r < H * G; r++) qs[r] = softmax_row(scores + r * seq_len, seq_len);  /* qs: 1 / sums now */
 
-        /* Pass 2: the G output rows in registers. */
-        __m512 acc[G][4];
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 4; c++) acc[g][c] = zero;
-        for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
-            const int64_t nt = min64(bs, seq_len - t0);
-            if (t0 + bs < seq_len) prefetch_rows((const char *)kv + v_offset * (kv_elem == ELEM_F16 ? 2 : 4),
-                                                 table[b + 1] * bs * hkv + h, hkv, min64(16, bs), kv_elem);
+    /* Pass 2: per block and head, that head's G output rows in registers (kept in acc_mem between
+       blocks). */
+    for (int64_t i = 0; i < H * G * D; i++) acc_mem[i] = 0.f;
+    const char *vbase = (const char *)kv + v_offset * elem_bytes;
+    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
+        const int64_t nt = min64(bs, seq_len - t0);
+        if (t0 + bs < seq_len) prefetch_block(vbase, table[b + 1], bs, hkv, h0, h1, min64(bs, seq_len - t0 - bs), kv_elem);
+        for (int64_t h = h0; h < h1; h++) {
+            const float *sc = scores + (h - h0) * G * seq_len;
+            float *am = acc_mem + (h - h0) * G * D;
+            __m512 acc[G][4];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(am + g * D + 16 * c);
             for (int64_t j = 0; j < nt; j++) {
                 const int64_t value = v_offset + ((table[b] * bs + j) * hkv + h) * D;
                 __m512 v[4];
@@ -292,23 +302,30 @@ static inline __attribute__((always_inline)) void attend_decode64(
                     for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
                 }
             }
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(am + g * D + 16 * c, acc[g][c]);
         }
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 4; c++)
-                _mm512_storeu_ps(out + (h * G + g) * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
     }
+    for (int64_t h = h0; h < h1; h++)
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++) {
+                const int64_t r = (h - h0) * G + g;
+                _mm512_storeu_ps(out + (h * G + g) * D + 16 * c,
+                                 _mm512_mul_ps(_mm512_loadu_ps(acc_mem + r * D + 16 * c), _mm512_set1_ps(qs[r])));
+            }
 }
 
-/* 1 when it ran: one query of head size 64 under fp32 queries with G <= 8. */
+/* 1 when it ran: one query of head size 64 under fp32 queries with G <= 8. scratch: 2 (h1 - h0) G 64
+   floats (attend_any's qf and acc, which lie end to end). */
 static int attend_decode(const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len,
                          int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv, int kv_elem, float scale,
-                         float *out, float *scores) {
+                         float *out, float *scores, float *scratch) {
 #define DECODE_G(g)                                                                                       \
     case g:                                                                                               \
         if (kv_elem == ELEM_F16)                                                                          \
-            attend_decode64(q, kv, v_offset, table, seq_len, h0, h1, g, bs, hkv, ELEM_F16, scale, out, scores); \
+            attend_decode64(q, kv, v_offset, table, seq_len, h0, h1, g, bs, hkv, ELEM_F16, scale, out, scores, scratch); \
         else                                                                                              \
-            attend_decode64(q, kv, v_offset, table, seq_len, h0, h1, g, bs, hkv, ELEM_F32, scale, out, scores); \
+            attend_decode64(q, kv, v_offset, table, seq_len, h0, h1, g, bs, hkv, ELEM_F32, scale, out, scores, scratch); \
         return 1;
     switch (G) {
         DECODE_G(1) DECODE_G(2) DECODE_G(3) DECODE_G(4) DECODE_G(5) DECODE_G(6) DECODE_G(7) DECODE_G(8)
@@ -338,7 +355,7 @@ static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int6
     if (D == 64 && elem == ELEM_F32 && G >= 1 && G <= 8 && seq_len >= q_len && q_len > 0) {
         for (int64_t i = 0; i < q_len; i++)
             attend_decode((const float *)q + i * q_tok_stride, kv, v_offset, table, seq_len - q_len + i + 1, h0, h1,
-                          G, bs, hkv, kv_elem, scale, (float *)out + i * out_tok_stride, scores);
+                          G, bs, hkv, kv_elem, scale, (float *)out + i * out_tok_stride, scores, qf);
         return;
     }
 #endif
