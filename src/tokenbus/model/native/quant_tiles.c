@@ -127,6 +127,20 @@ static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
 /* Block b of row m of x rounded to multiples of da = max|x| / levels: v[32], and
    da[m * blocks + b], sa[...] = da * sum(v) (what the mins multiply). */
 static inline void quantize_block(const float *xb, float levels, int *v, float *da, float *sa) {
+#if defined(__AVX512F__)
+    /* The same arithmetic 16 lanes at a time: the max is exact in any order, x * id is rounded
+       by MXCSR's mode (nearest-even, as lrintf rounds), the integer sum is exact. A decode step
+       rounds ~100k values per row of x, which the scalar loop took ~7 % of a batch-16 step to
+       do while the other thread waited. */
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float id = amax > 0.0f ? levels / amax : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id);
+    const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), hi = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
+    _mm512_storeu_si512((void *)v, lo);
+    _mm512_storeu_si512((void *)(v + 16), hi);
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+#else
     float amax = 0.0f;
     for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
     const float id = amax > 0.0f ? levels / amax : 0.0f;
@@ -135,6 +149,7 @@ static inline void quantize_block(const float *xb, float levels, int *v, float *
         v[j] = (int)lrintf(xb[j] * id);
         sum += v[j];
     }
+#endif
     *da = amax / levels;
     *sa = amax / levels * (float)sum;
 }
