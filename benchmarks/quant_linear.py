@@ -10,6 +10,12 @@ tiles with fp32, int16, int8 and (AVX512-BF16: AMX or dot products) bf16 activat
 --rows, --kernels (rows, dequantize+GEMM, fp32, int8, int16, bf16) and --repeats (the best of
 that many timings) narrow --step to the cells a comparison needs, so two builds can be timed
 in turn.
+
+--against-bf16-gemm (AVX512-BF16 CPUs): our bf16 tiles on Q4_1 blocks against torch's bf16
+F.linear on dense bf16 weights (oneDNN: what vLLM's CPU build runs in bf16), in GFLOP/s, per
+layer shape and row count: how near a compute-bound prefill chunk is to that peer's GEMM.
+
+    .venv/bin/python benchmarks/quant_linear.py --against-bf16-gemm
 """
 
 from __future__ import annotations
@@ -74,16 +80,41 @@ def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int
         print(f"step linears, {m} rows: " + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items()))
 
 
+def against_bf16_gemm(kernels, row_counts=(16, 64, 256, 512), repeats: int = 5) -> None:
+    """tiles bf16 (Q4_1, packed to bf16 per call) vs F.linear in bf16 on dense bf16 weights."""
+    rng = np.random.default_rng(0)
+    for n, k in ((960, 576), (3072, 576), (576, 1536)):
+        dense = rng.standard_normal((n, k)).astype(np.float32)
+        tiles = kernels.repack_tiles(int(Q.Q4_1), torch.from_numpy(quantize(dense, Q.Q4_1)), k)
+        weight = torch.from_numpy(dense).to(torch.bfloat16)
+        for m in row_counts:
+            x, out = torch.randn(m, k), torch.empty(m, n)
+            xb = x.to(torch.bfloat16)
+            ours = min(per_call(lambda: kernels.tile_matmul(int(Q.Q4_1), tiles, n, k, x, out, "bf16"), 20)
+                       for _ in range(repeats))
+            peer = min(per_call(lambda: F.linear(xb, weight), 20) for _ in range(repeats))
+            flop = 2 * m * n * k
+            print(f"{n}x{k} rows={m}: tiles bf16 {ours * 1e3:.3f} ms ({flop / ours / 1e9:.0f} GFLOP/s), "
+                  f"torch bf16 F.linear {peer * 1e3:.3f} ms ({flop / peer / 1e9:.0f} GFLOP/s), ours / torch "
+                  f"{peer / ours:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--step", action="store_true", help="a whole decode step's linears instead")
     parser.add_argument("--rows", type=int, nargs="+", default=STEP_ROWS, help="--step: activation row counts")
     parser.add_argument("--kernels", nargs="+", default=STEP_KERNELS, choices=STEP_KERNELS, help="--step: which")
     parser.add_argument("--repeats", type=int, default=1, help="--step: the best of this many timings")
+    parser.add_argument("--against-bf16-gemm", action="store_true", help="bf16 tiles vs torch's bf16 GEMM")
     args = parser.parse_args()
     torch.set_num_threads(2)
     print(f"CPU: {CpuFeatures.detect().describe()}")
     kernels = load_quant_kernels()
+    if args.against_bf16_gemm:
+        if not kernels.bf16_engine:
+            raise SystemExit("--against-bf16-gemm needs AVX512-BF16 (this CPU has no bf16 engine)")
+        against_bf16_gemm(kernels)
+        return
     if args.step:
         step_linears(kernels, args.rows, args.kernels, args.repeats)
         return
