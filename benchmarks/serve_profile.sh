@@ -4,6 +4,7 @@
 # cpu-clock` around the benchmark client, then the share of each process and thread (the
 # EngineCore's main thread and OpenMP worker, the API server, the client) and of idle. Needs
 # perf; the profiler slows the run, so its throughput is not a figure. Results in bench_out/.
+# CONCURRENCY=1 NUM_PROMPTS=12 profiles the c1 workload instead.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/lib.sh
@@ -18,9 +19,10 @@ PY
 workload="--model smollm2 --input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $TOK"
 start_server bench_out/serve_profile.log 8061 /health $B/tokenbus serve --port 8061 --served-model-name smollm2
 bench_serve 8061 serve_profile_warmup $workload --max-concurrency 16 --num-prompts 16
+c=${CONCURRENCY:-16}
 perf record -q -a -e cpu-clock -o bench_out/serve_profile.data -- \
-  $B/tokenbus bench serve --base-url http://127.0.0.1:8061 $workload --max-concurrency 16 --num-prompts 64 \
-  > bench_out/serve_profile_c16.txt 2>&1
+  $B/tokenbus bench serve --base-url http://127.0.0.1:8061 $workload --max-concurrency $c --num-prompts ${NUM_PROMPTS:-64} \
+  > bench_out/serve_profile_c$c.txt 2>&1
 stop_server
 echo "by thread (comm: 'python' is the spawned EngineCore, 'tokenbus' the server and the client; swapper: idle):"
 perf report -i bench_out/serve_profile.data --sort pid 2>/dev/null | grep -v "^#" | grep . | head -8
