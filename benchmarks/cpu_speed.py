@@ -2,7 +2,7 @@
 measured the way llama-bench measures them, with llama-bench in the same run.
 
     .venv/bin/python benchmarks/cpu_speed.py [--quantization auto|gguf|none]
-        [--quant-activations auto|int16|int8|fp32] [--enforce-eager] [--peer] [--reps 3]
+        [--quant-activations auto|int16|int8|fp32] [--enforce-eager] [--num-threads N] [--peer] [--reps 3]
 
 tg128: 128 greedy tokens after a 1-token prompt, timed as (time for 129 tokens) - (time for 1),
 so prefill is excluded, as llama-bench's tg test has no prompt. pp512: a 512-token random prompt
@@ -35,12 +35,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quant-activations", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="every layer op by op (no C decode layers)")
+    parser.add_argument("--num-threads", type=int, default=None, help="engine threads (default: the usable cores)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--peer", action="store_true", help="also run llama-bench on the same GGUF")
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
     llm = LLM(quantization=args.quantization, dtype=args.dtype, quant_activations=args.quant_activations,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+              enforce_eager=args.enforce_eager, num_threads=args.num_threads, enable_prefix_caching=False)
     rng = random.Random(0)
     short, long = [rng.randrange(1000, 40000)], [rng.randrange(1000, 40000) for _ in range(512)]
     timed(llm, short, 16), timed(llm, long, 1)  # warm-up (kernels built, caches filled)
@@ -48,7 +49,7 @@ def main() -> None:
     pp = min(timed(llm, long, 1) for _ in range(args.reps))
     llm.shutdown()
     print(f"tokenbus quantization={args.quantization} dtype={args.dtype} quant_activations={args.quant_activations} "
-          f"enforce_eager={args.enforce_eager}: "
+          f"enforce_eager={args.enforce_eager} num_threads={args.num_threads}: "
           f"tg128 {128 / tg:.1f} tok/s, pp512 {512 / pp:.1f} tok/s")
     if args.peer:
         script = Path(__file__).with_name("peers") / "llama_cpp.sh"

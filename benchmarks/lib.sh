@@ -20,3 +20,17 @@ bench_serve() {  # PORT NAME bench-serve-args... ; results in bench_out/NAME.{tx
   .venv/bin/tokenbus bench serve --base-url "http://127.0.0.1:$port" "$@" \
     --output-json "bench_out/$name.json" > "bench_out/$name.txt" 2>&1
 }
+
+default_gguf() {  # the packaged SmolLM2 GGUF, found as `tokenbus serve` finds it
+  .venv/bin/python -c 'from tokenbus.loader.source import packaged_smollm2_gguf; print(packaged_smollm2_gguf())'
+}
+
+save_default_tokenizer() {  # DIR: SmolLM2's tokenizer, from the GGUF, saved once for the client
+  [ -f "$1/tokenizer.json" ] && return 0
+  .venv/bin/python - "$1" "$(default_gguf)" <<'PY'
+import pathlib, sys
+from transformers import AutoTokenizer
+gguf = pathlib.Path(sys.argv[2])
+AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(sys.argv[1])
+PY
+}

