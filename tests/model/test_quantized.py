@@ -98,6 +98,35 @@ def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
                 torch.testing.assert_close(out, want, rtol=1e-4, atol=scale * x.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+def test_outputs_do_not_depend_on_the_thread_count(qtype):
+    """Threads take tiles (GGUF rows for K-quants) as they come free; each output column is
+    still one thread's whole sum, so 1, 2 or 3 threads give the same bits."""
+    kernels = load_quant_kernels()
+    rows, cols = 200, 256
+    w = torch.from_numpy(blocks(qtype, rows, cols, seed=1))
+    tiled = kernels.tiles(int(qtype))
+    tiles = kernels.repack_tiles(int(qtype), w, cols) if tiled else None
+    modes = (["fp32", "int8", "int16"] + (["bf16"] if kernels.bf16_engine else [])) if tiled else ["rows"]
+    before = torch.get_num_threads()
+    try:
+        for m in (1, 16, 40):
+            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+            for mode in modes:
+                outs = []
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    out = torch.empty(m, rows)
+                    if mode == "rows":
+                        kernels.matmul(int(qtype), w, cols, x, out)
+                    else:
+                        kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, mode)
+                    outs.append(out)
+                assert all(torch.equal(outs[0], o) for o in outs[1:]), (qtype.name, mode, m)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_no_tiles_below_avx2():
     """The portable build has no tiled kernels: every type stays in GGUF rows."""
     if not DETECTED.is_x86:

@@ -331,14 +331,14 @@ int quant_matmul(int qtype, const uint8_t *w, int64_t N, int64_t K, const float 
                 for (int j = 0; j < 32; j++) s += x[m * ldx + blk * 32 + j];
                 xsum[m * blocks + blk] = s;
             }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
         for (int64_t n = 0; n < N; n++)
             matmul_32_simd(qtype, bytes, w, row_bytes, blocks, x, M, ldx, xsum, y, ldy, n);
         free(xsum);
         return 0;
     }
 #endif
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++)
         matmul_generic(qk, bytes, deq, w, row_bytes, blocks, x, M, ldx, y, ldy, n);
     return 0;

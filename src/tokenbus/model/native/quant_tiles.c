@@ -465,7 +465,7 @@ static int amx_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, i
         uint16_t *bt = aligned_alloc(64, (size_t)blocks * 2048);
         if (bt) amx_configure();
         else failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
         for (int64_t pair = 0; pair < (ntiles + 1) / 2; pair++) {
             if (!bt) continue;
             amx_tile_pair(qtype, qb, tiles, blocks, tbb, bt, xb, Mpad, K, y, ldy, M, N, 2 * pair,
@@ -545,7 +545,7 @@ static int dp_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, in
     {
         uint16_t *bt = aligned_alloc(64, (size_t)blocks * 2048 + 64);
         failed = !bt;
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
         for (int64_t pair = 0; pair < (ntiles + 1) / 2; pair++) {
             if (!bt) continue;
             const int64_t t = 2 * pair;
@@ -665,7 +665,10 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
         float *da = (float *)(((uintptr_t)qa + elem * (size_t)(M * K) + 63) & ~(uintptr_t)63), *sa = da + M * blocks;
         if (act == ACT_INT16) quantize_rows_q16(x, M, ldx, K, qa, da, sa);
         else quantize_rows_q8(x, M, ldx, K, qa, da, sa);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+        /* guided (here and in every tile loop): halving chunks, so a thread that shares its core
+           with another process takes fewer tiles instead of holding the others at the barrier.
+           A tile's sums are one thread's whole, so y does not depend on the split. */
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
         for (int64_t t = 0; t < ntiles; t++) {
             if (act == ACT_INT16) tile_q16a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
             else tile_q8a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
@@ -681,7 +684,7 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
             for (int j = 0; j < 32; j++) s += x[m * ldx + b * 32 + j];
             xsum[m * blocks + b] = s;
         }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
     for (int64_t t = 0; t < ntiles; t++) tile_fp32(qtype, qb, tiles, blocks, tbb, x, ldx, xsum, M, y, ldy, N, t);
     free(xsum);
     return 0;
