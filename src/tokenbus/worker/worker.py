@@ -20,6 +20,7 @@ from tokenbus.utils import cdiv
 from tokenbus.worker.captured_step import CapturedSteps, capture_disabled_reason
 from tokenbus.worker.input_batch import InputBuffers
 from tokenbus.worker.model_runner import ModelRunner
+from tokenbus.worker.thread_governor import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class Worker:
         self.tp = SINGLE
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
+        self.governor: ThreadGovernor | None = None  # CPU threads that follow the free cores
 
     @property
     def rank_arch(self) -> ModelArch:
@@ -108,6 +110,10 @@ class Worker:
                                            self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(self.config))
+            # A count the user chose stays; so do tensor-parallel ranks' (they meet at every
+            # all-reduce, so one rank's count is not its own to change).
+            if self.config.model.num_threads is None and parallel.world_size == 1 and torch.get_num_threads() > 1:
+                self.governor = ThreadGovernor(torch.get_num_threads())
         self.dtype = resolve_dtype(self.config.model.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(self.config, self.source)
         torch.manual_seed(self.config.model.seed)
@@ -182,7 +188,13 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs the step (and samples the same tokens from the same gathered
         logits, so their request states stay equal); only rank 0 reports it."""
+        if self.governor is not None and (threads := self.governor.begin_step()) != torch.get_num_threads():
+            logger.info("CPU threads %d -> %d (other processes share these cores)" if threads < torch.get_num_threads()
+                        else "CPU threads %d -> %d (a core came free)", torch.get_num_threads(), threads)
+            torch.set_num_threads(threads)
         output = self.runner.execute_model(scheduler_output)
+        if self.governor is not None:
+            self.governor.end_step()
         return output if self.rank == 0 else None
 
     def check_health(self) -> None:
