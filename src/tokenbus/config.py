@@ -385,7 +385,8 @@ class EngineArgs:
                                           "AMX (prefill, batches), 32+ without (prefill)",
                                   choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
-                                         "(affinity, cgroup quota) / ranks")
+                                         "(affinity, cgroup quota) / ranks, one fewer while other "
+                                         "processes share them")
     pooler: str = _arg("last", "how /v1/embeddings pools the final hidden states (then L2-normalised)",
                        choices=POOLERS)
     block_size: int = _arg(16)
