@@ -8,6 +8,7 @@
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/lib.sh
+[ -n "${PEER:-}" ] && MODEL=$(default_gguf)  # looked up before the clock starts
 for run in ${RUNS:-1 2 3}; do
   for server in tokenbus ${PEER:-}; do
     [ "${DROP_CACHES:-0}" = 1 ] && sync && echo 3 > /proc/sys/vm/drop_caches
@@ -15,7 +16,7 @@ for run in ${RUNS:-1 2 3}; do
     case $server in
       tokenbus) start_server bench_out/cold_start.log 8051 /health .venv/bin/tokenbus serve --port 8051 ;;
       llama_cpp) start_server bench_out/cold_start_llama_cpp.log 8051 /health \
-                   bash benchmarks/peers/llama_cpp.sh server 8051 "" -np 16 -c 32768 ;;
+                   bash benchmarks/peers/llama_cpp.sh server 8051 "$MODEL" -np 16 -c 32768 ;;
     esac
     dropped=$([ "${DROP_CACHES:-0}" = 1 ] && echo " (page cache dropped)")
     echo "run $run, $server$dropped: healthy after $(echo "$(date +%s.%N) - $start" | bc) s"

@@ -21,7 +21,6 @@ BIN=$BUILD/bin  # a build from before the AMX fix: rm -rf "$CACHE/build"
 if [ -n "${LLAMA_CPP_AMX:-}" ]; then NO_AMX=""; else NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 PY=.venv/bin/python
 
-
 build() {
   if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; return; fi
   command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }

@@ -34,7 +34,12 @@ for peer in ${PEERS:-llama_cpp}; do
     llama_cpp_amx) LLAMA_CPP_AMX=1 run_peer llama_cpp_amx 8045 bash benchmarks/peers/llama_cpp.sh server 8045 "$MODEL" -np 16 -c 32768 --alias smollm2 ;;
     vllm) START_TIMEOUT=600 run_peer vllm 8043 bash benchmarks/peers/vllm_cpu.sh server 8043 ;;
     vllm_bf16) START_TIMEOUT=600 run_peer vllm_bf16 8044 bash benchmarks/peers/vllm_cpu.sh server 8044 --dtype bfloat16 ;;
+    none) ;;
+    *) echo "unknown peer: $peer (llama_cpp, llama_cpp_amx, vllm, vllm_bf16, none)" >&2; exit 2 ;;
   esac
 done
-grep -H -E "Output token throughput|Total token throughput|Median TTFT|Median ITL" bench_out/peer_*_c*.txt
-cat bench_out/peer_*_start.txt
+for name in tokenbus ${PEERS:-llama_cpp}; do  # this run's results only
+  [ "$name" = none ] && continue
+  grep -H -E "Output token throughput|Total token throughput|Median TTFT|Median ITL" bench_out/peer_${name}_c*.txt
+  cat "bench_out/peer_${name}_start.txt"
+done

@@ -385,8 +385,8 @@ class EngineArgs:
                                           "AMX (prefill, batches), 32+ without (prefill)",
                                   choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
-                                         "(affinity, cgroup quota) / ranks, one fewer while other "
-                                         "processes share them")
+                                         "(affinity, cgroup quota) / ranks, and with one rank fewer "
+                                         "while other processes share the cores")
     pooler: str = _arg("last", "how /v1/embeddings pools the final hidden states (then L2-normalised)",
                        choices=POOLERS)
     block_size: int = _arg(16)

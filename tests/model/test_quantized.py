@@ -107,7 +107,7 @@ def test_outputs_do_not_depend_on_the_thread_count(qtype):
     w = torch.from_numpy(blocks(qtype, rows, cols, seed=1))
     tiled = kernels.tiles(int(qtype))
     tiles = kernels.repack_tiles(int(qtype), w, cols) if tiled else None
-    modes = (["fp32", "int8", "int16"] + (["bf16"] if kernels.bf16_engine else [])) if tiled else ["rows"]
+    modes = ["rows"] + (["fp32", "int8", "int16"] + (["bf16"] if kernels.bf16_engine else []) if tiled else [])
     before = torch.get_num_threads()
     try:
         for m in (1, 16, 40):

@@ -138,13 +138,18 @@ class CpuFeatures:
         return f"{self.isa}" + (f" + {', '.join(extras)}" if extras else "") + capped
 
 
+def usable_affinity_cpus() -> int:
+    """CPUs in this process's affinity mask (the machine's count where there is no mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def available_cpus() -> int:
     """Cores this process may use: its affinity mask, capped by a cgroup CPU quota (a
     container's --cpus), not the machine's count."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = usable_affinity_cpus()
     quota = cgroup_cpu_quota()
     return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
 

@@ -13,7 +13,7 @@ from tokenbus.kv_transfer.base import KVLayout, kv_layout
 from tokenbus.kv_transfer.factory import connector_context, make_worker_connector
 from tokenbus.loader import ModelSource
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
+from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus, usable_affinity_cpus
 from tokenbus.worker.model_loader import load_model, resolve_quantization
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.utils import cdiv
@@ -110,9 +110,7 @@ class Worker:
                                            self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(self.config))
-            # A count the user chose stays; so do tensor-parallel ranks' (they meet at every
-            # all-reduce, so one rank's count is not its own to change).
-            if self.config.model.num_threads is None and parallel.world_size == 1 and torch.get_num_threads() > 1:
+            if governs_threads(self.config) and torch.get_num_threads() > 1:
                 self.governor = ThreadGovernor(torch.get_num_threads())
         self.dtype = resolve_dtype(self.config.model.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(self.config, self.source)
@@ -220,6 +218,17 @@ def cpu_threads(config: EngineConfig) -> int:
         return config.model.num_threads
     ranks = config.parallel.world_size * config.parallel.data_parallel_size
     return max(1, available_cpus() // ranks)
+
+
+def governs_threads(config: EngineConfig) -> bool:
+    """Whether a CPU rank's thread count may follow the free cores (worker/thread_governor.py).
+    Not when the user chose it; not for tensor-parallel ranks (they meet at every all-reduce)
+    or data-parallel engines (they would all answer the same signal at once); not under a cgroup
+    quota below the affinity mask (the mask's idle CPUs are not ours to take); not with
+    compiled CPU steps (a compiled graph keeps the count it was compiled with)."""
+    parallel = config.parallel
+    return (config.model.num_threads is None and parallel.world_size == 1 and parallel.data_parallel_size == 1
+            and available_cpus() >= usable_affinity_cpus() and not config.compilation.capture_sizes_explicit)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
