@@ -78,8 +78,7 @@ class ThreadGovernor:
         self._max_gap_s = max_gap_s
         self._start: CpuSample | None = None
         self._last_end = float("-inf")
-        self._enabled = ceiling > 1  # off for good when the first read finds no counters
-        self._sampled = False
+        self._enabled = ceiling > 1 and sampler() is not None  # no counters here: the count stays
         self._busy_windows = 0  # windows in a row with our threads waiting for a CPU
         self._hold_s = HOLD_S
         self._last_raise = float("-inf")
@@ -91,9 +90,6 @@ class ThreadGovernor:
         now = time.monotonic() if now is None else now
         if self._start is None or now - self._last_end > self._max_gap_s:
             self._start = self._sampler()
-            if self._start is None and not self._sampled:  # no counters here at all
-                self._enabled = False
-            self._sampled = True
             return self.threads
         if now - self._start.wall < self._window_s:
             return self.threads

@@ -186,9 +186,9 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs the step (and samples the same tokens from the same gathered
         logits, so their request states stay equal); only rank 0 reports it."""
-        if self.governor is not None and (threads := self.governor.begin_step()) != torch.get_num_threads():
-            logger.info("CPU threads %d -> %d (other processes share these cores)" if threads < torch.get_num_threads()
-                        else "CPU threads %d -> %d (a core came free)", torch.get_num_threads(), threads)
+        if self.governor is not None and (threads := self.governor.begin_step()) != (before := torch.get_num_threads()):
+            reason = "other processes share these cores" if threads < before else "a core came free"
+            logger.info("CPU threads %d -> %d (%s)", before, threads, reason)
             torch.set_num_threads(threads)
         output = self.runner.execute_model(scheduler_output)
         if self.governor is not None:

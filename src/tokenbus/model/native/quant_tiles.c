@@ -665,9 +665,10 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
         float *da = (float *)(((uintptr_t)qa + elem * (size_t)(M * K) + 63) & ~(uintptr_t)63), *sa = da + M * blocks;
         if (act == ACT_INT16) quantize_rows_q16(x, M, ldx, K, qa, da, sa);
         else quantize_rows_q8(x, M, ldx, K, qa, da, sa);
-        /* guided (here and in every matmul loop over tiles or GGUF rows): halving chunks, so a thread that shares its core
-           with another process takes fewer tiles instead of holding the others at the barrier.
-           A tile's sums are one thread's whole, so y does not depend on the split. */
+        /* guided (here and in every matmul loop over tiles or GGUF rows): halving chunks, so a
+           thread that shares its core with another process takes fewer tiles instead of holding
+           the others at the barrier. A tile's sums are one thread's whole, so y does not depend
+           on the split. */
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
         for (int64_t t = 0; t < ntiles; t++) {
             if (act == ACT_INT16) tile_q16a(qtype, qb, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t);
