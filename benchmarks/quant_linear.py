@@ -75,7 +75,7 @@ def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int
         if "dequantize+GEMM" in names:
             times["dequantize+GEMM"] = run(rows_layout, lambda q, w, n, k, o: o.copy_(
                 x[k] @ kernels.dequant_rows(q, w, k, torch.arange(n), out=buffer.take(n, k)).T))
-        for mode in modes if m <= QUANT_MAX_ROWS else [mode for mode in modes if mode == "bf16"]:
+        for mode in modes if m <= QUANT_MAX_ROWS else [mode for mode in modes if mode != "fp32"]:
             times[f"tiles {mode}"] = run(tiled, lambda q, w, n, k, o: kernels.tile_matmul(q, w, n, k, x[k], o, mode))
         print(f"step linears, {m} rows: " + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items()))
 

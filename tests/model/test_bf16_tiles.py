@@ -18,7 +18,7 @@ from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tests.model.test_quantized import DETECTED, TILE_TYPES, _logits, blocks
 from tokenbus.loader import resolve_model
 from tokenbus.model.layers import Linear
-from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, tile_mode
+from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, tile_mode
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CPU_ISA_ENV, CpuFeatures, _capped
 from tokenbus.worker.model_loader import quant_activation_modes
@@ -72,16 +72,21 @@ def test_avx512_bf16_cap_builds_without_amx():
 
 def test_quant_activations_choose_bf16_only_with_an_engine():
     kernels = load_quant_kernels()
-    amx, dp, none = (dataclasses.replace(kernels, bf16_engine=e) for e in ("amx", "avx512_bf16", ""))
-    assert quant_activation_modes("auto", amx) == ("int16", BF16_AUTO_MIN_ROWS["amx"])
-    assert quant_activation_modes("auto", dp) == ("int16", BF16_AUTO_MIN_ROWS["avx512_bf16"])
-    assert quant_activation_modes("auto", none) == ("int16", 0)
-    assert quant_activation_modes("bf16", amx) == quant_activation_modes("bf16", dp) == ("bf16", 1)
-    assert quant_activation_modes("int8", amx) == ("int8", 0)  # an explicit mode is kept everywhere
+    amx, dp, none = (dataclasses.replace(kernels, bf16_engine=e, isa="avx512") for e in ("amx", "avx512_bf16", ""))
+    avx2 = dataclasses.replace(kernels, bf16_engine="", isa="avx2")
+    assert quant_activation_modes("auto", amx) == ("int16", BF16_AUTO_MIN_ROWS["amx"], GEMM_FROM_ROWS)
+    assert quant_activation_modes("auto", dp) == ("int16", BF16_AUTO_MIN_ROWS["avx512_bf16"], GEMM_FROM_ROWS)
+    assert quant_activation_modes("auto", none) == ("int16", 0, GEMM_FROM_ROWS)
+    assert quant_activation_modes("auto", avx2) == ("int16", 0, 0)  # int16 tiles at any size
+    assert quant_activation_modes("bf16", amx) == quant_activation_modes("bf16", dp) == ("bf16", 1, 0)
+    assert quant_activation_modes("int8", amx) == ("int8", 0, GEMM_FROM_ROWS)  # an explicit mode is kept everywhere
+    assert quant_activation_modes("int16", avx2) == ("int16", 0, GEMM_FROM_ROWS)
     with pytest.raises(ValueError, match="quant_activations 'bf16' needs AVX512-BF16"):
         quant_activation_modes("bf16", none)
     assert [tile_mode("int16", 16, rows) for rows in (1, 15, 16, 500)] == ["int16", "int16", "bf16", "bf16"]
     assert tile_mode("int16", 0, 500) == "int16"
+    assert [tile_mode("int16", 0, rows, GEMM_FROM_ROWS) for rows in (1, GEMM_FROM_ROWS - 1, GEMM_FROM_ROWS)] == [
+        "int16", "int16", "gemm"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

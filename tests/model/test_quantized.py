@@ -16,7 +16,8 @@ from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks,
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
 from tokenbus.model.layers import Linear
-from tokenbus.model.layers.quantized import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, QuantizedLinearKernel
+from tokenbus.model.layers.quantized import (GEMM_FROM_ROWS, QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS,
+                                             QuantizedLinearKernel)
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures, _capped
 from tokenbus.worker.model_loader import load_model, resolve_quantization
@@ -75,7 +76,8 @@ def rounded(x: torch.Tensor, levels: int) -> torch.Tensor:
 def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
     """16-row tiles (a partial last tile too): repacking keeps every value; fp32 activations
     equal dequantize-then-matmul to rounding, int8 and int16 ones equal it on x rounded as the
-    kernel does."""
+    kernel does, at any number of rows (64 at a time), and each row's result is the same bits
+    whatever else is in the batch."""
     kernels = kernels_for(cap)
     assert kernels.tiles(int(qtype)), f"no tiled kernels on {DETECTED.describe()} capped to {cap}"
     for rows, cols in ((40, 256), (7, 512), (64, 96)):
@@ -88,14 +90,19 @@ def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
         weight_t = torch.full((cols, tiles.shape[0] * 16 + 5), float("nan"))[:, 2:-3]  # row-strided
         kernels.tile_dequant_t(int(qtype), tiles, rows, cols, 0, weight_t)
         assert torch.equal(weight_t[:, :rows], dense.T) and not weight_t[:, rows:].any()
-        for m in (1, 5, 16, 64):
-            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        outs = {}
+        for m in (1, 5, 16, 64, 150):
+            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(0))  # row i the same in every m
             scale = 1e-4 * dense.abs().max().item()
             for activations, want in (("fp32", x @ dense.T), ("int8", rounded(x, 127) @ dense.T),
                                       ("int16", rounded(x, 32767) @ dense.T)):
+                if activations == "fp32" and m > 64:
+                    continue
                 out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]  # a column slice
                 kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, activations)
                 torch.testing.assert_close(out, want, rtol=1e-4, atol=scale * x.abs().max().item())
+                outs.setdefault(activations, out)  # the first (1-row) call's
+                assert torch.equal(out[:1], outs[activations]), (activations, m)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
@@ -110,9 +117,9 @@ def test_outputs_do_not_depend_on_the_thread_count(qtype):
     modes = ["rows"] + (["fp32", "int8", "int16"] + (["bf16"] if kernels.bf16_engine else []) if tiled else [])
     before = torch.get_num_threads()
     try:
-        for m in (1, 16, 40):
+        for m in (1, 16, 40, 100):
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-            for mode in modes:
+            for mode in modes if m <= 64 else [mode for mode in modes if mode not in ("rows", "fp32")]:
                 outs = []
                 for threads in (1, 2, 3):
                     torch.set_num_threads(threads)
@@ -224,8 +231,15 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
     if not model.quant_kernels.tiles(int(Q[qtype])):
         pytest.skip(f"no tiled kernels on this CPU ({DETECTED.describe()}): integer activations do not apply")
     assert {m.kernel.activations for m in model.modules() if isinstance(m, Linear)} == {"int16"}
+    # On AVX2 (no bf16 engine) prefill chunks past 64 rows stay on int16 tiles as well.
+    any_rows = model.quant_kernels.isa == "avx2" and not model.quant_kernels.bf16_engine
+    assert {m.kernel.gemm_from_rows for m in model.modules() if isinstance(m, Linear)} == {
+        0 if any_rows else GEMM_FROM_ROWS}
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
     assert 0 < error(default) < 1e-4
+    long_prompt, _ = _logits(src, "gguf", "auto", prompt_len=100)
+    long_dequantized, _ = _logits(src, "none", prompt_len=100)
+    assert 0 < ((long_prompt - long_dequantized).norm() / long_dequantized.norm()).item() < 1e-4
     int8, _ = _logits(src, "gguf", "int8")
     assert 1e-4 < error(int8) < 3e-2  # not the fp32 path, and close to it (a random model: worst case)
     # Each greedy choice is the dequantized model's, or a near tie there (0.1 nats, the oracle's gap).

@@ -44,12 +44,24 @@ from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, TILE_
 # fp32 GEMM's 641: the crossing is near 32.
 BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 
+# Where no bf16 engine takes the big calls, from how many rows a call on tiles dequantizes its
+# weight for an fp32 GEMM instead (quant_activations=auto): past the decode-sized calls, except
+# on the tile ISAs listed here, where integer activations run at any size (quant_tiles.c takes
+# MAX_M rows at a time per tile). AVX2 (AMD EPYC Zen 3; benchmarks/quant_linear.py --step
+# --rows 64 256): a step's linears at 256 rows 603 ms on int16 tiles against 968 ms dequantized
+# for the GEMM, at 64 rows 169 against 418. AVX-512 without BF16 is not measured: GEMM there.
+GEMM_FROM_ROWS = TILE_GEMV_MAX_ROWS + 1
+INT_TILES_ANY_ROWS_ISAS = ("avx2",)
 
-def tile_mode(activations: str, bf16_from_rows: int, rows: int) -> str:
+
+def tile_mode(activations: str, bf16_from_rows: int, rows: int, gemm_from_rows: int = 0) -> str:
     """How a call of `rows` rows on tiles takes x: bf16 from `bf16_from_rows` rows up (0:
-    never), else `activations` (fp32 | int16 | int8; beyond TILE_GEMV_MAX_ROWS rows such a call
-    dequantizes for an fp32 GEMM instead)."""
-    return "bf16" if bf16_from_rows and rows >= bf16_from_rows else activations
+    never), else "gemm" (dequantize for an fp32 GEMM) from `gemm_from_rows` rows up (0: never),
+    else `activations` (fp32 | int16 | int8; fp32 tiles take at most TILE_GEMV_MAX_ROWS rows,
+    beyond that shard_matmul runs the GEMM)."""
+    if bf16_from_rows and rows >= bf16_from_rows:
+        return "bf16"
+    return "gemm" if gemm_from_rows and rows >= gemm_from_rows else activations
 from tokenbus.model.native import ops as native_ops
 
 
@@ -129,8 +141,9 @@ class DequantBuffer:
 class QuantizedLinearKernel:
     """x[..., K] -> [..., N] over shards of GGUF blocks stacked along N (fused q/k/v may mix
     types), plus an optional dense bias. How tiled shards take x (set by the model:
-    LlamaForCausalLM.set_quant_activations): `activations` (fp32 | int16 | int8) in decode-sized
-    calls, bf16 from `bf16_from_rows` rows (0: never): tile_mode."""
+    LlamaForCausalLM.set_quant_activations): `activations` (fp32 | int16 | int8), bf16 from
+    `bf16_from_rows` rows (0: never), dequantized for the GEMM from `gemm_from_rows` (0: never):
+    tile_mode."""
 
     def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None,
                  buffer: DequantBuffer | None = None) -> None:
@@ -142,13 +155,14 @@ class QuantizedLinearKernel:
         self.buffer = buffer or DequantBuffer()
         self.activations = "fp32"
         self.bf16_from_rows = 0
+        self.gemm_from_rows = GEMM_FROM_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._traced(x)
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
-        start, mode = 0, tile_mode(self.activations, self.bf16_from_rows, flat.shape[0])
+        start, mode = 0, tile_mode(self.activations, self.bf16_from_rows, flat.shape[0], self.gemm_from_rows)
         for shard in self.shards:
             shard_matmul(self.kernels, shard, flat, out[:, start:start + shard.rows], mode, self.buffer)
             start += shard.rows
@@ -159,7 +173,7 @@ class QuantizedLinearKernel:
     def _traced(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic through custom ops that torch.compile traces (native/ops.py)."""
         flat = x.reshape(-1, self.in_features).float()  # [M, K]
-        mode = tile_mode(self.activations, self.bf16_from_rows, flat.shape[0])
+        mode = tile_mode(self.activations, self.bf16_from_rows, flat.shape[0], self.gemm_from_rows)
         parts = [native_ops.quant_matmul(flat, shard.data, shard.qtype, shard.cols, shard.rows, shard.tiled, mode)
                  for shard in self.shards]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
@@ -174,19 +188,17 @@ class QuantizedLinearKernel:
 
 
 def shard_matmul(kernels: QuantKernels, shard: KernelWeight, flat: torch.Tensor,
-                 out: torch.Tensor, activations: str, buffer: DequantBuffer) -> None:
-    """out [M, rows] (a column slice) = flat [M, K] @ shard.T: the block kernel for a
-    decode-sized M or (tiles only) bf16 activations (any M), else a GEMM per chunk of
-    dequantized rows (of W^T, whole tiles, when tiled): prefill is compute-bound."""
-    tiled = shard.tiled
-    if tiled and activations == "bf16":
-        kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, activations)
+                 out: torch.Tensor, mode: str, buffer: DequantBuffer) -> None:
+    """out [M, rows] (a column slice) = flat [M, K] @ shard.T: on tiles the block kernel in
+    `mode` (tile_mode's; fp32 up to TILE_GEMV_MAX_ROWS rows), in GGUF rows the block kernel up
+    to QUANT_GEMV_MAX_ROWS; otherwise a GEMM per chunk of dequantized rows (of W^T, whole tiles,
+    when tiled)."""
+    tiled, num_rows = shard.tiled, flat.shape[0]
+    if tiled and mode != "gemm" and (mode != "fp32" or num_rows <= TILE_GEMV_MAX_ROWS):
+        kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, mode)
         return
-    if flat.shape[0] <= (TILE_GEMV_MAX_ROWS if tiled else QUANT_GEMV_MAX_ROWS):
-        if tiled:
-            kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, activations)
-        else:
-            kernels.matmul(shard.qtype, shard.data, shard.cols, flat, out)
+    if not tiled and num_rows <= QUANT_GEMV_MAX_ROWS:
+        kernels.matmul(shard.qtype, shard.data, shard.cols, flat, out)
         return
     chunk = buffer.rows_per_chunk(shard.cols)
     if tiled:

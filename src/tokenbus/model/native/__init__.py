@@ -187,6 +187,7 @@ class QuantKernels:
     dequant_fn: ctypes._CFuncPtr
     tile_fns: dict[str, ctypes._CFuncPtr] | None  # None: this CPU has no tiled kernels
     bf16_engine: str = ""  # what runs tile_matmul's "bf16" activations here (BF16_ENGINES; "": none)
+    isa: str = ""  # the vector level the kernels were built for (CpuFeatures.isa: avx512, avx2, baseline)
 
     def tiles(self, qtype: int) -> bool:
         """Whether weights of this GGML type are repacked in tiles here."""
@@ -206,10 +207,11 @@ class QuantKernels:
     def tile_matmul(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int, x: torch.Tensor,
                     out: torch.Tensor, activations: str) -> None:
         """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); `activations`
-        (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first, bf16 rounds x and W to
-        bf16 (any M; where `bf16_engine`: AMX tiles or AVX512-BF16 dot products) (quant_tiles.c)."""
+        (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (any M), bf16 rounds x
+        and W to bf16 (any M; where `bf16_engine`: AMX tiles or AVX512-BF16 dot products), fp32
+        takes up to QUANT_MAX_ROWS rows (quant_tiles.c)."""
         assert tiles.dtype == torch.uint8 and tiles.is_contiguous() and x.dtype == out.dtype == torch.float32
-        assert x.stride(1) == 1 and out.stride(1) == 1 and (x.shape[0] <= QUANT_MAX_ROWS or activations == "bf16")
+        assert x.stride(1) == 1 and out.stride(1) == 1 and (x.shape[0] <= QUANT_MAX_ROWS or activations != "fp32")
         assert x.shape[1] == num_cols and out.shape == (x.shape[0], num_rows)
         assert tiles.numel() == self.tile_fns["nbytes"](qtype, num_rows, num_cols), "tiles of another shape"
         status = self.tile_fns["matmul"](qtype, tiles.data_ptr(), num_rows, num_cols, x.data_ptr(), x.shape[0],
@@ -272,7 +274,7 @@ def load_quant_kernels(cpu: CpuFeatures | None = None) -> QuantKernels:
     dequant.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
     tile_fns = _load_tile_fns(cpu)
     engine = BF16_ENGINES[tile_fns["bf16_engine"]()] if tile_fns is not None else ""
-    return QuantKernels(matmul, dequant, tile_fns, bf16_engine=engine)
+    return QuantKernels(matmul, dequant, tile_fns, bf16_engine=engine, isa=(cpu or CpuFeatures.detect()).isa)
 
 
 def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | None:

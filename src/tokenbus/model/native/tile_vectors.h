@@ -47,6 +47,9 @@ static inline vi vi_sign(vi s, vi w) {
     return _mm512_maskz_mov_epi8(~zero, _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
 }
 static inline vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
+/* An accumulator pinned in a register at this point (no code): keeps GCC from re-associating a
+   chain of integer dot-adds into a tree whose partial products it then spills. */
+static inline void vi_keep(vi *x) { __asm__("" : "+v"(*x)); }
 static inline vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf vf_set1(float v) { return _mm512_set1_ps(v); }
@@ -112,6 +115,7 @@ static inline __m256i dot16(__m256i acc, __m256i w, __m256i a) {
 }
 static inline vi vi_dot16(vi acc, vi w, vi a) { vi r = {dot16(acc.a, w.a, a.a), dot16(acc.b, w.b, a.b)}; return r; }
 static inline vi vi_abs8(vi w) { vi r = {_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)}; return r; }
+static inline void vi_keep(vi *x) { __asm__("" : "+x"(x->a), "+x"(x->b)); }
 static inline vf vf_cvt(vi x) { vf r = {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; return r; }
 static inline vf vf_zero(void) { vf r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
 static inline vf vf_set1(float v) { vf r = {_mm256_set1_ps(v), _mm256_set1_ps(v)}; return r; }
