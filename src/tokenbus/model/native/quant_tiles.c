@@ -91,10 +91,10 @@ int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out)
 #include "tile_vectors.h"
 
 /* Tile-blocks a thread asks the memory system for ahead of the one it multiplies: a decode
-   step streams every weight once, and the hardware prefetcher alone left it at ~60 % of the
-   bandwidth (AMD EPYC Zen 3, 2 threads, one row of x: a Q4_1 3072x576 layer 8.5 -> 11.6 GB/s, the
-   Q8_0 LM head 12 -> 20 GB/s; 4 ahead gained less, 16 no more). Prefetches never fault, so
-   the last blocks' run past the end harmlessly. */
+   step streams every weight once, and the hardware prefetcher alone did not keep it fed (AMD
+   EPYC Zen 3, benchmarks/cpu_speed.py, alternated: tg128 85.5-88.9 tok/s against 63.4-69.3
+   without; an ad-hoc timing of 4 and 16 ahead was no better). Prefetches never fault, so the
+   last blocks' run past the end harmlessly. */
 #define PREFETCH_AHEAD 8
 static inline void prefetch_ahead(const uint8_t *tb, int64_t tbb) {
     for (int64_t off = 0; off < tbb; off += 64) __builtin_prefetch(tb + PREFETCH_AHEAD * tbb + off);
