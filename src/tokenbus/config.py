@@ -68,7 +68,8 @@ class ModelConfig:
     # within ~3e-4) or int8 (llama.cpp's approach: faster, but most answers change; both from
     # benchmarks/activation_error.py), or fp32 (weight-only: equal to the dequantized
     # model up to rounding); calls of more than 64 rows (long prefill chunks) then dequantize
-    # and multiply in fp32. bf16 (CPUs with AVX512-BF16): x and W rounded to bf16 for every
+    # and multiply in fp32, except under auto on AVX2 (int16 tiles at any size: 1.6x the fp32
+    # GEMM at 256 rows on an AMD Zen 3). bf16 (CPUs with AVX512-BF16): x and W rounded to bf16 for every
     # call, summed in fp32 by AMX tiles or (no AMX) vdpbf16ps. auto: int16, and bf16 from 16 rows
     # up on AMX (prefill chunks, decode batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2
     # from fp32's on average), from 32 rows with vdpbf16ps (prefill chunks: 2.9x the fp32 GEMM
@@ -382,7 +383,8 @@ class EngineArgs:
                                           "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
                                           "bf16: every call in bf16 (CPUs with AVX512-BF16: AMX tiles or "
                                           "vdpbf16ps); auto: int16, and bf16 for calls of 16+ rows on "
-                                          "AMX (prefill, batches), 32+ without (prefill)",
+                                          "AMX (prefill, batches), 32+ without (prefill); on AVX2, int16 "
+                                          "for prefill too",
                                   choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks, and with one rank fewer "

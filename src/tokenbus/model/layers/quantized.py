@@ -13,7 +13,8 @@ fp32's), or to int8 (llama.cpp's approach: a little faster, but ~1/254 of a bloc
 value per activation, which 120 matmuls compound into greedy answers that differ from the
 model's: benchmarks/activation_error.py). A larger batch (a long prefill chunk) is
 compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
-and multiplied by an fp32 GEMM, so no dense copy is ever kept.
+and multiplied by an fp32 GEMM, so no dense copy is ever kept; on AVX2 CPUs under
+quant_activations=auto it stays on int16 tiles instead (faster there: GEMM_FROM_ROWS).
 
 On a CPU with AVX512-BF16, calls from BF16_AUTO_MIN_ROWS rows up (prefill chunks, and on AMX
 decode batches of 16+) take bf16 activations instead, at any size: each weight tile is
