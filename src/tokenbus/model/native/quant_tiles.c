@@ -151,8 +151,8 @@ static inline void quantize_block(const float *xb, float levels, int *v, float *
     _mm512_storeu_si512((void *)(v + 16), hi);
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
 #elif defined(__AVX2__)
-    /* The same in 8-lane halves (a prefill chunk rounds every row of x: the scalar loop took
-       ~15 % of a 512-token prefill's linears). */
+    /* The same in 8-lane halves: a prefill chunk on int16 tiles rounds every row of x, once
+       per linear. */
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 xv[4], mx = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
@@ -270,7 +270,7 @@ static void quantize_rows_q16(const float *x, int64_t M, int64_t ldx, int64_t K,
    int16 weight groups w: out[r] = the integer dots of row r (a, row stride lda bytes). The rows
    go R at a time so that each w[p] is read once per R rows, not once per row: on AVX2 the 16
    groups are 32 ymm, twice the register file, and a row at a time spent more load slots than
-   dot products (a step's linears at 16 rows 1.6x slower than the int8 kernel's). Q16_ROWS
+   dot products (a step's linears at 16 rows 1.7x slower than the int8 kernel's). Q16_ROWS
    chains in all, C per row: vpdpwssd (VNNI) has 5 cycles of latency on its accumulator. */
 #define Q16_ROWS 4
 static inline __attribute__((always_inline)) void q16_dots(const vi *w, const int8_t *a, int64_t lda, int R,
