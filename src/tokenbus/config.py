@@ -68,8 +68,8 @@ class ModelConfig:
     # within ~3e-4) or int8 (llama.cpp's approach: faster, but most answers change; both from
     # benchmarks/activation_error.py), or fp32 (weight-only: equal to the dequantized
     # model up to rounding); calls of more than 64 rows (long prefill chunks) then dequantize
-    # and multiply in fp32, except under auto on AVX2 (int16 tiles at any size: 1.6x the fp32
-    # GEMM at 256 rows on an AMD Zen 3). bf16 (CPUs with AVX512-BF16): x and W rounded to bf16 for every
+    # and multiply in fp32, except under auto on AVX2 (int16 tiles at any size: 1.5-1.6x the
+    # fp32 GEMM at 256 rows on an AMD Zen 3). bf16 (CPUs with AVX512-BF16): x and W rounded to bf16 for every
     # call, summed in fp32 by AMX tiles or (no AMX) vdpbf16ps. auto: int16, and bf16 from 16 rows
     # up on AMX (prefill chunks, decode batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2
     # from fp32's on average), from 32 rows with vdpbf16ps (prefill chunks: 2.9x the fp32 GEMM

@@ -49,8 +49,9 @@ BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 # weight for an fp32 GEMM instead (quant_activations=auto): past the decode-sized calls, except
 # on the tile ISAs listed here, where integer activations run at any size (quant_tiles.c takes
 # MAX_M rows at a time per tile). AVX2 (AMD EPYC Zen 3; benchmarks/quant_linear.py --step
-# --rows 64 256): a step's linears at 256 rows 603 ms on int16 tiles against 968 ms dequantized
-# for the GEMM, at 64 rows 169 against 418. AVX-512 without BF16 is not measured: GEMM there.
+# --rows 64 256): a step's linears at 256 rows 650-658 ms on int16 tiles against 968-1,063 ms
+# dequantized for the GEMM, at 64 rows 154-162 against 311-418. AVX-512 without BF16 is not
+# measured: GEMM there.
 GEMM_FROM_ROWS = TILE_GEMV_MAX_ROWS + 1
 INT_TILES_ANY_ROWS_ISAS = ("avx2",)
 
