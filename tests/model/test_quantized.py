@@ -237,9 +237,12 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
         0 if any_rows else GEMM_FROM_ROWS}
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
     assert 0 < error(default) < 1e-4
+    # A 100-row prefill: int16 tiles (AVX2) or the fp32 GEMM stay within 1e-4; where the CPU has
+    # a bf16 engine, auto takes bf16 there (test_bf16_tiles.py), within its 1e-2.
     long_prompt, _ = _logits(src, "gguf", "auto", prompt_len=100)
     long_dequantized, _ = _logits(src, "none", prompt_len=100)
-    assert 0 < ((long_prompt - long_dequantized).norm() / long_dequantized.norm()).item() < 1e-4
+    long_tolerance = 1e-2 if model.quant_kernels.bf16_engine else 1e-4
+    assert 0 < ((long_prompt - long_dequantized).norm() / long_dequantized.norm()).item() < long_tolerance
     int8, _ = _logits(src, "gguf", "int8")
     assert 1e-4 < error(int8) < 3e-2  # not the fp32 path, and close to it (a random model: worst case)
     # Each greedy choice is the dequantized model's, or a near tie there (0.1 nats, the oracle's gap).
