@@ -18,7 +18,7 @@ from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tests.model.test_quantized import DETECTED, TILE_TYPES, _logits, blocks
 from tokenbus.loader import resolve_model
 from tokenbus.model.layers import Linear
-from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, tile_mode
+from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, TileModes
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CPU_ISA_ENV, CpuFeatures, _capped
 from tokenbus.worker.model_loader import quant_activation_modes
@@ -74,18 +74,19 @@ def test_quant_activations_choose_bf16_only_with_an_engine():
     kernels = load_quant_kernels()
     amx, dp, none = (dataclasses.replace(kernels, bf16_engine=e, isa="avx512") for e in ("amx", "avx512_bf16", ""))
     avx2 = dataclasses.replace(kernels, bf16_engine="", isa="avx2")
-    assert quant_activation_modes("auto", amx) == ("int16", BF16_AUTO_MIN_ROWS["amx"], GEMM_FROM_ROWS)
-    assert quant_activation_modes("auto", dp) == ("int16", BF16_AUTO_MIN_ROWS["avx512_bf16"], GEMM_FROM_ROWS)
-    assert quant_activation_modes("auto", none) == ("int16", 0, GEMM_FROM_ROWS)
-    assert quant_activation_modes("auto", avx2) == ("int16", 0, 0)  # int16 tiles at any size
-    assert quant_activation_modes("bf16", amx) == quant_activation_modes("bf16", dp) == ("bf16", 1, 0)
-    assert quant_activation_modes("int8", amx) == ("int8", 0, GEMM_FROM_ROWS)  # an explicit mode is kept everywhere
-    assert quant_activation_modes("int16", avx2) == ("int16", 0, GEMM_FROM_ROWS)
+    assert quant_activation_modes("auto", amx) == TileModes("int16", BF16_AUTO_MIN_ROWS["amx"], GEMM_FROM_ROWS)
+    assert quant_activation_modes("auto", dp) == TileModes("int16", BF16_AUTO_MIN_ROWS["avx512_bf16"],
+                                                           GEMM_FROM_ROWS)
+    assert quant_activation_modes("auto", none) == TileModes("int16", 0, GEMM_FROM_ROWS)
+    assert quant_activation_modes("auto", avx2) == TileModes("int16", 0, 0)  # int16 tiles at any size
+    assert quant_activation_modes("bf16", amx) == quant_activation_modes("bf16", dp) == TileModes("bf16", 1, 0)
+    assert quant_activation_modes("int8", amx) == TileModes("int8", 0, GEMM_FROM_ROWS)  # an explicit mode: kept
+    assert quant_activation_modes("int16", avx2) == TileModes("int16", 0, GEMM_FROM_ROWS)
     with pytest.raises(ValueError, match="quant_activations 'bf16' needs AVX512-BF16"):
         quant_activation_modes("bf16", none)
-    assert [tile_mode("int16", 16, rows) for rows in (1, 15, 16, 500)] == ["int16", "int16", "bf16", "bf16"]
-    assert tile_mode("int16", 0, 500) == "int16"
-    assert [tile_mode("int16", 0, rows, GEMM_FROM_ROWS) for rows in (1, GEMM_FROM_ROWS - 1, GEMM_FROM_ROWS)] == [
+    assert [TileModes("int16", 16, 0).mode(rows) for rows in (1, 15, 16, 500)] == ["int16", "int16", "bf16", "bf16"]
+    assert TileModes("int16", 0, 0).mode(500) == "int16"
+    assert [TileModes("int16", 0, GEMM_FROM_ROWS).mode(rows) for rows in (1, GEMM_FROM_ROWS - 1, GEMM_FROM_ROWS)] == [
         "int16", "int16", "gemm"]
 
 
@@ -104,7 +105,7 @@ def test_gguf_model_on_bf16_tiles(tmp_path, monkeypatch, qtype, engine):
     dequantized, _ = _logits(src, "none")
     auto, model = _logits(src, "gguf", "auto")
     assert model.quant_kernels.bf16_engine == engine
-    assert {(m.kernel.activations, m.kernel.bf16_from_rows) for m in model.modules()
+    assert {(m.kernel.modes.activations, m.kernel.modes.bf16_from_rows) for m in model.modules()
             if isinstance(m, Linear)} == {("int16", min_rows)}
     bf16, _ = _logits(src, "gguf", "bf16")
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731

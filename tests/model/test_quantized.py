@@ -230,10 +230,10 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
     default, model = _logits(src, "gguf", "auto")
     if not model.quant_kernels.tiles(int(Q[qtype])):
         pytest.skip(f"no tiled kernels on this CPU ({DETECTED.describe()}): integer activations do not apply")
-    assert {m.kernel.activations for m in model.modules() if isinstance(m, Linear)} == {"int16"}
+    assert {m.kernel.modes.activations for m in model.modules() if isinstance(m, Linear)} == {"int16"}
     # On AVX2 (no bf16 engine) prefill chunks past 64 rows stay on int16 tiles as well.
     any_rows = model.quant_kernels.isa == "avx2" and not model.quant_kernels.bf16_engine
-    assert {m.kernel.gemm_from_rows for m in model.modules() if isinstance(m, Linear)} == {
+    assert {m.kernel.modes.gemm_from_rows for m in model.modules() if isinstance(m, Linear)} == {
         0 if any_rows else GEMM_FROM_ROWS}
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
     assert 0 < error(default) < 1e-4

@@ -24,9 +24,8 @@ from tokenbus.model.attention import AttentionPlan, Plan, paged_attention
 from tokenbus.model.attention_backend import AttentionBackend, TorchAttentionBackend, select_attention_backend
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from tokenbus.model.layers.quantized import (GEMM_FROM_ROWS, DequantBuffer, KernelWeight, QuantizedLinearKernel,
-                                             QuantizedWeight, is_quantized, kernel_weight, quantized_embedding,
-                                             tile_mode)
+from tokenbus.model.layers.quantized import (DequantBuffer, KernelWeight, QuantizedLinearKernel, QuantizedWeight,
+                                             TileModes, is_quantized, kernel_weight, quantized_embedding)
 from tokenbus.model.native import (TILE_GEMV_MAX_ROWS, FusedOps, NativeBuildError, PagedAttentionKernel,
                                    QuantKernels, load_fused_ops, load_quant_kernels)
 from tokenbus.model.native.decode_layer import DecodeLayers, LayerWeights, LinearWeights
@@ -136,8 +135,7 @@ class LlamaForCausalLM(nn.Module):
         # A GGUF embedding kept in its blocks (then embed_tokens is released), and its kernels.
         self.embed_quantized: QuantizedWeight | KernelWeight | None = None
         self.quant_kernels: QuantKernels | None = None
-        # Of the tiled GGUF linears: set_quant_activations.
-        self._activations, self._bf16_from_rows, self._gemm_from_rows = "fp32", 0, GEMM_FROM_ROWS
+        self._tile_modes = TileModes()  # of the tiled GGUF linears: set_quant_activations
         self._decode_layers: DecodeLayers | None = None  # decode_layer.c (set_attention_backend)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
@@ -193,8 +191,7 @@ class LlamaForCausalLM(nn.Module):
         native = plan.native
         return layers.step_args(x.shape[0], cos, sin, ctx.slot_mapping, native.block_tables, native.query_start,
                                 native.seq_lens, native.reqs, kv,
-                                tile_mode(self._activations, self._bf16_from_rows, x.shape[0],
-                                          self._gemm_from_rows))
+                                self._tile_modes.mode(x.shape[0]))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:
@@ -247,19 +244,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
                 module.fused = fused
 
-    def set_quant_activations(self, activations: str, bf16_from_rows: int = 0,
-                              gemm_from_rows: int = GEMM_FROM_ROWS) -> None:
-        """fp32, int16 or int8 activations for the tiled GGUF linears (layers/quantized.py). Calls
-        of at least `bf16_from_rows` rows (0: none) take bf16 instead (AVX512-BF16), any size;
-        calls of at least `gemm_from_rows` (0: none; by default those past the decode-sized ones)
-        dequantize for an fp32 GEMM (layers/quantized.tile_mode;
-        worker/model_loader.quant_activation_modes chooses all three)."""
-        self._activations, self._bf16_from_rows, self._gemm_from_rows = activations, bf16_from_rows, gemm_from_rows
+    def set_quant_activations(self, modes: TileModes) -> None:
+        """How the tiled GGUF linears take x (layers/quantized.py): fp32, int16 or int8
+        activations, bf16 (AVX512-BF16) from some number of rows up, and an fp32 GEMM on the
+        dequantized weight from some number of rows up (TileModes;
+        worker/model_loader.quant_activation_modes chooses them)."""
+        self._tile_modes = modes
         for module in self.modules():
             if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
-                kernel = module.kernel
-                kernel.activations, kernel.bf16_from_rows, kernel.gemm_from_rows = (activations, bf16_from_rows,
-                                                                                    gemm_from_rows)
+                module.kernel.modes = modes
 
     def set_attention_backend(self, backend: str, decode_layers: bool = True) -> None:
         """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.

@@ -15,7 +15,7 @@ from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.loader import ModelSource, iter_weights
-from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, INT_TILES_ANY_ROWS_ISAS
+from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, INT_TILES_ANY_ROWS_ISAS, TileModes
 from tokenbus.model.native import NativeBuildError, QuantKernels, load_quant_kernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
@@ -42,27 +42,26 @@ def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: to
     model.load_weights(iter_weights(src, arch, keep_quantized))  # casts to dtype on copy
     model.set_attention_backend(attention_backend, decode_layers=not enforce_eager)
     if keep_quantized:
-        model.set_quant_activations(*quant_activation_modes(quant_activations, model.quant_kernels))
+        model.set_quant_activations(quant_activation_modes(quant_activations, model.quant_kernels))
     return model.eval()
 
 
-def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> tuple[str, int, int]:
-    """set_quant_activations' (activations, bf16_from_rows, gemm_from_rows) for a
-    ModelConfig.quant_activations: auto is int16, and bf16 from BF16_AUTO_MIN_ROWS[engine] rows
-    where the CPU has a bf16 engine (AMX: prefill chunks and decode batches of 16+; AVX512-BF16:
-    prefill chunks), else int16 at any size on INT_TILES_ANY_ROWS_ISAS (AVX2); bf16 is bf16 for
-    every call and needs an engine. Calls past the decode-sized ones dequantize for the fp32 GEMM
-    otherwise."""
+def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> TileModes:
+    """set_quant_activations' TileModes for a ModelConfig.quant_activations: auto is int16, and
+    bf16 from BF16_AUTO_MIN_ROWS[engine] rows where the CPU has a bf16 engine (AMX: prefill chunks
+    and decode batches of 16+; AVX512-BF16: prefill chunks), else int16 at any size on
+    INT_TILES_ANY_ROWS_ISAS (AVX2); bf16 is bf16 for every call and needs an engine. Calls past
+    the decode-sized ones dequantize for the fp32 GEMM otherwise."""
     engine = kernels.bf16_engine if kernels is not None else ""
     if requested == "bf16":
         if not engine:
             raise ValueError("quant_activations 'bf16' needs AVX512-BF16 (avx512_bf16; AMX tiles where the "
                              f"kernel grants them); this CPU: {CpuFeatures.detect().describe()}")
-        return "bf16", 1, 0
+        return TileModes("bf16", 1, 0)
     if requested == "auto":
         any_rows = not engine and kernels is not None and kernels.isa in INT_TILES_ANY_ROWS_ISAS
-        return "int16", BF16_AUTO_MIN_ROWS.get(engine, 0), 0 if any_rows else GEMM_FROM_ROWS
-    return requested, 0, GEMM_FROM_ROWS
+        return TileModes("int16", BF16_AUTO_MIN_ROWS.get(engine, 0), 0 if any_rows else GEMM_FROM_ROWS)
+    return TileModes(requested, 0, GEMM_FROM_ROWS)
 
 
 def quantization_problem(src: ModelSource, device: torch.device, tp: TensorParallel | int) -> str | None:

@@ -56,14 +56,25 @@ GEMM_FROM_ROWS = TILE_GEMV_MAX_ROWS + 1
 INT_TILES_ANY_ROWS_ISAS = ("avx2",)
 
 
-def tile_mode(activations: str, bf16_from_rows: int, rows: int, gemm_from_rows: int = 0) -> str:
-    """How a call of `rows` rows on tiles takes x: bf16 from `bf16_from_rows` rows up (0:
-    never), else "gemm" (dequantize for an fp32 GEMM) from `gemm_from_rows` rows up (0: never),
-    else `activations` (fp32 | int16 | int8; fp32 tiles take at most TILE_GEMV_MAX_ROWS rows,
-    beyond that shard_matmul runs the GEMM)."""
-    if bf16_from_rows and rows >= bf16_from_rows:
-        return "bf16"
-    return "gemm" if gemm_from_rows and rows >= gemm_from_rows else activations
+@dataclass(frozen=True)
+class TileModes:
+    """How calls on tiles take x, by their number of rows (LlamaForCausalLM.set_quant_activations;
+    worker/model_loader.quant_activation_modes chooses them): bf16 from `bf16_from_rows` rows up
+    (0: never), else dequantized for an fp32 GEMM from `gemm_from_rows` rows up (0: never), else
+    `activations` (fp32 | int16 | int8; fp32 tiles take at most TILE_GEMV_MAX_ROWS rows, beyond
+    that shard_matmul runs the GEMM)."""
+
+    activations: str = "fp32"
+    bf16_from_rows: int = 0
+    gemm_from_rows: int = GEMM_FROM_ROWS
+
+    def mode(self, rows: int) -> str:
+        """The mode of a call of `rows` rows: shard_matmul's `mode`."""
+        if self.bf16_from_rows and rows >= self.bf16_from_rows:
+            return "bf16"
+        return "gemm" if self.gemm_from_rows and rows >= self.gemm_from_rows else self.activations
+
+
 from tokenbus.model.native import ops as native_ops
 
 
@@ -142,10 +153,8 @@ class DequantBuffer:
 
 class QuantizedLinearKernel:
     """x[..., K] -> [..., N] over shards of GGUF blocks stacked along N (fused q/k/v may mix
-    types), plus an optional dense bias. How tiled shards take x (set by the model:
-    LlamaForCausalLM.set_quant_activations): `activations` (fp32 | int16 | int8), bf16 from
-    `bf16_from_rows` rows (0: never), dequantized for the GEMM from `gemm_from_rows` (0: never):
-    tile_mode."""
+    types), plus an optional dense bias. How tiled shards take x: `modes` (set by the model:
+    LlamaForCausalLM.set_quant_activations)."""
 
     def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None,
                  buffer: DequantBuffer | None = None) -> None:
@@ -155,16 +164,14 @@ class QuantizedLinearKernel:
         self.out_features = sum(q.rows for q in self.shards)
         self.bias = bias
         self.buffer = buffer or DequantBuffer()
-        self.activations = "fp32"
-        self.bf16_from_rows = 0
-        self.gemm_from_rows = GEMM_FROM_ROWS
+        self.modes = TileModes()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._traced(x)
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
-        start, mode = 0, tile_mode(self.activations, self.bf16_from_rows, flat.shape[0], self.gemm_from_rows)
+        start, mode = 0, self.modes.mode(flat.shape[0])
         for shard in self.shards:
             shard_matmul(self.kernels, shard, flat, out[:, start:start + shard.rows], mode, self.buffer)
             start += shard.rows
@@ -175,7 +182,7 @@ class QuantizedLinearKernel:
     def _traced(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic through custom ops that torch.compile traces (native/ops.py)."""
         flat = x.reshape(-1, self.in_features).float()  # [M, K]
-        mode = tile_mode(self.activations, self.bf16_from_rows, flat.shape[0], self.gemm_from_rows)
+        mode = self.modes.mode(flat.shape[0])
         parts = [native_ops.quant_matmul(flat, shard.data, shard.qtype, shard.cols, shard.rows, shard.tiled, mode)
                  for shard in self.shards]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
@@ -192,7 +199,7 @@ class QuantizedLinearKernel:
 def shard_matmul(kernels: QuantKernels, shard: KernelWeight, flat: torch.Tensor,
                  out: torch.Tensor, mode: str, buffer: DequantBuffer) -> None:
     """out [M, rows] (a column slice) = flat [M, K] @ shard.T: on tiles the block kernel in
-    `mode` (tile_mode's; fp32 up to TILE_GEMV_MAX_ROWS rows), in GGUF rows the block kernel up
+    `mode` (TileModes.mode; fp32 up to TILE_GEMV_MAX_ROWS rows), in GGUF rows the block kernel up
     to QUANT_GEMV_MAX_ROWS; otherwise a GEMM per chunk of dequantized rows (of W^T, whole tiles,
     when tiled)."""
     tiled, num_rows = shard.tiled, flat.shape[0]
