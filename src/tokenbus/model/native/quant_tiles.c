@@ -291,6 +291,20 @@ static inline __attribute__((always_inline)) void q16_dots(const vi *w, const in
     }
 }
 
+/* Of a tile-block's 64-byte chunk c (`raw`), its j-th int16 weight group: for Q8_0 j 0-1, the
+   groups 2c, 2c + 1 (each int16 lane's low byte, its high byte, sign-extended); for Q4_0/Q4_1
+   j 0-3, the groups 2c, 2c + 1 (low nibbles) and 8 + 2c, 9 + 2c (high nibbles). */
+static inline __attribute__((always_inline)) vi q16_group(int qtype, vi raw, int j) {
+    const vi low4 = vi_set32(0x000F000F);
+    if (qtype == Q8_0) return j == 0 ? vi_srai16(vi_slli16(raw, 8), 8) : vi_srai16(raw, 8);
+    switch (j) {
+    case 0: return vi_and(raw, low4);
+    case 1: return vi_and(vi_srli16(raw, 8), low4);
+    case 2: return vi_and(vi_srli16(raw, 4), low4);
+    default: return vi_srli16(raw, 12);
+    }
+}
+
 /* One row of x against a tile-block straight from its bytes: each chunk is unpacked into its
    int16 groups just before they are used, so no group outlives four dot products (as a whole
    unpacked w[16], 32 ymm on AVX2, it would be spilled to the stack and read back). Four chains. */
@@ -301,20 +315,19 @@ static inline vi q16_dots_row(int qtype, const uint8_t *tb, const int8_t *a) {
         for (int c = 0; c < 8; c++) {
             const vi raw = vi_load(tb + 64 * c);
             const int i = 2 * (c % 2);
-            acc[i] = vi_dot16(acc[i], vi_srai16(vi_slli16(raw, 8), 8), vi_bcast32(a + 8 * c));
-            acc[i + 1] = vi_dot16(acc[i + 1], vi_srai16(raw, 8), vi_bcast32(a + 8 * c + 4));
+            acc[i] = vi_dot16(acc[i], q16_group(Q8_0, raw, 0), vi_bcast32(a + 8 * c));
+            acc[i + 1] = vi_dot16(acc[i + 1], q16_group(Q8_0, raw, 1), vi_bcast32(a + 8 * c + 4));
             vi_keep(&acc[i]);
             vi_keep(&acc[i + 1]);
         }
     } else {
-        const vi low4 = vi_set32(0x000F000F);
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {  /* the groups 2c, 2c + 1 (low nibbles), 8 + 2c, 9 + 2c (high) */
+        for (int c = 0; c < 4; c++) {
             const vi raw = vi_load(tb + 64 * c);
-            acc[0] = vi_dot16(acc[0], vi_and(raw, low4), vi_bcast32(a + 8 * c));
-            acc[1] = vi_dot16(acc[1], vi_and(vi_srli16(raw, 8), low4), vi_bcast32(a + 8 * c + 4));
-            acc[2] = vi_dot16(acc[2], vi_and(vi_srli16(raw, 4), low4), vi_bcast32(a + 32 + 8 * c));
-            acc[3] = vi_dot16(acc[3], vi_srli16(raw, 12), vi_bcast32(a + 32 + 8 * c + 4));
+            acc[0] = vi_dot16(acc[0], q16_group(qtype, raw, 0), vi_bcast32(a + 8 * c));
+            acc[1] = vi_dot16(acc[1], q16_group(qtype, raw, 1), vi_bcast32(a + 8 * c + 4));
+            acc[2] = vi_dot16(acc[2], q16_group(qtype, raw, 2), vi_bcast32(a + 32 + 8 * c));
+            acc[3] = vi_dot16(acc[3], q16_group(qtype, raw, 3), vi_bcast32(a + 32 + 8 * c + 4));
             for (int i = 0; i < 4; i++) vi_keep(&acc[i]);
         }
     }
@@ -326,7 +339,6 @@ static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
                       int64_t t) {
     vf accd[MAX_M], accm[MAX_M];
     for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
-    const vi low4 = vi_set32(0x000F000F);
     const int64_t lda = 2 * K;  /* bytes per row of qa */
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *tb = tiles + (t * blocks + b) * tbb;
@@ -343,16 +355,13 @@ static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
         if (qtype == Q8_0) {
             for (int c = 0; c < 8; c++) {
                 const vi raw = vi_load(tb + 64 * c);
-                w[2 * c] = vi_srai16(vi_slli16(raw, 8), 8);
-                w[2 * c + 1] = vi_srai16(raw, 8);
+                w[2 * c] = q16_group(Q8_0, raw, 0);
+                w[2 * c + 1] = q16_group(Q8_0, raw, 1);
             }
         } else {  /* groups 0-3: low nibbles of chunks 0-3; groups 4-7: their high nibbles */
             for (int c = 0; c < 4; c++) {
                 const vi raw = vi_load(tb + 64 * c);
-                w[2 * c] = vi_and(raw, low4);
-                w[2 * c + 1] = vi_and(vi_srli16(raw, 8), low4);
-                w[8 + 2 * c] = vi_and(vi_srli16(raw, 4), low4);
-                w[8 + 2 * c + 1] = vi_srli16(raw, 12);
+                for (int j = 0; j < 4; j++) w[(j / 2) * 8 + 2 * c + j % 2] = q16_group(qtype, raw, j);
             }
         }
         for (int64_t m0 = 0; m0 < M; m0 += Q16_ROWS) {
