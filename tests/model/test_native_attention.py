@@ -142,12 +142,74 @@ def test_head_layouts_match_torch_path(kernel, heads):
 
 def test_multi_query_requests_are_causal_and_match(kernel):
     """Spec-decode verification and short chunks (q_len <= NATIVE_MAX_QUERY_LEN) run natively,
-    causal aligned to the end; a longer chunk takes the prefill path in the same step."""
+    causal aligned to the end; a longer chunk takes the kernel's flash path in the same step
+    (SDPA in bf16, which the flash path does not take)."""
     requests = [(1, 40), (1, 3), (5, 30), (2, 0), (attention.NATIVE_MAX_QUERY_LEN, 17),
                 (attention.NATIVE_MAX_QUERY_LEN + 1, 20), (40, 0)]
     out, ref, plan = both_paths(kernel, requests)
     assert plan.native.reqs.tolist() == [0, 1, 2, 3, 4]
+    assert plan.native_long.reqs.tolist() == [5, 6] and plan.prefills == []
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    out, ref, plan = both_paths(kernel, requests, dtype=torch.bfloat16)
+    assert plan.native.reqs.tolist() == [0, 1, 2, 3, 4] and plan.native_long is None
     assert [(p.start, p.end) for p in plan.prefills] == [(25, 42), (42, 82)]
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# Prefill chunks: whole prompts (no context) and chunks after a context, lengths around the
+# flash path's 16-key chunks and 32-query work items, decodes and a verification beside them.
+LONG = [(1, 40), (5, 30), (17, 0), (31, 1), (33, 15), (64, 0), (100, 37), (47, 200), (300, 0)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 48), (16, 2, 64)])
+def test_long_queries_take_the_flash_path_and_match(kernel, heads, kv_dtype, threads):
+    """fp32 queries over fp32 or fp16 K/V, head sizes that are multiples of 16 (the specialised
+    64 and 128, and others), GQA groups 1-8; the same results as the torch path's SDPA."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ref, plan = both_paths(kernel, LONG, *heads, kv_dtype=kv_dtype)
+    finally:
+        torch.set_num_threads(previous)
+    assert plan.native.reqs.tolist() == [0, 1] and plan.native_long.reqs.tolist() == list(range(2, len(LONG)))
+    assert plan.prefills == []
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [4, 32])
+def test_long_queries_at_other_block_sizes(kernel, block_size):
+    """Cache blocks shorter and longer than the flash path's 16-key chunks."""
+    out, ref, plan = both_paths(kernel, LONG, block_size=block_size, kv_dtype=torch.float16)
+    assert plan.native_long is not None
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_long_queries_outside_the_flash_path_take_sdpa(kernel):
+    """A head size that is no multiple of 16 keeps SDPA for the long chunks."""
+    assert not kernel.takes_long_queries(torch.float32, torch.float32, 40)
+    assert not kernel.takes_long_queries(torch.bfloat16, torch.bfloat16, 64)
+    out, ref, plan = both_paths(kernel, LONG, 5, 1, 40)
+    assert plan.native_long is None and [p.seq_len for p in plan.prefills] == [q + c for q, c in LONG[2:]]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cap", ["avx2", "baseline"])
+def test_long_queries_on_capped_builds(cap):
+    """The AVX2 build runs the flash path on its 8-lane halves; the plain x86-64 build has no
+    vectors for it and leaves long chunks to SDPA."""
+    from tokenbus.utils.cpu import CpuFeatures, _capped
+
+    detected = CpuFeatures.detect()
+    if not detected.is_x86 or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("the capped x86-64 builds need an x86-64 CPU and a C compiler")
+    if cap == "avx2" and detected.isa not in ("avx2", "avx512"):
+        pytest.skip(f"an AVX2 build needs AVX2 + FMA + F16C; this CPU is {detected.describe()}")
+    capped = load_paged_attention(CpuFeatures(_capped(detected.flags, cap), cap))
+    assert capped.takes_long_queries(torch.float32, torch.float16, 64) == (cap == "avx2")
+    out, ref, plan = both_paths(capped, LONG, kv_dtype=torch.float16)
+    assert (plan.native_long is not None) == (cap == "avx2")
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 

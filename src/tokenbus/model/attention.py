@@ -7,7 +7,9 @@ the same step (prefix caching relies on it).
 Reading, with requests ordered decodes first (see ForwardContext):
 - with the native CPU kernel (model/native, fp32 or bf16): every request of at most
   NATIVE_MAX_QUERY_LEN queries (decodes, spec-decode verification, short chunks) in one call
-  that reads its K/V in place; longer ones take the prefill path below. Otherwise:
+  that reads its K/V in place; longer ones in a second call, by the kernel's flash path, where
+  it takes them (fp32 queries, head size a multiple of 16), else by the prefill path below.
+  Otherwise:
 - the `num_decodes` single-query requests: batched `scaled_dot_product_attention` over their
   gathered blocks, in tiles of consecutive requests, each tile padded to its longest request
   and masked by `seq_lens`, and sized so its gathered K/V stays in cache (DECODE_TILE_BYTES);
@@ -76,16 +78,22 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class NativeBatch:
-    """Requests `reqs` (indices into the step's requests) for the native kernel."""
+    """Requests `reqs` (indices into the step's requests) for the native kernel; `long_queries`:
+    by its flash path (prefill chunks)."""
 
     kernel: PagedAttentionKernel
     reqs: torch.Tensor  # [n] int64
     query_start: torch.Tensor  # [num_reqs + 1] int64
     seq_lens: torch.Tensor  # [num_reqs] int64
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
+    long_queries: bool = False
 
     def __post_init__(self) -> None:
         check_indices(self.reqs, self.query_start, self.seq_lens, self.block_tables)  # once per step
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        self.kernel(q, kv_cache, self.block_tables, self.query_start, self.seq_lens, self.reqs, scale, out,
+                    self.long_queries)
 
 
 @dataclass(frozen=True)
@@ -93,16 +101,17 @@ class AttentionPlan:
     decode_tiles: list[DecodeTile]
     prefills: list[PrefillSpan]
     num_tokens: int
-    native: NativeBatch | None = None
+    native: NativeBatch | None = None  # decode-sized requests
+    native_long: NativeBatch | None = None  # prefill chunks, by the flash path
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
         n = self.num_tokens
         write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # padding rows stay 0
-        if self.native is not None:
-            b = self.native
-            b.kernel(q, kv_cache, b.block_tables, b.query_start, b.seq_lens, b.reqs, scale, out)
+        for batch in (self.native, self.native_long):
+            if batch is not None:
+                batch.run(q, kv_cache, scale, out)
         for tile in self.decode_tiles:
             out[tile.start:tile.end] = _decode_attention(q[tile.start:tile.end], kv_cache, tile, scale)
         for span in self.prefills:
@@ -191,28 +200,34 @@ def build_attention_plan(ctx: ForwardContext, dtype: torch.dtype,
     _, _, block_size, num_kv_heads, head_dim = ctx.kv_caches[0].shape
     kv = ctx.kv_caches[0]
     if native_kernel is not None and kv.dtype in KERNEL_KV_DTYPES.get(dtype, ()) and kv.device.type == "cpu":
-        return _plan_native(ctx, native_kernel, block_size, dtype)
+        long_queries = native_kernel.takes_long_queries(dtype, kv.dtype, head_dim)
+        return _plan_native(ctx, native_kernel, block_size, dtype, long_queries)
     bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K and V, as gathered
     decode_tiles = _plan_decode_tiles(ctx, block_size, bytes_per_key, dtype)
     prefills = [_plan_prefill(ctx, r, block_size, dtype) for r in range(ctx.num_decodes, ctx.num_reqs)]
     return AttentionPlan(decode_tiles, prefills, ctx.num_tokens)
 
 
-def _plan_native(ctx: ForwardContext, kernel: PagedAttentionKernel, block_size: int,
-                 dtype: torch.dtype) -> AttentionPlan:
+def _plan_native(ctx: ForwardContext, kernel: PagedAttentionKernel, block_size: int, dtype: torch.dtype,
+                 long_queries: bool) -> AttentionPlan:
+    """Requests of up to NATIVE_MAX_QUERY_LEN queries to the kernel; longer ones to its flash
+    path where it takes them (`long_queries`), else to SDPA."""
     starts = ctx.query_start_loc
-    native, prefills = [], []
+    native, long, prefills = [], [], []
     for r in range(ctx.num_reqs):
         q_len = starts[r + 1] - starts[r]
         if q_len > NATIVE_MAX_QUERY_LEN:
-            prefills.append(_plan_prefill(ctx, r, block_size, dtype))
+            if long_queries:
+                long.append(r)
+            else:
+                prefills.append(_plan_prefill(ctx, r, block_size, dtype))
         elif q_len > 0 and ctx.seq_lens[r] > 0:  # padding requests keep their zero rows
             native.append(r)
-    batch = None
-    if native:
-        batch = NativeBatch(kernel, torch.tensor(native, dtype=torch.int64),
-                            torch.tensor(starts, dtype=torch.int64), ctx.seq_lens_t, ctx.block_tables)
-    return AttentionPlan([], prefills, ctx.num_tokens, batch)
+    query_start = torch.tensor(starts, dtype=torch.int64)
+    batches = [NativeBatch(kernel, torch.tensor(reqs, dtype=torch.int64), query_start, ctx.seq_lens_t,
+                           ctx.block_tables, long_queries=is_long) if reqs else None
+               for reqs, is_long in ((native, False), (long, True))]
+    return AttentionPlan([], prefills, ctx.num_tokens, *batches)
 
 
 def _plan_decode_tiles(ctx: ForwardContext, block_size: int, bytes_per_key: int,

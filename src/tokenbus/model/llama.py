@@ -182,8 +182,8 @@ class LlamaForCausalLM(nn.Module):
         decode-sized fp32 batch whose attention is all the native kernel's (eager); else None."""
         layers = self._decode_layers
         if (layers is None or x.shape[0] > TILE_GEMV_MAX_ROWS or not isinstance(plan, AttentionPlan)
-                or plan.native is None or plan.decode_tiles or plan.prefills or plan.num_tokens != x.shape[0]
-                or torch.compiler.is_compiling()):
+                or plan.native is None or plan.native_long is not None or plan.decode_tiles or plan.prefills
+                or plan.num_tokens != x.shape[0] or torch.compiler.is_compiling()):
             return None
         kv = ctx.kv_caches[0]
         if kv.dtype not in (torch.float32, torch.float16) or not kv.is_contiguous():

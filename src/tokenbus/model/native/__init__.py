@@ -116,26 +116,41 @@ KERNEL_KV_DTYPES = {torch.float32: (torch.float32, torch.float16), torch.bfloat1
 @dataclass(frozen=True)
 class PagedAttentionKernel:
     """fp32/bf16 paged attention over K/V read in place, fp16 K/V under fp32 (see
-    paged_attention.c for the contract)."""
+    paged_attention.c for the contract). `long_queries`: its flash path for prefill chunks
+    (paged_prefill_attention: fp32 queries, head sizes a multiple of 16), where it is built."""
 
     fn: ctypes._CFuncPtr
+    long_fn: ctypes._CFuncPtr
+    long_supported_fn: ctypes._CFuncPtr
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  query_start: torch.Tensor, seq_lens: torch.Tensor, reqs: torch.Tensor, scale: float,
-                 out: torch.Tensor) -> None:
-        """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, D]."""
+                 out: torch.Tensor, long_queries: bool = False) -> None:
+        """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, D];
+        by the flash path when `long_queries` (then takes_long_queries must hold)."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = q.shape[1]
         assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
         assert kv_cache.is_contiguous()  # the index tensors are checked once per step: check_indices
         assert q.dtype == out.dtype and kv_cache.dtype in KERNEL_KV_DTYPES.get(q.dtype, ())
-        status = self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size, num_kv_heads,
-                         head_dim, num_heads, block_tables.data_ptr(), block_tables.stride(0),
-                         query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.numel(),
-                         ctypes.c_float(scale), out.data_ptr(), out.stride(0), KERNEL_DTYPES[q.dtype],
-                         KERNEL_DTYPES[kv_cache.dtype], torch.get_num_threads())
+        fn = self.long_fn if long_queries else self.fn
+        status = fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size, num_kv_heads,
+                    head_dim, num_heads, block_tables.data_ptr(), block_tables.stride(0),
+                    query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.numel(),
+                    ctypes.c_float(scale), out.data_ptr(), out.stride(0), KERNEL_DTYPES[q.dtype],
+                    KERNEL_DTYPES[kv_cache.dtype], torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"paged_prefill_attention does not take {q.dtype} queries over {kv_cache.dtype} "
+                             f"K/V at head size {head_dim} here (takes_long_queries)")
         if status != 0:
             raise MemoryError("paged_attention: out of memory for its scratch buffers")
+
+    def takes_long_queries(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the flash path runs these queries, K/V and head size (fp32 queries; fp32 or
+        fp16 K/V; head size a multiple of 16 up to 256; a build with AVX2+FMA+F16C or AVX-512)."""
+        if dtype not in KERNEL_DTYPES or kv_dtype not in KERNEL_DTYPES:
+            return False
+        return bool(self.long_supported_fn(KERNEL_DTYPES[dtype], KERNEL_DTYPES[kv_dtype], head_dim))
 
 
 def check_indices(*index: torch.Tensor) -> None:
@@ -148,11 +163,15 @@ def check_indices(*index: torch.Tensor) -> None:
 def load_paged_attention(cpu: CpuFeatures | None = None) -> PagedAttentionKernel:
     """Build (or find in the cache) and load the kernel; NativeBuildError says why not."""
     lib = load_library(_SOURCE, cpu)
-    fn = lib.paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                   ctypes.c_float, _PTR, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    return PagedAttentionKernel(fn)
+    fns = lib.paged_attention, lib.paged_prefill_attention
+    for fn in fns:  # the same contract
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                       ctypes.c_float, _PTR, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    supported = lib.paged_prefill_supported
+    supported.restype = ctypes.c_int
+    supported.argtypes = [ctypes.c_int, ctypes.c_int, _I64]
+    return PagedAttentionKernel(*fns, supported)
 
 
 _QUANT_SOURCE = Path(__file__).with_name("quant_matmul.c")

@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tile_vectors.h"
+
 enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2 };
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -415,4 +417,226 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
         free(rows);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- Long queries (prefill chunks): flash attention, PF_KEYS keys at a time.
+   The path above keeps every row's scores for all seq_len keys and computes each score as its
+   own dot product; torch's SDPA, which long queries took before, runs GEMMs too small to pay
+   for themselves at head size 64. Here a work item is (request, KV head, PF_TOKENS query
+   tokens): its R = n * G rows (row (i - i0) * G + g: query i, head h * G + g) go over the keys
+   that item's last query sees, 16 at a time, with an online softmax (each row's running max m,
+   sums l, and output o rescaled by exp(m_old - m_new) when the max grows). A chunk's keys are
+   converted to fp32 and transposed once (kt [D][16]: lane j = key t0 + j), so a row's 16
+   scores are D vector FMAs with its query values broadcast; its values (vb [16][D]) are
+   then added into o with the 16 probabilities broadcast. PF_ROWS rows share each load of kt
+   and vb. Masked keys score PF_MASKED, whose exp() against any row max is 0: no infinity
+   ever appears (the build uses -ffast-math).
+   The sums run in another order than attend_decode's, so these rows' bits depend on the
+   chunking; queries up to NATIVE_MAX_QUERY_LEN (attention.py) never come here. */
+#if defined(HAVE_TILES)
+#define PF_KEYS 16
+#define PF_TOKENS 32
+#define PF_MAX_D 256
+#define PF_MASKED (-1e30f)
+#if defined(__AVX512F__)
+#define PF_ROWS 8  /* 8 independent FMA chains of one zmm each: 2 FMAs a cycle at 4 cycles' latency */
+#define PF_WIDE_CASES(call) \
+    case 8: call(8); break; \
+    case 7: call(7); break; \
+    case 6: call(6); break; \
+    case 5: call(5); break;
+#else
+#define PF_ROWS 4  /* each vf is two ymm: 8 chains, and 8 + 2 + 1 of AVX2's 16 registers */
+#define PF_WIDE_CASES(call)
+#endif
+
+/* sc[r][0..16) = qf[r] . kt (the 16 keys), for n (constant after inlining) rows. */
+static inline __attribute__((always_inline)) void pf_scores(const float *qf, const float *kt, const int64_t D,
+                                                            const int n, float *sc) {
+    vf acc[PF_ROWS];
+    for (int r = 0; r < n; r++) acc[r] = vf_zero();
+    for (int64_t d = 0; d < D; d++) {
+        const vf k = vf_loadf(kt + d * PF_KEYS);
+        for (int r = 0; r < n; r++) acc[r] = vf_fma(vf_set1(qf[r * D + d]), k, acc[r]);
+    }
+    for (int r = 0; r < n; r++) vf_store(sc + r * PF_KEYS, acc[r]);
+}
+
+/* o[r] = o[r] * alpha[r] + sum_j p[r][j] vb[j] over the chunk's nt keys, for n rows. */
+static inline __attribute__((always_inline)) void pf_values(float *o, const float *p, const float *alpha,
+                                                            const float *vb, const int64_t D, const int n,
+                                                            const int64_t nt) {
+    for (int64_t c = 0; c < D; c += 16) {
+        vf acc[PF_ROWS];
+        for (int r = 0; r < n; r++) acc[r] = vf_mul(vf_loadf(o + r * D + c), vf_set1(alpha[r]));
+        for (int64_t j = 0; j < nt; j++) {
+            const vf v = vf_loadf(vb + j * D + c);
+            for (int r = 0; r < n; r++) acc[r] = vf_fma(vf_set1(p[r * PF_KEYS + j]), v, acc[r]);
+        }
+        for (int r = 0; r < n; r++) vf_store(o + r * D + c, acc[r]);
+    }
+}
+
+#define PF_BLOCKS(call)                                                                        \
+    for (int64_t r0 = r_first; r0 < R; r0 += PF_ROWS) {                                         \
+        switch (R - r0 < PF_ROWS ? R - r0 : PF_ROWS) { /* constant n: unrolled, in registers */ \
+        PF_WIDE_CASES(call)                                                                    \
+        case 4: call(4); break;                                                                \
+        case 3: call(3); break;                                                                \
+        case 2: call(2); break;                                                                \
+        default: call(1); break;                                                               \
+        }                                                                                      \
+    }
+
+/* Floats of scratch one work item of R rows needs. */
+static inline int64_t pf_scratch(int64_t R, int64_t D) { return 2 * R * D + 2 * R * PF_KEYS + 2 * R + 2 * PF_KEYS * D; }
+
+/* Queries i0 .. i1 of a request (q_len queries, seq_len keys), KV head h. q and out are fp32. */
+static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
+                    int64_t seq_len, int64_t q_len, int64_t i0, int64_t i1, int64_t h, int64_t G, int64_t bs,
+                    int64_t hkv, const int64_t D, const int kv_elem, float scale, float *out,
+                    int64_t out_tok_stride, float *scratch) {
+    const int64_t ctx_len = seq_len - q_len, R = (i1 - i0) * G, keys = ctx_len + i1;
+    float *qf = scratch, *o = qf + R * D, *sc = o + R * D, *l = sc + R * PF_KEYS, *m = l + R * PF_KEYS;
+    float *alpha = m + R, *kt = alpha + R, *vb = kt + PF_KEYS * D;
+    for (int64_t r = 0; r < R; r++) {
+        const float *qr = q + (i0 + r / G) * q_tok_stride + (h * G + r % G) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) qf[r * D + d] = qr[d] * scale;
+        m[r] = PF_MASKED;
+    }
+    memset(o, 0, (size_t)(R * D) * sizeof(float));
+    memset(l, 0, (size_t)(R * PF_KEYS) * sizeof(float));
+    for (int64_t t0 = 0; t0 < keys; t0 += PF_KEYS) {
+        const int64_t nt = min64(PF_KEYS, keys - t0);
+        for (int64_t j = 0; j < PF_KEYS; j++) {
+            float k[PF_MAX_D];
+            if (j < nt) {
+                const int64_t t = t0 + j, row = ((table[t / bs] * bs + t % bs) * hkv + h) * D;
+                load_row(kv, row, D, kv_elem, k);
+                load_row(kv, v_offset + row, D, kv_elem, vb + j * D);
+            } else {  /* past the last key: zeros (their scores are masked anyway) */
+                memset(k, 0, (size_t)D * sizeof(float));
+                memset(vb + j * D, 0, (size_t)D * sizeof(float));
+            }
+            for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = k[d];
+        }
+        /* Rows of queries before t0 - ctx_len see none of these keys: they are left as they are. */
+        const int64_t r_first = (t0 - ctx_len > i0 ? t0 - ctx_len - i0 : 0) * G;
+#define PF_SCORES(n) pf_scores(qf + r0 * D, kt, D, n, sc + r0 * PF_KEYS)
+        PF_BLOCKS(PF_SCORES)
+        /* Each row's new max; then, vectorised across rows, its rescale factor; then its
+           probabilities. l keeps 16 partial sums a row (added up at the end): no horizontal sum
+           per chunk. */
+        for (int64_t r = r_first; r < R; r++) {
+            float *s = sc + r * PF_KEYS;
+            const int64_t visible = ctx_len + i0 + r / G - t0 + 1;  /* of this chunk's keys, >= 1 here */
+            float mx = m[r];
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < PF_KEYS; j++) {
+                s[j] = j < visible ? s[j] : PF_MASKED;
+                mx = s[j] > mx ? s[j] : mx;
+            }
+            alpha[r] = mx;  /* the new max, until the loop below */
+        }
+#pragma omp simd
+        for (int64_t r = r_first; r < R; r++) {
+            const float mx = alpha[r];
+            alpha[r] = expf(m[r] - mx);
+            m[r] = mx;
+        }
+        for (int64_t r = r_first; r < R; r++) {
+            float *s = sc + r * PF_KEYS, *lr = l + r * PF_KEYS;
+            const float mx = m[r], a = alpha[r];
+#pragma omp simd
+            for (int64_t j = 0; j < PF_KEYS; j++) {
+                s[j] = expf(s[j] - mx);
+                lr[j] = lr[j] * a + s[j];
+            }
+        }
+#define PF_VALUES(n) pf_values(o + r0 * D, sc + r0 * PF_KEYS, alpha + r0, vb, D, n, nt)
+        PF_BLOCKS(PF_VALUES)
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *outr = out + (i0 + r / G) * out_tok_stride + (h * G + r % G) * D;
+        float sum = 0.f;
+        for (int64_t j = 0; j < PF_KEYS; j++) sum += l[r * PF_KEYS + j];
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) outr[d] = o[r * D + d] * inv;
+    }
+}
+
+/* D a constant where it is a common head size: the loops over it unroll. */
+static void pf_item_any(const float *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
+                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t i0, int64_t i1, int64_t h,
+                        int64_t G, int64_t bs, int64_t hkv, int64_t D, int kv_elem, float scale, float *out,
+                        int64_t out_tok_stride, float *scratch) {
+#define PF_ITEM(d, e) pf_item(q, q_tok_stride, kv, v_offset, table, seq_len, q_len, i0, i1, h, G, bs, hkv, d, e, \
+                              scale, out, out_tok_stride, scratch)
+    if (D == 64 && kv_elem == ELEM_F16) PF_ITEM(64, ELEM_F16);
+    else if (D == 64) PF_ITEM(64, ELEM_F32);
+    else if (D == 128 && kv_elem == ELEM_F16) PF_ITEM(128, ELEM_F16);
+    else if (D == 128) PF_ITEM(128, ELEM_F32);
+    else if (kv_elem == ELEM_F16) PF_ITEM(D, ELEM_F16);
+    else PF_ITEM(D, ELEM_F32);
+}
+#endif
+
+/* 1 where paged_prefill_attention runs for these element types and head size here. */
+int paged_prefill_supported(int elem, int kv_elem, int64_t D) {
+#if defined(HAVE_TILES)
+    return elem == ELEM_F32 && (kv_elem == ELEM_F32 || kv_elem == ELEM_F16) && D % 16 == 0 && D > 0 &&
+           D <= PF_MAX_D;
+#else
+    (void)elem, (void)kv_elem, (void)D;
+    return 0;
+#endif
+}
+
+/* paged_attention's contract, for requests of any query count, by the flash path above; the work
+   items go longest first (a request's later queries see more keys). Returns 0, -1 when scratch
+   memory could not be allocated, -2 where paged_prefill_supported says no. */
+int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks,
+                            int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
+                            int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
+                            const int64_t *reqs, int64_t num_reqs, float scale, void *out,
+                            int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
+    if (!paged_prefill_supported(elem, kv_elem, D)) return -2;
+#if defined(HAVE_TILES)
+    const int64_t G = hq / hkv, v_offset = num_blocks * bs * hkv * D;
+    /* Item k of request n: query tile tiles[n] - 1 - k / hkv, KV head k % hkv; item_start[n] is
+       the first item of request n. */
+    int64_t *item_start = malloc((size_t)(num_reqs + 1) * sizeof(int64_t));
+    if (!item_start) return -1;
+    item_start[0] = 0;
+    for (int64_t n = 0; n < num_reqs; n++) {
+        const int64_t r = reqs[n], q_len = query_start[r + 1] - query_start[r];
+        item_start[n + 1] = item_start[n] + (q_len + PF_TOKENS - 1) / PF_TOKENS * hkv;
+    }
+    const int64_t items = item_start[num_reqs];
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = malloc((size_t)pf_scratch(PF_TOKENS * G, D) * sizeof(float));
+        int64_t n = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (!scratch) {
+                failed = 1;
+                continue;
+            }
+            while (item >= item_start[n + 1]) n++;  /* items come in increasing order per thread */
+            const int64_t r = reqs[n], start = query_start[r], q_len = query_start[r + 1] - start;
+            const int64_t k = item - item_start[n], tiles = (item_start[n + 1] - item_start[n]) / hkv;
+            const int64_t i0 = (tiles - 1 - k / hkv) * PF_TOKENS, i1 = min64(i0 + PF_TOKENS, q_len);
+            pf_item_any((const float *)q + start * q_tok_stride, q_tok_stride, kv, v_offset,
+                        tables + r * table_stride, seq_lens[r], q_len, i0, i1, k % hkv, G, bs, hkv, D, kv_elem,
+                        scale, (float *)out + start * out_tok_stride, out_tok_stride, scratch);
+        }
+        free(scratch);
+    }
+    free(item_start);
+    return failed ? -1 : 0;
+#endif
 }

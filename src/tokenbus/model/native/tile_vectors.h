@@ -1,6 +1,6 @@
 /* 16-lane vectors for the tiled kernels (tokenbus, model/native): one __m512 on AVX-512, two
-   __m256 halves (rows 0-7, 8-15) on AVX2: quant_tiles.c's kernels are written once against
-   these. Defines HAVE_TILES where the build has either. */
+   __m256 halves (rows 0-7, 8-15) on AVX2: quant_tiles.c's kernels and paged_attention.c's
+   long-query path are written once against these. Defines HAVE_TILES where the build has either. */
 #ifndef TOKENBUS_TILE_VECTORS_H
 #define TOKENBUS_TILE_VECTORS_H
 
@@ -57,6 +57,7 @@ static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vf_loadf(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
 static inline void vf_store_t(float *p, vf v, int64_t stride) {  /* lane r to p[r * stride] */
     float tmp[16];
@@ -129,6 +130,7 @@ static inline vf vf_half(const uint8_t *p) {
     vf r = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
     return r;
 }
+static inline vf vf_loadf(const float *p) { vf r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
 static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 static inline void vf_store_t(float *p, vf v, int64_t stride) {
     float tmp[16];
