@@ -74,8 +74,9 @@ def _origins(value: str | None) -> tuple[str, ...]:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from tokenbus.api.openai import launch
     from tokenbus.api.openai.limits import RequestLimits
-    from tokenbus.api.openai.server import ServerConfig, run_server
+    from tokenbus.api.openai.server_config import ServerConfig
 
     limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
     config = ServerConfig(
@@ -88,4 +89,4 @@ def _serve(ns: argparse.Namespace) -> int:
         shutdown_timeout=ns.shutdown_timeout, log_interval=ns.log_interval,
         engine_in_process=ns.engine_in_process)
     args = engine_args_from(ns)
-    return run_server(args, config)
+    return launch.serve(args, config)

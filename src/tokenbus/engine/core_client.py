@@ -324,11 +324,14 @@ def make_engine_core_client(setup: "EngineSetup", *, multiprocess: bool, asyncio
 
 
 def start_engine(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool,
-                 ready_timeout_s: float | None = None) -> tuple[Any, EngineCoreClient]:
+                 ready_timeout_s: float | None = None,
+                 while_starting: Callable[[], object] | None = None) -> tuple[Any, EngineCoreClient]:
     """The tokenizer and a ready client. An engine in its own process(es) starts while this
     process loads the tokenizer on a thread: its ~1.5 s (the transformers and torch imports, then
     the files) overlaps the engine's start-up instead of preceding it, the largest cut in a
-    server's cold start. An engine in this process is built after the tokenizer."""
+    server's cold start. `while_starting` runs on that thread next (the server's imports:
+    api/openai/launch.py). An engine in this process is built after the tokenizer, and
+    `while_starting` is not called."""
     from tokenbus.engine.setup import create_tokenizer
 
     if not multiprocess:
@@ -337,13 +340,18 @@ def start_engine(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool
                                                   ready_timeout_s=ready_timeout_s)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         pending: list[concurrent.futures.Future] = []
+
+        def after_spawn() -> None:
+            pending.append(pool.submit(create_tokenizer, setup))
+            if while_starting is not None:
+                pending.append(pool.submit(while_starting))
+
         # Submitted once the engine has spawned: spawning briefly sets the engine's environment
         # (OpenMP, oneDNN) in this process, which a torch import on the thread must not read.
         client = make_engine_core_client(setup, multiprocess=True, asyncio_mode=asyncio_mode,
-                                         ready_timeout_s=ready_timeout_s,
-                                         after_spawn=lambda: pending.append(pool.submit(create_tokenizer, setup)))
+                                         ready_timeout_s=ready_timeout_s, after_spawn=after_spawn)
         try:
-            return pending[0].result(), client
+            return [job.result() for job in pending][0], client
         except BaseException:
             client.shutdown()
             raise

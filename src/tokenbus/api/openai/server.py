@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: app factory, background tasks, process life cycle (L5).
 
-    engine = AsyncLLM.from_engine_args(args, stat_loggers=[...])   # blocks until the engine is up
-    app = build_app(ServerState(...))                              # no module-level state
+    launch.serve: bind the port, start the engine (this module imported meanwhile), then run_server:
+    engine = AsyncLLM(setup, tokenizer, client, stat_loggers=[...])   # the engine is up
+    app = build_app(ServerState(...))                                 # no module-level state
     uvicorn serves app; SIGTERM → stop accepting, drain up to --shutdown-timeout, engine.shutdown()
 
 When the engine dies, in-flight requests end with an error, /health answers 503 for a short
@@ -16,8 +17,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,13 +28,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 import tokenbus
-from tokenbus.utils.net import bind_socket
 from tokenbus.utils.tasks import cancel_all
 from tokenbus.api.openai import protocol as p
 from tokenbus.api.openai.errors import ServiceUnavailableError, error_response, install_error_handlers
 from tokenbus.api.openai.metrics import LoggingStatLogger, PrometheusStatLogger
 from tokenbus.api.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, InternalErrorMiddleware
-from tokenbus.api.openai.limits import RequestLimits
+from tokenbus.api.openai.server_config import ServerConfig
 from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
@@ -42,6 +43,10 @@ from tokenbus.api.openai.serving_responses import ResponsesRequest, ResponsesSer
 from tokenbus.api.openai.serving_tokenize import TokenizeServing
 from tokenbus.api.openai.tool_parsers import PARSERS, ToolCallParser, make_parser
 
+if TYPE_CHECKING:
+    from tokenbus.engine.core_client import EngineCoreClient
+    from tokenbus.engine.setup import EngineSetup
+
 logger = logging.getLogger("tokenbus.server")
 
 DEFAULT_MODEL_NAME = "smollm2"
@@ -49,26 +54,6 @@ WATCHDOG_INTERVAL_S = 0.2
 DEAD_INFLIGHT_WAIT_S = 5.0  # time in-flight requests get to deliver their error after engine death
 # Without --max-waiting-requests: sequences that may wait, per sequence the engine runs at once.
 DEFAULT_WAITING_PER_RUNNING = 1
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (the "Serving on" log line names it)
-    api_key: str | None = None
-    served_model_name: str | None = None  # default: the model argument
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    max_request_body_bytes: int = 10 * 1024 * 1024
-    request_timeout: float | None = None  # seconds from arrival to a request's last byte; None: none
-    engine_stall_timeout: float = 60.0  # seconds of pending work without a step → 503; 0: off
-    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM
-    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers (browsers refuse)
-    enable_auto_tool_choice: bool = False  # tool_choice "auto", parsed by tool_call_parser
-    tool_call_parser: str | None = None
-    shutdown_timeout: float = 30.0  # seconds in-flight requests may drain after SIGTERM
-    log_interval: float = 10.0  # seconds between stats log lines; 0 disables them
-    engine_in_process: bool = False
-    dead_exit_delay: float = 2.0  # seconds /health answers 503 before a dead-engine exit
 
 
 @dataclass
@@ -303,20 +288,21 @@ def served_model_names(args: Any, config: ServerConfig) -> list[str]:
     return [config.served_model_name or args.model or DEFAULT_MODEL_NAME]
 
 
-def run_server(args: Any, config: ServerConfig) -> int:
-    """Start the engine, serve until SIGTERM or engine death; return the exit status."""
+def run_server(args: Any, config: ServerConfig, sock: socket.socket, setup: EngineSetup, tokenizer: Any,
+               client: EngineCoreClient) -> int:
+    """Serve on `sock` with the started engine (launch.serve) until SIGTERM or engine death;
+    shut the engine down and return the exit status."""
     from tokenbus.engine.async_llm import AsyncLLM
 
     names = served_model_names(args, config)
-    registry = CollectorRegistry()
-    prometheus = PrometheusStatLogger(registry, names[0], args.max_model_len or 32768,
-                                      num_engines=args.data_parallel_size)
-    log_stats = LoggingStatLogger()
-    sock = bind_socket(config.host, config.port)  # before the engine: fail fast on a busy port
     try:
-        engine = AsyncLLM.from_engine_args(args, in_process=config.engine_in_process,
-                                           stat_loggers=[prometheus, log_stats])
+        registry = CollectorRegistry()
+        prometheus = PrometheusStatLogger(registry, names[0], args.max_model_len or 32768,
+                                          num_engines=args.data_parallel_size)
+        log_stats = LoggingStatLogger()
+        engine = AsyncLLM(setup, tokenizer, client, stat_loggers=[prometheus, log_stats])
     except BaseException:
+        client.shutdown()
         sock.close()
         raise
     state: ServerState | None = None

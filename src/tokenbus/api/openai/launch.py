@@ -1,0 +1,31 @@
+"""`tokenbus serve`'s start-up up to the HTTP server: bind the port, spawn the EngineCore, and
+while it starts import the server (fastapi, the routes: ~0.5 s on the 2-core machines) on the
+thread that loads the tokenizer, so that import no longer precedes the engine's spawn
+(architecture.md, "Start-up"). Nothing here imports fastapi or torch."""
+
+from __future__ import annotations
+
+import importlib
+
+from tokenbus.api.openai.server_config import ServerConfig
+from tokenbus.config import EngineArgs
+from tokenbus.engine.core_client import start_engine
+from tokenbus.engine.setup import create_engine_setup
+from tokenbus.utils.net import bind_socket
+
+SERVER_MODULE = "tokenbus.api.openai.server"
+
+
+def serve(args: EngineArgs, config: ServerConfig) -> int:
+    """Start the engine, serve until SIGTERM or engine death; return the exit status."""
+    sock = bind_socket(config.host, config.port)  # before the engine: fail fast on a busy port
+    try:
+        setup = create_engine_setup(args)
+        tokenizer, client = start_engine(setup, multiprocess=not config.engine_in_process, asyncio_mode=True,
+                                         ready_timeout_s=args.engine_ready_timeout_s,
+                                         while_starting=lambda: importlib.import_module(SERVER_MODULE))
+    except BaseException:
+        sock.close()
+        raise
+    server = importlib.import_module(SERVER_MODULE)  # imported by now where the engine has its own process
+    return server.run_server(args, config, sock, setup, tokenizer, client)
