@@ -169,8 +169,10 @@ def test_greedy_tokens_are_the_same_from_every_client(tiny_llama_dir):
 
 
 def test_server_spawns_the_engine_before_importing_torch(tmp_path, monkeypatch):
-    """Cold start: the API process reaches the engine's spawn without torch (the engine imports
-    its own meanwhile), and loads the default model's tokenizer from the cache without it too."""
+    """Cold start: `tokenbus serve` (launch.serve) reaches the engine's spawn without torch (the
+    engine imports its own meanwhile) and without the HTTP server's fastapi (imported on a thread
+    while the engine starts), and loads the default model's tokenizer from the cache without
+    torch too."""
     import subprocess
     import sys
 
@@ -184,18 +186,26 @@ import multiprocessing.process, sys
 class Spawned(Exception): pass
 seen = []
 def start(self):
-    seen.append("torch" in sys.modules)
+    seen.append(("torch" in sys.modules, "fastapi" in sys.modules))
     raise Spawned
 multiprocessing.process.BaseProcess.start = start
-import tokenbus.api.openai.server
+import tokenbus.cli.main
+from tokenbus.api.openai import launch
+from tokenbus.api.openai.server_config import ServerConfig
 from tokenbus.config import EngineArgs
+try:
+    launch.serve(EngineArgs(), ServerConfig(port=0))
+except Spawned:
+    pass
+assert seen == [(False, False)], seen
+assert "torch" not in sys.modules and "xgrammar" not in sys.modules
 from tokenbus.engine.async_llm import AsyncLLM
+seen.clear()
 try:
     AsyncLLM.from_engine_args(EngineArgs())
 except Spawned:
     pass
-assert seen == [False], seen
-assert "torch" not in sys.modules and "xgrammar" not in sys.modules
+assert seen == [(False, False)], seen
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
 
