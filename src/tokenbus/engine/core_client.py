@@ -351,7 +351,10 @@ def start_engine(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool
         client = make_engine_core_client(setup, multiprocess=True, asyncio_mode=asyncio_mode,
                                          ready_timeout_s=ready_timeout_s, after_spawn=after_spawn)
         try:
-            return [job.result() for job in pending][0], client
+            tokenizer = pending[0].result()
+            for job in pending[1:]:
+                job.result()
+            return tokenizer, client
         except BaseException:
             client.shutdown()
             raise

@@ -49,9 +49,10 @@ logger = logging.getLogger(__name__)
 # stay in cache between the gather and the SDPA that reads it. Measured on the 2-core machine
 # (SmolLM2, context 256, batch 16/64): 2 MiB beat 0.5, 1, 4, 8 MiB and one tile by 10-25 %.
 DECODE_TILE_BYTES = 2 << 20
-# Requests with at most this many queries go to the native kernel, which reads K/V once per
-# (request, KV head) but computes scores row by row (on AVX-512 at head size 64, once per query
-# token: paged_attention.c's decode path); longer chunks run faster as SDPA's GEMMs.
+# Requests with at most this many queries go to the native kernel's decode path, which reads K/V
+# once per (request, KV head) but computes scores row by row (on AVX-512 at head size 64, once per
+# query token, so a row's bits do not depend on its request's query count); longer chunks go to
+# its flash path (paged_prefill_attention), or to SDPA's GEMMs where that does not run.
 NATIVE_MAX_QUERY_LEN = 16
 
 

@@ -27,5 +27,10 @@ def serve(args: EngineArgs, config: ServerConfig) -> int:
     except BaseException:
         sock.close()
         raise
-    server = importlib.import_module(SERVER_MODULE)  # imported by now where the engine has its own process
+    try:
+        server = importlib.import_module(SERVER_MODULE)  # imported by now where the engine has its own process
+    except BaseException:
+        client.shutdown()
+        sock.close()
+        raise
     return server.run_server(args, config, sock, setup, tokenizer, client)

@@ -292,10 +292,10 @@ def run_server(args: Any, config: ServerConfig, sock: socket.socket, setup: Engi
                client: EngineCoreClient) -> int:
     """Serve on `sock` with the started engine (launch.serve) until SIGTERM or engine death;
     shut the engine down and return the exit status."""
-    from tokenbus.engine.async_llm import AsyncLLM
-
     names = served_model_names(args, config)
     try:
+        from tokenbus.engine.async_llm import AsyncLLM
+
         registry = CollectorRegistry()
         prometheus = PrometheusStatLogger(registry, names[0], args.max_model_len or 32768,
                                           num_engines=args.data_parallel_size)

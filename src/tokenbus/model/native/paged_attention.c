@@ -15,6 +15,9 @@
    has seq_lens[r] keys in the cache, this step's included. Query i of a request with q_len
    queries sees keys 0 .. seq_len - q_len + i (causal, aligned to the end).
 
+   paged_prefill_attention (at the end) takes requests of any query count by a flash path;
+   attention.py sends it those of more than NATIVE_MAX_QUERY_LEN queries.
+
    Work item = (request, KV head): the G = Hq / Hkv query heads sharing a KV head and all
    q_len query tokens of the request form R = q_len * G rows that go over the keys together,
    so each key and value is loaded from memory once per work item. On AVX-512 (head size 64,
@@ -438,7 +441,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
 #define PF_TOKENS 32
 #define PF_MAX_D 256
 #define PF_MASKED (-1e30f)
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)  /* as tile_vectors.h: vf is one zmm */
 #define PF_ROWS 8  /* 8 independent FMA chains of one zmm each: 2 FMAs a cycle at 4 cycles' latency */
 #define PF_WIDE_CASES(call) \
     case 8: call(8); break; \
@@ -556,6 +559,8 @@ static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_
         }
 #define PF_VALUES(n) pf_values(o + r0 * D, sc + r0 * PF_KEYS, alpha + r0, vb, D, n, nt)
         PF_BLOCKS(PF_VALUES)
+#undef PF_SCORES
+#undef PF_VALUES
     }
     for (int64_t r = 0; r < R; r++) {
         float *outr = out + (i0 + r / G) * out_tok_stride + (h * G + r % G) * D;
@@ -580,6 +585,7 @@ static void pf_item_any(const float *q, int64_t q_tok_stride, const void *kv, in
     else if (D == 128) PF_ITEM(128, ELEM_F32);
     else if (kv_elem == ELEM_F16) PF_ITEM(D, ELEM_F16);
     else PF_ITEM(D, ELEM_F32);
+#undef PF_ITEM
 }
 #endif
 
@@ -594,9 +600,10 @@ int paged_prefill_supported(int elem, int kv_elem, int64_t D) {
 #endif
 }
 
-/* paged_attention's contract, for requests of any query count, by the flash path above; the work
-   items go longest first (a request's later queries see more keys). Returns 0, -1 when scratch
-   memory could not be allocated, -2 where paged_prefill_supported says no. */
+/* paged_attention's contract, for requests of any query count, by the flash path above. Within
+   a request the work items go longest first (its later queries see more keys); requests go in
+   the order given. Returns 0, -1 when scratch memory could not be allocated, -2 where
+   paged_prefill_supported says no. */
 int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks,
                             int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
                             int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
@@ -626,7 +633,10 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
                 failed = 1;
                 continue;
             }
-            while (item >= item_start[n + 1]) n++;  /* items come in increasing order per thread */
+            /* The item's request: n moves either way (a nonmonotonic schedule, libomp's, may hand a
+               thread a lower item than its last). */
+            while (item < item_start[n]) n--;
+            while (item >= item_start[n + 1]) n++;
             const int64_t r = reqs[n], start = query_start[r], q_len = query_start[r + 1] - start;
             const int64_t k = item - item_start[n], tiles = (item_start[n + 1] - item_start[n]) / hkv;
             const int64_t i0 = (tiles - 1 - k / hkv) * PF_TOKENS, i1 = min64(i0 + PF_TOKENS, q_len);
@@ -638,5 +648,10 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
     }
     free(item_start);
     return failed ? -1 : 0;
+#else
+    (void)q, (void)q_tok_stride, (void)kv, (void)num_blocks, (void)bs, (void)hkv, (void)hq, (void)tables;
+    (void)table_stride, (void)query_start, (void)seq_lens, (void)reqs, (void)num_reqs, (void)scale, (void)out;
+    (void)out_tok_stride, (void)num_threads;
+    return -2;
 #endif
 }
