@@ -19,6 +19,16 @@ from tokenbus import LLM, SamplingParams
 from tokenbus.utils.cpu import CpuFeatures
 
 
+def profiled_generate(llm: LLM, request: list[dict], params: SamplingParams) -> tuple[pstats.Stats, float]:
+    """One llm.generate under cProfile: its statistics and its wall time (s)."""
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    llm.generate(request, params, use_tqdm=False)
+    profile.disable()
+    return pstats.Stats(profile), time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--top", type=int, default=20)
@@ -37,14 +47,9 @@ def main() -> None:
         llm.generate(request, params, use_tqdm=False)
         plain.append(time.perf_counter() - start)
     print(f"without the profiler: {min(plain) / 129 * 1e3:.2f} ms a step (best of 3, 129 steps)")
-    profile = cProfile.Profile()
-    start = time.perf_counter()
-    profile.enable()
-    llm.generate(request, params, use_tqdm=False)
-    profile.disable()
-    elapsed = time.perf_counter() - start
+    stats, elapsed = profiled_generate(llm, request, params)
     print(f"{129 / elapsed:.1f} tok/s, {elapsed / 129 * 1e3:.1f} ms a step (under the profiler)")
-    pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("tottime").print_stats(args.top)
     llm.shutdown()
 
 

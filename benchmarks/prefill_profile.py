@@ -12,12 +12,12 @@ Prefix caching is off, so every run computes the whole prompt.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import time
 
 from tokenbus import LLM, SamplingParams
 from tokenbus.utils.cpu import CpuFeatures
+
+from decode_profile import profiled_generate  # benchmarks/ is sys.path[0] when run as a script
 
 # The entry point of each part: (file, function) as cProfile names them; its cumulative time.
 PARTS = {"linears": ("layers/linear.py", "forward"), "attention": ("model/attention.py", "paged_attention")}
@@ -42,13 +42,7 @@ def main() -> None:
     best = min(plain)
     print(f"without the profiler: {best * 1e3:.1f} ms, {args.prompt_len / best:.1f} prompt tok/s "
           f"(best of {args.repeats})")
-    profile = cProfile.Profile()
-    start = time.perf_counter()
-    profile.enable()
-    llm.generate(request, params, use_tqdm=False)
-    profile.disable()
-    whole = time.perf_counter() - start
-    stats = pstats.Stats(profile)
+    stats, whole = profiled_generate(llm, request, params)
     parts = {part: sum(cumtime for (file, _, name), (_, _, _, cumtime, _) in stats.stats.items()
                        if file.endswith(suffix) and name == function)
              for part, (suffix, function) in PARTS.items()}
