@@ -89,9 +89,6 @@ class NativeBatch:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
     long_queries: bool = False
 
-    def __post_init__(self) -> None:
-        check_indices(self.reqs, self.query_start, self.seq_lens, self.block_tables)  # once per step
-
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         self.kernel(q, kv_cache, self.block_tables, self.query_start, self.seq_lens, self.reqs, scale, out,
                     self.long_queries)
@@ -228,6 +225,9 @@ def _plan_native(ctx: ForwardContext, kernel: PagedAttentionKernel, block_size: 
     batches = [NativeBatch(kernel, torch.tensor(reqs, dtype=torch.int64), query_start, ctx.seq_lens_t,
                            ctx.block_tables, long_queries=is_long) if reqs else None
                for reqs, is_long in ((native, False), (long, True))]
+    made = [batch for batch in batches if batch is not None]
+    if made:  # once per step: the batches share everything but their request ids
+        check_indices(query_start, ctx.seq_lens_t, ctx.block_tables, *(batch.reqs for batch in made))
     return AttentionPlan([], prefills, ctx.num_tokens, *batches)
 
 
