@@ -246,6 +246,59 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
     finish_tile(accd, accm, M, y, ldy, N, t);
 }
 
+/* Q4 under int8 activations without VNNI, rows Q4A_ROWS at a time. vi_dot is three instructions
+   there (pair products, int16 pairs to int32, the add), two of them on the multiplier. A Q4 quant
+   is at most 15 and |qa| <= 127, so an int16 lane of pair products is at most 2 * 15 * 127 = 3810
+   and the 8 of a block sum to at most 30480: they are added as int16 and widened once per block,
+   9 multiplier instructions per row and block instead of 16 (a SmolLM2 step's linears at 64 rows,
+   LM head included: 92-107 ms against 126-132, quant_linear.py --step under the AVX2 cap on a
+   Sapphire Rapids-class Xeon). The sums are the same integers as vi_dot's, so
+   every output is the same bits as tile_q8a's. One int16 chain per row is too long for a single
+   row, so tile_q8a keeps one-row calls and the last M % Q4A_ROWS rows. */
+#if !VI_DOT_VNNI
+#define Q4A_ROWS 4
+static void tile_q4a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, const int8_t *qa,
+                     const float *da, const float *sa, int64_t M, int64_t K, float *y, int64_t ldy, int64_t N,
+                     int64_t t) {
+    vf accd[MAX_M], accm[MAX_M];
+    for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
+    const vi nibble = vi_set8(0xF);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        prefetch_ahead(tb, tbb);
+        vf d, mn;
+        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        vi w[8];  /* as tile_q8a's */
+        for (int c = 0; c < 4; c++) {
+            const vi raw = vi_load(tb + 64 * c);
+            w[c] = vi_and(raw, nibble);
+            w[c + 4] = vi_and(vi_srli16(raw, 4), nibble);
+        }
+        for (int64_t m0 = 0; m0 + Q4A_ROWS <= M; m0 += Q4A_ROWS) {
+            const int8_t *a = qa + m0 * K + b * 32;
+            vi acc[Q4A_ROWS];  /* int16 pair sums per row */
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                vi wc = w[c];
+                vi_keep(&wc);  /* in a register once for the rows, not a memory operand of each */
+#pragma GCC unroll 4
+                for (int r = 0; r < Q4A_ROWS; r++) {
+                    const vi pairs = vi_pairs8(wc, vi_bcast32(a + r * K + 4 * c));
+                    acc[r] = c ? vi_add16(acc[r], pairs) : pairs;
+                    vi_keep(&acc[r]);
+                }
+            }
+            for (int r = 0; r < Q4A_ROWS; r++) {
+                const int64_t m = m0 + r;
+                accd[m] = vf_fma(vf_cvt(vi_widen16(acc[r])), vf_mul(d, vf_set1(da[m * blocks + b])), accd[m]);
+                accm[m] = vf_fma(mn, vf_set1(sa[m * blocks + b]), accm[m]);
+            }
+        }
+    }
+    finish_tile(accd, accm, M / Q4A_ROWS * Q4A_ROWS, y, ldy, N, t);
+}
+#endif
+
 /* ---- int16 activations
    As int8, with x rounded to int16 per 32-value block (da = max|x| / 32767: 258x finer) and
    int16 x int16 pair products (vpdpwssd on VNNI, vpmaddwd
@@ -799,9 +852,21 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
                 if (act == ACT_INT16)
                     tile_q16a(qtype, qb, tiles, blocks, tbb, (const int16_t *)qa + m0 * K, da + m0 * blocks,
                               sa + m0 * blocks, rows, K, ys, ldy, N, t);
-                else
-                    tile_q8a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + m0 * K, da + m0 * blocks,
-                             sa + m0 * blocks, rows, K, ys, ldy, N, t);
+                else {
+                    int64_t grouped = 0;  /* rows tile_q4a takes */
+#if !VI_DOT_VNNI
+                    /* From 8 rows: at 4 + 3 the second pass over the tile cost more than the first
+                       saved on AVX-512 without VNNI (quant_linear.py). */
+                    grouped = qtype == Q8_0 || rows < 2 * Q4A_ROWS ? 0 : rows / Q4A_ROWS * Q4A_ROWS;
+                    if (grouped)
+                        tile_q4a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + m0 * K, da + m0 * blocks,
+                                 sa + m0 * blocks, rows, K, ys, ldy, N, t);
+#endif
+                    if (rows > grouped)
+                        tile_q8a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + (m0 + grouped) * K,
+                                 da + (m0 + grouped) * blocks, sa + (m0 + grouped) * blocks, rows - grouped, K,
+                                 ys + grouped * ldy, ldy, N, t);
+                }
             }
         free(qa);
         return 0;

@@ -41,6 +41,17 @@ static inline vi vi_dot(vi acc, vi u, vi s) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
+/* Without VNNI, int8 dots in three steps that a caller can split: per int16 lane the sum of its
+   two u8 x s8 products (saturating: callers keep |sum| <= 32767), int16 adds, and per int32
+   lane the sum of its two int16. */
+#if defined(__AVX512VNNI__)
+#define VI_DOT_VNNI 1  /* vi_dot is one instruction */
+#else
+#define VI_DOT_VNNI 0
+#endif
+static inline vi vi_pairs8(vi u, vi s) { return _mm512_maddubs_epi16(u, s); }
+static inline vi vi_add16(vi a, vi b) { return _mm512_add_epi16(a, b); }
+static inline vi vi_widen16(vi a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
 /* s with the sign of w (0 where w is 0): vpsignb has no 512-bit form. */
 static inline vi vi_sign(vi s, vi w) {
     const __mmask64 neg = _mm512_movepi8_mask(w), zero = _mm512_cmpeq_epi8_mask(w, _mm512_setzero_si512());
@@ -107,6 +118,18 @@ static inline __m256i dot8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 static inline vi vi_dot(vi acc, vi u, vi s) { vi r = {dot8(acc.a, u.a, s.a), dot8(acc.b, u.b, s.b)}; return r; }
+#if defined(__AVXVNNI__)
+#define VI_DOT_VNNI 1  /* vi_dot is one instruction */
+#else
+#define VI_DOT_VNNI 0
+#endif
+VI_BIN(vi_pairs8, _mm256_maddubs_epi16)
+VI_BIN(vi_add16, _mm256_add_epi16)
+static inline vi vi_widen16(vi x) {
+    const __m256i one = _mm256_set1_epi16(1);
+    vi r = {_mm256_madd_epi16(x.a, one), _mm256_madd_epi16(x.b, one)};
+    return r;
+}
 static inline __m256i dot16(__m256i acc, __m256i w, __m256i a) {
 #if defined(__AVXVNNI__)
     return _mm256_dpwssd_avx_epi32(acc, w, a);
