@@ -15,13 +15,21 @@ in turn.
 F.linear on dense bf16 weights (oneDNN: what vLLM's CPU build runs in bf16), in GFLOP/s, per
 layer shape and row count: how near a compute-bound prefill chunk is to that peer's GEMM.
 
+--peak (AVX2 builds): one thread of the int16 and int8 tile kernels at 64 rows in multiply-adds
+a second, against the rate the core issues vpmaddwd + vpaddd at (madd_peak.c): how much a
+compute-bound prefill chunk could still gain without VNNI.
+
+    TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/quant_linear.py --peak
+
     .venv/bin/python benchmarks/quant_linear.py --against-bf16-gemm
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,7 +39,7 @@ from gguf.quants import quantize
 
 from tokenbus.model.layers.linear import make_linear_kernel
 from tokenbus.model.layers.quantized import DequantBuffer
-from tokenbus.model.native import QUANT_MAX_ROWS, TILE_ACTIVATIONS, load_quant_kernels
+from tokenbus.model.native import QUANT_MAX_ROWS, TILE_ACTIVATIONS, build_shared_object, load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
 
 SHAPES = [(3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1), (49152, 576, Q.Q8_0)]  # gate_up, down, tied LM head
@@ -99,6 +107,44 @@ def against_bf16_gemm(kernels, row_counts=(16, 64, 256, 512), repeats: int = 5) 
                   f"{peer / ours:.2f}x")
 
 
+PEAK_STEPS = 20_000_000  # x 8 vpmaddwd: ~0.05 s a timing at ~3 G a second
+
+
+def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
+    """One thread: the int16 and int8 tile kernels (Q4_1, SmolLM2's gate_up and down shapes, 64
+    rows) in multiply-adds a second, against the rate this core issues the int16 kernel's
+    instructions at (benchmarks/madd_peak.c: 8 chains of vpmaddwd + vpaddd on registers). Timings
+    alternate, the best of `rounds` each, so a noisy guest slows them alike."""
+    cpu = CpuFeatures.detect()
+    if kernels.isa != "avx2" or cpu.has("avx_vnni"):
+        raise SystemExit(f"--peak measures AVX2 kernels without VNNI (vpmaddwd); these are {cpu.describe()}: "
+                         "set TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2")
+    lib = ctypes.CDLL(str(build_shared_object(Path(__file__).with_name("madd_peak.c"), cpu)))
+    lib.int16_madd_chains.argtypes = [ctypes.c_int64]
+    assert lib.int16_madd_chains(1) == 0
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    cases = []
+    for n, k in ((3072, 576), (576, 1536)):
+        tiles = kernels.repack_tiles(int(Q.Q4_1), torch.from_numpy(quantize(rng.standard_normal((n, k)).astype(
+            np.float32), Q.Q4_1)), k)
+        x, out = torch.randn(rows, k), torch.empty(rows, n)
+        for mode in ("int16", "int8"):
+            cases.append((f"tiles {mode} {n}x{k}", rows * n * k,
+                          lambda tiles=tiles, n=n, k=k, x=x, out=out, mode=mode:
+                          kernels.tile_matmul(int(Q.Q4_1), tiles, n, k, x, out, mode)))
+    cases.append(("vpmaddwd + vpaddd chains", PEAK_STEPS * 8 * 16, lambda: lib.int16_madd_chains(PEAK_STEPS)))
+    best = {name: float("inf") for name, _, _ in cases}
+    for _ in range(rounds):
+        for name, _, fn in cases:
+            best[name] = min(best[name], per_call(fn, 3))
+    rate = {name: macs / best[name] / 1e9 for name, macs, _ in cases}
+    ceiling = rate["vpmaddwd + vpaddd chains"]
+    print(f"one thread, {rows} rows: int16 multiply-add issue rate {ceiling:.1f} G/s")
+    for name, _, _ in cases[:-1]:
+        print(f"{name}: {rate[name]:.1f} G multiply-adds/s, {rate[name] / ceiling:.0%} of that rate")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--step", action="store_true", help="a whole decode step's linears instead")
@@ -106,6 +152,7 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=STEP_KERNELS, choices=STEP_KERNELS, help="--step: which")
     parser.add_argument("--repeats", type=int, default=1, help="--step: the best of this many timings")
     parser.add_argument("--against-bf16-gemm", action="store_true", help="bf16 tiles vs torch's bf16 GEMM")
+    parser.add_argument("--peak", action="store_true", help="integer tiles against the core's int16 issue rate")
     args = parser.parse_args()
     torch.set_num_threads(2)
     print(f"CPU: {CpuFeatures.detect().describe()}")
@@ -114,6 +161,9 @@ def main() -> None:
         if not kernels.bf16_engine:
             raise SystemExit("--against-bf16-gemm needs AVX512-BF16 (this CPU has no bf16 engine)")
         against_bf16_gemm(kernels)
+        return
+    if args.peak:
+        peak(kernels)
         return
     if args.step:
         step_linears(kernels, args.rows, args.kernels, args.repeats)

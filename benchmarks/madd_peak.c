@@ -1,0 +1,46 @@
+/* The rate at which one core issues the int16 tile kernel's arithmetic (benchmarks/quant_linear.py
+   --peak): without VNNI, each int16 multiply-add of quant_tiles.c is a vpmaddwd (16 products
+   summed in pairs) and a vpaddd into its accumulator. Here 8 such chains run on registers only,
+   no loads and nothing else, in assembly (a compiler would hoist a product of constant operands
+   out of the loop): an upper bound for the kernel on this core, which also has to load its
+   operands and scale its sums. */
+#include <stdint.h>
+
+/* Runs `steps` x 8 vpmaddwd + vpaddd pairs (ymm); 0, or -1 where the build has no AVX2. */
+int int16_madd_chains(int64_t steps) {
+#if defined(__AVX2__)
+    __asm__ volatile(
+        "vpxor %%ymm0, %%ymm0, %%ymm0\n\t"
+        "vmovdqa %%ymm0, %%ymm1\n\t"
+        "vmovdqa %%ymm0, %%ymm2\n\t"
+        "vmovdqa %%ymm0, %%ymm3\n\t"
+        "1:\n\t"
+        "vpmaddwd %%ymm14, %%ymm15, %%ymm12\n\t"
+        "vpmaddwd %%ymm14, %%ymm13, %%ymm11\n\t"
+        "vpmaddwd %%ymm10, %%ymm15, %%ymm9\n\t"
+        "vpmaddwd %%ymm10, %%ymm13, %%ymm8\n\t"
+        "vpaddd %%ymm12, %%ymm0, %%ymm0\n\t"
+        "vpaddd %%ymm11, %%ymm1, %%ymm1\n\t"
+        "vpaddd %%ymm9, %%ymm2, %%ymm2\n\t"
+        "vpaddd %%ymm8, %%ymm3, %%ymm3\n\t"
+        "vpmaddwd %%ymm14, %%ymm15, %%ymm12\n\t"
+        "vpmaddwd %%ymm14, %%ymm13, %%ymm11\n\t"
+        "vpmaddwd %%ymm10, %%ymm15, %%ymm9\n\t"
+        "vpmaddwd %%ymm10, %%ymm13, %%ymm8\n\t"
+        "vpaddd %%ymm12, %%ymm4, %%ymm4\n\t"
+        "vpaddd %%ymm11, %%ymm5, %%ymm5\n\t"
+        "vpaddd %%ymm9, %%ymm6, %%ymm6\n\t"
+        "vpaddd %%ymm8, %%ymm7, %%ymm7\n\t"
+        "dec %0\n\t"
+        "jnz 1b\n\t"
+        "vzeroupper\n\t"
+        : "+r"(steps)
+        :
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+          "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+    return 0;
+#else
+    (void)steps;
+    return -1;
+#endif
+}
