@@ -210,6 +210,23 @@ assert seen == [(False, False)], seen
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
 
 
+def test_missing_server_packages_are_refused_before_an_engine_starts(monkeypatch):
+    """fastapi and uvicorn are imported while the engine starts; a missing one is named at once,
+    before the port is bound or anything is spawned."""
+    import importlib.util
+
+    from tokenbus.api.openai import launch
+    from tokenbus.api.openai.server_config import ServerConfig
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "uvicorn" else real_find_spec(name, *a, **k))
+    monkeypatch.setattr(launch, "bind_socket", lambda *a: pytest.fail("bound a port"))
+    monkeypatch.setattr(launch, "create_engine_setup", lambda *a: pytest.fail("set up an engine"))
+    with pytest.raises(ModuleNotFoundError, match="needs uvicorn.*pip install uvicorn"):
+        launch.serve(EngineArgs(), ServerConfig(port=0))
+
+
 def test_a_missing_tokenizer_is_refused_before_an_engine_starts():
     """The tokenizer loads beside the starting engine, so a --tokenizer that does not exist is
     refused at setup, before anything is spawned."""

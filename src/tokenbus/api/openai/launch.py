@@ -7,6 +7,7 @@ benchmarks/startup_profile.py). Nothing here imports fastapi or torch."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from tokenbus.api.openai.server_config import ServerConfig
 from tokenbus.config import EngineArgs
@@ -15,10 +16,23 @@ from tokenbus.engine.setup import create_engine_setup
 from tokenbus.utils.net import bind_socket
 
 SERVER_MODULE = "tokenbus.api.openai.server"
+# What the server module imports beyond the engine's own dependencies. Looked up (not imported)
+# before the engine starts: imported while it starts, a missing one would only be reported once
+# the engine had loaded and been shut down again.
+SERVER_PACKAGES = ("fastapi", "uvicorn")
+
+
+def check_server_packages() -> None:
+    """ModuleNotFoundError naming the HTTP server's packages this environment lacks."""
+    missing = [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"tokenbus serve needs {' and '.join(missing)}, which this Python environment "
+                                  f"lacks: pip install {' '.join(missing)}", name=missing[0])
 
 
 def serve(args: EngineArgs, config: ServerConfig) -> int:
     """Start the engine, serve until SIGTERM or engine death; return the exit status."""
+    check_server_packages()
     sock = bind_socket(config.host, config.port)  # before the engine: fail fast on a busy port
     try:
         setup = create_engine_setup(args)
