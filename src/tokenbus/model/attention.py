@@ -198,8 +198,7 @@ def build_attention_plan(ctx: ForwardContext, dtype: torch.dtype,
     _, _, block_size, num_kv_heads, head_dim = ctx.kv_caches[0].shape
     kv = ctx.kv_caches[0]
     if native_kernel is not None and kv.dtype in KERNEL_KV_DTYPES.get(dtype, ()) and kv.device.type == "cpu":
-        long_queries = native_kernel.takes_long_queries(dtype, kv.dtype, head_dim)
-        return _plan_native(ctx, native_kernel, block_size, dtype, long_queries)
+        return _plan_native(ctx, native_kernel, block_size, dtype, kv.dtype, head_dim)
     bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K and V, as gathered
     decode_tiles = _plan_decode_tiles(ctx, block_size, bytes_per_key, dtype)
     prefills = [_plan_prefill(ctx, r, block_size, dtype) for r in range(ctx.num_decodes, ctx.num_reqs)]
@@ -207,14 +206,17 @@ def build_attention_plan(ctx: ForwardContext, dtype: torch.dtype,
 
 
 def _plan_native(ctx: ForwardContext, kernel: PagedAttentionKernel, block_size: int, dtype: torch.dtype,
-                 long_queries: bool) -> AttentionPlan:
+                 kv_dtype: torch.dtype, head_dim: int) -> AttentionPlan:
     """Requests of up to NATIVE_MAX_QUERY_LEN queries to the kernel; longer ones to its flash
-    path where it takes them (`long_queries`), else to SDPA."""
+    path where it takes them (takes_long_queries), else to SDPA."""
     starts = ctx.query_start_loc
     native, long, prefills = [], [], []
+    long_queries = None  # asked of the kernel at the first long request (a decode step has none)
     for r in range(ctx.num_reqs):
         q_len = starts[r + 1] - starts[r]
         if q_len > NATIVE_MAX_QUERY_LEN:
+            if long_queries is None:
+                long_queries = kernel.takes_long_queries(dtype, kv_dtype, head_dim)
             if long_queries:
                 long.append(r)
             else:
