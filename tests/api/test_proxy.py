@@ -31,8 +31,10 @@ def cluster():
 
 @pytest.fixture
 def quiet_cluster():
-    """No health probe after the first: only requests find dead instances."""
+    """No health probe after the first: only requests find dead instances. The first has reached
+    every instance before the test starts (else it could find one the test has just stopped)."""
     c = start_cluster(health_interval=60)
+    wait_until(lambda: all(f.health_checks for f in c.prefillers + c.decoders))
     yield c
     stop_cluster(c)
 
