@@ -9,11 +9,20 @@
 /* Runs `steps` x 8 vpmaddwd + vpaddd pairs (ymm); 0, or -1 where the build has no AVX2. */
 int int16_madd_chains(int64_t steps) {
 #if defined(__AVX2__)
+    if (steps <= 0) return 0;
     __asm__ volatile(
-        "vpxor %%ymm0, %%ymm0, %%ymm0\n\t"
+        "vpxor %%ymm0, %%ymm0, %%ymm0\n\t"  /* the accumulators and operands: any values do */
         "vmovdqa %%ymm0, %%ymm1\n\t"
         "vmovdqa %%ymm0, %%ymm2\n\t"
         "vmovdqa %%ymm0, %%ymm3\n\t"
+        "vmovdqa %%ymm0, %%ymm4\n\t"
+        "vmovdqa %%ymm0, %%ymm5\n\t"
+        "vmovdqa %%ymm0, %%ymm6\n\t"
+        "vmovdqa %%ymm0, %%ymm7\n\t"
+        "vmovdqa %%ymm0, %%ymm10\n\t"
+        "vmovdqa %%ymm0, %%ymm13\n\t"
+        "vmovdqa %%ymm0, %%ymm14\n\t"
+        "vmovdqa %%ymm0, %%ymm15\n\t"
         "1:\n\t"
         "vpmaddwd %%ymm14, %%ymm15, %%ymm12\n\t"
         "vpmaddwd %%ymm14, %%ymm13, %%ymm11\n\t"

@@ -101,8 +101,8 @@ def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
                 out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]  # a column slice
                 kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, activations)
                 torch.testing.assert_close(out, want, rtol=1e-4, atol=scale * x.abs().max().item())
-                # The previous (smaller) call's rows, here among more: 1 and 5 rows go one at a
-                # time, int8 on Q4 from 8 rows 4 at a time without VNNI (tile_q4a), int16 4 at a time.
+                # The previous (smaller) call's rows, here among more: one row goes alone, int16 4
+                # rows at a time, int8 on Q4 without VNNI 4 at a time from 8 rows (tile_q4a).
                 previous = outs.get(activations, out)
                 assert torch.equal(out[:len(previous)], previous), (activations, m)
                 outs[activations] = out

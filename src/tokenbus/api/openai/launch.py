@@ -19,7 +19,7 @@ SERVER_MODULE = "tokenbus.api.openai.server"
 # What the server module imports beyond the engine's own dependencies. Looked up (not imported)
 # before the engine starts: imported while it starts, a missing one would only be reported once
 # the engine had loaded and been shut down again.
-SERVER_PACKAGES = ("fastapi", "uvicorn")
+SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def check_server_packages() -> None:

@@ -253,8 +253,8 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
    9 multiplier instructions per row and block instead of 16 (a SmolLM2 step's linears at 64 rows,
    LM head included: 92-107 ms against 126-132, quant_linear.py --step under the AVX2 cap on a
    Sapphire Rapids-class Xeon). The sums are the same integers as vi_dot's, so
-   every output is the same bits as tile_q8a's. One int16 chain per row is too long for a single
-   row, so tile_q8a keeps one-row calls and the last M % Q4A_ROWS rows. */
+   every output is the same bits as tile_q8a's. A lone row would be one chain of dependent int16
+   adds (latency-bound), so tile_q8a keeps calls of fewer than 8 rows and the last M % Q4A_ROWS. */
 #if !VI_DOT_VNNI
 #define Q4A_ROWS 4
 static void tile_q4a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, const int8_t *qa,
@@ -855,8 +855,8 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
                 else {
                     int64_t grouped = 0;  /* rows tile_q4a takes */
 #if !VI_DOT_VNNI
-                    /* From 8 rows: at 4 + 3 the second pass over the tile cost more than the first
-                       saved on AVX-512 without VNNI (quant_linear.py). */
+                    /* From 8 rows: at 4 + 3 the second pass over the tile looked to cost more than
+                       the first saved on AVX-512 without VNNI (an ad-hoc timing). */
                     grouped = qtype == Q8_0 || rows < 2 * Q4A_ROWS ? 0 : rows / Q4A_ROWS * Q4A_ROWS;
                     if (grouped)
                         tile_q4a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + m0 * K, da + m0 * blocks,
