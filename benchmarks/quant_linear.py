@@ -15,6 +15,12 @@ in turn.
 F.linear on dense bf16 weights (oneDNN: what vLLM's CPU build runs in bf16), in GFLOP/s, per
 layer shape and row count: how near a compute-bound prefill chunk is to that peer's GEMM.
 
+--baseline REV (with --step): the same cells also on the tile kernels of git revision REV
+(its quant_tiles.c and headers), the two builds taking turns in one process, each cell the best
+of --repeats rounds: a kernel change against the build before it on a noisy machine.
+
+    .venv/bin/python benchmarks/quant_linear.py --step --rows 1 64 --kernels int16 --repeats 10 --baseline main
+
 --peak (AVX2 builds): one thread of the int16 and int8 tile kernels at 64 rows in multiply-adds
 a second, against the rate the core issues vpmaddwd + vpaddd at (madd_peak.c): how much a
 compute-bound prefill chunk could still gain without VNNI.
@@ -28,6 +34,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import re
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +51,8 @@ from tokenbus.model.layers.quantized import DequantBuffer
 from tokenbus.model.native import QUANT_MAX_ROWS, TILE_ACTIVATIONS, build_shared_object, load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
 
+REPO = Path(__file__).resolve().parents[1]
+TILE_SOURCE = REPO / "src/tokenbus/model/native/quant_tiles.c"
 SHAPES = [(3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1), (49152, 576, Q.Q8_0)]  # gate_up, down, tied LM head
 
 
@@ -58,34 +69,59 @@ STEP_ROWS = (1, 4, 8, 16, 32, 64, 256)
 STEP_KERNELS = ("rows", "dequantize+GEMM", *TILE_ACTIVATIONS)
 
 
-def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int = 1) -> None:
+def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int = 1,
+                 baseline: tuple[str, object] | None = None) -> None:
     """SmolLM2-135M's decode step: per layer qkv 960x576, o 576x576, gate_up 3072x576, down
-    576x1536 (Q4_1), then the tied Q8_0 LM head 49152x576."""
+    576x1536 (Q4_1), then the tied Q8_0 LM head 49152x576. `baseline`: (name, kernels) whose
+    tile kernels take turns with these, round by round."""
     rng = np.random.default_rng(0)
     shapes = [(960, 576, Q.Q4_1), (576, 576, Q.Q4_1), (3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1)] * 30
     shapes.append((49152, 576, Q.Q8_0))
     base = {shape: torch.from_numpy(quantize(rng.standard_normal(shape[:2]).astype(np.float32), shape[2]))
             for shape in set(shapes)}
     rows_layout = [(int(q), base[(n, k, q)].clone(), n, k) for n, k, q in shapes]  # a copy per layer
-    tiled = [(q, kernels.repack_tiles(q, w, k), n, k) for q, w, n, k in rows_layout]
+    builds = [("", kernels)] + ([baseline] if baseline else [])
+    tiled = {name: [(q, build.repack_tiles(q, w, k), n, k) for q, w, n, k in rows_layout] for name, build in builds}
     buffer = DequantBuffer()
     modes = [mode for mode in TILE_ACTIVATIONS if mode in names and (mode != "bf16" or kernels.bf16_engine)]
     for m in row_counts:
         x = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
         outs = [torch.empty(m, n) for _, _, n, _ in rows_layout]
 
-        def run(weights, fn) -> float:  # ms for all of a step's linears, the best of `repeats`
-            return min(per_call(lambda: [fn(q, w, n, k, o) for (q, w, n, k), o in zip(weights, outs)],
-                                5 if m > 16 else 20) for _ in range(repeats)) * 1e3
-        times = {}
+        def once(weights, fn) -> float:  # ms for all of a step's linears
+            return per_call(lambda: [fn(q, w, n, k, o) for (q, w, n, k), o in zip(weights, outs)],
+                            5 if m > 16 else 20) * 1e3
+        cells = {}  # name -> one timing
         if m <= QUANT_MAX_ROWS and "rows" in names:
-            times["rows"] = run(rows_layout, lambda q, w, n, k, o: kernels.matmul(q, w, k, x[k], o))
+            cells["rows"] = lambda: once(rows_layout, lambda q, w, n, k, o: kernels.matmul(q, w, k, x[k], o))
         if "dequantize+GEMM" in names:
-            times["dequantize+GEMM"] = run(rows_layout, lambda q, w, n, k, o: o.copy_(
+            cells["dequantize+GEMM"] = lambda: once(rows_layout, lambda q, w, n, k, o: o.copy_(
                 x[k] @ kernels.dequant_rows(q, w, k, torch.arange(n), out=buffer.take(n, k)).T))
         for mode in modes if m <= QUANT_MAX_ROWS else [mode for mode in modes if mode != "fp32"]:
-            times[f"tiles {mode}"] = run(tiled, lambda q, w, n, k, o: kernels.tile_matmul(q, w, n, k, x[k], o, mode))
+            for name, build in builds:
+                cells[f"tiles {mode}" + (f" ({name})" if name else "")] = (
+                    lambda build=build, weights=tiled[name], mode=mode:
+                    once(weights, lambda q, w, n, k, o: build.tile_matmul(q, w, n, k, x[k], o, mode)))
+        times = {name: float("inf") for name in cells}
+        for _ in range(repeats):  # round by round, so a slow spell of the machine slows every cell
+            for name, cell in cells.items():
+                times[name] = min(times[name], cell())
         print(f"step linears, {m} rows: " + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items()))
+
+
+def baseline_kernels(rev: str):
+    """(rev, the quantized kernels with git revision `rev`'s tile kernels): its quant_tiles.c and
+    the headers it includes, written to a scratch folder and built from there (the object stays
+    in the build cache)."""
+    def show(path: Path) -> bytes:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, check=True).stdout
+    source = TILE_SOURCE.relative_to(REPO)
+    text = show(source)
+    with tempfile.TemporaryDirectory(prefix="quant_tiles-") as folder:
+        for header in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE):
+            (Path(folder) / header.decode()).write_bytes(show(source.parent / header.decode()))
+        (Path(folder) / source.name).write_bytes(text)
+        return rev, load_quant_kernels(tile_source=Path(folder) / source.name)
 
 
 def against_bf16_gemm(kernels, row_counts=(16, 64, 256, 512), repeats: int = 5) -> None:
@@ -152,6 +188,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=STEP_ROWS, help="--step: activation row counts")
     parser.add_argument("--kernels", nargs="+", default=STEP_KERNELS, choices=STEP_KERNELS, help="--step: which")
     parser.add_argument("--repeats", type=int, default=1, help="--step: the best of this many timings")
+    parser.add_argument("--baseline", metavar="REV", help="--step: also git revision REV's tile kernels, in turns")
     parser.add_argument("--against-bf16-gemm", action="store_true", help="bf16 tiles vs torch's bf16 GEMM")
     parser.add_argument("--peak", action="store_true", help="integer tiles against the core's int16 issue rate")
     args = parser.parse_args()
@@ -167,7 +204,8 @@ def main() -> None:
         peak(kernels)
         return
     if args.step:
-        step_linears(kernels, args.rows, args.kernels, args.repeats)
+        step_linears(kernels, args.rows, args.kernels, args.repeats,
+                     baseline_kernels(args.baseline) if args.baseline else None)
         return
     rng = np.random.default_rng(0)
     for rows, cols, qtype in SHAPES:

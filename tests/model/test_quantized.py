@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks, write_gguf
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
+from tokenbus.model import native
 from tokenbus.model.layers import Linear
 from tokenbus.model.layers.quantized import (GEMM_FROM_ROWS, QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS,
                                              QuantizedLinearKernel)
@@ -143,6 +145,26 @@ def test_no_tiles_below_avx2():
         pytest.skip("ISA caps apply to x86-64 only")
     kernels = kernels_for("baseline")
     assert not any(kernels.tiles(int(t)) for t in TILE_TYPES)
+
+
+def test_tile_kernels_from_another_source(tmp_path):
+    """load_quant_kernels(tile_source=...) builds a quant_tiles.c from elsewhere with the headers
+    beside it (how benchmarks/quant_linear.py --baseline times an older revision's kernels): the
+    same source there gives the same bits as the package's own build."""
+    kernels = load_quant_kernels()
+    if not kernels.tiles(int(Q.Q4_1)):
+        pytest.skip(f"no tiled kernels on {DETECTED.describe()}")
+    for name in ("quant_tiles.c", "tile_vectors.h"):
+        shutil.copy(Path(native.__file__).with_name(name), tmp_path / name)
+    other = load_quant_kernels(tile_source=tmp_path / "quant_tiles.c")
+    w = torch.from_numpy(blocks(Q.Q4_1, 40, 256))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for build in (kernels, other):
+        out = torch.empty(3, 40)
+        build.tile_matmul(int(Q.Q4_1), build.repack_tiles(int(Q.Q4_1), w, 256), 40, 256, x, out, "int16")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_unsupported_shapes_and_types_are_errors():

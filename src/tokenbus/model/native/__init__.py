@@ -284,21 +284,23 @@ class QuantKernels:
         return out
 
 
-def load_quant_kernels(cpu: CpuFeatures | None = None) -> QuantKernels:
-    """Build (or find in the cache) and load the quantized kernels; NativeBuildError says why not."""
+def load_quant_kernels(cpu: CpuFeatures | None = None, tile_source: Path = _TILE_SOURCE) -> QuantKernels:
+    """Build (or find in the cache) and load the quantized kernels; NativeBuildError says why not.
+    `tile_source`: another quant_tiles.c (with its headers beside it), for a benchmark to time a
+    kernel change against the build before it in one process (benchmarks/quant_linear.py)."""
     lib = load_library(_QUANT_SOURCE, cpu)
     matmul, dequant = lib.quant_matmul, lib.quant_dequant_rows
     matmul.restype = dequant.restype = ctypes.c_int
     matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
     dequant.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
-    tile_fns = _load_tile_fns(cpu)
+    tile_fns = _load_tile_fns(cpu, tile_source)
     engine = BF16_ENGINES[tile_fns["bf16_engine"]()] if tile_fns is not None else ""
     return QuantKernels(matmul, dequant, tile_fns, bf16_engine=engine, isa=(cpu or CpuFeatures.detect()).isa)
 
 
-def _load_tile_fns(cpu: CpuFeatures | None) -> dict[str, ctypes._CFuncPtr] | None:
+def _load_tile_fns(cpu: CpuFeatures | None, source: Path) -> dict[str, ctypes._CFuncPtr] | None:
     """quant_tiles.c's entry points, or None where this CPU has no tiled kernels (below AVX2)."""
-    lib = load_library(_TILE_SOURCE, cpu)
+    lib = load_library(source, cpu)
     lib.tile_supported.restype = ctypes.c_int
     if not lib.tile_supported():
         return None
