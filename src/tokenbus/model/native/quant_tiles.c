@@ -359,11 +359,18 @@ static inline __attribute__((always_inline)) vi q16_group(int qtype, vi raw, int
 }
 
 /* One row of x against a tile-block straight from its bytes: each chunk is unpacked into its
-   int16 groups just before they are used, so no group outlives four dot products (as a whole
-   unpacked w[16], 32 ymm on AVX2, it would be spilled to the stack and read back). Four chains. */
-static inline vi q16_dots_row(int qtype, const uint8_t *tb, const int8_t *a) {
-    vi acc[4] = {vi_zero(), vi_zero(), vi_zero(), vi_zero()};
+   int16 groups just before they are used, so no group outlives its dot product (as a whole
+   unpacked w[16], 32 ymm on AVX2, it would be spilled to the stack and read back).
+   For Q4 the nibbles at bits 8-11 and 4-7 of each int16 lane are only masked, not also shifted
+   down: their chains sum products 256x and 16x too large and are shifted back once at the end,
+   one instruction per group where it was two. Exact: every product in those chains is a multiple
+   of 256 (16), and a lane of a chain sums 8 products of |q << 8| <= 3840 and |qa| <= 32767
+   (< 2^30), so the integer sums are those of the shifted groups. Groups 0 and 3 (unscaled)
+   share a chain: three chains in all, so that on AVX2 they, the chunk and the masks stay in the
+   16 registers. */
+static inline __attribute__((always_inline)) vi q16_dots_row(int qtype, const uint8_t *tb, const int8_t *a) {
     if (qtype == Q8_0) {
+        vi acc[4] = {vi_zero(), vi_zero(), vi_zero(), vi_zero()};
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
             const vi raw = vi_load(tb + 64 * c);
@@ -373,23 +380,62 @@ static inline vi q16_dots_row(int qtype, const uint8_t *tb, const int8_t *a) {
             vi_keep(&acc[i]);
             vi_keep(&acc[i + 1]);
         }
-    } else {
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const vi raw = vi_load(tb + 64 * c);
-            acc[0] = vi_dot16(acc[0], q16_group(qtype, raw, 0), vi_bcast32(a + 8 * c));
-            acc[1] = vi_dot16(acc[1], q16_group(qtype, raw, 1), vi_bcast32(a + 8 * c + 4));
-            acc[2] = vi_dot16(acc[2], q16_group(qtype, raw, 2), vi_bcast32(a + 32 + 8 * c));
-            acc[3] = vi_dot16(acc[3], q16_group(qtype, raw, 3), vi_bcast32(a + 32 + 8 * c + 4));
-            for (int i = 0; i < 4; i++) vi_keep(&acc[i]);
-        }
+        return vi_add(vi_add(acc[0], acc[1]), vi_add(acc[2], acc[3]));
     }
-    return vi_add(vi_add(acc[0], acc[1]), vi_add(acc[2], acc[3]));
+    const vi bits8 = vi_set32(0x0F000F00), bits4 = vi_set32(0x00F000F0);
+    vi acc1 = vi_zero(), acc256 = vi_zero(), acc16 = vi_zero();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const vi raw = vi_load(tb + 64 * c);
+        acc1 = vi_dot16(acc1, q16_group(qtype, raw, 0), vi_bcast32(a + 8 * c));
+        acc256 = vi_dot16(acc256, vi_and(raw, bits8), vi_bcast32(a + 8 * c + 4));   /* 256 x group 1 */
+        acc16 = vi_dot16(acc16, vi_and(raw, bits4), vi_bcast32(a + 32 + 8 * c));    /* 16 x group 2 */
+        acc1 = vi_dot16(acc1, q16_group(qtype, raw, 3), vi_bcast32(a + 32 + 8 * c + 4));
+        vi_keep(&acc1);
+        vi_keep(&acc256);
+        vi_keep(&acc16);
+    }
+    return vi_add(acc1, vi_add(vi_srai32(acc256, 8), vi_srai32(acc16, 4)));
+}
+
+/* tile_q16a for one row of x (a decode step of one stream), in a function of its own per
+   quant type, so that the compiler allocates registers for this loop alone (inside tile_q16a it
+   hoisted the chunk loads and the broadcasts it shares with the many-row path, then moved the
+   chains through the stack). */
+static inline __attribute__((always_inline)) void q16a_one(const int qtype, int qb, const uint8_t *tiles,
+                                                           int64_t blocks, int64_t tbb, const int16_t *qa,
+                                                           const float *da, const float *sa, float *y, int64_t N,
+                                                           int64_t t) {
+    vf accd = vf_zero(), accm = vf_zero();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        prefetch_ahead(tb, tbb);
+        vf d, mn;
+        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        const vi dots = q16_dots_row(qtype, tb, (const int8_t *)(qa + b * 32));
+        accd = vf_fma(vf_cvt(dots), vf_mul(d, vf_set1(da[b])), accd);
+        accm = vf_fma(mn, vf_set1(sa[b]), accm);
+    }
+    finish_tile(&accd, &accm, 1, y, 0, N, t);
+}
+
+static __attribute__((noinline)) void tile_q16a_one(int qtype, int qb, const uint8_t *tiles, int64_t blocks,
+                                                    int64_t tbb, const int16_t *qa, const float *da,
+                                                    const float *sa, float *y, int64_t N, int64_t t) {
+    switch (qtype) {  /* a constant type in each copy */
+    case Q8_0: q16a_one(Q8_0, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case Q4_0: q16a_one(Q4_0, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    default: q16a_one(Q4_1, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    }
 }
 
 static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, const int16_t *qa,
                       const float *da, const float *sa, int64_t M, int64_t K, float *y, int64_t ldy, int64_t N,
                       int64_t t) {
+    if (M == 1) {
+        tile_q16a_one(qtype, qb, tiles, blocks, tbb, qa, da, sa, y, N, t);
+        return;
+    }
     vf accd[MAX_M], accm[MAX_M];
     for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
     const int64_t lda = 2 * K;  /* bytes per row of qa */
@@ -399,11 +445,6 @@ static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
         tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
         const int8_t *a = (const int8_t *)(qa + b * 32);
         prefetch_ahead(tb, tbb);
-        if (M == 1) {  /* a decode step of one stream */
-            accd[0] = vf_fma(vf_cvt(q16_dots_row(qtype, tb, a)), vf_mul(d, vf_set1(da[b])), accd[0]);
-            accm[0] = vf_fma(mn, vf_set1(sa[b]), accm[0]);
-            continue;
-        }
         vi w[16];  /* w[2p], w[2p + 1]: int16 pairs (k, k+2), (k+1, k+3) of activation group p */
         if (qtype == Q8_0) {
             for (int c = 0; c < 8; c++) {
