@@ -11,12 +11,21 @@
 # LLAMA_CPP_AMX=1 builds (into build-amx/) and runs ggml's AMX kernels too, for CPUs whose kernel
 # grants the tile state; the default build leaves them out. (On the AMX-granting Sapphire Rapids
 # guest of docs/benchmarks.md's "Third session" that build crashed: SIGSEGV loading the model.)
+# LLAMA_CPP_ISA=avx2 builds (into build-avx2/) for AVX2 + FMA + F16C + BMI2 only, the AMD EPYC
+# Zen 3's instructions (no AVX-512, no VNNI): the peer to run beside tokenbus under
+# TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CACHE=${TOKENBUS_PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenbus/peers}/llama-cpp-python-$VERSION
-BUILD=$CACHE/build${LLAMA_CPP_AMX:+-amx}
+BUILD=$CACHE/build${LLAMA_CPP_AMX:+-amx}${LLAMA_CPP_ISA:+-$LLAMA_CPP_ISA}
+case "${LLAMA_CPP_ISA:-}" in
+  "") ISA_FLAGS="-DGGML_NATIVE=ON" ;;
+  avx2) ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON
+                   -DGGML_F16C=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF" ;;
+  *) echo "LLAMA_CPP_ISA: only avx2 is known" >&2; exit 2 ;;
+esac
 BIN=$BUILD/bin  # a build from before the AMX fix: rm -rf "$CACHE/build"
 if [ -n "${LLAMA_CPP_AMX:-}" ]; then NO_AMX=""; else NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 PY=.venv/bin/python
@@ -32,7 +41,8 @@ build() {
   fi
   # AMX off by default: some VMs report amx_* flags but do not enable the tile state, and ggml's
   # AMX kernels then die with SIGILL (seen on a Sapphire Rapids guest).
-  cmake -S "$CACHE/src/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  # shellcheck disable=SC2086  # ISA_FLAGS: one word per flag
+  cmake -S "$CACHE/src/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release $ISA_FLAGS \
     -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_OPENMP=ON -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_SERVER=ON \
