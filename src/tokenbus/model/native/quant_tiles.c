@@ -306,16 +306,38 @@ static void tile_q4a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
    products of |qa| <= 32767 and |q| <= 128: < 2^31), no bias on Q8_0.
    A lane's 4 bytes are values k..k+3; as int16 pairs they are (k, k+2) and (k+1, k+3), so each
    group of 4 activations is stored (a0, a2, a1, a3): the two pairs are two broadcast dwords. */
+/* A block's 32 rounded values (|v| <= 32767) as int16 in that order: each group of 4 swaps its
+   middle two (a shuffle within 128-bit lanes, then a narrowing that keeps the order). Vector
+   code where the scalar stores had cost ~3 % of an AVX2 c16 run's samples (step_breakdown.py
+   under perf, docs/benchmarks.md "Eleventh session"). */
+static inline void store_q16(const int *v, int16_t *dst) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int i = 0; i < 2; i++) {
+        const __m512i q = _mm512_shuffle_epi32(_mm512_loadu_si512((const void *)(v + 16 * i)), _MM_PERM_DBCA);
+        _mm256_storeu_si256((__m256i *)(dst + 16 * i), _mm512_cvtepi32_epi16(q));
+    }
+#elif defined(__AVX2__)
+    for (int i = 0; i < 2; i++) {
+        const __m256i a = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(v + 16 * i)), 0xD8),
+                      b = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(v + 16 * i + 8)), 0xD8);
+        /* packs: 64-bit chunks a0-3, b0-3, a4-7, b4-7; the permute puts them in order */
+        _mm256_storeu_si256((__m256i *)(dst + 16 * i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+    }
+#else
+    static const int order[4] = {0, 2, 1, 3};
+    for (int j = 0; j < 32; j++) dst[(j & ~3) + order[j & 3]] = (int16_t)v[j];
+#endif
+}
+
 static void quantize_rows_q16(const float *x, int64_t M, int64_t ldx, int64_t K, int16_t *qa, float *da, float *sa,
                               int num_threads) {
     const int64_t blocks = K / 32;
-    static const int order[4] = {0, 2, 1, 3};
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= QUANTIZE_PARALLEL_ROWS)
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < blocks; b++) {
             int v[32];
             quantize_block(x + m * ldx + b * 32, 32767.0f, v, da + m * blocks + b, sa + m * blocks + b);
-            for (int j = 0; j < 32; j++) qa[m * K + b * 32 + (j & ~3) + order[j & 3]] = (int16_t)v[j];
+            store_q16(v, qa + m * K + b * 32);
         }
 }
 
