@@ -21,6 +21,10 @@ bench_serve() {  # PORT NAME bench-serve-args... ; results in bench_out/NAME.{tx
     --output-json "bench_out/$name.json" > "bench_out/$name.txt" 2>&1
 }
 
+serve_workload() {  # TOKENIZER_DIR: the chat-serving workload of every serving comparison
+  echo "--input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $1"
+}
+
 default_gguf() {  # the packaged SmolLM2 GGUF, found as `tokenbus serve` finds it
   .venv/bin/python -c 'from tokenbus.loader.source import packaged_smollm2_gguf; print(packaged_smollm2_gguf())'
 }

@@ -11,7 +11,7 @@ source benchmarks/lib.sh
 B=.venv/bin
 TOK=${TOK:-/tmp/smollm2-tokenizer}
 save_default_tokenizer "$TOK"
-workload="--model smollm2 --input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $TOK"
+workload="--model smollm2 $(serve_workload "$TOK")"
 start_server bench_out/serve_profile.log 8061 /health $B/tokenbus serve --port 8061 --served-model-name smollm2
 bench_serve 8061 serve_profile_warmup $workload --max-concurrency 16 --num-prompts 16
 c=${CONCURRENCY:-16}

@@ -15,7 +15,7 @@ B=.venv/bin
 TOK=${TOK:-/tmp/smollm2-tokenizer}
 save_default_tokenizer "$TOK"
 MODEL=$(default_gguf)
-workload="--input-len 20 600 --output-len 16 256 --temperature 0 --ignore-eos --tokenizer $TOK"
+workload=$(serve_workload "$TOK")
 
 run_peer() {  # name, port, server command...
   local name=$1 port=$2; shift 2
