@@ -26,11 +26,14 @@ cleanup() {
 }
 trap cleanup EXIT
 # This tree's server, then REV's: each imports its own sources first.
+started=0
 PYTHONPATH=$PWD/src start_server bench_out/serve_ab_this.log 8071 /health \
-  $B/tokenbus serve --port 8071 --served-model-name smollm2 ${SERVE_ARGS:-} && pids+=("$SERVER_PID")
+  $B/tokenbus serve --port 8071 --served-model-name smollm2 ${SERVE_ARGS:-} && started=$((started + 1))
+pids+=("$SERVER_PID")  # stopped at exit even when it never answered
 PYTHONPATH=$OTHER/src start_server bench_out/serve_ab_rev.log 8072 /health \
-  $B/tokenbus serve --port 8072 --served-model-name smollm2 ${SERVE_ARGS:-} && pids+=("$SERVER_PID")
-[ ${#pids[@]} = 2 ] || exit 1
+  $B/tokenbus serve --port 8072 --served-model-name smollm2 ${SERVE_ARGS:-} && started=$((started + 1))
+pids+=("$SERVER_PID")
+[ $started = 2 ] || exit 1
 # Each round its own prompts (--dataset-seed), the same for both sides: no prefix cache hits.
 bench_serve 8071 serve_ab_warmup_this $workload --dataset-seed 1000
 bench_serve 8072 serve_ab_warmup_rev $workload --dataset-seed 1000
