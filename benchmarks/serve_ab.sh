@@ -4,7 +4,9 @@
 # its own sources), both up at once, the same client and workload as serve_vs_llama_cpp.sh at one
 # concurrency, taking turns for ROUNDS rounds, who goes first alternating (the idle server waits
 # on its socket, using no CPU); each round its own prompts.
-# Extra `tokenbus serve` flags for both: SERVE_ARGS. Results in bench_out/serve_ab_*.
+# Extra `tokenbus serve` flags for both: SERVE_ARGS; environment for this tree's server only:
+# THIS_ENV (REV=HEAD THIS_ENV="GOMP_SPINCOUNT=10000" compares a setting on the same code).
+# Results in bench_out/serve_ab_*.
 #
 #   REV=main CONCURRENCY=1 NUM_PROMPTS=12 ROUNDS=4 bash benchmarks/serve_ab.sh
 set -u
@@ -27,8 +29,9 @@ cleanup() {
 trap cleanup EXIT
 # This tree's server, then REV's: each imports its own sources first.
 started=0
+# shellcheck disable=SC2086  # THIS_ENV: NAME=VALUE words
 PYTHONPATH=$PWD/src start_server bench_out/serve_ab_this.log 8071 /health \
-  $B/tokenbus serve --port 8071 --served-model-name smollm2 ${SERVE_ARGS:-} && started=$((started + 1))
+  env ${THIS_ENV:-} $B/tokenbus serve --port 8071 --served-model-name smollm2 ${SERVE_ARGS:-} && started=$((started + 1))
 pids+=("$SERVER_PID")  # stopped at exit even when it never answered
 PYTHONPATH=$OTHER/src start_server bench_out/serve_ab_rev.log 8072 /health \
   $B/tokenbus serve --port 8072 --served-model-name smollm2 ${SERVE_ARGS:-} && started=$((started + 1))
@@ -42,7 +45,7 @@ for round in $(seq "${ROUNDS:-4}"); do
   for side in $sides; do
     port=$([ $side = this ] && echo 8071 || echo 8072)
     bench_serve $port "serve_ab_${side}_$round" $workload --dataset-seed "$round"
-    echo "round $round, $([ $side = this ] && echo "this tree ($(git rev-parse --short HEAD))" || echo "$REV"):" \
+    echo "round $round, $([ $side = this ] && echo "this tree ($(git rev-parse --short HEAD)${THIS_ENV:+, $THIS_ENV})" || echo "$REV"):" \
       $(grep -h -E "Output token throughput|Median ITL|Median TTFT" "bench_out/serve_ab_${side}_$round.txt" | tr -s ' ')
   done
 done
