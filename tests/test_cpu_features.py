@@ -122,14 +122,12 @@ def test_threads_follow_flag_cores_and_ranks(monkeypatch):
 def test_engine_processes_spin_less_unless_the_user_chose(monkeypatch):
     import os
 
-    from tokenbus.utils.cpu import ENGINE_GOMP_SPINCOUNT, ENGINE_GOMP_SPINCOUNT_C_DECODE, engine_process_env
+    from tokenbus.utils.cpu import ENGINE_GOMP_SPINCOUNT, engine_process_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    with engine_process_env():
-        assert os.environ["GOMP_SPINCOUNT"] == ENGINE_GOMP_SPINCOUNT
-    with engine_process_env(decodes_in_c=True):  # fewer, longer parallel regions: sleep sooner
-        assert int(os.environ["GOMP_SPINCOUNT"]) < int(ENGINE_GOMP_SPINCOUNT) == 10000
+    with engine_process_env():  # libgomp's own default is 300k
+        assert os.environ["GOMP_SPINCOUNT"] == ENGINE_GOMP_SPINCOUNT == "10000"
     assert "GOMP_SPINCOUNT" not in os.environ  # the front end's own environment is left alone
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     with engine_process_env():
@@ -154,31 +152,3 @@ def test_engine_processes_bound_onednn_caches_unless_the_user_sized_them(monkeyp
         assert os.environ["LRU_CACHE_CAPACITY"] == "4096"
         assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == ENGINE_ONEDNN_CACHE_CAPACITY
     assert os.environ["LRU_CACHE_CAPACITY"] == "4096"
-
-
-def test_engines_expected_to_decode_in_c(tmp_path):
-    """The spin count is chosen before an engine starts, from its config and the GGUF header."""
-    from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-    from tokenbus.loader import resolve_model
-    from tokenbus.config import EngineArgs
-    from tokenbus.worker.start_env import expects_c_decode_layers
-
-    tiled = resolve_model(str(write_gguf(cached_tiny_model("llama", hidden_size=256, intermediate_size=512),
-                                         tmp_path / "q4_1.gguf", "Q4_1", with_tokenizer=False)))
-    k_quant = resolve_model(str(write_gguf(cached_tiny_model("llama", hidden_size=256, intermediate_size=512),
-                                           tmp_path / "q4_k.gguf", "Q4_K", with_tokenizer=False)))
-    dense = resolve_model(str(cached_tiny_model("llama")))
-    config = EngineArgs().to_config(64)
-    avx2 = CpuFeatures.detect().has("avx2", "fma", "f16c")
-    assert expects_c_decode_layers(config, tiled) == avx2
-    assert not expects_c_decode_layers(config, k_quant)
-    assert not expects_c_decode_layers(config, dense)
-    for args in (dict(enforce_eager=True), dict(quantization="none"), dict(dtype="bfloat16")):
-        assert not expects_c_decode_layers(EngineArgs(**args).to_config(64), tiled)
-
-
-def test_start_env_knows_the_tile_kernels_qtypes():
-    from tokenbus.model.native import TILE_QTYPES
-    from tokenbus.worker import start_env
-
-    assert start_env.TILE_QTYPES == TILE_QTYPES

@@ -91,9 +91,7 @@ class EngineConnection:
             target=run_engine_core, name="EngineCore", kwargs=dict(
                 setup=setup, addresses=addresses, parent_pid=os.getpid(), engine_factory=engine_factory,
                 log_level=logging.getLogger("tokenbus").getEffectiveLevel()))
-        from tokenbus.worker.start_env import expects_c_decode_layers  # torch-free: see its module
-
-        start_process(self.proc, decodes_in_c=expects_c_decode_layers(setup.config, setup.source))
+        start_process(self.proc)
 
     # ------------------------------------------------------------------ start-up
     def wait_ready(self, timeout_s: float) -> ReadyInfo:

@@ -194,15 +194,14 @@ def _read_pair(path: Path, sep: str | None, second: Path | None = None) -> float
 
 # libgomp's spin before a waiting thread sleeps (iterations). Its default (300k, ~1 ms) made a
 # c1 request 7.8x slower through the engine process than in-process with a CPU hog on one core
-# (spinning threads steal the shared core). 1k fixed that, but where a decode step is ~300
-# small parallel regions (layer by layer) it costs a sleep/wake each: quiet tg128 -41 % with
-# --enforce-eager, -18 % with --quantization none, against 10k (2.3x in the hogged case). With
-# a decoder layer per C call (model/native/decode_layer.c) the regions are fewer and longer:
-# 1k costs ~3 % of quiet tg128 (139 vs 143 tok/s) and brings the hogged case to 1.14x (10k:
-# 2.7x). So: 1k for engines expected to decode in C, 10k for the rest. Measured on the 2-core
-# Xeon: docs/benchmarks.md, "Shared cores".
+# (spinning threads steal the shared core). 1k fixed that case, but costs a sleep and a wake
+# wherever a step's parallel regions come close together. 10k with a decode step's layers in C
+# used to cost the hogged case 2.7x; since then the thread governor (worker/thread_governor.py)
+# drops a thread when another process holds a core, and the hogged case measured 1.13x at 10k
+# (0.93x at 1k), while a quiet c16 run gained 21-24 % and c1's ITL p50 went 13.0-14.9 ->
+# 12.0-12.8 ms (Xeon under the AVX2 cap, benchmarks/serve_ab.sh and shared_cores.sh:
+# docs/benchmarks.md, "Eleventh session"; on AMX, c16 +10 % in the third session).
 ENGINE_GOMP_SPINCOUNT = "10000"
-ENGINE_GOMP_SPINCOUNT_C_DECODE = "1000"
 
 
 # oneDNN (the packed fp32/bf16 linears of model/layers/linear.py) builds a primitive per input
@@ -217,14 +216,14 @@ ONEDNN_CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY
 
 
 @contextlib.contextmanager
-def engine_process_env(decodes_in_c: bool = False) -> Iterator[None]:
+def engine_process_env() -> Iterator[None]:
     """The environment a spawned engine or rank process starts with (around Process.start()):
-    a shorter OpenMP spin (shortest when its decode steps are expected to run a layer per C
-    call) unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT, and bounded oneDNN primitive
+    a shorter OpenMP spin than libgomp's (ENGINE_GOMP_SPINCOUNT) unless the user set
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT, and bounded oneDNN primitive
     caches unless the user sized them. The front end's own environment is restored afterwards."""
     defaults = {name: ENGINE_ONEDNN_CACHE_CAPACITY for name in ONEDNN_CACHE_VARIABLES}
     if "OMP_WAIT_POLICY" not in os.environ:
-        defaults["GOMP_SPINCOUNT"] = ENGINE_GOMP_SPINCOUNT_C_DECODE if decodes_in_c else ENGINE_GOMP_SPINCOUNT
+        defaults["GOMP_SPINCOUNT"] = ENGINE_GOMP_SPINCOUNT
     added = [name for name in defaults if name not in os.environ]
     os.environ.update({name: defaults[name] for name in added})
     try:

@@ -35,8 +35,8 @@ def _main_module_hidden() -> Iterator[None]:
             sys.modules["__main__"] = main
 
 
-def start_process(proc: multiprocessing.process.BaseProcess, decodes_in_c: bool = False) -> None:
+def start_process(proc: multiprocessing.process.BaseProcess) -> None:
     """Start a spawned engine or rank process: engine environment (cpu.engine_process_env),
     without re-importing the user's main module in the child."""
-    with engine_process_env(decodes_in_c), _main_module_hidden():
+    with engine_process_env(), _main_module_hidden():
         proc.start()
