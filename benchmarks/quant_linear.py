@@ -17,7 +17,8 @@ layer shape and row count: how near a compute-bound prefill chunk is to that pee
 
 --baseline REV (with --step): the same cells also on the tile kernels of git revision REV
 (its quant_tiles.c and headers), the two builds taking turns in one process, each cell the best
-of --repeats rounds: a kernel change against the build before it on a noisy machine.
+of --repeats rounds: a kernel change against the build before it on a noisy machine (REV's
+tile_* entry points must take today's arguments).
 
     .venv/bin/python benchmarks/quant_linear.py --step --rows 1 64 --kernels int16 --repeats 10 --baseline main
 
@@ -192,6 +193,8 @@ def main() -> None:
     parser.add_argument("--against-bf16-gemm", action="store_true", help="bf16 tiles vs torch's bf16 GEMM")
     parser.add_argument("--peak", action="store_true", help="integer tiles against the core's int16 issue rate")
     args = parser.parse_args()
+    if args.baseline and not args.step:
+        parser.error("--baseline compares --step's cells")
     torch.set_num_threads(2)
     print(f"CPU: {CpuFeatures.detect().describe()}")
     kernels = load_quant_kernels()

@@ -5,7 +5,7 @@
 # concurrency, taking turns for ROUNDS rounds, who goes first alternating (the idle server waits
 # on its socket, using no CPU); each round its own prompts.
 # Extra `tokenbus serve` flags for both: SERVE_ARGS; environment for this tree's server only:
-# THIS_ENV (REV=HEAD THIS_ENV="GOMP_SPINCOUNT=10000" compares a setting on the same code).
+# THIS_ENV (REV=HEAD THIS_ENV="GOMP_SPINCOUNT=1000" compares a setting on the same code).
 # Results in bench_out/serve_ab_*.
 #
 #   REV=main CONCURRENCY=1 NUM_PROMPTS=12 ROUNDS=4 bash benchmarks/serve_ab.sh
@@ -17,6 +17,9 @@ REV=${REV:-main}
 TOK=${TOK:-/tmp/smollm2-tokenizer}
 save_default_tokenizer "$TOK"
 workload="--model smollm2 $(serve_workload "$TOK") --max-concurrency ${CONCURRENCY:-1} --num-prompts ${NUM_PROMPTS:-12}"
+for port in 8071 8072; do  # a server left from an earlier run would be measured instead
+  curl -sf "127.0.0.1:$port/health" >/dev/null && { echo "port $port is taken" >&2; exit 1; }
+done
 OTHER=$(mktemp -d /tmp/tokenbus-ab-XXXXXX)
 git worktree add -q --detach "$OTHER" "$REV" || exit 1
 pids=()

@@ -26,6 +26,9 @@ case "${LLAMA_CPP_ISA:-}" in
                    -DGGML_F16C=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF" ;;
   *) echo "LLAMA_CPP_ISA: only avx2 is known" >&2; exit 2 ;;
 esac
+if [ -n "${LLAMA_CPP_AMX:-}" ] && [ -n "${LLAMA_CPP_ISA:-}" ]; then
+  echo "LLAMA_CPP_AMX and LLAMA_CPP_ISA=avx2 exclude each other" >&2; exit 2
+fi
 BIN=$BUILD/bin  # a build from before the AMX fix: rm -rf "$CACHE/build"
 if [ -n "${LLAMA_CPP_AMX:-}" ]; then NO_AMX=""; else NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 PY=.venv/bin/python
@@ -57,5 +60,5 @@ case "${1:-}" in
   bench) build >/dev/null; "$BIN/llama-bench" -m "${2:-$(default_gguf)}" -t 2 -p 512 -n 128 -r 3 ;;
   server) build >/dev/null; port=$2; shift 2; model=${1:-$(default_gguf)}; shift || true
           exec "$BIN/llama-server" -m "$model" --host 127.0.0.1 --port "$port" -t 2 "$@" ;;
-  *) sed -n 2,10p "$0"; exit 2 ;;
+  *) sed -n 2,16p "$0"; exit 2 ;;
 esac

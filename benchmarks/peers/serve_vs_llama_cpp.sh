@@ -7,7 +7,8 @@
 # same weights in fp32, since it cannot run GGUF on CPU; ~190 s of torch.compile at start);
 # vllm_bf16 runs it in bf16 (its choice for SmolLM2's bf16 checkpoint; AMX where the CPU has it);
 # PEERS=none runs tokenbus alone; SERVE_ARGS adds `tokenbus serve` flags (e.g. --num-threads 1).
-# llama_cpp_amx is llama.cpp built with ggml's AMX kernels (LLAMA_CPP_AMX=1 llama_cpp.sh build).
+# llama_cpp_amx is llama.cpp built with ggml's AMX kernels (LLAMA_CPP_AMX=1 llama_cpp.sh build);
+# LLAMA_CPP_ISA=avx2 runs llama_cpp's AVX2-only build (results under the same names).
 set -u
 cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh

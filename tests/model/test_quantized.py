@@ -3,6 +3,7 @@ type, shape and CPU path; K-quant GGUF models; SmolLM2 greedy against HF on the 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 from pathlib import Path
@@ -149,14 +150,18 @@ def test_no_tiles_below_avx2():
 
 def test_tile_kernels_from_another_source(tmp_path):
     """load_quant_kernels(tile_source=...) builds a quant_tiles.c from elsewhere with the headers
-    beside it (how benchmarks/quant_linear.py --baseline times an older revision's kernels): the
-    same source there gives the same bits as the package's own build."""
+    beside it (how benchmarks/quant_linear.py --baseline times an older revision's kernels): a
+    copy there is a second library, and gives the same bits as the package's own build."""
     kernels = load_quant_kernels()
     if not kernels.tiles(int(Q.Q4_1)):
         pytest.skip(f"no tiled kernels on {DETECTED.describe()}")
     for name in ("quant_tiles.c", "tile_vectors.h"):
         shutil.copy(Path(native.__file__).with_name(name), tmp_path / name)
+    with open(tmp_path / "quant_tiles.c", "a") as source:  # another text: built anew, not the cached object
+        source.write("\n/* a copy */\n")
     other = load_quant_kernels(tile_source=tmp_path / "quant_tiles.c")
+    address = lambda build: ctypes.cast(build.tile_fns["matmul"], ctypes.c_void_p).value  # noqa: E731
+    assert address(other) != address(kernels)  # two libraries loaded side by side
     w = torch.from_numpy(blocks(Q.Q4_1, 40, 256))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     outs = []
