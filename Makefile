@@ -20,8 +20,8 @@ $(STAMP): $(PY) pyproject.toml
 
 # Then our own bytecode, on every install (only what changed is compiled again): an editable
 # install leaves src/ uncompiled, and where PYTHONDONTWRITEBYTECODE is set every start compiled
-# it again (start-up imports 0.38-0.42 -> 0.22-0.25 s: benchmarks/startup_profile.py,
-# docs/benchmarks.md "Eleventh session").
+# it again (start-up imports 0.38-0.42 -> 0.22-0.25 s on the 2-core Xeon guest:
+# benchmarks/startup_profile.py, docs/benchmarks.md "Eleventh session").
 install: $(STAMP)
 	$(PY) -m compileall -q src
 

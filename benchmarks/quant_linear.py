@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import re
 import subprocess
 import tempfile
 import time
@@ -49,7 +48,8 @@ from gguf.quants import quantize
 
 from tokenbus.model.layers.linear import make_linear_kernel
 from tokenbus.model.layers.quantized import DequantBuffer
-from tokenbus.model.native import QUANT_MAX_ROWS, TILE_ACTIVATIONS, build_shared_object, load_quant_kernels
+from tokenbus.model.native import (QUANT_MAX_ROWS, TILE_ACTIVATIONS, build_shared_object, load_quant_kernels,
+                                   local_headers)
 from tokenbus.utils.cpu import CpuFeatures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,8 +119,8 @@ def baseline_kernels(rev: str):
     source = TILE_SOURCE.relative_to(REPO)
     text = show(source)
     with tempfile.TemporaryDirectory(prefix="quant_tiles-") as folder:
-        for header in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE):
-            (Path(folder) / header.decode()).write_bytes(show(source.parent / header.decode()))
+        for header in local_headers(text):
+            (Path(folder) / header).write_bytes(show(source.parent / header))
         (Path(folder) / source.name).write_bytes(text)
         return rev, load_quant_kernels(tile_source=Path(folder) / source.name)
 

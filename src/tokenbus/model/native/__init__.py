@@ -51,12 +51,16 @@ def compile_flags(cpu: CpuFeatures) -> tuple[str, ...]:
     return (f"-march={cpu.march}", *cpu.march_extras, *wide, *OPT_FLAGS)
 
 
+def local_headers(text: bytes) -> list[str]:
+    """The local headers a C source includes (`#include "name.h"`, next to it)."""
+    return [name.decode() for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)]
+
+
 def source_texts(source: Path) -> list[bytes]:
-    """`source` and the local headers it includes (`#include "name.h"`, next to it): what the
-    cache key hashes, so editing a header rebuilds every object that includes it."""
+    """`source` and its local headers: what the cache key hashes, so editing a header rebuilds
+    every object that includes it."""
     text = source.read_bytes()
-    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
-    return [text, *(source.with_name(name.decode()).read_bytes() for name in headers)]
+    return [text, *(source.with_name(name).read_bytes() for name in local_headers(text))]
 
 
 def build_shared_object(source: Path, cpu: CpuFeatures | None = None) -> Path:
