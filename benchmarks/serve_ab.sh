@@ -43,12 +43,17 @@ pids+=("$SERVER_PID")
 # Each round its own prompts (--dataset-seed), the same for both sides: no prefix cache hits.
 bench_serve 8071 serve_ab_warmup_this $workload --dataset-seed 1000
 bench_serve 8072 serve_ab_warmup_rev $workload --dataset-seed 1000
+failures=0
 for round in $(seq "${ROUNDS:-4}"); do
   sides="this rev"; [ $((round % 2)) = 0 ] && sides="rev this"  # who goes first alternates
   for side in $sides; do
     port=$([ $side = this ] && echo 8071 || echo 8072)
+    out="bench_out/serve_ab_${side}_$round.txt"
     bench_serve $port "serve_ab_${side}_$round" $workload --dataset-seed "$round"
-    echo "round $round, $([ $side = this ] && echo "this tree ($(git rev-parse --short HEAD)${THIS_ENV:+, $THIS_ENV})" || echo "$REV"):" \
-      $(grep -h -E "Output token throughput|Median ITL|Median TTFT" "bench_out/serve_ab_${side}_$round.txt" | tr -s ' ')
+    # A round with a failed request (or no result) measured something else: say so, do not average it.
+    grep -q -E "^Failed requests: +0 *$" "$out" || { echo "round $round, $side: failed requests or no result, see $out"; failures=$((failures + 1)); }
+    echo "round $round, $([ $side = this ] && echo "this tree ($(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src || echo ", uncommitted changes")${THIS_ENV:+, $THIS_ENV})" || echo "$REV"):" \
+      $(grep -h -E "Output token throughput|Total token throughput|Median ITL|Median TTFT" "$out" | tr -s ' ')
   done
 done
+[ $failures = 0 ]
