@@ -907,34 +907,39 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
            thread that shares its core with another process takes fewer tiles instead of holding
            the others at the barrier. A tile's sums are one thread's whole, so y does not depend
            on the split.
-           Slice-major: (slice of MAX_M rows, tile) pairs with the slices outer, so a slice's
-           rounded rows (72-192 KiB at SmolLM2's widths) stay in L1/L2 while every tile of W
-           passes them once. Tile-major re-read all M rows per 16-column tile: at 512 rows, 576
-           KiB per tile out of L2 (more than the Zen 3's whole L2), and the two threads' rates
-           fell to ~0.75 of a 64-row call's. */
-        const int64_t slices = (M + MAX_M - 1) / MAX_M;
-#pragma omp parallel for schedule(guided) num_threads(num_threads)
-        for (int64_t i = 0; i < slices * ntiles; i++) {
-            const int64_t m0 = i / ntiles * MAX_M, t = i % ntiles;
+           Slices of MAX_M rows outer, tiles inner: a slice's rounded rows (72-192 KiB at
+           SmolLM2's widths) stay in L1/L2 while every tile of W passes them once. Tiles outer
+           re-read all M rows per 16-column tile: at 512 rows, 576 KiB a tile out of L2 (more
+           than a Zen 3's whole L2). A step's int16 linears at 512 rows under the AVX2 cap:
+           987 ms against 1334 (quant_linear.py --step --baseline 69c0ca3, docs/benchmarks.md).
+           No barrier between slices (nowait): a slice's tiles write rows no other slice
+           writes, so a thread done with its share of one slice goes on to the next.
+           The loop body is the tiles-outer one's, unchanged: one loop over (slice, tile) pairs
+           instead made GCC compile tile_q16a's many-row path ~6 % slower at 64 rows. */
+#pragma omp parallel num_threads(num_threads)
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int64_t rows = M - m0 < MAX_M ? M - m0 : MAX_M;
             float *ys = y + m0 * ldy;
-            if (act == ACT_INT16)
-                tile_q16a(qtype, qb, tiles, blocks, tbb, (const int16_t *)qa + m0 * K, da + m0 * blocks,
-                          sa + m0 * blocks, rows, K, ys, ldy, N, t);
-            else {
-                int64_t grouped = 0;  /* rows tile_q4a takes */
+#pragma omp for schedule(guided) nowait
+            for (int64_t t = 0; t < ntiles; t++) {
+                if (act == ACT_INT16)
+                    tile_q16a(qtype, qb, tiles, blocks, tbb, (const int16_t *)qa + m0 * K, da + m0 * blocks,
+                              sa + m0 * blocks, rows, K, ys, ldy, N, t);
+                else {
+                    int64_t grouped = 0;  /* rows tile_q4a takes */
 #if !VI_DOT_VNNI
-                /* From 8 rows: at 4 + 3 the second pass over the tile looked to cost more than
-                   the first saved on AVX-512 without VNNI (an ad-hoc timing). */
-                grouped = qtype == Q8_0 || rows < 2 * Q4A_ROWS ? 0 : rows / Q4A_ROWS * Q4A_ROWS;
-                if (grouped)
-                    tile_q4a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + m0 * K, da + m0 * blocks,
-                             sa + m0 * blocks, rows, K, ys, ldy, N, t);
+                    /* From 8 rows: at 4 + 3 the second pass over the tile looked to cost more than
+                       the first saved on AVX-512 without VNNI (an ad-hoc timing). */
+                    grouped = qtype == Q8_0 || rows < 2 * Q4A_ROWS ? 0 : rows / Q4A_ROWS * Q4A_ROWS;
+                    if (grouped)
+                        tile_q4a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + m0 * K, da + m0 * blocks,
+                                 sa + m0 * blocks, rows, K, ys, ldy, N, t);
 #endif
-                if (rows > grouped)
-                    tile_q8a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + (m0 + grouped) * K,
-                             da + (m0 + grouped) * blocks, sa + (m0 + grouped) * blocks, rows - grouped, K,
-                             ys + grouped * ldy, ldy, N, t);
+                    if (rows > grouped)
+                        tile_q8a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + (m0 + grouped) * K,
+                                 da + (m0 + grouped) * blocks, sa + (m0 + grouped) * blocks, rows - grouped, K,
+                                 ys + grouped * ldy, ldy, N, t);
+                }
             }
         }
         free(qa);
