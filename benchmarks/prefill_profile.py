@@ -4,7 +4,7 @@ once under cProfile, split into its parts: the linears (layers/linear.py's Linea
 kernel calls inside), attention (model/attention.py's paged_attention, the K/V writes
 included), and the rest.
 
-    .venv/bin/python benchmarks/prefill_profile.py [--prompt-len 512] [--top 15]
+    .venv/bin/python benchmarks/prefill_profile.py [--prompt-len 512] [--top 15] [--num-threads 1]
 
 Prefix caching is off, so every run computes the whole prompt.
 """
@@ -28,9 +28,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--num-threads", type=int, help="the engine's CPU threads (default: the usable cores)")
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
-    llm = LLM(multiprocess=False, enable_prefix_caching=False)
+    llm = LLM(multiprocess=False, enable_prefix_caching=False, num_threads=args.num_threads)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     request = [{"prompt_token_ids": [(7 * i) % 40000 + 100 for i in range(args.prompt_len)]}]
     llm.generate(request, params, use_tqdm=False)  # warm-up

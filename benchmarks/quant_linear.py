@@ -22,6 +22,9 @@ tile_* entry points must take today's arguments).
 
     .venv/bin/python benchmarks/quant_linear.py --step --rows 1 64 --kernels int16 --repeats 10 --baseline main
 
+--threads N [N ...] (with --step): the tile cells at each thread count, in turns (1 2: what a
+second core adds to a kernel).
+
 --peak (AVX2 builds): one thread of the int16 and int8 tile kernels at 64 rows in multiply-adds
 a second, against the rate the core issues vpmaddwd + vpaddd at (madd_peak.c): how much a
 compute-bound prefill chunk could still gain without VNNI.
@@ -71,10 +74,11 @@ STEP_KERNELS = ("rows", "dequantize+GEMM", *TILE_ACTIVATIONS)
 
 
 def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int = 1,
-                 baseline: tuple[str, object] | None = None) -> None:
+                 baseline: tuple[str, object] | None = None, threads: tuple[int, ...] = (2,)) -> None:
     """SmolLM2-135M's decode step: per layer qkv 960x576, o 576x576, gate_up 3072x576, down
     576x1536 (Q4_1), then the tied Q8_0 LM head 49152x576. `baseline`: (name, kernels) whose
-    tile kernels take turns with these, round by round."""
+    tile kernels take turns with these, round by round. `threads`: the tile cells once per
+    thread count, also in turns (how far a second thread speeds a kernel up)."""
     rng = np.random.default_rng(0)
     shapes = [(960, 576, Q.Q4_1), (576, 576, Q.Q4_1), (3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1)] * 30
     shapes.append((49152, 576, Q.Q8_0))
@@ -100,9 +104,12 @@ def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int
                 x[k] @ kernels.dequant_rows(q, w, k, torch.arange(n), out=buffer.take(n, k)).T))
         for mode in modes if m <= QUANT_MAX_ROWS else [mode for mode in modes if mode != "fp32"]:
             for name, build in builds:
-                cells[f"tiles {mode}" + (f" ({name})" if name else "")] = (
-                    lambda build=build, weights=tiled[name], mode=mode:
-                    once(weights, lambda q, w, n, k, o: build.tile_matmul(q, w, n, k, x[k], o, mode)))
+                for count in threads:
+                    label = ", ".join(([name] if name else []) + ([f"{count} threads"] if len(threads) > 1 else []))
+                    cells[f"tiles {mode}" + (f" ({label})" if label else "")] = (
+                        lambda build=build, weights=tiled[name], mode=mode, count=count:
+                        with_threads(count, lambda: once(weights, lambda q, w, n, k, o:
+                                                         build.tile_matmul(q, w, n, k, x[k], o, mode))))
         times = {name: float("inf") for name in cells}
         for _ in range(repeats):  # round by round, so a slow spell of the machine slows every cell
             for name, cell in cells.items():
@@ -110,19 +117,34 @@ def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int
         print(f"step linears, {m} rows: " + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items()))
 
 
-def baseline_kernels(rev: str):
-    """(rev, the quantized kernels with git revision `rev`'s tile kernels): its quant_tiles.c and
-    the headers it includes, written to a scratch folder and built from there (the object stays
-    in the build cache)."""
+def with_threads(count: int, fn):
+    """fn() with torch (and so every kernel call, which passes torch's count on) at `count`
+    threads; the count before is restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def load_at_revision(rev: str, source: Path, load):
+    """load(path) on git revision `rev`'s copy of the C file `source` (in this repository), with
+    the headers it includes beside it in a scratch folder; the object stays in the build cache."""
     def show(path: Path) -> bytes:
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, check=True).stdout
-    source = TILE_SOURCE.relative_to(REPO)
-    text = show(source)
-    with tempfile.TemporaryDirectory(prefix="quant_tiles-") as folder:
+    relative = source.relative_to(REPO)
+    text = show(relative)
+    with tempfile.TemporaryDirectory(prefix=f"{source.stem}-") as folder:
         for header in local_headers(text):
-            (Path(folder) / header).write_bytes(show(source.parent / header))
+            (Path(folder) / header).write_bytes(show(relative.parent / header))
         (Path(folder) / source.name).write_bytes(text)
-        return rev, load_quant_kernels(tile_source=Path(folder) / source.name)
+        return load(Path(folder) / source.name)
+
+
+def baseline_kernels(rev: str):
+    """(rev, the quantized kernels with git revision `rev`'s tile kernels)."""
+    return rev, load_at_revision(rev, TILE_SOURCE, lambda path: load_quant_kernels(tile_source=path))
 
 
 def against_bf16_gemm(kernels, row_counts=(16, 64, 256, 512), repeats: int = 5) -> None:
@@ -190,6 +212,7 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=STEP_KERNELS, choices=STEP_KERNELS, help="--step: which")
     parser.add_argument("--repeats", type=int, default=1, help="--step: the best of this many timings")
     parser.add_argument("--baseline", metavar="REV", help="--step: also git revision REV's tile kernels, in turns")
+    parser.add_argument("--threads", type=int, nargs="+", default=[2], help="--step: tile cells per thread count")
     parser.add_argument("--against-bf16-gemm", action="store_true", help="bf16 tiles vs torch's bf16 GEMM")
     parser.add_argument("--peak", action="store_true", help="integer tiles against the core's int16 issue rate")
     args = parser.parse_args()
@@ -208,7 +231,7 @@ def main() -> None:
         return
     if args.step:
         step_linears(kernels, args.rows, args.kernels, args.repeats,
-                     baseline_kernels(args.baseline) if args.baseline else None)
+                     baseline_kernels(args.baseline) if args.baseline else None, tuple(args.threads))
         return
     rng = np.random.default_rng(0)
     for rows, cols, qtype in SHAPES:

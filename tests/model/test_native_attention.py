@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from tokenbus.model import ForwardContext, attention
+from tokenbus.model import ForwardContext, attention, native
 from tokenbus.model.attention import build_attention_plan, paged_attention, select_attention_kernel
 from tokenbus.model.native import NativeBuildError, build_shared_object, load_paged_attention
 
@@ -104,6 +106,22 @@ def test_bfloat16_matches_torch_path(kernel):
     out, ref, plan = both_paths(kernel, DECODES + [(5, 30), (2, 0)], dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and plan.native.reqs.numel() == len(DECODES) + 2
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_from_another_source(kernel, tmp_path):
+    """load_paged_attention(source=...) builds a paged_attention.c from elsewhere with the headers
+    beside it (how benchmarks/attention_layer.py --baseline times an older revision's kernel): a
+    copy there is a second library, and gives the same bits as the package's own build."""
+    for name in ("paged_attention.c", "tile_vectors.h"):
+        shutil.copy(Path(native.__file__).with_name(name), tmp_path / name)
+    with open(tmp_path / "paged_attention.c", "a") as source:  # another text: built anew, not the cached object
+        source.write("\n/* a copy */\n")
+    other = load_paged_attention(source=tmp_path / "paged_attention.c")
+    address = lambda build: ctypes.cast(build.fn, ctypes.c_void_p).value  # noqa: E731
+    assert address(other) != address(kernel)  # two libraries loaded side by side
+    out, _, _ = both_paths(kernel, DECODES + [(5, 30)])
+    again, _, _ = both_paths(other, DECODES + [(5, 30)])
+    assert torch.equal(out, again)
 
 
 def test_float16_cache_under_float32_queries_matches_torch_path(kernel):

@@ -164,9 +164,11 @@ def check_indices(*index: torch.Tensor) -> None:
         assert tensor.dtype == torch.int64 and tensor.device.type == "cpu" and tensor.stride(-1) == 1
 
 
-def load_paged_attention(cpu: CpuFeatures | None = None) -> PagedAttentionKernel:
-    """Build (or find in the cache) and load the kernel; NativeBuildError says why not."""
-    lib = load_library(_SOURCE, cpu)
+def load_paged_attention(cpu: CpuFeatures | None = None, source: Path = _SOURCE) -> PagedAttentionKernel:
+    """Build (or find in the cache) and load the kernel; NativeBuildError says why not.
+    `source`: another paged_attention.c (with its headers beside it), for a benchmark to time a
+    kernel change against the build before it in one process (benchmarks/attention_layer.py)."""
+    lib = load_library(source, cpu)
     fns = lib.paged_attention, lib.paged_prefill_attention
     for fn in fns:  # the same contract
         fn.restype = ctypes.c_int
