@@ -384,7 +384,7 @@ class EngineArgs:
                                           "bf16: every call in bf16 (CPUs with AVX512-BF16: AMX tiles or "
                                           "vdpbf16ps); auto: int16, and bf16 for calls of 16+ rows on "
                                           "AMX (prefill, batches), 32+ without (prefill); on AVX2, int16 "
-                                          "for prefill too",
+                                          "for prefill too (and int8/int16 there for prefill when chosen)",
                                   choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks, and with one rank fewer "

@@ -81,7 +81,10 @@ def test_quant_activations_choose_bf16_only_with_an_engine():
     assert quant_activation_modes("auto", avx2) == TileModes("int16", 0, 0)  # int16 tiles at any size
     assert quant_activation_modes("bf16", amx) == quant_activation_modes("bf16", dp) == TileModes("bf16", 1, 0)
     assert quant_activation_modes("int8", amx) == TileModes("int8", 0, GEMM_FROM_ROWS)  # an explicit mode: kept
-    assert quant_activation_modes("int16", avx2) == TileModes("int16", 0, GEMM_FROM_ROWS)
+    # an explicit int8/int16 takes its tiles at any size where auto's int16 does (AVX2)
+    assert quant_activation_modes("int16", avx2) == TileModes("int16", 0, 0)
+    assert quant_activation_modes("int8", avx2) == TileModes("int8", 0, 0)
+    assert quant_activation_modes("fp32", avx2) == TileModes("fp32", 0, GEMM_FROM_ROWS)  # fp32 tiles: <= 64 rows
     with pytest.raises(ValueError, match="quant_activations 'bf16' needs AVX512-BF16"):
         quant_activation_modes("bf16", none)
     assert [TileModes("int16", 16, 0).mode(rows) for rows in (1, 15, 16, 500)] == ["int16", "int16", "bf16", "bf16"]

@@ -50,18 +50,19 @@ def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> Tile
     """set_quant_activations' TileModes for a ModelConfig.quant_activations: auto is int16, and
     bf16 from BF16_AUTO_MIN_ROWS[engine] rows where the CPU has a bf16 engine (AMX: prefill chunks
     and decode batches of 16+; AVX512-BF16: prefill chunks), else int16 at any size on
-    INT_TILES_ANY_ROWS_ISAS (AVX2); bf16 is bf16 for every call and needs an engine. Calls past
-    the decode-sized ones dequantize for the fp32 GEMM otherwise."""
+    INT_TILES_ANY_ROWS_ISAS (AVX2); bf16 is bf16 for every call and needs an engine; an explicit
+    int8 or int16 takes its tiles at any size on those ISAs too (there they beat dequantizing for
+    the GEMM). Calls past the decode-sized ones dequantize for the fp32 GEMM otherwise."""
     engine = kernels.bf16_engine if kernels is not None else ""
+    any_rows = not engine and kernels is not None and kernels.isa in INT_TILES_ANY_ROWS_ISAS
     if requested == "bf16":
         if not engine:
             raise ValueError("quant_activations 'bf16' needs AVX512-BF16 (avx512_bf16; AMX tiles where the "
                              f"kernel grants them); this CPU: {CpuFeatures.detect().describe()}")
         return TileModes("bf16", 1, 0)
     if requested == "auto":
-        any_rows = not engine and kernels is not None and kernels.isa in INT_TILES_ANY_ROWS_ISAS
         return TileModes("int16", BF16_AUTO_MIN_ROWS.get(engine, 0), 0 if any_rows else GEMM_FROM_ROWS)
-    return TileModes(requested, 0, GEMM_FROM_ROWS)
+    return TileModes(requested, 0, 0 if any_rows and requested in ("int8", "int16") else GEMM_FROM_ROWS)
 
 
 def quantization_problem(src: ModelSource, device: torch.device, tp: TensorParallel | int) -> str | None:
