@@ -23,7 +23,7 @@ tile_* entry points must take today's arguments).
     .venv/bin/python benchmarks/quant_linear.py --step --rows 1 64 --kernels int16 --repeats 10 --baseline main
 
 --threads N [N ...] (with --step): the tile cells at each thread count, in turns (1 2: what a
-second core adds to a kernel).
+second core adds to a kernel); the other cells stay at 2 threads.
 
 --peak (AVX2 builds): one thread of the int16 and int8 tile kernels at 64 rows in multiply-adds
 a second, against the rate the core issues vpmaddwd + vpaddd at (madd_peak.c): how much a
@@ -105,7 +105,7 @@ def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int
         for mode in modes if m <= QUANT_MAX_ROWS else [mode for mode in modes if mode != "fp32"]:
             for name, build in builds:
                 for count in threads:
-                    label = ", ".join(([name] if name else []) + ([f"{count} threads"] if len(threads) > 1 else []))
+                    label = ", ".join(([name] if name else []) + ([f"{count} threads"] if threads != (2,) else []))
                     cells[f"tiles {mode}" + (f" ({label})" if label else "")] = (
                         lambda build=build, weights=tiled[name], mode=mode, count=count:
                         with_threads(count, lambda: once(weights, lambda q, w, n, k, o:
@@ -218,6 +218,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.baseline and not args.step:
         parser.error("--baseline compares --step's cells")
+    if args.threads != [2] and not args.step:
+        parser.error("--threads sets --step's tile cells")
     torch.set_num_threads(2)
     print(f"CPU: {CpuFeatures.detect().describe()}")
     kernels = load_quant_kernels()

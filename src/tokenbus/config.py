@@ -383,8 +383,9 @@ class EngineArgs:
                                           "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
                                           "bf16: every call in bf16 (CPUs with AVX512-BF16: AMX tiles or "
                                           "vdpbf16ps); auto: int16, and bf16 for calls of 16+ rows on "
-                                          "AMX (prefill, batches), 32+ without (prefill); on AVX2, int16 "
-                                          "for prefill too (and int8/int16 there for prefill when chosen)",
+                                          "AMX (prefill, batches), 32+ without (prefill); on AVX2 (no bf16 "
+                                          "engine), auto's int16 and an explicit int8/int16 cover prefill "
+                                          "chunks too",
                                   choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks, and with one rank fewer "
