@@ -197,22 +197,6 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#define HAVE_DECODE64 1  /* attend_decode64 below, for AVX-512 or for AVX2 */
-
-/* Ask for the next block's rows of KV heads [h0, h1) (n <= 16 tokens) ahead of use. The block
-   is token-major (token, head, value), so with every head this is one contiguous run. */
-static inline __attribute__((always_inline)) void prefetch_block(const void *p, int64_t block, int64_t bs,
-                                                                 int64_t hkv, int64_t h0, int64_t h1, int64_t n,
-                                                                 const int kv_elem) {
-    const int64_t row_bytes = 64 * (kv_elem == ELEM_F16 ? 2 : 4);
-    for (int64_t j = 0; j < n; j++) {
-        const char *r = (const char *)p + ((block * bs + j) * hkv + h0) * row_bytes;
-        for (int64_t o = 0; o < (h1 - h0) * row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
-    }
-}
-#endif
-
 #if defined(__AVX512F__)
 /* ---- Decode on AVX-512: one query token, head size 64, fp32 queries, G query heads per KV
    head known at compile time (the generic attend() keeps its sums in memory and reduces every
@@ -241,6 +225,18 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
     const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+/* Ask for the next block's rows of KV heads [h0, h1) (n <= 16 tokens) ahead of use. The block
+   is token-major (token, head, value), so with every head this is one contiguous run. */
+static inline __attribute__((always_inline)) void prefetch_block(const void *p, int64_t block, int64_t bs,
+                                                                 int64_t hkv, int64_t h0, int64_t h1, int64_t n,
+                                                                 const int kv_elem) {
+    const int64_t row_bytes = 64 * (kv_elem == ELEM_F16 ? 2 : 4);
+    for (int64_t j = 0; j < n; j++) {
+        const char *r = (const char *)p + ((block * bs + j) * hkv + h0) * row_bytes;
+        for (int64_t o = 0; o < (h1 - h0) * row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+    }
 }
 
 /* Block-major: each block's K (then V) rows of every head of the item are used while the block
@@ -323,120 +319,6 @@ static inline __attribute__((always_inline)) void attend_decode64(
                                  _mm512_mul_ps(_mm512_loadu_ps(acc_mem + r * D + 16 * c), _mm512_set1_ps(qs[r])));
             }
 }
-#elif defined(HAVE_DECODE64)
-/* ---- Decode on AVX2 (+ FMA, F16C): the same cases as the AVX-512 path, in 8-lane vectors.
-   AVX2's 16 registers cannot hold a group's queries (8 ymm each at head size 64), so:
-   - pass 1 converts 8 keys' rows of a head to fp32 once (kf, in L1) and, per query row, walks
-     its 8 chunks with the 8 keys' partial sums in registers (one chunk of the query, 8 FMAs with
-     kf as the memory operand), then sums the 8 by one transposing reduction (7 vhaddps instead
-     of 8 horizontal sums through the stack, attend()'s way);
-   - pass 2 keeps CH chunks of the G output rows in registers (G * CH + 1 + G <= 16) and goes
-     over the head's values 8 / CH times per block (the block stays in L1).
-   Per row, each score and output is the same arithmetic whatever the batch, the split of heads
-   or the query count, as on AVX-512. */
-
-/* 8 fp32 values of row p from element offset on (fp32, or fp16 converted). */
-static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t offset, const int kv_elem) {
-    if (kv_elem == ELEM_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + offset)));
-    return _mm256_loadu_ps((const float *)p + offset);
-}
-
-/* Lane j of the result = the sum of v[j]'s 8 lanes. vhaddps pairs within each 128-bit half:
-   u0's low half holds v0..v3's sums of lanes 0-3, its high half their sums of lanes 4-7 (u1 the
-   same for v4..v7); the last step adds the halves. */
-static inline __attribute__((always_inline)) __m256 sum8(const __m256 v[8]) {
-    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-static inline __attribute__((always_inline)) void attend_decode64(
-        const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len, int64_t h0,
-        int64_t h1, const int G, int64_t bs, int64_t hkv, const int kv_elem, float scale, float *out,
-        float *scores, float *acc_mem) {
-    enum { D = 64 };
-    const int CH = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;  /* chunks of 8 held per output row in pass 2:
-                                                                 G * CH <= 12 */
-    const __m256 zero = _mm256_setzero_ps();
-    const int64_t H = h1 - h0, elem_bytes = kv_elem == ELEM_F16 ? 2 : 4;
-    float *qs = acc_mem + H * G * D;  /* the queries, scaled; row (h - h0) * G + g */
-    for (int64_t i = 0; i < H * G * D; i++) qs[i] = q[h0 * G * D + i] * scale;
-
-    /* Pass 1: scores, 8 keys at a time (a chunk never spans two blocks). */
-    float kf[8][D] __attribute__((aligned(32)));
-    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
-        const int64_t nt = min64(bs, seq_len - t0);
-        if (t0 + bs < seq_len) prefetch_block(kv, table[b + 1], bs, hkv, h0, h1, min64(bs, seq_len - t0 - bs), kv_elem);
-        for (int64_t j0 = 0; j0 < nt; j0 += 8) {
-            const int n = (int)min64(8, nt - j0);
-            for (int64_t h = h0; h < h1; h++) {
-                for (int j = 0; j < 8; j++) {
-                    const int64_t key = ((table[b] * bs + j0 + j) * hkv + h) * D;
-                    for (int c = 0; c < 8; c++) _mm256_store_ps(kf[j] + 8 * c, j < n ? load8(kv, key + 8 * c, kv_elem) : zero);
-                }
-                for (int g = 0; g < G; g++) {
-                    const float *qr = qs + ((h - h0) * G + g) * D;
-                    __m256 v[8];
-                    for (int j = 0; j < 8; j++) v[j] = zero;
-#pragma GCC unroll 8
-                    for (int c = 0; c < 8; c++) {
-                        const __m256 qc = _mm256_loadu_ps(qr + 8 * c);
-#pragma GCC unroll 8
-                        for (int j = 0; j < 8; j++) v[j] = _mm256_fmadd_ps(qc, _mm256_load_ps(kf[j] + 8 * c), v[j]);
-                    }
-                    float s[8];
-                    _mm256_storeu_ps(s, sum8(v));
-                    memcpy(scores + ((h - h0) * G + g) * seq_len + t0 + j0, s, sizeof(float) * (size_t)n);
-                }
-            }
-        }
-    }
-
-    /* Softmax over all seq_len keys (one query: every key is visible). */
-    for (int64_t r = 0; r < H * G; r++) qs[r] = softmax_row(scores + r * seq_len, seq_len);  /* qs: 1 / sums now */
-
-    /* Pass 2: per block, head and part of 8 * CH dims, that part of the head's G output rows in
-       registers (kept in acc_mem between blocks). */
-    for (int64_t i = 0; i < H * G * D; i++) acc_mem[i] = 0.f;
-    const char *vbase = (const char *)kv + v_offset * elem_bytes;
-    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
-        const int64_t nt = min64(bs, seq_len - t0);
-        if (t0 + bs < seq_len) prefetch_block(vbase, table[b + 1], bs, hkv, h0, h1, min64(bs, seq_len - t0 - bs), kv_elem);
-        for (int64_t h = h0; h < h1; h++) {
-            const float *sc = scores + (h - h0) * G * seq_len;
-            for (int part = 0; part < 8 / CH; part++) {
-                float *am = acc_mem + (h - h0) * G * D + 8 * CH * part;
-                __m256 acc[12];  /* acc[g * CH + c]: a fixed size, so that GCC keeps it in registers */
-                for (int g = 0; g < G; g++)
-                    for (int c = 0; c < CH; c++) acc[g * CH + c] = _mm256_loadu_ps(am + g * D + 8 * c);
-                for (int64_t j = 0; j < nt; j++) {
-                    const int64_t value = v_offset + ((table[b] * bs + j) * hkv + h) * D + 8 * CH * part;
-#pragma GCC unroll 8
-                    for (int c = 0; c < CH; c++) {
-                        const __m256 vc = load8(kv, value + 8 * c, kv_elem);
-#pragma GCC unroll 8
-                        for (int g = 0; g < G; g++)
-                            acc[g * CH + c] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + g * seq_len + t0 + j), vc,
-                                                              acc[g * CH + c]);
-                    }
-                }
-                for (int g = 0; g < G; g++)
-                    for (int c = 0; c < CH; c++) _mm256_storeu_ps(am + g * D + 8 * c, acc[g * CH + c]);
-            }
-        }
-    }
-    for (int64_t h = h0; h < h1; h++)
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 8; c++) {
-                const int64_t r = (h - h0) * G + g;
-                _mm256_storeu_ps(out + (h * G + g) * D + 8 * c,
-                                 _mm256_mul_ps(_mm256_loadu_ps(acc_mem + r * D + 8 * c), _mm256_set1_ps(qs[r])));
-            }
-}
-#endif
-
-#if defined(HAVE_DECODE64)
 
 /* 1 when it ran: one query of head size 64 under fp32 queries with G <= 8. scratch: 2 (h1 - h0) G 64
    floats (attend_any's qf and acc, which lie end to end). */
@@ -471,7 +353,7 @@ static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int6
                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1,
                        int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, int kv_elem, float scale,
                        void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
-#if defined(HAVE_DECODE64)
+#if defined(__AVX512F__)
     /* Every query token as a decode of the keys it sees: a row's arithmetic must not depend on
        how many queries its request has this step (a speculative verification's rows must give
        what decoding them one by one gives, bit for bit), and attend() sums in another order. */
