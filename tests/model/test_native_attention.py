@@ -6,12 +6,12 @@ import ctypes
 import logging
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from tokenbus.model import ForwardContext, attention, native
+from tests.fixtures.native_sources import copied_source
+from tokenbus.model import ForwardContext, attention
 from tokenbus.model.attention import build_attention_plan, paged_attention, select_attention_kernel
 from tokenbus.model.native import NativeBuildError, build_shared_object, load_paged_attention
 
@@ -112,11 +112,7 @@ def test_kernel_from_another_source(kernel, tmp_path):
     """load_paged_attention(source=...) builds a paged_attention.c from elsewhere with the headers
     beside it (how benchmarks/attention_layer.py --baseline times an older revision's kernel): a
     copy there is a second library, and gives the same bits as the package's own build."""
-    for name in ("paged_attention.c", "tile_vectors.h"):
-        shutil.copy(Path(native.__file__).with_name(name), tmp_path / name)
-    with open(tmp_path / "paged_attention.c", "a") as source:  # another text: built anew, not the cached object
-        source.write("\n/* a copy */\n")
-    other = load_paged_attention(source=tmp_path / "paged_attention.c")
+    other = load_paged_attention(source=copied_source("paged_attention.c", tmp_path))
     address = lambda build: ctypes.cast(build.fn, ctypes.c_void_p).value  # noqa: E731
     assert address(other) != address(kernel)  # two libraries loaded side by side
     out, _, _ = both_paths(kernel, DECODES + [(5, 30)])

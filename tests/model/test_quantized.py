@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -14,10 +13,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from tests.fixtures.native_sources import copied_source
 from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks, write_gguf
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
-from tokenbus.model import native
 from tokenbus.model.layers import Linear
 from tokenbus.model.layers.quantized import (GEMM_FROM_ROWS, QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS,
                                              QuantizedLinearKernel)
@@ -155,11 +154,7 @@ def test_tile_kernels_from_another_source(tmp_path):
     kernels = load_quant_kernels()
     if not kernels.tiles(int(Q.Q4_1)):
         pytest.skip(f"no tiled kernels on {DETECTED.describe()}")
-    for name in ("quant_tiles.c", "tile_vectors.h"):
-        shutil.copy(Path(native.__file__).with_name(name), tmp_path / name)
-    with open(tmp_path / "quant_tiles.c", "a") as source:  # another text: built anew, not the cached object
-        source.write("\n/* a copy */\n")
-    other = load_quant_kernels(tile_source=tmp_path / "quant_tiles.c")
+    other = load_quant_kernels(tile_source=copied_source("quant_tiles.c", tmp_path))
     address = lambda build: ctypes.cast(build.tile_fns["matmul"], ctypes.c_void_p).value  # noqa: E731
     assert address(other) != address(kernels)  # two libraries loaded side by side
     w = torch.from_numpy(blocks(Q.Q4_1, 40, 256))
