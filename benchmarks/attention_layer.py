@@ -19,7 +19,7 @@ from tokenbus.model.attention import build_attention_plan, paged_attention
 from tokenbus.model.native import load_paged_attention
 
 from decode_step import make_ctx  # benchmarks/ is sys.path[0] when run as a script
-from quant_linear import REPO, load_at_revision
+from revisions import REPO, load_at_revision
 
 ATTENTION_SOURCE = REPO / "src/tokenbus/model/native/paged_attention.c"
 

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,11 +49,11 @@ from gguf.quants import quantize
 
 from tokenbus.model.layers.linear import make_linear_kernel
 from tokenbus.model.layers.quantized import DequantBuffer
-from tokenbus.model.native import (QUANT_MAX_ROWS, TILE_ACTIVATIONS, build_shared_object, load_quant_kernels,
-                                   local_headers)
+from tokenbus.model.native import QUANT_MAX_ROWS, TILE_ACTIVATIONS, build_shared_object, load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
 
-REPO = Path(__file__).resolve().parents[1]
+from revisions import REPO, load_at_revision  # benchmarks/ is sys.path[0] when run as a script
+
 TILE_SOURCE = REPO / "src/tokenbus/model/native/quant_tiles.c"
 SHAPES = [(3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1), (49152, 576, Q.Q8_0)]  # gate_up, down, tied LM head
 
@@ -126,20 +124,6 @@ def with_threads(count: int, fn):
         return fn()
     finally:
         torch.set_num_threads(before)
-
-
-def load_at_revision(rev: str, source: Path, load):
-    """load(path) on git revision `rev`'s copy of the C file `source` (in this repository), with
-    the headers it includes beside it in a scratch folder; the object stays in the build cache."""
-    def show(path: Path) -> bytes:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, check=True).stdout
-    relative = source.relative_to(REPO)
-    text = show(relative)
-    with tempfile.TemporaryDirectory(prefix=f"{source.stem}-") as folder:
-        for header in local_headers(text):
-            (Path(folder) / header).write_bytes(show(relative.parent / header))
-        (Path(folder) / source.name).write_bytes(text)
-        return load(Path(folder) / source.name)
 
 
 def baseline_kernels(rev: str):

@@ -52,7 +52,7 @@ for round in $(seq "${ROUNDS:-4}"); do
     bench_serve $port "serve_ab_${side}_$round" $workload --dataset-seed "$round"
     # A round with a failed request (or no result) measured something else: say so, do not average it.
     grep -q -E "^Failed requests: +0 *$" "$out" || { echo "round $round, $side: failed requests or no result, see $out"; failures=$((failures + 1)); }
-    echo "round $round, $([ $side = this ] && echo "this tree ($(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src || echo ", uncommitted changes")${THIS_ENV:+, $THIS_ENV})" || echo "$REV"):" \
+    echo "round $round, $([ $side = this ] && echo "this tree ($(git rev-parse --short HEAD)$([ -z "$(git status --porcelain -- src)" ] || echo ", uncommitted changes")${THIS_ENV:+, $THIS_ENV})" || echo "$REV"):" \
       $(grep -h -E "Output token throughput|Total token throughput|Median ITL|Median TTFT" "$out" | tr -s ' ')
   done
 done
