@@ -3,7 +3,9 @@
    summed in pairs) and a vpaddd into its accumulator. Here 8 such chains run on registers only,
    no loads and nothing else, in assembly (a compiler would hoist a product of constant operands
    out of the loop): an upper bound for the kernel on this core, which also has to load its
-   operands and scale its sums. */
+   operands and scale its sums. fp32_fma_chains is the same for vfmadd231ps (8 fp32 multiply-adds
+   each), the instruction an fp32 GEMM peer's inner loop is made of: the two rates' ratio bounds
+   how far integer tiles can lead such a GEMM where both are compute-bound (prefill). */
 #include <stdint.h>
 
 /* Runs `steps` x 8 vpmaddwd + vpaddd pairs (ymm); 0, or -1 where the build has no AVX2. */
@@ -47,6 +49,43 @@ int int16_madd_chains(int64_t steps) {
         :
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
           "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+    return 0;
+#else
+    (void)steps;
+    return -1;
+#endif
+}
+
+/* Runs `steps` x 8 vfmadd231ps (ymm) on 8 accumulators; 0, or -1 where the build has no FMA. */
+int fp32_fma_chains(int64_t steps) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (steps <= 0) return 0;
+    __asm__ volatile(
+        "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+        "vmovaps %%ymm0, %%ymm1\n\t"
+        "vmovaps %%ymm0, %%ymm2\n\t"
+        "vmovaps %%ymm0, %%ymm3\n\t"
+        "vmovaps %%ymm0, %%ymm4\n\t"
+        "vmovaps %%ymm0, %%ymm5\n\t"
+        "vmovaps %%ymm0, %%ymm6\n\t"
+        "vmovaps %%ymm0, %%ymm7\n\t"
+        "vmovaps %%ymm0, %%ymm14\n\t"
+        "vmovaps %%ymm0, %%ymm15\n\t"
+        "1:\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm0\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm1\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm2\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm3\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm4\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm5\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm6\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %%ymm7\n\t"
+        "dec %0\n\t"
+        "jnz 1b\n\t"
+        "vzeroupper\n\t"
+        : "+r"(steps)
+        :
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm14", "xmm15", "cc");
     return 0;
 #else
     (void)steps;

@@ -27,9 +27,12 @@ second core adds to a kernel); the other cells stay at 2 threads.
 
 --peak (AVX2 builds): one thread of the int16 and int8 tile kernels at 64 rows in multiply-adds
 a second, against the rate the core issues vpmaddwd + vpaddd at (madd_peak.c): how much a
-compute-bound prefill chunk could still gain without VNNI.
+compute-bound prefill chunk could still gain without VNNI. Also oneDNN's fp32 linear (an fp32
+GEMM peer's prefill) against the core's FMA rate, and the two issue rates' ratio: the most the
+int16 tiles can lead that peer by where both are compute-bound.
 
-    TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/quant_linear.py --peak
+    TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+      .venv/bin/python benchmarks/quant_linear.py --peak
 
     .venv/bin/python benchmarks/quant_linear.py --against-bf16-gemm
 """
@@ -156,37 +159,47 @@ PEAK_STEPS = 20_000_000  # x 8 vpmaddwd: ~0.05 s a timing at ~3 G a second
 def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
     """One thread: the int16 and int8 tile kernels (Q4_1, SmolLM2's gate_up and down shapes, 64
     rows) in multiply-adds a second, against the rate this core issues the int16 kernel's
-    instructions at (benchmarks/madd_peak.c: 8 chains of vpmaddwd + vpaddd on registers). Timings
+    instructions at (benchmarks/madd_peak.c: 8 chains of vpmaddwd + vpaddd on registers); oneDNN's
+    fp32 linear on the same shapes against the core's vfmadd231ps rate (8 chains). Timings
     alternate, the best of `rounds` each, so a noisy guest slows them alike."""
     cpu = CpuFeatures.detect()
     if kernels.isa != "avx2" or cpu.has("avx_vnni"):
         raise SystemExit(f"--peak measures AVX2 kernels without VNNI (vpmaddwd); these are {cpu.describe()}: "
                          "set TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2")
     lib = ctypes.CDLL(str(build_shared_object(Path(__file__).with_name("madd_peak.c"), cpu)))
-    lib.int16_madd_chains.argtypes = [ctypes.c_int64]
-    assert lib.int16_madd_chains(1) == 0
+    for chains in (lib.int16_madd_chains, lib.fp32_fma_chains):
+        chains.argtypes = [ctypes.c_int64]
+        assert chains(1) == 0
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     cases = []
     for n, k in ((3072, 576), (576, 1536)):
-        tiles = kernels.repack_tiles(int(Q.Q4_1), torch.from_numpy(quantize(rng.standard_normal((n, k)).astype(
-            np.float32), Q.Q4_1)), k)
+        dense = rng.standard_normal((n, k)).astype(np.float32)
+        tiles = kernels.repack_tiles(int(Q.Q4_1), torch.from_numpy(quantize(dense, Q.Q4_1)), k)
         x, out = torch.randn(rows, k), torch.empty(rows, n)
         for mode in ("int16", "int8"):
             cases.append((f"tiles {mode} {n}x{k}", rows * n * k,
                           lambda tiles=tiles, n=n, k=k, x=x, out=out, mode=mode:
                           kernels.tile_matmul(int(Q.Q4_1), tiles, n, k, x, out, mode)))
+        onednn = make_linear_kernel(torch.from_numpy(dense), None, "onednn")
+        cases.append((f"oneDNN fp32 {n}x{k}", rows * n * k, lambda onednn=onednn, x=x: onednn(x)))
     cases.append(("vpmaddwd + vpaddd chains", PEAK_STEPS * 8 * 16, lambda: lib.int16_madd_chains(PEAK_STEPS)))
+    cases.append(("vfmadd231ps chains", PEAK_STEPS * 8 * 8, lambda: lib.fp32_fma_chains(PEAK_STEPS)))
     best = {name: float("inf") for name, _, _ in cases}
     for _ in range(rounds):
         for name, _, fn in cases:
             best[name] = min(best[name], per_call(fn, 3))
     rate = {name: macs / best[name] / 1e9 for name, macs, _ in cases}
-    ceiling = rate["vpmaddwd + vpaddd chains"]
-    print(f"one thread, {rows} rows: int16 multiply-add issue rate {ceiling:.1f} G/s (int8 can pass it: "
-          "a vpmaddubsw takes 32 products)")
-    for name, _, _ in cases[:-1]:
-        print(f"{name}: {rate[name]:.1f} G multiply-adds/s, {rate[name] / ceiling:.0%} of that rate")
+    int16_rate, fma_rate = rate["vpmaddwd + vpaddd chains"], rate["vfmadd231ps chains"]
+    print(f"one thread, {rows} rows: int16 multiply-add issue rate {int16_rate:.1f} G/s (int8 can pass it: "
+          f"a vpmaddubsw takes 32 products); fp32 FMA rate {fma_rate:.1f} G/s; their ratio "
+          f"{int16_rate / fma_rate:.2f}: the most int16 tiles can lead an fp32 GEMM where both are compute-bound")
+    for name, _, _ in cases[:-2]:
+        ceiling = fma_rate if name.startswith("oneDNN") else int16_rate
+        print(f"{name}: {rate[name]:.1f} G multiply-adds/s, {rate[name] / ceiling:.0%} of the "
+              f"{'FMA' if name.startswith('oneDNN') else 'int16'} rate")
+    for n, k in ((3072, 576), (576, 1536)):
+        print(f"{n}x{k}: int16 tiles / oneDNN fp32 {rate[f'tiles int16 {n}x{k}'] / rate[f'oneDNN fp32 {n}x{k}']:.2f}x")
 
 
 def main() -> None:
