@@ -73,17 +73,19 @@ def test_avx512_bf16_cap_builds_without_amx():
 def test_quant_activations_choose_bf16_only_with_an_engine():
     kernels = load_quant_kernels()
     amx, dp, none = (dataclasses.replace(kernels, bf16_engine=e, isa="avx512") for e in ("amx", "avx512_bf16", ""))
-    avx2 = dataclasses.replace(kernels, bf16_engine="", isa="avx2")
+    avx2, baseline = (dataclasses.replace(kernels, bf16_engine="", isa=isa) for isa in ("avx2", "baseline"))
     assert quant_activation_modes("auto", amx) == TileModes("int16", BF16_AUTO_MIN_ROWS["amx"], GEMM_FROM_ROWS)
     assert quant_activation_modes("auto", dp) == TileModes("int16", BF16_AUTO_MIN_ROWS["avx512_bf16"],
                                                            GEMM_FROM_ROWS)
-    assert quant_activation_modes("auto", none) == TileModes("int16", 0, GEMM_FROM_ROWS)
-    assert quant_activation_modes("auto", avx2) == TileModes("int16", 0, 0)  # int16 tiles at any size
+    # no bf16 engine: int16 tiles at any size (AVX-512 and AVX2); a scalar build dequantizes past decode sizes
+    assert quant_activation_modes("auto", none) == TileModes("int16", 0, 0)
+    assert quant_activation_modes("auto", avx2) == TileModes("int16", 0, 0)
+    assert quant_activation_modes("auto", baseline) == TileModes("int16", 0, GEMM_FROM_ROWS)
     assert quant_activation_modes("bf16", amx) == quant_activation_modes("bf16", dp) == TileModes("bf16", 1, 0)
     assert quant_activation_modes("int8", amx) == TileModes("int8", 0, GEMM_FROM_ROWS)  # an explicit mode: kept
-    # an explicit int8/int16 takes its tiles at any size where auto's int16 does (AVX2)
-    assert quant_activation_modes("int16", avx2) == TileModes("int16", 0, 0)
-    assert quant_activation_modes("int8", avx2) == TileModes("int8", 0, 0)
+    # an explicit int8/int16 takes its tiles at any size where auto's int16 does (no bf16 engine)
+    assert quant_activation_modes("int16", avx2) == quant_activation_modes("int16", none) == TileModes("int16", 0, 0)
+    assert quant_activation_modes("int8", avx2) == quant_activation_modes("int8", none) == TileModes("int8", 0, 0)
     assert quant_activation_modes("fp32", avx2) == TileModes("fp32", 0, GEMM_FROM_ROWS)  # fp32 tiles: <= 64 rows
     with pytest.raises(ValueError, match="quant_activations 'bf16' needs AVX512-BF16"):
         quant_activation_modes("bf16", none)

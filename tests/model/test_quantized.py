@@ -256,13 +256,13 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
     if not model.quant_kernels.tiles(int(Q[qtype])):
         pytest.skip(f"no tiled kernels on this CPU ({DETECTED.describe()}): integer activations do not apply")
     assert {m.kernel.modes.activations for m in model.modules() if isinstance(m, Linear)} == {"int16"}
-    # On AVX2 (no bf16 engine) prefill chunks past 64 rows stay on int16 tiles as well.
-    any_rows = model.quant_kernels.isa == "avx2" and not model.quant_kernels.bf16_engine
+    # Without a bf16 engine (AVX2, AVX-512) prefill chunks past 64 rows stay on int16 tiles as well.
+    any_rows = model.quant_kernels.isa in ("avx2", "avx512") and not model.quant_kernels.bf16_engine
     assert {m.kernel.modes.gemm_from_rows for m in model.modules() if isinstance(m, Linear)} == {
         0 if any_rows else GEMM_FROM_ROWS}
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
     assert 0 < error(default) < 1e-4
-    # A 100-row prefill: int16 tiles (AVX2) or the fp32 GEMM stay within 1e-4; where the CPU has
+    # A 100-row prefill: int16 tiles (AVX2, AVX-512) or the fp32 GEMM stay within 1e-4; where the CPU has
     # a bf16 engine, auto takes bf16 there (test_bf16_tiles.py), within its 1e-2.
     long_prompt, _ = _logits(src, "gguf", "auto", prompt_len=100)
     long_dequantized, _ = _logits(src, "none", prompt_len=100)

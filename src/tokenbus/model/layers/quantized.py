@@ -13,8 +13,9 @@ fp32's), or to int8 (llama.cpp's approach: a little faster, but ~1/254 of a bloc
 value per activation, which 120 matmuls compound into greedy answers that differ from the
 model's: benchmarks/activation_error.py). A larger batch (a long prefill chunk) is
 compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
-and multiplied by an fp32 GEMM, so no dense copy is ever kept; on AVX2 CPUs under
-quant_activations=auto it stays on int16 tiles instead (faster there: GEMM_FROM_ROWS).
+and multiplied by an fp32 GEMM, so no dense copy is ever kept; on AVX2 and AVX-512 CPUs
+without a bf16 engine, under quant_activations=auto, it stays on int16 tiles instead (faster
+there: GEMM_FROM_ROWS).
 
 On a CPU with AVX512-BF16, calls from BF16_AUTO_MIN_ROWS rows up (prefill chunks, and on AMX
 decode batches of 16+) take bf16 activations instead, at any size: each weight tile is
@@ -50,10 +51,13 @@ BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 # on the tile ISAs listed here, where integer activations run at any size (quant_tiles.c takes
 # MAX_M rows at a time per tile). AVX2 (AMD EPYC Zen 3; benchmarks/quant_linear.py --step
 # --rows 64 256): a step's linears at 256 rows 650-658 ms on int16 tiles against 968-1,063 ms
-# dequantized for the GEMM, at 64 rows 154-162 against 311-418. AVX-512 without BF16 is not
-# measured: GEMM there.
+# dequantized for the GEMM, at 64 rows 154-162 against 311-418. AVX-512 without BF16 (Skylake-X
+# and later Xeons before Cooper Lake; measured under TOKENBUS_CPU_ISA=avx512, no VNNI, with
+# MKL held to AVX-512): 78.7 against 157.8 ms at 64 rows, 307 against 409 at 256, 1,497 against
+# 1,738 at 1,024, 2,808 against 2,936 at 2,048 (the default chunk). With VNNI (Cascade Lake,
+# Ice Lake) an int16 multiply-add is one vpdpwssd instead of two instructions.
 GEMM_FROM_ROWS = TILE_GEMV_MAX_ROWS + 1
-INT_TILES_ANY_ROWS_ISAS = ("avx2",)
+INT_TILES_ANY_ROWS_ISAS = ("avx2", "avx512")
 
 
 @dataclass(frozen=True)
