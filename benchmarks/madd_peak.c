@@ -5,7 +5,10 @@
    out of the loop): an upper bound for the kernel on this core, which also has to load its
    operands and scale its sums. fp32_fma_chains is the same for vfmadd231ps (8 fp32 multiply-adds
    each), the instruction an fp32 GEMM peer's inner loop is made of: the two rates' ratio bounds
-   how far integer tiles can lead such a GEMM where both are compute-bound (prefill). */
+   how far integer tiles can lead such a GEMM where both are compute-bound (prefill).
+   The zmm_* functions are the same at 512 bits for what the CPU itself has, whatever the build
+   (the assembler takes any instruction; each asks the CPU first): the int16 kernel's AVX-512
+   instructions without VNNI (vpmaddwd + vpaddd) and with it (vpdpwssd), against the zmm FMA. */
 #include <stdint.h>
 
 /* Runs `steps` x 8 vpmaddwd + vpaddd pairs (ymm); 0, or -1 where the build has no AVX2. */
@@ -86,6 +89,58 @@ int fp32_fma_chains(int64_t steps) {
         : "+r"(steps)
         :
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm14", "xmm15", "cc");
+    return 0;
+#else
+    (void)steps;
+    return -1;
+#endif
+}
+
+/* 8 chains of `step` (one zmm instruction, or two for the vpmaddwd + vpaddd pair) on registers,
+   `steps` times; zmm14/zmm15 are the operands, zmm8-11 the products' scratch. */
+#define ZMM_CHAINS(step)                                                                            \
+    __asm__ volatile(                                                                               \
+        "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"                                                         \
+        "vmovdqa64 %%zmm0, %%zmm1\n\tvmovdqa64 %%zmm0, %%zmm2\n\tvmovdqa64 %%zmm0, %%zmm3\n\t"      \
+        "vmovdqa64 %%zmm0, %%zmm4\n\tvmovdqa64 %%zmm0, %%zmm5\n\tvmovdqa64 %%zmm0, %%zmm6\n\t"      \
+        "vmovdqa64 %%zmm0, %%zmm7\n\tvmovdqa64 %%zmm0, %%zmm14\n\tvmovdqa64 %%zmm0, %%zmm15\n\t"    \
+        "1:\n\t" step(0, 8) step(1, 9) step(2, 10) step(3, 11) step(4, 8) step(5, 9) step(6, 10)    \
+        step(7, 11) "dec %0\n\tjnz 1b\n\tvzeroupper\n\t"                                            \
+        : "+r"(steps)                                                                               \
+        :                                                                                           \
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",  \
+          "xmm11", "xmm14", "xmm15", "cc")
+#define FMA_STEP(acc, tmp) "vfmadd231ps %%zmm14, %%zmm15, %%zmm" #acc "\n\t"
+#define MADD_STEP(acc, tmp) "vpmaddwd %%zmm14, %%zmm15, %%zmm" #tmp "\n\tvpaddd %%zmm" #tmp ", %%zmm" #acc ", %%zmm" #acc "\n\t"
+#define VNNI_STEP(acc, tmp) "vpdpwssd %%zmm14, %%zmm15, %%zmm" #acc "\n\t"
+
+/* Each: 0, or -1 where the CPU lacks the instructions (or is not x86). */
+int zmm_fma_chains(int64_t steps) {
+#if defined(__x86_64__)
+    if (!__builtin_cpu_supports("avx512f")) return -1;
+    if (steps > 0) ZMM_CHAINS(FMA_STEP);
+    return 0;
+#else
+    (void)steps;
+    return -1;
+#endif
+}
+
+int zmm_madd_chains(int64_t steps) {
+#if defined(__x86_64__)
+    if (!__builtin_cpu_supports("avx512bw")) return -1;
+    if (steps > 0) ZMM_CHAINS(MADD_STEP);
+    return 0;
+#else
+    (void)steps;
+    return -1;
+#endif
+}
+
+int zmm_vnni_chains(int64_t steps) {
+#if defined(__x86_64__)
+    if (!__builtin_cpu_supports("avx512vnni")) return -1;
+    if (steps > 0) ZMM_CHAINS(VNNI_STEP);
     return 0;
 #else
     (void)steps;

@@ -29,7 +29,8 @@ second core adds to a kernel); the other cells stay at 2 threads.
 a second, against the rate the core issues vpmaddwd + vpaddd at (madd_peak.c): how much a
 compute-bound prefill chunk could still gain without VNNI. Also oneDNN's fp32 linear (an fp32
 GEMM peer's prefill) against the core's FMA rate, and the two issue rates' ratio: the most the
-int16 tiles can lead that peer by where both are compute-bound.
+int16 tiles can lead that peer by where both are compute-bound. Where the CPU itself has AVX-512
+(the cap aside), the same rates at 512 bits: FMA, vpmaddwd + vpaddd, and VNNI's vpdpwssd.
 
     TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
       .venv/bin/python benchmarks/quant_linear.py --peak
@@ -200,6 +201,26 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
               f"{'FMA' if name.startswith('oneDNN') else 'int16'} rate")
     for n, k in ((3072, 576), (576, 1536)):
         print(f"{n}x{k}: int16 tiles / oneDNN fp32 {rate[f'tiles int16 {n}x{k}'] / rate[f'oneDNN fp32 {n}x{k}']:.2f}x")
+    zmm_rates(lib, rounds)
+
+
+def zmm_rates(lib, rounds: int) -> None:
+    """The same issue rates at 512 bits, where the CPU itself has AVX-512 (whatever the cap): the
+    int16 kernel's AVX-512 instructions without VNNI and with it, against the zmm FMA."""
+    chains = {"vfmadd231ps": (lib.zmm_fma_chains, 16), "vpmaddwd + vpaddd": (lib.zmm_madd_chains, 32),
+              "vpdpwssd": (lib.zmm_vnni_chains, 32)}
+    for fn, _ in chains.values():
+        fn.argtypes = [ctypes.c_int64]
+    chains = {name: (fn, lanes) for name, (fn, lanes) in chains.items() if fn(1) == 0}
+    if "vfmadd231ps" not in chains:
+        return
+    best = {name: float("inf") for name in chains}
+    for _ in range(rounds):
+        for name, (fn, _) in chains.items():
+            best[name] = min(best[name], per_call(lambda fn=fn: fn(PEAK_STEPS // 2), 3))
+    rate = {name: PEAK_STEPS // 2 * 8 * lanes / best[name] / 1e9 for name, (_, lanes) in chains.items()}
+    print("zmm (this CPU, uncapped): " + ", ".join(
+        f"{name} {rate[name]:.1f} G/s ({rate[name] / rate['vfmadd231ps']:.2f}x the FMA)" for name in chains))
 
 
 def main() -> None:
