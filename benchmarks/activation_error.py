@@ -13,8 +13,9 @@ rounded per 32-value block as the kernels round it (da = max|x| / levels), to in
 block's max|x| / rms exceeds T (an outlier in it) and to int8 elsewhere, then multiplied on the
 fp32 weight-only path. "rows" rounds each row's block by its own test; "columns" rounds a block
 column to int16 for every row if any row's block fails it (what one kernel call could take per
-tile-block, all rows alike). Prints the share of blocks rounded to int16: whether int8's error
-sits in a few outlier blocks that int16 could take alone. --modes limits the real modes run.
+tile-block, all rows alike). These runs are eager (no C decode layers), so decode steps take
+the rounding too. Prints the share of blocks rounded to int16: whether int8's error sits in a few
+outlier blocks that int16 could take alone. --modes limits the real modes run.
 
 Prints, per mode: how many answers equal fp32's and where the first one differs, and the
 absolute difference of the per-token logprobs from fp32's (mean and max).
@@ -76,8 +77,10 @@ def run_mode(engine_args: dict, texts: list[list[int]] | None, rounding: MixedRo
         QuantizedLinearKernel.__call__ = lambda self, x: original(self, rounding(
             x.reshape(-1, self.in_features).float()).reshape(x.shape).to(x.dtype))
     try:
+        # Simulated rounding needs every linear to pass through QuantizedLinearKernel: eager steps,
+        # so that decode steps do not run the C decode layers, which call the tiles themselves.
         llm = LLM(multiprocess=False, enable_prefix_caching=False, max_num_batched_tokens=64, max_model_len=1024,
-                  **engine_args)
+                  **engine_args, **(dict(enforce_eager=True) if rounding is not None else {}))
         tokenizer = llm.get_tokenizer()
         prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                                   add_generation_prompt=True), add_special_tokens=False)

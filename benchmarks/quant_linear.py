@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import time
 from pathlib import Path
 
@@ -164,9 +165,14 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
     fp32 linear on the same shapes against the core's vfmadd231ps rate (8 chains). Timings
     alternate, the best of `rounds` each, so a noisy guest slows them alike."""
     cpu = CpuFeatures.detect()
-    if kernels.isa != "avx2" or cpu.has("avx_vnni"):
-        raise SystemExit(f"--peak measures AVX2 kernels without VNNI (vpmaddwd); these are {cpu.describe()}: "
-                         "set TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2")
+    # oneDNN and MKL read their own caps: without them, on an AVX-512 CPU the fp32 linear would run
+    # zmm code and be weighed against the ymm FMA rate.
+    capped = (os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2"
+              and os.environ.get("MKL_ENABLE_INSTRUCTIONS", "").upper() == "AVX2")
+    if kernels.isa != "avx2" or cpu.has("avx_vnni") or not capped:
+        raise SystemExit(f"--peak measures AVX2 code without VNNI (vpmaddwd, ymm FMA); these kernels are "
+                         f"{cpu.describe()}: set TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 "
+                         "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2")
     lib = ctypes.CDLL(str(build_shared_object(Path(__file__).with_name("madd_peak.c"), cpu)))
     for chains in (lib.int16_madd_chains, lib.fp32_fma_chains):
         chains.argtypes = [ctypes.c_int64]

@@ -68,12 +68,12 @@ class ModelConfig:
     # within ~3e-4) or int8 (llama.cpp's approach: faster, but most answers change; both from
     # benchmarks/activation_error.py), or fp32 (weight-only: equal to the dequantized
     # model up to rounding); calls of more than 64 rows (long prefill chunks) then dequantize
-    # and multiply in fp32, except under auto on AVX2 (int16 tiles at any size: 1.5-1.6x the
-    # fp32 GEMM at 256 rows on an AMD Zen 3). bf16 (CPUs with AVX512-BF16): x and W rounded to bf16 for every
-    # call, summed in fp32 by AMX tiles or (no AMX) vdpbf16ps. auto: int16, and bf16 from 16 rows
-    # up on AMX (prefill chunks, decode batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2
-    # from fp32's on average), from 32 rows with vdpbf16ps (prefill chunks: 2.9x the fp32 GEMM
-    # on an AMD Zen 4).
+    # and multiply in fp32, except without a bf16 engine (AVX2, AVX-512) under auto, int16 or int8
+    # (integer tiles at any size: 1.5-1.6x the fp32 GEMM at 256 rows on an AMD Zen 3). bf16 (CPUs
+    # with AVX512-BF16): x and W rounded to bf16 for every call, summed in fp32 by AMX tiles or
+    # (no AMX) vdpbf16ps. auto: int16, and bf16 from 16 rows up on AMX (prefill chunks, decode
+    # batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2 from fp32's on average), from 32
+    # rows with vdpbf16ps (prefill chunks: 2.9x the fp32 GEMM on an AMD Zen 4).
     quant_activations: str = "auto"
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
@@ -383,9 +383,9 @@ class EngineArgs:
                                           "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
                                           "bf16: every call in bf16 (CPUs with AVX512-BF16: AMX tiles or "
                                           "vdpbf16ps); auto: int16, and bf16 for calls of 16+ rows on "
-                                          "AMX (prefill, batches), 32+ without (prefill); on AVX2 (no bf16 "
-                                          "engine), auto's int16 and an explicit int8/int16 cover prefill "
-                                          "chunks too",
+                                          "AMX (prefill, batches), 32+ without (prefill); on AVX2 or "
+                                          "AVX-512 without a bf16 engine, auto's int16 and an explicit "
+                                          "int8/int16 cover prefill chunks too",
                                   choices=QUANT_ACTIVATIONS)
     num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
                                          "(affinity, cgroup quota) / ranks, and with one rank fewer "

@@ -3,7 +3,7 @@ puts it there under VLLM_CPU_ISA=avx512, for vLLM's server and the processes it 
 
 As avx2_cap/sitecustomize.py, one level up: torch.cpu answers yes to AVX-512 and no to
 AVX512-BF16/VNNI and AMX, so vLLM loads _C_AVX512 and takes the paths it takes on an AVX-512 CPU
-without BF16 (a Skylake-X or Cascade Lake Xeon)."""
+without BF16 or VNNI (a Skylake-X Xeon)."""
 
 import torch.cpu
 

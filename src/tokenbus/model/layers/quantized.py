@@ -51,8 +51,8 @@ BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 # on the tile ISAs listed here, where integer activations run at any size (quant_tiles.c takes
 # MAX_M rows at a time per tile). AVX2 (AMD EPYC Zen 3; benchmarks/quant_linear.py --step
 # --rows 64 256): a step's linears at 256 rows 650-658 ms on int16 tiles against 968-1,063 ms
-# dequantized for the GEMM, at 64 rows 154-162 against 311-418. AVX-512 without BF16 (Skylake-X
-# and later Xeons before Cooper Lake; measured under TOKENBUS_CPU_ISA=avx512, no VNNI, with
+# dequantized for the GEMM, at 64 rows 154-162 against 311-418. AVX-512 without BF16 (Skylake-X,
+# Cascade Lake and Ice Lake Xeons; measured under TOKENBUS_CPU_ISA=avx512, no VNNI, with
 # MKL held to AVX-512): 78.7 against 157.8 ms at 64 rows, 307 against 409 at 256, 1,497 against
 # 1,738 at 1,024, 2,808 against 2,936 at 2,048 (the default chunk). With VNNI (Cascade Lake,
 # Ice Lake) an int16 multiply-add is one vpdpwssd instead of two instructions.
