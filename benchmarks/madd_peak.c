@@ -114,36 +114,22 @@ int fp32_fma_chains(int64_t steps) {
 #define MADD_STEP(acc, tmp) "vpmaddwd %%zmm14, %%zmm15, %%zmm" #tmp "\n\tvpaddd %%zmm" #tmp ", %%zmm" #acc ", %%zmm" #acc "\n\t"
 #define VNNI_STEP(acc, tmp) "vpdpwssd %%zmm14, %%zmm15, %%zmm" #acc "\n\t"
 
-/* Each: 0, or -1 where the CPU lacks the instructions (or is not x86). */
-int zmm_fma_chains(int64_t steps) {
+/* int name(int64_t steps): runs the chains of `step` where the CPU reports `feature`; 0, or -1
+   where it does not (or is not x86). */
 #if defined(__x86_64__)
-    if (!__builtin_cpu_supports("avx512f")) return -1;
-    if (steps > 0) ZMM_CHAINS(FMA_STEP);
-    return 0;
+#define ZMM_CHAINS_FN(name, feature, step)                   \
+    int name(int64_t steps) {                                \
+        if (!__builtin_cpu_supports(feature)) return -1;     \
+        if (steps > 0) ZMM_CHAINS(step);                     \
+        return 0;                                            \
+    }
 #else
-    (void)steps;
-    return -1;
+#define ZMM_CHAINS_FN(name, feature, step) \
+    int name(int64_t steps) {              \
+        (void)steps;                       \
+        return -1;                         \
+    }
 #endif
-}
-
-int zmm_madd_chains(int64_t steps) {
-#if defined(__x86_64__)
-    if (!__builtin_cpu_supports("avx512bw")) return -1;
-    if (steps > 0) ZMM_CHAINS(MADD_STEP);
-    return 0;
-#else
-    (void)steps;
-    return -1;
-#endif
-}
-
-int zmm_vnni_chains(int64_t steps) {
-#if defined(__x86_64__)
-    if (!__builtin_cpu_supports("avx512vnni")) return -1;
-    if (steps > 0) ZMM_CHAINS(VNNI_STEP);
-    return 0;
-#else
-    (void)steps;
-    return -1;
-#endif
-}
+ZMM_CHAINS_FN(zmm_fma_chains, "avx512f", FMA_STEP)
+ZMM_CHAINS_FN(zmm_madd_chains, "avx512bw", MADD_STEP)
+ZMM_CHAINS_FN(zmm_vnni_chains, "avx512vnni", VNNI_STEP)
