@@ -72,6 +72,16 @@ def per_call(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def best_of_rounds(cells: dict, rounds: int) -> dict[str, float]:
+    """name -> the least of `rounds` timings of cells[name]() (each returns one), the cells taking
+    turns round by round, so that a slow spell of the machine slows every cell alike."""
+    best = {name: float("inf") for name in cells}
+    for _ in range(rounds):
+        for name, cell in cells.items():
+            best[name] = min(best[name], cell())
+    return best
+
+
 STEP_ROWS = (1, 4, 8, 16, 32, 64, 256)
 STEP_KERNELS = ("rows", "dequantize+GEMM", *TILE_ACTIVATIONS)
 
@@ -113,10 +123,7 @@ def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int
                         lambda build=build, weights=tiled[name], mode=mode, count=count:
                         with_threads(count, lambda: once(weights, lambda q, w, n, k, o:
                                                          build.tile_matmul(q, w, n, k, x[k], o, mode))))
-        times = {name: float("inf") for name in cells}
-        for _ in range(repeats):  # round by round, so a slow spell of the machine slows every cell
-            for name, cell in cells.items():
-                times[name] = min(times[name], cell())
+        times = best_of_rounds(cells, repeats)
         print(f"step linears, {m} rows: " + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items()))
 
 
@@ -192,10 +199,7 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
         cases.append((f"oneDNN fp32 {n}x{k}", rows * n * k, lambda onednn=onednn, x=x: onednn(x)))
     cases.append(("vpmaddwd + vpaddd chains", PEAK_STEPS * 8 * 16, lambda: lib.int16_madd_chains(PEAK_STEPS)))
     cases.append(("vfmadd231ps chains", PEAK_STEPS * 8 * 8, lambda: lib.fp32_fma_chains(PEAK_STEPS)))
-    best = {name: float("inf") for name, _, _ in cases}
-    for _ in range(rounds):
-        for name, _, fn in cases:
-            best[name] = min(best[name], per_call(fn, 3))
+    best = best_of_rounds({name: lambda fn=fn: per_call(fn, 3) for name, _, fn in cases}, rounds)
     rate = {name: macs / best[name] / 1e9 for name, macs, _ in cases}
     int16_rate, fma_rate = rate["vpmaddwd + vpaddd chains"], rate["vfmadd231ps chains"]
     print(f"one thread, {rows} rows: int16 multiply-add issue rate {int16_rate:.1f} G/s (int8 can pass it: "
@@ -220,10 +224,8 @@ def zmm_rates(lib, rounds: int) -> None:
     chains = {name: (fn, lanes) for name, (fn, lanes) in chains.items() if fn(1) == 0}
     if "vfmadd231ps" not in chains:
         return
-    best = {name: float("inf") for name in chains}
-    for _ in range(rounds):
-        for name, (fn, _) in chains.items():
-            best[name] = min(best[name], per_call(lambda fn=fn: fn(PEAK_STEPS // 2), 3))
+    best = best_of_rounds({name: lambda fn=fn: per_call(lambda: fn(PEAK_STEPS // 2), 3)
+                           for name, (fn, _) in chains.items()}, rounds)
     rate = {name: PEAK_STEPS // 2 * 8 * lanes / best[name] / 1e9 for name, (_, lanes) in chains.items()}
     print("zmm (this CPU, uncapped): " + ", ".join(
         f"{name} {rate[name]:.1f} G/s ({rate[name] / rate['vfmadd231ps']:.2f}x the FMA)" for name in chains))

@@ -18,8 +18,8 @@ from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks,
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
 from tokenbus.model.layers import Linear
-from tokenbus.model.layers.quantized import (GEMM_FROM_ROWS, QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS,
-                                             QuantizedLinearKernel)
+from tokenbus.model.layers.quantized import (GEMM_FROM_ROWS, INT_TILES_ANY_ROWS_ISAS, QUANT_GEMV_MAX_ROWS,
+                                             TILE_GEMV_MAX_ROWS, QuantizedLinearKernel)
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures, _capped
 from tokenbus.worker.model_loader import load_model, resolve_quantization
@@ -257,7 +257,7 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
         pytest.skip(f"no tiled kernels on this CPU ({DETECTED.describe()}): integer activations do not apply")
     assert {m.kernel.modes.activations for m in model.modules() if isinstance(m, Linear)} == {"int16"}
     # Without a bf16 engine (AVX2, AVX-512) prefill chunks past 64 rows stay on int16 tiles as well.
-    any_rows = model.quant_kernels.isa in ("avx2", "avx512") and not model.quant_kernels.bf16_engine
+    any_rows = model.quant_kernels.isa in INT_TILES_ANY_ROWS_ISAS and not model.quant_kernels.bf16_engine
     assert {m.kernel.modes.gemm_from_rows for m in model.modules() if isinstance(m, Linear)} == {
         0 if any_rows else GEMM_FROM_ROWS}
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
