@@ -33,16 +33,23 @@ from tokenbus.model.layers.quantized import QuantizedLinearKernel
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Explain what a hash table is in two sentences.", "List three prime numbers and say why they are prime.",
-             "How do I reverse a list in Python?", "Why is the sky blue?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers and say why they are prime.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+]
 # label -> engine arguments; fp32 (the reference) first.
-MODES = {"fp32": dict(quant_activations="fp32", kv_cache_dtype="float32"),
-         "int16": dict(quant_activations="int16", kv_cache_dtype="float32"),
-         "int8": dict(quant_activations="int8", kv_cache_dtype="float32"),
-         "bf16": dict(quant_activations="bf16", kv_cache_dtype="float32"),  # AMX only
-         "fp16 KV": dict(quant_activations="fp32", kv_cache_dtype="float16"),
-         "defaults": dict()}
+MODES = {
+    "fp32": dict(quant_activations="fp32", kv_cache_dtype="float32"),
+    "int16": dict(quant_activations="int16", kv_cache_dtype="float32"),
+    "int8": dict(quant_activations="int8", kv_cache_dtype="float32"),
+    "bf16": dict(quant_activations="bf16", kv_cache_dtype="float32"),  # AMX only
+    "fp16 KV": dict(quant_activations="fp32", kv_cache_dtype="float16"),
+    "defaults": dict(),
+}
 
 
 @dataclass
@@ -50,6 +57,7 @@ class MixedRounding:
     """Rounds x [M, K] per 32-value block: int16 where max|x| / rms > threshold, else int8
     (per_column: a block column goes int16 for all rows if any row's block fails). Counts the
     blocks each way."""
+
     threshold: float
     per_column: bool
     int16_blocks: int = 0
@@ -69,30 +77,50 @@ class MixedRounding:
         return (torch.round(b / amax * levels) * (amax / levels)).reshape(m, k)
 
 
-def run_mode(engine_args: dict, texts: list[list[int]] | None, rounding: MixedRounding | None = None):
+def run_mode(
+    engine_args: dict, texts: list[list[int]] | None, rounding: MixedRounding | None = None
+):
     """Greedy answers to QUESTIONS and per-token logprobs of `texts` (the mode's own prompt +
     answers when None: the reference run), with every linear's input rounded by `rounding`."""
     original = QuantizedLinearKernel.__call__
     if rounding is not None:  # the engine runs in this process (multiprocess=False)
-        QuantizedLinearKernel.__call__ = lambda self, x: original(self, rounding(
-            x.reshape(-1, self.in_features).float()).reshape(x.shape).to(x.dtype))
+        QuantizedLinearKernel.__call__ = lambda self, x: original(
+            self, rounding(x.reshape(-1, self.in_features).float()).reshape(x.shape).to(x.dtype)
+        )
     try:
         # Simulated rounding needs every linear to pass through QuantizedLinearKernel: eager steps,
         # so that decode steps do not run the C decode layers, which call the tiles themselves.
-        llm = LLM(multiprocess=False, enable_prefix_caching=False, max_num_batched_tokens=64, max_model_len=1024,
-                  **engine_args, **(dict(enforce_eager=True) if rounding is not None else {}))
+        llm = LLM(
+            multiprocess=False,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=64,
+            max_model_len=1024,
+            **engine_args,
+            **(dict(enforce_eager=True) if rounding is not None else {}),
+        )
         tokenizer = llm.get_tokenizer()
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                                  add_generation_prompt=True), add_special_tokens=False)
-                   for q in QUESTIONS]
+        prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+                ),
+                add_special_tokens=False,
+            )
+            for q in QUESTIONS
+        ]
         greedy = SamplingParams(temperature=0.0, max_tokens=48, min_tokens=48)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         answers = [o.outputs[0].token_ids for o in outputs]
         texts = texts or [p + a for p, a in zip(prompts, answers)]
-        scored = llm.generate([{"prompt_token_ids": t} for t in texts],
-                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        scores = [[entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], text[1:])]
-                  for o, text in zip(scored, texts)]
+        scored = llm.generate(
+            [{"prompt_token_ids": t} for t in texts],
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
+        scores = [
+            [entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], text[1:])]
+            for o, text in zip(scored, texts)
+        ]
         llm.shutdown()
     finally:
         QuantizedLinearKernel.__call__ = original
@@ -101,12 +129,23 @@ def run_mode(engine_args: dict, texts: list[list[int]] | None, rounding: MixedRo
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="real modes (fp32 always)")
-    parser.add_argument("--mixed", type=float, nargs="*", default=[], help="simulated mixed int8/int16 thresholds")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="real modes (fp32 always)",
+    )
+    parser.add_argument(
+        "--mixed", type=float, nargs="*", default=[], help="simulated mixed int8/int16 thresholds"
+    )
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
-    modes = ["fp32"] + [mode for mode in args.modes if mode != "fp32"
-                        and (mode != "bf16" or load_quant_kernels().bf16_engine)]
+    modes = ["fp32"] + [
+        mode
+        for mode in args.modes
+        if mode != "fp32" and (mode != "bf16" or load_quant_kernels().bf16_engine)
+    ]
     reference = MODES["fp32"]
     answers, scores, texts = {}, {}, None
     for mode in modes:
@@ -121,14 +160,20 @@ def main() -> None:
             modes.append(mode)
     for mode in modes[1:]:
         same = sum(a == b for a, b in zip(answers[mode], answers["fp32"]))
-        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                 for a, b in zip(answers[mode], answers["fp32"])]
-        diffs = [abs(x - y) for got, ref in zip(scores[mode], scores["fp32"]) for x, y in zip(got, ref)]
+        first = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            for a, b in zip(answers[mode], answers["fp32"])
+        ]
+        diffs = [
+            abs(x - y) for got, ref in zip(scores[mode], scores["fp32"]) for x, y in zip(got, ref)
+        ]
         differing = [f for f in first if f is not None] or "-"
         share = f"; {shares[mode]:.1%} of blocks rounded to int16" if mode in shares else ""
-        print(f"{mode}: {same}/{len(QUESTIONS)} greedy answers equal fp32's (first difference at token "
-              f"{differing}); per-token logprob |diff| mean {sum(diffs) / len(diffs):.2e}, "
-              f"max {max(diffs):.2e} over {len(diffs)} tokens{share}")
+        print(
+            f"{mode}: {same}/{len(QUESTIONS)} greedy answers equal fp32's (first difference at token "
+            f"{differing}); per-token logprob |diff| mean {sum(diffs) / len(diffs):.2e}, "
+            f"max {max(diffs):.2e} over {len(diffs)} tokens{share}"
+        )
 
 
 if __name__ == "__main__":

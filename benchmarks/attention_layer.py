@@ -10,6 +10,7 @@ paths taking turns call by call: a kernel change against the build before it on 
 Usage: python benchmarks/attention_layer.py [--batch 64] [--context 450] [--threads 2] [--dtype float32]
        [--kv-dtype float16] [--baseline REV]
 """
+
 import argparse
 import time
 
@@ -45,8 +46,15 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--baseline", metavar="REV", help="also git revision REV's paged_attention.c, in turns")
-    p.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: --dtype")
+    p.add_argument(
+        "--baseline", metavar="REV", help="also git revision REV's paged_attention.c, in turns"
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="default: --dtype",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -62,22 +70,30 @@ def main():
     k, v = (torch.randn(batch, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
     kernels = [("torch", None), ("native", load_paged_attention())]
     if args.baseline:
-        kernels.append((f"native ({args.baseline})", load_at_revision(
-            args.baseline, ATTENTION_SOURCE, lambda path: load_paged_attention(source=path))))
+        kernels.append(
+            (
+                f"native ({args.baseline})",
+                load_at_revision(
+                    args.baseline, ATTENTION_SOURCE, lambda path: load_paged_attention(source=path)
+                ),
+            )
+        )
     plans = {name: build_attention_plan(ctx, dtype, kernel) for name, kernel in kernels}
     outputs, best = {}, {name: float("inf") for name in plans}
     for _ in range(args.repeats):  # round by round, so a slow spell of the machine slows every path
         for name, plan in plans.items():
             start = time.perf_counter()
-            outputs[name] = paged_attention(q, k, v, kv, slots, plan, head_dim ** -0.5)
+            outputs[name] = paged_attention(q, k, v, kv, slots, plan, head_dim**-0.5)
             best[name] = min(best[name], time.perf_counter() - start)
     kv_bytes = 2 * batch * (context + 1) * num_kv_heads * head_dim * kv.element_size()
     for name, seconds in best.items():
         print(f"{name:7s} {seconds * 1e3:7.3f} ms  ({kv_bytes / seconds / 1e9:5.1f} GB/s of K/V)")
     for name in list(plans)[1:]:
         print(f"max |{name} - torch| = {(outputs[name] - outputs['torch']).abs().max().item():.2e}")
-    print(f"reference: torch.sum over {SUM_REFERENCE_NUMEL * 4 / 1e6:.0f} MB fp32 "
-          f"{sum_bandwidth(SUM_REPEATS):5.1f} GB/s (best of {SUM_REPEATS})")
+    print(
+        f"reference: torch.sum over {SUM_REFERENCE_NUMEL * 4 / 1e6:.0f} MB fp32 "
+        f"{sum_bandwidth(SUM_REPEATS):5.1f} GB/s (best of {SUM_REPEATS})"
+    )
 
 
 if __name__ == "__main__":

@@ -49,33 +49,48 @@ def build(args):
     arch = load_arch(src)
     dtype = resolve_dtype(args.dtype, device)
     model = load_model(src, arch, dtype, device, "auto", quantization=args.quantization)
-    eager_model = load_model(src, arch, dtype, device, "auto", quantization=args.quantization, enforce_eager=True)
+    eager_model = load_model(
+        src, arch, dtype, device, "auto", quantization=args.quantization, enforce_eager=True
+    )
     max_batch = max(args.batches)
-    config = EngineArgs(model=args.model, max_num_seqs=max_batch, max_model_len=args.max_model_len,
-                        cudagraph_capture_sizes=sorted(set(args.batches))).to_config(args.max_model_len)
+    config = EngineArgs(
+        model=args.model,
+        max_num_seqs=max_batch,
+        max_model_len=args.max_model_len,
+        cudagraph_capture_sizes=sorted(set(args.batches)),
+    ).to_config(args.max_model_len)
     bs = config.cache.block_size
     num_blocks = max_batch * cdiv(args.context + 1, bs) + 2
     kv = allocate_kv_caches(arch, num_blocks, bs, dtype, device)
     g = torch.Generator().manual_seed(0)
     for cache in kv:
         cache.copy_(torch.randn(cache.shape, generator=g).to(dtype))
-    buffers = InputBuffers(config.scheduler.max_num_batched_tokens, max_batch,
-                           cdiv(args.max_model_len, bs) + 1, device)
+    buffers = InputBuffers(
+        config.scheduler.max_num_batched_tokens, max_batch, cdiv(args.max_model_len, bs) + 1, device
+    )
     return model, eager_model, arch, config, kv, buffers
 
 
-def make_requests(batch: int, context: int, block_size: int, num_blocks: int, vocab: int, seed: int):
+def make_requests(
+    batch: int, context: int, block_size: int, num_blocks: int, vocab: int, seed: int
+):
     from tokenbus.sampling_params import SamplingParams
     from tokenbus.worker.input_batch import ScheduledRequest
     from tokenbus.worker.request_state import CachedRequestState
 
     g = torch.Generator().manual_seed(seed)
     per_req = -(-(context + 1) // block_size)
-    perm = (torch.randperm(num_blocks - 1, generator=g)[: batch * per_req] + 1).view(batch, per_req).tolist()
+    perm = (
+        (torch.randperm(num_blocks - 1, generator=g)[: batch * per_req] + 1)
+        .view(batch, per_req)
+        .tolist()
+    )
     requests = []
     for i in range(batch):
         prompt = torch.randint(0, vocab, (context + 1,), generator=g).tolist()
-        state = CachedRequestState(f"r{i}", prompt, [], SamplingParams(max_tokens=1), perm[i], context)
+        state = CachedRequestState(
+            f"r{i}", prompt, [], SamplingParams(max_tokens=1), perm[i], context
+        )
         requests.append(ScheduledRequest(state, 1, []))
     return requests
 
@@ -89,6 +104,7 @@ def plain_step(model, requests, buffers, block_size: int, kv):
         batch = prepare_batch(requests, buffers, block_size, kv)
         batch.ctx.attn_metadata = model.attention_backend.build_metadata(batch.ctx)
         return model.compute_logits(model(batch.input_ids, batch.ctx)[batch.logits_indices])
+
     return step
 
 
@@ -111,25 +127,57 @@ def aoti_step(args) -> dict:
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens_t, query_start_t,
-                    plan_query_start, plan_seq_lens, plan_block_tables, plan_reqs, *kv_caches):
-            ctx = dataclasses.replace(template, positions=positions, slot_mapping=slot_mapping,
-                                      kv_caches=list(kv_caches), block_tables=block_tables,
-                                      seq_lens_t=seq_lens_t, query_start_loc_t=query_start_t)
-            ctx.attn_metadata = NativeDecodePlan(num_tokens, plan_query_start, plan_seq_lens, plan_block_tables,
-                                                 plan_reqs)
+        def forward(
+            self,
+            input_ids,
+            positions,
+            slot_mapping,
+            block_tables,
+            seq_lens_t,
+            query_start_t,
+            plan_query_start,
+            plan_seq_lens,
+            plan_block_tables,
+            plan_reqs,
+            *kv_caches,
+        ):
+            ctx = dataclasses.replace(
+                template,
+                positions=positions,
+                slot_mapping=slot_mapping,
+                kv_caches=list(kv_caches),
+                block_tables=block_tables,
+                seq_lens_t=seq_lens_t,
+                query_start_loc_t=query_start_t,
+            )
+            ctx.attn_metadata = NativeDecodePlan(
+                num_tokens, plan_query_start, plan_seq_lens, plan_block_tables, plan_reqs
+            )
             return self.model(input_ids, ctx)
 
     def flat_inputs():
         batch = prepare_batch(requests, buffers, bs, kv, padded_size=1)
         ctx, plan = batch.ctx, model.attention_backend.prepare_for_replay(batch.ctx, 1)
-        return batch, (batch.input_ids, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens_t,
-                       ctx.query_start_loc_t, plan.query_start, plan.seq_lens, plan.block_tables, plan.reqs, *kv)
+        return batch, (
+            batch.input_ids,
+            ctx.positions,
+            ctx.slot_mapping,
+            ctx.block_tables,
+            ctx.seq_lens_t,
+            ctx.query_start_loc_t,
+            plan.query_start,
+            plan.seq_lens,
+            plan.block_tables,
+            plan.reqs,
+            *kv,
+        )
 
     with tempfile.TemporaryDirectory() as out_dir, torch.inference_mode():
         start = time.perf_counter()
         exported = torch.export.export(Step(), flat_inputs()[1], strict=False)
-        package = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(out_dir, "step.pt2"))
+        package = torch._inductor.aoti_compile_and_package(
+            exported, package_path=os.path.join(out_dir, "step.pt2")
+        )
         compile_s = time.perf_counter() - start
         start = time.perf_counter()
         runner = torch._inductor.aoti_load_package(package)
@@ -137,10 +185,13 @@ def aoti_step(args) -> dict:
 
         def aoti():
             batch, inputs = flat_inputs()
-            return model.compute_logits(runner(*inputs)[:batch.num_tokens][batch.logits_indices])
+            return model.compute_logits(runner(*inputs)[: batch.num_tokens][batch.logits_indices])
 
-        modes = {"eager": plain_step(eager_model, requests, buffers, bs, kv),
-                 "c_layers": plain_step(model, requests, buffers, bs, kv), "aoti": aoti}
+        modes = {
+            "eager": plain_step(eager_model, requests, buffers, bs, kv),
+            "c_layers": plain_step(model, requests, buffers, bs, kv),
+            "aoti": aoti,
+        }
         diff = (modes["eager"]() - aoti()).abs().max().item()
         times = {name: [] for name in modes}
         for _ in range(3):
@@ -152,10 +203,20 @@ def aoti_step(args) -> dict:
                 fn()
                 times[name].append(time.perf_counter() - start)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"AOTInductor package, batch 1: compile {compile_s:.1f} s, load {load_s:.2f} s; " + "  ".join(
-        f"{name} {med[name]:.2f} ms (x{med['eager'] / med[name]:.2f})" for name in modes)
-        + f"  max |dlogit| aoti vs eager {diff:.1e}", flush=True)
-    return dict(compile_s=compile_s, load_s=load_s, **{f"{k}_ms": v for k, v in med.items()}, max_abs_logit_diff=diff)
+    print(
+        f"AOTInductor package, batch 1: compile {compile_s:.1f} s, load {load_s:.2f} s; "
+        + "  ".join(
+            f"{name} {med[name]:.2f} ms (x{med['eager'] / med[name]:.2f})" for name in modes
+        )
+        + f"  max |dlogit| aoti vs eager {diff:.1e}",
+        flush=True,
+    )
+    return dict(
+        compile_s=compile_s,
+        load_s=load_s,
+        **{f"{k}_ms": v for k, v in med.items()},
+        max_abs_logit_diff=diff,
+    )
 
 
 def step_latency(args) -> list[dict]:
@@ -166,11 +227,15 @@ def step_latency(args) -> list[dict]:
     bs = config.cache.block_size
     if args.device == "cuda":
         from tokenbus.worker.cuda_graphs import CudaGraphRunner
+
         runner = CudaGraphRunner(model, torch.device("cuda"))
     else:
         from tokenbus.worker.compiled_cpu import CompiledCpuRunner
+
         runner = CompiledCpuRunner(model, config)
-    steps = CapturedSteps(model, runner, config.compilation.cudagraph_capture_sizes, buffers, bs, kv)
+    steps = CapturedSteps(
+        model, runner, config.compilation.cudagraph_capture_sizes, buffers, bs, kv
+    )
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     with torch.inference_mode():
         start = time.perf_counter()
@@ -180,11 +245,15 @@ def step_latency(args) -> list[dict]:
     print(f"captured sizes {list(steps.dispatcher.sizes)} in {capture_s:.1f} s", flush=True)
     results = []
     for batch_size in args.batches:
-        requests = make_requests(batch_size, args.context, bs, kv[0].shape[1], arch.vocab_size, batch_size)
+        requests = make_requests(
+            batch_size, args.context, bs, kv[0].shape[1], arch.vocab_size, batch_size
+        )
 
         def captured():
-            batch = prepare_batch(requests, buffers, bs, kv, padded_size=steps.padded_size(requests))
-            return model.compute_logits(steps.run(batch)[:batch.num_tokens][batch.logits_indices])
+            batch = prepare_batch(
+                requests, buffers, bs, kv, padded_size=steps.padded_size(requests)
+            )
+            return model.compute_logits(steps.run(batch)[: batch.num_tokens][batch.logits_indices])
 
         modes = {"eager": plain_step(eager_model, requests, buffers, bs, kv), "captured": captured}
         if args.device == "cpu":
@@ -205,12 +274,23 @@ def step_latency(args) -> list[dict]:
                     times[name].append(time.perf_counter() - start)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         low = {k: min(v) * 1e3 for k, v in times.items()}
-        row = dict(batch=batch_size, **{f"{k}_ms": v for k, v in med.items()},
-                   **{f"{k}_min_ms": v for k, v in low.items()}, max_abs_logit_diff=diff)
-        print(f"batch {batch_size:3d}: " + "  ".join(
-            f"{name} {med[name]:7.2f} ms (min {low[name]:.2f}" + ("" if name == "eager" else
-                                                                 f", x{med['eager'] / med[name]:.2f}") + ")"
-            for name in modes) + f"  max |dlogit| vs eager {max(diff.values()):.1e}", flush=True)
+        row = dict(
+            batch=batch_size,
+            **{f"{k}_ms": v for k, v in med.items()},
+            **{f"{k}_min_ms": v for k, v in low.items()},
+            max_abs_logit_diff=diff,
+        )
+        print(
+            f"batch {batch_size:3d}: "
+            + "  ".join(
+                f"{name} {med[name]:7.2f} ms (min {low[name]:.2f}"
+                + ("" if name == "eager" else f", x{med['eager'] / med[name]:.2f}")
+                + ")"
+                for name in modes
+            )
+            + f"  max |dlogit| vs eager {max(diff.values()):.1e}",
+            flush=True,
+        )
         results.append(row)
     return results
 
@@ -244,17 +324,29 @@ llm.shutdown()
 def run_llm(args, mode: dict, cache: str, gen_tokens: int) -> dict:
     env = dict(os.environ, TOKENBUS_CACHE_DIR=cache, PYTHONPATH=os.path.join(ROOT, "src"))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    spec = dict(model=args.model, max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
-                quantization=args.quantization, device=args.device, threads=args.threads, mode=mode,
-                gen_tokens=gen_tokens, repeats=args.repeats)
-    done = subprocess.run([sys.executable, "-c", E2E, json.dumps(spec)], env=env, capture_output=True, text=True)
+    spec = dict(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(args.batches),
+        quantization=args.quantization,
+        device=args.device,
+        threads=args.threads,
+        mode=mode,
+        gen_tokens=gen_tokens,
+        repeats=args.repeats,
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", E2E, json.dumps(spec)], env=env, capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[7:])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
     parser.add_argument("--dtype", default="auto")
@@ -269,14 +361,20 @@ def main() -> None:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
-    parser.add_argument("--aoti", action="store_true", help="also an AOTInductor package of the batch-1 step (CPU)")
+    parser.add_argument(
+        "--aoti", action="store_true", help="also an AOTInductor package of the batch-1 step (CPU)"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     from tokenbus.utils.cpu import CpuFeatures
-    print(f"torch {torch.__version__}, {args.device}, CPU: {CpuFeatures.detect().describe()}, "
-          f"quantization {args.quantization}, {args.threads} threads", flush=True)
+
+    print(
+        f"torch {torch.__version__}, {args.device}, CPU: {CpuFeatures.detect().describe()}, "
+        f"quantization {args.quantization}, {args.threads} threads",
+        flush=True,
+    )
     report: dict = {"device": args.device, "quantization": args.quantization}
     if not args.skip_latency:
         report["latency"] = step_latency(args)
@@ -287,21 +385,36 @@ def main() -> None:
         if not args.skip_e2e:
             # Warm the captured engine's compile cache first: this part measures steady decode.
             run_llm(args, captured, cache, 0)
-            rates = {name: run_llm(args, mode, cache, args.gen_tokens)["tok_s"]
-                     for name, mode in (("eager", eager), ("default", default), ("captured", captured))}
+            rates = {
+                name: run_llm(args, mode, cache, args.gen_tokens)["tok_s"]
+                for name, mode in (("eager", eager), ("default", default), ("captured", captured))
+            }
             report["single_request_tok_s"] = rates
-            print("single request: " + ", ".join(
-                f"{name} {rate:.1f} tok/s (x{rate / rates['eager']:.2f})" for name, rate in rates.items()), flush=True)
+            print(
+                "single request: "
+                + ", ".join(
+                    f"{name} {rate:.1f} tok/s (x{rate / rates['eager']:.2f})"
+                    for name, rate in rates.items()
+                ),
+                flush=True,
+            )
     if not args.skip_startup:
         with tempfile.TemporaryDirectory() as cache:
             run_llm(args, eager, cache, 0)  # the native kernels built: not what is measured here
-            start = {"eager": run_llm(args, eager, cache, 0)["start_s"],
-                     "default": run_llm(args, default, cache, 0)["start_s"],
-                     "captured_cold": run_llm(args, captured, cache, 0)["start_s"],
-                     "captured_warm": run_llm(args, captured, cache, 0)["start_s"]}
+            start = {
+                "eager": run_llm(args, eager, cache, 0)["start_s"],
+                "default": run_llm(args, default, cache, 0)["start_s"],
+                "captured_cold": run_llm(args, captured, cache, 0)["start_s"],
+                "captured_warm": run_llm(args, captured, cache, 0)["start_s"],
+            }
         report["startup_s"] = start
-        print("start-up: " + ", ".join(f"{name} {t:.1f} s (+{t - start['eager']:.1f})" for name, t in start.items()),
-              flush=True)
+        print(
+            "start-up: "
+            + ", ".join(
+                f"{name} {t:.1f} s (+{t - start['eager']:.1f})" for name, t in start.items()
+            ),
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -23,7 +23,9 @@ from tokenbus.utils.cpu import CpuFeatures
 
 
 def timed(llm: LLM, prompt: list[int], max_tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True
+    )
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     return time.perf_counter() - start
@@ -34,26 +36,42 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quant-activations", default="auto")
-    parser.add_argument("--enforce-eager", action="store_true", help="every layer op by op (no C decode layers)")
-    parser.add_argument("--num-threads", type=int, default=None, help="engine threads (default: the usable cores)")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="every layer op by op (no C decode layers)"
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="engine threads (default: the usable cores)"
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--peer", action="store_true", help="also run llama-bench on the same GGUF")
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
-    llm = LLM(quantization=args.quantization, dtype=args.dtype, quant_activations=args.quant_activations,
-              enforce_eager=args.enforce_eager, num_threads=args.num_threads, enable_prefix_caching=False)
+    llm = LLM(
+        quantization=args.quantization,
+        dtype=args.dtype,
+        quant_activations=args.quant_activations,
+        enforce_eager=args.enforce_eager,
+        num_threads=args.num_threads,
+        enable_prefix_caching=False,
+    )
     rng = random.Random(0)
     short, long = [rng.randrange(1000, 40000)], [rng.randrange(1000, 40000) for _ in range(512)]
     timed(llm, short, 16), timed(llm, long, 1)  # warm-up (kernels built, caches filled)
     tg = min(timed(llm, short, 129) - timed(llm, short, 1) for _ in range(args.reps))
     pp = min(timed(llm, long, 1) for _ in range(args.reps))
     llm.shutdown()
-    print(f"tokenbus quantization={args.quantization} dtype={args.dtype} quant_activations={args.quant_activations} "
-          f"enforce_eager={args.enforce_eager} num_threads={args.num_threads}: "
-          f"tg128 {128 / tg:.1f} tok/s, pp512 {512 / pp:.1f} tok/s")
+    print(
+        f"tokenbus quantization={args.quantization} dtype={args.dtype} quant_activations={args.quant_activations} "
+        f"enforce_eager={args.enforce_eager} num_threads={args.num_threads}: "
+        f"tg128 {128 / tg:.1f} tok/s, pp512 {512 / pp:.1f} tok/s"
+    )
     if args.peer:
         script = Path(__file__).with_name("peers") / "llama_cpp.sh"
-        print(subprocess.run(["bash", str(script), "bench"], capture_output=True, text=True, check=True).stdout)
+        print(
+            subprocess.run(
+                ["bash", str(script), "bench"], capture_output=True, text=True, check=True
+            ).stdout
+        )
 
 
 if __name__ == "__main__":

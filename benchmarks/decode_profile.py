@@ -19,7 +19,9 @@ from tokenbus import LLM, SamplingParams
 from tokenbus.utils.cpu import CpuFeatures
 
 
-def profiled_generate(llm: LLM, request: list[dict], params: SamplingParams) -> tuple[pstats.Stats, float]:
+def profiled_generate(
+    llm: LLM, request: list[dict], params: SamplingParams
+) -> tuple[pstats.Stats, float]:
     """One llm.generate under cProfile: its statistics and its wall time (s)."""
     profile = cProfile.Profile()
     start = time.perf_counter()

@@ -29,8 +29,9 @@ def main() -> None:
     def prompt(lo: int, hi: int) -> list[int]:
         return [rng.randrange(100, ns.vocab) for _ in range(rng.randint(lo, hi))]
 
-    items = ([{"prompt": prompt(*ns.long_len), "output_len": ns.long_output} for _ in range(ns.long)]
-             + [{"prompt": prompt(*ns.chat_len), "output_len": ns.chat_output} for _ in range(ns.chat)])
+    items = [
+        {"prompt": prompt(*ns.long_len), "output_len": ns.long_output} for _ in range(ns.long)
+    ] + [{"prompt": prompt(*ns.chat_len), "output_len": ns.chat_output} for _ in range(ns.chat)]
     rng.shuffle(items)
     with open(ns.out, "w") as f:
         for item in items:

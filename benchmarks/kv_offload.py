@@ -28,8 +28,10 @@ from tokenbus.bench.report import machine_description
 def _prompts(num: int, prefix_len: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(1000, 40000) for _ in range(prefix_len)]
-    return prefix, [prefix + [rng.randrange(1000, 40000) for _ in range(rng.randint(32, 64))]
-                    for _ in range(num)]
+    return prefix, [
+        prefix + [rng.randrange(1000, 40000) for _ in range(rng.randint(32, 64))]
+        for _ in range(num)
+    ]
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -52,16 +54,28 @@ def _measure(name: str, kv_transfer_config: str | None, args) -> dict:
     for round_index in range(args.rounds):
         _prefix, batch = _prompts(args.num_requests, args.prefix_len, seed=2 * round_index)
         recall = _prompts(1, args.prefix_len, seed=2 * round_index + 1)[1][0]
-        saved, loaded = llm.engine.stats_totals["kv_bytes_saved"], llm.engine.stats_totals["kv_bytes_loaded"]
+        saved, loaded = (
+            llm.engine.stats_totals["kv_bytes_saved"],
+            llm.engine.stats_totals["kv_bytes_loaded"],
+        )
         times = dict(batch_s=_run(llm, batch, 16), recall_first_s=_run(llm, [recall], 1))
         llm.reset_prefix_cache()
         times["recall_again_s"] = _run(llm, [recall], 1)
         for key, value in times.items():
             best[key] = round(min(best.get(key, value), value), 3)
-        best["saved_mib_per_round"] = round((llm.engine.stats_totals["kv_bytes_saved"] - saved) / 2**20, 1)
-        best["loaded_mib_per_round"] = round((llm.engine.stats_totals["kv_bytes_loaded"] - loaded) / 2**20, 1)
+        best["saved_mib_per_round"] = round(
+            (llm.engine.stats_totals["kv_bytes_saved"] - saved) / 2**20, 1
+        )
+        best["loaded_mib_per_round"] = round(
+            (llm.engine.stats_totals["kv_bytes_loaded"] - loaded) / 2**20, 1
+        )
     llm.shutdown()
-    return dict(engine=name, **best, save_s_total=round(seconds["save"], 3), load_s_total=round(seconds["load"], 3))
+    return dict(
+        engine=name,
+        **best,
+        save_s_total=round(seconds["save"], 3),
+        load_s_total=round(seconds["load"], 3),
+    )
 
 
 def _count_transfer_seconds(llm: LLM) -> dict[str, float]:
@@ -81,7 +95,9 @@ def _count_transfer_seconds(llm: LLM) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--num-requests", type=int, default=16)
@@ -90,16 +106,23 @@ def main() -> None:
     args = parser.parse_args()
     disk_path = args.disk_path or tempfile.mkdtemp(prefix="tokenbus-kv-offload-")
     print(machine_description())
-    rows = [_measure("off", None, args),
-            _measure("cpu", _kv_config(cpu_bytes="2GiB"), args),
-            _measure("cpu+disk", _kv_config(cpu_bytes="2GiB", disk_path=disk_path), args)]
+    rows = [
+        _measure("off", None, args),
+        _measure("cpu", _kv_config(cpu_bytes="2GiB"), args),
+        _measure("cpu+disk", _kv_config(cpu_bytes="2GiB", disk_path=disk_path), args),
+    ]
     # Restart on the same disk tier: the last round's recall prompt is warm at once.
     llm = LLM(args.model, kv_transfer_config=_kv_config(cpu_bytes="2GiB", disk_path=disk_path))
     _run(llm, _prompts(1, 64, seed=999)[1], 1)  # warm-up
     recall = _prompts(1, args.prefix_len, seed=2 * args.rounds - 1)[1][0]
     restart_s = _run(llm, [recall], 1)
-    rows.append(dict(engine="restart (disk)", recall_first_s=round(restart_s, 3),
-                     loaded_mib=round(llm.engine.stats_totals["kv_bytes_loaded"] / 2**20, 1)))
+    rows.append(
+        dict(
+            engine="restart (disk)",
+            recall_first_s=round(restart_s, 3),
+            loaded_mib=round(llm.engine.stats_totals["kv_bytes_loaded"] / 2**20, 1),
+        )
+    )
     llm.shutdown()
     for row in rows:
         print(json.dumps(row))

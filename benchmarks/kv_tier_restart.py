@@ -28,10 +28,12 @@ from pathlib import Path
 
 import httpx
 
-WORDS = ("river stone market lantern harvest signal quiet copper meadow circuit orbit ledger "
-         "thunder velvet garden compass mirror anchor timber canyon beacon ember falcon glacier "
-         "harbor island jungle kettle lemon marble needle ocean pepper quartz rocket saddle "
-         "tunnel umbrella valley wander yonder zephyr archive bridge candle desert engine").split()
+WORDS = (
+    "river stone market lantern harvest signal quiet copper meadow circuit orbit ledger "
+    "thunder velvet garden compass mirror anchor timber canyon beacon ember falcon glacier "
+    "harbor island jungle kettle lemon marble needle ocean pepper quartz rocket saddle "
+    "tunnel umbrella valley wander yonder zephyr archive bridge candle desert engine"
+).split()
 
 
 def system_prompt(seed: int, num_words: int) -> str:
@@ -47,8 +49,11 @@ class Server:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenbus", "serve", "--port", str(port), *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenbus", "serve", "--port", str(port), *extra],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -75,21 +80,32 @@ class Server:
 
     def ttft(self, system: str, question: str) -> tuple[float, int]:
         """Seconds to the first streamed token, and the prompt tokens the server reported cached."""
-        body = {"model": "default", "messages": [{"role": "system", "content": system},
-                                                {"role": "user", "content": question}],
-                "max_tokens": 1, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": "default",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         models = httpx.get(self.url + "/v1/models", timeout=10).json()["data"]
         body["model"] = models[0]["id"]
         start = time.perf_counter()
         first, cached = None, 0
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=300) as response:
+        with httpx.stream(
+            "POST", self.url + "/v1/chat/completions", json=body, timeout=300
+        ) as response:
             response.raise_for_status()
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                if first is None and any(
+                    c.get("delta", {}).get("content") for c in chunk.get("choices", [])
+                ):
                     first = time.perf_counter() - start
                 usage = chunk.get("usage") or {}
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
@@ -99,10 +115,14 @@ class Server:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--port", type=int, default=8061)
-    parser.add_argument("--system-words", type=int, default=1250, help="about 1.2 tokens per word: ~1,500 tokens")
+    parser.add_argument(
+        "--system-words", type=int, default=1250, help="about 1.2 tokens per word: ~1,500 tokens"
+    )
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--log", default="bench_out/kv_tier_restart.log")
     ns = parser.parse_args()
@@ -116,25 +136,45 @@ def main() -> int:
         baseline, _ = plain.ttft(system, "Summarise the notes in one line.")
         plain.stop()
         with tempfile.TemporaryDirectory(prefix="kv-tier-") as tier:
-            config = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                 "kv_connector_extra_config": {"disk_path": tier}})
+            config = json.dumps(
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"disk_path": tier},
+                }
+            )
             server = Server(ns.port, [*common, "--kv-transfer-config", config], Path(ns.log))
             cold, cold_cached = server.ttft(system, "Summarise the notes in one line.")
             server.stop()
             server = Server(ns.port, [*common, "--kv-transfer-config", config], Path(ns.log))
             warm, warm_cached = server.ttft(system, "Which word appears most often?")
             server.stop()
-        row = dict(trial=trial, system_tokens=num_tokens, no_connector_s=baseline, cold_s=cold,
-                   warm_s=warm, cold_cached_tokens=cold_cached, warm_cached_tokens=warm_cached,
-                   speedup=cold / warm)
+        row = dict(
+            trial=trial,
+            system_tokens=num_tokens,
+            no_connector_s=baseline,
+            cold_s=cold,
+            warm_s=warm,
+            cold_cached_tokens=cold_cached,
+            warm_cached_tokens=warm_cached,
+            speedup=cold / warm,
+        )
         rows.append(row)
-        print(f"trial {trial}: system prompt {num_tokens} tokens; TTFT no connector {baseline * 1e3:.0f} ms, "
-              f"cold {cold * 1e3:.0f} ms (cached {cold_cached}), after restart {warm * 1e3:.0f} ms "
-              f"(cached {warm_cached}): {cold / warm:.1f}x", flush=True)
-    summary = {key: statistics.median(r[key] for r in rows) for key in ("no_connector_s", "cold_s", "warm_s")}
+        print(
+            f"trial {trial}: system prompt {num_tokens} tokens; TTFT no connector {baseline * 1e3:.0f} ms, "
+            f"cold {cold * 1e3:.0f} ms (cached {cold_cached}), after restart {warm * 1e3:.0f} ms "
+            f"(cached {warm_cached}): {cold / warm:.1f}x",
+            flush=True,
+        )
+    summary = {
+        key: statistics.median(r[key] for r in rows)
+        for key in ("no_connector_s", "cold_s", "warm_s")
+    }
     summary["speedup_median"] = summary["cold_s"] / summary["warm_s"]
-    print(f"median TTFT: no connector {summary['no_connector_s'] * 1e3:.0f} ms, cold {summary['cold_s'] * 1e3:.0f} ms, "
-          f"warm after restart {summary['warm_s'] * 1e3:.0f} ms: {summary['speedup_median']:.1f}x")
+    print(
+        f"median TTFT: no connector {summary['no_connector_s'] * 1e3:.0f} ms, cold {summary['cold_s'] * 1e3:.0f} ms, "
+        f"warm after restart {summary['warm_s'] * 1e3:.0f} ms: {summary['speedup_median']:.1f}x"
+    )
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps({"trials": rows, "summary": summary}, indent=2))
     return 0

@@ -23,7 +23,9 @@ def main(out_dir: str) -> None:
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out_dir)
     source = resolve_model(None)
-    AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(
+        str(source.path.parent), gguf_file=source.path.name
+    ).save_pretrained(out_dir)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,19 @@ from tests.fixtures.tiny_models import smollm2_gguf  # noqa: E402
 
 def main(out: str) -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+    )
     model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():  # O(1) activations: HF's 0.02-std init gives near-uniform logits
         for param in model.parameters():

@@ -20,7 +20,10 @@ from tokenbus.utils.cpu import CpuFeatures
 from decode_profile import profiled_generate  # benchmarks/ is sys.path[0] when run as a script
 
 # The entry point of each part: (file, function) as cProfile names them; its cumulative time.
-PARTS = {"linears": ("layers/linear.py", "forward"), "attention": ("model/attention.py", "paged_attention")}
+PARTS = {
+    "linears": ("layers/linear.py", "forward"),
+    "attention": ("model/attention.py", "paged_attention"),
+}
 
 
 def main() -> None:
@@ -28,7 +31,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--num-threads", type=int, help="the engine's CPU threads (default: the usable cores)")
+    parser.add_argument(
+        "--num-threads", type=int, help="the engine's CPU threads (default: the usable cores)"
+    )
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
     llm = LLM(multiprocess=False, enable_prefix_caching=False, num_threads=args.num_threads)
@@ -41,15 +46,27 @@ def main() -> None:
         llm.generate(request, params, use_tqdm=False)
         plain.append(time.perf_counter() - start)
     best = min(plain)
-    print(f"without the profiler: {best * 1e3:.1f} ms, {args.prompt_len / best:.1f} prompt tok/s "
-          f"(best of {args.repeats})")
+    print(
+        f"without the profiler: {best * 1e3:.1f} ms, {args.prompt_len / best:.1f} prompt tok/s "
+        f"(best of {args.repeats})"
+    )
     stats, whole = profiled_generate(llm, request, params)
-    parts = {part: sum(cumtime for (file, _, name), (_, _, _, cumtime, _) in stats.stats.items()
-                       if file.endswith(suffix) and name == function)
-             for part, (suffix, function) in PARTS.items()}
+    parts = {
+        part: sum(
+            cumtime
+            for (file, _, name), (_, _, _, cumtime, _) in stats.stats.items()
+            if file.endswith(suffix) and name == function
+        )
+        for part, (suffix, function) in PARTS.items()
+    }
     parts["other"] = whole - sum(parts.values())
-    print(f"under the profiler: {whole * 1e3:.1f} ms; " + ", ".join(
-        f"{part} {seconds * 1e3:.1f} ms ({seconds / whole:.0%})" for part, seconds in parts.items()))
+    print(
+        f"under the profiler: {whole * 1e3:.1f} ms; "
+        + ", ".join(
+            f"{part} {seconds * 1e3:.1f} ms ({seconds / whole:.0%})"
+            for part, seconds in parts.items()
+        )
+    )
     stats.sort_stats("tottime").print_stats(args.top)
     llm.shutdown()
 

@@ -54,13 +54,22 @@ from gguf.quants import quantize
 
 from tokenbus.model.layers.linear import make_linear_kernel
 from tokenbus.model.layers.quantized import DequantBuffer
-from tokenbus.model.native import QUANT_MAX_ROWS, TILE_ACTIVATIONS, build_shared_object, load_quant_kernels
+from tokenbus.model.native import (
+    QUANT_MAX_ROWS,
+    TILE_ACTIVATIONS,
+    build_shared_object,
+    load_quant_kernels,
+)
 from tokenbus.utils.cpu import CpuFeatures
 
 from revisions import REPO, load_at_revision  # benchmarks/ is sys.path[0] when run as a script
 
 TILE_SOURCE = REPO / "src/tokenbus/model/native/quant_tiles.c"
-SHAPES = [(3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1), (49152, 576, Q.Q8_0)]  # gate_up, down, tied LM head
+SHAPES = [
+    (3072, 576, Q.Q4_1),
+    (576, 1536, Q.Q4_1),
+    (49152, 576, Q.Q8_0),
+]  # gate_up, down, tied LM head
 
 
 def per_call(fn, reps: int) -> float:
@@ -86,8 +95,14 @@ STEP_ROWS = (1, 4, 8, 16, 32, 64, 256)
 STEP_KERNELS = ("rows", "dequantize+GEMM", *TILE_ACTIVATIONS)
 
 
-def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int = 1,
-                 baseline: tuple[str, object] | None = None, threads: tuple[int, ...] = (2,)) -> None:
+def step_linears(
+    kernels,
+    row_counts=STEP_ROWS,
+    names=STEP_KERNELS,
+    repeats: int = 1,
+    baseline: tuple[str, object] | None = None,
+    threads: tuple[int, ...] = (2,),
+) -> None:
     """SmolLM2-135M's decode step: per layer qkv 960x576, o 576x576, gate_up 3072x576, down
     576x1536 (Q4_1), then the tied Q8_0 LM head 49152x576. `baseline`: (name, kernels) whose
     tile kernels take turns with these, round by round. `threads`: the tile cells once per
@@ -95,36 +110,75 @@ def step_linears(kernels, row_counts=STEP_ROWS, names=STEP_KERNELS, repeats: int
     rng = np.random.default_rng(0)
     shapes = [(960, 576, Q.Q4_1), (576, 576, Q.Q4_1), (3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1)] * 30
     shapes.append((49152, 576, Q.Q8_0))
-    base = {shape: torch.from_numpy(quantize(rng.standard_normal(shape[:2]).astype(np.float32), shape[2]))
-            for shape in set(shapes)}
-    rows_layout = [(int(q), base[(n, k, q)].clone(), n, k) for n, k, q in shapes]  # a copy per layer
+    base = {
+        shape: torch.from_numpy(
+            quantize(rng.standard_normal(shape[:2]).astype(np.float32), shape[2])
+        )
+        for shape in set(shapes)
+    }
+    rows_layout = [
+        (int(q), base[(n, k, q)].clone(), n, k) for n, k, q in shapes
+    ]  # a copy per layer
     builds = [("", kernels)] + ([baseline] if baseline else [])
-    tiled = {name: [(q, build.repack_tiles(q, w, k), n, k) for q, w, n, k in rows_layout] for name, build in builds}
+    tiled = {
+        name: [(q, build.repack_tiles(q, w, k), n, k) for q, w, n, k in rows_layout]
+        for name, build in builds
+    }
     buffer = DequantBuffer()
-    modes = [mode for mode in TILE_ACTIVATIONS if mode in names and (mode != "bf16" or kernels.bf16_engine)]
+    modes = [
+        mode
+        for mode in TILE_ACTIVATIONS
+        if mode in names and (mode != "bf16" or kernels.bf16_engine)
+    ]
     for m in row_counts:
         x = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
         outs = [torch.empty(m, n) for _, _, n, _ in rows_layout]
 
         def once(weights, fn) -> float:  # ms for all of a step's linears
-            return per_call(lambda: [fn(q, w, n, k, o) for (q, w, n, k), o in zip(weights, outs)],
-                            5 if m > 16 else 20) * 1e3
+            return (
+                per_call(
+                    lambda: [fn(q, w, n, k, o) for (q, w, n, k), o in zip(weights, outs)],
+                    5 if m > 16 else 20,
+                )
+                * 1e3
+            )
+
         cells = {}  # name -> one timing
         if m <= QUANT_MAX_ROWS and "rows" in names:
-            cells["rows"] = lambda: once(rows_layout, lambda q, w, n, k, o: kernels.matmul(q, w, k, x[k], o))
+            cells["rows"] = lambda: once(
+                rows_layout, lambda q, w, n, k, o: kernels.matmul(q, w, k, x[k], o)
+            )
         if "dequantize+GEMM" in names:
-            cells["dequantize+GEMM"] = lambda: once(rows_layout, lambda q, w, n, k, o: o.copy_(
-                x[k] @ kernels.dequant_rows(q, w, k, torch.arange(n), out=buffer.take(n, k)).T))
+            cells["dequantize+GEMM"] = lambda: once(
+                rows_layout,
+                lambda q, w, n, k, o: o.copy_(
+                    x[k] @ kernels.dequant_rows(q, w, k, torch.arange(n), out=buffer.take(n, k)).T
+                ),
+            )
         for mode in modes if m <= QUANT_MAX_ROWS else [mode for mode in modes if mode != "fp32"]:
             for name, build in builds:
                 for count in threads:
-                    label = ", ".join(([name] if name else []) + ([f"{count} threads"] if threads != (2,) else []))
+                    label = ", ".join(
+                        ([name] if name else []) + ([f"{count} threads"] if threads != (2,) else [])
+                    )
                     cells[f"tiles {mode}" + (f" ({label})" if label else "")] = (
-                        lambda build=build, weights=tiled[name], mode=mode, count=count:
-                        with_threads(count, lambda: once(weights, lambda q, w, n, k, o:
-                                                         build.tile_matmul(q, w, n, k, x[k], o, mode))))
+                        lambda build=build, weights=tiled[name], mode=mode, count=count: (
+                            with_threads(
+                                count,
+                                lambda: once(
+                                    weights,
+                                    lambda q, w, n, k, o: build.tile_matmul(
+                                        q, w, n, k, x[k], o, mode
+                                    ),
+                                ),
+                            )
+                        )
+                    )
         times = best_of_rounds(cells, repeats)
-        print(f"step linears, {m} rows: " + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items()))
+        print(
+            f"step linears, {m} rows: "
+            + ", ".join(f"{name} {t:.2f} ms" for name, t in times.items())
+        )
 
 
 def with_threads(count: int, fn):
@@ -140,7 +194,9 @@ def with_threads(count: int, fn):
 
 def baseline_kernels(rev: str):
     """(rev, the quantized kernels with git revision `rev`'s tile kernels)."""
-    return rev, load_at_revision(rev, TILE_SOURCE, lambda path: load_quant_kernels(tile_source=path))
+    return rev, load_at_revision(
+        rev, TILE_SOURCE, lambda path: load_quant_kernels(tile_source=path)
+    )
 
 
 def against_bf16_gemm(kernels, row_counts=(16, 64, 256, 512), repeats: int = 5) -> None:
@@ -153,13 +209,17 @@ def against_bf16_gemm(kernels, row_counts=(16, 64, 256, 512), repeats: int = 5) 
         for m in row_counts:
             x, out = torch.randn(m, k), torch.empty(m, n)
             xb = x.to(torch.bfloat16)
-            ours = min(per_call(lambda: kernels.tile_matmul(int(Q.Q4_1), tiles, n, k, x, out, "bf16"), 20)
-                       for _ in range(repeats))
+            ours = min(
+                per_call(lambda: kernels.tile_matmul(int(Q.Q4_1), tiles, n, k, x, out, "bf16"), 20)
+                for _ in range(repeats)
+            )
             peer = min(per_call(lambda: F.linear(xb, weight), 20) for _ in range(repeats))
             flop = 2 * m * n * k
-            print(f"{n}x{k} rows={m}: tiles bf16 {ours * 1e3:.3f} ms ({flop / ours / 1e9:.0f} GFLOP/s), "
-                  f"torch bf16 F.linear {peer * 1e3:.3f} ms ({flop / peer / 1e9:.0f} GFLOP/s), ours / torch "
-                  f"{peer / ours:.2f}x")
+            print(
+                f"{n}x{k} rows={m}: tiles bf16 {ours * 1e3:.3f} ms ({flop / ours / 1e9:.0f} GFLOP/s), "
+                f"torch bf16 F.linear {peer * 1e3:.3f} ms ({flop / peer / 1e9:.0f} GFLOP/s), ours / torch "
+                f"{peer / ours:.2f}x"
+            )
 
 
 PEAK_STEPS = 20_000_000  # x 8 vpmaddwd: ~0.05 s a timing at ~3 G a second
@@ -174,12 +234,16 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
     cpu = CpuFeatures.detect()
     # oneDNN and MKL read their own caps: without them, on an AVX-512 CPU the fp32 linear would run
     # zmm code and be weighed against the ymm FMA rate.
-    capped = (os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2"
-              and os.environ.get("MKL_ENABLE_INSTRUCTIONS", "").upper() == "AVX2")
+    capped = (
+        os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2"
+        and os.environ.get("MKL_ENABLE_INSTRUCTIONS", "").upper() == "AVX2"
+    )
     if kernels.isa != "avx2" or cpu.has("avx_vnni") or not capped:
-        raise SystemExit(f"--peak measures AVX2 code without VNNI (vpmaddwd, ymm FMA); these kernels are "
-                         f"{cpu.describe()}: set TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 "
-                         "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2")
+        raise SystemExit(
+            f"--peak measures AVX2 code without VNNI (vpmaddwd, ymm FMA); these kernels are "
+            f"{cpu.describe()}: set TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 "
+            "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2"
+        )
     lib = ctypes.CDLL(str(build_shared_object(Path(__file__).with_name("madd_peak.c"), cpu)))
     for chains in (lib.int16_madd_chains, lib.fp32_fma_chains):
         chains.argtypes = [ctypes.c_int64]
@@ -192,55 +256,100 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
         tiles = kernels.repack_tiles(int(Q.Q4_1), torch.from_numpy(quantize(dense, Q.Q4_1)), k)
         x, out = torch.randn(rows, k), torch.empty(rows, n)
         for mode in ("int16", "int8"):
-            cases.append((f"tiles {mode} {n}x{k}", rows * n * k,
-                          lambda tiles=tiles, n=n, k=k, x=x, out=out, mode=mode:
-                          kernels.tile_matmul(int(Q.Q4_1), tiles, n, k, x, out, mode)))
+            cases.append(
+                (
+                    f"tiles {mode} {n}x{k}",
+                    rows * n * k,
+                    lambda tiles=tiles, n=n, k=k, x=x, out=out, mode=mode: kernels.tile_matmul(
+                        int(Q.Q4_1), tiles, n, k, x, out, mode
+                    ),
+                )
+            )
         onednn = make_linear_kernel(torch.from_numpy(dense), None, "onednn")
         cases.append((f"oneDNN fp32 {n}x{k}", rows * n * k, lambda onednn=onednn, x=x: onednn(x)))
-    cases.append(("vpmaddwd + vpaddd chains", PEAK_STEPS * 8 * 16, lambda: lib.int16_madd_chains(PEAK_STEPS)))
-    cases.append(("vfmadd231ps chains", PEAK_STEPS * 8 * 8, lambda: lib.fp32_fma_chains(PEAK_STEPS)))
+    cases.append(
+        ("vpmaddwd + vpaddd chains", PEAK_STEPS * 8 * 16, lambda: lib.int16_madd_chains(PEAK_STEPS))
+    )
+    cases.append(
+        ("vfmadd231ps chains", PEAK_STEPS * 8 * 8, lambda: lib.fp32_fma_chains(PEAK_STEPS))
+    )
     best = best_of_rounds({name: lambda fn=fn: per_call(fn, 3) for name, _, fn in cases}, rounds)
     rate = {name: macs / best[name] / 1e9 for name, macs, _ in cases}
     int16_rate, fma_rate = rate["vpmaddwd + vpaddd chains"], rate["vfmadd231ps chains"]
-    print(f"one thread, {rows} rows: int16 multiply-add issue rate {int16_rate:.1f} G/s (int8 can pass it: "
-          f"a vpmaddubsw takes 32 products); fp32 FMA rate {fma_rate:.1f} G/s; their ratio "
-          f"{int16_rate / fma_rate:.2f}: the most int16 tiles can lead an fp32 GEMM where both are compute-bound")
+    print(
+        f"one thread, {rows} rows: int16 multiply-add issue rate {int16_rate:.1f} G/s (int8 can pass it: "
+        f"a vpmaddubsw takes 32 products); fp32 FMA rate {fma_rate:.1f} G/s; their ratio "
+        f"{int16_rate / fma_rate:.2f}: the most int16 tiles can lead an fp32 GEMM where both are compute-bound"
+    )
     for name, _, _ in cases[:-2]:
         ceiling = fma_rate if name.startswith("oneDNN") else int16_rate
-        print(f"{name}: {rate[name]:.1f} G multiply-adds/s, {rate[name] / ceiling:.0%} of the "
-              f"{'FMA' if name.startswith('oneDNN') else 'int16'} rate")
+        print(
+            f"{name}: {rate[name]:.1f} G multiply-adds/s, {rate[name] / ceiling:.0%} of the "
+            f"{'FMA' if name.startswith('oneDNN') else 'int16'} rate"
+        )
     for n, k in ((3072, 576), (576, 1536)):
-        print(f"{n}x{k}: int16 tiles / oneDNN fp32 {rate[f'tiles int16 {n}x{k}'] / rate[f'oneDNN fp32 {n}x{k}']:.2f}x")
+        print(
+            f"{n}x{k}: int16 tiles / oneDNN fp32 {rate[f'tiles int16 {n}x{k}'] / rate[f'oneDNN fp32 {n}x{k}']:.2f}x"
+        )
     zmm_rates(lib, rounds)
 
 
 def zmm_rates(lib, rounds: int) -> None:
     """The same issue rates at 512 bits, where the CPU itself has AVX-512 (whatever the cap): the
     int16 kernel's AVX-512 instructions without VNNI and with it, against the zmm FMA."""
-    chains = {"vfmadd231ps": (lib.zmm_fma_chains, 16), "vpmaddwd + vpaddd": (lib.zmm_madd_chains, 32),
-              "vpdpwssd": (lib.zmm_vnni_chains, 32)}
+    chains = {
+        "vfmadd231ps": (lib.zmm_fma_chains, 16),
+        "vpmaddwd + vpaddd": (lib.zmm_madd_chains, 32),
+        "vpdpwssd": (lib.zmm_vnni_chains, 32),
+    }
     for fn, _ in chains.values():
         fn.argtypes = [ctypes.c_int64]
     chains = {name: (fn, lanes) for name, (fn, lanes) in chains.items() if fn(1) == 0}
     if "vfmadd231ps" not in chains:
         return
-    best = best_of_rounds({name: lambda fn=fn: per_call(lambda: fn(PEAK_STEPS // 2), 3)
-                           for name, (fn, _) in chains.items()}, rounds)
-    rate = {name: PEAK_STEPS // 2 * 8 * lanes / best[name] / 1e9 for name, (_, lanes) in chains.items()}
-    print("zmm (this CPU, uncapped): " + ", ".join(
-        f"{name} {rate[name]:.1f} G/s ({rate[name] / rate['vfmadd231ps']:.2f}x the FMA)" for name in chains))
+    best = best_of_rounds(
+        {
+            name: lambda fn=fn: per_call(lambda: fn(PEAK_STEPS // 2), 3)
+            for name, (fn, _) in chains.items()
+        },
+        rounds,
+    )
+    rate = {
+        name: PEAK_STEPS // 2 * 8 * lanes / best[name] / 1e9 for name, (_, lanes) in chains.items()
+    }
+    print(
+        "zmm (this CPU, uncapped): "
+        + ", ".join(
+            f"{name} {rate[name]:.1f} G/s ({rate[name] / rate['vfmadd231ps']:.2f}x the FMA)"
+            for name in chains
+        )
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--step", action="store_true", help="a whole decode step's linears instead")
-    parser.add_argument("--rows", type=int, nargs="+", default=STEP_ROWS, help="--step: activation row counts")
-    parser.add_argument("--kernels", nargs="+", default=STEP_KERNELS, choices=STEP_KERNELS, help="--step: which")
-    parser.add_argument("--repeats", type=int, default=1, help="--step: the best of this many timings")
-    parser.add_argument("--baseline", metavar="REV", help="--step: also git revision REV's tile kernels, in turns")
-    parser.add_argument("--threads", type=int, nargs="+", default=[2], help="--step: tile cells per thread count")
-    parser.add_argument("--against-bf16-gemm", action="store_true", help="bf16 tiles vs torch's bf16 GEMM")
-    parser.add_argument("--peak", action="store_true", help="integer tiles against the core's int16 issue rate")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=STEP_ROWS, help="--step: activation row counts"
+    )
+    parser.add_argument(
+        "--kernels", nargs="+", default=STEP_KERNELS, choices=STEP_KERNELS, help="--step: which"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="--step: the best of this many timings"
+    )
+    parser.add_argument(
+        "--baseline", metavar="REV", help="--step: also git revision REV's tile kernels, in turns"
+    )
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=[2], help="--step: tile cells per thread count"
+    )
+    parser.add_argument(
+        "--against-bf16-gemm", action="store_true", help="bf16 tiles vs torch's bf16 GEMM"
+    )
+    parser.add_argument(
+        "--peak", action="store_true", help="integer tiles against the core's int16 issue rate"
+    )
     args = parser.parse_args()
     if args.baseline and not args.step:
         parser.error("--baseline compares --step's cells")
@@ -258,8 +367,14 @@ def main() -> None:
         peak(kernels)
         return
     if args.step:
-        step_linears(kernels, args.rows, args.kernels, args.repeats,
-                     baseline_kernels(args.baseline) if args.baseline else None, tuple(args.threads))
+        step_linears(
+            kernels,
+            args.rows,
+            args.kernels,
+            args.repeats,
+            baseline_kernels(args.baseline) if args.baseline else None,
+            tuple(args.threads),
+        )
         return
     rng = np.random.default_rng(0)
     for rows, cols, qtype in SHAPES:
@@ -272,19 +387,34 @@ def main() -> None:
         for m in (1, 4, 16, 64):
             x, out = torch.randn(m, cols), torch.empty(m, rows)
             t_quant = per_call(lambda: kernels.matmul(int(qtype), blocks, cols, x, out), reps)
-            t_tiles = {mode: per_call(lambda: kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, mode), reps)
-                       for mode in TILE_ACTIVATIONS if mode != "bf16" or kernels.bf16_engine}
+            t_tiles = {
+                mode: per_call(
+                    lambda: kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, mode), reps
+                )
+                for mode in TILE_ACTIVATIONS
+                if mode != "bf16" or kernels.bf16_engine
+            }
             t_dense = per_call(lambda: onednn(x), reps)
-            t_gemm = per_call(lambda: F.linear(x, kernels.dequant_rows(int(qtype), blocks, cols, all_rows)), reps)
-            print(f"{qtype.name} {rows}x{cols} rows={m}: block kernel {t_quant * 1e3:.3f} ms, "
-                  + "".join(f"tiles {mode} {t * 1e3:.3f} ms, " for mode, t in t_tiles.items())
-                  + f"dequantize+GEMM {t_gemm * 1e3:.3f} ms, oneDNN fp32 {t_dense * 1e3:.3f} ms "
-                  f"(fp32 / block kernel {t_dense / t_quant:.2f}, / int16 tiles {t_dense / t_tiles['int16']:.2f})")
-        scratch = torch.empty(rows, cols)  # the DequantBuffer's case: dequantize into a reused tensor
+            t_gemm = per_call(
+                lambda: F.linear(x, kernels.dequant_rows(int(qtype), blocks, cols, all_rows)), reps
+            )
+            print(
+                f"{qtype.name} {rows}x{cols} rows={m}: block kernel {t_quant * 1e3:.3f} ms, "
+                + "".join(f"tiles {mode} {t * 1e3:.3f} ms, " for mode, t in t_tiles.items())
+                + f"dequantize+GEMM {t_gemm * 1e3:.3f} ms, oneDNN fp32 {t_dense * 1e3:.3f} ms "
+                f"(fp32 / block kernel {t_dense / t_quant:.2f}, / int16 tiles {t_dense / t_tiles['int16']:.2f})"
+            )
+        scratch = torch.empty(
+            rows, cols
+        )  # the DequantBuffer's case: dequantize into a reused tensor
         t_fresh = per_call(lambda: kernels.dequant_rows(int(qtype), blocks, cols, all_rows), reps)
-        t_reused = per_call(lambda: kernels.dequant_rows(int(qtype), blocks, cols, all_rows, out=scratch), reps)
-        print(f"{qtype.name} {rows}x{cols} dequantize: fresh tensor {t_fresh * 1e3:.3f} ms, "
-              f"reused {t_reused * 1e3:.3f} ms ({t_fresh / t_reused:.1f}x)")
+        t_reused = per_call(
+            lambda: kernels.dequant_rows(int(qtype), blocks, cols, all_rows, out=scratch), reps
+        )
+        print(
+            f"{qtype.name} {rows}x{cols} dequantize: fresh tensor {t_fresh * 1e3:.3f} ms, "
+            f"reused {t_reused * 1e3:.3f} ms ({t_fresh / t_reused:.1f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 def load_at_revision(rev: str, source: Path, load):
     """load(path) on git revision `rev`'s copy of the C file `source` (in this repository), with
     the headers it includes beside it in a scratch folder; the object stays in the build cache."""
+
     def show(path: Path) -> bytes:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, check=True).stdout
+        return subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, check=True
+        ).stdout
+
     relative = source.relative_to(REPO)
     text = show(relative)
     with tempfile.TemporaryDirectory(prefix=f"{source.stem}-") as folder:

@@ -40,8 +40,11 @@ import aiohttp
 import psutil
 
 KINDS = ("chat_stream", "completion_n2", "structured", "abort")
-GAUGES = ("tokenbus:num_requests_running", "tokenbus:num_requests_waiting",
-          "tokenbus:kv_cache_usage_perc")
+GAUGES = (
+    "tokenbus:num_requests_running",
+    "tokenbus:num_requests_waiting",
+    "tokenbus:kv_cache_usage_perc",
+)
 MIB = 2**20
 # The structured-output request's schema: small, and bounded (maxLength, enum) so that the
 # grammar lets the model finish well inside max_tokens.
@@ -55,8 +58,10 @@ PERSON_SCHEMA = {
     "required": ["name", "age", "mood"],
     "additionalProperties": False,
 }
-WORDS = ("river stone lantern maple orbit copper violet harbor meadow signal thunder glacier "
-         "pepper canyon marble falcon ember willow quartz saddle").split()
+WORDS = (
+    "river stone lantern maple orbit copper violet harbor meadow signal thunder glacier "
+    "pepper canyon marble falcon ember willow quartz saddle"
+).split()
 ABORT_AFTER_CHUNKS = 3
 REQUEST_TIMEOUT_S = 300  # generous: 8 streams share 2 cores; a hang still shows up as an error
 
@@ -164,9 +169,14 @@ def take_sample(server: psutil.Process, t: float, tally: Tally) -> Sample:
             kv_rss += kv_pool_rss_bytes(proc.pid)
         except (psutil.NoSuchProcess, FileNotFoundError):
             pass
-    return Sample(t=round(t, 1), engine_rss_mib=engine_rss / MIB, engine_kv_rss_mib=kv_rss / MIB,
-                  server_rss_mib=server.memory_info().rss / MIB,
-                  requests=dict(tally.requests), errors=dict(tally.errors))
+    return Sample(
+        t=round(t, 1),
+        engine_rss_mib=engine_rss / MIB,
+        engine_kv_rss_mib=kv_rss / MIB,
+        server_rss_mib=server.memory_info().rss / MIB,
+        requests=dict(tally.requests),
+        errors=dict(tally.errors),
+    )
 
 
 # ---------------------------------------------------------------------------- requests
@@ -204,8 +214,12 @@ async def post_json(session: aiohttp.ClientSession, url: str, body: dict) -> dic
 
 
 async def chat_stream(session: aiohttp.ClientSession, base: str, prompt: str) -> None:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 64,
-            "temperature": 0.8, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 64,
+        "temperature": 0.8,
+        "stream": True,
+    }
     async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -220,10 +234,15 @@ async def completion_n2(session: aiohttp.ClientSession, base: str, prompt: str) 
 
 
 async def structured(session: aiohttp.ClientSession, base: str, prompt: str) -> None:
-    body = {"messages": [{"role": "user", "content": f"Describe a person as JSON. {prompt}"}],
-            "max_tokens": 96, "temperature": 0.7,
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}}
+    body = {
+        "messages": [{"role": "user", "content": f"Describe a person as JSON. {prompt}"}],
+        "max_tokens": 96,
+        "temperature": 0.7,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON_SCHEMA},
+        },
+    }
     result = await post_json(session, f"{base}/v1/chat/completions", body)
     choice = result["choices"][0]
     # A completed answer must parse; one cut by max_tokens ("length") cannot be judged.
@@ -245,12 +264,22 @@ async def abort_mid_stream(session: aiohttp.ClientSession, base: str, prompt: st
         resp.close()  # drops the connection (not returned to the pool): the abort
 
 
-REQUESTS = {"chat_stream": chat_stream, "completion_n2": completion_n2,
-            "structured": structured, "abort": abort_mid_stream}
+REQUESTS = {
+    "chat_stream": chat_stream,
+    "completion_n2": completion_n2,
+    "structured": structured,
+    "abort": abort_mid_stream,
+}
 
 
-async def worker(index: int, session: aiohttp.ClientSession, opts: Options, deadline: float,
-                 tally: Tally, serials: itertools.count) -> None:
+async def worker(
+    index: int,
+    session: aiohttp.ClientSession,
+    opts: Options,
+    deadline: float,
+    tally: Tally,
+    serials: itertools.count,
+) -> None:
     """Send requests back to back until the deadline; worker i starts at kind i (mod 4) so
     every kind is in flight at any moment."""
     rng = random.Random(opts.seed * 1000 + index)
@@ -258,8 +287,10 @@ async def worker(index: int, session: aiohttp.ClientSession, opts: Options, dead
         if time.monotonic() >= deadline:
             return
         try:
-            await asyncio.wait_for(REQUESTS[kind](session, opts.url, make_prompt(rng, next(serials))),
-                                   REQUEST_TIMEOUT_S)
+            await asyncio.wait_for(
+                REQUESTS[kind](session, opts.url, make_prompt(rng, next(serials))),
+                REQUEST_TIMEOUT_S,
+            )
             tally.requests[kind] += 1
         except asyncio.TimeoutError:
             tally.fail(kind, "timeout")
@@ -291,8 +322,14 @@ async def drained_gauges(session: aiohttp.ClientSession, opts: Options) -> dict[
 
 
 # ---------------------------------------------------------------------------- the run
-async def sample_every(opts: Options, server: psutil.Process, start: float, stop: asyncio.Event,
-                       tally: Tally, samples: list[Sample]) -> None:
+async def sample_every(
+    opts: Options,
+    server: psutil.Process,
+    start: float,
+    stop: asyncio.Event,
+    tally: Tally,
+    samples: list[Sample],
+) -> None:
     while True:
         samples.append(take_sample(server, time.monotonic() - start, tally))
         print_sample(samples[-1])
@@ -313,8 +350,12 @@ async def run(opts: Options) -> tuple[list[Sample], Tally, dict[str, float]]:
         print_header()
         sampler = asyncio.create_task(sample_every(opts, server, start, stop, tally, samples))
         serials = itertools.count()
-        await asyncio.gather(*(worker(i, session, opts, start + opts.duration, tally, serials)
-                               for i in range(opts.concurrency)))
+        await asyncio.gather(
+            *(
+                worker(i, session, opts, start + opts.duration, tally, serials)
+                for i in range(opts.concurrency)
+            )
+        )
         gauges = await drained_gauges(session, opts)
         stop.set()
         await sampler
@@ -328,22 +369,31 @@ def growths(samples: list[Sample], opts: Options) -> list[Growth]:
     after = [s for s in samples if s.t >= opts.warmup]
     first = after[0] if len(after) >= 2 else samples[0]  # run too short for warm-up: from the start
     last = samples[-1]
-    return [Growth("engine RSS net of KV pool", first.engine_net_mib, last.engine_net_mib, opts.max_growth),
-            Growth("engine RSS (raw)", first.engine_rss_mib, last.engine_rss_mib, float("inf")),
-            Growth("server RSS", first.server_rss_mib, last.server_rss_mib, opts.max_growth)]
+    return [
+        Growth(
+            "engine RSS net of KV pool", first.engine_net_mib, last.engine_net_mib, opts.max_growth
+        ),
+        Growth("engine RSS (raw)", first.engine_rss_mib, last.engine_rss_mib, float("inf")),
+        Growth("server RSS", first.server_rss_mib, last.server_rss_mib, opts.max_growth),
+    ]
 
 
 # ---------------------------------------------------------------------------- output
 def print_header() -> None:
-    print(f"{'t (s)':>7} {'engine MiB':>11} {'KV pool':>8} {'net':>8} {'server MiB':>11} "
-          f"{'requests':>9} {'errors':>7}", flush=True)
+    print(
+        f"{'t (s)':>7} {'engine MiB':>11} {'KV pool':>8} {'net':>8} {'server MiB':>11} "
+        f"{'requests':>9} {'errors':>7}",
+        flush=True,
+    )
 
 
 def print_sample(s: Sample) -> None:
     by_kind = " ".join(f"{k}={s.requests.get(k, 0)}" for k in KINDS)
-    print(f"{s.t:7.0f} {s.engine_rss_mib:11.1f} {s.engine_kv_rss_mib:8.1f} {s.engine_net_mib:8.1f} "
-          f"{s.server_rss_mib:11.1f} {sum(s.requests.values()):9d} {sum(s.errors.values()):7d}  {by_kind}",
-          flush=True)
+    print(
+        f"{s.t:7.0f} {s.engine_rss_mib:11.1f} {s.engine_kv_rss_mib:8.1f} {s.engine_net_mib:8.1f} "
+        f"{s.server_rss_mib:11.1f} {sum(s.requests.values()):9d} {sum(s.errors.values()):7d}  {by_kind}",
+        flush=True,
+    )
 
 
 def report(samples: list[Sample], tally: Tally, gauges: dict[str, float], opts: Options) -> bool:
@@ -352,7 +402,11 @@ def report(samples: list[Sample], tally: Tally, gauges: dict[str, float], opts: 
     gauges_ok = not any(gauges.values())
     print()
     for g in checks:
-        limit = "" if g.limit == float("inf") else f"  (limit +{g.limit:.0%}: {'ok' if g.ok else 'GREW'})"
+        limit = (
+            ""
+            if g.limit == float("inf")
+            else f"  (limit +{g.limit:.0%}: {'ok' if g.ok else 'GREW'})"
+        )
         print(f"{g.name:>26}: {g.first:8.1f} -> {g.last:8.1f} MiB  {g.relative:+.1%}{limit}")
     print(f"{'requests':>26}: {dict(tally.requests)}")
     print(f"{'errors':>26}: {errors} {dict(tally.errors) or ''} {dict(tally.error_causes) or ''}")
@@ -362,12 +416,17 @@ def report(samples: list[Sample], tally: Tally, gauges: dict[str, float], opts: 
     ok = errors == 0 and gauges_ok and all(g.ok for g in checks)
     print(f"{'verdict':>26}: {'PASS' if ok else 'FAIL'}")
     if opts.out is not None:
-        result = {"options": {**asdict(opts), "out": str(opts.out)},
-                  "samples": [{**asdict(s), "engine_net_mib": s.engine_net_mib} for s in samples],
-                  "growth": [{**asdict(g), "relative": g.relative, "ok": g.ok} for g in checks],
-                  "requests": dict(tally.requests), "errors": dict(tally.errors),
-                  "error_causes": dict(tally.error_causes), "last_error": tally.last_error,
-                  "gauges": gauges, "pass": ok}
+        result = {
+            "options": {**asdict(opts), "out": str(opts.out)},
+            "samples": [{**asdict(s), "engine_net_mib": s.engine_net_mib} for s in samples],
+            "growth": [{**asdict(g), "relative": g.relative, "ok": g.ok} for g in checks],
+            "requests": dict(tally.requests),
+            "errors": dict(tally.errors),
+            "error_causes": dict(tally.error_causes),
+            "last_error": tally.last_error,
+            "gauges": gauges,
+            "pass": ok,
+        }
         opts.out.write_text(json.dumps(result, indent=1, default=str))
     return ok
 
@@ -378,16 +437,34 @@ def parse_args() -> Options:
     p.add_argument("--server-pid", type=int, required=True, help="the `tokenbus serve` process")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--duration", type=float, default=1800, help="seconds of load")
-    p.add_argument("--warmup", type=float, default=300, help="growth is measured from the first sample after this")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=300,
+        help="growth is measured from the first sample after this",
+    )
     p.add_argument("--sample-interval", type=float, default=30)
-    p.add_argument("--drain-timeout", type=float, default=30, help="seconds for the gauges to reach 0")
-    p.add_argument("--max-growth", type=float, default=0.05, help="allowed relative RSS growth after warm-up")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30, help="seconds for the gauges to reach 0"
+    )
+    p.add_argument(
+        "--max-growth", type=float, default=0.05, help="allowed relative RSS growth after warm-up"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     a = p.parse_args()
-    return Options(url=a.url.rstrip("/"), server_pid=a.server_pid, concurrency=a.concurrency,
-                   duration=a.duration, warmup=a.warmup, sample_interval=a.sample_interval,
-                   drain_timeout=a.drain_timeout, max_growth=a.max_growth, seed=a.seed, out=a.out)
+    return Options(
+        url=a.url.rstrip("/"),
+        server_pid=a.server_pid,
+        concurrency=a.concurrency,
+        duration=a.duration,
+        warmup=a.warmup,
+        sample_interval=a.sample_interval,
+        drain_timeout=a.drain_timeout,
+        max_growth=a.max_growth,
+        seed=a.seed,
+        out=a.out,
+    )
 
 
 def main() -> int:

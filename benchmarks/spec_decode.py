@@ -24,18 +24,28 @@ from tokenbus import LLM, SamplingParams
 from tokenbus.bench.report import machine_description
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 
-SOLAR = ("Solar panels convert sunlight into electricity using photovoltaic cells. When light hits a cell, "
-         "it knocks electrons loose from their atoms, and the flow of those electrons is an electric current. "
-         "Most home systems connect to the grid, so extra power can be sold back during the day and bought "
-         "again at night. Panels last about twenty-five years and need little care beyond the occasional "
-         "cleaning.")
-BREAD = ("To bake a simple loaf of bread, mix five hundred grams of flour with ten grams of salt and seven "
-         "grams of dried yeast. Add three hundred and fifty millilitres of warm water and knead the dough for "
-         "ten minutes until it is smooth and elastic. Leave it to rise in a warm place for an hour, shape it "
-         "into a loaf, let it rise again, and bake it at two hundred and twenty degrees for thirty minutes.")
-TYPOS = SOLAR.replace("electricity", "electrisity").replace("electrons", "electorns").replace("little", "litle")
-CODE = ("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
-        "print(add(2, 3), mul(4, 5))\n")
+SOLAR = (
+    "Solar panels convert sunlight into electricity using photovoltaic cells. When light hits a cell, "
+    "it knocks electrons loose from their atoms, and the flow of those electrons is an electric current. "
+    "Most home systems connect to the grid, so extra power can be sold back during the day and bought "
+    "again at night. Panels last about twenty-five years and need little care beyond the occasional "
+    "cleaning."
+)
+BREAD = (
+    "To bake a simple loaf of bread, mix five hundred grams of flour with ten grams of salt and seven "
+    "grams of dried yeast. Add three hundred and fifty millilitres of warm water and knead the dough for "
+    "ten minutes until it is smooth and elastic. Leave it to rise in a warm place for an hour, shape it "
+    "into a loaf, let it rise again, and bake it at two hundred and twenty degrees for thirty minutes."
+)
+TYPOS = (
+    SOLAR.replace("electricity", "electrisity")
+    .replace("electrons", "electorns")
+    .replace("little", "litle")
+)
+CODE = (
+    "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
+    "print(add(2, 3), mul(4, 5))\n"
+)
 # SmolLM2-135M copies and lightly edits prose faithfully; it tends to rewrite code instead.
 COPY_QUESTIONS = [
     f"Copy this text word for word:\n\n{SOLAR}\n\n{BREAD}",
@@ -58,7 +68,9 @@ def chat_prompts(llm: LLM, questions: list[str]) -> list[list[int]]:
     return [render([{"role": "user", "content": q}])[1] for q in questions]
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def timed_generate(
+    llm: LLM, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[list[int]]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -95,37 +107,61 @@ def run_batch(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int
 
 def _summary(elapsed: dict, num_tokens: dict, metrics: SpecDecodeMetrics) -> dict:
     speed = {name: num_tokens[name] / elapsed[name] for name in elapsed}
-    return {"output_tokens": num_tokens, "elapsed_s": {k: round(v, 2) for k, v in elapsed.items()},
-            "output_tokens_per_s": {k: round(v, 2) for k, v in speed.items()},
-            "speedup": round(speed["spec"] / speed["plain"], 3), "spec": metrics.to_dict()}
+    return {
+        "output_tokens": num_tokens,
+        "elapsed_s": {k: round(v, 2) for k, v in elapsed.items()},
+        "output_tokens_per_s": {k: round(v, 2) for k, v in speed.items()},
+        "speedup": round(speed["spec"] / speed["plain"], 3),
+        "spec": metrics.to_dict(),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M-Instruct")
-    parser.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                                          '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    parser.add_argument(
+        "--spec",
+        default='{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--batch-prompts", type=int, default=32)
     parser.add_argument("--workloads", default="copy,chat,batch")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's); 1 is steadier on a loaded machine")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 is steadier on a loaded machine",
+    )
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args()
 
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
     # In-process engines: both share this process's thread setting, and no IPC per step.
-    common = dict(max_model_len=2048, kv_cache_memory="768MiB", seed=0, max_num_seqs=ns.concurrency,
-                  multiprocess=False)
-    engines = {"plain": LLM(ns.model, **common), "spec": LLM(ns.model, speculative_config=ns.spec, **common)}
+    common = dict(
+        max_model_len=2048,
+        kv_cache_memory="768MiB",
+        seed=0,
+        max_num_seqs=ns.concurrency,
+        multiprocess=False,
+    )
+    engines = {
+        "plain": LLM(ns.model, **common),
+        "spec": LLM(ns.model, speculative_config=ns.spec, **common),
+    }
     copy = chat_prompts(engines["plain"], COPY_QUESTIONS)
     chat = chat_prompts(engines["plain"], CHAT_QUESTIONS)
     for llm in engines.values():  # warm-up: first-call allocations and kernel selection
         timed_generate(llm, [chat[0]], 8)
-    results = {"spec_config": json.loads(ns.spec), "max_tokens": ns.max_tokens,
-               "machine": machine_description()}
+    results = {
+        "spec_config": json.loads(ns.spec),
+        "max_tokens": ns.max_tokens,
+        "machine": machine_description(),
+    }
     workloads = ns.workloads.split(",")
     if "copy" in workloads:
         results["copy_single"] = run_single(engines, copy, ns.max_tokens)
@@ -146,10 +182,12 @@ def main() -> None:
 
 def _print(title: str, result: dict) -> None:
     speed, spec = result["output_tokens_per_s"], result["spec"]
-    print(f"{title}: plain {speed['plain']:.1f} tok/s, spec {speed['spec']:.1f} tok/s "
-          f"({result['speedup']:.2f}x); acceptance {spec['acceptance_rate']:.2f}, "
-          f"mean accepted length {spec['mean_acceptance_length']:.2f}, "
-          f"per position {spec['acceptance_rate_per_pos']}, drafts {spec['num_drafts']}")
+    print(
+        f"{title}: plain {speed['plain']:.1f} tok/s, spec {speed['spec']:.1f} tok/s "
+        f"({result['speedup']:.2f}x); acceptance {spec['acceptance_rate']:.2f}, "
+        f"mean accepted length {spec['mean_acceptance_length']:.2f}, "
+        f"per position {spec['acceptance_rate_per_pos']}, drafts {spec['num_drafts']}"
+    )
 
 
 if __name__ == "__main__":

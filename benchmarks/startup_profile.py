@@ -32,20 +32,29 @@ def main() -> None:
             result = fn(*args, **kwargs)
             done[name] = time.perf_counter()
             return result
+
         return run
 
     engine_setup.create_tokenizer = timed("tokenizer", engine_setup.create_tokenizer)
     core_client.make_engine_core_client = timed("engine", core_client.make_engine_core_client)
     server_import = timed("server", lambda: importlib.import_module(launch.SERVER_MODULE))
-    _, client = core_client.start_engine(setup, multiprocess=True, asyncio_mode=True, while_starting=server_import)
+    _, client = core_client.start_engine(
+        setup, multiprocess=True, asyncio_mode=True, while_starting=server_import
+    )
     marks.append(("both", time.perf_counter()))
     client.shutdown()
     spawned = marks[2][1]
-    print(", ".join(f"{name} {end - begin:.2f} s" for (_, begin), (name, end) in zip(marks, marks[1:-1])))
-    print(f"then, side by side: EngineCore process ready after {done['engine'] - spawned:.2f} s; on a thread, "
-          f"tokenizer loaded after {done['tokenizer'] - spawned:.2f} s, the HTTP server's modules imported after "
-          f"{done['server'] - spawned:.2f} s (torch {'already' if torch_before else 'not yet'} imported when the "
-          f"engine was spawned)")
+    print(
+        ", ".join(
+            f"{name} {end - begin:.2f} s" for (_, begin), (name, end) in zip(marks, marks[1:-1])
+        )
+    )
+    print(
+        f"then, side by side: EngineCore process ready after {done['engine'] - spawned:.2f} s; on a thread, "
+        f"tokenizer loaded after {done['tokenizer'] - spawned:.2f} s, the HTTP server's modules imported after "
+        f"{done['server'] - spawned:.2f} s (torch {'already' if torch_before else 'not yet'} imported when the "
+        f"engine was spawned)"
+    )
 
 
 if __name__ == "__main__":  # the EngineCore is a spawned process

@@ -31,9 +31,15 @@ def main() -> None:
     parser.add_argument("--gc-freeze", action="store_true")
     args = parser.parse_args()
     overrides = dict(arg.split("=", 1) for arg in args.overrides)
-    print(f"CPU: {CpuFeatures.detect().describe()}; engine args {overrides or 'defaults'}"
-          + (f"; {args.fixed[0]} requests of {args.fixed[1]} + {args.fixed[2]} tokens" if args.fixed else "")
-          + ("; gc frozen" if args.gc_freeze else ""))
+    print(
+        f"CPU: {CpuFeatures.detect().describe()}; engine args {overrides or 'defaults'}"
+        + (
+            f"; {args.fixed[0]} requests of {args.fixed[1]} + {args.fixed[2]} tokens"
+            if args.fixed
+            else ""
+        )
+        + ("; gc frozen" if args.gc_freeze else "")
+    )
     steps: list[tuple[int, int, float]] = []  # (decode tokens, prefill tokens, seconds)
     execute = ModelRunner._execute
 
@@ -41,8 +47,15 @@ def main() -> None:
         start = time.perf_counter()
         out = execute(self, so)
         counts = so.num_scheduled_tokens.values()
-        steps.append((sum(1 for n in counts if n == 1), sum(n for n in counts if n > 1), time.perf_counter() - start))
+        steps.append(
+            (
+                sum(1 for n in counts if n == 1),
+                sum(n for n in counts if n > 1),
+                time.perf_counter() - start,
+            )
+        )
         return out
+
     ModelRunner._execute = timed
     rng = random.Random(0)
     llm = LLM(multiprocess=False, max_num_seqs=16, **overrides)
@@ -54,7 +67,9 @@ def main() -> None:
         prompt_len = args.fixed[1] if args.fixed else rng.randint(20, 600)
         prompts.append({"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(prompt_len)]})
         out_len = args.fixed[2] if args.fixed else rng.randint(16, 256)
-        params.append(SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True))
+        params.append(
+            SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
+        )
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     steps.clear()
     start = time.perf_counter()
@@ -65,16 +80,22 @@ def main() -> None:
     output_tokens = sum(p.max_tokens for p in params)
     decode = [s for s in steps if s[1] == 0]
     mixed = [s for s in steps if s[1] > 0]
-    print(f"wall {wall:.1f} s: {prompt_tokens} prompt + {output_tokens} output tokens, "
-          f"{(prompt_tokens + output_tokens) / wall:.0f} total tok/s, {len(steps)} steps")
-    print(f"pure decode steps: {len(decode)}, {sum(s[2] for s in decode):.1f} s; "
-          f"steps with prefill: {len(mixed)}, {sum(s[2] for s in mixed):.1f} s "
-          f"({sum(s[1] for s in mixed)} prefill + {sum(s[0] for s in mixed)} decode tokens)")
+    print(
+        f"wall {wall:.1f} s: {prompt_tokens} prompt + {output_tokens} output tokens, "
+        f"{(prompt_tokens + output_tokens) / wall:.0f} total tok/s, {len(steps)} steps"
+    )
+    print(
+        f"pure decode steps: {len(decode)}, {sum(s[2] for s in decode):.1f} s; "
+        f"steps with prefill: {len(mixed)}, {sum(s[2] for s in mixed):.1f} s "
+        f"({sum(s[1] for s in mixed)} prefill + {sum(s[0] for s in mixed)} decode tokens)"
+    )
     by_batch = collections.defaultdict(list)
     for tokens, _, seconds in decode:
         by_batch[tokens].append(seconds)
-    print("decode step, mean ms by batch size: "
-          + ", ".join(f"{b}: {1e3 * sum(v) / len(v):.1f}" for b, v in sorted(by_batch.items())))
+    print(
+        "decode step, mean ms by batch size: "
+        + ", ".join(f"{b}: {1e3 * sum(v) / len(v):.1f}" for b, v in sorted(by_batch.items()))
+    )
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@ import pytest
 from tokenbus.utils.cpu import CPU_ISA_ENV, CpuFeatures, _capped
 
 # A Sapphire Rapids Xeon's SIMD flags (as in /proc/cpuinfo), plus the scalar ones that stay.
-SPR = frozenset("sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe abm avx512f "
-                "avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16 avx_vnni "
-                "amx_tile amx_bf16 amx_int8".split())
-ZEN3 = frozenset("sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe abm".split())
+SPR = frozenset(
+    "sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe abm avx512f "
+    "avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16 avx_vnni "
+    "amx_tile amx_bf16 amx_int8".split()
+)
+ZEN3 = frozenset(
+    "sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe abm".split()
+)
 
 
 def test_native_is_what_the_cpu_reports():
@@ -31,7 +35,9 @@ def test_avx2_cap_is_a_zen3():
 def test_avx512_cap_keeps_only_x86_64_v4():
     cpu = CpuFeatures(_capped(SPR, "avx512"), "avx512")
     assert cpu.flags == ZEN3 | {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"}
-    assert cpu.isa == "avx512" and cpu.missing_for_bf16_packed_linear() == () and not cpu.has_bf16_dot
+    assert (
+        cpu.isa == "avx512" and cpu.missing_for_bf16_packed_linear() == () and not cpu.has_bf16_dot
+    )
 
 
 def test_avx512_bf16_cap_is_a_zen4():
@@ -112,7 +118,10 @@ def test_threads_follow_flag_cores_and_ranks(monkeypatch):
     monkeypatch.setattr(worker, "available_cpus", lambda: 4)
     assert worker.cpu_threads(EngineArgs().to_config(64)) == 4
     assert worker.cpu_threads(EngineArgs(data_parallel_size=2).to_config(64)) == 2
-    assert worker.cpu_threads(EngineArgs(tensor_parallel_size=2, data_parallel_size=3).to_config(64)) == 1
+    assert (
+        worker.cpu_threads(EngineArgs(tensor_parallel_size=2, data_parallel_size=3).to_config(64))
+        == 1
+    )
     assert worker.cpu_threads(EngineArgs(num_threads=3).to_config(64)) == 3
     with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
         EngineArgs(num_threads=0).to_config(64)
@@ -139,13 +148,19 @@ def test_engine_processes_bound_onednn_caches_unless_the_user_sized_them(monkeyp
     ~1 MiB) it grew the engine's RSS for the whole of a soak (benchmarks/soak.py)."""
     import os
 
-    from tokenbus.utils.cpu import ENGINE_ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES, engine_process_env
+    from tokenbus.utils.cpu import (
+        ENGINE_ONEDNN_CACHE_CAPACITY,
+        ONEDNN_CACHE_VARIABLES,
+        engine_process_env,
+    )
 
     for name in ONEDNN_CACHE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # independent of the OpenMP choice
     with engine_process_env():
-        assert all(os.environ[name] == ENGINE_ONEDNN_CACHE_CAPACITY for name in ONEDNN_CACHE_VARIABLES)
+        assert all(
+            os.environ[name] == ENGINE_ONEDNN_CACHE_CAPACITY for name in ONEDNN_CACHE_VARIABLES
+        )
     assert not any(name in os.environ for name in ONEDNN_CACHE_VARIABLES)
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "4096")
     with engine_process_env():

@@ -3,19 +3,29 @@
 from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "EngineArgs", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineArgs",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
     # Lazy: `import tokenbus` stays light (no torch) for the CLI and the core tests.
     if name == "LLM":
         from tokenbus.api.llm import LLM
+
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):
         from tokenbus.engine import outputs
+
         return getattr(outputs, name)
     if name == "EngineArgs":
         from tokenbus.config import EngineArgs
+
         return EngineArgs
     raise AttributeError(f"module 'tokenbus' has no attribute {name!r}")

@@ -86,42 +86,60 @@ class ModelConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.quant_activations not in QUANT_ACTIVATIONS:
-            raise ValueError(f"quant_activations must be one of {QUANT_ACTIVATIONS}, got {self.quant_activations!r}")
+            raise ValueError(
+                f"quant_activations must be one of {QUANT_ACTIVATIONS}, got {self.quant_activations!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit, got {self.max_logprobs}")
+            raise ValueError(
+                f"max_logprobs must be >= 0, or -1 for no limit, got {self.max_logprobs}"
+            )
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for K/V tensors; None: 2 GiB on CPU, profiled on CUDA
+    kv_cache_memory: int | None = (
+        None  # bytes for K/V tensors; None: 2 GiB on CPU, profiled on CUDA
+    )
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None  # exact pool size (tests, forcing preemption); wins over memory
+    num_kv_blocks: int | None = (
+        None  # exact pool size (tests, forcing preemption); wins over memory
+    )
     # K/V element type. auto: float16 for an fp32 model on GGUF blocks on CPU (a batched decode
     # step reads mostly K/V: half the bytes, rounding ~5e-4), else the model's dtype.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")
+            raise ValueError(
+                f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}"
+            )
 
 
 @dataclass(frozen=True)
@@ -136,10 +154,14 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0, "
-                             f"got {self.long_prefill_token_threshold}")
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0, "
+                f"got {self.long_prefill_token_threshold}"
+            )
 
 
 @dataclass(frozen=True)
@@ -153,7 +175,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}")
+            raise ValueError(
+                f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}"
+            )
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -162,7 +186,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: draft_model needs 'model' or 'draft_layers'")
 
     @classmethod
-    def from_dict(cls, value: "dict | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+    def from_dict(
+        cls, value: "dict | str | SpeculativeConfig | None"
+    ) -> "SpeculativeConfig | None":
         import json
 
         if value is None or isinstance(value, SpeculativeConfig):
@@ -196,10 +222,14 @@ class KVTransferConfig:
         if not isinstance(self.kv_connector, str) or not self.kv_connector:
             raise ValueError("kv_transfer_config.kv_connector must name a connector")
         if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+            raise ValueError(
+                f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}"
+            )
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_transfer_config.kv_load_failure_policy must be one of "
-                             f"{KV_LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}")
+            raise ValueError(
+                f"kv_transfer_config.kv_load_failure_policy must be one of "
+                f"{KV_LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}"
+            )
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object")
         if self.engine_id is None:  # resolved once, here: every half and rank sees the same
@@ -249,7 +279,9 @@ class CompilationConfig:
     """Captured decode steps (DESIGN idea 6): uniform decode batches padded to a capture size
     run a recorded step (CUDA graphs on CUDA, a compiled forward on CPU); others run eagerly."""
 
-    enforce_eager: bool = False  # never capture: every step runs op by op (on CPU: no C decode layers either)
+    enforce_eager: bool = (
+        False  # never capture: every step runs op by op (on CPU: no C decode layers either)
+    )
     # Batch sizes (tokens of a uniform decode batch) to capture, strictly increasing; resolved
     # from max_num_seqs when not given (default_capture_sizes). Empty with enforce_eager.
     cudagraph_capture_sizes: tuple[int, ...] = ()
@@ -262,17 +294,26 @@ class CompilationConfig:
         return self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0
 
     @classmethod
-    def resolve(cls, enforce_eager: bool, sizes: "list[int] | tuple[int, ...] | str | None",
-                max_num_seqs: int, max_num_batched_tokens: int) -> "CompilationConfig":
+    def resolve(
+        cls,
+        enforce_eager: bool,
+        sizes: "list[int] | tuple[int, ...] | str | None",
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> "CompilationConfig":
         """Check --enforce-eager / --cudagraph-capture-sizes against the scheduler's limits."""
         flag = "cudagraph_capture_sizes (--cudagraph-capture-sizes)"
         if sizes is not None and enforce_eager:
-            raise ValueError(f"{flag} cannot be combined with enforce_eager (--enforce-eager): "
-                             "eager mode captures nothing")
+            raise ValueError(
+                f"{flag} cannot be combined with enforce_eager (--enforce-eager): "
+                "eager mode captures nothing"
+            )
         if enforce_eager:
             return cls(enforce_eager=True)
         if sizes is None:
-            return cls(cudagraph_capture_sizes=default_capture_sizes(max_num_seqs, max_num_batched_tokens))
+            return cls(
+                cudagraph_capture_sizes=default_capture_sizes(max_num_seqs, max_num_batched_tokens)
+            )
         parsed = _parse_sizes(sizes, flag)
         if not parsed:
             raise ValueError(f"{flag} must list at least one size (or use --enforce-eager)")
@@ -281,8 +322,10 @@ class CompilationConfig:
         if any(b <= a for a, b in zip(parsed, parsed[1:])):
             raise ValueError(f"{flag} must be strictly increasing, got {list(parsed)}")
         if parsed[-1] > max_num_batched_tokens:
-            raise ValueError(f"{flag}: size {parsed[-1]} is above max_num_batched_tokens "
-                             f"(--max-num-batched-tokens) = {max_num_batched_tokens}")
+            raise ValueError(
+                f"{flag}: size {parsed[-1]} is above max_num_batched_tokens "
+                f"(--max-num-batched-tokens) = {max_num_batched_tokens}"
+            )
         return cls(cudagraph_capture_sizes=parsed, capture_sizes_explicit=True)
 
 
@@ -319,13 +362,20 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}")
+            raise ValueError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}"
+            )
         if backend is None:  # resolved once, here: frozen afterwards
-            object.__setattr__(self, "distributed_executor_backend",
-                               "uni" if self.tensor_parallel_size == 1 else "mp")
+            object.__setattr__(
+                self,
+                "distributed_executor_backend",
+                "uni" if self.tensor_parallel_size == 1 else "mp",
+            )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size="
-                             f"{self.tensor_parallel_size} needs 'mp' or 'ray'")
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size="
+                f"{self.tensor_parallel_size} needs 'mp' or 'ray'"
+            )
 
     @property
     def world_size(self) -> int:
@@ -344,8 +394,16 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
 
-def _arg(default=None, help: str | None = None, *, choices: tuple | None = None, flag: bool = True,
-         hidden: bool = False, default_factory=None, nargs: str | None = None):
+def _arg(
+    default=None,
+    help: str | None = None,
+    *,
+    choices: tuple | None = None,
+    flag: bool = True,
+    hidden: bool = False,
+    default_factory=None,
+    nargs: str | None = None,
+):
     """An EngineArgs field; `help`/`choices` feed its CLI flag (cli/args.py); flag=False has no
     flag, hidden=True one that --help does not list; nargs="+" one that takes a list of ints."""
     metadata = {"help": help, "choices": choices, "flag": flag, "hidden": hidden, "nargs": nargs}
@@ -367,63 +425,101 @@ class EngineArgs:
     device: str = _arg("auto", "auto: cuda when available, else cpu")
     max_model_len: int | None = _arg()
     seed: int = _arg(0)
-    max_logprobs: int = _arg(20, "the most logprobs a request may ask for per position; -1: no limit")
-    enforce_eager: bool = _arg(False, "never capture decode steps: every step runs op by op (no CUDA graphs on "
-                                      "CUDA; on CPU no compiled step and no decoder layer per C call)")
+    max_logprobs: int = _arg(
+        20, "the most logprobs a request may ask for per position; -1: no limit"
+    )
+    enforce_eager: bool = _arg(
+        False,
+        "never capture decode steps: every step runs op by op (no CUDA graphs on "
+        "CUDA; on CPU no compiled step and no decoder layer per C call)",
+    )
     cudagraph_capture_sizes: list[int] | str | None = _arg(
-        None, "decode batch sizes to capture, strictly increasing (default: 1 2 4 8, then steps of 8 "
-              "up to --max-num-seqs); larger and mixed prefill batches run eagerly", nargs="+")
-    attention_backend: str = _arg("auto", "auto: a native C kernel on CPU (float32/bfloat16) when it "
-                                          "builds, else torch", choices=ATTENTION_BACKENDS)
-    quantization: str = _arg("auto", "gguf: GGUF weights stay quantized (native kernels); none: "
-                                     "dequantize to --dtype; auto: gguf for GGUF models on CPU",
-                             choices=QUANTIZATIONS)
-    quant_activations: str = _arg("auto", "activations of decode steps on Q8_0/Q4_0/Q4_1 blocks, rounded "
-                                          "per 32 values: int16 (logprobs within ~3e-4 of fp32's), int8 "
-                                          "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
-                                          "bf16: every call in bf16 (CPUs with AVX512-BF16: AMX tiles or "
-                                          "vdpbf16ps); auto: int16, and bf16 for calls of 16+ rows on "
-                                          "AMX (prefill, batches), 32+ without (prefill); on AVX2 or "
-                                          "AVX-512 without a bf16 engine, auto's int16 and an explicit "
-                                          "int8/int16 cover prefill chunks too",
-                                  choices=QUANT_ACTIVATIONS)
-    num_threads: int | None = _arg(None, "torch threads per rank on CPU; default: the usable cores "
-                                         "(affinity, cgroup quota) / ranks, and with one rank fewer "
-                                         "while other processes share the cores")
-    pooler: str = _arg("last", "how /v1/embeddings pools the final hidden states (then L2-normalised)",
-                       choices=POOLERS)
+        None,
+        "decode batch sizes to capture, strictly increasing (default: 1 2 4 8, then steps of 8 "
+        "up to --max-num-seqs); larger and mixed prefill batches run eagerly",
+        nargs="+",
+    )
+    attention_backend: str = _arg(
+        "auto",
+        "auto: a native C kernel on CPU (float32/bfloat16) when it builds, else torch",
+        choices=ATTENTION_BACKENDS,
+    )
+    quantization: str = _arg(
+        "auto",
+        "gguf: GGUF weights stay quantized (native kernels); none: "
+        "dequantize to --dtype; auto: gguf for GGUF models on CPU",
+        choices=QUANTIZATIONS,
+    )
+    quant_activations: str = _arg(
+        "auto",
+        "activations of decode steps on Q8_0/Q4_0/Q4_1 blocks, rounded "
+        "per 32 values: int16 (logprobs within ~3e-4 of fp32's), int8 "
+        "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
+        "bf16: every call in bf16 (CPUs with AVX512-BF16: AMX tiles or "
+        "vdpbf16ps); auto: int16, and bf16 for calls of 16+ rows on "
+        "AMX (prefill, batches), 32+ without (prefill); on AVX2 or "
+        "AVX-512 without a bf16 engine, auto's int16 and an explicit "
+        "int8/int16 cover prefill chunks too",
+        choices=QUANT_ACTIVATIONS,
+    )
+    num_threads: int | None = _arg(
+        None,
+        "torch threads per rank on CPU; default: the usable cores "
+        "(affinity, cgroup quota) / ranks, and with one rank fewer "
+        "while other processes share the cores",
+    )
+    pooler: str = _arg(
+        "last",
+        "how /v1/embeddings pools the final hidden states (then L2-normalised)",
+        choices=POOLERS,
+    )
     block_size: int = _arg(16)
     kv_cache_memory: int | str | None = _arg(None, "bytes or a size like 2GiB")
     gpu_memory_utilization: float = _arg(0.9)
     enable_prefix_caching: bool = _arg(True)
     num_kv_blocks: int | None = _arg(None, "an exact KV pool size (tests)", hidden=True)
-    kv_cache_dtype: str = _arg("auto", "K/V element type; auto: float16 for float32 models on GGUF blocks "
-                                       "on CPU (half the bytes a decode step reads), else --dtype",
-                               choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "K/V element type; auto: float16 for float32 models on GGUF blocks "
+        "on CPU (half the bytes a decode step reads), else --dtype",
+        choices=KV_CACHE_DTYPES,
+    )
     max_num_seqs: int = _arg(128)
     max_num_batched_tokens: int = _arg(2048)
     long_prefill_token_threshold: int = _arg(0)
     # The server's admission bound; `serve` has its own flag for it (the server answers 503).
     max_waiting_requests: int | None = _arg(flag=False)
     generation_config: str = _arg(
-        "auto", "sampling defaults for requests that leave them out: auto (the model's "
-                "generation_config.json; the packaged SmolLM2: its model card's temperature 0.2, "
-                "top_p 0.9), vllm (none: temperature 1, top_p 1, as vLLM's), or a directory or "
-                "file holding a generation_config.json")
+        "auto",
+        "sampling defaults for requests that leave them out: auto (the model's "
+        "generation_config.json; the packaged SmolLM2: its model card's temperature 0.2, "
+        "top_p 0.9), vllm (none: temperature 1, top_p 1, as vLLM's), or a directory or "
+        "file holding a generation_config.json",
+    )
     override_generation_config: dict | str | None = _arg(
-        None, 'JSON overriding single sampling defaults, e.g. \'{"temperature": 0.5}\'')
+        None, "JSON overriding single sampling defaults, e.g. '{\"temperature\": 0.5}'"
+    )
     speculative_config: dict | str | SpeculativeConfig | None = _arg(
-        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
+    )
     kv_transfer_config: dict | str | KVTransferConfig | None = _arg(
-        None, 'JSON naming a KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", '
-              '"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'')
+        None,
+        'JSON naming a KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", '
+        '"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'',
+    )
     tensor_parallel_size: int = _arg(1, "ranks that split each layer (torch.distributed)")
     data_parallel_size: int = _arg(1, "EngineCore processes behind one load-balancing client")
     distributed_executor_backend: str | None = _arg(
-        None, "how ranks run: uni (in the engine process), mp (a process each), ray; default: uni "
-              "for one rank, else mp", choices=EXECUTOR_BACKENDS)
-    ray_address: str | None = _arg(None, "the Ray cluster for --distributed-executor-backend ray "
-                                         "(host:port); default: $RAY_ADDRESS, else a local cluster")
+        None,
+        "how ranks run: uni (in the engine process), mp (a process each), ray; default: uni "
+        "for one rank, else mp",
+        choices=EXECUTOR_BACKENDS,
+    )
+    ray_address: str | None = _arg(
+        None,
+        "the Ray cluster for --distributed-executor-backend ray "
+        "(host:port); default: $RAY_ADDRESS, else a local cluster",
+    )
     # The EngineCore in its own process (ZMQ + msgspec) for the offline LLM; False runs it in
     # the caller's process (tests, debugging). The server chooses with --engine-in-process.
     multiprocess: bool = _arg(True, flag=False)
@@ -441,8 +537,11 @@ class EngineArgs:
     def to_config(self, max_model_len: int) -> EngineConfig:
         """Build the frozen config once the model's context length is known: each sub-config
         takes the fields named like its own, with these resolved values in their place."""
-        resolved = dict(max_model_len=max_model_len, kv_cache_memory=parse_size(self.kv_cache_memory),
-                        data_parallel_rank=0)  # each data-parallel engine gets its own (dp_client)
+        resolved = dict(
+            max_model_len=max_model_len,
+            kv_cache_memory=parse_size(self.kv_cache_memory),
+            data_parallel_rank=0,
+        )  # each data-parallel engine gets its own (dp_client)
         return EngineConfig(
             model=self._sub_config(ModelConfig, resolved),
             cache=self._sub_config(CacheConfig, resolved),
@@ -450,17 +549,25 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
             parallel=self._sub_config(ParallelConfig, resolved),
             kv_transfer=self._kv_transfer_config(),
-            compilation=CompilationConfig.resolve(self.enforce_eager, self.cudagraph_capture_sizes,
-                                                  self.max_num_seqs, self.max_num_batched_tokens),
+            compilation=CompilationConfig.resolve(
+                self.enforce_eager,
+                self.cudagraph_capture_sizes,
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+            ),
         )
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:
         config = KVTransferConfig.from_dict(self.kv_transfer_config)
         if config is not None and self.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer_config: KV connectors run with tensor_parallel_size 1 "
-                             f"(got {self.tensor_parallel_size})")
+            raise ValueError(
+                "kv_transfer_config: KV connectors run with tensor_parallel_size 1 "
+                f"(got {self.tensor_parallel_size})"
+            )
         return config
 
     def _sub_config(self, cls: type, resolved: dict):
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{name: resolved[name] if name in resolved else getattr(self, name) for name in names})
+        return cls(
+            **{name: resolved[name] if name in resolved else getattr(self, name) for name in names}
+        )

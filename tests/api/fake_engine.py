@@ -35,13 +35,17 @@ class CharTokenizer:
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return [chr(t) for t in token_ids]
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs) -> str:
+    def apply_chat_template(
+        self, messages, tokenize=False, add_generation_prompt=True, **kwargs
+    ) -> str:
         text = "".join(f"<{m['role']}>{m.get('content', '')}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
 class FakeAsyncLLM:
-    def __init__(self, token_delay_s: float = 0.0, max_model_len: int = MAX_MODEL_LEN, **engine_args) -> None:
+    def __init__(
+        self, token_delay_s: float = 0.0, max_model_len: int = MAX_MODEL_LEN, **engine_args
+    ) -> None:
         args = EngineArgs(**engine_args)
         self.config = args.to_config(max_model_len)
         self.setup = SimpleNamespace(sampling_defaults={})
@@ -59,8 +63,14 @@ class FakeAsyncLLM:
         self.aborted: list[str] = []
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None):
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ):
         if self.errored:
             raise self.dead_error
         self.input_processor.make_request(request_id, prompt_token_ids, params)
@@ -88,20 +98,35 @@ class FakeAsyncLLM:
                 if self.script is not None:
                     token_id = ord(self.script[step])
                     texts[i] += chr(token_id)
-                    finish, stop_reason = ("stop", None) if step + 1 == len(self.script) else \
-                        self._finish(texts[i], step, params)
+                    finish, stop_reason = (
+                        ("stop", None)
+                        if step + 1 == len(self.script)
+                        else self._finish(texts[i], step, params)
+                    )
                 else:
                     token_id = ord("a") + (step + i) % 26
                     texts[i] += chr(token_id)
                     finish, stop_reason = self._finish(texts[i], step, params)
                 if finish:
                     done.add(i)
-                logprobs = None if params.logprobs is None else [_logprobs(token_id, params.logprobs)]
-                completion = CompletionOutput(index=i, text=chr(token_id), token_ids=[token_id],
-                                              logprobs=logprobs, finish_reason=finish,
-                                              stop_reason=stop_reason)
-                yield RequestOutput(request_id, prompt, prompt_token_ids, [completion],
-                                    finished=len(done) == params.n)
+                logprobs = (
+                    None if params.logprobs is None else [_logprobs(token_id, params.logprobs)]
+                )
+                completion = CompletionOutput(
+                    index=i,
+                    text=chr(token_id),
+                    token_ids=[token_id],
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                )
+                yield RequestOutput(
+                    request_id,
+                    prompt,
+                    prompt_token_ids,
+                    [completion],
+                    finished=len(done) == params.n,
+                )
 
     @staticmethod
     def _finish(text: str, step: int, params: SamplingParams) -> tuple[str | None, str | None]:

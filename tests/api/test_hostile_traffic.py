@@ -29,30 +29,69 @@ def completion(**fields) -> dict:
 
 # Each cap: a request just over it, the endpoint, and the field the 400 names.
 OVER_CAP = [
-    ("max_sequences_per_request", "/v1/completions",
-     {"prompt": [[1, 2, 3]] * 2000, "n": 16, "max_tokens": 1}, "prompt"),
-    ("max_request_tokens", "/v1/completions",
-     {"prompt": [[1, 2, 3]] * 10, "n": 16, "max_tokens": 100}, "max_tokens"),
+    (
+        "max_sequences_per_request",
+        "/v1/completions",
+        {"prompt": [[1, 2, 3]] * 2000, "n": 16, "max_tokens": 1},
+        "prompt",
+    ),
+    (
+        "max_request_tokens",
+        "/v1/completions",
+        {"prompt": [[1, 2, 3]] * 10, "n": 16, "max_tokens": 100},
+        "max_tokens",
+    ),
     ("max_input_chars", "/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}, "prompt"),
-    ("max_chat_messages", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": ""}] * 3000, "max_tokens": 1}, "messages"),
+    (
+        "max_chat_messages",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": ""}] * 3000, "max_tokens": 1},
+        "messages",
+    ),
     ("max_stop_strings", "/v1/completions", completion(stop=[f"s{i}" for i in range(17)]), "stop"),
     ("max_stop_string_chars", "/v1/completions", completion(stop=["s" * 1025]), "stop"),
-    ("max_logit_bias", "/v1/completions", completion(logit_bias={str(i): 1 for i in range(1025)}),
-     "logit_bias"),
-    ("max_schema_bytes", "/v1/completions",
-     completion(structured_outputs={"json": {"enum": ["x" * 70000]}}), "structured_outputs"),
-    ("max_schema_depth", "/v1/completions",
-     completion(response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema(400)}}),
-     "structured_outputs"),
-    ("max_regex_chars", "/v1/completions", completion(structured_outputs={"regex": "a" * 5000}),
-     "structured_outputs"),
+    (
+        "max_logit_bias",
+        "/v1/completions",
+        completion(logit_bias={str(i): 1 for i in range(1025)}),
+        "logit_bias",
+    ),
+    (
+        "max_schema_bytes",
+        "/v1/completions",
+        completion(structured_outputs={"json": {"enum": ["x" * 70000]}}),
+        "structured_outputs",
+    ),
+    (
+        "max_schema_depth",
+        "/v1/completions",
+        completion(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "deep", "schema": deep_schema(400)},
+            }
+        ),
+        "structured_outputs",
+    ),
+    (
+        "max_regex_chars",
+        "/v1/completions",
+        completion(structured_outputs={"regex": "a" * 5000}),
+        "structured_outputs",
+    ),
     ("max_input_chars", "/tokenize", {"prompt": "x" * 5000}, "prompt"),
-    ("max_chat_messages", "/tokenize", {"messages": [{"role": "user", "content": "x"}] * 3000}, "messages"),
+    (
+        "max_chat_messages",
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "x"}] * 3000},
+        "messages",
+    ),
 ]
 
 
-@pytest.mark.parametrize("cap, path, body, param", OVER_CAP, ids=[f"{c[0]}:{c[1]}" for c in OVER_CAP])
+@pytest.mark.parametrize(
+    "cap, path, body, param", OVER_CAP, ids=[f"{c[0]}:{c[1]}" for c in OVER_CAP]
+)
 def test_every_cap_is_a_400_naming_its_flag(client, engine, cap, path, body, param):
     error = assert_error(client.post(path, json=body), 400, param)
     assert RequestLimits.flag(cap) in error["message"]
@@ -115,8 +154,9 @@ def test_request_timeout_aborts_and_frees_the_request():
         assert_error(r, 408)
         assert "--request-timeout" in r.json()["error"]["message"]
         assert time.monotonic() - start < 2.0
-        events = sse_events(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100,
-                                                                  "stream": True}))
+        events = sse_events(
+            client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100, "stream": True})
+        )
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 408
         assert 0 < len(events) - 2 < 100  # some tokens came before the deadline
         assert engine.running == set() and client.app.state.server.ctx.admission.num_in_flight == 0
@@ -151,18 +191,31 @@ def test_stalled_engine_turns_health_503_dumps_stacks_and_recovers(caplog):
 
 
 def test_null_and_absent_content_per_role(client, engine):
-    history = [{"role": "user", "content": "go"},
-               {"role": "assistant", "content": None,
-                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-               {"role": "tool", "tool_call_id": "c1", "content": "42"},
-               {"role": "assistant"},
-               {"role": "user", "content": "ok"}]
+    history = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant"},
+        {"role": "user", "content": "ok"},
+    ]
     r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert client.post("/tokenize", json={"messages": history}).status_code == 200
-    for bad in ({"role": "user", "content": None}, {"role": "system"}, {"content": "no role"},
-                {"role": "user", "content": 5}):
-        error = assert_error(client.post("/v1/chat/completions", json={"messages": [bad]}), 400, "messages")
+    for bad in (
+        {"role": "user", "content": None},
+        {"role": "system"},
+        {"content": "no role"},
+        {"role": "user", "content": 5},
+    ):
+        error = assert_error(
+            client.post("/v1/chat/completions", json={"messages": [bad]}), 400, "messages"
+        )
         assert "messages[0]" in error["message"]
 
 
@@ -179,11 +232,15 @@ def test_template_errors_are_400_not_500(client, engine):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_lone_surrogate_is_a_400_before_any_stream_starts(client, engine, stream):
-    body = '{"prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"], "stream": %s}' % json.dumps(stream)
+    body = '{"prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"], "stream": %s}' % json.dumps(
+        stream
+    )
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert "stop[0]" in assert_error(r, 400, "stop")["message"]
     chat = '{"messages": [{"role": "user", "content": "a\\udfffb"}]}'
-    r = client.post("/v1/chat/completions", content=chat, headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/chat/completions", content=chat, headers={"content-type": "application/json"}
+    )
     assert "messages[0].content" in assert_error(r, 400, "messages")["message"]
     paired = '{"prompt": "\\ud83d\\ude00", "max_tokens": 1}'  # a real pair: an emoji, valid
     r = client.post("/v1/completions", content=paired, headers={"content-type": "application/json"})

@@ -40,7 +40,7 @@ def sse_events(response) -> list:
     for block in response.text.split("\n\n"):
         if block:
             assert block.startswith("data: "), block
-            data = block[len("data: "):]
+            data = block[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -63,13 +63,25 @@ def test_completion_non_streaming(client):
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
-    assert body["choices"] == [{"index": 0, "text": "abcd", "logprobs": None, "finish_reason": "length",
-                                "stop_reason": None}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "text": "abcd",
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+    ]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
 
 
 def test_completion_streaming_matches_non_streaming(client):
-    payload = {"prompt": "hello", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "prompt": "hello",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = client.post("/v1/completions", json=payload)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r)
@@ -93,7 +105,9 @@ def test_completion_n_and_batch_prompts(client):
 def test_completion_token_id_prompt_and_echo(client):
     r = client.post("/v1/completions", json={"prompt": [104, 105], "max_tokens": 2, "echo": True})
     assert r.json()["choices"][0]["text"] == "hiab"
-    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True, "stream": True})
+    r = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True, "stream": True}
+    )
     texts = [e["choices"][0]["text"] for e in sse_events(r)[:-1]]
     assert "".join(texts) == "hiab" and texts[0].startswith("hi")
 
@@ -115,25 +129,60 @@ def test_completion_stop_string(client, engine):
 
 
 def test_sampling_fields_reach_the_engine(client, engine):
-    client.post("/v1/completions", json={
-        "prompt": "hi", "max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
-        "seed": 7, "stop_token_ids": [3], "presence_penalty": 0.5, "frequency_penalty": 0.25,
-        "repetition_penalty": 1.1, "logit_bias": {"5": 2.0}, "ignore_eos": True, "user": "u1",
-        "response_format": {"type": "json_object"}})
+    client.post(
+        "/v1/completions",
+        json={
+            "prompt": "hi",
+            "max_tokens": 2,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 5,
+            "min_p": 0.1,
+            "seed": 7,
+            "stop_token_ids": [3],
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.25,
+            "repetition_penalty": 1.1,
+            "logit_bias": {"5": 2.0},
+            "ignore_eos": True,
+            "user": "u1",
+            "response_format": {"type": "json_object"},
+        },
+    )
     params = engine.requests[-1][2]
-    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (0.5, 0.9, 5, 0.1, 7)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (
+        0.5,
+        0.9,
+        5,
+        0.1,
+        7,
+    )
     assert params.stop_token_ids == [3] and params.logit_bias == {5: 2.0} and params.ignore_eos
-    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, 0.25, 1.1)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.5,
+        0.25,
+        1.1,
+    )
     assert params.structured_outputs.json_object is True
 
 
 def test_structured_outputs_field_maps_to_params(client, engine):
-    client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}})
+    client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            },
+        },
+    )
     assert engine.requests[-1][2].structured_outputs.json == {"type": "object"}
-    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
-                                         "structured_outputs": {"choice": ["yes", "no"]}})
+    client.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2, "structured_outputs": {"choice": ["yes", "no"]}},
+    )
     assert engine.requests[-1][2].structured_outputs.choice == ["yes", "no"]
 
 
@@ -141,9 +190,14 @@ def test_structured_outputs_field_maps_to_params(client, engine):
 
 
 def test_chat_non_streaming(client):
-    r = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        "max_completion_tokens": 3})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 3,
+        },
+    )
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
@@ -152,9 +206,16 @@ def test_chat_non_streaming(client):
 
 
 def test_chat_streaming_sequence(client):
-    r = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2, "stream": True,
-        "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     events = sse_events(r)
     assert events[-1] == "[DONE]"
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 6
@@ -169,8 +230,15 @@ def test_chat_streaming_sequence(client):
 
 
 def test_chat_logprobs(client):
-    r = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    )
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["a", "b"]
     assert [t["token"] for t in content[0]["top_logprobs"]] == ["a", "b", "c"]
@@ -180,26 +248,32 @@ def test_chat_logprobs(client):
 # --- validation and errors -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("payload, param", [
-    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"prompt": "hi", "temperature": -1}, "temperature"),
-    ({"prompt": "hi", "n": 1000}, "n"),
-    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
-    ({"prompt": "x" * MAX_MODEL_LEN}, "prompt"),
-    ({"prompt": "x" * (32 * MAX_MODEL_LEN + 1)}, "prompt"),  # refused before tokenizing
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [100000]}, "prompt_token_ids"),
-    ({"prompt": "hi", "stop": [""]}, "stop"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"prompt": "hi", "stop_token_ids": [5000]}, None),
-    ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"max_tokens": 3}, "prompt"),
-    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "payload, param",
+    [
+        ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "n": 1000}, "n"),
+        ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ({"prompt": "x" * MAX_MODEL_LEN}, "prompt"),
+        ({"prompt": "x" * (32 * MAX_MODEL_LEN + 1)}, "prompt"),  # refused before tokenizing
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [100000]}, "prompt_token_ids"),
+        ({"prompt": "hi", "stop": [""]}, "stop"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"prompt": "hi", "stop_token_ids": [5000]}, None),
+        (
+            {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+        ),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ],
+)
 def test_completion_bad_params_are_400(client, engine, payload, param):
     assert_error(client.post("/v1/completions", json=payload), 400, param)
     if "stream_options" not in payload:
@@ -207,42 +281,69 @@ def test_completion_bad_params_are_400(client, engine, payload, param):
     assert engine.requests == []
 
 
-@pytest.mark.parametrize("payload, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x" * (32 * MAX_MODEL_LEN + 1)}]}, "messages"),
-    ({"messages": [{"content": "no role"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "logprobs"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
-     "chat_template_kwargs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, "max_completion_tokens"),
-])
+@pytest.mark.parametrize(
+    "payload, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x" * (32 * MAX_MODEL_LEN + 1)}]}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "logprobs",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"tokenize": True},
+            },
+            "chat_template_kwargs",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000},
+            "max_completion_tokens",
+        ),
+    ],
+)
 def test_chat_bad_params_are_400(client, payload, param):
     assert_error(client.post("/v1/chat/completions", json=payload), 400, param)
 
 
 def test_unknown_model_is_404(client):
-    error = assert_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "model")
+    error = assert_error(
+        client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "model"
+    )
     assert error["type"] == "NotFoundError"
-    assert_error(client.post("/v1/chat/completions", json={
-        "model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}), 404)
+    assert_error(
+        client.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        404,
+    )
 
 
 def test_malformed_json_is_400(client):
-    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert_error(r, 400)
 
 
 def test_non_json_content_type_is_415(client):
-    r = client.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    r = client.post(
+        "/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"}
+    )
     assert "application/json" in assert_error(r, 415)["message"]
 
 
 def test_unknown_fields_are_ignored_and_logged(client, caplog):
     with caplog.at_level(logging.WARNING):
-        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "frobnicate": 3,
-                                                 "mirostat": 2})
+        r = client.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 1, "frobnicate": 3, "mirostat": 2},
+        )
     assert r.status_code == 200
     assert "frobnicate, mirostat" in caplog.text
 
@@ -251,8 +352,11 @@ def test_body_size_limit_is_413():
     with make_client(max_request_body_bytes=1000) as client:
         r = client.post("/v1/completions", json={"prompt": "x" * 2000})
         assert_error(r, 413)
-        chunked = client.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * 2000, b'"}']),
-                              headers={"content-type": "application/json"})
+        chunked = client.post(
+            "/v1/completions",
+            content=iter([b'{"prompt": "', b"x" * 2000, b'"}']),
+            headers={"content-type": "application/json"},
+        )
         assert_error(chunked, 413)
 
 
@@ -265,8 +369,16 @@ def test_queue_overflow_is_503_with_retry_after():
         assert_error(r, 503)
         assert r.headers["retry-after"] == "1"
         tickets[0].release()
-        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
-        assert client.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 1}).status_code == 503
+        assert (
+            client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code
+            == 200
+        )
+        assert (
+            client.post(
+                "/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 1}
+            ).status_code
+            == 503
+        )
         assert ctx.admission.num_in_flight == 1
 
 
@@ -280,13 +392,14 @@ def test_dead_engine(client, engine):
 def test_engine_death_mid_stream_sends_error_event():
     engine = FakeAsyncLLM(token_delay_s=0.01)
     with make_client(engine) as client:
-        with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 50,
-                                                            "stream": True}) as r:
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 50, "stream": True}
+        ) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
             engine.kill()
             rest = [line for line in lines if line]
-        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == 503
+        assert json.loads(rest[-2][len("data: ") :])["error"]["code"] == 503
         assert rest[-1] == "data: [DONE]"
 
 
@@ -298,10 +411,15 @@ def test_api_key():
         payload = {"prompt": "hi", "max_tokens": 1}
         error = assert_error(client.post("/v1/completions", json=payload), 401)
         assert error["type"] == "AuthenticationError"
-        assert_error(client.post("/v1/completions", json=payload, headers={"Authorization": "Bearer nope"}), 401)
+        assert_error(
+            client.post("/v1/completions", json=payload, headers={"Authorization": "Bearer nope"}),
+            401,
+        )
         assert_error(client.get("//v1/models"), 401)
         assert_error(client.post("/tokenize", json={"prompt": "hi"}), 401)
-        ok = client.post("/v1/completions", json=payload, headers={"Authorization": "Bearer sekret"})
+        ok = client.post(
+            "/v1/completions", json=payload, headers={"Authorization": "Bearer sekret"}
+        )
         assert ok.status_code == 200
         for path in ("/health", "/metrics", "/version"):
             assert client.get(path).status_code == 200, path
@@ -313,8 +431,15 @@ def test_models_version_tokenize(client):
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert client.get("/version").json()["version"]
     tok = client.post("/tokenize", json={"prompt": "hi", "return_token_strs": True}).json()
-    assert tok == {"count": 2, "max_model_len": MAX_MODEL_LEN, "tokens": [104, 105], "token_strs": ["h", "i"]}
-    chat_tok = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
+    assert tok == {
+        "count": 2,
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": [104, 105],
+        "token_strs": ["h", "i"],
+    }
+    chat_tok = client.post(
+        "/tokenize", json={"messages": [{"role": "user", "content": "x"}]}
+    ).json()
     assert chat_tok["count"] == len("<user>x\n<assistant>")
     assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
     assert_error(client.post("/detokenize", json={"tokens": [10**6]}), 400, "tokens")
@@ -328,28 +453,46 @@ def test_metrics_exposition(client):
 
     state = client.app.state.server
     logger = PrometheusStatLogger(state.registry, MODEL, MAX_MODEL_LEN)
-    scheduler = SimpleNamespace(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25,
-                                prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=1)
-    finished = SimpleNamespace(e2e_latency_s=1.5, queue_time_s=0.1, num_prompt_tokens=10,
-                               num_generation_tokens=5, finish_reason="stop")
-    iteration = SimpleNamespace(num_prompt_tokens=10, num_generation_tokens=4, time_to_first_tokens_s=[0.2],
-                                inter_token_latencies_s=[0.05, 0.06], finished_requests=[finished])
+    scheduler = SimpleNamespace(
+        num_running_reqs=3,
+        num_waiting_reqs=2,
+        kv_cache_usage=0.25,
+        prefix_cache_queries=100,
+        prefix_cache_hits=40,
+        num_preemptions=1,
+    )
+    finished = SimpleNamespace(
+        e2e_latency_s=1.5,
+        queue_time_s=0.1,
+        num_prompt_tokens=10,
+        num_generation_tokens=5,
+        finish_reason="stop",
+    )
+    iteration = SimpleNamespace(
+        num_prompt_tokens=10,
+        num_generation_tokens=4,
+        time_to_first_tokens_s=[0.2],
+        inter_token_latencies_s=[0.05, 0.06],
+        finished_requests=[finished],
+    )
     logger.record(scheduler, iteration)
     text = client.get("/metrics").text
     labels = f'engine="0",model_name="{MODEL}"'
-    for line in (f"tokenbus:num_requests_running{{{labels}}} 3.0",
-                 f"tokenbus:num_requests_waiting{{{labels}}} 2.0",
-                 f"tokenbus:kv_cache_usage_perc{{{labels}}} 0.25",
-                 f"tokenbus:prefix_cache_queries_total{{{labels}}} 100.0",
-                 f"tokenbus:prefix_cache_hits_total{{{labels}}} 40.0",
-                 f"tokenbus:num_preemptions_total{{{labels}}} 1.0",
-                 f"tokenbus:prompt_tokens_total{{{labels}}} 10.0",
-                 f"tokenbus:generation_tokens_total{{{labels}}} 4.0",
-                 f'tokenbus:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} 1.0',
-                 f"tokenbus:time_to_first_token_seconds_count{{{labels}}} 1.0",
-                 f"tokenbus:inter_token_latency_seconds_count{{{labels}}} 2.0",
-                 f"tokenbus:e2e_request_latency_seconds_count{{{labels}}} 1.0",
-                 f"tokenbus:request_queue_time_seconds_count{{{labels}}} 1.0"):
+    for line in (
+        f"tokenbus:num_requests_running{{{labels}}} 3.0",
+        f"tokenbus:num_requests_waiting{{{labels}}} 2.0",
+        f"tokenbus:kv_cache_usage_perc{{{labels}}} 0.25",
+        f"tokenbus:prefix_cache_queries_total{{{labels}}} 100.0",
+        f"tokenbus:prefix_cache_hits_total{{{labels}}} 40.0",
+        f"tokenbus:num_preemptions_total{{{labels}}} 1.0",
+        f"tokenbus:prompt_tokens_total{{{labels}}} 10.0",
+        f"tokenbus:generation_tokens_total{{{labels}}} 4.0",
+        f'tokenbus:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} 1.0',
+        f"tokenbus:time_to_first_token_seconds_count{{{labels}}} 1.0",
+        f"tokenbus:inter_token_latency_seconds_count{{{labels}}} 2.0",
+        f"tokenbus:e2e_request_latency_seconds_count{{{labels}}} 1.0",
+        f"tokenbus:request_queue_time_seconds_count{{{labels}}} 1.0",
+    ):
         assert line in text, line
 
 
@@ -360,15 +503,27 @@ def test_log_stat_line():
 
     now = [0.0]
     stats = LoggingStatLogger(clock=lambda: now[0])
-    scheduler = SimpleNamespace(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.5,
-                                prefix_cache_queries=10, prefix_cache_hits=5)
+    scheduler = SimpleNamespace(
+        num_running_reqs=2,
+        num_waiting_reqs=1,
+        kv_cache_usage=0.5,
+        prefix_cache_queries=10,
+        prefix_cache_hits=5,
+    )
     stats.record(scheduler, SimpleNamespace(num_prompt_tokens=100, num_generation_tokens=20))
     now[0] = 10.0
     line = stats.log()
-    assert line == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 2.0 tokens/s, "
-                    "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 50.0%, Prefix cache hit rate: 50.0%")
-    idle = SimpleNamespace(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0,
-                           prefix_cache_queries=0, prefix_cache_hits=0)
+    assert line == (
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 2.0 tokens/s, "
+        "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 50.0%, Prefix cache hit rate: 50.0%"
+    )
+    idle = SimpleNamespace(
+        num_running_reqs=0,
+        num_waiting_reqs=0,
+        kv_cache_usage=0.0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+    )
     stats.record(idle, SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=0))
     assert stats.log() is not None  # the first idle interval is still reported
     assert stats.log() is None  # then it stays quiet

@@ -13,7 +13,14 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.proxy_fakes import STREAM_PIECES, TEXT, Cluster, start_cluster, stop_cluster, stream_chunks
+from tests.fixtures.proxy_fakes import (
+    STREAM_PIECES,
+    TEXT,
+    Cluster,
+    start_cluster,
+    stop_cluster,
+    stream_chunks,
+)
 from tests.fixtures.server import wait_until
 from tokenbus.api.proxy.config import ProxyConfig
 from tokenbus.api.proxy.pool import InstanceKind, InstancePool
@@ -49,8 +56,13 @@ def client_for(cluster: Cluster) -> openai.OpenAI:
 
 def test_completion_prefill_then_decode(cluster):
     completion = client_for(cluster).completions.create(
-        model="m", prompt="Once upon", max_tokens=9, n=1, temperature=0.5,
-        extra_body={"min_tokens": 2, "best_of": 1})
+        model="m",
+        prompt="Once upon",
+        max_tokens=9,
+        n=1,
+        temperature=0.5,
+        extra_body={"min_tokens": 2, "best_of": 1},
+    )
     assert completion.choices[0].text == TEXT
     [prefill] = cluster.prefill_bodies()
     assert prefill["max_tokens"] == 1 and prefill["stream"] is False and prefill["n"] == 1
@@ -59,8 +71,15 @@ def test_completion_prefill_then_decode(cluster):
     assert "min_tokens" not in prefill and "best_of" not in prefill
     [decode] = cluster.decode_bodies()
     prefiller = next(f for f in cluster.prefillers if f.bodies)
-    original = {"model": "m", "prompt": "Once upon", "max_tokens": 9, "n": 1, "temperature": 0.5,
-                "min_tokens": 2, "best_of": 1}
+    original = {
+        "model": "m",
+        "prompt": "Once upon",
+        "max_tokens": 9,
+        "n": 1,
+        "temperature": 0.5,
+        "min_tokens": 2,
+        "best_of": 1,
+    }
     assert decode == {**original, "kv_transfer_params": prefiller.kv_params()}
     assert completion.model_extra["kv_transfer_params_received"] == prefiller.kv_params()
     # One request id on both legs; the client's key reaches both instances.
@@ -72,8 +91,12 @@ def test_completion_prefill_then_decode(cluster):
 
 def test_chat_stream_through_openai_client(cluster):
     stream = client_for(cluster).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
-        stream_options={"include_usage": True}, max_completion_tokens=7)
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+        max_completion_tokens=7,
+    )
     pieces = [chunk.choices[0].delta.content for chunk in stream]
     assert pieces == STREAM_PIECES
     [prefill] = cluster.prefill_bodies()
@@ -101,8 +124,12 @@ def test_null_kv_transfer_params_sends_the_body_unchanged(cluster):
     for prefiller in cluster.prefillers:
         prefiller.null_params = True
     raw = b'{"model": "m",   "prompt": "caf\\u00e9", "max_tokens": 3}'
-    response = httpx.post(cluster.url + "/v1/completions", content=raw,
-                          headers={"content-type": "application/json"}, timeout=10)
+    response = httpx.post(
+        cluster.url + "/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
     assert response.status_code == 200 and response.json()["kv_transfer_params_received"] is None
     assert len(cluster.prefill_bodies()) == 1
     assert [r for f in cluster.decoders for r in f.raw_bodies] == [raw]
@@ -113,12 +140,21 @@ def test_client_kv_transfer_params_never_reach_the_decoder(cluster):
     not reach a decoder's KV connector, also when the prefill leg gives none."""
     for prefiller in cluster.prefillers:
         prefiller.null_params = True
-    forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 22,
-              "remote_block_ids": [7, 7, 7]}
-    response = httpx.post(cluster.url + "/v1/completions", timeout=10, json={
-        "model": "m", "prompt": "x", "max_tokens": 3, "kv_transfer_params": forged})
+    forged = {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": 22,
+        "remote_block_ids": [7, 7, 7],
+    }
+    response = httpx.post(
+        cluster.url + "/v1/completions",
+        timeout=10,
+        json={"model": "m", "prompt": "x", "max_tokens": 3, "kv_transfer_params": forged},
+    )
     assert response.status_code == 200 and response.json()["kv_transfer_params_received"] is None
-    assert [b.get("kv_transfer_params") for b in cluster.prefill_bodies()] == [{"do_remote_decode": True}]
+    assert [b.get("kv_transfer_params") for b in cluster.prefill_bodies()] == [
+        {"do_remote_decode": True}
+    ]
 
 
 def test_models_and_metrics(cluster):
@@ -140,7 +176,9 @@ def test_models_and_metrics(cluster):
 
 def test_ties_go_round_robin(cluster):
     for _ in range(4):
-        response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+        response = httpx.post(
+            cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10
+        )
         assert response.status_code == 200
     assert [len(f.bodies) for f in cluster.prefillers] == [2, 2]
     assert [len(f.bodies) for f in cluster.decoders] == [2, 2]
@@ -149,12 +187,19 @@ def test_ties_go_round_robin(cluster):
 def test_least_loaded_decoder_is_chosen(cluster):
     async def run() -> list[str]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=10) as client:
-            slow = asyncio.ensure_future(client.post(
-                "/v1/completions", json={"model": "m", "prompt": "slow", "delay_s": 1.0}))
+            slow = asyncio.ensure_future(
+                client.post(
+                    "/v1/completions", json={"model": "m", "prompt": "slow", "delay_s": 1.0}
+                )
+            )
             await asyncio.to_thread(wait_until, lambda: any(f.num_active for f in cluster.decoders))
             fast = []
             for _ in range(3):  # round robin alone would send one of these to the busy decoder
-                fast.append((await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).json())
+                fast.append(
+                    (
+                        await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                    ).json()
+                )
             return [(await slow).json()["served_by"]] + [r["served_by"] for r in fast]
 
     busy, *others = asyncio.run(run())
@@ -165,7 +210,9 @@ def test_concurrent_slow_requests_spread_evenly(cluster):
     async def run() -> list[int]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=10) as client:
             body = {"model": "m", "prompt": "x", "delay_s": 0.8}
-            responses = await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(6)])
+            responses = await asyncio.gather(
+                *[client.post("/v1/completions", json=body) for _ in range(6)]
+            )
             return [r.status_code for r in responses]
 
     assert asyncio.run(run()) == [200] * 6
@@ -195,7 +242,9 @@ def test_killed_prefiller_is_skipped(quiet_cluster):
     cluster = quiet_cluster
     cluster.servers["p0"].stop()
     for _ in range(3):
-        response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+        response = httpx.post(
+            cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10
+        )
         assert response.status_code == 200
         assert response.json()["kv_transfer_params_received"]["remote_engine_id"] == "p1"
     assert not cluster.instance("p0").is_healthy
@@ -222,8 +271,11 @@ def test_killed_decoder_is_skipped(quiet_cluster):
     assert not cluster.instance("d0").is_healthy
     text = httpx.get(cluster.url + "/metrics", timeout=10).text
     d0_url = cluster.servers["d0"].url
-    failures = [line for line in text.splitlines()
-                if line.startswith("tokenbus:proxy_upstream_failures_total") and d0_url in line]
+    failures = [
+        line
+        for line in text.splitlines()
+        if line.startswith("tokenbus:proxy_upstream_failures_total") and d0_url in line
+    ]
     assert failures and float(failures[0].split()[-1]) >= 1
 
 
@@ -231,7 +283,9 @@ def test_unhealthy_decoder_leaves_rotation(cluster):
     cluster.decoders[0].is_healthy = False  # its /health answers 503 (a dead or stalled engine)
     wait_until(lambda: not cluster.instance("d0").is_healthy)
     for _ in range(3):
-        response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+        response = httpx.post(
+            cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10
+        )
         assert response.json()["served_by"] == "d1"
     cluster.decoders[0].is_healthy = True
     wait_until(lambda: cluster.instance("d0").is_healthy)
@@ -245,9 +299,13 @@ def test_no_prefiller_falls_back_to_the_decoder(quiet_cluster, caplog):
     raw = b'{"model":"m","prompt":"x","max_tokens":4}'
     for _ in range(3):
         response = httpx.post(cluster.url + "/v1/completions", content=raw, timeout=10)
-        assert response.status_code == 200 and response.json()["kv_transfer_params_received"] is None
+        assert (
+            response.status_code == 200 and response.json()["kv_transfer_params_received"] is None
+        )
     assert [r for f in cluster.decoders for r in f.raw_bodies] == [raw] * 3
-    fallback_warnings = [r for r in caplog.records if "compute prompts themselves" in r.getMessage()]
+    fallback_warnings = [
+        r for r in caplog.records if "compute prompts themselves" in r.getMessage()
+    ]
     assert len(fallback_warnings) == 1
 
 
@@ -255,8 +313,11 @@ def test_no_decoder_answers_503(quiet_cluster):
     cluster = quiet_cluster
     for name in ("d0", "d1"):
         cluster.servers[name].stop()
-    response = httpx.post(cluster.url + "/v1/chat/completions",
-                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    response = httpx.post(
+        cluster.url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=10,
+    )
     assert response.status_code == 503
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -266,7 +327,9 @@ def test_no_decoder_answers_503(quiet_cluster):
     assert httpx.get(cluster.url + "/health", timeout=10).status_code == 503
     # Now that both are known to be down, nothing is prefilled for a decoder that isn't there.
     num_prefills = len(cluster.prefill_bodies())
-    response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+    response = httpx.post(
+        cluster.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10
+    )
     assert response.status_code == 503 and len(cluster.prefill_bodies()) == num_prefills
 
 
@@ -275,10 +338,18 @@ def test_no_decoder_answers_503(quiet_cluster):
 
 
 def test_prefill_400_is_returned_as_is(cluster):
-    response = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": "bad"}, timeout=10)
+    response = httpx.post(
+        cluster.url + "/v1/completions", json={"model": "m", "prompt": "bad"}, timeout=10
+    )
     assert response.status_code == 400
-    assert response.json() == {"error": {"message": "prompt: bad by design", "type": "BadRequestError",
-                                         "param": "prompt", "code": 400}}
+    assert response.json() == {
+        "error": {
+            "message": "prompt: bad by design",
+            "type": "BadRequestError",
+            "param": "prompt",
+            "code": 400,
+        }
+    }
     assert cluster.decode_bodies() == []
     with pytest.raises(openai.BadRequestError, match="bad by design"):
         client_for(cluster).completions.create(model="m", prompt="bad")
@@ -286,8 +357,12 @@ def test_prefill_400_is_returned_as_is(cluster):
 
 @pytest.mark.parametrize("raw", [b'{"model": "m", "prompt": ', b"[1, 2]", b"\xff\xfe"])
 def test_malformed_body_is_400_and_not_forwarded(cluster, raw):
-    response = httpx.post(cluster.url + "/v1/completions", content=raw,
-                          headers={"content-type": "application/json"}, timeout=10)
+    response = httpx.post(
+        cluster.url + "/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
@@ -297,7 +372,9 @@ def test_malformed_body_is_400_and_not_forwarded(cluster, raw):
 def test_too_large_body_is_413():
     c = start_cluster(1, 1, max_request_body_bytes=100)
     try:
-        response = httpx.post(c.url + "/v1/completions", json={"model": "m", "prompt": "x" * 200}, timeout=10)
+        response = httpx.post(
+            c.url + "/v1/completions", json={"model": "m", "prompt": "x" * 200}, timeout=10
+        )
         assert response.status_code == 413 and response.json()["error"]["code"] == 413
         assert c.prefill_bodies() == []
     finally:
@@ -318,7 +395,7 @@ def test_decoder_dying_mid_stream_ends_it_with_an_error_event(quiet_cluster):
     with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=10) as response:
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert len(events) == 4 and events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][len("data: "):])["error"]["code"] == 502
+    assert json.loads(events[-2][len("data: ") :])["error"]["code"] == 502
     decoder = next(f for f in cluster.decoders if f.bodies)
     assert not cluster.instance(decoder.name).is_healthy
 
@@ -333,14 +410,18 @@ def test_decoder_dying_mid_body_drops_the_connection(quiet_cluster):
 def test_request_timeout():
     c = start_cluster(1, 1, request_timeout=0.5)
     try:
-        response = httpx.post(c.url + "/v1/completions", json={"model": "m", "prompt": "x", "delay_s": 1},
-                              timeout=10)
-        assert response.status_code == 408 and response.json()["error"]["type"] == "RequestTimeoutError"
+        response = httpx.post(
+            c.url + "/v1/completions", json={"model": "m", "prompt": "x", "delay_s": 1}, timeout=10
+        )
+        assert (
+            response.status_code == 408
+            and response.json()["error"]["type"] == "RequestTimeoutError"
+        )
         body = {"model": "m", "prompt": "x", "stream": True, "chunk_delay_s": 0.3}
         with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=10) as stream:
             events = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert 1 <= len(events) - 2 < len(STREAM_PIECES)  # some chunks, then the error and [DONE]
-        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 408
+        assert json.loads(events[-2][len("data: ") :])["error"]["code"] == 408
         assert events[-1] == "data: [DONE]"
         wait_until(lambda: c.decoders[0].num_streams_cut == 1)
     finally:
@@ -352,26 +433,58 @@ def test_request_timeout():
 
 
 def test_prefill_body_keeps_everything_else():
-    body = {"model": "m", "prompt": "p", "max_tokens": 50, "stream": True, "n": 3, "stop": ["\n"],
-            "stream_options": {"include_usage": True}, "kv_transfer_params": {"stale": 1}}
-    assert prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False, "n": 1,
-                                  "stop": ["\n"], "kv_transfer_params": {"do_remote_decode": True}}
+    body = {
+        "model": "m",
+        "prompt": "p",
+        "max_tokens": 50,
+        "stream": True,
+        "n": 3,
+        "stop": ["\n"],
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": {"stale": 1},
+    }
+    assert prefill_body(body) == {
+        "model": "m",
+        "prompt": "p",
+        "max_tokens": 1,
+        "stream": False,
+        "n": 1,
+        "stop": ["\n"],
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     assert body["max_tokens"] == 50  # the client's body is left alone
 
 
 def test_cli_parses_into_a_config():
-    ns = build_parser().parse_args(["proxy", "--prefill", "http://p:1/", "https://p:2", "--decode",
-                                    "http://d:3", "--port", "0", "--request-timeout", "30"])
+    ns = build_parser().parse_args(
+        [
+            "proxy",
+            "--prefill",
+            "http://p:1/",
+            "https://p:2",
+            "--decode",
+            "http://d:3",
+            "--port",
+            "0",
+            "--request-timeout",
+            "30",
+        ]
+    )
     config = config_from(ns)
-    assert config.prefill_urls == ("http://p:1", "https://p:2") and config.decode_urls == ("http://d:3",)
+    assert config.prefill_urls == ("http://p:1", "https://p:2") and config.decode_urls == (
+        "http://d:3",
+    )
     assert config.port == 0 and config.request_timeout == 30 and config.host == "127.0.0.1"
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--prefill", "http://p:1", "--port", "1"], "--decode"),
-    (["--prefill", "http://p:1", "--decode", "localhost:8100", "--port", "1"], "--decode"),
-    (["--prefill", "p:1", "--decode", "http://d:1", "--port", "1"], "--prefill"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--prefill", "http://p:1", "--port", "1"], "--decode"),
+        (["--prefill", "http://p:1", "--decode", "localhost:8100", "--port", "1"], "--decode"),
+        (["--prefill", "p:1", "--decode", "http://d:1", "--port", "1"], "--prefill"),
+    ],
+)
 def test_cli_rejects_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["proxy", *argv])
@@ -390,8 +503,10 @@ def test_config_errors_name_the_field():
 
 
 def test_proxy_imports_no_torch_and_no_engine():
-    code = ("import sys, tokenbus.api.proxy.app, tokenbus.cli.proxy_cmd; "
-            "bad = [m for m in sys.modules "
-            "       if m == 'torch' or m.startswith(('tokenbus.engine', 'tokenbus.api.openai'))]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, tokenbus.api.proxy.app, tokenbus.cli.proxy_cmd; "
+        "bad = [m for m in sys.modules "
+        "       if m == 'torch' or m.startswith(('tokenbus.engine', 'tokenbus.api.openai'))]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -21,9 +21,19 @@ HUGE_PROMPT_BYTES = 9 * 1024 * 1024
 @pytest.fixture(scope="module")
 def smollm2():
     # Caps raised so that the heavy requests get through to the work they ask for.
-    with ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
-                       "--max-schema-depth", "100000", "--max-schema-bytes", "10000000",
-                       "--max-input-chars", "100000000") as server:
+    with ServerProcess(
+        None,
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "256MiB",
+        "--max-schema-depth",
+        "100000",
+        "--max-schema-bytes",
+        "10000000",
+        "--max-input-chars",
+        "100000000",
+    ) as server:
         yield server
 
 
@@ -43,7 +53,12 @@ async def _gaps_while(url: str, heavy) -> tuple[float, float, list]:
                 await asyncio.sleep(0.05)
 
         async def stream() -> None:
-            body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            body = {
+                "prompt": "Once upon a time",
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+            }
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 last = time.monotonic()
                 async for line in response.aiter_lines():
@@ -69,16 +84,23 @@ async def _gaps_while(url: str, heavy) -> tuple[float, float, list]:
 @pytest.mark.slow
 def test_deep_schema_and_huge_tokenize_do_not_delay_health_or_other_streams(smollm2):
     async def deep(http):
-        body = {"prompt": "{", "max_tokens": 4,
-                "response_format": {"type": "json_schema",
-                                    "json_schema": {"name": "deep", "schema": deep_schema(400)}}}
+        body = {
+            "prompt": "{",
+            "max_tokens": 4,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "deep", "schema": deep_schema(400)},
+            },
+        }
         start = time.monotonic()
         response = await http.post("/v1/completions", json=body)
         return response.status_code, time.monotonic() - start
 
     async def tokenize(http):
         start = time.monotonic()
-        response = await http.post("/tokenize", json={"prompt": "hello world " * (HUGE_PROMPT_BYTES // 12)})
+        response = await http.post(
+            "/tokenize", json={"prompt": "hello world " * (HUGE_PROMPT_BYTES // 12)}
+        )
         return response.status_code, time.monotonic() - start
 
     health_s, gap_s, results = asyncio.run(_gaps_while(smollm2.url, [deep, tokenize]))
@@ -93,17 +115,34 @@ def test_deep_schema_and_huge_tokenize_do_not_delay_health_or_other_streams(smol
 @pytest.mark.slow
 def test_valid_histories_with_null_content_and_invalid_text(smollm2):
     http = httpx.Client(base_url=smollm2.url, timeout=120)
-    history = [{"role": "system", "content": "You are terse."},
-               {"role": "user", "content": "What is 6 times 7?"},
-               {"role": "assistant", "content": None,
-                "tool_calls": [{"id": "c1", "type": "function",
-                                "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
-               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    history = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 6 times 7?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
     r = http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 8})
     assert r.status_code == 200, r.text
     assert http.post("/tokenize", json={"messages": history}).status_code == 200
-    absent = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "again"}]
-    assert http.post("/v1/chat/completions", json={"messages": absent, "max_tokens": 2}).status_code == 200
+    absent = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant"},
+        {"role": "user", "content": "again"},
+    ]
+    assert (
+        http.post("/v1/chat/completions", json={"messages": absent, "max_tokens": 2}).status_code
+        == 200
+    )
 
     body = '{"prompt": "hi", "max_tokens": 4, "stream": true, "stop": ["\\ud800"]}'
     r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -123,10 +162,13 @@ def _long_stream(url: str, result: dict) -> None:
         result["events"] = [line for line in response.iter_lines() if line.startswith("data: ")]
 
 
-def test_stopped_engine_turns_health_503_within_the_stall_timeout_and_back(tiny_llama_dir, tmp_path):
+def test_stopped_engine_turns_health_503_within_the_stall_timeout_and_back(
+    tiny_llama_dir, tmp_path
+):
     stall_timeout_s = 2.0
-    with ServerProcess(str(tiny_llama_dir), "--engine-stall-timeout", str(stall_timeout_s),
-                       log_dir=tmp_path) as server:
+    with ServerProcess(
+        str(tiny_llama_dir), "--engine-stall-timeout", str(stall_timeout_s), log_dir=tmp_path
+    ) as server:
         engine_pid = server.engine_core_pid()
         result: dict = {}
         streamer = threading.Thread(target=_long_stream, args=(server.url, result))
@@ -137,7 +179,9 @@ def test_stopped_engine_turns_health_503_within_the_stall_timeout_and_back(tiny_
         try:
             assert server.wait_for_health(503, stall_timeout_s + 2.0), server.log()[-3000:]
             assert time.monotonic() - stopped_at < stall_timeout_s + 2.0
-            r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+            r = httpx.post(
+                server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10
+            )
             assert r.status_code == 503
         finally:
             os.kill(engine_pid, signal.SIGCONT)
@@ -152,10 +196,13 @@ def test_stopped_engine_turns_health_503_within_the_stall_timeout_and_back(tiny_
 
 def test_default_queue_bound_answers_503_with_retry_after(tiny_llama_dir, tmp_path):
     with ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "2", log_dir=tmp_path) as server:
+
         async def flood() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
                 body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True}
-                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
+                return await asyncio.gather(
+                    *(http.post("/v1/completions", json=body) for _ in range(8))
+                )
 
         responses = asyncio.run(flood())
         statuses = sorted(r.status_code for r in responses)

@@ -19,7 +19,9 @@ PROMPT = [5, 17, 42, 99, 3, 77, 120, 8, 64, 31, 2, 150, 11, 90, 45, 6, 33, 71, 1
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     # 8-token chunks: the prompt's logprobs come from several prefill steps.
-    with ServerProcess(str(tiny_llama_dir), "--max-model-len", "256", "--max-num-batched-tokens", "8") as s:
+    with ServerProcess(
+        str(tiny_llama_dir), "--max-model-len", "256", "--max-num-batched-tokens", "8"
+    ) as s:
         yield s
 
 
@@ -37,8 +39,14 @@ def reference(tiny_llama_dir):
 
 def test_echo_logprobs_score_the_prompt_like_lm_eval(client, reference):
     # lm-eval's loglikelihood request: the continuation's logprobs are token_logprobs[ctxlen:-1].
-    out = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
-                                    max_tokens=1, logprobs=1, echo=True, temperature=0)
+    out = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=PROMPT,
+        max_tokens=1,
+        logprobs=1,
+        echo=True,
+        temperature=0,
+    )
     logprobs = out.choices[0].logprobs
     assert len(logprobs.token_logprobs) == len(PROMPT) + 1  # the prompt, then the generated token
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
@@ -47,17 +55,36 @@ def test_echo_logprobs_score_the_prompt_like_lm_eval(client, reference):
         assert math.isclose(logprobs.token_logprobs[position], want, abs_tol=1e-3), position
         top_value = max(logprobs.top_logprobs[position].values())
         assert math.isclose(top_value, reference[position - 1].max().item(), abs_tol=1e-3)
-    continuation = sum(logprobs.token_logprobs[10:len(PROMPT)])
-    assert math.isclose(continuation, sum(reference[p - 1, PROMPT[p]].item() for p in range(10, len(PROMPT))),
-                        abs_tol=1e-2)
+    continuation = sum(logprobs.token_logprobs[10 : len(PROMPT)])
+    assert math.isclose(
+        continuation,
+        sum(reference[p - 1, PROMPT[p]].item() for p in range(10, len(PROMPT))),
+        abs_tol=1e-2,
+    )
     # max_tokens 0 (OpenAI's legacy scoring form): the same prompt logprobs, nothing generated.
-    scored = client.completions.create(model=out.model, prompt=PROMPT, max_tokens=0, logprobs=0, echo=True)
-    assert scored.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:len(PROMPT)]
+    scored = client.completions.create(
+        model=out.model, prompt=PROMPT, max_tokens=0, logprobs=0, echo=True
+    )
+    assert scored.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[: len(PROMPT)]
     assert scored.usage.completion_tokens == 0
     # Streamed: the same numbers.
-    chunks = list(client.completions.create(model=out.model, prompt=PROMPT, max_tokens=1, logprobs=1, echo=True,
-                                            temperature=0, stream=True))
-    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    chunks = list(
+        client.completions.create(
+            model=out.model,
+            prompt=PROMPT,
+            max_tokens=1,
+            logprobs=1,
+            echo=True,
+            temperature=0,
+            stream=True,
+        )
+    )
+    streamed = [
+        lp
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for lp in c.choices[0].logprobs.token_logprobs
+    ]
     assert streamed == logprobs.token_logprobs
 
 
@@ -70,12 +97,22 @@ def test_vllm_prompt_logprobs_field(client, server, reference):
     assert len(entries) == len(PROMPT) and entries[0] is None
     for position in range(1, len(PROMPT)):
         entry = entries[position][str(PROMPT[position])]
-        assert math.isclose(entry["logprob"], reference[position - 1, PROMPT[position]].item(), abs_tol=1e-3)
+        assert math.isclose(
+            entry["logprob"], reference[position - 1, PROMPT[position]].item(), abs_tol=1e-3
+        )
         assert entry["rank"] >= 1 and len(entries[position]) in (2, 3)
-    chat = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1, "prompt_logprobs": 0}
+    chat = {
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 1,
+        "prompt_logprobs": 0,
+    }
     response = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
     assert response["prompt_logprobs"][0] is None and len(response["prompt_logprobs"]) > 2
-    too_many = httpx.post(server.url + "/v1/completions", json={**body, "prompt_logprobs": 100}, timeout=60)
+    too_many = httpx.post(
+        server.url + "/v1/completions", json={**body, "prompt_logprobs": 100}, timeout=60
+    )
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
-    bad = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0}, timeout=60)
+    bad = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0}, timeout=60
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"

@@ -34,13 +34,21 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.1):
 
 def gauges(url: str) -> tuple[float, float, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return (metric_value(text, "tokenbus:num_requests_running"),
-            metric_value(text, "tokenbus:num_requests_waiting"),
-            metric_value(text, "tokenbus:kv_cache_usage_perc"))
+    return (
+        metric_value(text, "tokenbus:num_requests_running"),
+        metric_value(text, "tokenbus:num_requests_waiting"),
+        metric_value(text, "tokenbus:kv_cache_usage_perc"),
+    )
 
 
 def long_request(max_tokens: int = 200, stream: bool = True, n: int = 1) -> dict:
-    return {"prompt": "The bus goes", "max_tokens": max_tokens, "stream": stream, "ignore_eos": True, "n": n}
+    return {
+        "prompt": "The bus goes",
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+        "n": n,
+    }
 
 
 async def stream_then_leave(client: httpx.AsyncClient, num_chunks: int, wait_s: float) -> int:
@@ -62,20 +70,32 @@ async def stream_then_leave(client: httpx.AsyncClient, num_chunks: int, wait_s: 
 
 def test_cancelled_stream_storm_frees_everything(tiny_llama_dir, tmp_path):
     # The whole storm is admitted (the default queue bound would refuse some: tested elsewhere).
-    with ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "32", "--max-waiting-requests", "-1",
-                       log_dir=tmp_path) as server:
+    with ServerProcess(
+        str(tiny_llama_dir),
+        "--max-num-seqs",
+        "32",
+        "--max-waiting-requests",
+        "-1",
+        log_dir=tmp_path,
+    ) as server:
+
         async def storm() -> list[int]:
             limits = httpx.Limits(max_connections=NUM_STORM_REQUESTS + 10)
             async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
-                return await asyncio.gather(*(stream_then_leave(client, 3, 20.0)
-                                              for _ in range(NUM_STORM_REQUESTS)))
+                return await asyncio.gather(
+                    *(stream_then_leave(client, 3, 20.0) for _ in range(NUM_STORM_REQUESTS))
+                )
 
         seen = asyncio.run(storm())
         assert sum(1 for s in seen if s > 0) >= 32, seen  # at least a batch was mid-stream
         assert wait_until(lambda: gauges(server.url) == (0.0, 0.0, 0.0), 20.0), gauges(server.url)
-        r = httpx.post(server.url + "/v1/completions", json=long_request(8, stream=False), timeout=30)
+        r = httpx.post(
+            server.url + "/v1/completions", json=long_request(8, stream=False), timeout=30
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        assert wait_until(lambda: "Avg generation throughput" in server.log(), 5)  # periodic stats line
+        assert wait_until(
+            lambda: "Avg generation throughput" in server.log(), 5
+        )  # periodic stats line
 
 
 def _open_stream(url: str, events: list, started: threading.Event) -> None:
@@ -86,7 +106,7 @@ def _open_stream(url: str, events: list, started: threading.Event) -> None:
             events.append(("status", r.status_code))
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    events.append(("data", line[len("data: "):]))
+                    events.append(("data", line[len("data: ") :]))
                     started.set()
     except httpx.HTTPError as exc:
         events.append(("error", repr(exc)))
@@ -95,19 +115,26 @@ def _open_stream(url: str, events: list, started: threading.Event) -> None:
 
 def test_overflow_then_engine_death(tiny_llama_dir, tmp_path):
     # Room for 1 running + 31 waiting sequences: two n=16 streams fill it.
-    server = ServerProcess(str(tiny_llama_dir), "--max-num-seqs", "1", "--max-waiting-requests", "31",
-                           log_dir=tmp_path)
+    server = ServerProcess(
+        str(tiny_llama_dir), "--max-num-seqs", "1", "--max-waiting-requests", "31", log_dir=tmp_path
+    )
     try:
         streams = []
         for _ in range(2):
             events, started = [], threading.Event()
-            threading.Thread(target=_open_stream, args=(server.url, events, started), daemon=True).start()
+            threading.Thread(
+                target=_open_stream, args=(server.url, events, started), daemon=True
+            ).start()
             streams.append((events, started))
         assert wait_until(lambda: all(events for events, _ in streams), 30)  # both got their 200
-        overflow = httpx.post(server.url + "/v1/completions", json=long_request(4, stream=False), timeout=30)
+        overflow = httpx.post(
+            server.url + "/v1/completions", json=long_request(4, stream=False), timeout=30
+        )
         assert overflow.status_code == 503 and overflow.headers["retry-after"]
         assert overflow.json()["error"]["code"] == 503
-        assert wait_until(lambda: any(started.is_set() for _, started in streams), 60)  # tokens flow
+        assert wait_until(
+            lambda: any(started.is_set() for _, started in streams), 60
+        )  # tokens flow
 
         engine_pids = server.engine_pids()
         os.kill(server.engine_core_pid(), signal.SIGKILL)
@@ -115,8 +142,12 @@ def test_overflow_then_engine_death(tiny_llama_dir, tmp_path):
         for events, _ in streams:
             assert wait_until(lambda: _ended(events), 10), events
         assert time.monotonic() - killed_at < 10
-        errors = [json.loads(data) for events, _ in streams for kind, data in events
-                  if kind == "data" and data.startswith('{"error"')]
+        errors = [
+            json.loads(data)
+            for events, _ in streams
+            for kind, data in events
+            if kind == "data" and data.startswith('{"error"')
+        ]
         assert len(errors) == 2, streams
         health = httpx.get(server.url + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["error"]["code"] == 503
@@ -127,8 +158,9 @@ def test_overflow_then_engine_death(tiny_llama_dir, tmp_path):
 
 
 def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
-    server = ServerProcess(str(tiny_llama_dir), "--shutdown-timeout", "90", "--max-num-seqs", "1",
-                           log_dir=tmp_path)
+    server = ServerProcess(
+        str(tiny_llama_dir), "--shutdown-timeout", "90", "--max-num-seqs", "1", log_dir=tmp_path
+    )
     try:
         engine_pids = server.engine_pids()
         payload = {**long_request(150, n=2), "stream_options": {"include_usage": True}}
@@ -137,7 +169,7 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
             assert next(line for line in lines if line.startswith("data: {"))
             server.proc.send_signal(signal.SIGTERM)
             assert wait_until(lambda: _refused(server.url), 10)  # no new work while draining
-            data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+            data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
         assert data[-1] == "[DONE]"
         assert json.loads(data[-2])["usage"]["completion_tokens"] == 2 * 150  # drained, not cut
         assert server.wait(90) == 0
@@ -149,7 +181,12 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
 
 def _refused(url: str) -> bool:
     try:
-        return httpx.post(url + "/v1/completions", json=long_request(2, stream=False), timeout=5).status_code == 503
+        return (
+            httpx.post(
+                url + "/v1/completions", json=long_request(2, stream=False), timeout=5
+            ).status_code
+            == 503
+        )
     except httpx.TransportError:
         return True
 

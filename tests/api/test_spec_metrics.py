@@ -9,8 +9,12 @@ from tokenbus.protocol import SchedulerStats
 def test_spec_decode_counters_exported_per_position():
     registry = CollectorRegistry()
     stat_logger = PrometheusStatLogger(registry, "m", max_model_len=128)
-    stats = SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
-                           spec_accepted_per_pos=[2, 2, 1])
+    stats = SchedulerStats(
+        spec_num_drafts=2,
+        spec_num_draft_tokens=8,
+        spec_num_accepted_tokens=5,
+        spec_accepted_per_pos=[2, 2, 1],
+    )
     stat_logger.record(stats, None)
     stat_logger.record(stats, None)
     text = generate_latest(registry).decode()

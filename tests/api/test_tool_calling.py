@@ -12,27 +12,68 @@ from tests.api.fake_engine import FakeAsyncLLM
 from tests.api.test_openai_app import assert_error, make_client, sse_events
 from tokenbus.api.openai.tool_parsers import make_parser
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
 ASK = [{"role": "user", "content": "Weather?"}]
 
 
-@pytest.mark.parametrize("parser, text, content, calls", [
-    ("hermes", 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     "Sure.", [("get_weather", {"city": "Paris"})]),
-    ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
-     None, [("a", {}), ("b", {"x": 1})]),
-    ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
-     None, [("get_weather", {"city": "Rome"}), ("get_time", {})]),
-    ("llama3_json", "It is sunny.", "It is sunny.", []),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', None,
-     [("get_weather", {"city": "Oslo"})]),
-    ("pythonic", '[get_weather(city="Lima"), get_time()]', None, [("get_weather", {"city": "Lima"}), ("get_time", {})]),
-    ("pythonic", "[__import__('os').system('x')]", "[__import__('os').system('x')]", []),  # never evaluated
-])
+@pytest.mark.parametrize(
+    "parser, text, content, calls",
+    [
+        (
+            "hermes",
+            'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            "Sure.",
+            [("get_weather", {"city": "Paris"})],
+        ),
+        (
+            "hermes",
+            '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
+            None,
+            [("a", {}), ("b", {"x": 1})],
+        ),
+        ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+        (
+            "llama3_json",
+            '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
+            None,
+            [("get_weather", {"city": "Rome"}), ("get_time", {})],
+        ),
+        ("llama3_json", "It is sunny.", "It is sunny.", []),
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+            None,
+            [("get_weather", {"city": "Oslo"})],
+        ),
+        (
+            "pythonic",
+            '[get_weather(city="Lima"), get_time()]',
+            None,
+            [("get_weather", {"city": "Lima"}), ("get_time", {})],
+        ),
+        (
+            "pythonic",
+            "[__import__('os').system('x')]",
+            "[__import__('os').system('x')]",
+            [],
+        ),  # never evaluated
+    ],
+)
 def test_parsers_on_canned_outputs(parser, text, content, calls):
     parsed = make_parser(parser).parse(text)
     assert parsed.content == content
@@ -40,7 +81,9 @@ def test_parsers_on_canned_outputs(parser, text, content, calls):
 
 
 def _client(script: str | None = None, **config):
-    engine = FakeAsyncLLM(max_model_len=4096)  # room for the tools' system prompt (a token a character)
+    engine = FakeAsyncLLM(
+        max_model_len=4096
+    )  # room for the tools' system prompt (a token a character)
     engine.script = script
     return engine, make_client(engine, **config)
 
@@ -72,33 +115,54 @@ def test_auto_with_hermes_parser_streamed_and_not(stream_first):
         assert choice["message"]["content"] == "Let me check."
         [call] = choice["message"]["tool_calls"]
         assert call["type"] == "function" and call["id"].startswith("call_")
-        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-        content, calls, finish = _reassemble(sse_events(client.post("/v1/chat/completions", json={**body, "stream": True})))
+        assert call["function"]["name"] == "get_weather" and json.loads(
+            call["function"]["arguments"]
+        ) == {"city": "Paris"}
+        content, calls, finish = _reassemble(
+            sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+        )
         assert (content, finish) == ("Let me check.", "tool_calls")
-        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
         assert calls[0]["id"].startswith("call_")
 
 
 def test_auto_without_a_call_streams_plain_content():
-    engine, client = _client("Just text, no <tools here.", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    engine, client = _client(
+        "Just text, no <tools here.", enable_auto_tool_choice=True, tool_call_parser="hermes"
+    )
     with client:
         body = {"messages": ASK, "tools": [WEATHER], "max_tokens": 200}
         full = client.post("/v1/chat/completions", json=body).json()["choices"][0]
-        assert full["message"]["content"] == "Just text, no <tools here." and full["finish_reason"] == "stop"
+        assert (
+            full["message"]["content"] == "Just text, no <tools here."
+            and full["finish_reason"] == "stop"
+        )
         assert "tool_calls" not in full["message"]
-        content, calls, finish = _reassemble(sse_events(client.post("/v1/chat/completions", json={**body, "stream": True})))
+        content, calls, finish = _reassemble(
+            sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+        )
         assert (content, calls, finish) == ("Just text, no <tools here.", [], "stop")
 
 
 def test_required_and_named_are_constrained_by_structured_output():
     engine, client = _client('[{"name": "get_weather", "arguments": {"city": "Rome"}}]')
     with client:
-        body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 200,
-                "parallel_tool_calls": False}
+        body = {
+            "messages": ASK,
+            "tools": [WEATHER, TIME],
+            "tool_choice": "required",
+            "max_tokens": 200,
+            "parallel_tool_calls": False,
+        }
         choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
         schema = engine.requests[-1][2].structured_outputs.json
         assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
-        assert [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+        assert [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]] == [
+            ["get_weather"],
+            ["get_time"],
+        ]
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
         assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
@@ -107,18 +171,31 @@ def test_required_and_named_are_constrained_by_structured_output():
         choice = client.post("/v1/chat/completions", json=named).json()["choices"][0]
         assert engine.requests[-1][2].structured_outputs.json == WEATHER["function"]["parameters"]
         assert choice["finish_reason"] == "stop"  # as OpenAI answers a forced call
-        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {
+            "city": "Rome"
+        }
         events = sse_events(client.post("/v1/chat/completions", json={**named, "stream": True}))
         content, calls, finish = _reassemble(events)
-        assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Rome"}
-        fragments = [c for e in events[:-1] for ch in e["choices"] for c in ch["delta"].get("tool_calls") or []]
+        assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {
+            "city": "Rome"
+        }
+        fragments = [
+            c
+            for e in events[:-1]
+            for ch in e["choices"]
+            for c in ch["delta"].get("tool_calls") or []
+        ]
         assert len(fragments) > 2  # the name once, then the arguments token by token
 
 
 def test_legacy_functions_map_onto_tools():
     engine, client = _client('{"city": "Oslo"}')
     with client:
-        body = {"messages": ASK, "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}
+        body = {
+            "messages": ASK,
+            "functions": [WEATHER["function"]],
+            "function_call": {"name": "get_weather"},
+        }
         choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
         assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
@@ -127,40 +204,81 @@ def test_tools_render_for_templates_without_tool_support():
     engine, client = _client("ok")
     seen = []
     render = engine.tokenizer.apply_chat_template
-    engine.tokenizer.apply_chat_template = lambda messages, **kw: seen.append((messages, kw)) or render(messages, **kw)
+    engine.tokenizer.apply_chat_template = lambda messages, **kw: (
+        seen.append((messages, kw)) or render(messages, **kw)
+    )
     with client:
-        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        history = [
+            *ASK,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
         body = {"messages": history, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 5}
         assert client.post("/v1/chat/completions", json=body).status_code == 200
     messages, kwargs = seen[-1]
     assert kwargs["tools"] is None  # the fake template cannot: the tools go in a system message
     assert messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
-    assert '<tool_call>' in messages[2]["content"] and "tool_calls" not in messages[2]
+    assert "<tool_call>" in messages[2]["content"] and "tool_calls" not in messages[2]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [WEATHER]}, "tool_choice"),  # auto without --enable-auto-tool-choice
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "tools"),
-    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
-    ({"tools": [WEATHER], "functions": [WEATHER["function"]]}, "functions"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER]}, "tool_choice"),  # auto without --enable-auto-tool-choice
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "bad name!"}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+        ({"tools": [WEATHER], "functions": [WEATHER["function"]]}, "functions"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+    ],
+)
 def test_bad_tools_are_400(body, param):
     engine, client = _client()
     with client:
-        assert_error(client.post("/v1/chat/completions", json={"messages": ASK, **body}), 400, param)
+        assert_error(
+            client.post("/v1/chat/completions", json={"messages": ASK, **body}), 400, param
+        )
     assert engine.requests == []
 
 
-@pytest.mark.parametrize("parser, text", [
-    ("pythonic", "[f(x={1, 2})]"), ("pythonic", "[f(x={[1]: 2})]"),
-    ("hermes", "<tool_call>" + "[" * 100_000 + "</tool_call>"), ("llama3_json", "{" * 100_000)])
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("pythonic", "[f(x={1, 2})]"),
+        ("pythonic", "[f(x={[1]: 2})]"),
+        ("hermes", "<tool_call>" + "[" * 100_000 + "</tool_call>"),
+        ("llama3_json", "{" * 100_000),
+    ],
+)
 def test_parsers_never_raise(parser, text):
     parsed = make_parser(parser).parse(text)
     assert parsed.calls == [] and parsed.content == text
@@ -172,25 +290,61 @@ def test_tools_count_against_the_caps():
     engine, client = _client("ok", limits=RequestLimits(max_tools=2, max_input_chars=2000))
     with client:
         many = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(3)]
-        assert_error(client.post("/v1/chat/completions", json={"messages": ASK, "tools": many,
-                                                               "tool_choice": "required"}), 400, "tools")
-        big_call = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "x" * 5000}}]}]
-        assert_error(client.post("/v1/chat/completions", json={"messages": big_call}), 400, "messages")
+        assert_error(
+            client.post(
+                "/v1/chat/completions",
+                json={"messages": ASK, "tools": many, "tool_choice": "required"},
+            ),
+            400,
+            "tools",
+        )
+        big_call = [
+            *ASK,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": "x" * 5000},
+                    }
+                ],
+            },
+        ]
+        assert_error(
+            client.post("/v1/chat/completions", json={"messages": big_call}), 400, "messages"
+        )
         deep: dict = {"type": "string"}
         for _ in range(40):  # JSON depth 80 > 64, in fewer than 2000 characters
             deep = {"type": "object", "properties": {"k": deep}}
         deep_tool = [{"type": "function", "function": {"name": "deep", "parameters": deep}}]
-        error = assert_error(client.post("/v1/chat/completions", json={"messages": ASK, "tools": deep_tool,
-                                                                       "tool_choice": "required"}), 400, "tools")
+        error = assert_error(
+            client.post(
+                "/v1/chat/completions",
+                json={"messages": ASK, "tools": deep_tool, "tool_choice": "required"},
+            ),
+            400,
+            "tools",
+        )
         assert "--max-schema-depth" in error["message"]
     assert engine.requests == []
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": [{"role": "assistant", "tool_calls": ["x"]}]}, "messages"),
-    ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
-     "tool_choice")])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": [{"role": "assistant", "tool_calls": ["x"]}]}, "messages"),
+        (
+            {
+                "messages": ASK,
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": "get_weather"},
+            },
+            "tool_choice",
+        ),
+    ],
+)
 def test_malformed_tool_shapes_are_400_not_500(body, param):
     engine, client = _client()
     with client:

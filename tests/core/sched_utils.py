@@ -16,18 +16,33 @@ EOS = 0
 BLOCK_SIZE = 16
 
 
-def make_scheduler(num_blocks: int = 100, max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
-                   long_prefill_token_threshold: int = 0, max_model_len: int = 1024,
-                   enable_caching: bool = False, **scheduler_kwargs) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             long_prefill_token_threshold=long_prefill_token_threshold,
-                             max_model_len=max_model_len)
+def make_scheduler(
+    num_blocks: int = 100,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 8192,
+    long_prefill_token_threshold: int = 0,
+    max_model_len: int = 1024,
+    enable_caching: bool = False,
+    **scheduler_kwargs,
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        max_model_len=max_model_len,
+    )
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=enable_caching)
     return Scheduler(config, kv, **scheduler_kwargs)
 
 
-def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int | None = 16,
-                 first_token: int = 100, enable_caching: bool = False, **params) -> Request:
+def make_request(
+    request_id: str,
+    num_prompt_tokens: int,
+    max_tokens: int | None = 16,
+    first_token: int = 100,
+    enable_caching: bool = False,
+    **params,
+) -> Request:
     params.setdefault("ignore_eos", False)
     sampling = SamplingParams(max_tokens=max_tokens, **params)
     prompt = [first_token + i for i in range(num_prompt_tokens)]
@@ -35,8 +50,9 @@ def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int | None
     return Request(request_id, prompt, sampling, eos_token_id=EOS, block_hasher=hasher)
 
 
-def fake_runner_output(so: SchedulerOutput, scheduler: Scheduler,
-                       token: int | Callable[[str], list[int]] = 7) -> ModelRunnerOutput:
+def fake_runner_output(
+    so: SchedulerOutput, scheduler: Scheduler, token: int | Callable[[str], list[int]] = 7
+) -> ModelRunnerOutput:
     """Sample `token` for every request whose scheduled chunk reached its last known token."""
     req_ids, sampled = [], []
     for req_id in so.num_scheduled_tokens:
@@ -55,7 +71,9 @@ def run_step(scheduler: Scheduler, token: int | Callable[[str], list[int]] = 7):
     return so, outputs
 
 
-def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000, token=7) -> dict[str, list[int]]:
+def run_to_completion(
+    scheduler: Scheduler, max_steps: int = 10_000, token=7
+) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():

@@ -29,8 +29,12 @@ def make_queue(num_blocks: int) -> tuple[FreeBlockQueue, list[KVBlock]]:
 
 
 def make_request(request_id: str, num_tokens: int, start: int = 0) -> Request:
-    return Request(request_id, list(range(start, start + num_tokens)), SamplingParams(),
-                   block_hasher=make_block_hasher(BLOCK_SIZE))
+    return Request(
+        request_id,
+        list(range(start, start + num_tokens)),
+        SamplingParams(),
+        block_hasher=make_block_hasher(BLOCK_SIZE),
+    )
 
 
 # --- FreeBlockQueue -------------------------------------------------------------------------

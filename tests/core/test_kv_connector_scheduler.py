@@ -88,7 +88,9 @@ def test_asynchronous_load_waits_without_holding_others_then_computes_only_the_l
     assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert so.num_scheduled_tokens == {"b": 8}  # b is not held up by a's load
     assert sched.kv.get_block_ids("a") == [1, 2, 3]
-    assert all(sched.kv.block_pool.blocks[i].block_hash is None for i in (1, 2, 3))  # not cached yet
+    assert all(
+        sched.kv.block_pool.blocks[i].block_hash is None for i in (1, 2, 3)
+    )  # not cached yet
     # b finished; a's load is still in flight: nothing is scheduled, nothing freed.
     so, _ = _step(sched)
     assert so.num_scheduled_tokens == {} and a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -138,8 +140,9 @@ def test_abort_during_an_asynchronous_load_frees_only_when_the_load_ends():
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_synchronous_load_recomputes_or_fails_and_evicts_the_bad_block(policy):
     connector = FakeConnector(external={"a": 32})
-    sched = make_scheduler(num_blocks=10, kv_connector=connector, enable_caching=True,
-                           kv_load_failure_policy=policy)
+    sched = make_scheduler(
+        num_blocks=10, kv_connector=connector, enable_caching=True, kv_load_failure_policy=policy
+    )
     sched.add_request(make_request("a", 40, max_tokens=2, ignore_eos=True, enable_caching=True))
     so, outputs = _step(sched, invalid_block_ids=[2])  # the second loaded block was bad
     assert all(block.block_hash is None for block in [sched.kv.block_pool.blocks[2]])
@@ -198,7 +201,11 @@ def test_failed_synchronous_load_uncaches_the_blocks_computed_over_it():
     sched.add_request(make_request("a", 56, max_tokens=1, ignore_eos=True, enable_caching=True))
     so, _ = _step(sched, invalid_block_ids=[2])  # blocks 1, 2 loaded (2 failed), 3 computed over 2
     assert so.num_scheduled_tokens == {"a": 24}
-    assert [sched.kv.block_pool.blocks[i].block_hash is None for i in (1, 2, 3)] == [False, True, True]
+    assert [sched.kv.block_pool.blocks[i].block_hash is None for i in (1, 2, 3)] == [
+        False,
+        True,
+        True,
+    ]
     so, _ = _step(sched)  # a recomputes from its second block: those hashes are cached anew
     recomputed_table = so.scheduled_new_reqs[0].block_ids
     while sched.has_unfinished_requests():
@@ -216,7 +223,9 @@ def test_failed_synchronous_load_uncaches_the_blocks_computed_over_it():
 def test_external_lookups_are_counted_once_per_request_not_per_retry():
     connector = FakeConnector(external={"b": 16})
     sched = make_scheduler(num_blocks=6, kv_connector=connector)  # 5 usable blocks
-    sched.add_request(make_request("a", 64, max_tokens=2, ignore_eos=True))  # takes 4 (+1 to decode)
+    sched.add_request(
+        make_request("a", 64, max_tokens=2, ignore_eos=True)
+    )  # takes 4 (+1 to decode)
     sched.add_request(make_request("b", 40, max_tokens=1, ignore_eos=True, first_token=500))
     queries = hits = 0
     while sched.has_unfinished_requests():

@@ -27,8 +27,12 @@ def ref_cnts(manager: KVCacheManager, block_ids: list[int]) -> list[int]:
 
 
 def make_request(request_id: str, num_tokens: int, start: int = 0) -> Request:
-    return Request(request_id, list(range(start, start + num_tokens)), SamplingParams(),
-                   block_hasher=make_block_hasher(BLOCK_SIZE))
+    return Request(
+        request_id,
+        list(range(start, start + num_tokens)),
+        SamplingParams(),
+        block_hasher=make_block_hasher(BLOCK_SIZE),
+    )
 
 
 def decode_step(manager: KVCacheManager, request: Request, token_id: int = 7) -> list[int]:
@@ -192,8 +196,11 @@ def test_random_workload_keeps_ref_counts_consistent() -> None:
     for step in range(400):
         if rng.random() < 0.3:
             prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 6))]
-            running.append(Request(f"r{step}", prompt, SamplingParams(),
-                                   block_hasher=make_block_hasher(BLOCK_SIZE)))
+            running.append(
+                Request(
+                    f"r{step}", prompt, SamplingParams(), block_hasher=make_block_hasher(BLOCK_SIZE)
+                )
+            )
         for request in list(running):
             _step_request(manager, request, running, rng)
         manager.check_consistency()
@@ -202,15 +209,21 @@ def test_random_workload_keeps_ref_counts_consistent() -> None:
     manager.check_integrity()
 
 
-def _step_request(manager: KVCacheManager, request: Request, running: list[Request],
-                  rng: random.Random) -> None:
+def _step_request(
+    manager: KVCacheManager, request: Request, running: list[Request], rng: random.Random
+) -> None:
     num_hit_tokens, hit_blocks = 0, []
     if request.num_computed_tokens == 0 and not manager.get_block_ids(request.request_id):
         hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
     num_remaining = request.num_tokens - request.num_computed_tokens - num_hit_tokens
     num_new_tokens = min(num_remaining, rng.randrange(1, 9))
-    blocks = manager.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks,
-                                    num_lookahead_tokens=rng.choice([0, 0, 2]))
+    blocks = manager.allocate_slots(
+        request,
+        num_new_tokens,
+        num_hit_tokens,
+        hit_blocks,
+        num_lookahead_tokens=rng.choice([0, 0, 2]),
+    )
     if blocks is None or rng.random() < 0.05:  # preempted (no room) or aborted
         manager.free(request)
         request.num_computed_tokens = 0

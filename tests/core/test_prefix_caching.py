@@ -40,17 +40,27 @@ def tokens(start: int, num_tokens: int) -> list[int]:
     return list(range(start, start + num_tokens))
 
 
-def make_request(request_id: str, prompt: list[int], cache_salt: str | None = None,
-                 sampling_params: object | None = None) -> Request:
-    return Request(request_id, prompt, sampling_params or SamplingParams(), cache_salt=cache_salt,
-                   block_hasher=make_block_hasher(BLOCK_SIZE))
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    cache_salt: str | None = None,
+    sampling_params: object | None = None,
+) -> Request:
+    return Request(
+        request_id,
+        prompt,
+        sampling_params or SamplingParams(),
+        cache_salt=cache_salt,
+        block_hasher=make_block_hasher(BLOCK_SIZE),
+    )
 
 
 def admit(manager: KVCacheManager, request: Request) -> tuple[list[KVBlock] | None, int]:
     """What the scheduler does for a waiting request: look up the prefix, allocate the rest."""
     hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
-    new_blocks = manager.allocate_slots(request, request.num_tokens - num_hit_tokens,
-                                        num_hit_tokens, hit_blocks)
+    new_blocks = manager.allocate_slots(
+        request, request.num_tokens - num_hit_tokens, num_hit_tokens, hit_blocks
+    )
     return new_blocks, num_hit_tokens
 
 
@@ -367,7 +377,8 @@ def test_block_hasher_is_incremental_and_ignores_drafts() -> None:
     from_scratch = make_request("b", tokens(0, 32))
     assert request.block_hashes == from_scratch.block_hashes
     assert from_scratch.block_hashes[1] == hash_block_tokens(
-        hash_block_tokens(None, tokens(0, 16)), tokens(16, 16))
+        hash_block_tokens(None, tokens(0, 16)), tokens(16, 16)
+    )
     with pytest.raises(ValueError, match="block_size"):
         make_block_hasher(0)
 
@@ -381,11 +392,13 @@ GOLDEN_HASH = "22ea24ae054fe363010d533b9033a445190a73fc4ec7c06736b39196db3cdf12"
 
 
 def test_hash_is_stable_across_processes_and_hash_seeds() -> None:
-    in_process = hash_block_tokens(hash_block_tokens(None, range(16), (("salt", "x"),)),
-                                   [5, 2**40, 0]).hex()
+    in_process = hash_block_tokens(
+        hash_block_tokens(None, range(16), (("salt", "x"),)), [5, 2**40, 0]
+    ).hex()
     assert in_process == GOLDEN_HASH
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", HASH_SCRIPT], env=env, check=True,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", HASH_SCRIPT], env=env, check=True, capture_output=True, text=True
+        )
         assert out.stdout.strip() == in_process

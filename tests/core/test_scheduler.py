@@ -121,8 +121,6 @@ def test_preemption_evicts_last_admitted_and_resumes():
     assert sched.num_preemptions_total >= 1
 
 
-
-
 def test_stop_on_eos_and_ignore_eos():
     sched = make_scheduler()
     sched.add_request(make_request("a", 5, max_tokens=10))
@@ -219,11 +217,15 @@ def test_many_requests_random_lengths_no_leak():
     import random
 
     rng = random.Random(0)
-    sched = make_scheduler(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=128,
-                           long_prefill_token_threshold=48)
+    sched = make_scheduler(
+        num_blocks=40, max_num_seqs=8, max_num_batched_tokens=128, long_prefill_token_threshold=48
+    )
     for i in range(30):
-        sched.add_request(make_request(str(i), rng.randint(1, 200), max_tokens=rng.randint(1, 40),
-                                       ignore_eos=True))
+        sched.add_request(
+            make_request(
+                str(i), rng.randint(1, 200), max_tokens=rng.randint(1, 40), ignore_eos=True
+            )
+        )
     tokens = run_to_completion(sched)
     assert len(tokens) == 30
 

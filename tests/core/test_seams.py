@@ -35,27 +35,45 @@ def test_a_real_schedule_roundtrips():
 
 def test_grammar_bitmask_travels_as_raw_bytes():
     rows = np.arange(-3, 9, dtype=np.int32).reshape(3, 4)
-    so = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={"a": 1},
-                         total_num_scheduled_tokens=1, structured_output_request_ids={"a": 0},
-                         grammar_bitmask=GrammarBitmask(rows.tobytes(), *rows.shape),
-                         kv_connector_metadata=b"\x01\x02")
+    so = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={"a": 1},
+        total_num_scheduled_tokens=1,
+        structured_output_request_ids={"a": 0},
+        grammar_bitmask=GrammarBitmask(rows.tobytes(), *rows.shape),
+        kv_connector_metadata=b"\x01\x02",
+    )
     back = roundtrip(so, SchedulerOutput)
     assert back == so
-    np.testing.assert_array_equal(np.frombuffer(back.grammar_bitmask.data, np.int32).reshape(3, 4), rows)
+    np.testing.assert_array_equal(
+        np.frombuffer(back.grammar_bitmask.data, np.int32).reshape(3, 4), rows
+    )
 
 
 def test_runner_output_roundtrips_and_rebuilds_its_index():
-    out = ModelRunnerOutput(req_ids=["b", "a"], sampled_token_ids=[[4, 5], []],
-                            logprobs=[[TokenLogprobs([4, 9], [-0.1, -2.5], 1)], None],
-                            spec_token_ids=[[1, 2], []])
+    out = ModelRunnerOutput(
+        req_ids=["b", "a"],
+        sampled_token_ids=[[4, 5], []],
+        logprobs=[[TokenLogprobs([4, 9], [-0.1, -2.5], 1)], None],
+        spec_token_ids=[[1, 2], []],
+    )
     back = roundtrip(out, ModelRunnerOutput)
     assert back == out and back.req_id_to_index == {"b": 0, "a": 1}
 
 
 def test_empty_defaults_are_not_shared():
-    one = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
-                          total_num_scheduled_tokens=0)
-    two = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
-                          total_num_scheduled_tokens=0)
+    one = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+    )
+    two = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+    )
     one.finished_req_ids.add("x")
     assert two.finished_req_ids == set() and one.is_empty

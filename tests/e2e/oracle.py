@@ -20,10 +20,15 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
     """Greedy continuation of one unpadded prompt, EOS ignored."""
     input_ids = torch.tensor([prompt_token_ids])
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             do_sample=False, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt_token_ids):].tolist()
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_token_ids) :].tolist()
 
 
 def assert_same_or_near_tie(got: list[int], want: list[int], logprobs, gap: float = 0.1) -> None:
@@ -46,13 +51,23 @@ def assert_smollm2_chat_matches_hf(llm, questions: list[str], max_tokens: int) -
     from tokenbus.loader import resolve_model
 
     tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
-        for q in questions]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
     source = resolve_model(None)
     hf = load_hf(str(source.path.parent), source.path.name)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=5)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=5
+    )
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, prompt in zip(outputs, prompts):
-        assert_same_or_near_tie(out.outputs[0].token_ids, hf_greedy(hf, prompt, max_tokens), out.outputs[0].logprobs)
+        assert_same_or_near_tie(
+            out.outputs[0].token_ids, hf_greedy(hf, prompt, max_tokens), out.outputs[0].logprobs
+        )
     assert_engine_clean(llm)

@@ -27,16 +27,22 @@ def hf_hidden(tiny_llama_dir, prompt: list[int]) -> torch.Tensor:
 def test_pooled_vectors_equal_hf(llm, tiny_llama_dir, pooling):
     prompts = random_prompts(3, 10, 45, seed=21, vocab_low=5, vocab_high=200)
     requests = [{"prompt_token_ids": p} for p in prompts]
-    params = [SamplingParams(max_tokens=1, pooling=pooling)] * 2 + [SamplingParams(max_tokens=5, ignore_eos=True)]
+    params = [SamplingParams(max_tokens=1, pooling=pooling)] * 2 + [
+        SamplingParams(max_tokens=5, ignore_eos=True)
+    ]
     outputs = llm.generate(requests, params, use_tqdm=False)
     for prompt, output in zip(prompts[:2], outputs[:2]):
         hidden = hf_hidden(tiny_llama_dir, prompt)
-        want = torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=-1)
+        want = torch.nn.functional.normalize(
+            hidden[-1] if pooling == "last" else hidden.mean(0), dim=-1
+        )
         got = torch.tensor(output.pooled)
         assert output.outputs[0].token_ids == [] and output.outputs[0].finish_reason == "stop"
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
         assert abs(got.norm().item() - 1.0) < 1e-5
-    assert len(outputs[2].outputs[0].token_ids) == 5 and outputs[2].pooled is None  # generation as usual
+    assert (
+        len(outputs[2].outputs[0].token_ids) == 5 and outputs[2].pooled is None
+    )  # generation as usual
     assert_engine_clean(llm)
 
 

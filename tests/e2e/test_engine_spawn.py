@@ -20,7 +20,8 @@ def _script(model_dir: Path) -> str:
         "out = llm.generate([{'prompt_token_ids': [1, 2, 3]}],"
         " SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)\n"
         "print('TOKENS', len(out[0].outputs[0].token_ids))\n"
-        "llm.shutdown()\n")
+        "llm.shutdown()\n"
+    )
 
 
 @pytest.mark.parametrize("how", ["stdin", "dash-c", "unguarded-script"])
@@ -34,7 +35,14 @@ def test_llm_runs_without_an_importable_main(tiny_llama_dir, tmp_path, how):
         path = tmp_path / "run.py"
         path.write_text(script)
         cmd, stdin = [sys.executable, str(path)], None
-    result = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        cmd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "TOKENS 3" in result.stdout

@@ -40,8 +40,11 @@ def test_mixed_params_list_one_per_prompt(llm):
 
 
 def test_parallel_sampling_n(llm):
-    outs = llm.generate("Hello there", SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8,
-                                                      ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        "Hello there",
+        SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     completions = outs[0].outputs
     assert [c.index for c in completions] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in completions}) > 1
@@ -49,19 +52,25 @@ def test_parallel_sampling_n(llm):
 
 
 def test_stop_string_not_in_text(llm):
-    free = llm.generate("Once upon", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate(
+        "Once upon", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     stop = free.text[5:8]
     assert stop.strip(), free.text
-    out = llm.generate("Once upon", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
-                                                   stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "Once upon",
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[: free.text.index(stop)]
     assert_engine_clean(llm)
 
 
 def test_logprobs(llm):
-    out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False)
+    out = llm.generate(
+        "Hi", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False
+    )
     completion = out[0].outputs[0]
     assert len(completion.logprobs) == len(completion.token_ids)
     for token_id, position in zip(completion.token_ids, completion.logprobs):
@@ -71,14 +80,17 @@ def test_logprobs(llm):
     assert completion.cumulative_logprob <= 0
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(n=0), "n"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+    ],
+)
 def test_bad_sampling_params(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)

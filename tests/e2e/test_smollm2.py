@@ -24,9 +24,15 @@ def llm():
 @pytest.fixture(scope="module")
 def chat_prompts(llm):
     tokenizer = llm.get_tokenizer()
-    return [tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
-        add_special_tokens=False) for q in QUESTIONS]
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
 
 
 def test_greedy_matches_transformers_on_the_same_gguf(llm, chat_prompts):
@@ -37,7 +43,9 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm, chat_prompts):
     hf = load_hf(str(source.path.parent), source.path.name)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in chat_prompts]
     # min_tokens masks EOS exactly as HF's min_new_tokens does in the oracle.
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=5)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=5
+    )
     outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
     for out, want in zip(outputs, expected):
         # Different summation orders (oneDNN vs HF's matmuls) may flip a near tie.
@@ -48,8 +56,11 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm, chat_prompts):
 def test_chat_answers_sensibly(llm):
     from tokenbus import SamplingParams
 
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=24),
+        use_tqdm=False,
+    )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
 

@@ -14,11 +14,19 @@ def make_llm(model=None, **engine_args) -> LLM:
     return LLM(None if model is None else str(model), **engine_args)
 
 
-def random_prompts(num: int, min_len: int, max_len: int, seed: int = 0, vocab_low: int = 1000,
-                   vocab_high: int = 40000) -> list[list[int]]:
+def random_prompts(
+    num: int,
+    min_len: int,
+    max_len: int,
+    seed: int = 0,
+    vocab_low: int = 1000,
+    vocab_high: int = 40000,
+) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(vocab_low, vocab_high) for _ in range(rng.randint(min_len, max_len))]
-            for _ in range(num)]
+    return [
+        [rng.randrange(vocab_low, vocab_high) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(num)
+    ]
 
 
 def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -15,7 +15,12 @@ import time
 
 import pytest
 
-from tests.fixtures.engine import expected_tokens, fake_engine_core, make_fake_setup, make_word_tokenizer
+from tests.fixtures.engine import (
+    expected_tokens,
+    fake_engine_core,
+    make_fake_setup,
+    make_word_tokenizer,
+)
 from tokenbus.engine.async_llm import AsyncLLM
 from tokenbus.engine.core_client import make_engine_core_client
 from tokenbus.engine.exceptions import EngineDeadError
@@ -25,12 +30,14 @@ from tokenbus.sampling_params import SamplingParams
 pytestmark = pytest.mark.timeout(60)
 
 
-def make_async_llm(multiprocess: bool = False, step_delay_s: float = 0.0, stat_loggers=None,
-                   **setup_kwargs) -> AsyncLLM:
+def make_async_llm(
+    multiprocess: bool = False, step_delay_s: float = 0.0, stat_loggers=None, **setup_kwargs
+) -> AsyncLLM:
     setup = make_fake_setup(**setup_kwargs)
     factory = functools.partial(fake_engine_core, step_delay_s=step_delay_s)
-    client = make_engine_core_client(setup, multiprocess=multiprocess, asyncio_mode=True,
-                                     engine_factory=factory)
+    client = make_engine_core_client(
+        setup, multiprocess=multiprocess, asyncio_mode=True, engine_factory=factory
+    )
     return AsyncLLM(setup, make_word_tokenizer(), client, stat_loggers)
 
 
@@ -132,7 +139,9 @@ def test_abort_ends_the_stream_with_finish_reason_abort():
     try:
         outputs = asyncio.run(main())
         assert outputs[-1].finished
-        assert sorted(o.outputs[0].index for o in outputs if o.outputs[0].finish_reason == "abort") == [0, 1]
+        assert sorted(
+            o.outputs[0].index for o in outputs if o.outputs[0].finish_reason == "abort"
+        ) == [0, 1]
         asyncio.run(llm.call_utility("check_integrity"))
     finally:
         llm.shutdown()

@@ -38,8 +38,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
-    return EngineRequest(request_id=request_id, prompt_token_ids=prompt,
-                         sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
 
 
 def collect_tokens(client, request_ids: set[str]) -> dict[str, list[int]]:
@@ -71,7 +74,9 @@ def test_busy_loop_orders_inputs_before_steps_and_stops_on_shutdown():
     thread = threading.Thread(target=loop.run)
     thread.start()
     deadline = time.monotonic() + 10
-    while not any(k is MessageType.OUTPUTS and any(o.finished for o in p.outputs) for k, p in emitted):
+    while not any(
+        k is MessageType.OUTPUTS and any(o.finished for o in p.outputs) for k, p in emitted
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     inputs.put((RequestType.UTILITY, UtilityCall(7, "check_integrity")))
@@ -81,7 +86,9 @@ def test_busy_loop_orders_inputs_before_steps_and_stops_on_shutdown():
     outputs = [o for k, p in emitted if k is MessageType.OUTPUTS for o in p.outputs]
     assert {o.request_id for o in outputs} == {"a"}
     assert [t for o in outputs for t in o.new_token_ids] == expected_tokens([1, 2, 3], 4)
-    assert outputs[0].first_scheduled_time > 0 and all(o.first_scheduled_time == 0 for o in outputs[1:])
+    assert outputs[0].first_scheduled_time > 0 and all(
+        o.first_scheduled_time == 0 for o in outputs[1:]
+    )
     results = [p for k, p in emitted if k is MessageType.UTILITY_RESULT]
     assert results[0].call_id == 7 and results[0].error is None
 
@@ -142,7 +149,9 @@ def test_busy_loop_backs_off_when_no_request_can_run():
             return EngineOutputs(scheduler_stats=SchedulerStats(num_waiting_reqs=1))
 
     engine, inputs, emitted = StalledEngine(), queue.Queue(), []
-    thread = threading.Thread(target=EngineCoreLoop(engine, inputs, lambda *m: emitted.append(m)).run)
+    thread = threading.Thread(
+        target=EngineCoreLoop(engine, inputs, lambda *m: emitted.append(m)).run
+    )
     thread.start()
     time.sleep(0.2)
     inputs.put((RequestType.SHUTDOWN, None))
@@ -161,8 +170,10 @@ def test_handshake_round_trip_and_clean_shutdown():
         assert client.ready.pid == client.proc.pid != os.getpid()
         client.add_request(make_request("a", [1, 2, 3], 5))
         client.add_request(make_request("b", [9], 3))
-        assert collect_tokens(client, {"a", "b"}) == {"a": expected_tokens([1, 2, 3], 5),
-                                                     "b": expected_tokens([9], 3)}
+        assert collect_tokens(client, {"a", "b"}) == {
+            "a": expected_tokens([1, 2, 3], 5),
+            "b": expected_tokens([9], 3),
+        }
         client.call_utility("check_integrity")
     finally:
         client.shutdown()
@@ -173,10 +184,17 @@ def test_handshake_round_trip_and_clean_shutdown():
     client.shutdown()  # idempotent
 
 
-@pytest.mark.parametrize("factory, error, text", [
-    (too_small_engine_core, ValueError, KV_TOO_SMALL),
-    (broken_engine_core, RuntimeError, "EngineCore failed to start: RuntimeError: weights file is corrupt"),
-])
+@pytest.mark.parametrize(
+    "factory, error, text",
+    [
+        (too_small_engine_core, ValueError, KV_TOO_SMALL),
+        (
+            broken_engine_core,
+            RuntimeError,
+            "EngineCore failed to start: RuntimeError: weights file is corrupt",
+        ),
+    ],
+)
 def test_startup_failure_raises_the_engines_message(factory, error, text):
     start = time.monotonic()
     with pytest.raises(error) as info:
@@ -188,7 +206,9 @@ def test_startup_failure_raises_the_engines_message(factory, error, text):
 def test_startup_timeout_kills_the_engine():
     before = set(multiprocessing.active_children())
     with pytest.raises(TimeoutError, match="did not report ready within"):
-        SyncMPClient(make_fake_setup(), functools.partial(_slow_start, delay_s=60.0), ready_timeout_s=0.5)
+        SyncMPClient(
+            make_fake_setup(), functools.partial(_slow_start, delay_s=60.0), ready_timeout_s=0.5
+        )
     assert set(multiprocessing.active_children()) - before == set()
 
 
@@ -229,7 +249,9 @@ def test_engine_exits_when_its_parent_dies(tmp_path):
     path = tmp_path / "front_end.py"
     path.write_text(script)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=60
+    )
     engine_pid, ipc_dir = result.stdout.split()
     deadline = time.monotonic() + 10
     while _pid_alive(int(engine_pid)):

@@ -22,7 +22,12 @@ def test_pick_engine_scores_in_flight_and_waiting():
     assert pick_engine([3, 1], [idle, idle]) == 1
     # Engine 0 has fewer requests routed but a long reported waiting queue.
     assert pick_engine([2, 4], [SchedulerStats(num_waiting_reqs=2), idle]) == 1
-    assert pick_engine([1, 1], [SchedulerStats(kv_cache_usage=0.5), SchedulerStats(kv_cache_usage=0.1)]) == 1
+    assert (
+        pick_engine(
+            [1, 1], [SchedulerStats(kv_cache_usage=0.5), SchedulerStats(kv_cache_usage=0.1)]
+        )
+        == 1
+    )
 
 
 def test_dp2_spreads_32_requests_and_matches_dp1():
@@ -45,24 +50,42 @@ def test_dp2_spreads_32_requests_and_matches_dp1():
 
 
 def test_dp_needs_engine_processes():
-    with pytest.raises(ValueError, match="data_parallel_size=2 runs each engine in its own process"):
+    with pytest.raises(
+        ValueError, match="data_parallel_size=2 runs each engine in its own process"
+    ):
         make_llm(cached_tiny_model("llama"), data_parallel_size=2)  # make_llm: multiprocess=False
 
 
 def test_server_dp2_metrics_per_engine_and_health_when_one_dies(tmp_path):
-    server = ServerProcess(str(cached_tiny_model("llama")), "--data-parallel-size", "2", log_dir=tmp_path)
+    server = ServerProcess(
+        str(cached_tiny_model("llama")), "--data-parallel-size", "2", log_dir=tmp_path
+    )
     try:
         from concurrent.futures import ThreadPoolExecutor
 
         def complete(i: int) -> httpx.Response:
-            return httpx.post(server.url + "/v1/completions", timeout=60,
-                              json={"prompt": f"w{i} w{i + 1} w{i + 2}", "max_tokens": 32, "ignore_eos": True})
-        with ThreadPoolExecutor(6) as pool:  # at once: in-flight counts spread them over both engines
+            return httpx.post(
+                server.url + "/v1/completions",
+                timeout=60,
+                json={"prompt": f"w{i} w{i + 1} w{i + 2}", "max_tokens": 32, "ignore_eos": True},
+            )
+
+        with ThreadPoolExecutor(
+            6
+        ) as pool:  # at once: in-flight counts spread them over both engines
             for response in pool.map(complete, range(6)):
                 assert response.status_code == 200, response.text
         text = httpx.get(server.url + "/metrics", timeout=10).text
-        generated = [float(re.search(rf'^tokenbus:generation_tokens_total{{engine="{e}",[^}}]*}} (\S+)$',
-                                     text, re.MULTILINE).group(1)) for e in (0, 1)]
+        generated = [
+            float(
+                re.search(
+                    rf'^tokenbus:generation_tokens_total{{engine="{e}",[^}}]*}} (\S+)$',
+                    text,
+                    re.MULTILINE,
+                ).group(1)
+            )
+            for e in (0, 1)
+        ]
         assert min(generated) > 0 and sum(generated) == 6 * 32, generated  # both engines worked
         engines = spawned_children(server.proc.pid)
         assert len(engines) == 2

@@ -50,6 +50,7 @@ def _feed_one_by_one(detok: IncrementalDetokenizer, token_ids: list[int]) -> str
 
 # --- text --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_one_token_at_a_time_equals_decode(tokenizer, text):
     token_ids = _encode(tokenizer, text)
@@ -74,7 +75,7 @@ def test_several_tokens_per_update(tokenizer):
     token_ids = _encode(tokenizer, TEXTS[3])
     detok = _detokenizer(tokenizer)
     for i in range(0, len(token_ids), 3):
-        detok.update(token_ids[i:i + 3])
+        detok.update(token_ids[i : i + 3])
     assert detok.output_text == TEXTS[3]
 
 
@@ -130,6 +131,7 @@ def test_recovers_when_the_decode_stream_reports_an_invalid_prefix(tokenizer):
 
 
 # --- stop strings ------------------------------------------------------------------------------
+
 
 def test_stop_string_spanning_tokens(tokenizer):
     text = "The quick brown fox jumps over the lazy dog."

@@ -24,13 +24,18 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
-    return EngineRequest(request_id=request_id, prompt_token_ids=prompt,
-                         sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
 
 
 @pytest.fixture(scope="module")
 def sync_client():
-    client = SyncMPClient(make_fake_setup(), functools.partial(fake_engine_core, step_delay_s=0.002))
+    client = SyncMPClient(
+        make_fake_setup(), functools.partial(fake_engine_core, step_delay_s=0.002)
+    )
     yield client
     client.shutdown()
 
@@ -49,12 +54,18 @@ def drain_until(client, predicate, timeout_s: float = 10.0):
 def test_sync_abort_round_trip(sync_client):
     sync_client.add_request(make_request("long", [1], 100_000))
     sync_client.add_request(make_request("short", [4], 3))
-    seen = drain_until(sync_client, lambda o: any(x.request_id == "short" and x.finished for x in o.outputs))
-    assert [t for o in seen if o.request_id == "short" for t in o.new_token_ids] == expected_tokens([4], 3)
+    seen = drain_until(
+        sync_client, lambda o: any(x.request_id == "short" and x.finished for x in o.outputs)
+    )
+    assert [t for o in seen if o.request_id == "short" for t in o.new_token_ids] == expected_tokens(
+        [4], 3
+    )
     sync_client.abort_requests(["long"])
     # An aborted request sends nothing more; the engine reports its emptied queues.
-    drain_until(sync_client,
-                lambda o: o.scheduler_stats is not None and o.scheduler_stats.num_running_reqs == 0)
+    drain_until(
+        sync_client,
+        lambda o: o.scheduler_stats is not None and o.scheduler_stats.num_running_reqs == 0,
+    )
     sync_client.call_utility("check_integrity")
 
 
@@ -107,8 +118,10 @@ def test_engine_death_wakes_blocked_sync_waiters():
     try:
         client.add_request(make_request("a", [1], 1000))
         utility = functools.partial(client.call_utility, "has_unfinished_requests")
-        threads = [threading.Thread(target=wait, args=("output", client.get_output)),
-                   threading.Thread(target=wait, args=("utility", utility))]
+        threads = [
+            threading.Thread(target=wait, args=("output", client.get_output)),
+            threading.Thread(target=wait, args=("utility", utility)),
+        ]
         for thread in threads:
             thread.start()
         time.sleep(0.3)
@@ -117,7 +130,9 @@ def test_engine_death_wakes_blocked_sync_waiters():
         for thread in threads:
             thread.join(timeout=10)
         assert time.monotonic() - start < 5
-        assert all(isinstance(errors.get(name), EngineDeadError) for name in ("output", "utility")), errors
+        assert all(
+            isinstance(errors.get(name), EngineDeadError) for name in ("output", "utility")
+        ), errors
         with pytest.raises(EngineDeadError, match="SIGKILL"):
             client.add_request(make_request("b", [1], 1))
     finally:
@@ -147,7 +162,11 @@ def _async_tokens(model_dir, in_process: bool) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def one(i: int) -> list[int]:
-        return [t async for out in llm.generate(str(i), PROMPTS[i], params) for t in out.outputs[0].token_ids]
+        return [
+            t
+            async for out in llm.generate(str(i), PROMPTS[i], params)
+            for t in out.outputs[0].token_ids
+        ]
 
     async def main():
         tokens = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
@@ -219,8 +238,11 @@ def test_missing_server_packages_are_refused_before_an_engine_starts(monkeypatch
     from tokenbus.api.openai.server_config import ServerConfig
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a, **k: None if name == "uvicorn" else real_find_spec(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == "uvicorn" else real_find_spec(name, *a, **k),
+    )
     monkeypatch.setattr(launch, "bind_socket", lambda *a: pytest.fail("bound a port"))
     monkeypatch.setattr(launch, "create_engine_setup", lambda *a: pytest.fail("set up an engine"))
     with pytest.raises(ModuleNotFoundError, match="needs uvicorn.*pip install uvicorn"):

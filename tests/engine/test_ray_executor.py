@@ -22,8 +22,10 @@ from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, rand
 from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus.utils.cpu import available_cpus
 
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="Ray is not installed (pip install 'tokenbus[ray]')")
+needs_ray = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="Ray is not installed (pip install 'tokenbus[ray]')",
+)
 RAY_CLI = Path(sys.executable).with_name("ray")
 HEAD_START_TIMEOUT_S = 60.0
 ATTACH_TIMEOUT_S = 60.0
@@ -71,20 +73,37 @@ def ray_head():
         port = sock.getsockname()[1]
     temp_dir = tempfile.mkdtemp(prefix="tbray")  # short: Ray's socket paths live under it
     driver_env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    driver_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
+    driver_env.update(
+        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0"
+    )
     # As the executor's module docstring says to start one (the driver finds loopback on its own).
     head_env = dict(driver_env, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     head = subprocess.Popen(
-        [str(RAY_CLI), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-         "--include-dashboard=false", f"--num-cpus={available_cpus()}", f"--temp-dir={temp_dir}",
-         "--disable-usage-stats"],
-        env=head_env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            str(RAY_CLI),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--include-dashboard=false",
+            f"--num-cpus={available_cpus()}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ],
+        env=head_env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
         # `ray start` writes the address file once the head node is up, before blocking.
         while not os.path.exists(os.path.join(temp_dir, "ray_current_cluster")):
             if head.poll() is not None:
-                pytest.fail(f"ray start exited {head.returncode}: {head.stderr.read().decode()[-2000:]}")
+                pytest.fail(
+                    f"ray start exited {head.returncode}: {head.stderr.read().decode()[-2000:]}"
+                )
             if time.monotonic() > deadline:
                 pytest.fail(f"ray start: no head node within {HEAD_START_TIMEOUT_S:.0f} s")
             time.sleep(0.2)
@@ -127,8 +146,14 @@ def test_ray_address_attaches_to_a_loopback_head(ray_head):
     path = cached_tiny_model("llama")
     prompts = random_prompts(4, 5, 40, seed=7)
     env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-c", ATTACH_SCRIPT, str(path), json.dumps(prompts), address],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=ATTACH_TIMEOUT_S)
+    run = subprocess.run(
+        [sys.executable, "-c", ATTACH_SCRIPT, str(path), json.dumps(prompts), address],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=ATTACH_TIMEOUT_S,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     tokens = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
     assert json.loads(tokens[-1].removeprefix("TOKENS ")) == mp_tokens(path, prompts)
@@ -136,9 +161,15 @@ def test_ray_address_attaches_to_a_loopback_head(ray_head):
 
 @needs_ray
 def test_unreachable_ray_address_fails_at_start_up():
-    with pytest.raises(ValueError, match=r"ray_address '127\.0\.0\.1:1': cannot reach a Ray cluster there"):
-        make_llm(cached_tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="ray",
-                 ray_address="127.0.0.1:1")
+    with pytest.raises(
+        ValueError, match=r"ray_address '127\.0\.0\.1:1': cannot reach a Ray cluster there"
+    ):
+        make_llm(
+            cached_tiny_model("llama"),
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            ray_address="127.0.0.1:1",
+        )
 
 
 def test_missing_ray_names_the_extra(monkeypatch):
@@ -147,9 +178,19 @@ def test_missing_ray_names_the_extra(monkeypatch):
         make_llm(cached_tiny_model("llama"), distributed_executor_backend="ray")
 
 
-@pytest.mark.parametrize("address, loopback", [
-    ("127.0.0.1:6379", True), ("localhost:6379", True), ("127.0.1.1:6379", True), ("[::1]:6379", True),
-    ("10.0.0.5:6379", False), ("head.example:6379", False), ("auto", False), ("ray://127.0.0.1:10001", False)])
+@pytest.mark.parametrize(
+    "address, loopback",
+    [
+        ("127.0.0.1:6379", True),
+        ("localhost:6379", True),
+        ("127.0.1.1:6379", True),
+        ("[::1]:6379", True),
+        ("10.0.0.5:6379", False),
+        ("head.example:6379", False),
+        ("auto", False),
+        ("ray://127.0.0.1:10001", False),
+    ],
+)
 def test_loopback_is_forced_only_for_loopback_addresses(address, loopback):
     from tokenbus.engine.executor.ray_executor import is_loopback_address
 

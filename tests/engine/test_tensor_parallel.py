@@ -10,7 +10,12 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.oracle import assert_same_or_near_tie, assert_smollm2_chat_matches_hf, hf_greedy, load_hf
+from tests.e2e.oracle import (
+    assert_same_or_near_tie,
+    assert_smollm2_chat_matches_hf,
+    hf_greedy,
+    load_hf,
+)
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
 from tests.fixtures.server import spawned_children
 from tests.fixtures.tiny_models import cached_tiny_model
@@ -33,7 +38,9 @@ def test_tp2_equals_tp1_and_hf(arch):
         single.shutdown()
     llm = make_llm(path, tensor_parallel_size=2)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=5)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=5
+        )
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for out, want, ref in zip(outputs, expected, one_rank):
             got = out.outputs[0].token_ids
@@ -49,19 +56,28 @@ def test_tp3_smollm2_matches_transformers():
     """9 query heads and 3 KV heads: three ranks of 3 + 1 (two cores, oversubscribed)."""
     llm = make_llm(None, max_model_len=512, tensor_parallel_size=3)
     try:
-        assert_smollm2_chat_matches_hf(llm, ["What is the capital of France?", "List three prime numbers."], 16)
+        assert_smollm2_chat_matches_hf(
+            llm, ["What is the capital of France?", "List three prime numbers."], 16
+        )
     finally:
         llm.shutdown()
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused():
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 4 attention heads"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=3 does not divide the 4 attention heads"
+    ):
         make_llm(cached_tiny_model("llama"), tensor_parallel_size=3)
 
 
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
-                                  {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 2}],
-                         ids=["ngram", "self-speculation"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 2},
+    ],
+    ids=["ngram", "self-speculation"],
+)
 def test_structured_output_and_spec_decode_under_tp(spec):
     path = cached_tiny_model("llama")
     prompts = random_prompts(3, 8, 30, seed=5)
@@ -77,8 +93,11 @@ def test_structured_output_and_spec_decode_under_tp(spec):
         assert got == want
         from tokenbus.sampling_params import StructuredOutputsParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=8,
-                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        )
         text = llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0].text
         assert text in ("yes", "no")
         assert_engine_clean(llm)
@@ -93,8 +112,9 @@ def test_killing_a_rank_fails_every_waiter():
     from tokenbus.engine.exceptions import EngineDeadError
 
     async def scenario():
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(cached_tiny_model("llama")),
-                                                      tensor_parallel_size=2))
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=str(cached_tiny_model("llama")), tensor_parallel_size=2)
+        )
         try:
             workers = spawned_children(engine.client.ready.pid)
             assert len(workers) == 2
@@ -103,6 +123,7 @@ def test_killing_a_rank_fails_every_waiter():
             async def consume(i):
                 async for _ in engine.generate(f"r{i}", [5 + i] * 10, params):
                     pass
+
             tasks = [asyncio.create_task(consume(i)) for i in range(3)]
             await asyncio.sleep(0.2)
             os.kill(workers[1].pid, signal.SIGKILL)
@@ -124,7 +145,9 @@ def test_killing_a_rank_fails_every_waiter():
 def test_killing_a_rank_of_an_idle_server_turns_health_503_within_a_second(tmp_path):
     from tests.fixtures.server import ServerProcess
 
-    server = ServerProcess(str(cached_tiny_model("llama")), "--tensor-parallel-size", "2", log_dir=tmp_path)
+    server = ServerProcess(
+        str(cached_tiny_model("llama")), "--tensor-parallel-size", "2", log_dir=tmp_path
+    )
     try:
         (engine,) = spawned_children(server.proc.pid)
         ranks = spawned_children(engine.pid)
@@ -135,11 +158,18 @@ def test_killing_a_rank_of_an_idle_server_turns_health_503_within_a_second(tmp_p
         assert "rank 1 died" in server.log() or "rank 1" in server.log()
         server.wait(30)
         deadline = time.monotonic() + 10
-        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                  for pid in everything) and time.monotonic() < deadline:
+        while (
+            any(
+                psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                for pid in everything
+            )
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
-        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                       for pid in everything), "a rank or the engine outlived the server"
+        assert not any(
+            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            for pid in everything
+        ), "a rank or the engine outlived the server"
     finally:
         server.close()
 
@@ -151,7 +181,9 @@ def test_a_rank_that_does_not_answer_is_a_failure_not_a_hang():
     try:
         executor = llm.engine.client.engine_core.executor
         assert executor.collective_rpc("check_health") == [None, None]
-        with pytest.raises(WorkerFailedError, match=r"ranks \[0, 1\] did not answer within 0 s \(hung\)"):
+        with pytest.raises(
+            WorkerFailedError, match=r"ranks \[0, 1\] did not answer within 0 s \(hung\)"
+        ):
             executor._gather(0.3)  # nothing was asked: no rank answers
     finally:
         llm.shutdown()

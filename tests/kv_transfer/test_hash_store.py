@@ -14,8 +14,15 @@ from tokenbus.kv_transfer.hash_store import BlockJob, HashStoreMeta, HashStoreNe
 from tokenbus.kv_transfer.shared_storage import SharedStorageScheduler, SharedStorageWorker
 
 BLOCK = 16
-LAYOUT = KVLayout(model="tiny", dtype="float32", quantization="none", block_size=BLOCK, num_layers=2,
-                  num_kv_heads=2, head_dim=16)
+LAYOUT = KVLayout(
+    model="tiny",
+    dtype="float32",
+    quantization="none",
+    block_size=BLOCK,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 def _hash(i: int) -> bytes:
@@ -23,8 +30,14 @@ def _hash(i: int) -> bytes:
 
 
 def _halves(tmp_path):
-    ctx = ConnectorContext(KVTransferConfig("SharedStorageConnector", kv_connector_extra_config={
-        "shared_storage_path": str(tmp_path)}), LAYOUT, "test")
+    ctx = ConnectorContext(
+        KVTransferConfig(
+            "SharedStorageConnector",
+            kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+        ),
+        LAYOUT,
+        "test",
+    )
     worker = SharedStorageWorker(ctx)
     worker.register_kv_caches([torch.randn(2, 8, BLOCK, 2, 16) for _ in range(2)])
     return SharedStorageScheduler(ctx), worker
@@ -42,8 +55,9 @@ def test_a_step_whose_load_failed_stores_nothing_it_computed(tmp_path):
     missing, computed = _hash(1), _hash(2)
     scheduler._saving.add(computed)  # as _plan_saves left it
     # Block 6 was computed over block 5, whose load fails: its K/V must not enter the store.
-    output = _run_step(worker, HashStoreMeta(loads={"r": [BlockJob(5, missing)]},
-                                             saves=[BlockJob(6, computed)]))
+    output = _run_step(
+        worker, HashStoreMeta(loads={"r": [BlockJob(5, missing)]}, saves=[BlockJob(6, computed)])
+    )
     assert output.invalid_block_ids == [5]
     assert not worker.files.exists(computed)
     news = msgspec.msgpack.decode(output.worker_meta, type=HashStoreNews)

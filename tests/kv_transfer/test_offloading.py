@@ -24,8 +24,13 @@ from tokenbus.kv_transfer import offloading
 from tokenbus.kv_transfer.base import ConnectorContext, KVLayout
 from tokenbus.kv_transfer.block_files import BlockFiles
 from tokenbus.kv_transfer.hash_store import BlockJob, HashStoreMeta
-from tokenbus.kv_transfer.offloading import (OffloadConfig, OffloadingScheduler, OffloadingWorker,
-                                             OffloadNews, TieredStore)
+from tokenbus.kv_transfer.offloading import (
+    OffloadConfig,
+    OffloadingScheduler,
+    OffloadingWorker,
+    OffloadNews,
+    TieredStore,
+)
 
 BLOCK = 16
 MAX_TOKENS = 8
@@ -34,8 +39,9 @@ SMALL_POOL = dict(num_kv_blocks=24, max_model_len=320)
 
 
 def _kv_config(role: str = "kv_both", **extra) -> str:
-    return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": role,
-                       "kv_connector_extra_config": extra})
+    return json.dumps(
+        {"kv_connector": "OffloadingConnector", "kv_role": role, "kv_connector_extra_config": extra}
+    )
 
 
 def _llm(model_dir, **engine_args):
@@ -65,7 +71,7 @@ def _sync_news(llm) -> None:
 def _block_hashes(prompt: list[int]) -> list[bytes]:
     hashes, parent = [], None
     for i in range(len(prompt) // BLOCK):
-        parent = hash_block_tokens(parent, prompt[i * BLOCK:(i + 1) * BLOCK])
+        parent = hash_block_tokens(parent, prompt[i * BLOCK : (i + 1) * BLOCK])
         hashes.append(parent)
     return hashes
 
@@ -102,7 +108,9 @@ def family_expected(tiny_llama_dir, family_prompts):
 
 
 # ---------------------------------------------------------------------- end to end
-def test_small_pool_reloads_evicted_prefixes_from_cpu_tier(tiny_llama_dir, family_prompts, family_expected):
+def test_small_pool_reloads_evicted_prefixes_from_cpu_tier(
+    tiny_llama_dir, family_prompts, family_expected
+):
     off = _llm(tiny_llama_dir, **SMALL_POOL)
     assert generate_greedy(off, family_prompts, MAX_TOKENS) == family_expected
     off.shutdown()
@@ -122,8 +130,13 @@ def test_tiers_stay_within_their_bounds(tiny_llama_dir, tmp_path, family_prompts
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # tiny llama: 2 layers, 2 KV heads, head_dim 16, fp32
     # RAM for 6 blocks; disk for 28 files: not both families' blocks (2 × 15), one's and more.
     cpu_bytes, disk_bytes = 6 * block_bytes, 28 * (block_bytes + 512)
-    llm = _llm(tiny_llama_dir, **SMALL_POOL, kv_transfer_config=_kv_config(
-        cpu_bytes=cpu_bytes, disk_path=str(tmp_path), disk_bytes=disk_bytes))
+    llm = _llm(
+        tiny_llama_dir,
+        **SMALL_POOL,
+        kv_transfer_config=_kv_config(
+            cpu_bytes=cpu_bytes, disk_path=str(tmp_path), disk_bytes=disk_bytes
+        ),
+    )
     for prompt, expected in zip(family_prompts, family_expected):
         assert generate_greedy(llm, [prompt], MAX_TOKENS) == [expected]
         tiers = llm.engine.last_stats.kv_tier_bytes
@@ -136,8 +149,10 @@ def test_tiers_stay_within_their_bounds(tiny_llama_dir, tmp_path, family_prompts
     tiers = _worker_half(llm).store_tiers
     assert _scheduler_half(llm)._index == set(tiers.cpu.keys()) | set(tiers.disk.keys())
     assert 0 < tiers.disk.num_bytes <= disk_bytes
-    assert _scheduler_half(llm).tier_occupancy() == {"cpu": len(tiers.cpu) * block_bytes,
-                                                     "disk": tiers.disk.num_bytes}
+    assert _scheduler_half(llm).tier_occupancy() == {
+        "cpu": len(tiers.cpu) * block_bytes,
+        "disk": tiers.disk.num_bytes,
+    }
     assert_engine_clean(llm)
     llm.shutdown()
 
@@ -186,14 +201,18 @@ def test_corrupt_and_truncated_files_are_misses(tiny_llama_dir, tmp_path, caplog
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
     # A consumer only: it saves nothing, so the removed files stay removed.
-    reader = _llm(tiny_llama_dir, kv_transfer_config=_kv_config("kv_consumer", disk_path=str(tmp_path)))
+    reader = _llm(
+        tiny_llama_dir, kv_transfer_config=_kv_config("kv_consumer", disk_path=str(tmp_path))
+    )
     assert _scheduler_half(reader).contains(flipped) and _scheduler_half(reader).contains(truncated)
     with caplog.at_level(logging.WARNING, logger="tokenbus.kv_transfer.block_files"):
         outs = _generate(reader, prompts)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert "checksum mismatch" in caplog.text and "unreadable" in caplog.text
     assert not files.path(flipped).exists() and not files.path(truncated).exists()
-    assert not _scheduler_half(reader).contains(flipped) and not _scheduler_half(reader).contains(truncated)
+    assert not _scheduler_half(reader).contains(flipped) and not _scheduler_half(reader).contains(
+        truncated
+    )
     # The blocks before the bad ones did load: two of the first prompt, three of the second.
     assert reader.engine.stats_totals["kv_bytes_loaded"] == (2 + 3) * BLOCK_BYTES
     assert_engine_clean(reader)
@@ -210,7 +229,9 @@ def test_block_gone_from_the_tier_is_recomputed(tiny_llama_dir, family_prompts, 
     assert llm.reset_prefix_cache()
     loaded_before = llm.engine.stats_totals["kv_bytes_loaded"]
     assert generate_greedy(llm, [prompt], MAX_TOKENS) == [family_expected[0]]
-    assert llm.engine.stats_totals["kv_bytes_loaded"] - loaded_before == 4 * BLOCK_BYTES  # blocks 0–3
+    assert (
+        llm.engine.stats_totals["kv_bytes_loaded"] - loaded_before == 4 * BLOCK_BYTES
+    )  # blocks 0–3
     # Reported dropped, then saved again by the recompute.
     assert _scheduler_half(llm).contains(lost) and lost in _worker_half(llm).store_tiers.cpu
     assert_engine_clean(llm)
@@ -239,8 +260,15 @@ def test_bad_size_fails_engine_start(tiny_llama_dir):
 
 
 # ---------------------------------------------------------------------- the tiers alone
-LAYOUT = KVLayout(model="tiny", dtype="float32", quantization="none", block_size=BLOCK, num_layers=2,
-                  num_kv_heads=2, head_dim=16)
+LAYOUT = KVLayout(
+    model="tiny",
+    dtype="float32",
+    quantization="none",
+    block_size=BLOCK,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+)
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
 
 
@@ -259,7 +287,9 @@ def _store(**extra) -> TieredStore:
 def test_lru_bounds_and_eviction_news(tmp_path, monkeypatch):
     monkeypatch.setattr(offloading, "MTIME_REFRESH_S", 0.0)  # every use moves the file's mtime
     file_bytes = len(_safetensors_size_probe(tmp_path))
-    disk_bytes = 5 * file_bytes + 64  # five files (their headers may differ by a few bytes), not six
+    disk_bytes = (
+        5 * file_bytes + 64
+    )  # five files (their headers may differ by a few bytes), not six
     root = tmp_path / "kv"
     store = _store(cpu_bytes=3 * BLOCK_BYTES, disk_path=str(root), disk_bytes=disk_bytes)
     for i in range(5):
@@ -276,7 +306,11 @@ def test_lru_bounds_and_eviction_news(tmp_path, monkeypatch):
     evicted, num_cpu_blocks, used = store.take_news()
     assert set(evicted) == {_hash(1), _hash(2), _hash(3)}  # left both tiers; 0 was used after 4
     assert num_cpu_blocks == 3 and used == _disk_usage(root) <= disk_bytes
-    assert store.cpu.num_bytes <= 3 * BLOCK_BYTES and store.cpu.keys() == [_hash(5), _hash(6), _hash(7)]
+    assert store.cpu.num_bytes <= 3 * BLOCK_BYTES and store.cpu.keys() == [
+        _hash(5),
+        _hash(6),
+        _hash(7),
+    ]
     assert _on_disk(root) == {_hash(i) for i in (0, 4, 5, 6, 7)}
     for i in (1, 2, 3):
         with pytest.raises(KeyError):
@@ -288,7 +322,9 @@ def test_lru_bounds_and_eviction_news(tmp_path, monkeypatch):
     assert again.disk.keys()[:2] == [_hash(4), _hash(0)]
     assert torch.equal(again.load(_hash(6)), _kv(6))
     again.close()
-    smaller = _store(cpu_bytes=0, disk_path=str(root), disk_bytes=2 * file_bytes + 64)  # the bound shrank
+    smaller = _store(
+        cpu_bytes=0, disk_path=str(root), disk_bytes=2 * file_bytes + 64
+    )  # the bound shrank
     assert len(smaller.disk) == 2 and _on_disk(root) == set(smaller.disk.keys())
     assert not {_hash(4), _hash(0)} & _on_disk(root)
     smaller.close()
@@ -320,23 +356,41 @@ def test_cpu_only_tier_reports_evictions(tmp_path):
 
 
 def test_worker_reports_corrupt_file_as_dropped_and_invalid(tmp_path):
-    ctx = ConnectorContext(KVTransferConfig("OffloadingConnector", kv_connector_extra_config={
-        "cpu_bytes": 0, "disk_path": str(tmp_path)}), LAYOUT, "test")
+    ctx = ConnectorContext(
+        KVTransferConfig(
+            "OffloadingConnector",
+            kv_connector_extra_config={"cpu_bytes": 0, "disk_path": str(tmp_path)},
+        ),
+        LAYOUT,
+        "test",
+    )
     worker = OffloadingWorker(ctx)
     worker.register_kv_caches([torch.randn(2, 8, BLOCK, 2, 16) for _ in range(2)])
     hashes = [_hash(i) for i in range(3)]
-    worker.bind_connector_metadata(msgspec.msgpack.encode(HashStoreMeta(
-        saves=[BlockJob(i + 1, h) for i, h in enumerate(hashes)])))
+    worker.bind_connector_metadata(
+        msgspec.msgpack.encode(
+            HashStoreMeta(saves=[BlockJob(i + 1, h) for i, h in enumerate(hashes)])
+        )
+    )
     worker.wait_for_save()
     worker.store_tiers.drain()
     news = msgspec.msgpack.decode(worker.build_output(set()).worker_meta, type=OffloadNews)
-    assert news.stored == hashes[::-1] and news.num_cpu_blocks == 0  # tail first and news.disk_bytes > 0
+    assert (
+        news.stored == hashes[::-1] and news.num_cpu_blocks == 0
+    )  # tail first and news.disk_bytes > 0
 
     path = worker.store_tiers.files.path(hashes[1])
     data = path.read_bytes()
     path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
-    worker.bind_connector_metadata(msgspec.msgpack.encode(HashStoreMeta(
-        loads={"r": [BlockJob(5, hashes[0]), BlockJob(6, hashes[1]), BlockJob(7, hashes[2])]})))
+    worker.bind_connector_metadata(
+        msgspec.msgpack.encode(
+            HashStoreMeta(
+                loads={
+                    "r": [BlockJob(5, hashes[0]), BlockJob(6, hashes[1]), BlockJob(7, hashes[2])]
+                }
+            )
+        )
+    )
     worker.start_load_kv()
     output = worker.build_output(set())
     assert output.invalid_block_ids == [6, 7]  # the bad one and every one chained after it
@@ -351,7 +405,9 @@ def test_worker_reports_corrupt_file_as_dropped_and_invalid(tmp_path):
 
 def test_shutdown_flushes_the_queue_and_gives_up_when_stuck(tmp_path, monkeypatch, caplog):
     write = BlockFiles.write
-    monkeypatch.setattr(BlockFiles, "write", lambda self, h, kv: (time.sleep(0.01), write(self, h, kv))[1])
+    monkeypatch.setattr(
+        BlockFiles, "write", lambda self, h, kv: (time.sleep(0.01), write(self, h, kv))[1]
+    )
     store = _store(cpu_bytes=0, disk_path=str(tmp_path / "a"))
     for i in range(20):
         store.store(_hash(i), _kv(i))
@@ -376,23 +432,28 @@ def test_shutdown_flushes_the_queue_and_gives_up_when_stuck(tmp_path, monkeypatc
     release.set()
 
 
-@pytest.mark.parametrize("extra, key", [
-    ({"cpu_bytes": -1}, "cpu_bytes"),
-    ({"cpu_bytes": "lots"}, "cpu_bytes"),
-    ({"cpu_bytes": True}, "cpu_bytes"),
-    ({"disk_path": "/tmp/x", "disk_bytes": "-2GiB"}, "disk_bytes"),
-    ({"disk_path": "/tmp/x", "disk_bytes": "12 parsecs"}, "disk_bytes"),
-    ({"disk_path": "/tmp/x", "disk_bytes": 0}, "disk_bytes"),
-    ({"disk_path": ""}, "disk_path"),
-    ({"cpu_bytes": 0}, "cpu_bytes"),
-    ({"cpu_byte": "1GiB"}, "cpu_byte"),
-])
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"cpu_bytes": -1}, "cpu_bytes"),
+        ({"cpu_bytes": "lots"}, "cpu_bytes"),
+        ({"cpu_bytes": True}, "cpu_bytes"),
+        ({"disk_path": "/tmp/x", "disk_bytes": "-2GiB"}, "disk_bytes"),
+        ({"disk_path": "/tmp/x", "disk_bytes": "12 parsecs"}, "disk_bytes"),
+        ({"disk_path": "/tmp/x", "disk_bytes": 0}, "disk_bytes"),
+        ({"disk_path": ""}, "disk_path"),
+        ({"cpu_bytes": 0}, "cpu_bytes"),
+        ({"cpu_byte": "1GiB"}, "cpu_byte"),
+    ],
+)
 def test_bad_config_names_the_key(extra, key):
     with pytest.raises(ValueError, match=key):
         OffloadConfig.from_extra(extra)
 
 
 def test_sizes_parse():
-    config = OffloadConfig.from_extra({"cpu_bytes": "2GiB", "disk_path": "/tmp/x", "disk_bytes": 4096})
+    config = OffloadConfig.from_extra(
+        {"cpu_bytes": "2GiB", "disk_path": "/tmp/x", "disk_bytes": 4096}
+    )
     assert (config.cpu_bytes, config.disk_bytes) == (2 << 30, 4096)
     assert OffloadConfig.from_extra({}) == OffloadConfig(1 << 30, None, 8 << 30)

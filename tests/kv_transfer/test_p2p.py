@@ -36,8 +36,14 @@ def _free_port() -> int:
 
 
 def _kv_config(role: str, policy: str = "recompute", **extra) -> str:
-    return json.dumps({"kv_connector": "P2PConnector", "kv_role": role, "kv_load_failure_policy": policy,
-                       "kv_connector_extra_config": extra})
+    return json.dumps(
+        {
+            "kv_connector": "P2PConnector",
+            "kv_role": role,
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": extra,
+        }
+    )
 
 
 def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -47,7 +53,9 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 def _prefill(producer, prompts) -> list[dict]:
     """Run the prompts on the prefiller (one token each); the params a decoder pulls with."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = SamplingParams(
+        temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
     outs = producer.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, prompt in zip(outs, prompts):
         assert out.kv_transfer_params["remote_num_tokens"] == len(prompt)
@@ -56,8 +64,12 @@ def _prefill(producer, prompts) -> list[dict]:
 
 
 def _decode(decoder, prompts, kv_params, max_tokens=8):
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, kv_transfer_params=p)
-              for p in kv_params]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, kv_transfer_params=p
+        )
+        for p in kv_params
+    ]
     return decoder.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
@@ -88,15 +100,22 @@ def hf(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def producer(tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, multiprocess=True, kv_transfer_config=_kv_config(
-        "kv_producer", kv_port=_free_port(), abort_timeout_s=ABORT_TIMEOUT_S))
+    llm = make_llm(
+        tiny_llama_dir,
+        multiprocess=True,
+        kv_transfer_config=_kv_config(
+            "kv_producer", kv_port=_free_port(), abort_timeout_s=ABORT_TIMEOUT_S
+        ),
+    )
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
 def decoder(tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, kv_transfer_config=_kv_config("kv_consumer", pull_timeout_s=PULL_TIMEOUT_S))
+    llm = make_llm(
+        tiny_llama_dir, kv_transfer_config=_kv_config("kv_consumer", pull_timeout_s=PULL_TIMEOUT_S)
+    )
     yield llm
     llm.shutdown()
 
@@ -116,12 +135,16 @@ def test_decoder_computes_only_the_last_prompt_token_and_matches_colocated(produ
     assert totals["num_prompt_tokens"] == len(prompts)  # the last token of each, nothing more
     assert totals["external_prefix_cache_hits"] == sum(len(p) for p in prompts)
     assert totals["prefix_cache_hits"] == 0
-    assert totals["kv_bytes_loaded"] == sum(cdiv(len(p), 16) for p in prompts) * _bytes_per_block(decoder)
+    assert totals["kv_bytes_loaded"] == sum(cdiv(len(p), 16) for p in prompts) * _bytes_per_block(
+        decoder
+    )
     assert_engine_clean(decoder)
     _wait_clean(producer, ABORT_TIMEOUT_S / 2)  # freed by DONE, not by the timeout
     # The prefiller served the pulls in steps that ran nothing: their byte counts still came out
     # (read by the front end with its next outputs).
-    producer.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    producer.generate(
+        [{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1), use_tqdm=False
+    )
     assert producer.engine.stats_totals["kv_bytes_saved"] == totals["kv_bytes_loaded"]
 
 
@@ -142,9 +165,15 @@ def test_local_prefix_hit_pulls_only_the_rest(producer, decoder, hf):
 
 
 def _dead_params(prompt: list[int], port: int) -> dict:
-    return {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_host": "127.0.0.1",
-            "remote_port": port, "remote_request_id": "0",
-            "remote_block_ids": list(range(1, cdiv(len(prompt), 16) + 1)), "remote_num_tokens": len(prompt)}
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "gone",
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "remote_request_id": "0",
+        "remote_block_ids": list(range(1, cdiv(len(prompt), 16) + 1)),
+        "remote_num_tokens": len(prompt),
+    }
 
 
 def test_dead_prefiller_recomputes_or_fails(decoder, tiny_llama_dir, hf, caplog):
@@ -158,8 +187,10 @@ def test_dead_prefiller_recomputes_or_fails(decoder, tiny_llama_dir, hf, caplog)
     assert "no reply" in caplog.text and "did not answer an earlier request" in caplog.text
     assert_engine_clean(decoder)
 
-    failing = make_llm(tiny_llama_dir, kv_transfer_config=_kv_config("kv_consumer", "fail",
-                                                                     pull_timeout_s=PULL_TIMEOUT_S))
+    failing = make_llm(
+        tiny_llama_dir,
+        kv_transfer_config=_kv_config("kv_consumer", "fail", pull_timeout_s=PULL_TIMEOUT_S),
+    )
     try:
         outs = _decode(failing, prompts[:1], [_dead_params(prompts[0], dead_port)])
         assert outs[0].outputs[0].finish_reason == "error"
@@ -169,15 +200,21 @@ def test_dead_prefiller_recomputes_or_fails(decoder, tiny_llama_dir, hf, caplog)
 
 
 def test_abort_while_waiting_for_remote_kv_frees_both_sides(producer, tiny_llama_dir):
-    slow = make_llm(tiny_llama_dir, kv_transfer_config=_kv_config("kv_consumer", debug_delay_pull_s=60))
+    slow = make_llm(
+        tiny_llama_dir, kv_transfer_config=_kv_config("kv_consumer", debug_delay_pull_s=60)
+    )
     try:
         prompt = _prompts([50], seed=3)[0]
         [kv_params] = _prefill(producer, [prompt])
         registered = time.monotonic()
         engine, core = slow.engine, slow.engine.client.engine_core
-        engine.add_request("slow", prompt, SamplingParams(max_tokens=4, kv_transfer_params=kv_params))
-        while "slow" not in core.scheduler.requests or \
-                core.scheduler.requests["slow"].status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+        engine.add_request(
+            "slow", prompt, SamplingParams(max_tokens=4, kv_transfer_params=kv_params)
+        )
+        while (
+            "slow" not in core.scheduler.requests
+            or core.scheduler.requests["slow"].status != RequestStatus.WAITING_FOR_REMOTE_KVS
+        ):
             engine.step()
         engine.step()  # the worker has the job now; its puller sleeps in debug_delay_pull_s
         engine.abort_request(["slow"])
@@ -195,9 +232,18 @@ def test_abort_while_waiting_for_remote_kv_frees_both_sides(producer, tiny_llama
 
 
 def test_handshake_names_the_mismatched_fields():
-    ours = KVLayout(model="m", dtype="float32", quantization="none", block_size=16, num_layers=2,
-                    num_kv_heads=2, head_dim=64)
-    same = handshake_reply(ours, "prefill-1", Hello(seq=3, engine_id="decode-1", layout=ours.describe()))
+    ours = KVLayout(
+        model="m",
+        dtype="float32",
+        quantization="none",
+        block_size=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+    )
+    same = handshake_reply(
+        ours, "prefill-1", Hello(seq=3, engine_id="decode-1", layout=ours.describe())
+    )
     assert (same.status, same.seq) == (OK, 3)
     theirs = dict(ours.describe(), block_size=32, dtype="bfloat16")
     reply = handshake_reply(ours, "prefill-1", Hello(seq=4, engine_id="decode-1", layout=theirs))
@@ -208,13 +254,26 @@ def test_handshake_names_the_mismatched_fields():
 
 
 def _sender(abort_timeout_s: float):
-    layout = KVLayout(model="m", dtype="float32", quantization="none", block_size=16, num_layers=2,
-                      num_kv_heads=1, head_dim=4)
-    ctx = ConnectorContext(KVTransferConfig("P2PConnector", "kv_producer", engine_id="prefill-1"), layout, "prefill-1")
+    layout = KVLayout(
+        model="m",
+        dtype="float32",
+        quantization="none",
+        block_size=16,
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
+    ctx = ConnectorContext(
+        KVTransferConfig("P2PConnector", "kv_producer", engine_id="prefill-1"), layout, "prefill-1"
+    )
     settings = P2PSettings.from_extra({"kv_port": _free_port(), "abort_timeout_s": abort_timeout_s})
 
     def read_blocks(block_ids):  # block i holds the value i: [L, 2, n, block_size, Hkv, D]
-        return torch.tensor(block_ids, dtype=torch.float32).view(1, 1, -1, 1, 1, 1).expand(2, 2, -1, 16, 1, 4)
+        return (
+            torch.tensor(block_ids, dtype=torch.float32)
+            .view(1, 1, -1, 1, 1, 1)
+            .expand(2, 2, -1, 16, 1, 4)
+        )
 
     zmq_ctx = zmq.Context()
     return _Sender(ctx, settings, zmq_ctx, read_blocks), zmq_ctx
@@ -226,9 +285,17 @@ PROMPT = list(range(100, 120))
 def test_sender_serves_only_registered_blocks_until_done():
     sender, zmq_ctx = _sender(abort_timeout_s=60)
     try:
+
         def pull(block_ids, engine_id="prefill-1"):
-            return sender.handle(Pull(seq=1, engine_id=engine_id, request_id="r1", block_ids=block_ids,
-                                      prompt_digest=prompt_digest(PROMPT)))
+            return sender.handle(
+                Pull(
+                    seq=1,
+                    engine_id=engine_id,
+                    request_id="r1",
+                    block_ids=block_ids,
+                    prompt_digest=prompt_digest(PROMPT),
+                )
+            )
 
         assert pull([3])[0].status == NOT_READY  # its metadata has not arrived yet
         sender.register({"r1": SendSpec([3, 5], prompt_digest(PROMPT))})
@@ -253,12 +320,22 @@ def test_sender_serves_a_pull_only_for_the_same_prompt_and_block_positions():
     or another prompt's would be wrong K/V in the decoder's pool (and its prefix cache)."""
     sender, zmq_ctx = _sender(abort_timeout_s=60)
     try:
+
         def pull(block_ids, prompt=PROMPT):
-            return sender.handle(Pull(seq=1, engine_id="prefill-1", request_id="r1", block_ids=block_ids,
-                                      prompt_digest=prompt_digest(prompt)))[0]
+            return sender.handle(
+                Pull(
+                    seq=1,
+                    engine_id="prefill-1",
+                    request_id="r1",
+                    block_ids=block_ids,
+                    prompt_digest=prompt_digest(prompt),
+                )
+            )[0]
 
         sender.register({"r1": SendSpec([3, 5, 7], prompt_digest(PROMPT))})
-        assert pull([3, 5, 7]).status == OK and pull([5, 7]).status == OK  # after a local prefix hit
+        assert (
+            pull([3, 5, 7]).status == OK and pull([5, 7]).status == OK
+        )  # after a local prefix hit
         for block_ids in ([7, 5, 3], [5, 5], [3, 5], [3, 3, 3, 3]):
             reply = pull(block_ids)
             assert reply.status == ERROR and "prompt blocks" in reply.message, block_ids
@@ -285,12 +362,25 @@ def test_sender_frees_an_unpulled_send_after_abort_timeout(caplog):
 
 
 def test_remote_prefill_params_are_checked():
-    good = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "h", "remote_port": 1234,
-            "remote_request_id": "r", "remote_block_ids": [1, 2], "remote_num_tokens": 20}
+    good = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_host": "h",
+        "remote_port": 1234,
+        "remote_request_id": "r",
+        "remote_block_ids": [1, 2],
+        "remote_num_tokens": 20,
+    }
     assert RemotePrefill.parse(good).block_ids == [1, 2]
     assert RemotePrefill.parse({"do_remote_decode": True}) is None
-    for key, bad in [("remote_port", "1234"), ("remote_port", 70000), ("remote_block_ids", [1, -2]),
-                     ("remote_block_ids", [True]), ("remote_num_tokens", None), ("remote_host", 3)]:
+    for key, bad in [
+        ("remote_port", "1234"),
+        ("remote_port", 70000),
+        ("remote_block_ids", [1, -2]),
+        ("remote_block_ids", [True]),
+        ("remote_num_tokens", None),
+        ("remote_host", 3),
+    ]:
         with pytest.raises(ValueError, match=key):
             RemotePrefill.parse(dict(good, **{key: bad}))
 
@@ -304,7 +394,9 @@ def test_mismatched_decoder_is_refused_and_recomputes(producer, tiny_llama_dir, 
             [out] = _decode(other, [prompt], kv_params)
         assert out.outputs[0].token_ids == hf(prompt)
         assert out.num_cached_tokens == 0
-        assert "handshake refused" in caplog.text and "block_size: ours 16, theirs 32" in caplog.text
+        assert (
+            "handshake refused" in caplog.text and "block_size: ours 16, theirs 32" in caplog.text
+        )
         assert_engine_clean(other)
         _wait_clean(producer, ABORT_TIMEOUT_S / 2)  # the refused decoder still said DONE
     finally:
@@ -342,10 +434,18 @@ def test_decoder_pulls_only_from_allowed_peer_hosts(caplog):
 
 def test_params_naming_a_host_outside_kv_peer_hosts_compute_locally(decoder, hf, caplog):
     prompt = _prompts([40], seed=9)[0]
-    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "169.254.169.254",
-              "remote_port": 80, "remote_request_id": "r", "remote_block_ids": [1, 2, 3],
-              "remote_num_tokens": len(prompt)}
-    sampling = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, kv_transfer_params=params)
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_host": "169.254.169.254",
+        "remote_port": 80,
+        "remote_request_id": "r",
+        "remote_block_ids": [1, 2, 3],
+        "remote_num_tokens": len(prompt),
+    }
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=8, min_tokens=8, kv_transfer_params=params
+    )
     with caplog.at_level(logging.WARNING):
         out = decoder.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf(prompt)
@@ -357,8 +457,11 @@ def test_params_naming_a_host_outside_kv_peer_hosts_compute_locally(decoder, hf,
 def test_data_parallel_engines_get_their_own_port_and_engine_id():
     from tokenbus.kv_transfer.factory import connector_context
 
-    config = KVTransferConfig(kv_connector="P2PConnector", kv_role="kv_producer",
-                              kv_connector_extra_config={"kv_port": 15000})
+    config = KVTransferConfig(
+        kv_connector="P2PConnector",
+        kv_role="kv_producer",
+        kv_connector_extra_config={"kv_port": 15000},
+    )
     layout = KVLayout("m", "float32", "none", 16, 2, 2, 8)
     first, second = connector_context(config, layout, 0), connector_context(config, layout, 1)
     assert first.engine_id != second.engine_id

@@ -9,8 +9,13 @@ from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, rand
 
 
 def _kv_config(path, role="kv_both") -> str:
-    return json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"shared_storage_path": str(path)}})
+    return json.dumps(
+        {
+            "kv_connector": "SharedStorageConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(path)},
+        }
+    )
 
 
 def test_consumer_loads_what_producer_saved_and_matches_hf(tiny_llama_dir, tmp_path):

@@ -30,15 +30,20 @@ def pad_uniform(ctx: ForwardContext, q, k, v, padded_reqs: int, q_len: int, widt
     pad_tokens = (padded_reqs - num_reqs) * q_len
     pad_positions = torch.arange(q_len).repeat(padded_reqs - num_reqs)
     tables = torch.zeros(padded_reqs, width, dtype=torch.int64)
-    tables[:num_reqs, :ctx.block_tables.shape[1]] = ctx.block_tables
+    tables[:num_reqs, : ctx.block_tables.shape[1]] = ctx.block_tables
     seq_lens = ctx.seq_lens + [q_len] * (padded_reqs - num_reqs)
     padded = ForwardContext(
         positions=torch.cat([ctx.positions, pad_positions]),
         slot_mapping=torch.cat([ctx.slot_mapping, pad_positions % BLOCK_SIZE]),  # block 0
-        kv_caches=ctx.kv_caches, block_size=BLOCK_SIZE,
-        query_start_loc=[r * q_len for r in range(padded_reqs + 1)], seq_lens=seq_lens,
-        seq_lens_t=torch.tensor(seq_lens), block_tables=tables, num_decodes=padded_reqs if q_len == 1 else 0,
-        query_start_loc_t=torch.arange(padded_reqs + 1) * q_len)
+        kv_caches=ctx.kv_caches,
+        block_size=BLOCK_SIZE,
+        query_start_loc=[r * q_len for r in range(padded_reqs + 1)],
+        seq_lens=seq_lens,
+        seq_lens_t=torch.tensor(seq_lens),
+        block_tables=tables,
+        num_decodes=padded_reqs if q_len == 1 else 0,
+        query_start_loc_t=torch.arange(padded_reqs + 1) * q_len,
+    )
     g = torch.Generator().manual_seed(7)
     extra = [torch.randn(pad_tokens, *t.shape[1:], generator=g) for t in (q, k, v)]
     assert padded.num_tokens == num_tokens + pad_tokens
@@ -52,7 +57,9 @@ def test_static_plan_of_a_padded_batch_matches_eager(backend, q_len):
     requests = [(q_len, c) for c in (0, 5, 16, 40)]
     q, k, v, kv, ctx = make_batch(requests, 9, 3, 64)
     ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, backend.build_metadata(ctx), 0.125)
-    padded, pq, pk, pv = pad_uniform(ctx, q, k, v, padded_reqs=7, q_len=q_len, width=ctx.block_tables.shape[1] + 3)
+    padded, pq, pk, pv = pad_uniform(
+        ctx, q, k, v, padded_reqs=7, q_len=q_len, width=ctx.block_tables.shape[1] + 3
+    )
     before = kv.clone()
     plan = backend.prepare_for_capture(padded)
     assert isinstance(plan, NativeDecodePlan if backend.name == "native" else TorchDecodePlan)
@@ -79,7 +86,9 @@ def test_static_plan_follows_the_cache_dtype(kv_dtype, native):
     ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, backend.build_metadata(ctx), 0.125)
     plan = backend.prepare_for_capture(ctx)
     assert isinstance(plan, NativeDecodePlan if native else TorchDecodePlan)
-    out = paged_attention(q, k, v, kv, ctx.slot_mapping, backend.prepare_for_replay(ctx, ctx.num_tokens), 0.125)
+    out = paged_attention(
+        q, k, v, kv, ctx.slot_mapping, backend.prepare_for_replay(ctx, ctx.num_tokens), 0.125
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 

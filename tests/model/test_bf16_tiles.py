@@ -23,8 +23,10 @@ from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CPU_ISA_ENV, CpuFeatures, _capped
 from tokenbus.worker.model_loader import quant_activation_modes
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
-                                reason="no C compiler: the quantized kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler: the quantized kernels cannot be built here",
+)
 # The engine each cap must give: native is AMX where the kernel grants it, else AVX512-BF16.
 ENGINES = {"amx": "native", "avx512_bf16": "avx512_bf16"}
 
@@ -32,12 +34,16 @@ ENGINES = {"amx": "native", "avx512_bf16": "avx512_bf16"}
 def bf16_kernels(engine: str):
     """Quant kernels whose bf16 activations run on `engine`, or a skip naming what is missing."""
     if not DETECTED.is_x86 or not DETECTED.has("avx512_bf16"):
-        pytest.skip(f"bf16 tiles need AVX512-BF16 (and AMX for the AMX engine); this CPU: {DETECTED.describe()}")
+        pytest.skip(
+            f"bf16 tiles need AVX512-BF16 (and AMX for the AMX engine); this CPU: {DETECTED.describe()}"
+        )
     cap = ENGINES[engine]
     kernels = load_quant_kernels(CpuFeatures(_capped(DETECTED.flags, cap), cap))
     if kernels.bf16_engine != engine:
-        pytest.skip(f"the {engine} engine needs AMX (amx_bf16, amx_tile) granted by the kernel; "
-                    f"this CPU: {DETECTED.describe()}")
+        pytest.skip(
+            f"the {engine} engine needs AMX (amx_bf16, amx_tile) granted by the kernel; "
+            f"this CPU: {DETECTED.describe()}"
+        )
     return kernels
 
 
@@ -45,18 +51,38 @@ def bf16_kernels(engine: str):
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 def test_bf16_kernel_equals_bf16_rounded_reference(qtype, engine):
     kernels = bf16_kernels(engine)
-    for rows, cols in ((200, 576), (64, 128), (16, 64), (7, 1536)):  # odd/even tile counts, partial tiles, 48 blocks
+    for rows, cols in (
+        (200, 576),
+        (64, 128),
+        (16, 64),
+        (7, 1536),
+    ):  # odd/even tile counts, partial tiles, 48 blocks
         w = blocks(qtype, rows, cols, seed=rows)
         tiles = kernels.repack_tiles(int(qtype), torch.from_numpy(w), cols)
         dense = torch.from_numpy(gguf.quants.dequantize(w, qtype).astype(np.float32))
-        for m in (1, 7, 8, 9, 15, 16, 17, 32, 33, 49, 100, 300):  # partial register blocks and A tiles
+        for m in (
+            1,
+            7,
+            8,
+            9,
+            15,
+            16,
+            17,
+            32,
+            33,
+            49,
+            100,
+            300,
+        ):  # partial register blocks and A tiles
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
             wide = torch.full((m, rows + 3), float("nan"))
-            out = wide[:, 1:rows + 1]  # a column slice, like fused q/k/v
+            out = wide[:, 1 : rows + 1]  # a column slice, like fused q/k/v
             kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, "bf16")
             want = x.bfloat16().float() @ dense.bfloat16().float().T  # fp32 sums of bf16 products
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-            assert wide[:, 0].isnan().all() and wide[:, rows + 1:].isnan().all()  # nothing else written
+            assert (
+                wide[:, 0].isnan().all() and wide[:, rows + 1 :].isnan().all()
+            )  # nothing else written
 
 
 def test_avx512_bf16_cap_builds_without_amx():
@@ -65,34 +91,67 @@ def test_avx512_bf16_cap_builds_without_amx():
     cpu = CpuFeatures(_capped(DETECTED.flags, "avx512_bf16"), "avx512_bf16")
     assert not any(flag.startswith("amx") for flag in cpu.flags)
     if not DETECTED.is_x86 or DETECTED.isa != "avx512":
-        pytest.skip(f"an AVX-512 build needs AVX-512 F/BW/CD/DQ/VL; this CPU is {DETECTED.describe()}")
+        pytest.skip(
+            f"an AVX-512 build needs AVX-512 F/BW/CD/DQ/VL; this CPU is {DETECTED.describe()}"
+        )
     want = "avx512_bf16" if DETECTED.has("avx512_bf16") else ""
     assert load_quant_kernels(cpu).bf16_engine == want
 
 
 def test_quant_activations_choose_bf16_only_with_an_engine():
     kernels = load_quant_kernels()
-    amx, dp, none = (dataclasses.replace(kernels, bf16_engine=e, isa="avx512") for e in ("amx", "avx512_bf16", ""))
-    avx2, baseline = (dataclasses.replace(kernels, bf16_engine="", isa=isa) for isa in ("avx2", "baseline"))
-    assert quant_activation_modes("auto", amx) == TileModes("int16", BF16_AUTO_MIN_ROWS["amx"], GEMM_FROM_ROWS)
-    assert quant_activation_modes("auto", dp) == TileModes("int16", BF16_AUTO_MIN_ROWS["avx512_bf16"],
-                                                           GEMM_FROM_ROWS)
+    amx, dp, none = (
+        dataclasses.replace(kernels, bf16_engine=e, isa="avx512")
+        for e in ("amx", "avx512_bf16", "")
+    )
+    avx2, baseline = (
+        dataclasses.replace(kernels, bf16_engine="", isa=isa) for isa in ("avx2", "baseline")
+    )
+    assert quant_activation_modes("auto", amx) == TileModes(
+        "int16", BF16_AUTO_MIN_ROWS["amx"], GEMM_FROM_ROWS
+    )
+    assert quant_activation_modes("auto", dp) == TileModes(
+        "int16", BF16_AUTO_MIN_ROWS["avx512_bf16"], GEMM_FROM_ROWS
+    )
     # no bf16 engine: int16 tiles at any size (AVX-512 and AVX2); a scalar build dequantizes past decode sizes
     assert quant_activation_modes("auto", none) == TileModes("int16", 0, 0)
     assert quant_activation_modes("auto", avx2) == TileModes("int16", 0, 0)
     assert quant_activation_modes("auto", baseline) == TileModes("int16", 0, GEMM_FROM_ROWS)
-    assert quant_activation_modes("bf16", amx) == quant_activation_modes("bf16", dp) == TileModes("bf16", 1, 0)
-    assert quant_activation_modes("int8", amx) == TileModes("int8", 0, GEMM_FROM_ROWS)  # an explicit mode: kept
+    assert (
+        quant_activation_modes("bf16", amx)
+        == quant_activation_modes("bf16", dp)
+        == TileModes("bf16", 1, 0)
+    )
+    assert quant_activation_modes("int8", amx) == TileModes(
+        "int8", 0, GEMM_FROM_ROWS
+    )  # an explicit mode: kept
     # an explicit int8/int16 takes its tiles at any size where auto's int16 does (no bf16 engine)
-    assert quant_activation_modes("int16", avx2) == quant_activation_modes("int16", none) == TileModes("int16", 0, 0)
-    assert quant_activation_modes("int8", avx2) == quant_activation_modes("int8", none) == TileModes("int8", 0, 0)
-    assert quant_activation_modes("fp32", avx2) == TileModes("fp32", 0, GEMM_FROM_ROWS)  # fp32 tiles: <= 64 rows
+    assert (
+        quant_activation_modes("int16", avx2)
+        == quant_activation_modes("int16", none)
+        == TileModes("int16", 0, 0)
+    )
+    assert (
+        quant_activation_modes("int8", avx2)
+        == quant_activation_modes("int8", none)
+        == TileModes("int8", 0, 0)
+    )
+    assert quant_activation_modes("fp32", avx2) == TileModes(
+        "fp32", 0, GEMM_FROM_ROWS
+    )  # fp32 tiles: <= 64 rows
     with pytest.raises(ValueError, match="quant_activations 'bf16' needs AVX512-BF16"):
         quant_activation_modes("bf16", none)
-    assert [TileModes("int16", 16, 0).mode(rows) for rows in (1, 15, 16, 500)] == ["int16", "int16", "bf16", "bf16"]
+    assert [TileModes("int16", 16, 0).mode(rows) for rows in (1, 15, 16, 500)] == [
+        "int16",
+        "int16",
+        "bf16",
+        "bf16",
+    ]
     assert TileModes("int16", 0, 0).mode(500) == "int16"
-    assert [TileModes("int16", 0, GEMM_FROM_ROWS).mode(rows) for rows in (1, GEMM_FROM_ROWS - 1, GEMM_FROM_ROWS)] == [
-        "int16", "int16", "gemm"]
+    assert [
+        TileModes("int16", 0, GEMM_FROM_ROWS).mode(rows)
+        for rows in (1, GEMM_FROM_ROWS - 1, GEMM_FROM_ROWS)
+    ] == ["int16", "int16", "gemm"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -110,8 +169,11 @@ def test_gguf_model_on_bf16_tiles(tmp_path, monkeypatch, qtype, engine):
     dequantized, _ = _logits(src, "none")
     auto, model = _logits(src, "gguf", "auto")
     assert model.quant_kernels.bf16_engine == engine
-    assert {(m.kernel.modes.activations, m.kernel.modes.bf16_from_rows) for m in model.modules()
-            if isinstance(m, Linear)} == {("int16", min_rows)}
+    assert {
+        (m.kernel.modes.activations, m.kernel.modes.bf16_from_rows)
+        for m in model.modules()
+        if isinstance(m, Linear)
+    } == {("int16", min_rows)}
     bf16, _ = _logits(src, "gguf", "bf16")
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
     assert error(auto) < 1e-4  # every call here is below min_rows

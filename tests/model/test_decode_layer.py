@@ -18,8 +18,10 @@ from tokenbus.model.native import load_fused_ops, load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
 from tokenbus.worker.model_loader import load_model
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
-                                reason="no C compiler: the native kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler: the native kernels cannot be built here",
+)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 576: OpenMP splits the rows
@@ -32,7 +34,9 @@ def test_fused_ops_equal_torch(rows):
         out, res_out = ops.add_rms_norm(x, res, weight, 1e-5)
         want_res = x if res is None else x + res
         torch.testing.assert_close(res_out, want_res)
-        torch.testing.assert_close(out, F.rms_norm(want_res, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out, F.rms_norm(want_res, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5
+        )
     qkv = torch.randn(rows, 15 * 64, generator=g)  # 9 q + 3 k heads rotated, 3 v heads left alone
     angles = torch.rand(rows, 1, 32, generator=g) * 6.28
     cos, sin = angles.cos(), angles.sin()
@@ -47,7 +51,9 @@ def test_fused_ops_equal_torch(rows):
 
 def _model(tmp_path, arch: str, qtype: str, **kwargs):
     overrides = dict(hidden_size=256, intermediate_size=512)
-    path = write_gguf(cached_tiny_model(arch, **overrides), tmp_path / f"{arch}.gguf", qtype, with_tokenizer=False)
+    path = write_gguf(
+        cached_tiny_model(arch, **overrides), tmp_path / f"{arch}.gguf", qtype, with_tokenizer=False
+    )
     src = resolve_model(str(path))
     return load_model(src, load_arch(src), kwargs.pop("dtype", torch.float32), "cpu", **kwargs)
 
@@ -65,16 +71,22 @@ class _LayerHooks:
         self.saved.append(layer_idx)
 
 
-def _steps(model, use_c: bool, kv_dtype: torch.dtype = torch.float32,
-           connector: _LayerHooks | None = None) -> list[torch.Tensor]:
+def _steps(
+    model, use_c: bool, kv_dtype: torch.dtype = torch.float32, connector: _LayerHooks | None = None
+) -> list[torch.Tensor]:
     """Logits of a few steps: a prefill, decodes of two requests, a mixed step."""
     saved = model._decode_layers
     if not use_c:
         model._decode_layers = None
     try:
         kv = PagedKV.for_model(model, kv_dtype=kv_dtype)
-        batches = [[("a", [5, 6, 7, 8, 9, 10])], [("a", [11])], [("a", [12]), ("b", [3, 4, 5])],
-                   [("a", [13]), ("b", [6])], [("b", [7]), ("a", [14])]]
+        batches = [
+            [("a", [5, 6, 7, 8, 9, 10])],
+            [("a", [11])],
+            [("a", [12]), ("b", [3, 4, 5])],
+            [("a", [13]), ("b", [6])],
+            [("b", [7]), ("a", [14])],
+        ]
         out = []
         for batch in batches:
             input_ids, ctx = kv.step(batch)
@@ -86,12 +98,19 @@ def _steps(model, use_c: bool, kv_dtype: torch.dtype = torch.float32,
         model._decode_layers = saved
 
 
-@pytest.mark.parametrize("arch, qtype, activations, kv_dtype", [
-    ("llama", "Q4_1", "auto", torch.float32), ("llama", "Q8_0", "int8", torch.float32),
-    ("qwen2", "Q4_0", "fp32", torch.float32),  # qwen2: q/k/v biases
-    ("llama", "Q4_1", "bf16", torch.float32),  # AVX512-BF16 (AMX or not) only
-    ("llama", "Q4_1", "auto", torch.float16)])  # --kv-cache-dtype float16 (the default on GGUF blocks)
-def test_decoder_layer_in_c_equals_the_layer_by_layer_path(tmp_path, arch, qtype, activations, kv_dtype):
+@pytest.mark.parametrize(
+    "arch, qtype, activations, kv_dtype",
+    [
+        ("llama", "Q4_1", "auto", torch.float32),
+        ("llama", "Q8_0", "int8", torch.float32),
+        ("qwen2", "Q4_0", "fp32", torch.float32),  # qwen2: q/k/v biases
+        ("llama", "Q4_1", "bf16", torch.float32),  # AVX512-BF16 (AMX or not) only
+        ("llama", "Q4_1", "auto", torch.float16),
+    ],
+)  # --kv-cache-dtype float16 (the default on GGUF blocks)
+def test_decoder_layer_in_c_equals_the_layer_by_layer_path(
+    tmp_path, arch, qtype, activations, kv_dtype
+):
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
     if activations == "bf16" and not load_quant_kernels().bf16_engine:

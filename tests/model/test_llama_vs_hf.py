@@ -31,8 +31,13 @@ def load_pair(path, attention_backend: str = "auto") -> tuple[LlamaForCausalLM, 
     return ours, hf
 
 
-@pytest.fixture(scope="module", params=[(arch, backend) for arch in ("llama", "qwen2", "mistral")
-                                        for backend in ("torch", "native")], ids="-".join)
+@pytest.fixture(
+    scope="module",
+    params=[
+        (arch, backend) for arch in ("llama", "qwen2", "mistral") for backend in ("torch", "native")
+    ],
+    ids="-".join,
+)
 def pair(request):
     arch, backend = request.param
     if backend == "native" and shutil.which(os.environ.get("CC", "cc")) is None:
@@ -77,9 +82,15 @@ def test_mixed_batch_of_decodes_and_prefill_chunks_matches_hf(pair):
     second = run(ours, kv, [("a", a[8:9]), ("b", b[5:6]), ("c", c[5:11]), ("d", d)])
     third = run(ours, kv, [("c", c[11:])])  # a multi-token query over context (spec-decode verify)
     ref = {k: hf_logits(hf, SEQS[k]) for k in "abcd"}
-    torch.testing.assert_close(first, torch.cat([ref["c"][:5], ref["a"][:8], ref["b"][:5]]), atol=ATOL, rtol=0)
-    torch.testing.assert_close(second, torch.cat([ref["a"][8:9], ref["b"][5:6], ref["c"][5:11], ref["d"]]),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        first, torch.cat([ref["c"][:5], ref["a"][:8], ref["b"][:5]]), atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        second,
+        torch.cat([ref["a"][8:9], ref["b"][5:6], ref["c"][5:11], ref["d"]]),
+        atol=ATOL,
+        rtol=0,
+    )
     torch.testing.assert_close(third, ref["c"][11:], atol=ATOL, rtol=0)
 
 
@@ -92,7 +103,9 @@ def test_blocks_written_this_step_are_read_by_another_request(pair):
     logits = run(ours, kv, [("e", [99]), ("a", SEQS["a"]), ("b", [11, 12, 13])])  # e decodes first
     torch.testing.assert_close(logits[0], hf_logits(hf, prefix + [99])[-1], atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[1:10], hf_logits(hf, SEQS["a"]), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits[10:], hf_logits(hf, prefix + [11, 12, 13])[8:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[10:], hf_logits(hf, prefix + [11, 12, 13])[8:], atol=ATOL, rtol=0
+    )
 
 
 def test_decodes_in_several_tiles_match_hf(pair, monkeypatch):
@@ -100,12 +113,18 @@ def test_decodes_in_several_tiles_match_hf(pair, monkeypatch):
     ours, hf = pair
     if ours.attention_kernel is not None:
         pytest.skip("decode tiles are the torch path's")
-    monkeypatch.setattr(attention, "DECODE_TILE_BYTES", 3 * 8 * ours.num_kv_heads * ours.head_dim * 4 * 2)
+    monkeypatch.setattr(
+        attention, "DECODE_TILE_BYTES", 3 * 8 * ours.num_kv_heads * ours.head_dim * 4 * 2
+    )
     kv = PagedKV.for_model(ours, block_size=4)
     run(ours, kv, [(k, SEQS[k][:-1]) for k in "cabd"])
     input_ids, ctx = kv.step([(k, SEQS[k][-1:]) for k in "cabd"])
     plan = attention.build_attention_plan(ctx, torch.float32)
-    assert [(t.start, t.end, t.block_ids.shape[1]) for t in plan.decode_tiles] == [(0, 1, 4), (1, 3, 3), (3, 4, 2)]
+    assert [(t.start, t.end, t.block_ids.shape[1]) for t in plan.decode_tiles] == [
+        (0, 1, 4),
+        (1, 3, 3),
+        (3, 4, 2),
+    ]
     with torch.inference_mode():
         logits = ours.compute_logits(ours(input_ids, ctx))
     ref = torch.stack([hf_logits(hf, SEQS[k])[-1] for k in "cabd"])
@@ -120,13 +139,20 @@ def test_padded_decode_rows_stay_finite_and_harmless(pair):
     input_ids, ctx = kv.step([("a", SEQS["a"][-1:])])
     padded = ForwardContext(
         positions=torch.cat([ctx.positions, torch.zeros(1, dtype=torch.long)]),
-        slot_mapping=torch.cat([ctx.slot_mapping, torch.zeros(1, dtype=torch.long)]), kv_caches=ctx.kv_caches,
-        block_size=ctx.block_size, query_start_loc=[0, 1, 2], seq_lens=ctx.seq_lens + [0],
+        slot_mapping=torch.cat([ctx.slot_mapping, torch.zeros(1, dtype=torch.long)]),
+        kv_caches=ctx.kv_caches,
+        block_size=ctx.block_size,
+        query_start_loc=[0, 1, 2],
+        seq_lens=ctx.seq_lens + [0],
         seq_lens_t=torch.tensor(ctx.seq_lens + [0]),
-        block_tables=torch.cat([ctx.block_tables, torch.zeros_like(ctx.block_tables[:1])]), num_decodes=2)
+        block_tables=torch.cat([ctx.block_tables, torch.zeros_like(ctx.block_tables[:1])]),
+        num_decodes=2,
+    )
     padded.attn_metadata = ours.attention_backend.build_metadata(padded)
     with torch.inference_mode():
-        logits = ours.compute_logits(ours(torch.cat([input_ids, torch.zeros(1, dtype=torch.long)]), padded))
+        logits = ours.compute_logits(
+            ours(torch.cat([input_ids, torch.zeros(1, dtype=torch.long)]), padded)
+        )
     assert torch.isfinite(logits).all()
     torch.testing.assert_close(logits[0], hf_logits(hf, SEQS["a"])[-1], atol=ATOL, rtol=0)
 
@@ -139,7 +165,9 @@ def test_first_n_layers_is_the_truncated_model(pair):
     draft = run(ours, draft_kv, [("d", ids)], num_layers=1)
     run(ours, full_kv, [("d", ids)])
     with torch.inference_mode():
-        hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[1]  # after layer 0
+        hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[
+            1
+        ]  # after layer 0
         ref = hf.lm_head(hf.model.norm(hidden))[0]
     torch.testing.assert_close(draft, ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(draft_kv.kv_caches[0], full_kv.kv_caches[0], atol=0, rtol=0)
@@ -147,18 +175,34 @@ def test_first_n_layers_is_the_truncated_model(pair):
         run(ours, PagedKV.for_model(ours), [("d", ids)], num_layers=3)
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    dict(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}),
-    dict(attention_bias=True),  # Llama's attention_bias also adds an o_proj bias
-    dict(tie_word_embeddings=True),
-    dict(head_dim=32, num_key_value_heads=1),  # head_dim != hidden / heads; 4 query heads per KV head
-], ids=["llama3-rope", "linear-rope", "attention-bias", "tied-embeddings", "head-dim-32-mqa"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}),
+        dict(attention_bias=True),  # Llama's attention_bias also adds an o_proj bias
+        dict(tie_word_embeddings=True),
+        dict(
+            head_dim=32, num_key_value_heads=1
+        ),  # head_dim != hidden / heads; 4 query heads per KV head
+    ],
+    ids=["llama3-rope", "linear-rope", "attention-bias", "tied-embeddings", "head-dim-32-mqa"],
+)
 def test_llama_variants_match_hf(overrides):
     ours, hf = load_pair(cached_tiny_model("llama", **overrides))
     ids, kv = SEQS["c"], PagedKV.for_model(ours)
-    logits = torch.cat([run(ours, kv, [("c", ids[:10])])] + [run(ours, kv, [("c", [t])]) for t in ids[10:]])
+    logits = torch.cat(
+        [run(ours, kv, [("c", ids[:10])])] + [run(ours, kv, [("c", [t])]) for t in ids[10:]]
+    )
     torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
@@ -169,7 +213,9 @@ def test_half_precision_runs_close_to_fp32(dtype, atol):
     model = load_model(src, load_arch(src), dtype, "cpu")
     assert model.embed_tokens.dtype == dtype
     ids, kv = SEQS["c"], PagedKV.for_model(model, dtype=dtype)
-    logits = torch.cat([run(model, kv, [("c", ids[:10])])] + [run(model, kv, [("c", [t])]) for t in ids[10:]])
+    logits = torch.cat(
+        [run(model, kv, [("c", ids[:10])])] + [run(model, kv, [("c", [t])]) for t in ids[10:]]
+    )
     assert logits.dtype == torch.float32
     _, hf = load_pair(path)
     torch.testing.assert_close(logits, hf_logits(hf, ids), atol=atol, rtol=0)
@@ -187,7 +233,14 @@ def test_dense_and_packed_linear_backends_agree():
 
 
 def test_registry_maps_names_and_rejects_unknown():
-    for name in ("llama", "mistral", "qwen2", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+    for name in (
+        "llama",
+        "mistral",
+        "qwen2",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+    ):
         assert get_model_class(name) is LlamaForCausalLM
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         get_model_class("GPT2LMHeadModel")

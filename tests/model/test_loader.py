@@ -12,12 +12,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.fixtures.paged import PagedKV
-from tests.fixtures.tiny_models import (cached_tiny_model, llama_cpp_permute, make_tiny_model,
-                                        smollm2_tokenizer_dir, write_gguf)
+from tests.fixtures.tiny_models import (
+    cached_tiny_model,
+    llama_cpp_permute,
+    make_tiny_model,
+    smollm2_tokenizer_dir,
+    write_gguf,
+)
 from tokenbus.config import ModelArch
 from tokenbus.worker.model_loader import load_model
-from tokenbus.loader import (ModelSource, iter_weights, load_arch, load_generation_config,
-                             load_tokenizer, resolve_model)
+from tokenbus.loader import (
+    ModelSource,
+    iter_weights,
+    load_arch,
+    load_generation_config,
+    load_tokenizer,
+    resolve_model,
+)
 from tokenbus.loader.gguf_loader import permute_qk, unpermute_qk
 from tokenbus.loader.hf_loader import HF_ROPE_TYPES
 from tokenbus.model.layers.rotary import ROPE_TYPES
@@ -43,6 +54,7 @@ def hf_weights(path) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- sources, shapes
 
+
 def test_resolve_model_kinds(tmp_path):
     default = resolve_model(None)
     assert default.kind == "gguf" and default.path.name.endswith(".gguf") and default.path.is_file()
@@ -51,7 +63,9 @@ def test_resolve_model_kinds(tmp_path):
     assert resolve_model(str(hf_dir)) == ModelSource("hf", hf_dir.resolve())
     gguf_path = write_gguf(hf_dir, tmp_path / "tiny.gguf", with_tokenizer=False)
     assert resolve_model(str(gguf_path)) == ModelSource("gguf", gguf_path.resolve())
-    assert resolve_model(str(tmp_path)) == ModelSource("gguf", gguf_path.resolve())  # a dir with one .gguf
+    assert resolve_model(str(tmp_path)) == ModelSource(
+        "gguf", gguf_path.resolve()
+    )  # a dir with one .gguf
     with pytest.raises(ValueError, match="no/such/model.*not found"):
         resolve_model("no/such/model")
     (tmp_path / "notes.txt").write_text("hello")
@@ -64,17 +78,44 @@ def test_load_arch_from_config_and_gguf_agree(tmp_path, arch_name):
     hf_dir = cached_tiny_model(arch_name)
     arch = load_arch(resolve_model(str(hf_dir)))
     assert arch == ModelArch(
-        architecture=arch_name, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
-        attention_bias=arch_name == "qwen2", hidden_act="silu", bos_token_id=1, eos_token_ids=(2,))
-    gguf_arch = load_arch(resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False))))
+        architecture=arch_name,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=arch_name == "qwen2",
+        hidden_act="silu",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    gguf_arch = load_arch(
+        resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False)))
+    )
     # llama.cpp writes Mistral as "llama"; a GGUF's eps is stored as float32
     assert gguf_arch.architecture == ("llama" if arch_name == "mistral" else arch_name)
     assert gguf_arch.rms_norm_eps == pytest.approx(1e-5)
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "rope_scaling",
-              "tie_word_embeddings", "attention_bias")
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "attention_bias",
+    )
     expected = {f: getattr(arch, f) for f in fields}
     assert {f: getattr(gguf_arch, f) for f in expected} == expected
 
@@ -84,7 +125,9 @@ def test_hf_tokenizer_and_generation_config():
     tokenizer = load_tokenizer(src)
     assert len(tokenizer) == 49152 and tokenizer.chat_template
     assert load_generation_config(src)["eos_token_id"] == 2
-    other = load_tokenizer(src, tokenizer=str(smollm2_tokenizer_dir()))  # an explicit tokenizer directory
+    other = load_tokenizer(
+        src, tokenizer=str(smollm2_tokenizer_dir())
+    )  # an explicit tokenizer directory
     assert other.encode("Hello world") == tokenizer.encode("Hello world")
     with pytest.raises(ValueError, match="tokenizer.*missing-tok"):
         load_tokenizer(src, tokenizer="missing-tok")
@@ -96,25 +139,40 @@ def test_rope_types_understood_by_loader_are_built_by_model():
 
 # ----------------------------------------------------------------------------- weights
 
+
 @pytest.mark.parametrize("arch_name", ["llama", "qwen2"])
 def test_f32_gguf_and_safetensors_give_identical_logits(tmp_path, arch_name):
     hf_dir = cached_tiny_model(arch_name)
-    gguf_src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", "F32", with_tokenizer=False)))
+    gguf_src = resolve_model(
+        str(write_gguf(hf_dir, tmp_path / "m.gguf", "F32", with_tokenizer=False))
+    )
     assert torch.equal(logits_of(gguf_src), logits_of(resolve_model(str(hf_dir))))
 
 
 def test_llama3_rope_gguf_matches_safetensors(tmp_path):
     """A llama3-rope model's GGUF carries llama.cpp's rope_freqs tensor instead of the config."""
-    hf_dir = cached_tiny_model("llama", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    hf_dir = cached_tiny_model(
+        "llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     gguf_src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False)))
     assert load_arch(gguf_src).rope_scaling["rope_type"] == "freq_factors"
-    torch.testing.assert_close(logits_of(gguf_src), logits_of(resolve_model(str(hf_dir))), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        logits_of(gguf_src), logits_of(resolve_model(str(hf_dir))), atol=1e-5, rtol=0
+    )
 
 
-@pytest.mark.parametrize("qtype,logits_atol", [("F16", 0.02), ("BF16", 0.2), ("Q8_0", 0.2), ("Q4_0", None),
-                                               ("Q4_1", None)])
+@pytest.mark.parametrize(
+    "qtype,logits_atol",
+    [("F16", 0.02), ("BF16", 0.2), ("Q8_0", 0.2), ("Q4_0", None), ("Q4_1", None)],
+)
 def test_dequantized_weights_equal_gguf_round_trip(tmp_path, qtype, logits_atol):
     """Every tensor equals gguf.quants' quantize->dequantize of the HF tensor (q/k un-permuted)."""
     hf_dir = cached_tiny_model("llama")
@@ -129,11 +187,15 @@ def test_dequantized_weights_equal_gguf_round_trip(tmp_path, qtype, logits_atol)
         expected = data if data.ndim == 1 else gguf.quants.dequantize(round_trip, qtype_enum)
         assert np.array_equal(loaded[name].numpy(), expected), name
     if logits_atol is not None:  # and the model runs on them, off by quantization error only
-        torch.testing.assert_close(logits_of(src), logits_of(resolve_model(str(hf_dir))), atol=logits_atol, rtol=0)
+        torch.testing.assert_close(
+            logits_of(src), logits_of(resolve_model(str(hf_dir))), atol=logits_atol, rtol=0
+        )
 
 
 def test_qk_permutation_is_llama_cpps_and_is_undone():
-    weight = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(8 * 16, 3)  # 8 heads, head_dim 16
+    weight = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(
+        8 * 16, 3
+    )  # 8 heads, head_dim 16
     permuted = permute_qk(weight, 8)
     assert torch.equal(permuted, llama_cpp_permute(weight, 8))
     assert not torch.equal(permuted, weight)
@@ -151,12 +213,17 @@ def test_sharded_safetensors_with_index(tmp_path):
     weights = hf_weights(sharded)
     (sharded / "model.safetensors").unlink()
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[:10], "model-00002-of-00002.safetensors": names[10:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:10],
+        "model-00002-of-00002.safetensors": names[10:],
+    }
     for file, shard_names in shards.items():
         save_file({n: weights[n] for n in shard_names}, str(sharded / file))
     index = {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert torch.equal(logits_of(resolve_model(str(sharded))), logits_of(resolve_model(str(hf_dir))))
+    assert torch.equal(
+        logits_of(resolve_model(str(sharded))), logits_of(resolve_model(str(hf_dir)))
+    )
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="model-00002-of-00002.safetensors not found"):
         logits_of(resolve_model(str(sharded)))
@@ -164,12 +231,16 @@ def test_sharded_safetensors_with_index(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input
 
+
 def test_unsupported_gguf_architecture_is_named(tmp_path):
     path = tmp_path / "gpt2.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
         load_arch(resolve_model(str(path)))
 
@@ -208,15 +279,28 @@ def test_truncated_gguf_is_named(tmp_path, keep_bytes):
         load_model(src, load_arch(src), torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda w: w.pop("model.layers.1.mlp.down_proj.weight"),
-     "missing weights: model.layers.1.mlp.down_proj.weight"),
-    (lambda w: w.__setitem__("model.layers.2.mlp.up_proj.weight", torch.zeros(128, 64)),
-     "unexpected weight model.layers.2.mlp.up_proj.weight"),
-    (lambda w: w.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)),
-     r"model.layers.0.self_attn.k_proj.weight: expected shape \[32, 64\], got \[16, 64\]"),
-    (lambda w: w.__setitem__("model.norm.weight", torch.zeros(65)), r"model.norm.weight: expected shape \[64\]"),
-], ids=["missing", "unexpected", "misshaped-fused", "misshaped"])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda w: w.pop("model.layers.1.mlp.down_proj.weight"),
+            "missing weights: model.layers.1.mlp.down_proj.weight",
+        ),
+        (
+            lambda w: w.__setitem__("model.layers.2.mlp.up_proj.weight", torch.zeros(128, 64)),
+            "unexpected weight model.layers.2.mlp.up_proj.weight",
+        ),
+        (
+            lambda w: w.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)),
+            r"model.layers.0.self_attn.k_proj.weight: expected shape \[32, 64\], got \[16, 64\]",
+        ),
+        (
+            lambda w: w.__setitem__("model.norm.weight", torch.zeros(65)),
+            r"model.norm.weight: expected shape \[64\]",
+        ),
+    ],
+    ids=["missing", "unexpected", "misshaped-fused", "misshaped"],
+)
 def test_strict_weight_names_and_shapes(tmp_path, edit, message):
     hf_dir = shutil.copytree(cached_tiny_model("llama"), tmp_path / "m")
     weights = hf_weights(hf_dir)
@@ -228,7 +312,9 @@ def test_strict_weight_names_and_shapes(tmp_path, edit, message):
 
 
 def test_make_tiny_model_overrides(tmp_path):
-    path = make_tiny_model(tmp_path / "m", arch="qwen2", seed=3, num_hidden_layers=3, tie_word_embeddings=True)
+    path = make_tiny_model(
+        tmp_path / "m", arch="qwen2", seed=3, num_hidden_layers=3, tie_word_embeddings=True
+    )
     arch = load_arch(resolve_model(str(path)))
     assert arch.num_hidden_layers == 3 and arch.tie_word_embeddings and arch.attention_bias
     assert "lm_head.weight" not in hf_weights(path)
@@ -246,14 +332,20 @@ def test_gguf_tokenizer_is_converted_once_and_cached(tmp_path, monkeypatch):
     import tokenbus.loader.tokenizer as tokenizer_module
 
     def no_conversion(*args):
-        raise AssertionError("the cached entry must load through its generic class, not AutoTokenizer")
+        raise AssertionError(
+            "the cached entry must load through its generic class, not AutoTokenizer"
+        )
+
     monkeypatch.setattr(tokenizer_module, "_from_pretrained", no_conversion)
     second = load_tokenizer(src)  # from the cache
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     for tokenizer in (first, second):
         assert tokenizer.encode("Hello, world! 123") == first.encode("Hello, world! 123")
-        assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
-            first.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        ) == first.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert tokenizer.eos_token_id == first.eos_token_id
-    assert type(second) is type(first)  # the generic class loaded directly is what AutoTokenizer gave
+    assert type(second) is type(
+        first
+    )  # the generic class loaded directly is what AutoTokenizer gave
     assert list((tmp_path / "cache" / "tokenizers").iterdir()) == [entry]  # nothing left behind

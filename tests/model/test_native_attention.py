@@ -18,8 +18,10 @@ from tokenbus.model.native import NativeBuildError, build_shared_object, load_pa
 BLOCK_SIZE = 16
 # Without a compiler tokenbus falls back to the torch path (tested below); with one, the kernel
 # must build, so only a missing compiler skips.
-needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
-                              reason="no C compiler: the native kernel cannot be built here")
+needs_cc = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler: the native kernel cannot be built here",
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,14 @@ def kernel():
     return load_paged_attention()
 
 
-def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-               seed: int = 0, block_size: int = BLOCK_SIZE):
+def make_batch(
+    requests: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seed: int = 0,
+    block_size: int = BLOCK_SIZE,
+):
     """requests: (q_len, context_len) each; decodes (q_len 1) must come first. A random cache with
     shuffled blocks, this step's q/k/v, and the ForwardContext."""
     g = torch.Generator().manual_seed(seed)
@@ -39,7 +47,9 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     width = max(blocks_per_req)
-    tables = torch.zeros(len(requests), width + 2, dtype=torch.int64)  # wider than needed, like the runner's
+    tables = torch.zeros(
+        len(requests), width + 2, dtype=torch.int64
+    )  # wider than needed, like the runner's
     slots, positions, starts, seq_lens = [], [], [0], []
     for r, ((q_len, ctx_len), n) in enumerate(zip(requests, blocks_per_req)):
         ids = [perm.pop() for _ in range(n)]
@@ -50,10 +60,17 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
         starts.append(starts[-1] + q_len)
         seq_lens.append(ctx_len + q_len)
     num_decodes = sum(1 for q, _ in requests if q == 1)
-    ctx = ForwardContext(positions=torch.tensor(positions), slot_mapping=torch.tensor(slots), kv_caches=[kv],
-                         block_size=block_size, query_start_loc=starts, seq_lens=seq_lens,
-                         seq_lens_t=torch.tensor(seq_lens), block_tables=tables[:, :width],
-                         num_decodes=num_decodes)
+    ctx = ForwardContext(
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        kv_caches=[kv],
+        block_size=block_size,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        seq_lens_t=torch.tensor(seq_lens),
+        block_tables=tables[:, :width],
+        num_decodes=num_decodes,
+    )
     num_tokens = starts[-1]
     # q as the model makes it: a view into a wider [T, Hq + Hkv, D] tensor (row-strided).
     qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim, generator=g)
@@ -63,14 +80,26 @@ def make_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     return q, k, v, kv, ctx
 
 
-def both_paths(kernel, requests, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, kv_dtype=None,
-               block_size=BLOCK_SIZE):
-    q, k, v, kv, ctx = make_batch(requests, num_heads, num_kv_heads, head_dim, block_size=block_size)
+def both_paths(
+    kernel,
+    requests,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    dtype=torch.float32,
+    kv_dtype=None,
+    block_size=BLOCK_SIZE,
+):
+    q, k, v, kv, ctx = make_batch(
+        requests, num_heads, num_kv_heads, head_dim, block_size=block_size
+    )
     q, k, v = (t.to(dtype) for t in (q, k, v))
     kv = kv.to(kv_dtype or dtype)
     ctx.kv_caches = [kv]
-    scale = head_dim ** -0.5
-    ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, dtype), scale)
+    scale = head_dim**-0.5
+    ref = paged_attention(
+        q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, dtype), scale
+    )
     plan = build_attention_plan(ctx, dtype, kernel)
     out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale)
     return out, ref, plan
@@ -143,8 +172,20 @@ def test_float16_cache_without_f16c_matches_torch_path():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (8, 2, 64), (2, 2, 64),
-                                   (14, 2, 64), (16, 2, 64), (18, 2, 64)])
+@pytest.mark.parametrize(
+    "heads",
+    [
+        (9, 3, 64),
+        (4, 4, 32),
+        (8, 2, 128),
+        (6, 1, 48),
+        (8, 2, 64),
+        (2, 2, 64),
+        (14, 2, 64),
+        (16, 2, 64),
+        (18, 2, 64),
+    ],
+)
 def test_head_layouts_match_torch_path(kernel, heads):
     """GQA group sizes 1/2/3/4/6/7/8/9, the specialised head sizes 64/128 and the generic one (32,
     48); few requests (a work item per KV head) and many (a work item per request). On AVX-512,
@@ -158,8 +199,15 @@ def test_multi_query_requests_are_causal_and_match(kernel):
     """Spec-decode verification and short chunks (q_len <= NATIVE_MAX_QUERY_LEN) run natively,
     causal aligned to the end; a longer chunk takes the kernel's flash path in the same step
     (SDPA in bf16, which the flash path does not take)."""
-    requests = [(1, 40), (1, 3), (5, 30), (2, 0), (attention.NATIVE_MAX_QUERY_LEN, 17),
-                (attention.NATIVE_MAX_QUERY_LEN + 1, 20), (40, 0)]
+    requests = [
+        (1, 40),
+        (1, 3),
+        (5, 30),
+        (2, 0),
+        (attention.NATIVE_MAX_QUERY_LEN, 17),
+        (attention.NATIVE_MAX_QUERY_LEN + 1, 20),
+        (40, 0),
+    ]
     out, ref, plan = both_paths(kernel, requests)
     assert plan.native.reqs.tolist() == [0, 1, 2, 3, 4]
     assert plan.native_long.reqs.tolist() == [5, 6] and plan.prefills == []
@@ -187,7 +235,9 @@ def test_long_queries_take_the_flash_path_and_match(kernel, heads, kv_dtype, thr
         out, ref, plan = both_paths(kernel, LONG, *heads, kv_dtype=kv_dtype)
     finally:
         torch.set_num_threads(previous)
-    assert plan.native.reqs.tolist() == [0, 1] and plan.native_long.reqs.tolist() == list(range(2, len(LONG)))
+    assert plan.native.reqs.tolist() == [0, 1] and plan.native_long.reqs.tolist() == list(
+        range(2, len(LONG))
+    )
     assert plan.prefills == []
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
@@ -205,7 +255,9 @@ def test_long_queries_outside_the_flash_path_take_sdpa(kernel):
     assert not kernel.takes_long_queries(torch.float32, torch.float32, 40)
     assert not kernel.takes_long_queries(torch.bfloat16, torch.bfloat16, 64)
     out, ref, plan = both_paths(kernel, LONG, 5, 1, 40)
-    assert plan.native_long is None and [p.seq_len for p in plan.prefills] == [q + c for q, c in LONG[2:]]
+    assert plan.native_long is None and [p.seq_len for p in plan.prefills] == [
+        q + c for q, c in LONG[2:]
+    ]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -236,16 +288,32 @@ def test_a_query_row_does_not_depend_on_its_requests_query_count(kernel, kv_dtyp
     q, k, v, kv, ctx = make_batch([(5, 30)] * copies, 9, 3, 64)
     kv = kv.to(kv_dtype)
     ctx.kv_caches = [kv]
-    many = paged_attention(q, k, v, kv, ctx.slot_mapping, build_attention_plan(ctx, torch.float32, kernel), 0.125)
+    many = paged_attention(
+        q, k, v, kv, ctx.slot_mapping, build_attention_plan(ctx, torch.float32, kernel), 0.125
+    )
     # The same tokens as 5 * copies decodes of one query each, on the same cache and tables.
     tables = ctx.block_tables.repeat_interleave(5, dim=0)
     seq_lens = [30 + i + 1 for _ in range(copies) for i in range(5)]
-    one_by_one = ForwardContext(positions=ctx.positions, slot_mapping=ctx.slot_mapping, kv_caches=[kv],
-                                block_size=BLOCK_SIZE, query_start_loc=list(range(5 * copies + 1)),
-                                seq_lens=seq_lens, seq_lens_t=torch.tensor(seq_lens), block_tables=tables,
-                                num_decodes=5 * copies)
-    single = paged_attention(q, k, v, kv, ctx.slot_mapping, build_attention_plan(one_by_one, torch.float32, kernel),
-                             0.125)
+    one_by_one = ForwardContext(
+        positions=ctx.positions,
+        slot_mapping=ctx.slot_mapping,
+        kv_caches=[kv],
+        block_size=BLOCK_SIZE,
+        query_start_loc=list(range(5 * copies + 1)),
+        seq_lens=seq_lens,
+        seq_lens_t=torch.tensor(seq_lens),
+        block_tables=tables,
+        num_decodes=5 * copies,
+    )
+    single = paged_attention(
+        q,
+        k,
+        v,
+        kv,
+        ctx.slot_mapping,
+        build_attention_plan(one_by_one, torch.float32, kernel),
+        0.125,
+    )
     assert torch.equal(many, single)
 
 
@@ -257,15 +325,32 @@ def test_a_decode_row_does_not_depend_on_the_work_split(kernel, kv_dtype):
     q, k, v, kv, ctx = make_batch(DECODES, 9, 3, 64)
     kv = kv.to(kv_dtype)
     ctx.kv_caches = [kv]
-    together = paged_attention(q, k, v, kv, ctx.slot_mapping, build_attention_plan(ctx, torch.float32, kernel), 0.125)
+    together = paged_attention(
+        q, k, v, kv, ctx.slot_mapping, build_attention_plan(ctx, torch.float32, kernel), 0.125
+    )
     for i in range(len(DECODES)):
-        seq = ctx.seq_lens[i: i + 1]
-        alone = ForwardContext(positions=ctx.positions[i: i + 1], slot_mapping=ctx.slot_mapping[i: i + 1],
-                               kv_caches=[kv], block_size=BLOCK_SIZE, query_start_loc=[0, 1], seq_lens=seq,
-                               seq_lens_t=torch.tensor(seq), block_tables=ctx.block_tables[i: i + 1], num_decodes=1)
-        out = paged_attention(q[i: i + 1], k[i: i + 1], v[i: i + 1], kv, ctx.slot_mapping[i: i + 1],
-                              build_attention_plan(alone, torch.float32, kernel), 0.125)
-        assert torch.equal(out, together[i: i + 1]), i
+        seq = ctx.seq_lens[i : i + 1]
+        alone = ForwardContext(
+            positions=ctx.positions[i : i + 1],
+            slot_mapping=ctx.slot_mapping[i : i + 1],
+            kv_caches=[kv],
+            block_size=BLOCK_SIZE,
+            query_start_loc=[0, 1],
+            seq_lens=seq,
+            seq_lens_t=torch.tensor(seq),
+            block_tables=ctx.block_tables[i : i + 1],
+            num_decodes=1,
+        )
+        out = paged_attention(
+            q[i : i + 1],
+            k[i : i + 1],
+            v[i : i + 1],
+            kv,
+            ctx.slot_mapping[i : i + 1],
+            build_attention_plan(alone, torch.float32, kernel),
+            0.125,
+        )
+        assert torch.equal(out, together[i : i + 1]), i
 
 
 def test_padding_requests_keep_zero_rows(kernel):
@@ -288,7 +373,9 @@ def test_select_attention_kernel():
     assert select_attention_kernel("auto", cpu, torch.bfloat16) is not None
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         select_attention_kernel("flash", cpu, torch.float32)
-    with pytest.raises(ValueError, match="'native' runs on CPU in float32 or bfloat16, not cpu torch.float16"):
+    with pytest.raises(
+        ValueError, match="'native' runs on CPU in float32 or bfloat16, not cpu torch.float16"
+    ):
         select_attention_kernel("native", cpu, torch.float16)
 
 

@@ -18,14 +18,21 @@ from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks,
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
 from tokenbus.model.layers import Linear
-from tokenbus.model.layers.quantized import (GEMM_FROM_ROWS, INT_TILES_ANY_ROWS_ISAS, QUANT_GEMV_MAX_ROWS,
-                                             TILE_GEMV_MAX_ROWS, QuantizedLinearKernel)
+from tokenbus.model.layers.quantized import (
+    GEMM_FROM_ROWS,
+    INT_TILES_ANY_ROWS_ISAS,
+    QUANT_GEMV_MAX_ROWS,
+    TILE_GEMV_MAX_ROWS,
+    QuantizedLinearKernel,
+)
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures, _capped
 from tokenbus.worker.model_loader import load_model, resolve_quantization
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
-                                reason="no C compiler: the quantized kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler: the quantized kernels cannot be built here",
+)
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 DETECTED = CpuFeatures.detect()
 
@@ -41,11 +48,15 @@ def kernels_for(cap: str):
     if cap != "native" and not DETECTED.is_x86:
         pytest.skip("ISA caps apply to x86-64 only")
     if cap == "avx512" and DETECTED.isa != "avx512":
-        pytest.skip(f"an AVX-512 build needs AVX-512 F/BW/CD/DQ/VL; this CPU is {DETECTED.describe()}")
+        pytest.skip(
+            f"an AVX-512 build needs AVX-512 F/BW/CD/DQ/VL; this CPU is {DETECTED.describe()}"
+        )
     return load_quant_kernels(CpuFeatures(_capped(DETECTED.flags, cap), cap))
 
 
-@pytest.mark.parametrize("cap", ["native", "avx512", "avx2", "baseline"])  # SIMD paths and the generic one
+@pytest.mark.parametrize(
+    "cap", ["native", "avx512", "avx2", "baseline"]
+)  # SIMD paths and the generic one
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_kernel_equals_dequantize_then_matmul(qtype, cap):
     kernels = kernels_for(cap)
@@ -53,12 +64,18 @@ def test_kernel_equals_dequantize_then_matmul(qtype, cap):
         w = blocks(qtype, rows, cols, seed=rows)
         dense = torch.from_numpy(gguf.quants.dequantize(w, qtype).astype(np.float32))
         ids = torch.tensor([rows - 1, 0, 3, 3])
-        assert torch.equal(kernels.dequant_rows(int(qtype), torch.from_numpy(w), cols, ids), dense[ids])
+        assert torch.equal(
+            kernels.dequant_rows(int(qtype), torch.from_numpy(w), cols, ids), dense[ids]
+        )
         for m in (1, 5, 16, 64):
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-            out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]  # a column slice, like fused q/k/v
+            out = torch.full((m, rows + 3), float("nan"))[
+                :, 1 : rows + 1
+            ]  # a column slice, like fused q/k/v
             kernels.matmul(int(qtype), torch.from_numpy(w), cols, x, out)
-            torch.testing.assert_close(out, x @ dense.T, rtol=1e-4, atol=1e-4 * dense.abs().max().item())
+            torch.testing.assert_close(
+                out, x @ dense.T, rtol=1e-4, atol=1e-4 * dense.abs().max().item()
+            )
 
 
 TILE_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
@@ -73,7 +90,9 @@ def rounded(x: torch.Tensor, levels: int) -> torch.Tensor:
     return ((blocks_ * inverse).round() * (amax / levels)).reshape(x.shape)
 
 
-@pytest.mark.parametrize("cap", ["native", "avx512", "avx2"])  # VNNI where the CPU has it; vpmaddubsw
+@pytest.mark.parametrize(
+    "cap", ["native", "avx512", "avx2"]
+)  # VNNI where the CPU has it; vpmaddubsw
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
     """16-row tiles (a partial last tile too): repacking keeps every value; fp32 activations
@@ -88,25 +107,32 @@ def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
         tiles = kernels.repack_tiles(int(qtype), w, cols)
         assert tiles.numel() == -(-rows // 16) * 16 * w.shape[1]  # the same bytes per row
         ids = torch.tensor([rows - 1, 0, 3, 3])
-        assert torch.equal(kernels.tile_dequant_rows(int(qtype), tiles, rows, cols, ids), dense[ids])
+        assert torch.equal(
+            kernels.tile_dequant_rows(int(qtype), tiles, rows, cols, ids), dense[ids]
+        )
         weight_t = torch.full((cols, tiles.shape[0] * 16 + 5), float("nan"))[:, 2:-3]  # row-strided
         kernels.tile_dequant_t(int(qtype), tiles, rows, cols, 0, weight_t)
         assert torch.equal(weight_t[:, :rows], dense.T) and not weight_t[:, rows:].any()
         outs = {}
         for m in (1, 5, 16, 64, 150):
-            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(0))  # row i the same in every m
+            x = torch.randn(
+                m, cols, generator=torch.Generator().manual_seed(0)
+            )  # row i the same in every m
             scale = 1e-4 * dense.abs().max().item()
-            for activations, want in (("fp32", x @ dense.T), ("int8", rounded(x, 127) @ dense.T),
-                                      ("int16", rounded(x, 32767) @ dense.T)):
+            for activations, want in (
+                ("fp32", x @ dense.T),
+                ("int8", rounded(x, 127) @ dense.T),
+                ("int16", rounded(x, 32767) @ dense.T),
+            ):
                 if activations == "fp32" and m > 64:
                     continue
-                out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]  # a column slice
+                out = torch.full((m, rows + 3), float("nan"))[:, 1 : rows + 1]  # a column slice
                 kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, activations)
                 torch.testing.assert_close(out, want, rtol=1e-4, atol=scale * x.abs().max().item())
                 # The previous (smaller) call's rows, here among more: one row goes alone, int16 4
                 # rows at a time, int8 on Q4 without VNNI 4 at a time from 8 rows (tile_q4a).
                 previous = outs.get(activations, out)
-                assert torch.equal(out[:len(previous)], previous), (activations, m)
+                assert torch.equal(out[: len(previous)], previous), (activations, m)
                 outs[activations] = out
 
 
@@ -119,12 +145,16 @@ def test_outputs_do_not_depend_on_the_thread_count(qtype):
     w = torch.from_numpy(blocks(qtype, rows, cols, seed=1))
     tiled = kernels.tiles(int(qtype))
     tiles = kernels.repack_tiles(int(qtype), w, cols) if tiled else None
-    modes = ["rows"] + (["fp32", "int8", "int16"] + (["bf16"] if kernels.bf16_engine else []) if tiled else [])
+    modes = ["rows"] + (
+        ["fp32", "int8", "int16"] + (["bf16"] if kernels.bf16_engine else []) if tiled else []
+    )
     before = torch.get_num_threads()
     try:
         for m in (1, 16, 40, 100):
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-            for mode in modes if m <= 64 else [mode for mode in modes if mode not in ("rows", "fp32")]:
+            for mode in (
+                modes if m <= 64 else [mode for mode in modes if mode not in ("rows", "fp32")]
+            ):
                 outs = []
                 for threads in (1, 2, 3):
                     torch.set_num_threads(threads)
@@ -162,7 +192,9 @@ def test_tile_kernels_from_another_source(tmp_path):
     outs = []
     for build in (kernels, other):
         out = torch.empty(3, 40)
-        build.tile_matmul(int(Q.Q4_1), build.repack_tiles(int(Q.Q4_1), w, 256), 40, 256, x, out, "int16")
+        build.tile_matmul(
+            int(Q.Q4_1), build.repack_tiles(int(Q.Q4_1), w, 256), 40, 256, x, out, "int16"
+        )
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
@@ -178,10 +210,16 @@ def test_unsupported_shapes_and_types_are_errors():
 
 def test_fused_linear_mixes_types_and_switches_to_gemm_for_big_batches():
     kernels = load_quant_kernels()
-    shards = [QuantizedWeight(int(t), torch.from_numpy(blocks(t, n, 256, seed=n)), 256)
-              for t, n in ((Q.Q4_1, 24), (Q.Q6_K, 8), (Q.Q8_0, 8))]
-    dense = torch.cat([torch.from_numpy(gguf.quants.dequantize(s.data.numpy(), Q(s.qtype)).astype(np.float32))
-                       for s in shards])
+    shards = [
+        QuantizedWeight(int(t), torch.from_numpy(blocks(t, n, 256, seed=n)), 256)
+        for t, n in ((Q.Q4_1, 24), (Q.Q6_K, 8), (Q.Q8_0, 8))
+    ]
+    dense = torch.cat(
+        [
+            torch.from_numpy(gguf.quants.dequantize(s.data.numpy(), Q(s.qtype)).astype(np.float32))
+            for s in shards
+        ]
+    )
     bias = torch.randn(40)
     linear = Linear(256, [24, 8, 8], bias=True)
     for shard, weight in enumerate(shards):
@@ -195,7 +233,9 @@ def test_fused_linear_mixes_types_and_switches_to_gemm_for_big_batches():
     for m in (3, QUANT_GEMV_MAX_ROWS + 5, TILE_GEMV_MAX_ROWS + 3):
         x = torch.randn(2, m, 256)
         torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
-    linear._kernel.buffer.MAX_VALUES = 10 * 256  # force row chunks (10 rows, 16 on tiles) across shard edges
+    linear._kernel.buffer.MAX_VALUES = (
+        10 * 256
+    )  # force row chunks (10 rows, 16 on tiles) across shard edges
     x = torch.randn(TILE_GEMV_MAX_ROWS + 1, 256)
     torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
 
@@ -204,8 +244,10 @@ def test_reloading_a_quantized_linear_rebuilds_its_kernel():
     """finalize() after new blocks were loaded runs on them, not on nothing (the dense weight
     was released at the first finalize)."""
     kernels = load_quant_kernels()
-    first, second = (QuantizedWeight(int(Q.Q8_0), torch.from_numpy(blocks(Q.Q8_0, 24, 256, seed=s)), 256)
-                     for s in (1, 2))
+    first, second = (
+        QuantizedWeight(int(Q.Q8_0), torch.from_numpy(blocks(Q.Q8_0, 24, 256, seed=s)), 256)
+        for s in (1, 2)
+    )
     linear = Linear(256, [24])
     linear.load_shard("w", first)
     linear.finalize(quant_kernels=kernels)
@@ -216,17 +258,27 @@ def test_reloading_a_quantized_linear_rebuilds_its_kernel():
     torch.testing.assert_close(linear(x), x @ dense.T, rtol=1e-4, atol=1e-4)
 
 
-def _logits(src, quantization: str, quant_activations: str = "fp32", prompt_len: int = 5) -> torch.Tensor:
+def _logits(
+    src, quantization: str, quant_activations: str = "fp32", prompt_len: int = 5
+) -> torch.Tensor:
     """Logits of a `prompt_len`-token prefill, then 4 decodes."""
     from tests.fixtures.paged import PagedKV
     from tests.model.test_llama_vs_hf import run
 
-    model = load_model(src, load_arch(src), torch.float32, "cpu", quantization=quantization,
-                       quant_activations=quant_activations)
+    model = load_model(
+        src,
+        load_arch(src),
+        torch.float32,
+        "cpu",
+        quantization=quantization,
+        quant_activations=quant_activations,
+    )
     ids = [101 * (i + 1) % 997 for i in range(prompt_len)] + [606, 707, 808, 909]
     kv = PagedKV.for_model(model)
-    return torch.cat([run(model, kv, [("a", ids[:prompt_len])])]
-                     + [run(model, kv, [("a", [t])]) for t in ids[prompt_len:]]), model
+    return torch.cat(
+        [run(model, kv, [("a", ids[:prompt_len])])]
+        + [run(model, kv, [("a", [t])]) for t in ids[prompt_len:]]
+    ), model
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K"])
@@ -254,12 +306,19 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
     dequantized, _ = _logits(src, "none")
     default, model = _logits(src, "gguf", "auto")
     if not model.quant_kernels.tiles(int(Q[qtype])):
-        pytest.skip(f"no tiled kernels on this CPU ({DETECTED.describe()}): integer activations do not apply")
-    assert {m.kernel.modes.activations for m in model.modules() if isinstance(m, Linear)} == {"int16"}
+        pytest.skip(
+            f"no tiled kernels on this CPU ({DETECTED.describe()}): integer activations do not apply"
+        )
+    assert {m.kernel.modes.activations for m in model.modules() if isinstance(m, Linear)} == {
+        "int16"
+    }
     # Without a bf16 engine (AVX2, AVX-512) prefill chunks past 64 rows stay on int16 tiles as well.
-    any_rows = model.quant_kernels.isa in INT_TILES_ANY_ROWS_ISAS and not model.quant_kernels.bf16_engine
+    any_rows = (
+        model.quant_kernels.isa in INT_TILES_ANY_ROWS_ISAS and not model.quant_kernels.bf16_engine
+    )
     assert {m.kernel.modes.gemm_from_rows for m in model.modules() if isinstance(m, Linear)} == {
-        0 if any_rows else GEMM_FROM_ROWS}
+        0 if any_rows else GEMM_FROM_ROWS
+    }
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
     assert 0 < error(default) < 1e-4
     # A 100-row prefill: int16 tiles (AVX2, AVX-512) or the fp32 GEMM stay within 1e-4; where the CPU has
@@ -267,9 +326,15 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
     long_prompt, _ = _logits(src, "gguf", "auto", prompt_len=100)
     long_dequantized, _ = _logits(src, "none", prompt_len=100)
     long_tolerance = 1e-2 if model.quant_kernels.bf16_engine else 1e-4
-    assert 0 < ((long_prompt - long_dequantized).norm() / long_dequantized.norm()).item() < long_tolerance
+    assert (
+        0
+        < ((long_prompt - long_dequantized).norm() / long_dequantized.norm()).item()
+        < long_tolerance
+    )
     int8, _ = _logits(src, "gguf", "int8")
-    assert 1e-4 < error(int8) < 3e-2  # not the fp32 path, and close to it (a random model: worst case)
+    assert (
+        1e-4 < error(int8) < 3e-2
+    )  # not the fp32 path, and close to it (a random model: worst case)
     # Each greedy choice is the dequantized model's, or a near tie there (0.1 nats, the oracle's gap).
     chosen = dequantized.gather(1, int8.argmax(-1, keepdim=True)).squeeze(1)
     assert (dequantized.max(-1).values - chosen < 0.1).all()
@@ -278,14 +343,28 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
 @pytest.mark.parametrize("activations", ["int8", "int16"])
 def test_integer_activations_need_gguf_blocks(activations):
     src = resolve_model(str(cached_tiny_model("llama")))
-    with pytest.raises(ValueError, match=f"quant_activations '{activations}' needs GGUF weights kept quantized"):
-        load_model(src, load_arch(src), torch.float32, "cpu", quantization="auto", quant_activations=activations)
+    with pytest.raises(
+        ValueError, match=f"quant_activations '{activations}' needs GGUF weights kept quantized"
+    ):
+        load_model(
+            src,
+            load_arch(src),
+            torch.float32,
+            "cpu",
+            quantization="auto",
+            quant_activations=activations,
+        )
 
 
 def test_quantization_choice_and_its_errors(tmp_path):
     hf_src = resolve_model(str(cached_tiny_model("llama")))
-    gguf_src = resolve_model(str(write_gguf(cached_tiny_model("llama"), tmp_path / "m.gguf", "Q8_0",
-                                            with_tokenizer=False)))
+    gguf_src = resolve_model(
+        str(
+            write_gguf(
+                cached_tiny_model("llama"), tmp_path / "m.gguf", "Q8_0", with_tokenizer=False
+            )
+        )
+    )
     cpu = torch.device("cpu")
     assert resolve_quantization("auto", gguf_src, cpu) == "gguf"
     assert resolve_quantization("auto", hf_src, cpu) == "none"
@@ -293,7 +372,9 @@ def test_quantization_choice_and_its_errors(tmp_path):
     assert resolve_quantization("none", gguf_src, cpu) == "none"
     with pytest.raises(ValueError, match="quantization 'gguf': the model is not a GGUF file"):
         resolve_quantization("gguf", hf_src, cpu)
-    with pytest.raises(ValueError, match="quantization 'gguf': GGUF blocks are not split for tensor parallelism"):
+    with pytest.raises(
+        ValueError, match="quantization 'gguf': GGUF blocks are not split for tensor parallelism"
+    ):
         resolve_quantization("gguf", gguf_src, cpu, tp=2)
 
 
@@ -307,7 +388,9 @@ def test_smollm2_quantized_greedy_matches_transformers_on_the_same_gguf():
     try:
         model = llm.engine.client.engine_core.executor.worker.model
         assert {m.backend for m in model.modules() if isinstance(m, Linear)} == {"gguf"}
-        assert_smollm2_chat_matches_hf(llm, ["What is the capital of France?", "Write a haiku about the sea."], 24)
+        assert_smollm2_chat_matches_hf(
+            llm, ["What is the capital of France?", "Write a haiku about the sea."], 24
+        )
     finally:
         llm.shutdown()
 
@@ -316,8 +399,12 @@ def test_weight_memory_is_the_gguf_size_when_quantized(tmp_path):
     """No dense copy beside the blocks: the model holds about the file's bytes."""
     from tokenbus.worker.worker import model_weight_bytes
 
-    path = write_gguf(cached_tiny_model("llama", hidden_size=256, intermediate_size=512), tmp_path / "m.gguf",
-                      "Q4_1", with_tokenizer=False)
+    path = write_gguf(
+        cached_tiny_model("llama", hidden_size=256, intermediate_size=512),
+        tmp_path / "m.gguf",
+        "Q4_1",
+        with_tokenizer=False,
+    )
     src = resolve_model(str(path))
     quantized = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
     dense = load_model(src, load_arch(src), torch.float32, "cpu", quantization="none")

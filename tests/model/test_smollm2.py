@@ -16,13 +16,21 @@ from tokenbus.worker.model_loader import load_model
 def test_smollm2_arch_and_tokenizer():
     src = resolve_model(None)
     arch = load_arch(src)
-    shape = (arch.architecture, arch.num_hidden_layers, arch.hidden_size, arch.num_attention_heads,
-             arch.num_key_value_heads, arch.vocab_size, arch.max_position_embeddings)
+    shape = (
+        arch.architecture,
+        arch.num_hidden_layers,
+        arch.hidden_size,
+        arch.num_attention_heads,
+        arch.num_key_value_heads,
+        arch.vocab_size,
+        arch.max_position_embeddings,
+    )
     assert shape == ("llama", 30, 576, 9, 3, 49152, 8192)
     assert arch.tie_word_embeddings and arch.rope_theta == 100000.0 and arch.eos_token_ids == (2,)
     tokenizer = load_tokenizer(src)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n")
     assert load_generation_config(src) == {}
 
@@ -31,9 +39,39 @@ def test_smollm2_gguf_greedy_matches_transformers():
     """Greedy tokens of 3 prompts batched through the paged cache equal transformers' on the same GGUF (fp32)."""
     src = resolve_model(None)
     ours = load_model(src, load_arch(src), torch.float32, "cpu")
-    prompts = {"a": [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575,
-                     282, 4649, 47, 2, 198, 1, 520, 9531, 198],
-               "b": [22503, 253, 14920, 563, 260, 7055, 30], "c": [504, 3575, 282, 4649, 314]}
+    prompts = {
+        "a": [
+            1,
+            9690,
+            198,
+            2683,
+            359,
+            253,
+            5356,
+            5646,
+            11173,
+            2,
+            198,
+            1,
+            4093,
+            198,
+            1780,
+            314,
+            260,
+            3575,
+            282,
+            4649,
+            47,
+            2,
+            198,
+            1,
+            520,
+            9531,
+            198,
+        ],
+        "b": [22503, 253, 14920, 563, 260, 7055, 30],
+        "c": [504, 3575, 282, 4649, 314],
+    }
     num_new = 6
     kv = PagedKV.for_model(ours, num_blocks=32, block_size=16)
     ours_out = {req: [] for req in prompts}
@@ -49,6 +87,12 @@ def test_smollm2_gguf_greedy_matches_transformers():
         hf = load_hf_model(None, "float32")
         for req, prompt in prompts.items():
             ids = torch.tensor([prompt])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_new,
-                              min_new_tokens=num_new, pad_token_id=0)
-            assert ours_out[req] == out[0, len(prompt):].tolist(), req
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=num_new,
+                min_new_tokens=num_new,
+                pad_token_id=0,
+            )
+            assert ours_out[req] == out[0, len(prompt) :].tolist(), req

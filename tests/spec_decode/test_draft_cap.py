@@ -9,8 +9,14 @@ from tokenbus.worker.spec_decode import draft_cap
 
 
 def _state(num_prompt: int, output: list[int], **params) -> CachedRequestState:
-    return CachedRequestState("r", list(range(100, 100 + num_prompt)), list(output), SamplingParams(**params),
-                              block_ids=[], num_computed_tokens=0)
+    return CachedRequestState(
+        "r",
+        list(range(100, 100 + num_prompt)),
+        list(output),
+        SamplingParams(**params),
+        block_ids=[],
+        num_computed_tokens=0,
+    )
 
 
 def test_no_drafts_without_a_sample_or_after_a_stop_token():
@@ -22,7 +28,11 @@ def test_no_drafts_without_a_sample_or_after_a_stop_token():
 
 
 def test_capped_by_max_tokens_and_max_model_len():
-    assert draft_cap(_state(10, [1, 1], max_tokens=5), 4, 1000, [], emitted=[1]) == 2  # 2 drafts + bonus = 5
+    assert (
+        draft_cap(_state(10, [1, 1], max_tokens=5), 4, 1000, [], emitted=[1]) == 2
+    )  # 2 drafts + bonus = 5
     assert draft_cap(_state(10, [1] * 4, max_tokens=5), 4, 1000, [], emitted=[1]) == 0
-    assert draft_cap(_state(10, [1], max_tokens=None), 4, 13, [], emitted=[1]) == 1  # 11 known, feeds <= 12
+    assert (
+        draft_cap(_state(10, [1], max_tokens=None), 4, 13, [], emitted=[1]) == 1
+    )  # 11 known, feeds <= 12
     assert draft_cap(_state(10, [1], max_tokens=None), 4, 12, [], emitted=[1]) == 0

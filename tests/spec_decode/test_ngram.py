@@ -13,8 +13,8 @@ def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     token by token, from the context extended by the drafts so far."""
     num = len(tokens)
     for n in range(min(max_n, num - 1), min_n - 1, -1):
-        suffix = tokens[num - n:]
-        ends = [e for e in range(n - 1, num - 1) if tokens[e - n + 1: e + 1] == suffix]
+        suffix = tokens[num - n :]
+        ends = [e for e in range(n - 1, num - 1) if tokens[e - n + 1 : e + 1] == suffix]
         if ends:
             extended = list(tokens)
             for i in range(k):

@@ -15,15 +15,22 @@ from tokenbus.worker.spec_decode.rejection_sampler import RejectionSampler
 V = 16
 
 
-def _rows(num: int, output: list[int] | None = None, seeds: list[int | None] | None = None,
-          **params) -> list[SamplingRow]:
+def _rows(
+    num: int, output: list[int] | None = None, seeds: list[int | None] | None = None, **params
+) -> list[SamplingRow]:
     rows = []
     for i in range(num):
         seed = seeds[i] if seeds else None
         sp = SamplingParams(seed=seed, **params)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        rows.append(SamplingRow(params=sp, prompt_token_ids=[1, 2], output_token_ids=list(output or []),
-                                generator=gen))
+        rows.append(
+            SamplingRow(
+                params=sp,
+                prompt_token_ids=[1, 2],
+                output_token_ids=list(output or []),
+                generator=gen,
+            )
+        )
     return rows
 
 
@@ -43,6 +50,7 @@ def _peaked(argmaxes: list[int]) -> torch.Tensor:
 
 
 # --- greedy -----------------------------------------------------------------------------------
+
 
 def test_greedy_perfect_match_gets_the_bonus_token():
     out = _verify(_peaked([3, 4, 5, 9]), _rows(1, temperature=0.0), [[3, 4, 5]])
@@ -67,15 +75,27 @@ def test_multiple_requests_with_and_without_drafts():
 def test_greedy_applies_penalties_min_tokens_and_bias_per_position_like_plain_decoding():
     """Drafts that equal what step-by-step greedy sampling picks are all accepted."""
     torch.manual_seed(0)
-    params = dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3,
-                  min_tokens=3, logit_bias={4: 0.7})
+    params = dict(
+        temperature=0.0,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        min_tokens=3,
+        logit_bias={4: 0.7},
+    )
     logits = torch.randn(5, V)
     sequential, output = [], [5]
     for row in range(5):
         meta = SamplingMetadata.build(
-            [SamplingRow(SamplingParams(**params), [1, 2], list(output), stop_ids_for_min_tokens=[0, 4])],
-            V, "cpu")
-        token = int(Sampler()(logits[row:row + 1].clone(), meta).sampled_token_ids[0])
+            [
+                SamplingRow(
+                    SamplingParams(**params), [1, 2], list(output), stop_ids_for_min_tokens=[0, 4]
+                )
+            ],
+            V,
+            "cpu",
+        )
+        token = int(Sampler()(logits[row : row + 1].clone(), meta).sampled_token_ids[0])
         sequential.append(token)
         output.append(token)
     rows = [SamplingRow(SamplingParams(**params), [1, 2], [5], stop_ids_for_min_tokens=[0, 4])]
@@ -107,11 +127,14 @@ def test_logprobs_describe_each_emitted_position():
 
 # --- random: equal to the plain sampler without drafts; seeded determinism ----------------------
 
+
 def test_request_without_drafts_samples_like_the_plain_sampler():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
     rows = _rows(3, seeds=[5, None, 9], temperature=0.8, top_k=6)
     plain = Sampler(torch.Generator().manual_seed(0))(
-        logits.clone(), SamplingMetadata.build(_rows(3, seeds=[5, None, 9], temperature=0.8, top_k=6), V))
+        logits.clone(),
+        SamplingMetadata.build(_rows(3, seeds=[5, None, 9], temperature=0.8, top_k=6), V),
+    )
     out = _verify(logits, rows, [[], [], []], seed=0)
     assert [t[0] for t in out.token_ids] == plain.sampled_token_ids.tolist()
 
@@ -130,6 +153,7 @@ def test_seeded_requests_are_deterministic_and_batch_independent():
 
 # --- losslessness -------------------------------------------------------------------------------
 
+
 def _chi_square(tokens: list[int], probs: torch.Tensor) -> float:
     counts = torch.bincount(torch.tensor(tokens), minlength=probs.numel()).double()
     expected = probs.double() * len(tokens)
@@ -142,8 +166,15 @@ def _chi_square(tokens: list[int], probs: torch.Tensor) -> float:
 _CHI2_CRITICAL = {5: 25.74, 7: 29.88, 15: 42.58}
 
 
-def _emitted(num_requests: int, k: int, target: torch.Tensor, draft_probs: torch.Tensor | None,
-             draft_source: torch.Tensor, seed: int, **params) -> tuple[list[int], list[int]]:
+def _emitted(
+    num_requests: int,
+    k: int,
+    target: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_source: torch.Tensor,
+    seed: int,
+    **params,
+) -> tuple[list[int], list[int]]:
     """Every request: k drafts i.i.d. from draft_source, the same target logits at every row.
     Returns (all emitted tokens, the first emitted token of each request)."""
     gen = torch.Generator().manual_seed(seed)
@@ -172,7 +203,9 @@ def test_rejection_sampling_approximates_target_distribution(seed):
     assert _chi_square(tokens, p) < _CHI2_CRITICAL[15]
     assert _chi_square(first, p) < _CHI2_CRITICAL[15]
     # The test has power: the draft distribution itself is rejected.
-    assert _chi_square(torch.multinomial(q, len(tokens), True).tolist(), p) > 10 * _CHI2_CRITICAL[15]
+    assert (
+        _chi_square(torch.multinomial(q, len(tokens), True).tolist(), p) > 10 * _CHI2_CRITICAL[15]
+    )
 
 
 @pytest.mark.parametrize("draft_kind", ["copy", "constant"])
@@ -180,8 +213,11 @@ def test_one_hot_drafts_preserve_target_distribution(draft_kind):
     """No draft probabilities (n-gram, greedy draft model): q is one-hot on the draft."""
     p = _random_distribution(7, V, sparsity=0.2) ** 2  # peaked: a wrong recovery shows clearly
     p /= p.sum()
-    source = p.clone() if draft_kind == "copy" else torch.nn.functional.one_hot(
-        torch.tensor(int(p.argmin())), V).float()  # an always-rejected draft: p(draft) = 0
+    source = (
+        p.clone()
+        if draft_kind == "copy"
+        else torch.nn.functional.one_hot(torch.tensor(int(p.argmin())), V).float()
+    )  # an always-rejected draft: p(draft) = 0
     tokens, first = _emitted(6000, 4, p, None, source, seed=5)
     assert _chi_square(tokens, p) < _CHI2_CRITICAL[15]
     assert _chi_square(first, p) < _CHI2_CRITICAL[15]

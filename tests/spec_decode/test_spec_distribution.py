@@ -18,8 +18,29 @@ NUM_SAMPLES = 1500
 # Every token of the vocabulary occurs, so a 1-gram lookup always finds a match.
 PROMPT = [3, 9, 4, 12, 0, 7, 15, 1, 5, 11, 6, 2, 14, 8, 10, 13, 3, 9, 4, 12, 6, 2, 14]
 # Chi-square critical values at significance 1e-4 by degrees of freedom (tables).
-CHI2_CRITICAL = {df: v for df, v in zip(range(1, 16), (15.14, 18.42, 21.11, 23.51, 25.74, 27.86, 29.88, 31.83,
-                                                       33.72, 35.56, 37.37, 39.13, 40.87, 42.58, 44.26))}
+CHI2_CRITICAL = {
+    df: v
+    for df, v in zip(
+        range(1, 16),
+        (
+            15.14,
+            18.42,
+            21.11,
+            23.51,
+            25.74,
+            27.86,
+            29.88,
+            31.83,
+            33.72,
+            35.56,
+            37.37,
+            39.13,
+            40.87,
+            42.58,
+            44.26,
+        ),
+    )
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +52,10 @@ def model_dir(tmp_path_factory):
 def _exact_marginals(model_dir, num_positions: int, temperature: float) -> list[torch.Tensor]:
     """P(token at position j of the output), j < num_positions, by enumerating all prefixes."""
     hf = load_hf(str(model_dir))
-    prefixes, prefix_probs = [[]], torch.ones(1, dtype=torch.float64)  # [P] probability of each prefix
+    prefixes, prefix_probs = (
+        [[]],
+        torch.ones(1, dtype=torch.float64),
+    )  # [P] probability of each prefix
     marginals = []
     for _ in range(num_positions):
         inputs = torch.tensor([PROMPT + p for p in prefixes])  # [P, len]
@@ -56,19 +80,31 @@ def _chi_square_ok(tokens: list[int], probs: torch.Tensor) -> tuple[float, float
     return statistic, CHI2_CRITICAL[len(counts) - 1]
 
 
-@pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-    {"method": "draft_model", "draft_layers": 2, "num_speculative_tokens": 3},
-], ids=["ngram", "self_draft"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+        {"method": "draft_model", "draft_layers": 2, "num_speculative_tokens": 3},
+    ],
+    ids=["ngram", "self_draft"],
+)
 def test_speculative_sampling_preserves_the_model_distribution(model_dir, spec):
     num_positions, temperature = 4, 0.6
     llm = make_spec_llm(model_dir, spec, max_model_len=64, num_kv_blocks=512, max_num_seqs=256)
-    params = SamplingParams(n=NUM_SAMPLES, temperature=temperature, max_tokens=num_positions + 1,
-                            ignore_eos=True)
+    params = SamplingParams(
+        n=NUM_SAMPLES, temperature=temperature, max_tokens=num_positions + 1, ignore_eos=True
+    )
     with spec_metrics(llm) as metrics:
         out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
     # Drafts really were verified, and both verdicts occurred often.
-    assert NUM_SAMPLES // 5 < metrics.num_accepted_tokens < metrics.num_draft_tokens - NUM_SAMPLES // 5, metrics
+    assert (
+        NUM_SAMPLES // 5 < metrics.num_accepted_tokens < metrics.num_draft_tokens - NUM_SAMPLES // 5
+    ), metrics
     exact = _exact_marginals(model_dir, num_positions, temperature)
     # Position 0 is sampled after the prompt (no drafts); later ones come out of verification.
     for j in range(num_positions):

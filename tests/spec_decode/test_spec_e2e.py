@@ -27,7 +27,9 @@ def models(tmp_path_factory):
     """A 4-layer tiny Llama whose last 2 layers are damped (its first 2 layers draft well), and
     those 2 layers as a separate draft model."""
     tmp = tmp_path_factory.mktemp("spec-models")
-    target = damped_model(cached_tiny_model("llama", num_hidden_layers=4), tmp / "target", num_full_layers=2)
+    target = damped_model(
+        cached_tiny_model("llama", num_hidden_layers=4), tmp / "target", num_full_layers=2
+    )
     return target, truncated_copy(target, 2, tmp / "draft")
 
 
@@ -65,15 +67,25 @@ def test_greedy_identical_with_prefix_caching(kind, models, plain_outputs):
     # The engine's running total took the measured block's figures back in.
     totals = llm.engine.spec_metrics
     assert totals.num_accepted_tokens == llm.engine.stats_totals["spec_num_accepted_tokens"]
-    assert totals.num_draft_tokens == llm.engine.stats_totals["spec_num_draft_tokens"] >= metrics.num_draft_tokens
+    assert (
+        totals.num_draft_tokens
+        == llm.engine.stats_totals["spec_num_draft_tokens"]
+        >= metrics.num_draft_tokens
+    )
     assert_engine_clean(llm)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_identical_under_preemption_and_chunked_prefill(kind, models, plain_outputs):
     # 20 blocks of 16 tokens hold ~2 of these requests at once; 48-token steps chunk prompts.
-    llm = make_spec_llm(models[0], _spec(kind, models), max_model_len=256, num_kv_blocks=20,
-                        max_num_batched_tokens=48, long_prefill_token_threshold=24)
+    llm = make_spec_llm(
+        models[0],
+        _spec(kind, models),
+        max_model_len=256,
+        num_kv_blocks=20,
+        max_num_batched_tokens=48,
+        long_prefill_token_threshold=24,
+    )
     with spec_metrics(llm) as metrics:
         outputs = generate_greedy(llm, mixed_prompts(), MAX_TOKENS)
     assert outputs == plain_outputs
@@ -114,11 +126,15 @@ def test_separate_draft_model_drafts_exactly_like_self_speculation(models):
 def test_stops_and_max_tokens_respected_inside_accepted_drafts(models, plain_outputs):
     """A stop token or the max_tokens limit inside a run of accepted drafts ends the request
     exactly where plain decoding would."""
-    llm = make_spec_llm(models[0], _spec("self_draft", models), max_model_len=256, num_kv_blocks=128)
+    llm = make_spec_llm(
+        models[0], _spec("self_draft", models), max_model_len=256, num_kv_blocks=128
+    )
     prompts = mixed_prompts()
     # Stop on each prompt's 6th greedy token (a token accepted from a draft, most likely).
-    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[out[5]])
-              for out in plain_outputs]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[out[5]])
+        for out in plain_outputs
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, want in zip(outs, plain_outputs):
         expected = want[: want.index(want[5]) + 1]
@@ -129,19 +145,26 @@ def test_stops_and_max_tokens_respected_inside_accepted_drafts(models, plain_out
 
 
 def test_seeded_sampling_reproducible_and_batch_independent_with_spec(models):
-    llm = make_spec_llm(models[0], _spec("self_draft", models), max_model_len=256, num_kv_blocks=128)
+    llm = make_spec_llm(
+        models[0], _spec("self_draft", models), max_model_len=256, num_kv_blocks=128
+    )
     prompts = mixed_prompts(seed=2)
 
     def sample(batch):
-        params = SamplingParams(temperature=0.8, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.8, top_k=50, seed=1234, max_tokens=20, ignore_eos=True
+        )
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
     alone = sample(prompts[:1])
     assert sample(prompts[:1]) == alone
     assert sample(prompts[3:] + prompts[:1])[-1] == alone[0]
-    outs = llm.generate("Hello there", SamplingParams(n=3, temperature=1.0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        "Hello there",
+        SamplingParams(n=3, temperature=1.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [len(c.token_ids) for c in outs[0].outputs] == [12, 12, 12]
     assert_engine_clean(llm)
 
@@ -149,22 +172,34 @@ def test_seeded_sampling_reproducible_and_batch_independent_with_spec(models):
 def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir):
     other = cached_tiny_model("llama", seed=2, vocab_size=32000)
     with pytest.raises(ValueError, match="share the target's vocabulary"):
-        make_spec_llm(tiny_llama_dir, {"method": "draft_model", "model": str(other)}, max_model_len=256,
-                      num_kv_blocks=32)
+        make_spec_llm(
+            tiny_llama_dir,
+            {"method": "draft_model", "model": str(other)},
+            max_model_len=256,
+            num_kv_blocks=32,
+        )
 
 
 def test_self_draft_needs_fewer_layers_than_the_target(tiny_llama_dir):
     with pytest.raises(ValueError, match="draft_layers"):
-        make_spec_llm(tiny_llama_dir, {"method": "draft_model", "draft_layers": 2}, max_model_len=256,
-                      num_kv_blocks=32)
+        make_spec_llm(
+            tiny_llama_dir,
+            {"method": "draft_model", "draft_layers": 2},
+            max_model_len=256,
+            num_kv_blocks=32,
+        )
 
 
 def test_spec_stats_reach_the_engine_outputs(models):
-    llm = make_spec_llm(models[0], _spec("self_draft", models), max_model_len=256, num_kv_blocks=128)
+    llm = make_spec_llm(
+        models[0], _spec("self_draft", models), max_model_len=256, num_kv_blocks=128
+    )
     with spec_metrics(llm) as metrics:
         generate_greedy(llm, mixed_prompts()[:3], 16)
     assert metrics.num_drafts > 0 and 0 < metrics.num_accepted_tokens <= metrics.num_draft_tokens
     assert len(metrics.accepted_per_pos) == 3
     rates = metrics.acceptance_rate_per_pos
-    assert all(a >= b for a, b in zip(rates, rates[1:]))  # a draft is accepted only after its predecessors
+    assert all(
+        a >= b for a, b in zip(rates, rates[1:])
+    )  # a draft is accepted only after its predecessors
     assert 1.0 < metrics.mean_acceptance_length <= 4.0

@@ -7,7 +7,14 @@ from tokenbus.config import SchedulerConfig
 from tokenbus.core.kv import KVCacheManager
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.scheduler import Scheduler
-from tests.core.sched_utils import BLOCK_SIZE, fake_runner_output, make_request, make_scheduler, run_step, run_to_completion
+from tests.core.sched_utils import (
+    BLOCK_SIZE,
+    fake_runner_output,
+    make_request,
+    make_scheduler,
+    run_step,
+    run_to_completion,
+)
 
 
 def _decoding(sched, req_id="a", num_prompt=10, **params):
@@ -22,8 +29,11 @@ def _verify(sched, drafts, sampled, next_drafts=None):
     """One step verifying `drafts`; the runner returns `sampled` and proposes `next_drafts`."""
     sched.requests["a"].spec_token_ids = list(drafts)
     so = sched.schedule()
-    out = ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens), sampled_token_ids=[list(sampled)],
-                            spec_token_ids=None if next_drafts is None else [list(next_drafts)])
+    out = ModelRunnerOutput(
+        req_ids=list(so.num_scheduled_tokens),
+        sampled_token_ids=[list(sampled)],
+        spec_token_ids=None if next_drafts is None else [list(next_drafts)],
+    )
     return so, sched.update_from_output(so, out)
 
 
@@ -32,7 +42,11 @@ def test_stats_count_drafts_and_accepted_per_position():
     _decoding(sched)
     _verify(sched, [1, 2, 3], [1, 2, 9])
     stats = sched.make_stats()
-    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (1, 3, 2)
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (
+        1,
+        3,
+        2,
+    )
     assert stats.spec_accepted_per_pos == [1, 1, 0]
     run_step(sched)  # a step without drafts reports none
     stats = sched.make_stats()
@@ -55,7 +69,9 @@ def test_next_drafts_stored_and_all_accepted_gives_the_bonus():
 
 def test_lookahead_slots_reserved_for_draft_model_kv():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024)
-    sched = Scheduler(config, KVCacheManager(50, BLOCK_SIZE, enable_caching=False), num_lookahead_tokens=4)
+    sched = Scheduler(
+        config, KVCacheManager(50, BLOCK_SIZE, enable_caching=False), num_lookahead_tokens=4
+    )
     sched.add_request(make_request("a", 14, max_tokens=5, ignore_eos=True))
     so, _ = run_step(sched)
     # 14 prompt tokens + 4 lookahead slots need 2 blocks, not 1.

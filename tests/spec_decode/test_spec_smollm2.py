@@ -17,9 +17,14 @@ from tests.spec_decode.utils import make_spec_llm, spec_metrics
 from tests.structured.schemas import SCHEMAS
 
 MAX_TOKENS = 32
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 5,
+}
 SELF_DRAFT = {"method": "draft_model", "draft_layers": 20, "num_speculative_tokens": 3}
-CODE = '''def merge(a, b):
+CODE = """def merge(a, b):
     out = []
     i = j = 0
     while i < len(a) and j < len(b):
@@ -28,7 +33,7 @@ CODE = '''def merge(a, b):
         else:
             out.append(b[j]); j += 1
     return out + a[i:] + b[j:]
-'''
+"""
 QUESTIONS = [
     "What is the capital of France?",
     f"Repeat this code exactly, then stop:\n{CODE}",
@@ -55,8 +60,10 @@ def _chat_prompts(llm, questions):
 
 def _greedy(llm, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +113,18 @@ def test_greedy_identical_under_forced_preemption(reference):
 def test_structured_output_stays_valid_with_speculation(spec):
     llm = _llm(spec)
     schemas = SCHEMAS[:10]
-    prompts = _chat_prompts(llm, [f"Reply with JSON matching this schema: {json.dumps(s)}" for s in schemas])
-    params = [SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=200,
-                             structured_outputs=StructuredOutputsParams(json=s))
-              for i, s in enumerate(schemas)]
+    prompts = _chat_prompts(
+        llm, [f"Reply with JSON matching this schema: {json.dumps(s)}" for s in schemas]
+    )
+    params = [
+        SamplingParams(
+            temperature=1.0 if i % 2 else 0.0,
+            seed=i,
+            max_tokens=200,
+            structured_outputs=StructuredOutputsParams(json=s),
+        )
+        for i, s in enumerate(schemas)
+    ]
     with spec_metrics(llm) as metrics:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for schema, out in zip(schemas, outputs):

@@ -28,7 +28,9 @@ def manager(tokenizer):
     from tokenbus.structured.backend import XgrammarBackend
 
     eos = tokenizer.eos_token_id
-    manager = StructuredOutputManager(lambda: XgrammarBackend(tokenizer, 49152, stop_token_ids=[eos]))
+    manager = StructuredOutputManager(
+        lambda: XgrammarBackend(tokenizer, 49152, stop_token_ids=[eos])
+    )
     yield manager
     manager.shutdown()
 
@@ -61,9 +63,13 @@ def test_bitmask_has_a_row_per_draft_position(manager, tokenizer):
     paris = tokenizer.encode(CHOICES[0], add_special_tokens=False)
     london = tokenizer.encode(CHOICES[1], add_special_tokens=False)
     drafts = paris[:2]
-    so = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[],
-                         num_scheduled_tokens={"r": 1 + len(drafts)}, total_num_scheduled_tokens=3,
-                         scheduled_spec_decode_tokens={"r": drafts})
+    so = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={"r": 1 + len(drafts)},
+        total_num_scheduled_tokens=3,
+        scheduled_spec_decode_tokens={"r": drafts},
+    )
     request.num_computed_tokens = 2  # the scheduled chunk reaches the end of the known tokens
     manager.fill_bitmask(so, {"r": request})
     rows = bitmask_rows(so.grammar_bitmask)
@@ -75,6 +81,8 @@ def test_bitmask_has_a_row_per_draft_position(manager, tokenizer):
     assert manager.validate_tokens(request, london[:1]) == london[:1]
     # The worker lines the rows up with its logits rows: 1 + drafts per constrained request,
     # one all-allowed row per position of an unconstrained one.
-    full = pad_bitmask_rows(rows, so.structured_output_request_ids, ["x", "r"], rows.shape[1], [2, 3])
+    full = pad_bitmask_rows(
+        rows, so.structured_output_request_ids, ["x", "r"], rows.shape[1], [2, 3]
+    )
     assert full.shape[0] == 5 and bool((full[:2] == -1).all())
     assert np.array_equal(full[2:].numpy(), rows)

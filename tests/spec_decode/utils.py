@@ -9,13 +9,20 @@ from pathlib import Path
 
 from tokenbus import LLM
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 4,
+}
 
 
 def make_spec_llm(model, speculative_config=None, **engine_args) -> LLM:
     engine_args.setdefault("seed", 0)
     engine_args.setdefault("multiprocess", False)
-    return LLM(None if model is None else str(model), speculative_config=speculative_config, **engine_args)
+    return LLM(
+        None if model is None else str(model), speculative_config=speculative_config, **engine_args
+    )
 
 
 def spec_metrics(llm: LLM):
@@ -31,8 +38,16 @@ def mixed_prompts(seed: int = 0) -> list[list[int]]:
         return [rng.randrange(1000, 40000) for _ in range(n)]
 
     motif = rand(12)
-    return [motif * 4, motif[:5] * 3 + rand(3), rand(30), rand(90), motif * 2 + rand(20), rand(3) * 3,
-            rand(7), motif * 7]
+    return [
+        motif * 4,
+        motif[:5] * 3 + rand(3),
+        rand(30),
+        rand(90),
+        motif * 2 + rand(20),
+        rand(3) * 3,
+        rand(7),
+        motif * 7,
+    ]
 
 
 def _rewrite(model_dir: Path, out_dir: Path, edit) -> Path:
@@ -54,7 +69,10 @@ def damped_model(model_dir: Path, out_dir: Path, num_full_layers: int, scale: fl
 
     def edit(weights, config):
         for name, tensor in weights.items():
-            if name.endswith(("o_proj.weight", "down_proj.weight")) and int(name.split(".")[2]) >= num_full_layers:
+            if (
+                name.endswith(("o_proj.weight", "down_proj.weight"))
+                and int(name.split(".")[2]) >= num_full_layers
+            ):
                 weights[name] = tensor * scale
         return weights
 
@@ -67,7 +85,10 @@ def truncated_copy(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
 
     def edit(weights, config):
         config["num_hidden_layers"] = num_layers
-        return {name: tensor for name, tensor in weights.items()
-                if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+        return {
+            name: tensor
+            for name, tensor in weights.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+        }
 
     return _rewrite(model_dir, out_dir, edit)

@@ -39,7 +39,9 @@ class _SelectiveBackend:
 def test_overdue_compiles_do_not_starve_later_specs_and_outcomes_are_cached():
     import time
 
-    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=0.1, max_concurrent=3)
+    validator = StructuredOutputValidator(
+        tokenizer=None, vocab_size=10, timeout_s=0.1, max_concurrent=3
+    )
     backend = validator._backend = _SelectiveBackend()
     for _ in range(2):  # two compiles overdue, each still holding a slot
         with pytest.raises(ValueError, match="longer than"):
@@ -60,7 +62,9 @@ def test_overdue_compiles_do_not_starve_later_specs_and_outcomes_are_cached():
 def test_every_slot_taken_by_slow_compiles_is_a_capacity_error():
     from tokenbus.structured.validator import CompileCapacityError
 
-    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=0.1, max_concurrent=1)
+    validator = StructuredOutputValidator(
+        tokenizer=None, vocab_size=10, timeout_s=0.1, max_concurrent=1
+    )
     validator._backend = _SelectiveBackend()
     with pytest.raises(ValueError, match="longer than"):
         validator.validate(StructuredOutputsParams(regex="slow"))
@@ -71,7 +75,9 @@ def test_every_slot_taken_by_slow_compiles_is_a_capacity_error():
 def test_concurrent_requests_with_one_spec_share_its_compile():
     import threading
 
-    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=5.0, max_concurrent=4)
+    validator = StructuredOutputValidator(
+        tokenizer=None, vocab_size=10, timeout_s=5.0, max_concurrent=4
+    )
     backend = validator._backend = _SelectiveBackend()
     gate = threading.Event()
     real_compile = backend.compile
@@ -81,8 +87,10 @@ def test_concurrent_requests_with_one_spec_share_its_compile():
         return real_compile(spec)
 
     backend.compile = gated_compile
-    threads = [threading.Thread(target=validator.validate, args=(StructuredOutputsParams(regex="same"),))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=validator.validate, args=(StructuredOutputsParams(regex="same"),))
+        for _ in range(3)
+    ]
     for thread in threads:
         thread.start()
     import time
@@ -97,7 +105,9 @@ def test_concurrent_requests_with_one_spec_share_its_compile():
 def test_a_compile_past_its_deadline_is_not_remembered_as_slow():
     import time
 
-    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=0.3, max_concurrent=2)
+    validator = StructuredOutputValidator(
+        tokenizer=None, vocab_size=10, timeout_s=0.3, max_concurrent=2
+    )
     backend = validator._backend = _SelectiveBackend()
     with pytest.raises(ValueError, match="longer than"):
         validator.validate(StructuredOutputsParams(regex="slow"))  # takes 1 s

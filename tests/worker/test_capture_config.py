@@ -11,15 +11,21 @@ from tokenbus.worker.input_batch import InputBuffers, ScheduledRequest, prepare_
 from tokenbus.worker.request_state import CachedRequestState
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(cudagraph_capture_sizes=[0, 2]), "sizes must be >= 1, got 0"),
-    (dict(cudagraph_capture_sizes=[2, 2, 4]), "must be strictly increasing"),
-    (dict(cudagraph_capture_sizes=[4, 2]), "must be strictly increasing"),
-    (dict(cudagraph_capture_sizes=[1, 4096]), "size 4096 is above max_num_batched_tokens"),
-    (dict(cudagraph_capture_sizes=[1, 2], enforce_eager=True), "cannot be combined with enforce_eager"),
-    (dict(cudagraph_capture_sizes="1,x"), "must be integers"),
-    (dict(cudagraph_capture_sizes=[]), "at least one size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(cudagraph_capture_sizes=[0, 2]), "sizes must be >= 1, got 0"),
+        (dict(cudagraph_capture_sizes=[2, 2, 4]), "must be strictly increasing"),
+        (dict(cudagraph_capture_sizes=[4, 2]), "must be strictly increasing"),
+        (dict(cudagraph_capture_sizes=[1, 4096]), "size 4096 is above max_num_batched_tokens"),
+        (
+            dict(cudagraph_capture_sizes=[1, 2], enforce_eager=True),
+            "cannot be combined with enforce_eager",
+        ),
+        (dict(cudagraph_capture_sizes="1,x"), "must be integers"),
+        (dict(cudagraph_capture_sizes=[]), "at least one size"),
+    ],
+)
 def test_bad_capture_flags_are_value_errors_naming_the_flag(kwargs, message):
     with pytest.raises(ValueError, match="--cudagraph-capture-sizes") as info:
         EngineArgs(**kwargs).to_config(256)
@@ -29,9 +35,18 @@ def test_bad_capture_flags_are_value_errors_naming_the_flag(kwargs, message):
 def test_default_capture_sizes_follow_max_num_seqs():
     sizes = EngineArgs(max_num_seqs=40).to_config(256).compilation.cudagraph_capture_sizes
     assert sizes == (1, 2, 4, 8, 16, 24, 32, 40)
-    assert EngineArgs(max_num_seqs=20).to_config(256).compilation.cudagraph_capture_sizes == (1, 2, 4, 8, 16, 20)
+    assert EngineArgs(max_num_seqs=20).to_config(256).compilation.cudagraph_capture_sizes == (
+        1,
+        2,
+        4,
+        8,
+        16,
+        20,
+    )
     assert EngineArgs(enforce_eager=True).to_config(256).compilation.cudagraph_capture_sizes == ()
-    assert EngineArgs(cudagraph_capture_sizes="1 2,8").to_config(256).compilation.cudagraph_capture_sizes == (1, 2, 8)
+    assert EngineArgs(cudagraph_capture_sizes="1 2,8").to_config(
+        256
+    ).compilation.cudagraph_capture_sizes == (1, 2, 8)
 
 
 def test_cli_flags(tmp_path):
@@ -43,22 +58,36 @@ def test_cli_flags(tmp_path):
     add_engine_args(parser)
     args = engine_args_from(parser.parse_args(["--cudagraph-capture-sizes", "1", "2", "8"]))
     assert args.to_config(256).compilation.cudagraph_capture_sizes == (1, 2, 8)
-    assert engine_args_from(parser.parse_args(["--enforce-eager"])).to_config(256).compilation.enforce_eager
+    assert (
+        engine_args_from(parser.parse_args(["--enforce-eager"]))
+        .to_config(256)
+        .compilation.enforce_eager
+    )
 
 
 def test_padding_rows_use_the_null_block_and_are_never_sampled():
-    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=5, device=torch.device("cpu"))
+    buffers = InputBuffers(
+        max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=5, device=torch.device("cpu")
+    )
     buffers.block_table[:] = 9  # stale ids from an earlier step
-    states = [CachedRequestState(f"r{i}", [3] * (6 + i), [], SamplingParams(), [2 + i, 5 + i], 5 + i)
-              for i in range(3)]
+    states = [
+        CachedRequestState(f"r{i}", [3] * (6 + i), [], SamplingParams(), [2 + i, 5 + i], 5 + i)
+        for i in range(3)
+    ]
     kv = [torch.zeros(2, 12, 4, 1, 2)]
-    batch = prepare_batch([ScheduledRequest(s, 1, []) for s in states], buffers, 4, kv, padded_size=8)
+    batch = prepare_batch(
+        [ScheduledRequest(s, 1, []) for s in states], buffers, 4, kv, padded_size=8
+    )
     ctx = batch.ctx
     assert (batch.num_tokens, batch.padded_size, ctx.num_tokens, ctx.num_reqs) == (3, 8, 8, 8)
-    assert ctx.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 3] + [0] * 5  # padding: slot 0
+    assert (
+        ctx.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 3] + [0] * 5
+    )  # padding: slot 0
     assert ctx.positions.tolist()[3:] == [0] * 5 and batch.input_ids.tolist()[3:] == [0] * 5
     assert ctx.seq_lens == [6, 7, 8] + [1] * 5 and ctx.seq_lens_t.tolist() == ctx.seq_lens
-    assert ctx.query_start_loc == list(range(9)) and ctx.query_start_loc_t.tolist() == list(range(9))
+    assert ctx.query_start_loc == list(range(9)) and ctx.query_start_loc_t.tolist() == list(
+        range(9)
+    )
     assert ctx.block_tables.shape == (8, 5)  # full width: the shape depends on the padded size only
     assert (ctx.block_tables[3:] == 0).all() and ctx.block_tables[0, :2].tolist() == [2, 5]
     assert batch.logits_indices.tolist() == [0, 1, 2] and batch.sampling_requests == [0, 1, 2]

@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm
-from tests.fixtures.mode_equality import ENGINE, NGRAM, json_batch, ngram_prompts, staggered_batch, token_ids
+from tests.fixtures.mode_equality import (
+    ENGINE,
+    NGRAM,
+    json_batch,
+    ngram_prompts,
+    staggered_batch,
+    token_ids,
+)
 from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus import SamplingParams
 from tokenbus.worker.input_batch import ScheduledRequest, prepare_batch
@@ -57,6 +64,7 @@ def count_captured_steps(runner):
     def counting(size, batch):
         counts[size] = counts.get(size, 0) + 1
         return replay(size, batch)
+
     runner.captured.runner.replay = counting
     return counts
 
@@ -101,11 +109,20 @@ def test_padded_step_changes_no_real_kv_outside_its_own_slots(captured):
     (block 0) is unchanged."""
     runner = runner_of(captured)
     block_size = runner.block_size
-    states = [CachedRequestState(f"r{i}", prompt_token_ids=[7 + i] * (5 + 9 * i), output_token_ids=[],
-                                 sampling_params=SamplingParams(max_tokens=1),
-                                 block_ids=[3 + 4 * i, 4 + 4 * i], num_computed_tokens=4 + 9 * i)
-              for i in range(3)]
-    original = [cache.clone() for cache in runner.kv_caches]  # the engine's prefix cache: restored below
+    states = [
+        CachedRequestState(
+            f"r{i}",
+            prompt_token_ids=[7 + i] * (5 + 9 * i),
+            output_token_ids=[],
+            sampling_params=SamplingParams(max_tokens=1),
+            block_ids=[3 + 4 * i, 4 + 4 * i],
+            num_computed_tokens=4 + 9 * i,
+        )
+        for i in range(3)
+    ]
+    original = [
+        cache.clone() for cache in runner.kv_caches
+    ]  # the engine's prefix cache: restored below
     for cache in runner.kv_caches:
         cache.normal_()  # no slot is left at zero: a stray write shows
     before = [cache.clone() for cache in runner.kv_caches]
@@ -113,13 +130,20 @@ def test_padded_step_changes_no_real_kv_outside_its_own_slots(captured):
     assert runner.captured.padded_size(requests) == 4
     try:
         with torch.inference_mode():
-            batch = prepare_batch(requests, runner.buffers, block_size, runner.kv_caches, padded_size=4)
+            batch = prepare_batch(
+                requests, runner.buffers, block_size, runner.kv_caches, padded_size=4
+            )
             hidden = runner.captured.run(batch)
         assert hidden.shape[0] == 4 and torch.isfinite(hidden).all()
-        own = {s.block_ids[s.num_computed_tokens // block_size] * block_size + s.num_computed_tokens % block_size
-               for s in states}
+        own = {
+            s.block_ids[s.num_computed_tokens // block_size] * block_size
+            + s.num_computed_tokens % block_size
+            for s in states
+        }
         for cache, old in zip(runner.kv_caches, before):
-            changed = (cache != old).flatten(3).any(-1).any(0).flatten()  # [2, NB, bs, Hkv * D] -> [NB * bs] slots
+            changed = (
+                (cache != old).flatten(3).any(-1).any(0).flatten()
+            )  # [2, NB, bs, Hkv * D] -> [NB * bs] slots
             changed_slots = set(changed.nonzero().flatten().tolist())
             assert changed_slots - set(range(block_size)) == own  # block 0 (the null block) aside
     finally:
@@ -132,19 +156,28 @@ def test_dispatcher_pads_uniform_decodes_only(captured):
     state = CachedRequestState("x", [1, 2, 3], [], SamplingParams(), [1], 2)
     decode, chunk = ScheduledRequest(state, 1, []), ScheduledRequest(state, 2, [])
     verify = ScheduledRequest(state, 1, [5])
-    assert [runner.captured.padded_size([decode] * n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    assert [runner.captured.padded_size([decode] * n) for n in (1, 2, 3, 4, 5)] == [
+        1,
+        2,
+        4,
+        4,
+        None,
+    ]
     assert runner.captured.padded_size([decode, chunk]) is None
     assert runner.captured.padded_size([verify]) is None
     assert runner.captured.padded_size([]) is None
 
 
-def test_compile_failure_falls_back_with_one_warning_or_fails_when_sizes_were_asked(model_dir, monkeypatch, caplog):
+def test_compile_failure_falls_back_with_one_warning_or_fails_when_sizes_were_asked(
+    model_dir, monkeypatch, caplog
+):
     import logging
 
     from tokenbus.worker import captured_step, compiled_cpu
 
     def broken(self, size, batch):
         raise RuntimeError("no compiler today")
+
     monkeypatch.setattr(compiled_cpu.CompiledCpuRunner, "capture", broken)
     monkeypatch.setattr(captured_step, "CPU_CAPTURES_BY_DEFAULT", True)  # default sizes compile too
     with caplog.at_level(logging.WARNING, logger="tokenbus.worker.captured_step"):
@@ -156,7 +189,9 @@ def test_compile_failure_falls_back_with_one_warning_or_fails_when_sizes_were_as
         assert generate_greedy(llm, [[5, 6, 7]], 3)  # eager steps work
     finally:
         llm.shutdown()
-    with pytest.raises(RuntimeError, match=r"cudagraph-capture-sizes \[1, 2\]: RuntimeError: no compiler today"):
+    with pytest.raises(
+        RuntimeError, match=r"cudagraph-capture-sizes \[1, 2\]: RuntimeError: no compiler today"
+    ):
         make_llm(model_dir, cudagraph_capture_sizes=[1, 2], **ENGINE)
 
 
@@ -179,7 +214,9 @@ def test_compile_cache_is_reused_on_the_second_start(model_dir, tmp_path):
     script = WARM_START.format(root=root, model=str(model_dir))
     counters = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         line = next(x for x in done.stdout.splitlines() if x.startswith("COUNTERS"))
         counters.append(json.loads(line.split(" ", 1)[1]))

@@ -13,11 +13,18 @@ from tokenbus import SamplingParams
 from tokenbus.worker.input_batch import ScheduledRequest, prepare_batch
 from tokenbus.worker.request_state import CachedRequestState
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
-ENGINE = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
-              kv_cache_memory="64MiB")
+ENGINE = dict(
+    device="cuda",
+    max_num_seqs=8,
+    max_num_batched_tokens=128,
+    max_model_len=256,
+    kv_cache_memory="64MiB",
+)
 
 
 def runner_of(llm):
@@ -51,7 +58,9 @@ def test_bf16_is_the_default_and_graphs_agree_with_eager_in_top_k(model_dir):
     for name, extra in (("eager", dict(enforce_eager=True)), ("graphs", {})):
         llm = make_llm(model_dir, **ENGINE, **extra)
         assert runner_of(llm).model.embed_tokens.dtype == torch.bfloat16
-        outs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[name] = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
         llm.shutdown()
     for a, b in zip(outs["eager"], outs["graphs"]):
         for pos, (ta, tb) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
@@ -62,7 +71,10 @@ def test_bf16_is_the_default_and_graphs_agree_with_eager_in_top_k(model_dir):
 
 def test_graph_memory_is_kept_out_of_the_kv_budget(model_dir):
     sizes = {}
-    for name, extra in (("eager", dict(enforce_eager=True)), ("graphs", dict(cudagraph_capture_sizes=[1, 8]))):
+    for name, extra in (
+        ("eager", dict(enforce_eager=True)),
+        ("graphs", dict(cudagraph_capture_sizes=[1, 8])),
+    ):
         args = dict(ENGINE, kv_cache_memory=None, gpu_memory_utilization=0.5)
         llm = make_llm(model_dir, **args, **extra)
         sizes[name] = llm.engine.client.engine_core.num_kv_blocks
@@ -76,8 +88,17 @@ def test_padded_graph_step_changes_no_real_kv_outside_its_own_slots(model_dir):
     try:
         runner = runner_of(llm)
         bs = runner.block_size
-        states = [CachedRequestState(f"r{i}", [7 + i] * (5 + 9 * i), [], SamplingParams(max_tokens=1),
-                                     [3 + 4 * i, 4 + 4 * i], 4 + 9 * i) for i in range(3)]
+        states = [
+            CachedRequestState(
+                f"r{i}",
+                [7 + i] * (5 + 9 * i),
+                [],
+                SamplingParams(max_tokens=1),
+                [3 + 4 * i, 4 + 4 * i],
+                4 + 9 * i,
+            )
+            for i in range(3)
+        ]
         for cache in runner.kv_caches:
             cache.normal_()
         before = [cache.clone() for cache in runner.kv_caches]
@@ -87,7 +108,10 @@ def test_padded_graph_step_changes_no_real_kv_outside_its_own_slots(model_dir):
             hidden = runner.captured.run(batch)
         torch.cuda.synchronize()
         assert torch.isfinite(hidden).all()
-        own = {s.block_ids[s.num_computed_tokens // bs] * bs + s.num_computed_tokens % bs for s in states}
+        own = {
+            s.block_ids[s.num_computed_tokens // bs] * bs + s.num_computed_tokens % bs
+            for s in states
+        }
         for cache, old in zip(runner.kv_caches, before):
             changed = (cache != old).flatten(3).any(-1).any(0).flatten()
             assert set(changed.nonzero().flatten().tolist()) - set(range(bs)) == own
@@ -96,7 +120,11 @@ def test_padded_graph_step_changes_no_real_kv_outside_its_own_slots(model_dir):
 
 
 def test_kv_sizing_from_free_device_memory(model_dir):
-    llm = make_llm(model_dir, enforce_eager=True, **dict(ENGINE, kv_cache_memory=None, gpu_memory_utilization=0.3))
+    llm = make_llm(
+        model_dir,
+        enforce_eager=True,
+        **dict(ENGINE, kv_cache_memory=None, gpu_memory_utilization=0.3),
+    )
     try:
         num_blocks = llm.engine.client.engine_core.num_kv_blocks
         assert num_blocks > 0

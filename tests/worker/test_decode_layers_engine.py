@@ -11,14 +11,21 @@ import shutil
 import pytest
 
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm
-from tests.fixtures.mode_equality import ENGINE, NGRAM, json_batch, ngram_prompts, staggered_batch, token_ids
+from tests.fixtures.mode_equality import (
+    ENGINE,
+    NGRAM,
+    json_batch,
+    ngram_prompts,
+    staggered_batch,
+    token_ids,
+)
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tokenbus.utils.cpu import CpuFeatures
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None or not CpuFeatures.detect().has("avx2", "fma"),
-    reason="the C decode layer runs tiled GGUF kernels: a C compiler and AVX2 + FMA needed")
-
+    reason="the C decode layer runs tiled GGUF kernels: a C compiler and AVX2 + FMA needed",
+)
 
 
 def model_of(llm):
@@ -35,6 +42,7 @@ def count_c_steps(llm) -> list[tuple[int, int]]:
     def counting(num_layers, step, *args):
         steps.append((step.num_tokens, step.num_reqs))
         return run_all(num_layers, step, *args)
+
     layers.run_all = counting
     return steps
 

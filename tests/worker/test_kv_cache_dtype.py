@@ -32,15 +32,25 @@ def test_auto_is_float16_only_for_float32_models_on_gguf_blocks(gguf_path):
     assert resolve_kv_cache_dtype(config(gguf_path), gguf_src) == torch.float16
     assert resolve_kv_cache_dtype(config(gguf_path, quantization="none"), gguf_src) == torch.float32
     assert resolve_kv_cache_dtype(config(gguf_path, dtype="bfloat16"), gguf_src) == torch.bfloat16
-    assert resolve_kv_cache_dtype(config(hf_src.path), hf_src) == torch.float32  # dense weights: as --dtype
-    assert resolve_kv_cache_dtype(config(gguf_path, kv_cache_dtype="float32"), gguf_src) == torch.float32
-    assert resolve_kv_cache_dtype(config(hf_src.path, kv_cache_dtype="float16"), hf_src) == torch.float16
+    assert (
+        resolve_kv_cache_dtype(config(hf_src.path), hf_src) == torch.float32
+    )  # dense weights: as --dtype
+    assert (
+        resolve_kv_cache_dtype(config(gguf_path, kv_cache_dtype="float32"), gguf_src)
+        == torch.float32
+    )
+    assert (
+        resolve_kv_cache_dtype(config(hf_src.path, kv_cache_dtype="float16"), hf_src)
+        == torch.float16
+    )
 
 
 def test_bad_kv_cache_dtype_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         CacheConfig(kv_cache_dtype="fp8")
-    assert dataclasses.replace(CacheConfig(), kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    assert (
+        dataclasses.replace(CacheConfig(), kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    )
 
 
 def test_float16_pool_matches_float32_pool_greedily(gguf_path):
@@ -51,8 +61,11 @@ def test_float16_pool_matches_float32_pool_greedily(gguf_path):
         llm = make_llm(gguf_path, max_model_len=256, kv_cache_dtype=kv_dtype, max_num_seqs=4)
         worker = llm.engine.client.engine_core.executor.worker
         pool = worker.runner.kv_caches[0]
-        results[kv_dtype] = (pool.dtype, pool.element_size(),
-                             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+        results[kv_dtype] = (
+            pool.dtype,
+            pool.element_size(),
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
+        )
         assert_engine_clean(llm)
         llm.shutdown()
     (half, half_size, got), (full, full_size, want) = results["auto"], results["float32"]
@@ -62,4 +75,7 @@ def test_float16_pool_matches_float32_pool_greedily(gguf_path):
         if tokens != ref_tokens:  # a near tie flipped by fp16 rounding: both within 0.1 nats there
             i = next(i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b)
             position = ref.outputs[0].logprobs[i]
-            assert tokens[i] in position and position[ref_tokens[i]].logprob - position[tokens[i]].logprob < 0.1
+            assert (
+                tokens[i] in position
+                and position[ref_tokens[i]].logprob - position[tokens[i]].logprob < 0.1
+            )

@@ -20,15 +20,24 @@ from tokenbus.worker.sampling_ops import (
 NEG_INF = float("-inf")
 
 
-def _row(prompt: list[int] | None = None, output: list[int] | None = None, *,
-         stop_ids: list[int] | None = None, **params) -> SamplingRow:
+def _row(
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    *,
+    stop_ids: list[int] | None = None,
+    **params,
+) -> SamplingRow:
     sampling_params = SamplingParams(**params)
     generator = None
     if sampling_params.seed is not None:
         generator = torch.Generator().manual_seed(sampling_params.seed)
-    return SamplingRow(params=sampling_params, prompt_token_ids=prompt or [],
-                       output_token_ids=output or [], generator=generator,
-                       stop_ids_for_min_tokens=stop_ids or [])
+    return SamplingRow(
+        params=sampling_params,
+        prompt_token_ids=prompt or [],
+        output_token_ids=output or [],
+        generator=generator,
+        stop_ids_for_min_tokens=stop_ids or [],
+    )
 
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int = 0):
@@ -46,6 +55,7 @@ def _logits_of(probs: list[float]) -> torch.Tensor:
 
 
 # --- greedy and temperature ------------------------------------------------------------------
+
 
 def test_greedy_is_argmax_and_takes_the_fast_path():
     logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(0))
@@ -101,8 +111,9 @@ def _support(masked: torch.Tensor) -> set[int]:
     return set(torch.isfinite(masked).nonzero().flatten().tolist())
 
 
-@pytest.mark.parametrize("top_k, expected",
-                         [(1, {1}), (2, {1, 3}), (3, {1, 3, 4}), (5, set(range(5)))])
+@pytest.mark.parametrize(
+    "top_k, expected", [(1, {1}), (2, {1, 3}), (3, {1, 3, 4}), (5, set(range(5)))]
+)
 def test_top_k_masks_exactly(top_k, expected):
     masked = apply_top_k_top_p(_logits_of(PROBS), torch.tensor([top_k]), None)
     assert _support(masked[0]) == expected
@@ -111,9 +122,16 @@ def test_top_k_masks_exactly(top_k, expected):
     assert _support(masked[0]) == expected
 
 
-@pytest.mark.parametrize("top_p, expected", [
-    (0.3, {1}), (0.6, {1, 3}), (0.8, {1, 3, 4}), (0.9, {1, 3, 4, 2}), (1.0, set(range(5))),
-])
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [
+        (0.3, {1}),
+        (0.6, {1, 3}),
+        (0.8, {1, 3, 4}),
+        (0.9, {1, 3, 4, 2}),
+        (1.0, set(range(5))),
+    ],
+)
 def test_top_p_keeps_smallest_set_reaching_p(top_p, expected):
     masked = apply_top_k_top_p(_logits_of(PROBS), None, torch.tensor([top_p]))
     assert _support(masked[0]) == expected
@@ -151,9 +169,16 @@ def test_top_p_candidate_shortcut_matches_the_full_vocabulary():
         assert torch.equal(apply_top_p(logits.clone(), top_p, num_candidates), full)
 
 
-@pytest.mark.parametrize("min_p, expected", [
-    (0.0, set(range(5))), (0.2, {1, 3, 4, 2}), (0.3, {1, 3, 4}), (0.5, {1, 3}), (1.0, {1}),
-])
+@pytest.mark.parametrize(
+    "min_p, expected",
+    [
+        (0.0, set(range(5))),
+        (0.2, {1, 3, 4, 2}),
+        (0.3, {1, 3, 4}),
+        (0.5, {1, 3}),
+        (1.0, {1}),
+    ],
+)
 def test_min_p_masks_relative_to_the_max(min_p, expected):
     masked = apply_min_p(_logits_of(PROBS), torch.tensor([min_p]))
     assert _support(masked[0]) == expected
@@ -168,12 +193,15 @@ def test_rows_use_their_own_settings_and_disabled_rows_are_untouched():
     assert torch.equal(masked[0], logits[0]) and _support(masked[1]) == {1, 3}
 
 
-@pytest.mark.parametrize("params, expected", [
-    (dict(top_k=2), {1: 0.4 / 0.7, 3: 0.3 / 0.7}),
-    (dict(top_p=0.8), {1: 0.4 / 0.85, 3: 0.3 / 0.85, 4: 0.15 / 0.85}),
-    (dict(min_p=0.3), {1: 0.4 / 0.85, 3: 0.3 / 0.85, 4: 0.15 / 0.85}),
-    (dict(top_k=4, top_p=0.9, min_p=0.3), {1: 0.4 / 0.85, 3: 0.3 / 0.85, 4: 0.15 / 0.85}),
-])
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (dict(top_k=2), {1: 0.4 / 0.7, 3: 0.3 / 0.7}),
+        (dict(top_p=0.8), {1: 0.4 / 0.85, 3: 0.3 / 0.85, 4: 0.15 / 0.85}),
+        (dict(min_p=0.3), {1: 0.4 / 0.85, 3: 0.3 / 0.85, 4: 0.15 / 0.85}),
+        (dict(top_k=4, top_p=0.9, min_p=0.3), {1: 0.4 / 0.85, 3: 0.3 / 0.85, 4: 0.15 / 0.85}),
+    ],
+)
 def test_sampled_support_and_frequencies(params, expected):
     num_rows = 20000
     logits = _logits_of(PROBS).repeat(num_rows, 1)
@@ -194,6 +222,7 @@ def test_temperature_is_applied_before_min_p():
 
 
 # --- logit bias, min_tokens, penalties --------------------------------------------------------
+
 
 def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     meta = SamplingMetadata.build(rows, logits.shape[1], "cpu")
@@ -243,9 +272,16 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
 
 def test_all_penalties_together_and_per_row():
     logits = torch.tensor([[2.0, -1.0, 0.5], [2.0, -1.0, 0.5]])
-    rows = [_row(prompt=[0], output=[1, 1], repetition_penalty=1.25, frequency_penalty=0.1,
-                 presence_penalty=0.2),
-            _row(prompt=[0], output=[1, 1])]
+    rows = [
+        _row(
+            prompt=[0],
+            output=[1, 1],
+            repetition_penalty=1.25,
+            frequency_penalty=0.1,
+            presence_penalty=0.2,
+        ),
+        _row(prompt=[0], output=[1, 1]),
+    ]
     expected_row0 = [2.0 / 1.25, -1.0 * 1.25 - 0.1 * 2 - 0.2, 0.5]
     processed = _processed(logits, rows)
     assert processed[0].tolist() == pytest.approx(expected_row0)
@@ -254,8 +290,13 @@ def test_all_penalties_together_and_per_row():
 
 # --- seeds ------------------------------------------------------------------------------------
 
-def _seeded_tokens(logits_by_row: dict[str, torch.Tensor], order: list[str],
-                   seeds: dict[str, int | None], num_steps: int) -> dict[str, list[int]]:
+
+def _seeded_tokens(
+    logits_by_row: dict[str, torch.Tensor],
+    order: list[str],
+    seeds: dict[str, int | None],
+    num_steps: int,
+) -> dict[str, list[int]]:
     """Run `num_steps` steps of a batch in `order`; seeded rows keep one generator throughout."""
     rows = {name: _row(seed=seeds[name], top_k=50, top_p=0.95) for name in order}
     tokens: dict[str, list[int]] = {name: [] for name in order}
@@ -283,12 +324,15 @@ def test_seeded_sampling_is_independent_of_batch_composition():
 
 # --- logprobs ---------------------------------------------------------------------------------
 
+
 def test_logprobs_are_raw_log_softmax_with_ranks():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(4))
-    rows = [_row(logprobs=3, temperature=0.7, repetition_penalty=1.5, prompt=[0, 1]),
-            _row(logprobs=0, temperature=0.0, logit_bias={5: 10.0}),
-            _row(),
-            _row(logprobs=5, top_k=4)]
+    rows = [
+        _row(logprobs=3, temperature=0.7, repetition_penalty=1.5, prompt=[0, 1]),
+        _row(logprobs=0, temperature=0.0, logit_bias={5: 10.0}),
+        _row(),
+        _row(logprobs=5, top_k=4),
+    ]
     out = _sample(logits, rows)
     expected = logits.log_softmax(-1)  # of the raw logits: bias and penalties do not count
     lp = out.logprobs
@@ -319,6 +363,7 @@ def test_greedy_token_has_rank_one():
 
 
 # --- grammar bitmask --------------------------------------------------------------------------
+
 
 def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
     """Bool[B, V] → Int32[B, ceil(V / 32)], bit i of word j = token 32 * j + i."""

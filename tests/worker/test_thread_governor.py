@@ -28,7 +28,9 @@ class FakeCpu:
         return CpuSample(self.now, self.waited, self.idle)
 
 
-def run_steps(governor: ThreadGovernor, cpu: FakeCpu, seconds: float, step_s: float = 0.01) -> list[int]:
+def run_steps(
+    governor: ThreadGovernor, cpu: FakeCpu, seconds: float, step_s: float = 0.01
+) -> list[int]:
     """Back-to-back steps (1 ms between them) for `seconds`: the thread count each one got."""
     counts = []
     for _ in range(round(seconds / step_s)):
@@ -109,8 +111,10 @@ def test_one_thread_is_never_governed():
     assert set(run_steps(ThreadGovernor(1, cpu.sample), cpu, 2.0)) == {1}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists(f"/proc/{os.getpid()}/schedstat"),
-                    reason="schedstat and /proc/stat are Linux's")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not os.path.exists(f"/proc/{os.getpid()}/schedstat"),
+    reason="schedstat and /proc/stat are Linux's",
+)
 def test_the_kernel_counters_read_and_advance():
     first = read_cpu_sample()
     assert first is not None and first.waited >= 0 and first.idle >= 0
@@ -127,7 +131,9 @@ def test_the_governor_only_runs_where_the_count_is_ours_to_change(monkeypatch):
     monkeypatch.setattr(worker, "usable_affinity_cpus", lambda: 2)
     assert worker.governs_threads(EngineArgs().to_config(256))
     assert not worker.governs_threads(EngineArgs(num_threads=2).to_config(256))  # the user's choice
-    assert not worker.governs_threads(EngineArgs(cudagraph_capture_sizes=[1, 2]).to_config(256))  # compiled
+    assert not worker.governs_threads(
+        EngineArgs(cudagraph_capture_sizes=[1, 2]).to_config(256)
+    )  # compiled
     assert not worker.governs_threads(EngineArgs(tensor_parallel_size=2).to_config(256))
     assert not worker.governs_threads(EngineArgs(data_parallel_size=2).to_config(256))
     monkeypatch.setattr(worker, "usable_affinity_cpus", lambda: 8)  # a quota of 2 CPUs out of 8

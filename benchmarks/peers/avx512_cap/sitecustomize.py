@@ -7,7 +7,11 @@ without BF16 or VNNI (a Skylake-X Xeon)."""
 
 import torch.cpu
 
-for _name in ("_is_avx512_bf16_supported", "_is_avx512_vnni_supported", "_is_amx_tile_supported",
-              "_is_amx_fp16_supported"):
+for _name in (
+    "_is_avx512_bf16_supported",
+    "_is_avx512_vnni_supported",
+    "_is_amx_tile_supported",
+    "_is_amx_fp16_supported",
+):
     if hasattr(torch.cpu, _name):
         setattr(torch.cpu, _name, lambda: False)

@@ -1,8 +1,8 @@
 """The offline API, shaped like vLLM's so users can switch by changing an import (L5).
 
-    from tokenbus import LLM, SamplingParams
-    llm = LLM()                       # the packaged SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+from tokenbus import LLM, SamplingParams
+llm = LLM()                       # the packaged SmolLM2-135M-Instruct
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations
@@ -42,27 +42,39 @@ class LLM:
         with the model's recommended sampling settings (--generation-config) in their place."""
         return SamplingParams(**self.engine.setup.sampling_defaults)
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         processor = self.engine.input_processor
         tokenized = [processor.tokenize(p) for p in prompts]
         return self._run(tokenized, sampling_params, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = (
+            [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        )
         processor = self.engine.input_processor
-        rendered = [processor.render_chat(c, add_generation_prompt, chat_template_kwargs)
-                    for c in conversations]
+        rendered = [
+            processor.render_chat(c, add_generation_prompt, chat_template_kwargs)
+            for c in conversations
+        ]
         return self._run(rendered, sampling_params, use_tqdm)
 
-    def _run(self, tokenized: list[tuple[str | None, list[int]]], sampling_params,
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, tokenized: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool
+    ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _broadcast_params(sampling_params, len(tokenized))
@@ -79,7 +91,9 @@ class LLM:
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if output.finished:
@@ -101,12 +115,17 @@ def _broadcast_params(sampling_params, num_prompts: int) -> list[SamplingParams]
         return [sampling_params] * num_prompts
     params = list(sampling_params)
     if len(params) != num_prompts:
-        raise ValueError(f"sampling_params: got {len(params)} for {num_prompts} prompts; "
-                         "pass one, or one per prompt")
+        raise ValueError(
+            f"sampling_params: got {len(params)} for {num_prompts} prompts; "
+            "pass one, or one per prompt"
+        )
     return params
 
 
 def _all_child_ids(engine: LLMEngine, parent_ids: list[str]) -> list[str]:
     parents = set(parent_ids)
-    return [cid for cid, child in engine.output_processor.children.items()
-            if child.parent.request_id in parents]
+    return [
+        cid
+        for cid, child in engine.output_processor.children.items()
+        if child.parent.request_id in parents
+    ]

@@ -18,18 +18,34 @@ def random_token_ids(rng: random.Random, length: int, vocab_size: int) -> list[i
     return [rng.randrange(low, vocab_size) for _ in range(length)]
 
 
-def random_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                    seed: int, vocab_size: int) -> list[BenchRequest]:
+def random_workload(
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
+    vocab_size: int,
+) -> list[BenchRequest]:
     rng = random.Random(seed)
-    return [BenchRequest(random_token_ids(rng, rng.randint(*input_len), vocab_size),
-                         rng.randint(*output_len))
-            for _ in range(num_prompts)]
+    return [
+        BenchRequest(
+            random_token_ids(rng, rng.randint(*input_len), vocab_size), rng.randint(*output_len)
+        )
+        for _ in range(num_prompts)
+    ]
 
 
-def shared_prefix_workload(num_prompts: int, prefix_len: int, question_len: int, output_len: int,
-                           seed: int, vocab_size: int) -> list[BenchRequest]:
+def shared_prefix_workload(
+    num_prompts: int,
+    prefix_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+    vocab_size: int,
+) -> list[BenchRequest]:
     """One long shared system prompt followed by a distinct short question per request."""
     rng = random.Random(seed)
     prefix = random_token_ids(rng, prefix_len, vocab_size)
-    return [BenchRequest(prefix + random_token_ids(rng, question_len, vocab_size), output_len)
-            for _ in range(num_prompts)]
+    return [
+        BenchRequest(prefix + random_token_ids(rng, question_len, vocab_size), output_len)
+        for _ in range(num_prompts)
+    ]

@@ -16,8 +16,9 @@ def load_hf_model(model: str | None, dtype: str = "auto"):
     source = resolve_model(model)
     torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
     if source.kind == "gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
-                                                  dtype=torch_dtype)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=torch_dtype
+        )
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch_dtype)
     return hf.eval()

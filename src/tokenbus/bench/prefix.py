@@ -14,10 +14,18 @@ from tokenbus.loader import load_arch, resolve_model
 from tokenbus.sampling_params import SamplingParams
 
 
-def run_prefix_bench(args: EngineArgs, num_prompts: int, prefix_len: int, question_len: int,
-                     output_len: int, seed: int) -> list[BenchResult]:
+def run_prefix_bench(
+    args: EngineArgs,
+    num_prompts: int,
+    prefix_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[BenchResult]:
     vocab_size = load_arch(resolve_model(args.model)).vocab_size
-    workload = shared_prefix_workload(num_prompts, prefix_len, question_len, output_len, seed, vocab_size)
+    workload = shared_prefix_workload(
+        num_prompts, prefix_len, question_len, output_len, seed, vocab_size
+    )
     results = []
     for caching in (True, False):
         run_args = dataclasses.replace(args, enable_prefix_caching=caching)
@@ -28,8 +36,11 @@ def run_prefix_bench(args: EngineArgs, num_prompts: int, prefix_len: int, questi
 def _run(args: EngineArgs, workload, name: str) -> BenchResult:
     llm = LLM.from_engine_args(args)
     # Warm up on unrelated tokens so the timed run starts with an empty prefix cache.
-    llm.generate([{"prompt_token_ids": [1000 + i for i in range(20)]}],
-                 SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": [1000 + i for i in range(20)]}],
+        SamplingParams(max_tokens=2, temperature=0.0),
+        use_tqdm=False,
+    )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = SamplingParams(max_tokens=workload[0].output_len, ignore_eos=True, temperature=0.0)
     start_totals = dict(llm.engine.stats_totals)
@@ -43,8 +54,14 @@ def _run(args: EngineArgs, workload, name: str) -> BenchResult:
         "mean_ttft_s": sum(ttfts) / len(ttfts),
         "prefix_cache_hit_rate": totals["prefix_cache_hits"] / queries if queries else 0.0,
     }
-    result = BenchResult(name, len(workload), elapsed, sum(len(r.prompt_token_ids) for r in workload),
-                         sum(len(o.outputs[0].token_ids) for o in outputs), extra)
+    result = BenchResult(
+        name,
+        len(workload),
+        elapsed,
+        sum(len(r.prompt_token_ids) for r in workload),
+        sum(len(o.outputs[0].token_ids) for o in outputs),
+        extra,
+    )
     llm.shutdown()
     del llm
     gc.collect()

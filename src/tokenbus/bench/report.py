@@ -31,9 +31,13 @@ class BenchResult:
         return (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "requests_per_s": self.requests_per_s,
-                "output_tokens_per_s": self.output_tokens_per_s,
-                "total_tokens_per_s": self.total_tokens_per_s, "machine": machine_description()}
+        return {
+            **asdict(self),
+            "requests_per_s": self.requests_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+            "machine": machine_description(),
+        }
 
 
 def machine_description() -> str:
@@ -53,8 +57,10 @@ def print_table(results: list[BenchResult]) -> None:
     print("-" * len(header))
     for r in results:
         ratio = r.total_tokens_per_s / base.total_tokens_per_s
-        print(f"{r.name:<28}{r.requests_per_s:>9.2f}{r.output_tokens_per_s:>11.1f}"
-              f"{r.total_tokens_per_s:>13.1f}{ratio:>9.2f}x{r.elapsed_s:>9.1f}")
+        print(
+            f"{r.name:<28}{r.requests_per_s:>9.2f}{r.output_tokens_per_s:>11.1f}"
+            f"{r.total_tokens_per_s:>13.1f}{ratio:>9.2f}x{r.elapsed_s:>9.1f}"
+        )
         for key, value in r.extra.items():
             print(f"    {key}: {value:.4g}" if isinstance(value, float) else f"    {key}: {value}")
     print(f"machine: {machine_description()}")

@@ -92,21 +92,30 @@ def check_loopback(url: str) -> None:
             return
     except ValueError:
         pass
-    raise ValueError(f"base_url: only loopback servers (127.0.0.1, ::1, localhost) may be "
-                     f"benchmarked, got host {host!r}")
+    raise ValueError(
+        f"base_url: only loopback servers (127.0.0.1, ::1, localhost) may be "
+        f"benchmarked, got host {host!r}"
+    )
 
 
-def requests_from_workload(workload: list[BenchRequest], tokenizer: Any | None = None) -> list[ServeRequest]:
+def requests_from_workload(
+    workload: list[BenchRequest], tokenizer: Any | None = None
+) -> list[ServeRequest]:
     """Token-id prompts, or text decoded from them when a tokenizer is given (for servers that
     take only text); the text's own token count is then the prompt length."""
     result = []
     for item in workload:
         if tokenizer is None:
-            result.append(ServeRequest(item.prompt_token_ids, len(item.prompt_token_ids), item.output_len))
+            result.append(
+                ServeRequest(item.prompt_token_ids, len(item.prompt_token_ids), item.output_len)
+            )
         else:
             text = tokenizer.decode(item.prompt_token_ids)
-            result.append(ServeRequest(text, len(tokenizer.encode(text, add_special_tokens=False)),
-                                       item.output_len))
+            result.append(
+                ServeRequest(
+                    text, len(tokenizer.encode(text, add_special_tokens=False)), item.output_len
+                )
+            )
     return result
 
 
@@ -120,7 +129,9 @@ def requests_from_jsonl(path: str, num_prompts: int, default_output_len: int) ->
                 item = json.loads(line)
                 output_len = int(item.get("output_len", item.get("max_tokens", default_output_len)))
                 prompt = item["prompt"]
-                result.append(ServeRequest(prompt, len(prompt) if isinstance(prompt, list) else 0, output_len))
+                result.append(
+                    ServeRequest(prompt, len(prompt) if isinstance(prompt, list) else 0, output_len)
+                )
     if not result:
         raise ValueError(f"dataset {path!r} holds no prompts")
     return result
@@ -149,18 +160,30 @@ async def _sse_payloads(response: aiohttp.ClientResponse) -> AsyncIterator[dict]
         line = raw.decode().strip()
         if not line.startswith("data:"):
             continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
         yield json.loads(data)
 
 
-async def send_request(session: aiohttp.ClientSession, config: ServeBenchConfig, model: str,
-                       request: ServeRequest, bench_start: float) -> RequestResult:
-    payload = {"model": model, "prompt": request.prompt, "max_tokens": request.output_len,
-               "temperature": config.temperature, "stream": True,
-               "stream_options": {"include_usage": True}}
-    if config.ignore_eos:  # an extension: some servers (HF transformers serve) refuse unknown fields
+async def send_request(
+    session: aiohttp.ClientSession,
+    config: ServeBenchConfig,
+    model: str,
+    request: ServeRequest,
+    bench_start: float,
+) -> RequestResult:
+    payload = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if (
+        config.ignore_eos
+    ):  # an extension: some servers (HF transformers serve) refuse unknown fields
         payload["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     result = RequestResult(request.prompt_len, request.output_len)
@@ -177,7 +200,9 @@ async def send_request(session: aiohttp.ClientSession, config: ServeBenchConfig,
                     return result
                 now = time.perf_counter()
                 if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"].get("completion_tokens", result.output_tokens)
+                    result.output_tokens = chunk["usage"].get(
+                        "completion_tokens", result.output_tokens
+                    )
                     result.prompt_len = chunk["usage"].get("prompt_tokens", result.prompt_len)
                 if not any(c.get("text") for c in chunk.get("choices", [])):
                     continue
@@ -198,21 +223,32 @@ async def send_request(session: aiohttp.ClientSession, config: ServeBenchConfig,
 
 async def run_benchmark(config: ServeBenchConfig, requests: list[ServeRequest]) -> dict[str, Any]:
     if not 1 <= len(requests) <= MAX_NUM_PROMPTS:
-        raise ValueError(f"num_prompts must be between 1 and {MAX_NUM_PROMPTS}, got {len(requests)}")
+        raise ValueError(
+            f"num_prompts must be between 1 and {MAX_NUM_PROMPTS}, got {len(requests)}"
+        )
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = config.model or await fetch_model_name(session, config)
-        probe = await send_request(session, config, model,
-                                   ServeRequest(requests[0].prompt, requests[0].prompt_len, 2), time.perf_counter())
+        probe = await send_request(
+            session,
+            config,
+            model,
+            ServeRequest(requests[0].prompt, requests[0].prompt_len, 2),
+            time.perf_counter(),
+        )
         if not probe.success:
             raise RuntimeError(f"the test request failed: {probe.error}")
         results, duration, peak = await _run_all(session, config, model, requests)
     return summarize(results, duration, peak, config, model)
 
 
-async def _run_all(session: aiohttp.ClientSession, config: ServeBenchConfig, model: str,
-                   requests: list[ServeRequest]) -> tuple[list[RequestResult], float, int]:
+async def _run_all(
+    session: aiohttp.ClientSession,
+    config: ServeBenchConfig,
+    model: str,
+    requests: list[ServeRequest],
+) -> tuple[list[RequestResult], float, int]:
     semaphore = asyncio.Semaphore(config.max_concurrency or len(requests))
     in_flight = peak = 0
     start = time.perf_counter()
@@ -228,8 +264,9 @@ async def _run_all(session: aiohttp.ClientSession, config: ServeBenchConfig, mod
                 in_flight -= 1
 
     tasks = []
-    for request, delay in zip(requests, arrival_delays(len(requests), config.request_rate,
-                                                       config.burstiness, config.seed)):
+    for request, delay in zip(
+        requests, arrival_delays(len(requests), config.request_rate, config.burstiness, config.seed)
+    ):
         await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(request)))
     results = await asyncio.gather(*tasks)
@@ -238,8 +275,11 @@ async def _run_all(session: aiohttp.ClientSession, config: ServeBenchConfig, mod
 
 def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
     ms = sorted(v * 1000.0 for v in values_s) or [0.0]
-    stats = {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
-             f"std_{name}_ms": statistics.pstdev(ms)}
+    stats = {
+        f"mean_{name}_ms": statistics.fmean(ms),
+        f"median_{name}_ms": statistics.median(ms),
+        f"std_{name}_ms": statistics.pstdev(ms),
+    }
     for p in percentiles:
         stats[f"p{p:g}_{name}_ms"] = _percentile(ms, p)
     return stats
@@ -260,21 +300,34 @@ def _peak_output_throughput(results: list[RequestResult]) -> float:
     return float(max(buckets.values(), default=0))
 
 
-def summarize(results: list[RequestResult], duration_s: float, peak_concurrency: int,
-              config: ServeBenchConfig, model: str) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult],
+    duration_s: float,
+    peak_concurrency: int,
+    config: ServeBenchConfig,
+    model: str,
+) -> dict[str, Any]:
     ok = [r for r in results if r.success]
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_tokens for r in ok)
     tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary: dict[str, Any] = {
-        "model": model, "base_url": config.base_url, "endpoint": config.endpoint,
+        "model": model,
+        "base_url": config.base_url,
+        "endpoint": config.endpoint,
         "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
-        "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
-        "duration": duration_s, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": total_input, "total_output_tokens": total_output,
-        "request_throughput": len(ok) / duration_s, "output_throughput": total_output / duration_s,
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
-        "peak_output_throughput": _peak_output_throughput(ok), "peak_concurrent_requests": peak_concurrency,
+        "peak_output_throughput": _peak_output_throughput(ok),
+        "peak_concurrent_requests": peak_concurrency,
     }
     summary |= _stats("ttft", [r.ttft_s for r in ok], config.percentiles)
     summary |= _stats("tpot", tpots, config.percentiles)
@@ -309,8 +362,12 @@ def format_report(summary: dict[str, Any], percentiles: tuple[float, ...] = (99.
     row("Peak output token throughput (tok/s):", summary["peak_output_throughput"], ".2f")
     row("Peak concurrent requests:", summary["peak_concurrent_requests"])
     row("Total token throughput (tok/s):", summary["total_token_throughput"], ".2f")
-    sections = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-                ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+    sections = (
+        ("ttft", "TTFT", "Time to First Token"),
+        ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+        ("itl", "ITL", "Inter-token Latency"),
+        ("e2el", "E2EL", "End-to-end Latency"),
+    )
     for key, short, title in sections:
         lines.append("{s:{c}^{n}}".format(s=title, n=BANNER_WIDTH, c="-"))
         row(f"Mean {short} (ms):", summary[f"mean_{key}_ms"], ".2f")

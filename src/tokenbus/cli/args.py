@@ -18,15 +18,21 @@ from tokenbus.config import EngineArgs
 def _flag_type(annotation) -> type:
     """The argparse type of a field: str when a union admits str (sizes, JSON), else its one
     non-None member."""
-    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    members = (
+        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    )
     members = tuple(m for m in members if m is not type(None))
     return str if str in members else members[0]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="HF model directory, .gguf file, or 'smollm2' (default: the packaged "
-                             "SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model directory, .gguf file, or 'smollm2' (default: the packaged "
+        "SmolLM2-135M-Instruct GGUF)",
+    )
     g = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
@@ -37,11 +43,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         name = "--" + f.name.replace("_", "-")
         kind = _flag_type(hints[f.name])
         if kind is bool:
-            g.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            g.add_argument(
+                name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
         elif meta.get("nargs"):
             g.add_argument(name, type=int, nargs=meta["nargs"], default=f.default, help=help_text)
         else:
-            g.add_argument(name, type=kind, default=f.default, choices=meta.get("choices"), help=help_text)
+            g.add_argument(
+                name, type=kind, default=f.default, choices=meta.get("choices"), help=help_text
+            )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -67,6 +77,14 @@ def sampling_params_from(ns: argparse.Namespace):
     from tokenbus.sampling_params import SamplingParams
 
     return SamplingParams(
-        n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-        min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed,
-        stop=ns.stop, ignore_eos=ns.ignore_eos)
+        n=ns.n,
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
+    )

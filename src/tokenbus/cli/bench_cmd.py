@@ -17,8 +17,13 @@ def add_bench_parser(sub) -> None:
     tp = kinds.add_parser("throughput", help="offline throughput on a seeded synthetic workload")
     add_engine_args(tp)
     _add_workload_args(tp)
-    tp.add_argument("--compare", choices=["hf"], action="append", default=[],
-                    help="also run a peer on the same workload in the same run")
+    tp.add_argument(
+        "--compare",
+        choices=["hf"],
+        action="append",
+        default=[],
+        help="also run a peer on the same workload in the same run",
+    )
     tp.add_argument("--hf-batch-size", type=int, default=16)
     tp.add_argument("--output-json", default=None)
     tp.set_defaults(func=_throughput)
@@ -60,7 +65,9 @@ def _structured(ns: argparse.Namespace) -> int:
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=[20, 600], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
+    )
     parser.add_argument("--dataset-seed", type=int, default=0)
 
 
@@ -73,8 +80,9 @@ def _throughput(ns: argparse.Namespace) -> int:
 
     args = engine_args_from(ns)
     vocab_size = load_arch(resolve_model(args.model)).vocab_size
-    workload = random_workload(ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len),
-                               ns.dataset_seed, vocab_size)
+    workload = random_workload(
+        ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len), ns.dataset_seed, vocab_size
+    )
     results = [run_tokenbus_throughput(args, workload)]
     if "hf" in ns.compare:
         results.append(run_hf_throughput(args, workload, ns.hf_batch_size))
@@ -87,8 +95,14 @@ def _prefix(ns: argparse.Namespace) -> int:
     from tokenbus.bench.prefix import run_prefix_bench
     from tokenbus.bench.report import print_table
 
-    results = run_prefix_bench(engine_args_from(ns), ns.num_prompts, ns.prefix_len, ns.question_len,
-                               ns.output_len, ns.dataset_seed)
+    results = run_prefix_bench(
+        engine_args_from(ns),
+        ns.num_prompts,
+        ns.prefix_len,
+        ns.question_len,
+        ns.output_len,
+        ns.dataset_seed,
+    )
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
     return 0
@@ -102,19 +116,35 @@ def _write_json(path: str | None, payload) -> None:
 
 
 def _add_serve_parser(kinds) -> None:
-    sv = kinds.add_parser("serve", help="online load against a running OpenAI-compatible server "
-                                        "(ours or a peer's), vLLM's 'bench serve' table")
+    sv = kinds.add_parser(
+        "serve",
+        help="online load against a running OpenAI-compatible server "
+        "(ours or a peer's), vLLM's 'bench serve' table",
+    )
     sv.add_argument("--base-url", default="http://127.0.0.1:8000", help="loopback servers only")
     sv.add_argument("--endpoint", default="/v1/completions")
     sv.add_argument("--model", default=None, help="default: the first model the server lists")
     sv.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"))
     _add_workload_args(sv)
-    sv.add_argument("--dataset-path", default=None,
-                    help='JSONL of {"prompt": str | [ids], "output_len": int} instead of random prompts')
-    sv.add_argument("--tokenizer", default=None,
-                    help="send text (decoded with this HF tokenizer) instead of token ids")
-    sv.add_argument("--vocab-size", type=int, default=49152, help="random token ids stay below this")
-    sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    sv.add_argument(
+        "--dataset-path",
+        default=None,
+        help='JSONL of {"prompt": str | [ids], "output_len": int} instead of random prompts',
+    )
+    sv.add_argument(
+        "--tokenizer",
+        default=None,
+        help="send text (decoded with this HF tokenizer) instead of token ids",
+    )
+    sv.add_argument(
+        "--vocab-size", type=int, default=49152, help="random token ids stay below this"
+    )
+    sv.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s (Poisson); inf: all at once",
+    )
     sv.add_argument("--burstiness", type=float, default=1.0)
     sv.add_argument("--max-concurrency", type=int, default=None)
     sv.add_argument("--ignore-eos", action="store_true", help="force exact output lengths")
@@ -132,10 +162,19 @@ def _serve_bench(ns: argparse.Namespace) -> int:
 
     percentiles = tuple(float(p) for p in ns.metric_percentiles.split(","))
     config = serve.ServeBenchConfig(
-        base_url=ns.base_url, endpoint=ns.endpoint, model=ns.model, api_key=ns.api_key,
-        request_rate=ns.request_rate, burstiness=ns.burstiness, max_concurrency=ns.max_concurrency,
-        seed=ns.dataset_seed, ignore_eos=ns.ignore_eos, temperature=ns.temperature,
-        request_timeout_s=ns.request_timeout, percentiles=tuple(sorted({50.0, *percentiles})))
+        base_url=ns.base_url,
+        endpoint=ns.endpoint,
+        model=ns.model,
+        api_key=ns.api_key,
+        request_rate=ns.request_rate,
+        burstiness=ns.burstiness,
+        max_concurrency=ns.max_concurrency,
+        seed=ns.dataset_seed,
+        ignore_eos=ns.ignore_eos,
+        temperature=ns.temperature,
+        request_timeout_s=ns.request_timeout,
+        percentiles=tuple(sorted({50.0, *percentiles})),
+    )
     requests = _serve_requests(ns, serve)
     try:
         summary = asyncio.run(serve.run_benchmark(config, requests))
@@ -152,8 +191,9 @@ def _serve_requests(ns: argparse.Namespace, serve):
 
     if ns.dataset_path:
         return serve.requests_from_jsonl(ns.dataset_path, ns.num_prompts, ns.output_len[1])
-    workload = random_workload(ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len),
-                               ns.dataset_seed, ns.vocab_size)
+    workload = random_workload(
+        ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len), ns.dataset_seed, ns.vocab_size
+    )
     tokenizer = None
     if ns.tokenizer:
         from transformers import AutoTokenizer

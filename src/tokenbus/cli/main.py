@@ -6,13 +6,20 @@ import argparse
 import logging
 import sys
 
-from tokenbus.cli.args import add_engine_args, add_sampling_args, engine_args_from, sampling_params_from
+from tokenbus.cli.args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_args_from,
+    sampling_params_from,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
     if not hasattr(ns, "func"):
         parser.print_help()
         return 2
@@ -56,7 +63,9 @@ def _generate(ns: argparse.Namespace) -> int:
     llm = LLM.from_engine_args(engine_args_from(ns))
     params = sampling_params_from(ns)
     if ns.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params, use_tqdm=False)
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in ns.prompt], params, use_tqdm=False
+        )
     else:
         outputs = llm.generate(ns.prompt, params, use_tqdm=False)
     for output in outputs:

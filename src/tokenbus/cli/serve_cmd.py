@@ -16,38 +16,78 @@ def add_serve_parser(sub) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0: any free port (logged at start)")
-    serve.add_argument("--api-key", default=os.environ.get("TOKENBUS_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on every route but /health, "
-                            "/metrics, /version, /ping (default: $TOKENBUS_API_KEY)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENBUS_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health, "
+        "/metrics, /version, /ping (default: $TOKENBUS_API_KEY)",
+    )
     serve.add_argument("--served-model-name", default=None, help="default: the model argument")
-    serve.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="sequences that may wait beyond --max-num-seqs; more get 503 + "
-                            "Retry-After (default: as many as --max-num-seqs; -1: unbounded)")
-    serve.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
-                       help="larger bodies get 413")
-    serve.add_argument("--request-timeout", type=float, default=None,
-                       help="seconds a request may take from arrival to its last byte; past it, "
-                            "it is aborted (408, or an error event in a stream). Default: no limit")
-    serve.add_argument("--engine-stall-timeout", type=float, default=60.0,
-                       help="seconds the engine may have work without completing a step before "
-                            "/health answers 503 (its stacks are logged); 0: never")
-    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
-                       help="usage.prompt_tokens_details.cached_tokens in responses (as vLLM)")
-    serve.add_argument("--allowed-origins", default=None,
-                       help='CORS: origins browsers may call from, as JSON (\'["*"]\') or '
-                            "comma-separated; default: none (no CORS headers)")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='tool_choice "auto": the model decides, its text parsed by --tool-call-parser')
-    serve.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
-                       help="how tool calls look in the model's text (hermes: also what models "
-                            "whose chat template has no tools are shown)")
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="sequences that may wait beyond --max-num-seqs; more get 503 + "
+        "Retry-After (default: as many as --max-num-seqs; -1: unbounded)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes", type=int, default=10 * 1024 * 1024, help="larger bodies get 413"
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take from arrival to its last byte; past it, "
+        "it is aborted (408, or an error event in a stream). Default: no limit",
+    )
+    serve.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the engine may have work without completing a step before "
+        "/health answers 503 (its stacks are logged); 0: never",
+    )
+    serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens in responses (as vLLM)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="CORS: origins browsers may call from, as JSON ('[\"*\"]') or "
+        "comma-separated; default: none (no CORS headers)",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides, its text parsed by --tool-call-parser',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(PARSERS),
+        help="how tool calls look in the model's text (hermes: also what models "
+        "whose chat template has no tools are shown)",
+    )
     _add_limit_args(serve)
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests may finish after SIGTERM before they are aborted")
-    serve.add_argument("--log-interval", type=float, default=10.0,
-                       help="seconds between stats log lines; 0 turns them off")
-    serve.add_argument("--engine-in-process", action="store_true",
-                       help="run the EngineCore in the server process (debugging)")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may finish after SIGTERM before they are aborted",
+    )
+    serve.add_argument(
+        "--log-interval",
+        type=float,
+        default=10.0,
+        help="seconds between stats log lines; 0 turns them off",
+    )
+    serve.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the EngineCore in the server process (debugging)",
+    )
     serve.set_defaults(func=_serve)
 
 
@@ -58,8 +98,12 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("request limits (over one: a 400 naming the flag)")
     for f in dataclasses.fields(RequestLimits):
         default = "" if f.default is None else f" (default: {f.default})"
-        group.add_argument(RequestLimits.flag(f.name), type=int, default=f.default,
-                           help=f"the most {f.metadata['help']}{default}")
+        group.add_argument(
+            RequestLimits.flag(f.name),
+            type=int,
+            default=f.default,
+            help=f"the most {f.metadata['help']}{default}",
+        )
 
 
 def _origins(value: str | None) -> tuple[str, ...]:
@@ -78,15 +122,25 @@ def _serve(ns: argparse.Namespace) -> int:
     from tokenbus.api.openai.limits import RequestLimits
     from tokenbus.api.openai.server_config import ServerConfig
 
-    limits = RequestLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)})
+    limits = RequestLimits(
+        **{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)}
+    )
     config = ServerConfig(
-        host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
-        limits=limits, max_request_body_bytes=ns.max_request_body_bytes,
-        request_timeout=ns.request_timeout, engine_stall_timeout=ns.engine_stall_timeout,
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        served_model_name=ns.served_model_name,
+        limits=limits,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        request_timeout=ns.request_timeout,
+        engine_stall_timeout=ns.engine_stall_timeout,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         allowed_origins=_origins(ns.allowed_origins),
-        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-        shutdown_timeout=ns.shutdown_timeout, log_interval=ns.log_interval,
-        engine_in_process=ns.engine_in_process)
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
+        shutdown_timeout=ns.shutdown_timeout,
+        log_interval=ns.log_interval,
+        engine_in_process=ns.engine_in_process,
+    )
     args = engine_args_from(ns)
     return launch.serve(args, config)

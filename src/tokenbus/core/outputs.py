@@ -26,8 +26,14 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
-                    or self.bytes_loaded or self.bytes_saved or self.worker_meta)
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or self.invalid_block_ids
+            or self.bytes_loaded
+            or self.bytes_saved
+            or self.worker_meta
+        )
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

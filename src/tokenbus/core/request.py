@@ -84,9 +84,19 @@ class Request:
             self.block_hashes.extend(block_hasher(self))
 
     @classmethod
-    def from_engine_request(cls, req: EngineRequest, block_hasher: BlockHasher | None = None) -> "Request":
-        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                   req.arrival_time, req.cache_salt, req.priority, block_hasher)
+    def from_engine_request(
+        cls, req: EngineRequest, block_hasher: BlockHasher | None = None
+    ) -> "Request":
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_id,
+            req.arrival_time,
+            req.cache_salt,
+            req.priority,
+            block_hasher,
+        )
 
     @property
     def kv_transfer_params(self) -> dict | None:
@@ -122,5 +132,7 @@ class Request:
             self.block_hashes.extend(self._block_hasher(self))
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -36,14 +36,20 @@ _StreamItem = RequestOutput | BaseException
 
 
 class AsyncLLM:
-    def __init__(self, setup: EngineSetup, tokenizer, client: EngineCoreClient,
-                 stat_loggers: list[StatLogger] | None = None) -> None:
+    def __init__(
+        self,
+        setup: EngineSetup,
+        tokenizer,
+        client: EngineCoreClient,
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> None:
         self.setup = setup
         self.config = setup.config
         self.tokenizer = tokenizer
         self.client = client
-        self.input_processor = InputProcessor(tokenizer, setup.config, setup.eos_token_id,
-                                              setup.arch.vocab_size)
+        self.input_processor = InputProcessor(
+            tokenizer, setup.config, setup.eos_token_id, setup.arch.vocab_size
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
@@ -53,19 +59,32 @@ class AsyncLLM:
         self._handler_error: EngineDeadError | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, in_process: bool = False,
-                         stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        in_process: bool = False,
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> "AsyncLLM":
         """Resolve the model, load the tokenizer and start the engine (blocks until it is
         ready; raises with the engine's message when it cannot start)."""
         setup = create_engine_setup(args)
-        tokenizer, client = start_engine(setup, multiprocess=not in_process, asyncio_mode=True,
-                                         ready_timeout_s=args.engine_ready_timeout_s)
+        tokenizer, client = start_engine(
+            setup,
+            multiprocess=not in_process,
+            asyncio_mode=True,
+            ready_timeout_s=args.engine_ready_timeout_s,
+        )
         return cls(setup, tokenizer, client, stat_loggers)
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """DELTA outputs, one child (`outputs[0].index`) each; `finished` on the last one.
 
         Raises ValueError for invalid input before the first output, EngineDeadError if the
@@ -89,19 +108,34 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
 
-    def _register(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  prompt: str | None, cache_salt: str | None
-                  ) -> tuple[list[EngineRequest], asyncio.Queue[_StreamItem]]:
+    def _register(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        cache_salt: str | None,
+    ) -> tuple[list[EngineRequest], asyncio.Queue[_StreamItem]]:
         """Validate every child (all or nothing), then register the request on this side."""
         self._raise_if_dead()
         child_ids = child_request_ids(request_id, params.n)
         # A parent id or a child id ("0_x" of "x" with n > 1) may already be running.
-        if request_id in self._streams or any(c in self.output_processor.children for c in child_ids):
+        if request_id in self._streams or any(
+            c in self.output_processor.children for c in child_ids
+        ):
             raise ValueError(f"request_id {request_id!r} is already in use by a running request")
         arrival_time = time.time()
-        requests = register_children(self.input_processor, self.output_processor, request_id,
-                                     prompt_token_ids, params, prompt, OutputKind.DELTA, arrival_time,
-                                     cache_salt)
+        requests = register_children(
+            self.input_processor,
+            self.output_processor,
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt,
+            OutputKind.DELTA,
+            arrival_time,
+            cache_salt,
+        )
         self._ensure_output_handler()
         stream: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[request_id] = stream
@@ -118,15 +152,25 @@ class AsyncLLM:
             return
         for i, index in enumerate(indexes):
             completion = CompletionOutput(index=index, text="", token_ids=[], finish_reason="abort")
-            stream.put_nowait(RequestOutput(
-                request_id=request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-                outputs=[completion], finished=i == len(indexes) - 1, metrics=parent.metrics,
-                num_cached_tokens=parent.num_cached_tokens))
+            stream.put_nowait(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt=parent.prompt,
+                    prompt_token_ids=parent.prompt_token_ids,
+                    outputs=[completion],
+                    finished=i == len(indexes) - 1,
+                    metrics=parent.metrics,
+                    num_cached_tokens=parent.num_cached_tokens,
+                )
+            )
 
     def _abort_children(self, request_id: str) -> list[int]:
         """Abort the unfinished children of a request here and in the engine; their indexes."""
-        children = [(cid, child.index) for cid, child in self.output_processor.children.items()
-                    if child.parent.request_id == request_id]
+        children = [
+            (cid, child.index)
+            for cid, child in self.output_processor.children.items()
+            if child.parent.request_id == request_id
+        ]
         child_ids = [cid for cid, _ in children]
         if not child_ids:
             return []
@@ -149,7 +193,9 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         task = self._output_task
         if task is None or task.done() or task.get_loop() is not loop:
-            self._output_task = loop.create_task(self._run_output_handler(), name="AsyncLLM.output_handler")
+            self._output_task = loop.create_task(
+                self._run_output_handler(), name="AsyncLLM.output_handler"
+            )
 
     async def _run_output_handler(self) -> None:
         try:
@@ -179,17 +225,25 @@ class AsyncLLM:
             self.client.abort_requests(processed.reqs_to_abort)
         if engine_outputs.scheduler_stats is not None:
             self.last_scheduler_stats = engine_outputs.scheduler_stats
-        self._log_stats(engine_outputs.scheduler_stats, iteration_stats, engine_outputs.engine_index)
+        self._log_stats(
+            engine_outputs.scheduler_stats, iteration_stats, engine_outputs.engine_index
+        )
 
-    def _record_finished(self, engine_outputs: EngineOutputs, now: float, stats: IterationStats) -> None:
+    def _record_finished(
+        self, engine_outputs: EngineOutputs, now: float, stats: IterationStats
+    ) -> None:
         for output in engine_outputs.outputs:
             if output.request_id not in self.output_processor.children:
                 # Finished by the engine, or by a stop string (the engine did not finish it).
                 reason = str(output.finish_reason) if output.finish_reason is not None else "stop"
                 self.stats_tracker.finish(output.request_id, reason, now, stats)
 
-    def _log_stats(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats,
-                   engine_index: int) -> None:
+    def _log_stats(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats,
+        engine_index: int,
+    ) -> None:
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(scheduler_stats, iteration_stats, engine_index)

@@ -25,15 +25,24 @@ if TYPE_CHECKING:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: "ModelSource", arch: ModelArch,
-                 eos_token_id: int | None, worker: WorkerBase | None = None,
-                 executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: "ModelSource",
+        arch: ModelArch,
+        eos_token_id: int | None,
+        worker: WorkerBase | None = None,
+        executor: Executor | None = None,
+    ) -> None:
         """`worker` (tests: a fake) runs under a UniProcExecutor; by default the executor
         for config.parallel is built."""
         self.config = config
         if executor is None:
-            executor = (UniProcExecutor(worker) if worker is not None
-                        else make_executor(config, source, arch, eos_token_id))
+            executor = (
+                UniProcExecutor(worker)
+                if worker is not None
+                else make_executor(config, source, arch, eos_token_id)
+            )
         self.executor = executor
         try:
             self._init_after_executor(config, source, arch, eos_token_id)
@@ -41,26 +50,35 @@ class EngineCore:
             executor.shutdown()  # no rank process (or placement group) outlives a failed start
             raise
 
-    def _init_after_executor(self, config: EngineConfig, source: "ModelSource", arch: ModelArch,
-                             eos_token_id: int | None) -> None:
+    def _init_after_executor(
+        self, config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None
+    ) -> None:
         # Every rank measures what it can hold; all get the smallest count, so a block id means
         # the same slots on every rank.
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         block_size = config.cache.block_size
-        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, block_size,
-                                               enable_caching=config.cache.enable_prefix_caching)
-        self._block_hasher = make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
+        self.kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+        )
+        self._block_hasher = (
+            make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
+        )
         self.grammar_manager = _make_grammar_manager(config, source, arch, eos_token_id)
         self.kv_connector = _make_scheduler_connector(config, arch, source)
         if self.kv_connector is not None:
             block_size = config.cache.block_size
             self._block_hasher = make_block_hasher(block_size)  # connectors key blocks by hash
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.grammar_manager,
-                                   num_lookahead_tokens=_num_lookahead_tokens(config),
-                                   kv_connector=self.kv_connector,
-                                   kv_load_failure_policy=(config.kv_transfer.kv_load_failure_policy
-                                                           if config.kv_transfer else "recompute"))
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_cache_manager,
+            self.grammar_manager,
+            num_lookahead_tokens=_num_lookahead_tokens(config),
+            kv_connector=self.kv_connector,
+            kv_load_failure_policy=(
+                config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
+            ),
+        )
         # req_id → wall-clock time of its first scheduling, until its first output carries it.
         self._first_scheduled_times: dict[str, float] = {}
 
@@ -83,8 +101,9 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._attach_first_scheduled(outputs)
-        return EngineOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
-                             timestamp=time.monotonic())
+        return EngineOutputs(
+            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic()
+        )
 
     def _note_first_scheduled(self, scheduler_output: SchedulerOutput) -> None:
         now = time.time()
@@ -105,9 +124,11 @@ class EngineCore:
     def make_gauge_stats(self) -> SchedulerStats:
         """Queue lengths and KV usage only, no per-step counters: sent when aborts change them
         between steps (an idle engine takes no step that would report them)."""
-        return SchedulerStats(num_running_reqs=len(self.scheduler.running),
-                              num_waiting_reqs=len(self.scheduler.waiting),
-                              kv_cache_usage=self.kv_cache_manager.usage)
+        return SchedulerStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -116,7 +137,9 @@ class EngineCore:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
-        if getattr(self, "kv_connector", None) is not None and hasattr(self.kv_connector, "shutdown"):
+        if getattr(self, "kv_connector", None) is not None and hasattr(
+            self.kv_connector, "shutdown"
+        ):
             self.kv_connector.shutdown()
         self.executor.shutdown()
 
@@ -127,8 +150,13 @@ def _make_scheduler_connector(config: EngineConfig, arch: ModelArch, source: "Mo
     from tokenbus.kv_transfer.factory import connector_context, make_scheduler_connector
     from tokenbus.worker.worker import connector_layout
 
-    return make_scheduler_connector(connector_context(config.kv_transfer, connector_layout(config, arch, source),
-                                                      config.parallel.data_parallel_rank))
+    return make_scheduler_connector(
+        connector_context(
+            config.kv_transfer,
+            connector_layout(config, arch, source),
+            config.parallel.data_parallel_rank,
+        )
+    )
 
 
 def _num_lookahead_tokens(config: EngineConfig) -> int:
@@ -138,13 +166,16 @@ def _num_lookahead_tokens(config: EngineConfig) -> int:
     return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
 
 
-def _make_grammar_manager(config: EngineConfig, source: ModelSource, arch: ModelArch,
-                          eos_token_id: int | None) -> StructuredOutputManager:
+def _make_grammar_manager(
+    config: EngineConfig, source: ModelSource, arch: ModelArch, eos_token_id: int | None
+) -> StructuredOutputManager:
     """The tokenizer is loaded only when the first constrained request arrives."""
 
     def make_backend() -> XgrammarBackend:
         from tokenbus.loader import load_tokenizer
-        from tokenbus.structured.backend import XgrammarBackend  # xgrammar: off the engine's start-up
+        from tokenbus.structured.backend import (
+            XgrammarBackend,
+        )  # xgrammar: off the engine's start-up
 
         tokenizer = load_tokenizer(source, config.model.tokenizer)
         stops = [eos_token_id] if eos_token_id is not None else None

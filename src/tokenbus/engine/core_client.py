@@ -22,7 +22,13 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable
 
 from tokenbus.engine.exceptions import EngineDeadError
-from tokenbus.engine.messages import MessageType, RequestType, UtilityCall, UtilityResult, utility_error
+from tokenbus.engine.messages import (
+    MessageType,
+    RequestType,
+    UtilityCall,
+    UtilityResult,
+    utility_error,
+)
 from tokenbus.protocol import EngineOutputs, EngineRequest
 
 if TYPE_CHECKING:
@@ -91,8 +97,9 @@ class InprocClient(EngineCoreClient):
     def __init__(self, setup: "EngineSetup", engine_core: EngineCore | None = None) -> None:
         from tokenbus.engine.core import EngineCore
 
-        self.engine_core = engine_core or EngineCore(setup.config, setup.source, setup.arch,
-                                                     setup.eos_token_id)
+        self.engine_core = engine_core or EngineCore(
+            setup.config, setup.source, setup.arch, setup.eos_token_id
+        )
         self.num_kv_blocks = self.engine_core.num_kv_blocks
 
     def add_request(self, request: EngineRequest) -> None:
@@ -215,7 +222,11 @@ class AsyncInprocClient(EngineCoreClient):
     the engine. Same loop as the engine process (`EngineCoreLoop`), minus the sockets."""
 
     def __init__(self, setup: "EngineSetup", engine_factory: "EngineFactory | None" = None) -> None:
-        from tokenbus.engine.core_proc import EngineCoreLoop, make_engine_core, raise_in_loop_on_worker_death
+        from tokenbus.engine.core_proc import (
+            EngineCoreLoop,
+            make_engine_core,
+            raise_in_loop_on_worker_death,
+        )
 
         engine = (engine_factory or make_engine_core)(setup)
         self.num_kv_blocks = engine.num_kv_blocks
@@ -296,10 +307,15 @@ class AsyncInprocClient(EngineCoreClient):
             self._thread.join(timeout=10.0)
 
 
-def make_engine_core_client(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool,
-                            engine_factory: "EngineFactory | None" = None,
-                            ready_timeout_s: float | None = None,
-                            after_spawn: Callable[[], None] | None = None) -> EngineCoreClient:
+def make_engine_core_client(
+    setup: "EngineSetup",
+    *,
+    multiprocess: bool,
+    asyncio_mode: bool,
+    engine_factory: "EngineFactory | None" = None,
+    ready_timeout_s: float | None = None,
+    after_spawn: Callable[[], None] | None = None,
+) -> EngineCoreClient:
     """Pick the client for a front end (sync LLMEngine or asyncio AsyncLLM) and a process layout.
     `after_spawn`: called once the engine processes have started, before waiting for them."""
     from tokenbus.engine.core_proc import make_engine_core
@@ -308,24 +324,40 @@ def make_engine_core_client(setup: "EngineSetup", *, multiprocess: bool, asyncio
     num_engines = setup.config.parallel.data_parallel_size
     if num_engines > 1:
         if not multiprocess:
-            raise ValueError(f"data_parallel_size={num_engines} runs each engine in its own process; "
-                             "it cannot be combined with an in-process engine (multiprocess=False, "
-                             "--engine-in-process)")
+            raise ValueError(
+                f"data_parallel_size={num_engines} runs each engine in its own process; "
+                "it cannot be combined with an in-process engine (multiprocess=False, "
+                "--engine-in-process)"
+            )
         from tokenbus.engine.dp_client import DPLBClient
 
-        return DPLBClient(setup, factory, asyncio_mode=asyncio_mode, ready_timeout_s=ready_timeout_s,
-                          after_spawn=after_spawn)
+        return DPLBClient(
+            setup,
+            factory,
+            asyncio_mode=asyncio_mode,
+            ready_timeout_s=ready_timeout_s,
+            after_spawn=after_spawn,
+        )
     if not multiprocess:
-        return AsyncInprocClient(setup, factory) if asyncio_mode else InprocClient(setup, factory(setup))
+        return (
+            AsyncInprocClient(setup, factory)
+            if asyncio_mode
+            else InprocClient(setup, factory(setup))
+        )
     from tokenbus.engine.mp_client import AsyncMPClient, SyncMPClient
 
     cls = AsyncMPClient if asyncio_mode else SyncMPClient
     return cls(setup, factory, ready_timeout_s=ready_timeout_s, after_spawn=after_spawn)
 
 
-def start_engine(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool,
-                 ready_timeout_s: float | None = None,
-                 while_starting: Callable[[], object] | None = None) -> tuple[Any, EngineCoreClient]:
+def start_engine(
+    setup: "EngineSetup",
+    *,
+    multiprocess: bool,
+    asyncio_mode: bool,
+    ready_timeout_s: float | None = None,
+    while_starting: Callable[[], object] | None = None,
+) -> tuple[Any, EngineCoreClient]:
     """The tokenizer and a ready client. An engine in its own process(es) starts while this
     process loads the tokenizer on a thread: its ~1.5 s (the transformers and torch imports, then
     the files) overlaps the engine's start-up instead of preceding it, the largest cut in a
@@ -336,8 +368,9 @@ def start_engine(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool
 
     if not multiprocess:
         tokenizer = create_tokenizer(setup)
-        return tokenizer, make_engine_core_client(setup, multiprocess=False, asyncio_mode=asyncio_mode,
-                                                  ready_timeout_s=ready_timeout_s)
+        return tokenizer, make_engine_core_client(
+            setup, multiprocess=False, asyncio_mode=asyncio_mode, ready_timeout_s=ready_timeout_s
+        )
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         pending: list[concurrent.futures.Future] = []
 
@@ -348,8 +381,13 @@ def start_engine(setup: "EngineSetup", *, multiprocess: bool, asyncio_mode: bool
 
         # Submitted once the engine has spawned: spawning briefly sets the engine's environment
         # (OpenMP, oneDNN) in this process, which a torch import on the thread must not read.
-        client = make_engine_core_client(setup, multiprocess=True, asyncio_mode=asyncio_mode,
-                                         ready_timeout_s=ready_timeout_s, after_spawn=after_spawn)
+        client = make_engine_core_client(
+            setup,
+            multiprocess=True,
+            asyncio_mode=asyncio_mode,
+            ready_timeout_s=ready_timeout_s,
+            after_spawn=after_spawn,
+        )
         try:
             tokenizer = pending[0].result()
             for job in pending[1:]:

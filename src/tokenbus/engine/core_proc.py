@@ -97,18 +97,22 @@ def call_utility(engine: EngineCore, call: UtilityCall) -> UtilityResult:
         return UtilityResult(call.call_id, error_type=type(exc).__name__, error=str(exc))
 
 
-def raise_in_loop_on_worker_death(engine: EngineCore,
-                                  input_queue: "queue.Queue[tuple[RequestType, Any]]") -> None:
+def raise_in_loop_on_worker_death(
+    engine: EngineCore, input_queue: "queue.Queue[tuple[RequestType, Any]]"
+) -> None:
     """A dead worker wakes the busy loop (which may be idle, blocked on its queue) so that it
     raises at once: the engine then reports itself dead and every waiter fails."""
-    engine.executor.register_failure_callback(lambda: input_queue.put((RequestType.EXECUTOR_FAILED, None)))
+    engine.executor.register_failure_callback(
+        lambda: input_queue.put((RequestType.EXECUTOR_FAILED, None))
+    )
 
 
 class EngineCoreLoop:
     """The busy loop: inputs first (so aborts land before the next step), then one step."""
 
-    def __init__(self, engine: EngineCore, input_queue: "queue.Queue[tuple[RequestType, Any]]",
-                 emit: Emit) -> None:
+    def __init__(
+        self, engine: EngineCore, input_queue: "queue.Queue[tuple[RequestType, Any]]", emit: Emit
+    ) -> None:
         self.engine = engine
         self.input_queue = input_queue
         self._send = emit
@@ -164,9 +168,13 @@ class EngineCoreLoop:
         try:
             self.engine.add_request(request)
         except Exception as exc:
-            logger.error("rejected request %s: %s", log_safe(request.request_id, 100), log_safe(exc))
+            logger.error(
+                "rejected request %s: %s", log_safe(request.request_id, 100), log_safe(exc)
+            )
             failed = EngineOutput(request.request_id, [], finish_reason=FinishReason.ERROR)
-            self.emit(MessageType.OUTPUTS, EngineOutputs(outputs=[failed], timestamp=time.monotonic()))
+            self.emit(
+                MessageType.OUTPUTS, EngineOutputs(outputs=[failed], timestamp=time.monotonic())
+            )
 
     def _process_engine_step(self) -> None:
         if self.engine.has_unfinished_requests():
@@ -182,7 +190,10 @@ class EngineCoreLoop:
                 self._back_off()
         elif self._gauges_stale:
             stats = self.engine.make_gauge_stats()
-            self.emit(MessageType.OUTPUTS, EngineOutputs(scheduler_stats=stats, timestamp=time.monotonic()))
+            self.emit(
+                MessageType.OUTPUTS,
+                EngineOutputs(scheduler_stats=stats, timestamp=time.monotonic()),
+            )
             self._gauges_stale = False
 
     def _back_off(self) -> None:
@@ -206,25 +217,42 @@ def _did_work(outputs: EngineOutputs) -> bool:
     prefiller serves pulls, and a decoder starts its loads, in steps that run nothing: their
     counters must still reach the front end)."""
     stats = outputs.scheduler_stats
-    return (bool(outputs.outputs) or stats is None
-            or bool(stats.num_running_reqs or stats.num_preemptions or stats.kv_bytes_saved or stats.kv_bytes_loaded
-                    or stats.external_prefix_cache_queries))
+    return (
+        bool(outputs.outputs)
+        or stats is None
+        or bool(
+            stats.num_running_reqs
+            or stats.num_preemptions
+            or stats.kv_bytes_saved
+            or stats.kv_bytes_loaded
+            or stats.external_prefix_cache_queries
+        )
+    )
 
 
 # ---------------------------------------------------------------------- the engine process
-def run_engine_core(setup: EngineSetup, addresses: EngineAddresses, parent_pid: int,
-                    engine_factory: EngineFactory = make_engine_core,
-                    log_level: int = logging.INFO) -> None:
+def run_engine_core(
+    setup: EngineSetup,
+    addresses: EngineAddresses,
+    parent_pid: int,
+    engine_factory: EngineFactory = make_engine_core,
+    log_level: int = logging.INFO,
+) -> None:
     """Entry point of the spawned EngineCore process."""
-    logging.basicConfig(level=log_level,
-                        format="(EngineCore pid=%(process)d) %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level, format="(EngineCore pid=%(process)d) %(levelname)s %(name)s: %(message)s"
+    )
     # Ctrl-C reaches the whole process group: the front end decides how to shut us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The front end's stall watchdog asks for every thread's stack this way; faulthandler's
     # handler is C, so it answers even while a step hangs inside native code.
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, addresses), daemon=True,
-                     name="EngineCoreParentWatch").start()
+    threading.Thread(
+        target=_exit_when_orphaned,
+        args=(parent_pid, addresses),
+        daemon=True,
+        name="EngineCoreParentWatch",
+    ).start()
     proc = EngineCoreProc(addresses)
     try:
         engine = proc.start_engine(setup, engine_factory)
@@ -276,22 +304,32 @@ class EngineCoreProc:
         except BaseException as exc:
             logger.exception("EngineCore failed to start")
             self.failed = True
-            self.input_socket.send_multipart(codec.encode(MessageType.STARTUP_FAILED, _failure(exc)))
+            self.input_socket.send_multipart(
+                codec.encode(MessageType.STARTUP_FAILED, _failure(exc))
+            )
             return None
-        ready = ReadyInfo(num_kv_blocks=engine.num_kv_blocks,
-                          max_model_len=setup.config.scheduler.max_model_len, pid=os.getpid())
+        ready = ReadyInfo(
+            num_kv_blocks=engine.num_kv_blocks,
+            max_model_len=setup.config.scheduler.max_model_len,
+            pid=os.getpid(),
+        )
         self.input_socket.send_multipart(codec.encode(MessageType.READY, ready))
         return engine
 
     def serve(self, engine: EngineCore) -> None:
-        threads = ((self._input_thread, "EngineCoreInput"), (self._output_thread, "EngineCoreOutput"))
+        threads = (
+            (self._input_thread, "EngineCoreInput"),
+            (self._output_thread, "EngineCoreOutput"),
+        )
         for target, name in threads:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         raise_in_loop_on_worker_death(engine, self.input_queue)
         try:
-            EngineCoreLoop(engine, self.input_queue, lambda *message: self.output_queue.put(message)).run()
+            EngineCoreLoop(
+                engine, self.input_queue, lambda *message: self.output_queue.put(message)
+            ).run()
             logger.info("EngineCore shut down")
         except BaseException as exc:
             logger.exception("EngineCore hit a fatal error")
@@ -334,5 +372,8 @@ class EngineCoreProc:
 
 
 def _failure(exc: BaseException) -> EngineFailure:
-    return EngineFailure(error_type=type(exc).__name__, message=str(exc) or type(exc).__name__,
-                         traceback="".join(traceback.format_exception(exc)))
+    return EngineFailure(
+        error_type=type(exc).__name__,
+        message=str(exc) or type(exc).__name__,
+        traceback="".join(traceback.format_exception(exc)),
+    )

@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
         end = len(self.output_text)
         if not (finished or self.is_stopped):
             end = max(end - self._num_holdback_chars, self._num_sent_chars)
-        delta = self.output_text[self._num_sent_chars:end]
+        delta = self.output_text[self._num_sent_chars : end]
         self._num_sent_chars = end
         return delta
 
@@ -93,8 +93,9 @@ class IncrementalDetokenizer:
         # feed again the tokens that did not yet form whole characters.
         prefill_ids, pending_ids = self._split_clean_tail(self.output_token_ids[:-1])
         self._stream = self._new_stream(prefill_ids)
-        return "".join(self._stream.step(self._tokenizer, t) or ""
-                       for t in pending_ids + [token_id])
+        return "".join(
+            self._stream.step(self._tokenizer, t) or "" for t in pending_ids + [token_id]
+        )
 
     def _split_clean_tail(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """Split the last NUM_PREFILL_TOKENS of `token_ids` into a prefill that decodes to
@@ -140,9 +141,12 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
     itself)."""
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
-    backend = (getattr(tokenizer, "backend_tokenizer", None)
-               or getattr(tokenizer, "_tokenizer", None))
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(
+        tokenizer, "_tokenizer", None
+    )
     if not isinstance(backend, Tokenizer):
-        raise TypeError(f"IncrementalDetokenizer needs a fast (tokenizers-backed) tokenizer, "
-                        f"got {type(tokenizer).__name__}")
+        raise TypeError(
+            f"IncrementalDetokenizer needs a fast (tokenizers-backed) tokenizer, "
+            f"got {type(tokenizer).__name__}"
+        )
     return backend

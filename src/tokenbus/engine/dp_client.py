@@ -38,8 +38,15 @@ class DPLBClient(EngineCoreClient):
     """Both halves of the client interface: sync for LLMEngine, asyncio for AsyncLLM (the
     engines' sends never block, so the coroutines call the sync methods)."""
 
-    def __init__(self, setup: "EngineSetup", engine_factory: "EngineFactory", *, asyncio_mode: bool,
-                 ready_timeout_s: float | None = None, after_spawn: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        setup: "EngineSetup",
+        engine_factory: "EngineFactory",
+        *,
+        asyncio_mode: bool,
+        ready_timeout_s: float | None = None,
+        after_spawn: Callable[[], None] | None = None,
+    ) -> None:
         num_engines = setup.config.parallel.data_parallel_size
         self._outputs = OutputChannel()
         cls = AsyncMPClient if asyncio_mode else SyncMPClient
@@ -48,13 +55,19 @@ class DPLBClient(EngineCoreClient):
         try:
             # Spawn every engine first, then wait: their models load at the same time.
             for index in range(num_engines):
-                connections.append(EngineConnection(_for_engine(setup, index), engine_factory, self._outputs, index))
+                connections.append(
+                    EngineConnection(
+                        _for_engine(setup, index), engine_factory, self._outputs, index
+                    )
+                )
             if after_spawn is not None:
                 after_spawn()
             for connection in connections:
-                self.clients.append(cls(setup, engine_factory, ready_timeout_s, connection=connection))
+                self.clients.append(
+                    cls(setup, engine_factory, ready_timeout_s, connection=connection)
+                )
         except BaseException:
-            for connection in connections[len(self.clients):]:
+            for connection in connections[len(self.clients) :]:
                 connection.close()
             self.shutdown()
             raise
@@ -112,7 +125,9 @@ class DPLBClient(EngineCoreClient):
         return self._account(await self._outputs.get_async())
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        results = await asyncio.gather(*(client.call_utility_async(method, *args) for client in self.clients))
+        results = await asyncio.gather(
+            *(client.call_utility_async(method, *args) for client in self.clients)
+        )
         return _combine(list(results))
 
     # ------------------------------------------------------------------ lifetime
@@ -149,11 +164,13 @@ def _for_engine(setup: "EngineSetup", index: int) -> "EngineSetup":
 
 def pick_engine(in_flight: list[int], stats: list[SchedulerStats | None]) -> int:
     """The engine with the lowest score (module docstring); ties: less KV in use, lower index."""
+
     def score(index: int) -> tuple[float, float, int]:
         engine = stats[index]
         waiting = engine.num_waiting_reqs if engine is not None else 0
         usage = engine.kv_cache_usage if engine is not None else 0.0
         return in_flight[index] + WAITING_WEIGHT * waiting, usage, index
+
     return min(range(len(in_flight)), key=score)
 
 

@@ -21,7 +21,9 @@ PromptType = str | Mapping[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, config: EngineConfig, eos_token_id: int | None, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer, config: EngineConfig, eos_token_id: int | None, vocab_size: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_id = eos_token_id
@@ -42,33 +44,49 @@ class InputProcessor:
             text = prompt["prompt"]
             token_ids = self.tokenizer.encode(text, add_special_tokens=True)
         else:
-            raise ValueError("prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
-                             f"got {type(prompt).__name__}")
+            raise ValueError(
+                "prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
+                f"got {type(prompt).__name__}"
+            )
         if text == "" or not token_ids:
             raise ValueError("prompt: must not be empty")
         return text, token_ids
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    chat_template_kwargs: Mapping[str, Any] | None = None,
-                    continue_final_message: bool = False,
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
         """Apply the model's chat template; return (rendered text, token ids)."""
         if not messages:
             raise ValueError("messages: must be a non-empty list of {'role', 'content'} dicts")
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or "role" not in message:
-                raise ValueError(f"messages[{i}]: each message needs a 'role' (and usually 'content')")
+                raise ValueError(
+                    f"messages[{i}]: each message needs a 'role' (and usually 'content')"
+                )
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("messages: this model has no chat template; send a plain prompt instead")
+            raise ValueError(
+                "messages: this model has no chat template; send a plain prompt instead"
+            )
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools,
-                **dict(chat_template_kwargs or {}))
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **dict(chat_template_kwargs or {}),
+            )
         except jinja2.TemplateError as exc:
             # The template's own checks (raise_exception: "roles must alternate") and fields it
             # needs but the messages lack: the input's fault, not the server's.
-            raise ValueError(f"messages: the model's chat template cannot render them: {exc}") from None
+            raise ValueError(
+                f"messages: the model's chat template cannot render them: {exc}"
+            ) from None
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not token_ids:
             raise ValueError("messages: rendered to an empty prompt")
@@ -82,12 +100,16 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             requested = getattr(params, name)
             if requested is not None and cap != -1 and requested > cap:
-                raise ValueError(f"{name}: requested {requested}, which is more than the maximum "
-                                 f"allowed ({cap}; raise it with --max-logprobs)")
+                raise ValueError(
+                    f"{name}: requested {requested}, which is more than the maximum "
+                    f"allowed ({cap}; raise it with --max-logprobs)"
+                )
         for token_id in list(params.stop_token_ids) + list((params.logit_bias or {}).keys()):
             if not 0 <= int(token_id) < self.vocab_size:
-                raise ValueError(f"token id {token_id} in stop_token_ids/logit_bias is outside the "
-                                 f"vocabulary (size {self.vocab_size})")
+                raise ValueError(
+                    f"token id {token_id} in stop_token_ids/logit_bias is outside the "
+                    f"vocabulary (size {self.vocab_size})"
+                )
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num = len(prompt_token_ids)
@@ -95,20 +117,33 @@ class InputProcessor:
             raise ValueError(
                 f"prompt: this model's maximum context length is {self.max_model_len} tokens, "
                 f"but the prompt has {num} tokens (the prompt must leave room for at least one "
-                f"generated token)")
+                f"generated token)"
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
-                             f"(size {self.vocab_size})")
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
+                f"(size {self.vocab_size})"
+            )
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival_time: float | None = None, cache_salt: str | None = None,
-                     priority: int = 0) -> EngineRequest:
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> EngineRequest:
         self.validate_params(params)
         self.validate_prompt(prompt_token_ids, params)
         params = params.with_resolved_logprobs(self.vocab_size)
         return EngineRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
-            cache_salt=cache_salt, priority=priority)
+            cache_salt=cache_salt,
+            priority=priority,
+        )

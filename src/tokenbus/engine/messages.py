@@ -102,8 +102,12 @@ class Codec:
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._request_decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in _REQUEST_TYPES.items()}
-        self._message_decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in _MESSAGE_TYPES.items()}
+        self._request_decoders = {
+            t: msgspec.msgpack.Decoder(cls) for t, cls in _REQUEST_TYPES.items()
+        }
+        self._message_decoders = {
+            t: msgspec.msgpack.Decoder(cls) for t, cls in _MESSAGE_TYPES.items()
+        }
 
     def encode(self, kind: RequestType | MessageType, payload: Any) -> list[bytes]:
         return [bytes((int(kind),)), self._encoder.encode(payload)]
@@ -125,8 +129,8 @@ def _type_byte(frames: list[bytes]) -> int:
 
 # Exception types a utility error is raised as on the caller's side (anything else: RuntimeError).
 _UTILITY_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (ValueError, TypeError, KeyError, AssertionError, RuntimeError,
-                                  NotImplementedError)
+    cls.__name__: cls
+    for cls in (ValueError, TypeError, KeyError, AssertionError, RuntimeError, NotImplementedError)
 }
 
 

@@ -42,7 +42,14 @@ from tokenbus.engine.core_proc import (
     run_engine_core,
 )
 from tokenbus.engine.exceptions import EngineDeadError
-from tokenbus.engine.messages import Codec, Empty, EngineFailure, MessageType, ReadyInfo, RequestType
+from tokenbus.engine.messages import (
+    Codec,
+    Empty,
+    EngineFailure,
+    MessageType,
+    ReadyInfo,
+    RequestType,
+)
 from tokenbus.protocol import EngineOutputs, EngineRequest
 from tokenbus.utils.spawn import start_process
 
@@ -60,8 +67,13 @@ FINALIZER_PRIORITY = 100  # run at exit before multiprocessing joins its childre
 class EngineConnection:
     """The engine process, its sockets and the state the background threads share."""
 
-    def __init__(self, setup: "EngineSetup", engine_factory: EngineFactory,
-                 outputs: OutputChannel | None = None, engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        setup: "EngineSetup",
+        engine_factory: EngineFactory,
+        outputs: OutputChannel | None = None,
+        engine_index: int = 0,
+    ) -> None:
         """`outputs`: a channel shared with other engines' connections (data parallelism),
         each EngineOutputs tagged with `engine_index`."""
         self.outputs = outputs if outputs is not None else OutputChannel()
@@ -88,9 +100,16 @@ class EngineConnection:
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(addresses.output_address)
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="EngineCore", kwargs=dict(
-                setup=setup, addresses=addresses, parent_pid=os.getpid(), engine_factory=engine_factory,
-                log_level=logging.getLogger("tokenbus").getEffectiveLevel()))
+            target=run_engine_core,
+            name="EngineCore",
+            kwargs=dict(
+                setup=setup,
+                addresses=addresses,
+                parent_pid=os.getpid(),
+                engine_factory=engine_factory,
+                log_level=logging.getLogger("tokenbus").getEffectiveLevel(),
+            ),
+        )
         start_process(self.proc)
 
     # ------------------------------------------------------------------ start-up
@@ -108,8 +127,10 @@ class EngineConnection:
             if self.proc.sentinel in events:
                 if self._input.poll(LATE_FAILURE_GRACE_MS):
                     return self._read_handshake()
-                raise RuntimeError(f"EngineCore process exited during start-up "
-                                   f"({_describe_exit(self.wait_exit(1.0))}); see its log above")
+                raise RuntimeError(
+                    f"EngineCore process exited during start-up "
+                    f"({_describe_exit(self.wait_exit(1.0))}); see its log above"
+                )
         raise TimeoutError(f"EngineCore did not report ready within {timeout_s:.0f} s")
 
     def _read_handshake(self) -> ReadyInfo:
@@ -123,8 +144,10 @@ class EngineConnection:
         raise RuntimeError(f"EngineCore sent {kind.name} before READY")
 
     def start_threads(self) -> None:
-        self._threads = [threading.Thread(target=self._read_outputs, name="EngineOutputReader", daemon=True),
-                         threading.Thread(target=self._monitor, name="EngineMonitor", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._read_outputs, name="EngineOutputReader", daemon=True),
+            threading.Thread(target=self._monitor, name="EngineMonitor", daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -147,15 +170,20 @@ class EngineConnection:
                 self.utilities.resolve(payload)
             elif kind is MessageType.ENGINE_DEAD:
                 # The traceback is in the engine's log; callers (HTTP clients) get the summary.
-                self.mark_dead(EngineDeadError(f"EngineCore died: {payload.error_type}: {payload.message}"))
+                self.mark_dead(
+                    EngineDeadError(f"EngineCore died: {payload.error_type}: {payload.message}")
+                )
 
     def _monitor(self) -> None:
         multiprocessing.connection.wait([self.proc.sentinel])
         exitcode = self.wait_exit(1.0)  # reap it, for the exit code
         if not self._closing.is_set():
-            self.mark_dead(EngineDeadError(
-                f"EngineCore process (pid {self.proc.pid}) died unexpectedly "
-                f"({_describe_exit(exitcode)}); see its log above for the root cause"))
+            self.mark_dead(
+                EngineDeadError(
+                    f"EngineCore process (pid {self.proc.pid}) died unexpectedly "
+                    f"({_describe_exit(exitcode)}); see its log above for the root cause"
+                )
+            )
 
     def wait_exit(self, timeout_s: float | None) -> int | None:
         """Wait up to `timeout_s` (None: for ever) for the engine process to end; its exit
@@ -188,7 +216,9 @@ class EngineConnection:
             try:
                 self._input.send_multipart([self._engine_identity, *frames], flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:
-                raise self.dead_error or EngineDeadError(f"cannot reach the EngineCore: {exc}") from exc
+                raise self.dead_error or EngineDeadError(
+                    f"cannot reach the EngineCore: {exc}"
+                ) from exc
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
@@ -232,9 +262,14 @@ class MPClient(EngineCoreClient):
     """Starts the engine and owns its lifetime; the subclasses add the sync or asyncio half of
     the interface."""
 
-    def __init__(self, setup: "EngineSetup", engine_factory: EngineFactory = make_engine_core,
-                 ready_timeout_s: float | None = None, connection: EngineConnection | None = None,
-                 after_spawn: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        setup: "EngineSetup",
+        engine_factory: EngineFactory = make_engine_core,
+        ready_timeout_s: float | None = None,
+        connection: EngineConnection | None = None,
+        after_spawn: Callable[[], None] | None = None,
+    ) -> None:
         """`connection`: an engine already spawned (data parallelism starts all first).
         `after_spawn`: called once the engine process has started, before waiting for READY."""
         self.setup = setup
@@ -242,7 +277,9 @@ class MPClient(EngineCoreClient):
         self.proc = conn.proc
         # Holds the connection, not the client: runs on shutdown(), when the client is
         # garbage-collected, or at exit before multiprocessing joins its children.
-        self._finalizer = multiprocessing.util.Finalize(self, conn.close, exitpriority=FINALIZER_PRIORITY)
+        self._finalizer = multiprocessing.util.Finalize(
+            self, conn.close, exitpriority=FINALIZER_PRIORITY
+        )
         try:
             if after_spawn is not None:
                 after_spawn()

@@ -41,7 +41,9 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return len(self.completions) == self.n and all(c.finished() for c in self.completions.values())
+        return len(self.completions) == self.n and all(
+            c.finished() for c in self.completions.values()
+        )
 
 
 @dataclass
@@ -70,15 +72,22 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
 
-    def add_request(self, parent: ParentRequest, child_id: str, index: int, params: SamplingParams) -> None:
+    def add_request(
+        self, parent: ParentRequest, child_id: str, index: int, params: SamplingParams
+    ) -> None:
         self.parents[parent.request_id] = parent
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params)
         self.children[child_id] = ChildState(
-            child_id, index, parent, params, detok,
+            child_id,
+            index,
+            parent,
+            params,
+            detok,
             logprobs=[] if params.logprobs is not None else None,
-            cumulative_logprob=0.0 if params.logprobs is not None else None)
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.children)
@@ -86,7 +95,9 @@ class OutputProcessor:
     def abort_requests(self, child_ids: list[str]) -> None:
         for child_id in child_ids:
             child = self.children.pop(child_id, None)
-            if child is not None and not any(c.parent is child.parent for c in self.children.values()):
+            if child is not None and not any(
+                c.parent is child.parent for c in self.children.values()
+            ):
                 self.parents.pop(child.parent.request_id, None)
 
     def process_outputs(self, outputs: list[EngineOutput], timestamp: float) -> ProcessedOutputs:
@@ -125,7 +136,9 @@ class OutputProcessor:
             # prompt from the start: what is known already is not added again.
             skip = len(prompt_logprobs) - out.prompt_logprobs_start
             if skip >= 0:
-                prompt_logprobs.extend(self._convert_logprobs(e) for e in out.new_prompt_logprobs[skip:])
+                prompt_logprobs.extend(
+                    self._convert_logprobs(e) for e in out.new_prompt_logprobs[skip:]
+                )
         child.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and child.logprobs is not None:
             for entry in out.new_logprobs:
@@ -153,16 +166,23 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _make_output(self, child: ChildState, finish_reason, stop_reason, now) -> RequestOutput | None:
+    def _make_output(
+        self, child: ChildState, finish_reason, stop_reason, now
+    ) -> RequestOutput | None:
         parent = child.parent
         finished = finish_reason is not None
         if parent.kind is OutputKind.DELTA:
             completion = CompletionOutput(
-                index=child.index, text=child.detokenizer.get_delta(finished),
-                token_ids=child.token_ids[child.num_sent_tokens:],
+                index=child.index,
+                text=child.detokenizer.get_delta(finished),
+                token_ids=child.token_ids[child.num_sent_tokens :],
                 cumulative_logprob=child.cumulative_logprob,
-                logprobs=child.logprobs[child.num_sent_tokens:] if child.logprobs is not None else None,
-                finish_reason=finish_reason, stop_reason=stop_reason)
+                logprobs=child.logprobs[child.num_sent_tokens :]
+                if child.logprobs is not None
+                else None,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+            )
             child.num_sent_tokens = len(child.token_ids)
             parent.completions[child.index] = completion
             if finished and parent.finished:
@@ -171,29 +191,44 @@ class OutputProcessor:
         if not finished:
             return None
         parent.completions[child.index] = CompletionOutput(
-            index=child.index, text=child.detokenizer.output_text, token_ids=list(child.token_ids),
-            cumulative_logprob=child.cumulative_logprob, logprobs=child.logprobs,
-            finish_reason=finish_reason, stop_reason=stop_reason)
+            index=child.index,
+            text=child.detokenizer.output_text,
+            token_ids=list(child.token_ids),
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=child.logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
         if not parent.finished:
             return None
         parent.metrics.finished_time = now
         return self._request_output(parent, [parent.completions[i] for i in range(parent.n)], True)
 
     @staticmethod
-    def _request_output(parent: ParentRequest, completions: list[CompletionOutput],
-                        finished: bool) -> RequestOutput:
+    def _request_output(
+        parent: ParentRequest, completions: list[CompletionOutput], finished: bool
+    ) -> RequestOutput:
         prompt_logprobs = None
         # Only once complete: with n > 1 another child's first token may come before the prompt
         # logprobs of the child computing them are all in.
-        if (parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent
-                and len(parent.prompt_logprobs) == len(parent.prompt_token_ids)):
+        if (
+            parent.prompt_logprobs is not None
+            and not parent.prompt_logprobs_sent
+            and len(parent.prompt_logprobs) == len(parent.prompt_token_ids)
+        ):
             prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
         return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, outputs=completions, finished=finished,
-            metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs, pooled=parent.pooled,
-            kv_transfer_params=parent.kv_transfer_params if finished else None)
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            pooled=parent.pooled,
+            kv_transfer_params=parent.kv_transfer_params if finished else None,
+        )
 
     def _finish_child(self, child: ChildState) -> None:
         del self.children[child.request_id]

@@ -10,8 +10,14 @@ from pathlib import Path
 
 from tokenbus.config import EngineArgs, EngineConfig, ModelArch
 from tokenbus.utils.cpu import available_cpus
-from tokenbus.loader import (ModelSource, load_arch, load_generation_config, load_tokenizer, resolve_model,
-                             tokenizer_path)
+from tokenbus.loader import (
+    ModelSource,
+    load_arch,
+    load_generation_config,
+    load_tokenizer,
+    resolve_model,
+    tokenizer_path,
+)
 from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
 from tokenbus.loader.hf_loader import read_json
 from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS
@@ -37,7 +43,8 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     if requested > arch.max_position_embeddings:
         raise ValueError(
             f"max_model_len={requested} is larger than the model's context length "
-            f"({arch.max_position_embeddings})")
+            f"({arch.max_position_embeddings})"
+        )
     return requested
 
 
@@ -47,8 +54,11 @@ def check_parallel_layout(config: EngineConfig, arch: ModelArch) -> None:
     checked without importing torch or the model: the server starts the engine sooner."""
     parallel = config.parallel
     tp = parallel.tensor_parallel_size
-    if tp * parallel.data_parallel_size == 1 and parallel.distributed_executor_backend != "ray" \
-            and not config.model.device.startswith("cuda"):
+    if (
+        tp * parallel.data_parallel_size == 1
+        and parallel.distributed_executor_backend != "ray"
+        and not config.model.device.startswith("cuda")
+    ):
         return
     from tokenbus.model.parallel import TensorParallel
 
@@ -69,13 +79,19 @@ def _check_devices_for(num_ranks: int, device: str) -> None:
 
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         if num_ranks > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size × data_parallel_size = {num_ranks} ranks need "
-                             f"{num_ranks} GPUs; {torch.cuda.device_count()} visible")
+            raise ValueError(
+                f"tensor_parallel_size × data_parallel_size = {num_ranks} ranks need "
+                f"{num_ranks} GPUs; {torch.cuda.device_count()} visible"
+            )
         return
     cores = available_cpus()
     if num_ranks > cores:
-        logger.warning("%d ranks (tensor_parallel_size × data_parallel_size) on %d cores: they will "
-                       "share cores (slower, still correct)", num_ranks, cores)
+        logger.warning(
+            "%d ranks (tensor_parallel_size × data_parallel_size) on %d cores: they will "
+            "share cores (slower, still correct)",
+            num_ranks,
+            cores,
+        )
 
 
 def create_engine_setup(args: EngineArgs) -> EngineSetup:
@@ -92,13 +108,15 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
         eos = eos[0] if eos else None
     if eos is None and arch.eos_token_ids:
         eos = arch.eos_token_ids[0]
-    defaults = sampling_defaults(args.generation_config, args.override_generation_config, source,
-                                 generation_config)
+    defaults = sampling_defaults(
+        args.generation_config, args.override_generation_config, source, generation_config
+    )
     return EngineSetup(config, source, arch, eos, generation_config, defaults)
 
 
-def sampling_defaults(mode: str, overrides: dict | str | None, source: ModelSource,
-                      model_generation_config: dict) -> dict:
+def sampling_defaults(
+    mode: str, overrides: dict | str | None, source: ModelSource, model_generation_config: dict
+) -> dict:
     """The sampling defaults --generation-config and --override-generation-config name."""
     if mode == "auto":
         given = dict(DEFAULT_MODEL_SAMPLING) if source.is_default_model else model_generation_config
@@ -108,8 +126,10 @@ def sampling_defaults(mode: str, overrides: dict | str | None, source: ModelSour
         path = Path(mode).expanduser()
         path = path / "generation_config.json" if path.is_dir() else path
         if not path.is_file():
-            raise ValueError(f"generation_config: expected auto, vllm, or a directory or file with a "
-                             f"generation_config.json; {mode!r} is none of them")
+            raise ValueError(
+                f"generation_config: expected auto, vllm, or a directory or file with a "
+                f"generation_config.json; {mode!r} is none of them"
+            )
         given = read_json(path)
     if isinstance(overrides, str):
         try:
@@ -120,11 +140,16 @@ def sampling_defaults(mode: str, overrides: dict | str | None, source: ModelSour
         raise ValueError("override_generation_config: expected a JSON object")
     unknown = sorted(set(overrides or {}) - GENERATION_CONFIG_FIELDS.keys())
     if unknown:
-        raise ValueError(f"override_generation_config: unknown fields {unknown}; known: "
-                         f"{sorted(GENERATION_CONFIG_FIELDS)}")
+        raise ValueError(
+            f"override_generation_config: unknown fields {unknown}; known: "
+            f"{sorted(GENERATION_CONFIG_FIELDS)}"
+        )
     merged = {**given, **(overrides or {})}
-    return {name: merged[name] for name in GENERATION_CONFIG_FIELDS
-            if isinstance(merged.get(name), (int, float)) and not isinstance(merged.get(name), bool)}
+    return {
+        name: merged[name]
+        for name in GENERATION_CONFIG_FIELDS
+        if isinstance(merged.get(name), (int, float)) and not isinstance(merged.get(name), bool)
+    }
 
 
 def create_tokenizer(setup: EngineSetup):

@@ -41,8 +41,12 @@ class IterationStats:
 
 
 class StatLogger(Protocol):
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
-               engine_index: int = 0) -> None:
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
         """Called once per batch of engine outputs. `scheduler_stats` is the engine's report of
         one step (its counters are per step: add them up) or None; `engine_index` says which
         data-parallel engine sent them."""
@@ -91,7 +95,9 @@ class RequestStatsTracker:
             times.num_generation_tokens += len(output.new_token_ids)
         return stats
 
-    def finish(self, request_id: str, finish_reason: str, now: float, stats: IterationStats) -> None:
+    def finish(
+        self, request_id: str, finish_reason: str, now: float, stats: IterationStats
+    ) -> None:
         times = self._requests.pop(request_id, None)
         if times is not None:
             stats.finished_requests.append(_finished(times, finish_reason, now))
@@ -106,6 +112,9 @@ class RequestStatsTracker:
 def _finished(times: _RequestTimes, finish_reason: str, now: float) -> FinishedRequestStats:
     scheduled = times.first_scheduled_time or now
     return FinishedRequestStats(
-        finish_reason=finish_reason, e2e_latency_s=now - times.arrival_time,
+        finish_reason=finish_reason,
+        e2e_latency_s=now - times.arrival_time,
         queue_time_s=max(0.0, scheduled - times.arrival_time),
-        num_prompt_tokens=times.num_prompt_tokens, num_generation_tokens=times.num_generation_tokens)
+        num_prompt_tokens=times.num_prompt_tokens,
+        num_generation_tokens=times.num_generation_tokens,
+    )

@@ -54,8 +54,11 @@ class KVLayout:
     def mismatch(self, other: dict) -> str | None:
         """A sentence naming the fields where `other` (a peer's describe()) differs, or None."""
         mine = self.describe()
-        diffs = [f"{key}: ours {mine[key]!r}, theirs {other.get(key)!r}" for key in mine
-                 if other.get(key) != mine[key]]
+        diffs = [
+            f"{key}: ours {mine[key]!r}, theirs {other.get(key)!r}"
+            for key in mine
+            if other.get(key) != mine[key]
+        ]
         return "; ".join(diffs) or None
 
 
@@ -132,11 +135,15 @@ class KVConnectorWorker:
         sending, recving = self.get_finished(finished_req_ids)
         counters, self.counters = self.counters, TransferCounters()
         output = KVConnectorOutput(
-            finished_sending=sorted(sending), finished_recving=sorted(recving),
+            finished_sending=sorted(sending),
+            finished_recving=sorted(recving),
             invalid_block_ids=sorted(counters.invalid_block_ids),
-            bytes_loaded=counters.bytes_loaded, bytes_saved=counters.bytes_saved,
-            load_seconds=counters.load_seconds, save_seconds=counters.save_seconds,
-            worker_meta=self.worker_meta())
+            bytes_loaded=counters.bytes_loaded,
+            bytes_saved=counters.bytes_saved,
+            load_seconds=counters.load_seconds,
+            save_seconds=counters.save_seconds,
+            worker_meta=self.worker_meta(),
+        )
         return None if output.is_empty else output
 
     def shutdown(self) -> None:
@@ -157,7 +164,15 @@ class KVConnectorWorker:
             cache.index_copy_(1, index, kv[layer])
 
 
-def kv_layout(model: str, dtype: torch.dtype, quantization: str, block_size: int, arch: ModelArch) -> KVLayout:
-    return KVLayout(model=model, dtype=str(dtype).removeprefix("torch."), quantization=quantization,
-                    block_size=block_size, num_layers=arch.num_hidden_layers,
-                    num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim)
+def kv_layout(
+    model: str, dtype: torch.dtype, quantization: str, block_size: int, arch: ModelArch
+) -> KVLayout:
+    return KVLayout(
+        model=model,
+        dtype=str(dtype).removeprefix("torch."),
+        quantization=quantization,
+        block_size=block_size,
+        num_layers=arch.num_hidden_layers,
+        num_kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+    )

@@ -48,8 +48,11 @@ class BlockFiles:
     def write(self, block_hash: bytes, kv: torch.Tensor) -> int:
         """Store one block's K/V (any device); returns the file's size in bytes."""
         kv = kv.detach().to("cpu").contiguous()
-        metadata = {"format": FORMAT, "block_hash": block_hash.hex(),
-                    "crc32": str(zlib.crc32(_tensor_bytes(kv)))}
+        metadata = {
+            "format": FORMAT,
+            "block_hash": block_hash.hex(),
+            "crc32": str(zlib.crc32(_tensor_bytes(kv))),
+        }
         data = save_safetensors({"kv": kv}, metadata=metadata)
         path = self.path(block_hash)
         path.parent.mkdir(exist_ok=True)
@@ -70,7 +73,9 @@ class BlockFiles:
         try:
             return _parse(data, block_hash)
         except CorruptBlockFile as exc:
-            logger.warning("KV block file %s is corrupt (%s): treated as a miss and removed", path.name, exc)
+            logger.warning(
+                "KV block file %s is corrupt (%s): treated as a miss and removed", path.name, exc
+            )
             path.unlink(missing_ok=True)
             raise
 
@@ -93,7 +98,9 @@ class BlockFiles:
                 continue
             try:
                 stat = path.stat()
-                found.append((bytes.fromhex(path.name[: -len(SUFFIX)]), stat.st_size, stat.st_mtime))
+                found.append(
+                    (bytes.fromhex(path.name[: -len(SUFFIX)]), stat.st_size, stat.st_mtime)
+                )
             except (ValueError, FileNotFoundError):
                 continue
         found.sort(key=lambda entry: entry[2])
@@ -101,7 +108,11 @@ class BlockFiles:
 
 
 def _tensor_bytes(kv: torch.Tensor) -> bytes:
-    return kv.view(torch.uint8).numpy().tobytes() if kv.dtype == torch.bfloat16 else kv.numpy().tobytes()
+    return (
+        kv.view(torch.uint8).numpy().tobytes()
+        if kv.dtype == torch.bfloat16
+        else kv.numpy().tobytes()
+    )
 
 
 def _parse(data: bytes, block_hash: bytes) -> torch.Tensor:
@@ -109,7 +120,7 @@ def _parse(data: bytes, block_hash: bytes) -> torch.Tensor:
         raise CorruptBlockFile("truncated header")
     (header_len,) = struct.unpack("<Q", data[:8])
     try:
-        header = json.loads(data[8: 8 + header_len])
+        header = json.loads(data[8 : 8 + header_len])
         metadata = header.get("__metadata__", {})
         kv = load_safetensors(data)["kv"]
     except Exception as exc:  # safetensors raises its own error types for bad files

@@ -56,12 +56,16 @@ class HashStoreScheduler:
         self.contains = contains
         self._requests: dict[str, "Request"] = {}
         self._tables: dict[str, list[int]] = {}  # req_id → its block table, as the worker has it
-        self._num_considered: dict[str, int] = {}  # req_id → leading blocks already saved or skipped
+        self._num_considered: dict[
+            str, int
+        ] = {}  # req_id → leading blocks already saved or skipped
         self._loads: dict[str, list[BlockJob]] = {}
         self._saving: set[bytes] = set()  # sent to the worker, not yet reported stored
 
     # ------------------------------------------------------------------ lookups
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int, bool]:
         if not self.ctx.config.is_consumer:
             return 0, False
         first = num_computed_tokens // self.block_size
@@ -73,13 +77,16 @@ class HashStoreScheduler:
             num_blocks += 1
         return num_blocks * self.block_size, False
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", block_ids: list[int], num_external_tokens: int
+    ) -> None:
         self._requests[request.request_id] = request
         if num_external_tokens:
             first = request.num_computed_tokens // self.block_size
             end = first + num_external_tokens // self.block_size
-            self._loads[request.request_id] = [BlockJob(block_ids[i], request.block_hashes[i])
-                                               for i in range(first, end)]
+            self._loads[request.request_id] = [
+                BlockJob(block_ids[i], request.block_hashes[i]) for i in range(first, end)
+            ]
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> bytes | None:
@@ -106,7 +113,9 @@ class HashStoreScheduler:
             if request is None or table is None:
                 continue
             # num_computed_tokens has not advanced yet; drafts past num_tokens are unverified.
-            num_full = min(request.num_computed_tokens + num_new, request.num_tokens) // self.block_size
+            num_full = (
+                min(request.num_computed_tokens + num_new, request.num_tokens) // self.block_size
+            )
             for i in range(self._num_considered.get(req_id, 0), min(num_full, len(table))):
                 block_hash = request.block_hashes[i]
                 if block_hash not in self._saving and not self.contains(block_hash):
@@ -130,7 +139,9 @@ class HashStoreScheduler:
     def tier_occupancy(self) -> dict[str, int]:
         return {}
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict | None]:
         # Its last step's saves ran before that step returned: nothing holds its blocks.
         for table in (self._requests, self._tables, self._num_considered, self._loads):
             table.pop(request.request_id, None)
@@ -157,8 +168,11 @@ class HashStoreWorker(KVConnectorWorker):
         raise NotImplementedError
 
     def bind_connector_metadata(self, metadata: bytes | None) -> None:
-        self._meta = (self.meta_type() if metadata is None
-                      else msgspec.msgpack.decode(metadata, type=self.meta_type))
+        self._meta = (
+            self.meta_type()
+            if metadata is None
+            else msgspec.msgpack.decode(metadata, type=self.meta_type)
+        )
 
     def start_load_kv(self) -> None:
         import torch
@@ -173,7 +187,9 @@ class HashStoreWorker(KVConnectorWorker):
                     self._check_block(kv)
                 except Exception:  # missing, corrupt, unreadable: a miss, never wrong K/V
                     # The blocks after it chain from it: they are recomputed anyway.
-                    self.counters.invalid_block_ids.update(j.block_id for j in jobs[len(block_ids):])
+                    self.counters.invalid_block_ids.update(
+                        j.block_id for j in jobs[len(block_ids) :]
+                    )
                     self._dropped.append(job.block_hash)
                     self._load_failed = True
                     break
@@ -190,7 +206,9 @@ class HashStoreWorker(KVConnectorWorker):
         shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
         dtype = str(kv.dtype).removeprefix("torch.")
         if tuple(kv.shape) != shape or dtype != layout.dtype:
-            raise ValueError(f"stored block is {dtype} {list(kv.shape)}, the pool's {layout.dtype} {list(shape)}")
+            raise ValueError(
+                f"stored block is {dtype} {list(kv.shape)}, the pool's {layout.dtype} {list(shape)}"
+            )
 
     def wait_for_save(self) -> None:
         if self._skip_saves():
@@ -215,8 +233,10 @@ class HashStoreWorker(KVConnectorWorker):
         try:
             self.store(block_hash, kv)
         except Exception:
-            logger.exception("KV connector: storing block %s failed; it stays out of the store",
-                             block_hash.hex()[:16])
+            logger.exception(
+                "KV connector: storing block %s failed; it stays out of the store",
+                block_hash.hex()[:16],
+            )
             self._dropped.append(block_hash)
             return
         self._stored.append(block_hash)

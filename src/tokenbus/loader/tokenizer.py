@@ -19,7 +19,9 @@ def tokenizer_path(tokenizer: str) -> Path:
     (checked again at setup, before an engine starts: the tokenizer itself loads beside it)."""
     path = Path(tokenizer).expanduser()
     if not path.exists():
-        raise ValueError(f"tokenizer: {tokenizer!r} not found (expected a directory or a .gguf file)")
+        raise ValueError(
+            f"tokenizer: {tokenizer!r} not found (expected a directory or a .gguf file)"
+        )
     return path
 
 
@@ -31,7 +33,9 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     """
     if tokenizer is not None:
         path = tokenizer_path(tokenizer)
-        return _from_pretrained(path.parent if path.is_file() else path, path.name if path.is_file() else None)
+        return _from_pretrained(
+            path.parent if path.is_file() else path, path.name if path.is_file() else None
+        )
     if src.kind == "gguf":
         return _from_gguf_cached(src.path)
     return _from_pretrained(src.path, None)
@@ -44,8 +48,10 @@ def _from_gguf_cached(path: Path):
     import transformers
 
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
-                         f"{tokenizers.__version__}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
+        f"{tokenizers.__version__}".encode()
+    ).hexdigest()[:16]
     cached = cache_dir() / "tokenizers" / f"{path.stem}-{key}"
     if cached.exists():
         try:
@@ -87,7 +93,9 @@ def _from_pretrained(directory: Path, gguf_file: str | None):
 
     where = directory / gguf_file if gguf_file else directory
     try:
-        return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file, local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            str(directory), gguf_file=gguf_file, local_files_only=True
+        )
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"tokenizer: cannot load from {where}: {e}") from e
 

@@ -38,8 +38,13 @@ import torch.nn.functional as F
 
 from tokenbus.config import ATTENTION_BACKENDS
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.native import (KERNEL_KV_DTYPES, NativeBuildError, PagedAttentionKernel, check_indices,
-                                   load_paged_attention)
+from tokenbus.model.native import (
+    KERNEL_KV_DTYPES,
+    NativeBuildError,
+    PagedAttentionKernel,
+    check_indices,
+    load_paged_attention,
+)
 from tokenbus.model.native import ops as native_ops
 from tokenbus.utils import cdiv
 
@@ -62,7 +67,9 @@ class DecodeTile:
 
     start: int
     end: int
-    block_ids: torch.Tensor  # [n, num_blocks] int64: first blocks of each table (enough for the longest)
+    block_ids: (
+        torch.Tensor
+    )  # [n, num_blocks] int64: first blocks of each table (enough for the longest)
     bias: torch.Tensor  # [n, 1, 1, num_blocks * block_size]: 0 for keys < seq_len, -inf after
 
 
@@ -73,8 +80,12 @@ class PrefillSpan:
     start: int
     end: int
     seq_len: int
-    block_ids: torch.Tensor | None  # [num_blocks] int64; None: no earlier context (keys = this step's)
-    bias: torch.Tensor | None  # [q_len, seq_len]: 0 where visible, -inf where not; None with block_ids
+    block_ids: (
+        torch.Tensor | None
+    )  # [num_blocks] int64; None: no earlier context (keys = this step's)
+    bias: (
+        torch.Tensor | None
+    )  # [q_len, seq_len]: 0 where visible, -inf where not; None with block_ids
 
 
 @dataclass(frozen=True)
@@ -90,8 +101,17 @@ class NativeBatch:
     long_queries: bool = False
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        self.kernel(q, kv_cache, self.block_tables, self.query_start, self.seq_lens, self.reqs, scale, out,
-                    self.long_queries)
+        self.kernel(
+            q,
+            kv_cache,
+            self.block_tables,
+            self.query_start,
+            self.seq_lens,
+            self.reqs,
+            scale,
+            out,
+            self.long_queries,
+        )
 
 
 @dataclass(frozen=True)
@@ -102,8 +122,15 @@ class AttentionPlan:
     native: NativeBatch | None = None  # decode-sized requests
     native_long: NativeBatch | None = None  # prefill chunks, by the flash path
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         n = self.num_tokens
         write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # padding rows stay 0
@@ -111,7 +138,9 @@ class AttentionPlan:
             if batch is not None:
                 batch.run(q, kv_cache, scale, out)
         for tile in self.decode_tiles:
-            out[tile.start:tile.end] = _decode_attention(q[tile.start:tile.end], kv_cache, tile, scale)
+            out[tile.start : tile.end] = _decode_attention(
+                q[tile.start : tile.end], kv_cache, tile, scale
+            )
         for span in self.prefills:
             rows = slice(span.start, span.end)
             out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
@@ -132,11 +161,19 @@ class NativeDecodePlan:
     block_tables: torch.Tensor  # [R, W] int64
     reqs: torch.Tensor  # [R] int64: arange(R), every request
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         native_ops.write_kv(kv_cache, k, v, slot_mapping)
-        return native_ops.paged_attention(q, kv_cache, self.block_tables, self.query_start, self.seq_lens,
-                                          self.reqs, scale)
+        return native_ops.paged_attention(
+            q, kv_cache, self.block_tables, self.query_start, self.seq_lens, self.reqs, scale
+        )
 
 
 @dataclass(frozen=True)
@@ -150,8 +187,15 @@ class TorchDecodePlan:
     token_requests: torch.Tensor  # [T] int64: the request (row of block_tables) of each token
     positions: torch.Tensor  # [T] int64
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         write_kv(kv_cache, k, v, slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -161,16 +205,22 @@ class TorchDecodePlan:
         kv = kv.transpose(2, 3)  # [2, T, Hkv, L, D]
         key_ids = torch.arange(tables.shape[1] * block_size, device=q.device)
         masked = key_ids[None, :] > self.positions[:, None]  # [T, L]: after the token itself
-        bias = torch.zeros(masked.shape, dtype=q.dtype, device=q.device).masked_fill_(masked, float("-inf"))
+        bias = torch.zeros(masked.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            masked, float("-inf")
+        )
         q = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [T, Hkv, G, D]
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bias[:, None, None, :], scale=scale)
+        out = F.scaled_dot_product_attention(
+            q, kv[0], kv[1], attn_mask=bias[:, None, None, :], scale=scale
+        )
         return out.reshape(num_tokens, num_heads, head_dim)
 
 
 Plan = AttentionPlan | NativeDecodePlan | TorchDecodePlan
 
 
-def select_attention_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> PagedAttentionKernel | None:
+def select_attention_kernel(
+    backend: str, device: torch.device, dtype: torch.dtype
+) -> PagedAttentionKernel | None:
     """The native kernel for "native", and for "auto" on CPU in fp32/bf16 when it builds; else
     None (the torch path). "native" where it cannot run is an error naming the reason."""
     if backend not in ATTENTION_BACKENDS:
@@ -180,8 +230,10 @@ def select_attention_kernel(backend: str, device: torch.device, dtype: torch.dty
     supported = device.type == "cpu" and dtype in KERNEL_KV_DTYPES
     if not supported:
         if backend == "native":
-            raise ValueError(f"attention_backend 'native' runs on CPU in float32 or bfloat16, "
-                             f"not {device.type} {dtype}")
+            raise ValueError(
+                f"attention_backend 'native' runs on CPU in float32 or bfloat16, "
+                f"not {device.type} {dtype}"
+            )
         return None
     try:
         return load_paged_attention()
@@ -192,21 +244,36 @@ def select_attention_kernel(backend: str, device: torch.device, dtype: torch.dty
         return None
 
 
-def build_attention_plan(ctx: ForwardContext, dtype: torch.dtype,
-                         native_kernel: PagedAttentionKernel | None = None) -> AttentionPlan:
+def build_attention_plan(
+    ctx: ForwardContext, dtype: torch.dtype, native_kernel: PagedAttentionKernel | None = None
+) -> AttentionPlan:
     """Derive per-step index tensors and masks (in the activation `dtype`) from `ctx`."""
     _, _, block_size, num_kv_heads, head_dim = ctx.kv_caches[0].shape
     kv = ctx.kv_caches[0]
-    if native_kernel is not None and kv.dtype in KERNEL_KV_DTYPES.get(dtype, ()) and kv.device.type == "cpu":
+    if (
+        native_kernel is not None
+        and kv.dtype in KERNEL_KV_DTYPES.get(dtype, ())
+        and kv.device.type == "cpu"
+    ):
         return _plan_native(ctx, native_kernel, block_size, dtype, kv.dtype, head_dim)
-    bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8  # K and V, as gathered
+    bytes_per_key = (
+        2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    )  # K and V, as gathered
     decode_tiles = _plan_decode_tiles(ctx, block_size, bytes_per_key, dtype)
-    prefills = [_plan_prefill(ctx, r, block_size, dtype) for r in range(ctx.num_decodes, ctx.num_reqs)]
+    prefills = [
+        _plan_prefill(ctx, r, block_size, dtype) for r in range(ctx.num_decodes, ctx.num_reqs)
+    ]
     return AttentionPlan(decode_tiles, prefills, ctx.num_tokens)
 
 
-def _plan_native(ctx: ForwardContext, kernel: PagedAttentionKernel, block_size: int, dtype: torch.dtype,
-                 kv_dtype: torch.dtype, head_dim: int) -> AttentionPlan:
+def _plan_native(
+    ctx: ForwardContext,
+    kernel: PagedAttentionKernel,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    head_dim: int,
+) -> AttentionPlan:
     """Requests of up to NATIVE_MAX_QUERY_LEN queries to the kernel; longer ones to its flash
     path where it takes them (takes_long_queries), else to SDPA."""
     starts = ctx.query_start_loc
@@ -224,37 +291,63 @@ def _plan_native(ctx: ForwardContext, kernel: PagedAttentionKernel, block_size: 
         elif q_len > 0 and ctx.seq_lens[r] > 0:  # padding requests keep their zero rows
             native.append(r)
     query_start = torch.tensor(starts, dtype=torch.int64)
-    batches = [NativeBatch(kernel, torch.tensor(reqs, dtype=torch.int64), query_start, ctx.seq_lens_t,
-                           ctx.block_tables, long_queries=is_long) if reqs else None
-               for reqs, is_long in ((native, False), (long, True))]
+    batches = [
+        NativeBatch(
+            kernel,
+            torch.tensor(reqs, dtype=torch.int64),
+            query_start,
+            ctx.seq_lens_t,
+            ctx.block_tables,
+            long_queries=is_long,
+        )
+        if reqs
+        else None
+        for reqs, is_long in ((native, False), (long, True))
+    ]
     made = [batch for batch in batches if batch is not None]
     if made:  # once per step: the batches share everything but their request ids
-        check_indices(query_start, ctx.seq_lens_t, ctx.block_tables, *(batch.reqs for batch in made))
+        check_indices(
+            query_start, ctx.seq_lens_t, ctx.block_tables, *(batch.reqs for batch in made)
+        )
     return AttentionPlan([], prefills, ctx.num_tokens, *batches)
 
 
-def _plan_decode_tiles(ctx: ForwardContext, block_size: int, bytes_per_key: int,
-                       dtype: torch.dtype) -> list[DecodeTile]:
+def _plan_decode_tiles(
+    ctx: ForwardContext, block_size: int, bytes_per_key: int, dtype: torch.dtype
+) -> list[DecodeTile]:
     if ctx.num_decodes == 0:
         return []
     # A padded request (seq_len 0) may attend key 0 (the null block): its row stays finite.
-    seq_lens = ctx.seq_lens_t[:ctx.num_decodes].clamp(min=1)
+    seq_lens = ctx.seq_lens_t[: ctx.num_decodes].clamp(min=1)
     tiles = []
-    for start, end, num_blocks in _tile_rows(ctx.seq_lens[:ctx.num_decodes], block_size, bytes_per_key):
+    for start, end, num_blocks in _tile_rows(
+        ctx.seq_lens[: ctx.num_decodes], block_size, bytes_per_key
+    ):
         key_ids = torch.arange(num_blocks * block_size, device=seq_lens.device)
-        masked = key_ids[None, :] >= seq_lens[start:end, None]  # [n, num_keys]: past the request's end
-        bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(masked, float("-inf"))
-        tiles.append(DecodeTile(start, end, ctx.block_tables[start:end, :num_blocks], bias[:, None, None, :]))
+        masked = (
+            key_ids[None, :] >= seq_lens[start:end, None]
+        )  # [n, num_keys]: past the request's end
+        bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(
+            masked, float("-inf")
+        )
+        tiles.append(
+            DecodeTile(start, end, ctx.block_tables[start:end, :num_blocks], bias[:, None, None, :])
+        )
     return tiles
 
 
-def _tile_rows(seq_lens: list[int], block_size: int, bytes_per_key: int) -> list[tuple[int, int, int]]:
+def _tile_rows(
+    seq_lens: list[int], block_size: int, bytes_per_key: int
+) -> list[tuple[int, int, int]]:
     """Split decode rows into runs (start, end, num_blocks) whose K/V, padded to the run's longest
     request (num_blocks), fits DECODE_TILE_BYTES; a run has at least one row."""
     tiles, start, num_blocks = [], 0, 0
     for row, seq_len in enumerate(seq_lens):
         widest = max(num_blocks, cdiv(max(seq_len, 1), block_size))
-        if row > start and (row + 1 - start) * widest * block_size * bytes_per_key > DECODE_TILE_BYTES:
+        if (
+            row > start
+            and (row + 1 - start) * widest * block_size * bytes_per_key > DECODE_TILE_BYTES
+        ):
             tiles.append((start, row, num_blocks))
             start, widest = row, cdiv(max(seq_len, 1), block_size)
         num_blocks = widest
@@ -262,20 +355,26 @@ def _tile_rows(seq_lens: list[int], block_size: int, bytes_per_key: int) -> list
     return tiles
 
 
-def _plan_prefill(ctx: ForwardContext, req: int, block_size: int, dtype: torch.dtype) -> PrefillSpan:
+def _plan_prefill(
+    ctx: ForwardContext, req: int, block_size: int, dtype: torch.dtype
+) -> PrefillSpan:
     start, end = ctx.query_start_loc[req], ctx.query_start_loc[req + 1]
     q_len, seq_len = end - start, ctx.seq_lens[req]
     if q_len == seq_len:  # the whole context is this step's tokens: plain causal attention
         return PrefillSpan(start, end, seq_len, None, None)
-    block_ids = ctx.block_tables[req, :cdiv(seq_len, block_size)]
+    block_ids = ctx.block_tables[req, : cdiv(seq_len, block_size)]
     device = block_ids.device
     query_pos = torch.arange(seq_len - q_len, seq_len, device=device)  # position of query i
-    masked = torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]  # [q_len, seq_len]: future keys
+    masked = (
+        torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]
+    )  # [q_len, seq_len]: future keys
     bias = torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill_(masked, float("-inf"))
     return PrefillSpan(start, end, seq_len, block_ids, bias)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store k, v [T, Hkv, D] at slots (block_id * block_size + offset) of kv_cache [2, NB, bs, Hkv, D]
     (rounded to the cache's dtype: --kv-cache-dtype)."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
@@ -284,28 +383,43 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, plan: Plan, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    plan: Plan,
+    scale: float,
+) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]."""
     return plan.forward(q, k, v, kv_cache, slot_mapping, scale)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Copy out blocks: kv_cache [2, NB, bs, Hkv, D], block_ids [*] -> [2, len(block_ids) * bs, Hkv, D]
     in `dtype` (the queries', where the cache holds another: --kv-cache-dtype).
 
     index_select over whole blocks (contiguous rows) measured 2-13x faster than kv_cache[:, ids].
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids.reshape(-1))  # [2, n_ids, bs*Hkv*D]
+    rows = kv_cache.view(2, num_blocks, -1).index_select(
+        1, block_ids.reshape(-1)
+    )  # [2, n_ids, bs*Hkv*D]
     return rows.view(2, -1, num_kv_heads, head_dim).to(dtype)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, tile: DecodeTile, scale: float) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, tile: DecodeTile, scale: float
+) -> torch.Tensor:
     """q [n, Hq, D] (one query per request) -> [n, Hq, D]."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    kv = gather_blocks(kv_cache, tile.block_ids, q.dtype).view(2, n, -1, num_kv_heads, head_dim)  # [2, n, L, Hkv, D]
+    kv = gather_blocks(kv_cache, tile.block_ids, q.dtype).view(
+        2, n, -1, num_kv_heads, head_dim
+    )  # [2, n, L, Hkv, D]
     kv = kv.transpose(2, 3)  # [2, n, Hkv, L, D]
     # GQA: query head h uses KV head h // G, so view the G heads of a KV head as G query rows.
     q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, Hkv, G, D]
@@ -313,18 +427,29 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, tile: DecodeTile,
     return out.reshape(n, num_heads, head_dim)  # [n, Hkv, G, D] -> [n, Hq, D]
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                       span: PrefillSpan, scale: float) -> torch.Tensor:
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:
     """q [q_len, Hq, D], k/v [q_len, Hkv, D] of this step -> [q_len, Hq, D]."""
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
     if span.block_ids is None:
-        if kv_cache.dtype != q.dtype:  # attend over K/V as the cache holds them, as later steps will
+        if (
+            kv_cache.dtype != q.dtype
+        ):  # attend over K/V as the cache holds them, as later steps will
             k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        kv = gather_blocks(kv_cache, span.block_ids, q.dtype)[:, :span.seq_len]  # [2, seq_len, Hkv, D]
+        kv = gather_blocks(kv_cache, span.block_ids, q.dtype)[
+            :, : span.seq_len
+        ]  # [2, seq_len, Hkv, D]
         kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, Hkv, seq_len, D]
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=span.bias, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, kv[0], kv[1], attn_mask=span.bias, scale=scale, enable_gqa=True
+        )
     return out[0].transpose(0, 1)  # [1, Hq, q_len, D] -> [q_len, Hq, D]

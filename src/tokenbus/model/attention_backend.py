@@ -20,8 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from tokenbus.model.attention import (NATIVE_MAX_QUERY_LEN, AttentionPlan, NativeDecodePlan, TorchDecodePlan,
-                                      build_attention_plan, select_attention_kernel)
+from tokenbus.model.attention import (
+    NATIVE_MAX_QUERY_LEN,
+    AttentionPlan,
+    NativeDecodePlan,
+    TorchDecodePlan,
+    build_attention_plan,
+    select_attention_kernel,
+)
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.native import KERNEL_KV_DTYPES, PagedAttentionKernel
 
@@ -53,12 +59,18 @@ class AttentionBackend:
         key = (ctx.num_tokens, q_len)
         if key not in self._token_requests:
             device = ctx.block_tables.device
-            self._token_requests[key] = torch.arange(num_reqs, device=device).repeat_interleave(q_len)
+            self._token_requests[key] = torch.arange(num_reqs, device=device).repeat_interleave(
+                q_len
+            )
         return self._static_plan(ctx, q_len)
 
-    def prepare_for_replay(self, ctx: ForwardContext, padded_size: int) -> TorchDecodePlan | NativeDecodePlan:
+    def prepare_for_replay(
+        self, ctx: ForwardContext, padded_size: int
+    ) -> TorchDecodePlan | NativeDecodePlan:
         if ctx.num_tokens != padded_size:
-            raise ValueError(f"a replayed batch must be padded to {padded_size} tokens, got {ctx.num_tokens}")
+            raise ValueError(
+                f"a replayed batch must be padded to {padded_size} tokens, got {ctx.num_tokens}"
+            )
         _, q_len = self._uniform_shape(ctx)
         if (padded_size, q_len) not in self._token_requests:
             raise ValueError(f"no step was captured for {padded_size} tokens of q_len {q_len}")
@@ -69,17 +81,25 @@ class AttentionBackend:
         q_len = ctx.num_tokens // max(num_reqs, 1)
         starts = ctx.query_start_loc
         if num_reqs == 0 or any(starts[r + 1] - starts[r] != q_len for r in range(num_reqs)):
-            raise ValueError("a static attention plan needs a uniform batch (every request the same q_len)")
+            raise ValueError(
+                "a static attention plan needs a uniform batch (every request the same q_len)"
+            )
         if q_len > self.max_capture_query_len():
-            raise ValueError(f"a static attention plan takes q_len <= {self.max_capture_query_len()}, got {q_len}")
+            raise ValueError(
+                f"a static attention plan takes q_len <= {self.max_capture_query_len()}, got {q_len}"
+            )
         return num_reqs, q_len
 
     def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan | NativeDecodePlan:
         raise NotImplementedError
 
     def _torch_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan:
-        return TorchDecodePlan(ctx.num_tokens, ctx.block_tables, self._token_requests[(ctx.num_tokens, q_len)],
-                               ctx.positions)
+        return TorchDecodePlan(
+            ctx.num_tokens,
+            ctx.block_tables,
+            self._token_requests[(ctx.num_tokens, q_len)],
+            ctx.positions,
+        )
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -107,7 +127,9 @@ class NativeAttentionBackend(AttentionBackend):
         return self._kernel
 
     def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan | NativeDecodePlan:
-        if ctx.kv_caches[0].dtype not in KERNEL_KV_DTYPES.get(self.dtype, ()):  # e.g. bf16 K/V, fp32 queries
+        if ctx.kv_caches[0].dtype not in KERNEL_KV_DTYPES.get(
+            self.dtype, ()
+        ):  # e.g. bf16 K/V, fp32 queries
             return self._torch_plan(ctx, q_len)
         num_reqs = ctx.num_reqs
         reqs = self._reqs.get(num_reqs)
@@ -119,7 +141,9 @@ class NativeAttentionBackend(AttentionBackend):
         return NativeDecodePlan(ctx.num_tokens, query_start, ctx.seq_lens_t, ctx.block_tables, reqs)
 
 
-def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def select_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype
+) -> AttentionBackend:
     """The backend for --attention-backend `name` (see attention.select_attention_kernel)."""
     kernel = select_attention_kernel(name, device, dtype)
     if kernel is None:

@@ -20,11 +20,15 @@ import torch
 @dataclass
 class ForwardContext:
     positions: torch.Tensor  # [num_tokens] int64: position of each token in its sequence
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset, K/V write target
+    slot_mapping: (
+        torch.Tensor
+    )  # [num_tokens] int64: block_id * block_size + offset, K/V write target
     kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_size: int
     query_start_loc: list[int]  # [num_reqs + 1], host ints
-    seq_lens: list[int]  # [num_reqs] tokens in the cache after this step (context + query), host ints
+    seq_lens: list[
+        int
+    ]  # [num_reqs] tokens in the cache after this step (context + query), host ints
     seq_lens_t: torch.Tensor  # [num_reqs] int64, the same on the device
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64, padded with 0 (the null block)
     num_decodes: int  # the first num_decodes requests have query length 1

@@ -21,13 +21,32 @@ from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.model.attention import AttentionPlan, Plan, paged_attention
-from tokenbus.model.attention_backend import AttentionBackend, TorchAttentionBackend, select_attention_backend
+from tokenbus.model.attention_backend import (
+    AttentionBackend,
+    TorchAttentionBackend,
+    select_attention_backend,
+)
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from tokenbus.model.layers.quantized import (DequantBuffer, KernelWeight, QuantizedLinearKernel, QuantizedWeight,
-                                             TileModes, is_quantized, kernel_weight, quantized_embedding)
-from tokenbus.model.native import (TILE_GEMV_MAX_ROWS, FusedOps, NativeBuildError, PagedAttentionKernel,
-                                   QuantKernels, load_fused_ops, load_quant_kernels)
+from tokenbus.model.layers.quantized import (
+    DequantBuffer,
+    KernelWeight,
+    QuantizedLinearKernel,
+    QuantizedWeight,
+    TileModes,
+    is_quantized,
+    kernel_weight,
+    quantized_embedding,
+)
+from tokenbus.model.native import (
+    TILE_GEMV_MAX_ROWS,
+    FusedOps,
+    NativeBuildError,
+    PagedAttentionKernel,
+    QuantKernels,
+    load_fused_ops,
+    load_quant_kernels,
+)
 from tokenbus.model.native.decode_layer import DecodeLayers, LayerWeights, LinearWeights
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
@@ -46,26 +65,42 @@ class LlamaAttention(nn.Module):
         self.num_heads = local.num_attention_heads
         self.num_kv_heads = local.num_key_value_heads
         self.head_dim = arch.head_dim
-        self.scale = arch.head_dim ** -0.5
+        self.scale = arch.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size), bias=arch.attention_bias)
+        self.qkv_proj = Linear(
+            arch.hidden_size, (q_size, kv_size, kv_size), bias=arch.attention_bias
+        )
         # HF Llama/Mistral's attention_bias also covers o_proj; Qwen2 has q/k/v biases only.
         o_bias = arch.attention_bias and arch.architecture != "qwen2"
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
         self.fused: FusedOps | None = None  # fp32 CPU rotary in C (set by the model's finalize)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D], a fresh tensor
         if self.fused is not None and not torch.compiler.is_compiling():
-            self.fused.rope_(qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1), num_qk_heads, self.head_dim)
+            self.fused.rope_(
+                qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1), num_qk_heads, self.head_dim
+            )
             qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-            q, k = qkv[:, :self.num_heads], qkv[:, self.num_heads:num_qk_heads]  # rotated in place
+            q, k = (
+                qkv[:, : self.num_heads],
+                qkv[:, self.num_heads : num_qk_heads],
+            )  # rotated in place
         else:
             qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # [T, Hq + Hkv, D], q and k rotated at once
+            qk = apply_rotary(
+                qkv[:, :num_qk_heads], cos, sin
+            )  # [T, Hq + Hkv, D], q and k rotated at once
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
         out = paged_attention(q, k, v, kv_cache, slot_mapping, plan, self.scale)  # [T, Hq, D]
@@ -100,9 +135,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch, tp)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block. `x` is the previous block's output, not yet added to `residual`."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan)
@@ -123,11 +165,16 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = arch.head_dim
         # This rank's vocabulary rows (all of them without TP).
         self.vocab_start, self.vocab_per_rank = tp.vocab_shard(arch.vocab_size)
-        self.embed_tokens = nn.Parameter(torch.empty(self.vocab_per_rank, arch.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp) for _ in range(arch.num_hidden_layers))
+        self.embed_tokens = nn.Parameter(
+            torch.empty(self.vocab_per_rank, arch.hidden_size), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, tp) for _ in range(arch.num_hidden_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                      arch.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
         self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
         # Builds the attention metadata the worker hands to forward (ctx.attn_metadata); the
         # torch path until set_attention_backend chooses.
@@ -140,7 +187,9 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
         """Run the first `num_layers` decoder layers (default: all), then the final norm.
 
         With num_layers=N this is the self-speculative draft model; it writes K/V only into
@@ -151,8 +200,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
         plan = ctx.attn_metadata
         if plan is None:
-            raise ValueError("ForwardContext.attn_metadata is not set: build it with the model's "
-                             "attention_backend before the forward")
+            raise ValueError(
+                "ForwardContext.attn_metadata is not set: build it with the model's "
+                "attention_backend before the forward"
+            )
         x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
         step = self._native_decode_step(x, cos, sin, ctx, plan)
@@ -167,35 +218,58 @@ class LlamaForCausalLM(nn.Module):
                 connector.wait_for_layer_load(layer_idx)
             if step is not None:  # the whole layer in one C call, x and residual updated in place
                 out = residual if residual is not None else torch.empty_like(x)
-                self._decode_layers.run(layer_idx, step, ctx.kv_caches[layer_idx], x, residual, x, out)
+                self._decode_layers.run(
+                    layer_idx, step, ctx.kv_caches[layer_idx], x, residual, x, out
+                )
                 residual = out
             else:
-                x, residual = self.layers[layer_idx](x, residual, cos, sin, ctx.kv_caches[layer_idx],
-                                                     ctx.slot_mapping, plan)
+                x, residual = self.layers[layer_idx](
+                    x, residual, cos, sin, ctx.kv_caches[layer_idx], ctx.slot_mapping, plan
+                )
             if connector is not None:
                 connector.save_kv_layer(layer_idx, ctx.kv_caches[layer_idx])
         return self.norm.add_and_norm(x, residual)[0]
 
-    def _native_decode_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
-                            plan: Plan):
+    def _native_decode_step(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext, plan: Plan
+    ):
         """decode_layer.c's step arguments when this step can run layer by layer in C: a
         decode-sized fp32 batch whose attention is all the native kernel's (eager); else None."""
         layers = self._decode_layers
-        if (layers is None or x.shape[0] > TILE_GEMV_MAX_ROWS or not isinstance(plan, AttentionPlan)
-                or plan.native is None or plan.native_long is not None or plan.decode_tiles or plan.prefills
-                or plan.num_tokens != x.shape[0] or torch.compiler.is_compiling()):
+        if (
+            layers is None
+            or x.shape[0] > TILE_GEMV_MAX_ROWS
+            or not isinstance(plan, AttentionPlan)
+            or plan.native is None
+            or plan.native_long is not None
+            or plan.decode_tiles
+            or plan.prefills
+            or plan.num_tokens != x.shape[0]
+            or torch.compiler.is_compiling()
+        ):
             return None
         kv = ctx.kv_caches[0]
         if kv.dtype not in (torch.float32, torch.float16) or not kv.is_contiguous():
             return None
         native = plan.native
-        return layers.step_args(x.shape[0], cos, sin, ctx.slot_mapping, native.block_tables, native.query_start,
-                                native.seq_lens, native.reqs, kv,
-                                self._tile_modes.mode(x.shape[0]))
+        return layers.step_args(
+            x.shape[0],
+            cos,
+            sin,
+            ctx.slot_mapping,
+            native.block_tables,
+            native.query_start,
+            native.seq_lens,
+            native.reqs,
+            kv,
+            self._tile_modes.mode(x.shape[0]),
+        )
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:
-            return quantized_embedding(self.quant_kernels, self.embed_quantized, input_ids, self.embed_tokens.dtype)
+            return quantized_embedding(
+                self.quant_kernels, self.embed_quantized, input_ids, self.embed_tokens.dtype
+            )
         if not self.tp.enabled:
             return F.embedding(input_ids, self.embed_tokens)
         local = input_ids - self.vocab_start
@@ -208,13 +282,15 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         if not self.tp.enabled:
             return logits
-        return self.tp.all_gather_last(logits)[:, :self.arch.vocab_size]  # drop the padding rows
+        return self.tp.all_gather_last(logits)[:, : self.arch.vocab_size]  # drop the padding rows
 
     def finalize(self, linear_backend: str = "auto", cpu: CpuFeatures | None = None) -> None:
         """Pack every linear for its device and CPU (see layers/linear.py); "dense" runs plain
         F.linear (needed before torch.compile, which cannot trace packed oneDNN weights)."""
         cpu = cpu or CpuFeatures.detect()
-        self._decode_layers = None  # points into the kernels' weights: rebuilt by set_attention_backend
+        self._decode_layers = (
+            None  # points into the kernels' weights: rebuilt by set_attention_backend
+        )
         self._set_fused_ops(cpu)
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         if self.embed_quantized is not None or any(linear.quantized for linear in linears):
@@ -228,8 +304,9 @@ class LlamaForCausalLM(nn.Module):
                 self.embed_quantized = head[0]  # the LM head's (maybe tiled) copy: one in memory
             else:
                 self.embed_quantized = kernel_weight(self.quant_kernels, self.embed_quantized)
-            self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0, self.arch.hidden_size),
-                                             requires_grad=False)
+            self.embed_tokens = nn.Parameter(
+                self.embed_tokens.new_empty(0, self.arch.hidden_size), requires_grad=False
+            )
 
     def _set_fused_ops(self, cpu: CpuFeatures) -> None:
         """The norms, rotary and SiLU run fused_ops.c on CPU in fp32 (one C call each instead of
@@ -255,12 +332,13 @@ class LlamaForCausalLM(nn.Module):
                 module.kernel.modes = modes
 
     def set_attention_backend(self, backend: str, decode_layers: bool = True) -> None:
-        """"auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.
+        """ "auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.
         A model built without load_model runs the torch path until this is called.
         `decode_layers`: decode-sized steps run each layer in one C call where they can (False:
         op by op, as --enforce-eager asks)."""
-        self.attention_backend = select_attention_backend(backend, self.embed_tokens.device,
-                                                          self.embed_tokens.dtype)
+        self.attention_backend = select_attention_backend(
+            backend, self.embed_tokens.device, self.embed_tokens.dtype
+        )
         self._decode_layers = self._build_decode_layers() if decode_layers else None
 
     def _apply(self, fn, *args, **kwargs):
@@ -285,12 +363,24 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_tiled_linear(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            linears = [
+                _tiled_linear(lin)
+                for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
             if None in linears:
                 return None
-            layers.append(LayerWeights(*linears, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                       layer.input_layernorm.eps, attn.scale, attn.num_heads, attn.num_kv_heads,
-                                       attn.head_dim))
+            layers.append(
+                LayerWeights(
+                    *linears,
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    layer.input_layernorm.eps,
+                    attn.scale,
+                    attn.num_heads,
+                    attn.num_kv_heads,
+                    attn.head_dim,
+                )
+            )
         try:
             return DecodeLayers(layers, self.quant_kernels, kernel, fused)
         except NativeBuildError as exc:
@@ -314,13 +404,17 @@ class LlamaForCausalLM(nn.Module):
                 tied_head = name == "lm_head.weight" and self.arch.tie_word_embeddings
                 if name.endswith(IGNORED_WEIGHT_SUFFIXES) or tied_head:
                     continue
-                raise ValueError(f"unexpected weight {name} for {self.arch.architecture} "
-                                 f"with {self.num_layers} layers")
+                raise ValueError(
+                    f"unexpected weight {name} for {self.arch.architecture} "
+                    f"with {self.num_layers} layers"
+                )
             loader(name, tensor)
             loaded.add(name)
         missing = sorted(set(loaders) - loaded)
         if missing:
-            shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
+            shown = ", ".join(missing[:8]) + (
+                f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+            )
             raise ValueError(f"missing weights: {shown}")
         self.finalize()
 
@@ -338,14 +432,15 @@ class LlamaForCausalLM(nn.Module):
             loaders.update(_layer_loaders(f"model.layers.{idx}.", layer, self.tp, self.arch))
         return loaders
 
-
     def _load_embedding(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         if not is_quantized(tensor):
             _copy_param(self.embed_tokens, name, tensor)
             return
         if (tensor.rows, tensor.cols) != tuple(self.embed_tokens.shape):
-            raise ValueError(f"weight {name}: expected shape {list(self.embed_tokens.shape)}, "
-                             f"got {[tensor.rows, tensor.cols]}")
+            raise ValueError(
+                f"weight {name}: expected shape {list(self.embed_tokens.shape)}, "
+                f"got {[tensor.rows, tensor.cols]}"
+            )
         self.embed_quantized = tensor
         if self.arch.tie_word_embeddings:  # the LM head reads the same blocks
             self.lm_head.load_shard(name, tensor)
@@ -354,36 +449,54 @@ class LlamaForCausalLM(nn.Module):
 def _tiled_linear(linear: Linear) -> LinearWeights | None:
     """A linear as decode_layer.c runs it (one tiled GGUF shard), or None."""
     kernel = linear.kernel
-    if not isinstance(kernel, QuantizedLinearKernel) or len(kernel.shards) != 1 or not kernel.shards[0].tiled:
+    if (
+        not isinstance(kernel, QuantizedLinearKernel)
+        or len(kernel.shards) != 1
+        or not kernel.shards[0].tiled
+    ):
         return None
     shard = kernel.shards[0]
     return LinearWeights(shard.qtype, shard.data, shard.rows, shard.cols, linear.bias)
 
 
-def _layer_loaders(prefix: str, layer: LlamaDecoderLayer, tp: TensorParallel,
-                   arch: ModelArch) -> dict[str, WeightLoader]:
+def _layer_loaders(
+    prefix: str, layer: LlamaDecoderLayer, tp: TensorParallel, arch: ModelArch
+) -> dict[str, WeightLoader]:
     attn, mlp = layer.self_attn, layer.mlp
     loaders: dict[str, WeightLoader] = {
         prefix + "input_layernorm.weight": partial(_copy_param, layer.input_layernorm.weight),
-        prefix + "post_attention_layernorm.weight": partial(_copy_param, layer.post_attention_layernorm.weight),
+        prefix + "post_attention_layernorm.weight": partial(
+            _copy_param, layer.post_attention_layernorm.weight
+        ),
     }
     cut = _TensorSlicer(tp, arch)
     q_rows = cut.head_rows(attn.num_heads * tp.rank, attn.num_heads)
     kv_rows = cut.head_rows(tp.kv_head_start(arch.num_key_value_heads), attn.num_kv_heads)
     mlp_rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)
     # (linear, scope, [(HF name, weight slicer, bias slicer)]) per fused linear.
-    fused = [(attn.qkv_proj, "self_attn.", [("q_proj", q_rows, q_rows), ("k_proj", kv_rows, kv_rows),
-                                            ("v_proj", kv_rows, kv_rows)]),
-             (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),
-             (mlp.gate_up_proj, "mlp.", [("gate_proj", mlp_rows, None), ("up_proj", mlp_rows, None)]),
-             (mlp.down_proj, "mlp.", [("down_proj", cut.columns(mlp_rows), None)])]
+    fused = [
+        (
+            attn.qkv_proj,
+            "self_attn.",
+            [
+                ("q_proj", q_rows, q_rows),
+                ("k_proj", kv_rows, kv_rows),
+                ("v_proj", kv_rows, kv_rows),
+            ],
+        ),
+        (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),
+        (mlp.gate_up_proj, "mlp.", [("gate_proj", mlp_rows, None), ("up_proj", mlp_rows, None)]),
+        (mlp.down_proj, "mlp.", [("down_proj", cut.columns(mlp_rows), None)]),
+    ]
     for linear, scope, shards in fused:
         for shard, (name, weight_slice, bias_slice) in enumerate(shards):
-            loaders[f"{prefix}{scope}{name}.weight"] = _sliced(partial(linear.load_shard, shard=shard),
-                                                               weight_slice)
+            loaders[f"{prefix}{scope}{name}.weight"] = _sliced(
+                partial(linear.load_shard, shard=shard), weight_slice
+            )
             if linear.bias is not None:
                 loaders[f"{prefix}{scope}{name}.bias"] = _sliced(
-                    partial(linear.load_shard, shard=shard, is_bias=True), bias_slice)
+                    partial(linear.load_shard, shard=shard, is_bias=True), bias_slice
+                )
     return loaders
 
 
@@ -398,7 +511,7 @@ class _TensorSlicer:
         self.head_dim = arch.head_dim
 
     def rows(self, start: int, count: int) -> Slicer | None:
-        return None if not self.tp.enabled else (lambda t: t[start: start + count])
+        return None if not self.tp.enabled else (lambda t: t[start : start + count])
 
     def head_rows(self, first_head: int, num_heads: int) -> Slicer | None:
         return self.rows(first_head * self.head_dim, num_heads * self.head_dim)
@@ -419,9 +532,10 @@ class _TensorSlicer:
             return None
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            part = t[start: start + per_rank]
+            part = t[start : start + per_rank]
             pad = per_rank - part.shape[0]
             return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+
         return cut
 
 
@@ -431,14 +545,19 @@ def _sliced(loader: WeightLoader, slicer: Slicer | None) -> WeightLoader:
 
     def load(name: str, tensor: torch.Tensor) -> None:
         if is_quantized(tensor):
-            raise ValueError(f"weight {name}: GGUF blocks cannot be split for tensor parallelism; "
-                             f"use --quantization none")
+            raise ValueError(
+                f"weight {name}: GGUF blocks cannot be split for tensor parallelism; "
+                f"use --quantization none"
+            )
         loader(name, slicer(tensor))
+
     return load
 
 
 def _copy_param(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
     if tensor.shape != param.shape:
-        raise ValueError(f"weight {name}: expected shape {list(param.shape)}, got {list(tensor.shape)}")
+        raise ValueError(
+            f"weight {name}: expected shape {list(param.shape)}, got {list(tensor.shape)}"
+        )
     with torch.no_grad():
         param.copy_(tensor)

@@ -72,9 +72,11 @@ class TensorParallel:
         if self.size == 1:
             return arch
         return dataclasses.replace(
-            arch, num_attention_heads=arch.num_attention_heads // self.size,
+            arch,
+            num_attention_heads=arch.num_attention_heads // self.size,
             num_key_value_heads=max(1, arch.num_key_value_heads // self.size),
-            intermediate_size=arch.intermediate_size // self.size)
+            intermediate_size=arch.intermediate_size // self.size,
+        )
 
     def kv_head_start(self, num_kv_heads: int) -> int:
         return self.rank * num_kv_heads // self.size

@@ -24,5 +24,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     try:
         return _MODEL_CLASSES[architecture]
     except KeyError:
-        raise ValueError(f"unsupported model architecture {architecture!r}; "
-                         f"supported: {', '.join(_MODEL_CLASSES)}") from None
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; "
+            f"supported: {', '.join(_MODEL_CLASSES)}"
+        ) from None

@@ -22,10 +22,12 @@ def choice_ebnf(choices: list[str]) -> str:
 class XgrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
-                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self._compiler = xgr.GrammarCompiler(
+            info, max_threads=2, cache_enabled=True, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+        )
 
     @property
     def bitmask_width(self) -> int:
@@ -38,7 +40,9 @@ class XgrammarBackend:
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as exc:
             # xgrammar prefixes "[hh:mm:ss] /path/file.cc:123: "; users need only the reason.
             reason = _CPP_LOCATION.sub("", str(exc)).strip()
-            raise ValueError(f"structured_outputs: {_kind(spec)} is invalid or unsupported: {reason}") from None
+            raise ValueError(
+                f"structured_outputs: {_kind(spec)} is invalid or unsupported: {reason}"
+            ) from None
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         compiler = self._compiler
@@ -64,6 +68,10 @@ class XgrammarBackend:
 def _kind(spec: StructuredOutputsParams) -> str:
     for name in ("json", "regex", "choice", "grammar"):
         if getattr(spec, name) is not None:
-            return {"json": "JSON schema", "regex": "regex", "choice": "choice",
-                    "grammar": "EBNF grammar"}[name]
+            return {
+                "json": "JSON schema",
+                "regex": "regex",
+                "choice": "choice",
+                "grammar": "EBNF grammar",
+            }[name]
     return "json_object"

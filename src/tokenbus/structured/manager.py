@@ -39,7 +39,9 @@ class StructuredOutputManager:
     def __init__(self, make_backend: Callable[[], XgrammarBackend]) -> None:
         self._make_backend = make_backend
         self._backend: XgrammarBackend | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="grammar"
+        )
         self._grammars: dict[str, RequestGrammar] = {}
 
     def _get_backend(self) -> XgrammarBackend:
@@ -64,8 +66,11 @@ class StructuredOutputManager:
                 grammar.matcher = self._get_backend().new_matcher(compiled)
             except Exception as exc:  # noqa: BLE001 - any compile failure ends this request only
                 grammar.error = str(exc)
-                logger.warning("grammar for %s failed to compile: %s", log_safe(request.request_id, 100),
-                               log_safe(exc))
+                logger.warning(
+                    "grammar for %s failed to compile: %s",
+                    log_safe(request.request_id, 100),
+                    log_safe(exc),
+                )
                 request.status = RequestStatus.FINISHED_ERROR
         return True
 
@@ -79,8 +84,11 @@ class StructuredOutputManager:
             request = requests[req_id]
             # Only a chunk that reaches the end of the known tokens samples (this runs before
             # num_computed_tokens advances).
-            if grammar is None or grammar.matcher is None or (
-                    request.num_computed_tokens + num_new < request.num_tokens):
+            if (
+                grammar is None
+                or grammar.matcher is None
+                or (request.num_computed_tokens + num_new < request.num_tokens)
+            ):
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
             first_rows[req_id] = num_rows
@@ -116,7 +124,9 @@ class StructuredOutputManager:
             if grammar.matcher.is_terminated():
                 break
             if not grammar.matcher.accept_token(token_id):
-                logger.warning("grammar rejected token %d of %s", token_id, log_safe(request.request_id, 100))
+                logger.warning(
+                    "grammar rejected token %d of %s", token_id, log_safe(request.request_id, 100)
+                )
                 if not request.is_finished:
                     request.status = RequestStatus.FINISHED_ERROR
                 return
@@ -130,7 +140,9 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _fill_rows(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Tensor, first_row: int) -> None:
+def _fill_rows(
+    matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Tensor, first_row: int
+) -> None:
     """Row first_row + j: the mask after the first j drafts. The matcher advances over the
     drafts to fill the rows, then rolls back. After a draft the grammar rejects (drafts are
     validated, so only through a race) later rows repeat the last row: verification stops at
@@ -140,7 +152,7 @@ def _fill_rows(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Te
         if not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, first_row + j)
         if j == len(drafts) or not matcher.accept_token(drafts[j]):
-            bitmask[first_row + j + 1: first_row + len(drafts) + 1] = bitmask[first_row + j]
+            bitmask[first_row + j + 1 : first_row + len(drafts) + 1] = bitmask[first_row + j]
             break
         num_advanced += 1
     if num_advanced:
@@ -152,8 +164,13 @@ def bitmask_rows(mask: GrammarBitmask) -> np.ndarray:
     return np.frombuffer(mask.data, dtype=np.int32).reshape(mask.num_rows, mask.num_words)
 
 
-def pad_bitmask_rows(bitmask: np.ndarray | None, row_of: dict[str, int], req_ids: list[str],
-                     width: int, num_rows: list[int]) -> torch.Tensor | None:
+def pad_bitmask_rows(
+    bitmask: np.ndarray | None,
+    row_of: dict[str, int],
+    req_ids: list[str],
+    width: int,
+    num_rows: list[int],
+) -> torch.Tensor | None:
     """Grow the constrained rows to all sampled rows: `num_rows[i]` consecutive rows for
     request i (1 + its drafts). Unconstrained rows allow all."""
     if bitmask is None:
@@ -163,6 +180,8 @@ def pad_bitmask_rows(bitmask: np.ndarray | None, row_of: dict[str, int], req_ids
     for req_id, count in zip(req_ids, num_rows):
         row = row_of.get(req_id)
         if row is not None:
-            full[out_row: out_row + count] = torch.tensor(bitmask[row: row + count])  # a copy: may be read-only
+            full[out_row : out_row + count] = torch.tensor(
+                bitmask[row : row + count]
+            )  # a copy: may be read-only
         out_row += count
     return full

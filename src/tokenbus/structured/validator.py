@@ -43,8 +43,13 @@ class CompileCapacityError(RuntimeError):
 
 
 class StructuredOutputValidator:
-    def __init__(self, tokenizer, vocab_size: int, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 max_concurrent: int = DEFAULT_MAX_CONCURRENT) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._timeout_s = timeout_s
@@ -74,7 +79,9 @@ class StructuredOutputValidator:
             self._get_backend()  # its ~1 s of tokenizer work is not the spec's compile time
             # Waiting for a slot counts against the same deadline as the compile itself.
             if not self._slots.acquire(timeout=self._timeout_s):
-                error = CompileCapacityError("structured_outputs: every grammar compiler is busy; retry later")
+                error = CompileCapacityError(
+                    "structured_outputs: every grammar compiler is busy; retry later"
+                )
                 with self._lock:
                     self._running.pop(key, None)
                 future.set_exception(error)  # for those waiting on this compile
@@ -84,11 +91,14 @@ class StructuredOutputValidator:
             future.result(timeout=self._timeout_s)
         except concurrent.futures.TimeoutError:
             # Not remembered: the compile goes on, and its outcome is what a retry gets.
-            raise ValueError(f"structured_outputs: grammar compilation took longer than {self._timeout_s:g} s; "
-                             f"simplify the schema/regex") from None
+            raise ValueError(
+                f"structured_outputs: grammar compilation took longer than {self._timeout_s:g} s; "
+                f"simplify the schema/regex"
+            ) from None
 
-    def _start_compile(self, key: str, spec: StructuredOutputsParams,
-                       future: concurrent.futures.Future) -> None:
+    def _start_compile(
+        self, key: str, spec: StructuredOutputsParams, future: concurrent.futures.Future
+    ) -> None:
         def run() -> None:
             # Order: the outcome is remembered before the spec stops counting as running, so a
             # request arriving in between finds one of the two.

@@ -30,9 +30,19 @@ def parse_size(value: "int | float | str | None") -> int | None:
         return int(value)
     text = value.strip().lower().replace(" ", "")
     units = {
-        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-        "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "b": 1,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "tib": 1 << 40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "k": 1 << 10,
+        "m": 1 << 20,
+        "g": 1 << 30,
+        "t": 1 << 40,
+        "b": 1,
     }
     for suffix, scale in units.items():
         if text.endswith(suffix):
@@ -43,4 +53,6 @@ def parse_size(value: "int | float | str | None") -> int | None:
     try:
         return int(float(number) * scale)
     except ValueError:
-        raise ValueError(f"kv_cache_memory: cannot parse size {value!r} (e.g. '1GiB', '512MiB')") from None
+        raise ValueError(
+            f"kv_cache_memory: cannot parse size {value!r} (e.g. '1GiB', '512MiB')"
+        ) from None

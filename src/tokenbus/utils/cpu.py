@@ -123,7 +123,9 @@ class CpuFeatures:
         closest of the alternatives)."""
         if not self.is_x86:
             return ()  # torch's check is x86-only
-        missing = [tuple(f for f in option if f not in self.flags) for option in BF16_PACKED_LINEAR_FLAGS]
+        missing = [
+            tuple(f for f in option if f not in self.flags) for option in BF16_PACKED_LINEAR_FLAGS
+        ]
         return () if any(not m for m in missing) else missing[0]
 
     @property
@@ -132,8 +134,18 @@ class CpuFeatures:
 
     def describe(self) -> str:
         """One line for logs and benchmark records: ISA level and the bf16/AMX extras."""
-        extras = [f for f in ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
-                              "avx512_fp16") if f in self.flags]
+        extras = [
+            f
+            for f in (
+                "avx512_vnni",
+                "avx_vnni",
+                "avx512_bf16",
+                "amx_bf16",
+                "amx_int8",
+                "avx512_fp16",
+            )
+            if f in self.flags
+        ]
         capped = "" if self.cap == "native" else f" (capped by {CPU_ISA_ENV}={self.cap})"
         return f"{self.isa}" + (f" + {', '.join(extras)}" if extras else "") + capped
 
@@ -154,8 +166,9 @@ def available_cpus() -> int:
     return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
 
 
-def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
-                     ) -> float | None:
+def cgroup_cpu_quota(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> float | None:
     """CPUs' worth of time this process's cgroup may use per period (cgroup v2 cpu.max, or v1
     cfs_quota_us / cfs_period_us), or None when unlimited or unknown."""
     try:
@@ -169,7 +182,9 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Pa
             quota = _read_pair(root / rel / "cpu.max", " ")
         elif "cpu" in controllers.split(","):
             directory = root / controllers / rel
-            quota = _read_pair(directory / "cpu.cfs_quota_us", None, directory / "cpu.cfs_period_us")
+            quota = _read_pair(
+                directory / "cpu.cfs_quota_us", None, directory / "cpu.cfs_period_us"
+            )
         else:
             continue
         if quota is not None:

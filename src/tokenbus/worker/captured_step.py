@@ -60,8 +60,15 @@ class StepRunner(Protocol):
 class CapturedSteps:
     """Captures every size at warm-up (largest first) and replays the padded steps."""
 
-    def __init__(self, model: torch.nn.Module, runner: StepRunner, sizes: tuple[int, ...],
-                 buffers: InputBuffers, block_size: int, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        runner: StepRunner,
+        sizes: tuple[int, ...],
+        buffers: InputBuffers,
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+    ) -> None:
         self.model = model
         self.runner = runner
         self.dispatcher = CaptureDispatcher(sizes)
@@ -75,7 +82,9 @@ class CapturedSteps:
     def capture_all(self) -> None:
         """Largest first (a CUDA graph pool is sized by the first capture, smaller ones reuse it)."""
         for size in reversed(self.dispatcher.sizes):
-            batch = prepare_batch([], self.buffers, self.block_size, self.kv_caches, padded_size=size)
+            batch = prepare_batch(
+                [], self.buffers, self.block_size, self.kv_caches, padded_size=size
+            )
             batch.ctx.attn_metadata = self.model.attention_backend.prepare_for_capture(batch.ctx)
             self.runner.capture(size, batch)
 
@@ -96,17 +105,22 @@ class CapturedSteps:
 CPU_CAPTURES_BY_DEFAULT = False
 
 
-def capture_disabled_reason(config: EngineConfig, device: torch.device,
-                            model: torch.nn.Module | None = None) -> str | None:
+def capture_disabled_reason(
+    config: EngineConfig, device: torch.device, model: torch.nn.Module | None = None
+) -> str | None:
     """Why this engine runs every step eagerly (or, on CPU, on its C decode layers), or None."""
     if config.compilation.enforce_eager:
         return "--enforce-eager"
     if not config.compilation.cudagraph_capture_sizes:
         return "no capture sizes"
     if device.type == "cpu" and getattr(model, "decodes_in_c", False):
-        return ("each decoder layer of a decode step runs in one C call, faster than a compiled step at "
-                "every batch size measured (docs/benchmarks.md, \"Captured decode steps\")")
-    if device.type == "cpu" and not (config.compilation.capture_sizes_explicit or CPU_CAPTURES_BY_DEFAULT):
+        return (
+            "each decoder layer of a decode step runs in one C call, faster than a compiled step at "
+            'every batch size measured (docs/benchmarks.md, "Captured decode steps")'
+        )
+    if device.type == "cpu" and not (
+        config.compilation.capture_sizes_explicit or CPU_CAPTURES_BY_DEFAULT
+    ):
         return "on CPU a compiled step runs only for sizes listed with --cudagraph-capture-sizes"
     if config.kv_transfer is not None:
         return "a KV connector is configured (its per-layer hooks run in Python)"
@@ -117,8 +131,13 @@ def capture_disabled_reason(config: EngineConfig, device: torch.device,
     return None
 
 
-def make_captured_steps(config: EngineConfig, model: torch.nn.Module, buffers: InputBuffers,
-                        kv_caches: list[torch.Tensor], device: torch.device) -> CapturedSteps | None:
+def make_captured_steps(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    buffers: InputBuffers,
+    kv_caches: list[torch.Tensor],
+    device: torch.device,
+) -> CapturedSteps | None:
     """Capture every size now; None (eager steps) when disabled or, for default sizes, when
     capturing fails (one warning naming the cause). With explicit --cudagraph-capture-sizes a
     failure is an error."""
@@ -141,11 +160,20 @@ def make_captured_steps(config: EngineConfig, model: torch.nn.Module, buffers: I
     except Exception as exc:  # noqa: BLE001 - any failure to capture/compile falls back or fails clearly
         what = "CUDA graph capture" if device.type == "cuda" else "compiling the decode step"
         if config.compilation.capture_sizes_explicit:
-            raise RuntimeError(f"{what} failed for --cudagraph-capture-sizes {list(sizes)}: "
-                               f"{type(exc).__name__}: {exc}") from exc
-        logger.warning("%s failed, running every step eagerly (--enforce-eager silences this): %s: %s",
-                       what, type(exc).__name__, exc)
+            raise RuntimeError(
+                f"{what} failed for --cudagraph-capture-sizes {list(sizes)}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        logger.warning(
+            "%s failed, running every step eagerly (--enforce-eager silences this): %s: %s",
+            what,
+            type(exc).__name__,
+            exc,
+        )
         return None
-    logger.info("captured decode steps for batch sizes %s (%s)", list(sizes),
-                "CUDA graphs" if device.type == "cuda" else "compiled on CPU")
+    logger.info(
+        "captured decode steps for batch sizes %s (%s)",
+        list(sizes),
+        "CUDA graphs" if device.type == "cuda" else "compiled on CPU",
+    )
     return steps

@@ -68,7 +68,10 @@ def compile_counters() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
-    return {"fxgraph_cache_hit": inductor["fxgraph_cache_hit"], "fxgraph_cache_miss": inductor["fxgraph_cache_miss"]}
+    return {
+        "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
+    }
 
 
 class CompiledCpuRunner:
@@ -80,7 +83,9 @@ class CompiledCpuRunner:
         self.model = model
         sizes = config.compilation.cudagraph_capture_sizes
         # One entry per graph (size 1, the dynamic one); more would mean a shape we did not plan.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(sizes) + 2)
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, len(sizes) + 2
+        )
         self._forward = torch.compile(model.forward, fullgraph=True, options=INDUCTOR_OPTIONS)
         self._captured: set[int] = set()
 
@@ -103,10 +108,26 @@ def _mark_batch_dynamic(batch: PreparedBatch) -> None:
     import torch._dynamo
 
     ctx, plan = batch.ctx, batch.ctx.attn_metadata
-    tensors = [batch.input_ids, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens_t,
-               ctx.query_start_loc_t]
-    tensors += [getattr(plan, name) for name in ("query_start", "seq_lens", "block_tables", "reqs",
-                                                 "token_requests", "positions") if hasattr(plan, name)]
+    tensors = [
+        batch.input_ids,
+        ctx.positions,
+        ctx.slot_mapping,
+        ctx.block_tables,
+        ctx.seq_lens_t,
+        ctx.query_start_loc_t,
+    ]
+    tensors += [
+        getattr(plan, name)
+        for name in (
+            "query_start",
+            "seq_lens",
+            "block_tables",
+            "reqs",
+            "token_requests",
+            "positions",
+        )
+        if hasattr(plan, name)
+    ]
     for tensor in tensors:
         if tensor is not None:
             torch._dynamo.maybe_mark_dynamic(tensor, 0)

@@ -58,7 +58,9 @@ class StagedBuffer:
 
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         on_cuda = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=torch.int64, pin_memory=on_cuda and torch.cuda.is_available())
+        self.host = torch.zeros(
+            shape, dtype=torch.int64, pin_memory=on_cuda and torch.cuda.is_available()
+        )
         self.np = self.host.numpy()
         self.device = torch.zeros(shape, dtype=torch.int64, device=device) if on_cuda else self.host
 
@@ -84,13 +86,16 @@ class InputBuffers:
     sure the last step's copies have read them.
     """
 
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device
+    ) -> None:
         self.device = device
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
-        self.staged = {name: StagedBuffer((max_num_tokens,), device)
-                       for name in ("input_ids", "positions", "slot_mapping", "logits_indices")}
+        self.staged = {
+            name: StagedBuffer((max_num_tokens,), device)
+            for name in ("input_ids", "positions", "slot_mapping", "logits_indices")
+        }
         self.staged["block_table"] = StagedBuffer((max_num_reqs, max_blocks_per_req), device)
         self.staged["seq_lens"] = StagedBuffer((max_num_reqs,), device)
         self.staged["query_start_loc"] = StagedBuffer((max_num_reqs + 1,), device)
@@ -117,8 +122,13 @@ class InputBuffers:
             self._copies_done = None
 
 
-def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block_size: int,
-                  kv_caches: list[torch.Tensor], padded_size: int | None = None) -> PreparedBatch:
+def prepare_batch(
+    requests: list[ScheduledRequest],
+    buffers: InputBuffers,
+    block_size: int,
+    kv_caches: list[torch.Tensor],
+    padded_size: int | None = None,
+) -> PreparedBatch:
     """The step's inputs in `buffers`. With `padded_size` (a captured step: every request a
     single-token decode), padding requests fill rows up to padded_size: token 0 at position 0
     in slot 0 of the null block, seq_len 1, a block table of zeros; tables are then passed at
@@ -150,8 +160,8 @@ def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block
         num_tokens = num_reqs = padded_size
         table_width = buffers.block_table.shape[1]
     buffers.seq_lens[:num_reqs] = seq_lens
-    buffers.query_start_loc[:num_reqs + 1] = query_start_loc
-    buffers.logits_indices[:len(logits_rows)] = logits_rows
+    buffers.query_start_loc[: num_reqs + 1] = query_start_loc
+    buffers.logits_indices[: len(logits_rows)] = logits_rows
     view = buffers.device_view
     ctx = ForwardContext(
         positions=view("positions", num_tokens),
@@ -177,8 +187,13 @@ def prepare_batch(requests: list[ScheduledRequest], buffers: InputBuffers, block
     )
 
 
-def _fill_padding(buffers: InputBuffers, num_reqs: int, padded_size: int, query_start_loc: list[int],
-                  seq_lens: list[int]) -> None:
+def _fill_padding(
+    buffers: InputBuffers,
+    num_reqs: int,
+    padded_size: int,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+) -> None:
     """Rows [num_reqs, padded_size): one padding token each (decodes only, so row == token)."""
     if query_start_loc[-1] != num_reqs:
         raise ValueError("only a batch of single-token decodes can be padded to a capture size")
@@ -193,8 +208,9 @@ def _fill_padding(buffers: InputBuffers, num_reqs: int, padded_size: int, query_
     seq_lens.extend([1] * (padded_size - num_reqs))  # reads the key it wrote, in the null block
 
 
-def _fill_request(req: ScheduledRequest, buffers: InputBuffers, block_size: int,
-                  start: int, stop: int, row: int) -> None:
+def _fill_request(
+    req: ScheduledRequest, buffers: InputBuffers, block_size: int, start: int, stop: int, row: int
+) -> None:
     state = req.state
     first = state.num_computed_tokens
     block_ids = state.block_ids
@@ -202,14 +218,18 @@ def _fill_request(req: ScheduledRequest, buffers: InputBuffers, block_size: int,
     if req.is_decode:  # the common case, without numpy temporaries
         buffers.input_ids[start] = state.token_ids[first]
         buffers.positions[start] = first
-        buffers.slot_mapping[start] = block_ids[first // block_size] * block_size + first % block_size
+        buffers.slot_mapping[start] = (
+            block_ids[first // block_size] * block_size + first % block_size
+        )
         return
     # Known tokens first; positions past them are this step's draft tokens.
-    known = state.token_ids[first: first + req.num_new_tokens]
+    known = state.token_ids[first : first + req.num_new_tokens]
     tokens = known + req.draft_token_ids[: req.num_new_tokens - len(known)]
     positions = np.arange(first, first + req.num_new_tokens, dtype=np.int64)
     blocks = np.asarray(block_ids, dtype=np.int64)
     buffers.input_ids[start:stop] = tokens
     buffers.positions[start:stop] = positions
     # slot = block_id * block_size + offset within the block
-    buffers.slot_mapping[start:stop] = blocks[positions // block_size] * block_size + positions % block_size
+    buffers.slot_mapping[start:stop] = (
+        blocks[positions // block_size] * block_size + positions % block_size
+    )

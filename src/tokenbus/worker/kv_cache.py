@@ -16,9 +16,15 @@ def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int
     return arch.kv_bytes_per_token * block_size * element_size
 
 
-def determine_num_blocks(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype,
-                         device: torch.device, max_model_len: int, max_num_seqs: int,
-                         reserved_bytes: int = 0) -> int:
+def determine_num_blocks(
+    cache: CacheConfig,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    max_num_seqs: int,
+    reserved_bytes: int = 0,
+) -> int:
     """Blocks that fit the KV budget, less `reserved_bytes` (CUDA graphs) of a profiled budget;
     fails if one max_model_len request cannot fit."""
     per_block = bytes_per_block(arch, cache.block_size, dtype)
@@ -39,7 +45,8 @@ def determine_num_blocks(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype
             f"kv_cache_memory: {num_blocks} KV blocks ({num_blocks * per_block / 2**20:.1f} MiB) "
             f"cannot hold one request of max_model_len={max_model_len} tokens, which needs "
             f"{needed} blocks ({needed * per_block / 2**20:.1f} MiB). Raise --kv-cache-memory or "
-            f"lower --max-model-len.")
+            f"lower --max-model-len."
+        )
     return num_blocks
 
 
@@ -55,8 +62,9 @@ def _kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
     return DEFAULT_CPU_KV_CACHE_MEMORY
 
 
-def allocate_kv_caches(arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
     """One zeroed tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
     shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
     if device.type == "cpu":

@@ -15,7 +15,12 @@ from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.loader import ModelSource, iter_weights
-from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, INT_TILES_ANY_ROWS_ISAS, TileModes
+from tokenbus.model.layers.quantized import (
+    BF16_AUTO_MIN_ROWS,
+    GEMM_FROM_ROWS,
+    INT_TILES_ANY_ROWS_ISAS,
+    TileModes,
+)
 from tokenbus.model.native import NativeBuildError, QuantKernels, load_quant_kernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
@@ -24,9 +29,17 @@ from tokenbus.utils.cpu import CpuFeatures
 logger = logging.getLogger(__name__)
 
 
-def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: torch.device | str,
-               attention_backend: str = "auto", tp: TensorParallel = SINGLE,
-               quantization: str = "none", quant_activations: str = "auto", enforce_eager: bool = False) -> nn.Module:
+def load_model(
+    src: ModelSource,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attention_backend: str = "auto",
+    tp: TensorParallel = SINGLE,
+    quantization: str = "none",
+    quant_activations: str = "auto",
+    enforce_eager: bool = False,
+) -> nn.Module:
     """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
     in their blocks when `quantization` resolves to gguf (resolve_quantization), their decode
     calls on int16, int8, fp32 or (AVX512-BF16) bf16 activations (`quant_activations`: ModelConfig). Decode steps
@@ -34,8 +47,10 @@ def load_model(src: ModelSource, arch: ModelArch, dtype: torch.dtype, device: to
     model_class = get_model_class(arch.architecture)
     keep_quantized = resolve_quantization(quantization, src, torch.device(device), tp) == "gguf"
     if quant_activations in ("int8", "int16", "bf16") and not keep_quantized:
-        raise ValueError(f"quant_activations {quant_activations!r} needs GGUF weights kept quantized "
-                         f"(--quantization gguf)")
+        raise ValueError(
+            f"quant_activations {quant_activations!r} needs GGUF weights kept quantized "
+            f"(--quantization gguf)"
+        )
     with torch.device(device), _default_dtype(dtype):
         model = model_class(arch, tp)  # parameters allocated uninitialised, in place (never
         # written, so never resident, for weights that stay quantized)
@@ -57,15 +72,23 @@ def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> Tile
     any_rows = not engine and kernels is not None and kernels.isa in INT_TILES_ANY_ROWS_ISAS
     if requested == "bf16":
         if not engine:
-            raise ValueError("quant_activations 'bf16' needs AVX512-BF16 (avx512_bf16; AMX tiles where the "
-                             f"kernel grants them); this CPU: {CpuFeatures.detect().describe()}")
+            raise ValueError(
+                "quant_activations 'bf16' needs AVX512-BF16 (avx512_bf16; AMX tiles where the "
+                f"kernel grants them); this CPU: {CpuFeatures.detect().describe()}"
+            )
         return TileModes("bf16", 1, 0)
     if requested == "auto":
-        return TileModes("int16", BF16_AUTO_MIN_ROWS.get(engine, 0), 0 if any_rows else GEMM_FROM_ROWS)
-    return TileModes(requested, 0, 0 if any_rows and requested in ("int8", "int16") else GEMM_FROM_ROWS)
+        return TileModes(
+            "int16", BF16_AUTO_MIN_ROWS.get(engine, 0), 0 if any_rows else GEMM_FROM_ROWS
+        )
+    return TileModes(
+        requested, 0, 0 if any_rows and requested in ("int8", "int16") else GEMM_FROM_ROWS
+    )
 
 
-def quantization_problem(src: ModelSource, device: torch.device, tp: TensorParallel | int) -> str | None:
+def quantization_problem(
+    src: ModelSource, device: torch.device, tp: TensorParallel | int
+) -> str | None:
     """Why GGUF weights cannot stay quantized here, or None."""
     tp_size = tp if isinstance(tp, int) else tp.size
     if src.kind != "gguf":
@@ -77,9 +100,10 @@ def quantization_problem(src: ModelSource, device: torch.device, tp: TensorParal
     return None
 
 
-def resolve_quantization(requested: str, src: ModelSource, device: torch.device,
-                         tp: TensorParallel | int = 1) -> str:
-    """"gguf" or "none". auto picks gguf where it can run and the kernels build; an explicit
+def resolve_quantization(
+    requested: str, src: ModelSource, device: torch.device, tp: TensorParallel | int = 1
+) -> str:
+    """ "gguf" or "none". auto picks gguf where it can run and the kernels build; an explicit
     gguf that cannot run is a ValueError with the reason."""
     if requested == "none":
         return "none"

@@ -30,9 +30,16 @@ from tokenbus.worker.spec_decode import (
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ModelArch, model: torch.nn.Module,
-                 kv_caches: list[torch.Tensor], device: torch.device,
-                 eos_token_id: int | None, kv_connector: KVConnectorWorker | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        eos_token_id: int | None,
+        kv_connector: KVConnectorWorker | None = None,
+    ) -> None:
         self.config = config
         self.arch = arch
         self.model = model
@@ -63,7 +70,9 @@ class ModelRunner:
         """Record the decode step of every capture size (warm-up, after the KV cache exists);
         steps stay eager when capture is off or fails (captured_step.make_captured_steps)."""
         with torch.inference_mode():
-            self.captured = make_captured_steps(self.config, self.model, self.buffers, self.kv_caches, self.device)
+            self.captured = make_captured_steps(
+                self.config, self.model, self.buffers, self.kv_caches, self.device
+            )
 
     # ------------------------------------------------------------------ state updates
     def update_states(self, so: SchedulerOutput) -> None:
@@ -73,12 +82,18 @@ class ModelRunner:
         # samples the same stream after it resumes); their blocks come anew on resume.
         for new in so.scheduled_new_reqs:
             old = self.requests.get(new.req_id)
-            generator = old.generator if old is not None else self._make_generator(new.sampling_params.seed)
+            generator = (
+                old.generator if old is not None else self._make_generator(new.sampling_params.seed)
+            )
             self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
-                output_token_ids=list(new.output_token_ids), sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=generator)
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -114,16 +129,19 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         scheduled = [
-            ScheduledRequest(self.requests[req_id], num_new,
-                             so.scheduled_spec_decode_tokens.get(req_id, []),
-                             pools=self.requests[req_id].sampling_params.pooling is not None)
+            ScheduledRequest(
+                self.requests[req_id],
+                num_new,
+                so.scheduled_spec_decode_tokens.get(req_id, []),
+                pools=self.requests[req_id].sampling_params.pooling is not None,
+            )
             for req_id, num_new in so.num_scheduled_tokens.items()
         ]
         padded_size = self.captured.padded_size(scheduled) if self.captured is not None else None
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches, padded_size)
         batch.ctx.kv_connector = self.kv_connector
         if padded_size is not None:
-            hidden = self.captured.run(batch)[:batch.num_tokens]  # padding rows are never sampled
+            hidden = self.captured.run(batch)[: batch.num_tokens]  # padding rows are never sampled
         else:
             batch.ctx.attn_metadata = self.model.attention_backend.build_metadata(batch.ctx)
             hidden = self.model(batch.input_ids, batch.ctx)
@@ -136,8 +154,9 @@ class ModelRunner:
             output.spec_token_ids = self._propose(batch, sampled)
         return output
 
-    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor, so: SchedulerOutput
-                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+    def _sample(
+        self, batch: PreparedBatch, hidden: torch.Tensor, so: SchedulerOutput
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
         """Tokens (and logprobs) per sampling request: one, or accepted drafts + one."""
         if not batch.sampling_requests:
             return [], None
@@ -151,9 +170,13 @@ class ModelRunner:
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         if so.grammar_bitmask is not None:
             constrained = bitmask_rows(so.grammar_bitmask)
-            bitmask = pad_bitmask_rows(constrained, so.structured_output_request_ids,
-                                       [state.req_id for state in states], constrained.shape[1],
-                                       batch.num_logits_per_request)
+            bitmask = pad_bitmask_rows(
+                constrained,
+                so.structured_output_request_ids,
+                [state.req_id for state in states],
+                constrained.shape[1],
+                batch.num_logits_per_request,
+            )
             meta.grammar_bitmask = bitmask.to(self.device)
         if verifies:
             spec = SpecDecodeMetadata.build(drafts, self.device)
@@ -166,13 +189,19 @@ class ModelRunner:
         if lp_tensors is None:
             return tokens, None
         per_row = to_token_logprobs(lp_tensors, [row.params.logprobs for row in rows])
-        return tokens, [None if per_row[first] is None else per_row[first: first + len(t)]
-                        for first, t in zip(first_rows, tokens)]
+        return tokens, [
+            None if per_row[first] is None else per_row[first : first + len(t)]
+            for first, t in zip(first_rows, tokens)
+        ]
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
-        return SamplingRow(params=state.sampling_params, prompt_token_ids=state.prompt_token_ids,
-                           output_token_ids=state.output_token_ids, generator=state.generator,
-                           stop_ids_for_min_tokens=self._stop_token_ids(state.sampling_params))
+        return SamplingRow(
+            params=state.sampling_params,
+            prompt_token_ids=state.prompt_token_ids,
+            output_token_ids=state.output_token_ids,
+            generator=state.generator,
+            stop_ids_for_min_tokens=self._stop_token_ids(state.sampling_params),
+        )
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
         stop_ids = list(params.stop_token_ids)
@@ -180,8 +209,12 @@ class ModelRunner:
             stop_ids.append(self.eos_token_id)
         return stop_ids
 
-    def _make_output(self, batch: PreparedBatch, sampled: list[list[int]],
-                     logprobs: list[list[TokenLogprobs] | None] | None) -> ModelRunnerOutput:
+    def _make_output(
+        self,
+        batch: PreparedBatch,
+        sampled: list[list[int]],
+        logprobs: list[list[TokenLogprobs] | None] | None,
+    ) -> ModelRunnerOutput:
         req_ids = [r.state.req_id for r in batch.requests]
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         all_logprobs: list | None = [None] * len(req_ids) if logprobs is not None else None
@@ -190,8 +223,9 @@ class ModelRunner:
             sampled_token_ids[batch_index] = sampled[row]
             if all_logprobs is not None:
                 all_logprobs[batch_index] = logprobs[row]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
-                                 logprobs=all_logprobs)
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=all_logprobs
+        )
 
     def _propose(self, batch: PreparedBatch, sampled: list[list[int]]) -> list[list[int]]:
         """Drafts for next step, per request in batch order (after the step's tokens were appended)."""
@@ -199,7 +233,14 @@ class ModelRunner:
         for row, batch_index in enumerate(batch.sampling_requests):
             emitted[batch_index] = sampled[row]
         max_model_len = self.config.scheduler.max_model_len
-        caps = [draft_cap(req.state, self.num_spec_tokens, max_model_len,
-                          self._stop_token_ids(req.state.sampling_params), tokens)
-                for req, tokens in zip(batch.requests, emitted)]
+        caps = [
+            draft_cap(
+                req.state,
+                self.num_spec_tokens,
+                max_model_len,
+                self._stop_token_ids(req.state.sampling_params),
+                tokens,
+            )
+            for req, tokens in zip(batch.requests, emitted)
+        ]
         return self.proposer.propose(batch, [tokens is not None for tokens in emitted], caps)

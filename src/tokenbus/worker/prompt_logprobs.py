@@ -19,8 +19,9 @@ from tokenbus.worker.sampler import gather_logprobs, to_token_logprobs
 LOGITS_SLICE = 256
 
 
-def compute_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, batch: PreparedBatch
-                            ) -> tuple[list[list[TokenLogprobs] | None], list[int]] | None:
+def compute_prompt_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, batch: PreparedBatch
+) -> tuple[list[list[TokenLogprobs] | None], list[int]] | None:
     """Per request in batch order: its chunk's prompt logprobs ([] when the chunk predicts no
     prompt token; None when it did not ask), and the prompt position of the chunk's first entry
     (a request preempted mid-prefill recomputes from position 1: the front end must know where
@@ -46,7 +47,9 @@ def compute_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, batch:
     if not asked:
         return None
     result: list[list[TokenLogprobs] | None] = [
-        [] if req.state.sampling_params.prompt_logprobs is not None else None for req in batch.requests]
+        [] if req.state.sampling_params.prompt_logprobs is not None else None
+        for req in batch.requests
+    ]
     starts = [req.state.num_computed_tokens + 1 for req in batch.requests]
     for begin in range(0, len(rows), LOGITS_SLICE):
         end = begin + LOGITS_SLICE

@@ -69,7 +69,9 @@ class Sampler:
         return exponential_race(sampling_probs(logits, meta), meta.generators, self.generator)
 
 
-def prepare_logits(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prepare_logits(
+    logits: torch.Tensor, meta: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What every sampler does first, in this order: fp32; the grammar bitmask; the raw
     logprobs when a row asked for them (after the mask, as in vLLM: reported logprobs are those
     of the allowed tokens; before the processors); then the logits processors. May work in
@@ -106,8 +108,9 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
     return logits
 
 
-def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
-                    sampled: torch.Tensor) -> LogprobsTensors:
+def gather_logprobs(
+    logprobs: torch.Tensor, num_logprobs: int, sampled: torch.Tensor
+) -> LogprobsTensors:
     """The sampled token's logprob and rank, then the top-`num_logprobs` of each row."""
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # [B, n]
     sampled_logprobs = logprobs.gather(-1, sampled.unsqueeze(-1))  # [B, 1]
@@ -119,16 +122,19 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
     )
 
 
-def to_token_logprobs(tensors: LogprobsTensors,
-                      num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
+def to_token_logprobs(
+    tensors: LogprobsTensors, num_logprobs: list[int | None]
+) -> list[TokenLogprobs | None]:
     """One TokenLogprobs per row (sampled token first, then its own top-n); None where a row
     did not ask for logprobs. `num_logprobs[i]` is row i's `SamplingParams.logprobs`."""
     token_ids = tensors.token_ids.tolist()
     logprobs = tensors.logprobs.tolist()
     ranks = tensors.sampled_ranks.tolist()
     return [
-        None if n is None else TokenLogprobs(token_ids=token_ids[i][:1 + n],
-                                             logprobs=logprobs[i][:1 + n],
-                                             sampled_rank=ranks[i])
+        None
+        if n is None
+        else TokenLogprobs(
+            token_ids=token_ids[i][: 1 + n], logprobs=logprobs[i][: 1 + n], sampled_rank=ranks[i]
+        )
         for i, n in enumerate(num_logprobs)
     ]

@@ -61,8 +61,9 @@ class SamplingMetadata:
         return self.output_token_counts is not None
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], vocab_size: int,
-              device: torch.device | str = "cpu") -> "SamplingMetadata":
+    def build(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> "SamplingMetadata":
         params = [row.params for row in rows]
         is_greedy = [p.is_greedy for p in params]
         random_params = [p for p in params if not p.is_greedy]
@@ -78,13 +79,17 @@ class SamplingMetadata:
             top_k=_top_k(params, vocab_size, device),
             top_p=_per_row(params, lambda p: p.top_p, off=1.0, device=device),
             min_p=_per_row(params, lambda p: p.min_p, off=0.0, device=device),
-            generators={i: row.generator for i, row in enumerate(rows)
-                        if row.generator is not None and not row.params.is_greedy},
+            generators={
+                i: row.generator
+                for i, row in enumerate(rows)
+                if row.generator is not None and not row.params.is_greedy
+            },
             **_penalties(rows, vocab_size, device),
             **_logit_bias(rows, vocab_size, device),
             min_tokens_indices=_min_tokens_indices(rows, vocab_size, device),
-            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
-                                 default=None),
+            max_num_logprobs=max(
+                (p.logprobs for p in params if p.logprobs is not None), default=None
+            ),
         )
 
 
@@ -100,18 +105,24 @@ def _temperature(params: list[SamplingParams], device: torch.device | str) -> to
     return _tensor(values, torch.float32, device)
 
 
-def _top_k(params: list[SamplingParams], vocab_size: int,
-           device: torch.device | str) -> torch.Tensor | None:
+def _top_k(
+    params: list[SamplingParams], vocab_size: int, device: torch.device | str
+) -> torch.Tensor | None:
     # top_k of 0 or -1 (or >= V) disables it.
-    values = [vocab_size if p.is_greedy or p.top_k <= 0 else min(p.top_k, vocab_size)
-              for p in params]
+    values = [
+        vocab_size if p.is_greedy or p.top_k <= 0 else min(p.top_k, vocab_size) for p in params
+    ]
     if all(v == vocab_size for v in values):
         return None
     return _tensor(values, torch.long, device)
 
 
-def _per_row(params: list[SamplingParams], get: Callable[[SamplingParams], float],
-             off: float, device: torch.device | str) -> torch.Tensor | None:
+def _per_row(
+    params: list[SamplingParams],
+    get: Callable[[SamplingParams], float],
+    off: float,
+    device: torch.device | str,
+) -> torch.Tensor | None:
     """A Float[B] of a random-sampling setting, or None when every row has it at `off`."""
     values = [off if p.is_greedy else float(get(p)) for p in params]
     if all(v == off for v in values):
@@ -132,15 +143,22 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device | 
         repetition_penalty=_tensor(repetition, torch.float32, device) if uses_repetition else None,
         presence_penalty=_tensor(presence, torch.float32, device) if uses_presence else None,
         frequency_penalty=_tensor(frequency, torch.float32, device) if uses_frequency else None,
-        prompt_token_mask=(_token_counts([r.prompt_token_ids for r in rows], vocab_size, device) > 0
-                           if uses_repetition else None),
-        output_token_counts=(_token_counts([r.output_token_ids for r in rows], vocab_size, device)
-                             if uses_any else None),
+        prompt_token_mask=(
+            _token_counts([r.prompt_token_ids for r in rows], vocab_size, device) > 0
+            if uses_repetition
+            else None
+        ),
+        output_token_counts=(
+            _token_counts([r.output_token_ids for r in rows], vocab_size, device)
+            if uses_any
+            else None
+        ),
     )
 
 
-def _token_counts(token_lists: list[list[int]], vocab_size: int,
-                  device: torch.device | str) -> torch.Tensor:
+def _token_counts(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
     """Float[B, V]: how often each token id occurs in each row's list."""
     token_ids = _tensor([t for ids in token_lists for t in ids], torch.long, device)  # [N]
     lengths = _tensor([len(ids) for ids in token_lists], torch.long, device)  # [B]
@@ -151,27 +169,34 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int,
 
 
 def _logit_bias(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> dict:
-    pairs = [(i, int(token_id), float(bias))
-             for i, row in enumerate(rows)
-             for token_id, bias in (row.params.logit_bias or {}).items()]
+    pairs = [
+        (i, int(token_id), float(bias))
+        for i, row in enumerate(rows)
+        for token_id, bias in (row.params.logit_bias or {}).items()
+    ]
     if not pairs:
         return dict(logit_bias_indices=None, logit_bias_values=None)
     bad = [token_id for _, token_id, _ in pairs if not 0 <= token_id < vocab_size]
     if bad:  # the front door validates; this guards against a crash deep in a kernel
         raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})")
     row_ids, token_ids, values = zip(*pairs)
-    return dict(logit_bias_indices=_tensor([row_ids, token_ids], torch.long, device),
-                logit_bias_values=_tensor(list(values), torch.float32, device))
+    return dict(
+        logit_bias_indices=_tensor([row_ids, token_ids], torch.long, device),
+        logit_bias_values=_tensor(list(values), torch.float32, device),
+    )
 
 
-def _min_tokens_indices(rows: list[SamplingRow], vocab_size: int,
-                        device: torch.device | str) -> torch.Tensor | None:
+def _min_tokens_indices(
+    rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+) -> torch.Tensor | None:
     # Ids outside the vocabulary can never be sampled, so they need no mask.
-    pairs = [(i, token_id)
-             for i, row in enumerate(rows)
-             if len(row.output_token_ids) < row.params.min_tokens
-             for token_id in set(row.stop_ids_for_min_tokens)
-             if 0 <= token_id < vocab_size]
+    pairs = [
+        (i, token_id)
+        for i, row in enumerate(rows)
+        if len(row.output_token_ids) < row.params.min_tokens
+        for token_id in set(row.stop_ids_for_min_tokens)
+        if 0 <= token_id < vocab_size
+    ]
     if not pairs:
         return None
     return _tensor(list(zip(*pairs)), torch.long, device)  # [2, M]

@@ -31,8 +31,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     """
     vocab_size = logits.shape[1]
     if bitmask.shape[1] * _BITS_PER_WORD < vocab_size:
-        raise ValueError(f"grammar bitmask has {bitmask.shape[1]} words per row, "
-                         f"too few for a vocabulary of {vocab_size}")
+        raise ValueError(
+            f"grammar bitmask has {bitmask.shape[1]} words per row, "
+            f"too few for a vocabulary of {vocab_size}"
+        )
     bitmask = bitmask.to(device=logits.device, dtype=torch.int32)
     rows = (bitmask != -1).any(dim=1).nonzero().squeeze(1)  # [R]: constrained rows
     if rows.numel() == 0:
@@ -62,8 +64,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Top-k, then top-p on the distribution that top-k left. Rows with k = V / p = 1 are off."""
     if top_k is not None:
         logits = apply_top_k(logits, top_k)
@@ -88,8 +91,9 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < kth_largest, _NEG_INF)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor,
-                num_candidates: int = _TOP_P_CANDIDATES) -> torch.Tensor:
+def apply_top_p(
+    logits: torch.Tensor, top_p: torch.Tensor, num_candidates: int = _TOP_P_CANDIDATES
+) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability reaches top_p: a token
     stays while the tokens ranked above it hold less than p.
 
@@ -106,8 +110,9 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor,
     return logits.masked_fill_(~keep, _NEG_INF)
 
 
-def _top_p_keep(probs: torch.Tensor, top_p: torch.Tensor,
-                num_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_p_keep(
+    probs: torch.Tensor, top_p: torch.Tensor, num_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Bool[B, V] tokens to keep among each row's top candidates, and Bool[B] rows whose
     candidates hold at least p (only for those is the answer final). p >= 1 keeps all."""
     top_probs, top_ids = probs.topk(num_candidates, dim=-1)  # [B, C], descending
@@ -131,8 +136,11 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                     default_generator: torch.Generator | None) -> torch.Tensor:
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    default_generator: torch.Generator | None,
+) -> torch.Tensor:
     """Sample one token per row as argmax(probs / q), q ~ Exp(1) i.i.d. — exact sampling.
 
     Seeded rows draw their V numbers from their own generator, the others from

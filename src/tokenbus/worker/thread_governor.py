@@ -69,8 +69,13 @@ class ThreadGovernor:
     """begin_step() before each step answers the thread count to use (1..ceiling);
     end_step() after it."""
 
-    def __init__(self, ceiling: int, sampler: Callable[[], CpuSample | None] = read_cpu_sample,
-                 window_s: float = WINDOW_S, max_gap_s: float = MAX_GAP_S) -> None:
+    def __init__(
+        self,
+        ceiling: int,
+        sampler: Callable[[], CpuSample | None] = read_cpu_sample,
+        window_s: float = WINDOW_S,
+        max_gap_s: float = MAX_GAP_S,
+    ) -> None:
         self.ceiling = ceiling
         self.threads = ceiling
         self._sampler = sampler
@@ -98,7 +103,10 @@ class ThreadGovernor:
             self._start = end  # a failed read: start the window again
             return self.threads
         span = end.wall - self._start.wall
-        waited, idle = (end.waited - self._start.waited) / span, (end.idle - self._start.idle) / span
+        waited, idle = (
+            (end.waited - self._start.waited) / span,
+            (end.idle - self._start.idle) / span,
+        )
         self._start = end
         self._busy_windows = self._busy_windows + 1 if waited > DOWN_WAIT else 0
         if self._busy_windows >= DOWN_WINDOWS and self.threads > 1:
@@ -107,7 +115,9 @@ class ThreadGovernor:
                 self._hold_s = min(2 * self._hold_s, MAX_HOLD_S)
             self.threads -= 1
             self._last_drop = now
-        elif idle > UP_IDLE and self.threads < self.ceiling and now - self._last_drop >= self._hold_s:
+        elif (
+            idle > UP_IDLE and self.threads < self.ceiling and now - self._last_drop >= self._hold_s
+        ):
             self.threads += 1
             self._last_raise = now
         return self.threads

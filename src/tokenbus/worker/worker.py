@@ -52,8 +52,13 @@ def resolve_kv_cache_dtype(config: EngineConfig, src: ModelSource | None) -> tor
         return _DTYPES[config.cache.kv_cache_dtype]
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    quantized = src is not None and resolve_quantization(config.model.quantization, src, device,
-                                                         config.parallel.tensor_parallel_size) == "gguf"
+    quantized = (
+        src is not None
+        and resolve_quantization(
+            config.model.quantization, src, device, config.parallel.tensor_parallel_size
+        )
+        == "gguf"
+    )
     return torch.float16 if device.type == "cpu" and dtype == torch.float32 and quantized else dtype
 
 
@@ -61,8 +66,10 @@ def cpu_dtype_warning(dtype: torch.dtype, cpu: CpuFeatures) -> str | None:
     """bf16 runs everywhere (portable kernels where oneDNN's packed path is refused), but on a
     CPU without bf16 dot products it is emulated and slower than float32: say so once."""
     if dtype == torch.bfloat16 and not cpu.has_bf16_dot:
-        return (f"dtype bfloat16 on a CPU without bf16 instructions ({', '.join(BF16_DOT_FLAGS)}): "
-                f"it runs correctly but emulated, slower than float32 (the CPU default)")
+        return (
+            f"dtype bfloat16 on a CPU without bf16 instructions ({', '.join(BF16_DOT_FLAGS)}): "
+            f"it runs correctly but emulated, slower than float32 (the CPU default)"
+        )
     return None
 
 
@@ -71,9 +78,16 @@ class Worker:
     (engine/executor/abstract.py): init_device → load_model → determine_num_kv_blocks →
     initialize_kv_cache(num_blocks), the block count chosen by the engine."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource, arch: ModelArch,
-                 eos_token_id: int | None, rank: int = 0, distributed_init_method: str | None = None,
-                 local_device_index: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        arch: ModelArch,
+        eos_token_id: int | None,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+        local_device_index: int | None = None,
+    ) -> None:
         """`distributed_init_method` (tcp://host:port) joins the ranks of a tensor-parallel
         engine; one rank needs none. `local_device_index`: the GPU this rank uses when a
         scheduler (Ray) has already narrowed what it sees; default: one GPU per rank of the
@@ -98,7 +112,9 @@ class Worker:
     def init_device(self) -> None:
         self.device = resolve_device(self.config.model.device)
         parallel = self.config.parallel
-        if self.device.type == "cuda" and (parallel.world_size > 1 or parallel.data_parallel_size > 1):
+        if self.device.type == "cuda" and (
+            parallel.world_size > 1 or parallel.data_parallel_size > 1
+        ):
             # One GPU per rank: engine d's rank r takes GPU d * tp + r (before NCCL starts).
             index = self.local_device_index
             if index is None:
@@ -106,8 +122,9 @@ class Worker:
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         if parallel.world_size > 1:
-            self.tp = init_tensor_parallel(self.rank, parallel.world_size, self.distributed_init_method,
-                                           self.device)
+            self.tp = init_tensor_parallel(
+                self.rank, parallel.world_size, self.distributed_init_method, self.device
+            )
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(self.config))
             if governs_threads(self.config) and torch.get_num_threads() > 1:
@@ -123,21 +140,38 @@ class Worker:
                 logger.warning(warning)
 
     def load_model(self) -> None:
-        self.model = load_model(self.source, self.arch, self.dtype, self.device,
-                                self.config.model.attention_backend, self.tp, self.config.model.quantization,
-                                self.config.model.quant_activations, self.config.compilation.enforce_eager)
+        self.model = load_model(
+            self.source,
+            self.arch,
+            self.dtype,
+            self.device,
+            self.config.model.attention_backend,
+            self.tp,
+            self.config.model.quantization,
+            self.config.model.quant_activations,
+            self.config.compilation.enforce_eager,
+        )
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold after its weights and its CUDA graphs (what it measures,
         not what it gets)."""
-        return determine_num_blocks(self.config.cache, self.rank_arch, self.kv_dtype, self.device,
-                                    self.config.scheduler.max_model_len, self.config.scheduler.max_num_seqs,
-                                    reserved_bytes=self._graph_memory_bytes())
+        return determine_num_blocks(
+            self.config.cache,
+            self.rank_arch,
+            self.kv_dtype,
+            self.device,
+            self.config.scheduler.max_model_len,
+            self.config.scheduler.max_num_seqs,
+            reserved_bytes=self._graph_memory_bytes(),
+        )
 
     def _graph_memory_bytes(self) -> int:
         """On CUDA with captured steps: what capturing the largest size takes, measured on a
         throwaway two-block KV cache (0 if that capture fails: the real one will say why)."""
-        if self.device.type != "cuda" or capture_disabled_reason(self.config, self.device) is not None:
+        if (
+            self.device.type != "cuda"
+            or capture_disabled_reason(self.config, self.device) is not None
+        ):
             return 0
         from tokenbus.worker.cuda_graphs import CudaGraphRunner, profile_graph_memory
 
@@ -145,11 +179,23 @@ class Worker:
         block_size = self.config.cache.block_size
 
         def capture_largest() -> CapturedSteps:
-            kv_caches = allocate_kv_caches(self.rank_arch, 2, block_size, self.kv_dtype, self.device)
-            buffers = InputBuffers(largest, largest, cdiv(self.config.scheduler.max_model_len, block_size) + 1,
-                                   self.device)
-            steps = CapturedSteps(self.model, CudaGraphRunner(self.model, self.device), (largest,), buffers,
-                                  block_size, kv_caches)
+            kv_caches = allocate_kv_caches(
+                self.rank_arch, 2, block_size, self.kv_dtype, self.device
+            )
+            buffers = InputBuffers(
+                largest,
+                largest,
+                cdiv(self.config.scheduler.max_model_len, block_size) + 1,
+                self.device,
+            )
+            steps = CapturedSteps(
+                self.model,
+                CudaGraphRunner(self.model, self.device),
+                (largest,),
+                buffers,
+                block_size,
+                kv_caches,
+            )
             with torch.inference_mode():
                 steps.capture_all()
             return steps
@@ -159,34 +205,58 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - reported by the real capture
             logger.debug("profiling CUDA graph memory failed: %s", exc)
             return 0
-        logger.info("CUDA graphs: %.1f MiB for the largest capture size (%d), kept out of the KV budget",
-                    graph_bytes / 2**20, largest)
+        logger.info(
+            "CUDA graphs: %.1f MiB for the largest capture size (%d), kept out of the KV budget",
+            graph_bytes / 2**20,
+            largest,
+        )
         return graph_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        kv_caches = allocate_kv_caches(self.rank_arch, num_blocks, self.config.cache.block_size,
-                                       self.kv_dtype, self.device)
+        kv_caches = allocate_kv_caches(
+            self.rank_arch, num_blocks, self.config.cache.block_size, self.kv_dtype, self.device
+        )
         kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
-        logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks,
-                    self.config.cache.block_size, self.kv_dtype, self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%s, %s)",
+            num_blocks,
+            self.config.cache.block_size,
+            self.kv_dtype,
+            self.device,
+        )
         # KV tensors are zero-filled lazily by the OS: RSS grows as blocks are first written.
-        logger.info("memory: weights %.1f MiB, KV cache %.1f MiB (resident as blocks fill), peak RSS %.1f MiB",
-                    model_weight_bytes(self.model) / 2**20, kv_bytes / 2**20, peak_rss_bytes() / 2**20)
+        logger.info(
+            "memory: weights %.1f MiB, KV cache %.1f MiB (resident as blocks fill), peak RSS %.1f MiB",
+            model_weight_bytes(self.model) / 2**20,
+            kv_bytes / 2**20,
+            peak_rss_bytes() / 2**20,
+        )
         self.kv_connector = None
         if self.config.kv_transfer is not None:
-            ctx = connector_context(self.config.kv_transfer,
-                                    connector_layout(self.config, self.rank_arch, self.source),
-                                    self.config.parallel.data_parallel_rank)
+            ctx = connector_context(
+                self.config.kv_transfer,
+                connector_layout(self.config, self.rank_arch, self.source),
+                self.config.parallel.data_parallel_rank,
+            )
             self.kv_connector = make_worker_connector(ctx)
             self.kv_connector.register_kv_caches(kv_caches)
-        self.runner = ModelRunner(self.config, self.arch, self.model, kv_caches, self.device,
-                                  self.eos_token_id, self.kv_connector)
+        self.runner = ModelRunner(
+            self.config,
+            self.arch,
+            self.model,
+            kv_caches,
+            self.device,
+            self.eos_token_id,
+            self.kv_connector,
+        )
         self.runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs the step (and samples the same tokens from the same gathered
         logits, so their request states stay equal); only rank 0 reports it."""
-        if self.governor is not None and (threads := self.governor.begin_step()) != (before := torch.get_num_threads()):
+        if self.governor is not None and (threads := self.governor.begin_step()) != (
+            before := torch.get_num_threads()
+        ):
             reason = "other processes share these cores" if threads < before else "a core came free"
             logger.info("CPU threads %d -> %d (%s)", before, threads, reason)
             torch.set_num_threads(threads)
@@ -207,8 +277,13 @@ class Worker:
 
 def connector_layout(config: EngineConfig, arch: ModelArch, src: ModelSource | None) -> KVLayout:
     """The KV layout a connector keys and checks blocks by (both halves compute the same)."""
-    return kv_layout(config.model.model or "smollm2", resolve_kv_cache_dtype(config, src), config.model.quantization,
-                     config.cache.block_size, arch)
+    return kv_layout(
+        config.model.model or "smollm2",
+        resolve_kv_cache_dtype(config, src),
+        config.model.quantization,
+        config.cache.block_size,
+        arch,
+    )
 
 
 def cpu_threads(config: EngineConfig) -> int:
@@ -227,8 +302,13 @@ def governs_threads(config: EngineConfig) -> bool:
     quota below the affinity mask (the mask's idle CPUs are not ours to take); not with
     compiled CPU steps (a compiled graph keeps the count it was compiled with)."""
     parallel = config.parallel
-    return (config.model.num_threads is None and parallel.world_size == 1 and parallel.data_parallel_size == 1
-            and available_cpus() >= usable_affinity_cpus() and not config.compilation.capture_sizes_explicit)
+    return (
+        config.model.num_threads is None
+        and parallel.world_size == 1
+        and parallel.data_parallel_size == 1
+        and available_cpus() >= usable_affinity_cpus()
+        and not config.compilation.capture_sizes_explicit
+    )
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -253,11 +333,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str | None,
-                         device: torch.device) -> TensorParallel:
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str | None, device: torch.device
+) -> TensorParallel:
     """Join the engine's ranks: gloo on CPU, nccl on CUDA."""
     if init_method is None:
         raise ValueError("tensor parallelism needs a distributed_init_method (tcp://host:port)")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    torch.distributed.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size
+    )
     return TensorParallel(rank, world_size, torch.distributed.group.WORLD)

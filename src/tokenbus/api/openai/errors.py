@@ -33,7 +33,9 @@ class APIError(Exception):
     status: int = 500
     type: str = "InternalServerError"
 
-    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -80,7 +82,9 @@ def to_api_error(exc: BaseException, known_params: frozenset[str] = frozenset())
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(f"The engine is not running: {exc}")
     if isinstance(exc, CompileCapacityError):
-        return ServiceUnavailableError(str(exc), param="structured_outputs", headers={"Retry-After": "5"})
+        return ServiceUnavailableError(
+            str(exc), param="structured_outputs", headers={"Retry-After": "5"}
+        )
     if isinstance(exc, (ValueError, TypeError, OverflowError)):
         message = str(exc)
         match = _LEADING_NAME.match(message)
@@ -106,16 +110,24 @@ def error_response(error: APIError) -> JSONResponse:
     if error.status >= 500 and error.status != 503:
         # Whatever broke may have left this connection's state unknown: close it (only it).
         headers["Connection"] = "close"
-    return JSONResponse(error_body(error.status, error.message, error.type, error.param),
-                        status_code=error.status, headers=headers or None)
+    return JSONResponse(
+        error_body(error.status, error.message, error.type, error.param),
+        status_code=error.status,
+        headers=headers or None,
+    )
 
 
 def log_client_error(request: Request, error: APIError) -> None:
     """One line per refused request: no traceback (nothing is wrong with the server), the
     client's text escaped and truncated."""
     if error.status < 500 or error.status == 503:
-        logger.info("%d %s %s: %s", error.status, request.method, log_safe(request.url.path, 100),
-                    log_safe(error.message))
+        logger.info(
+            "%d %s %s: %s",
+            error.status,
+            request.method,
+            log_safe(request.url.path, 100),
+            log_safe(error.message),
+        )
 
 
 def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
@@ -126,7 +138,9 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Pydantic's 422 becomes 400: OpenAI clients treat 4xx other than 400 as different errors.
         if not request.headers.get("content-type", "").startswith("application/json"):
-            error = APIError("Unsupported media type: only 'application/json' request bodies are accepted")
+            error = APIError(
+                "Unsupported media type: only 'application/json' request bodies are accepted"
+            )
             error.status, error.type = 415, "UnsupportedMediaTypeError"
             log_client_error(request, error)
             return error_response(error)
@@ -155,6 +169,12 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
     # (A handler for `Exception` would run in ServerErrorMiddleware, which re-raises after
     # answering, so uvicorn logs a 70-line traceback even for a 400; anything else is answered
     # by middleware.InternalErrorMiddleware.)
-    for exc_type in (ValueError, TypeError, OverflowError, NotImplementedError, EngineDeadError,
-                     CompileCapacityError):
+    for exc_type in (
+        ValueError,
+        TypeError,
+        OverflowError,
+        NotImplementedError,
+        EngineDeadError,
+        CompileCapacityError,
+    ):
         app.add_exception_handler(exc_type, on_other)

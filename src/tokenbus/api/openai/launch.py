@@ -26,8 +26,11 @@ def check_server_packages() -> None:
     """ModuleNotFoundError naming the HTTP server's packages this environment lacks."""
     missing = [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
-        raise ModuleNotFoundError(f"tokenbus serve needs {' and '.join(missing)}, which this Python environment "
-                                  f"lacks: pip install {' '.join(missing)}", name=missing[0])
+        raise ModuleNotFoundError(
+            f"tokenbus serve needs {' and '.join(missing)}, which this Python environment "
+            f"lacks: pip install {' '.join(missing)}",
+            name=missing[0],
+        )
 
 
 def serve(args: EngineArgs, config: ServerConfig) -> int:
@@ -36,14 +39,20 @@ def serve(args: EngineArgs, config: ServerConfig) -> int:
     sock = bind_socket(config.host, config.port)  # before the engine: fail fast on a busy port
     try:
         setup = create_engine_setup(args)
-        tokenizer, client = start_engine(setup, multiprocess=not config.engine_in_process, asyncio_mode=True,
-                                         ready_timeout_s=args.engine_ready_timeout_s,
-                                         while_starting=lambda: importlib.import_module(SERVER_MODULE))
+        tokenizer, client = start_engine(
+            setup,
+            multiprocess=not config.engine_in_process,
+            asyncio_mode=True,
+            ready_timeout_s=args.engine_ready_timeout_s,
+            while_starting=lambda: importlib.import_module(SERVER_MODULE),
+        )
     except BaseException:
         sock.close()
         raise
     try:
-        server = importlib.import_module(SERVER_MODULE)  # imported by now where the engine has its own process
+        server = importlib.import_module(
+            SERVER_MODULE
+        )  # imported by now where the engine has its own process
     except BaseException:
         client.shutdown()
         sock.close()

@@ -26,11 +26,15 @@ class RequestLimits:
     max_n: int = _cap(16, "n (choices per prompt)")
     max_sequences_per_request: int = _cap(256, "prompts × n of one request")
     max_request_tokens: int | None = _cap(
-        None, "prompt + max_tokens, summed over a request's sequences (default: max-n × the "
-              "context length)")
+        None,
+        "prompt + max_tokens, summed over a request's sequences (default: max-n × the "
+        "context length)",
+    )
     max_input_chars: int | None = _cap(
-        None, f"characters of prompt text, of a chat's contents, of /tokenize input (default: "
-              f"{MAX_CHARS_PER_TOKEN} × the context length)")
+        None,
+        f"characters of prompt text, of a chat's contents, of /tokenize input (default: "
+        f"{MAX_CHARS_PER_TOKEN} × the context length)",
+    )
     max_chat_messages: int = _cap(2048, "messages of one chat")
     max_tools: int = _cap(128, "tools (or functions) of one chat")
     max_stop_strings: int = _cap(16, "stop strings of one request")
@@ -39,9 +43,12 @@ class RequestLimits:
     max_schema_bytes: int = _cap(64 * 1024, "bytes of a JSON schema, grammar or choice list")
     max_schema_depth: int = _cap(64, "nesting depth of a JSON schema")
     max_regex_chars: int = _cap(4096, "characters of a structured-output regex")
-    max_prompt_logprob_entries: int = _cap(1 << 18, "prompt positions × (1 + prompt_logprobs), summed "
-                                                     "over a request's prompts (echo with logprobs, "
-                                                     "prompt_logprobs)")
+    max_prompt_logprob_entries: int = _cap(
+        1 << 18,
+        "prompt positions × (1 + prompt_logprobs), summed "
+        "over a request's prompts (echo with logprobs, "
+        "prompt_logprobs)",
+    )
 
     @staticmethod
     def flag(name: str) -> str:
@@ -52,14 +59,16 @@ class RequestLimits:
         return dataclasses.replace(
             self,
             max_request_tokens=self.max_request_tokens or self.max_n * max_model_len,
-            max_input_chars=self.max_input_chars or MAX_CHARS_PER_TOKEN * max_model_len)
+            max_input_chars=self.max_input_chars or MAX_CHARS_PER_TOKEN * max_model_len,
+        )
 
     def check(self, name: str, value: int, what: str, param: str) -> None:
         """ValueError (a 400 for `param`) when `value` exceeds the cap `name`."""
         cap = getattr(self, name)
         if cap is not None and value > cap:
-            raise ValueError(f"{param}: {what} {value} exceeds the server's limit of {cap} "
-                             f"({self.flag(name)})")
+            raise ValueError(
+                f"{param}: {what} {value} exceeds the server's limit of {cap} ({self.flag(name)})"
+            )
 
 
 def json_depth(value: Any, limit: int) -> int:

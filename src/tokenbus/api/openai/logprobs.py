@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tokenbus.api.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogProbs, PromptLogprob,
-                                          TopLogprob)
+from tokenbus.api.openai.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogProbs,
+    PromptLogprob,
+    TopLogprob,
+)
 from tokenbus.engine.outputs import Logprob
 
 Decode = Callable[[int], str]
@@ -20,12 +25,19 @@ def _token_text(token_id: int, logprob: Logprob, decode: Decode) -> str:
 def _top(position: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
     """The `num_top` most likely tokens. The dict holds the sampled token plus the top-n, so when
     the sampled token ranks below n it is the one entry left out here."""
-    ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
+    ranked = sorted(
+        position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0
+    )
     return ranked[:num_top]
 
 
-def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob] | None], num_top: int,
-                        text_offset: int, decode: Decode) -> CompletionLogProbs:
+def completion_logprobs(
+    token_ids: list[int],
+    positions: list[dict[int, Logprob] | None],
+    num_top: int,
+    text_offset: int,
+    decode: Decode,
+) -> CompletionLogProbs:
     """Legacy completions format; `text_offset` is where this delta's text starts in the choice.
     A position of None (the first prompt token, echoed) has no logprobs: null, as OpenAI sends."""
     result = CompletionLogProbs()
@@ -36,34 +48,58 @@ def completion_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]
         result.token_logprobs.append(sampled.logprob if sampled else None)
         result.text_offset.append(text_offset)
         text_offset += len(token)
-        result.top_logprobs.append({_token_text(t, lp, decode): lp.logprob
-                                    for t, lp in _top(position, num_top)} if num_top and position else None)
+        result.top_logprobs.append(
+            {_token_text(t, lp, decode): lp.logprob for t, lp in _top(position, num_top)}
+            if num_top and position
+            else None
+        )
     return result
 
 
-def prompt_logprobs_body(positions: list[dict[int, Logprob] | None]) -> list[dict[int, PromptLogprob] | None]:
+def prompt_logprobs_body(
+    positions: list[dict[int, Logprob] | None],
+) -> list[dict[int, PromptLogprob] | None]:
     """vLLM's `prompt_logprobs` field: per prompt token, {token id: logprob, rank, text}."""
-    return [None if position is None else
-            {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
-             for t, lp in position.items()}
-            for position in positions]
+    return [
+        None
+        if position is None
+        else {
+            t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for t, lp in position.items()
+        }
+        for position in positions
+    ]
 
 
-def chat_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]], num_top: int,
-                  decode: Decode) -> ChatLogprobs:
+def chat_logprobs(
+    token_ids: list[int], positions: list[dict[int, Logprob]], num_top: int, decode: Decode
+) -> ChatLogprobs:
     content = []
     for token_id, position in zip(token_ids, positions):
         sampled = position.get(token_id)
         token = _token_text(token_id, sampled, decode) if sampled else decode(token_id)
-        top = [TopLogprob(token=(text := _token_text(t, lp, decode)), logprob=lp.logprob,
-                          bytes=list(text.encode()))
-               for t, lp in _top(position, num_top)]
-        content.append(ChatTokenLogprob(token=token, logprob=sampled.logprob if sampled else MISSING_LOGPROB,
-                                        bytes=list(token.encode()), top_logprobs=top))
+        top = [
+            TopLogprob(
+                token=(text := _token_text(t, lp, decode)),
+                logprob=lp.logprob,
+                bytes=list(text.encode()),
+            )
+            for t, lp in _top(position, num_top)
+        ]
+        content.append(
+            ChatTokenLogprob(
+                token=token,
+                logprob=sampled.logprob if sampled else MISSING_LOGPROB,
+                bytes=list(token.encode()),
+                top_logprobs=top,
+            )
+        )
     return ChatLogprobs(content=content)
 
 
-def merge_completion_logprobs(into: CompletionLogProbs | None, more: CompletionLogProbs) -> CompletionLogProbs:
+def merge_completion_logprobs(
+    into: CompletionLogProbs | None, more: CompletionLogProbs
+) -> CompletionLogProbs:
     if into is None:
         return more
     into.tokens += more.tokens

@@ -20,12 +20,74 @@ logger = logging.getLogger("tokenbus.stats")
 PREFIX = "tokenbus:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Buckets as in vLLM's PrometheusStatLogger.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def token_buckets(max_value: int) -> tuple[float, ...]:
@@ -43,8 +105,9 @@ class PrometheusStatLogger:
     """One set of metric families; each engine (data parallelism) gets its own series under
     the `engine` label, exported from the start (an idle server already shows its gauges)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int,
-                 num_engines: int = 1) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, max_model_len: int, num_engines: int = 1
+    ) -> None:
         self.model_name = model_name
         names = ["model_name", "engine"]
 
@@ -67,36 +130,72 @@ class PrometheusStatLogger:
             "prefix_hits": counter("prefix_cache_hits", "Prefix cache hits, in tokens."),
             "preemptions": counter("num_preemptions", "Cumulative number of preemptions."),
             "prompt_tokens": counter("prompt_tokens", "Number of prefill tokens processed."),
-            "generation_tokens": counter("generation_tokens", "Number of generation tokens processed."),
+            "generation_tokens": counter(
+                "generation_tokens", "Number of generation tokens processed."
+            ),
             "spec_drafts": counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
             "spec_draft_tokens": counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
-            "spec_accepted": counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
-            "external_queries": counter("external_prefix_cache_queries",
-                                        "External prefix cache queries (KV connector), in tokens."),
-            "external_hits": counter("external_prefix_cache_hits",
-                                     "External prefix cache hits (KV connector), in tokens."),
-            "kv_bytes_loaded": counter("kv_transfer_loaded_bytes", "K/V bytes a KV connector loaded."),
-            "kv_bytes_saved": counter("kv_transfer_saved_bytes", "K/V bytes a KV connector saved or sent."),
-            "kv_load_seconds": counter("kv_transfer_load_seconds", "Seconds a KV connector spent loading."),
-            "kv_save_seconds": counter("kv_transfer_save_seconds", "Seconds a KV connector spent saving."),
-            "ttft": histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS),
-            "itl": histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS),
-            "e2e": histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                             LATENCY_BUCKETS),
-            "queue_time": histogram("request_queue_time_seconds", "Time spent waiting in seconds.",
-                                    LATENCY_BUCKETS),
-            "request_prompt": histogram("request_prompt_tokens", "Prompt tokens per request.", size_buckets),
-            "request_generation": histogram("request_generation_tokens", "Generated tokens per request.",
-                                            size_buckets),
+            "spec_accepted": counter(
+                "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+            ),
+            "external_queries": counter(
+                "external_prefix_cache_queries",
+                "External prefix cache queries (KV connector), in tokens.",
+            ),
+            "external_hits": counter(
+                "external_prefix_cache_hits",
+                "External prefix cache hits (KV connector), in tokens.",
+            ),
+            "kv_bytes_loaded": counter(
+                "kv_transfer_loaded_bytes", "K/V bytes a KV connector loaded."
+            ),
+            "kv_bytes_saved": counter(
+                "kv_transfer_saved_bytes", "K/V bytes a KV connector saved or sent."
+            ),
+            "kv_load_seconds": counter(
+                "kv_transfer_load_seconds", "Seconds a KV connector spent loading."
+            ),
+            "kv_save_seconds": counter(
+                "kv_transfer_save_seconds", "Seconds a KV connector spent saving."
+            ),
+            "ttft": histogram(
+                "time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS
+            ),
+            "itl": histogram(
+                "inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS
+            ),
+            "e2e": histogram(
+                "e2e_request_latency_seconds",
+                "End-to-end request latency in seconds.",
+                LATENCY_BUCKETS,
+            ),
+            "queue_time": histogram(
+                "request_queue_time_seconds", "Time spent waiting in seconds.", LATENCY_BUCKETS
+            ),
+            "request_prompt": histogram(
+                "request_prompt_tokens", "Prompt tokens per request.", size_buckets
+            ),
+            "request_generation": histogram(
+                "request_generation_tokens", "Generated tokens per request.", size_buckets
+            ),
         }
         # Accepted drafts by position in the draft (vLLM's ..._per_pos): the acceptance rate at
         # position j is accepted_per_pos{position=j} / num_drafts.
-        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                             "Accepted tokens per draft position.", ("position",))
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ("position",),
+        )
         # Bytes held by each tier of a KV connector's store (OffloadingConnector: cpu, disk).
-        self.kv_tier_bytes = Gauge(PREFIX + "kv_offload_tier_bytes", "Bytes of K/V held by each offload tier.",
-                                   names + ["tier"], registry=registry)
-        self.success = counter("request_success", "Count of finished requests by reason.", ("finished_reason",))
+        self.kv_tier_bytes = Gauge(
+            PREFIX + "kv_offload_tier_bytes",
+            "Bytes of K/V held by each offload tier.",
+            names + ["tier"],
+            registry=registry,
+        )
+        self.success = counter(
+            "request_success", "Count of finished requests by reason.", ("finished_reason",)
+        )
         self._engines: dict[int, _EngineSeries] = {}
         for index in range(num_engines):
             self.engine(index)
@@ -105,8 +204,9 @@ class PrometheusStatLogger:
         if index not in self._engines:
             labels = {"model_name": self.model_name, "engine": str(index)}
             children = {name: family.labels(**labels) for name, family in self.families.items()}
-            self._engines[index] = _EngineSeries(labels, children, self.spec_accepted_per_pos, self.success,
-                                                 self.kv_tier_bytes)
+            self._engines[index] = _EngineSeries(
+                labels, children, self.spec_accepted_per_pos, self.success, self.kv_tier_bytes
+            )
         return self._engines[index]
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, engine_index: int = 0) -> None:
@@ -120,8 +220,14 @@ class PrometheusStatLogger:
 class _EngineSeries:
     """The series of one engine (its `engine` label)."""
 
-    def __init__(self, labels: dict[str, str], children: dict[str, Any], per_pos: Counter,
-                 success: Counter, tier_bytes: Gauge) -> None:
+    def __init__(
+        self,
+        labels: dict[str, str],
+        children: dict[str, Any],
+        per_pos: Counter,
+        success: Counter,
+        tier_bytes: Gauge,
+    ) -> None:
         self.labels = labels
         self._tier_bytes = tier_bytes
         for name, child in children.items():
@@ -161,7 +267,9 @@ class _EngineSeries:
         for finished in stats.finished_requests:
             reason = str(finished.finish_reason)
             if reason not in self.success:
-                self.success[reason] = self._success_family.labels(**self.labels, finished_reason=reason)
+                self.success[reason] = self._success_family.labels(
+                    **self.labels, finished_reason=reason
+                )
             self.success[reason].inc()
             self.e2e.observe(finished.e2e_latency_s)
             self.queue_time.observe(finished.queue_time_s)
@@ -206,11 +314,13 @@ class LoggingStatLogger:
         kv_usage = sum(s.kv_cache_usage for s in engines) / len(engines) if engines else 0.0
         is_idle = not (self._num_prompt_tokens or self._num_generation_tokens or running or waiting)
         hit_rate = self._prefix_hits / self._prefix_queries if self._prefix_queries else 0.0
-        line = (f"Avg prompt throughput: {self._num_prompt_tokens / elapsed:.1f} tokens/s, "
-                f"Avg generation throughput: {self._num_generation_tokens / elapsed:.1f} tokens/s, "
-                f"Running: {running} reqs, Waiting: {waiting} reqs, "
-                f"KV cache usage: {100 * kv_usage:.1f}%, "
-                f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+        line = (
+            f"Avg prompt throughput: {self._num_prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self._num_generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {100 * kv_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hit_rate:.1f}%"
+        )
         self._last_log_time = now
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self._prefix_queries = self._prefix_hits = 0

@@ -52,18 +52,31 @@ class InternalErrorMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            logger.exception("internal error serving %s %s", scope.get("method"),
-                             log_safe(scope.get("path", ""), 100), exc_info=exc)
+            logger.exception(
+                "internal error serving %s %s",
+                scope.get("method"),
+                log_safe(scope.get("path", ""), 100),
+                exc_info=exc,
+            )
             if not started:  # else uvicorn ends the half-sent response by closing the connection
-                await send_error(send, 500, f"Internal server error: {type(exc).__name__}",
-                                 "InternalServerError", [(b"connection", b"close")])
+                await send_error(
+                    send,
+                    500,
+                    f"Internal server error: {type(exc).__name__}",
+                    "InternalServerError",
+                    [(b"connection", b"close")],
+                )
 
 
-async def send_error(send: Send, status: int, message: str, type_: str,
-                     extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(
+    send: Send, status: int, message: str, type_: str, extra_headers: list[tuple[bytes, bytes]] = ()
+) -> None:
     body = error_bytes(status, message, type_)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *extra_headers]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra_headers,
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -75,7 +88,10 @@ class APIKeyMiddleware:
         self._key_digest = hashlib.sha256(api_key.encode()).digest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or normalize_path(scope["path"]) in PUBLIC_PATHS:
+        if (
+            scope["type"] not in ("http", "websocket")
+            or normalize_path(scope["path"]) in PUBLIC_PATHS
+        ):
             await self.app(scope, receive, send)
             return
         if self._is_authorized(scope):
@@ -84,8 +100,13 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send_error(send, 401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                         "AuthenticationError", [(b"www-authenticate", b"Bearer")])
+        await send_error(
+            send,
+            401,
+            "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+            "AuthenticationError",
+            [(b"www-authenticate", b"Bearer")],
+        )
 
     def _is_authorized(self, scope: Scope) -> bool:
         headers = dict(scope.get("headers") or [])
@@ -131,7 +152,9 @@ class BodySizeLimitMiddleware:
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _refuse(self, receive: Receive, send: Send, size: int, more_body: bool = True) -> None:
+    async def _refuse(
+        self, receive: Receive, send: Send, size: int, more_body: bool = True
+    ) -> None:
         # Most clients send the whole body before they read a response; closing on them mid-upload
         # turns the 413 into a connection error. So a moderately oversized body is read (and
         # dropped) first; beyond DRAIN_FACTOR × the limit the connection is simply closed.
@@ -141,8 +164,13 @@ class BodySizeLimitMiddleware:
                 return
             size += len(message.get("body", b""))
             more_body = message.get("more_body", False)
-        await send_error(send, 413, f"Request body too large (limit {self.max_bytes} bytes).",
-                         "RequestTooLargeError", [(b"connection", b"close")])
+        await send_error(
+            send,
+            413,
+            f"Request body too large (limit {self.max_bytes} bytes).",
+            "RequestTooLargeError",
+            [(b"connection", b"close")],
+        )
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -186,7 +186,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message
-    echo: bool = False  # the reply starts with the last message's content, when it is the assistant's
+    echo: bool = (
+        False  # the reply starts with the last message's content, when it is the assistant's
+    )
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else "none"

@@ -11,9 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenbus.api.openai.limits import RequestLimits, json_depth
-from tokenbus.api.openai.protocol import (ChatCompletionRequest, CompletionRequest, PromptTokensDetails,
-                                          SamplingFields, UsageInfo)
-from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams, StructuredOutputsParams
+from tokenbus.api.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+)
+from tokenbus.sampling_params import (
+    GENERATION_CONFIG_FIELDS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_ABS_LOGIT_BIAS = 100.0
 
@@ -33,7 +42,9 @@ class ParamLimits:
         return self.generation_defaults.get(name, GENERATION_CONFIG_FIELDS[name])
 
 
-def completion_params(req: CompletionRequest, prompt_len: int, limits: ParamLimits) -> SamplingParams:
+def completion_params(
+    req: CompletionRequest, prompt_len: int, limits: ParamLimits
+) -> SamplingParams:
     """With echo and max_tokens 0 (legacy scoring: the prompt's logprobs, nothing generated),
     the engine still generates one token, which the response leaves out."""
     if req.suffix:
@@ -42,11 +53,17 @@ def completion_params(req: CompletionRequest, prompt_len: int, limits: ParamLimi
     max_tokens = _check_max_tokens("max_tokens", requested, prompt_len, limits.max_model_len)
     # echo + logprobs: the echoed prompt's tokens carry logprobs too (OpenAI's legacy API).
     prompt_logprobs = req.prompt_logprobs
-    if req.echo and req.logprobs is not None:  # the larger of the two; -1 (everything) is the largest
+    if (
+        req.echo and req.logprobs is not None
+    ):  # the larger of the two; -1 (everything) is the largest
         wanted = (req.logprobs, prompt_logprobs if prompt_logprobs is not None else 0)
         prompt_logprobs = -1 if -1 in wanted else max(wanted)
-    return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
-                          **_common(req, limits))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=prompt_logprobs,
+        **_common(req, limits),
+    )
 
 
 def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ParamLimits) -> SamplingParams:
@@ -59,8 +76,12 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ParamLimits
         requested = max(limits.max_model_len - prompt_len, 1)
     max_tokens = _check_max_tokens(name, requested, prompt_len, limits.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
-                          **_common(req, limits))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        **_common(req, limits),
+    )
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
@@ -75,13 +96,19 @@ def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) 
     return token_ids if len(token_ids) <= keep else token_ids[-keep:]
 
 
-def make_usage(prompt_lens: list[int], cached: list[int] | None, num_completion_tokens: int) -> UsageInfo:
+def make_usage(
+    prompt_lens: list[int], cached: list[int] | None, num_completion_tokens: int
+) -> UsageInfo:
     """Usage of a request: each prompt counted once (not per choice); with `cached` (as vLLM,
     only with --enable-prompt-tokens-details) the prompts' tokens the prefix cache served."""
     num_prompt = sum(prompt_lens)
     details = None if cached is None else PromptTokensDetails(cached_tokens=sum(cached))
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion_tokens,
-                     total_tokens=num_prompt + num_completion_tokens, prompt_tokens_details=details)
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt + num_completion_tokens,
+        prompt_tokens_details=details,
+    )
 
 
 def check_stream_options(req: SamplingFields) -> None:
@@ -102,16 +129,25 @@ def _common(req: SamplingFields, limits: ParamLimits) -> dict[str, Any]:
     check_stop(req, limits.caps)
     check_kv_transfer_params(req)
     return dict(
-        n=req.n, temperature=limits.default("temperature", req.temperature),
-        top_p=limits.default("top_p", req.top_p), top_k=limits.default("top_k", req.top_k),
+        n=req.n,
+        temperature=limits.default("temperature", req.temperature),
+        top_p=limits.default("top_p", req.top_p),
+        top_k=limits.default("top_k", req.top_k),
         min_p=limits.default("min_p", req.min_p),
         repetition_penalty=limits.default("repetition_penalty", req.repetition_penalty),
-        seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=_logit_bias(req.logit_bias, limits.caps), min_tokens=req.min_tokens,
-        ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req, limits.caps),
-        kv_transfer_params=req.kv_transfer_params)
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias, limits.caps),
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured_outputs(req, limits.caps),
+        kv_transfer_params=req.kv_transfer_params,
+    )
 
 
 # kv_transfer_params is a small object (ids, host, port, block ids): bounded so that a hostile
@@ -126,7 +162,9 @@ def check_kv_transfer_params(req: SamplingFields, num_prompts: int = 1) -> None:
     if params is None:
         return
     if json_depth(params, MAX_KV_TRANSFER_PARAMS_DEPTH) > MAX_KV_TRANSFER_PARAMS_DEPTH:
-        raise ValueError(f"kv_transfer_params: nested deeper than {MAX_KV_TRANSFER_PARAMS_DEPTH} levels")
+        raise ValueError(
+            f"kv_transfer_params: nested deeper than {MAX_KV_TRANSFER_PARAMS_DEPTH} levels"
+        )
     if req.n != 1 or num_prompts != 1:
         raise ValueError("kv_transfer_params: supported with one prompt and n = 1")
 
@@ -138,7 +176,9 @@ def check_stop(req: SamplingFields, caps: RequestLimits) -> None:
         caps.check("max_stop_string_chars", len(stop), "stop string length", "stop")
 
 
-def _check_max_tokens(name: str, max_tokens: int | None, prompt_len: int, max_model_len: int) -> int:
+def _check_max_tokens(
+    name: str, max_tokens: int | None, prompt_len: int, max_model_len: int
+) -> int:
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
     if max_tokens < 1:
@@ -150,7 +190,8 @@ def _check_max_tokens(name: str, max_tokens: int | None, prompt_len: int, max_mo
             f"{name}: this model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {max_tokens} output tokens and your prompt contains {prompt_len} input "
             f"tokens, for a total of {prompt_len + max_tokens} tokens. Please reduce the length of "
-            f"the input prompt or the number of requested output tokens.")
+            f"the input prompt or the number of requested output tokens."
+        )
     return max_tokens
 
 
@@ -176,11 +217,18 @@ def structured_outputs(req: SamplingFields, caps: RequestLimits) -> StructuredOu
     if req.structured_outputs is None:
         spec = from_format
     elif from_format is not None:
-        raise ValueError("structured_outputs: give either response_format or structured_outputs, not both")
+        raise ValueError(
+            "structured_outputs: give either response_format or structured_outputs, not both"
+        )
     else:
         given = req.structured_outputs
-        spec = StructuredOutputsParams(json=given.json_, regex=given.regex, choice=given.choice,
-                                       grammar=given.grammar, json_object=given.json_object)
+        spec = StructuredOutputsParams(
+            json=given.json_,
+            regex=given.regex,
+            choice=given.choice,
+            grammar=given.grammar,
+            json_object=given.json_object,
+        )
     if spec is not None:
         check_spec_size(spec, caps)
     return spec
@@ -194,8 +242,12 @@ def check_spec_size(spec: StructuredOutputsParams, caps: RequestLimits) -> None:
     if spec.grammar is not None:
         caps.check("max_schema_bytes", len(spec.grammar.encode()), "grammar size in bytes", param)
     if spec.choice is not None:
-        caps.check("max_schema_bytes", sum(len(c.encode()) for c in spec.choice),
-                   "choice list size in bytes", param)
+        caps.check(
+            "max_schema_bytes",
+            sum(len(c.encode()) for c in spec.choice),
+            "choice list size in bytes",
+            param,
+        )
     if spec.json is not None:
         text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
         caps.check("max_schema_bytes", len(text.encode()), "JSON schema size in bytes", param)
@@ -205,7 +257,12 @@ def check_spec_size(spec: StructuredOutputsParams, caps: RequestLimits) -> None:
                 schema = json.loads(schema)
             except ValueError:
                 return  # not JSON at all: the compile says so
-        caps.check("max_schema_depth", json_depth(schema, caps.max_schema_depth), "JSON schema depth", param)
+        caps.check(
+            "max_schema_depth",
+            json_depth(schema, caps.max_schema_depth),
+            "JSON schema depth",
+            param,
+        )
 
 
 def _from_response_format(req: SamplingFields) -> StructuredOutputsParams | None:

@@ -30,9 +30,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 import tokenbus
 from tokenbus.utils.tasks import cancel_all
 from tokenbus.api.openai import protocol as p
-from tokenbus.api.openai.errors import ServiceUnavailableError, error_response, install_error_handlers
+from tokenbus.api.openai.errors import (
+    ServiceUnavailableError,
+    error_response,
+    install_error_handlers,
+)
 from tokenbus.api.openai.metrics import LoggingStatLogger, PrometheusStatLogger
-from tokenbus.api.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, InternalErrorMiddleware
+from tokenbus.api.openai.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    InternalErrorMiddleware,
+)
 from tokenbus.api.openai.server_config import ServerConfig
 from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.serving_chat import ChatServing
@@ -70,33 +78,49 @@ class ServerState:
 
 def known_params() -> frozenset[str]:
     names: set[str] = {"prompt_token_ids"}
-    for model in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest,
-                  ResponsesRequest, p.EmbeddingRequest):
+    for model in (
+        p.CompletionRequest,
+        p.ChatCompletionRequest,
+        p.TokenizeRequest,
+        p.DetokenizeRequest,
+        ResponsesRequest,
+        p.EmbeddingRequest,
+    ):
         names |= set(model.model_fields)
     return frozenset(names)
 
 
-def make_serving_context(engine: Any, config: ServerConfig, served_model_names: list[str]) -> ServingContext:
+def make_serving_context(
+    engine: Any, config: ServerConfig, served_model_names: list[str]
+) -> ServingContext:
     defaults = engine.setup.sampling_defaults
     if defaults:
-        logger.info("sampling defaults for fields a request leaves out (--generation-config): %s", defaults)
+        logger.info(
+            "sampling defaults for fields a request leaves out (--generation-config): %s", defaults
+        )
     scheduler = engine.config.scheduler
     return ServingContext(
-        engine=engine, served_model_names=served_model_names,
+        engine=engine,
+        served_model_names=served_model_names,
         limits=ParamLimits(engine.input_processor.max_model_len, config.limits, defaults),
-        admission=Admission(scheduler.max_num_seqs, max_waiting(scheduler.max_num_seqs,
-                                                                scheduler.max_waiting_requests)),
-        known_params=known_params(), request_timeout_s=config.request_timeout,
+        admission=Admission(
+            scheduler.max_num_seqs,
+            max_waiting(scheduler.max_num_seqs, scheduler.max_waiting_requests),
+        ),
+        known_params=known_params(),
+        request_timeout_s=config.request_timeout,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
-        tool_parser=_tool_parser(config))
+        tool_parser=_tool_parser(config),
+    )
 
 
 def _tool_parser(config: ServerConfig) -> ToolCallParser | None:
     if not config.enable_auto_tool_choice:
         return None
     if config.tool_call_parser is None:
-        raise ValueError("enable_auto_tool_choice: needs --tool-call-parser "
-                         f"({', '.join(sorted(PARSERS))})")
+        raise ValueError(
+            f"enable_auto_tool_choice: needs --tool-call-parser ({', '.join(sorted(PARSERS))})"
+        )
     return make_parser(config.tool_call_parser)
 
 
@@ -122,8 +146,12 @@ def build_app(state: ServerState) -> FastAPI:
     if state.config.allowed_origins:
         # Outermost: a browser's preflight OPTIONS carries no key, and every answer, a 401 too,
         # needs the CORS headers for the page to read it.
-        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app
 
 
@@ -139,7 +167,9 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return await completions.create(request, raw_request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: p.ChatCompletionRequest, raw_request: Request) -> Response:
+    async def create_chat_completion(
+        request: p.ChatCompletionRequest, raw_request: Request
+    ) -> Response:
         return await chat.create(request, raw_request)
 
     @app.post("/v1/embeddings")
@@ -185,8 +215,11 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
         except Exception as exc:
             return error_response(ServiceUnavailableError(f"The engine is not running: {exc}"))
         if (stalled := state.ctx.stalled_for_s) is not None:
-            return error_response(ServiceUnavailableError(
-                f"The engine has had work but completed no step for {stalled:.0f} s."))
+            return error_response(
+                ServiceUnavailableError(
+                    f"The engine has had work but completed no step for {stalled:.0f} s."
+                )
+            )
         return Response(status_code=200)
 
     app.add_api_route("/ping", health, methods=["GET", "POST", "HEAD"])
@@ -239,12 +272,18 @@ def _check_progress(state: ServerState) -> None:
     silent = ctx.engine.seconds_without_progress()
     stalled = silent is not None and silent > timeout
     if stalled and ctx.stalled_for_s is None:
-        logger.error("the engine has had work but completed no step for %.0f s (--engine-stall-timeout "
-                     "%g): /health answers 503 and new requests are refused until it steps again; "
-                     "its threads' stacks follow in its log", silent, timeout)
+        logger.error(
+            "the engine has had work but completed no step for %.0f s (--engine-stall-timeout "
+            "%g): /health answers 503 and new requests are refused until it steps again; "
+            "its threads' stacks follow in its log",
+            silent,
+            timeout,
+        )
         ctx.engine.dump_engine_stacks()
     elif not stalled and ctx.stalled_for_s is not None:
-        logger.warning("the engine is stepping again after a stall of %.0f s or more", ctx.stalled_for_s)
+        logger.warning(
+            "the engine is stepping again after a stall of %.0f s or more", ctx.stalled_for_s
+        )
     ctx.stalled_for_s = silent if stalled else None
 
 
@@ -288,8 +327,14 @@ def served_model_names(args: Any, config: ServerConfig) -> list[str]:
     return [config.served_model_name or args.model or DEFAULT_MODEL_NAME]
 
 
-def run_server(args: Any, config: ServerConfig, sock: socket.socket, setup: EngineSetup, tokenizer: Any,
-               client: EngineCoreClient) -> int:
+def run_server(
+    args: Any,
+    config: ServerConfig,
+    sock: socket.socket,
+    setup: EngineSetup,
+    tokenizer: Any,
+    client: EngineCoreClient,
+) -> int:
     """Serve on `sock` with the started engine (launch.serve) until SIGTERM or engine death;
     shut the engine down and return the exit status."""
     names = served_model_names(args, config)
@@ -297,8 +342,9 @@ def run_server(args: Any, config: ServerConfig, sock: socket.socket, setup: Engi
         from tokenbus.engine.async_llm import AsyncLLM
 
         registry = CollectorRegistry()
-        prometheus = PrometheusStatLogger(registry, names[0], args.max_model_len or 32768,
-                                          num_engines=args.data_parallel_size)
+        prometheus = PrometheusStatLogger(
+            registry, names[0], args.max_model_len or 32768, num_engines=args.data_parallel_size
+        )
         log_stats = LoggingStatLogger()
         engine = AsyncLLM(setup, tokenizer, client, stat_loggers=[prometheus, log_stats])
     except BaseException:
@@ -307,10 +353,18 @@ def run_server(args: Any, config: ServerConfig, sock: socket.socket, setup: Engi
         raise
     state: ServerState | None = None
     try:
-        state = ServerState(config, make_serving_context(engine, config, names), registry, log_stats)
-        server = _Server(uvicorn.Config(build_app(state), log_config=None, access_log=False,
-                                        timeout_graceful_shutdown=config.shutdown_timeout,
-                                        h11_max_incomplete_event_size=4 * 1024 * 1024))
+        state = ServerState(
+            config, make_serving_context(engine, config, names), registry, log_stats
+        )
+        server = _Server(
+            uvicorn.Config(
+                build_app(state),
+                log_config=None,
+                access_log=False,
+                timeout_graceful_shutdown=config.shutdown_timeout,
+                h11_max_incomplete_event_size=4 * 1024 * 1024,
+            )
+        )
         server.on_signal = lambda: setattr(state.ctx, "is_draining", True)
         state.request_exit = lambda code: setattr(server, "should_exit", True)
         host, port = sock.getsockname()[:2]

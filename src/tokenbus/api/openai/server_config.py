@@ -16,7 +16,9 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the model argument
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_request_body_bytes: int = 10 * 1024 * 1024
-    request_timeout: float | None = None  # seconds from arrival to a request's last byte; None: none
+    request_timeout: float | None = (
+        None  # seconds from arrival to a request's last byte; None: none
+    )
     engine_stall_timeout: float = 60.0  # seconds of pending work without a step → 503; 0: off
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers (browsers refuse)

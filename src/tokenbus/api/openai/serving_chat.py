@@ -17,13 +17,35 @@ from starlette.responses import Response
 
 from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import chat_logprobs, prompt_logprobs_body
-from tokenbus.api.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                          ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                          ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                                          FunctionCall, ToolCall, UsageInfo)
-from tokenbus.api.openai.request_params import chat_params, check_n, check_spec_size, make_usage, truncate_prompt
-from tokenbus.api.openai.tools import (ToolPlan, messages_for_template, new_call_id, plan_tools,
-                                       template_supports_tools)
+from tokenbus.api.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    UsageInfo,
+)
+from tokenbus.api.openai.request_params import (
+    chat_params,
+    check_n,
+    check_spec_size,
+    make_usage,
+    truncate_prompt,
+)
+from tokenbus.api.openai.tools import (
+    ToolPlan,
+    messages_for_template,
+    new_call_id,
+    plan_tools,
+    template_supports_tools,
+)
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import DONE_EVENT, sse_event
 from tokenbus.engine.outputs import CompletionOutput
@@ -34,10 +56,24 @@ ASSISTANT = "assistant"
 CONTENT_OPTIONAL_ROLES = frozenset({ASSISTANT, "tool", "function"})
 # apply_chat_template arguments a request must not set through chat_template_kwargs: they change
 # what the call returns or does (tokenize=True on a huge input blocks the event loop).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 @dataclass
@@ -82,24 +118,35 @@ class ChatServing(OpenAIServing):
 
     def build_run(self, request: ChatCompletionRequest) -> ChatRun:
         if request.continue_final_message and request.add_generation_prompt:
-            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt "
-                             "(set add_generation_prompt to false)")
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt "
+                "(set add_generation_prompt to false)"
+            )
         messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
         plan = plan_tools(request, self.ctx.tool_parser)
         processor = self.engine.input_processor
-        native_tools = template_supports_tools(getattr(self.engine.tokenizer, "chat_template", None))
+        native_tools = template_supports_tools(
+            getattr(self.engine.tokenizer, "chat_template", None)
+        )
         if plan is not None:
             self._check_tool_schemas(plan)
         text, token_ids = processor.render_chat(
-            messages_for_template(messages, plan, native_tools), request.add_generation_prompt,
-            template_kwargs(request.chat_template_kwargs), continue_final_message=request.continue_final_message,
-            tools=plan.tools if plan is not None and native_tools else None)
-        truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len)
+            messages_for_template(messages, plan, native_tools),
+            request.add_generation_prompt,
+            template_kwargs(request.chat_template_kwargs),
+            continue_final_message=request.continue_final_message,
+            tools=plan.tools if plan is not None and native_tools else None,
+        )
+        truncated = truncate_prompt(
+            token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len
+        )
         params = chat_params(request, len(truncated), self.ctx.limits)
         if plan is not None and (constraint := plan.structured_outputs()) is not None:
             if params.structured_outputs is not None:
-                raise ValueError("tool_choice: a required or named tool call cannot be combined with "
-                                 "response_format / structured_outputs")
+                raise ValueError(
+                    "tool_choice: a required or named tool call cannot be combined with "
+                    "response_format / structured_outputs"
+                )
             check_spec_size(constraint, self.ctx.limits.caps)
             params = params.clone(structured_outputs=constraint)
         if plan is not None and plan.mode == "auto" and plan.parser.needs_special_tokens:
@@ -107,10 +154,22 @@ class ChatServing(OpenAIServing):
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
         params = self.validate(truncated, params)
         self.check_prompt_logprobs([(len(truncated), params)])
-        echo = messages[-1]["content"] if request.echo and messages[-1].get("role") == ASSISTANT else ""
-        return ChatRun(new_request_id("chatcmpl"), request, self.response_model_name(request.model),
-                       text if truncated is token_ids else None, truncated, params, echo_text=echo,
-                       with_cache_details=self.ctx.enable_prompt_tokens_details, tools=plan)
+        echo = (
+            messages[-1]["content"]
+            if request.echo and messages[-1].get("role") == ASSISTANT
+            else ""
+        )
+        return ChatRun(
+            new_request_id("chatcmpl"),
+            request,
+            self.response_model_name(request.model),
+            text if truncated is token_ids else None,
+            truncated,
+            params,
+            echo_text=echo,
+            with_cache_details=self.ctx.enable_prompt_tokens_details,
+            tools=plan,
+        )
 
     def _check_tool_schemas(self, plan: ToolPlan) -> None:
         """Every tool's parameters compile as a JSON schema (a 400 naming the tool otherwise);
@@ -126,13 +185,20 @@ class ChatServing(OpenAIServing):
                 raise ValueError(f"tools[{index}].function.parameters: {reason}") from None
 
     def generate(self, run: ChatRun) -> AsyncIterator:
-        return self.engine.generate(run.request_id, run.prompt_token_ids, run.params,
-                                    prompt=run.prompt_text, cache_salt=run.request.cache_salt)
+        return self.engine.generate(
+            run.request_id,
+            run.prompt_token_ids,
+            run.params,
+            prompt=run.prompt_text,
+            cache_salt=run.request.cache_salt,
+        )
 
     def _delta_logprobs(self, run: ChatRun, output: CompletionOutput) -> ChatLogprobs | None:
         if run.params.logprobs is None or output.logprobs is None:
             return None
-        return chat_logprobs(output.token_ids, output.logprobs, run.params.logprobs, self.decode_token)
+        return chat_logprobs(
+            output.token_ids, output.logprobs, run.params.logprobs, self.decode_token
+        )
 
     async def _complete(self, run: ChatRun) -> Response:
         states = {i: ChatChoiceState() for i in range(run.request.n)}
@@ -146,11 +212,15 @@ class ChatServing(OpenAIServing):
                 for output in out.outputs:
                     fold_choice(states[output.index], output, self._delta_logprobs(run, output))
         choices = [self.final_choice(run, i, s) for i, s in sorted(states.items())]
-        body = ChatCompletionResponse(id=run.request_id, created=run.created, model=run.model,
-                                      choices=choices,
-                                      usage=run.usage(sum(s.num_tokens for s in states.values())),
-                                      prompt_token_ids=run.prompt_token_ids if run.request.return_token_ids else None,
-                                      kv_transfer_params=run.kv_transfer_params)
+        body = ChatCompletionResponse(
+            id=run.request_id,
+            created=run.created,
+            model=run.model,
+            choices=choices,
+            usage=run.usage(sum(s.num_tokens for s in states.values())),
+            prompt_token_ids=run.prompt_token_ids if run.request.return_token_ids else None,
+            kv_transfer_params=run.kv_transfer_params,
+        )
         if run.prompt_logprobs is not None:
             body.prompt_logprobs = prompt_logprobs_body(run.prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")
@@ -160,12 +230,21 @@ class ChatServing(OpenAIServing):
         if run.tools is not None:
             content, calls = run.tools.calls_from_text(state.text)
             if calls:
-                tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-                              for c in calls]
+                tool_calls = [
+                    ToolCall(
+                        id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)
+                    )
+                    for c in calls
+                ]
                 finish_reason = _tool_finish_reason(run.tools, finish_reason)
-        return ChatChoice(index=index, message=ChatMessage(role=ASSISTANT, content=content, tool_calls=tool_calls),
-                          logprobs=state.logprobs, finish_reason=finish_reason, stop_reason=state.stop_reason,
-                          token_ids=state.token_ids if run.request.return_token_ids else None)
+        return ChatChoice(
+            index=index,
+            message=ChatMessage(role=ASSISTANT, content=content, tool_calls=tool_calls),
+            logprobs=state.logprobs,
+            finish_reason=finish_reason,
+            stop_reason=state.stop_reason,
+            token_ids=state.token_ids if run.request.return_token_ids else None,
+        )
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[bytes]:
         num_tokens = 0
@@ -202,21 +281,41 @@ class ChatServing(OpenAIServing):
         for), then the echoed message as each choice's first content."""
         events = []
         for i in range(run.request.n):
-            chunk = _chunk(run, [ChatStreamChoice(index=i, delta=DeltaMessage(role=ASSISTANT, content=""),
-                                                  logprobs=None, finish_reason=None)])
+            chunk = _chunk(
+                run,
+                [
+                    ChatStreamChoice(
+                        index=i,
+                        delta=DeltaMessage(role=ASSISTANT, content=""),
+                        logprobs=None,
+                        finish_reason=None,
+                    )
+                ],
+            )
             if run.request.return_token_ids and i == 0:
                 chunk.prompt_token_ids = run.prompt_token_ids
             events.append(sse_event(chunk, exclude_unset=True))
         if run.echo_text:
-            events.extend(_chunk_event(run, [ChatStreamChoice(index=i, delta=DeltaMessage(content=run.echo_text))])
-                          for i in range(run.request.n))
+            events.extend(
+                _chunk_event(
+                    run, [ChatStreamChoice(index=i, delta=DeltaMessage(content=run.echo_text))]
+                )
+                for i in range(run.request.n)
+            )
         return events
 
     def _content_choice(self, run: ChatRun, output: CompletionOutput) -> ChatStreamChoice:
-        delta = DeltaMessage(content=output.text) if output.text or not output.finish_reason else DeltaMessage()
-        choice = ChatStreamChoice(index=output.index, delta=delta,
-                                  logprobs=self._delta_logprobs(run, output),
-                                  finish_reason=output.finish_reason)
+        delta = (
+            DeltaMessage(content=output.text)
+            if output.text or not output.finish_reason
+            else DeltaMessage()
+        )
+        choice = ChatStreamChoice(
+            index=output.index,
+            delta=delta,
+            logprobs=self._delta_logprobs(run, output),
+            finish_reason=output.finish_reason,
+        )
         if output.finish_reason:
             choice.stop_reason = output.stop_reason
         if run.request.return_token_ids:
@@ -225,11 +324,18 @@ class ChatServing(OpenAIServing):
 
 
 def _chunk(run: ChatRun, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
-    return ChatCompletionChunk(id=run.request_id, object="chat.completion.chunk", created=run.created,
-                               model=run.model, choices=choices)
+    return ChatCompletionChunk(
+        id=run.request_id,
+        object="chat.completion.chunk",
+        created=run.created,
+        model=run.model,
+        choices=choices,
+    )
 
 
-def _chunk_event(run: ChatRun, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
+def _chunk_event(
+    run: ChatRun, choices: list[ChatStreamChoice], usage: UsageInfo | None = None
+) -> bytes:
     # Serialized with exclude_unset (as vLLM does): a delta carries only what it changes.
     chunk = _chunk(run, choices)
     if usage is not None:
@@ -278,12 +384,24 @@ class ToolStream:
         choices = []
         if not self.started:
             self.started = True
-            choices.append(_tool_delta(output.index, DeltaToolCall(
-                index=0, id=self.call_id, type="function",
-                function=DeltaFunctionCall(name=self.plan.named, arguments=""))))
+            choices.append(
+                _tool_delta(
+                    output.index,
+                    DeltaToolCall(
+                        index=0,
+                        id=self.call_id,
+                        type="function",
+                        function=DeltaFunctionCall(name=self.plan.named, arguments=""),
+                    ),
+                )
+            )
         if output.text:
-            choices.append(_tool_delta(output.index, DeltaToolCall(
-                index=0, function=DeltaFunctionCall(arguments=output.text))))
+            choices.append(
+                _tool_delta(
+                    output.index,
+                    DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=output.text)),
+                )
+            )
         return choices
 
     def _auto_content(self, index: int, final: bool) -> list[ChatStreamChoice]:
@@ -297,7 +415,7 @@ class ToolStream:
             end = marker if marker >= 0 else len(self.text) - _held_back(self.text, parser.marker)
         if end <= self.num_sent:
             return []
-        piece, self.num_sent = self.text[self.num_sent:end], end
+        piece, self.num_sent = self.text[self.num_sent : end], end
         return [ChatStreamChoice(index=index, delta=DeltaMessage(content=piece))]
 
     def _finish(self, output: CompletionOutput) -> list[ChatStreamChoice]:
@@ -306,18 +424,30 @@ class ToolStream:
         if self.plan.mode != "named":
             content, calls = self.plan.calls_from_text(self.text)
             # What was streamed is a prefix of the content (nothing past a marker is sent).
-            rest = (content or "")[self.num_sent:] if calls else self.text[self.num_sent:]
+            rest = (content or "")[self.num_sent :] if calls else self.text[self.num_sent :]
             if rest:
-                choices.append(ChatStreamChoice(index=output.index, delta=DeltaMessage(content=rest)))
+                choices.append(
+                    ChatStreamChoice(index=output.index, delta=DeltaMessage(content=rest))
+                )
             for i, call in enumerate(calls):
-                choices.append(_tool_delta(output.index, DeltaToolCall(
-                    index=i, id=new_call_id(), type="function",
-                    function=DeltaFunctionCall(name=call.name, arguments=call.arguments))))
+                choices.append(
+                    _tool_delta(
+                        output.index,
+                        DeltaToolCall(
+                            index=i,
+                            id=new_call_id(),
+                            type="function",
+                            function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+                        ),
+                    )
+                )
             if calls:
                 finish_reason = _tool_finish_reason(self.plan, finish_reason)
         else:
             finish_reason = _tool_finish_reason(self.plan, finish_reason)
-        last = ChatStreamChoice(index=output.index, delta=DeltaMessage(), finish_reason=finish_reason)
+        last = ChatStreamChoice(
+            index=output.index, delta=DeltaMessage(), finish_reason=finish_reason
+        )
         last.stop_reason = output.stop_reason
         return choices + [last]
 
@@ -334,7 +464,9 @@ def _tool_delta(index: int, call: DeltaToolCall) -> ChatStreamChoice:
     return ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[call]))
 
 
-def fold_choice(state: ChatChoiceState, output: CompletionOutput, logprobs: ChatLogprobs | None) -> None:
+def fold_choice(
+    state: ChatChoiceState, output: CompletionOutput, logprobs: ChatLogprobs | None
+) -> None:
     state.text += output.text
     state.num_tokens += len(output.token_ids)
     state.token_ids.extend(output.token_ids)
@@ -357,10 +489,14 @@ def normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     if not isinstance(role, str):
         raise ValueError(f"messages[{index}].role: required, and must be a string")
     calls = message.get("tool_calls")
-    if calls is not None and not (isinstance(calls, list) and all(
-            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
-        raise ValueError(f'messages[{index}].tool_calls: expected [{{"id", "type": "function", '
-                         f'"function": {{"name", "arguments"}}}}, ...]')
+    if calls is not None and not (
+        isinstance(calls, list)
+        and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
+    ):
+        raise ValueError(
+            f'messages[{index}].tool_calls: expected [{{"id", "type": "function", '
+            f'"function": {{"name", "arguments"}}}}, ...]'
+        )
     content = message.get("content")
     if content is None:
         if role not in CONTENT_OPTIONAL_ROLES:
@@ -372,7 +508,11 @@ def normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
         raise ValueError(f"messages[{index}].content: must be a string or a list of text parts")
     texts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if (
+            not isinstance(part, dict)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
             raise ValueError(f"messages[{index}].content: only text parts are supported")
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}

@@ -15,11 +15,25 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenbus.api.openai.errors import error_event_body
-from tokenbus.api.openai.logprobs import completion_logprobs, merge_completion_logprobs, prompt_logprobs_body
-from tokenbus.api.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
-                                          CompletionResponse, UsageInfo)
-from tokenbus.api.openai.request_params import (check_kv_transfer_params, check_n, completion_params, make_usage,
-                                                truncate_prompt)
+from tokenbus.api.openai.logprobs import (
+    completion_logprobs,
+    merge_completion_logprobs,
+    prompt_logprobs_body,
+)
+from tokenbus.api.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from tokenbus.api.openai.request_params import (
+    check_kv_transfer_params,
+    check_n,
+    completion_params,
+    make_usage,
+    truncate_prompt,
+)
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import DONE_EVENT, merge_async_iterators, sse_event
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
@@ -100,16 +114,23 @@ class CompletionServing(OpenAIServing):
         # The caps that need no tokenizing, before any is done: a request's fan-out (each
         # sequence queues like a request of its own) and its text.
         check_n(request, self.ctx.limits.caps)
-        self.ctx.limits.caps.check("max_sequences_per_request", len(prompts) * request.n,
-                                   "number of sequences (prompts × n)", "prompt")
+        self.ctx.limits.caps.check(
+            "max_sequences_per_request",
+            len(prompts) * request.n,
+            "number of sequences (prompts × n)",
+            "prompt",
+        )
         self.check_text_length("prompt", sum(len(p) for p in prompts if isinstance(p, str)))
         if request.max_tokens == 0 and not request.echo:
-            raise ValueError("max_tokens: 0 is allowed only with echo (the prompt's logprobs, "
-                             "nothing generated)")
+            raise ValueError(
+                "max_tokens: 0 is allowed only with echo (the prompt's logprobs, nothing generated)"
+            )
         if request.stream and request.echo and request.logprobs is not None and request.n > 1:
             raise ValueError("echo: streaming echo with logprobs is supported for n = 1 only")
         check_kv_transfer_params(request, len(prompts))
-        self.ctx.admission.check_room(len(prompts) * request.n)  # overloaded: refuse before preparing
+        self.ctx.admission.check_room(
+            len(prompts) * request.n
+        )  # overloaded: refuse before preparing
         run = await self.prepare(self._prepare, request, prompts)
         return await self.respond(raw, request.stream, request.n * len(run.prompts), run)
 
@@ -121,9 +142,12 @@ class CompletionServing(OpenAIServing):
         # built and validated (grammar included) once per length, not once per prompt.
         params_for_length: dict[int, SamplingParams] = {}
         for i, prompt in enumerate(prompts):
-            text, token_ids = processor.tokenize(prompt if isinstance(prompt, str)
-                                                 else {"prompt_token_ids": prompt})
-            truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len)
+            text, token_ids = processor.tokenize(
+                prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+            )
+            truncated = truncate_prompt(
+                token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len
+            )
             if truncated is not token_ids:
                 text, token_ids = None, truncated  # echo decodes what is left
             params = params_for_length.get(len(token_ids))
@@ -133,23 +157,42 @@ class CompletionServing(OpenAIServing):
             processor.validate_prompt(token_ids, params)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             prepared.append(PreparedPrompt(request_id, text, token_ids, params))
-        self.check_request_tokens(sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared))
+        self.check_request_tokens(
+            sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared)
+        )
         self.check_prompt_logprobs([(len(p.token_ids), p.params) for p in prepared])
-        return CompletionRun(base_id, request, self.response_model_name(request.model), prepared,
-                             with_cache_details=self.ctx.enable_prompt_tokens_details)
+        return CompletionRun(
+            base_id,
+            request,
+            self.response_model_name(request.model),
+            prepared,
+            with_cache_details=self.ctx.enable_prompt_tokens_details,
+        )
 
     def _generators(self, run: CompletionRun) -> list[AsyncIterator[RequestOutput]]:
-        return [self.engine.generate(p.request_id, p.token_ids, p.params, prompt=p.text,
-                                     cache_salt=run.request.cache_salt)
-                for p in run.prompts]
+        return [
+            self.engine.generate(
+                p.request_id,
+                p.token_ids,
+                p.params,
+                prompt=p.text,
+                cache_salt=run.request.cache_salt,
+            )
+            for p in run.prompts
+        ]
 
     def _echo_text(self, prompt: PreparedPrompt) -> str:
         if prompt.text is not None:
             return prompt.text
         return self.engine.tokenizer.decode(prompt.token_ids)
 
-    def _update(self, run: CompletionRun, state: ChoiceState, prompt: PreparedPrompt,
-                output: CompletionOutput) -> tuple[str, CompletionLogProbs | None]:
+    def _update(
+        self,
+        run: CompletionRun,
+        state: ChoiceState,
+        prompt: PreparedPrompt,
+        output: CompletionOutput,
+    ) -> tuple[str, CompletionLogProbs | None]:
         """Fold one delta into its choice (all but the logprobs, which only _complete keeps);
         return the delta's text and logprobs."""
         generated = output.text if run.generates else ""
@@ -161,8 +204,13 @@ class CompletionServing(OpenAIServing):
                 logprobs = self._echo_logprobs(prompt, state)
         state.is_started = True
         if prompt.params.logprobs is not None and output.logprobs is not None and token_ids:
-            more = completion_logprobs(token_ids, output.logprobs, prompt.params.logprobs,
-                                       len(state.text) + (len(text) - len(generated)), self.decode_token)
+            more = completion_logprobs(
+                token_ids,
+                output.logprobs,
+                prompt.params.logprobs,
+                len(state.text) + (len(text) - len(generated)),
+                self.decode_token,
+            )
             logprobs = merge_completion_logprobs(logprobs, more)
         state.text += text
         state.num_tokens += len(token_ids)
@@ -171,15 +219,20 @@ class CompletionServing(OpenAIServing):
         state.stop_reason = output.stop_reason if output.finish_reason else state.stop_reason
         return text, logprobs
 
-    def _echo_logprobs(self, prompt: PreparedPrompt, state: ChoiceState) -> CompletionLogProbs | None:
+    def _echo_logprobs(
+        self, prompt: PreparedPrompt, state: ChoiceState
+    ) -> CompletionLogProbs | None:
         """The echoed prompt's tokens with their logprobs (the first one's null)."""
         if prompt.prompt_logprobs is None:
             state.echo_logprobs_pending = True
             return None
-        return completion_logprobs(prompt.token_ids, prompt.prompt_logprobs, prompt.params.logprobs, 0,
-                                   self.decode_token)
+        return completion_logprobs(
+            prompt.token_ids, prompt.prompt_logprobs, prompt.params.logprobs, 0, self.decode_token
+        )
 
-    async def _deltas(self, run: CompletionRun, states: dict[int, ChoiceState]) -> AsyncIterator[Delta]:
+    async def _deltas(
+        self, run: CompletionRun, states: dict[int, ChoiceState]
+    ) -> AsyncIterator[Delta]:
         """Every prompt's outputs in arrival order, each folded into its choice in `states`.
 
         Leaving early (a disconnect cancels the caller, or a failure) closes every engine stream,
@@ -212,20 +265,32 @@ class CompletionServing(OpenAIServing):
         for i, state in states.items():
             if state.echo_logprobs_pending:
                 echoed = self._echo_logprobs(run.prompts[i // run.request.n], state)
-                state.logprobs = merge_completion_logprobs(echoed, state.logprobs) if state.logprobs else echoed
+                state.logprobs = (
+                    merge_completion_logprobs(echoed, state.logprobs) if state.logprobs else echoed
+                )
         choices = [self._final_choice(run, i, s) for i, s in sorted(states.items())]
-        body = CompletionResponse(id=run.request_id, created=run.created, model=run.model,
-                                  choices=choices, usage=run.usage(_num_tokens(states)),
-                                  kv_transfer_params=run.prompts[0].kv_transfer_params)
+        body = CompletionResponse(
+            id=run.request_id,
+            created=run.created,
+            model=run.model,
+            choices=choices,
+            usage=run.usage(_num_tokens(states)),
+            kv_transfer_params=run.prompts[0].kv_transfer_params,
+        )
         return Response(body.model_dump_json(), media_type="application/json")
 
     def _final_choice(self, run: CompletionRun, index: int, state: ChoiceState) -> CompletionChoice:
         prompt = run.prompts[index // run.request.n]
         with_ids = run.request.return_token_ids
-        choice = CompletionChoice(index=index, text=state.text, logprobs=state.logprobs,
-                                  finish_reason=state.finish_reason, stop_reason=state.stop_reason,
-                                  prompt_token_ids=prompt.token_ids if with_ids else None,
-                                  token_ids=state.token_ids if with_ids else None)
+        choice = CompletionChoice(
+            index=index,
+            text=state.text,
+            logprobs=state.logprobs,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+            prompt_token_ids=prompt.token_ids if with_ids else None,
+            token_ids=state.token_ids if with_ids else None,
+        )
         if run.request.prompt_logprobs is not None and prompt.prompt_logprobs is not None:
             choice.prompt_logprobs = prompt_logprobs_body(prompt.prompt_logprobs)
         return choice
@@ -250,20 +315,37 @@ class CompletionServing(OpenAIServing):
         yield DONE_EVENT
 
     def _chunk(self, run: CompletionRun, delta: Delta, state: ChoiceState) -> CompletionResponse:
-        choice = CompletionChoice(index=delta.index, text=delta.text, logprobs=delta.logprobs,
-                                  finish_reason=delta.output.finish_reason,
-                                  stop_reason=delta.output.stop_reason)
+        choice = CompletionChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=delta.logprobs,
+            finish_reason=delta.output.finish_reason,
+            stop_reason=delta.output.stop_reason,
+        )
         if run.request.return_token_ids:
             choice.token_ids = list(delta.output.token_ids) if run.generates else []
             if delta.is_first:
                 choice.prompt_token_ids = delta.prompt.token_ids
-        if delta.is_first and run.request.prompt_logprobs is not None and delta.prompt.prompt_logprobs is not None:
+        if (
+            delta.is_first
+            and run.request.prompt_logprobs is not None
+            and delta.prompt.prompt_logprobs is not None
+        ):
             choice.prompt_logprobs = prompt_logprobs_body(delta.prompt.prompt_logprobs)
-        return CompletionResponse(id=run.request_id, created=run.created, model=run.model, choices=[choice])
+        return CompletionResponse(
+            id=run.request_id, created=run.created, model=run.model, choices=[choice]
+        )
 
-    def _usage_chunk(self, run: CompletionRun, states: dict[int, ChoiceState]) -> CompletionResponse:
-        return CompletionResponse(id=run.request_id, created=run.created, model=run.model,
-                                  choices=[], usage=run.usage(_num_tokens(states)))
+    def _usage_chunk(
+        self, run: CompletionRun, states: dict[int, ChoiceState]
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=run.request_id,
+            created=run.created,
+            model=run.model,
+            choices=[],
+            usage=run.usage(_num_tokens(states)),
+        )
 
 
 def _num_tokens(states: dict[int, ChoiceState]) -> int:

@@ -33,9 +33,13 @@ class EmbeddingServing(OpenAIServing):
     async def create(self, request: EmbeddingRequest, raw: Request) -> Response:
         self.preflight(request, request.model)
         if request.dimensions is not None:
-            raise ValueError("dimensions: this model's embeddings have one size; leave dimensions out")
+            raise ValueError(
+                "dimensions: this model's embeddings have one size; leave dimensions out"
+            )
         inputs = split_prompts(request.input)
-        self.ctx.limits.caps.check("max_sequences_per_request", len(inputs), "number of inputs", "input")
+        self.ctx.limits.caps.check(
+            "max_sequences_per_request", len(inputs), "number of inputs", "input"
+        )
         self.check_text_length("input", sum(len(p) for p in inputs if isinstance(p, str)))
         self.ctx.admission.check_room(len(inputs))
         run = await self.prepare(self._prepare, request, inputs)
@@ -46,27 +50,48 @@ class EmbeddingServing(OpenAIServing):
         params = SamplingParams(max_tokens=1, pooling=self.engine.config.model.pooler)
         prompts = []
         for item in inputs:
-            _, token_ids = processor.tokenize(item if isinstance(item, str) else {"prompt_token_ids": item})
-            token_ids = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len)
+            _, token_ids = processor.tokenize(
+                item if isinstance(item, str) else {"prompt_token_ids": item}
+            )
+            token_ids = truncate_prompt(
+                token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len
+            )
             processor.validate_prompt(token_ids, params)
             prompts.append(token_ids)
         self.check_request_tokens(sum(len(p) for p in prompts))
-        return EmbeddingRun(new_request_id("embd"), request, self.response_model_name(request.model), prompts, params)
+        return EmbeddingRun(
+            new_request_id("embd"),
+            request,
+            self.response_model_name(request.model),
+            prompts,
+            params,
+        )
 
     async def _complete(self, run: EmbeddingRun) -> Response:
         vectors: dict[int, list[float]] = {}
-        generators = [self.engine.generate(f"{run.request_id}-{i}", prompt, run.params)
-                      for i, prompt in enumerate(run.prompts)]
+        generators = [
+            self.engine.generate(f"{run.request_id}-{i}", prompt, run.params)
+            for i, prompt in enumerate(run.prompts)
+        ]
         # Leaving early (a disconnect cancels us) closes every engine stream: each aborts its request.
         async with aclosing(merge_async_iterators(*generators)) as outputs:
             async for index, out in outputs:
                 if out.pooled is not None:
                     vectors[index] = out.pooled
-        data = [EmbeddingData(index=i, embedding=_encode(vectors[i], run.request.encoding_format))
-                for i in range(len(run.prompts))]
-        body = EmbeddingResponse(id=run.request_id, model=run.model, data=data,
-                                 usage=make_usage([len(p) for p in run.prompts], None, 0))
-        return Response(body.model_dump_json(exclude={"usage": {"completion_tokens"}}), media_type="application/json")
+        data = [
+            EmbeddingData(index=i, embedding=_encode(vectors[i], run.request.encoding_format))
+            for i in range(len(run.prompts))
+        ]
+        body = EmbeddingResponse(
+            id=run.request_id,
+            model=run.model,
+            data=data,
+            usage=make_usage([len(p) for p in run.prompts], None, 0),
+        )
+        return Response(
+            body.model_dump_json(exclude={"usage": {"completion_tokens"}}),
+            media_type="application/json",
+        )
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

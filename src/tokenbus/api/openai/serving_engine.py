@@ -23,8 +23,12 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenbus.api.openai.errors import (NotFoundError, RequestTimeoutError, ServiceUnavailableError,
-                                        error_event_body)
+from tokenbus.api.openai.errors import (
+    NotFoundError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+    error_event_body,
+)
 from tokenbus.api.openai.protocol import OpenAIRequest
 from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.streaming import DONE_EVENT, SSEResponse, cancel_on_disconnect, sse_event
@@ -52,8 +56,9 @@ class Admission:
     ahead needs to drain at the rate sequences recently finished.
     """
 
-    def __init__(self, max_running: int, max_waiting: int | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_running: int, max_waiting: int | None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.max_running = max_running
         self.limit = None if max_waiting is None else max_running + max_waiting
         self.num_in_flight = 0
@@ -65,7 +70,8 @@ class Admission:
         if self.limit is not None and self.num_in_flight + num_seqs > self.limit:
             raise ServiceUnavailableError(
                 "The server is overloaded: the request queue is full. Retry later.",
-                headers={"Retry-After": str(self.retry_after_s())})
+                headers={"Retry-After": str(self.retry_after_s())},
+            )
 
     def acquire(self, num_seqs: int) -> "Ticket":
         self.check_room(num_seqs)
@@ -83,7 +89,11 @@ class Admission:
             return 1
         # Sequences finished after the window's first, over the time since it.
         span = self._clock() - self._finished[0][0]
-        rate = (sum(n for _, n in self._finished) - self._finished[0][1]) / span if span > 0 else math.inf
+        rate = (
+            (sum(n for _, n in self._finished) - self._finished[0][1]) / span
+            if span > 0
+            else math.inf
+        )
         return int(min(max(math.ceil(queued / rate), 1), MAX_RETRY_AFTER_S))
 
 
@@ -114,7 +124,8 @@ class ServingContext:
     tool_parser: ToolCallParser | None = None  # tool_choice "auto": --enable-auto-tool-choice
     # Tokenizing, chat templates and grammar checks run here, never on the event loop.
     prepare_pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "prepare"))
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "prepare")
+    )
     # Seconds the engine has had work but completed no step; set by the server's watchdog.
     stalled_for_s: float | None = None
 
@@ -136,12 +147,16 @@ class OpenAIServing:
         if self.engine.errored:
             raise ServiceUnavailableError(f"The engine is not running: {self.engine.dead_error}")
         if self.ctx.stalled_for_s is not None:
-            raise ServiceUnavailableError(f"The engine has completed no step for "
-                                          f"{self.ctx.stalled_for_s:.0f} s.", headers={"Retry-After": "5"})
+            raise ServiceUnavailableError(
+                f"The engine has completed no step for {self.ctx.stalled_for_s:.0f} s.",
+                headers={"Retry-After": "5"},
+            )
         if model is not None and model not in self.ctx.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model")
         if (path := find_lone_surrogate(request)) is not None:
-            raise ValueError(f"{path}: contains a lone UTF-16 surrogate, which is not valid Unicode text")
+            raise ValueError(
+                f"{path}: contains a lone UTF-16 surrogate, which is not valid Unicode text"
+            )
         unknown = request.unknown_fields()
         if unknown:
             shown = ", ".join(log_safe(name, 40) for name in unknown[:UNKNOWN_FIELDS_LOGGED])
@@ -156,29 +171,47 @@ class OpenAIServing:
     def check_text_length(self, name: str, num_chars: int) -> None:
         self.ctx.limits.caps.check("max_input_chars", num_chars, "number of characters", name)
 
-    def check_messages(self, messages: list, tools: list | None = None, functions: list | None = None) -> None:
+    def check_messages(
+        self, messages: list, tools: list | None = None, functions: list | None = None
+    ) -> None:
         """The caps on a chat (cheap: before anything is rendered). Tools and the calls in the
         history are rendered too: their JSON counts like text."""
         caps = self.ctx.limits.caps
         caps.check("max_chat_messages", len(messages), "number of messages", "messages")
         tools = (tools or []) + (functions or [])
         caps.check("max_tools", len(tools), "number of tools", "tools")
-        num_chars = sum(_content_chars(m) for m in messages) + (len(json.dumps(tools)) if tools else 0)
-        num_chars += sum(len(json.dumps(m["tool_calls"])) for m in messages
-                         if isinstance(m, dict) and m.get("tool_calls"))
+        num_chars = sum(_content_chars(m) for m in messages) + (
+            len(json.dumps(tools)) if tools else 0
+        )
+        num_chars += sum(
+            len(json.dumps(m["tool_calls"]))
+            for m in messages
+            if isinstance(m, dict) and m.get("tool_calls")
+        )
         self.check_text_length("messages", num_chars)
 
     def check_request_tokens(self, num_tokens: int) -> None:
-        self.ctx.limits.caps.check("max_request_tokens", num_tokens,
-                                   "number of tokens (prompt + max_tokens over all sequences)", "max_tokens")
+        self.ctx.limits.caps.check(
+            "max_request_tokens",
+            num_tokens,
+            "number of tokens (prompt + max_tokens over all sequences)",
+            "max_tokens",
+        )
 
     def check_prompt_logprobs(self, prompts: list[tuple[int, SamplingParams]]) -> None:
         """What prompt logprobs cost the response (and the engine's output), bounded over the
         request's (prompt length, params) pairs."""
-        entries = sum(n * (1 + params.prompt_logprobs) for n, params in prompts
-                      if params.prompt_logprobs is not None)
-        self.ctx.limits.caps.check("max_prompt_logprob_entries", entries,
-                                   "prompt positions × (1 + prompt_logprobs)", "prompt_logprobs")
+        entries = sum(
+            n * (1 + params.prompt_logprobs)
+            for n, params in prompts
+            if params.prompt_logprobs is not None
+        )
+        self.ctx.limits.caps.check(
+            "max_prompt_logprob_entries",
+            entries,
+            "prompt positions × (1 + prompt_logprobs)",
+            "prompt_logprobs",
+        )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a prompt and its parameters; the parameters as the engine will run them."""
@@ -208,7 +241,9 @@ class OpenAIServing:
         ticket = self.ctx.admission.acquire(num_seqs)
         deadline = self._deadline()
         if stream:
-            return SSEResponse(self._stream_before(self._stream(run), deadline), on_close=ticket.release)
+            return SSEResponse(
+                self._stream_before(self._stream(run), deadline), on_close=ticket.release
+            )
         try:
             response = await cancel_on_disconnect(raw, self._complete_before(run, deadline))
         finally:
@@ -221,8 +256,10 @@ class OpenAIServing:
         return None if not timeout else asyncio.get_running_loop().time() + timeout
 
     def _timeout_error(self) -> RequestTimeoutError:
-        return RequestTimeoutError(f"The request ran past the server's {self.ctx.request_timeout_s:g} s "
-                                   f"limit (--request-timeout) and was aborted.")
+        return RequestTimeoutError(
+            f"The request ran past the server's {self.ctx.request_timeout_s:g} s "
+            f"limit (--request-timeout) and was aborted."
+        )
 
     async def _complete_before(self, run: Any, deadline: float | None) -> Response:
         # Cancelling _complete closes its engine stream, which aborts the request in the engine.
@@ -232,8 +269,9 @@ class OpenAIServing:
         except TimeoutError:
             raise self._timeout_error() from None
 
-    async def _stream_before(self, events: AsyncIterator[bytes],
-                             deadline: float | None) -> AsyncIterator[bytes]:
+    async def _stream_before(
+        self, events: AsyncIterator[bytes], deadline: float | None
+    ) -> AsyncIterator[bytes]:
         """`events` until the deadline; then an error event, [DONE], and the stream closed (so
         that its engine request is aborted)."""
         try:
@@ -266,8 +304,11 @@ def _content_chars(message: Any) -> int:
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
-        return sum(len(part["text"]) for part in content
-                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+        return sum(
+            len(part["text"])
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
     return 0
 
 

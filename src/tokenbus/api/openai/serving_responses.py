@@ -89,7 +89,9 @@ class ResponsesServing(OpenAIServing):
         self.check_messages(chat_request.messages, chat_request.tools)
         self.ctx.admission.check_room(1)
         chat_run = await self.prepare(self.chat.build_run, chat_request)
-        return await self.respond(raw, request.stream, 1, ResponsesRun(chat_run, request, conversation))
+        return await self.respond(
+            raw, request.stream, 1, ResponsesRun(chat_run, request, conversation)
+        )
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         stored = self._store.get(response_id)
@@ -102,9 +104,13 @@ class ResponsesServing(OpenAIServing):
         if request.previous_response_id is not None:
             stored = self._store.get(request.previous_response_id)
             if stored is None:
-                raise ValueError(f"previous_response_id: no stored response {request.previous_response_id!r}")
+                raise ValueError(
+                    f"previous_response_id: no stored response {request.previous_response_id!r}"
+                )
             history = [m for m in stored.conversation if m.get("role") != "system"]
-        messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        messages = (
+            [{"role": "system", "content": request.instructions}] if request.instructions else []
+        )
         return messages + history + input_messages(request.input)
 
     # ------------------------------------------------------------------ one body
@@ -121,12 +127,22 @@ class ResponsesServing(OpenAIServing):
     def _finish(self, run: ResponsesRun, state: ChatChoiceState) -> dict[str, Any]:
         choice = self.chat.final_choice(run.chat, 0, state)
         items = output_items(choice.message.content, choice.message.tool_calls)
-        body = response_body(run, items, state.num_tokens, "completed" if choice.finish_reason != "length"
-                             else "incomplete")
+        body = response_body(
+            run,
+            items,
+            state.num_tokens,
+            "completed" if choice.finish_reason != "length" else "incomplete",
+        )
         if run.request.store:
-            reply = {"role": "assistant", "content": choice.message.content,
-                     **({"tool_calls": [c.model_dump() for c in choice.message.tool_calls]}
-                        if choice.message.tool_calls else {})}
+            reply = {
+                "role": "assistant",
+                "content": choice.message.content,
+                **(
+                    {"tool_calls": [c.model_dump() for c in choice.message.tool_calls]}
+                    if choice.message.tool_calls
+                    else {}
+                ),
+            }
             self._store[run.id] = StoredResponse(body, [*run.conversation, reply])
             while len(self._store) > STORE_SIZE:
                 self._store.popitem(last=False)
@@ -152,8 +168,13 @@ class ResponsesServing(OpenAIServing):
                             started = True
                             for event in _message_opening(run, item_id):
                                 yield event
-                        yield run.event("response.output_text.delta", item_id=item_id, output_index=0,
-                                        content_index=0, delta=output.text)
+                        yield run.event(
+                            "response.output_text.delta",
+                            item_id=item_id,
+                            output_index=0,
+                            content_index=0,
+                            delta=output.text,
+                        )
             body = self._finish(run, state)
             if started:
                 for event in _message_closing(run, item_id, state.text):
@@ -162,8 +183,10 @@ class ResponsesServing(OpenAIServing):
                 for index, item in enumerate(body["output"]):
                     for event in _item_events(run, index, item):
                         yield event
-            yield run.event("response.completed" if body["status"] == "completed" else "response.incomplete",
-                            response=body)
+            yield run.event(
+                "response.completed" if body["status"] == "completed" else "response.incomplete",
+                response=body,
+            )
         except Exception as exc:
             yield run.event("error", **error_event_body(exc, self.ctx.known_params)["error"])
 
@@ -176,16 +199,27 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for index, item in enumerate(input_):
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role", "user"), "content": _text_of(item.get("content"), index)})
+            messages.append(
+                {"role": item.get("role", "user"), "content": _text_of(item.get("content"), index)}
+            )
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output", ""))})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": str(item.get("output", "")),
+                }
+            )
         else:
             raise ValueError(f"input[{index}]: items of type {kind!r} are not supported")
     if not messages:
@@ -199,24 +233,40 @@ def _text_of(content: Any, index: int) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            if not isinstance(part, dict) or part.get("type") not in (
+                "input_text",
+                "output_text",
+                "text",
+            ):
                 raise ValueError(f"input[{index}].content: only text parts are supported")
             texts.append(part.get("text", ""))
         return "\n".join(texts)
     raise ValueError(f"input[{index}].content: expected a string or a list of text parts")
 
 
-def _chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
-    fields: dict[str, Any] = {"model": request.model, "messages": messages,
-                              "max_completion_tokens": request.max_output_tokens,
-                              "temperature": request.temperature, "top_p": request.top_p}
+def _chat_request(
+    request: ResponsesRequest, messages: list[dict[str, Any]]
+) -> ChatCompletionRequest:
+    fields: dict[str, Any] = {
+        "model": request.model,
+        "messages": messages,
+        "max_completion_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+    }
     fmt = (request.text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise ValueError('text: format must be an object such as {"type": "json_schema", ...}')
     if fmt is not None:
         if fmt.get("type") == "json_schema":
-            fields["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": fmt.get("name"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+            fields["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": fmt.get("name"),
+                    "schema": fmt.get("schema"),
+                    "strict": fmt.get("strict"),
+                },
+            }
         elif fmt.get("type") in ("json_object", "text"):
             fields["response_format"] = {"type": fmt["type"]}
         else:
@@ -241,49 +291,106 @@ def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
 def output_items(content: str | None, tool_calls) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if content:
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
-                      "role": "assistant",
-                      "content": [{"type": "output_text", "text": content, "annotations": []}]})
+        items.append(
+            {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": content, "annotations": []}],
+            }
+        )
     for call in tool_calls or []:
-        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
-                      "name": call.function.name, "arguments": call.function.arguments, "status": "completed"})
+        items.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{uuid.uuid4().hex}",
+                "call_id": call.id,
+                "name": call.function.name,
+                "arguments": call.function.arguments,
+                "status": "completed",
+            }
+        )
     return items
 
 
-def response_body(run: ResponsesRun, items: list[dict[str, Any]], num_output_tokens: int,
-                  status: str) -> dict[str, Any]:
+def response_body(
+    run: ResponsesRun, items: list[dict[str, Any]], num_output_tokens: int, status: str
+) -> dict[str, Any]:
     request = run.request
     num_input = len(run.chat.prompt_token_ids)
     return {
-        "id": run.id, "object": "response", "created_at": run.created_at, "status": status,
-        "model": run.chat.model, "output": items, "error": None,
+        "id": run.id,
+        "object": "response",
+        "created_at": run.created_at,
+        "status": status,
+        "model": run.chat.model,
+        "output": items,
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-        "temperature": run.chat.params.temperature, "top_p": run.chat.params.top_p,
-        "previous_response_id": request.previous_response_id, "store": request.store,
-        "text": request.text or {"format": {"type": "text"}}, "tools": request.tools or [],
-        "tool_choice": request.tool_choice or "auto", "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "temperature": run.chat.params.temperature,
+        "top_p": run.chat.params.top_p,
+        "previous_response_id": request.previous_response_id,
+        "store": request.store,
+        "text": request.text or {"format": {"type": "text"}},
+        "tools": request.tools or [],
+        "tool_choice": request.tool_choice or "auto",
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
         "metadata": request.metadata or {},
-        "usage": {"input_tokens": num_input, "output_tokens": num_output_tokens,
-                  "total_tokens": num_input + num_output_tokens,
-                  "input_tokens_details": {"cached_tokens": run.chat.num_cached_tokens},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
+        "usage": {
+            "input_tokens": num_input,
+            "output_tokens": num_output_tokens,
+            "total_tokens": num_input + num_output_tokens,
+            "input_tokens_details": {"cached_tokens": run.chat.num_cached_tokens},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
     }
 
 
 def _message_opening(run: ResponsesRun, item_id: str) -> list[bytes]:
-    item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
-    return [run.event("response.output_item.added", output_index=0, item=item),
-            run.event("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
-                      part={"type": "output_text", "text": "", "annotations": []})]
+    item = {
+        "type": "message",
+        "id": item_id,
+        "status": "in_progress",
+        "role": "assistant",
+        "content": [],
+    }
+    return [
+        run.event("response.output_item.added", output_index=0, item=item),
+        run.event(
+            "response.content_part.added",
+            item_id=item_id,
+            output_index=0,
+            content_index=0,
+            part={"type": "output_text", "text": "", "annotations": []},
+        ),
+    ]
 
 
 def _message_closing(run: ResponsesRun, item_id: str, text: str) -> list[bytes]:
     part = {"type": "output_text", "text": text, "annotations": []}
-    item = {"type": "message", "id": item_id, "status": "completed", "role": "assistant", "content": [part]}
-    return [run.event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text),
-            run.event("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part),
-            run.event("response.output_item.done", output_index=0, item=item)]
+    item = {
+        "type": "message",
+        "id": item_id,
+        "status": "completed",
+        "role": "assistant",
+        "content": [part],
+    }
+    return [
+        run.event(
+            "response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text
+        ),
+        run.event(
+            "response.content_part.done",
+            item_id=item_id,
+            output_index=0,
+            content_index=0,
+            part=part,
+        ),
+        run.event("response.output_item.done", output_index=0, item=item),
+    ]
 
 
 def _item_events(run: ResponsesRun, index: int, item: dict[str, Any]) -> list[bytes]:
@@ -291,14 +398,28 @@ def _item_events(run: ResponsesRun, index: int, item: dict[str, Any]) -> list[by
     if item["type"] == "message":
         text = item["content"][0]["text"]
         opening = _message_opening(run, item["id"])
-        delta = run.event("response.output_text.delta", item_id=item["id"], output_index=index,
-                          content_index=0, delta=text)
+        delta = run.event(
+            "response.output_text.delta",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            delta=text,
+        )
         return [*opening, delta, *_message_closing(run, item["id"], text)]
     added = {**item, "status": "in_progress", "arguments": ""}
-    return [run.event("response.output_item.added", output_index=index, item=added),
-            run.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                      delta=item["arguments"]),
-            run.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                      arguments=item["arguments"]),
-            run.event("response.output_item.done", output_index=index, item=item)]
-
+    return [
+        run.event("response.output_item.added", output_index=index, item=added),
+        run.event(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=index,
+            delta=item["arguments"],
+        ),
+        run.event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=index,
+            arguments=item["arguments"],
+        ),
+        run.event("response.output_item.done", output_index=index, item=item),
+    ]

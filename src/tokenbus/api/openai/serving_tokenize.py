@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from tokenbus.api.openai.errors import NotFoundError
-from tokenbus.api.openai.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                          TokenizeRequest, TokenizerInfoResponse, TokenizeResponse)
+from tokenbus.api.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizerInfoResponse,
+    TokenizeResponse,
+)
 from tokenbus.api.openai.serving_chat import normalize_message, template_kwargs
 from tokenbus.api.openai.serving_engine import OpenAIServing
 
@@ -24,16 +31,24 @@ class TokenizeServing(OpenAIServing):
         processor = self.engine.input_processor
         if request.messages is not None:
             messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
-            _, token_ids = processor.render_chat(messages, request.add_generation_prompt,
-                                                 template_kwargs(request.chat_template_kwargs))
+            _, token_ids = processor.render_chat(
+                messages,
+                request.add_generation_prompt,
+                template_kwargs(request.chat_template_kwargs),
+            )
         else:
-            token_ids = self.engine.tokenizer.encode(request.prompt,
-                                                     add_special_tokens=request.add_special_tokens)
+            token_ids = self.engine.tokenizer.encode(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            )
         token_strs = None
         if request.return_token_strs:
             token_strs = self.engine.tokenizer.convert_ids_to_tokens(token_ids)
-        return TokenizeResponse(count=len(token_ids), max_model_len=processor.max_model_len,
-                                tokens=token_ids, token_strs=token_strs)
+        return TokenizeResponse(
+            count=len(token_ids),
+            max_model_len=processor.max_model_len,
+            tokens=token_ids,
+            token_strs=token_strs,
+        )
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.preflight(request, request.model)
@@ -42,7 +57,9 @@ class TokenizeServing(OpenAIServing):
         vocab_size = self.engine.input_processor.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+            raise ValueError(
+                f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})"
+            )
         text = await self.prepare(self.engine.tokenizer.decode, request.tokens)
         return DetokenizeResponse(prompt=text)
 
@@ -55,17 +72,23 @@ class TokenizeServing(OpenAIServing):
     def tokenizer_info(self) -> TokenizerInfoResponse:
         tokenizer = self.engine.tokenizer
         return TokenizerInfoResponse(
-            tokenizer_class=type(tokenizer).__name__, chat_template=getattr(tokenizer, "chat_template", None),
+            tokenizer_class=type(tokenizer).__name__,
+            chat_template=getattr(tokenizer, "chat_template", None),
             model_max_length=self.engine.input_processor.max_model_len,
             vocab_size=self.engine.input_processor.vocab_size,
             bos_token=_token_text(getattr(tokenizer, "bos_token", None)),
             eos_token=_token_text(getattr(tokenizer, "eos_token", None)),
-            pad_token=_token_text(getattr(tokenizer, "pad_token", None)))
+            pad_token=_token_text(getattr(tokenizer, "pad_token", None)),
+        )
 
     def models(self) -> ModelList:
         max_model_len = self.engine.input_processor.max_model_len
-        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=max_model_len)
-                               for name in self.ctx.served_model_names])
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=name, max_model_len=max_model_len)
+                for name in self.ctx.served_model_names
+            ]
+        )
 
 
 def _token_text(token) -> str | None:

@@ -124,7 +124,7 @@ class MistralParser(ToolCallParser):
         if start < 0:
             return ParsedOutput(text, [])
         try:
-            value = json.loads(text[start + len(self.marker):].strip())
+            value = json.loads(text[start + len(self.marker) :].strip())
         except ValueError:
             return ParsedOutput(text, [])
         values = value if isinstance(value, list) else [value]
@@ -160,10 +160,13 @@ class PythonicParser(ToolCallParser):
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
-    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+}
 
 
 def make_parser(name: str) -> ToolCallParser:
     if name not in PARSERS:
-        raise ValueError(f"tool_call_parser: unknown parser {name!r}; known: {', '.join(sorted(PARSERS))}")
+        raise ValueError(
+            f"tool_call_parser: unknown parser {name!r}; known: {', '.join(sorted(PARSERS))}"
+        )
     return PARSERS[name]()

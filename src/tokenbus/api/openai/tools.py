@@ -32,8 +32,9 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 TOOLS_SYSTEM_PROMPT = (
     "You may call one or more functions to assist with the user query. The functions are listed "
     "within <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a JSON "
-    'object with the function name and arguments within <tool_call></tool_call> tags:\n'
-    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+    "object with the function name and arguments within <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,10 @@ class ToolPlan:
 
     @property
     def parameters(self) -> dict[str, dict]:
-        return {t["function"]["name"]: t["function"].get("parameters") or EMPTY_PARAMETERS for t in self.tools}
+        return {
+            t["function"]["name"]: t["function"].get("parameters") or EMPTY_PARAMETERS
+            for t in self.tools
+        }
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The constraint that makes a required or named call parse and validate."""
@@ -55,10 +59,16 @@ class ToolPlan:
             return StructuredOutputsParams(json=self.parameters[self.named])
         if self.mode != "required":
             return None
-        item = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                             "arguments": schema},
-                           "required": ["name", "arguments"]}
-                          for name, schema in self.parameters.items()]}
+        item = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"type": "string", "enum": [name]}, "arguments": schema},
+                    "required": ["name", "arguments"],
+                }
+                for name, schema in self.parameters.items()
+            ]
+        }
         schema = {"type": "array", "items": item, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
@@ -73,7 +83,10 @@ class ToolPlan:
                 values = json.loads(text)
             except ValueError:
                 return text, []  # cut short (max_tokens): what there is, as text
-            return None, [ParsedCall(v["name"], json.dumps(v["arguments"], ensure_ascii=False)) for v in values]
+            return None, [
+                ParsedCall(v["name"], json.dumps(v["arguments"], ensure_ascii=False))
+                for v in values
+            ]
         if self.mode == "auto":
             parsed = self.parser.parse(text)
             return (parsed.content, parsed.calls) if parsed.calls else (text, [])
@@ -106,18 +119,28 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolCallParser | None) ->
     choice = "auto" if choice is None else choice
     if isinstance(choice, dict):
         function = choice.get("function")
-        name = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
+        name = (
+            function.get("name")
+            if choice.get("type") == "function" and isinstance(function, dict)
+            else None
+        )
         if not isinstance(name, str):
-            raise ValueError('tool_choice: expected "none", "auto", "required" or '
-                             '{"type": "function", "function": {"name": ...}}')
+            raise ValueError(
+                'tool_choice: expected "none", "auto", "required" or '
+                '{"type": "function", "function": {"name": ...}}'
+            )
         if name not in names:
             raise ValueError(f"tool_choice: no tool is named {name!r}")
         return ToolPlan(tools, "named", named=name)
     if choice not in ("none", "auto", "required"):
-        raise ValueError(f'tool_choice: expected "none", "auto", "required" or a named function, got {choice!r}')
+        raise ValueError(
+            f'tool_choice: expected "none", "auto", "required" or a named function, got {choice!r}'
+        )
     if choice == "auto" and parser is None:
-        raise ValueError('tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
-                         '--tool-call-parser (or use "required" or a named function)')
+        raise ValueError(
+            'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
+            '--tool-call-parser (or use "required" or a named function)'
+        )
     parallel = request.parallel_tool_calls is not False
     return ToolPlan(tools, choice, parallel=parallel, parser=parser if choice == "auto" else None)
 
@@ -125,7 +148,9 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolCallParser | None) ->
 def _check_tool(tool: Any, index: int) -> dict[str, Any]:
     where = f"tools[{index}]"
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-        raise ValueError(f'{where}: only {{"type": "function", "function": {{...}}}} tools are supported')
+        raise ValueError(
+            f'{where}: only {{"type": "function", "function": {{...}}}} tools are supported'
+        )
     function = tool.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ValueError(f"{where}.function: needs a name")
@@ -141,8 +166,9 @@ def template_supports_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
-def messages_for_template(messages: list[dict[str, Any]], plan: ToolPlan | None,
-                          native_tools: bool) -> list[dict[str, Any]]:
+def messages_for_template(
+    messages: list[dict[str, Any]], plan: ToolPlan | None, native_tools: bool
+) -> list[dict[str, Any]]:
     """The history as the template gets it. Templates that render tool calls expect their
     arguments as objects (they apply `tojson`); OpenAI sends them as JSON text. Without native
     tool support, calls become Hermes text and the tools a system message."""
@@ -154,8 +180,10 @@ def messages_for_template(messages: list[dict[str, Any]], plan: ToolPlan | None,
             if native_tools:
                 message["tool_calls"] = [_with_object_arguments(c) for c in calls]
             else:
-                text = "\n".join(f"<tool_call>\n{json.dumps(_call_json(c), ensure_ascii=False)}\n</tool_call>"
-                                 for c in calls)
+                text = "\n".join(
+                    f"<tool_call>\n{json.dumps(_call_json(c), ensure_ascii=False)}\n</tool_call>"
+                    for c in calls
+                )
                 message["content"] = ((message.get("content") or "") + "\n" + text).strip()
                 del message["tool_calls"]
         rendered.append(message)

@@ -133,11 +133,20 @@ def _lifespan(state: ProxyState):
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=config.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-            trust_env=False)
+            trust_env=False,
+        )
         state.router = Router(client, state.prefill, state.decode, state.metrics, config)
-        state.tasks.append(asyncio.create_task(
-            probe_forever(client, (state.prefill, state.decode), config.health_interval,
-                          config.health_timeout), name="proxy-health-probe"))
+        state.tasks.append(
+            asyncio.create_task(
+                probe_forever(
+                    client,
+                    (state.prefill, state.decode),
+                    config.health_interval,
+                    config.health_timeout,
+                ),
+                name="proxy-health-probe",
+            )
+        )
         try:
             yield
         finally:
@@ -154,12 +163,22 @@ def run_proxy(config: ProxyConfig) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sock = bind_socket(config.host, config.port)
     try:
-        server = uvicorn.Server(uvicorn.Config(
-            build_app(config), log_config=None, access_log=False,
-            timeout_graceful_shutdown=config.shutdown_timeout))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(config),
+                log_config=None,
+                access_log=False,
+                timeout_graceful_shutdown=config.shutdown_timeout,
+            )
+        )
         host, port = sock.getsockname()[:2]
-        logger.info("Proxying on http://%s:%d: prefill %s, decode %s", host, port,
-                    list(config.prefill_urls) or "(none)", list(config.decode_urls))
+        logger.info(
+            "Proxying on http://%s:%d: prefill %s, decode %s",
+            host,
+            port,
+            list(config.prefill_urls) or "(none)",
+            list(config.decode_urls),
+        )
         asyncio.run(server.serve(sockets=[sock]))
     finally:
         sock.close()

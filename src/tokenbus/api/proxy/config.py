@@ -54,7 +54,9 @@ class ProxyConfig:
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout: must be > 0 seconds, got {self.request_timeout}")
         if self.max_request_body_bytes < 1:
-            raise ValueError(f"max_request_body_bytes: must be >= 1, got {self.max_request_body_bytes}")
+            raise ValueError(
+                f"max_request_body_bytes: must be >= 1, got {self.max_request_body_bytes}"
+            )
         for name in ("connect_timeout", "health_interval", "health_timeout", "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")

@@ -14,8 +14,13 @@ from fastapi.responses import JSONResponse
 class ProxyError(Exception):
     """A request the proxy answers itself: bad input, a timeout, no instance to serve it."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -32,9 +37,14 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+    return {
+        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
+    }
 
 
 def error_response(error: ProxyError) -> JSONResponse:
-    return JSONResponse(error_body(error.status, error.message, error.param),
-                        status_code=error.status, headers=error.headers)
+    return JSONResponse(
+        error_body(error.status, error.message, error.param),
+        status_code=error.status,
+        headers=error.headers,
+    )

@@ -18,8 +18,9 @@ from tokenbus.api.proxy.pool import Instance, InstancePool
 logger = logging.getLogger("tokenbus.proxy")
 
 
-async def probe_once(client: httpx.AsyncClient, pool: InstancePool, instance: Instance,
-                     timeout_s: float) -> None:
+async def probe_once(
+    client: httpx.AsyncClient, pool: InstancePool, instance: Instance, timeout_s: float
+) -> None:
     try:
         response = await client.get(f"{instance.url}/health", timeout=timeout_s)
     except httpx.HTTPError as exc:
@@ -31,8 +32,9 @@ async def probe_once(client: httpx.AsyncClient, pool: InstancePool, instance: In
         pool.mark_down(instance, f"GET /health answered {response.status_code}")
 
 
-async def probe_forever(client: httpx.AsyncClient, pools: Sequence[InstancePool],
-                        interval_s: float, timeout_s: float) -> None:
+async def probe_forever(
+    client: httpx.AsyncClient, pools: Sequence[InstancePool], interval_s: float, timeout_s: float
+) -> None:
     """Probe all instances at once, then sleep `interval_s`; until cancelled."""
     while True:
         probes = [probe_once(client, pool, i, timeout_s) for pool in pools for i in pool.instances]

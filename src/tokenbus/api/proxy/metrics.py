@@ -18,18 +18,37 @@ LABELS = ["kind", "url"]
 
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry, pools: Sequence[InstancePool]) -> None:
-        self._requests = Counter(PREFIX + "upstream_requests", "Requests sent to an upstream instance "
-                                 "(every try, retries included).", LABELS, registry=registry)
-        self._failures = Counter(PREFIX + "upstream_failures", "Requests to an upstream instance that "
-                                 "failed: no connection, a dropped connection, a 5xx prefill.",
-                                 LABELS, registry=registry)
-        self._fallbacks = Counter(PREFIX + "prefill_fallbacks", "Requests sent to a decode instance "
-                                  "without a prefill leg (no prefill instance could serve them).",
-                                  registry=registry)
-        healthy = Gauge(PREFIX + "upstream_healthy", "1 while an instance is in rotation.", LABELS,
-                        registry=registry)
-        in_flight = Gauge(PREFIX + "upstream_in_flight", "Requests through this proxy an instance "
-                          "is serving now.", LABELS, registry=registry)
+        self._requests = Counter(
+            PREFIX + "upstream_requests",
+            "Requests sent to an upstream instance (every try, retries included).",
+            LABELS,
+            registry=registry,
+        )
+        self._failures = Counter(
+            PREFIX + "upstream_failures",
+            "Requests to an upstream instance that "
+            "failed: no connection, a dropped connection, a 5xx prefill.",
+            LABELS,
+            registry=registry,
+        )
+        self._fallbacks = Counter(
+            PREFIX + "prefill_fallbacks",
+            "Requests sent to a decode instance "
+            "without a prefill leg (no prefill instance could serve them).",
+            registry=registry,
+        )
+        healthy = Gauge(
+            PREFIX + "upstream_healthy",
+            "1 while an instance is in rotation.",
+            LABELS,
+            registry=registry,
+        )
+        in_flight = Gauge(
+            PREFIX + "upstream_in_flight",
+            "Requests through this proxy an instance is serving now.",
+            LABELS,
+            registry=registry,
+        )
         for pool in pools:
             for instance in pool.instances:
                 labels = (instance.kind.value, instance.url)

@@ -59,13 +59,19 @@ class InstancePool:
 
     def mark_down(self, instance: Instance, reason: str) -> None:
         if instance.is_healthy:
-            logger.warning("%s instance %s is down (%s): skipped until GET /health answers 200",
-                           self.kind.value, instance.url, reason)
+            logger.warning(
+                "%s instance %s is down (%s): skipped until GET /health answers 200",
+                self.kind.value,
+                instance.url,
+                reason,
+            )
         instance.is_healthy = False
         instance.down_reason = reason
 
     def mark_up(self, instance: Instance) -> None:
         if not instance.is_healthy:
-            logger.info("%s instance %s is back (GET /health answered 200)", self.kind.value, instance.url)
+            logger.info(
+                "%s instance %s is back (GET /health answered 200)", self.kind.value, instance.url
+            )
         instance.is_healthy = True
         instance.down_reason = None

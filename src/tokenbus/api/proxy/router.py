@@ -43,8 +43,9 @@ logger = logging.getLogger("tokenbus.proxy")
 # (best_of, max_completion_tokens), or contradict max_tokens=1 and be refused (min_tokens).
 _NOT_FOR_PREFILL = ("max_completion_tokens", "stream_options", "min_tokens", "best_of")
 _FORWARDED_REQUEST_HEADERS = ("authorization",)
-_RELAYED_RESPONSE_HEADERS = frozenset({"content-type", "cache-control", "x-accel-buffering",
-                                       "retry-after", "x-request-id"})
+_RELAYED_RESPONSE_HEADERS = frozenset(
+    {"content-type", "cache-control", "x-accel-buffering", "retry-after", "x-request-id"}
+)
 
 
 def prefill_body(body: dict) -> dict:
@@ -55,11 +56,13 @@ def prefill_body(body: dict) -> dict:
 
 
 def upstream_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
-    headers = {"content-type": "application/json",
-               # aiter_raw relays bytes as they come: keep the instances from compressing them.
-               "accept-encoding": "identity",
-               # One id on both legs, so the two instances' logs of a request can be matched.
-               "x-request-id": client_headers.get("x-request-id") or uuid.uuid4().hex}
+    headers = {
+        "content-type": "application/json",
+        # aiter_raw relays bytes as they come: keep the instances from compressing them.
+        "accept-encoding": "identity",
+        # One id on both legs, so the two instances' logs of a request can be matched.
+        "x-request-id": client_headers.get("x-request-id") or uuid.uuid4().hex,
+    }
     for name in _FORWARDED_REQUEST_HEADERS:
         if name in client_headers:
             headers[name] = client_headers[name]
@@ -85,8 +88,14 @@ class InstanceDown(Exception):
 
 
 class Router:
-    def __init__(self, client: httpx.AsyncClient, prefill: InstancePool, decode: InstancePool,
-                 metrics: ProxyMetrics, config: ProxyConfig) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        prefill: InstancePool,
+        decode: InstancePool,
+        metrics: ProxyMetrics,
+        config: ProxyConfig,
+    ) -> None:
         self.client = client
         self.prefill = prefill
         self.decode = decode
@@ -95,8 +104,9 @@ class Router:
         self._is_falling_back = False  # warned that decoders compute prompts; reset by a prefill
         self._warned_no_params: set[str] = set()  # prefill URLs that answered null params
 
-    async def complete(self, path: str, raw_body: bytes, body: dict,
-                       client_headers: Mapping[str, str]) -> Response:
+    async def complete(
+        self, path: str, raw_body: bytes, body: dict, client_headers: Mapping[str, str]
+    ) -> Response:
         """POST `path` (/v1/completions, /v1/chat/completions): prefill, then decode."""
         if not self.decode.healthy:  # before prefilling: its KV would wait for nobody
             raise self._no_instance_error(self.decode)
@@ -110,35 +120,50 @@ class Router:
         elif outcome is None:
             # The proxy owns kv_transfer_params: a client's own (any host, port and blocks) must
             # not reach the decoder's KV connector.
-            content = json.dumps({k: v for k, v in body.items() if k != "kv_transfer_params"}).encode()
+            content = json.dumps(
+                {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            ).encode()
         else:
             content = json.dumps({**body, "kv_transfer_params": outcome}).encode()
-        answer = await self._first_answer(self.decode, "POST", path, content, headers, deadline,
-                                          stream=True)
+        answer = await self._first_answer(
+            self.decode, "POST", path, content, headers, deadline, stream=True
+        )
         if answer is None:
             raise self._no_instance_error(self.decode)
         instance, upstream = answer
-        return RelayResponse(upstream, self._relay(instance, upstream, deadline),
-                             on_close=functools.partial(self.decode.release, instance))
+        return RelayResponse(
+            upstream,
+            self._relay(instance, upstream, deadline),
+            on_close=functools.partial(self.decode.release, instance),
+        )
 
     async def forward_get(self, path: str, client_headers: Mapping[str, str]) -> Response:
         """GET `path` (/v1/models) from a decoder."""
         deadline = Deadline.after(self.config.request_timeout)
-        answer = await self._first_answer(self.decode, "GET", path, None,
-                                          upstream_headers(client_headers), deadline)
+        answer = await self._first_answer(
+            self.decode, "GET", path, None, upstream_headers(client_headers), deadline
+        )
         if answer is None:
             raise self._no_instance_error(self.decode)
         instance, upstream = answer
         self.decode.release(instance)
         return relay_whole(upstream)
 
-    async def _prefill(self, path: str, body: dict, headers: dict[str, str],
-                       deadline: Deadline) -> dict | Response | None:
+    async def _prefill(
+        self, path: str, body: dict, headers: dict[str, str], deadline: Deadline
+    ) -> dict | Response | None:
         """The prefiller's kv_transfer_params; its answer when it refused the request (4xx);
         None when the decoder is to compute the prompt itself."""
         content = json.dumps(prefill_body(body)).encode()
-        answer = await self._first_answer(self.prefill, "POST", path, content, headers, deadline,
-                                          is_answer=lambda r: r.status_code < 500)
+        answer = await self._first_answer(
+            self.prefill,
+            "POST",
+            path,
+            content,
+            headers,
+            deadline,
+            is_answer=lambda r: r.status_code < 500,
+        )
         if answer is None:
             self._fall_back()
             return None
@@ -151,18 +176,26 @@ class Router:
             self._is_falling_back = False
         return self._kv_transfer_params(instance, response)
 
-    async def _first_answer(self, pool: InstancePool, method: str, path: str, content: bytes | None,
-                            headers: dict[str, str], deadline: Deadline, stream: bool = False,
-                            is_answer: Callable[[httpx.Response], bool] = lambda r: True,
-                            ) -> tuple[Instance, httpx.Response] | None:
+    async def _first_answer(
+        self,
+        pool: InstancePool,
+        method: str,
+        path: str,
+        content: bytes | None,
+        headers: dict[str, str],
+        deadline: Deadline,
+        stream: bool = False,
+        is_answer: Callable[[httpx.Response], bool] = lambda r: True,
+    ) -> tuple[Instance, httpx.Response] | None:
         """Send to the least-loaded healthy instance of `pool`, then to the next, until one
         gives an answer; None when none did. The answering instance is left acquired."""
         tried: list[Instance] = []
         while (instance := pool.acquire(exclude=tried)) is not None:
             tried.append(instance)
             try:
-                response = await self._send(pool, instance, method, path, content, headers,
-                                            deadline, stream)
+                response = await self._send(
+                    pool, instance, method, path, content, headers, deadline, stream
+                )
             except InstanceDown:
                 pool.release(instance)
                 continue
@@ -174,17 +207,32 @@ class Router:
             pool.release(instance)
             await response.aclose()
             self.metrics.failure(instance)
-            logger.warning("%s instance %s answered %s %s with %d; trying another",
-                           pool.kind.value, instance.url, method, path, response.status_code)
+            logger.warning(
+                "%s instance %s answered %s %s with %d; trying another",
+                pool.kind.value,
+                instance.url,
+                method,
+                path,
+                response.status_code,
+            )
         return None
 
-    async def _send(self, pool: InstancePool, instance: Instance, method: str, path: str,
-                    content: bytes | None, headers: dict[str, str], deadline: Deadline,
-                    stream: bool) -> httpx.Response:
+    async def _send(
+        self,
+        pool: InstancePool,
+        instance: Instance,
+        method: str,
+        path: str,
+        content: bytes | None,
+        headers: dict[str, str],
+        deadline: Deadline,
+        stream: bool,
+    ) -> httpx.Response:
         """One try; with stream=True it returns once the headers are in."""
         self.metrics.request(instance)
-        request = self.client.build_request(method, instance.url + path, content=content,
-                                            headers=headers)
+        request = self.client.build_request(
+            method, instance.url + path, content=content, headers=headers
+        )
         try:
             with deadline.scope():
                 return await self.client.send(request, stream=stream)
@@ -195,8 +243,9 @@ class Router:
         except TimeoutError:
             raise self._timeout_error() from None
 
-    async def _relay(self, instance: Instance, upstream: httpx.Response,
-                     deadline: Deadline) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, instance: Instance, upstream: httpx.Response, deadline: Deadline
+    ) -> AsyncIterator[bytes]:
         """The decoder's body as it arrives. Past the headers a failure can no longer change
         the status: a stream ends with an error event (as the server's own streams do), any
         other body is cut short (the client sees an incomplete response, not a wrong one)."""
@@ -212,7 +261,9 @@ class Router:
                 yield chunk
         except httpx.TransportError as exc:
             self.metrics.failure(instance)
-            self.decode.mark_down(instance, f"dropped a response mid-body: {type(exc).__name__}: {exc}")
+            self.decode.mark_down(
+                instance, f"dropped a response mid-body: {type(exc).__name__}: {exc}"
+            )
             error = ProxyError(502, "The decode instance failed while answering.")
         except TimeoutError:
             error = self._timeout_error()
@@ -225,9 +276,14 @@ class Router:
     def _fall_back(self) -> None:
         self.metrics.fallback()
         if not self._is_falling_back:
-            down = "; ".join(f"{i.url}: {i.down_reason or 'failed'}" for i in self.prefill.instances)
-            logger.warning("no prefill instance can serve requests (%s): decode instances compute "
-                           "prompts themselves until one is back", down or "none configured")
+            down = "; ".join(
+                f"{i.url}: {i.down_reason or 'failed'}" for i in self.prefill.instances
+            )
+            logger.warning(
+                "no prefill instance can serve requests (%s): decode instances compute "
+                "prompts themselves until one is back",
+                down or "none configured",
+            )
             self._is_falling_back = True
 
     def _kv_transfer_params(self, instance: Instance, response: httpx.Response) -> dict | None:
@@ -239,20 +295,29 @@ class Router:
             return params
         if instance.url not in self._warned_no_params:
             self._warned_no_params.add(instance.url)
-            logger.warning("prefill instance %s answered kv_transfer_params %s, not an object "
-                           "(no KV connector?): decoders compute its requests' prompts themselves",
-                           instance.url, json.dumps(params)[:200])
+            logger.warning(
+                "prefill instance %s answered kv_transfer_params %s, not an object "
+                "(no KV connector?): decoders compute its requests' prompts themselves",
+                instance.url,
+                json.dumps(params)[:200],
+            )
         return None
 
     def _no_instance_error(self, pool: InstancePool) -> ProxyError:
         # Upstream addresses stay in the log (mark_down wrote why): clients don't need them.
         retry_after = str(math.ceil(self.config.health_interval))
-        return ProxyError(503, f"No {pool.kind.value} instance is available; try again later.",
-                          headers={"Retry-After": retry_after})
+        return ProxyError(
+            503,
+            f"No {pool.kind.value} instance is available; try again later.",
+            headers={"Retry-After": retry_after},
+        )
 
     def _timeout_error(self) -> ProxyError:
-        return ProxyError(408, f"The request took longer than the proxy's --request-timeout "
-                               f"({self.config.request_timeout:g} s).")
+        return ProxyError(
+            408,
+            f"The request took longer than the proxy's --request-timeout "
+            f"({self.config.request_timeout:g} s).",
+        )
 
 
 class BodyCut(Exception):
@@ -262,13 +327,17 @@ class BodyCut(Exception):
 
 def relay_whole(upstream: httpx.Response) -> Response:
     """A read upstream response, status and body unchanged."""
-    return Response(upstream.content, status_code=upstream.status_code,
-                    headers=_relayed_headers(upstream))
+    return Response(
+        upstream.content, status_code=upstream.status_code, headers=_relayed_headers(upstream)
+    )
 
 
 def _relayed_headers(upstream: httpx.Response) -> dict[str, str]:
-    return {name: value for name, value in upstream.headers.items()
-            if name.lower() in _RELAYED_RESPONSE_HEADERS}
+    return {
+        name: value
+        for name, value in upstream.headers.items()
+        if name.lower() in _RELAYED_RESPONSE_HEADERS
+    }
 
 
 class RelayResponse(StreamingResponse):
@@ -276,8 +345,9 @@ class RelayResponse(StreamingResponse):
     the upstream response is closed, so the instance sees the disconnect and aborts the
     request, and the instance is released."""
 
-    def __init__(self, upstream: httpx.Response, body: AsyncIterator[bytes],
-                 on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, upstream: httpx.Response, body: AsyncIterator[bytes], on_close: Callable[[], None]
+    ) -> None:
         super().__init__(body, status_code=upstream.status_code, headers=_relayed_headers(upstream))
         self._upstream = upstream
         self._on_close = on_close

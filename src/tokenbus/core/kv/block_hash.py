@@ -24,8 +24,9 @@ NONE_HASH: bytes = hashlib.sha256(b"tokenbus-none-hash").digest()
 HASH_NUM_BYTES = 32
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
-                      extra_keys: tuple | None = None) -> bytes:
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> bytes:
     """The 32-byte sha256 of one full block given its parent's hash (None for the first)."""
     if parent_hash is None:
         parent_hash = NONE_HASH
@@ -62,7 +63,7 @@ def hash_new_full_blocks(request: Request, block_size: int) -> list[bytes]:
     new_hashes: list[bytes] = []
     for i in range(num_hashed, num_full_blocks):
         # Block i holds tokens [i * block_size, (i + 1) * block_size).
-        tokens = request.all_token_ids[i * block_size:(i + 1) * block_size]
+        tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
         parent = hash_block_tokens(parent, tokens, block_extra_keys(request, i))
         new_hashes.append(parent)
     return new_hashes

@@ -29,7 +29,8 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         if num_blocks < 1:
             raise ValueError(
-                f"num_blocks must be >= 1 (block 0 is the null block), got {num_blocks}")
+                f"num_blocks must be >= 1 (block 0 is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
@@ -59,7 +60,8 @@ class BlockPool:
         """Pop ``num_blocks`` from the head of the free queue, evicting their cached hashes."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(
-                f"cannot get {num_blocks} blocks: only {self.num_free_blocks} are free")
+                f"cannot get {num_blocks} blocks: only {self.num_free_blocks} are free"
+            )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
@@ -96,8 +98,13 @@ class BlockPool:
             else:
                 self.free_block_queue.append(block)
 
-    def cache_full_blocks(self, request: Request, blocks: Sequence[KVBlock],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` (now full) under their hashes.
 
         ``blocks`` is the request's block table; block i holds tokens
@@ -109,7 +116,8 @@ class BlockPool:
             raise ValueError(
                 f"request {request.request_id!r} has {len(request.block_hashes)} block hashes but "
                 f"{num_full_blocks} full blocks: create it with "
-                "block_hasher=make_block_hasher(block_size) of the KV manager's block size")
+                "block_hasher=make_block_hasher(block_size) of the KV manager's block size"
+            )
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
@@ -131,28 +139,39 @@ class BlockPool:
     def check_consistency(self) -> None:
         """Raise AssertionError unless the invariants in the class docstring hold (O(blocks))."""
         null = self.null_block
-        _require(null is self.blocks[0] and null.is_null and null.prev_free is None,
-                 "block 0 must be the null block, never free")
+        _require(
+            null is self.blocks[0] and null.is_null and null.prev_free is None,
+            "block 0 must be the null block, never free",
+        )
         free_ids: set[int] = set()
         for block in self.free_block_queue.get_all_free_blocks():
-            _require(block.block_id not in free_ids,
-                     f"block {block.block_id} is twice in the free queue")
+            _require(
+                block.block_id not in free_ids, f"block {block.block_id} is twice in the free queue"
+            )
             _require(block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
             free_ids.add(block.block_id)
-        _require(len(free_ids) == self.num_free_blocks,
-                 f"free queue holds {len(free_ids)} blocks but counts {self.num_free_blocks}")
+        _require(
+            len(free_ids) == self.num_free_blocks,
+            f"free queue holds {len(free_ids)} blocks but counts {self.num_free_blocks}",
+        )
         for block in self.blocks[1:]:
-            _require(block.block_id in free_ids or block.ref_cnt > 0,
-                     f"block {block.block_id} has ref_cnt 0 but is not in the free queue (leaked)")
+            _require(
+                block.block_id in free_ids or block.ref_cnt > 0,
+                f"block {block.block_id} has ref_cnt 0 but is not in the free queue (leaked)",
+            )
         num_mapped = 0
         for block_hash, same_hash in self.cached_block_hash_to_block.items():
             for block_id, block in same_hash.items():
-                _require(block is self.blocks[block_id] and block.block_hash == block_hash,
-                         f"hash map entry of block {block_id} does not match the block's hash")
+                _require(
+                    block is self.blocks[block_id] and block.block_hash == block_hash,
+                    f"hash map entry of block {block_id} does not match the block's hash",
+                )
                 num_mapped += 1
         num_hashed = sum(block.block_hash is not None for block in self.blocks)
-        _require(num_mapped == num_hashed,
-                 f"{num_hashed} blocks carry a hash but the hash map holds {num_mapped}")
+        _require(
+            num_mapped == num_hashed,
+            f"{num_hashed} blocks carry a hash but the hash map holds {num_mapped}",
+        )
 
     def evict_cached_hash(self, block: KVBlock) -> None:
         """Drop ``block`` from the hash map before its KV is overwritten."""

@@ -72,11 +72,15 @@ class KVCacheManager:
             stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
         return hit_blocks, num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[KVBlock] | None = None,
-                       num_lookahead_tokens: int = 0,
-                       cache_blocks: bool = True) -> list[KVBlock] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+        cache_blocks: bool = True,
+    ) -> list[KVBlock] | None:
         """Give ``request`` slots for this step; None (changing nothing) if they don't fit.
 
         Token layout of the request after this call::
@@ -94,15 +98,19 @@ class KVCacheManager:
         hit_blocks = list(new_computed_blocks or ())
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         if hit_blocks and req_blocks:
-            raise ValueError(f"request {request.request_id!r} already holds blocks: "
-                             "prefix-hit blocks can only start a block table")
+            raise ValueError(
+                f"request {request.request_id!r} already holds blocks: "
+                "prefix-hit blocks can only start a block table"
+            )
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_with_slots = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        num_new_blocks = max(cdiv(num_tokens_with_slots, self.block_size)
-                             - len(req_blocks) - len(hit_blocks), 0)
+        num_new_blocks = max(
+            cdiv(num_tokens_with_slots, self.block_size) - len(req_blocks) - len(hit_blocks), 0
+        )
         # Hit blocks nobody holds sit in the free queue: touching them takes them out of it.
-        num_free_hit_blocks = sum(1 for block in hit_blocks
-                                  if block.ref_cnt == 0 and not block.is_null)
+        num_free_hit_blocks = sum(
+            1 for block in hit_blocks if block.ref_cnt == 0 and not block.is_null
+        )
         if num_new_blocks + num_free_hit_blocks > self.block_pool.num_free_blocks:
             return None
 
@@ -161,17 +169,27 @@ class KVCacheManager:
     def check_consistency(self) -> None:
         """Raise AssertionError unless ref counts match the block tables (valid mid-workload)."""
         self.block_pool.check_consistency()
-        num_holders = Counter(block.block_id for blocks in self.req_to_blocks.values()
-                              for block in blocks if not block.is_null)
+        num_holders = Counter(
+            block.block_id
+            for blocks in self.req_to_blocks.values()
+            for block in blocks
+            if not block.is_null
+        )
         for block in self.block_pool.blocks[1:]:
-            _require(block.ref_cnt == num_holders[block.block_id],
-                     f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                     f"{num_holders[block.block_id]} block-table entries")
+            _require(
+                block.ref_cnt == num_holders[block.block_id],
+                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
+                f"{num_holders[block.block_id]} block-table entries",
+            )
         for request_id, num_cached in self.num_cached_blocks.items():
             blocks = self.req_to_blocks.get(request_id, [])
-            _require(num_cached <= len(blocks) and all(
-                block.block_hash is not None or block.is_null for block in blocks[:num_cached]),
-                f"request {request_id!r}: {num_cached} cached blocks claimed, not all hashed")
+            _require(
+                num_cached <= len(blocks)
+                and all(
+                    block.block_hash is not None or block.is_null for block in blocks[:num_cached]
+                ),
+                f"request {request_id!r}: {num_cached} cached blocks claimed, not all hashed",
+            )
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the cache is idle and whole: the check after a workload.
@@ -179,21 +197,25 @@ class KVCacheManager:
         No request holds blocks, every block but the null block is in the free queue exactly
         once, every ref count is 0.
         """
-        _require(not self.req_to_blocks,
-                 f"requests still hold KV blocks: {sorted(self.req_to_blocks)}")
+        _require(
+            not self.req_to_blocks, f"requests still hold KV blocks: {sorted(self.req_to_blocks)}"
+        )
         self.check_consistency()
         num_usable = self.block_pool.num_blocks - 1
-        _require(self.num_free_blocks == num_usable,
-                 f"{num_usable - self.num_free_blocks} KV blocks leaked: "
-                 f"{self.num_free_blocks} of {num_usable} are free")
+        _require(
+            self.num_free_blocks == num_usable,
+            f"{num_usable - self.num_free_blocks} KV blocks leaked: "
+            f"{self.num_free_blocks} of {num_usable} are free",
+        )
 
     def _cache_full_blocks(self, request: Request, num_tokens_to_cache: int) -> None:
         """Register the request's blocks that are full up to ``num_tokens_to_cache``."""
         request_id = request.request_id
         num_cached_blocks = self.num_cached_blocks.get(request_id, 0)
         num_full_blocks = num_tokens_to_cache // self.block_size
-        self.block_pool.cache_full_blocks(request, self.req_to_blocks[request_id],
-                                          num_cached_blocks, num_full_blocks)
+        self.block_pool.cache_full_blocks(
+            request, self.req_to_blocks[request_id], num_cached_blocks, num_full_blocks
+        )
         self.num_cached_blocks[request_id] = max(num_cached_blocks, num_full_blocks)
 
 

@@ -19,7 +19,9 @@ class GrammarManager(Protocol):
     def is_ready(self, request: "Request") -> bool:
         """True once the grammar compiled (a failed compile finishes the request with an error)."""
 
-    def fill_bitmask(self, scheduler_output: "SchedulerOutput", requests: dict[str, "Request"]) -> None:
+    def fill_bitmask(
+        self, scheduler_output: "SchedulerOutput", requests: dict[str, "Request"]
+    ) -> None:
         """Put the bitmask rows of the constrained requests scheduled to sample into the output."""
 
     def validate_tokens(self, request: "Request", token_ids: list[int]) -> list[int]:
@@ -40,14 +42,16 @@ class KVConnectorScheduler(Protocol):
     and save; resets the step's state), then `update_connector_output` with what the worker half
     reported. When a request finishes: `request_finished`."""
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """(tokens past `num_computed_tokens` the connector can provide, load asynchronously?).
         None: cannot tell yet, ask again next step. No side effects. A synchronous load provides
         whole blocks and at most num_tokens - 1 tokens (the last is computed for its logits)."""
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """The request's blocks are allocated (its whole table); load `num_external_tokens`
         into them after its first `num_computed_tokens` local ones."""
 
@@ -57,7 +61,9 @@ class KVConnectorScheduler(Protocol):
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """The worker half's report of the last step."""
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict | None]:
         """(keep the blocks until the worker reports them sent?, kv_transfer_params for the
         request's final output)."""
 

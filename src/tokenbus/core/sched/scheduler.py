@@ -158,7 +158,9 @@ class Scheduler:
         self._advance_computed_tokens(plan)
         return output
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int, num_tokens: int) -> int:
+    def _num_new_tokens(
+        self, request: Request, num_computed: int, budget: int, num_tokens: int
+    ) -> int:
         num_new = num_tokens - num_computed
         threshold = self.config.long_prefill_token_threshold
         # The chunk cap applies only when others compete for the budget.
@@ -171,16 +173,25 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget,
-                                           request.num_tokens_with_spec)
+            num_new = self._num_new_tokens(
+                request,
+                request.num_computed_tokens,
+                plan.token_budget,
+                request.num_tokens_with_spec,
+            )
             if num_new == 0:
                 i += 1
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:  # the request preempted itself
                 break
-            plan.cached_reqs.append(CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            plan.cached_reqs.append(
+                CachedRequestData(
+                    request.request_id,
+                    [b.block_id for b in new_blocks],
+                    request.num_computed_tokens,
+                )
+            )
             self._record(request, num_new, plan)
             i += 1
 
@@ -190,8 +201,9 @@ class Scheduler:
         Returns the new blocks, or None if `request` itself had to be preempted.
         """
         while True:
-            new_blocks = self.kv.allocate_slots(request, num_new,
-                                                num_lookahead_tokens=self.num_lookahead_tokens)
+            new_blocks = self.kv.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()  # FCFS: the most recently admitted
@@ -212,8 +224,9 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
-        while (self.waiting and plan.token_budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while (
+            self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 if not self.grammar.is_ready(request):
@@ -222,9 +235,13 @@ class Scheduler:
                 if request.is_finished:  # the grammar failed to compile
                     self.waiting.popleft()
                     self._free_request(request)
-                    self._pending_outputs.append(EngineOutput(
-                        request_id=request.request_id, new_token_ids=[],
-                        finish_reason=request.status.finish_reason))
+                    self._pending_outputs.append(
+                        EngineOutput(
+                            request_id=request.request_id,
+                            new_token_ids=[],
+                            finish_reason=request.status.finish_reason,
+                        )
+                    )
                     continue
                 request.status = RequestStatus.WAITING
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -243,7 +260,12 @@ class Scheduler:
         resumed_from_load = self.kv.holds_blocks(request.request_id)
         if resumed_from_load:
             # Its KV came in through an asynchronous connector load: it keeps its table.
-            computed_blocks, num_computed, num_external, load_async = [], request.num_computed_tokens, 0, False
+            computed_blocks, num_computed, num_external, load_async = (
+                [],
+                request.num_computed_tokens,
+                0,
+                False,
+            )
         else:
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
             num_external, load_async = self._external_tokens(request, num_computed)
@@ -251,37 +273,45 @@ class Scheduler:
                 return _Admission.WAITS  # the connector cannot tell yet
         if load_async and num_external > 0:
             return self._start_remote_load(request, num_computed, computed_blocks, num_external)
-        num_new = self._num_new_tokens(request, num_computed + num_external, plan.token_budget,
-                                       request.num_tokens)
+        num_new = self._num_new_tokens(
+            request, num_computed + num_external, plan.token_budget, request.num_tokens
+        )
         if num_new == 0:
             return _Admission.NO_ROOM
         # External tokens take slots like new ones (the worker loads them before the forward).
         # (A request resumed from a load holds its computed tokens already: no new hit tokens.)
-        new_blocks = self.kv.allocate_slots(request, num_external + num_new,
-                                            num_computed - request.num_computed_tokens, computed_blocks,
-                                            num_lookahead_tokens=self.num_lookahead_tokens)
+        new_blocks = self.kv.allocate_slots(
+            request,
+            num_external + num_new,
+            num_computed - request.num_computed_tokens,
+            computed_blocks,
+            num_lookahead_tokens=self.num_lookahead_tokens,
+        )
         if new_blocks is None:
             return _Admission.NO_ROOM
         request.num_computed_tokens = num_computed  # the local hit: external tokens follow it
         if not resumed_from_load:
             self._count_external(request, num_computed, num_external)
         if self.connector is not None and not resumed_from_load:
-            self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
-                                                    num_external)
+            self.connector.update_state_after_alloc(
+                request, self.kv.get_block_ids(request.request_id), num_external
+            )
         num_computed += num_external
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed
         self.running.append(request)
-        plan.new_reqs.append(NewRequestData(
-            req_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids),
-            sampling_params=request.sampling_params,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            num_computed_tokens=num_computed,
-        ))
+        plan.new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_computed,
+            )
+        )
         self._record(request, num_new, plan)
         return _Admission.ADMITTED
 
@@ -293,23 +323,30 @@ class Scheduler:
 
     def _count_external(self, request: Request, num_computed: int, num_external: int) -> None:
         """Once per request, when it is admitted (not each step it waits for room)."""
-        if self.connector is not None and request.num_cached_tokens < 0 and not request.kv_load_failed:
+        if (
+            self.connector is not None
+            and request.num_cached_tokens < 0
+            and not request.kv_load_failed
+        ):
             self._external_queries_step += request.num_tokens - num_computed
             self._external_hits_step += num_external
 
-    def _start_remote_load(self, request: Request, num_computed: int, computed_blocks,
-                           num_external: int) -> _Admission:
+    def _start_remote_load(
+        self, request: Request, num_computed: int, computed_blocks, num_external: int
+    ) -> _Admission:
         """Allocate the blocks an asynchronous load fills; not cached until it has."""
-        new_blocks = self.kv.allocate_slots(request, num_external, num_computed, computed_blocks,
-                                            cache_blocks=False)
+        new_blocks = self.kv.allocate_slots(
+            request, num_external, num_computed, computed_blocks, cache_blocks=False
+        )
         if new_blocks is None:
             return _Admission.NO_ROOM
         self._count_external(request, num_computed, num_external)
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self._remote_loads[request.request_id] = num_external
-        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
-                                                num_external)
+        self.connector.update_state_after_alloc(
+            request, self.kv.get_block_ids(request.request_id), num_external
+        )
         return _Admission.WAITS
 
     def _record(self, request: Request, num_new: int, plan: _StepPlan) -> None:
@@ -328,12 +365,14 @@ class Scheduler:
         for req_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             self._num_prompt_tokens_step += max(
-                0, min(request.num_prompt_tokens - request.num_computed_tokens, num_new))
+                0, min(request.num_prompt_tokens - request.num_computed_tokens, num_new)
+            )
             request.num_computed_tokens += num_new
 
     # ------------------------------------------------------------------ update
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         self._spec_counts = SpecDecodeMetrics()
         self._kv_output_step = runner_output.kv_connector_output
@@ -359,8 +398,9 @@ class Scheduler:
                 outputs.append(output)
         return outputs
 
-    def _append_tokens(self, request: Request, sampled: list[int],
-                       runner_output: ModelRunnerOutput, index: int) -> EngineOutput | None:
+    def _append_tokens(
+        self, request: Request, sampled: list[int], runner_output: ModelRunnerOutput, index: int
+    ) -> EngineOutput | None:
         new_token_ids: list[int] = []
         for token_id in sampled:
             request.append_output_token_ids(token_id)
@@ -373,7 +413,9 @@ class Scheduler:
             self.running.remove(request)
             self._free_request(request)
         elif runner_output.spec_token_ids is not None:
-            request.spec_token_ids = self._valid_drafts(request, runner_output.spec_token_ids[index])
+            request.spec_token_ids = self._valid_drafts(
+                request, runner_output.spec_token_ids[index]
+            )
         prompt_logprobs, prompt_logprobs_start = None, 0
         if runner_output.prompt_logprobs is not None:
             prompt_logprobs = runner_output.prompt_logprobs[index] or None
@@ -400,24 +442,35 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_STOPPED
         self.running.remove(request)
         self._free_request(request)
-        return EngineOutput(request_id=request.request_id, new_token_ids=[], pooled=pooled,
-                            finish_reason=request.status.finish_reason,
-                            num_cached_tokens=max(request.num_cached_tokens, 0))
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            pooled=pooled,
+            finish_reason=request.status.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     def _valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Structured output: only the drafts the grammar accepts are worth verifying."""
-        if drafts and self.grammar is not None and request.sampling_params.structured_outputs is not None:
+        if (
+            drafts
+            and self.grammar is not None
+            and request.sampling_params.structured_outputs is not None
+        ):
             return self.grammar.validate_tokens(request, drafts)
         return drafts
 
     # ------------------------------------------------------------------ KV connector
-    def _update_from_kv_output(self, kv_output: KVConnectorOutput, outputs: list[EngineOutput]) -> set[str]:
+    def _update_from_kv_output(
+        self, kv_output: KVConnectorOutput, outputs: list[EngineOutput]
+    ) -> set[str]:
         """Apply the worker half's report; returns the requests whose load failed this step
         (their sampled tokens are void)."""
         if self.connector is not None:
             self.connector.update_connector_output(kv_output)
-        failed = self._handle_invalid_blocks(set(kv_output.invalid_block_ids), set(kv_output.finished_recving),
-                                             outputs)
+        failed = self._handle_invalid_blocks(
+            set(kv_output.invalid_block_ids), set(kv_output.finished_recving), outputs
+        )
         for req_id in kv_output.finished_recving:
             if req_id in self._delayed_free:  # aborted while loading: now nothing writes its blocks
                 self.kv.free(self._delayed_free.pop(req_id))
@@ -438,14 +491,19 @@ class Scheduler:
                 self.kv.free(request)
         return failed
 
-    def _handle_invalid_blocks(self, invalid: set[int], recving: set[str], outputs: list[EngineOutput]) -> set[str]:
+    def _handle_invalid_blocks(
+        self, invalid: set[int], recving: set[str], outputs: list[EngineOutput]
+    ) -> set[str]:
         """Blocks whose load failed: evict their hashes; every request holding one recomputes
         from scratch (preempted: its valid blocks are prefix hits again) or fails."""
         if not invalid:
             return set()
         self.kv.evict_cached_blocks(invalid)
-        affected = [request for request in self.requests.values()
-                    if invalid.intersection(self.kv.get_block_ids(request.request_id))]
+        affected = [
+            request
+            for request in self.requests.values()
+            if invalid.intersection(self.kv.get_block_ids(request.request_id))
+        ]
         failed = set()
         for request in affected:
             request.kv_load_failed = True  # never asks the connector again: it computes
@@ -453,8 +511,11 @@ class Scheduler:
             # must not stay findable under its hash (a chained hash is hit again once the bad
             # block's hash is cached anew).
             block_ids = self.kv.get_block_ids(request.request_id)
-            self.kv.evict_cached_blocks(block_ids[_first_index_in(block_ids, invalid):])
-            if request.request_id in self._remote_loads and self.kv_load_failure_policy == "recompute":
+            self.kv.evict_cached_blocks(block_ids[_first_index_in(block_ids, invalid) :])
+            if (
+                request.request_id in self._remote_loads
+                and self.kv_load_failure_policy == "recompute"
+            ):
                 self._truncate_remote_load(request, invalid)
                 continue
             failed.add(request.request_id)
@@ -468,8 +529,13 @@ class Scheduler:
             if self.kv_load_failure_policy == "fail":
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request, keep_blocks=loading)
-                outputs.append(EngineOutput(request_id=request.request_id, new_token_ids=[],
-                                            finish_reason=request.status.finish_reason))
+                outputs.append(
+                    EngineOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=request.status.finish_reason,
+                    )
+                )
                 continue
             self.kv.free(request)
             request.status = RequestStatus.PREEMPTED
@@ -493,7 +559,8 @@ class Scheduler:
         delay_free = keep_blocks
         if self.connector is not None:
             delay, request.kv_transfer_params_out = self.connector.request_finished(
-                request, self.kv.get_block_ids(request.request_id))
+                request, self.kv.get_block_ids(request.request_id)
+            )
             delay_free = delay_free or delay
         self._remote_loads.pop(request.request_id, None)
         if delay_free and self.kv.holds_blocks(request.request_id):
@@ -526,20 +593,28 @@ class Scheduler:
     def _kv_transfer_stats(self) -> dict:
         stats: dict = {}
         if self.connector is not None:
-            stats.update(external_prefix_cache_queries=self._external_queries_step,
-                         external_prefix_cache_hits=self._external_hits_step,
-                         kv_tier_bytes=self.connector.tier_occupancy())
+            stats.update(
+                external_prefix_cache_queries=self._external_queries_step,
+                external_prefix_cache_hits=self._external_hits_step,
+                kv_tier_bytes=self.connector.tier_occupancy(),
+            )
             self._external_queries_step = self._external_hits_step = 0
         out, self._kv_output_step = self._kv_output_step, None
         if out is not None:
-            stats.update(kv_bytes_loaded=out.bytes_loaded, kv_bytes_saved=out.bytes_saved,
-                         kv_load_seconds=out.load_seconds, kv_save_seconds=out.save_seconds)
+            stats.update(
+                kv_bytes_loaded=out.bytes_loaded,
+                kv_bytes_saved=out.bytes_saved,
+                kv_load_seconds=out.load_seconds,
+                kv_save_seconds=out.save_seconds,
+            )
         return stats
 
     def check_integrity(self) -> None:
         """After all requests finished: no request in any queue, every block free."""
         assert not self.requests, f"requests left: {list(self.requests)}"
-        assert not self._delayed_free, f"blocks still held for KV transfer: {list(self._delayed_free)}"
+        assert not self._delayed_free, (
+            f"blocks still held for KV transfer: {list(self._delayed_free)}"
+        )
         assert not self._remote_loads, f"KV loads still tracked: {list(self._remote_loads)}"
         assert not self.waiting and not self.running, "queues not empty"
         self.kv.check_integrity()

@@ -22,20 +22,35 @@ class SpecDecodeMetrics:
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One request verified `num_draft_tokens` drafts and accepted the first `num_accepted`."""
-        self._add(1, num_draft_tokens, num_accepted, [1] * num_accepted + [0] * (num_draft_tokens - num_accepted))
+        self._add(
+            1,
+            num_draft_tokens,
+            num_accepted,
+            [1] * num_accepted + [0] * (num_draft_tokens - num_accepted),
+        )
 
     def add(self, stats) -> None:
         """Add one step's SchedulerStats (None is ignored)."""
         if stats is None:
             return
-        self._add(stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
-                  stats.spec_accepted_per_pos)
+        self._add(
+            stats.spec_num_drafts,
+            stats.spec_num_draft_tokens,
+            stats.spec_num_accepted_tokens,
+            stats.spec_accepted_per_pos,
+        )
 
     def merge(self, other: "SpecDecodeMetrics") -> None:
-        self._add(other.num_drafts, other.num_draft_tokens, other.num_accepted_tokens, other.accepted_per_pos)
+        self._add(
+            other.num_drafts,
+            other.num_draft_tokens,
+            other.num_accepted_tokens,
+            other.accepted_per_pos,
+        )
 
-    def _add(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
-             per_pos: list[int]) -> None:
+    def _add(
+        self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int, per_pos: list[int]
+    ) -> None:
         self.num_drafts += num_drafts
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
@@ -54,7 +69,9 @@ class SpecDecodeMetrics:
 
     @property
     def acceptance_rate_per_pos(self) -> list[float]:
-        return [count / self.num_drafts for count in self.accepted_per_pos] if self.num_drafts else []
+        return (
+            [count / self.num_drafts for count in self.accepted_per_pos] if self.num_drafts else []
+        )
 
     def to_dict(self) -> dict:
         return {

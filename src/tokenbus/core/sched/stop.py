@@ -29,7 +29,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
             request.stop_reason = last
             return True
     if request.num_tokens >= max_model_len or request.num_output_tokens >= max_output_tokens(
-            request, max_model_len):
+        request, max_model_len
+    ):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

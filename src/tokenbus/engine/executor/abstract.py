@@ -39,7 +39,9 @@ class Executor(ABC):
     """Runs each step on all workers and returns rank 0's output."""
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         """Call a public worker method on every rank; their results in rank order."""
 
     @abstractmethod

@@ -11,11 +11,13 @@ if TYPE_CHECKING:
     from tokenbus.loader import ModelSource
 
 
-def make_executor(config: EngineConfig, source: "ModelSource", arch: ModelArch,
-                  eos_token_id: int | None) -> Executor:
+def make_executor(
+    config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None
+) -> Executor:
     backend = config.parallel.distributed_executor_backend
     if backend == "uni":
         from tokenbus.engine.executor.uniproc import UniProcExecutor
+
         # Imported here: torch and the model loader are needed only when a real worker is
         # built, so processes that never build one (the API server, fake-worker tests) start fast.
         from tokenbus.worker.worker import Worker
@@ -29,5 +31,7 @@ def make_executor(config: EngineConfig, source: "ModelSource", arch: ModelArch,
         from tokenbus.engine.executor.ray_executor import RayExecutor
 
         return RayExecutor(config, source, arch, eos_token_id)
-    raise ValueError(f"distributed_executor_backend {backend!r} is not available yet "
-                     f"(tensor_parallel_size={config.parallel.tensor_parallel_size})")
+    raise ValueError(
+        f"distributed_executor_backend {backend!r} is not available yet "
+        f"(tensor_parallel_size={config.parallel.tensor_parallel_size})"
+    )

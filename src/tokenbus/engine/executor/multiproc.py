@@ -79,8 +79,9 @@ class WorkerFailedError(RuntimeError):
 
 
 class MultiProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, source: "ModelSource", arch: ModelArch,
-                 eos_token_id: int | None) -> None:
+    def __init__(
+        self, config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None
+    ) -> None:
         self.world_size = config.parallel.world_size
         self._encoder = msgspec.msgpack.Encoder()
         self._reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
@@ -101,15 +102,32 @@ class MultiProcExecutor(Executor):
             for rank in range(self.world_size):
                 call_address = f"ipc://{self._ipc_dir}/calls-{rank}"
                 sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDTIMEO, POLL_MS)  # a send to a dead rank must not block for ever
+                sock.setsockopt(
+                    zmq.SNDTIMEO, POLL_MS
+                )  # a send to a dead rank must not block for ever
                 sock.bind(call_address)
                 self._call_sockets.append(sock)
-                proc = spawn.Process(target=run_worker, name=f"TPWorker-{rank}", daemon=True,
-                                     args=(config, source, arch, eos_token_id, rank, init_method,
-                                           call_address, result_address, os.getpid()))
+                proc = spawn.Process(
+                    target=run_worker,
+                    name=f"TPWorker-{rank}",
+                    daemon=True,
+                    args=(
+                        config,
+                        source,
+                        arch,
+                        eos_token_id,
+                        rank,
+                        init_method,
+                        call_address,
+                        result_address,
+                        os.getpid(),
+                    ),
+                )
                 start_process(proc)
                 self._procs.append(proc)
-            self._monitor = threading.Thread(target=self._watch_ranks, name="TPWorkerMonitor", daemon=True)
+            self._monitor = threading.Thread(
+                target=self._watch_ranks, name="TPWorkerMonitor", daemon=True
+            )
             self._monitor.start()
             self._gather(READY_TIMEOUT_S)  # every rank's init_device + load_model
         except BaseException:
@@ -122,9 +140,13 @@ class MultiProcExecutor(Executor):
         if self._failure is not None:
             callback()
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         if kwargs:
-            raise ValueError("collective_rpc: the multi-process executor takes positional args only")
+            raise ValueError(
+                "collective_rpc: the multi-process executor takes positional args only"
+            )
         self._broadcast(RpcCall(method, list(args)))
         return [msgspec.msgpack.decode(reply.value) for reply in self._gather(CALL_TIMEOUT_S)]
 
@@ -173,7 +195,9 @@ class MultiProcExecutor(Executor):
                 except zmq.Again:  # that rank is not reading: dead (raises) or busy (retry)
                     self.check_health()
 
-    def _gather(self, timeout_s: float | None = None, ranks: tuple[int, ...] | None = None) -> list[WorkerReply]:
+    def _gather(
+        self, timeout_s: float | None = None, ranks: tuple[int, ...] | None = None
+    ) -> list[WorkerReply]:
         """Replies from `ranks` (default: all) in rank order; raises as soon as a rank fails."""
         waiting = set(range(self.world_size) if ranks is None else ranks)
         replies: dict[int, WorkerReply] = {}
@@ -184,8 +208,10 @@ class MultiProcExecutor(Executor):
             if not self._result_socket.poll(0):
                 self.check_health()
                 if deadline is not None and time.monotonic() > deadline:
-                    raise WorkerFailedError(f"tensor-parallel ranks {sorted(waiting)} did not answer within "
-                                            f"{timeout_s:.0f} s (hung)")
+                    raise WorkerFailedError(
+                        f"tensor-parallel ranks {sorted(waiting)} did not answer within "
+                        f"{timeout_s:.0f} s (hung)"
+                    )
                 if not self._result_socket.poll(POLL_MS):
                     continue
             reply = self._reply_decoder.decode(self._result_socket.recv(copy=False).buffer)
@@ -209,8 +235,9 @@ class MultiProcExecutor(Executor):
         if self._closing:
             return
         rank = sentinels[ready[0]]
-        self._failure = (f"tensor-parallel worker rank {rank} died "
-                         f"(exit code {self._procs[rank].exitcode})")
+        self._failure = (
+            f"tensor-parallel worker rank {rank} died (exit code {self._procs[rank].exitcode})"
+        )
         logger.error(self._failure)
         self._died.set()
         for callback in self._failure_callbacks:
@@ -224,12 +251,19 @@ def reply_error(reply: WorkerReply) -> Exception:
     return ValueError(message) if reply.error_type == "ValueError" else WorkerFailedError(message)
 
 
-def encode_reply(encoder: msgspec.msgpack.Encoder, rank: int, value: Any = None,
-                 exc: BaseException | None = None) -> bytes:
+def encode_reply(
+    encoder: msgspec.msgpack.Encoder, rank: int, value: Any = None, exc: BaseException | None = None
+) -> bytes:
     """A WorkerReply carrying `value` (encoded once, into the reply) or the exception's text."""
     if exc is not None:
-        return encoder.encode(WorkerReply(rank, msgspec.Raw(encoder.encode(None)), error_type=type(exc).__name__,
-                                          error=str(exc) or type(exc).__name__))
+        return encoder.encode(
+            WorkerReply(
+                rank,
+                msgspec.Raw(encoder.encode(None)),
+                error_type=type(exc).__name__,
+                error=str(exc) or type(exc).__name__,
+            )
+        )
     return encoder.encode(WorkerReply(rank, msgspec.Raw(encoder.encode(value))))
 
 
@@ -249,12 +283,22 @@ def _free_port() -> int:
 
 
 # ---------------------------------------------------------------------- the rank process
-def run_worker(config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None,
-               rank: int, init_method: str, call_address: str, result_address: str,
-               parent_pid: int) -> None:
+def run_worker(
+    config: EngineConfig,
+    source: "ModelSource",
+    arch: ModelArch,
+    eos_token_id: int | None,
+    rank: int,
+    init_method: str,
+    call_address: str,
+    result_address: str,
+    parent_pid: int,
+) -> None:
     """Entry point of one rank: build the Worker (device, model), then serve calls until SHUTDOWN."""
-    logging.basicConfig(level=logging.INFO,
-                        format=f"(TPWorker rank={rank} pid=%(process)d) %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"(TPWorker rank={rank} pid=%(process)d) %(levelname)s %(name)s: %(message)s",
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when we stop
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     ctx = zmq.Context()
@@ -270,7 +314,9 @@ def run_worker(config: EngineConfig, source: "ModelSource", arch: ModelArch, eos
 
     from tokenbus.worker.worker import Worker
 
-    worker = Worker(config, source, arch, eos_token_id, rank=rank, distributed_init_method=init_method)
+    worker = Worker(
+        config, source, arch, eos_token_id, rank=rank, distributed_init_method=init_method
+    )
     try:
         worker.init_device()
         worker.load_model()
@@ -286,8 +332,13 @@ def run_worker(config: EngineConfig, source: "ModelSource", arch: ModelArch, eos
     os._exit(0)
 
 
-def _serve(worker, rank: int, calls: zmq.Socket, decoder: msgspec.msgpack.Decoder,
-           reply: Callable[..., None]) -> None:
+def _serve(
+    worker,
+    rank: int,
+    calls: zmq.Socket,
+    decoder: msgspec.msgpack.Decoder,
+    reply: Callable[..., None],
+) -> None:
     while True:
         call = decoder.decode(calls.recv(copy=False).buffer)
         if isinstance(call, ShutdownCall):

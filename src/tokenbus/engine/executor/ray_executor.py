@@ -36,9 +36,18 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor
-from tokenbus.engine.executor.multiproc import (CALL_TIMEOUT_S, READY_TIMEOUT_S, RpcCall, StepCall, WorkerCall,
-                                                WorkerFailedError, WorkerReply, dispatch_call, encode_reply,
-                                                reply_error)
+from tokenbus.engine.executor.multiproc import (
+    CALL_TIMEOUT_S,
+    READY_TIMEOUT_S,
+    RpcCall,
+    StepCall,
+    WorkerCall,
+    WorkerFailedError,
+    WorkerReply,
+    dispatch_call,
+    encode_reply,
+    reply_error,
+)
 from tokenbus.utils.cpu import available_cpus
 
 if TYPE_CHECKING:
@@ -55,7 +64,9 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'tokenbus[ray]'") from None
+        raise ValueError(
+            "distributed_executor_backend 'ray' needs Ray: pip install 'tokenbus[ray]'"
+        ) from None
     return ray
 
 
@@ -68,7 +79,9 @@ def check_ray_address(address: str) -> None:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
     except (OSError, ValueError) as exc:
-        raise ValueError(f"ray_address {address!r}: cannot reach a Ray cluster there ({exc})") from None
+        raise ValueError(
+            f"ray_address {address!r}: cannot reach a Ray cluster there ({exc})"
+        ) from None
 
 
 def is_loopback_address(address: str) -> bool:
@@ -114,10 +127,18 @@ def ray_on_loopback():
 class RayWorkerActor:
     """One rank inside a Ray actor: the Worker, driven by encoded calls."""
 
-    def __init__(self, config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None,
-                 rank: int) -> None:
-        logging.basicConfig(level=logging.INFO,
-                            format=f"(RayWorker rank={rank} pid=%(process)d) %(levelname)s %(name)s: %(message)s")
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: "ModelSource",
+        arch: ModelArch,
+        eos_token_id: int | None,
+        rank: int,
+    ) -> None:
+        logging.basicConfig(
+            level=logging.INFO,
+            format=f"(RayWorker rank={rank} pid=%(process)d) %(levelname)s %(name)s: %(message)s",
+        )
         self.rank = rank
         self.config, self.source, self.arch, self.eos_token_id = config, source, arch, eos_token_id
         self.worker: Any = None
@@ -139,8 +160,15 @@ class RayWorkerActor:
 
         try:
             # Ray shows an actor only the GPU it was given: that is device 0 in here.
-            self.worker = Worker(self.config, self.source, self.arch, self.eos_token_id, rank=self.rank,
-                                 distributed_init_method=init_method, local_device_index=0)
+            self.worker = Worker(
+                self.config,
+                self.source,
+                self.arch,
+                self.eos_token_id,
+                rank=self.rank,
+                distributed_init_method=init_method,
+                local_device_index=0,
+            )
             self.worker.init_device()
             self.worker.load_model()
         except Exception as exc:
@@ -166,8 +194,9 @@ class RayWorkerActor:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, source: "ModelSource", arch: ModelArch,
-                 eos_token_id: int | None) -> None:
+    def __init__(
+        self, config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None
+    ) -> None:
         ray = self._ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -183,21 +212,32 @@ class RayExecutor(Executor):
         self._closed = False
         self._connect(config.parallel.ray_address or os.environ.get("RAY_ADDRESS"))
         try:
-            on_cuda = config.model.device.startswith("cuda") or (config.model.device == "auto" and _has_cuda())
+            on_cuda = config.model.device.startswith("cuda") or (
+                config.model.device == "auto" and _has_cuda()
+            )
             # One bundle per rank, packed onto as few nodes as possible; on CPU a rank asks for
             # its share of this node's cores (fractions let 3 ranks share 2 cores).
             cpus = 1.0 if on_cuda else min(1.0, available_cpus() / self.world_size)
             bundle = {"CPU": cpus, "GPU": 1.0} if on_cuda else {"CPU": cpus}
-            self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+            self._pg = placement_group(
+                [dict(bundle) for _ in range(self.world_size)], strategy="PACK"
+            )
             ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
             actor_class = ray.remote(RayWorkerActor)
             self._actors = [
-                actor_class.options(num_cpus=cpus, num_gpus=1.0 if on_cuda else 0,
-                                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i))
-                .remote(config, source, arch, eos_token_id, i)
-                for i in range(self.world_size)]
+                actor_class.options(
+                    num_cpus=cpus,
+                    num_gpus=1.0 if on_cuda else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i),
+                ).remote(config, source, arch, eos_token_id, i)
+                for i in range(self.world_size)
+            ]
             init_method = ray.get(self._actors[0].rendezvous.remote(), timeout=PLACEMENT_TIMEOUT_S)
-            self._check(self._get([actor.start.remote(init_method) for actor in self._actors], READY_TIMEOUT_S))
+            self._check(
+                self._get(
+                    [actor.start.remote(init_method) for actor in self._actors], READY_TIMEOUT_S
+                )
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -215,12 +255,19 @@ class RayExecutor(Executor):
         else:
             # "local": a new cluster, even where `ray start` left an address in /tmp/ray.
             with ray_on_loopback():
-                ray.init(address="local", num_cpus=available_cpus(), include_dashboard=False,
-                         _node_ip_address="127.0.0.1", log_to_driver=True)
+                ray.init(
+                    address="local",
+                    num_cpus=available_cpus(),
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    log_to_driver=True,
+                )
         self._started_ray = True
 
     # ------------------------------------------------------------------ Executor
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         if kwargs:
             raise ValueError("collective_rpc: the Ray executor takes positional args only")
         replies = self._call_all(RpcCall(method, list(args)))
@@ -258,7 +305,9 @@ class RayExecutor(Executor):
     # ------------------------------------------------------------------ plumbing
     def _call_all(self, call: RpcCall | StepCall) -> list[WorkerReply]:
         frame = self._encoder.encode(call)  # once: Ray puts the bytes in its object store
-        return self._check(self._get([actor.handle.remote(frame) for actor in self._actors], CALL_TIMEOUT_S))
+        return self._check(
+            self._get([actor.handle.remote(frame) for actor in self._actors], CALL_TIMEOUT_S)
+        )
 
     def _get(self, refs: list[Any], timeout_s: float) -> list[bytes]:
         """Every rank's encoded reply; a dead or silent rank is a WorkerFailedError, and a rank's
@@ -268,9 +317,13 @@ class RayExecutor(Executor):
         deadline = time.monotonic() + timeout_s
         try:
             while pending:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                ready, pending = ray.wait(
+                    pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+                )
                 if not ready:
-                    raise WorkerFailedError(f"Ray workers did not answer within {timeout_s:.0f} s (hung)")
+                    raise WorkerFailedError(
+                        f"Ray workers did not answer within {timeout_s:.0f} s (hung)"
+                    )
                 reply = ray.get(ready[0])
                 if self._reply_decoder.decode(reply).error is not None:
                     self._check([reply])

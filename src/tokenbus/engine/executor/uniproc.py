@@ -16,7 +16,9 @@ class UniProcExecutor(Executor):
         worker.init_device()
         worker.load_model()
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         if method.startswith("_"):
             raise ValueError(f"collective_rpc: {method!r} is not a public worker method")
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]

@@ -4,5 +4,13 @@ from tokenbus.model.layers.linear import LINEAR_BACKENDS, Linear, make_linear_ke
 from tokenbus.model.layers.norm import RMSNorm
 from tokenbus.model.layers.rotary import ROPE_TYPES, RotaryEmbedding, apply_rotary, compute_inv_freq
 
-__all__ = ["LINEAR_BACKENDS", "Linear", "make_linear_kernel", "RMSNorm", "ROPE_TYPES", "RotaryEmbedding",
-           "apply_rotary", "compute_inv_freq"]
+__all__ = [
+    "LINEAR_BACKENDS",
+    "Linear",
+    "make_linear_kernel",
+    "RMSNorm",
+    "ROPE_TYPES",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "compute_inv_freq",
+]

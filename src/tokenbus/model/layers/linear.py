@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenbus.model.layers.quantized import DequantBuffer, QuantizedLinearKernel, QuantizedWeight, is_quantized
+from tokenbus.model.layers.quantized import (
+    DequantBuffer,
+    QuantizedLinearKernel,
+    QuantizedWeight,
+    is_quantized,
+)
 from tokenbus.model.native import QuantKernels
 from tokenbus.utils.cpu import CpuFeatures
 
@@ -34,18 +39,24 @@ def onednn_unsupported_reason(weight: torch.Tensor, cpu: CpuFeatures | None = No
     """Why a packed oneDNN linear cannot run this weight here, or None when it can."""
     if weight.device.type != "cpu" or weight.dtype not in _ONEDNN_DTYPES:
         return f"packed oneDNN linears run on CPU in float32 or bfloat16, not {weight.device.type} {weight.dtype}"
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
         return "this torch build has no oneDNN"
     if weight.dtype == torch.bfloat16:
         missing = (cpu or CpuFeatures.detect()).missing_for_bf16_packed_linear()
         if missing:
-            return (f"packed bfloat16 linears need AVX-512 BW/VL/DQ or AVX-NE-CONVERT; "
-                    f"this CPU lacks {', '.join(missing)}")
+            return (
+                f"packed bfloat16 linears need AVX-512 BW/VL/DQ or AVX-NE-CONVERT; "
+                f"this CPU lacks {', '.join(missing)}"
+            )
     return None
 
 
-def choose_linear_backend(weight: torch.Tensor, backend: str = "auto", cpu: CpuFeatures | None = None) -> str:
-    """"dense" or "onednn" for this weight here: `auto` packs for oneDNN where
+def choose_linear_backend(
+    weight: torch.Tensor, backend: str = "auto", cpu: CpuFeatures | None = None
+) -> str:
+    """ "dense" or "onednn" for this weight here: `auto` packs for oneDNN where
     `onednn_unsupported_reason` allows; `onednn` where it cannot run is a ValueError with the reason."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
@@ -57,8 +68,12 @@ def choose_linear_backend(weight: torch.Tensor, backend: str = "auto", cpu: CpuF
     return "dense" if reason is not None else "onednn"
 
 
-def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str = "auto",
-                       cpu: CpuFeatures | None = None) -> LinearKernel:
+def make_linear_kernel(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    backend: str = "auto",
+    cpu: CpuFeatures | None = None,
+) -> LinearKernel:
     """A callable x[..., in] -> [..., out] computing x @ weight.T + bias; weight is [out, in]."""
     if choose_linear_backend(weight, backend, cpu) == "dense":
         return lambda x: F.linear(x, weight, bias)
@@ -80,7 +95,9 @@ class Linear(nn.Module):
         self.out_sizes = tuple(out_sizes)
         self.out_features = sum(self.out_sizes)
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        )
         self._kernel: LinearKernel | None = None
         self.backend = "dense"  # the kernel finalize() chose: "dense", "onednn" or "gguf"
         self.quantized: dict[int, QuantizedWeight] = {}  # shard → GGUF blocks (kept quantized)
@@ -89,7 +106,9 @@ class Linear(nn.Module):
         start = sum(self.out_sizes[:shard])
         return slice(start, start + self.out_sizes[shard])
 
-    def load_shard(self, name: str, tensor: torch.Tensor, shard: int = 0, is_bias: bool = False) -> None:
+    def load_shard(
+        self, name: str, tensor: torch.Tensor, shard: int = 0, is_bias: bool = False
+    ) -> None:
         """Copy one HF tensor ([out_i, in] weight or [out_i] bias) into shard `shard`, or keep
         a quantized weight's GGUF blocks for the quantized kernel."""
         if is_quantized(tensor):
@@ -99,22 +118,35 @@ class Linear(nn.Module):
         if target is None:
             raise ValueError(f"unexpected weight {name}: this layer has no bias")
         rows = self.shard_rows(shard)
-        expected = (self.out_sizes[shard],) if is_bias else (self.out_sizes[shard], self.in_features)
+        expected = (
+            (self.out_sizes[shard],) if is_bias else (self.out_sizes[shard], self.in_features)
+        )
         if tuple(tensor.shape) != expected:
-            raise ValueError(f"weight {name}: expected shape {list(expected)}, got {list(tensor.shape)}")
+            raise ValueError(
+                f"weight {name}: expected shape {list(expected)}, got {list(tensor.shape)}"
+            )
         with torch.no_grad():
             target[rows].copy_(tensor)
         self._kernel = None  # weights changed: re-pack in finalize()
 
-    def _keep_quantized(self, name: str, weight: QuantizedWeight, shard: int, is_bias: bool) -> None:
+    def _keep_quantized(
+        self, name: str, weight: QuantizedWeight, shard: int, is_bias: bool
+    ) -> None:
         expected = (self.out_sizes[shard], self.in_features)
         if is_bias or (weight.rows, weight.cols) != expected:
-            raise ValueError(f"weight {name}: expected shape {list(expected)}, got {[weight.rows, weight.cols]}")
+            raise ValueError(
+                f"weight {name}: expected shape {list(expected)}, got {[weight.rows, weight.cols]}"
+            )
         self.quantized[shard] = weight
         self._kernel = None
 
-    def finalize(self, backend: str = "auto", cpu: CpuFeatures | None = None,
-                 quant_kernels: QuantKernels | None = None, dequant_buffer: DequantBuffer | None = None) -> None:
+    def finalize(
+        self,
+        backend: str = "auto",
+        cpu: CpuFeatures | None = None,
+        quant_kernels: QuantKernels | None = None,
+        dequant_buffer: DequantBuffer | None = None,
+    ) -> None:
         """Choose the kernel. Quantized shards run on their blocks when every shard is
         quantized (and the dense weight is released); a mix is dequantized into the weight."""
         if self.backend == "gguf" and self._kernel is not None and not self.quantized:
@@ -123,13 +155,18 @@ class Linear(nn.Module):
             shards = [self.quantized[i] for i in range(len(self.out_sizes))]
             self.backend = "gguf"
             self._kernel = QuantizedLinearKernel(quant_kernels, shards, self.bias, dequant_buffer)
-            self.weight = nn.Parameter(self.weight.new_empty(0, self.in_features), requires_grad=False)
+            self.weight = nn.Parameter(
+                self.weight.new_empty(0, self.in_features), requires_grad=False
+            )
             self.quantized = {}  # the kernel holds them now (merged, maybe repacked): no second copy
             return
         for shard, weight in self.quantized.items():
             with torch.no_grad():
                 self.weight[self.shard_rows(shard)].copy_(
-                    quant_kernels.dequant_rows(weight.qtype, weight.data, weight.cols, torch.arange(weight.rows)))
+                    quant_kernels.dequant_rows(
+                        weight.qtype, weight.data, weight.cols, torch.arange(weight.rows)
+                    )
+                )
         self.quantized = {}
         self.backend = choose_linear_backend(self.weight, backend, cpu)
         self._kernel = make_linear_kernel(self.weight, self.bias, self.backend)

@@ -22,7 +22,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x (the running stream), then return (norm(residual), residual)."""
         if self.fused is not None and x.dim() == 2 and not torch.compiler.is_compiling():
             return self.fused.add_rms_norm(x, residual, self.weight, self.eps)

@@ -112,8 +112,13 @@ def kernel_weight(kernels: QuantKernels, weight: QuantizedWeight) -> KernelWeigh
         return weight
     if not kernels.tiles(weight.qtype):
         return KernelWeight(weight.qtype, weight.data, weight.cols, weight.rows)
-    return KernelWeight(weight.qtype, kernels.repack_tiles(weight.qtype, weight.data, weight.cols), weight.cols,
-                        weight.rows, tiled=True)
+    return KernelWeight(
+        weight.qtype,
+        kernels.repack_tiles(weight.qtype, weight.data, weight.cols),
+        weight.cols,
+        weight.rows,
+        tiled=True,
+    )
 
 
 def is_quantized(tensor: object) -> bool:
@@ -131,8 +136,12 @@ def merge_shards(shards: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
         else:
             merged.append([shard])
     # replace(): the loader's own frozen dataclass, with the stacked blocks.
-    return [group[0] if len(group) == 1 else dataclasses.replace(group[0], data=torch.cat([s.data for s in group]))
-            for group in merged]
+    return [
+        group[0]
+        if len(group) == 1
+        else dataclasses.replace(group[0], data=torch.cat([s.data for s in group]))
+        for group in merged
+    ]
 
 
 class DequantBuffer:
@@ -160,8 +169,13 @@ class QuantizedLinearKernel:
     types), plus an optional dense bias. How tiled shards take x: `modes` (set by the model:
     LlamaForCausalLM.set_quant_activations)."""
 
-    def __init__(self, kernels: QuantKernels, shards: Sequence[QuantizedWeight], bias: torch.Tensor | None,
-                 buffer: DequantBuffer | None = None) -> None:
+    def __init__(
+        self,
+        kernels: QuantKernels,
+        shards: Sequence[QuantizedWeight],
+        bias: torch.Tensor | None,
+        buffer: DequantBuffer | None = None,
+    ) -> None:
         self.kernels = kernels
         self.shards = [kernel_weight(kernels, shard) for shard in merge_shards(shards)]
         self.in_features = self.shards[0].cols
@@ -177,7 +191,9 @@ class QuantizedLinearKernel:
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
         start, mode = 0, self.modes.mode(flat.shape[0])
         for shard in self.shards:
-            shard_matmul(self.kernels, shard, flat, out[:, start:start + shard.rows], mode, self.buffer)
+            shard_matmul(
+                self.kernels, shard, flat, out[:, start : start + shard.rows], mode, self.buffer
+            )
             start += shard.rows
         if self.bias is not None:
             out += self.bias
@@ -187,8 +203,12 @@ class QuantizedLinearKernel:
         """The same arithmetic through custom ops that torch.compile traces (native/ops.py)."""
         flat = x.reshape(-1, self.in_features).float()  # [M, K]
         mode = self.modes.mode(flat.shape[0])
-        parts = [native_ops.quant_matmul(flat, shard.data, shard.qtype, shard.cols, shard.rows, shard.tiled, mode)
-                 for shard in self.shards]
+        parts = [
+            native_ops.quant_matmul(
+                flat, shard.data, shard.qtype, shard.cols, shard.rows, shard.tiled, mode
+            )
+            for shard in self.shards
+        ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
         if self.bias is not None:
             out = out + self.bias
@@ -200,8 +220,14 @@ class QuantizedLinearKernel:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def shard_matmul(kernels: QuantKernels, shard: KernelWeight, flat: torch.Tensor,
-                 out: torch.Tensor, mode: str, buffer: DequantBuffer) -> None:
+def shard_matmul(
+    kernels: QuantKernels,
+    shard: KernelWeight,
+    flat: torch.Tensor,
+    out: torch.Tensor,
+    mode: str,
+    buffer: DequantBuffer,
+) -> None:
     """out [M, rows] (a column slice) = flat [M, K] @ shard.T: on tiles the block kernel in
     `mode` (TileModes.mode; fp32 up to TILE_GEMV_MAX_ROWS rows), in GGUF rows the block kernel up
     to QUANT_GEMV_MAX_ROWS; otherwise a GEMM per chunk of dequantized rows (of W^T, whole tiles,
@@ -219,17 +245,27 @@ def shard_matmul(kernels: QuantKernels, shard: KernelWeight, flat: torch.Tensor,
     for first in range(0, shard.rows, chunk):
         count = min(chunk, shard.rows - first)
         if tiled:
-            weight_t = buffer.take(shard.cols, -(-count // TILE_ROWS) * TILE_ROWS)  # [K, whole tiles' rows]
-            kernels.tile_dequant_t(shard.qtype, shard.data, shard.rows, shard.cols, first // TILE_ROWS, weight_t)
-            out[:, first:first + count] = flat @ weight_t[:, :count]
+            weight_t = buffer.take(
+                shard.cols, -(-count // TILE_ROWS) * TILE_ROWS
+            )  # [K, whole tiles' rows]
+            kernels.tile_dequant_t(
+                shard.qtype, shard.data, shard.rows, shard.cols, first // TILE_ROWS, weight_t
+            )
+            out[:, first : first + count] = flat @ weight_t[:, :count]
         else:
-            weight = kernels.dequant_rows(shard.qtype, shard.data, shard.cols, torch.arange(first, first + count),
-                                          out=buffer.take(count, shard.cols))
-            out[:, first:first + count] = flat @ weight.T
+            weight = kernels.dequant_rows(
+                shard.qtype,
+                shard.data,
+                shard.cols,
+                torch.arange(first, first + count),
+                out=buffer.take(count, shard.cols),
+            )
+            out[:, first : first + count] = flat @ weight.T
 
 
-def dequantize_weight(kernels: QuantKernels, weight: KernelWeight,
-                      rows: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_weight(
+    kernels: QuantKernels, weight: KernelWeight, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 [len(rows), K]: rows (int64 ids; default all) of a weight in either layout."""
     rows = torch.arange(weight.rows) if rows is None else rows.to(torch.int64).contiguous()
     if weight.tiled:
@@ -237,10 +273,12 @@ def dequantize_weight(kernels: QuantKernels, weight: KernelWeight,
     return kernels.dequant_rows(weight.qtype, weight.data, weight.cols, rows)
 
 
-def quantized_embedding(kernels: QuantKernels, weight: QuantizedWeight, input_ids: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
+def quantized_embedding(
+    kernels: QuantKernels, weight: QuantizedWeight, input_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Rows `input_ids` of a quantized embedding table as [T, hidden] in `dtype`."""
     if torch.compiler.is_compiling():
-        return native_ops.dequant_rows(weight.data, weight.qtype, weight.cols, weight.rows,
-                                       weight.tiled, input_ids).to(dtype)
+        return native_ops.dequant_rows(
+            weight.data, weight.qtype, weight.cols, weight.rows, weight.tiled, input_ids
+        ).to(dtype)
     return dequantize_weight(kernels, weight, input_ids).to(dtype)

@@ -41,7 +41,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 def compute_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     """[head_dim // 2] fp32 inverse frequencies."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (base ** exponents)
+    inv_freq = 1.0 / (base**exponents)
     rope_type = rope_type_of(scaling)
     if rope_type == "default":
         return inv_freq
@@ -63,7 +63,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_table", angles.cos(), persistent=False)
         self.register_buffer("sin_table", angles.sin(), persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each token: [T, 1, D/2] (broadcast over heads), in `dtype`."""
         cos = self.cos_table.index_select(0, positions).to(dtype)
         sin = self.sin_table.index_select(0, positions).to(dtype)

@@ -72,8 +72,17 @@ def build_shared_object(source: Path, cpu: CpuFeatures | None = None) -> Path:
     compile_args = compile_flags(cpu)
     flags = " ".join(compile_args + LINK_FLAGS).encode()
     cpu_key = " ".join(sorted(cpu.flags)) or platform.processor()
-    key = hashlib.sha256(b"\0".join([*source_texts(source), flags, compiler.encode(),
-                                     platform.machine().encode(), cpu_key.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                *source_texts(source),
+                flags,
+                compiler.encode(),
+                platform.machine().encode(),
+                cpu_key.encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -84,15 +93,20 @@ def build_shared_object(source: Path, cpu: CpuFeatures | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
     except OSError as exc:
-        raise NativeBuildError(f"cannot write the kernel cache {target.parent} "
-                               f"(set $TOKENBUS_CACHE_DIR): {exc}") from exc
-    obj = tmp[:-len(".so")] + ".o"
+        raise NativeBuildError(
+            f"cannot write the kernel cache {target.parent} (set $TOKENBUS_CACHE_DIR): {exc}"
+        ) from exc
+    obj = tmp[: -len(".so")] + ".o"
     try:
-        for command in ([compiler, *compile_args, "-c", "-o", obj, str(source)],
-                        [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]):
+        for command in (
+            [compiler, *compile_args, "-c", "-o", obj, str(source)],
+            [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"],
+        ):
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
-                raise NativeBuildError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+                raise NativeBuildError(
+                    f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}"
+                )
         os.replace(tmp, target)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise NativeBuildError(f"{compiler} could not build {source.name}: {exc}") from exc
@@ -114,7 +128,10 @@ def load_library(source: Path, cpu: CpuFeatures | None = None) -> ctypes.CDLL:
 # Element-type codes of paged_attention.c, and the KV cache dtypes it reads under each activation
 # dtype (fp16 K/V under fp32 queries: half the bytes; --kv-cache-dtype).
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-KERNEL_KV_DTYPES = {torch.float32: (torch.float32, torch.float16), torch.bfloat16: (torch.bfloat16,)}
+KERNEL_KV_DTYPES = {
+    torch.float32: (torch.float32, torch.float16),
+    torch.bfloat16: (torch.bfloat16,),
+}
 
 
 @dataclass(frozen=True)
@@ -127,25 +144,60 @@ class PagedAttentionKernel:
     long_fn: ctypes._CFuncPtr
     long_supported_fn: ctypes._CFuncPtr
 
-    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 query_start: torch.Tensor, seq_lens: torch.Tensor, reqs: torch.Tensor, scale: float,
-                 out: torch.Tensor, long_queries: bool = False) -> None:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        reqs: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        long_queries: bool = False,
+    ) -> None:
         """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, D];
         by the flash path when `long_queries` (then takes_long_queries must hold)."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = q.shape[1]
-        assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
-        assert kv_cache.is_contiguous()  # the index tensors are checked once per step: check_indices
+        assert (
+            q.stride(2) == 1
+            and q.stride(1) == head_dim
+            and out.stride(2) == 1
+            and out.stride(1) == head_dim
+        )
+        assert (
+            kv_cache.is_contiguous()
+        )  # the index tensors are checked once per step: check_indices
         assert q.dtype == out.dtype and kv_cache.dtype in KERNEL_KV_DTYPES.get(q.dtype, ())
         fn = self.long_fn if long_queries else self.fn
-        status = fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), num_blocks, block_size, num_kv_heads,
-                    head_dim, num_heads, block_tables.data_ptr(), block_tables.stride(0),
-                    query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.numel(),
-                    ctypes.c_float(scale), out.data_ptr(), out.stride(0), KERNEL_DTYPES[q.dtype],
-                    KERNEL_DTYPES[kv_cache.dtype], torch.get_num_threads())
+        status = fn(
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            num_heads,
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            query_start.data_ptr(),
+            seq_lens.data_ptr(),
+            reqs.data_ptr(),
+            reqs.numel(),
+            ctypes.c_float(scale),
+            out.data_ptr(),
+            out.stride(0),
+            KERNEL_DTYPES[q.dtype],
+            KERNEL_DTYPES[kv_cache.dtype],
+            torch.get_num_threads(),
+        )
         if status == -2:
-            raise ValueError(f"paged_prefill_attention does not take {q.dtype} queries over {kv_cache.dtype} "
-                             f"K/V at head size {head_dim} here (takes_long_queries)")
+            raise ValueError(
+                f"paged_prefill_attention does not take {q.dtype} queries over {kv_cache.dtype} "
+                f"K/V at head size {head_dim} here (takes_long_queries)"
+            )
         if status != 0:
             raise MemoryError("paged_attention: out of memory for its scratch buffers")
 
@@ -161,10 +213,14 @@ def check_indices(*index: torch.Tensor) -> None:
     """The kernel reads block tables, query starts, sequence lengths and request ids as
     row-major int64 arrays in host memory."""
     for tensor in index:
-        assert tensor.dtype == torch.int64 and tensor.device.type == "cpu" and tensor.stride(-1) == 1
+        assert (
+            tensor.dtype == torch.int64 and tensor.device.type == "cpu" and tensor.stride(-1) == 1
+        )
 
 
-def load_paged_attention(cpu: CpuFeatures | None = None, source: Path = _SOURCE) -> PagedAttentionKernel:
+def load_paged_attention(
+    cpu: CpuFeatures | None = None, source: Path = _SOURCE
+) -> PagedAttentionKernel:
     """Build (or find in the cache) and load the kernel; NativeBuildError says why not.
     `source`: another paged_attention.c (with its headers beside it), for a benchmark to time a
     kernel change against the build before it in one process (benchmarks/attention_layer.py)."""
@@ -172,8 +228,28 @@ def load_paged_attention(cpu: CpuFeatures | None = None, source: Path = _SOURCE)
     fns = lib.paged_attention, lib.paged_prefill_attention
     for fn in fns:  # the same contract
         fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                       ctypes.c_float, _PTR, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [
+            _PTR,
+            _I64,
+            _PTR,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _PTR,
+            _I64,
+            _PTR,
+            _PTR,
+            _PTR,
+            _I64,
+            ctypes.c_float,
+            _PTR,
+            _I64,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
     supported = lib.paged_prefill_supported
     supported.restype = ctypes.c_int
     supported.argtypes = [ctypes.c_int, ctypes.c_int, _I64]
@@ -211,8 +287,12 @@ class QuantKernels:
     matmul_fn: ctypes._CFuncPtr
     dequant_fn: ctypes._CFuncPtr
     tile_fns: dict[str, ctypes._CFuncPtr] | None  # None: this CPU has no tiled kernels
-    bf16_engine: str = ""  # what runs tile_matmul's "bf16" activations here (BF16_ENGINES; "": none)
-    isa: str = ""  # the vector level the kernels were built for (CpuFeatures.isa: avx512, avx2, baseline)
+    bf16_engine: str = (
+        ""  # what runs tile_matmul's "bf16" activations here (BF16_ENGINES; "": none)
+    )
+    isa: str = (
+        ""  # the vector level the kernels were built for (CpuFeatures.isa: avx512, avx2, baseline)
+    )
 
     def tiles(self, qtype: int) -> bool:
         """Whether weights of this GGML type are repacked in tiles here."""
@@ -226,71 +306,173 @@ class QuantKernels:
         num_tiles = -(-rows // TILE_ROWS)
         out = torch.empty(num_tiles, nbytes // num_tiles, dtype=torch.uint8)
         if self.tile_fns["repack"](qtype, w.data_ptr(), rows, num_cols, out.data_ptr()) != 0:
-            raise ValueError(f"tile_repack: GGML type {qtype} with {num_cols} columns is not supported")
+            raise ValueError(
+                f"tile_repack: GGML type {qtype} with {num_cols} columns is not supported"
+            )
         return out
 
-    def tile_matmul(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int, x: torch.Tensor,
-                    out: torch.Tensor, activations: str) -> None:
+    def tile_matmul(
+        self,
+        qtype: int,
+        tiles: torch.Tensor,
+        num_rows: int,
+        num_cols: int,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        activations: str,
+    ) -> None:
         """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); `activations`
         (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (any M), bf16 rounds x
         and W to bf16 (any M; where `bf16_engine`: AMX tiles or AVX512-BF16 dot products), fp32
         takes up to QUANT_MAX_ROWS rows (quant_tiles.c)."""
-        assert tiles.dtype == torch.uint8 and tiles.is_contiguous() and x.dtype == out.dtype == torch.float32
-        assert x.stride(1) == 1 and out.stride(1) == 1 and (x.shape[0] <= QUANT_MAX_ROWS or activations != "fp32")
+        assert (
+            tiles.dtype == torch.uint8
+            and tiles.is_contiguous()
+            and x.dtype == out.dtype == torch.float32
+        )
+        assert (
+            x.stride(1) == 1
+            and out.stride(1) == 1
+            and (x.shape[0] <= QUANT_MAX_ROWS or activations != "fp32")
+        )
         assert x.shape[1] == num_cols and out.shape == (x.shape[0], num_rows)
-        assert tiles.numel() == self.tile_fns["nbytes"](qtype, num_rows, num_cols), "tiles of another shape"
-        status = self.tile_fns["matmul"](qtype, tiles.data_ptr(), num_rows, num_cols, x.data_ptr(), x.shape[0],
-                                         x.stride(0), out.data_ptr(), out.stride(0), TILE_ACTIVATIONS[activations],
-                                         torch.get_num_threads())
+        assert tiles.numel() == self.tile_fns["nbytes"](qtype, num_rows, num_cols), (
+            "tiles of another shape"
+        )
+        status = self.tile_fns["matmul"](
+            qtype,
+            tiles.data_ptr(),
+            num_rows,
+            num_cols,
+            x.data_ptr(),
+            x.shape[0],
+            x.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            TILE_ACTIVATIONS[activations],
+            torch.get_num_threads(),
+        )
         if status != 0:
-            raise ValueError(f"tile_matmul: GGML type {qtype} with {num_cols} columns is not supported")
+            raise ValueError(
+                f"tile_matmul: GGML type {qtype} with {num_cols} columns is not supported"
+            )
 
-    def tile_dequant_rows(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int,
-                          rows: torch.Tensor) -> torch.Tensor:
+    def tile_dequant_rows(
+        self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int, rows: torch.Tensor
+    ) -> torch.Tensor:
         """fp32 [len(rows), K]: the given rows (int64 ids) of a tiled W."""
         assert rows.dtype == torch.int64 and rows.is_contiguous()
         out = torch.empty(rows.numel(), num_cols, dtype=torch.float32)
-        status = self.tile_fns["dequant_rows"](qtype, tiles.data_ptr(), num_rows, num_cols, rows.data_ptr(),
-                                               rows.numel(), out.data_ptr(), torch.get_num_threads())
+        status = self.tile_fns["dequant_rows"](
+            qtype,
+            tiles.data_ptr(),
+            num_rows,
+            num_cols,
+            rows.data_ptr(),
+            rows.numel(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if status != 0:
-            raise ValueError(f"tile_dequant_rows: GGML type {qtype} with {num_cols} columns is not supported")
+            raise ValueError(
+                f"tile_dequant_rows: GGML type {qtype} with {num_cols} columns is not supported"
+            )
         return out
 
-    def tile_dequant_t(self, qtype: int, tiles: torch.Tensor, num_rows: int, num_cols: int, first_tile: int,
-                       out: torch.Tensor) -> None:
+    def tile_dequant_t(
+        self,
+        qtype: int,
+        tiles: torch.Tensor,
+        num_rows: int,
+        num_cols: int,
+        first_tile: int,
+        out: torch.Tensor,
+    ) -> None:
         """out [K, 16 * count] (row-strided) = W^T of tiles [first_tile, first_tile + count)."""
         assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape[0] == num_cols
         assert out.shape[1] % TILE_ROWS == 0
-        status = self.tile_fns["dequant_t"](qtype, tiles.data_ptr(), num_rows, num_cols, first_tile,
-                                            out.shape[1] // TILE_ROWS, out.data_ptr(), out.stride(0),
-                                            torch.get_num_threads())
+        status = self.tile_fns["dequant_t"](
+            qtype,
+            tiles.data_ptr(),
+            num_rows,
+            num_cols,
+            first_tile,
+            out.shape[1] // TILE_ROWS,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
         if status != 0:
-            raise ValueError(f"tile_dequant_t: GGML type {qtype} with {num_cols} columns is not supported")
+            raise ValueError(
+                f"tile_dequant_t: GGML type {qtype} with {num_cols} columns is not supported"
+            )
 
-    def matmul(self, qtype: int, w: torch.Tensor, num_cols: int, x: torch.Tensor, out: torch.Tensor) -> None:
+    def matmul(
+        self, qtype: int, w: torch.Tensor, num_cols: int, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """out[M, N] (row-strided, may be a column slice of a wider tensor) = x[M, K] @ W.T."""
-        assert w.dtype == torch.uint8 and w.is_contiguous() and x.dtype == out.dtype == torch.float32
+        assert (
+            w.dtype == torch.uint8 and w.is_contiguous() and x.dtype == out.dtype == torch.float32
+        )
         assert x.stride(1) == 1 and out.stride(1) == 1 and x.shape[0] <= QUANT_MAX_ROWS
-        status = self.matmul_fn(qtype, w.data_ptr(), w.shape[0], num_cols, x.data_ptr(), x.shape[0], x.stride(0),
-                                out.data_ptr(), out.stride(0), torch.get_num_threads())
+        status = self.matmul_fn(
+            qtype,
+            w.data_ptr(),
+            w.shape[0],
+            num_cols,
+            x.data_ptr(),
+            x.shape[0],
+            x.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
         if status != 0:
-            raise ValueError(f"quant_matmul: GGML type {qtype} with {num_cols} columns is not supported")
+            raise ValueError(
+                f"quant_matmul: GGML type {qtype} with {num_cols} columns is not supported"
+            )
 
-    def dequant_rows(self, qtype: int, w: torch.Tensor, num_cols: int, rows: torch.Tensor,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+    def dequant_rows(
+        self,
+        qtype: int,
+        w: torch.Tensor,
+        num_cols: int,
+        rows: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """fp32 [len(rows), K]: the given rows of W (int64 row ids), into `out` if given."""
-        assert w.dtype == torch.uint8 and w.is_contiguous() and rows.dtype == torch.int64 and rows.is_contiguous()
+        assert (
+            w.dtype == torch.uint8
+            and w.is_contiguous()
+            and rows.dtype == torch.int64
+            and rows.is_contiguous()
+        )
         if out is None:
             out = torch.empty(rows.numel(), num_cols, dtype=torch.float32)
-        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (rows.numel(), num_cols)
-        status = self.dequant_fn(qtype, w.data_ptr(), num_cols, rows.data_ptr(), rows.numel(), out.data_ptr(),
-                                 torch.get_num_threads())
+        assert (
+            out.dtype == torch.float32
+            and out.is_contiguous()
+            and out.shape == (rows.numel(), num_cols)
+        )
+        status = self.dequant_fn(
+            qtype,
+            w.data_ptr(),
+            num_cols,
+            rows.data_ptr(),
+            rows.numel(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if status != 0:
-            raise ValueError(f"quant_dequant_rows: GGML type {qtype} with {num_cols} columns is not supported")
+            raise ValueError(
+                f"quant_dequant_rows: GGML type {qtype} with {num_cols} columns is not supported"
+            )
         return out
 
 
-def load_quant_kernels(cpu: CpuFeatures | None = None, tile_source: Path = _TILE_SOURCE) -> QuantKernels:
+def load_quant_kernels(
+    cpu: CpuFeatures | None = None, tile_source: Path = _TILE_SOURCE
+) -> QuantKernels:
     """Build (or find in the cache) and load the quantized kernels; NativeBuildError says why not.
     `tile_source`: another quant_tiles.c (with its headers beside it), for a benchmark to time a
     kernel change against the build before it in one process (benchmarks/quant_linear.py)."""
@@ -301,7 +483,9 @@ def load_quant_kernels(cpu: CpuFeatures | None = None, tile_source: Path = _TILE
     dequant.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
     tile_fns = _load_tile_fns(cpu, tile_source)
     engine = BF16_ENGINES[tile_fns["bf16_engine"]()] if tile_fns is not None else ""
-    return QuantKernels(matmul, dequant, tile_fns, bf16_engine=engine, isa=(cpu or CpuFeatures.detect()).isa)
+    return QuantKernels(
+        matmul, dequant, tile_fns, bf16_engine=engine, isa=(cpu or CpuFeatures.detect()).isa
+    )
 
 
 def _load_tile_fns(cpu: CpuFeatures | None, source: Path) -> dict[str, ctypes._CFuncPtr] | None:
@@ -310,18 +494,45 @@ def _load_tile_fns(cpu: CpuFeatures | None, source: Path) -> dict[str, ctypes._C
     lib.tile_supported.restype = ctypes.c_int
     if not lib.tile_supported():
         return None
-    fns = {"nbytes": lib.tile_nbytes, "repack": lib.tile_repack, "matmul": lib.tile_matmul,
-           "dequant_rows": lib.tile_dequant_rows, "dequant_t": lib.tile_dequant_t,
-           "bf16_engine": lib.tile_bf16_engine}
+    fns = {
+        "nbytes": lib.tile_nbytes,
+        "repack": lib.tile_repack,
+        "matmul": lib.tile_matmul,
+        "dequant_rows": lib.tile_dequant_rows,
+        "dequant_t": lib.tile_dequant_t,
+        "bf16_engine": lib.tile_bf16_engine,
+    }
     for fn in fns.values():
         fn.restype = ctypes.c_int
     fns["nbytes"].restype = _I64
     fns["bf16_engine"].argtypes = []
     fns["nbytes"].argtypes = [ctypes.c_int, _I64, _I64]
     fns["repack"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR]
-    fns["matmul"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, ctypes.c_int]
+    fns["matmul"].argtypes = [
+        ctypes.c_int,
+        _PTR,
+        _I64,
+        _I64,
+        _PTR,
+        _I64,
+        _I64,
+        _PTR,
+        _I64,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     fns["dequant_rows"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
-    fns["dequant_t"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int]
+    fns["dequant_t"].argtypes = [
+        ctypes.c_int,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _PTR,
+        _I64,
+        ctypes.c_int,
+    ]
     return fns
 
 
@@ -336,35 +547,65 @@ class FusedOps:
     rope_fn: ctypes._CFuncPtr
     silu_mul_fn: ctypes._CFuncPtr
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual) * weight, x + residual) for x [T, H] (residual None: x alone)."""
         assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
         assert residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1)
         num_tokens, hidden = x.shape
         residual_out = torch.empty(num_tokens, hidden, dtype=torch.float32)
         out = torch.empty(num_tokens, hidden, dtype=torch.float32)
-        self.add_rms_norm_fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                             0 if residual is None else residual.stride(0), residual_out.data_ptr(),
-                             weight.data_ptr(), out.data_ptr(), num_tokens, hidden, ctypes.c_float(eps),
-                             torch.get_num_threads())
+        self.add_rms_norm_fn(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+            residual_out.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            num_tokens,
+            hidden,
+            ctypes.c_float(eps),
+            torch.get_num_threads(),
+        )
         return out, residual_out
 
-    def rope_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rot_heads: int,
-              head_dim: int) -> None:
+    def rope_(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_rot_heads: int,
+        head_dim: int,
+    ) -> None:
         """Rotate (rotate-half) the first num_rot_heads heads of each row of qkv [T, *] in place,
         by cos/sin [T, head_dim / 2] (contiguous)."""
         assert qkv.dtype == cos.dtype == sin.dtype == torch.float32 and qkv.stride(1) == 1
-        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == (qkv.shape[0], head_dim // 2)
-        self.rope_fn(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], cos.data_ptr(), sin.data_ptr(), num_rot_heads,
-                     head_dim, torch.get_num_threads())
+        assert (
+            cos.is_contiguous()
+            and sin.is_contiguous()
+            and cos.shape == (qkv.shape[0], head_dim // 2)
+        )
+        self.rope_fn(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            qkv.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            num_rot_heads,
+            head_dim,
+            torch.get_num_threads(),
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2I] (contiguous) -> [T, I]."""
         assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
         num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(num_tokens, size, dtype=torch.float32)
-        self.silu_mul_fn(gate_up.data_ptr(), num_tokens, size, out.data_ptr(), torch.get_num_threads())
+        self.silu_mul_fn(
+            gate_up.data_ptr(), num_tokens, size, out.data_ptr(), torch.get_num_threads()
+        )
         return out
 
 
@@ -373,7 +614,19 @@ def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
     lib = load_library(_FUSED_SOURCE, cpu)
     norm, rope, silu = lib.add_rms_norm, lib.rope_inplace, lib.silu_mul
     norm.restype = rope.restype = silu.restype = None
-    norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]
+    norm.argtypes = [
+        _PTR,
+        _I64,
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        _I64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
     rope.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
     silu.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
     return FusedOps(norm, rope, silu)

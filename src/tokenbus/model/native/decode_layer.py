@@ -13,8 +13,14 @@ from pathlib import Path
 
 import torch
 
-from tokenbus.model.native import (KERNEL_DTYPES, TILE_ACTIVATIONS, FusedOps, PagedAttentionKernel, QuantKernels,
-                                   load_library)
+from tokenbus.model.native import (
+    KERNEL_DTYPES,
+    TILE_ACTIVATIONS,
+    FusedOps,
+    PagedAttentionKernel,
+    QuantKernels,
+    load_library,
+)
 from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
@@ -22,7 +28,13 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("matmul", _PTR), ("attention", _PTR), ("add_rms_norm", _PTR), ("rope", _PTR), ("silu_mul", _PTR)]
+    _fields_ = [
+        ("matmul", _PTR),
+        ("attention", _PTR),
+        ("add_rms_norm", _PTR),
+        ("rope", _PTR),
+        ("silu_mul", _PTR),
+    ]
 
 
 class _Linear(ctypes.Structure):
@@ -30,17 +42,41 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _PTR), ("post_norm", _PTR), ("eps", _F32), ("scale", _F32),
-                ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
-                ("intermediate", _I64)]
+    _fields_ = [
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("input_norm", _PTR),
+        ("post_norm", _PTR),
+        ("eps", _F32),
+        ("scale", _F32),
+        ("hidden", _I64),
+        ("num_heads", _I64),
+        ("num_kv_heads", _I64),
+        ("head_dim", _I64),
+        ("intermediate", _I64),
+    ]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("num_tokens", _I64), ("cos", _PTR), ("sin", _PTR), ("slots", _PTR), ("block_tables", _PTR),
-                ("table_stride", _I64), ("query_start", _PTR), ("seq_lens", _PTR), ("reqs", _PTR),
-                ("num_reqs", _I64), ("num_blocks", _I64), ("block_size", _I64), ("activations", _I64),
-                ("num_threads", _I64), ("kv_elem", _I64)]
+    _fields_ = [
+        ("num_tokens", _I64),
+        ("cos", _PTR),
+        ("sin", _PTR),
+        ("slots", _PTR),
+        ("block_tables", _PTR),
+        ("table_stride", _I64),
+        ("query_start", _PTR),
+        ("seq_lens", _PTR),
+        ("reqs", _PTR),
+        ("num_reqs", _I64),
+        ("num_blocks", _I64),
+        ("block_size", _I64),
+        ("activations", _I64),
+        ("num_threads", _I64),
+        ("kv_elem", _I64),
+    ]
 
 
 def _check(status: int) -> None:
@@ -63,8 +99,13 @@ class LinearWeights:
     bias: torch.Tensor | None
 
     def struct(self) -> _Linear:
-        return _Linear(self.qtype, self.tiles.data_ptr(), self.rows, self.cols,
-                       None if self.bias is None else self.bias.data_ptr())
+        return _Linear(
+            self.qtype,
+            self.tiles.data_ptr(),
+            self.rows,
+            self.cols,
+            None if self.bias is None else self.bias.data_ptr(),
+        )
 
 
 @dataclass(frozen=True)
@@ -82,17 +123,34 @@ class LayerWeights:
     head_dim: int
 
     def struct(self) -> _Layer:
-        return _Layer(self.qkv.struct(), self.o.struct(), self.gate_up.struct(), self.down.struct(),
-                      self.input_norm.data_ptr(), self.post_norm.data_ptr(), self.eps, self.scale,
-                      self.input_norm.numel(), self.num_heads, self.num_kv_heads, self.head_dim,
-                      self.down.cols)
+        return _Layer(
+            self.qkv.struct(),
+            self.o.struct(),
+            self.gate_up.struct(),
+            self.down.struct(),
+            self.input_norm.data_ptr(),
+            self.post_norm.data_ptr(),
+            self.eps,
+            self.scale,
+            self.input_norm.numel(),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.down.cols,
+        )
 
 
 class DecodeLayers:
     """The model's decoder layers as decode_layer.c structs, and the call that runs one."""
 
-    def __init__(self, layers: list[LayerWeights], quant: QuantKernels, attention: PagedAttentionKernel,
-                 fused: FusedOps, cpu: CpuFeatures | None = None) -> None:
+    def __init__(
+        self,
+        layers: list[LayerWeights],
+        quant: QuantKernels,
+        attention: PagedAttentionKernel,
+        fused: FusedOps,
+        cpu: CpuFeatures | None = None,
+    ) -> None:
         lib = load_library(_SOURCE, cpu)
         self._fn = lib.decode_layer
         self._fn.restype = ctypes.c_int
@@ -100,47 +158,113 @@ class DecodeLayers:
         self._all_fn = lib.decode_layers
         self._all_fn.restype = ctypes.c_int
         self._all_fn.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
-        self._kernels = _Kernels(_address(quant.tile_fns["matmul"]), _address(attention.fn),
-                                 _address(fused.add_rms_norm_fn), _address(fused.rope_fn),
-                                 _address(fused.silu_mul_fn))
+        self._kernels = _Kernels(
+            _address(quant.tile_fns["matmul"]),
+            _address(attention.fn),
+            _address(fused.add_rms_norm_fn),
+            _address(fused.rope_fn),
+            _address(fused.silu_mul_fn),
+        )
         self._weights = layers  # keeps every tensor the structs point into alive
         self._libraries = (quant, attention, fused)  # and the objects behind the function pointers
         self._layers = [layer.struct() for layer in layers]
         self._kernels_ref = ctypes.byref(self._kernels)
         self._layer_refs = [ctypes.byref(layer) for layer in self._layers]
-        self._layer_array = (_PTR * len(self._layers))(*(ctypes.addressof(layer) for layer in self._layers))
+        self._layer_array = (_PTR * len(self._layers))(
+            *(ctypes.addressof(layer) for layer in self._layers)
+        )
         self.hidden = layers[0].input_norm.numel()
 
-    def step_args(self, num_tokens: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                  block_tables: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-                  reqs: torch.Tensor, kv_cache: torch.Tensor, activations: str) -> _Step:
+    def step_args(
+        self,
+        num_tokens: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        reqs: torch.Tensor,
+        kv_cache: torch.Tensor,
+        activations: str,
+    ) -> _Step:
         """What every layer of this step shares. The tensors must live until the step ends
         (the caller's context holds them); cos/sin [T, 1, D/2] contiguous fp32; the index
         tensors int64, contiguous (as the attention plan checked them)."""
-        assert cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous() and slots.dtype == torch.int64
+        assert (
+            cos.is_contiguous()
+            and sin.is_contiguous()
+            and slots.is_contiguous()
+            and slots.dtype == torch.int64
+        )
         assert kv_cache.dtype in (torch.float32, torch.float16)  # what decode_layer.c writes
         _, num_blocks, block_size, _, _ = kv_cache.shape
         written = slots[:num_tokens]
         if num_tokens and (int(written.min()) < 0 or int(written.max()) >= num_blocks * block_size):
             raise ValueError(f"slot_mapping outside the KV cache's {num_blocks * block_size} slots")
-        return _Step(num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-                     block_tables.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(),
-                     reqs.numel(), num_blocks, block_size, TILE_ACTIVATIONS[activations], torch.get_num_threads(),
-                     KERNEL_DTYPES[kv_cache.dtype])
+        return _Step(
+            num_tokens,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            query_start.data_ptr(),
+            seq_lens.data_ptr(),
+            reqs.data_ptr(),
+            reqs.numel(),
+            num_blocks,
+            block_size,
+            TILE_ACTIVATIONS[activations],
+            torch.get_num_threads(),
+            KERNEL_DTYPES[kv_cache.dtype],
+        )
 
-    def run(self, index: int, step: _Step, kv_cache: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-            x_out: torch.Tensor, residual_out: torch.Tensor) -> None:
+    def run(
+        self,
+        index: int,
+        step: _Step,
+        kv_cache: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        x_out: torch.Tensor,
+        residual_out: torch.Tensor,
+    ) -> None:
         """Layer `index` on x [T, hidden] (fp32, contiguous): x_out = its MLP output, residual_out
         = the residual stream after its attention (x_out may be x, residual_out residual)."""
-        _check(self._fn(self._kernels_ref, self._layer_refs[index], ctypes.byref(step), kv_cache.data_ptr(),
-                        x.data_ptr(), None if residual is None else residual.data_ptr(), x_out.data_ptr(),
-                        residual_out.data_ptr()))
+        _check(
+            self._fn(
+                self._kernels_ref,
+                self._layer_refs[index],
+                ctypes.byref(step),
+                kv_cache.data_ptr(),
+                x.data_ptr(),
+                None if residual is None else residual.data_ptr(),
+                x_out.data_ptr(),
+                residual_out.data_ptr(),
+            )
+        )
 
-    def run_all(self, num_layers: int, step: _Step, kv_caches: list[torch.Tensor], x: torch.Tensor,
-                residual_out: torch.Tensor) -> None:
+    def run_all(
+        self,
+        num_layers: int,
+        step: _Step,
+        kv_caches: list[torch.Tensor],
+        x: torch.Tensor,
+        residual_out: torch.Tensor,
+    ) -> None:
         """Layers 0 .. num_layers - 1 in one C call, as `run` one after another would: x [T,
         hidden] in place (the last layer's MLP output), residual_out the residual stream after
         the last layer's attention."""
         caches = (_PTR * num_layers)(*(kv_caches[i].data_ptr() for i in range(num_layers)))
-        _check(self._all_fn(self._kernels_ref, self._layer_array, num_layers, ctypes.byref(step), caches,
-                            x.data_ptr(), residual_out.data_ptr()))
+        _check(
+            self._all_fn(
+                self._kernels_ref,
+                self._layer_array,
+                num_layers,
+                ctypes.byref(step),
+                caches,
+                x.data_ptr(),
+                residual_out.data_ptr(),
+            )
+        )

@@ -21,7 +21,6 @@ import torch
 from tokenbus.model.native import PagedAttentionKernel, QuantKernels, check_indices
 
 
-
 @functools.cache
 def _attention_kernel() -> PagedAttentionKernel:
     from tokenbus.model.native import load_paged_attention
@@ -45,7 +44,9 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("tokenbus::write_kv", mutates_args=("kv_cache",))
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """k, v [T, Hkv, D] into kv_cache [2, NB, bs, Hkv, D] at `slot_mapping`, in place. An op of
     its own because traced as index_copy_ on a view of a graph input, the compiler copies the
     whole cache out and back around every write."""
@@ -61,16 +62,30 @@ def _(kv_cache, k, v, slot_mapping):
 
 
 @torch.library.custom_op("tokenbus::paged_attention", mutates_args=(), device_types="cpu")
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start: torch.Tensor, seq_lens: torch.Tensor, reqs: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    reqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """out [T, Hq, D]: rows of the requests `reqs` attended (paged_attention.c), other rows 0."""
     out = torch.zeros(q.shape, dtype=q.dtype)
     index = [t.contiguous() for t in (reqs, query_start, seq_lens, block_tables)]
     check_indices(*index)
     reqs, query_start, seq_lens, block_tables = index
-    _attention_kernel()(_rows_contiguous(q), kv_cache.contiguous(), block_tables, query_start, seq_lens,
-                        reqs, scale, out)
+    _attention_kernel()(
+        _rows_contiguous(q),
+        kv_cache.contiguous(),
+        block_tables,
+        query_start,
+        seq_lens,
+        reqs,
+        scale,
+        out,
+    )
     return out
 
 
@@ -80,15 +95,28 @@ def _(q, kv_cache, block_tables, query_start, seq_lens, reqs, scale):
 
 
 @torch.library.custom_op("tokenbus::quant_matmul", mutates_args=(), device_types="cpu")
-def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int, cols: int, rows: int, tiled: bool,
-                 activations: str) -> torch.Tensor:
+def quant_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    qtype: int,
+    cols: int,
+    rows: int,
+    tiled: bool,
+    activations: str,
+) -> torch.Tensor:
     """x [M, cols] fp32 @ W.T -> [M, rows] fp32, W of GGML type `qtype` in GGUF rows (uint8
     [rows, row_bytes]) or `tiled` (layers/quantized.KernelWeight): layers/quantized.shard_matmul."""
     from tokenbus.model.layers.quantized import DequantBuffer, KernelWeight, shard_matmul
 
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    shard_matmul(_quant_kernels(), KernelWeight(qtype, w, cols, rows, tiled), x.contiguous(), out,
-                 activations, DequantBuffer())
+    shard_matmul(
+        _quant_kernels(),
+        KernelWeight(qtype, w, cols, rows, tiled),
+        x.contiguous(),
+        out,
+        activations,
+        DequantBuffer(),
+    )
     return out
 
 
@@ -98,8 +126,9 @@ def _(x, w, qtype, cols, rows, tiled, activations):
 
 
 @torch.library.custom_op("tokenbus::dequant_rows", mutates_args=(), device_types="cpu")
-def dequant_rows(w: torch.Tensor, qtype: int, cols: int, num_rows: int, tiled: bool,
-                 rows: torch.Tensor) -> torch.Tensor:
+def dequant_rows(
+    w: torch.Tensor, qtype: int, cols: int, num_rows: int, tiled: bool, rows: torch.Tensor
+) -> torch.Tensor:
     """fp32 [len(rows), cols]: the given rows (int64 ids) of W (as quant_matmul's)."""
     from tokenbus.model.layers.quantized import KernelWeight, dequantize_weight
 

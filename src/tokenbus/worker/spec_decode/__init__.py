@@ -5,5 +5,12 @@ from tokenbus.worker.spec_decode.metadata import SpecDecodeMetadata, expand_samp
 from tokenbus.worker.spec_decode.proposer import Proposer, draft_cap, make_proposer
 from tokenbus.worker.spec_decode.rejection_sampler import RejectionOutput, RejectionSampler
 
-__all__ = ["Proposer", "RejectionOutput", "RejectionSampler", "SpecDecodeMetadata", "draft_cap",
-           "expand_sampling_rows", "make_proposer"]
+__all__ = [
+    "Proposer",
+    "RejectionOutput",
+    "RejectionSampler",
+    "SpecDecodeMetadata",
+    "draft_cap",
+    "expand_sampling_rows",
+    "make_proposer",
+]

@@ -46,9 +46,16 @@ class _CatchUpView:
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], num_layers: int | None,
-                 shares_target_kv: bool, num_speculative_tokens: int, block_size: int,
-                 buffers: InputBuffers) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        num_layers: int | None,
+        shares_target_kv: bool,
+        num_speculative_tokens: int,
+        block_size: int,
+        buffers: InputBuffers,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.num_layers = num_layers  # None: all of the draft model's layers
@@ -57,7 +64,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self.buffers = buffers  # the draft's own: the target's batch tensors view the runner's
 
-    def propose(self, batch: PreparedBatch, sampled: list[bool], caps: list[int]) -> list[list[int]]:
+    def propose(
+        self, batch: PreparedBatch, sampled: list[bool], caps: list[int]
+    ) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.requests]
         first = self._catch_up(batch, sampled, caps)  # batch index → draft 1
         for index, token in first.items():
@@ -75,22 +84,41 @@ class DraftModelProposer:
                 drafts[i].append(token)
         return drafts
 
-    def _catch_up(self, batch: PreparedBatch, sampled: list[bool], caps: list[int]) -> dict[int, int]:
+    def _catch_up(
+        self, batch: PreparedBatch, sampled: list[bool], caps: list[int]
+    ) -> dict[int, int]:
         views = []
         for index, req in enumerate(batch.requests):
             state = req.state
             if self.shares_target_kv:
                 if caps[index] > 0:  # only the new token: the target wrote the rest
-                    views.append((_CatchUpView(state.num_tokens - 1, state.token_ids, state.block_ids, index), 1))
+                    views.append(
+                        (
+                            _CatchUpView(
+                                state.num_tokens - 1, state.token_ids, state.block_ids, index
+                            ),
+                            1,
+                        )
+                    )
                 continue
             # Every token the target made final this step, and the new token if one was sampled.
-            end = state.num_tokens if sampled[index] else state.num_computed_tokens + req.num_new_tokens
+            end = (
+                state.num_tokens
+                if sampled[index]
+                else state.num_computed_tokens + req.num_new_tokens
+            )
             start = state.num_computed_tokens
-            views.append((_CatchUpView(start, state.token_ids, state.block_ids, index), end - start))
+            views.append(
+                (_CatchUpView(start, state.token_ids, state.block_ids, index), end - start)
+            )
         if not views:
             return {}
-        inputs = prepare_batch([ScheduledRequest(view, n, []) for view, n in views], self.buffers,
-                               self.block_size, self.kv_caches)
+        inputs = prepare_batch(
+            [ScheduledRequest(view, n, []) for view, n in views],
+            self.buffers,
+            self.block_size,
+            self.kv_caches,
+        )
         tokens = self._greedy(inputs.input_ids, inputs.ctx, inputs.logits_indices)
         first = {}
         for row, request_index in enumerate(inputs.sampling_requests):
@@ -99,7 +127,9 @@ class DraftModelProposer:
                 first[index] = tokens[row]
         return first
 
-    def _decode(self, tokens: list[int], positions: list[int], block_ids: list[list[int]]) -> list[int]:
+    def _decode(
+        self, tokens: list[int], positions: list[int], block_ids: list[list[int]]
+    ) -> list[int]:
         """One token per request at the given positions -> the draft's argmax after each."""
         n, bs, buf = len(tokens), self.block_size, self.buffers
         buf.wait_for_copies()
@@ -111,66 +141,111 @@ class DraftModelProposer:
         buf.positions[:n] = positions
         seq_lens = [p + 1 for p in positions]
         buf.seq_lens[:n] = seq_lens
-        buf.query_start_loc[:n + 1] = range(n + 1)
+        buf.query_start_loc[: n + 1] = range(n + 1)
         buf.logits_indices[:n] = range(n)
         ctx = ForwardContext(
             positions=buf.device_view("positions", n),
             slot_mapping=buf.device_view("slot_mapping", n),
-            kv_caches=self.kv_caches, block_size=bs,
-            query_start_loc=list(range(n + 1)), seq_lens=seq_lens,
+            kv_caches=self.kv_caches,
+            block_size=bs,
+            query_start_loc=list(range(n + 1)),
+            seq_lens=seq_lens,
             seq_lens_t=buf.device_view("seq_lens", n),
             block_tables=buf.device_view("block_table", n, max_blocks),
-            num_decodes=n, query_start_loc_t=buf.device_view("query_start_loc", n + 1))
-        return self._greedy(buf.device_view("input_ids", n), ctx, buf.device_view("logits_indices", n))
+            num_decodes=n,
+            query_start_loc_t=buf.device_view("query_start_loc", n + 1),
+        )
+        return self._greedy(
+            buf.device_view("input_ids", n), ctx, buf.device_view("logits_indices", n)
+        )
 
-    def _greedy(self, input_ids: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor) -> list[int]:
+    def _greedy(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
+    ) -> list[int]:
         ctx.attn_metadata = self.model.attention_backend.build_metadata(ctx)
         hidden = self.model(input_ids, ctx, num_layers=self.num_layers)  # [T, hidden]
         return self.model.compute_logits(hidden[rows]).argmax(-1).tolist()
 
 
-def make_draft_model_proposer(config: EngineConfig, arch: ModelArch, model: torch.nn.Module,
-                              kv_caches: list[torch.Tensor], device: torch.device) -> DraftModelProposer:
+def make_draft_model_proposer(
+    config: EngineConfig,
+    arch: ModelArch,
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    device: torch.device,
+) -> DraftModelProposer:
     """Self-speculation ("draft_layers" only) or a separate draft model ("model")."""
     spec = config.speculative
     sched = config.scheduler
     buffers = InputBuffers(
         max_num_tokens=sched.max_num_batched_tokens + sched.max_num_seqs,  # + one new token each
         max_num_reqs=sched.max_num_seqs,
-        max_blocks_per_req=cdiv(sched.max_model_len + spec.num_speculative_tokens, config.cache.block_size) + 1,
-        device=device)
-    common = dict(num_speculative_tokens=spec.num_speculative_tokens,
-                  block_size=config.cache.block_size, buffers=buffers)
+        max_blocks_per_req=cdiv(
+            sched.max_model_len + spec.num_speculative_tokens, config.cache.block_size
+        )
+        + 1,
+        device=device,
+    )
+    common = dict(
+        num_speculative_tokens=spec.num_speculative_tokens,
+        block_size=config.cache.block_size,
+        buffers=buffers,
+    )
     if spec.model is None:
-        num_layers = _check_draft_layers(spec.draft_layers, arch.num_hidden_layers - 1,
-                                         f"(self-speculation uses fewer than the target's {arch.num_hidden_layers})")
+        num_layers = _check_draft_layers(
+            spec.draft_layers,
+            arch.num_hidden_layers - 1,
+            f"(self-speculation uses fewer than the target's {arch.num_hidden_layers})",
+        )
         return DraftModelProposer(model, kv_caches, num_layers, shares_target_kv=True, **common)
-    draft_model, draft_arch = _load_draft_model(spec.model, arch, sched.max_model_len,
-                                                model.embed_tokens.dtype, device,
-                                                config.model.attention_backend, model.tp)
+    draft_model, draft_arch = _load_draft_model(
+        spec.model,
+        arch,
+        sched.max_model_len,
+        model.embed_tokens.dtype,
+        device,
+        config.model.attention_backend,
+        model.tp,
+    )
     num_layers = None
     if spec.draft_layers is not None:
-        num_layers = _check_draft_layers(spec.draft_layers, draft_arch.num_hidden_layers,
-                                         f"(the draft model has {draft_arch.num_hidden_layers})")
+        num_layers = _check_draft_layers(
+            spec.draft_layers,
+            draft_arch.num_hidden_layers,
+            f"(the draft model has {draft_arch.num_hidden_layers})",
+        )
     from tokenbus.worker.kv_cache import allocate_kv_caches
 
     num_blocks = kv_caches[0].shape[1]  # [2, num_blocks, block_size, Hkv, D]
     # The target's pool dtype (--kv-cache-dtype) too: its block count was sized for that.
-    draft_kv = allocate_kv_caches(model.tp.shard_arch(draft_arch), num_blocks, config.cache.block_size,
-                                  kv_caches[0].dtype, device)
+    draft_kv = allocate_kv_caches(
+        model.tp.shard_arch(draft_arch),
+        num_blocks,
+        config.cache.block_size,
+        kv_caches[0].dtype,
+        device,
+    )
     return DraftModelProposer(draft_model, draft_kv, num_layers, shares_target_kv=False, **common)
 
 
 def _check_draft_layers(draft_layers: int, max_layers: int, why: str) -> int:
     if not 1 <= draft_layers <= max_layers:
-        raise ValueError(f"speculative_config.draft_layers must be in [1, {max_layers}] {why}, "
-                         f"got {draft_layers}")
+        raise ValueError(
+            f"speculative_config.draft_layers must be in [1, {max_layers}] {why}, "
+            f"got {draft_layers}"
+        )
     return draft_layers
 
 
-def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dtype: torch.dtype,
-                      device: torch.device, attention_backend: str,
-                      tp: TensorParallel) -> tuple[torch.nn.Module, ModelArch]:
+def _load_draft_model(
+    name: str,
+    target_arch: ModelArch,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str,
+    tp: TensorParallel,
+) -> tuple[torch.nn.Module, ModelArch]:
     """Sharded like the target (the same ranks run both)."""
     from tokenbus.loader import load_arch, resolve_model
     from tokenbus.worker.model_loader import load_model
@@ -184,10 +259,12 @@ def _load_draft_model(name: str, target_arch: ModelArch, max_model_len: int, dty
         raise ValueError(
             f"speculative_config.model: the draft model {name!r} has a vocabulary of "
             f"{draft_arch.vocab_size} tokens but the target has {target_arch.vocab_size}; "
-            "a draft model must share the target's vocabulary")
+            "a draft model must share the target's vocabulary"
+        )
     if draft_arch.max_position_embeddings < max_model_len:
         raise ValueError(
             f"speculative_config.model: the draft model {name!r} supports "
             f"{draft_arch.max_position_embeddings} positions, fewer than max_model_len={max_model_len}; "
-            "lower --max-model-len")
+            "lower --max-model-len"
+        )
     return load_model(source, draft_arch, dtype, device, attention_backend, tp), draft_arch

@@ -48,8 +48,12 @@ class SpecDecodeMetadata:
         return max(self.num_draft_tokens, default=0)
 
     @classmethod
-    def build(cls, draft_token_ids: list[list[int]], device: torch.device | str = "cpu",
-              draft_probs: torch.Tensor | None = None) -> "SpecDecodeMetadata":
+    def build(
+        cls,
+        draft_token_ids: list[list[int]],
+        device: torch.device | str = "cpu",
+        draft_probs: torch.Tensor | None = None,
+    ) -> "SpecDecodeMetadata":
         """`draft_token_ids[i]`: the drafts of sampling request i (may be empty)."""
         num_drafts = [len(d) for d in draft_token_ids]
         first_rows, rows, req_index, pos = [], [], [], []
@@ -67,11 +71,14 @@ class SpecDecodeMetadata:
         def long(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        return cls(num_drafts, first_rows, long(flat), long(rows), long(req_index), long(pos),
-                   draft_probs)
+        return cls(
+            num_drafts, first_rows, long(flat), long(rows), long(req_index), long(pos), draft_probs
+        )
 
 
-def expand_sampling_rows(rows: list[SamplingRow], draft_token_ids: list[list[int]]) -> list[SamplingRow]:
+def expand_sampling_rows(
+    rows: list[SamplingRow], draft_token_ids: list[list[int]]
+) -> list[SamplingRow]:
     """One SamplingRow per logits row: position j of a request sees its drafts before j as
     output tokens, so penalties and min_tokens apply exactly as if those drafts had been
     sampled one step at a time."""
@@ -79,8 +86,13 @@ def expand_sampling_rows(rows: list[SamplingRow], draft_token_ids: list[list[int
     for row, drafts in zip(rows, draft_token_ids):
         expanded.append(row)
         for j in range(1, len(drafts) + 1):
-            expanded.append(SamplingRow(
-                params=row.params, prompt_token_ids=row.prompt_token_ids,
-                output_token_ids=row.output_token_ids + drafts[:j], generator=row.generator,
-                stop_ids_for_min_tokens=row.stop_ids_for_min_tokens))
+            expanded.append(
+                SamplingRow(
+                    params=row.params,
+                    prompt_token_ids=row.prompt_token_ids,
+                    output_token_ids=row.output_token_ids + drafts[:j],
+                    generator=row.generator,
+                    stop_ids_for_min_tokens=row.stop_ids_for_min_tokens,
+                )
+            )
     return expanded

@@ -56,16 +56,22 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 class NgramProposer:
     """Per-request prompt lookup over the whole context (prompt + output)."""
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+    def __init__(
+        self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int
+    ) -> None:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, batch: "PreparedBatch", sampled: list[bool], caps: list[int]) -> list[list[int]]:
+    def propose(
+        self, batch: "PreparedBatch", sampled: list[bool], caps: list[int]
+    ) -> list[list[int]]:
         """Drafts per request of the batch from its whole context (prompt + output so far)."""
         return self.propose_for_contexts([r.state.token_ids for r in batch.requests], caps)
 
-    def propose_for_contexts(self, contexts: list[list[int]], max_num_drafts: list[int]) -> list[list[int]]:
+    def propose_for_contexts(
+        self, contexts: list[list[int]], max_num_drafts: list[int]
+    ) -> list[list[int]]:
         """Drafts per context; `max_num_drafts[i]` caps context i (0: no drafts)."""
         drafts = []
         for context, cap in zip(contexts, max_num_drafts):

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
-    def propose(self, batch: "PreparedBatch", sampled: list[bool], caps: list[int]) -> list[list[int]]:
+    def propose(
+        self, batch: "PreparedBatch", sampled: list[bool], caps: list[int]
+    ) -> list[list[int]]:
         """Drafts per request of `batch.requests` (same order), at most `caps[i]` for request i.
 
         Runs after the step's sampled tokens were appended to the request states; `sampled[i]`
@@ -27,8 +29,13 @@ class Proposer(Protocol):
         """
 
 
-def draft_cap(state: CachedRequestState, k: int, max_model_len: int, stop_token_ids: list[int],
-              emitted: list[int] | None) -> int:
+def draft_cap(
+    state: CachedRequestState,
+    k: int,
+    max_model_len: int,
+    stop_token_ids: list[int],
+    emitted: list[int] | None,
+) -> int:
     """How many drafts are worth proposing for a request: none unless it sampled this step
     (`emitted`: the tokens it got, already appended to `state`) and goes on; never more than
     its remaining max_tokens allow after the bonus token, nor past max_model_len - 1 positions
@@ -45,8 +52,13 @@ def draft_cap(state: CachedRequestState, k: int, max_model_len: int, stop_token_
     return max(cap, 0)
 
 
-def make_proposer(config: EngineConfig, arch: ModelArch, model: torch.nn.Module,
-                  kv_caches: list[torch.Tensor], device: torch.device) -> Proposer | None:
+def make_proposer(
+    config: EngineConfig,
+    arch: ModelArch,
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    device: torch.device,
+) -> Proposer | None:
     """The proposer `config.speculative` asks for (None: no speculation)."""
     spec = config.speculative
     if spec is None:
@@ -54,7 +66,9 @@ def make_proposer(config: EngineConfig, arch: ModelArch, model: torch.nn.Module,
     if spec.method == "ngram":
         from tokenbus.worker.spec_decode.ngram import NgramProposer
 
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
     from tokenbus.worker.spec_decode.draft_model import make_draft_model_proposer
 
     return make_draft_model_proposer(config, arch, model, kv_caches, device)

@@ -45,20 +45,27 @@ class RejectionSampler:
         # Unseeded requests draw from this generator (None: torch's default generator).
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
-                 spec: SpecDecodeMetadata) -> RejectionOutput:
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, spec: SpecDecodeMetadata
+    ) -> RejectionOutput:
         """logits Float[R, V] and meta (R rows, one per position) -> tokens per request."""
         if logits.shape[0] != spec.num_rows or meta.num_rows != spec.num_rows:
-            raise ValueError(f"rejection sampler: {logits.shape[0]} logits rows and {meta.num_rows} "
-                             f"sampling rows for {spec.num_rows} positions")
+            raise ValueError(
+                f"rejection sampler: {logits.shape[0]} logits rows and {meta.num_rows} "
+                f"sampling rows for {spec.num_rows} positions"
+            )
         logits, raw_logprobs = prepare_logits(logits, meta)
         greedy_ids = None if meta.all_random else logits.argmax(-1)  # [R]
         probs = None if meta.all_greedy else sampling_probs(logits, meta)  # [R, V]: the target's p
 
         accepted = self._accept(greedy_ids, probs, meta, spec)  # Bool[D]
         num_accepted = _num_leading_accepted(accepted, spec)  # Long[B]
-        final_rows = torch.tensor(spec.first_rows, dtype=torch.long, device=logits.device) + num_accepted
-        final_ids = self._final_tokens(greedy_ids, probs, meta, spec, num_accepted, final_rows)  # [B]
+        final_rows = (
+            torch.tensor(spec.first_rows, dtype=torch.long, device=logits.device) + num_accepted
+        )
+        final_ids = self._final_tokens(
+            greedy_ids, probs, meta, spec, num_accepted, final_rows
+        )  # [B]
 
         # The token each row emits: its draft while accepted, then the final token.
         row_ids = torch.zeros(spec.num_rows, dtype=torch.long, device=logits.device)  # [R]
@@ -66,23 +73,32 @@ class RejectionSampler:
         row_ids[final_rows] = final_ids
         num_accepted_list = num_accepted.tolist()
         row_list = row_ids.tolist()
-        token_ids = [row_list[first: first + a + 1]
-                     for first, a in zip(spec.first_rows, num_accepted_list)]
+        token_ids = [
+            row_list[first : first + a + 1] for first, a in zip(spec.first_rows, num_accepted_list)
+        ]
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, meta.max_num_logprobs, row_ids)
         return RejectionOutput(token_ids, num_accepted_list, logprobs)
 
-    def _accept(self, greedy_ids: torch.Tensor | None, probs: torch.Tensor | None,
-                meta: SamplingMetadata, spec: SpecDecodeMetadata) -> torch.Tensor:
+    def _accept(
+        self,
+        greedy_ids: torch.Tensor | None,
+        probs: torch.Tensor | None,
+        meta: SamplingMetadata,
+        spec: SpecDecodeMetadata,
+    ) -> torch.Tensor:
         """Bool[D]: whether each draft passes its own test (ignoring earlier rejections)."""
         drafts, rows = spec.draft_token_ids, spec.draft_rows
         greedy_ok = None if greedy_ids is None else drafts == greedy_ids[rows]
         if probs is None:
             return greedy_ok
         p = probs[rows, drafts]  # [D] target probability of each draft
-        q = (torch.ones_like(p) if spec.draft_probs is None
-             else spec.draft_probs[torch.arange(len(rows), device=p.device), drafts])  # [D]
+        q = (
+            torch.ones_like(p)
+            if spec.draft_probs is None
+            else spec.draft_probs[torch.arange(len(rows), device=p.device), drafts]
+        )  # [D]
         u = self._uniforms(meta, spec, p.device)  # [D] ~ U[0, 1)
         # Accept iff u < p / q; written without the division, and a draft with p = 0 never passes.
         random_ok = u * q < p
@@ -90,35 +106,52 @@ class RejectionSampler:
             return random_ok
         return torch.where(meta.is_greedy[rows], greedy_ok, random_ok)
 
-    def _uniforms(self, meta: SamplingMetadata, spec: SpecDecodeMetadata,
-                  device: torch.device) -> torch.Tensor:
+    def _uniforms(
+        self, meta: SamplingMetadata, spec: SpecDecodeMetadata, device: torch.device
+    ) -> torch.Tensor:
         """Float[D]: a seeded request's k_i numbers come from its own generator."""
         u = torch.empty(len(spec.draft_rows), device=device)
-        seeded = [(i, meta.generators[first]) for i, first in enumerate(spec.first_rows)
-                  if first in meta.generators and spec.num_draft_tokens[i] > 0]
+        seeded = [
+            (i, meta.generators[first])
+            for i, first in enumerate(spec.first_rows)
+            if first in meta.generators and spec.num_draft_tokens[i] > 0
+        ]
         if len(seeded) < spec.num_requests:
             u.uniform_(generator=self.generator)
         starts = spec.draft_starts
         for i, generator in seeded:
-            u[starts[i]: starts[i] + spec.num_draft_tokens[i]].uniform_(generator=generator)
+            u[starts[i] : starts[i] + spec.num_draft_tokens[i]].uniform_(generator=generator)
         return u
 
-    def _final_tokens(self, greedy_ids: torch.Tensor | None, probs: torch.Tensor | None,
-                      meta: SamplingMetadata, spec: SpecDecodeMetadata, num_accepted: torch.Tensor,
-                      final_rows: torch.Tensor) -> torch.Tensor:
+    def _final_tokens(
+        self,
+        greedy_ids: torch.Tensor | None,
+        probs: torch.Tensor | None,
+        meta: SamplingMetadata,
+        spec: SpecDecodeMetadata,
+        num_accepted: torch.Tensor,
+        final_rows: torch.Tensor,
+    ) -> torch.Tensor:
         """Long[B]: the recovered token after a rejection, or the bonus token."""
         greedy_final = None if greedy_ids is None else greedy_ids[final_rows]
         if probs is None:
             return greedy_final
         final_probs = probs[final_rows]  # [B, V], a copy: the race divides it in place
-        rejected = (num_accepted < torch.tensor(spec.num_draft_tokens, device=probs.device)).nonzero().squeeze(1)
+        rejected = (
+            (num_accepted < torch.tensor(spec.num_draft_tokens, device=probs.device))
+            .nonzero()
+            .squeeze(1)
+        )
         if rejected.numel() > 0:
             # Index of each rejected request's first failing draft in the flat draft list.
             starts = torch.tensor(spec.draft_starts, dtype=torch.long, device=probs.device)
             failed = starts[rejected] + num_accepted[rejected]  # [Rj]
             final_probs[rejected] = _residual(final_probs[rejected], spec, failed)
-        generators = {i: meta.generators[row] for i, row in enumerate(spec.first_rows)
-                      if row in meta.generators}
+        generators = {
+            i: meta.generators[row]
+            for i, row in enumerate(spec.first_rows)
+            if row in meta.generators
+        }
         random_final = exponential_race(final_probs, generators, self.generator)
         if greedy_final is None:
             return random_final
@@ -141,7 +174,8 @@ def _residual(p: torch.Tensor, spec: SpecDecodeMetadata, failed: torch.Tensor) -
 
 def _num_leading_accepted(accepted: torch.Tensor, spec: SpecDecodeMetadata) -> torch.Tensor:
     """Long[B]: per request, how many drafts pass before the first one that fails."""
-    padded = torch.zeros(spec.num_requests, spec.max_num_draft_tokens + 1, dtype=torch.long,
-                         device=accepted.device)  # [B, K + 1]; padding counts as a failure
+    padded = torch.zeros(
+        spec.num_requests, spec.max_num_draft_tokens + 1, dtype=torch.long, device=accepted.device
+    )  # [B, K + 1]; padding counts as a failure
     padded[spec.draft_req_index, spec.draft_pos] = accepted.long()
     return padded.cumprod(dim=1).sum(dim=1)
