@@ -16,11 +16,10 @@ import time
 
 import torch
 
-from tokenbus.model.attention import build_attention_plan, paged_attention
-from tokenbus.model.native import load_paged_attention
-
 from decode_step import make_ctx  # benchmarks/ is sys.path[0] when run as a script
 from revisions import REPO, load_at_revision
+from tokenbus.model.attention import build_attention_plan, paged_attention
+from tokenbus.model.native import load_paged_attention
 
 ATTENTION_SOURCE = REPO / "src/tokenbus/model/native/paged_attention.c"
 

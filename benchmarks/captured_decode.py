@@ -38,11 +38,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def build(args):
     from tokenbus.config import EngineArgs
     from tokenbus.loader import load_arch, resolve_model
-    from tokenbus.worker.kv_cache import allocate_kv_caches
+    from tokenbus.utils import cdiv
     from tokenbus.worker.input_batch import InputBuffers
+    from tokenbus.worker.kv_cache import allocate_kv_caches
     from tokenbus.worker.model_loader import load_model
     from tokenbus.worker.worker import resolve_dtype
-    from tokenbus.utils import cdiv
 
     device = torch.device(args.device)
     src = resolve_model(args.model)

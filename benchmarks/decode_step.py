@@ -5,12 +5,16 @@ one step = model forward of `batch` single-token queries + compute_logits for th
 Usage: python benchmarks/decode_step.py [--batches 1 16 64] [--context 256] [--steps 10] [--dtype float32] [--profile]
 """
 
-import argparse, statistics, time
+import argparse
+import statistics
+import time
+
 import torch
+
 from tokenbus.loader import load_arch, resolve_model
-from tokenbus.worker.model_loader import load_model
 from tokenbus.model import ForwardContext
 from tokenbus.model.layers.linear import LINEAR_BACKENDS
+from tokenbus.worker.model_loader import load_model
 
 
 def make_ctx(kv_caches, batch, context, block_size, generator):

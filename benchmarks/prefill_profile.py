@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from decode_profile import profiled_generate  # benchmarks/ is sys.path[0] when run as a script
 from tokenbus import LLM, SamplingParams
 from tokenbus.utils.cpu import CpuFeatures
-
-from decode_profile import profiled_generate  # benchmarks/ is sys.path[0] when run as a script
 
 # The entry point of each part: (file, function) as cProfile names them; its cumulative time.
 PARTS = {

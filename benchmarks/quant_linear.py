@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
+from revisions import REPO, load_at_revision  # benchmarks/ is sys.path[0] when run as a script
 from tokenbus.model.layers.linear import make_linear_kernel
 from tokenbus.model.layers.quantized import DequantBuffer
 from tokenbus.model.native import (
@@ -61,8 +62,6 @@ from tokenbus.model.native import (
     load_quant_kernels,
 )
 from tokenbus.utils.cpu import CpuFeatures
-
-from revisions import REPO, load_at_revision  # benchmarks/ is sys.path[0] when run as a script
 
 TILE_SOURCE = REPO / "src/tokenbus/model/native/quant_tiles.c"
 SHAPES = [

@@ -19,7 +19,8 @@ def main() -> None:
     marks = [("start", time.perf_counter())]
     from tokenbus.api.openai import launch
     from tokenbus.config import EngineArgs
-    from tokenbus.engine import core_client, setup as engine_setup
+    from tokenbus.engine import core_client
+    from tokenbus.engine import setup as engine_setup
 
     marks.append(("import the start-up's modules", time.perf_counter()))
     setup = engine_setup.create_engine_setup(EngineArgs())

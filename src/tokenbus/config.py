@@ -186,9 +186,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: draft_model needs 'model' or 'draft_layers'")
 
     @classmethod
-    def from_dict(
-        cls, value: "dict | str | SpeculativeConfig | None"
-    ) -> "SpeculativeConfig | None":
+    def from_dict(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
         import json
 
         if value is None or isinstance(value, SpeculativeConfig):
@@ -246,7 +244,7 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
     @classmethod
-    def from_dict(cls, value: "dict | str | KVTransferConfig | None") -> "KVTransferConfig | None":
+    def from_dict(cls, value: dict | str | KVTransferConfig | None) -> KVTransferConfig | None:
         import json
 
         if value is None or isinstance(value, KVTransferConfig):
@@ -297,10 +295,10 @@ class CompilationConfig:
     def resolve(
         cls,
         enforce_eager: bool,
-        sizes: "list[int] | tuple[int, ...] | str | None",
+        sizes: list[int] | tuple[int, ...] | str | None,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-    ) -> "CompilationConfig":
+    ) -> CompilationConfig:
         """Check --enforce-eager / --cudagraph-capture-sizes against the scheduler's limits."""
         flag = "cudagraph_capture_sizes (--cudagraph-capture-sizes)"
         if sizes is not None and enforce_eager:
@@ -329,7 +327,7 @@ class CompilationConfig:
         return cls(cudagraph_capture_sizes=parsed, capture_sizes_explicit=True)
 
 
-def _parse_sizes(sizes: "list[int] | tuple[int, ...] | str", flag: str) -> tuple[int, ...]:
+def _parse_sizes(sizes: list[int] | tuple[int, ...] | str, flag: str) -> tuple[int, ...]:
     items = sizes.replace(",", " ").split() if isinstance(sizes, str) else list(sizes)
     try:
         if any(isinstance(item, bool) or float(item) != int(item) for item in items):
@@ -527,7 +525,7 @@ class EngineArgs:
     extra: dict = _arg(flag=False, default_factory=dict)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(kwargs) - known
         if unknown:

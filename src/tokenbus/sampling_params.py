@@ -150,7 +150,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", f"must fit in int64, got {self.seed}")
 
-    def with_resolved_logprobs(self, vocab_size: int) -> "SamplingParams":
+    def with_resolved_logprobs(self, vocab_size: int) -> SamplingParams:
         """-1 ("the whole vocabulary", as vLLM) spelled out as the vocabulary's size."""
         changes = {
             name: vocab_size
@@ -163,7 +163,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
 
 

@@ -170,7 +170,7 @@ def test_cors_only_when_configured():
 
 
 def test_logprobs_minus_one_means_the_whole_vocabulary():
-    from tests.api.fake_engine import FakeAsyncLLM, VOCAB_SIZE
+    from tests.api.fake_engine import VOCAB_SIZE, FakeAsyncLLM
 
     with make_client(FakeAsyncLLM()) as capped:  # --max-logprobs 20: the vocabulary is more
         assert_error(

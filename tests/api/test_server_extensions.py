@@ -4,7 +4,6 @@ model): what the fake-engine tests check, here through the engine, the ZMQ hop a
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import psutil
-import pytest
 
 from tests.fixtures.server import ServerProcess, metric_value
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tokenbus.config import SchedulerConfig
 from tokenbus.core.kv import KVCacheManager, make_block_hasher

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.core.sched_utils import BLOCK_SIZE, fake_runner_output, make_request, make_scheduler
 from tokenbus.core.outputs import KVConnectorOutput, ModelRunnerOutput
 from tokenbus.core.request import RequestStatus
 from tokenbus.protocol import FinishReason
-from tests.core.sched_utils import BLOCK_SIZE, fake_runner_output, make_request, make_scheduler
 
 
 @dataclass

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tokenbus.core.request import RequestStatus
-from tokenbus.protocol import FinishReason
 from tests.core.sched_utils import (
     EOS,
     fake_runner_output,
@@ -14,6 +12,8 @@ from tests.core.sched_utils import (
     run_step,
     run_to_completion,
 )
+from tokenbus.core.request import RequestStatus
+from tokenbus.protocol import FinishReason
 
 
 def test_prefill_then_decode_allocates_blocks_on_boundaries():

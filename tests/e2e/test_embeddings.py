@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenbus import SamplingParams
 from tests.e2e.oracle import load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tokenbus import SamplingParams
 
 
 @pytest.fixture(scope="module")

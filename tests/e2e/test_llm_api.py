@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenbus import SamplingParams
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tokenbus import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-
 from tests.model.test_native_attention import BLOCK_SIZE, make_batch
+
 from tokenbus.model import ForwardContext
 from tokenbus.model.attention import NativeDecodePlan, TorchDecodePlan, paged_attention
 from tokenbus.model.attention_backend import TorchAttentionBackend, select_attention_backend
@@ -106,6 +106,7 @@ def test_replay_needs_the_captured_shape():
 
 def test_model_forward_reads_metadata_it_never_builds(tiny_llama_dir):
     from tests.fixtures.paged import PagedKV
+
     from tokenbus.loader import load_arch, resolve_model
     from tokenbus.worker.model_loader import load_model
 

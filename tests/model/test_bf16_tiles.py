@@ -13,9 +13,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tests.model.test_quantized import DETECTED, TILE_TYPES, _logits, blocks
+
 from tokenbus.loader import resolve_model
 from tokenbus.model.layers import Linear
 from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, TileModes

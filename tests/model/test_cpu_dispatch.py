@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from tests.fixtures.tiny_models import cached_tiny_model
 from tests.model.test_native_attention import DECODES, both_paths
+
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model.layers import Linear
 from tokenbus.model.layers.linear import choose_linear_backend, make_linear_kernel

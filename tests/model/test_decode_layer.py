@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model.layers.rotary import apply_rotary
 from tokenbus.model.native import load_fused_ops, load_quant_kernels

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import (
     cached_tiny_model,
@@ -19,8 +18,8 @@ from tests.fixtures.tiny_models import (
     smollm2_tokenizer_dir,
     write_gguf,
 )
+
 from tokenbus.config import ModelArch
-from tokenbus.worker.model_loader import load_model
 from tokenbus.loader import (
     ModelSource,
     iter_weights,
@@ -32,6 +31,7 @@ from tokenbus.loader import (
 from tokenbus.loader.gguf_loader import permute_qk, unpermute_qk
 from tokenbus.loader.hf_loader import HF_ROPE_TYPES
 from tokenbus.model.layers.rotary import ROPE_TYPES
+from tokenbus.worker.model_loader import load_model
 
 IDS = [101, 202, 303, 404, 505, 606, 707, 808, 909, 1010, 1111]
 

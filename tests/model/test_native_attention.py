@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 import torch
-
 from tests.fixtures.native_sources import copied_source
+
 from tokenbus.model import ForwardContext, attention
 from tokenbus.model.attention import build_attention_plan, paged_attention, select_attention_kernel
 from tokenbus.model.native import NativeBuildError, build_shared_object, load_paged_attention

@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from tests.model.test_native_attention import make_batch
+
 from tokenbus.model.attention import build_attention_plan, paged_attention
 from tokenbus.model.native import TILE_GEMV_MAX_ROWS, load_paged_attention, load_quant_kernels
 from tokenbus.model.native import ops as native_ops

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from tests.fixtures.native_sources import copied_source
 from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks, write_gguf
+
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
 from tokenbus.model.layers import Linear

@@ -6,8 +6,8 @@ transformers' own GGUF loader takes ~20-30 s here (it parses the file twice); it
 from __future__ import annotations
 
 import torch
-
 from tests.fixtures.paged import PagedKV
+
 from tokenbus.bench.hf_peer import load_hf_model
 from tokenbus.loader import load_arch, load_generation_config, load_tokenizer, resolve_model
 from tokenbus.worker.model_loader import load_model

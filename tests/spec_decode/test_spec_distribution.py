@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenbus import SamplingParams
 from tests.e2e.oracle import load_hf
 from tests.e2e.utils import assert_engine_clean
 from tests.fixtures.tiny_models import cached_tiny_model
 from tests.spec_decode.utils import damped_model, make_spec_llm, spec_metrics
+from tokenbus import SamplingParams
 
 VOCAB = 16
 NUM_SAMPLES = 1500

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from tokenbus import SamplingParams
 from tests.e2e.utils import assert_engine_clean, generate_greedy
 from tests.fixtures.tiny_models import cached_tiny_model
 from tests.spec_decode.utils import (
@@ -17,6 +16,7 @@ from tests.spec_decode.utils import (
     spec_metrics,
     truncated_copy,
 )
+from tokenbus import SamplingParams
 
 MAX_TOKENS = 32
 KINDS = ["ngram", "self_draft", "draft_model"]

@@ -3,10 +3,6 @@ by the grammar, drafts dropped past the budget or max_model_len, a stop inside a
 
 from __future__ import annotations
 
-from tokenbus.config import SchedulerConfig
-from tokenbus.core.kv import KVCacheManager
-from tokenbus.core.outputs import ModelRunnerOutput
-from tokenbus.core.sched.scheduler import Scheduler
 from tests.core.sched_utils import (
     BLOCK_SIZE,
     fake_runner_output,
@@ -15,6 +11,10 @@ from tests.core.sched_utils import (
     run_step,
     run_to_completion,
 )
+from tokenbus.config import SchedulerConfig
+from tokenbus.core.kv import KVCacheManager
+from tokenbus.core.outputs import ModelRunnerOutput
+from tokenbus.core.sched.scheduler import Scheduler
 
 
 def _decoding(sched, req_id="a", num_prompt=10, **params):

@@ -10,11 +10,11 @@ import json
 import jsonschema
 import pytest
 
-from tokenbus import SamplingParams, StructuredOutputsParams
 from tests.e2e.oracle import assert_same_or_near_tie
 from tests.e2e.utils import assert_engine_clean
 from tests.spec_decode.utils import make_spec_llm, spec_metrics
 from tests.structured.schemas import SCHEMAS
+from tokenbus import SamplingParams, StructuredOutputsParams
 
 MAX_TOKENS = 32
 NGRAM = {

@@ -8,9 +8,9 @@ import re
 import jsonschema
 import pytest
 
-from tokenbus import SamplingParams, StructuredOutputsParams
 from tests.e2e.utils import assert_engine_clean, make_llm
 from tests.structured.schemas import PERSON, SCHEMAS
+from tokenbus import SamplingParams, StructuredOutputsParams
 
 MAX_TOKENS = 200
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -29,7 +30,7 @@ class LLM:
         self._counter = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
         """Build from a ready EngineArgs (the CLI, the benchmarks): the same as passing each of
         its fields as a keyword, so both paths validate and build the engine alike."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})

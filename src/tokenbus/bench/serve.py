@@ -21,8 +21,9 @@ import math
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp

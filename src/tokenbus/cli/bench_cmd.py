@@ -75,7 +75,6 @@ def _throughput(ns: argparse.Namespace) -> int:
     from tokenbus.bench.datasets import random_workload
     from tokenbus.bench.report import print_table
     from tokenbus.bench.throughput import run_hf_throughput, run_tokenbus_throughput
-
     from tokenbus.loader import load_arch, resolve_model
 
     args = engine_args_from(ns)

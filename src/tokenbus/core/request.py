@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from collections.abc import Callable
 
 from tokenbus.protocol import EngineRequest, FinishReason
 from tokenbus.sampling_params import SamplingParams
@@ -86,7 +86,7 @@ class Request:
     @classmethod
     def from_engine_request(
         cls, req: EngineRequest, block_hasher: BlockHasher | None = None
-    ) -> "Request":
+    ) -> Request:
         return cls(
             req.request_id,
             req.prompt_token_ids,

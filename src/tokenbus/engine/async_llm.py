@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from tokenbus.config import EngineArgs
 from tokenbus.engine.core_client import EngineCoreClient, start_engine
@@ -64,7 +65,7 @@ class AsyncLLM:
         args: EngineArgs,
         in_process: bool = False,
         stat_loggers: list[StatLogger] | None = None,
-    ) -> "AsyncLLM":
+    ) -> AsyncLLM:
         """Resolve the model, load the tokenizer and start the engine (blocks until it is
         ready; raises with the engine's message when it cannot start)."""
         setup = create_engine_setup(args)

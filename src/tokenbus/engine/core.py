@@ -10,9 +10,8 @@ import time
 from typing import TYPE_CHECKING
 
 from tokenbus.config import EngineConfig, ModelArch
-from tokenbus.core.kv import KVCacheManager
+from tokenbus.core.kv import KVCacheManager, make_block_hasher
 from tokenbus.core.request import Request, RequestStatus
-from tokenbus.core.kv import make_block_hasher
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
 from tokenbus.engine.executor import Executor, UniProcExecutor, WorkerBase, make_executor
@@ -28,7 +27,7 @@ class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
-        source: "ModelSource",
+        source: ModelSource,
         arch: ModelArch,
         eos_token_id: int | None,
         worker: WorkerBase | None = None,
@@ -51,7 +50,7 @@ class EngineCore:
             raise
 
     def _init_after_executor(
-        self, config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None
+        self, config: EngineConfig, source: ModelSource, arch: ModelArch, eos_token_id: int | None
     ) -> None:
         # Every rank measures what it can hold; all get the smallest count, so a block id means
         # the same slots on every rank.
@@ -144,7 +143,7 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def _make_scheduler_connector(config: EngineConfig, arch: ModelArch, source: "ModelSource"):
+def _make_scheduler_connector(config: EngineConfig, arch: ModelArch, source: ModelSource):
     if config.kv_transfer is None:
         return None
     from tokenbus.kv_transfer.factory import connector_context, make_scheduler_connector

@@ -18,8 +18,9 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.messages import (
@@ -94,7 +95,7 @@ class EngineCoreClient:
 class InprocClient(EngineCoreClient):
     """The EngineCore lives in this process; get_output runs one step."""
 
-    def __init__(self, setup: "EngineSetup", engine_core: EngineCore | None = None) -> None:
+    def __init__(self, setup: EngineSetup, engine_core: EngineCore | None = None) -> None:
         from tokenbus.engine.core import EngineCore
 
         self.engine_core = engine_core or EngineCore(
@@ -221,7 +222,7 @@ class AsyncInprocClient(EngineCoreClient):
     loop stays free while a step runs (torch releases the GIL), and only that thread touches
     the engine. Same loop as the engine process (`EngineCoreLoop`), minus the sockets."""
 
-    def __init__(self, setup: "EngineSetup", engine_factory: "EngineFactory | None" = None) -> None:
+    def __init__(self, setup: EngineSetup, engine_factory: EngineFactory | None = None) -> None:
         from tokenbus.engine.core_proc import (
             EngineCoreLoop,
             make_engine_core,
@@ -308,11 +309,11 @@ class AsyncInprocClient(EngineCoreClient):
 
 
 def make_engine_core_client(
-    setup: "EngineSetup",
+    setup: EngineSetup,
     *,
     multiprocess: bool,
     asyncio_mode: bool,
-    engine_factory: "EngineFactory | None" = None,
+    engine_factory: EngineFactory | None = None,
     ready_timeout_s: float | None = None,
     after_spawn: Callable[[], None] | None = None,
 ) -> EngineCoreClient:
@@ -351,7 +352,7 @@ def make_engine_core_client(
 
 
 def start_engine(
-    setup: "EngineSetup",
+    setup: EngineSetup,
     *,
     multiprocess: bool,
     asyncio_mode: bool,

@@ -22,8 +22,9 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -65,7 +66,7 @@ HEARTBEAT_S = 1.0  # the longest the loop stays silent while it turns (see Messa
 EXIT_DEADLINE_S = 4.0
 
 
-def make_engine_core(setup: "EngineSetup") -> EngineCore:
+def make_engine_core(setup: EngineSetup) -> EngineCore:
     """The default factory: the real EngineCore (loads the model)."""
     from tokenbus.engine.core import EngineCore
 
@@ -98,7 +99,7 @@ def call_utility(engine: EngineCore, call: UtilityCall) -> UtilityResult:
 
 
 def raise_in_loop_on_worker_death(
-    engine: EngineCore, input_queue: "queue.Queue[tuple[RequestType, Any]]"
+    engine: EngineCore, input_queue: queue.Queue[tuple[RequestType, Any]]
 ) -> None:
     """A dead worker wakes the busy loop (which may be idle, blocked on its queue) so that it
     raises at once: the engine then reports itself dead and every waiter fails."""
@@ -111,7 +112,7 @@ class EngineCoreLoop:
     """The busy loop: inputs first (so aborts land before the next step), then one step."""
 
     def __init__(
-        self, engine: EngineCore, input_queue: "queue.Queue[tuple[RequestType, Any]]", emit: Emit
+        self, engine: EngineCore, input_queue: queue.Queue[tuple[RequestType, Any]], emit: Emit
     ) -> None:
         self.engine = engine
         self.input_queue = input_queue

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tokenbus.engine.core_client import EngineCoreClient, OutputChannel
 from tokenbus.engine.exceptions import EngineDeadError
@@ -40,8 +41,8 @@ class DPLBClient(EngineCoreClient):
 
     def __init__(
         self,
-        setup: "EngineSetup",
-        engine_factory: "EngineFactory",
+        setup: EngineSetup,
+        engine_factory: EngineFactory,
         *,
         asyncio_mode: bool,
         ready_timeout_s: float | None = None,
@@ -157,7 +158,7 @@ class DPLBClient(EngineCoreClient):
         return list(self._stats)
 
 
-def _for_engine(setup: "EngineSetup", index: int) -> "EngineSetup":
+def _for_engine(setup: EngineSetup, index: int) -> EngineSetup:
     parallel = dataclasses.replace(setup.config.parallel, data_parallel_rank=index)
     return dataclasses.replace(setup, config=dataclasses.replace(setup.config, parallel=parallel))
 

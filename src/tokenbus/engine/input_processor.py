@@ -7,7 +7,8 @@ request reaches the engine.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jinja2
 

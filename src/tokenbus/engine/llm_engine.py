@@ -94,7 +94,7 @@ class LLMEngine:
         }
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         """Resolve the model, load the tokenizer and start the engine: in its own process
         unless `args.multiprocess` is False (blocks until ready; raises if it cannot start)."""
         setup = create_engine_setup(args)

@@ -27,8 +27,9 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -69,7 +70,7 @@ class EngineConnection:
 
     def __init__(
         self,
-        setup: "EngineSetup",
+        setup: EngineSetup,
         engine_factory: EngineFactory,
         outputs: OutputChannel | None = None,
         engine_index: int = 0,
@@ -264,7 +265,7 @@ class MPClient(EngineCoreClient):
 
     def __init__(
         self,
-        setup: "EngineSetup",
+        setup: EngineSetup,
         engine_factory: EngineFactory = make_engine_core,
         ready_timeout_s: float | None = None,
         connection: EngineConnection | None = None,

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenbus.config import EngineArgs, EngineConfig, ModelArch
-from tokenbus.utils.cpu import available_cpus
 from tokenbus.loader import (
     ModelSource,
     load_arch,
@@ -18,9 +17,10 @@ from tokenbus.loader import (
     resolve_model,
     tokenizer_path,
 )
-from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
 from tokenbus.loader.hf_loader import read_json
+from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
 from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS
+from tokenbus.utils.cpu import available_cpus
 
 logger = logging.getLogger(__name__)
 

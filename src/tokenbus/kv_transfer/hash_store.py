@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -54,7 +55,7 @@ class HashStoreScheduler:
         self.ctx = ctx
         self.block_size = ctx.layout.block_size
         self.contains = contains
-        self._requests: dict[str, "Request"] = {}
+        self._requests: dict[str, Request] = {}
         self._tables: dict[str, list[int]] = {}  # req_id → its block table, as the worker has it
         self._num_considered: dict[
             str, int
@@ -64,7 +65,7 @@ class HashStoreScheduler:
 
     # ------------------------------------------------------------------ lookups
     def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         if not self.ctx.config.is_consumer:
             return 0, False
@@ -78,7 +79,7 @@ class HashStoreScheduler:
         return num_blocks * self.block_size, False
 
     def update_state_after_alloc(
-        self, request: "Request", block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         self._requests[request.request_id] = request
         if num_external_tokens:
@@ -89,11 +90,11 @@ class HashStoreScheduler:
             ]
 
     # ------------------------------------------------------------------ per step
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> bytes | None:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes | None:
         meta = self.make_meta(scheduler_output)
         return None if meta is None else msgspec.msgpack.encode(meta)
 
-    def make_meta(self, scheduler_output: "SchedulerOutput") -> HashStoreMeta | None:
+    def make_meta(self, scheduler_output: SchedulerOutput) -> HashStoreMeta | None:
         """This step's metadata (a subclass may add to it); None: nothing to do."""
         loads, self._loads = self._loads, {}
         saves = self._plan_saves(scheduler_output) if self.ctx.config.is_producer else []
@@ -101,7 +102,7 @@ class HashStoreScheduler:
             return None
         return HashStoreMeta(loads=loads, saves=saves)
 
-    def _plan_saves(self, so: "SchedulerOutput") -> list[BlockJob]:
+    def _plan_saves(self, so: SchedulerOutput) -> list[BlockJob]:
         for new in so.scheduled_new_reqs:
             self._tables[new.req_id] = list(new.block_ids)
             self._num_considered[new.req_id] = 0
@@ -124,7 +125,7 @@ class HashStoreScheduler:
             self._num_considered[req_id] = max(self._num_considered.get(req_id, 0), num_full)
         return saves
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         if output.worker_meta is None:
             return
         news = msgspec.msgpack.decode(output.worker_meta, type=self.news_type)
@@ -139,9 +140,7 @@ class HashStoreScheduler:
     def tier_occupancy(self) -> dict[str, int]:
         return {}
 
-    def request_finished(
-        self, request: "Request", block_ids: list[int]
-    ) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # Its last step's saves ran before that step returned: nothing holds its blocks.
         for table in (self._requests, self._tables, self._num_considered, self._loads):
             table.pop(request.request_id, None)
@@ -161,10 +160,10 @@ class HashStoreWorker(KVConnectorWorker):
         self._dropped: list[bytes] = []
         self._load_failed = False  # this step: a block did not load, the forward read it anyway
 
-    def load(self, block_hash: bytes) -> "torch.Tensor":
+    def load(self, block_hash: bytes) -> torch.Tensor:
         raise NotImplementedError
 
-    def store(self, block_hash: bytes, kv: "torch.Tensor") -> None:
+    def store(self, block_hash: bytes, kv: torch.Tensor) -> None:
         raise NotImplementedError
 
     def bind_connector_metadata(self, metadata: bytes | None) -> None:
@@ -200,7 +199,7 @@ class HashStoreWorker(KVConnectorWorker):
                 self.write_blocks(block_ids, stacked)
                 self.counters.timed_load(stacked.numel() * stacked.element_size(), started)
 
-    def _check_block(self, kv: "torch.Tensor") -> None:
+    def _check_block(self, kv: torch.Tensor) -> None:
         """A loaded block must fit the pool: [L, 2, bs, Hkv, D] of its dtype."""
         layout = self.ctx.layout
         shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
@@ -228,7 +227,7 @@ class HashStoreWorker(KVConnectorWorker):
             return True
         return not self._meta.saves
 
-    def store_or_drop(self, block_hash: bytes, kv: "torch.Tensor") -> None:
+    def store_or_drop(self, block_hash: bytes, kv: torch.Tensor) -> None:
         """Store one block; a store that fails (disk full, …) loses that block, not the engine."""
         try:
             self.store(block_hash, kv)

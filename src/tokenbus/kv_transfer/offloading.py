@@ -75,7 +75,7 @@ class OffloadConfig:
     disk_bytes: int  # bound of the disk tier (the sizes of its files)
 
     @classmethod
-    def from_extra(cls, extra: dict) -> "OffloadConfig":
+    def from_extra(cls, extra: dict) -> OffloadConfig:
         unknown = sorted(set(extra) - set(_KEYS))
         if unknown:
             raise ValueError(
@@ -392,7 +392,7 @@ def _own_cpu_copy(kv: torch.Tensor) -> torch.Tensor:
 
 
 def _writer_loop(
-    files: BlockFiles, jobs: queue.SimpleQueue, store_ref: "weakref.ref[TieredStore]"
+    files: BlockFiles, jobs: queue.SimpleQueue, store_ref: weakref.ref[TieredStore]
 ) -> None:
     """Runs disk jobs in order until _STOP. Holds the store weakly: once it is collected the
     queued writes still land (their files are the next start's index), unindexed."""
@@ -460,7 +460,7 @@ class OffloadingScheduler(HashStoreScheduler):
         super().__init__(ctx, self._index.__contains__)
 
     def update_state_after_alloc(
-        self, request: "Request", block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         super().update_state_after_alloc(request, block_ids, num_external_tokens)
         num_used = (request.num_computed_tokens + num_external_tokens) // self.block_size
@@ -468,7 +468,7 @@ class OffloadingScheduler(HashStoreScheduler):
             h for h in reversed(request.block_hashes[:num_used]) if h in self._index
         )
 
-    def make_meta(self, scheduler_output: "SchedulerOutput") -> OffloadMeta | None:
+    def make_meta(self, scheduler_output: SchedulerOutput) -> OffloadMeta | None:
         meta = super().make_meta(scheduler_output)
         touches, self._touches = self._touches, []
         if not touches:

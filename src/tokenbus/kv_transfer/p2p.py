@@ -75,7 +75,7 @@ class RemotePrefill:
     num_tokens: int
 
     @classmethod
-    def parse(cls, params: dict | None) -> "RemotePrefill | None":
+    def parse(cls, params: dict | None) -> RemotePrefill | None:
         """None if the params do not ask for a remote prefill; ValueError if they do, badly."""
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
@@ -124,7 +124,7 @@ class P2PScheduler:
 
     # ------------------------------------------------------------------ consumer
     def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         if not self.ctx.config.is_consumer or request.request_id in self._load_started:
             return 0, False
@@ -134,7 +134,7 @@ class P2PScheduler:
         # The whole prompt: the scheduler computes its last token again for the logits.
         return request.num_prompt_tokens - num_computed_tokens, True
 
-    def _remote_prefill(self, request: "Request") -> RemotePrefill | None:
+    def _remote_prefill(self, request: Request) -> RemotePrefill | None:
         try:
             remote = RemotePrefill.parse(request.kv_transfer_params)
         except ValueError as exc:
@@ -156,13 +156,13 @@ class P2PScheduler:
             return None
         return remote
 
-    def _warn_once(self, request: "Request", message: str) -> None:
+    def _warn_once(self, request: Request, message: str) -> None:
         if request.request_id not in self._warned:  # asked again each step while it waits
             self._warned.add(request.request_id)
             logger.warning("request %s: %s", request.request_id, message)
 
     def update_state_after_alloc(
-        self, request: "Request", block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         remote = self._remote_prefill(request)
         if num_external_tokens == 0 or remote is None:
@@ -185,23 +185,21 @@ class P2PScheduler:
         self._load_started.add(request.request_id)
 
     # ------------------------------------------------------------------ per step
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> bytes | None:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes | None:
         if not self._new_loads and not self._new_sends:
             return None
         meta = P2PMeta(loads=self._new_loads, sends=self._new_sends)
         self._new_loads, self._new_sends = [], {}
         return msgspec.msgpack.encode(meta)
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         pass  # the scheduler frees what the worker reports sent; nothing else to track
 
     def tier_occupancy(self) -> dict[str, int]:
         return {}
 
     # ------------------------------------------------------------------ producer
-    def request_finished(
-        self, request: "Request", block_ids: list[int]
-    ) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._load_started.discard(request.request_id)
         self._warned.discard(request.request_id)
         params = request.kv_transfer_params

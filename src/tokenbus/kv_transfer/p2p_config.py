@@ -29,7 +29,7 @@ class P2PSettings:
         return "*" in self.peer_hosts or host in self.peer_hosts
 
     @classmethod
-    def from_extra(cls, extra: dict, port_offset: int = 0) -> "P2PSettings":
+    def from_extra(cls, extra: dict, port_offset: int = 0) -> P2PSettings:
         """`port_offset`: data-parallel engine d serves on kv_port + d."""
         host = extra.get("kv_host", "127.0.0.1")
         if not isinstance(host, str) or not host:

@@ -8,8 +8,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import zmq
@@ -196,7 +196,7 @@ class _Receiver:
         self.settings = settings
         self._zmq = zmq_ctx
         self._loading: dict[str, _Job] = {}
-        self._results: "queue.SimpleQueue[_Result]" = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[_Result] = queue.SimpleQueue()
         self._pullers: dict[tuple[str, int], _Puller] = {}
 
     def submit(self, specs: list[LoadJob]) -> None:
@@ -262,11 +262,11 @@ class _Puller:
         zmq_ctx: zmq.Context,
         host: str,
         port: int,
-        results: "queue.SimpleQueue[_Result]",
+        results: queue.SimpleQueue[_Result],
     ) -> None:
         self.ctx = ctx
         self.settings = settings
-        self.jobs: "queue.SimpleQueue[_Job | None]" = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._results = results
         self._stop = threading.Event()
         self._client = PeerClient(zmq_ctx, host, port, self._stop)

@@ -30,7 +30,7 @@ def load_arch(src: ModelSource) -> ModelArch:
 
 def iter_weights(
     src: ModelSource, arch: ModelArch, keep_quantized: bool = False
-) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
     fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them."""
     if src.kind == "hf":

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch

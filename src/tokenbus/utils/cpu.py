@@ -23,8 +23,8 @@ import contextlib
 import functools
 import math
 import os
-from collections.abc import Iterator
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +80,7 @@ class CpuFeatures:
     cap: str = "native"
 
     @classmethod
-    def detect(cls) -> "CpuFeatures":
+    def detect(cls) -> CpuFeatures:
         """This CPU's features under `$TOKENBUS_CPU_ISA` (read on every call, so a test or a
         child process can set it)."""
         cap = os.environ.get(CPU_ISA_ENV, "native").strip().lower() or "native"

@@ -17,7 +17,7 @@ import contextlib
 import multiprocessing.process
 import sys
 import types
-from typing import Iterator
+from collections.abc import Iterator
 
 from tokenbus.utils.cpu import engine_process_env
 

@@ -63,7 +63,7 @@ class SamplingMetadata:
     @classmethod
     def build(
         cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu"
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         params = [row.params for row in rows]
         is_greedy = [p.is_greedy for p in params]
         random_params = [p for p in params if not p.is_greedy]

@@ -13,12 +13,12 @@ from tokenbus.kv_transfer.base import KVLayout, kv_layout
 from tokenbus.kv_transfer.factory import connector_context, make_worker_connector
 from tokenbus.loader import ModelSource
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus, usable_affinity_cpus
-from tokenbus.worker.model_loader import load_model, resolve_quantization
-from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.utils import cdiv
+from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus, usable_affinity_cpus
 from tokenbus.worker.captured_step import CapturedSteps, capture_disabled_reason
 from tokenbus.worker.input_batch import InputBuffers
+from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from tokenbus.worker.model_loader import load_model, resolve_quantization
 from tokenbus.worker.model_runner import ModelRunner
 from tokenbus.worker.thread_governor import ThreadGovernor
 

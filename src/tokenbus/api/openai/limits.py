@@ -54,7 +54,7 @@ class RequestLimits:
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
 
-    def resolved(self, max_model_len: int) -> "RequestLimits":
+    def resolved(self, max_model_len: int) -> RequestLimits:
         """Fill the defaults that depend on the model's context length."""
         return dataclasses.replace(
             self,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -200,7 +201,7 @@ class PrometheusStatLogger:
         for index in range(num_engines):
             self.engine(index)
 
-    def engine(self, index: int) -> "_EngineSeries":
+    def engine(self, index: int) -> _EngineSeries:
         if index not in self._engines:
             labels = {"model_name": self.model_name, "engine": str(index)}
             children = {name: family.labels(**labels) for name, family in self.families.items()}

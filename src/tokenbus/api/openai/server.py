@@ -18,8 +18,9 @@ import contextlib
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -28,7 +29,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 import tokenbus
-from tokenbus.utils.tasks import cancel_all
 from tokenbus.api.openai import protocol as p
 from tokenbus.api.openai.errors import (
     ServiceUnavailableError,
@@ -41,8 +41,8 @@ from tokenbus.api.openai.middleware import (
     BodySizeLimitMiddleware,
     InternalErrorMiddleware,
 )
-from tokenbus.api.openai.server_config import ServerConfig
 from tokenbus.api.openai.request_params import ParamLimits
+from tokenbus.api.openai.server_config import ServerConfig
 from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
 from tokenbus.api.openai.serving_embeddings import EmbeddingServing
@@ -50,6 +50,7 @@ from tokenbus.api.openai.serving_engine import Admission, ServingContext
 from tokenbus.api.openai.serving_responses import ResponsesRequest, ResponsesServing
 from tokenbus.api.openai.serving_tokenize import TokenizeServing
 from tokenbus.api.openai.tool_parsers import PARSERS, ToolCallParser, make_parser
+from tokenbus.utils.tasks import cancel_all
 
 if TYPE_CHECKING:
     from tokenbus.engine.core_client import EngineCoreClient

@@ -8,9 +8,10 @@ with `choices: []`, then `data: [DONE]`.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -39,6 +40,8 @@ from tokenbus.api.openai.request_params import (
     make_usage,
     truncate_prompt,
 )
+from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
+from tokenbus.api.openai.streaming import DONE_EVENT, sse_event
 from tokenbus.api.openai.tools import (
     ToolPlan,
     messages_for_template,
@@ -46,8 +49,6 @@ from tokenbus.api.openai.tools import (
     plan_tools,
     template_supports_tools,
 )
-from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
-from tokenbus.api.openai.streaming import DONE_EVENT, sse_event
 from tokenbus.engine.outputs import CompletionOutput
 from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
 

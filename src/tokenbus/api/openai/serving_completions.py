@@ -7,9 +7,9 @@ as in OpenAI's API. Everything is validated before the engine sees any of them.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response

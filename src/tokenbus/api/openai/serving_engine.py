@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import concurrent.futures
+import json
 import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -73,7 +74,7 @@ class Admission:
                 headers={"Retry-After": str(self.retry_after_s())},
             )
 
-    def acquire(self, num_seqs: int) -> "Ticket":
+    def acquire(self, num_seqs: int) -> Ticket:
         self.check_room(num_seqs)
         self.num_in_flight += num_seqs
         return Ticket(self, num_seqs)

@@ -22,9 +22,10 @@ import collections
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response

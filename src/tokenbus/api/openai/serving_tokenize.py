@@ -9,8 +9,8 @@ from tokenbus.api.openai.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
-    TokenizerInfoResponse,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from tokenbus.api.openai.serving_chat import normalize_message, template_kwargs
 from tokenbus.api.openai.serving_engine import OpenAIServing

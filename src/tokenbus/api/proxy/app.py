@@ -22,14 +22,14 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenbus.utils.net import bind_socket
-from tokenbus.utils.tasks import cancel_all
 from tokenbus.api.proxy.config import ProxyConfig
 from tokenbus.api.proxy.errors import ProxyError, error_response
 from tokenbus.api.proxy.health import probe_forever
 from tokenbus.api.proxy.metrics import ProxyMetrics
 from tokenbus.api.proxy.pool import InstanceKind, InstancePool
 from tokenbus.api.proxy.router import Router
+from tokenbus.utils.net import bind_socket
+from tokenbus.utils.tasks import cancel_all
 
 logger = logging.getLogger("tokenbus.proxy")
 

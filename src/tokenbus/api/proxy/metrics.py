@@ -6,7 +6,7 @@ server's `tokenbus:` prefix (api/openai/metrics.py).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Collection
 
 logger = logging.getLogger("tokenbus.proxy")
 

@@ -24,8 +24,8 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Mapping
 
 import anyio
 import httpx

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections.abc import Sequence, Sized
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable, Sequence, Sized
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenbus.core.request import Request

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from tokenbus.config import SchedulerConfig
 from tokenbus.core.kv import KVCacheManager

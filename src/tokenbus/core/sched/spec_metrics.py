@@ -40,7 +40,7 @@ class SpecDecodeMetrics:
             stats.spec_accepted_per_pos,
         )
 
-    def merge(self, other: "SpecDecodeMetrics") -> None:
+    def merge(self, other: SpecDecodeMetrics) -> None:
         self._add(
             other.num_drafts,
             other.num_draft_tokens,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 def make_executor(
-    config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None
+    config: EngineConfig, source: ModelSource, arch: ModelArch, eos_token_id: int | None
 ) -> Executor:
     backend = config.parallel.distributed_executor_backend
     if backend == "uni":

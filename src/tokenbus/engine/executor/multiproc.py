@@ -25,7 +25,8 @@ import socket
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -80,7 +81,7 @@ class WorkerFailedError(RuntimeError):
 
 class MultiProcExecutor(Executor):
     def __init__(
-        self, config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None
+        self, config: EngineConfig, source: ModelSource, arch: ModelArch, eos_token_id: int | None
     ) -> None:
         self.world_size = config.parallel.world_size
         self._encoder = msgspec.msgpack.Encoder()
@@ -285,7 +286,7 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------- the rank process
 def run_worker(
     config: EngineConfig,
-    source: "ModelSource",
+    source: ModelSource,
     arch: ModelArch,
     eos_token_id: int | None,
     rank: int,

@@ -130,7 +130,7 @@ class RayWorkerActor:
     def __init__(
         self,
         config: EngineConfig,
-        source: "ModelSource",
+        source: ModelSource,
         arch: ModelArch,
         eos_token_id: int | None,
         rank: int,
@@ -195,7 +195,7 @@ class RayWorkerActor:
 
 class RayExecutor(Executor):
     def __init__(
-        self, config: EngineConfig, source: "ModelSource", arch: ModelArch, eos_token_id: int | None
+        self, config: EngineConfig, source: ModelSource, arch: ModelArch, eos_token_id: int | None
     ) -> None:
         ray = self._ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group

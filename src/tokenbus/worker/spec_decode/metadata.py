@@ -53,7 +53,7 @@ class SpecDecodeMetadata:
         draft_token_ids: list[list[int]],
         device: torch.device | str = "cpu",
         draft_probs: torch.Tensor | None = None,
-    ) -> "SpecDecodeMetadata":
+    ) -> SpecDecodeMetadata:
         """`draft_token_ids[i]`: the drafts of sampling request i (may be empty)."""
         num_drafts = [len(d) for d in draft_token_ids]
         first_rows, rows, req_index, pos = [], [], [], []

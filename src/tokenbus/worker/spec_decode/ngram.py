@@ -64,7 +64,7 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
 
     def propose(
-        self, batch: "PreparedBatch", sampled: list[bool], caps: list[int]
+        self, batch: PreparedBatch, sampled: list[bool], caps: list[int]
     ) -> list[list[int]]:
         """Drafts per request of the batch from its whole context (prompt + output so far)."""
         return self.propose_for_contexts([r.state.token_ids for r in batch.requests], caps)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 class Proposer(Protocol):
     def propose(
-        self, batch: "PreparedBatch", sampled: list[bool], caps: list[int]
+        self, batch: PreparedBatch, sampled: list[bool], caps: list[int]
     ) -> list[list[int]]:
         """Drafts per request of `batch.requests` (same order), at most `caps[i]` for request i.
 
