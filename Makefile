@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,9 +19,8 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 # Then our own bytecode, on every install (only what changed is compiled again): an editable
-# install leaves src/ uncompiled, and where PYTHONDONTWRITEBYTECODE is set every start compiled
-# it again (start-up imports 0.38-0.42 -> 0.22-0.25 s on the 2-core Xeon guest:
-# benchmarks/startup_profile.py, docs/benchmarks.md "Eleventh session").
+# install leaves src/ uncompiled, and every start would compile it again where
+# PYTHONDONTWRITEBYTECODE is set (benchmarks/startup_profile.py measures the difference).
 install: $(STAMP)
 	$(PY) -m compileall -q src
 
@@ -31,8 +30,11 @@ serve: install
 test: install
 	$(VENV)/bin/python -m pytest -q -x --timeout=900 tests
 
+# The layering contracts (import-linter), then the formatter and linter ([tool.ruff]).
 lint: install
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
