@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 # Two cores: keep torch from oversubscribing when pytest and engine threads overlap.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton's kernels run on CPU tensors in its interpreter, which must be on
+# before triton is first imported (its own library functions are decorated at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,329 @@
+"""Paged attention in Triton: one kernel family for a mixed batch, K/V read in place (L2).
+
+Two kernels, called once per layer and step, in this order (the KV-write-before-read rule of
+model/attention.py):
+
+- `write_kv`: each token's K and V into its slot of the paged cache
+  (slot = block_id * block_size + offset; a negative slot is skipped).
+- `paged_attention`: for every request of the step, decodes, prefill chunks and spec-decode
+  verifications alike, its queries against the keys in its blocks, causal with the mask
+  aligned to the END of the request's context: query i of a request with q_len queries and
+  seq_len keys sees keys 0 .. seq_len - q_len + i.
+
+Work split: one program per (request, block of BLOCK_M query tokens, KV head). GQA never
+repeats K/V: the G query heads of one KV head are folded into the program's rows (row
+r = token r // BLOCK_G, head r % BLOCK_G), so each K/V block is loaded once for all of them.
+Softmax is online (FlashAttention's running max and sum), in fp32 whatever the K/V dtype.
+
+With `split_kv` > 1, requests of one query token (decodes) split their keys into that many
+segments, each program writes a partial (max, sum, output) and `_merge_splits` combines them:
+FlashAttention's split-K decode, which keeps the GPU busy when a batch has few long requests.
+
+The kernels run on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the test suite
+checks them against the torch path).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of a program: BLOCK_M query tokens × BLOCK_G heads, at least 16 (tl.dot's minimum).
+MIN_ROWS = 16
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    cache_half,  # elements from the K half of the cache to its V half: NB * bs * Hkv * D
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    k = tl.load(k_ptr + token * stride_k_token + head * stride_k_head + d, mask=d_mask)
+    v = tl.load(v_ptr + token * stride_v_token + head * stride_v_head + d, mask=d_mask)
+    dst = cache_ptr + (slot * NUM_KV_HEADS + head) * HEAD_DIM + d
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(dst + cache_half, v.to(cache_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    part_ptr,  # split_kv > 1: [num_tokens, Hq, SPLIT_KV, HEAD_DIM + 2] fp32 partials
+    block_tables_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    scale,
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_table,
+    cache_half,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    SPLIT_KV: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    req = tl.program_id(0)
+    q_block = tl.program_id(1)
+    axis2 = tl.program_id(2)
+    kv_head = axis2 % NUM_KV_HEADS
+    split = axis2 // NUM_KV_HEADS
+
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    if q_block * BLOCK_M >= q_len:
+        return
+    is_split = False
+    if SPLIT_KV > 1:
+        if q_len == 1:
+            is_split = True
+        elif split > 0:  # only decodes are split; split 0 does a longer request whole
+            return
+
+    rows = tl.arange(0, BLOCK_M * BLOCK_G)
+    token = q_block * BLOCK_M + rows // BLOCK_G  # index among the request's queries
+    group = rows % BLOCK_G
+    row_mask = (token < q_len) & (group < GROUP)
+    head = kv_head * GROUP + group
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_token + head[:, None] * stride_q_head + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    query_pos = seq_len - q_len + token  # the query's own position: it sees keys <= it
+
+    # Keys this program needs: up to its last query's position; a split takes its share.
+    num_keys = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_M)
+    num_blocks = (num_keys + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first_block = 0
+    last_block = num_blocks
+    if is_split:
+        per_split = (num_blocks + SPLIT_KV - 1) // SPLIT_KV
+        first_block = split * per_split
+        last_block = tl.minimum(num_blocks, first_block + per_split)
+
+    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    for j in range(first_block, last_block):
+        block_id = tl.load(block_tables_ptr + req * stride_table + j).to(tl.int64)
+        key_pos = j * BLOCK_SIZE + offsets
+        kv_off = (
+            (block_id * BLOCK_SIZE + offsets[:, None]) * NUM_KV_HEADS + kv_head
+        ) * HEAD_DIM + d[None, :]
+        k = tl.load(cache_ptr + kv_off, mask=d_mask[None, :], other=0.0).to(q.dtype)
+        v = tl.load(cache_ptr + cache_half + kv_off, mask=d_mask[None, :], other=0.0).to(q.dtype)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if is_split:
+        # Partials [token, head, split, D + 2]: the unnormalised output, then max and sum.
+        base = ((q_rows * (NUM_KV_HEADS * GROUP) + head) * SPLIT_KV + split) * (HEAD_DIM + 2)
+        tl.store(part_ptr + base[:, None] + d[None, :], acc, mask=out_mask)
+        tl.store(part_ptr + base + HEAD_DIM, m_i, mask=row_mask)
+        tl.store(part_ptr + base + HEAD_DIM + 1, l_i, mask=row_mask)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * stride_o_token + head[:, None] * stride_o_head + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr,
+    out_ptr,
+    query_start_ptr,
+    stride_o_token,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+):
+    """Combine a decode's split partials: out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_ptr + req)
+    if tl.load(query_start_ptr + req + 1) - q_start != 1:
+        return
+    token = q_start.to(tl.int64)
+    splits = tl.arange(0, SPLIT_KV)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    base = ((token * NUM_HEADS + head) * SPLIT_KV + splits) * (HEAD_DIM + 2)
+    m_s = tl.load(part_ptr + base + HEAD_DIM)
+    l_s = tl.load(part_ptr + base + HEAD_DIM + 1)
+    m = tl.max(m_s, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))  # an empty split weighs nothing
+    acc = tl.load(part_ptr + base[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+    total = tl.sum(w * l_s, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + token * stride_o_token + head * stride_o_head + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k, v [T, Hkv, D] at their slots of kv_cache [2, NB, bs, Hkv, D] (in its dtype)."""
+    _check_cache(kv_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache[0].numel(),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    split_kv: int = 1,
+) -> torch.Tensor:
+    """q [T, Hq, D] against the cached keys of each request -> out [T, Hq, D].
+
+    block_tables [R, W], query_start [R + 1] (token offsets of each request in q), seq_lens
+    [R] (keys in the cache after this step's write, the request's own queries included).
+    `max_query_len` (a host int) sizes the grid; `split_kv` > 1 splits each decode's keys.
+    Rows of tokens that belong to no request are left as `out` had them."""
+    _check_cache(kv_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs = seq_lens.shape[0]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if out is None:
+        out = torch.zeros_like(q)
+    if num_reqs == 0 or num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_m = max(MIN_ROWS // block_g, 1)
+    if max_query_len > 1:
+        block_m = max(block_m, min(triton.next_power_of_2(max_query_len), 64 // block_g, 16))
+    split_kv = triton.next_power_of_2(max(split_kv, 1))
+    partials = (
+        torch.empty(
+            (num_tokens, num_heads, split_kv, head_dim + 2), dtype=torch.float32, device=q.device
+        )
+        if split_kv > 1
+        else out  # unused
+    )
+    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), block_m), num_kv_heads * split_kv)
+    _attention_kernel[grid](
+        q,
+        kv_cache,
+        out,
+        partials,
+        block_tables,
+        query_start,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache[0].numel(),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        SPLIT_KV=split_kv,
+        FP32_DOT=q.dtype == torch.float32,
+    )
+    if split_kv > 1:
+        _merge_splits_kernel[(num_reqs, num_heads)](
+            partials,
+            out,
+            query_start,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            SPLIT_KV=split_kv,
+        )
+    return out
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(
+            "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim] "
+            f"tensor, got shape {tuple(kv_cache.shape)}"
+        )

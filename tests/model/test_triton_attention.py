@@ -1,0 +1,168 @@
+"""The Triton paged-attention kernels against a dense reference.
+
+Without a GPU the kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set
+by tests/conftest.py before triton is imported); on a CUDA machine they run compiled.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton needs a GPU, or TRITON_INTERPRET=1 from the start", allow_module_level=True)
+
+from tokenbus.model import triton_attention  # noqa: E402  (after the interpreter check)
+
+BLOCK_SIZE = 16
+
+
+def _make_step(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, kv_dtype=None, seed=0):
+    """A paged cache holding each request's context at shuffled blocks, and this step's q/k/v."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(q_lens)
+    blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_per_req) + 3  # block 0: the null block; a few spare
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(q_lens), max(blocks_per_req + [1]), dtype=torch.int64)
+    taken = 0
+    for r, n in enumerate(blocks_per_req):
+        tables[r, :n] = order[taken : taken + n]
+        taken += n
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    slots, starts = [], [0]
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(tables[r, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+        starts.append(starts[-1] + q_len)
+    to = dict(device=DEVICE)
+    return (
+        q.to(dtype).to(**to),
+        k.to(dtype).to(**to),
+        v.to(dtype).to(**to),
+        cache.to(kv_dtype or dtype).to(**to),
+        tables.to(**to),
+        torch.tensor(starts, dtype=torch.int64, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int64, device=DEVICE),
+        torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+    )
+
+
+def _reference(q, cache, tables, starts, seq_lens, scale):
+    """Dense causal attention per request over its gathered keys, in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    num_heads, num_kv_heads = q.shape[1], cache.shape[3]
+    group = num_heads // num_kv_heads
+    for r in range(len(seq_lens)):
+        start, end, seq_len = int(starts[r]), int(starts[r + 1]), int(seq_lens[r])
+        if end == start or seq_len == 0:
+            continue
+        ids = tables[r, : -(-seq_len // BLOCK_SIZE)].cpu()
+        kv = cache.cpu()[:, ids].reshape(2, -1, num_kv_heads, q.shape[2])[:, :seq_len].double()
+        keys = kv[0].repeat_interleave(group, dim=1)  # [S, Hq, D]
+        values = kv[1].repeat_interleave(group, dim=1)
+        queries = q[start:end].cpu().double()  # [L, Hq, D]
+        scores = torch.einsum("lhd,shd->hls", queries, keys) * scale
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        scores.masked_fill_(torch.arange(seq_len)[None, None, :] > q_pos[None, :, None], -1e300)
+        out[start:end] = torch.einsum("hls,shd->lhd", scores.softmax(-1), values)
+    return out
+
+
+def _run(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, split_kv=1, kv_dtype=None):
+    q, k, v, cache, tables, starts, lens, slots = _make_step(
+        q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, kv_dtype
+    )
+    triton_attention.write_kv(cache, k, v, slots)  # rounded to the cache's dtype
+    scale = head_dim**-0.5
+    out = triton_attention.paged_attention(
+        q, cache, tables, starts, lens, scale, max(q_lens), split_kv=split_kv
+    )
+    return out, _reference(q, cache, tables, starts, lens, scale), (cache, k, v, slots)
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize(
+    "q_lens, seq_lens",
+    [
+        ([1, 1, 1], [1, 17, 40]),  # decodes: one key, a block boundary + 1, several blocks
+        ([5], [5]),  # a whole prompt in one chunk
+        ([7, 1, 20], [23, 16, 52]),  # a chunk over a cached prefix, a decode, a long chunk
+        ([3, 1], [35, 33]),  # spec-decode verification (1 + 2 drafts) beside a decode
+    ],
+)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 1)])
+def test_matches_dense_reference(q_lens, seq_lens, num_heads, num_kv_heads):
+    out, ref, _ = _run(q_lens, seq_lens, num_heads, num_kv_heads, 64, torch.float32)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+BF16_DOT_ON_GPU_ONLY = pytest.mark.skipif(
+    DEVICE == "cpu", reason="Triton's interpreter computes bf16 tl.dot wrong (3.9: errors ~1e10)"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype",
+    [
+        (torch.float16, torch.float16),
+        pytest.param(torch.bfloat16, torch.bfloat16, marks=BF16_DOT_ON_GPU_ONLY),
+        (torch.float32, torch.float16),  # --kv-cache-dtype below the model's dtype
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_half_precision(dtype, kv_dtype):
+    out, ref, _ = _run([1, 9], [30, 41], 4, 2, 64, dtype, kv_dtype=kv_dtype)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
+
+
+def test_head_size_128_and_split_decode():
+    out, ref, _ = _run([1, 1, 6], [70, 3, 40], 4, 2, 128, torch.float32, split_kv=4)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_split_decode_equals_unsplit():
+    split, _, _ = _run([1, 1], [90, 17], 8, 2, 64, torch.float32, split_kv=8)
+    whole, ref, _ = _run([1, 1], [90, 17], 8, 2, 64, torch.float32)
+    torch.testing.assert_close(split, whole, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(whole.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_write_kv_stores_each_token_at_its_slot_and_skips_negative_slots():
+    _, _, (cache, k, v, slots) = _run([2, 1], [2, 19], 2, 2, 64, torch.float32)
+    flat = cache.view(2, -1, 2, 64)
+    torch.testing.assert_close(flat[0, slots], k)
+    torch.testing.assert_close(flat[1, slots], v)
+    before = cache.clone()
+    triton_attention.write_kv(cache, k + 1, v + 1, torch.full_like(slots, -1))
+    assert torch.equal(cache, before)
+
+
+def test_empty_request_and_padding_rows_are_left_alone():
+    # Request 1 has no query this step (q_len 0); token row 3 belongs to no request.
+    q, _, _, cache, tables, starts, lens, _ = _make_step(
+        [2, 0, 1], [2, 0, 5], 2, 2, 64, torch.float32
+    )
+    q = torch.cat([q, torch.ones_like(q[:1])])
+    out = torch.full_like(q, 7.0)
+    triton_attention.paged_attention(q, cache, tables, starts, lens, 0.125, 2, out=out)
+    ref = _reference(q, cache, tables, starts, lens, 0.125)
+    torch.testing.assert_close(out[:3].cpu().double(), ref[:3], atol=2e-5, rtol=2e-5)
+    assert torch.all(out[3] == 7.0)
+
+
+def test_refuses_a_cache_of_the_wrong_shape():
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        triton_attention.write_kv(
+            torch.zeros(2, 4, 16, 64),
+            *[torch.zeros(1, 1, 64)] * 2,
+            torch.zeros(1, dtype=torch.int64),
+        )
