@@ -84,9 +84,70 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_tier_bytes: dict[str, int] = {}  # bytes held per tier of the connector's store (gauges)
 
 
+class BlockState(enum.IntEnum):
+    """A KV block as /xray draws it (one byte per block in XraySnapshot.block_states)."""
+
+    NULL = 0  # block 0: the padding target, never handed out
+    FREE = 1  # in the free queue, holding no cached prefix
+    CACHED = 2  # in the free queue with its prefix hash: a hit until it is evicted
+    USED = 3  # held by one request
+    SHARED = 4  # held by several requests (a shared prefix)
+
+
+class XrayRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request as the scheduler holds it at a snapshot."""
+
+    request_id: str
+    status: str  # running | waiting | preempted | waiting_for_grammar | loading_kv
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int  # tokens whose KV is in (or being written to) its blocks
+    num_cached_tokens: int  # its prefix-cache hit when first scheduled (0 before)
+    num_preemptions: int
+    block_ids: list[int]
+    priority: int = 0
+    num_draft_tokens: int = 0  # spec decode: drafts verified so far
+    num_accepted_tokens: int = 0  # ... and accepted
+
+
+class XrayStep(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one engine step did."""
+
+    index: int
+    timestamp: float  # time.time() when the step ended
+    duration_ms: float
+    num_reqs: int  # requests in the batch
+    num_prefill_tokens: int  # prompt tokens, chunks and recomputation after preemption
+    num_decode_tokens: int  # tokens of requests that were generating (drafts included)
+    num_preemptions: int
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class XraySnapshot(msgspec.Struct, omit_defaults=True):
+    """The scheduler and block pool of one engine at one moment, and its last steps (/xray)."""
+
+    timestamp: float  # time.time()
+    step_index: int  # steps taken so far
+    block_size: int
+    num_blocks: int
+    block_states: bytes  # one BlockState per block, by block id
+    ref_counts: bytes  # min(ref_cnt, 255) per block, by block id
+    num_free_blocks: int
+    free_order: list[int]  # free block ids in eviction order (head first), the first ones only
+    num_requests: int  # requests in the scheduler; `requests` lists the first ones
+    requests: list[XrayRequest] = []
+    steps: list[XrayStep] = []  # the last steps, oldest first
+    kv_loading: list[str] = []  # requests whose KV a connector is loading (P/D, disk tier)
+    kv_sending: list[str] = []  # finished requests whose KV a connector still sends
+    engine_index: int = 0  # set by the front end, as for EngineOutputs
+
+
 class EngineOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # A snapshot for /xray, at most a few a second and only while a viewer watches.
+    xray: XraySnapshot | None = None
     # Which data-parallel engine sent them: set on the front end's side as they arrive.
     engine_index: int = 0

@@ -7,7 +7,7 @@ The head is evicted first: with prefix caching the order is least-recently-freed
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from tokenbus.core.kv.block import KVBlock
 
@@ -66,6 +66,14 @@ class FreeBlockQueue:
     def prepend(self, block: KVBlock) -> None:
         """Put ``block`` at the head: reused first (blocks that hold no cached prefix)."""
         self._insert_after(self._head, block)
+
+    def iter_free_blocks(self) -> Iterator[KVBlock]:
+        """Free blocks from head (reused first) to tail, lazily: a reader may stop early."""
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None, "free queue is broken: a link is missing"
+            yield node
+            node = node.next_free
 
     def get_all_free_blocks(self) -> list[KVBlock]:
         """All free blocks from head to tail (for tests and integrity checks; O(n))."""

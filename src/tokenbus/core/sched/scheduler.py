@@ -132,6 +132,11 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    @property
+    def delayed_free_request_ids(self) -> list[str]:
+        """Finished requests whose blocks a connector still reads or writes."""
+        return list(self._delayed_free)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
