@@ -11,6 +11,7 @@ import hmac
 import logging
 import posixpath
 import re
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -112,9 +113,21 @@ class APIKeyMiddleware:
         headers = dict(scope.get("headers") or [])
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            # A browser opening the /xray page cannot send a header: it may carry the key as
+            # ?api_key=, and the page sends it on as a header for its stream.
+            token = _xray_query_key(scope)
+            if token is None:
+                return False
         digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
         return hmac.compare_digest(digest, self._key_digest)
+
+
+def _xray_query_key(scope: Scope) -> str | None:
+    if not normalize_path(scope["path"]).startswith("/xray"):
+        return None
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    keys = query.get("api_key")
+    return keys[0] if keys else None
 
 
 class BodySizeLimitMiddleware:
