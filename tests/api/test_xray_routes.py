@@ -88,3 +88,19 @@ def test_stream_sends_the_newest_snapshot_and_a_slow_reader_skips_the_rest():
 
     asyncio.run(scenario())
     assert engine.watches == 1  # renewed once per WATCH_SECONDS / 2, not per event
+
+
+def test_top_renders_the_pool_steps_and_requests():
+    from tokenbus.cli.top_cmd import render
+
+    engine = FakeEngine()
+    engine.schedulers[0].add_request(make_request("r1", 40, max_tokens=4))
+    run_step(engine.schedulers[0])
+    client = TestClient(make_app(engine))
+    data = client.get("/xray/snapshot?api_key=sesame").json()
+    text = render(data, width=40)
+    lines = text.splitlines()
+    assert lines[0].startswith("tokenbus top · tiny")
+    assert " ###................" in lines  # null block, r1's three blocks, 16 free
+    row = next(line for line in lines if line.startswith("r1"))
+    assert row.split()[:6] == ["r1", "running", "40", "1", "40", "0"] and row.endswith("1 2 3")

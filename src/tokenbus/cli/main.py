@@ -1,4 +1,4 @@
-"""`tokenbus serve / proxy / generate / chat / bench` (L7): argument parsing, then hand-off."""
+"""`tokenbus serve / proxy / generate / chat / bench / top` (L7): argument parsing, then hand-off."""
 
 from __future__ import annotations
 
@@ -50,10 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenbus.cli.bench_cmd import add_bench_parser
     from tokenbus.cli.proxy_cmd import add_proxy_parser
     from tokenbus.cli.serve_cmd import add_serve_parser
+    from tokenbus.cli.top_cmd import add_top_parser
 
     add_serve_parser(sub)
     add_proxy_parser(sub)
     add_bench_parser(sub)
+    add_top_parser(sub)
     return parser
 
 
