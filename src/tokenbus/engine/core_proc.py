@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -40,6 +41,7 @@ from tokenbus.engine.messages import (
 )
 from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
 from tokenbus.utils.log import log_safe
+from tokenbus.utils.parent_watch import start_parent_watch
 
 if TYPE_CHECKING:
     # Not at run time: the front end imports this module to spawn the engine, and EngineCore's
@@ -56,7 +58,6 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 # Called by the busy loop with each message for the front end.
 Emit = Callable[[MessageType, Any], None]
 
-PARENT_POLL_S = 1.0  # how often the engine checks that its parent is still alive
 IO_POLL_MS = 100  # how often the input thread looks up from its socket to check for shutdown
 CLOSE_LINGER_MS = 2000  # time the last messages (ENGINE_DEAD) get to leave on exit
 IDLE_BACKOFF_S = 0.001  # wait when requests exist but none can run
@@ -248,12 +249,7 @@ def run_engine_core(
     # The front end's stall watchdog asks for every thread's stack this way; faulthandler's
     # handler is C, so it answers even while a step hangs inside native code.
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
-    threading.Thread(
-        target=_exit_when_orphaned,
-        args=(parent_pid, addresses),
-        daemon=True,
-        name="EngineCoreParentWatch",
-    ).start()
+    start_parent_watch(parent_pid, "EngineCoreParentWatch", partial(_remove_ipc_dir, addresses))
     proc = EngineCoreProc(addresses)
     try:
         engine = proc.start_engine(setup, engine_factory)
@@ -268,15 +264,10 @@ def run_engine_core(
     os._exit(1 if proc.failed else 0)
 
 
-def _exit_when_orphaned(parent_pid: int, addresses: EngineAddresses) -> None:
-    # The front end died without shutting us down (SIGKILL, crash): nobody will read our
-    # outputs, and staying up would leak the model's memory. Remove the socket files it can no
-    # longer remove, and exit hard.
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
+def _remove_ipc_dir(addresses: EngineAddresses) -> None:
+    # An orphaned engine removes the socket files that its dead front end no longer can.
     if (ipc_dir := addresses.ipc_dir) is not None:
         shutil.rmtree(ipc_dir, ignore_errors=True)
-    os._exit(1)
 
 
 class EngineCoreProc:

@@ -35,6 +35,7 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor
+from tokenbus.utils.parent_watch import start_parent_watch
 from tokenbus.utils.spawn import start_process
 
 if TYPE_CHECKING:
@@ -48,7 +49,6 @@ READY_TIMEOUT_S = 600.0  # a rank's device + model phases (load_model) must fini
 # for ever (a dead rank is noticed at once by its sentinel; this catches live but stuck ones).
 CALL_TIMEOUT_S = 300.0
 SHUTDOWN_GRACE_S = 5.0  # after SHUTDOWN, before a rank is terminated
-PARENT_POLL_S = 1.0
 DEATH_GRACE_S = 1.0  # how long a failed collective waits to learn which rank died
 
 
@@ -301,7 +301,7 @@ def run_worker(
         format=f"(TPWorker rank={rank} pid=%(process)d) %(levelname)s %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when we stop
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    start_parent_watch(parent_pid, f"TPWorkerParentWatch-{rank}")
     ctx = zmq.Context()
     calls = ctx.socket(zmq.PULL)
     calls.connect(call_address)
@@ -353,9 +353,3 @@ def _serve(
             # (the engine dies with the message) and keep serving so shutdown is orderly.
             logger.exception("rank %d: %s failed", rank, type(call).__name__)
             reply(exc=exc)
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
-    os._exit(1)
