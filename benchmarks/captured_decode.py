@@ -41,7 +41,7 @@ def build(args):
     from tokenbus.utils import cdiv
     from tokenbus.worker.input_batch import InputBuffers
     from tokenbus.worker.kv_cache import allocate_kv_caches
-    from tokenbus.worker.model_loader import load_model
+    from tokenbus.worker.model_builder import load_model
     from tokenbus.worker.worker import resolve_dtype
 
     device = torch.device(args.device)

@@ -14,7 +14,7 @@ import torch
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import ForwardContext
 from tokenbus.model.layers.linear import LINEAR_BACKENDS
-from tokenbus.worker.model_loader import load_model
+from tokenbus.worker.model_builder import load_model
 
 
 def make_ctx(kv_caches, batch, context, block_size, generator):

@@ -108,7 +108,7 @@ def test_model_forward_reads_metadata_it_never_builds(tiny_llama_dir):
     from tests.fixtures.paged import PagedKV
 
     from tokenbus.loader import load_arch, resolve_model
-    from tokenbus.worker.model_loader import load_model
+    from tokenbus.worker.model_builder import load_model
 
     src = resolve_model(str(tiny_llama_dir))
     model = load_model(src, load_arch(src), torch.float32, "cpu")

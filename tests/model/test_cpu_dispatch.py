@@ -20,7 +20,7 @@ from tokenbus.model.layers import Linear
 from tokenbus.model.layers.linear import choose_linear_backend, make_linear_kernel
 from tokenbus.model.native import compile_flags, load_paged_attention
 from tokenbus.utils.cpu import CPU_ISA_ENV, CpuFeatures, _capped
-from tokenbus.worker.model_loader import load_model
+from tokenbus.worker.model_builder import load_model
 from tokenbus.worker.worker import cpu_dtype_warning
 
 DETECTED = CpuFeatures.detect()

@@ -16,7 +16,7 @@ from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model.layers.rotary import apply_rotary
 from tokenbus.model.native import load_fused_ops, load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
-from tokenbus.worker.model_loader import load_model
+from tokenbus.worker.model_builder import load_model
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,

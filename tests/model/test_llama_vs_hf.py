@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import ForwardContext, LlamaForCausalLM, attention, get_model_class
-from tokenbus.worker.model_loader import load_model
+from tokenbus.worker.model_builder import load_model
 
 ATOL = 1e-4
 SEQS = {  # token ids; a few long enough to span several 4-token blocks

@@ -31,7 +31,7 @@ from tokenbus.loader import (
 from tokenbus.loader.gguf_loader import permute_qk, unpermute_qk
 from tokenbus.loader.hf_loader import HF_ROPE_TYPES
 from tokenbus.model.layers.rotary import ROPE_TYPES
-from tokenbus.worker.model_loader import load_model
+from tokenbus.worker.model_builder import load_model
 
 IDS = [101, 202, 303, 404, 505, 606, 707, 808, 909, 1010, 1111]
 

@@ -27,7 +27,7 @@ from tokenbus.model.layers.quantized import (
 )
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures, _capped
-from tokenbus.worker.model_loader import load_model, resolve_quantization
+from tokenbus.worker.model_builder import load_model, resolve_quantization
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,

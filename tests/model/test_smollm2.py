@@ -10,7 +10,7 @@ from tests.fixtures.paged import PagedKV
 
 from tokenbus.bench.hf_peer import load_hf_model
 from tokenbus.loader import load_arch, load_generation_config, load_tokenizer, resolve_model
-from tokenbus.worker.model_loader import load_model
+from tokenbus.worker.model_builder import load_model
 
 
 def test_smollm2_arch_and_tokenizer():

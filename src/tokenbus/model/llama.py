@@ -325,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
         """How the tiled GGUF linears take x (layers/quantized.py): fp32, int16 or int8
         activations, bf16 (AVX512-BF16) from some number of rows up, and an fp32 GEMM on the
         dequantized weight from some number of rows up (TileModes;
-        worker/model_loader.quant_activation_modes chooses them)."""
+        worker/model_builder.quant_activation_modes chooses them)."""
         self._tile_modes = modes
         for module in self.modules():
             if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):

@@ -18,7 +18,7 @@ from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus, usab
 from tokenbus.worker.captured_step import CapturedSteps, capture_disabled_reason
 from tokenbus.worker.input_batch import InputBuffers
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
-from tokenbus.worker.model_loader import load_model, resolve_quantization
+from tokenbus.worker.model_builder import load_model, resolve_quantization
 from tokenbus.worker.model_runner import ModelRunner
 from tokenbus.worker.thread_governor import ThreadGovernor
 

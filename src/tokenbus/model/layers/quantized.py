@@ -63,7 +63,7 @@ INT_TILES_ANY_ROWS_ISAS = ("avx2", "avx512")
 @dataclass(frozen=True)
 class TileModes:
     """How calls on tiles take x, by their number of rows (LlamaForCausalLM.set_quant_activations;
-    worker/model_loader.quant_activation_modes chooses them): bf16 from `bf16_from_rows` rows up
+    worker/model_builder.quant_activation_modes chooses them): bf16 from `bf16_from_rows` rows up
     (0: never), else dequantized for an fp32 GEMM from `gemm_from_rows` rows up (0: never), else
     `activations` (fp32 | int16 | int8; fp32 tiles take at most TILE_GEMV_MAX_ROWS rows, beyond
     that shard_matmul runs the GEMM)."""

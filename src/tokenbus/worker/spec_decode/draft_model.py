@@ -248,7 +248,7 @@ def _load_draft_model(
 ) -> tuple[torch.nn.Module, ModelArch]:
     """Sharded like the target (the same ranks run both)."""
     from tokenbus.loader import load_arch, resolve_model
-    from tokenbus.worker.model_loader import load_model
+    from tokenbus.worker.model_builder import load_model
 
     try:
         source = resolve_model(name)
