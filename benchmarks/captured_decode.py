@@ -37,20 +37,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def build(args):
     from tokenbus.config import EngineArgs
+    from tokenbus.engine.setup import resolve_dtype, resolve_quantization
     from tokenbus.loader import load_arch, resolve_model
     from tokenbus.utils import cdiv
     from tokenbus.worker.input_batch import InputBuffers
     from tokenbus.worker.kv_cache import allocate_kv_caches
     from tokenbus.worker.model_builder import load_model
-    from tokenbus.worker.worker import resolve_dtype
 
     device = torch.device(args.device)
     src = resolve_model(args.model)
     arch = load_arch(src)
-    dtype = resolve_dtype(args.dtype, device)
-    model = load_model(src, arch, dtype, device, "auto", quantization=args.quantization)
+    dtype = getattr(torch, resolve_dtype(args.dtype, args.device))
+    quantization = resolve_quantization(args.quantization, src, args.device)
+    model = load_model(src, arch, dtype, device, "auto", quantization=quantization)
     eager_model = load_model(
-        src, arch, dtype, device, "auto", quantization=args.quantization, enforce_eager=True
+        src, arch, dtype, device, "auto", quantization=quantization, enforce_eager=True
     )
     max_batch = max(args.batches)
     config = EngineArgs(

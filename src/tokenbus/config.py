@@ -381,6 +381,17 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
+# The settings whose `auto` engine/setup.resolve_config turns into a fact before any worker
+# starts. quant_activations keeps its auto: that one picks per call size, not once.
+RESOLVED_SETTINGS = (
+    ("model", "device"),
+    ("model", "dtype"),
+    ("model", "quantization"),
+    ("model", "attention_backend"),
+    ("cache", "kv_cache_dtype"),
+)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -390,6 +401,14 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+
+    def unresolved_settings(self) -> list[str]:
+        """The RESOLVED_SETTINGS still `auto`, as "model.device" & co (none once resolved)."""
+        return [
+            f"{part}.{name}"
+            for part, name in RESOLVED_SETTINGS
+            if getattr(getattr(self, part), name) == "auto"
+        ]
 
 
 def _arg(

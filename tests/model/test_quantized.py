@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from tests.fixtures.native_sources import copied_source
 from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks, write_gguf
 
+from tokenbus.engine.setup import resolve_quantization
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
 from tokenbus.model.layers import Linear
@@ -27,7 +28,7 @@ from tokenbus.model.layers.quantized import (
 )
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures, _capped
-from tokenbus.worker.model_builder import load_model, resolve_quantization
+from tokenbus.worker.model_builder import load_model
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,

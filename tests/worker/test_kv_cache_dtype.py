@@ -13,8 +13,8 @@ from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tokenbus import SamplingParams
 from tokenbus.config import CacheConfig, EngineArgs
+from tokenbus.engine.setup import resolve_config
 from tokenbus.loader import resolve_model
-from tokenbus.worker.worker import resolve_kv_cache_dtype
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,11 @@ def gguf_path(tmp_path_factory):
 
 def config(model, **kwargs):
     return EngineArgs(model=str(model), device="cpu", **kwargs).to_config(256)
+
+
+def resolve_kv_cache_dtype(config, src) -> torch.dtype:
+    """The K/V dtype the resolved config names."""
+    return getattr(torch, resolve_config(config, src).cache.kv_cache_dtype)
 
 
 def test_auto_is_float16_only_for_float32_models_on_gguf_blocks(gguf_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenbus.engine.setup import resolve_dtype
 from tokenbus.loader import resolve_model
-from tokenbus.worker.worker import resolve_dtype
 
 
 def load_hf_model(model: str | None, dtype: str = "auto"):
@@ -14,7 +14,7 @@ def load_hf_model(model: str | None, dtype: str = "auto"):
     from transformers import AutoModelForCausalLM
 
     source = resolve_model(model)
-    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+    torch_dtype = getattr(torch, resolve_dtype(dtype, "cpu"))
     if source.kind == "gguf":
         hf = AutoModelForCausalLM.from_pretrained(
             str(source.path.parent), gguf_file=source.path.name, dtype=torch_dtype

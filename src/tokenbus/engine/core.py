@@ -15,6 +15,8 @@ from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
 from tokenbus.engine.executor import Executor, UniProcExecutor, WorkerBase, make_executor
+from tokenbus.engine.setup import resolve_config
+from tokenbus.kv_transfer.layout import kv_layout
 from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, SchedulerStats
 from tokenbus.structured.manager import StructuredOutputManager
 
@@ -34,8 +36,9 @@ class EngineCore:
         executor: Executor | None = None,
     ) -> None:
         """`worker` (tests: a fake) runs under a UniProcExecutor; by default the executor
-        for config.parallel is built."""
-        self.config = config
+        for config.parallel is built. Every `auto` of `config` is resolved here, once, before
+        any worker starts (setup.resolve_config): self.config holds the facts."""
+        self.config = config = resolve_config(config, source)
         if executor is None:
             executor = (
                 UniProcExecutor(worker)
@@ -64,7 +67,7 @@ class EngineCore:
             make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         )
         self.grammar_manager = _make_grammar_manager(config, source, arch, eos_token_id)
-        self.kv_connector = _make_scheduler_connector(config, arch, source)
+        self.kv_connector = _make_scheduler_connector(config, arch)
         if self.kv_connector is not None:
             block_size = config.cache.block_size
             self._block_hasher = make_block_hasher(block_size)  # connectors key blocks by hash
@@ -143,17 +146,14 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def _make_scheduler_connector(config: EngineConfig, arch: ModelArch, source: ModelSource):
+def _make_scheduler_connector(config: EngineConfig, arch: ModelArch):
     if config.kv_transfer is None:
         return None
     from tokenbus.kv_transfer.factory import connector_context, make_scheduler_connector
-    from tokenbus.worker.worker import connector_layout
 
     return make_scheduler_connector(
         connector_context(
-            config.kv_transfer,
-            connector_layout(config, arch, source),
-            config.parallel.data_parallel_rank,
+            config.kv_transfer, kv_layout(config, arch), config.parallel.data_parallel_rank
         )
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -150,6 +151,116 @@ def sampling_defaults(
         for name in GENERATION_CONFIG_FIELDS
         if isinstance(merged.get(name), (int, float)) and not isinstance(merged.get(name), bool)
     }
+
+
+def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineConfig:
+    """A new config whose RESOLVED_SETTINGS (config.py) are facts: device "cpu"/"cuda[:i]",
+    dtype and kv_cache_dtype a dtype name, quantization "gguf"/"none", attention_backend
+    "native"/"torch". The workers, the scheduler and the connectors read them as they are.
+
+    Runs once per engine, where the EngineCore is built (engine/core.py): it asks torch
+    whether a GPU is there and may build the native kernels to learn whether they run, work
+    that stays off the front end's start-up. `source` None (tests' fake engines): no weights.
+    """
+    model, cache = config.model, config.cache
+    device = resolve_device(model.device)
+    dtype = resolve_dtype(model.dtype, device)
+    quantization = resolve_quantization(
+        model.quantization, source, device, config.parallel.tensor_parallel_size
+    )
+    model = dataclasses.replace(
+        model,
+        device=device,
+        dtype=dtype,
+        quantization=quantization,
+        attention_backend=resolve_attention_backend(model.attention_backend, device, dtype),
+    )
+    kv_cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, device, dtype, quantization)
+    cache = dataclasses.replace(cache, kv_cache_dtype=kv_cache_dtype)
+    return dataclasses.replace(config, model=model, cache=cache)
+
+
+def resolve_device(name: str) -> str:
+    """auto: cuda when torch sees a GPU, else cpu. A data-parallel or tensor-parallel rank
+    picks its own GPU index later (worker.init_device)."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)  # a malformed name fails here, naming itself
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was requested but no CUDA device is available")
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """auto: float32 on CPU (bf16 GEMM is slower there: benchmarks/cpu_speed.py --dtype),
+    bfloat16 on CUDA."""
+    if name == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return name
+
+
+def quantization_problem(source: ModelSource | None, device: str, tp_size: int) -> str | None:
+    """Why GGUF weights cannot stay quantized here, or None."""
+    if source is None or source.kind != "gguf":
+        return "the model is not a GGUF file"
+    if not device.startswith("cpu"):
+        return f"the quantized kernels run on CPU, not {device}"
+    if tp_size > 1:
+        return "GGUF blocks are not split for tensor parallelism"
+    return None
+
+
+def resolve_quantization(
+    requested: str, source: ModelSource | None, device: str | object, tp: int = 1
+) -> str:
+    """ "gguf" or "none". auto picks gguf where it can run and the kernels build; an explicit
+    gguf that cannot run is a ValueError with the reason. `device`: a name or torch.device."""
+    if requested == "none":
+        return "none"
+    device = str(device)
+    problem = quantization_problem(source, device, tp)
+    if problem is None:
+        from tokenbus.model.native import NativeBuildError, load_quant_kernels
+
+        try:
+            load_quant_kernels()
+        except NativeBuildError as exc:
+            problem = f"the quantized kernels cannot be built ({exc})"
+    if problem is None:
+        return "gguf"
+    if requested == "gguf":
+        raise ValueError(f"quantization 'gguf': {problem}; use --quantization none")
+    if source is not None and source.kind == "gguf" and device.startswith("cpu"):
+        logger.warning("GGUF weights are dequantized: %s", problem)
+    return "none"
+
+
+def resolve_attention_backend(requested: str, device: str, dtype: str) -> str:
+    """ "native" or "torch": what model/attention.select_attention_kernel picks for `requested`
+    (auto: the native kernel on CPU in float32/bfloat16 when it builds; an explicit native
+    that cannot run is a ValueError with the reason)."""
+    if requested == "torch":
+        return "torch"
+    import torch
+
+    from tokenbus.model.attention import select_attention_kernel
+
+    kernel = select_attention_kernel(requested, torch.device(device), getattr(torch, dtype))
+    return "torch" if kernel is None else "native"
+
+
+def resolve_kv_cache_dtype(requested: str, device: str, dtype: str, quantization: str) -> str:
+    """auto: float16 for a float32 model on GGUF blocks on CPU, whose batched decode steps
+    read mostly K/V from memory and whose 4-8-bit weights already round more than fp16 does
+    (benchmarks/step_breakdown.py kv_cache_dtype=float32 measures the other); else the
+    model's dtype."""
+    if requested != "auto":
+        return requested
+    if device.startswith("cpu") and dtype == "float32" and quantization == "gguf":
+        return "float16"
+    return dtype
 
 
 def create_tokenizer(setup: EngineSetup):

@@ -18,48 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenbus.config import KVTransferConfig, ModelArch
+from tokenbus.config import KVTransferConfig
 from tokenbus.core.outputs import KVConnectorOutput
 
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What must agree for two pools' blocks to be interchangeable (and what keys a store)."""
-
-    model: str  # the model's path or name
-    dtype: str  # torch dtype name of the K/V tensors
-    quantization: str  # weights decide the K/V values: dequantized and quantized differ slightly
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block's K/V over every layer: [num_layers, 2, block_size, Hkv, D]."""
-        itemsize = getattr(torch, self.dtype).itemsize
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-    def describe(self) -> dict:
-        return dict(self.__dict__)
-
-    def fingerprint(self) -> str:
-        """A short stable name for this layout (a directory per layout in a store)."""
-        import hashlib
-        import json
-
-        encoded = json.dumps(self.describe(), sort_keys=True).encode()
-        return hashlib.sha256(encoded).hexdigest()[:16]
-
-    def mismatch(self, other: dict) -> str | None:
-        """A sentence naming the fields where `other` (a peer's describe()) differs, or None."""
-        mine = self.describe()
-        diffs = [
-            f"{key}: ours {mine[key]!r}, theirs {other.get(key)!r}"
-            for key in mine
-            if other.get(key) != mine[key]
-        ]
-        return "; ".join(diffs) or None
+# Re-exported: connectors and their tests name the layout beside the context it rides in.
+from tokenbus.kv_transfer.layout import KVLayout as KVLayout
 
 
 @dataclass(frozen=True)
@@ -162,17 +125,3 @@ class KVConnectorWorker:
         kv = kv.to(self.kv_caches[0].device)
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(1, index, kv[layer])
-
-
-def kv_layout(
-    model: str, dtype: torch.dtype, quantization: str, block_size: int, arch: ModelArch
-) -> KVLayout:
-    return KVLayout(
-        model=model,
-        dtype=str(dtype).removeprefix("torch."),
-        quantization=quantization,
-        block_size=block_size,
-        num_layers=arch.num_hidden_layers,
-        num_kv_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-    )

@@ -6,7 +6,6 @@ Here, not in `loader`, because it joins two L2 siblings: `model` (the classes) a
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,12 +20,10 @@ from tokenbus.model.layers.quantized import (
     INT_TILES_ANY_ROWS_ISAS,
     TileModes,
 )
-from tokenbus.model.native import NativeBuildError, QuantKernels, load_quant_kernels
+from tokenbus.model.native import QuantKernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
 from tokenbus.utils.cpu import CpuFeatures
-
-logger = logging.getLogger(__name__)
 
 
 def load_model(
@@ -41,11 +38,12 @@ def load_model(
     enforce_eager: bool = False,
 ) -> nn.Module:
     """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
-    in their blocks when `quantization` resolves to gguf (resolve_quantization), their decode
-    calls on int16, int8, fp32 or (AVX512-BF16) bf16 activations (`quant_activations`: ModelConfig). Decode steps
-    run their layers in C where they can, unless `enforce_eager` (op by op)."""
+    in their blocks when `quantization` is gguf (resolved: engine/setup.resolve_quantization;
+    any other value dequantizes), their decode calls on int16, int8, fp32 or (AVX512-BF16) bf16
+    activations (`quant_activations`: ModelConfig). Decode steps run their layers in C where
+    they can, unless `enforce_eager` (op by op)."""
     model_class = get_model_class(arch.architecture)
-    keep_quantized = resolve_quantization(quantization, src, torch.device(device), tp) == "gguf"
+    keep_quantized = quantization == "gguf"
     if quant_activations in ("int8", "int16", "bf16") and not keep_quantized:
         raise ValueError(
             f"quant_activations {quant_activations!r} needs GGUF weights kept quantized "
@@ -84,42 +82,6 @@ def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> Tile
     return TileModes(
         requested, 0, 0 if any_rows and requested in ("int8", "int16") else GEMM_FROM_ROWS
     )
-
-
-def quantization_problem(
-    src: ModelSource, device: torch.device, tp: TensorParallel | int
-) -> str | None:
-    """Why GGUF weights cannot stay quantized here, or None."""
-    tp_size = tp if isinstance(tp, int) else tp.size
-    if src.kind != "gguf":
-        return "the model is not a GGUF file"
-    if device.type != "cpu":
-        return f"the quantized kernels run on CPU, not {device.type}"
-    if tp_size > 1:
-        return "GGUF blocks are not split for tensor parallelism"
-    return None
-
-
-def resolve_quantization(
-    requested: str, src: ModelSource, device: torch.device, tp: TensorParallel | int = 1
-) -> str:
-    """ "gguf" or "none". auto picks gguf where it can run and the kernels build; an explicit
-    gguf that cannot run is a ValueError with the reason."""
-    if requested == "none":
-        return "none"
-    problem = quantization_problem(src, device, tp)
-    if problem is None:
-        try:
-            load_quant_kernels()
-        except NativeBuildError as exc:
-            problem = f"the quantized kernels cannot be built ({exc})"
-    if problem is None:
-        return "gguf"
-    if requested == "gguf":
-        raise ValueError(f"quantization 'gguf': {problem}; use --quantization none")
-    if src.kind == "gguf" and device.type == "cpu":
-        logger.warning("GGUF weights are dequantized: %s", problem)
-    return "none"
 
 
 @contextmanager

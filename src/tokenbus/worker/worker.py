@@ -9,8 +9,8 @@ import torch
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
-from tokenbus.kv_transfer.base import KVLayout, kv_layout
 from tokenbus.kv_transfer.factory import connector_context, make_worker_connector
+from tokenbus.kv_transfer.layout import kv_layout
 from tokenbus.loader import ModelSource
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils import cdiv
@@ -18,48 +18,11 @@ from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus, usab
 from tokenbus.worker.captured_step import CapturedSteps, capture_disabled_reason
 from tokenbus.worker.input_batch import InputBuffers
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
-from tokenbus.worker.model_builder import load_model, resolve_quantization
+from tokenbus.worker.model_builder import load_model
 from tokenbus.worker.model_runner import ModelRunner
 from tokenbus.worker.thread_governor import ThreadGovernor
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was requested but no CUDA device is available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on CPU (bf16 GEMM measured ~4x slower there) and bfloat16 on CUDA."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def resolve_kv_cache_dtype(config: EngineConfig, src: ModelSource | None) -> torch.dtype:
-    """--kv-cache-dtype. auto: float16 for a float32 model on GGUF blocks on CPU, whose batched
-    decode steps read mostly K/V from memory (16 streams of ~360 tokens: 265 MB of fp32 K/V
-    against 96 MB of weights) and whose 4-8-bit weights already give up more than fp16's ~5e-4
-    rounding; else the model's dtype."""
-    if config.cache.kv_cache_dtype != "auto":
-        return _DTYPES[config.cache.kv_cache_dtype]
-    device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    quantized = (
-        src is not None
-        and resolve_quantization(
-            config.model.quantization, src, device, config.parallel.tensor_parallel_size
-        )
-        == "gguf"
-    )
-    return torch.float16 if device.type == "cpu" and dtype == torch.float32 and quantized else dtype
 
 
 def cpu_dtype_warning(dtype: torch.dtype, cpu: CpuFeatures) -> str | None:
@@ -91,7 +54,12 @@ class Worker:
         """`distributed_init_method` (tcp://host:port) joins the ranks of a tensor-parallel
         engine; one rank needs none. `local_device_index`: the GPU this rank uses when a
         scheduler (Ray) has already narrowed what it sees; default: one GPU per rank of the
-        machine's, data_parallel_rank * tensor_parallel_size + rank."""
+        machine's, data_parallel_rank * tensor_parallel_size + rank. `config` is resolved
+        (engine/setup.resolve_config): the worker reads its facts, it decides no `auto`."""
+        if unresolved := config.unresolved_settings():
+            raise ValueError(
+                f"a Worker needs a resolved config (setup.resolve_config): {unresolved}"
+            )
         self.config = config
         self.source = source
         self.arch = arch
@@ -110,7 +78,7 @@ class Worker:
         return self.tp.shard_arch(self.arch)
 
     def init_device(self) -> None:
-        self.device = resolve_device(self.config.model.device)
+        self.device = torch.device(self.config.model.device)
         parallel = self.config.parallel
         if self.device.type == "cuda" and (
             parallel.world_size > 1 or parallel.data_parallel_size > 1
@@ -129,8 +97,8 @@ class Worker:
             torch.set_num_threads(cpu_threads(self.config))
             if governs_threads(self.config) and torch.get_num_threads() > 1:
                 self.governor = ThreadGovernor(torch.get_num_threads())
-        self.dtype = resolve_dtype(self.config.model.dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(self.config, self.source)
+        self.dtype = getattr(torch, self.config.model.dtype)
+        self.kv_dtype = getattr(torch, self.config.cache.kv_cache_dtype)
         torch.manual_seed(self.config.model.seed)
         if self.device.type == "cpu" and self.rank == 0:
             cpu = CpuFeatures.detect()
@@ -235,7 +203,7 @@ class Worker:
         if self.config.kv_transfer is not None:
             ctx = connector_context(
                 self.config.kv_transfer,
-                connector_layout(self.config, self.rank_arch, self.source),
+                kv_layout(self.config, self.rank_arch),
                 self.config.parallel.data_parallel_rank,
             )
             self.kv_connector = make_worker_connector(ctx)
@@ -273,17 +241,6 @@ class Worker:
             self.kv_connector.shutdown()
         if self.tp.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def connector_layout(config: EngineConfig, arch: ModelArch, src: ModelSource | None) -> KVLayout:
-    """The KV layout a connector keys and checks blocks by (both halves compute the same)."""
-    return kv_layout(
-        config.model.model or "smollm2",
-        resolve_kv_cache_dtype(config, src),
-        config.model.quantization,
-        config.cache.block_size,
-        arch,
-    )
 
 
 def cpu_threads(config: EngineConfig) -> int:
