@@ -541,7 +541,6 @@ class EngineArgs:
     # the caller's process (tests, debugging). The server chooses with --engine-in-process.
     multiprocess: bool = _arg(True, flag=False)
     engine_ready_timeout_s: float = _arg(600.0, flag=False)  # start-up (model load) limit
-    extra: dict = _arg(flag=False, default_factory=dict)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:

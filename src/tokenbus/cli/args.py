@@ -55,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
     return EngineArgs(**{name: getattr(ns, name) for name in names if hasattr(ns, name)})
 
 
