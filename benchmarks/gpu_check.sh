@@ -5,7 +5,7 @@
 #   2. runs the CUDA-marked tests (tests/worker/test_cuda_graphs.py: graphs vs eager, graph
 #      memory out of the KV budget, padded steps leave real KV alone, bf16 default);
 #   3. runs the graph benchmark: eager vs CUDA graphs at batch 1, 8, 16, 64 and single-request
-#      tokens/s with the default model (issue 12's GPU target: batch-1 decode >= 3x eager).
+#      tokens/s with the default model (the target: batch-1 decode at least 3x eager).
 # Budget: under 8 minutes (each part is timed out below). Results land in $OUT (default
 # ./gpu_check_out): pytest's log, the benchmark's log and JSON.
 #

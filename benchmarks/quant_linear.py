@@ -229,7 +229,7 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
     rows) in multiply-adds a second, against the rate this core issues the int16 kernel's
     instructions at (benchmarks/madd_peak.c: 8 chains of vpmaddwd + vpaddd on registers); oneDNN's
     fp32 linear on the same shapes against the core's vfmadd231ps rate (8 chains). Timings
-    alternate, the best of `rounds` each, so a noisy guest slows them alike."""
+    alternate, the best of `rounds` each, so a noisy machine slows them alike."""
     cpu = CpuFeatures.detect()
     # oneDNN and MKL read their own caps: without them, on an AVX-512 CPU the fp32 linear would run
     # zmm code and be weighed against the ymm FMA rate.

@@ -1,4 +1,5 @@
-"""The layering rule of DESIGN.md §2, checked by import-linter's contracts in pyproject.toml."""
+"""The layering rule (docs/architecture.md, "Package map"), checked by import-linter's
+contracts in pyproject.toml."""
 
 import shutil
 import subprocess

@@ -9,8 +9,8 @@
 #
 # MODEL defaults to the packaged SmolLM2-135M-Instruct Q4_1 GGUF. Loopback only.
 # LLAMA_CPP_AMX=1 builds (into build-amx/) and runs ggml's AMX kernels too, for CPUs whose kernel
-# grants the tile state; the default build leaves them out. (On the AMX-granting Sapphire Rapids
-# guest of docs/benchmarks.md's "Third session" that build crashed: SIGSEGV loading the model.)
+# grants the tile state; the default build leaves them out (that build has crashed with SIGSEGV
+# loading the model on an AMX machine, so it stays opt-in).
 # LLAMA_CPP_ISA=avx2 builds (into build-avx2/) for AVX2 + FMA + F16C + BMI2 only, the AMD EPYC
 # Zen 3's instructions (no AVX-512, no VNNI): the peer to run beside tokenbus under
 # TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine.

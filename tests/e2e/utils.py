@@ -39,6 +39,6 @@ def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list
 
 
 def assert_engine_clean(llm: LLM) -> None:
-    """No request left anywhere, every KV block free (DESIGN.md §4)."""
+    """No request left anywhere, every KV block free (docs/architecture.md, "Invariants")."""
     assert not llm.engine.has_unfinished_requests()
     llm.engine.client.call_utility("check_integrity")

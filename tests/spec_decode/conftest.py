@@ -2,7 +2,7 @@
 
 Verification runs one attention call per verifying request; with two OpenMP threads on this
 2-core machine each such small call waits for the other core, which other test processes keep
-busy (measured: 770 µs per call vs 28 µs with one thread under load). One thread keeps these
+busy. One thread keeps these
 tests fast and steady; results do not depend on it (greedy tokens are compared exactly).
 """
 

@@ -5,7 +5,7 @@ vLLM's CPU wheel carries its kernels built three ways (_C: AVX512-BF16, _C_AVX51
 picks one by asking torch.cpu what the CPU has (vllm/platforms/cpu.py, import_kernels); its
 attention and linear back-ends ask the same questions. Here torch.cpu answers no to AVX-512,
 AVX512-BF16/VNNI and AMX, so vLLM loads _C_AVX2 and takes the paths it takes on an AVX2-only CPU
-such as the AMD EPYC Zen 3 the CPU-speed issue was measured on. (torch's own kernels, oneDNN and
+such as an AMD EPYC Zen 3. (torch's own kernels, oneDNN and
 MKL are capped by environment variables in vllm_cpu.sh.)"""
 
 import torch.cpu

@@ -1,7 +1,7 @@
 """A fast read-only GGUF container reader: metadata, tensor table, memory-mapped tensor bytes.
 
-Why not `gguf.GGUFReader`: it builds a numpy view per string of the tokenizer arrays, ~2 s
-for SmolLM2's 49k tokens + 49k merges, on every open. We need only scalar metadata and the
+Why not `gguf.GGUFReader`: it builds a numpy view per string of the tokenizer arrays (SmolLM2's
+49k tokens + 49k merges), seconds on every open. We need only scalar metadata and the
 tensor table, so this parses the header with `struct`, skips string arrays, and leaves the
 formats (type ids, block sizes) and dequantization to the `gguf` package.
 Layout (GGUF v2/v3, little-endian): magic, version u32, tensor_count u64, kv_count u64,

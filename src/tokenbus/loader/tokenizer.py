@@ -29,7 +29,7 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     """A transformers tokenizer: `tokenizer` (a directory or .gguf file) if given, else the model's.
 
     For GGUF, transformers builds it (vocabulary, merges, chat template) from the file's metadata
-    (~3.5 s for SmolLM2); the result is saved once under the cache dir and loaded from there.
+    (seconds for SmolLM2); the result is saved once under the cache dir and loaded from there.
     """
     if tokenizer is not None:
         path = tokenizer_path(tokenizer)
@@ -78,8 +78,9 @@ GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 def _from_cache_entry(directory: Path):
     """A conversion saved above. When its tokenizer_config.json names the generic fast class
     (SmolLM2's does), that class loads it directly: the class AutoTokenizer would pick, without
-    AutoTokenizer's model-config machinery, which imports torch (1.2 s of a server's start-up,
-    whose API process needs no torch). Any other class goes through AutoTokenizer."""
+    AutoTokenizer's model-config machinery, which imports torch (a large share of a server's
+    start-up, benchmarks/startup_profile.py, whose API process needs no torch). Any other class
+    goes through AutoTokenizer."""
     import transformers
 
     name = read_json(directory / "tokenizer_config.json").get("tokenizer_class")
@@ -89,7 +90,7 @@ def _from_cache_entry(directory: Path):
 
 
 def _from_pretrained(directory: Path, gguf_file: str | None):
-    from transformers import AutoTokenizer  # lazy: importing transformers costs ~2 s
+    from transformers import AutoTokenizer  # lazy: importing transformers takes seconds
 
     where = directory / gguf_file if gguf_file else directory
     try:

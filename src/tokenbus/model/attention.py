@@ -51,8 +51,8 @@ from tokenbus.utils import cdiv
 logger = logging.getLogger(__name__)
 
 # Gathered K+V bytes per decode tile: big enough to amortise per-op overhead, small enough to
-# stay in cache between the gather and the SDPA that reads it. Measured on the 2-core machine
-# (SmolLM2, context 256, batch 16/64): 2 MiB beat 0.5, 1, 4, 8 MiB and one tile by 10-25 %.
+# stay in cache between the gather and the SDPA that reads it. benchmarks/decode_step.py
+# --tile-mib decides the size.
 DECODE_TILE_BYTES = 2 << 20
 # Requests with at most this many queries go to the native kernel's decode path, which reads K/V
 # once per (request, KV head) but computes scores row by row (on AVX-512 at head size 64, once per
@@ -402,7 +402,8 @@ def gather_blocks(
     """Copy out blocks: kv_cache [2, NB, bs, Hkv, D], block_ids [*] -> [2, len(block_ids) * bs, Hkv, D]
     in `dtype` (the queries', where the cache holds another: --kv-cache-dtype).
 
-    index_select over whole blocks (contiguous rows) measured 2-13x faster than kv_cache[:, ids].
+    index_select over whole blocks (contiguous rows) is faster than kv_cache[:, ids]
+    (benchmarks/attention_layer.py times the torch path).
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     rows = kv_cache.view(2, num_blocks, -1).index_select(

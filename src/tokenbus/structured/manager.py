@@ -21,7 +21,7 @@ from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import GrammarBitmask, SchedulerOutput
 from tokenbus.utils.log import log_safe
 
-if TYPE_CHECKING:  # xgrammar (~0.6 s with transformers) loads with the first grammar: backend.py
+if TYPE_CHECKING:  # xgrammar (slow to import) loads with the first grammar: backend.py
     import xgrammar as xgr
 
     from tokenbus.structured.backend import XgrammarBackend

@@ -10,7 +10,7 @@ the other slots instead of queueing behind it. Outcomes are remembered by spec (
 compile ends, also one that ended past its deadline, so a spec seen before is answered at once;
 requests with a spec that is being compiled wait for that compile instead of starting another.
 
-xgrammar (which imports torch and transformers: ~1.6 s) is imported with the first spec, not
+xgrammar (which imports torch and transformers: seconds) is imported with the first spec, not
 with this module: the API server imports this module, and its start-up is on the cold-start path.
 """
 
@@ -53,7 +53,7 @@ class StructuredOutputValidator:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._timeout_s = timeout_s
-        self._backend: XgrammarBackend | None = None  # built on first use: ~1 s of tokenizer work
+        self._backend: XgrammarBackend | None = None  # built on first use: slow tokenizer work
         self._backend_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
         # spec key → None (compiles) or the error message; and the compiles running, by spec key.
@@ -76,7 +76,7 @@ class StructuredOutputValidator:
                 self._running[key] = concurrent.futures.Future()
             future = self._running[key]
         if is_owner:
-            self._get_backend()  # its ~1 s of tokenizer work is not the spec's compile time
+            self._get_backend()  # its tokenizer work is not the spec's compile time
             # Waiting for a slot counts against the same deadline as the compile itself.
             if not self._slots.acquire(timeout=self._timeout_s):
                 error = CompileCapacityError(

@@ -207,25 +207,19 @@ def _read_pair(path: Path, sep: str | None, second: Path | None = None) -> float
         return None
 
 
-# libgomp's spin before a waiting thread sleeps (iterations). Its default (300k, ~1 ms) made a
-# c1 request 7.8x slower through the engine process than in-process with a CPU hog on one core
-# (spinning threads steal the shared core). 1k fixed that case, but costs a sleep and a wake
-# wherever a step's parallel regions come close together. 10k with a decode step's layers in C
-# used to cost the hogged case 2.7x; since then the thread governor (worker/thread_governor.py)
-# drops a thread when another process holds a core, and the hogged case measured 1.13x at 10k
-# (0.93x at 1k), while a quiet c16 run gained 21-24 % and c1's ITL p50 went 13.0-14.9 ->
-# 12.0-12.8 ms (Xeon under the AVX2 cap, benchmarks/serve_ab.sh and shared_cores.sh:
-# docs/benchmarks.md, "Eleventh session"; on AMX, c16 +10 % in the third session).
+# libgomp's spin before a waiting thread sleeps (iterations). Its default (300k) lets spinning
+# threads steal a core the engine shares with another process; too short a spin costs a sleep
+# and a wake wherever a step's parallel regions come close together. benchmarks/shared_cores.sh
+# (a CPU hog on one core) and benchmarks/serve_ab.sh (a quiet machine) decide the count.
 ENGINE_GOMP_SPINCOUNT = "10000"
 
 
 # oneDNN (the packed fp32/bf16 linears of model/layers/linear.py) builds a primitive per input
 # shape, and a step's shape is its token count, which changes from step to step. ideep
 # (LRU_CACHE_CAPACITY) and oneDNN (ONEDNN_PRIMITIVE_CACHE_CAPACITY) each keep 1024 of them by
-# default, ~0.5-1.5 MiB apiece, and one is freed only once both have dropped it: engine RSS
-# net of the KV pool rose 1.3 -> 2.1 GiB in a 6-minute soak with --quantization none, still
-# climbing (benchmarks/soak.py). 128 holds every decode batch size of a busy engine (5 linear
-# shapes each); a miss costs ~1 ms to rebuild a primitive.
+# default, and one is freed only once both have dropped it: with --quantization none the
+# engine's memory net of the KV pool kept climbing (benchmarks/soak.sh). 128 holds every decode
+# batch size of a busy engine (5 linear shapes each); a miss rebuilds a primitive.
 ENGINE_ONEDNN_CACHE_CAPACITY = "128"
 ONEDNN_CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 

@@ -74,8 +74,8 @@ def allocate_kv_caches(
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros whose pages become resident only when first written: numpy's zeros is calloc,
-    which maps fresh zero pages for large sizes, where torch.zeros writes every byte (a 2 GiB
-    pool cost ~0.4 s of start-up and 2 GiB of RSS before any request)."""
+    which maps fresh zero pages for large sizes, where torch.zeros writes every byte (the whole
+    pool's start-up time and RSS before any request: benchmarks/startup_profile.py)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     num_bytes = element_size * math.prod(shape)
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -1,8 +1,8 @@
 """`tokenbus serve`'s start-up up to the HTTP server: bind the port, spawn the EngineCore, and
 while it starts import the server (fastapi, the routes) on the thread that loads the tokenizer,
-so that import no longer precedes the engine's spawn (architecture.md, "Start-up"; the modules
-imported before the spawn took 0.50 s and take 0.20 s on a Sapphire Rapids guest:
-benchmarks/startup_profile.py). Nothing here imports fastapi or torch."""
+so that import no longer precedes the engine's spawn (architecture.md, "Start-up";
+benchmarks/startup_profile.py times what is imported before the spawn). Nothing here imports
+fastapi or torch."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """Linear layers: weights load in HF layout, then run through a kernel picked per device.
 
-Layout measured on the 2-core CPU machine (torch 2.13, SmolLM2 shapes, 30 layers so weights
-stream from memory): a oneDNN weight pre-packed once with `torch.ops.mkldnn._reorder_linear_weight`
-ran 1.3–3x faster than both `F.linear(x, w)` and `torch.mm(x, w_t)` at 1–64 rows in fp32 and
-1.25x at 256 (pre-transposed `torch.mm` was no faster than F.linear there); in bf16 it avoids
-F.linear's slow path (5x). So on CPU every linear runs packed when oneDNN supports the dtype
-on this CPU (bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU runs bf16
-through `F.linear`); elsewhere (CUDA, fp16 on CPU) it runs `F.linear`. The dense weight stays the source of truth
-(state_dict, `.to()`; re-run `finalize` after moving), at the cost of a second copy in memory. torch.compile cannot trace the opaque packed
-tensors: a traced forward uses the dense weight (F.linear); GGUF blocks go through the custom
-ops of model/native/ops.py.
+On CPU a oneDNN weight pre-packed once with `torch.ops.mkldnn._reorder_linear_weight` runs
+faster than both `F.linear(x, w)` and `torch.mm(x, w_t)` at decode and prefill sizes in fp32,
+and in bf16 it avoids F.linear's slow path (benchmarks/decode_step.py --linear-backend decides
+this). So on CPU every linear runs packed when oneDNN supports the dtype on this CPU (bf16
+packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU runs bf16 through
+`F.linear`); elsewhere (CUDA, fp16 on CPU) it runs `F.linear`. The dense weight stays the
+source of truth (state_dict, `.to()`; re-run `finalize` after moving), at the cost of a second
+copy in memory. torch.compile cannot trace the opaque packed tensors: a traced forward uses the
+dense weight (F.linear); GGUF blocks go through the custom ops of model/native/ops.py.
 """
 
 from __future__ import annotations

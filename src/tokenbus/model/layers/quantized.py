@@ -7,11 +7,11 @@ A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows, TILE_GEMV_MAX_ROWS on tiles) 
 kernel, which reads each weight block once for all rows: a Q4_1 weight streams 0.625 bytes per
 value instead of fp32's 4. On tiles its activations are fp32 (weight-only: equal to
 dequantize-then-matmul up to rounding), or rounded per 32 values to int16 (integer dot
-products: a step's linears 1.8x faster than fp32 tiles and 2.5x than GGUF rows, by
-benchmarks/quant_linear.py --step; the default, SmolLM2's logprobs stay within ~3e-4 of
-fp32's), or to int8 (llama.cpp's approach: a little faster, but ~1/254 of a block's largest
-value per activation, which 120 matmuls compound into greedy answers that differ from the
-model's: benchmarks/activation_error.py). A larger batch (a long prefill chunk) is
+products, the default: faster than fp32 tiles and GGUF rows while logprobs stay close to fp32's;
+benchmarks/quant_linear.py --step and benchmarks/activation_error.py measure both), or to int8
+(llama.cpp's approach: a little faster, but ~1/254 of a block's largest value per activation,
+which a model's many matmuls compound into greedy answers that differ from the model's:
+benchmarks/activation_error.py). A larger batch (a long prefill chunk) is
 compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
 and multiplied by an fp32 GEMM, so no dense copy is ever kept; on AVX2 and AVX-512 CPUs
 without a bf16 engine, under quant_activations=auto, it stays on int16 tiles instead (faster
@@ -20,9 +20,8 @@ there: GEMM_FROM_ROWS).
 On a CPU with AVX512-BF16, calls from BF16_AUTO_MIN_ROWS rows up (prefill chunks, and on AMX
 decode batches of 16+) take bf16 activations instead, at any size: each weight tile is
 dequantized once per call into bf16, x is rounded to bf16, and AMX tiles (or, without AMX,
-vdpbf16ps) sum the products in fp32 (quant_tiles.c). On AMX: 1.6x the int16 kernel at 16 rows,
-2.6x at 64, 3.8x the fp32 GEMM at 256; with vdpbf16ps (Zen 4): 1.1x int16 at 64 rows, 2.9x the
-fp32 GEMM at 256.
+vdpbf16ps) sum the products in fp32 (quant_tiles.c). benchmarks/quant_linear.py --step compares
+them with int16 tiles and with the fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -37,25 +36,17 @@ import torch
 from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, TILE_ROWS, QuantKernels
 
 # From how many rows a call on tiles takes bf16 activations under quant_activations=auto, per
-# bf16 engine (QuantKernels.bf16_engine). A SmolLM2 step's linears (benchmarks/quant_linear.py
-# --step, int16 vs bf16), on AMX (Sapphire Rapids): 6.8 vs 12.8 ms at 1 row, 14.4 vs 12.6 at 8,
-# 20.1 vs 12.9 at 16, 71 vs 27 at 64. They cross near 8 rows; from 16 bf16 wins clearly, and
-# below it int16's numerics, closer to fp32, are kept.
-# With AVX512-BF16 dot products instead (AMD Zen 4, no AMX), the same: 5.6 vs 15.4 ms at 1 row,
-# 25.6 vs 36.6 at 16, 47.6 vs 41.7 at 32, 86 vs 76 at 64, and at 256 rows 224 ms against the
-# fp32 GEMM's 641: the crossing is near 32.
+# bf16 engine (QuantKernels.bf16_engine): where bf16 overtakes int16 tiles, below which int16's
+# numerics, closer to fp32, are kept. benchmarks/quant_linear.py --step (int16 vs bf16 rows)
+# decides each threshold.
 BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 
 # Where no bf16 engine takes the big calls, from how many rows a call on tiles dequantizes its
 # weight for an fp32 GEMM instead (quant_activations=auto): past the decode-sized calls, except
-# on the tile ISAs listed here, where integer activations run at any size (quant_tiles.c takes
-# MAX_M rows at a time per tile). AVX2 (AMD EPYC Zen 3; benchmarks/quant_linear.py --step
-# --rows 64 256): a step's linears at 256 rows 650-658 ms on int16 tiles against 968-1,063 ms
-# dequantized for the GEMM, at 64 rows 154-162 against 311-418. AVX-512 without BF16 (Skylake-X,
-# Cascade Lake and Ice Lake Xeons; measured under TOKENBUS_CPU_ISA=avx512, no VNNI, with
-# MKL held to AVX-512): 78.7 against 157.8 ms at 64 rows, 307 against 409 at 256, 1,497 against
-# 1,738 at 1,024, 2,808 against 2,936 at 2,048 (the default chunk). With VNNI (Cascade Lake,
-# Ice Lake) an int16 multiply-add is one vpdpwssd instead of two instructions.
+# on the tile ISAs listed here, where integer activations stay ahead of the GEMM at any size
+# (quant_tiles.c takes MAX_M rows at a time per tile); benchmarks/quant_linear.py --step --rows
+# 64 256 2048 decides which ISAs belong. With VNNI an int16 multiply-add is one vpdpwssd
+# instead of two instructions.
 GEMM_FROM_ROWS = TILE_GEMV_MAX_ROWS + 1
 INT_TILES_ANY_ROWS_ISAS = ("avx2", "avx512")
 
@@ -127,8 +118,8 @@ def is_quantized(tensor: object) -> bool:
 
 def merge_shards(shards: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
     """Stack neighbouring shards of the same type (q/k/v, gate/up usually are): one kernel call
-    (one OpenMP region) per linear instead of one per shard. A decode step made 211 calls of
-    ~58 us each before; the rows are copied once, the originals dropped."""
+    (one OpenMP region) per linear instead of one per shard, each call paying a region's start-up;
+    the rows are copied once, the originals dropped."""
     merged: list[list[QuantizedWeight]] = []
     for shard in shards:
         if merged and merged[-1][0].qtype == shard.qtype and merged[-1][0].cols == shard.cols:
@@ -147,8 +138,8 @@ def merge_shards(shards: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
 class DequantBuffer:
     """The fp32 scratch that big-batch calls dequantize weights into: one per model (its
     linears run one at a time), reused, so a call does not page-fault a fresh buffer
-    (benchmarks/quant_linear.py: 4.6x faster for the 49152x576 LM head; ~1.1x for a 3072x576
-    layer weight, whose freed buffer the allocator mostly hands back anyway)."""
+    (benchmarks/quant_linear.py compares fresh and reused: it pays most for the large LM head;
+    a layer weight's freed buffer the allocator mostly hands back anyway)."""
 
     MAX_VALUES = 4 << 20  # 16 MiB: bigger weights (a tied LM head) go in row chunks
 

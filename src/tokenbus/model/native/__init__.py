@@ -260,11 +260,11 @@ _QUANT_SOURCE = Path(__file__).with_name("quant_matmul.c")
 _TILE_SOURCE = Path(__file__).with_name("quant_tiles.c")
 # Largest activation batch quant_matmul takes (MAX_M in quant_matmul.c).
 QUANT_MAX_ROWS = 64
-# Rows up to which the block kernel beats dequantize + GEMM (measured on the 2-core CPU at
-# SmolLM2's shapes, benchmarks/quant_linear.py).
+# Rows up to which the block kernel beats dequantize + GEMM, at SmolLM2's shapes:
+# benchmarks/quant_linear.py decides this threshold.
 QUANT_GEMV_MAX_ROWS = min(16, QUANT_MAX_ROWS)
-# Likewise on 16-row tiles with int16 activations: they win at every size the kernel takes (the
-# linears of a SmolLM2 step at 64 rows: 67 ms against 117 ms dequantizing for a GEMM).
+# Likewise on 16-row tiles with int16 activations: they win at every size the kernel takes
+# (benchmarks/quant_linear.py --step --rows 64 checks it against dequantize + GEMM).
 TILE_GEMV_MAX_ROWS = QUANT_MAX_ROWS
 
 

@@ -1,9 +1,9 @@
 /* One Llama decoder layer of a decode-sized step in one C call (tokenbus, model/native).
 
-   At one stream a layer's arithmetic takes ~150 us and the ~40 torch ops and ctypes calls
-   around it took another ~130 us of dispatch. Here the layer is the same kernels in sequence,
-   called through function pointers to the other native objects (quant_tiles.c,
-   paged_attention.c, fused_ops.c), with no Python in between:
+   At one stream the ~40 torch ops and ctypes calls around a layer's arithmetic cost about as
+   much again in dispatch (benchmarks/decode_profile.py --layer-by-layer shows it). Here the
+   layer is the same kernels in sequence, called through function pointers to the other native
+   objects (quant_tiles.c, paged_attention.c, fused_ops.c), with no Python in between:
 
      h, residual = add_rms_norm(x, residual) * input_norm
      qkv         = h @ Wqkv.T (+ bias)                  tiled Q8_0/Q4_0/Q4_1; x fp32, int16, int8, bf16

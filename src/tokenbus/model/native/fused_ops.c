@@ -1,7 +1,7 @@
 /* The elementwise steps of a decoder layer in fp32, one C call each (tokenbus, model/native).
 
    At decode sizes (a few rows of 576 values) torch spends more time dispatching than computing:
-   F.rms_norm alone is six ATen ops (~8 us a call at one row), the rotate-half rotary five, SiLU
+   F.rms_norm alone is six ATen ops, the rotate-half rotary five, SiLU
    times up three. Each of these is one loop here. Built like the other kernels (-O3
    -march=<cpu> -ffast-math): the sums are reordered, so results match torch to rounding, not bit
    for bit. Rows are independent; OpenMP splits them when there are enough (prefill).

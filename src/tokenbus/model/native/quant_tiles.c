@@ -91,9 +91,8 @@ int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out)
 #include "tile_vectors.h"
 
 /* Tile-blocks a thread asks the memory system for ahead of the one it multiplies: a decode
-   step streams every weight once, and the hardware prefetcher alone did not keep it fed (AMD
-   EPYC Zen 3, benchmarks/cpu_speed.py, alternated: tg128 85.5-88.9 tok/s against 63.4-69.3
-   without; an ad-hoc timing of 4 and 16 ahead was no better). Prefetches never fault, so the
+   step streams every weight once, and the hardware prefetcher alone did not keep it fed
+   (benchmarks/cpu_speed.py's tg128 decides the distance). Prefetches never fault, so the
    last blocks' run past the end harmlessly. */
 #define PREFETCH_AHEAD 8
 static inline void prefetch_ahead(const uint8_t *tb, int64_t tbb) {
@@ -140,8 +139,8 @@ static inline void quantize_block(const float *xb, float levels, int *v, float *
 #if defined(__AVX512F__)
     /* The same arithmetic 16 lanes at a time: the max is exact in any order, x * id is rounded
        by MXCSR's mode (nearest-even, as lrintf rounds), the integer sum is exact. A decode step
-       rounds ~100k values per row of x on the main thread while the other waits (~3.5 % of a
-       batch-16 run's samples in the scalar loop; no end-to-end change measured). */
+       rounds every value of x on the main thread while the other waits (the scalar loop showed
+       in a batch-16 profile, benchmarks/step_breakdown.py under perf). */
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     const float id = amax > 0.0f ? levels / amax : 0.0f;
@@ -250,11 +249,11 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
    there (pair products, int16 pairs to int32, the add), two of them on the multiplier. A Q4 quant
    is at most 15 and |qa| <= 127, so an int16 lane of pair products is at most 2 * 15 * 127 = 3810
    and the 8 of a block sum to at most 30480: they are added as int16 and widened once per block,
-   9 multiplier instructions per row and block instead of 16 (a SmolLM2 step's linears at 64 rows,
-   LM head included: 92-107 ms against 126-132, quant_linear.py --step under the AVX2 cap on a
-   Sapphire Rapids-class Xeon). The sums are the same integers as vi_dot's, so
-   every output is the same bits as tile_q8a's. A lone row would be one chain of dependent int16
-   adds (latency-bound), so tile_q8a keeps calls of fewer than 8 rows and the last M % Q4A_ROWS. */
+   9 multiplier instructions per row and block instead of 16 (benchmarks/quant_linear.py --step
+   --rows 64 under TOKENBUS_CPU_ISA=avx2 measures the gain). The sums are the same integers as
+   vi_dot's, so every output is the same bits as tile_q8a's. A lone row would be one chain of
+   dependent int16 adds (latency-bound), so tile_q8a keeps calls of fewer than 8 rows and the
+   last M % Q4A_ROWS. */
 #if !VI_DOT_VNNI
 #define Q4A_ROWS 4
 static void tile_q4a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, int64_t tbb, const int8_t *qa,
@@ -308,8 +307,8 @@ static void tile_q4a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
    group of 4 activations is stored (a0, a2, a1, a3): the two pairs are two broadcast dwords. */
 /* A block's 32 rounded values (|v| <= 32767) as int16 in that order: each group of 4 swaps its
    middle two (a shuffle within 128-bit lanes, then a narrowing that keeps the order). Vector
-   code where the scalar stores had cost ~3 % of an AVX2 c16 run's samples (step_breakdown.py
-   under perf, docs/benchmarks.md "Eleventh session"). */
+   code because the scalar stores showed up in a c16 run's profile (benchmarks/step_breakdown.py
+   under perf). */
 static inline void store_q16(const int *v, int16_t *dst) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     for (int i = 0; i < 2; i++) {
@@ -345,7 +344,7 @@ static void quantize_rows_q16(const float *x, int64_t M, int64_t ldx, int64_t K,
    int16 weight groups w: out[r] = the integer dots of row r (a, row stride lda bytes). The rows
    go R at a time so that each w[p] is read once per R rows, not once per row: on AVX2 the 16
    groups are 32 ymm, twice the register file, and a row at a time spent more load slots than
-   dot products (a step's linears at 16 rows 1.7x slower than the int8 kernel's). Q16_ROWS
+   dot products (slower than the int8 kernel: quant_linear.py --step --rows 16). Q16_ROWS
    chains in all, C per row: vpdpwssd (VNNI) has 5 cycles of latency on its accumulator. */
 #define Q16_ROWS 4
 static inline __attribute__((always_inline)) void q16_dots(const vi *w, const int8_t *a, int64_t lda, int R,
@@ -910,12 +909,12 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
            Slices of MAX_M rows outer, tiles inner: a slice's rounded rows (72-192 KiB at
            SmolLM2's widths) stay in L1/L2 while every tile of W passes them once. Tiles outer
            re-read all M rows per 16-column tile: at 512 rows, 576 KiB a tile out of L2 (more
-           than a Zen 3's whole L2). A step's int16 linears at 512 rows under the AVX2 cap:
-           987 ms against 1334 (quant_linear.py --step --baseline 69c0ca3, docs/benchmarks.md).
+           than a Zen 3's whole L2). benchmarks/quant_linear.py --step --rows 512 --baseline REV
+           compares the two orders.
            No barrier between slices (nowait): a slice's tiles write rows no other slice
            writes, so a thread done with its share of one slice goes on to the next.
            The loop body is the tiles-outer one's, unchanged: one loop over (slice, tile) pairs
-           instead made GCC compile tile_q16a's many-row path ~7 % slower at 64 rows. */
+           instead made GCC compile tile_q16a's many-row path slower (quant_linear.py --step). */
 #pragma omp parallel num_threads(num_threads)
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int64_t rows = M - m0 < MAX_M ? M - m0 : MAX_M;

@@ -1,5 +1,6 @@
-"""Speculative decoding (DESIGN.md idea 8): proposers draft tokens, the target verifies them in
-one forward, the rejection sampler keeps the target distribution exactly."""
+"""Speculative decoding (docs/architecture.md, "The ten ideas"): proposers draft tokens, the
+target verifies them in one forward, the rejection sampler keeps the target distribution
+exactly."""
 
 from tokenbus.worker.spec_decode.metadata import SpecDecodeMetadata, expand_sampling_rows
 from tokenbus.worker.spec_decode.proposer import Proposer, draft_cap, make_proposer
