@@ -19,7 +19,7 @@ def main() -> None:
     marks = [("start", time.perf_counter())]
     from tokenbus.api.openai import launch
     from tokenbus.config import EngineArgs
-    from tokenbus.engine import core_client
+    from tokenbus.engine import client_factory
     from tokenbus.engine import setup as engine_setup
 
     marks.append(("import the start-up's modules", time.perf_counter()))
@@ -37,9 +37,9 @@ def main() -> None:
         return run
 
     engine_setup.create_tokenizer = timed("tokenizer", engine_setup.create_tokenizer)
-    core_client.make_engine_core_client = timed("engine", core_client.make_engine_core_client)
+    client_factory.make_engine_core_client = timed("engine", client_factory.make_engine_core_client)
     server_import = timed("server", lambda: importlib.import_module(launch.SERVER_MODULE))
-    _, client = core_client.start_engine(
+    _, client = client_factory.start_engine(
         setup, multiprocess=True, asyncio_mode=True, while_starting=server_import
     )
     marks.append(("both", time.perf_counter()))

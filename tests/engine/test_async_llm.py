@@ -22,7 +22,7 @@ from tests.fixtures.engine import (
     make_word_tokenizer,
 )
 from tokenbus.engine.async_llm import AsyncLLM
-from tokenbus.engine.core_client import make_engine_core_client
+from tokenbus.engine.client_factory import make_engine_core_client
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.stats import IterationStats
 from tokenbus.sampling_params import SamplingParams

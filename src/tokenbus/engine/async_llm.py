@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokenbus.config import EngineArgs
-from tokenbus.engine.core_client import EngineCoreClient, start_engine
+from tokenbus.engine.client_factory import start_engine
+from tokenbus.engine.core_client import EngineCoreClient
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.llm_engine import child_request_ids, register_children

@@ -6,19 +6,18 @@
     AsyncMPClient      asyncio, engine in its own process (the server)          — mp_client.py
     DPLBClient         both,    N engine processes, load-balanced (data parallel) — dp_client.py
 
-Use `make_engine_core_client` to pick one; `start_engine` also loads the tokenizer.
+`client_factory.make_engine_core_client` picks one; `client_factory.start_engine` also loads the
+tokenizer. This module imports neither subclass module (tests/engine/test_client_imports.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import faulthandler
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -306,94 +305,3 @@ class AsyncInprocClient(EngineCoreClient):
         if self._thread.is_alive():
             self._inputs.put((RequestType.SHUTDOWN, None))
             self._thread.join(timeout=10.0)
-
-
-def make_engine_core_client(
-    setup: EngineSetup,
-    *,
-    multiprocess: bool,
-    asyncio_mode: bool,
-    engine_factory: EngineFactory | None = None,
-    ready_timeout_s: float | None = None,
-    after_spawn: Callable[[], None] | None = None,
-) -> EngineCoreClient:
-    """Pick the client for a front end (sync LLMEngine or asyncio AsyncLLM) and a process layout.
-    `after_spawn`: called once the engine processes have started, before waiting for them."""
-    from tokenbus.engine.core_proc import make_engine_core
-
-    factory = engine_factory or make_engine_core
-    num_engines = setup.config.parallel.data_parallel_size
-    if num_engines > 1:
-        if not multiprocess:
-            raise ValueError(
-                f"data_parallel_size={num_engines} runs each engine in its own process; "
-                "it cannot be combined with an in-process engine (multiprocess=False, "
-                "--engine-in-process)"
-            )
-        from tokenbus.engine.dp_client import DPLBClient
-
-        return DPLBClient(
-            setup,
-            factory,
-            asyncio_mode=asyncio_mode,
-            ready_timeout_s=ready_timeout_s,
-            after_spawn=after_spawn,
-        )
-    if not multiprocess:
-        return (
-            AsyncInprocClient(setup, factory)
-            if asyncio_mode
-            else InprocClient(setup, factory(setup))
-        )
-    from tokenbus.engine.mp_client import AsyncMPClient, SyncMPClient
-
-    cls = AsyncMPClient if asyncio_mode else SyncMPClient
-    return cls(setup, factory, ready_timeout_s=ready_timeout_s, after_spawn=after_spawn)
-
-
-def start_engine(
-    setup: EngineSetup,
-    *,
-    multiprocess: bool,
-    asyncio_mode: bool,
-    ready_timeout_s: float | None = None,
-    while_starting: Callable[[], object] | None = None,
-) -> tuple[Any, EngineCoreClient]:
-    """The tokenizer and a ready client. An engine in its own process(es) starts while this
-    process loads the tokenizer on a thread: its ~1.5 s (the transformers and torch imports, then
-    the files) overlaps the engine's start-up instead of preceding it, the largest cut in a
-    server's cold start. `while_starting` runs on that thread next (the server's imports:
-    api/openai/launch.py). An engine in this process is built after the tokenizer, and
-    `while_starting` is not called."""
-    from tokenbus.engine.setup import create_tokenizer
-
-    if not multiprocess:
-        tokenizer = create_tokenizer(setup)
-        return tokenizer, make_engine_core_client(
-            setup, multiprocess=False, asyncio_mode=asyncio_mode, ready_timeout_s=ready_timeout_s
-        )
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-        pending: list[concurrent.futures.Future] = []
-
-        def after_spawn() -> None:
-            pending.append(pool.submit(create_tokenizer, setup))
-            if while_starting is not None:
-                pending.append(pool.submit(while_starting))
-
-        # Submitted once the engine has spawned: spawning briefly sets the engine's environment
-        # (OpenMP, oneDNN) in this process, which a torch import on the thread must not read.
-        client = make_engine_core_client(
-            setup,
-            multiprocess=True,
-            asyncio_mode=asyncio_mode,
-            ready_timeout_s=ready_timeout_s,
-            after_spawn=after_spawn,
-        )
-        try:
-            tokenizer = pending[0].result()
-            for job in pending[1:]:
-                job.result()
-            return tokenizer, client
-        except BaseException:
-            client.shutdown()
-            raise

@@ -153,10 +153,6 @@ class DPLBClient(EngineCoreClient):
         for client in self.clients:
             client.dump_engine_stacks()
 
-    def engine_stats(self) -> list[SchedulerStats | None]:
-        """Each engine's last reported stats (tests, the load balancer's view)."""
-        return list(self._stats)
-
 
 def _for_engine(setup: EngineSetup, index: int) -> EngineSetup:
     parallel = dataclasses.replace(setup.config.parallel, data_parallel_rank=index)

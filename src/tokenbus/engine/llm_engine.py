@@ -11,7 +11,8 @@ from contextlib import contextmanager
 
 from tokenbus.config import EngineArgs
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
-from tokenbus.engine.core_client import EngineCoreClient, start_engine
+from tokenbus.engine.client_factory import start_engine
+from tokenbus.engine.core_client import EngineCoreClient
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from tokenbus.engine.outputs import RequestMetrics, RequestOutput

@@ -11,7 +11,7 @@ import importlib.util
 
 from tokenbus.api.openai.server_config import ServerConfig
 from tokenbus.config import EngineArgs
-from tokenbus.engine.core_client import start_engine
+from tokenbus.engine.client_factory import start_engine
 from tokenbus.engine.setup import create_engine_setup
 from tokenbus.utils.net import bind_socket
 
