@@ -1,6 +1,6 @@
 """Eager vs captured decode steps in one run: CUDA graphs on CUDA; on CPU the default step (each
-decoder layer in one C call, model/native/decode_layer.c) and the compiled one. "eager" is
---enforce-eager: every layer op by op.
+decoder layer in one C call, model/native/decode_layer.c). "eager" is --enforce-eager: every
+layer op by op.
 
 1. Step latency: `batch` decode requests of `--context` cached tokens (random K/V, shuffled
    blocks) through the worker's own path (prepare_batch -> forward -> compute_logits of the
@@ -9,14 +9,11 @@ decoder layer in one C call, model/native/decode_layer.c) and the compiled one. 
 2. Single-request decode: tokens/s of one greedy request (--gen-tokens tokens) through LLM
    (scheduler, sampler and all, the EngineCore in this process): --enforce-eager, the default
    (on CPU: C layers) and --cudagraph-capture-sizes 1.
-3. Start-up: LLM construction time in fresh processes on an empty cache dir (cold: every
-   graph compiled), then again on the same dir (warm: loaded), for the same modes.
-4. --aoti (CPU): the batch-1 step exported (torch.export) and compiled into an AOTInductor
-   package, against eager and the C layers, interleaved as in 1; plus the package's compile and
-   load times. The exported graph reaches the native kernels through the same custom ops.
+3. Start-up: LLM construction time in fresh processes on an empty cache dir (cold), then
+   again on the same dir (warm), for the same modes.
 
     python benchmarks/captured_decode.py [--quantization auto|none] [--batches 1 8 16 64]
-        [--device cpu|cuda] [--threads 2] [--rounds 20] [--skip-e2e] [--skip-startup] [--aoti]
+        [--device cpu|cuda] [--threads 2] [--rounds 20] [--skip-e2e] [--skip-startup]
 """
 
 from __future__ import annotations
@@ -109,141 +106,27 @@ def plain_step(model, requests, buffers, block_size: int, kv):
     return step
 
 
-def aoti_step(args) -> dict:
-    """Batch 1: eager vs C layers vs an AOTInductor package of the static decode step."""
-    import dataclasses
-
-    from tokenbus.model.attention import NativeDecodePlan
-    from tokenbus.worker.input_batch import prepare_batch
-
-    model, eager_model, arch, config, kv, buffers = build(args)
-    bs = config.cache.block_size
-    requests = make_requests(1, args.context, bs, kv[0].shape[1], arch.vocab_size, 1)
-    template = prepare_batch(requests, buffers, bs, kv, padded_size=1).ctx
-    template.attn_metadata = model.attention_backend.prepare_for_capture(template)
-    num_tokens = template.attn_metadata.num_tokens
-
-    class Step(torch.nn.Module):  # the step's tensors as flat inputs, as torch.export takes them
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(
-            self,
-            input_ids,
-            positions,
-            slot_mapping,
-            block_tables,
-            seq_lens_t,
-            query_start_t,
-            plan_query_start,
-            plan_seq_lens,
-            plan_block_tables,
-            plan_reqs,
-            *kv_caches,
-        ):
-            ctx = dataclasses.replace(
-                template,
-                positions=positions,
-                slot_mapping=slot_mapping,
-                kv_caches=list(kv_caches),
-                block_tables=block_tables,
-                seq_lens_t=seq_lens_t,
-                query_start_loc_t=query_start_t,
-            )
-            ctx.attn_metadata = NativeDecodePlan(
-                num_tokens, plan_query_start, plan_seq_lens, plan_block_tables, plan_reqs
-            )
-            return self.model(input_ids, ctx)
-
-    def flat_inputs():
-        batch = prepare_batch(requests, buffers, bs, kv, padded_size=1)
-        ctx, plan = batch.ctx, model.attention_backend.prepare_for_replay(batch.ctx, 1)
-        return batch, (
-            batch.input_ids,
-            ctx.positions,
-            ctx.slot_mapping,
-            ctx.block_tables,
-            ctx.seq_lens_t,
-            ctx.query_start_loc_t,
-            plan.query_start,
-            plan.seq_lens,
-            plan.block_tables,
-            plan.reqs,
-            *kv,
-        )
-
-    with tempfile.TemporaryDirectory() as out_dir, torch.inference_mode():
-        start = time.perf_counter()
-        exported = torch.export.export(Step(), flat_inputs()[1], strict=False)
-        package = torch._inductor.aoti_compile_and_package(
-            exported, package_path=os.path.join(out_dir, "step.pt2")
-        )
-        compile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        runner = torch._inductor.aoti_load_package(package)
-        load_s = time.perf_counter() - start
-
-        def aoti():
-            batch, inputs = flat_inputs()
-            return model.compute_logits(runner(*inputs)[: batch.num_tokens][batch.logits_indices])
-
-        modes = {
-            "eager": plain_step(eager_model, requests, buffers, bs, kv),
-            "c_layers": plain_step(model, requests, buffers, bs, kv),
-            "aoti": aoti,
-        }
-        diff = (modes["eager"]() - aoti()).abs().max().item()
-        times = {name: [] for name in modes}
-        for _ in range(3):
-            for fn in modes.values():
-                fn()
-        for _ in range(args.rounds):
-            for name, fn in modes.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(
-        f"AOTInductor package, batch 1: compile {compile_s:.1f} s, load {load_s:.2f} s; "
-        + "  ".join(
-            f"{name} {med[name]:.2f} ms (x{med['eager'] / med[name]:.2f})" for name in modes
-        )
-        + f"  max |dlogit| aoti vs eager {diff:.1e}",
-        flush=True,
-    )
-    return dict(
-        compile_s=compile_s,
-        load_s=load_s,
-        **{f"{k}_ms": v for k, v in med.items()},
-        max_abs_logit_diff=diff,
-    )
-
-
 def step_latency(args) -> list[dict]:
     from tokenbus.worker.captured_step import CapturedSteps
     from tokenbus.worker.input_batch import prepare_batch
 
     model, eager_model, arch, config, kv, buffers = build(args)
     bs = config.cache.block_size
-    if args.device == "cuda":
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:  # CPUs capture nothing (worker/captured_step.py): eager against the C layers
         from tokenbus.worker.cuda_graphs import CudaGraphRunner
 
         runner = CudaGraphRunner(model, torch.device("cuda"))
-    else:
-        from tokenbus.worker.compiled_cpu import CompiledCpuRunner
-
-        runner = CompiledCpuRunner(model, config)
-    steps = CapturedSteps(
-        model, runner, config.compilation.cudagraph_capture_sizes, buffers, bs, kv
-    )
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        steps.capture_all()
-        sync()
-        capture_s = time.perf_counter() - start
-    print(f"captured sizes {list(steps.dispatcher.sizes)} in {capture_s:.1f} s", flush=True)
+        steps = CapturedSteps(
+            model, runner, config.compilation.cudagraph_capture_sizes, buffers, bs, kv
+        )
+        with torch.inference_mode():
+            start = time.perf_counter()
+            steps.capture_all()
+            sync()
+            capture_s = time.perf_counter() - start
+        print(f"captured sizes {list(steps.dispatcher.sizes)} in {capture_s:.1f} s", flush=True)
     results = []
     for batch_size in args.batches:
         requests = make_requests(
@@ -256,8 +139,10 @@ def step_latency(args) -> list[dict]:
             )
             return model.compute_logits(steps.run(batch)[: batch.num_tokens][batch.logits_indices])
 
-        modes = {"eager": plain_step(eager_model, requests, buffers, bs, kv), "captured": captured}
-        if args.device == "cpu":
+        modes = {"eager": plain_step(eager_model, requests, buffers, bs, kv)}
+        if cuda:
+            modes["captured"] = captured
+        else:
             modes["c_layers"] = plain_step(model, requests, buffers, bs, kv)
         times = {name: [] for name in modes}
         with torch.inference_mode():
@@ -302,13 +187,15 @@ import torch
 from tokenbus import LLM, SamplingParams
 args = json.loads(sys.argv[1])
 t0 = time.perf_counter()
-llm = LLM(args["model"], multiprocess=False, enable_prefix_caching=False, max_model_len=args["max_model_len"],
-          max_num_seqs=args["max_num_seqs"], quantization=args["quantization"], device=args["device"],
+llm = LLM(args["model"], multiprocess=False, enable_prefix_caching=False,
+          max_model_len=args["max_model_len"], max_num_seqs=args["max_num_seqs"],
+          quantization=args["quantization"], device=args["device"],
           num_threads=args.get("threads"), **args["mode"])
 start_s = time.perf_counter() - t0
 out = {"start_s": start_s}
 if args["gen_tokens"]:
-    params = SamplingParams(temperature=0.0, max_tokens=args["gen_tokens"], min_tokens=args["gen_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args["gen_tokens"],
+                            min_tokens=args["gen_tokens"], ignore_eos=True)
     request = [{"prompt_token_ids": [1234, 567, 89]}]
     llm.generate(request, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     best = 0.0
@@ -362,9 +249,6 @@ def main() -> None:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
-    parser.add_argument(
-        "--aoti", action="store_true", help="also an AOTInductor package of the batch-1 step (CPU)"
-    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -379,16 +263,15 @@ def main() -> None:
     report: dict = {"device": args.device, "quantization": args.quantization}
     if not args.skip_latency:
         report["latency"] = step_latency(args)
-    if args.aoti:
-        report["aoti"] = aoti_step(args)
     eager, default, captured = dict(enforce_eager=True), {}, dict(cudagraph_capture_sizes=[1])
+    modes = {"eager": eager, "default": default}
+    if args.device == "cuda":  # on CPU the default is the C layers and nothing is captured
+        modes["captured"] = captured
     with tempfile.TemporaryDirectory() as cache:
         if not args.skip_e2e:
-            # Warm the captured engine's compile cache first: this part measures steady decode.
-            run_llm(args, captured, cache, 0)
             rates = {
                 name: run_llm(args, mode, cache, args.gen_tokens)["tok_s"]
-                for name, mode in (("eager", eager), ("default", default), ("captured", captured))
+                for name, mode in modes.items()
             }
             report["single_request_tok_s"] = rates
             print(
@@ -402,12 +285,7 @@ def main() -> None:
     if not args.skip_startup:
         with tempfile.TemporaryDirectory() as cache:
             run_llm(args, eager, cache, 0)  # the native kernels built: not what is measured here
-            start = {
-                "eager": run_llm(args, eager, cache, 0)["start_s"],
-                "default": run_llm(args, default, cache, 0)["start_s"],
-                "captured_cold": run_llm(args, captured, cache, 0)["start_s"],
-                "captured_warm": run_llm(args, captured, cache, 0)["start_s"],
-            }
+            start = {name: run_llm(args, mode, cache, 0)["start_s"] for name, mode in modes.items()}
         report["startup_s"] = start
         print(
             "start-up: "

@@ -275,7 +275,7 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> tup
 @dataclass(frozen=True)
 class CompilationConfig:
     """Captured decode steps (DESIGN idea 6): uniform decode batches padded to a capture size
-    run a recorded step (CUDA graphs on CUDA, a compiled forward on CPU); others run eagerly."""
+    replay a CUDA graph; others run eagerly (as every CPU step does)."""
 
     enforce_eager: bool = (
         False  # never capture: every step runs op by op (on CPU: no C decode layers either)
@@ -448,12 +448,12 @@ class EngineArgs:
     enforce_eager: bool = _arg(
         False,
         "never capture decode steps: every step runs op by op (no CUDA graphs on "
-        "CUDA; on CPU no compiled step and no decoder layer per C call)",
+        "CUDA; on CPU no decoder layer per C call)",
     )
     cudagraph_capture_sizes: list[int] | str | None = _arg(
         None,
-        "decode batch sizes to capture, strictly increasing (default: 1 2 4 8, then steps of 8 "
-        "up to --max-num-seqs); larger and mixed prefill batches run eagerly",
+        "decode batch sizes to capture as CUDA graphs, strictly increasing (default: 1 2 4 8, "
+        "then steps of 8 up to --max-num-seqs); larger and mixed prefill batches run eagerly",
         nargs="+",
     )
     attention_backend: str = _arg(

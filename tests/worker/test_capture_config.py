@@ -96,3 +96,22 @@ def test_padding_rows_use_the_null_block_and_are_never_sampled():
     assert ctx.positions.data_ptr() == buffers.staged["positions"].device.data_ptr()
     with pytest.raises(ValueError, match="only a batch of single-token decodes"):
         prepare_batch([ScheduledRequest(states[0], 2, [])], buffers, 4, kv, padded_size=4)
+
+
+def test_dispatcher_pads_uniform_decodes_only():
+    from tokenbus.worker.captured_step import CaptureDispatcher
+
+    dispatcher = CaptureDispatcher((1, 2, 4))
+    state = CachedRequestState("x", [1, 2, 3], [], SamplingParams(), [1], 2)
+    decode, chunk = ScheduledRequest(state, 1, []), ScheduledRequest(state, 2, [])
+    verify = ScheduledRequest(state, 1, [5])
+    assert [dispatcher.padded_size([decode] * n) for n in (1, 2, 3, 4, 5)] == [
+        1,
+        2,
+        4,
+        4,
+        None,
+    ]
+    assert dispatcher.padded_size([decode, chunk]) is None
+    assert dispatcher.padded_size([verify]) is None
+    assert dispatcher.padded_size([]) is None

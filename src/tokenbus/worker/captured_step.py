@@ -1,13 +1,14 @@
-"""Captured decode steps (DESIGN idea 6), the device-agnostic half (L3).
+"""Captured decode steps (docs/architecture.md), the device-agnostic half (L3).
 
 A uniform decode batch (every scheduled request computes exactly one token) of at most the
 largest capture size is padded up to the next capture size and run through a step recorded
-at warm-up: a CUDA graph on CUDA (worker/cuda_graphs.py), a torch.compile'd forward on CPU
-(worker/compiled_cpu.py). Padding requests (prepare_batch's `padded_size`) write their K/V to
-the null block, read nothing else, and are never sampled. Every other batch (prefill chunks,
-spec-decode verification, larger batches) runs eagerly, as does every step with
---enforce-eager, a KV connector (its per-layer hooks are Python) or, on CPU, tensor
-parallelism (collectives are not traced).
+at warm-up: a CUDA graph (worker/cuda_graphs.py). Padding requests (prepare_batch's
+`padded_size`) write their K/V to the null block, read nothing else, and are never sampled.
+Every other batch (prefill chunks, spec-decode verification, larger batches) runs eagerly, as
+does every step with --enforce-eager or a KV connector (its per-layer hooks are Python). CPUs
+capture nothing: their decode steps run each decoder layer in one C call
+(model/native/decode_layer.c), which beat a torch.compile'd step at every batch size measured
+(benchmarks/captured_decode.py).
 
 The dispatcher is the single source of truth: `padded_size(requests)` says whether a step is
 captured and at which size; the runners trust it.
@@ -50,7 +51,8 @@ class StepRunner(Protocol):
     """A device's way of recording and replaying the forward of one padded batch size."""
 
     def capture(self, size: int, batch: PreparedBatch) -> None:
-        """Record the forward of `batch` (all padding, `size` tokens) over the persistent buffers."""
+        """Record the forward of `batch` (all padding, `size` tokens) over the persistent
+        buffers."""
 
     def replay(self, size: int, batch: PreparedBatch) -> torch.Tensor:
         """Final hidden states [size, hidden] of `batch` (padded to `size`, attention
@@ -80,7 +82,8 @@ class CapturedSteps:
         return self.dispatcher.padded_size(requests)
 
     def capture_all(self) -> None:
-        """Largest first (a CUDA graph pool is sized by the first capture, smaller ones reuse it)."""
+        """Largest first (a CUDA graph pool is sized by the first capture, smaller ones reuse
+        it)."""
         for size in reversed(self.dispatcher.sizes):
             batch = prepare_batch(
                 [], self.buffers, self.block_size, self.kv_caches, padded_size=size
@@ -95,16 +98,6 @@ class CapturedSteps:
         return self.runner.replay(size, batch)
 
 
-# On CPU the default capture sizes are not compiled: measured on the 2-core Xeon (docs/
-# benchmarks.md, benchmarks/captured_decode.py), a compiled step was at most ~1.1x an eager one
-# with the default GGUF weights (the quantized GEMV kernel is most of a step and compiling does
-# not touch it), and it costs a compile at every start (tens of seconds cold, seconds warm).
-# Listing --cudagraph-capture-sizes compiles them (dense fp32 weights measured faster at batch
-# 1) — except for a model whose decode steps run their layers in C (model/native/
-# decode_layer.c: 1.53x eager at batch 1, 1.24x at 16, against the compiled step's 0.90-0.99x).
-CPU_CAPTURES_BY_DEFAULT = False
-
-
 def capture_disabled_reason(
     config: EngineConfig, device: torch.device, model: torch.nn.Module | None = None
 ) -> str | None:
@@ -114,20 +107,11 @@ def capture_disabled_reason(
     if not config.compilation.cudagraph_capture_sizes:
         return "no capture sizes"
     if device.type == "cpu" and getattr(model, "decodes_in_c", False):
-        return (
-            "each decoder layer of a decode step runs in one C call, faster than a compiled step at "
-            'every batch size measured (docs/benchmarks.md, "Captured decode steps")'
-        )
-    if device.type == "cpu" and not (
-        config.compilation.capture_sizes_explicit or CPU_CAPTURES_BY_DEFAULT
-    ):
-        return "on CPU a compiled step runs only for sizes listed with --cudagraph-capture-sizes"
+        return "each decoder layer of a decode step runs in one C call instead"
+    if device.type != "cuda":
+        return f"captured steps are CUDA graphs; none on {device.type}"
     if config.kv_transfer is not None:
         return "a KV connector is configured (its per-layer hooks run in Python)"
-    if device.type == "cpu" and config.parallel.tensor_parallel_size > 1:
-        return "tensor parallelism on CPU (gloo collectives are not compiled)"
-    if device.type not in ("cpu", "cuda"):
-        return f"no captured steps on {device.type}"
     return None
 
 
@@ -140,40 +124,33 @@ def make_captured_steps(
 ) -> CapturedSteps | None:
     """Capture every size now; None (eager steps) when disabled or, for default sizes, when
     capturing fails (one warning naming the cause). With explicit --cudagraph-capture-sizes a
-    failure is an error."""
+    failure is an error, and sizes that cannot be captured here are said in a warning."""
     reason = capture_disabled_reason(config, device, model)
     if reason is not None:
-        logger.info("captured decode steps off: %s", reason)
+        if config.compilation.capture_sizes_explicit:
+            logger.warning("--cudagraph-capture-sizes has no effect: %s", reason)
+        else:
+            logger.info("captured decode steps off: %s", reason)
         return None
     sizes = config.compilation.cudagraph_capture_sizes
     try:
-        if device.type == "cuda":
-            from tokenbus.worker.cuda_graphs import CudaGraphRunner
+        from tokenbus.worker.cuda_graphs import CudaGraphRunner
 
-            runner: StepRunner = CudaGraphRunner(model, device)
-        else:
-            from tokenbus.worker.compiled_cpu import CompiledCpuRunner
-
-            runner = CompiledCpuRunner(model, config)
+        runner: StepRunner = CudaGraphRunner(model, device)
         steps = CapturedSteps(model, runner, sizes, buffers, config.cache.block_size, kv_caches)
         steps.capture_all()
-    except Exception as exc:  # noqa: BLE001 - any failure to capture/compile falls back or fails clearly
-        what = "CUDA graph capture" if device.type == "cuda" else "compiling the decode step"
+    except Exception as exc:  # noqa: BLE001 - any failure to capture falls back or fails clearly
         if config.compilation.capture_sizes_explicit:
             raise RuntimeError(
-                f"{what} failed for --cudagraph-capture-sizes {list(sizes)}: "
+                f"CUDA graph capture failed for --cudagraph-capture-sizes {list(sizes)}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         logger.warning(
-            "%s failed, running every step eagerly (--enforce-eager silences this): %s: %s",
-            what,
+            "CUDA graph capture failed, running every step eagerly (--enforce-eager silences "
+            "this): %s: %s",
             type(exc).__name__,
             exc,
         )
         return None
-    logger.info(
-        "captured decode steps for batch sizes %s (%s)",
-        list(sizes),
-        "CUDA graphs" if device.type == "cuda" else "compiled on CPU",
-    )
+    logger.info("captured decode steps for batch sizes %s (CUDA graphs)", list(sizes))
     return steps
