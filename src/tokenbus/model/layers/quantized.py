@@ -70,9 +70,6 @@ class TileModes:
         return "gemm" if self.gemm_from_rows and rows >= self.gemm_from_rows else self.activations
 
 
-from tokenbus.model.native import ops as native_ops
-
-
 class QuantizedWeight(Protocol):
     """One matrix in GGUF blocks (the loader's QuantizedWeight satisfies it)."""
 
@@ -176,8 +173,6 @@ class QuantizedLinearKernel:
         self.modes = TileModes()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return self._traced(x)
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
         start, mode = 0, self.modes.mode(flat.shape[0])
@@ -188,21 +183,6 @@ class QuantizedLinearKernel:
             start += shard.rows
         if self.bias is not None:
             out += self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def _traced(self, x: torch.Tensor) -> torch.Tensor:
-        """The same arithmetic through custom ops that torch.compile traces (native/ops.py)."""
-        flat = x.reshape(-1, self.in_features).float()  # [M, K]
-        mode = self.modes.mode(flat.shape[0])
-        parts = [
-            native_ops.quant_matmul(
-                flat, shard.data, shard.qtype, shard.cols, shard.rows, shard.tiled, mode
-            )
-            for shard in self.shards
-        ]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
-        if self.bias is not None:
-            out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -268,8 +248,4 @@ def quantized_embedding(
     kernels: QuantKernels, weight: QuantizedWeight, input_ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Rows `input_ids` of a quantized embedding table as [T, hidden] in `dtype`."""
-    if torch.compiler.is_compiling():
-        return native_ops.dequant_rows(
-            weight.data, weight.qtype, weight.cols, weight.rows, weight.tiled, input_ids
-        ).to(dtype)
     return dequantize_weight(kernels, weight, input_ids).to(dtype)

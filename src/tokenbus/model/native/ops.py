@@ -4,12 +4,10 @@ one opaque node instead of breaking the graph at a ctypes call.
 
     tokenbus::write_kv(kv_cache!, k, v, slot_mapping)             (in place, see attention.write_kv)
     tokenbus::paged_attention(q, kv_cache, block_tables, query_start, seq_lens, reqs, scale) -> out
-    tokenbus::quant_matmul(x, w, qtype, cols) -> x @ W.T         (W in GGUF blocks, fp32 x/out)
-    tokenbus::dequant_rows(w, qtype, cols, rows) -> W[rows]      (fp32)
 
 Eager code calls the kernels directly (a custom op's dispatch costs microseconds per call, and
-a decode step makes ~150 of them); the compiled and captured paths call these. The kernels are
-loaded on first call, once per process.
+a decode step makes ~150 of them); the static decode plan (attention.NativeDecodePlan) calls
+these. The kernel is loaded on first call, once per process.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import functools
 
 import torch
 
-from tokenbus.model.native import PagedAttentionKernel, QuantKernels, check_indices
+from tokenbus.model.native import PagedAttentionKernel, check_indices
 
 
 @functools.cache
@@ -26,13 +24,6 @@ def _attention_kernel() -> PagedAttentionKernel:
     from tokenbus.model.native import load_paged_attention
 
     return load_paged_attention()
-
-
-@functools.cache
-def _quant_kernels() -> QuantKernels:
-    from tokenbus.model.native import load_quant_kernels
-
-    return load_quant_kernels()
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -92,49 +83,3 @@ def paged_attention(
 @paged_attention.register_fake
 def _(q, kv_cache, block_tables, query_start, seq_lens, reqs, scale):
     return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("tokenbus::quant_matmul", mutates_args=(), device_types="cpu")
-def quant_matmul(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    qtype: int,
-    cols: int,
-    rows: int,
-    tiled: bool,
-    activations: str,
-) -> torch.Tensor:
-    """x [M, cols] fp32 @ W.T -> [M, rows] fp32, W of GGML type `qtype` in GGUF rows (uint8
-    [rows, row_bytes]) or `tiled` (layers/quantized.KernelWeight): layers/quantized.shard_matmul."""
-    from tokenbus.model.layers.quantized import DequantBuffer, KernelWeight, shard_matmul
-
-    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    shard_matmul(
-        _quant_kernels(),
-        KernelWeight(qtype, w, cols, rows, tiled),
-        x.contiguous(),
-        out,
-        activations,
-        DequantBuffer(),
-    )
-    return out
-
-
-@quant_matmul.register_fake
-def _(x, w, qtype, cols, rows, tiled, activations):
-    return x.new_empty(x.shape[0], rows, dtype=torch.float32)
-
-
-@torch.library.custom_op("tokenbus::dequant_rows", mutates_args=(), device_types="cpu")
-def dequant_rows(
-    w: torch.Tensor, qtype: int, cols: int, num_rows: int, tiled: bool, rows: torch.Tensor
-) -> torch.Tensor:
-    """fp32 [len(rows), cols]: the given rows (int64 ids) of W (as quant_matmul's)."""
-    from tokenbus.model.layers.quantized import KernelWeight, dequantize_weight
-
-    return dequantize_weight(_quant_kernels(), KernelWeight(qtype, w, cols, num_rows, tiled), rows)
-
-
-@dequant_rows.register_fake
-def _(w, qtype, cols, num_rows, tiled, rows):
-    return w.new_empty(rows.shape[0], cols, dtype=torch.float32)
