@@ -482,8 +482,7 @@ class EngineArgs:
     num_threads: int | None = _arg(
         None,
         "torch threads per rank on CPU; default: the usable cores "
-        "(affinity, cgroup quota) / ranks, and with one rank fewer "
-        "while other processes share the cores",
+        "(affinity, cgroup quota) / ranks",
     )
     pooler: str = _arg(
         "last",

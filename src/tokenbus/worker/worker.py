@@ -14,13 +14,12 @@ from tokenbus.kv_transfer.layout import kv_layout
 from tokenbus.loader import ModelSource
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils import cdiv
-from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus, usable_affinity_cpus
+from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
 from tokenbus.worker.captured_step import CapturedSteps, capture_disabled_reason
 from tokenbus.worker.input_batch import InputBuffers
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.worker.model_builder import load_model
 from tokenbus.worker.model_runner import ModelRunner
-from tokenbus.worker.thread_governor import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,6 @@ class Worker:
         self.tp = SINGLE
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
-        self.governor: ThreadGovernor | None = None  # CPU threads that follow the free cores
 
     @property
     def rank_arch(self) -> ModelArch:
@@ -95,8 +93,6 @@ class Worker:
             )
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(self.config))
-            if governs_threads(self.config) and torch.get_num_threads() > 1:
-                self.governor = ThreadGovernor(torch.get_num_threads())
         self.dtype = getattr(torch, self.config.model.dtype)
         self.kv_dtype = getattr(torch, self.config.cache.kv_cache_dtype)
         torch.manual_seed(self.config.model.seed)
@@ -222,15 +218,7 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs the step (and samples the same tokens from the same gathered
         logits, so their request states stay equal); only rank 0 reports it."""
-        if self.governor is not None and (threads := self.governor.begin_step()) != (
-            before := torch.get_num_threads()
-        ):
-            reason = "other processes share these cores" if threads < before else "a core came free"
-            logger.info("CPU threads %d -> %d (%s)", before, threads, reason)
-            torch.set_num_threads(threads)
         output = self.runner.execute_model(scheduler_output)
-        if self.governor is not None:
-            self.governor.end_step()
         return output if self.rank == 0 else None
 
     def check_health(self) -> None:
@@ -251,21 +239,6 @@ def cpu_threads(config: EngineConfig) -> int:
     ranks = config.parallel.world_size * config.parallel.data_parallel_size
     return max(1, available_cpus() // ranks)
 
-
-def governs_threads(config: EngineConfig) -> bool:
-    """Whether a CPU rank's thread count may follow the free cores (worker/thread_governor.py).
-    Not when the user chose it; not for tensor-parallel ranks (they meet at every all-reduce)
-    or data-parallel engines (they would all answer the same signal at once); not under a cgroup
-    quota below the affinity mask (the mask's idle CPUs are not ours to take); not with
-    compiled CPU steps (a compiled graph keeps the count it was compiled with)."""
-    parallel = config.parallel
-    return (
-        config.model.num_threads is None
-        and parallel.world_size == 1
-        and parallel.data_parallel_size == 1
-        and available_cpus() >= usable_affinity_cpus()
-        and not config.compilation.capture_sizes_explicit
-    )
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
