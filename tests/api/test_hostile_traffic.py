@@ -232,9 +232,8 @@ def test_template_errors_are_400_not_500(client, engine):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_lone_surrogate_is_a_400_before_any_stream_starts(client, engine, stream):
-    body = '{"prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"], "stream": %s}' % json.dumps(
-        stream
-    )
+    stop = '["\\ud800"]'  # a lone surrogate, escaped in the JSON text itself
+    body = f'{{"prompt": "hi", "max_tokens": 2, "stop": {stop}, "stream": {json.dumps(stream)}}}'
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert "stop[0]" in assert_error(r, 400, "stop")["message"]
     chat = '{"messages": [{"role": "user", "content": "a\\udfffb"}]}'

@@ -44,7 +44,7 @@ def parse_size(value: "int | float | str | None") -> int | None:
         "t": 1 << 40,
         "b": 1,
     }
-    for suffix, scale in units.items():
+    for suffix, scale in units.items():  # noqa: B007 - `scale` is read after the break
         if text.endswith(suffix):
             number = text[: -len(suffix)]
             break

@@ -59,9 +59,11 @@ class Executor(ABC):
         """Raise if a worker is dead or unhealthy."""
         self.collective_rpc("check_health")
 
-    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+    # A no-op default, not abstract: executors whose workers can die alone override it.
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:  # noqa: B027
         """`callback()` runs (in another thread) as soon as a worker dies, so an idle engine
         learns of it without waiting for its next step. In-process workers cannot die alone."""
 
-    def shutdown(self) -> None:
+    # A no-op default, not abstract: executors with something to stop override it.
+    def shutdown(self) -> None:  # noqa: B027
         """Stop every worker; safe to call twice."""
