@@ -170,8 +170,9 @@ def main() -> None:
         differing = [f for f in first if f is not None] or "-"
         share = f"; {shares[mode]:.1%} of blocks rounded to int16" if mode in shares else ""
         print(
-            f"{mode}: {same}/{len(QUESTIONS)} greedy answers equal fp32's (first difference at token "
-            f"{differing}); per-token logprob |diff| mean {sum(diffs) / len(diffs):.2e}, "
+            f"{mode}: {same}/{len(QUESTIONS)} greedy answers equal fp32's "
+            f"(first difference at token {differing}); "
+            f"per-token logprob |diff| mean {sum(diffs) / len(diffs):.2e}, "
             f"max {max(diffs):.2e} over {len(diffs)} tokens{share}"
         )
 

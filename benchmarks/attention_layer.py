@@ -7,7 +7,8 @@ and, for reference, the GB/s of a plain `torch.sum` streaming a ~176 MB fp32 ten
 --baseline REV also times git revision REV's kernel (its paged_attention.c and headers), the
 paths taking turns call by call: a kernel change against the build before it on a noisy machine
 (REV's entry points must take today's arguments).
-Usage: python benchmarks/attention_layer.py [--batch 64] [--context 450] [--threads 2] [--dtype float32]
+Usage: python benchmarks/attention_layer.py [--batch 64] [--context 450] [--threads 2]
+    [--dtype float32]
        [--kv-dtype float16] [--baseline REV]
 """
 

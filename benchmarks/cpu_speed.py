@@ -2,7 +2,8 @@
 measured the way llama-bench measures them, with llama-bench in the same run.
 
     .venv/bin/python benchmarks/cpu_speed.py [--quantization auto|gguf|none]
-        [--quant-activations auto|int16|int8|fp32] [--enforce-eager] [--num-threads N] [--peer] [--reps 3]
+        [--quant-activations auto|int16|int8|fp32] [--enforce-eager] [--num-threads N] [--peer]
+        [--reps 3]
 
 tg128: 128 greedy tokens after a 1-token prompt, timed as (time for 129 tokens) - (time for 1),
 so prefill is excluded, as llama-bench's tg test has no prompt. pp512: a 512-token random prompt
@@ -61,7 +62,8 @@ def main() -> None:
     pp = min(timed(llm, long, 1) for _ in range(args.reps))
     llm.shutdown()
     print(
-        f"tokenbus quantization={args.quantization} dtype={args.dtype} quant_activations={args.quant_activations} "
+        f"tokenbus quantization={args.quantization} dtype={args.dtype} "
+        f"quant_activations={args.quant_activations} "
         f"enforce_eager={args.enforce_eager} num_threads={args.num_threads}: "
         f"tg128 {128 / tg:.1f} tok/s, pp512 {512 / pp:.1f} tok/s"
     )

@@ -1,8 +1,10 @@
-"""Decode-step time of SmolLM2-135M on the CPU (--dtype, default fp32) with tokenbus' model + paged attention.
+"""Decode-step time of SmolLM2-135M on the CPU (--dtype, default fp32) with tokenbus' model +
+paged attention.
 
 Each of `batch` requests has `context` tokens in the paged cache (random K/V, shuffled blocks);
 one step = model forward of `batch` single-token queries + compute_logits for those rows.
-Usage: python benchmarks/decode_step.py [--batches 1 16 64] [--context 256] [--steps 10] [--dtype float32] [--profile]
+Usage: python benchmarks/decode_step.py [--batches 1 16 64] [--context 256] [--steps 10]
+    [--dtype float32] [--profile]
 """
 
 import argparse
@@ -97,7 +99,8 @@ def main():
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
         med = statistics.median(times)
         print(
-            f"batch {batch:3d} context {args.context}: step {med * 1e3:7.1f} ms (min {min(times) * 1e3:.1f})  {batch / med:7.1f} tok/s",
+            f"batch {batch:3d} context {args.context}: step {med * 1e3:7.1f} ms "
+            f"(min {min(times) * 1e3:.1f})  {batch / med:7.1f} tok/s",
             flush=True,
         )
 

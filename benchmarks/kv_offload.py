@@ -9,7 +9,8 @@ Engines: off; the CPU tier only; the CPU and disk tiers. For each:
            their own, 16 greedy output tokens, submitted together: wall time, and the seconds the
            connector spent saving (the cost of offloading when the pool needs no help).
   recall   one prompt of the prefix + 32 tokens, 1 output token, run again after
-           reset_prefix_cache() (as if the pool had evicted it): off recomputes it, the tiers load it.
+           reset_prefix_cache() (as if the pool had evicted it): off recomputes it, the tiers
+           load it.
 Then the disk engine is shut down and a fresh one runs the recall prompt: the restart case.
 """
 

@@ -161,7 +161,8 @@ def main() -> int:
         )
         rows.append(row)
         print(
-            f"trial {trial}: system prompt {num_tokens} tokens; TTFT no connector {baseline * 1e3:.0f} ms, "
+            f"trial {trial}: system prompt {num_tokens} tokens; "
+            f"TTFT no connector {baseline * 1e3:.0f} ms, "
             f"cold {cold * 1e3:.0f} ms (cached {cold_cached}), after restart {warm * 1e3:.0f} ms "
             f"(cached {warm_cached}): {cold / warm:.1f}x",
             flush=True,
@@ -172,7 +173,8 @@ def main() -> int:
     }
     summary["speedup_median"] = summary["cold_s"] / summary["warm_s"]
     print(
-        f"median TTFT: no connector {summary['no_connector_s'] * 1e3:.0f} ms, cold {summary['cold_s'] * 1e3:.0f} ms, "
+        f"median TTFT: no connector {summary['no_connector_s'] * 1e3:.0f} ms, "
+        f"cold {summary['cold_s'] * 1e3:.0f} ms, "
         f"warm after restart {summary['warm_s'] * 1e3:.0f} ms: {summary['speedup_median']:.1f}x"
     )
     if ns.output_json:

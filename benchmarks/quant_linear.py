@@ -2,7 +2,8 @@
 dequantize + GEMM path, per activation row count; and dequantizing into a fresh tensor vs a
 reused one (2 threads). --step: a whole decode step's linears (30 layers + the LM head, distinct
 weights, so they stream from memory as in a real step) per row count, on GGUF rows and on 16-row
-tiles with fp32, int16, int8 and (AVX512-BF16: AMX or dot products) bf16 activations, against dequantize + GEMM.
+tiles with fp32, int16, int8 and (AVX512-BF16: AMX or dot products) bf16 activations, against
+dequantize + GEMM.
 
     .venv/bin/python benchmarks/quant_linear.py [--step]
     .venv/bin/python benchmarks/quant_linear.py --step --rows 1 16 --kernels int16 --repeats 15
@@ -20,7 +21,8 @@ layer shape and row count: how near a compute-bound prefill chunk is to that pee
 of --repeats rounds: a kernel change against the build before it on a noisy machine (REV's
 tile_* entry points must take today's arguments).
 
-    .venv/bin/python benchmarks/quant_linear.py --step --rows 1 64 --kernels int16 --repeats 10 --baseline main
+    .venv/bin/python benchmarks/quant_linear.py --step --rows 1 64 --kernels int16 --repeats 10 \
+      --baseline main
 
 --threads N [N ...] (with --step): the tile cells at each thread count, in turns (1 2: what a
 second core adds to a kernel); the other cells stay at 2 threads.
@@ -32,8 +34,8 @@ GEMM peer's prefill) against the core's FMA rate, and the two issue rates' ratio
 int16 tiles can lead that peer by where both are compute-bound. Where the CPU itself has AVX-512
 (the cap aside), the same rates at 512 bits: FMA, vpmaddwd + vpaddd, and VNNI's vpdpwssd.
 
-    TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-      .venv/bin/python benchmarks/quant_linear.py --peak
+    TOKENBUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+      MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python benchmarks/quant_linear.py --peak
 
     .venv/bin/python benchmarks/quant_linear.py --against-bf16-gemm
 """
@@ -215,9 +217,10 @@ def against_bf16_gemm(kernels, row_counts=(16, 64, 256, 512), repeats: int = 5) 
             peer = min(per_call(lambda: F.linear(xb, weight), 20) for _ in range(repeats))
             flop = 2 * m * n * k
             print(
-                f"{n}x{k} rows={m}: tiles bf16 {ours * 1e3:.3f} ms ({flop / ours / 1e9:.0f} GFLOP/s), "
-                f"torch bf16 F.linear {peer * 1e3:.3f} ms ({flop / peer / 1e9:.0f} GFLOP/s), ours / torch "
-                f"{peer / ours:.2f}x"
+                f"{n}x{k} rows={m}: "
+                f"tiles bf16 {ours * 1e3:.3f} ms ({flop / ours / 1e9:.0f} GFLOP/s), "
+                f"torch bf16 F.linear {peer * 1e3:.3f} ms ({flop / peer / 1e9:.0f} GFLOP/s), "
+                f"ours / torch {peer / ours:.2f}x"
             )
 
 
@@ -276,9 +279,10 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
     rate = {name: macs / best[name] / 1e9 for name, macs, _ in cases}
     int16_rate, fma_rate = rate["vpmaddwd + vpaddd chains"], rate["vfmadd231ps chains"]
     print(
-        f"one thread, {rows} rows: int16 multiply-add issue rate {int16_rate:.1f} G/s (int8 can pass it: "
-        f"a vpmaddubsw takes 32 products); fp32 FMA rate {fma_rate:.1f} G/s; their ratio "
-        f"{int16_rate / fma_rate:.2f}: the most int16 tiles can lead an fp32 GEMM where both are compute-bound"
+        f"one thread, {rows} rows: int16 multiply-add issue rate {int16_rate:.1f} G/s "
+        f"(int8 can pass it: a vpmaddubsw takes 32 products); fp32 FMA rate {fma_rate:.1f} G/s; "
+        f"their ratio {int16_rate / fma_rate:.2f}: the most int16 tiles can lead an fp32 GEMM "
+        "where both are compute-bound"
     )
     for name, _, _ in cases[:-2]:
         ceiling = fma_rate if name.startswith("oneDNN") else int16_rate
@@ -287,9 +291,8 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
             f"{'FMA' if name.startswith('oneDNN') else 'int16'} rate"
         )
     for n, k in ((3072, 576), (576, 1536)):
-        print(
-            f"{n}x{k}: int16 tiles / oneDNN fp32 {rate[f'tiles int16 {n}x{k}'] / rate[f'oneDNN fp32 {n}x{k}']:.2f}x"
-        )
+        ratio = rate[f"tiles int16 {n}x{k}"] / rate[f"oneDNN fp32 {n}x{k}"]
+        print(f"{n}x{k}: int16 tiles / oneDNN fp32 {ratio:.2f}x")
     zmm_rates(lib, rounds)
 
 
@@ -401,7 +404,8 @@ def main() -> None:
                 f"{qtype.name} {rows}x{cols} rows={m}: block kernel {t_quant * 1e3:.3f} ms, "
                 + "".join(f"tiles {mode} {t * 1e3:.3f} ms, " for mode, t in t_tiles.items())
                 + f"dequantize+GEMM {t_gemm * 1e3:.3f} ms, oneDNN fp32 {t_dense * 1e3:.3f} ms "
-                f"(fp32 / block kernel {t_dense / t_quant:.2f}, / int16 tiles {t_dense / t_tiles['int16']:.2f})"
+                f"(fp32 / block kernel {t_dense / t_quant:.2f}, "
+                f"/ int16 tiles {t_dense / t_tiles['int16']:.2f})"
             )
         scratch = torch.empty(
             rows, cols

@@ -391,7 +391,8 @@ def print_sample(s: Sample) -> None:
     by_kind = " ".join(f"{k}={s.requests.get(k, 0)}" for k in KINDS)
     print(
         f"{s.t:7.0f} {s.engine_rss_mib:11.1f} {s.engine_kv_rss_mib:8.1f} {s.engine_net_mib:8.1f} "
-        f"{s.server_rss_mib:11.1f} {sum(s.requests.values()):9d} {sum(s.errors.values()):7d}  {by_kind}",
+        f"{s.server_rss_mib:11.1f} {sum(s.requests.values()):9d} "
+        f"{sum(s.errors.values()):7d}  {by_kind}",
         flush=True,
     )
 

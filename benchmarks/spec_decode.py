@@ -1,7 +1,8 @@
 """Speculative decoding on vs off, same run, same model (default: SmolLM2-135M-Instruct).
 
     python benchmarks/spec_decode.py                                   # n-gram, k=4
-    python benchmarks/spec_decode.py --spec '{"method": "draft_model", "draft_layers": 20, "num_speculative_tokens": 3}'
+    python benchmarks/spec_decode.py \
+        --spec '{"method": "draft_model", "draft_layers": 20, "num_speculative_tokens": 3}'
 
 Three workloads, greedy (outputs are identical on and off, so both produce the same tokens):
   copy     single requests that repeat or lightly edit text (and code) given in the prompt
@@ -25,17 +26,18 @@ from tokenbus.bench.report import machine_description
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 
 SOLAR = (
-    "Solar panels convert sunlight into electricity using photovoltaic cells. When light hits a cell, "
-    "it knocks electrons loose from their atoms, and the flow of those electrons is an electric current. "
-    "Most home systems connect to the grid, so extra power can be sold back during the day and bought "
-    "again at night. Panels last about twenty-five years and need little care beyond the occasional "
-    "cleaning."
+    "Solar panels convert sunlight into electricity using photovoltaic cells. When light hits a "
+    "cell, it knocks electrons loose from their atoms, and the flow of those electrons is an "
+    "electric current. Most home systems connect to the grid, so extra power can be sold back "
+    "during the day and bought again at night. Panels last about twenty-five years and need "
+    "little care beyond the occasional cleaning."
 )
 BREAD = (
-    "To bake a simple loaf of bread, mix five hundred grams of flour with ten grams of salt and seven "
-    "grams of dried yeast. Add three hundred and fifty millilitres of warm water and knead the dough for "
-    "ten minutes until it is smooth and elastic. Leave it to rise in a warm place for an hour, shape it "
-    "into a loaf, let it rise again, and bake it at two hundred and twenty degrees for thirty minutes."
+    "To bake a simple loaf of bread, mix five hundred grams of flour with ten grams of salt and "
+    "seven grams of dried yeast. Add three hundred and fifty millilitres of warm water and knead "
+    "the dough for ten minutes until it is smooth and elastic. Leave it to rise in a warm place "
+    "for an hour, shape it into a loaf, let it rise again, and bake it at two hundred and twenty "
+    "degrees for thirty minutes."
 )
 TYPOS = (
     SOLAR.replace("electricity", "electrisity")

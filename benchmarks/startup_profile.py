@@ -51,10 +51,11 @@ def main() -> None:
         )
     )
     print(
-        f"then, side by side: EngineCore process ready after {done['engine'] - spawned:.2f} s; on a thread, "
-        f"tokenizer loaded after {done['tokenizer'] - spawned:.2f} s, the HTTP server's modules imported after "
-        f"{done['server'] - spawned:.2f} s (torch {'already' if torch_before else 'not yet'} imported when the "
-        f"engine was spawned)"
+        "then, side by side: EngineCore process ready after "
+        f"{done['engine'] - spawned:.2f} s; on a thread, tokenizer loaded after "
+        f"{done['tokenizer'] - spawned:.2f} s, the HTTP server's modules imported after "
+        f"{done['server'] - spawned:.2f} s (torch {'already' if torch_before else 'not yet'} "
+        "imported when the engine was spawned)"
     )
 
 

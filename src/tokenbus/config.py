@@ -60,8 +60,9 @@ class ModelConfig:
     max_logprobs: int = 20
     # auto: the native CPU kernel (model/native) on CPU in fp32/bf16 when it builds, else torch
     attention_backend: str = "auto"
-    # gguf: GGUF weights stay in their blocks (native kernels; their activations: quant_activations);
-    # none: dequantized to `dtype` at load; auto: gguf for a GGUF model on CPU, else none.
+    # gguf: GGUF weights stay in their blocks (native kernels; their activations:
+    # quant_activations); none: dequantized to `dtype` at load; auto: gguf for a GGUF model on
+    # CPU, else none.
     quantization: str = "auto"
     # The activations of decode-sized calls on Q8_0/Q4_0/Q4_1 blocks kept quantized: rounded per
     # 32 values to int16 (integer dot products: greedy answers kept, logprobs close to fp32's)
@@ -91,7 +92,8 @@ class ModelConfig:
             )
         if self.quant_activations not in QUANT_ACTIVATIONS:
             raise ValueError(
-                f"quant_activations must be one of {QUANT_ACTIVATIONS}, got {self.quant_activations!r}"
+                f"quant_activations must be one of {QUANT_ACTIVATIONS}, "
+                f"got {self.quant_activations!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -274,7 +276,7 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> tup
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """Captured decode steps (DESIGN idea 6): uniform decode batches padded to a capture size
+    """Captured decode steps (docs/architecture.md): uniform decode batches padded to a capture size
     replay a CUDA graph; others run eagerly (as every CPU step does)."""
 
     enforce_eager: bool = (

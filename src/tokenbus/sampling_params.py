@@ -18,7 +18,8 @@ GENERATION_CONFIG_FIELDS = {
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Exactly one constraint: a JSON schema, a regex, a choice list, an EBNF grammar or any JSON."""
+    """Exactly one constraint: a JSON schema, a regex, a choice list, an EBNF grammar or any
+    JSON."""
 
     json: dict | str | None = None
     regex: str | None = None

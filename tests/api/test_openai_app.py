@@ -487,7 +487,8 @@ def test_metrics_exposition(client):
         f"tokenbus:num_preemptions_total{{{labels}}} 1.0",
         f"tokenbus:prompt_tokens_total{{{labels}}} 10.0",
         f"tokenbus:generation_tokens_total{{{labels}}} 4.0",
-        f'tokenbus:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} 1.0',
+        "tokenbus:request_success_total"
+        f'{{engine="0",finished_reason="stop",model_name="{MODEL}"}} 1.0',
         f"tokenbus:time_to_first_token_seconds_count{{{labels}}} 1.0",
         f"tokenbus:inter_token_latency_seconds_count{{{labels}}} 2.0",
         f"tokenbus:e2e_request_latency_seconds_count{{{labels}}} 1.0",

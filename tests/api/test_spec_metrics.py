@@ -20,5 +20,8 @@ def test_spec_decode_counters_exported_per_position():
     text = generate_latest(registry).decode()
     assert 'tokenbus:spec_decode_num_drafts_total{engine="0",model_name="m"} 4.0' in text
     assert 'tokenbus:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 10.0' in text
-    per_pos = 'tokenbus:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 2.0'
+    per_pos = (
+        "tokenbus:spec_decode_num_accepted_tokens_per_pos_total"
+        '{engine="0",model_name="m",position="2"} 2.0'
+    )
     assert per_pos in text

@@ -36,20 +36,23 @@ ASK = [{"role": "user", "content": "Weather?"}]
     [
         (
             "hermes",
-            'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            "Sure.<tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
             "Sure.",
             [("get_weather", {"city": "Paris"})],
         ),
         (
             "hermes",
-            '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
+            '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
             None,
             [("a", {}), ("b", {"x": 1})],
         ),
         ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
         (
             "llama3_json",
-            '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
+            '{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+            '{"name": "get_time", "parameters": {}}',
             None,
             [("get_weather", {"city": "Rome"}), ("get_time", {})],
         ),
@@ -105,7 +108,10 @@ def _reassemble(events: list) -> tuple[str, list[dict], str | None]:
 
 @pytest.mark.parametrize("stream_first", [False, True])
 def test_auto_with_hermes_parser_streamed_and_not(stream_first):
-    script = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    script = (
+        "Let me check.<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
     engine, client = _client(script, enable_auto_tool_choice=True, tool_call_parser="hermes")
     with client:
         body = {"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 200}

@@ -156,7 +156,8 @@ def test_failed_synchronous_load_recomputes_or_fails_and_evicts_the_bad_block(po
     assert a.status == RequestStatus.PREEMPTED and a.kv_load_failed
     so, outputs = _step(sched)
     assert so.preempted_req_ids == {"a"}
-    # Block 1 (loaded fine, cached) is a prefix hit; the rest is computed, not asked of the connector.
+    # Block 1 (loaded fine, cached) is a prefix hit; the rest is computed, not asked of the
+    # connector.
     assert so.scheduled_new_reqs[0].num_computed_tokens == 16
     assert so.num_scheduled_tokens == {"a": 24}
     assert outputs[0].new_token_ids == [7]

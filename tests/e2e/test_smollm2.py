@@ -1,4 +1,5 @@
-"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same GGUF."""
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same
+GGUF."""
 
 from __future__ import annotations
 

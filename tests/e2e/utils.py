@@ -8,7 +8,8 @@ from tokenbus import LLM
 
 
 def make_llm(model=None, **engine_args) -> LLM:
-    """An LLM with its EngineCore in this process (fast; the multi-process path has its own tests)."""
+    """An LLM with its EngineCore in this process (fast; the multi-process path has its own
+    tests)."""
     engine_args.setdefault("seed", 0)
     engine_args.setdefault("multiprocess", False)
     return LLM(None if model is None else str(model), **engine_args)

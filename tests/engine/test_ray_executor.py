@@ -134,7 +134,8 @@ def _group_alive(pgid: int) -> bool:
 ATTACH_SCRIPT = """
 import json, sys
 from tests.engine.test_ray_executor import ray_tokens
-print("TOKENS", json.dumps(ray_tokens(sys.argv[1], json.loads(sys.argv[2]), ray_address=sys.argv[3])))
+tokens = ray_tokens(sys.argv[1], json.loads(sys.argv[2]), ray_address=sys.argv[3])
+print("TOKENS", json.dumps(tokens))
 """
 
 

@@ -35,7 +35,8 @@ def bf16_kernels(engine: str):
     """Quant kernels whose bf16 activations run on `engine`, or a skip naming what is missing."""
     if not DETECTED.is_x86 or not DETECTED.has("avx512_bf16"):
         pytest.skip(
-            f"bf16 tiles need AVX512-BF16 (and AMX for the AMX engine); this CPU: {DETECTED.describe()}"
+            "bf16 tiles need AVX512-BF16 (and AMX for the AMX engine); "
+            f"this CPU: {DETECTED.describe()}"
         )
     cap = ENGINES[engine]
     kernels = load_quant_kernels(CpuFeatures(_capped(DETECTED.flags, cap), cap))
@@ -113,7 +114,8 @@ def test_quant_activations_choose_bf16_only_with_an_engine():
     assert quant_activation_modes("auto", dp) == TileModes(
         "int16", BF16_AUTO_MIN_ROWS["avx512_bf16"], GEMM_FROM_ROWS
     )
-    # no bf16 engine: int16 tiles at any size (AVX-512 and AVX2); a scalar build dequantizes past decode sizes
+    # no bf16 engine: int16 tiles at any size (AVX-512 and AVX2); a scalar build dequantizes past
+    # decode sizes
     assert quant_activation_modes("auto", none) == TileModes("int16", 0, 0)
     assert quant_activation_modes("auto", avx2) == TileModes("int16", 0, 0)
     assert quant_activation_modes("auto", baseline) == TileModes("int16", 0, GEMM_FROM_ROWS)

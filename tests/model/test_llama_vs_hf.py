@@ -1,4 +1,5 @@
-"""Our Llama-family model through the paged KV cache vs HF transformers on the same weights (fp32)."""
+"""Our Llama-family model through the paged KV cache vs HF transformers on the same weights
+(fp32)."""
 
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def test_decodes_in_several_tiles_match_hf(pair, monkeypatch):
 
 
 def test_padded_decode_rows_stay_finite_and_harmless(pair):
-    """A captured-graph step pads decodes with rows of seq_len 0 writing to the null block (slot 0)."""
+    """A captured-graph step pads decodes with rows of seq_len 0 writing to the null block
+    (slot 0)."""
     ours, hf = pair
     kv = PagedKV.for_model(ours)
     run(ours, kv, [("a", SEQS["a"][:-1])])
@@ -158,7 +160,8 @@ def test_padded_decode_rows_stay_finite_and_harmless(pair):
 
 
 def test_first_n_layers_is_the_truncated_model(pair):
-    """num_layers=1: layer 0 + final norm + head (self-speculative draft); its K/V equal the full model's."""
+    """num_layers=1: layer 0 + final norm + head (self-speculative draft); its K/V equal the full
+    model's."""
     ours, hf = pair
     ids = SEQS["d"]
     draft_kv, full_kv = PagedKV.for_model(ours, seed=1), PagedKV.for_model(ours, seed=1)

@@ -1,4 +1,5 @@
-"""Loaders: sources, shapes, safetensors (sharded too) and GGUF weights, tokenizers, strict errors."""
+"""Loaders: sources, shapes, safetensors (sharded too) and GGUF weights, tokenizers, strict
+errors."""
 
 from __future__ import annotations
 

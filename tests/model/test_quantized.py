@@ -308,7 +308,8 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
     default, model = _logits(src, "gguf", "auto")
     if not model.quant_kernels.tiles(int(Q[qtype])):
         pytest.skip(
-            f"no tiled kernels on this CPU ({DETECTED.describe()}): integer activations do not apply"
+            f"no tiled kernels on this CPU ({DETECTED.describe()}): "
+            "integer activations do not apply"
         )
     assert {m.kernel.modes.activations for m in model.modules() if isinstance(m, Linear)} == {
         "int16"
@@ -322,8 +323,8 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
     }
     error = lambda got: ((got - dequantized).norm() / dequantized.norm()).item()  # noqa: E731
     assert 0 < error(default) < 1e-4
-    # A 100-row prefill: int16 tiles (AVX2, AVX-512) or the fp32 GEMM stay within 1e-4; where the CPU has
-    # a bf16 engine, auto takes bf16 there (test_bf16_tiles.py), within its 1e-2.
+    # A 100-row prefill: int16 tiles (AVX2, AVX-512) or the fp32 GEMM stay within 1e-4; where the
+    # CPU has a bf16 engine, auto takes bf16 there (test_bf16_tiles.py), within its 1e-2.
     long_prompt, _ = _logits(src, "gguf", "auto", prompt_len=100)
     long_dequantized, _ = _logits(src, "none", prompt_len=100)
     long_tolerance = 1e-2 if model.quant_kernels.bf16_engine else 1e-4
@@ -336,7 +337,8 @@ def test_gguf_model_on_integer_activations(tmp_path, qtype):
     assert (
         1e-4 < error(int8) < 3e-2
     )  # not the fp32 path, and close to it (a random model: worst case)
-    # Each greedy choice is the dequantized model's, or a near tie there (0.1 nats, the oracle's gap).
+    # Each greedy choice is the dequantized model's, or a near tie there (0.1 nats, the oracle's
+    # gap).
     chosen = dequantized.gather(1, int8.argmax(-1, keepdim=True)).squeeze(1)
     assert (dequantized.max(-1).values - chosen < 0.1).all()
 

@@ -1,6 +1,7 @@
-"""The packaged SmolLM2-135M-Instruct Q4_1 GGUF: metadata, tokenizer, and greedy tokens vs transformers.
+"""The packaged SmolLM2-135M-Instruct Q4_1 GGUF: metadata, tokenizer, and greedy tokens vs
+transformers.
 
-transformers' own GGUF loader takes ~20-30 s here (it parses the file twice); it is the oracle.
+transformers' own GGUF loader is slow (it parses the file twice); it is the oracle.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def test_smollm2_arch_and_tokenizer():
 
 
 def test_smollm2_gguf_greedy_matches_transformers():
-    """Greedy tokens of 3 prompts batched through the paged cache equal transformers' on the same GGUF (fp32)."""
+    """Greedy tokens of 3 prompts batched through the paged cache equal transformers' on the same
+    GGUF (fp32)."""
     src = resolve_model(None)
     ours = load_model(src, load_arch(src), torch.float32, "cpu")
     prompts = {

@@ -48,7 +48,8 @@ def _llm(spec=None, **kwargs):
     kwargs.setdefault("max_model_len", 1024)
     # Row-count-invariant numerics: on AVX512-BF16 CPUs `auto` runs linears of 16+ (AMX) or 32+
     # rows in bf16, so a verification step (5 requests x 4 rows) and plain decoding (5 rows)
-    # round differently and may split a near-tie differently. int16 rounds each row the same at any batch size.
+    # round differently and may split a near-tie differently. int16 rounds each row the same at
+    # any batch size.
     kwargs.setdefault("quant_activations", "int16")
     return make_spec_llm(None, spec, **kwargs)
 

@@ -1,4 +1,5 @@
-"""Shared-prefix workload: the same long system prompt, distinct questions; caching on vs off (L6)."""
+"""Shared-prefix workload: the same long system prompt, distinct questions; caching on vs off
+(L6)."""
 
 from __future__ import annotations
 

@@ -47,12 +47,16 @@ def machine_description() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    threads = torch.get_num_threads()
+    return f"{cpu}, {os.cpu_count()} cores, {threads} torch threads, torch {torch.__version__}"
 
 
 def print_table(results: list[BenchResult]) -> None:
     base = results[0]
-    header = f"{'engine':<28}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'vs first':>10}{'time s':>9}"
+    header = (
+        f"{'engine':<28}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'vs first':>10}"
+        f"{'time s':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:

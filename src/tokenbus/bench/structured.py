@@ -1,4 +1,5 @@
-"""Structured output overhead: a batch of constrained requests vs the same batch unconstrained (L6)."""
+"""Structured output overhead: a batch of constrained requests vs the same batch unconstrained
+(L6)."""
 
 from __future__ import annotations
 

@@ -49,7 +49,8 @@ def run_tokenbus_throughput(
 def run_hf_throughput(
     args: EngineArgs, workload: list[BenchRequest], batch_size: int
 ) -> BenchResult:
-    """HF `generate` on static batches (left-padded), greedy, EOS ignored, same weights and dtype."""
+    """HF `generate` on static batches (left-padded), greedy, EOS ignored, same weights and
+    dtype."""
     from tokenbus.bench.hf_peer import load_hf_model
 
     model = load_hf_model(args.model, args.dtype)

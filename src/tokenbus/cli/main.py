@@ -1,4 +1,5 @@
-"""`tokenbus serve / proxy / generate / chat / bench / top` (L7): argument parsing, then hand-off."""
+"""`tokenbus serve / proxy / generate / chat / bench / top` (L7): argument parsing, then
+hand-off."""
 
 from __future__ import annotations
 

@@ -326,7 +326,8 @@ class MPClient(EngineCoreClient):
         self._finalizer()
 
     def wait_engine_exit(self, timeout_s: float | None) -> int | None:
-        """The engine process's exit code once it has ended (waiting up to `timeout_s`), else None."""
+        """The engine process's exit code once it has ended (waiting up to `timeout_s`), else
+        None."""
         return self._conn.wait_exit(timeout_s)
 
 

@@ -77,8 +77,8 @@ def _seconds(extra: dict, key: str, default: float, positive: bool) -> float:
         or (positive and value == 0)
     ):
         raise ValueError(
-            f"kv_connector_extra_config.{key} must be a {'positive' if positive else 'non-negative'} "
-            f"number of seconds, got {value!r}"
+            f"kv_connector_extra_config.{key} must be a "
+            f"{'positive' if positive else 'non-negative'} number of seconds, got {value!r}"
         )
     return float(value)
 

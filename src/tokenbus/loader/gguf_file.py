@@ -77,7 +77,8 @@ class GGUFFile:
     tensors: dict[str, GGUFTensorInfo]
 
     def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's raw bytes, memory-mapped, shaped as gguf.quants expects: [..., row bytes]."""
+        """The tensor's raw bytes, memory-mapped, shaped as gguf.quants expects:
+        [..., row bytes]."""
         raw = np.memmap(
             self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,)
         )
@@ -124,7 +125,8 @@ class _Cursor:
 
 
 def read_gguf(path: Path) -> GGUFFile:
-    """Parse the header of a GGUF file; ValueError naming the file if it is not one or is damaged."""
+    """Parse the header of a GGUF file; ValueError naming the file if it is not one or is
+    damaged."""
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:

@@ -197,7 +197,8 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute`: per head, rows (pairs interleaved) -> (first halves, second halves).
+    """Undo llama.cpp's `permute`: per head, rows (pairs interleaved) -> (first halves, second
+    halves).
 
     llama.cpp: w.reshape(H, 2, D/2, ...).swapaxes(1, 2); the inverse is the same with (D/2, 2).
     Works for weights [H*D, in] and biases [H*D].

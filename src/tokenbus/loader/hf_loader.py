@@ -1,4 +1,5 @@
-"""HF checkpoint directories: config.json -> ModelArch; *.safetensors (sharded or not) -> weights."""
+"""HF checkpoint directories: config.json -> ModelArch; *.safetensors (sharded or not) ->
+weights."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def _architecture(config: dict[str, Any], path: Path) -> str:
 
 
 def _rope(config: dict[str, Any], path: Path) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) from 5.x `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
+    """(rope_theta, rope_scaling or None) from 5.x `rope_parameters` or 4.x
+    `rope_theta`/`rope_scaling`."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -105,7 +107,8 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, dict | None]:
 
 
 def _max_positions(config: dict[str, Any], architecture: str) -> int:
-    """Context length; capped at a sliding window, since our attention always sees the full context."""
+    """Context length; capped at a sliding window, since our attention always sees the full
+    context."""
     max_positions = int(config.get("max_position_embeddings", 2048))
     window = config.get("sliding_window")
     uses_window = architecture == "mistral" or config.get("use_sliding_window", False)

@@ -375,8 +375,8 @@ def _plan_prefill(
 def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store k, v [T, Hkv, D] at slots (block_id * block_size + offset) of kv_cache [2, NB, bs, Hkv, D]
-    (rounded to the cache's dtype: --kv-cache-dtype)."""
+    """Store k, v [T, Hkv, D] at slots (block_id * block_size + offset) of kv_cache
+    [2, NB, bs, Hkv, D] (rounded to the cache's dtype: --kv-cache-dtype)."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, NB * bs, Hkv, D]
     flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
@@ -399,8 +399,9 @@ def paged_attention(
 def gather_blocks(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Copy out blocks: kv_cache [2, NB, bs, Hkv, D], block_ids [*] -> [2, len(block_ids) * bs, Hkv, D]
-    in `dtype` (the queries', where the cache holds another: --kv-cache-dtype).
+    """Copy out blocks: kv_cache [2, NB, bs, Hkv, D], block_ids [*] ->
+    [2, len(block_ids) * bs, Hkv, D] in `dtype` (the queries', where the cache holds another:
+    --kv-cache-dtype).
 
     index_select over whole blocks (contiguous rows) is faster than kv_cache[:, ids]
     (benchmarks/attention_layer.py times the torch path).

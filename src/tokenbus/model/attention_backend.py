@@ -86,7 +86,8 @@ class AttentionBackend:
             )
         if q_len > self.max_capture_query_len():
             raise ValueError(
-                f"a static attention plan takes q_len <= {self.max_capture_query_len()}, got {q_len}"
+                f"a static attention plan takes q_len <= {self.max_capture_query_len()}, "
+                f"got {q_len}"
             )
         return num_reqs, q_len
 

@@ -34,7 +34,8 @@ class ForwardContext:
     num_decodes: int  # the first num_decodes requests have query length 1
     # Built by the worker before the forward (AttentionBackend.build_metadata & co).
     attn_metadata: Any = None
-    # query_start_loc on the device (int64 [num_reqs + 1]); None: made from the host list when needed.
+    # query_start_loc on the device (int64 [num_reqs + 1]); None: made from the host list when
+    # needed.
     query_start_loc_t: torch.Tensor | None = None
     # A KV connector's worker half (kv_transfer/base.KVConnectorWorker), told of each layer:
     # wait_for_layer_load(i) before layer i runs, save_kv_layer(i, cache) after.

@@ -153,7 +153,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T], ctx) -> final-normed hidden [T, hidden]; compute_logits -> fp32 logits."""
+    """forward(input_ids [T], ctx) -> final-normed hidden [T, hidden]; compute_logits -> fp32
+    logits."""
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -278,7 +279,8 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))  # other ranks' ids gave 0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (rows of forward's output) -> fp32 logits [N, vocab], on every rank."""
+        """hidden [N, hidden] (rows of forward's output) -> fp32 logits [N, vocab], on every
+        rank."""
         logits = self.lm_head(hidden).float()
         if not self.tp.enabled:
             return logits
@@ -332,7 +334,8 @@ class LlamaForCausalLM(nn.Module):
                 module.kernel.modes = modes
 
     def set_attention_backend(self, backend: str, decode_layers: bool = True) -> None:
-        """ "auto" (load_model's default), "torch" or "native": see attention.select_attention_kernel.
+        """ "auto" (load_model's default), "torch" or "native": see
+        attention.select_attention_kernel.
         A model built without load_model runs the torch path until this is called.
         `decode_layers`: decode-sized steps run each layer in one C call where they can (False:
         op by op, as --enforce-eager asks)."""

@@ -4,8 +4,11 @@ multiprocessing's spawn start method re-imports the parent's `__main__` in every
 pickled functions defined there). For us that is never needed (every process target is a
 tokenbus function) and often harmful:
 
-    python - <<EOF … EOF      `__main__.__file__` is "<stdin>": the child dies with FileNotFoundError
-    a script without a main guard   the child re-runs it, LLM() inside starts another engine → RuntimeError
+    python - <<EOF … EOF      `__main__.__file__` is "<stdin>": the child dies with
+                              FileNotFoundError
+    a script without a main guard
+                              the child re-runs it, LLM() inside starts another engine →
+                              RuntimeError
     tokenbus serve            the CLI module is imported again: start-up time for nothing
 
 So while Process.start() gathers the parent's state, `__main__` is a bare module of that name.

@@ -63,9 +63,10 @@ def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> Tile
     """set_quant_activations' TileModes for a ModelConfig.quant_activations: auto is int16, and
     bf16 from BF16_AUTO_MIN_ROWS[engine] rows where the CPU has a bf16 engine (AMX: prefill chunks
     and decode batches of 16+; AVX512-BF16: prefill chunks), else int16 at any size on
-    INT_TILES_ANY_ROWS_ISAS (AVX2, AVX-512); bf16 is bf16 for every call and needs an engine; an explicit
-    int8 or int16 takes its tiles at any size on those ISAs too (there they beat dequantizing for
-    the GEMM). Calls past the decode-sized ones dequantize for the fp32 GEMM otherwise."""
+    INT_TILES_ANY_ROWS_ISAS (AVX2, AVX-512); bf16 is bf16 for every call and needs an engine; an
+    explicit int8 or int16 takes its tiles at any size on those ISAs too (there they beat
+    dequantizing for the GEMM). Calls past the decode-sized ones dequantize for the fp32 GEMM
+    otherwise."""
     engine = kernels.bf16_engine if kernels is not None else ""
     any_rows = not engine and kernels is not None and kernels.isa in INT_TILES_ANY_ROWS_ISAS
     if requested == "bf16":

@@ -228,7 +228,8 @@ class ModelRunner:
         )
 
     def _propose(self, batch: PreparedBatch, sampled: list[list[int]]) -> list[list[int]]:
-        """Drafts for next step, per request in batch order (after the step's tokens were appended)."""
+        """Drafts for next step, per request in batch order (after the step's tokens were
+        appended)."""
         emitted: list[list[int] | None] = [None] * len(batch.requests)  # None: did not sample
         for row, batch_index in enumerate(batch.sampling_requests):
             emitted[batch_index] = sampled[row]

@@ -190,7 +190,8 @@ class Worker:
         )
         # KV tensors are zero-filled lazily by the OS: RSS grows as blocks are first written.
         logger.info(
-            "memory: weights %.1f MiB, KV cache %.1f MiB (resident as blocks fill), peak RSS %.1f MiB",
+            "memory: weights %.1f MiB, KV cache %.1f MiB (resident as blocks fill), "
+            "peak RSS %.1f MiB",
             model_weight_bytes(self.model) / 2**20,
             kv_bytes / 2**20,
             peak_rss_bytes() / 2**20,

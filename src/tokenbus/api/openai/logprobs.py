@@ -1,4 +1,5 @@
-"""Engine logprobs (one {token_id: Logprob} dict per sampled position) → OpenAI's two shapes (L5)."""
+"""Engine logprobs (one {token_id: Logprob} dict per sampled position) → OpenAI's two shapes
+(L5)."""
 
 from __future__ import annotations
 

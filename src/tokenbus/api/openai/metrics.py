@@ -2,9 +2,10 @@
 
 The engine front end calls `record(scheduler_stats, iteration_stats, engine_index)` after each
 step's outputs (engine_index: which data-parallel engine they came from).
-Metric names are vLLM's with our prefix (`vllm:num_requests_running` → `tokenbus:num_requests_running`)
-so existing dashboards and autoscalers need only the prefix changed. Each logger owns its
-metrics in a registry it is given: no process-global state, several servers per process work.
+Metric names are vLLM's with our prefix (`vllm:num_requests_running` →
+`tokenbus:num_requests_running`) so existing dashboards and autoscalers need only the prefix
+changed. Each logger owns its metrics in a registry it is given: no process-global state, several
+servers per process work.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ class EmbeddingServing(OpenAIServing):
             self.engine.generate(f"{run.request_id}-{i}", prompt, run.params)
             for i, prompt in enumerate(run.prompts)
         ]
-        # Leaving early (a disconnect cancels us) closes every engine stream: each aborts its request.
+        # Leaving early (a disconnect cancels us) closes every engine stream: each aborts its
+        # request.
         async with aclosing(merge_async_iterators(*generators)) as outputs:
             async for index, out in outputs:
                 if out.pooled is not None:

@@ -295,7 +295,8 @@ def run_worker(
     result_address: str,
     parent_pid: int,
 ) -> None:
-    """Entry point of one rank: build the Worker (device, model), then serve calls until SHUTDOWN."""
+    """Entry point of one rank: build the Worker (device, model), then serve calls until
+    SHUTDOWN."""
     logging.basicConfig(
         level=logging.INFO,
         format=f"(TPWorker rank={rank} pid=%(process)d) %(levelname)s %(name)s: %(message)s",

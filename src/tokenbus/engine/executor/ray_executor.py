@@ -17,7 +17,8 @@ on 127.0.0.1 (`ray_on_loopback`). A cluster to attach to on this machine must be
 loopback too, and a driver attaching by address uses the cluster's token only when told to:
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address=127.0.0.1 --port=6379
-    RAY_AUTH_MODE=token tokenbus serve --distributed-executor-backend ray --ray-address 127.0.0.1:6379
+    RAY_AUTH_MODE=token tokenbus serve --distributed-executor-backend ray \
+        --ray-address 127.0.0.1:6379
 """
 
 from __future__ import annotations

@@ -37,7 +37,10 @@ LinearKernel = Callable[[torch.Tensor], torch.Tensor]
 def onednn_unsupported_reason(weight: torch.Tensor, cpu: CpuFeatures | None = None) -> str | None:
     """Why a packed oneDNN linear cannot run this weight here, or None when it can."""
     if weight.device.type != "cpu" or weight.dtype not in _ONEDNN_DTYPES:
-        return f"packed oneDNN linears run on CPU in float32 or bfloat16, not {weight.device.type} {weight.dtype}"
+        return (
+            "packed oneDNN linears run on CPU in float32 or bfloat16, "
+            f"not {weight.device.type} {weight.dtype}"
+        )
     if not (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     ):
@@ -56,7 +59,8 @@ def choose_linear_backend(
     weight: torch.Tensor, backend: str = "auto", cpu: CpuFeatures | None = None
 ) -> str:
     """ "dense" or "onednn" for this weight here: `auto` packs for oneDNN where
-    `onednn_unsupported_reason` allows; `onednn` where it cannot run is a ValueError with the reason."""
+    `onednn_unsupported_reason` allows; `onednn` where it cannot run is a ValueError with the
+    reason."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
     if backend == "dense":
@@ -157,7 +161,8 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(
                 self.weight.new_empty(0, self.in_features), requires_grad=False
             )
-            self.quantized = {}  # the kernel holds them now (merged, maybe repacked): no second copy
+            # The kernel holds them now (merged, maybe repacked): no second copy.
+            self.quantized = {}
             return
         for shard, weight in self.quantized.items():
             with torch.no_grad():

@@ -23,7 +23,8 @@ def rope_type_of(scaling: dict | None) -> str:
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1 frequency smoothing (same arithmetic as transformers' _compute_llama3_parameters)."""
+    """Llama 3.1 frequency smoothing (same arithmetic as transformers'
+    _compute_llama3_parameters)."""
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
     high_freq_factor = scaling["high_freq_factor"]
@@ -73,6 +74,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by angles cos/sin [T, 1, D/2]: the halves (x1, x2) -> (x1c - x2s, x2c + x1s)."""
+    """Rotate x [T, H, D] by angles cos/sin [T, 1, D/2]: the halves (x1, x2) ->
+    (x1c - x2s, x2c + x1s)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -264,7 +264,8 @@ def _load_draft_model(
     if draft_arch.max_position_embeddings < max_model_len:
         raise ValueError(
             f"speculative_config.model: the draft model {name!r} supports "
-            f"{draft_arch.max_position_embeddings} positions, fewer than max_model_len={max_model_len}; "
+            f"{draft_arch.max_position_embeddings} positions, "
+            f"fewer than max_model_len={max_model_len}; "
             "lower --max-model-len"
         )
     return load_model(source, draft_arch, dtype, device, attention_backend, tp), draft_arch
