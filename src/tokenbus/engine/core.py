@@ -14,10 +14,17 @@ from tokenbus.core.kv import KVCacheManager, make_block_hasher
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
+from tokenbus.core.xray import XrayRecorder
 from tokenbus.engine.executor import Executor, UniProcExecutor, WorkerBase, make_executor
 from tokenbus.engine.setup import resolve_config
 from tokenbus.kv_transfer.layout import kv_layout
-from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, SchedulerStats
+from tokenbus.protocol import (
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    SchedulerStats,
+    XraySnapshot,
+)
 from tokenbus.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -83,6 +90,7 @@ class EngineCore:
         )
         # req_id → wall-clock time of its first scheduling, until its first output carries it.
         self._first_scheduled_times: dict[str, float] = {}
+        self.xray = XrayRecorder(self.scheduler)  # /xray: step records; snapshots when watched
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(Request.from_engine_request(request, self._block_hasher))
@@ -99,12 +107,18 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineOutputs(timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
+        begun = self.xray.begin_step(scheduler_output)
         self._note_first_scheduled(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._attach_first_scheduled(outputs)
+        stats = self.scheduler.make_stats()
+        self.xray.end_step(begun, scheduler_output, runner_output, stats.num_preemptions)
         return EngineOutputs(
-            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic()
+            outputs=outputs,
+            scheduler_stats=stats,
+            timestamp=time.monotonic(),
+            xray=self.xray.maybe_snapshot(),
         )
 
     def _note_first_scheduled(self, scheduler_output: SchedulerOutput) -> None:
@@ -131,6 +145,10 @@ class EngineCore:
             num_waiting_reqs=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
         )
+
+    def xray_watch(self, seconds: float) -> XraySnapshot:
+        """/xray's viewer is interested for `seconds` more; a snapshot of now (utility call)."""
+        return self.xray.watch(seconds)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
