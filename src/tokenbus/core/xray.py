@@ -167,7 +167,7 @@ class XrayRecorder:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_computed_tokens=request.num_computed_tokens,
-            num_cached_tokens=max(request.num_cached_tokens or 0, 0),
+            num_cached_tokens=request.num_cached_tokens or 0,
             num_preemptions=request.num_preemptions,
             block_ids=self.scheduler.kv.get_block_ids(request.request_id),
             priority=request.priority,

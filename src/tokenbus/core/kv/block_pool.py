@@ -139,36 +139,36 @@ class BlockPool:
     def check_consistency(self) -> None:
         """Raise AssertionError unless the invariants in the class docstring hold (O(blocks))."""
         null = self.null_block
-        _require(
+        require(
             null is self.blocks[0] and null.is_null and null.prev_free is None,
             "block 0 must be the null block, never free",
         )
         free_ids: set[int] = set()
         for block in self.free_block_queue.get_all_free_blocks():
-            _require(
+            require(
                 block.block_id not in free_ids, f"block {block.block_id} is twice in the free queue"
             )
-            _require(block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
+            require(block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
             free_ids.add(block.block_id)
-        _require(
+        require(
             len(free_ids) == self.num_free_blocks,
             f"free queue holds {len(free_ids)} blocks but counts {self.num_free_blocks}",
         )
         for block in self.blocks[1:]:
-            _require(
+            require(
                 block.block_id in free_ids or block.ref_cnt > 0,
                 f"block {block.block_id} has ref_cnt 0 but is not in the free queue (leaked)",
             )
         num_mapped = 0
         for block_hash, same_hash in self.cached_block_hash_to_block.items():
             for block_id, block in same_hash.items():
-                _require(
+                require(
                     block is self.blocks[block_id] and block.block_hash == block_hash,
                     f"hash map entry of block {block_id} does not match the block's hash",
                 )
                 num_mapped += 1
         num_hashed = sum(block.block_hash is not None for block in self.blocks)
-        _require(
+        require(
             num_mapped == num_hashed,
             f"{num_hashed} blocks carry a hash but the hash map holds {num_mapped}",
         )
@@ -184,7 +184,7 @@ class BlockPool:
         block.block_hash = None
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
     """An assert that ``python -O`` keeps."""
     if not condition:
         raise AssertionError(message)

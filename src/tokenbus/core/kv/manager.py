@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from tokenbus.core.kv.block import KVBlock
-from tokenbus.core.kv.block_pool import BlockPool
+from tokenbus.core.kv.block_pool import BlockPool, require
 from tokenbus.core.kv.stats import PrefixCacheStats
 from tokenbus.utils import cdiv
 
@@ -176,14 +176,14 @@ class KVCacheManager:
             if not block.is_null
         )
         for block in self.block_pool.blocks[1:]:
-            _require(
+            require(
                 block.ref_cnt == num_holders[block.block_id],
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
                 f"{num_holders[block.block_id]} block-table entries",
             )
         for request_id, num_cached in self.num_cached_blocks.items():
             blocks = self.req_to_blocks.get(request_id, [])
-            _require(
+            require(
                 num_cached <= len(blocks)
                 and all(
                     block.block_hash is not None or block.is_null for block in blocks[:num_cached]
@@ -197,12 +197,12 @@ class KVCacheManager:
         No request holds blocks, every block but the null block is in the free queue exactly
         once, every ref count is 0.
         """
-        _require(
+        require(
             not self.req_to_blocks, f"requests still hold KV blocks: {sorted(self.req_to_blocks)}"
         )
         self.check_consistency()
         num_usable = self.block_pool.num_blocks - 1
-        _require(
+        require(
             self.num_free_blocks == num_usable,
             f"{num_usable - self.num_free_blocks} KV blocks leaked: "
             f"{self.num_free_blocks} of {num_usable} are free",
@@ -217,12 +217,6 @@ class KVCacheManager:
             request, self.req_to_blocks[request_id], num_cached_blocks, num_full_blocks
         )
         self.num_cached_blocks[request_id] = max(num_cached_blocks, num_full_blocks)
-
-
-def _require(condition: bool, message: str) -> None:
-    """An assert that ``python -O`` keeps."""
-    if not condition:
-        raise AssertionError(message)
 
 
 def skips_prefix_cache(request: Request) -> bool:

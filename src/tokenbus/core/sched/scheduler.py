@@ -217,15 +217,20 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self._requeue_from_scratch(request)
+        request.num_preemptions += 1
+        plan.preempted.append(request)
+        self._num_preemptions_step += 1
+        self.num_preemptions_total += 1
+
+    def _requeue_from_scratch(self, request: Request) -> None:
+        """Free its blocks and put it first in line to recompute (its cached blocks are prefix
+        hits again)."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.num_preemptions += 1
         self.waiting.appendleft(request)
-        plan.preempted.append(request)
-        self._num_preemptions_step += 1
-        self.num_preemptions_total += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
@@ -304,7 +309,7 @@ class Scheduler:
         num_computed += num_external
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens is None:
             request.num_cached_tokens = num_computed
         self.running.append(request)
         plan.new_reqs.append(
@@ -330,7 +335,7 @@ class Scheduler:
         """Once per request, when it is admitted (not each step it waits for room)."""
         if (
             self.connector is not None
-            and request.num_cached_tokens < 0
+            and request.num_cached_tokens is None
             and not request.kv_load_failed
         ):
             self._external_queries_step += request.num_tokens - num_computed
@@ -438,7 +443,7 @@ class Scheduler:
             prompt_logprobs_start=prompt_logprobs_start,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=request.num_cached_tokens or 0,
             kv_transfer_params=request.kv_transfer_params_out,
         )
 
@@ -452,7 +457,7 @@ class Scheduler:
             new_token_ids=[],
             pooled=pooled,
             finish_reason=request.status.finish_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def _valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
@@ -542,14 +547,10 @@ class Scheduler:
                     )
                 )
                 continue
-            self.kv.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
+            self._requeue_from_scratch(request)
             # What it reports as cached is what its next admission really finds (the external
             # tokens it was counted for are computed now; the step's hit counter keeps them).
-            request.num_cached_tokens = -1
-            request.spec_token_ids = []
-            self.waiting.appendleft(request)
+            request.num_cached_tokens = None
             self._preempted_outside_step.add(request.request_id)
         return failed
 
