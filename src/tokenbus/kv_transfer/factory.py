@@ -55,7 +55,3 @@ def make_scheduler_connector(ctx: ConnectorContext):
 
 def make_worker_connector(ctx: ConnectorContext) -> KVConnectorWorker:
     return _halves(ctx.config.kv_connector)[1](ctx)
-
-
-def check_connector_name(config: KVTransferConfig) -> None:
-    _halves(config.kv_connector)

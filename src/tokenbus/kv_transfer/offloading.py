@@ -496,10 +496,6 @@ class OffloadingScheduler(HashStoreScheduler):
             tiers["disk"] = self._disk_bytes
         return tiers
 
-    @property
-    def num_indexed_blocks(self) -> int:
-        return len(self._index)
-
 
 class OffloadingWorker(HashStoreWorker):
     meta_type = OffloadMeta
