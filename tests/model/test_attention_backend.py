@@ -12,13 +12,19 @@ from tests.model.test_native_attention import BLOCK_SIZE, make_batch
 
 from tokenbus.model import ForwardContext
 from tokenbus.model.attention import NativeDecodePlan, TorchDecodePlan, paged_attention
-from tokenbus.model.attention_backend import TorchAttentionBackend, select_attention_backend
+from tokenbus.model.attention_backend import (
+    TorchAttentionBackend,
+    select_attention_backend,
+    triton_problem,
+)
 
 
 def backends() -> list:
     found = [TorchAttentionBackend(torch.float32)]
     if shutil.which(os.environ.get("CC", "cc")) is not None:
         found.append(select_attention_backend("native", torch.device("cpu"), torch.float32))
+    if triton_problem("cpu") is None:  # Triton's interpreter (tests/conftest.py)
+        found.append(select_attention_backend("triton", torch.device("cpu"), torch.float32))
     return found
 
 
@@ -62,7 +68,8 @@ def test_static_plan_of_a_padded_batch_matches_eager(backend, q_len):
     )
     before = kv.clone()
     plan = backend.prepare_for_capture(padded)
-    assert isinstance(plan, NativeDecodePlan if backend.name == "native" else TorchDecodePlan)
+    expected = {"native": "NativeDecodePlan", "torch": "TorchDecodePlan", "triton": "TritonPlan"}
+    assert type(plan).__name__ == expected[backend.name]
     plan = backend.prepare_for_replay(padded, padded.num_tokens)
     out = paged_attention(pq, pk, pv, kv, padded.slot_mapping, plan, 0.125)
     n = ctx.num_tokens

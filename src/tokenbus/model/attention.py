@@ -225,7 +225,7 @@ def select_attention_kernel(
     None (the torch path). "native" where it cannot run is an error naming the reason."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend == "torch":
+    if backend in ("torch", "triton"):  # triton: attention_backend.TritonAttentionBackend
         return None
     supported = device.type == "cpu" and dtype in KERNEL_KV_DTYPES
     if not supported:

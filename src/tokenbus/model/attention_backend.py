@@ -18,6 +18,8 @@ the null block.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenbus.model.attention import (
@@ -142,10 +144,65 @@ class NativeAttentionBackend(AttentionBackend):
         return NativeDecodePlan(ctx.num_tokens, query_start, ctx.seq_lens_t, ctx.block_tables, reqs)
 
 
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels (model/triton_attention.py) for every request of a step: decodes,
+    prefill chunks and spec-decode verifications, K/V read in place. The default on CUDA."""
+
+    name = "triton"
+    MIN_SPLIT_CONTEXT = 256  # eager decodes split their keys only past this many
+
+    def build_metadata(self, ctx: ForwardContext):
+        from tokenbus.model.triton_attention import TritonPlan, decode_splits
+
+        starts = ctx.query_start_loc
+        max_query_len = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+        device = ctx.block_tables.device
+        split = 1
+        if max(ctx.seq_lens, default=0) > self.MIN_SPLIT_CONTEXT:
+            split = decode_splits(ctx.num_reqs, ctx.kv_caches[0].shape[3], device)
+        return TritonPlan(
+            ctx.num_tokens,
+            self._query_start(ctx),
+            ctx.seq_lens_t,
+            ctx.block_tables,
+            max_query_len,
+            split,
+        )
+
+    def _static_plan(self, ctx: ForwardContext, q_len: int):
+        from tokenbus.model.triton_attention import TritonPlan, decode_splits
+
+        split = decode_splits(ctx.num_reqs, ctx.kv_caches[0].shape[3], ctx.block_tables.device)
+        return TritonPlan(
+            ctx.num_tokens, self._query_start(ctx), ctx.seq_lens_t, ctx.block_tables, q_len, split
+        )
+
+    @staticmethod
+    def _query_start(ctx: ForwardContext) -> torch.Tensor:
+        if ctx.query_start_loc_t is not None:
+            return ctx.query_start_loc_t
+        return torch.tensor(ctx.query_start_loc, dtype=torch.int64, device=ctx.block_tables.device)
+
+
+def triton_problem(device: str | torch.device) -> str | None:
+    """Why the Triton backend cannot run on `device`, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "its kernels need a CUDA device (TRITON_INTERPRET=1 runs them on CPU, for tests)"
+    return None
+
+
 def select_attention_backend(
     name: str, device: torch.device, dtype: torch.dtype
 ) -> AttentionBackend:
     """The backend for --attention-backend `name` (see attention.select_attention_kernel)."""
+    if name == "triton":
+        if (problem := triton_problem(device)) is not None:
+            raise ValueError(f"attention_backend 'triton': {problem}")
+        return TritonAttentionBackend(dtype)
     kernel = select_attention_kernel(name, device, dtype)
     if kernel is None:
         return TorchAttentionBackend(dtype)

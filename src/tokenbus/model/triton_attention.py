@@ -25,6 +25,8 @@ checks them against the torch path).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -319,6 +321,52 @@ def paged_attention(
             SPLIT_KV=split_kv,
         )
     return out
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """A step's attention for the Triton kernels: the same plan serves eager steps and
+    captured CUDA graphs (its tensors then sit at the addresses the graph recorded)."""
+
+    num_tokens: int  # real tokens: rows past them are padding
+    query_start: torch.Tensor  # [R + 1] int64, on the device
+    seq_lens: torch.Tensor  # [R] int64, on the device
+    block_tables: torch.Tensor  # [R, W] int64
+    max_query_len: int
+    split_kv: int = 1
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        n = self.num_tokens
+        write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
+        out = torch.zeros_like(q)  # rows of no request (padding) stay 0
+        return paged_attention(
+            q,
+            kv_cache,
+            self.block_tables,
+            self.query_start,
+            self.seq_lens,
+            scale,
+            self.max_query_len,
+            out=out,
+            split_kv=self.split_kv,
+        )
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Key segments per decode: enough programs to fill the GPU's multiprocessors twice over
+    when a batch has few (request, KV head) pairs, at most 16; 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return min(16, triton.next_power_of_2(max(1, programs // max(num_reqs * num_kv_heads, 1))))
 
 
 def _check_cache(kv_cache: torch.Tensor) -> None:
