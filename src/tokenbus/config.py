@@ -14,7 +14,8 @@ from tokenbus.utils import parse_size
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch", "native")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
 QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16")
 POOLERS = ("last", "mean")
@@ -58,8 +59,12 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     max_logprobs: int = 20
-    # auto: the native CPU kernel (model/native) on CPU in fp32/bf16 when it builds, else torch
+    # auto: the native CPU kernel (model/native) on CPU in fp32/bf16 when it builds; Triton
+    # (model/triton_attention.py) on CUDA; else torch
     attention_backend: str = "auto"
+    # auto: the weights in the model's files; dummy: seeded random weights for its config.json
+    # (vLLM's flag: benchmarks of real sizes whose weights are not at hand)
+    load_format: str = "auto"
     # gguf: GGUF weights stay in their blocks (native kernels; their activations:
     # quant_activations); none: dequantized to `dtype` at load; auto: gguf for a GGUF model on
     # CPU, else none.
@@ -102,6 +107,8 @@ class ModelConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_logprobs < -1:
@@ -460,8 +467,15 @@ class EngineArgs:
     )
     attention_backend: str = _arg(
         "auto",
-        "auto: a native C kernel on CPU (float32/bfloat16) when it builds, else torch",
+        "auto: a native C kernel on CPU (float32/bfloat16) when it builds, Triton on CUDA, "
+        "else torch",
         choices=ATTENTION_BACKENDS,
+    )
+    load_format: str = _arg(
+        "auto",
+        "auto: the weights in the model's files; dummy: seeded random weights for the model's "
+        "config.json (real sizes without their weights; on the target device and dtype)",
+        choices=LOAD_FORMATS,
     )
     quantization: str = _arg(
         "auto",
@@ -483,8 +497,7 @@ class EngineArgs:
     )
     num_threads: int | None = _arg(
         None,
-        "torch threads per rank on CPU; default: the usable cores "
-        "(affinity, cgroup quota) / ranks",
+        "torch threads per rank on CPU; default: the usable cores (affinity, cgroup quota) / ranks",
     )
     pooler: str = _arg(
         "last",

@@ -165,9 +165,14 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
     model, cache = config.model, config.cache
     device = resolve_device(model.device)
     dtype = resolve_dtype(model.dtype, device)
-    quantization = resolve_quantization(
-        model.quantization, source, device, config.parallel.tensor_parallel_size
-    )
+    if model.load_format == "dummy":  # random dense weights: no GGUF blocks to keep
+        if model.quantization == "gguf":
+            raise ValueError("quantization 'gguf' needs real weights, not load_format dummy")
+        quantization = "none"
+    else:
+        quantization = resolve_quantization(
+            model.quantization, source, device, config.parallel.tensor_parallel_size
+        )
     model = dataclasses.replace(
         model,
         device=device,
@@ -238,10 +243,21 @@ def resolve_quantization(
 
 
 def resolve_attention_backend(requested: str, device: str, dtype: str) -> str:
-    """ "native" or "torch": what model/attention.select_attention_kernel picks for `requested`
-    (auto: the native kernel on CPU in float32/bfloat16 when it builds; an explicit native
-    that cannot run is a ValueError with the reason)."""
+    """ "native", "triton" or "torch": auto is Triton on CUDA where triton imports, else what
+    model/attention.select_attention_kernel picks (the native kernel on CPU in
+    float32/bfloat16 when it builds). An explicit backend that cannot run is a ValueError
+    with the reason."""
     if requested == "torch":
+        return "torch"
+    if requested == "triton" or (requested == "auto" and device.startswith("cuda")):
+        from tokenbus.model.attention_backend import triton_problem
+
+        problem = triton_problem(device)
+        if problem is None:
+            return "triton"
+        if requested == "triton":
+            raise ValueError(f"attention_backend 'triton': {problem}")
+        logger.warning("Triton attention unavailable (%s); using the torch path", problem)
         return "torch"
     import torch
 

@@ -36,6 +36,8 @@ def load_model(
     quantization: str = "none",
     quant_activations: str = "auto",
     enforce_eager: bool = False,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> nn.Module:
     """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
     in their blocks when `quantization` is gguf (resolved: engine/setup.resolve_quantization;
@@ -52,11 +54,31 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = model_class(arch, tp)  # parameters allocated uninitialised, in place (never
         # written, so never resident, for weights that stay quantized)
-    model.load_weights(iter_weights(src, arch, keep_quantized))  # casts to dtype on copy
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed + tp.rank)
+        model.finalize()
+    else:
+        model.load_weights(iter_weights(src, arch, keep_quantized))  # casts to dtype on copy
     model.set_attention_backend(attention_backend, decode_layers=not enforce_eager)
     if keep_quantized:
         model.set_quant_activations(quant_activation_modes(quant_activations, model.quant_kernels))
     return model.eval()
+
+
+def fill_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """--load-format dummy: every parameter drawn where it lives (device and dtype), seeded.
+
+    Scaled like an initialisation (transformers' initializer_range: N(0, 0.02) for matrices,
+    norms at 1, biases at 0), so activations stay finite through any depth."""
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            if param.numel() == 0:
+                continue
+            if param.dim() == 1:
+                param.fill_(1.0 if "norm" in name else 0.0)
+                continue
+            gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + index)
+            param.normal_(0.0, std, generator=gen)
 
 
 def quant_activation_modes(requested: str, kernels: QuantKernels | None) -> TileModes:

@@ -114,6 +114,8 @@ class Worker:
             self.config.model.quantization,
             self.config.model.quant_activations,
             self.config.compilation.enforce_eager,
+            self.config.model.load_format,
+            self.config.model.seed,
         )
 
     def determine_num_kv_blocks(self) -> int:
@@ -239,7 +241,6 @@ def cpu_threads(config: EngineConfig) -> int:
         return config.model.num_threads
     ranks = config.parallel.world_size * config.parallel.data_parallel_size
     return max(1, available_cpus() // ranks)
-
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

@@ -1,0 +1,91 @@
+"""The Triton attention backend through the whole engine, and --load-format dummy.
+
+Without a GPU the Triton kernels run in Triton's interpreter (tests/conftest.py): slow, so
+the workloads are small; on CUDA (benchmarks/gpu_check.sh) the same tests run compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
+from tokenbus import SamplingParams
+from tokenbus.model.attention_backend import triton_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    triton_problem(DEVICE) is not None, reason=f"Triton: {triton_problem(DEVICE)}"
+)
+
+
+@needs_triton
+def test_triton_backend_gives_the_torch_paths_greedy_tokens(tiny_llama_dir):
+    # Chunked prefill (budget 16), a shared prefix (cache hits) and decodes in mixed batches.
+    prompts = random_prompts(5, 5, 40, seed=3)
+    prompts.append(prompts[0][:20] + [7, 8, 9])
+    args = dict(max_num_batched_tokens=16, device=DEVICE, dtype="float32")
+    expected = generate_greedy(
+        make_llm(tiny_llama_dir, attention_backend="torch", **args), prompts, 8
+    )
+    llm = make_llm(tiny_llama_dir, attention_backend="triton", **args)
+    assert llm.engine.config.model.attention_backend == "triton"
+    assert generate_greedy(llm, prompts, 8) == expected
+    assert_engine_clean(llm)
+
+
+def test_triton_backend_on_cpu_without_the_interpreter_is_refused(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: triton runs")
+    with pytest.raises(ValueError, match="attention_backend 'triton'.*CUDA device"):
+        make_llm(tiny_llama_dir, attention_backend="triton", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def config_only_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny model's config.json alone: no weights, no tokenizer."""
+    path = tmp_path_factory.mktemp("config-only")
+    shutil.copy(tiny_llama_dir / "config.json", path / "config.json")
+    return path
+
+
+def test_dummy_weights_need_only_a_config_and_are_seeded(config_only_dir, tiny_llama_dir):
+    prompts = random_prompts(3, 4, 12, seed=5)
+    args = dict(load_format="dummy", tokenizer=str(tiny_llama_dir))
+    first = make_llm(config_only_dir, **args)
+    tokens = generate_greedy(first, prompts, 6)
+    assert all(len(t) == 6 for t in tokens)
+    assert generate_greedy(make_llm(config_only_dir, **args), prompts, 6) == tokens
+    assert generate_greedy(make_llm(config_only_dir, seed=1, **args), prompts, 6) != tokens
+    params = SamplingParams(max_tokens=1, logprobs=1, temperature=0.0)
+    logprob = first.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    value = next(iter(logprob[0].outputs[0].logprobs[0].values())).logprob
+    assert value == value and value > -50  # finite: weights scaled like an initialisation
+    assert_engine_clean(first)
+
+
+def test_dummy_weights_refuse_to_keep_gguf_blocks(config_only_dir, tiny_llama_dir):
+    with pytest.raises(ValueError, match="quantization 'gguf' needs real weights"):
+        make_llm(
+            config_only_dir, load_format="dummy", tokenizer=str(tiny_llama_dir), quantization="gguf"
+        )
+
+
+def test_real_size_config_resolves_without_weights():
+    """The shipped Llama-3.1-8B config builds an engine setup (metadata only: no 16 GB here)."""
+    from pathlib import Path
+
+    from tokenbus.config import EngineArgs
+    from tokenbus.engine.setup import create_engine_setup
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks/configs/llama-3.1-8b"
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 32
+    setup = create_engine_setup(
+        EngineArgs(model=str(path), load_format="dummy", max_model_len=4096)
+    )
+    assert setup.arch.hidden_size == 4096 and setup.arch.num_key_value_heads == 8
+    assert setup.config.model.load_format == "dummy"
