@@ -22,7 +22,7 @@ prefill uses SDPA's `enable_gqa`.
 `AttentionPlan` holds the index tensors and masks derived from a ForwardContext; it is built
 once per step (by the worker, through model/attention_backend.py) and shared by all layers.
 
-A captured or compiled step reads a static plan instead (`NativeDecodePlan`, `TorchDecodePlan`):
+A captured step reads a static plan instead (`NativeDecodePlan`, `TorchDecodePlan`):
 a uniform batch (every request the same q_len: decodes, or spec-decode verifications of k
 drafts) whose tensor shapes depend only on the padded token count, with padding requests
 that read and write only the null block (block 0).

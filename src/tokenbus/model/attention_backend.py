@@ -5,8 +5,7 @@ the attention layers only read it (model/attention.py). Three entry points:
 
 - build_metadata(ctx): an eager step of any shape (ragged decodes, prefill chunks, drafts).
 - prepare_for_capture(ctx): a dummy uniform batch over the worker's persistent buffers, all of
-  it padding, at warm-up: the static plan a captured graph (CUDA) or compiled step (CPU) of
-  that size is recorded with.
+  it padding, at warm-up: the static plan a captured graph of that size is recorded with.
 - prepare_for_replay(ctx, padded_size): a real uniform batch padded to a captured size over the
   same buffers: the same static plan, so the recorded graph reads this step's inputs.
 
