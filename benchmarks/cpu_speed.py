@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from tokenbus import LLM, SamplingParams
+from tokenbus.bench.record import make_record, record_dir, this_command, write_record
 from tokenbus.utils.cpu import CpuFeatures
 
 
@@ -45,6 +46,9 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--peer", action="store_true", help="also run llama-bench on the same GGUF")
+    parser.add_argument(
+        "--record", default=None, metavar="DIR", help="write a run record under DIR/cpu_speed/"
+    )
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
     llm = LLM(
@@ -67,13 +71,44 @@ def main() -> None:
         f"enforce_eager={args.enforce_eager} num_threads={args.num_threads}: "
         f"tg128 {128 / tg:.1f} tok/s, pp512 {512 / pp:.1f} tok/s"
     )
+    peer = ""
     if args.peer:
         script = Path(__file__).with_name("peers") / "llama_cpp.sh"
-        print(
-            subprocess.run(
-                ["bash", str(script), "bench"], capture_output=True, text=True, check=True
-            ).stdout
-        )
+        peer = subprocess.run(
+            ["bash", str(script), "bench"], capture_output=True, text=True, check=True
+        ).stdout
+        print(peer)
+    if record_dir(args.record):
+        write_record(record_dir(args.record), speed_record(args, 128 / tg, 512 / pp, peer))
+
+
+def speed_record(args: argparse.Namespace, tg: float, pp: float, peer: str) -> dict:
+    """tg128 and pp512 as a run record, beside llama-bench's means where it ran."""
+    peer_rates = {}  # llama-bench's markdown rows: "| ... | pp512 | 362.00 ± 4.00 |"
+    for line in peer.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[-2] in ("tg128", "pp512"):
+            peer_rates[cells[-2]] = cells[-1]
+    rows = {}
+    for test, rate in (("tg128", tg), ("pp512", pp)):
+        cells = {"tokenbus": round(rate, 1)}
+        if test in peer_rates:
+            cells["llama.cpp"] = peer_rates[test]
+            cells["tokenbus / llama.cpp"] = round(rate / float(peer_rates[test].split()[0]), 2)
+        rows[test] = cells
+    settings = {
+        "quantization": args.quantization,
+        "dtype": args.dtype,
+        "quant_activations": args.quant_activations,
+    }
+    variant = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items() if v != "auto")
+    variant += " --enforce-eager" * args.enforce_eager
+    variant += f" --num-threads {args.num_threads}" if args.num_threads else ""
+    units = {"tg128": "tok/s", "pp512": "tok/s", "tokenbus / llama.cpp": "×"}
+    peers = ["llama.cpp (llama-bench -t 2 -r 3, mean)"] if peer_rates else []
+    return make_record(
+        "cpu_speed", this_command(), rows, units=units, peers=peers, variant=variant.strip()
+    )
 
 
 if __name__ == "__main__":

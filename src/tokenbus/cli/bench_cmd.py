@@ -26,6 +26,7 @@ def add_bench_parser(sub) -> None:
     )
     tp.add_argument("--hf-batch-size", type=int, default=16)
     tp.add_argument("--output-json", default=None)
+    _add_record_arg(tp)
     tp.set_defaults(func=_throughput)
 
     px = kinds.add_parser("prefix", help="shared-prefix workload: prefix caching on vs off")
@@ -36,6 +37,7 @@ def add_bench_parser(sub) -> None:
     px.add_argument("--output-len", type=int, default=16)
     px.add_argument("--dataset-seed", type=int, default=0)
     px.add_argument("--output-json", default=None)
+    _add_record_arg(px)
     px.set_defaults(func=_prefix)
 
     _add_structured_parser(kinds)
@@ -49,6 +51,7 @@ def _add_structured_parser(kinds) -> None:
     st.add_argument("--num-prompts", type=int, default=32)
     st.add_argument("--max-tokens", type=int, default=96)
     st.add_argument("--output-json", default=None)
+    _add_record_arg(st)
     st.set_defaults(func=_structured)
 
 
@@ -59,6 +62,7 @@ def _structured(ns: argparse.Namespace) -> int:
     results = run_structured_bench(engine_args_from(ns), ns.num_prompts, ns.max_tokens)
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
+    _record_results(ns, "structured_output", results)
     return 0
 
 
@@ -87,6 +91,10 @@ def _throughput(ns: argparse.Namespace) -> int:
         results.append(run_hf_throughput(args, workload, ns.hf_batch_size))
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
+    variant = f"{ns.num_prompts} requests, {args.dtype}"
+    _record_results(
+        ns, "throughput_hf", results, variant, ["HF transformers"] * ("hf" in ns.compare)
+    )
     return 0
 
 
@@ -104,6 +112,7 @@ def _prefix(ns: argparse.Namespace) -> int:
     )
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
+    _record_results(ns, "prefix_caching", results)
     return 0
 
 
@@ -112,6 +121,27 @@ def _write_json(path: str | None, payload) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def _add_record_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--record",
+        default=None,
+        metavar="DIR",
+        help="also write a run record under DIR/<topic>/ (docs/benchmarks.md's tables); "
+        "default: $TOKENBUS_BENCH_RECORD",
+    )
+
+
+def _record_results(ns, topic: str, results, variant: str = "", peers=()) -> None:
+    from tokenbus.bench import record
+
+    directory = record.record_dir(ns.record)
+    if directory:
+        rows, units = record.bench_result_rows(results)
+        command = record.this_command(interpreter=False)
+        entry = record.make_record(topic, command, rows, units=units, peers=list(peers))
+        record.write_record(directory, entry | {"variant": variant})
 
 
 def _add_serve_parser(kinds) -> None:
@@ -151,6 +181,12 @@ def _add_serve_parser(kinds) -> None:
     sv.add_argument("--request-timeout", type=float, default=600.0)
     sv.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     sv.add_argument("--output-json", default=None)
+    sv.add_argument(
+        "--record",
+        default=None,
+        metavar="DIR",
+        help="also write a run record under DIR/serve_client/",
+    )
     sv.set_defaults(func=_serve_bench)
 
 
@@ -182,7 +218,20 @@ def _serve_bench(ns: argparse.Namespace) -> int:
         return 1
     print(serve.format_report(summary, percentiles))
     _write_json(ns.output_json, {"config": serve.config_dict(config), **summary})
+    _record_serve(ns, summary)
     return 0 if summary["completed"] else 1
+
+
+def _record_serve(ns: argparse.Namespace, summary: dict) -> None:
+    from tokenbus.bench import record
+
+    # --record only: the peer scripts run this client per server and record the whole run
+    directory = ns.record
+    if directory:
+        rows, units = record.serve_summary_rows(summary)
+        command = record.this_command(interpreter=False)
+        entry = record.make_record("serve_client", command, rows, units=units)
+        record.write_record(directory, entry | {"variant": summary["model"]})
 
 
 def _serve_requests(ns: argparse.Namespace, serve):
