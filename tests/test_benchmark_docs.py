@@ -1,0 +1,108 @@
+"""docs/benchmarks.md's tables are the run records under benchmarks/results/, rendered."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from tokenbus.bench.record import bench_result_rows, make_record, write_record
+from tokenbus.bench.report import BenchResult
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tables = _load("results_tables")
+
+
+def test_doc_matches_the_records():
+    doc = tables.DOC.read_text()
+    assert tables.render_doc(doc, tables.load_records()) == doc, (
+        "docs/benchmarks.md differs from benchmarks/results/: "
+        "run .venv/bin/python benchmarks/results_tables.py"
+    )
+
+
+def test_every_record_is_complete():
+    keys = {"topic", "command", "cpu", "date", "revision", "source", "peers", "rows", "units"}
+    for records in tables.load_records().values():
+        for record in records:
+            assert keys <= set(record), record["command"]
+            assert record["rows"] and all(isinstance(c, dict) for c in record["rows"].values())
+
+
+def test_newest_record_per_cpu_and_variant_shows(tmp_path):
+    def record(cpu, date, value, variant=""):
+        r = make_record("speed", "cmd", {"tg128": {"tokenbus": value}}, cpu=cpu, variant=variant)
+        return r | {"date": date}
+
+    old, new = record("cpu A", "2026-01-01", 1.0), record("cpu A", "2026-02-01", 2.0)
+    other, capped = record("cpu B", "2026-01-01", 3.0), record("cpu A", "2026-01-01", 4.0, "x")
+    for i, r in enumerate([new, old, other, capped]):
+        write_record(tmp_path, r, name=f"r{i}")
+    shown = tables.current(tables.load_records(tmp_path)["speed"])
+    assert [r["rows"]["tg128"]["tokenbus"] for r in shown] == [2.0, 4.0, 3.0]
+
+
+def test_a_section_is_filled_and_checked(tmp_path):
+    record = make_record(
+        "speed",
+        "python bench.py",
+        {"tg128": {"tokenbus": 132.4, "llama.cpp": "89.01 ± 1.34", "tokenbus / llama.cpp": 1.49}},
+        units={"tg128": "tok/s", "tokenbus / llama.cpp": "×"},
+        peers=["llama.cpp"],
+        cpu="Some CPU, 2 cores",
+    )
+    write_record(tmp_path, record, name="run")
+    doc = "# B\n<!-- results:speed -->\nstale\n<!-- /results:speed -->\n"
+    out = tables.render_doc(doc, tables.load_records(tmp_path))
+    assert "| Some CPU, 2 cores | tg128 (tok/s) | 132.4 | 89.01 ± 1.34 | 1.49× | 1 |" in out
+    assert "peers in the same run: llama.cpp" in out and "stale" not in out
+    assert tables.render_doc(out, tables.load_records(tmp_path)) == out
+
+
+def test_records_without_a_section_are_an_error(tmp_path):
+    write_record(tmp_path, make_record("orphan", "cmd", {"": {"x": 1}}, cpu="c"), name="r")
+    try:
+        tables.render_doc("# B\n", tables.load_records(tmp_path))
+    except ValueError as exc:
+        assert "orphan" in str(exc)
+    else:
+        raise AssertionError("a record without a section rendered")
+
+
+def test_bench_results_become_rows():
+    results = [BenchResult("tokenbus", 8, 2.0, 600, 200), BenchResult("hf", 8, 8.0, 600, 200)]
+    rows, units = bench_result_rows(results)
+    assert rows["tokenbus"]["total"] == 400.0 and "first / this" not in rows["tokenbus"]
+    assert rows["hf"]["first / this"] == 4.0 and units["first / this"] == "×"
+
+
+def test_cpu_speed_reads_llama_bench(tmp_path):
+    cpu_speed = _load("cpu_speed")
+    peer = (
+        "| model | size | params | backend | threads | test | t/s |\n"
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: |\n"
+        "| llama ?B Q4_1 | 85.8 MiB | 134.52 M | CPU | 2 | pp512 | 362.00 ± 4.00 |\n"
+        "| llama ?B Q4_1 | 85.8 MiB | 134.52 M | CPU | 2 | tg128 | 103.00 ± 0.60 |\n"
+    )
+    args = cpu_speed.argparse.Namespace(
+        quantization="auto", dtype="auto", quant_activations="int8", enforce_eager=False,
+        num_threads=None,
+    )  # fmt: skip
+    record = cpu_speed.speed_record(args, 143.2, 1011.0, peer)
+    assert record["rows"]["tg128"] == {
+        "tokenbus": 143.2,
+        "llama.cpp": "103.00 ± 0.60",
+        "tokenbus / llama.cpp": 1.39,
+    }
+    assert record["rows"]["pp512"]["tokenbus / llama.cpp"] == 2.79
+    assert record["variant"] == "--quant-activations int8"
+    json.dumps(record)  # a record is plain JSON
