@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Wheels for benchmarks/gpu_check.sh on a GPU machine with no network: the cp312 manylinux
-# x86-64 wheels of what tokenbus imports and that machine's image lacks (it has torch, triton,
-# transformers, tokenizers, safetensors, numpy, aiohttp, httpx, pytest, ...). Run here, where
-# PyPI is reachable; the wheels land in .whl/ (git-ignored), which the GPU run carries and
-# installs with `pip install --no-index --no-deps --target`.
+# What benchmarks/gpu_check.sh needs on a GPU machine with no network, in .whl/ (git-ignored,
+# carried to that machine): the cp312 manylinux x86-64 wheels of what tokenbus imports and the
+# image lacks (it has torch, triton, transformers, tokenizers, safetensors, numpy, aiohttp,
+# httpx, pytest, ...), installed there with `pip install --no-index --no-deps --target`; and
+# SmolLM2's tokenizer, exported from the packaged GGUF (the GGUF itself is too big to carry),
+# for the random-weight models of benchmarks/configs/. Run here, where PyPI is reachable.
 #
-#     bash benchmarks/gpu_wheels.sh            # then carry .whl to the GPU machine
+#     make install && bash benchmarks/gpu_wheels.sh     # then carry .whl to the GPU machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${DEST:-.whl}
@@ -25,4 +26,12 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" "${WHEELS[@]}"
-echo "gpu_wheels: $(ls "$DEST"/*.whl | wc -l) wheels, $(du -sh "$DEST" | cut -f1) in $DEST"
+PY=${PYTHON:-.venv/bin/python}
+"$PY" - "$DEST/smollm2-tokenizer" <<'PYEOF'
+import sys
+from transformers import AutoTokenizer
+from tokenbus.loader.source import packaged_smollm2_gguf
+gguf = packaged_smollm2_gguf()
+AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(sys.argv[1])
+PYEOF
+echo "gpu_wheels: $(ls "$DEST"/*.whl | wc -l) wheels and a tokenizer, $(du -sh "$DEST" | cut -f1) in $DEST"

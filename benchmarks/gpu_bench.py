@@ -1,0 +1,231 @@
+"""The GPU figures, each part in one process, on real-size models with random weights.
+
+    bandwidth   device-to-device copy: bytes read + written per second (the memory bound)
+    decode      one greedy stream of a --load-format dummy model: tokens/s against the bound
+                weight bytes / bandwidth
+    throughput  offline: N prompts (IN tokens in, OUT out, EOS ignored) through tokenbus,
+                then HF transformers `generate` on the same device in static batches (its best
+                batch size wins)
+    graphs      decode tokens/s at batch 1 and 64, --enforce-eager against CUDA graphs
+
+Every part prints one JSON object (and writes it with --json). Runs on CPU too, slowly (smoke
+test of the script: --device cpu with benchmarks/configs/smollm2-135m and small sizes).
+
+    python benchmarks/gpu_bench.py decode --model benchmarks/configs/llama-3.1-8b \
+        --tokenizer .whl/smollm2-tokenizer --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=["bandwidth", "decode", "throughput", "graphs"])
+    parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
+    parser.add_argument("--tokenizer", default=None, help="default: the model's own")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s (else measured)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    result = {"part": args.part, "device": device_name(args.device), "model": args.model}
+    result |= PARTS[args.part](args)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_bandwidth(device: str, num_bytes: int = 2 << 30, repeats: int = 10) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync(device)
+    return 2 * num_bytes * repeats / (time.perf_counter() - start)
+
+
+def part_bandwidth(args) -> dict:
+    return {"bandwidth_bytes_per_s": measure_bandwidth(args.device)}
+
+
+def make_llm(args, **overrides):
+    from tokenbus import LLM
+
+    engine = dict(
+        load_format="dummy",
+        tokenizer=args.tokenizer,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.input_len + args.output_len + 8,
+        multiprocess=False,
+    )
+    return LLM(args.model, **(engine | overrides))
+
+
+def release(llm) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def token_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(length)]} for _ in range(num)
+    ]
+
+
+def timed_generate(llm, prompts, max_tokens: int) -> float:
+    from tokenbus import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
+    return elapsed
+
+
+def decode_rate(llm, prompts, num_tokens: int) -> float:
+    """Decode tokens/s of `prompts` together: the time of num_tokens + 1 tokens less the time
+    of one (prefill and the first token), per decoded token of the batch."""
+    timed_generate(llm, prompts, 2)  # warm-up: kernels compiled, graphs replayed once
+    first = timed_generate(llm, prompts, 1)
+    whole = timed_generate(llm, prompts, num_tokens + 1)
+    return len(prompts) * num_tokens / (whole - first)
+
+
+def weight_bytes(model: str, dtype: str) -> int:
+    from tokenbus.loader import load_arch, resolve_model
+
+    a = load_arch(resolve_model(model))
+    attn = a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+    attn += a.num_attention_heads * a.head_dim * a.hidden_size
+    per_layer = attn + 3 * a.hidden_size * a.intermediate_size
+    # Per decoded token: every layer and the LM head (the embedding row read is negligible).
+    count = a.num_hidden_layers * per_layer + a.vocab_size * a.hidden_size
+    return count * torch.finfo(getattr(torch, dtype)).bits // 8
+
+
+def part_decode(args) -> dict:
+    bandwidth = args.bandwidth or measure_bandwidth(args.device)
+    llm = make_llm(args, max_num_seqs=8)
+    vocab = llm.get_tokenizer().vocab_size
+    rate = decode_rate(llm, token_prompts(1, 128, vocab), args.output_len)
+    release(llm)
+    num_bytes = weight_bytes(args.model, args.dtype)
+    bound = bandwidth / num_bytes
+    return {
+        "decode_tokens_per_s": rate,
+        "weight_bytes": num_bytes,
+        "bandwidth_bytes_per_s": bandwidth,
+        "bound_tokens_per_s": bound,
+        "fraction_of_bound": rate / bound,
+    }
+
+
+def part_throughput(args) -> dict:
+    llm = make_llm(args, max_num_seqs=min(args.num_prompts, 256))
+    vocab = llm.get_tokenizer().vocab_size
+    prompts = token_prompts(args.num_prompts, args.input_len, vocab, seed=1)
+    timed_generate(llm, prompts[:4], 4)
+    elapsed = timed_generate(llm, prompts, args.output_len)
+    release(llm)
+    tokens = args.num_prompts * (args.input_len + args.output_len)
+    ours = tokens / elapsed
+    hf = {b: hf_throughput(args, prompts, b) for b in args.hf_batch_sizes}
+    best = max(hf, key=hf.get)
+    return {
+        "tokenbus_total_tokens_per_s": ours,
+        "hf_total_tokens_per_s_by_batch": hf,
+        "hf_best_batch_size": best,
+        "ratio_vs_hf_best": ours / hf[best],
+    }
+
+
+def hf_throughput(args, prompts: list[dict], batch_size: int) -> float:
+    """HF transformers generate on static batches (equal prompt lengths: no padding)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).eval()
+    ids = torch.tensor([p["prompt_token_ids"] for p in prompts], device=args.device)
+    generate = dict(
+        do_sample=False,
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        pad_token_id=0,
+    )
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2, :32], max_new_tokens=4, min_new_tokens=4, pad_token_id=0)
+        sync(args.device)
+        start = time.perf_counter()
+        for i in range(0, len(ids), batch_size):
+            batch = ids[i : i + batch_size]
+            model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), **generate)
+        sync(args.device)
+        elapsed = time.perf_counter() - start
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return len(ids) * (args.input_len + args.output_len) / elapsed
+
+
+def part_graphs(args) -> dict:
+    rates: dict[str, dict[int, float]] = {}
+    for mode, overrides in (("eager", dict(enforce_eager=True)), ("graphs", {})):
+        llm = make_llm(args, max_num_seqs=max(args.batches), **overrides)
+        vocab = llm.get_tokenizer().vocab_size
+        rates[mode] = {
+            b: decode_rate(llm, token_prompts(b, 32, vocab, seed=b), args.output_len)
+            for b in args.batches
+        }
+        release(llm)
+    return {
+        "decode_tokens_per_s": rates,
+        "graphs_over_eager": {b: rates["graphs"][b] / rates["eager"][b] for b in args.batches},
+    }
+
+
+PARTS = {
+    "bandwidth": part_bandwidth,
+    "decode": part_decode,
+    "throughput": part_throughput,
+    "graphs": part_graphs,
+}
+
+if __name__ == "__main__":
+    main()
