@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenbus import LLM, SamplingParams
+from tokenbus.bench.record import make_record, record_dir, this_command, write_record
 from tokenbus.model.layers.quantized import QuantizedLinearKernel
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
@@ -139,7 +140,14 @@ def main() -> None:
     parser.add_argument(
         "--mixed", type=float, nargs="*", default=[], help="simulated mixed int8/int16 thresholds"
     )
+    parser.add_argument(
+        "--record",
+        default=None,
+        metavar="DIR",
+        help="write a run record under DIR/activation_error/",
+    )
     args = parser.parse_args()
+    rows = {}
     print(f"CPU: {CpuFeatures.detect().describe()}")
     modes = ["fp32"] + [
         mode
@@ -175,6 +183,18 @@ def main() -> None:
             f"per-token logprob |diff| mean {sum(diffs) / len(diffs):.2e}, "
             f"max {max(diffs):.2e} over {len(diffs)} tokens{share}"
         )
+        rows[mode] = {
+            "greedy answers equal fp32's": f"{same} / {len(QUESTIONS)}",
+            "logprob diff, mean": f"{sum(diffs) / len(diffs):.2e}",
+            "logprob diff, max": f"{max(diffs):.2e}",
+        }
+        if mode in shares:
+            rows[mode]["blocks rounded to int16"] = round(shares[mode] * 100, 1)
+    if record_dir(args.record):
+        units = {"blocks rounded to int16": "%"}
+        peers = ["fp32 activations (the reference)"]
+        record = make_record("activation_error", this_command(), rows, units=units, peers=peers)
+        write_record(record_dir(args.record), record)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import httpx
 
+from tokenbus.bench.record import make_record, record_dir, this_command, write_record
+
 WORDS = (
     "river stone market lantern harvest signal quiet copper meadow circuit orbit ledger "
     "thunder velvet garden compass mirror anchor timber canyon beacon ember falcon glacier "
@@ -125,6 +127,12 @@ def main() -> int:
     )
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--log", default="bench_out/kv_tier_restart.log")
+    parser.add_argument(
+        "--record",
+        default=None,
+        metavar="DIR",
+        help="write a run record under DIR/kv_tier_restart/",
+    )
     ns = parser.parse_args()
     Path(ns.log).parent.mkdir(parents=True, exist_ok=True)
     common = ["--enable-prompt-tokens-details"]
@@ -179,7 +187,37 @@ def main() -> int:
     )
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps({"trials": rows, "summary": summary}, indent=2))
+    if record_dir(ns.record):
+        write_record(record_dir(ns.record), restart_record(rows, summary))
     return 0
+
+
+def restart_record(trials: list[dict], summary: dict) -> dict:
+    """Each trial's TTFTs (ms) and the median as a run record."""
+    rows = {}
+    for t in trials:
+        rows[f"trial {t['trial']}"] = {
+            "system prompt tokens": t["system_tokens"],
+            "TTFT, no connector": round(t["no_connector_s"] * 1e3),
+            "TTFT, cold": round(t["cold_s"] * 1e3),
+            "TTFT, warm after restart": round(t["warm_s"] * 1e3),
+            "cached tokens (warm)": t["warm_cached_tokens"],
+            "cold / warm": round(t["speedup"], 1),
+        }
+    rows["median"] = {
+        "TTFT, no connector": round(summary["no_connector_s"] * 1e3),
+        "TTFT, cold": round(summary["cold_s"] * 1e3),
+        "TTFT, warm after restart": round(summary["warm_s"] * 1e3),
+        "cold / warm": round(summary["speedup_median"], 1),
+    }
+    units = {
+        "TTFT, no connector": "ms",
+        "TTFT, cold": "ms",
+        "TTFT, warm after restart": "ms",
+        "cold / warm": "×",
+    }
+    peers = ["tokenbus serve without a connector"]
+    return make_record("kv_tier_restart", this_command(), rows, units=units, peers=peers)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from revisions import REPO, load_at_revision  # benchmarks/ is sys.path[0] when run as a script
+from tokenbus.bench.record import make_record, record_dir, this_command, write_record
 from tokenbus.model.layers.linear import make_linear_kernel
 from tokenbus.model.layers.quantized import DequantBuffer
 from tokenbus.model.native import (
@@ -227,7 +228,7 @@ def against_bf16_gemm(kernels, row_counts=(16, 64, 256, 512), repeats: int = 5) 
 PEAK_STEPS = 20_000_000  # x 8 vpmaddwd: ~0.05 s a timing at ~3 G a second
 
 
-def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
+def peak(kernels, rows: int = 64, rounds: int = 20) -> dict:
     """One thread: the int16 and int8 tile kernels (Q4_1, SmolLM2's gate_up and down shapes, 64
     rows) in multiply-adds a second, against the rate this core issues the int16 kernel's
     instructions at (benchmarks/madd_peak.c: 8 chains of vpmaddwd + vpaddd on registers); oneDNN's
@@ -293,10 +294,29 @@ def peak(kernels, rows: int = 64, rounds: int = 20) -> None:
     for n, k in ((3072, 576), (576, 1536)):
         ratio = rate[f"tiles int16 {n}x{k}"] / rate[f"oneDNN fp32 {n}x{k}"]
         print(f"{n}x{k}: int16 tiles / oneDNN fp32 {ratio:.2f}x")
-    zmm_rates(lib, rounds)
+    row = {
+        "vpmaddwd + vpaddd": round(int16_rate, 1),
+        "FMA": round(fma_rate, 1),
+        "integer / FMA rate": round(int16_rate / fma_rate, 2),
+    }
+    for n, k in ((3072, 576), (576, 1536)):
+        tiles, onednn = rate[f"tiles int16 {n}x{k}"], rate[f"oneDNN fp32 {n}x{k}"]
+        row[f"int16 tiles {n}x{k}"] = f"{tiles:.1f} ({tiles / int16_rate:.0%})".replace("%", " %")
+        row[f"oneDNN fp32 {n}x{k}"] = f"{onednn:.1f} ({onednn / fma_rate:.0%})".replace("%", " %")
+        row[f"int16 / oneDNN {n}x{k}"] = round(tiles / onednn, 2)
+    figures = {f"one thread, {rows} rows, 256-bit chains": row}
+    zmm = zmm_rates(lib, rounds)
+    if zmm:  # the CPU's own 512-bit rates, each beside the zmm FMA
+        cells = {"FMA": round(zmm["vfmadd231ps"], 1)}
+        for name, ratio in (("vpmaddwd + vpaddd", "integer / FMA rate"), ("vpdpwssd", None)):
+            if name in zmm:
+                cells[name] = round(zmm[name], 1)
+                cells[ratio or f"{name} / FMA"] = round(zmm[name] / zmm["vfmadd231ps"], 2)
+        figures["512-bit chains (the CPU uncapped)"] = cells
+    return figures
 
 
-def zmm_rates(lib, rounds: int) -> None:
+def zmm_rates(lib, rounds: int) -> dict[str, float]:
     """The same issue rates at 512 bits, where the CPU itself has AVX-512 (whatever the cap): the
     int16 kernel's AVX-512 instructions without VNNI and with it, against the zmm FMA."""
     chains = {
@@ -308,7 +328,7 @@ def zmm_rates(lib, rounds: int) -> None:
         fn.argtypes = [ctypes.c_int64]
     chains = {name: (fn, lanes) for name, (fn, lanes) in chains.items() if fn(1) == 0}
     if "vfmadd231ps" not in chains:
-        return
+        return {}
     best = best_of_rounds(
         {
             name: lambda fn=fn: per_call(lambda: fn(PEAK_STEPS // 2), 3)
@@ -326,6 +346,7 @@ def zmm_rates(lib, rounds: int) -> None:
             for name in chains
         )
     )
+    return rate
 
 
 def main() -> None:
@@ -352,6 +373,12 @@ def main() -> None:
     parser.add_argument(
         "--peak", action="store_true", help="integer tiles against the core's int16 issue rate"
     )
+    parser.add_argument(
+        "--record",
+        default=None,
+        metavar="DIR",
+        help="--peak: write a run record under DIR/int16_peak/",
+    )
     args = parser.parse_args()
     if args.baseline and not args.step:
         parser.error("--baseline compares --step's cells")
@@ -366,7 +393,12 @@ def main() -> None:
         against_bf16_gemm(kernels)
         return
     if args.peak:
-        peak(kernels)
+        rows = peak(kernels)
+        if record_dir(args.record):
+            units = {name: "×" for cells in rows.values() for name in cells if "/" in name}
+            units |= {name: "G/s" for cells in rows.values() for name in cells if "/" not in name}
+            record = make_record("int16_peak", this_command(), rows, units=units)
+            write_record(record_dir(args.record), record)
         return
     if args.step:
         step_linears(

@@ -22,6 +22,7 @@ import time
 import torch
 
 from tokenbus import LLM, SamplingParams
+from tokenbus.bench.record import make_record, record_dir, this_command, write_record
 from tokenbus.bench.report import machine_description
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 
@@ -139,6 +140,9 @@ def main() -> None:
         help="torch threads (default: torch's); 1 is steadier on a loaded machine",
     )
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--record", default=None, metavar="DIR", help="write a run record under DIR/spec_decode/"
+    )
     ns = parser.parse_args()
 
     if ns.threads is not None:
@@ -178,8 +182,40 @@ def main() -> None:
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(results, f, indent=2)
+    if record_dir(ns.record):
+        write_record(record_dir(ns.record), spec_record(ns, results))
     for llm in engines.values():
         llm.shutdown()
+
+
+def spec_record(ns: argparse.Namespace, results: dict) -> dict:
+    """The workloads' rates and acceptance as a run record, plain and speculative side by side."""
+    labels = {
+        "copy_single": "copy-heavy, 1 request",
+        "chat_single": "chat, 1 request",
+        "batch": f"{ns.batch_prompts} prompts, concurrency {ns.concurrency}",
+    }
+    rows = {}
+    for key, label in labels.items():
+        if key in results:
+            speed, spec = results[key]["output_tokens_per_s"], results[key]["spec"]
+            rows[label] = {
+                "plain": round(speed["plain"], 1),
+                "speculative": round(speed["spec"], 1),
+                "speed-up": round(results[key]["speedup"], 2),
+                "acceptance": round(spec["acceptance_rate"], 2),
+            }
+    config = json.loads(ns.spec)
+    tokens = config.get("num_speculative_tokens")
+    if "draft_layers" in config:
+        variant = f"first {config['draft_layers']} layers as draft, {tokens} tokens"
+    else:
+        variant = f"{config.get('method', 'ngram').replace('ngram', 'n-gram')}, {tokens} tokens"
+    units = {"plain": "tok/s", "speculative": "tok/s", "speed-up": "×"}
+    peers = ["the same engine without speculation"]
+    return make_record(
+        "spec_decode", this_command(), rows, units=units, peers=peers, variant=variant
+    )
 
 
 def _print(title: str, result: dict) -> None:
