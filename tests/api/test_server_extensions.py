@@ -131,9 +131,8 @@ def test_continue_final_message_and_chat_echo(http):
     rendered = http.post(
         "/tokenize", json={"messages": history, "add_generation_prompt": False}
     ).json()
-    assert (
-        r["usage"]["prompt_tokens"] < rendered["count"]
-    )  # the last turn left open (no end marker)
+    # the last turn left open (no end marker)
+    assert r["usage"]["prompt_tokens"] < rendered["count"]
 
 
 def test_request_timeout_aborts_the_request(server, http):

@@ -92,9 +92,8 @@ def test_cancelled_stream_storm_frees_everything(tiny_llama_dir, tmp_path):
             server.url + "/v1/completions", json=long_request(8, stream=False), timeout=30
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        assert wait_until(
-            lambda: "Avg generation throughput" in server.log(), 5
-        )  # periodic stats line
+        # periodic stats line
+        assert wait_until(lambda: "Avg generation throughput" in server.log(), 5)
 
 
 def _open_stream(url: str, events: list, started: threading.Event) -> None:
@@ -131,9 +130,8 @@ def test_overflow_then_engine_death(tiny_llama_dir, tmp_path):
         )
         assert overflow.status_code == 503 and overflow.headers["retry-after"]
         assert overflow.json()["error"]["code"] == 503
-        assert wait_until(
-            lambda: any(started.is_set() for _, started in streams), 60
-        )  # tokens flow
+        # tokens flow
+        assert wait_until(lambda: any(started.is_set() for _, started in streams), 60)
 
         engine_pids = server.engine_pids()
         os.kill(server.engine_core_pid(), signal.SIGKILL)

@@ -84,9 +84,8 @@ def test_parsers_on_canned_outputs(parser, text, content, calls):
 
 
 def _client(script: str | None = None, **config):
-    engine = FakeAsyncLLM(
-        max_model_len=4096
-    )  # room for the tools' system prompt (a token a character)
+    # room for the tools' system prompt (a token a character)
+    engine = FakeAsyncLLM(max_model_len=4096)
     engine.script = script
     return engine, make_client(engine, **config)
 

@@ -88,9 +88,8 @@ def test_asynchronous_load_waits_without_holding_others_then_computes_only_the_l
     assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert so.num_scheduled_tokens == {"b": 8}  # b is not held up by a's load
     assert sched.kv.get_block_ids("a") == [1, 2, 3]
-    assert all(
-        sched.kv.block_pool.blocks[i].block_hash is None for i in (1, 2, 3)
-    )  # not cached yet
+    # not cached yet
+    assert all(sched.kv.block_pool.blocks[i].block_hash is None for i in (1, 2, 3))
     # b finished; a's load is still in flight: nothing is scheduled, nothing freed.
     so, _ = _step(sched)
     assert so.num_scheduled_tokens == {} and a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -224,9 +223,8 @@ def test_failed_synchronous_load_uncaches_the_blocks_computed_over_it():
 def test_external_lookups_are_counted_once_per_request_not_per_retry():
     connector = FakeConnector(external={"b": 16})
     sched = make_scheduler(num_blocks=6, kv_connector=connector)  # 5 usable blocks
-    sched.add_request(
-        make_request("a", 64, max_tokens=2, ignore_eos=True)
-    )  # takes 4 (+1 to decode)
+    # takes 4 (+1 to decode)
+    sched.add_request(make_request("a", 64, max_tokens=2, ignore_eos=True))
     sched.add_request(make_request("b", 40, max_tokens=1, ignore_eos=True, first_token=500))
     queries = hits = 0
     while sched.has_unfinished_requests():

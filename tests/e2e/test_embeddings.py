@@ -40,9 +40,8 @@ def test_pooled_vectors_equal_hf(llm, tiny_llama_dir, pooling):
         assert output.outputs[0].token_ids == [] and output.outputs[0].finish_reason == "stop"
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
         assert abs(got.norm().item() - 1.0) < 1e-5
-    assert (
-        len(outputs[2].outputs[0].token_ids) == 5 and outputs[2].pooled is None
-    )  # generation as usual
+    # generation as usual
+    assert len(outputs[2].outputs[0].token_ids) == 5 and outputs[2].pooled is None
     assert_engine_clean(llm)
 
 

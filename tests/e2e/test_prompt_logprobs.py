@@ -64,9 +64,8 @@ def test_prompt_logprobs_equal_hf_with_chunked_prefill(llm, hf):
 
 def test_cached_prefix_is_recomputed_and_n_children_share_one_computation(llm, hf):
     prompt = random_prompts(1, 40, 40, seed=12, vocab_low=5, vocab_high=200)[0]
-    llm.generate(
-        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False
-    )  # cached
+    # cached
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
     params = SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=1, prompt_logprobs=0)
     [output] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert len(output.outputs) == 3

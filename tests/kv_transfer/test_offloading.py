@@ -287,9 +287,8 @@ def _store(**extra) -> TieredStore:
 def test_lru_bounds_and_eviction_news(tmp_path, monkeypatch):
     monkeypatch.setattr(offloading, "MTIME_REFRESH_S", 0.0)  # every use moves the file's mtime
     file_bytes = len(_safetensors_size_probe(tmp_path))
-    disk_bytes = (
-        5 * file_bytes + 64
-    )  # five files (their headers may differ by a few bytes), not six
+    # five files (their headers may differ by a few bytes), not six
+    disk_bytes = 5 * file_bytes + 64
     root = tmp_path / "kv"
     store = _store(cpu_bytes=3 * BLOCK_BYTES, disk_path=str(root), disk_bytes=disk_bytes)
     for i in range(5):

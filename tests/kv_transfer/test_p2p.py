@@ -333,9 +333,8 @@ def test_sender_serves_a_pull_only_for_the_same_prompt_and_block_positions():
             )[0]
 
         sender.register({"r1": SendSpec([3, 5, 7], prompt_digest(PROMPT))})
-        assert (
-            pull([3, 5, 7]).status == OK and pull([5, 7]).status == OK
-        )  # after a local prefix hit
+        # after a local prefix hit
+        assert pull([3, 5, 7]).status == OK and pull([5, 7]).status == OK
         for block_ids in ([7, 5, 3], [5, 5], [3, 5], [3, 3, 3, 3]):
             reply = pull(block_ids)
             assert reply.status == ERROR and "prompt blocks" in reply.message, block_ids

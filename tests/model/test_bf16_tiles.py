@@ -81,9 +81,8 @@ def test_bf16_kernel_equals_bf16_rounded_reference(qtype, engine):
             kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, "bf16")
             want = x.bfloat16().float() @ dense.bfloat16().float().T  # fp32 sums of bf16 products
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-            assert (
-                wide[:, 0].isnan().all() and wide[:, rows + 1 :].isnan().all()
-            )  # nothing else written
+            # nothing else written
+            assert wide[:, 0].isnan().all() and wide[:, rows + 1 :].isnan().all()
 
 
 def test_avx512_bf16_cap_builds_without_amx():
@@ -124,9 +123,8 @@ def test_quant_activations_choose_bf16_only_with_an_engine():
         == quant_activation_modes("bf16", dp)
         == TileModes("bf16", 1, 0)
     )
-    assert quant_activation_modes("int8", amx) == TileModes(
-        "int8", 0, GEMM_FROM_ROWS
-    )  # an explicit mode: kept
+    # an explicit mode: kept
+    assert quant_activation_modes("int8", amx) == TileModes("int8", 0, GEMM_FROM_ROWS)
     # an explicit int8/int16 takes its tiles at any size where auto's int16 does (no bf16 engine)
     assert (
         quant_activation_modes("int16", avx2)
@@ -138,9 +136,8 @@ def test_quant_activations_choose_bf16_only_with_an_engine():
         == quant_activation_modes("int8", none)
         == TileModes("int8", 0, 0)
     )
-    assert quant_activation_modes("fp32", avx2) == TileModes(
-        "fp32", 0, GEMM_FROM_ROWS
-    )  # fp32 tiles: <= 64 rows
+    # fp32 tiles: <= 64 rows
+    assert quant_activation_modes("fp32", avx2) == TileModes("fp32", 0, GEMM_FROM_ROWS)
     with pytest.raises(ValueError, match="quant_activations 'bf16' needs AVX512-BF16"):
         quant_activation_modes("bf16", none)
     assert [TileModes("int16", 16, 0).mode(rows) for rows in (1, 15, 16, 500)] == [

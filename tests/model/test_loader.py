@@ -64,9 +64,8 @@ def test_resolve_model_kinds(tmp_path):
     assert resolve_model(str(hf_dir)) == ModelSource("hf", hf_dir.resolve())
     gguf_path = write_gguf(hf_dir, tmp_path / "tiny.gguf", with_tokenizer=False)
     assert resolve_model(str(gguf_path)) == ModelSource("gguf", gguf_path.resolve())
-    assert resolve_model(str(tmp_path)) == ModelSource(
-        "gguf", gguf_path.resolve()
-    )  # a dir with one .gguf
+    # a dir with one .gguf
+    assert resolve_model(str(tmp_path)) == ModelSource("gguf", gguf_path.resolve())
     with pytest.raises(ValueError, match="no/such/model.*not found"):
         resolve_model("no/such/model")
     (tmp_path / "notes.txt").write_text("hello")
@@ -126,9 +125,8 @@ def test_hf_tokenizer_and_generation_config():
     tokenizer = load_tokenizer(src)
     assert len(tokenizer) == 49152 and tokenizer.chat_template
     assert load_generation_config(src)["eos_token_id"] == 2
-    other = load_tokenizer(
-        src, tokenizer=str(smollm2_tokenizer_dir())
-    )  # an explicit tokenizer directory
+    # an explicit tokenizer directory
+    other = load_tokenizer(src, tokenizer=str(smollm2_tokenizer_dir()))
     assert other.encode("Hello world") == tokenizer.encode("Hello world")
     with pytest.raises(ValueError, match="tokenizer.*missing-tok"):
         load_tokenizer(src, tokenizer="missing-tok")
@@ -194,9 +192,8 @@ def test_dequantized_weights_equal_gguf_round_trip(tmp_path, qtype, logits_atol)
 
 
 def test_qk_permutation_is_llama_cpps_and_is_undone():
-    weight = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(
-        8 * 16, 3
-    )  # 8 heads, head_dim 16
+    # 8 heads, head_dim 16
+    weight = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(8 * 16, 3)
     permuted = permute_qk(weight, 8)
     assert torch.equal(permuted, llama_cpp_permute(weight, 8))
     assert not torch.equal(permuted, weight)
@@ -346,7 +343,6 @@ def test_gguf_tokenizer_is_converted_once_and_cached(tmp_path, monkeypatch):
             messages, tokenize=False, add_generation_prompt=True
         ) == first.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert tokenizer.eos_token_id == first.eos_token_id
-    assert type(second) is type(
-        first
-    )  # the generic class loaded directly is what AutoTokenizer gave
+    # the generic class loaded directly is what AutoTokenizer gave
+    assert type(second) is type(first)
     assert list((tmp_path / "cache" / "tokenizers").iterdir()) == [entry]  # nothing left behind

@@ -47,9 +47,8 @@ def make_batch(
     kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     width = max(blocks_per_req)
-    tables = torch.zeros(
-        len(requests), width + 2, dtype=torch.int64
-    )  # wider than needed, like the runner's
+    # wider than needed, like the runner's
+    tables = torch.zeros(len(requests), width + 2, dtype=torch.int64)
     slots, positions, starts, seq_lens = [], [], [0], []
     for r, ((q_len, ctx_len), n) in enumerate(zip(requests, blocks_per_req)):
         ids = [perm.pop() for _ in range(n)]

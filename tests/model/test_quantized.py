@@ -234,9 +234,8 @@ def test_fused_linear_mixes_types_and_switches_to_gemm_for_big_batches():
     for m in (3, QUANT_GEMV_MAX_ROWS + 5, TILE_GEMV_MAX_ROWS + 3):
         x = torch.randn(2, m, 256)
         torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
-    linear._kernel.buffer.MAX_VALUES = (
-        10 * 256
-    )  # force row chunks (10 rows, 16 on tiles) across shard edges
+    # force row chunks (10 rows, 16 on tiles) across shard edges
+    linear._kernel.buffer.MAX_VALUES = 10 * 256
     x = torch.randn(TILE_GEMV_MAX_ROWS + 1, 256)
     torch.testing.assert_close(linear(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
 

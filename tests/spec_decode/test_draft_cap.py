@@ -28,11 +28,9 @@ def test_no_drafts_without_a_sample_or_after_a_stop_token():
 
 
 def test_capped_by_max_tokens_and_max_model_len():
-    assert (
-        draft_cap(_state(10, [1, 1], max_tokens=5), 4, 1000, [], emitted=[1]) == 2
-    )  # 2 drafts + bonus = 5
+    # 2 drafts + bonus = 5
+    assert draft_cap(_state(10, [1, 1], max_tokens=5), 4, 1000, [], emitted=[1]) == 2
     assert draft_cap(_state(10, [1] * 4, max_tokens=5), 4, 1000, [], emitted=[1]) == 0
-    assert (
-        draft_cap(_state(10, [1], max_tokens=None), 4, 13, [], emitted=[1]) == 1
-    )  # 11 known, feeds <= 12
+    # 11 known, feeds <= 12
+    assert draft_cap(_state(10, [1], max_tokens=None), 4, 13, [], emitted=[1]) == 1
     assert draft_cap(_state(10, [1], max_tokens=None), 4, 12, [], emitted=[1]) == 0

@@ -199,7 +199,6 @@ def test_spec_stats_reach_the_engine_outputs(models):
     assert metrics.num_drafts > 0 and 0 < metrics.num_accepted_tokens <= metrics.num_draft_tokens
     assert len(metrics.accepted_per_pos) == 3
     rates = metrics.acceptance_rate_per_pos
-    assert all(
-        a >= b for a, b in zip(rates, rates[1:])
-    )  # a draft is accepted only after its predecessors
+    # a draft is accepted only after its predecessors
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
     assert 1.0 < metrics.mean_acceptance_length <= 4.0

@@ -80,9 +80,8 @@ def test_padding_rows_use_the_null_block_and_are_never_sampled():
     )
     ctx = batch.ctx
     assert (batch.num_tokens, batch.padded_size, ctx.num_tokens, ctx.num_reqs) == (3, 8, 8, 8)
-    assert (
-        ctx.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 3] + [0] * 5
-    )  # padding: slot 0
+    # padding: slot 0
+    assert ctx.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 3] + [0] * 5
     assert ctx.positions.tolist()[3:] == [0] * 5 and batch.input_ids.tolist()[3:] == [0] * 5
     assert ctx.seq_lens == [6, 7, 8] + [1] * 5 and ctx.seq_lens_t.tolist() == ctx.seq_lens
     assert ctx.query_start_loc == list(range(9)) and ctx.query_start_loc_t.tolist() == list(

@@ -37,9 +37,8 @@ def test_auto_is_float16_only_for_float32_models_on_gguf_blocks(gguf_path):
     assert resolve_kv_cache_dtype(config(gguf_path), gguf_src) == torch.float16
     assert resolve_kv_cache_dtype(config(gguf_path, quantization="none"), gguf_src) == torch.float32
     assert resolve_kv_cache_dtype(config(gguf_path, dtype="bfloat16"), gguf_src) == torch.bfloat16
-    assert (
-        resolve_kv_cache_dtype(config(hf_src.path), hf_src) == torch.float32
-    )  # dense weights: as --dtype
+    # dense weights: as --dtype
+    assert resolve_kv_cache_dtype(config(hf_src.path), hf_src) == torch.float32
     assert (
         resolve_kv_cache_dtype(config(gguf_path, kv_cache_dtype="float32"), gguf_src)
         == torch.float32

@@ -537,9 +537,8 @@ class OffloadingWorker(HashStoreWorker):
             return
         started = time.perf_counter()
         # One device → host copy for the step's blocks, then one CPU copy each.
-        kv = self.read_blocks([job.block_id for job in self._meta.saves]).to(
-            "cpu"
-        )  # [L, 2, n, bs, Hkv, D]
+        # [L, 2, n, bs, Hkv, D]
+        kv = self.read_blocks([job.block_id for job in self._meta.saves]).to("cpu")
         # Tail blocks first: the LRUs then drop a chain from its tail, never its head.
         for i in reversed(range(len(self._meta.saves))):
             self.store_or_drop(self._meta.saves[i].block_hash, kv[:, :, i])

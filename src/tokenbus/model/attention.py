@@ -67,9 +67,8 @@ class DecodeTile:
 
     start: int
     end: int
-    block_ids: (
-        torch.Tensor
-    )  # [n, num_blocks] int64: first blocks of each table (enough for the longest)
+    # [n, num_blocks] int64: first blocks of each table (enough for the longest)
+    block_ids: torch.Tensor
     bias: torch.Tensor  # [n, 1, 1, num_blocks * block_size]: 0 for keys < seq_len, -inf after
 
 
@@ -80,12 +79,10 @@ class PrefillSpan:
     start: int
     end: int
     seq_len: int
-    block_ids: (
-        torch.Tensor | None
-    )  # [num_blocks] int64; None: no earlier context (keys = this step's)
-    bias: (
-        torch.Tensor | None
-    )  # [q_len, seq_len]: 0 where visible, -inf where not; None with block_ids
+    # [num_blocks] int64; None: no earlier context (keys = this step's)
+    block_ids: torch.Tensor | None
+    # [q_len, seq_len]: 0 where visible, -inf where not; None with block_ids
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -256,9 +253,8 @@ def build_attention_plan(
         and kv.device.type == "cpu"
     ):
         return _plan_native(ctx, native_kernel, block_size, dtype, kv.dtype, head_dim)
-    bytes_per_key = (
-        2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    )  # K and V, as gathered
+    # K and V, as gathered
+    bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
     decode_tiles = _plan_decode_tiles(ctx, block_size, bytes_per_key, dtype)
     prefills = [
         _plan_prefill(ctx, r, block_size, dtype) for r in range(ctx.num_decodes, ctx.num_reqs)
@@ -324,9 +320,8 @@ def _plan_decode_tiles(
         ctx.seq_lens[: ctx.num_decodes], block_size, bytes_per_key
     ):
         key_ids = torch.arange(num_blocks * block_size, device=seq_lens.device)
-        masked = (
-            key_ids[None, :] >= seq_lens[start:end, None]
-        )  # [n, num_keys]: past the request's end
+        # [n, num_keys]: past the request's end
+        masked = key_ids[None, :] >= seq_lens[start:end, None]
         bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(
             masked, float("-inf")
         )
@@ -365,9 +360,8 @@ def _plan_prefill(
     block_ids = ctx.block_tables[req, : cdiv(seq_len, block_size)]
     device = block_ids.device
     query_pos = torch.arange(seq_len - q_len, seq_len, device=device)  # position of query i
-    masked = (
-        torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]
-    )  # [q_len, seq_len]: future keys
+    # [q_len, seq_len]: future keys
+    masked = torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]
     bias = torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill_(masked, float("-inf"))
     return PrefillSpan(start, end, seq_len, block_ids, bias)
 

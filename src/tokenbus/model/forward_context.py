@@ -20,9 +20,8 @@ import torch
 @dataclass
 class ForwardContext:
     positions: torch.Tensor  # [num_tokens] int64: position of each token in its sequence
-    slot_mapping: (
-        torch.Tensor
-    )  # [num_tokens] int64: block_id * block_size + offset, K/V write target
+    # [num_tokens] int64: block_id * block_size + offset, K/V write target
+    slot_mapping: torch.Tensor
     kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_size: int
     query_start_loc: list[int]  # [num_reqs + 1], host ints

@@ -98,9 +98,8 @@ class LlamaAttention(nn.Module):
             )  # rotated in place
         else:
             qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rotary(
-                qkv[:, :num_qk_heads], cos, sin
-            )  # [T, Hq + Hkv, D], q and k rotated at once
+            # [T, Hq + Hkv, D], q and k rotated at once
+            qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
         out = paged_attention(q, k, v, kv_cache, slot_mapping, plan, self.scale)  # [T, Hq, D]

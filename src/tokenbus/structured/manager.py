@@ -181,8 +181,7 @@ def pad_bitmask_rows(
     for req_id, count in zip(req_ids, num_rows):
         row = row_of.get(req_id)
         if row is not None:
-            full[out_row : out_row + count] = torch.tensor(
-                bitmask[row : row + count]
-            )  # a copy: may be read-only
+            # a copy: may be read-only
+            full[out_row : out_row + count] = torch.tensor(bitmask[row : row + count])
         out_row += count
     return full

@@ -50,9 +50,8 @@ def serve(args: EngineArgs, config: ServerConfig) -> int:
         sock.close()
         raise
     try:
-        server = importlib.import_module(
-            SERVER_MODULE
-        )  # imported by now where the engine has its own process
+        # imported by now where the engine has its own process
+        server = importlib.import_module(SERVER_MODULE)
     except BaseException:
         client.shutdown()
         sock.close()

@@ -103,9 +103,8 @@ class MultiProcExecutor(Executor):
             for rank in range(self.world_size):
                 call_address = f"ipc://{self._ipc_dir}/calls-{rank}"
                 sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(
-                    zmq.SNDTIMEO, POLL_MS
-                )  # a send to a dead rank must not block for ever
+                # a send to a dead rank must not block for ever
+                sock.setsockopt(zmq.SNDTIMEO, POLL_MS)
                 sock.bind(call_address)
                 self._call_sockets.append(sock)
                 proc = spawn.Process(

@@ -216,9 +216,8 @@ def shard_matmul(
     for first in range(0, shard.rows, chunk):
         count = min(chunk, shard.rows - first)
         if tiled:
-            weight_t = buffer.take(
-                shard.cols, -(-count // TILE_ROWS) * TILE_ROWS
-            )  # [K, whole tiles' rows]
+            # [K, whole tiles' rows]
+            weight_t = buffer.take(shard.cols, -(-count // TILE_ROWS) * TILE_ROWS)
             kernels.tile_dequant_t(
                 shard.qtype, shard.data, shard.rows, shard.cols, first // TILE_ROWS, weight_t
             )

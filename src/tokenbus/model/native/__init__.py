@@ -166,9 +166,8 @@ class PagedAttentionKernel:
             and out.stride(2) == 1
             and out.stride(1) == head_dim
         )
-        assert (
-            kv_cache.is_contiguous()
-        )  # the index tensors are checked once per step: check_indices
+        # the index tensors are checked once per step: check_indices
+        assert kv_cache.is_contiguous()
         assert q.dtype == out.dtype and kv_cache.dtype in KERNEL_KV_DTYPES.get(q.dtype, ())
         fn = self.long_fn if long_queries else self.fn
         status = fn(

@@ -63,9 +63,8 @@ class RejectionSampler:
         final_rows = (
             torch.tensor(spec.first_rows, dtype=torch.long, device=logits.device) + num_accepted
         )
-        final_ids = self._final_tokens(
-            greedy_ids, probs, meta, spec, num_accepted, final_rows
-        )  # [B]
+        # [B]
+        final_ids = self._final_tokens(greedy_ids, probs, meta, spec, num_accepted, final_rows)
 
         # The token each row emits: its draft while accepted, then the final token.
         row_ids = torch.zeros(spec.num_rows, dtype=torch.long, device=logits.device)  # [R]
