@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from tokenbus.bench.record import make_record, record_dir, this_command, write_record
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -250,6 +252,9 @@ def main() -> None:
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--record", default=None, metavar="DIR", help="write a run record under DIR/decode_layers/"
+    )
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -297,6 +302,45 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if record_dir(args.record):
+        write_record(record_dir(args.record), decode_record(args, report))
+
+
+def decode_record(args, report: dict) -> dict:
+    """Step latencies (median), the single-request rate and start-up as a run record: one
+    column per mode, and each fast mode's speed-up over eager."""
+    names = {
+        "c_layers": "C layers (default)",
+        "default": "C layers (default)" if args.device == "cpu" else "default",
+        "captured": "CUDA graphs",
+    }
+    rows: dict[str, dict] = {}
+    units = {}
+
+    def add(label: str, unit: str, values: dict[str, float], faster_is_smaller: bool) -> None:
+        cells = {names.get(k, k): round(v, 2) for k, v in values.items()}
+        for k, v in values.items():
+            if k != "eager" and unit != "s":
+                ratio = values["eager"] / v if faster_is_smaller else v / values["eager"]
+                cells[f"{names.get(k, k)} / eager"] = round(ratio, 2)
+        rows[label], units[label] = cells, unit
+
+    for row in report.get("latency", []):
+        modes = {
+            k[: -len("_ms")]: v for k, v in row.items() if k.endswith("_ms") and "_min" not in k
+        }
+        add(f"batch {row['batch']} step", "ms", modes, True)
+    if "single_request_tok_s" in report:
+        label = f"1 request, {args.gen_tokens} greedy tokens"
+        add(label, "tok/s", report["single_request_tok_s"], False)
+    if "startup_s" in report:
+        add("start-up (LLM construction)", "s", report["startup_s"], True)
+    units |= {c: "×" for cells in rows.values() for c in cells if c.endswith("/ eager")}
+    variant = "" if args.device == "cpu" else args.device
+    peers = ["--enforce-eager, interleaved in the same process"]
+    return make_record(
+        "decode_layers", this_command(), rows, units=units, peers=peers, variant=variant
+    )
 
 
 if __name__ == "__main__":

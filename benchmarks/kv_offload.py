@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from tokenbus import LLM, SamplingParams
+from tokenbus.bench.record import make_record, record_dir, this_command, write_record
 from tokenbus.bench.report import machine_description
 
 
@@ -104,6 +105,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="best of, each on new prompts")
     parser.add_argument("--disk-path", default=None, help="default: a temporary directory")
+    parser.add_argument(
+        "--record", default=None, metavar="DIR", help="write a run record under DIR/kv_offload/"
+    )
     args = parser.parse_args()
     disk_path = args.disk_path or tempfile.mkdtemp(prefix="tokenbus-kv-offload-")
     print(machine_description())
@@ -127,6 +131,28 @@ def main() -> None:
     llm.shutdown()
     for row in rows:
         print(json.dumps(row))
+    if record_dir(args.record):
+        write_record(record_dir(args.record), offload_record(rows))
+
+
+def offload_record(rows: list[dict]) -> dict:
+    """Each engine's batch and recall times as a run record, named as docs/benchmarks.md does."""
+    engines = {
+        "off": "no connector",
+        "cpu": "CPU tier",
+        "cpu+disk": "CPU + disk tiers",
+        "restart (disk)": "restart on the disk tier",
+    }
+    columns = {"batch_s": "batch", "recall_again_s": "recall", "recall_first_s": "recall, first"}
+    figures = {
+        engines[row["engine"]]: {
+            columns.get(key, key): value for key, value in row.items() if key != "engine"
+        }
+        for row in rows
+    }
+    units = {"batch": "s", "recall": "s", "recall, first": "s"}
+    peers = ["the same engine without a connector"]
+    return make_record("kv_offload", this_command(), figures, units=units, peers=peers)
 
 
 if __name__ == "__main__":
