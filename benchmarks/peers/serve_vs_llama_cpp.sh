@@ -9,7 +9,7 @@
 # PEERS=none runs tokenbus alone; SERVE_ARGS adds `tokenbus serve` flags (e.g. --num-threads 1).
 # llama_cpp_amx is llama.cpp built with ggml's AMX kernels (LLAMA_CPP_AMX=1 llama_cpp.sh build);
 # LLAMA_CPP_ISA=avx2 runs llama_cpp's AVX2-only build (results under the same names).
-# TOKENBUS_BENCH_RECORD=benchmarks/results also writes the run's record (benchmarks/record_serving.py).
+# TOKENBUS_BENCH_RECORD=benchmarks/results also writes the run's record (benchmarks/record_run.py).
 set -u
 cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh
@@ -47,5 +47,5 @@ for name in tokenbus ${PEERS:-llama_cpp}; do  # this run's results only
 done
 if [ -n "${TOKENBUS_BENCH_RECORD:-}" ]; then  # a run record for docs/benchmarks.md's tables
   # shellcheck disable=SC2086  # PEERS: one word per peer
-  $B/python benchmarks/record_serving.py "$TOKENBUS_BENCH_RECORD" tokenbus ${PEERS:-llama_cpp}
+  $B/python benchmarks/record_run.py serving "$TOKENBUS_BENCH_RECORD" tokenbus ${PEERS:-llama_cpp}
 fi

@@ -1,9 +1,11 @@
-"""Write one run record from benchmarks/peers/serve_vs_llama_cpp.sh's results in bench_out/.
+"""Write a run record from a shell benchmark's results in bench_out/.
 
-    .venv/bin/python benchmarks/record_serving.py DIR tokenbus llama_cpp vllm ...
+    .venv/bin/python benchmarks/record_run.py serving DIR tokenbus llama_cpp vllm ...
+    .venv/bin/python benchmarks/record_run.py cold_start DIR
 
-Called by that script when $TOKENBUS_BENCH_RECORD names a results dir: tokenbus and every
-peer of the run, c1 and c16, side by side (record format: src/tokenbus/bench/record.py).
+Called by benchmarks/peers/serve_vs_llama_cpp.sh (tokenbus and every peer of the run, c1 and
+c16, side by side) and benchmarks/cold_start.sh (each start, and the start-up memory line) when
+$TOKENBUS_BENCH_RECORD names a results dir (record format: src/tokenbus/bench/record.py).
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def engine_figures(name: str) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    directory, names = sys.argv[1], [n for n in sys.argv[2:] if n != "none"]
+def serving(directory: str, names: list[str]) -> None:
+    names = [n for n in names if n != "none"]
     figures = {COLUMNS[n]: engine_figures(n) for n in names}
     rows: dict[str, dict] = {label: {} for label in UNITS}
     for column, values in figures.items():
@@ -73,24 +75,11 @@ def main() -> None:
         ours = figures["tokenbus"][label]
         for column in list(figures)[1:]:
             rows[label][f"tokenbus / {column}"] = round(ours / figures[column][label], 2)
-    settings = [f"{k}={os.environ[k]!r}" for k in ("PEERS", "SERVE_ARGS") if os.environ.get(k)]
-    caps = [
-        f"{k}={os.environ[k]}"
-        for k in (
-            "TOKENBUS_CPU_ISA",
-            "ATEN_CPU_CAPABILITY",
-            "ONEDNN_MAX_CPU_ISA",
-            "MKL_ENABLE_INSTRUCTIONS",
-            "LLAMA_CPP_ISA",
-            "VLLM_CPU_ISA",
-        )
-        if os.environ.get(k)
-    ]
-    command = " ".join([*caps, *settings, "bash benchmarks/peers/serve_vs_llama_cpp.sh"])
+    command = shell_command("benchmarks/peers/serve_vs_llama_cpp.sh", ("PEERS", "SERVE_ARGS"))
     units = UNITS | {f"tokenbus / {c}": "×" for c in list(figures)[1:]}
     record = make_record(
         "serving",
-        command.replace("'", '"'),
+        command,
         rows,
         units=units,
         peers=[peer_description(n) for n in names if n != "tokenbus"],
@@ -99,5 +88,50 @@ def main() -> None:
     write_record(directory, record)
 
 
+def cold_start(directory: str) -> None:
+    """bench_out/cold_start_runs.txt's lines ("run 1, tokenbus: healthy after 2.15 s")."""
+    starts: dict[str, list[str]] = {}
+    for line in (OUT / "cold_start_runs.txt").read_text().splitlines():
+        server = line.split(", ", 1)[1].split(":")[0].split(" (")[0]
+        starts.setdefault(server, []).append(f"{float(line.split()[-2]):.2f}")
+    cells = {
+        {"tokenbus": "tokenbus", "llama_cpp": "llama-server"}[k]: ", ".join(v)
+        for k, v in starts.items()
+    }
+    memory = (OUT / "cold_start.log").read_text().split("peak RSS")
+    if len(memory) > 1:
+        cells["peak RSS"] = float(memory[-1].split()[0])
+    peers = [peer_description("llama_cpp")] if "llama_cpp" in starts else []
+    dropped = "page cache dropped" if os.environ.get("DROP_CACHES") == "1" else ""
+    record = make_record(
+        "cold_start",
+        shell_command("benchmarks/cold_start.sh", ("DROP_CACHES", "PEER", "RUNS")),
+        {"": cells},
+        units={"tokenbus": "s", "llama-server": "s", "peak RSS": "MiB"},
+        peers=peers,
+        variant=dropped,
+    )
+    write_record(directory, record)
+
+
+def shell_command(script: str, settings: tuple[str, ...]) -> str:
+    """The script's command line as run: the ISA caps and its own settings that were set."""
+    names = (
+        "TOKENBUS_CPU_ISA",
+        "ATEN_CPU_CAPABILITY",
+        "ONEDNN_MAX_CPU_ISA",
+        "MKL_ENABLE_INSTRUCTIONS",
+        "LLAMA_CPP_ISA",
+        "VLLM_CPU_ISA",
+        *settings,
+    )
+    env = [f'{k}="{os.environ[k]}"' if " " in os.environ[k] else f"{k}={os.environ[k]}"
+           for k in names if os.environ.get(k)]  # fmt: skip
+    return " ".join([*env, f"bash {script}"])
+
+
 if __name__ == "__main__":
-    main()
+    {
+        "serving": lambda: serving(sys.argv[2], sys.argv[3:]),
+        "cold_start": lambda: cold_start(sys.argv[2]),
+    }[sys.argv[1]]()
