@@ -62,7 +62,7 @@ def _structured(ns: argparse.Namespace) -> int:
     results = run_structured_bench(engine_args_from(ns), ns.num_prompts, ns.max_tokens)
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
-    _record_results(ns, "structured_output", results)
+    _record_results(ns, "structured_output", results, peers=["the same prompts unconstrained"])
     return 0
 
 
@@ -112,7 +112,7 @@ def _prefix(ns: argparse.Namespace) -> int:
     )
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
-    _record_results(ns, "prefix_caching", results)
+    _record_results(ns, "prefix_caching", results, peers=["the same engine, caching off"])
     return 0
 
 
