@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import socket
 import threading
@@ -78,3 +79,44 @@ def test_poisson_arrivals_are_seeded():
     assert delays == serve.arrival_delays(2000, rate=10.0, burstiness=1.0, seed=1)
     assert math.isclose(sum(delays) / len(delays), 0.1, rel_tol=0.1)
     assert serve.arrival_delays(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+
+
+def test_concurrency_sweep_writes_each_run_and_plots_them(base_url, tmp_path):
+    pytest.importorskip("matplotlib")
+    from tokenbus.cli.main import main
+
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    argv = [
+        "bench",
+        "serve",
+        "--base-url",
+        base_url,
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "5",
+        "20",
+        "--output-len",
+        "3",
+        "8",
+        "--vocab-size",
+        str(VOCAB_SIZE),
+        "--max-concurrency",
+        "1",
+        "4",
+        "--output-json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    assert main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["max_concurrency"] for r in runs] == [1, 4]
+    assert all(r["completed"] == 8 for r in runs)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    # Two engines' saved results side by side.
+    side = tmp_path / "side.png"
+    assert (
+        main(["bench", "plot", str(out), str(out), "--labels", "a", "b", "--out", str(side)]) == 0
+    )
+    assert side.stat().st_size > 10_000

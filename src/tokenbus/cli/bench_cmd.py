@@ -1,4 +1,4 @@
-"""`tokenbus bench throughput | prefix | structured | serve` (L7)."""
+"""`tokenbus bench throughput | prefix | structured | serve | plot` (L7)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def add_bench_parser(sub) -> None:
     )
     tp.add_argument("--hf-batch-size", type=int, default=16)
     tp.add_argument("--output-json", default=None)
+    _add_plot_arg(tp)
     _add_record_arg(tp)
     tp.set_defaults(func=_throughput)
 
@@ -37,12 +38,14 @@ def add_bench_parser(sub) -> None:
     px.add_argument("--output-len", type=int, default=16)
     px.add_argument("--dataset-seed", type=int, default=0)
     px.add_argument("--output-json", default=None)
+    _add_plot_arg(px)
     _add_record_arg(px)
     px.set_defaults(func=_prefix)
 
     _add_structured_parser(kinds)
 
     _add_serve_parser(kinds)
+    _add_plot_parser(kinds)
 
 
 def _add_structured_parser(kinds) -> None:
@@ -51,6 +54,7 @@ def _add_structured_parser(kinds) -> None:
     st.add_argument("--num-prompts", type=int, default=32)
     st.add_argument("--max-tokens", type=int, default=96)
     st.add_argument("--output-json", default=None)
+    _add_plot_arg(st)
     _add_record_arg(st)
     st.set_defaults(func=_structured)
 
@@ -62,6 +66,7 @@ def _structured(ns: argparse.Namespace) -> int:
     results = run_structured_bench(engine_args_from(ns), ns.num_prompts, ns.max_tokens)
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
+    _plot_results(ns.plot, results, "constrained vs unconstrained")
     _record_results(ns, "structured_output", results, peers=["the same prompts unconstrained"])
     return 0
 
@@ -91,6 +96,7 @@ def _throughput(ns: argparse.Namespace) -> int:
         results.append(run_hf_throughput(args, workload, ns.hf_batch_size))
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
+    _plot_results(ns.plot, results, f"offline throughput, {ns.num_prompts} requests")
     variant = f"{ns.num_prompts} requests, {args.dtype}"
     _record_results(
         ns, "throughput_hf", results, variant, ["HF transformers"] * ("hf" in ns.compare)
@@ -112,6 +118,7 @@ def _prefix(ns: argparse.Namespace) -> int:
     )
     print_table(results)
     _write_json(ns.output_json, [r.to_dict() for r in results])
+    _plot_results(ns.plot, results, "shared-prefix workload")
     _record_results(ns, "prefix_caching", results, peers=["the same engine, caching off"])
     return 0
 
@@ -121,6 +128,25 @@ def _write_json(path: str | None, payload) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def _add_plot_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plot", default=None, metavar="PNG", help="also draw the results (needs matplotlib)"
+    )
+
+
+def _plot_results(path: str | None, results, title: str) -> None:
+    """Bars of total and output tokens/s per engine, with each one's ratio to the first."""
+    if path:
+        from tokenbus.bench.plot import plot_bars
+
+        values = {
+            "total tokens/s": [r.total_tokens_per_s for r in results],
+            "output tokens/s": [r.output_tokens_per_s for r in results],
+        }
+        plot_bars([r.name for r in results], values, path, title)
+        print(f"plot: {path}")
 
 
 def _add_record_arg(parser: argparse.ArgumentParser) -> None:
@@ -175,12 +201,29 @@ def _add_serve_parser(kinds) -> None:
         help="requests/s (Poisson); inf: all at once",
     )
     sv.add_argument("--burstiness", type=float, default=1.0)
-    sv.add_argument("--max-concurrency", type=int, default=None)
+    sv.add_argument(
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="in-flight cap; several values run one benchmark per value, in order",
+    )
     sv.add_argument("--ignore-eos", action="store_true", help="force exact output lengths")
     sv.add_argument("--temperature", type=float, default=0.0)
     sv.add_argument("--request-timeout", type=float, default=600.0)
     sv.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
-    sv.add_argument("--output-json", default=None)
+    sv.add_argument(
+        "--output-json",
+        default=None,
+        help="the summary; with several --max-concurrency values, {'runs': [one each]}",
+    )
+    sv.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="throughput, TTFT and ITL against concurrency (needs matplotlib)",
+    )
+    sv.add_argument("--label", default=None, help="the engine's name in the plot")
     sv.add_argument(
         "--record",
         default=None,
@@ -192,18 +235,18 @@ def _add_serve_parser(kinds) -> None:
 
 def _serve_bench(ns: argparse.Namespace) -> int:
     import asyncio
+    import dataclasses
 
     from tokenbus.bench import serve
 
     percentiles = tuple(float(p) for p in ns.metric_percentiles.split(","))
-    config = serve.ServeBenchConfig(
+    base = serve.ServeBenchConfig(
         base_url=ns.base_url,
         endpoint=ns.endpoint,
         model=ns.model,
         api_key=ns.api_key,
         request_rate=ns.request_rate,
         burstiness=ns.burstiness,
-        max_concurrency=ns.max_concurrency,
         seed=ns.dataset_seed,
         ignore_eos=ns.ignore_eos,
         temperature=ns.temperature,
@@ -211,15 +254,56 @@ def _serve_bench(ns: argparse.Namespace) -> int:
         percentiles=tuple(sorted({50.0, *percentiles})),
     )
     requests = _serve_requests(ns, serve)
-    try:
-        summary = asyncio.run(serve.run_benchmark(config, requests))
-    except (RuntimeError, OSError) as exc:  # the server is unreachable or refused the test request
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(serve.format_report(summary, percentiles))
-    _write_json(ns.output_json, {"config": serve.config_dict(config), **summary})
-    _record_serve(ns, summary)
-    return 0 if summary["completed"] else 1
+    runs = []
+    for cap in ns.max_concurrency or [None]:
+        config = dataclasses.replace(base, max_concurrency=cap)
+        try:
+            summary = asyncio.run(serve.run_benchmark(config, requests))
+        except (RuntimeError, OSError) as exc:  # unreachable, or it refused the test request
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(serve.format_report(summary, percentiles))
+        runs.append({"config": serve.config_dict(config), **summary})
+        _record_serve(ns, summary)
+    _write_json(ns.output_json, runs[0] if len(runs) == 1 else {"runs": runs})
+    if ns.plot:
+        from tokenbus.bench.plot import Series, plot_serve
+
+        plot_serve([Series(ns.label or runs[0]["model"], runs)], ns.plot)
+        print(f"plot: {ns.plot}")
+    return 0 if all(run["completed"] for run in runs) else 1
+
+
+def _add_plot_parser(kinds) -> None:
+    pl = kinds.add_parser(
+        "plot",
+        help="draw saved bench serve results side by side (one file per engine)",
+        description="Each FILE is a `bench serve --output-json` file (one run, or several "
+        "concurrency levels); each becomes one engine's lines.",
+    )
+    pl.add_argument("files", nargs="+", metavar="FILE")
+    pl.add_argument("--labels", nargs="+", default=None, help="one per file (default: names)")
+    pl.add_argument("--out", required=True, metavar="PNG")
+    pl.add_argument("--title", default="tokenbus bench serve")
+    pl.set_defaults(func=_plot)
+
+
+def _plot(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tokenbus.bench.plot import Series, plot_serve
+
+    labels = ns.labels or [Path(f).stem for f in ns.files]
+    if len(labels) != len(ns.files):
+        raise ValueError(f"labels: {len(labels)} given for {len(ns.files)} files")
+    series = []
+    for label, path in zip(labels, ns.files):
+        with open(path) as f:
+            data = json.load(f)
+        series.append(Series(label, data["runs"] if "runs" in data else [data]))
+    plot_serve(series, ns.out, ns.title)
+    print(f"plot: {ns.out}")
+    return 0
 
 
 def _record_serve(ns: argparse.Namespace, summary: dict) -> None:
