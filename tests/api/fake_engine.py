@@ -8,12 +8,14 @@ behave as the real engine's do, so the serving code can be tested in millisecond
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from types import SimpleNamespace
 
 from tokenbus.config import EngineArgs
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
 
 VOCAB_SIZE = 300
@@ -71,9 +73,16 @@ class FakeAsyncLLM:
         prompt: str | None = None,
         cache_salt: str | None = None,
     ):
+        request = self.input_processor.make_request(request_id, prompt_token_ids, params)
+        async with aclosing(self.generate_request(request, prompt)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def generate_request(self, request: EngineRequest, prompt: str | None = None):
         if self.errored:
             raise self.dead_error
-        self.input_processor.make_request(request_id, prompt_token_ids, params)
+        request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
+        params = request.sampling_params
         self.requests.append((request_id, prompt_token_ids, params))
         self.running.add(request_id)
         try:

@@ -268,7 +268,7 @@ def test_client_errors_log_one_line_without_traceback(client, engine, caplog):
         raise TypeError("unsupported operand type(s)")
         yield  # an async generator, like the real one
 
-    engine.generate = bad_generate
+    engine.generate_request = bad_generate
     with caplog.at_level(logging.INFO):
         r = client.post("/v1/completions", json=completion())
     assert_error(r, 400)
@@ -281,14 +281,14 @@ def test_a_bug_is_a_500_that_closes_only_its_own_connection(client, engine, capl
         raise RuntimeError("a bug")
         yield
 
-    real_generate = engine.generate
-    engine.generate = broken_generate
+    real_generate = engine.generate_request
+    engine.generate_request = broken_generate
     with caplog.at_level(logging.ERROR):
         r = client.post("/v1/completions", json=completion())
     assert_error(r, 500)
     assert r.headers["connection"] == "close"
     assert len([rec for rec in caplog.records if rec.exc_info]) == 1  # its traceback, once
-    engine.generate = real_generate
+    engine.generate_request = real_generate
     assert client.post("/v1/completions", json=completion()).status_code == 200
 
 

@@ -1,6 +1,7 @@
 """AsyncLLM: the asyncio front end the OpenAI server uses (L4).
 
-    generate(): validate all n children → register → client.add_request_async → EngineCore
+    generate(): input processor (checks) → n>1 fan-out, register → client.add_request_async
+        → EngineCore (generate_request(): the same for a request the server has checked)
     output handler task: client.get_output_async ← EngineCore
         → RequestStatsTracker (TTFT, ITL) → OutputProcessor (text, stop strings)
         → per-request asyncio.Queue → generate() yields DELTA RequestOutputs
@@ -16,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from tokenbus.config import EngineArgs
@@ -23,9 +25,9 @@ from tokenbus.engine.client_factory import start_engine
 from tokenbus.engine.core_client import EngineCoreClient
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.input_processor import InputProcessor
-from tokenbus.engine.llm_engine import child_request_ids, register_children
 from tokenbus.engine.output_processor import OutputKind, OutputProcessor
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
+from tokenbus.engine.parallel_sampling import child_request_ids, register_children
 from tokenbus.engine.setup import EngineSetup, create_engine_setup
 from tokenbus.engine.stats import IterationStats, RequestStatsTracker, StatLogger
 from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats
@@ -92,10 +94,23 @@ class AsyncLLM:
         Raises ValueError for invalid input before the first output, EngineDeadError if the
         engine dies. Cancelling the iteration aborts the request in the engine.
         """
-        requests, stream = self._register(request_id, prompt_token_ids, params, prompt, cache_salt)
+        request = self.input_processor.make_request(
+            request_id, prompt_token_ids, params, cache_salt=cache_salt
+        )
+        async with aclosing(self.generate_request(request, prompt)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def generate_request(
+        self, request: EngineRequest, prompt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """generate() for a request the input processor has built, and so checked: the server
+        builds its requests on a preparation thread, off the event loop."""
+        request_id = request.request_id
+        children, stream = self._register(request, prompt)
         try:
-            for request in requests:
-                await self.client.add_request_async(request)
+            for child in children:
+                await self.client.add_request_async(child)
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -111,39 +126,26 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
 
     def _register(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None,
-        cache_salt: str | None,
+        self, request: EngineRequest, prompt: str | None
     ) -> tuple[list[EngineRequest], asyncio.Queue[_StreamItem]]:
-        """Validate every child (all or nothing), then register the request on this side."""
+        """Register the request's children on this side (all or nothing)."""
         self._raise_if_dead()
-        child_ids = child_request_ids(request_id, params.n)
+        request_id = request.request_id
+        child_ids = child_request_ids(request_id, request.sampling_params.n)
         # A parent id or a child id ("0_x" of "x" with n > 1) may already be running.
         if request_id in self._streams or any(
             c in self.output_processor.children for c in child_ids
         ):
             raise ValueError(f"request_id {request_id!r} is already in use by a running request")
-        arrival_time = time.time()
-        requests = register_children(
-            self.input_processor,
-            self.output_processor,
-            request_id,
-            prompt_token_ids,
-            params,
-            prompt,
-            OutputKind.DELTA,
-            arrival_time,
-            cache_salt,
-        )
+        children = register_children(self.output_processor, request, prompt, OutputKind.DELTA)
         self._ensure_output_handler()
         stream: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[request_id] = stream
-        for request in requests:
-            self.stats_tracker.add_request(request.request_id, arrival_time, len(prompt_token_ids))
-        return requests, stream
+        for child in children:
+            self.stats_tracker.add_request(
+                child.request_id, request.arrival_time, len(request.prompt_token_ids)
+            )
+        return children, stream
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request; its generate() ends with finish_reason "abort"."""

@@ -1,7 +1,9 @@
 """Front door: prompts and parameters in, validated EngineRequests out (L4).
 
 Everything a user can get wrong is caught here with a ValueError naming the field, before the
-request reaches the engine.
+request reaches the engine. `make_request` is where a request's parameters and prompt are
+checked, once per request, for the offline LLM and the server alike (the server calls it on a
+preparation thread: a grammar check may compile).
 """
 
 from __future__ import annotations
@@ -93,11 +95,11 @@ class InputProcessor:
             raise ValueError("messages: rendered to an empty prompt")
         return text, token_ids
 
-    def validate_params(self, params: SamplingParams) -> None:
+    def _check_params(self, params: SamplingParams) -> None:
+        """`params` with their logprobs resolved (the cap applies to what the engine runs)."""
         if params.structured_outputs is not None:
             self.structured_validator.validate(params.structured_outputs)
         cap = self.config.model.max_logprobs
-        params = params.with_resolved_logprobs(self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             requested = getattr(params, name)
             if requested is not None and cap != -1 and requested > cap:
@@ -112,7 +114,7 @@ class InputProcessor:
                     f"vocabulary (size {self.vocab_size})"
                 )
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         num = len(prompt_token_ids)
         if num >= self.max_model_len:
             raise ValueError(
@@ -136,9 +138,11 @@ class InputProcessor:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> EngineRequest:
-        self.validate_params(params)
-        self.validate_prompt(prompt_token_ids, params)
+        """Check the parameters (grammar included) and the prompt; the request carries the
+        parameters as the engine runs them (logprobs -1 spelled out as the vocabulary's size)."""
         params = params.with_resolved_logprobs(self.vocab_size)
+        self._check_params(params)
+        self._check_prompt(prompt_token_ids)
         return EngineRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

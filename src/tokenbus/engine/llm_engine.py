@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous front end used by the offline `LLM` (L4).
 
-add_request → (input processing) → EngineCore client → step → (output processing) → outputs.
+add_request → input processor (checks) → n>1 fan-out → EngineCore client → step → (output
+processing) → outputs.
 """
 
 from __future__ import annotations
@@ -14,57 +15,12 @@ from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 from tokenbus.engine.client_factory import start_engine
 from tokenbus.engine.core_client import EngineCoreClient
 from tokenbus.engine.input_processor import InputProcessor
-from tokenbus.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
-from tokenbus.engine.outputs import RequestMetrics, RequestOutput
+from tokenbus.engine.output_processor import OutputKind, OutputProcessor
+from tokenbus.engine.outputs import RequestOutput
+from tokenbus.engine.parallel_sampling import register_children
 from tokenbus.engine.setup import EngineSetup, create_engine_setup
-from tokenbus.protocol import EngineRequest, SchedulerStats
+from tokenbus.protocol import SchedulerStats
 from tokenbus.sampling_params import SamplingParams
-
-
-def child_request_ids(request_id: str, n: int) -> list[str]:
-    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Children sample independently: n=1 each, seed + index when seeded (as vLLM does). They
-    share the prompt, so only the first computes its logprobs."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    prompt_logprobs = params.prompt_logprobs if index == 0 else None
-    return params.clone(n=1, seed=seed, prompt_logprobs=prompt_logprobs)
-
-
-def register_children(
-    input_processor: InputProcessor,
-    output_processor: OutputProcessor,
-    request_id: str,
-    prompt_token_ids: list[int],
-    params: SamplingParams,
-    prompt: str | None,
-    kind: OutputKind,
-    arrival_time: float,
-    cache_salt: str | None,
-) -> list[EngineRequest]:
-    """Build the n child requests of one request, validating every child before any is
-    registered (all or nothing), then register them with the output processor."""
-    requests = [
-        input_processor.make_request(
-            child_id, prompt_token_ids, child_params(params, i), arrival_time, cache_salt
-        )
-        for i, child_id in enumerate(child_request_ids(request_id, params.n))
-    ]
-    parent = ParentRequest(
-        request_id,
-        prompt,
-        prompt_token_ids,
-        params.n,
-        kind,
-        RequestMetrics(arrival_time=arrival_time),
-    )
-    for i, request in enumerate(requests):
-        output_processor.add_request(parent, request.request_id, i, request.sampling_params)
-    return requests
 
 
 class LLMEngine:
@@ -117,19 +73,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        for request in register_children(
-            self.input_processor,
-            self.output_processor,
-            request_id,
-            prompt_token_ids,
-            params,
-            prompt,
-            kind,
-            arrival_time,
-            cache_salt,
-        ):
-            self.client.add_request(request)
+        request = self.input_processor.make_request(
+            request_id, prompt_token_ids, params, arrival_time, cache_salt
+        )
+        for child in register_children(self.output_processor, request, prompt, kind):
+            self.client.add_request(child)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.client.abort_requests(request_ids)

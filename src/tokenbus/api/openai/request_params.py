@@ -184,7 +184,7 @@ def _check_max_tokens(
     if max_tokens < 1:
         raise ValueError(f"{name} must be at least 1, got {max_tokens}")
     if prompt_len >= max_model_len:
-        return max_tokens  # the prompt alone is too long: validate_prompt says so, naming it
+        return max_tokens  # the prompt alone is too long: make_request says so, naming it
     if prompt_len + max_tokens > max_model_len:
         raise ValueError(
             f"{name}: this model's maximum context length is {max_model_len} tokens. However, you "

@@ -50,6 +50,7 @@ from tokenbus.api.openai.tools import (
     template_supports_tools,
 )
 from tokenbus.engine.outputs import CompletionOutput
+from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
 
 ASSISTANT = "assistant"
@@ -79,12 +80,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 @dataclass
 class ChatRun:
-    request_id: str
+    engine_request: EngineRequest  # built (and so checked) by the input processor
     request: ChatCompletionRequest
     model: str
     prompt_text: str | None  # None once truncate_prompt_tokens cut the rendered prompt
-    prompt_token_ids: list[int]
-    params: SamplingParams
     echo_text: str = ""  # `echo`: the last (assistant) message's content, before each reply
     tools: ToolPlan | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -92,6 +91,19 @@ class ChatRun:
     prompt_logprobs: list | None = None  # from the outputs, when asked for
     kv_transfer_params: dict | None = None  # from the final output, when a KV connector set them
     with_cache_details: bool = False  # --enable-prompt-tokens-details
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.engine_request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        """As the engine runs them (logprobs -1 spelled out)."""
+        return self.engine_request.sampling_params
 
     def usage(self, num_completion_tokens: int) -> UsageInfo:
         cached = [self.num_cached_tokens] if self.with_cache_details else None
@@ -153,20 +165,20 @@ class ChatServing(OpenAIServing):
         if plan is not None and plan.mode == "auto" and plan.parser.needs_special_tokens:
             params = params.clone(skip_special_tokens=False)  # its marker is a special token
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
-        params = self.validate(truncated, params)
-        self.check_prompt_logprobs([(len(truncated), params)])
+        engine_request = processor.make_request(
+            new_request_id("chatcmpl"), truncated, params, cache_salt=request.cache_salt
+        )
+        self.check_prompt_logprobs([(len(truncated), engine_request.sampling_params)])
         echo = (
             messages[-1]["content"]
             if request.echo and messages[-1].get("role") == ASSISTANT
             else ""
         )
         return ChatRun(
-            new_request_id("chatcmpl"),
+            engine_request,
             request,
             self.response_model_name(request.model),
             text if truncated is token_ids else None,
-            truncated,
-            params,
             echo_text=echo,
             with_cache_details=self.ctx.enable_prompt_tokens_details,
             tools=plan,
@@ -186,13 +198,7 @@ class ChatServing(OpenAIServing):
                 raise ValueError(f"tools[{index}].function.parameters: {reason}") from None
 
     def generate(self, run: ChatRun) -> AsyncIterator:
-        return self.engine.generate(
-            run.request_id,
-            run.prompt_token_ids,
-            run.params,
-            prompt=run.prompt_text,
-            cache_salt=run.request.cache_salt,
-        )
+        return self.engine.generate_request(run.engine_request, prompt=run.prompt_text)
 
     def _delta_logprobs(self, run: ChatRun, output: CompletionOutput) -> ChatLogprobs | None:
         if run.params.logprobs is None or output.logprobs is None:

@@ -37,18 +37,30 @@ from tokenbus.api.openai.request_params import (
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import DONE_EVENT, merge_async_iterators, sse_event
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
+from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
 
 
 @dataclass
 class PreparedPrompt:
-    request_id: str
+    engine_request: EngineRequest  # built (and so checked) by the input processor
     text: str | None
-    token_ids: list[int]
-    params: SamplingParams
     num_cached_tokens: int = 0  # from the engine's outputs
     prompt_logprobs: list | None = None  # from the engine's outputs, when asked for
     kv_transfer_params: dict | None = None  # from the final output, when a KV connector set them
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.engine_request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        """As the engine runs them (logprobs -1 spelled out)."""
+        return self.engine_request.sampling_params
 
 
 @dataclass
@@ -139,7 +151,7 @@ class CompletionServing(OpenAIServing):
         processor = self.engine.input_processor
         prepared = []
         # The parameters depend on a prompt only through its length (the max_tokens check):
-        # built and validated (grammar included) once per length, not once per prompt.
+        # built once per length, not once per prompt.
         params_for_length: dict[int, SamplingParams] = {}
         for i, prompt in enumerate(prompts):
             text, token_ids = processor.tokenize(
@@ -153,10 +165,12 @@ class CompletionServing(OpenAIServing):
             params = params_for_length.get(len(token_ids))
             if params is None:
                 params = completion_params(request, len(token_ids), self.ctx.limits)
-                params = params_for_length[len(token_ids)] = self.validate_params(params)
-            processor.validate_prompt(token_ids, params)
+                params_for_length[len(token_ids)] = params
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            prepared.append(PreparedPrompt(request_id, text, token_ids, params))
+            engine_request = processor.make_request(
+                request_id, token_ids, params, cache_salt=request.cache_salt
+            )
+            prepared.append(PreparedPrompt(engine_request, text))
         self.check_request_tokens(
             sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared)
         )
@@ -170,16 +184,7 @@ class CompletionServing(OpenAIServing):
         )
 
     def _generators(self, run: CompletionRun) -> list[AsyncIterator[RequestOutput]]:
-        return [
-            self.engine.generate(
-                p.request_id,
-                p.token_ids,
-                p.params,
-                prompt=p.text,
-                cache_salt=run.request.cache_salt,
-            )
-            for p in run.prompts
-        ]
+        return [self.engine.generate_request(p.engine_request, prompt=p.text) for p in run.prompts]
 
     def _echo_text(self, prompt: PreparedPrompt) -> str:
         if prompt.text is not None:

@@ -17,6 +17,7 @@ from tokenbus.api.openai.request_params import make_usage, truncate_prompt
 from tokenbus.api.openai.serving_completions import split_prompts
 from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
 from tokenbus.api.openai.streaming import merge_async_iterators
+from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
 
 
@@ -25,8 +26,11 @@ class EmbeddingRun:
     request_id: str
     request: EmbeddingRequest
     model: str
-    prompts: list[list[int]]
-    params: SamplingParams
+    engine_requests: list[EngineRequest]  # one per input, built (and so checked) by the processor
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [r.prompt_token_ids for r in self.engine_requests]
 
 
 class EmbeddingServing(OpenAIServing):
@@ -48,31 +52,24 @@ class EmbeddingServing(OpenAIServing):
     def _prepare(self, request: EmbeddingRequest, inputs: list[str | list[int]]) -> EmbeddingRun:
         processor = self.engine.input_processor
         params = SamplingParams(max_tokens=1, pooling=self.engine.config.model.pooler)
-        prompts = []
-        for item in inputs:
+        request_id = new_request_id("embd")
+        engine_requests = []
+        for i, item in enumerate(inputs):
             _, token_ids = processor.tokenize(
                 item if isinstance(item, str) else {"prompt_token_ids": item}
             )
             token_ids = truncate_prompt(
                 token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len
             )
-            processor.validate_prompt(token_ids, params)
-            prompts.append(token_ids)
-        self.check_request_tokens(sum(len(p) for p in prompts))
+            engine_requests.append(processor.make_request(f"{request_id}-{i}", token_ids, params))
+        self.check_request_tokens(sum(len(r.prompt_token_ids) for r in engine_requests))
         return EmbeddingRun(
-            new_request_id("embd"),
-            request,
-            self.response_model_name(request.model),
-            prompts,
-            params,
+            request_id, request, self.response_model_name(request.model), engine_requests
         )
 
     async def _complete(self, run: EmbeddingRun) -> Response:
         vectors: dict[int, list[float]] = {}
-        generators = [
-            self.engine.generate(f"{run.request_id}-{i}", prompt, run.params)
-            for i, prompt in enumerate(run.prompts)
-        ]
+        generators = [self.engine.generate_request(r) for r in run.engine_requests]
         # Leaving early (a disconnect cancels us) closes every engine stream: each aborts its
         # request.
         async with aclosing(merge_async_iterators(*generators)) as outputs:

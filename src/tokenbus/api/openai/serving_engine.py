@@ -3,8 +3,9 @@
 The order a request goes through, the same for every endpoint:
 
     preflight (event loop: cheap checks, no tokenizing) → prepare (a preparation thread:
-    caps, tokenizing, chat template, grammar check) → admission → generate, under the
-    request's deadline → respond (one body, or server-sent events)
+    caps, tokenizing, chat template; the input processor builds and checks the engine
+    requests, grammar included) → admission → generate, under the request's deadline →
+    respond (one body, or server-sent events)
 """
 
 from __future__ import annotations
@@ -213,18 +214,6 @@ class OpenAIServing:
             "prompt positions × (1 + prompt_logprobs)",
             "prompt_logprobs",
         )
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Check a prompt and its parameters; the parameters as the engine will run them."""
-        params = self.validate_params(params)
-        self.engine.input_processor.validate_prompt(prompt_token_ids, params)
-        return params
-
-    def validate_params(self, params: SamplingParams) -> SamplingParams:
-        """Check parameters (grammar included); logprobs -1 spelled out as the vocabulary's size."""
-        processor = self.engine.input_processor
-        processor.validate_params(params)
-        return params.with_resolved_logprobs(processor.vocab_size)
 
     def response_model_name(self, model: str | None) -> str:
         return model or self.ctx.model_name
