@@ -22,10 +22,10 @@ prefill uses SDPA's `enable_gqa`.
 `AttentionPlan` holds the index tensors and masks derived from a ForwardContext; it is built
 once per step (by the worker, through model/attention_backend.py) and shared by all layers.
 
-A captured step reads a static plan instead (`NativeDecodePlan`, `TorchDecodePlan`):
-a uniform batch (every request the same q_len: decodes, or spec-decode verifications of k
-drafts) whose tensor shapes depend only on the padded token count, with padding requests
-that read and write only the null block (block 0).
+A captured step (a CUDA graph) reads a static plan instead (`TorchDecodePlan`, or the Triton
+backend's): a uniform batch (every request the same q_len: decodes, or spec-decode
+verifications of k drafts) whose tensor shapes depend only on the padded token count, with
+padding requests that read and write only the null block (block 0).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from tokenbus.model.native import (
     check_indices,
     load_paged_attention,
 )
-from tokenbus.model.native import ops as native_ops
 from tokenbus.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -145,35 +144,6 @@ class AttentionPlan:
 
 
 @dataclass(frozen=True)
-class NativeDecodePlan:
-    """A uniform batch for the native kernel with static shapes: R requests of q_len queries
-    each (num_tokens = R * q_len), block tables at the buffers' full width. The kernel reads
-    only the first cdiv(seq_len, block_size) entries of a table row; padding requests have
-    seq_len q_len and a table of zeros, so they read the null block they wrote. Runs the
-    kernel as the custom op `tokenbus::paged_attention`, which torch.compile traces."""
-
-    num_tokens: int
-    query_start: torch.Tensor  # [R + 1] int64 (host)
-    seq_lens: torch.Tensor  # [R] int64
-    block_tables: torch.Tensor  # [R, W] int64
-    reqs: torch.Tensor  # [R] int64: arange(R), every request
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        native_ops.write_kv(kv_cache, k, v, slot_mapping)
-        return native_ops.paged_attention(
-            q, kv_cache, self.block_tables, self.query_start, self.seq_lens, self.reqs, scale
-        )
-
-
-@dataclass(frozen=True)
 class TorchDecodePlan:
     """A uniform batch for the portable path with static shapes: each query token attends the
     first positions[t] + 1 keys of its request's blocks, gathered at the tables' full width W
@@ -212,7 +182,7 @@ class TorchDecodePlan:
         return out.reshape(num_tokens, num_heads, head_dim)
 
 
-Plan = AttentionPlan | NativeDecodePlan | TorchDecodePlan
+Plan = AttentionPlan | TorchDecodePlan  # or a backend's own (triton_attention.TritonPlan)
 
 
 def select_attention_kernel(

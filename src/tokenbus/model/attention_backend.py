@@ -24,13 +24,12 @@ import torch
 from tokenbus.model.attention import (
     NATIVE_MAX_QUERY_LEN,
     AttentionPlan,
-    NativeDecodePlan,
     TorchDecodePlan,
     build_attention_plan,
     select_attention_kernel,
 )
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.native import KERNEL_KV_DTYPES, PagedAttentionKernel
+from tokenbus.model.native import PagedAttentionKernel
 
 
 class AttentionBackend:
@@ -55,7 +54,7 @@ class AttentionBackend:
         """The longest uniform q_len a static plan takes."""
         return NATIVE_MAX_QUERY_LEN
 
-    def prepare_for_capture(self, ctx: ForwardContext) -> TorchDecodePlan | NativeDecodePlan:
+    def prepare_for_capture(self, ctx: ForwardContext) -> TorchDecodePlan:
         num_reqs, q_len = self._uniform_shape(ctx)
         key = (ctx.num_tokens, q_len)
         if key not in self._token_requests:
@@ -65,9 +64,7 @@ class AttentionBackend:
             )
         return self._static_plan(ctx, q_len)
 
-    def prepare_for_replay(
-        self, ctx: ForwardContext, padded_size: int
-    ) -> TorchDecodePlan | NativeDecodePlan:
+    def prepare_for_replay(self, ctx: ForwardContext, padded_size: int) -> TorchDecodePlan:
         if ctx.num_tokens != padded_size:
             raise ValueError(
                 f"a replayed batch must be padded to {padded_size} tokens, got {ctx.num_tokens}"
@@ -92,7 +89,7 @@ class AttentionBackend:
             )
         return num_reqs, q_len
 
-    def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan | NativeDecodePlan:
+    def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan:
         raise NotImplementedError
 
     def _torch_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan:
@@ -122,25 +119,15 @@ class NativeAttentionBackend(AttentionBackend):
     def __init__(self, dtype: torch.dtype, kernel: PagedAttentionKernel) -> None:
         super().__init__(dtype)
         self._kernel = kernel
-        self._reqs: dict[int, torch.Tensor] = {}  # num_reqs -> arange(num_reqs)
 
     @property
     def kernel(self) -> PagedAttentionKernel:
         return self._kernel
 
-    def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan | NativeDecodePlan:
-        if ctx.kv_caches[0].dtype not in KERNEL_KV_DTYPES.get(
-            self.dtype, ()
-        ):  # e.g. bf16 K/V, fp32 queries
-            return self._torch_plan(ctx, q_len)
-        num_reqs = ctx.num_reqs
-        reqs = self._reqs.get(num_reqs)
-        if reqs is None:
-            reqs = self._reqs[num_reqs] = torch.arange(num_reqs, dtype=torch.int64)
-        query_start = ctx.query_start_loc_t
-        if query_start is None:
-            query_start = torch.tensor(ctx.query_start_loc, dtype=torch.int64)
-        return NativeDecodePlan(ctx.num_tokens, query_start, ctx.seq_lens_t, ctx.block_tables, reqs)
+    def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan:
+        # Only CUDA graphs capture, and the native kernel runs on CPU: any static plan it is
+        # asked for is the portable one.
+        return self._torch_plan(ctx, q_len)
 
 
 class TritonAttentionBackend(AttentionBackend):

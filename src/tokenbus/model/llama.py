@@ -87,7 +87,7 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D], a fresh tensor
-        if self.fused is not None and not torch.compiler.is_compiling():
+        if self.fused is not None:
             self.fused.rope_(
                 qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1), num_qk_heads, self.head_dim
             )
@@ -120,7 +120,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.fused is not None and gate_up.dim() == 2 and not torch.compiler.is_compiling():
+        if self.fused is not None and gate_up.dim() == 2:
             return self.tp.all_reduce(self.down_proj(self.fused.silu_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, 2I] -> 2 x [T, I]
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
@@ -245,7 +245,6 @@ class LlamaForCausalLM(nn.Module):
             or plan.decode_tiles
             or plan.prefills
             or plan.num_tokens != x.shape[0]
-            or torch.compiler.is_compiling()
         ):
             return None
         kv = ctx.kv_caches[0]
@@ -287,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
 
     def finalize(self, linear_backend: str = "auto", cpu: CpuFeatures | None = None) -> None:
         """Pack every linear for its device and CPU (see layers/linear.py); "dense" runs plain
-        F.linear (needed before torch.compile, which cannot trace packed oneDNN weights)."""
+        F.linear (benchmarks/decode_step.py --linear-backend compares them)."""
         cpu = cpu or CpuFeatures.detect()
         self._decode_layers = (
             None  # points into the kernels' weights: rebuilt by set_attention_backend

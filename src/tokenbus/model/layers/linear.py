@@ -7,8 +7,7 @@ this). So on CPU every linear runs packed when oneDNN supports the dtype on this
 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU runs bf16 through
 `F.linear`); elsewhere (CUDA, fp16 on CPU) it runs `F.linear`. The dense weight stays the
 source of truth (state_dict, `.to()`; re-run `finalize` after moving), at the cost of a second
-copy in memory. torch.compile cannot trace the opaque packed tensors: a traced forward uses the
-dense weight (F.linear); GGUF blocks go through the custom ops of model/native/ops.py.
+copy in memory.
 """
 
 from __future__ import annotations
@@ -187,8 +186,6 @@ class Linear(nn.Module):
         return list(self.quantized.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch.compile cannot trace oneDNN's opaque packed weight: it sees the dense one
-        # (inductor chooses its own GEMM for it).
-        if self._kernel is None or (self.backend == "onednn" and torch.compiler.is_compiling()):
+        if self._kernel is None:
             return F.linear(x, self.weight, self.bias)
         return self._kernel(x)
