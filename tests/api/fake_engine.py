@@ -15,6 +15,7 @@ from tokenbus.config import EngineArgs
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenbus.engine.xray_hub import XrayHub
 from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
 
@@ -64,6 +65,10 @@ class FakeAsyncLLM:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.xray_hub = XrayHub()  # /xray: no scheduler behind this engine, so no snapshot
+
+    async def xray_watch(self, seconds: float) -> None:
+        pass
 
     async def generate(
         self,

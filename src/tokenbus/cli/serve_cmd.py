@@ -84,6 +84,11 @@ def add_serve_parser(sub) -> None:
         help="seconds between stats log lines; 0 turns them off",
     )
     serve.add_argument(
+        "--disable-xray",
+        action="store_true",
+        help="no /xray page (a live view of the scheduler and KV cache, behind --api-key)",
+    )
+    serve.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the EngineCore in the server process (debugging)",
@@ -141,6 +146,7 @@ def _serve(ns: argparse.Namespace) -> int:
         shutdown_timeout=ns.shutdown_timeout,
         log_interval=ns.log_interval,
         engine_in_process=ns.engine_in_process,
+        enable_xray=not ns.disable_xray,
     )
     args = engine_args_from(ns)
     return launch.serve(args, config)

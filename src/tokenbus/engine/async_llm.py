@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import msgspec
+
 from tokenbus.config import EngineArgs
 from tokenbus.engine.client_factory import start_engine
 from tokenbus.engine.core_client import EngineCoreClient
@@ -30,7 +32,8 @@ from tokenbus.engine.outputs import CompletionOutput, RequestOutput
 from tokenbus.engine.parallel_sampling import child_request_ids, register_children
 from tokenbus.engine.setup import EngineSetup, create_engine_setup
 from tokenbus.engine.stats import IterationStats, RequestStatsTracker, StatLogger
-from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats
+from tokenbus.engine.xray_hub import XrayHub
+from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats, XraySnapshot
 from tokenbus.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class AsyncLLM:
         self.stats_tracker = RequestStatsTracker()
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.last_scheduler_stats: SchedulerStats | None = None
+        self.xray_hub = XrayHub()  # the newest /xray snapshot of each engine
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._output_task: asyncio.Task | None = None
         self._handler_error: EngineDeadError | None = None
@@ -229,6 +233,8 @@ class AsyncLLM:
             self.client.abort_requests(processed.reqs_to_abort)
         if engine_outputs.scheduler_stats is not None:
             self.last_scheduler_stats = engine_outputs.scheduler_stats
+        if engine_outputs.xray is not None:
+            self.xray_hub.publish(engine_outputs.engine_index, engine_outputs.xray)
         self._log_stats(
             engine_outputs.scheduler_stats, iteration_stats, engine_outputs.engine_index
         )
@@ -288,6 +294,15 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.call_utility("reset_prefix_cache")
+
+    async def xray_watch(self, seconds: float) -> None:
+        """Keep every engine snapshotting for /xray for `seconds` more; their snapshots of now
+        go to the hub at once (an idle engine sends no step outputs to carry them)."""
+        results = await self.client.call_utility_each_async("xray_watch", seconds)
+        for index, snapshot in enumerate(results):
+            if not isinstance(snapshot, XraySnapshot):  # across a process: plain containers
+                snapshot = msgspec.convert(snapshot, XraySnapshot)
+            self.xray_hub.publish(index, snapshot)
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         self._raise_if_dead()

@@ -69,6 +69,10 @@ class EngineCoreClient:
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         raise NotImplementedError
 
+    async def call_utility_each_async(self, method: str, *args: Any) -> list[Any]:
+        """The call on every engine, their results by engine index (one engine: one result)."""
+        return [await self.call_utility_async(method, *args)]
+
     def seconds_silent(self) -> list[float]:
         """Per engine: seconds since it last sent anything (outputs, or the heartbeat its loop
         sends every second it has nothing else to say). Empty: not known (sync clients)."""

@@ -126,10 +126,13 @@ class DPLBClient(EngineCoreClient):
         return self._account(await self._outputs.get_async())
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return _combine(await self.call_utility_each_async(method, *args))
+
+    async def call_utility_each_async(self, method: str, *args: Any) -> list[Any]:
         results = await asyncio.gather(
             *(client.call_utility_async(method, *args) for client in self.clients)
         )
-        return _combine(list(results))
+        return list(results)
 
     # ------------------------------------------------------------------ lifetime
     @property

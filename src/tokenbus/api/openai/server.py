@@ -139,6 +139,10 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app, state.ctx.known_params)
     _add_openai_routes(app, state)
     _add_service_routes(app, state)
+    if state.config.enable_xray:
+        from tokenbus.api.openai.xray import add_xray_routes
+
+        add_xray_routes(app, state.ctx.engine, state.ctx.served_model_names[0])
     # Added last = outermost: the key is checked before any body is read.
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)

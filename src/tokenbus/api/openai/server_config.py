@@ -27,4 +27,5 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests may drain after SIGTERM
     log_interval: float = 10.0  # seconds between stats log lines; 0 disables them
     engine_in_process: bool = False
+    enable_xray: bool = True  # the /xray page of the scheduler and KV cache (api/openai/xray.py)
     dead_exit_delay: float = 2.0  # seconds /health answers 503 before a dead-engine exit
