@@ -15,7 +15,7 @@ from tokenbus.utils import parse_size
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in fp32
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
 QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16")
 POOLERS = ("last", "mean")
@@ -62,8 +62,8 @@ class ModelConfig:
     # auto: the native CPU kernel (model/native) on CPU in fp32/bf16 when it builds; Triton
     # (model/triton_attention.py) on CUDA; else torch
     attention_backend: str = "auto"
-    # auto: the weights in the model's files; dummy: seeded random weights for its config.json
-    # (vLLM's flag: benchmarks of real sizes whose weights are not at hand)
+    # auto: the model's own files (safetensors for a directory, gguf for a GGUF); dummy: seeded
+    # random weights for its config.json (vLLM's flag: real sizes whose weights are not at hand)
     load_format: str = "auto"
     # gguf: GGUF weights stay in their blocks (native kernels; their activations:
     # quant_activations); none: dequantized to `dtype` at load; auto: gguf for a GGUF model on
@@ -397,6 +397,7 @@ RESOLVED_SETTINGS = (
     ("model", "dtype"),
     ("model", "quantization"),
     ("model", "attention_backend"),
+    ("model", "load_format"),
     ("cache", "kv_cache_dtype"),
 )
 
@@ -473,8 +474,9 @@ class EngineArgs:
     )
     load_format: str = _arg(
         "auto",
-        "auto: the weights in the model's files; dummy: seeded random weights for the model's "
-        "config.json (real sizes without their weights; on the target device and dtype)",
+        "auto: the model's own files (safetensors or gguf); dummy: seeded random weights for "
+        "the model's config.json (real sizes without their weights; on the target device and "
+        "dtype)",
         choices=LOAD_FORMATS,
     )
     quantization: str = _arg(

@@ -89,3 +89,14 @@ def test_real_size_config_resolves_without_weights():
     )
     assert setup.arch.hidden_size == 4096 and setup.arch.num_key_value_heads == 8
     assert setup.config.model.load_format == "dummy"
+
+
+def test_load_format_resolves_to_the_files_format_and_refuses_another(tiny_llama_dir):
+    from tokenbus.engine.setup import resolve_load_format
+    from tokenbus.loader import resolve_model
+
+    source = resolve_model(str(tiny_llama_dir))
+    assert resolve_load_format("auto", source) == "safetensors"
+    assert resolve_load_format("dummy", source) == "dummy"
+    with pytest.raises(ValueError, match="load_format 'gguf'.*holds safetensors weights"):
+        make_llm(tiny_llama_dir, load_format="gguf")

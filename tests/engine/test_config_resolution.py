@@ -98,7 +98,7 @@ def test_the_scheduler_side_names_a_kv_layout_without_the_worker(tmp_path):
 
         args = EngineArgs(
             device="cpu", dtype="float32", quantization="none", attention_backend="torch",
-            kv_cache_dtype="float32",
+            kv_cache_dtype="float32", load_format="safetensors",
         )
         arch = ModelArch("llama", 100, 8, 16, 1, 1, 1, 8, 1024)
         layout = kv_layout(args.to_config(256), arch)

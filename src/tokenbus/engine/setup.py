@@ -165,7 +165,8 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
     model, cache = config.model, config.cache
     device = resolve_device(model.device)
     dtype = resolve_dtype(model.dtype, device)
-    if model.load_format == "dummy":  # random dense weights: no GGUF blocks to keep
+    load_format = resolve_load_format(model.load_format, source)
+    if load_format == "dummy":  # random dense weights: no GGUF blocks to keep
         if model.quantization == "gguf":
             raise ValueError("quantization 'gguf' needs real weights, not load_format dummy")
         quantization = "none"
@@ -179,10 +180,25 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
         dtype=dtype,
         quantization=quantization,
         attention_backend=resolve_attention_backend(model.attention_backend, device, dtype),
+        load_format=load_format,
     )
     kv_cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, device, dtype, quantization)
     cache = dataclasses.replace(cache, kv_cache_dtype=kv_cache_dtype)
     return dataclasses.replace(config, model=model, cache=cache)
+
+
+def resolve_load_format(requested: str, source: ModelSource | None) -> str:
+    """auto: the format of the model's files ("safetensors" for a directory, "gguf" for a GGUF
+    file); "dummy" without a source (tests' fake engines load nothing). An explicit format
+    that is not the files' is refused."""
+    if requested == "dummy":
+        return "dummy"
+    if source is None:
+        return "dummy" if requested == "auto" else requested
+    found = "gguf" if source.kind == "gguf" else "safetensors"
+    if requested not in ("auto", found):
+        raise ValueError(f"load_format {requested!r}: {source.path} holds {found} weights")
+    return found
 
 
 def resolve_device(name: str) -> str:
