@@ -34,15 +34,21 @@ def record_dir(explicit: str | None = None) -> str | None:
 
 
 def cpu_summary() -> str:
-    """The CPU's model name, its usable cores and the ISA tokenbus runs on (cap included)."""
-    model = "unknown CPU"
+    """The CPU's model name (with its family and model numbers, which tell generations apart
+    where the name does not: "AMD EPYC"), its usable cores and the ISA tokenbus runs on."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
         pass
+    model = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        model += f" (family {fields['cpu family']} model {fields['model']})"
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
