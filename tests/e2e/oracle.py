@@ -17,8 +17,8 @@ def load_hf(model_dir: str, gguf_file: str | None = None):
 
 
 def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of one unpadded prompt, EOS ignored."""
-    input_ids = torch.tensor([prompt_token_ids])
+    """Greedy continuation of one unpadded prompt, EOS ignored (on the model's device)."""
+    input_ids = torch.tensor([prompt_token_ids], device=model.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,
@@ -28,7 +28,7 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
             min_new_tokens=max_new_tokens,
             pad_token_id=0,
         )
-    return out[0, len(prompt_token_ids) :].tolist()
+    return out[0, len(prompt_token_ids) :].cpu().tolist()
 
 
 def assert_same_or_near_tie(got: list[int], want: list[int], logprobs, gap: float = 0.1) -> None:

@@ -42,16 +42,7 @@ def test_bf16_greedy_equals_hf_up_to_near_ties(arch):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        with torch.inference_mode():
-            ids = torch.tensor([prompt], device="cuda")
-            want = hf.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
+        want = hf_greedy(hf, prompt, MAX_TOKENS)
         got = output.outputs[0]
         assert_same_or_near_tie(list(got.token_ids), want, got.logprobs, gap=0.25)
     hf.to("cpu", torch.float32)  # load_hf caches it for other tests, in fp32 on the CPU
