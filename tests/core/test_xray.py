@@ -128,3 +128,24 @@ def test_step_ring_is_bounded_and_snapshot_crosses_processes():
     assert [s.index for s in snap.steps] == [8, 9, 10, 11, 12]
     wire = msgspec.msgpack.encode(EngineOutputs(xray=snap))
     assert msgspec.msgpack.decode(wire, type=EngineOutputs).xray == snap
+
+
+def test_kv_transfers_in_flight_are_listed():
+    from tests.core.test_kv_connector_scheduler import FakeConnector, _step
+
+    # a: its prompt's KV loads asynchronously; p: a prefiller's finished request whose blocks
+    # stay held until its KV is sent.
+    connector = FakeConnector(external={"a": 40}, load_async=True, send_after_finish={"p"})
+    sched = make_scheduler(num_blocks=20, kv_connector=connector)
+    recorder = XrayRecorder(sched)
+    sched.add_request(make_request("a", 40, max_tokens=2, ignore_eos=True))
+    sched.add_request(make_request("p", 20, max_tokens=1, ignore_eos=True, first_token=500))
+    _step(sched)
+    snap = recorder.snapshot()
+    assert (snap.kv_loading, snap.kv_sending) == (["a"], ["p"])
+    assert [(r.request_id, r.status, r.block_ids) for r in snap.requests] == [
+        ("a", "loading_kv", [1, 2, 3])
+    ]
+    _step(sched, finished_recving=["a"], finished_sending=["p"])
+    snap = recorder.snapshot()
+    assert (snap.kv_loading, snap.kv_sending) == ([], [])
