@@ -19,6 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
 QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16")
 POOLERS = ("last", "mean")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -158,8 +159,16 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: no cap; applies only when >1 request competes
     max_model_len: int = 8192  # resolved against the model before the engine starts
     max_waiting_requests: int | None = None  # front-end admission bound (server answers 503)
+    # fcfs: arrival order, the last admitted preempted first; priority: (priority, arrival)
+    # order, a lower value first, and the lowest priority (latest among equals) preempted first.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -520,6 +529,12 @@ class EngineArgs:
     max_num_seqs: int = _arg(128)
     max_num_batched_tokens: int = _arg(2048)
     long_prefill_token_threshold: int = _arg(0)
+    scheduling_policy: str = _arg(
+        "fcfs",
+        "fcfs: first come, first served; priority: by each request's priority (lower first, "
+        "then arrival), the lowest priority preempted first under memory pressure",
+        choices=SCHEDULING_POLICIES,
+    )
     # The server's admission bound; `serve` has its own flag for it (the server answers 503).
     max_waiting_requests: int | None = _arg(flag=False)
     generation_config: str = _arg(

@@ -65,6 +65,7 @@ class FakeAsyncLLM:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.engine_requests: list[EngineRequest] = []  # as built by the input processor
         self.xray_hub = XrayHub()  # /xray: no scheduler behind this engine, so no snapshot
 
     async def xray_watch(self, seconds: float) -> None:
@@ -89,6 +90,7 @@ class FakeAsyncLLM:
         request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
         params = request.sampling_params
         self.requests.append((request_id, prompt_token_ids, params))
+        self.engine_requests.append(request)
         self.running.add(request_id)
         try:
             async for output in self._run(request_id, prompt_token_ids, params, prompt):

@@ -48,12 +48,16 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority`: one per prompt, under --scheduling-policy priority (lower first)."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: {len(priority)} values for {len(prompts)} prompts")
         processor = self.engine.input_processor
         tokenized = [processor.tokenize(p) for p in prompts]
-        return self._run(tokenized, sampling_params, use_tqdm)
+        return self._run(tokenized, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -74,16 +78,21 @@ class LLM:
         return self._run(rendered, sampling_params, use_tqdm)
 
     def _run(
-        self, tokenized: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool
+        self,
+        tokenized: list[tuple[str | None, list[int]]],
+        sampling_params,
+        use_tqdm: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _broadcast_params(sampling_params, len(tokenized))
         ids = []
         try:
-            for (text, token_ids), params in zip(tokenized, params_list):
+            priorities = priority or [0] * len(tokenized)
+            for (text, token_ids), params, rank in zip(tokenized, params_list, priorities):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank)
                 ids.append(request_id)
         except ValueError:
             self.engine.abort_request(_all_child_ids(self.engine, ids))

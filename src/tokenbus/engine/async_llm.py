@@ -92,6 +92,7 @@ class AsyncLLM:
         params: SamplingParams,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """DELTA outputs, one child (`outputs[0].index`) each; `finished` on the last one.
 
@@ -99,7 +100,7 @@ class AsyncLLM:
         engine dies. Cancelling the iteration aborts the request in the engine.
         """
         request = self.input_processor.make_request(
-            request_id, prompt_token_ids, params, cache_salt=cache_salt
+            request_id, prompt_token_ids, params, cache_salt=cache_salt, priority=priority
         )
         async with aclosing(self.generate_request(request, prompt)) as outputs:
             async for output in outputs:

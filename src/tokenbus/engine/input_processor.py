@@ -140,6 +140,11 @@ class InputProcessor:
     ) -> EngineRequest:
         """Check the parameters (grammar included) and the prompt; the request carries the
         parameters as the engine runs them (logprobs -1 spelled out as the vocabulary's size)."""
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority: {priority} needs --scheduling-policy priority (this engine "
+                f"schedules {self.config.scheduler.scheduling_policy})"
+            )
         params = params.with_resolved_logprobs(self.vocab_size)
         self._check_params(params)
         self._check_prompt(prompt_token_ids)

@@ -72,9 +72,10 @@ class LLMEngine:
         kind: OutputKind = OutputKind.FINAL_ONLY,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         request = self.input_processor.make_request(
-            request_id, prompt_token_ids, params, arrival_time, cache_salt
+            request_id, prompt_token_ids, params, arrival_time, cache_salt, priority
         )
         for child in register_children(self.output_processor, request, prompt, kind):
             self.client.add_request(child)

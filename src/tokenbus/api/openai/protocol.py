@@ -102,6 +102,8 @@ class SamplingFields(OpenAIRequest):
     structured_outputs: StructuredOutputsRequest | None = None
     user: str | None = None
     cache_salt: str | None = None
+    # vLLM: the request's place under --scheduling-policy priority (lower first); 0 otherwise.
+    priority: int = 0
     best_of: int | None = None
     # vLLM extensions: the token ids of prompt and output in the response; keep only the last
     # k prompt tokens (-1: as many as the context holds).

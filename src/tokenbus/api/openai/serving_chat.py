@@ -166,7 +166,11 @@ class ChatServing(OpenAIServing):
             params = params.clone(skip_special_tokens=False)  # its marker is a special token
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
         engine_request = processor.make_request(
-            new_request_id("chatcmpl"), truncated, params, cache_salt=request.cache_salt
+            new_request_id("chatcmpl"),
+            truncated,
+            params,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
         )
         self.check_prompt_logprobs([(len(truncated), engine_request.sampling_params)])
         echo = (

@@ -168,7 +168,11 @@ class CompletionServing(OpenAIServing):
                 params_for_length[len(token_ids)] = params
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             engine_request = processor.make_request(
-                request_id, token_ids, params, cache_salt=request.cache_salt
+                request_id,
+                token_ids,
+                params,
+                cache_salt=request.cache_salt,
+                priority=request.priority,
             )
             prepared.append(PreparedPrompt(engine_request, text))
         self.check_request_tokens(

@@ -4,9 +4,11 @@ One rule, as in vLLM V1: each step, every scheduled request gets `num_new_tokens
 `num_computed_tokens` catches up with `num_tokens_with_spec`, under one token budget. Prefill,
 chunked prefill, decode, resume after preemption and speculative verification are all that rule.
 
-Step order: running requests first (in admission order), then waiting ones (strict head of
-line), then `num_computed_tokens` advances optimistically; `update_from_output` appends the
-sampled tokens, rolls back rejected drafts and checks stop conditions.
+Step order: running requests first (in admission order; under the priority policy in
+(priority, arrival) order, so the last is the one preempted), then waiting ones (strict head of
+line, in the same order), then `num_computed_tokens` advances optimistically;
+`update_from_output` appends the sampled tokens, rolls back rejected drafts and checks stop
+conditions.
 
 With a KV connector (kv_transfer/, seen through core/sched/ports.KVConnectorScheduler), a
 waiting request may get tokens from outside the pool:
@@ -22,6 +24,7 @@ their requests recompute (preempted) or fail, per kv_load_failure_policy.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections import deque
 from collections.abc import Iterable
@@ -96,6 +99,18 @@ class Scheduler:
         self._external_hits_step = 0
         self._kv_output_step: KVConnectorOutput | None = None
 
+    @property
+    def by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
+    @staticmethod
+    def _insert_by_priority(queue: deque[Request] | list[Request], request: Request) -> None:
+        """Keep `queue` ordered by (priority, arrival time); equals keep their insertion order."""
+        position = bisect.bisect_right(
+            queue, (request.priority, request.arrival_time), key=_priority_key
+        )
+        queue.insert(position, request)
+
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self._delayed_free:
@@ -104,7 +119,10 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar.add_request(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            self._insert_by_priority(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (abort, stop string found by the front end)."""
@@ -211,7 +229,9 @@ class Scheduler:
             )
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running.pop()  # FCFS: the most recently admitted
+            # The last of `running`: the most recently admitted (fcfs), or the lowest priority,
+            # latest arrival among equals (priority keeps `running` in that order).
+            victim = self.running.pop()
             self._preempt(victim, plan)
             if victim is request:
                 return None
@@ -230,7 +250,10 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        self.waiting.appendleft(request)
+        if self.by_priority:  # back in its place: no later arrival of its priority overtakes it
+            self._insert_by_priority(self.waiting, request)
+        else:
+            self.waiting.appendleft(request)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
@@ -311,7 +334,10 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_computed
-        self.running.append(request)
+        if self.by_priority:
+            self._insert_by_priority(self.running, request)
+        else:
+            self.running.append(request)
         plan.new_reqs.append(
             NewRequestData(
                 req_id=request.request_id,
@@ -624,6 +650,10 @@ class Scheduler:
         assert not self._remote_loads, f"KV loads still tracked: {list(self._remote_loads)}"
         assert not self.waiting and not self.running, "queues not empty"
         self.kv.check_integrity()
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
 
 
 def _first_index_in(block_ids: list[int], wanted: set[int]) -> int:
