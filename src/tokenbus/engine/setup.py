@@ -179,7 +179,9 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
         device=device,
         dtype=dtype,
         quantization=quantization,
-        attention_backend=resolve_attention_backend(model.attention_backend, device, dtype),
+        attention_backend=resolve_attention_backend(
+            model.attention_backend, device, dtype, cache.block_size
+        ),
         load_format=load_format,
     )
     kv_cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, device, dtype, quantization)
@@ -258,7 +260,7 @@ def resolve_quantization(
     return "none"
 
 
-def resolve_attention_backend(requested: str, device: str, dtype: str) -> str:
+def resolve_attention_backend(requested: str, device: str, dtype: str, block_size: int = 16) -> str:
     """ "native", "triton" or "torch": auto is Triton on CUDA where triton imports, else what
     model/attention.select_attention_kernel picks (the native kernel on CPU in
     float32/bfloat16 when it builds). An explicit backend that cannot run is a ValueError
@@ -268,7 +270,7 @@ def resolve_attention_backend(requested: str, device: str, dtype: str) -> str:
     if requested == "triton" or (requested == "auto" and device.startswith("cuda")):
         from tokenbus.model.attention_backend import triton_problem
 
-        problem = triton_problem(device)
+        problem = triton_problem(device, block_size)
         if problem is None:
             return "triton"
         if requested == "triton":

@@ -170,14 +170,16 @@ class TritonAttentionBackend(AttentionBackend):
         return torch.tensor(ctx.query_start_loc, dtype=torch.int64, device=ctx.block_tables.device)
 
 
-def triton_problem(device: str | torch.device) -> str | None:
-    """Why the Triton backend cannot run on `device`, or None."""
+def triton_problem(device: str | torch.device, block_size: int = 16) -> str | None:
+    """Why the Triton backend cannot run on `device` with KV blocks of `block_size`, or None."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "its kernels need a CUDA device (TRITON_INTERPRET=1 runs them on CPU, for tests)"
+    if block_size < 16:  # a block's tokens are a tl.dot dimension (triton_attention.py)
+        return f"its kernels need --block-size 16 or more, not {block_size}"
     return None
 
 

@@ -25,6 +25,7 @@ checks them against the torch path).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ import triton.language as tl
 
 # Rows of a program: BLOCK_M query tokens × BLOCK_G heads, at least 16 (tl.dot's minimum).
 MIN_ROWS = 16
+MAX_SPLITS = 16  # key segments of one decode at most (decode_splits)
+MIN_BLOCK_SIZE = 16  # KV block tokens are a tl.dot dimension: 16 at least
 
 
 @triton.jit
@@ -64,12 +67,12 @@ def _write_kv_kernel(
     tl.store(dst + cache_half, v.to(cache_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_kv"])
 def _attention_kernel(
     q_ptr,
     cache_ptr,
     out_ptr,
-    part_ptr,  # split_kv > 1: [num_tokens, Hq, SPLIT_KV, HEAD_DIM + 2] fp32 partials
+    part_ptr,  # split_kv > 1: [num_tokens, Hq, split_kv, HEAD_DIM + 2] fp32 partials
     block_tables_ptr,
     query_start_ptr,
     seq_lens_ptr,
@@ -80,6 +83,7 @@ def _attention_kernel(
     stride_o_head,
     stride_table,
     cache_half,
+    split_kv,  # key segments per decode (1: none); a runtime value, so no recompile per batch
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two
@@ -87,7 +91,6 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
-    SPLIT_KV: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     req = tl.program_id(0)
@@ -101,12 +104,9 @@ def _attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     if q_block * BLOCK_M >= q_len:
         return
-    is_split = False
-    if SPLIT_KV > 1:
-        if q_len == 1:
-            is_split = True
-        elif split > 0:  # only decodes are split; split 0 does a longer request whole
-            return
+    if (split > 0) & (q_len != 1):  # only decodes are split; split 0 does a longer one whole
+        return
+    is_split = (split_kv > 1) & (q_len == 1)
 
     rows = tl.arange(0, BLOCK_M * BLOCK_G)
     token = q_block * BLOCK_M + rows // BLOCK_G  # index among the request's queries
@@ -126,12 +126,12 @@ def _attention_kernel(
     # Keys this program needs: up to its last query's position; a split takes its share.
     num_keys = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_M)
     num_blocks = (num_keys + BLOCK_SIZE - 1) // BLOCK_SIZE
-    first_block = 0
-    last_block = num_blocks
-    if is_split:
-        per_split = (num_blocks + SPLIT_KV - 1) // SPLIT_KV
-        first_block = split * per_split
-        last_block = tl.minimum(num_blocks, first_block + per_split)
+    # One segment of the blocks per split; the whole range otherwise (tl.where keeps every
+    # bound one type, int64, whichever way the request goes).
+    num_segments = tl.where(is_split, split_kv, 1)
+    per_split = (num_blocks + num_segments - 1) // num_segments
+    first_block = tl.where(is_split, split * per_split, 0)
+    last_block = tl.minimum(num_blocks, first_block + per_split)
 
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
@@ -167,7 +167,7 @@ def _attention_kernel(
     out_mask = row_mask[:, None] & d_mask[None, :]
     if is_split:
         # Partials [token, head, split, D + 2]: the unnormalised output, then max and sum.
-        base = ((q_rows * (NUM_KV_HEADS * GROUP) + head) * SPLIT_KV + split) * (HEAD_DIM + 2)
+        base = ((q_rows * (NUM_KV_HEADS * GROUP) + head) * split_kv + split) * (HEAD_DIM + 2)
         tl.store(part_ptr + base[:, None] + d[None, :], acc, mask=out_mask)
         tl.store(part_ptr + base + HEAD_DIM, m_i, mask=row_mask)
         tl.store(part_ptr + base + HEAD_DIM + 1, l_i, mask=row_mask)
@@ -180,17 +180,18 @@ def _attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_kv"])
 def _merge_splits_kernel(
     part_ptr,
     out_ptr,
     query_start_ptr,
     stride_o_token,
     stride_o_head,
+    split_kv,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLIT_KV: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     """Combine a decode's split partials: out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s."""
     req = tl.program_id(0)
@@ -199,16 +200,19 @@ def _merge_splits_kernel(
     if tl.load(query_start_ptr + req + 1) - q_start != 1:
         return
     token = q_start.to(tl.int64)
-    splits = tl.arange(0, SPLIT_KV)
+    splits = tl.arange(0, MAX_SPLITS)
+    s_mask = splits < split_kv
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    base = ((token * NUM_HEADS + head) * SPLIT_KV + splits) * (HEAD_DIM + 2)
-    m_s = tl.load(part_ptr + base + HEAD_DIM)
-    l_s = tl.load(part_ptr + base + HEAD_DIM + 1)
+    base = ((token * NUM_HEADS + head) * split_kv + splits) * (HEAD_DIM + 2)
+    m_s = tl.load(part_ptr + base + HEAD_DIM, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_ptr + base + HEAD_DIM + 1, mask=s_mask, other=0.0)
     m = tl.max(m_s, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))  # an empty split weighs nothing
-    acc = tl.load(part_ptr + base[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+    acc = tl.load(
+        part_ptr + base[:, None] + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )
     total = tl.sum(w * l_s, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
@@ -271,10 +275,8 @@ def paged_attention(
         return out
     group = num_heads // num_kv_heads
     block_g = triton.next_power_of_2(group)
-    block_m = max(MIN_ROWS // block_g, 1)
-    if max_query_len > 1:
-        block_m = max(block_m, min(triton.next_power_of_2(max_query_len), 64 // block_g, 16))
-    split_kv = triton.next_power_of_2(max(split_kv, 1))
+    block_m = query_tile(block_g, max_query_len)
+    split_kv = min(triton.next_power_of_2(max(split_kv, 1)), MAX_SPLITS)
     partials = (
         torch.empty(
             (num_tokens, num_heads, split_kv, head_dim + 2), dtype=torch.float32, device=q.device
@@ -298,6 +300,7 @@ def paged_attention(
         out.stride(1),
         block_tables.stride(0),
         kv_cache[0].numel(),
+        split_kv,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         BLOCK_G=block_g,
@@ -305,7 +308,6 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
-        SPLIT_KV=split_kv,
         FP32_DOT=q.dtype == torch.float32,
     )
     if split_kv > 1:
@@ -315,12 +317,23 @@ def paged_attention(
             query_start,
             out.stride(0),
             out.stride(1),
+            split_kv,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim),
-            SPLIT_KV=split_kv,
+            MAX_SPLITS=MAX_SPLITS,
         )
     return out
+
+
+def query_tile(block_g: int, max_query_len: int) -> int:
+    """BLOCK_M: query tokens per program. Two per head layout, so that no query length
+    compiles a kernel of its own mid-serving: decode-only steps get just enough rows for
+    tl.dot, every step with a longer query up to 16 tokens (64 rows)."""
+    block_m = max(MIN_ROWS // block_g, 1)
+    if max_query_len > 1:
+        block_m = max(block_m, min(16, 64 // block_g))
+    return block_m
 
 
 @dataclass(frozen=True)
@@ -365,8 +378,14 @@ def decode_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int
     when a batch has few (request, KV head) pairs, at most 16; 1 off the GPU."""
     if device.type != "cuda":
         return 1
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return min(16, triton.next_power_of_2(max(1, programs // max(num_reqs * num_kv_heads, 1))))
+    programs = 2 * _multiprocessors(device.index)
+    wanted = programs // max(num_reqs * num_kv_heads, 1)
+    return min(MAX_SPLITS, triton.next_power_of_2(max(1, wanted)))
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
 def _check_cache(kv_cache: torch.Tensor) -> None:
@@ -375,3 +394,5 @@ def _check_cache(kv_cache: torch.Tensor) -> None:
             "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_dim] "
             f"tensor, got shape {tuple(kv_cache.shape)}"
         )
+    if kv_cache.shape[2] < MIN_BLOCK_SIZE:
+        raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} for Triton attention")
