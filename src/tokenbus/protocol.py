@@ -104,7 +104,8 @@ class XrayRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int  # tokens whose KV is in (or being written to) its blocks
     num_cached_tokens: int  # its prefix-cache hit when first scheduled (0 before)
     num_preemptions: int
-    block_ids: list[int]
+    block_ids: list[int]  # its block table, the first ones only (xray.MAX_ROW_BLOCK_IDS)
+    num_blocks: int = 0  # the whole table's length
     priority: int = 0
     num_draft_tokens: int = 0  # spec decode: drafts verified so far
     num_accepted_tokens: int = 0  # ... and accepted

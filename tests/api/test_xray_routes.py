@@ -104,3 +104,8 @@ def test_top_renders_the_pool_steps_and_requests():
     assert " ###................" in lines  # null block, r1's three blocks, 16 free
     row = next(line for line in lines if line.startswith("r1"))
     assert row.split()[:6] == ["r1", "running", "40", "1", "40", "0"] and row.endswith("1 2 3")
+
+
+def test_a_query_key_beyond_latin1_is_a_401_not_a_crash():
+    client = TestClient(make_app(FakeEngine()), raise_server_exceptions=False)
+    assert client.get("/xray?api_key=%E2%82%AC").status_code == 401

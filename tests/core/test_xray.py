@@ -149,3 +149,18 @@ def test_kv_transfers_in_flight_are_listed():
     _step(sched, finished_recving=["a"], finished_sending=["p"])
     snap = recorder.snapshot()
     assert (snap.kv_loading, snap.kv_sending) == ([], [])
+
+
+def test_big_pools_are_drawn_less_often_and_viewers_share_snapshots():
+    from tokenbus.core import xray
+
+    sched = make_scheduler(num_blocks=700, max_model_len=16_384, max_num_batched_tokens=16_384)
+    recorder = XrayRecorder(sched, interval=0.25)
+    first = recorder.watch(10.0)
+    assert recorder.watch(10.0) is first  # a second viewer within the spacing: no new build
+    recorder._build_seconds = 0.1  # a snapshot that took 100 ms: 2 % of 5 s
+    assert recorder.spacing == 0.1 / xray.MAX_TIME_SHARE
+    sched.add_request(make_request("long", 16 * 600, max_tokens=2, ignore_eos=True))
+    step(sched, recorder)
+    row = recorder.snapshot().requests[0]
+    assert row.num_blocks == 600 and len(row.block_ids) == xray.MAX_ROW_BLOCK_IDS

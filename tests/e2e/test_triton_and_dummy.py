@@ -100,3 +100,22 @@ def test_load_format_resolves_to_the_files_format_and_refuses_another(tiny_llama
     assert resolve_load_format("dummy", source) == "dummy"
     with pytest.raises(ValueError, match="load_format 'gguf'.*holds safetensors weights"):
         make_llm(tiny_llama_dir, load_format="gguf")
+
+
+def test_triton_needs_blocks_of_16_tokens_and_dummy_weights_key_their_own_kv():
+    from tokenbus.config import EngineArgs, ModelArch
+    from tokenbus.kv_transfer.layout import kv_layout
+
+    assert "--block-size 16 or more" in (triton_problem(DEVICE, block_size=8) or "")
+    arch = ModelArch("llama", 100, 8, 16, 1, 1, 1, 8, 1024)
+    resolved = dict(
+        device="cpu",
+        dtype="float32",
+        quantization="none",
+        attention_backend="torch",
+        kv_cache_dtype="float32",
+    )
+    dummy = kv_layout(EngineArgs(load_format="dummy", seed=3, **resolved).to_config(256), arch)
+    real = kv_layout(EngineArgs(load_format="safetensors", **resolved).to_config(256), arch)
+    assert dummy.weights == "dummy seed 3" and real.weights == "files"
+    assert dummy.fingerprint() != real.fingerprint()

@@ -20,6 +20,10 @@ from tokenbus.protocol import BlockState, XrayRequest, XraySnapshot, XrayStep
 
 MAX_FREE_ORDER = 4096  # free-queue entries sent (the head: evicted next)
 MAX_REQUEST_ROWS = 256  # request rows sent; the rest are counted
+MAX_ROW_BLOCK_IDS = 512  # block ids sent per request row; XrayRequest.num_blocks counts them all
+# At most this share of the engine's time goes to building snapshots: a big pool (a GPU's tens
+# of thousands of blocks) is drawn less often rather than slowing the steps.
+MAX_TIME_SHARE = 0.02
 
 _STATUS_NAMES = {
     RequestStatus.WAITING: "waiting",
@@ -44,6 +48,8 @@ class XrayRecorder:
         self.num_steps = 0
         self._watch_until = 0.0  # monotonic deadline of the current viewer's interest
         self._last_snapshot = 0.0
+        self._last: XraySnapshot | None = None
+        self._build_seconds = 0.0  # what the last snapshot took to build
         self._spec: dict[str, _SpecCounts] = {}  # only requests that drafted
 
     # ------------------------------------------------------------------ per step
@@ -110,19 +116,33 @@ class XrayRecorder:
     # ------------------------------------------------------------------ snapshots
     def watch(self, seconds: float) -> XraySnapshot:
         """A viewer is interested for `seconds` more: snapshots ride on the step outputs until
-        then. Returns one now, so an idle engine is drawn too."""
+        then. Returns one of now (or of the last interval: many viewers cost one snapshot), so
+        an idle engine is drawn too."""
         now = time.monotonic()
         self._watch_until = now + max(seconds, 0.0)
-        self._last_snapshot = now
-        return self.snapshot()
+        if self._last is not None and now - self._last_snapshot < self.spacing:
+            return self._last
+        return self._take(now)
 
     def maybe_snapshot(self) -> XraySnapshot | None:
-        """A snapshot if a viewer watches and the last one is `interval` old, else None."""
+        """A snapshot if a viewer watches and the last one is `spacing` old, else None."""
         now = time.monotonic()
-        if now >= self._watch_until or now - self._last_snapshot < self.interval:
+        if now >= self._watch_until or now - self._last_snapshot < self.spacing:
             return None
+        return self._take(now)
+
+    @property
+    def spacing(self) -> float:
+        """Seconds between snapshots: `interval`, or longer where building one takes more than
+        MAX_TIME_SHARE of that time."""
+        return max(self.interval, self._build_seconds / MAX_TIME_SHARE)
+
+    def _take(self, now: float) -> XraySnapshot:
+        start = time.perf_counter()
+        self._last = self.snapshot()
+        self._build_seconds = time.perf_counter() - start
         self._last_snapshot = now
-        return self.snapshot()
+        return self._last
 
     def snapshot(self) -> XraySnapshot:
         scheduler = self.scheduler
@@ -161,6 +181,7 @@ class XrayRecorder:
 
     def _request_row(self, request: Request) -> XrayRequest:
         spec = self._spec.get(request.request_id)
+        block_ids = self.scheduler.kv.get_block_ids(request.request_id)
         return XrayRequest(
             request_id=request.request_id,
             status=_STATUS_NAMES.get(request.status, request.status.name.lower()),
@@ -169,7 +190,8 @@ class XrayRecorder:
             num_computed_tokens=request.num_computed_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_preemptions=request.num_preemptions,
-            block_ids=self.scheduler.kv.get_block_ids(request.request_id),
+            block_ids=block_ids[:MAX_ROW_BLOCK_IDS],
+            num_blocks=len(block_ids),
             priority=request.priority,
             num_draft_tokens=spec.drafted if spec else 0,
             num_accepted_tokens=spec.accepted if spec else 0,

@@ -38,6 +38,8 @@ from tokenbus.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+XRAY_WATCH_SPACING_S = 1.0  # the engines are asked at most this often, however many viewers
+
 # What a request's queue carries: outputs, or the error that ends the request.
 _StreamItem = RequestOutput | BaseException
 
@@ -62,6 +64,7 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.last_scheduler_stats: SchedulerStats | None = None
         self.xray_hub = XrayHub()  # the newest /xray snapshot of each engine
+        self._xray_watched_at = float("-inf")
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._output_task: asyncio.Task | None = None
         self._handler_error: EngineDeadError | None = None
@@ -299,6 +302,10 @@ class AsyncLLM:
     async def xray_watch(self, seconds: float) -> None:
         """Keep every engine snapshotting for /xray for `seconds` more; their snapshots of now
         go to the hub at once (an idle engine sends no step outputs to carry them)."""
+        now = time.monotonic()
+        if now - self._xray_watched_at < XRAY_WATCH_SPACING_S:  # many viewers: one renewal
+            return
+        self._xray_watched_at = now
         results = await self.client.call_utility_each_async("xray_watch", seconds)
         for index, snapshot in enumerate(results):
             if not isinstance(snapshot, XraySnapshot):  # across a process: plain containers

@@ -217,10 +217,12 @@ def _shutdown_executor(engine: EngineCore) -> None:
 def _did_work(outputs: EngineOutputs) -> bool:
     """A step that ran nothing produces no outputs, leaves nobody running and moved no KV (a
     prefiller serves pulls, and a decoder starts its loads, in steps that run nothing: their
-    counters must still reach the front end)."""
+    counters must still reach the front end); an /xray snapshot is sent whatever the step
+    did (an engine whose requests all wait for KV loads is drawn too)."""
     stats = outputs.scheduler_stats
     return (
         bool(outputs.outputs)
+        or outputs.xray is not None
         or stats is None
         or bool(
             stats.num_running_reqs

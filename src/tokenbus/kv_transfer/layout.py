@@ -25,6 +25,8 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # "files", or "dummy seed N" (--load-format dummy): random weights' K/V match no one else's.
+    weights: str = "files"
 
     @property
     def block_nbytes(self) -> int:
@@ -66,4 +68,7 @@ def kv_layout(config: EngineConfig, arch: ModelArch) -> KVLayout:
         num_layers=arch.num_hidden_layers,
         num_kv_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim,
+        weights=(
+            f"dummy seed {config.model.seed}" if config.model.load_format == "dummy" else "files"
+        ),
     )

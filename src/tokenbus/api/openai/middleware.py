@@ -118,7 +118,10 @@ class APIKeyMiddleware:
             token = _xray_query_key(scope)
             if token is None:
                 return False
-        digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        try:
+            digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        except UnicodeEncodeError:  # a percent-decoded ?api_key= beyond latin-1: not the key
+            return False
         return hmac.compare_digest(digest, self._key_digest)
 
 
