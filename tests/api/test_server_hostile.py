@@ -155,11 +155,16 @@ def test_valid_histories_with_null_content_and_invalid_text(smollm2):
     assert "Traceback" not in smollm2.log()
 
 
-def _long_stream(url: str, result: dict) -> None:
-    body = {"prompt": "The bus goes", "max_tokens": 300, "ignore_eos": True, "stream": True}
+def _long_stream(url: str, result: dict, streaming: threading.Event | None = None) -> None:
+    body = {"prompt": "The bus goes", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    result["events"] = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
         result["status"] = response.status_code
-        result["events"] = [line for line in response.iter_lines() if line.startswith("data: ")]
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                result["events"].append(line)
+                if streaming is not None:
+                    streaming.set()
 
 
 def test_stopped_engine_turns_health_503_within_the_stall_timeout_and_back(
@@ -171,9 +176,12 @@ def test_stopped_engine_turns_health_503_within_the_stall_timeout_and_back(
     ) as server:
         engine_pid = server.engine_core_pid()
         result: dict = {}
-        streamer = threading.Thread(target=_long_stream, args=(server.url, result))
+        streaming = threading.Event()
+        streamer = threading.Thread(target=_long_stream, args=(server.url, result, streaming))
         streamer.start()
-        time.sleep(0.5)  # the stream is running: the engine has work
+        # Stopped as soon as tokens flow: the engine has work (a fast CPU could otherwise
+        # finish the whole stream before a fixed sleep ends).
+        assert streaming.wait(30)
         os.kill(engine_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
