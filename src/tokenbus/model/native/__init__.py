@@ -36,6 +36,13 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+# A C signature's arguments, one letter each: p pointer, l int64_t, i int, f float.
+_CTYPES = {"p": _PTR, "l": _I64, "i": ctypes.c_int, "f": ctypes.c_float}
+
+
+def ctypes_args(letters: str) -> list:
+    """argtypes for a C function, from one letter per argument (_CTYPES)."""
+    return [_CTYPES[letter] for letter in letters]
 
 
 class NativeBuildError(RuntimeError):
@@ -227,31 +234,10 @@ def load_paged_attention(
     fns = lib.paged_attention, lib.paged_prefill_attention
     for fn in fns:  # the same contract
         fn.restype = ctypes.c_int
-        fn.argtypes = [
-            _PTR,
-            _I64,
-            _PTR,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _PTR,
-            _I64,
-            _PTR,
-            _PTR,
-            _PTR,
-            _I64,
-            ctypes.c_float,
-            _PTR,
-            _I64,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
+        fn.argtypes = ctypes_args("plplllllplppplfpliii")
     supported = lib.paged_prefill_supported
     supported.restype = ctypes.c_int
-    supported.argtypes = [ctypes.c_int, ctypes.c_int, _I64]
+    supported.argtypes = ctypes_args("iil")
     return PagedAttentionKernel(*fns, supported)
 
 
@@ -478,8 +464,8 @@ def load_quant_kernels(
     lib = load_library(_QUANT_SOURCE, cpu)
     matmul, dequant = lib.quant_matmul, lib.quant_dequant_rows
     matmul.restype = dequant.restype = ctypes.c_int
-    matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
-    dequant.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int]
+    matmul.argtypes = ctypes_args("ipllpllpli")
+    dequant.argtypes = ctypes_args("iplplpi")
     tile_fns = _load_tile_fns(cpu, tile_source)
     engine = BF16_ENGINES[tile_fns["bf16_engine"]()] if tile_fns is not None else ""
     return QuantKernels(
@@ -505,33 +491,11 @@ def _load_tile_fns(cpu: CpuFeatures | None, source: Path) -> dict[str, ctypes._C
         fn.restype = ctypes.c_int
     fns["nbytes"].restype = _I64
     fns["bf16_engine"].argtypes = []
-    fns["nbytes"].argtypes = [ctypes.c_int, _I64, _I64]
-    fns["repack"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR]
-    fns["matmul"].argtypes = [
-        ctypes.c_int,
-        _PTR,
-        _I64,
-        _I64,
-        _PTR,
-        _I64,
-        _I64,
-        _PTR,
-        _I64,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    fns["dequant_rows"].argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
-    fns["dequant_t"].argtypes = [
-        ctypes.c_int,
-        _PTR,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _PTR,
-        _I64,
-        ctypes.c_int,
-    ]
+    fns["nbytes"].argtypes = ctypes_args("ill")
+    fns["repack"].argtypes = ctypes_args("ipllp")
+    fns["matmul"].argtypes = ctypes_args("ipllpllplii")
+    fns["dequant_rows"].argtypes = ctypes_args("ipllplpi")
+    fns["dequant_t"].argtypes = ctypes_args("ipllllpli")
     return fns
 
 
@@ -613,19 +577,7 @@ def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
     lib = load_library(_FUSED_SOURCE, cpu)
     norm, rope, silu = lib.add_rms_norm, lib.rope_inplace, lib.silu_mul
     norm.restype = rope.restype = silu.restype = None
-    norm.argtypes = [
-        _PTR,
-        _I64,
-        _PTR,
-        _I64,
-        _PTR,
-        _PTR,
-        _PTR,
-        _I64,
-        _I64,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
-    rope.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
-    silu.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
+    norm.argtypes = ctypes_args("plplpppllfi")
+    rope.argtypes = ctypes_args("pllpplli")
+    silu.argtypes = ctypes_args("pllpi")
     return FusedOps(norm, rope, silu)

@@ -19,6 +19,7 @@ from tokenbus.model.native import (
     FusedOps,
     PagedAttentionKernel,
     QuantKernels,
+    ctypes_args,
     load_library,
 )
 from tokenbus.utils.cpu import CpuFeatures
@@ -154,10 +155,10 @@ class DecodeLayers:
         lib = load_library(_SOURCE, cpu)
         self._fn = lib.decode_layer
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR]
+        self._fn.argtypes = ctypes_args("pppppppp")
         self._all_fn = lib.decode_layers
         self._all_fn.restype = ctypes.c_int
-        self._all_fn.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+        self._all_fn.argtypes = ctypes_args("pplpppp")
         self._kernels = _Kernels(
             _address(quant.tile_fns["matmul"]),
             _address(attention.fn),
