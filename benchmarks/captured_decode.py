@@ -35,8 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build(args):
-    from tokenbus.config import EngineArgs
     from tokenbus.engine.setup import resolve_dtype, resolve_quantization
+    from tokenbus.engine_args import EngineArgs
     from tokenbus.loader import load_arch, resolve_model
     from tokenbus.utils import cdiv
     from tokenbus.worker.input_batch import InputBuffers

@@ -18,9 +18,9 @@ import time
 def main() -> None:
     marks = [("start", time.perf_counter())]
     from tokenbus.api.openai import launch
-    from tokenbus.config import EngineArgs
     from tokenbus.engine import client_factory
     from tokenbus.engine import setup as engine_setup
+    from tokenbus.engine_args import EngineArgs
 
     marks.append(("import the start-up's modules", time.perf_counter()))
     setup = engine_setup.create_engine_setup(EngineArgs())

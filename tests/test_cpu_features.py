@@ -111,7 +111,7 @@ def test_cgroup_quota_v2_and_v1(tmp_path):
 
 
 def test_threads_follow_flag_cores_and_ranks(monkeypatch):
-    from tokenbus.config import EngineArgs
+    from tokenbus.engine_args import EngineArgs
     from tokenbus.utils import cpu
     from tokenbus.worker import worker
 

@@ -25,7 +25,7 @@ def __getattr__(name: str):
 
         return getattr(outputs, name)
     if name == "EngineArgs":
-        from tokenbus.config import EngineArgs
+        from tokenbus.engine_args import EngineArgs
 
         return EngineArgs
     raise AttributeError(f"module 'tokenbus' has no attribute {name!r}")

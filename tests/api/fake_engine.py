@@ -11,11 +11,11 @@ import asyncio
 from contextlib import aclosing
 from types import SimpleNamespace
 
-from tokenbus.config import EngineArgs
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.input_processor import InputProcessor
 from tokenbus.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenbus.engine.xray_hub import XrayHub
+from tokenbus.engine_args import EngineArgs
 from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
 

@@ -79,8 +79,8 @@ def test_real_size_config_resolves_without_weights():
     """The shipped Llama-3.1-8B config builds an engine setup (metadata only: no 16 GB here)."""
     from pathlib import Path
 
-    from tokenbus.config import EngineArgs
     from tokenbus.engine.setup import create_engine_setup
+    from tokenbus.engine_args import EngineArgs
 
     path = Path(__file__).resolve().parents[2] / "benchmarks/configs/llama-3.1-8b"
     assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 32
@@ -103,7 +103,8 @@ def test_load_format_resolves_to_the_files_format_and_refuses_another(tiny_llama
 
 
 def test_triton_needs_blocks_of_16_tokens_and_dummy_weights_key_their_own_kv():
-    from tokenbus.config import EngineArgs, ModelArch
+    from tokenbus.config import ModelArch
+    from tokenbus.engine_args import EngineArgs
     from tokenbus.kv_transfer.layout import kv_layout
 
     assert "--block-size 16 or more" in (triton_problem(DEVICE, block_size=8) or "")

@@ -12,8 +12,9 @@ import textwrap
 import pytest
 
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-from tokenbus.config import RESOLVED_SETTINGS, EngineArgs, EngineConfig
+from tokenbus.config import RESOLVED_SETTINGS, EngineConfig
 from tokenbus.engine.setup import resolve_config
+from tokenbus.engine_args import EngineArgs
 from tokenbus.loader import resolve_model
 
 
@@ -93,7 +94,8 @@ def test_the_scheduler_side_names_a_kv_layout_without_the_worker(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys
-        from tokenbus.config import EngineArgs, KVTransferConfig, ModelArch
+        from tokenbus.config import KVTransferConfig, ModelArch
+        from tokenbus.engine_args import EngineArgs
         from tokenbus.kv_transfer.layout import kv_layout
 
         args = EngineArgs(

@@ -10,10 +10,11 @@ import pytest
 
 from tests.fixtures.engine import FakeWorker, make_fake_setup
 from tokenbus.cli.args import add_engine_args, engine_args_from
-from tokenbus.config import EngineArgs, ParallelConfig
+from tokenbus.config import ParallelConfig
 from tokenbus.engine.core import EngineCore
 from tokenbus.engine.executor import Executor, UniProcExecutor
 from tokenbus.engine.setup import check_parallel_layout
+from tokenbus.engine_args import EngineArgs
 from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
 

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from tests.fixtures.engine import expected_tokens, fake_engine_core, make_fake_setup
-from tokenbus.config import EngineArgs
 from tokenbus.engine.async_llm import AsyncLLM
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.mp_client import AsyncMPClient, SyncMPClient
+from tokenbus.engine_args import EngineArgs
 from tokenbus.protocol import EngineRequest
 from tokenbus.sampling_params import SamplingParams
 
@@ -211,7 +211,7 @@ multiprocessing.process.BaseProcess.start = start
 import tokenbus.cli.main
 from tokenbus.api.openai import launch
 from tokenbus.api.openai.server_config import ServerConfig
-from tokenbus.config import EngineArgs
+from tokenbus.engine_args import EngineArgs
 try:
     launch.serve(EngineArgs(), ServerConfig(port=0))
 except Spawned:

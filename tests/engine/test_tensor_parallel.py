@@ -20,7 +20,7 @@ from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, rand
 from tests.fixtures.server import spawned_children
 from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus import SamplingParams
-from tokenbus.config import EngineArgs
+from tokenbus.engine_args import EngineArgs
 
 MAX_TOKENS = 12
 

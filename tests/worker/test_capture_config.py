@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenbus.config import EngineArgs
+from tokenbus.engine_args import EngineArgs
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.worker.input_batch import InputBuffers, ScheduledRequest, prepare_batch
 from tokenbus.worker.request_state import CachedRequestState

@@ -12,8 +12,9 @@ import torch
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tokenbus import SamplingParams
-from tokenbus.config import CacheConfig, EngineArgs
+from tokenbus.config import CacheConfig
 from tokenbus.engine.setup import resolve_config
+from tokenbus.engine_args import EngineArgs
 from tokenbus.loader import resolve_model
 
 

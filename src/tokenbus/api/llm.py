@@ -14,10 +14,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenbus.config import EngineArgs
 from tokenbus.engine.input_processor import PromptType
 from tokenbus.engine.llm_engine import LLMEngine
 from tokenbus.engine.outputs import RequestOutput
+from tokenbus.engine_args import EngineArgs
 from tokenbus.sampling_params import SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]

@@ -10,7 +10,7 @@ import time
 from tokenbus.api.llm import LLM
 from tokenbus.bench.datasets import shared_prefix_workload
 from tokenbus.bench.report import BenchResult
-from tokenbus.config import EngineArgs
+from tokenbus.engine_args import EngineArgs
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.sampling_params import SamplingParams
 

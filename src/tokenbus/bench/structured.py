@@ -8,7 +8,7 @@ import time
 
 from tokenbus.api.llm import LLM
 from tokenbus.bench.report import BenchResult
-from tokenbus.config import EngineArgs
+from tokenbus.engine_args import EngineArgs
 from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMA = {

@@ -10,7 +10,7 @@ import torch
 from tokenbus.api.llm import LLM
 from tokenbus.bench.datasets import BenchRequest
 from tokenbus.bench.report import BenchResult
-from tokenbus.config import EngineArgs
+from tokenbus.engine_args import EngineArgs
 from tokenbus.sampling_params import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """Engine flags shared by every subcommand, named like vLLM's (L7).
 
-Derived from the EngineArgs fields (config.py), the one list of engine options: a field
+Derived from the EngineArgs fields (engine_args.py), the one list of engine options: a field
 `max_num_seqs: int` with its help becomes `--max-num-seqs N`; a bool one a
 `--flag/--no-flag` pair.
 """
@@ -12,7 +12,7 @@ import dataclasses
 import types
 import typing
 
-from tokenbus.config import EngineArgs
+from tokenbus.engine_args import EngineArgs
 
 
 def _flag_type(annotation) -> type:

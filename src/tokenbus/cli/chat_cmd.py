@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from tokenbus.config import EngineArgs
 from tokenbus.engine.llm_engine import LLMEngine
 from tokenbus.engine.output_processor import OutputKind
+from tokenbus.engine_args import EngineArgs
 from tokenbus.sampling_params import SamplingParams
 
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 
-from tokenbus.config import EngineArgs
 from tokenbus.engine.client_factory import start_engine
 from tokenbus.engine.core_client import EngineCoreClient
 from tokenbus.engine.exceptions import EngineDeadError
@@ -33,6 +32,7 @@ from tokenbus.engine.parallel_sampling import child_request_ids, register_childr
 from tokenbus.engine.setup import EngineSetup, create_engine_setup
 from tokenbus.engine.stats import IterationStats, RequestStatsTracker, StatLogger
 from tokenbus.engine.xray_hub import XrayHub
+from tokenbus.engine_args import EngineArgs
 from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats, XraySnapshot
 from tokenbus.sampling_params import SamplingParams
 

@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tokenbus.config import EngineArgs
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 from tokenbus.engine.client_factory import start_engine
 from tokenbus.engine.core_client import EngineCoreClient
@@ -19,6 +18,7 @@ from tokenbus.engine.output_processor import OutputKind, OutputProcessor
 from tokenbus.engine.outputs import RequestOutput
 from tokenbus.engine.parallel_sampling import register_children
 from tokenbus.engine.setup import EngineSetup, create_engine_setup
+from tokenbus.engine_args import EngineArgs
 from tokenbus.protocol import SchedulerStats
 from tokenbus.sampling_params import SamplingParams
 

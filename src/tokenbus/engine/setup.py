@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenbus.config import EngineArgs, EngineConfig, ModelArch
+from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.engine_args import EngineArgs
 from tokenbus.loader import (
     ModelSource,
     load_arch,

@@ -10,9 +10,9 @@ import importlib
 import importlib.util
 
 from tokenbus.api.openai.server_config import ServerConfig
-from tokenbus.config import EngineArgs
 from tokenbus.engine.client_factory import start_engine
 from tokenbus.engine.setup import create_engine_setup
+from tokenbus.engine_args import EngineArgs
 from tokenbus.utils.net import bind_socket
 
 SERVER_MODULE = "tokenbus.api.openai.server"

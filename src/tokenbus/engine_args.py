@@ -1,0 +1,221 @@
+"""What a user may set for an engine (L0): `EngineArgs`, one field per CLI flag.
+
+`EngineArgs.to_config` validates them into the frozen `config.EngineConfig` the engine runs
+with; cli/args.py makes each field a flag. vLLM keeps the same split (arg_utils / config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tokenbus.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    POOLERS,
+    QUANT_ACTIVATIONS,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from tokenbus.utils import parse_size
+
+
+def _arg(
+    default=None,
+    help: str | None = None,
+    *,
+    choices: tuple | None = None,
+    flag: bool = True,
+    hidden: bool = False,
+    default_factory=None,
+    nargs: str | None = None,
+):
+    """An EngineArgs field; `help`/`choices` feed its CLI flag (cli/args.py); flag=False has no
+    flag, hidden=True one that --help does not list; nargs="+" one that takes a list of ints."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "hidden": hidden, "nargs": nargs}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set, named like the CLI flags (`--max-num-seqs` → max_num_seqs).
+
+    The one list of engine options: each field becomes a flag (cli/args.py) and lands in the
+    sub-config with a field of the same name (to_config); nothing else repeats them."""
+
+    model: str | None = _arg(flag=False)  # the CLI's positional argument
+    tokenizer: str | None = _arg()
+    dtype: str = _arg("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    device: str = _arg("auto", "auto: cuda when available, else cpu")
+    max_model_len: int | None = _arg()
+    seed: int = _arg(0)
+    max_logprobs: int = _arg(
+        20, "the most logprobs a request may ask for per position; -1: no limit"
+    )
+    enforce_eager: bool = _arg(
+        False,
+        "never capture decode steps: every step runs op by op (no CUDA graphs on "
+        "CUDA; on CPU no decoder layer per C call)",
+    )
+    cudagraph_capture_sizes: list[int] | str | None = _arg(
+        None,
+        "decode batch sizes to capture as CUDA graphs, strictly increasing (default: 1 2 4 8, "
+        "then steps of 8 up to --max-num-seqs); larger and mixed prefill batches run eagerly",
+        nargs="+",
+    )
+    attention_backend: str = _arg(
+        "auto",
+        "auto: a native C kernel on CPU (float32/bfloat16) when it builds, Triton on CUDA, "
+        "else torch",
+        choices=ATTENTION_BACKENDS,
+    )
+    load_format: str = _arg(
+        "auto",
+        "auto: the model's own files (safetensors or gguf); dummy: seeded random weights for "
+        "the model's config.json (real sizes without their weights; on the target device and "
+        "dtype)",
+        choices=LOAD_FORMATS,
+    )
+    quantization: str = _arg(
+        "auto",
+        "gguf: GGUF weights stay quantized (native kernels); none: "
+        "dequantize to --dtype; auto: gguf for GGUF models on CPU",
+        choices=QUANTIZATIONS,
+    )
+    quant_activations: str = _arg(
+        "auto",
+        "activations of decode steps on Q8_0/Q4_0/Q4_1 blocks, rounded "
+        "per 32 values: int16 (logprobs within ~3e-4 of fp32's), int8 "
+        "(llama.cpp's approach: faster, coarser), or fp32 (weight-only); "
+        "bf16: every call in bf16 (CPUs with AVX512-BF16: AMX tiles or "
+        "vdpbf16ps); auto: int16, and bf16 for calls of 16+ rows on "
+        "AMX (prefill, batches), 32+ without (prefill); on AVX2 or "
+        "AVX-512 without a bf16 engine, auto's int16 and an explicit "
+        "int8/int16 cover prefill chunks too",
+        choices=QUANT_ACTIVATIONS,
+    )
+    num_threads: int | None = _arg(
+        None,
+        "torch threads per rank on CPU; default: the usable cores (affinity, cgroup quota) / ranks",
+    )
+    pooler: str = _arg(
+        "last",
+        "how /v1/embeddings pools the final hidden states (then L2-normalised)",
+        choices=POOLERS,
+    )
+    block_size: int = _arg(16)
+    kv_cache_memory: int | str | None = _arg(None, "bytes or a size like 2GiB")
+    gpu_memory_utilization: float = _arg(0.9)
+    enable_prefix_caching: bool = _arg(True)
+    num_kv_blocks: int | None = _arg(None, "an exact KV pool size (tests)", hidden=True)
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "K/V element type; auto: float16 for float32 models on GGUF blocks "
+        "on CPU (half the bytes a decode step reads), else --dtype",
+        choices=KV_CACHE_DTYPES,
+    )
+    max_num_seqs: int = _arg(128)
+    max_num_batched_tokens: int = _arg(2048)
+    long_prefill_token_threshold: int = _arg(0)
+    scheduling_policy: str = _arg(
+        "fcfs",
+        "fcfs: first come, first served; priority: by each request's priority (lower first, "
+        "then arrival), the lowest priority preempted first under memory pressure",
+        choices=SCHEDULING_POLICIES,
+    )
+    # The server's admission bound; `serve` has its own flag for it (the server answers 503).
+    max_waiting_requests: int | None = _arg(flag=False)
+    generation_config: str = _arg(
+        "auto",
+        "sampling defaults for requests that leave them out: auto (the model's "
+        "generation_config.json; the packaged SmolLM2: its model card's temperature 0.2, "
+        "top_p 0.9), vllm (none: temperature 1, top_p 1, as vLLM's), or a directory or "
+        "file holding a generation_config.json",
+    )
+    override_generation_config: dict | str | None = _arg(
+        None, "JSON overriding single sampling defaults, e.g. '{\"temperature\": 0.5}'"
+    )
+    speculative_config: dict | str | SpeculativeConfig | None = _arg(
+        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
+    )
+    kv_transfer_config: dict | str | KVTransferConfig | None = _arg(
+        None,
+        'JSON naming a KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", '
+        '"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'',
+    )
+    tensor_parallel_size: int = _arg(1, "ranks that split each layer (torch.distributed)")
+    data_parallel_size: int = _arg(1, "EngineCore processes behind one load-balancing client")
+    distributed_executor_backend: str | None = _arg(
+        None,
+        "how ranks run: uni (in the engine process), mp (a process each), ray; default: uni "
+        "for one rank, else mp",
+        choices=EXECUTOR_BACKENDS,
+    )
+    ray_address: str | None = _arg(
+        None,
+        "the Ray cluster for --distributed-executor-backend ray "
+        "(host:port); default: $RAY_ADDRESS, else a local cluster",
+    )
+    # The EngineCore in its own process (ZMQ + msgspec) for the offline LLM; False runs it in
+    # the caller's process (tests, debugging). The server chooses with --engine-in-process.
+    multiprocess: bool = _arg(True, flag=False)
+    engine_ready_timeout_s: float = _arg(600.0, flag=False)  # start-up (model load) limit
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        return cls(**kwargs)
+
+    def to_config(self, max_model_len: int) -> EngineConfig:
+        """Build the frozen config once the model's context length is known: each sub-config
+        takes the fields named like its own, with these resolved values in their place."""
+        resolved = dict(
+            max_model_len=max_model_len,
+            kv_cache_memory=parse_size(self.kv_cache_memory),
+            data_parallel_rank=0,
+        )  # each data-parallel engine gets its own (dp_client)
+        return EngineConfig(
+            model=self._sub_config(ModelConfig, resolved),
+            cache=self._sub_config(CacheConfig, resolved),
+            scheduler=self._sub_config(SchedulerConfig, resolved),
+            speculative=SpeculativeConfig.from_dict(self.speculative_config),
+            parallel=self._sub_config(ParallelConfig, resolved),
+            kv_transfer=self._kv_transfer_config(),
+            compilation=CompilationConfig.resolve(
+                self.enforce_eager,
+                self.cudagraph_capture_sizes,
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+            ),
+        )
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        if config is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "kv_transfer_config: KV connectors run with tensor_parallel_size 1 "
+                f"(got {self.tensor_parallel_size})"
+            )
+        return config
+
+    def _sub_config(self, cls: type, resolved: dict):
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(
+            **{name: resolved[name] if name in resolved else getattr(self, name) for name in names}
+        )
