@@ -181,6 +181,25 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    # The front-door check of a spec (structured/validator.py): seconds its compile may take,
+    # each check in a process that is killed at the deadline, and how many run at once.
+    grammar_compile_timeout: float = 10.0
+    max_concurrent_grammar_compiles: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
+            )
+        if self.max_concurrent_grammar_compiles < 1:
+            raise ValueError(
+                "max_concurrent_grammar_compiles must be >= 1, "
+                f"got {self.max_concurrent_grammar_compiles}"
+            )
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"  # "ngram" or "draft_model"
     num_speculative_tokens: int = 4
@@ -418,6 +437,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def unresolved_settings(self) -> list[str]:
         """The RESOLVED_SETTINGS still `auto`, as "model.device" & co (none once resolved)."""

@@ -27,6 +27,7 @@ from tokenbus.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 from tokenbus.utils import parse_size
 
@@ -136,6 +137,14 @@ class EngineArgs:
         "then arrival), the lowest priority preempted first under memory pressure",
         choices=SCHEDULING_POLICIES,
     )
+    grammar_compile_timeout: float = _arg(
+        10.0,
+        "seconds a structured-output spec may take to compile at the front door; past it the "
+        "compile is killed and the spec refused (400), and refused again at once for 10 min",
+    )
+    max_concurrent_grammar_compiles: int = _arg(
+        4, "structured-output specs compiled at once (one process, one core each)"
+    )
     # The server's admission bound; `serve` has its own flag for it (the server answers 503).
     max_waiting_requests: int | None = _arg(flag=False)
     generation_config: str = _arg(
@@ -203,6 +212,7 @@ class EngineArgs:
                 self.max_num_seqs,
                 self.max_num_batched_tokens,
             ),
+            structured_outputs=self._sub_config(StructuredOutputsConfig, resolved),
         )
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:

@@ -23,6 +23,11 @@ def deep_schema(levels: int) -> dict:
     return schema
 
 
+def optional_properties_schema(count: int, title: str = "wide") -> dict:
+    """An object with `count` optional untyped properties: small text, a costly compile."""
+    return {"title": title, "type": "object", "properties": {f"p{i}": {} for i in range(count)}}
+
+
 def completion(**fields) -> dict:
     return {"prompt": "hi", "max_tokens": 1, **fields}
 
@@ -71,6 +76,18 @@ OVER_CAP = [
                 "json_schema": {"name": "deep", "schema": deep_schema(400)},
             }
         ),
+        "structured_outputs",
+    ),
+    (
+        "max_schema_cost",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "wide", "schema": optional_properties_schema(5000)},
+            },
+        },
         "structured_outputs",
     ),
     (

@@ -4,6 +4,7 @@ a stopped engine is noticed and forgiven, valid odd input works, invalid text is
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import threading
@@ -12,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.test_hostile_traffic import deep_schema
+from tests.api.test_hostile_traffic import completion, deep_schema
 from tests.fixtures.server import ServerProcess
 
 HUGE_PROMPT_BYTES = 9 * 1024 * 1024
@@ -217,3 +218,89 @@ def test_default_queue_bound_answers_503_with_retry_after(tiny_llama_dir, tmp_pa
         assert statuses.count(200) >= 4 and 503 in statuses, statuses  # 2 running + 2 waiting
         refused = [r for r in responses if r.status_code == 503]
         assert all(1 <= int(r.headers["retry-after"]) <= 60 for r in refused)
+
+
+def test_pathological_grammars_do_not_deny_structured_output_to_others(tiny_llama_dir, tmp_path):
+    from tests.api.test_hostile_traffic import optional_properties_schema
+    from tests.structured.test_validator import slow_grammar
+
+    with ServerProcess(
+        str(tiny_llama_dir),
+        "--grammar-compile-timeout",
+        "4",
+        "--max-schema-bytes",
+        "1000000",
+        log_dir=tmp_path,
+    ) as server:
+
+        def chat(schema: dict) -> dict:
+            return {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "wide", "schema": schema},
+                },
+            }
+
+        def grammar(spec) -> dict:
+            return completion(structured_outputs={"grammar": spec.grammar})
+
+        async def timed(http, body) -> tuple[httpx.Response, float]:
+            start = time.monotonic()
+            response = await http.post(
+                "/v1/chat/completions" if "messages" in body else "/v1/completions", json=body
+            )
+            return response, time.monotonic() - start
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                # The first spec starts the checking processes (seconds): not under test.
+                await timed(http, completion(structured_outputs={"choice": ["warm"]}))
+                wide = [chat(optional_properties_schema(5000, f"t{i}")) for i in range(4)]
+                refused = await asyncio.gather(*(timed(http, body) for body in wide))
+                slow = [grammar(slow_grammar(1600, f"t{i}")) for i in range(4)]
+                killed = await asyncio.gather(*(timed(http, body) for body in slow))
+                trivial = await timed(http, completion(structured_outputs={"choice": ["a", "b"]}))
+                again = await timed(http, slow[0])
+                with pytest.raises(httpx.ReadTimeout):  # a client that gives up at once
+                    await http.post(
+                        "/v1/completions", json=grammar(slow_grammar(1600, "gone")), timeout=0.5
+                    )
+                return refused, killed, trivial, again
+
+        refused, killed, trivial, again = asyncio.run(scenario())
+        # The client that left took its compile with it, long before the 4 s deadline.
+        assert busy_descendants(server.proc.pid) == []
+        # Schemas whose compile would take minutes are refused before any compile starts...
+        for response, seconds in refused:
+            assert response.status_code == 400 and seconds < 1.0
+            assert "--max-schema-cost" in response.json()["error"]["message"]
+        # ...grammars the estimate cannot see are stopped at the deadline...
+        for response, seconds in killed:
+            assert response.status_code == 400 and seconds < 5.0
+            assert "longer than 4 s" in response.json()["error"]["message"]
+        # ...after which structured output answers at once, and nothing compiles on.
+        assert trivial[0].status_code == 200 and trivial[1] < 2.0
+        assert again[0].status_code == 400 and again[1] < 0.5
+
+
+def busy_descendants(pid: int, seconds: float = 1.0) -> list[str]:
+    """Names of `pid`'s descendant processes that used more than a tenth of a core meanwhile."""
+    import psutil
+
+    children = psutil.Process(pid).children(recursive=True)
+
+    def cpu(process) -> float:
+        try:
+            return sum(process.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            return math.inf
+
+    before = {child.pid: cpu(child) for child in children}
+    time.sleep(seconds)
+    return [
+        child.name()
+        for child in children
+        if cpu(child) != math.inf and cpu(child) - before[child.pid] > 0.1 * seconds
+    ]

@@ -29,7 +29,7 @@ def manager(tokenizer):
 
     eos = tokenizer.eos_token_id
     manager = StructuredOutputManager(
-        lambda: XgrammarBackend(tokenizer, 49152, stop_token_ids=[eos])
+        lambda: XgrammarBackend.from_tokenizer(tokenizer, 49152, stop_token_ids=[eos])
     )
     yield manager
     manager.shutdown()

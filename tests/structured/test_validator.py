@@ -1,116 +1,191 @@
-"""The front-door grammar check: a compile that runs past its deadline is refused, not waited on."""
+"""The front-door grammar check: compiles run in processes that are killed at their deadline, so
+slow specs neither hold slots nor cores, and their outcome is remembered."""
 
+from __future__ import annotations
+
+import contextvars
+import json
+import threading
+import time
+
+import psutil
 import pytest
 
 from tokenbus.sampling_params import StructuredOutputsParams
-from tokenbus.structured.validator import StructuredOutputValidator
+from tokenbus.structured.compile_pool import CheckCancelled, CompileCapacityError
+from tokenbus.structured.schema_cost import optional_property_cost
+from tokenbus.structured.validator import CHECK_CANCELLED, StructuredOutputValidator, spec_key
 
 
-class _SlowBackend:
-    def compile(self, spec):
-        import time
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
 
-        time.sleep(0.5)
+    from tests.fixtures.tiny_models import smollm2_tokenizer_dir
 
-
-def test_compile_past_the_deadline_is_a_clear_error():
-    validator = StructuredOutputValidator(tokenizer=None, vocab_size=10, timeout_s=0.05)
-    validator._backend = _SlowBackend()  # stands in for a pathological regex
-    with pytest.raises(ValueError, match="longer than"):
-        validator.validate(StructuredOutputsParams(regex="(a|aa)*b"))
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
 
 
-class _SelectiveBackend:
-    """Slow for the one pathological spec, instant for the rest; counts compiles."""
+@pytest.fixture
+def make_validator(tokenizer):
+    made = []
 
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+    def make(**kwargs) -> StructuredOutputValidator:
+        validator = StructuredOutputValidator(tokenizer, 49152, **kwargs)
+        validator.validate(StructuredOutputsParams(choice=["warm"]))  # start the pool
+        made.append(validator)
+        return validator
 
-    def compile(self, spec):
-        import time
-
-        self.calls.append(spec.regex)
-        if spec.regex == "slow":
-            time.sleep(1.0)
-        if spec.regex == "bad":
-            raise ValueError("structured_outputs: regex is invalid")
+    yield make
+    for validator in made:
+        validator.close()
 
 
-def test_overdue_compiles_do_not_starve_later_specs_and_outcomes_are_cached():
-    import time
+def slow_grammar(count: int, title: str = "wide") -> StructuredOutputsParams:
+    """An EBNF grammar that takes xgrammar seconds to compile: the one xgrammar writes for an
+    object of `count` optional properties (the JSON-schema cost cap does not see grammars)."""
+    import xgrammar as xgr
 
-    validator = StructuredOutputValidator(
-        tokenizer=None, vocab_size=10, timeout_s=0.1, max_concurrent=3
-    )
-    backend = validator._backend = _SelectiveBackend()
-    for _ in range(2):  # two compiles overdue, each still holding a slot
-        with pytest.raises(ValueError, match="longer than"):
-            validator.validate(StructuredOutputsParams(regex="slow"))
-        validator._outcomes.clear()  # forget, so that the second one compiles again
+    schema = {"title": title, "type": "object", "properties": {f"p{i}": {} for i in range(count)}}
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    # The title changes no rule: an unused rule named after it keeps specs distinct.
+    return StructuredOutputsParams(grammar=f'{grammar}\nunused_{title} ::= "{title}"\n')
+
+
+def busy_children(seconds: float = 0.5) -> list[psutil.Process]:
+    """Child processes of this one that used CPU over `seconds`."""
+    children = psutil.Process().children(recursive=True)
+    before = {}
+    for child in children:
+        try:
+            before[child.pid] = sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    time.sleep(seconds)
+    busy = []
+    for child in children:
+        try:
+            if sum(child.cpu_times()[:2]) - before.get(child.pid, 0.0) > 0.1 * seconds:
+                busy.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return busy
+
+
+def test_invalid_and_empty_specs_are_clear_errors_remembered(make_validator):
+    validator = make_validator()
+    with pytest.raises(ValueError, match="regex is invalid or unsupported"):
+        validator.validate(StructuredOutputsParams(regex="a{3,1}"))
+    with pytest.raises(ValueError, match="admits no output"):
+        validator.validate(StructuredOutputsParams(regex="[^\\s\\S]"))
+    for spec in (StructuredOutputsParams(regex="a{3,1}"), StructuredOutputsParams(choice=["a"])):
+        validator.validate(StructuredOutputsParams(choice=["a"]))
+        assert spec_key(spec) in validator._outcomes
+
+
+def test_a_slow_compile_is_killed_at_its_deadline_and_refused_at_once_after(make_validator):
+    validator = make_validator(timeout_s=0.5)
+    spec = slow_grammar(1600)
     start = time.monotonic()
-    validator.validate(StructuredOutputsParams(regex="fast"))  # the free slot: no waiting
-    assert time.monotonic() - start < 0.1
-    with pytest.raises(ValueError, match="invalid"):
-        validator.validate(StructuredOutputsParams(regex="bad"))
-    calls = len(backend.calls)
-    validator.validate(StructuredOutputsParams(regex="fast"))  # cached: not compiled again
-    with pytest.raises(ValueError, match="invalid"):
-        validator.validate(StructuredOutputsParams(regex="bad"))
-    assert len(backend.calls) == calls
-
-
-def test_every_slot_taken_by_slow_compiles_is_a_capacity_error():
-    from tokenbus.structured.validator import CompileCapacityError
-
-    validator = StructuredOutputValidator(
-        tokenizer=None, vocab_size=10, timeout_s=0.1, max_concurrent=1
-    )
-    validator._backend = _SelectiveBackend()
+    with pytest.raises(ValueError, match="longer than 0.5 s"):
+        validator.validate(spec)
+    assert time.monotonic() - start < 1.5
+    assert busy_children() == []  # the compile stopped with its process
+    start = time.monotonic()
     with pytest.raises(ValueError, match="longer than"):
-        validator.validate(StructuredOutputsParams(regex="slow"))
-    with pytest.raises(CompileCapacityError):
-        validator.validate(StructuredOutputsParams(regex="fast"))
+        validator.validate(spec)  # remembered: not compiled again
+    assert time.monotonic() - start < 0.05
 
 
-def test_concurrent_requests_with_one_spec_share_its_compile():
-    import threading
+def test_slow_specs_on_every_slot_do_not_deny_the_next_request(make_validator):
+    validator = make_validator(timeout_s=1.0, max_concurrent=4)
+    errors = []
 
-    validator = StructuredOutputValidator(
-        tokenizer=None, vocab_size=10, timeout_s=5.0, max_concurrent=4
-    )
-    backend = validator._backend = _SelectiveBackend()
-    gate = threading.Event()
-    real_compile = backend.compile
+    def send(title: str) -> None:
+        try:
+            validator.validate(slow_grammar(1600, title))
+        except ValueError as exc:
+            errors.append(exc)
 
-    def gated_compile(spec):
-        gate.wait(5.0)
-        return real_compile(spec)
-
-    backend.compile = gated_compile
-    threads = [
-        threading.Thread(target=validator.validate, args=(StructuredOutputsParams(regex="same"),))
-        for _ in range(3)
-    ]
+    threads = [threading.Thread(target=send, args=(f"t{i}",)) for i in range(4)]
     for thread in threads:
         thread.start()
-    import time
-
-    time.sleep(0.2)
-    gate.set()
+    time.sleep(0.2)  # all four slots now compile
+    start = time.monotonic()
+    validator.validate(StructuredOutputsParams(choice=["yes", "no", "maybe"]))
+    assert time.monotonic() - start < 2.0
     for thread in threads:
         thread.join(5.0)
-    assert backend.calls == ["same"]
+    assert len(errors) == 4 and all("longer than" in str(e) for e in errors)
+    assert busy_children() == []
 
 
-def test_a_compile_past_its_deadline_is_not_remembered_as_slow():
-    import time
+def test_a_cancelled_check_frees_its_slot_and_is_not_remembered(make_validator):
+    validator = make_validator(timeout_s=10.0, max_concurrent=1)
+    spec = slow_grammar(1600)
+    cancelled = threading.Event()
+    context = contextvars.copy_context()
+    context.run(CHECK_CANCELLED.set, cancelled)
+    raised = []
 
-    validator = StructuredOutputValidator(
-        tokenizer=None, vocab_size=10, timeout_s=0.3, max_concurrent=2
-    )
-    backend = validator._backend = _SelectiveBackend()
-    with pytest.raises(ValueError, match="longer than"):
-        validator.validate(StructuredOutputsParams(regex="slow"))  # takes 1 s
-    time.sleep(1.0)  # it ends meanwhile; its outcome (it compiles) is what a retry gets
-    validator.validate(StructuredOutputsParams(regex="slow"))
-    assert backend.calls == ["slow"]
+    def send() -> None:
+        try:
+            context.run(validator.validate, spec)
+        except CheckCancelled as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    cancelled.set()
+    thread.join(2.0)
+    assert raised and time.monotonic() - start < 1.0
+    assert spec_key(spec) not in validator._outcomes
+    validator.validate(StructuredOutputsParams(choice=["x"]))  # the one slot is free again
+
+
+def test_every_slot_busy_is_a_capacity_error(make_validator):
+    validator = make_validator(timeout_s=0.3, max_concurrent=1)
+    pool = validator._get_pool()
+    pool._slots.acquire()  # the one slot, held as by a compile
+    try:
+        with pytest.raises(CompileCapacityError):
+            validator.validate(StructuredOutputsParams(choice=["x"]))
+    finally:
+        pool._slots.release()
+    validator.validate(StructuredOutputsParams(choice=["x"]))  # not remembered as refused
+
+
+def test_concurrent_requests_with_one_spec_share_its_check(make_validator):
+    validator = make_validator(timeout_s=10.0)
+    pool = validator._get_pool()
+    calls = []
+    real_check = pool.check
+
+    def counted(spec, *args):
+        calls.append(spec)
+        time.sleep(0.3)  # long enough for the others to find it running
+        return real_check(spec, *args)
+
+    pool.check = counted
+    spec = StructuredOutputsParams(regex="[0-9]{3}")
+    threads = [threading.Thread(target=validator.validate, args=(spec,)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5.0)
+    assert calls == [spec]
+
+
+def test_optional_property_cost():
+    assert optional_property_cost({"type": "string"}) == 0
+    wide = {"type": "object", "properties": {f"p{i}": {} for i in range(5000)}}
+    assert optional_property_cost(wide) == 5000**2
+    nested = {
+        "type": "object",
+        "properties": {"a": wide, "b": {"type": "integer"}},
+        "required": ["a", 7, {"x": 1}],  # odd entries count for nothing
+    }
+    assert optional_property_cost(nested) == 1 + 5000**2
+    assert optional_property_cost([{"properties": {"x": {}}, "required": "x"}]) == 1

@@ -320,3 +320,4 @@ class AsyncLLM:
         """Stop the engine. The client then reports EngineDeadError to the output handler,
         which ends every in-flight generate() with it (in the loop's own thread)."""
         self.client.shutdown()
+        self.input_processor.structured_validator.close()

@@ -190,12 +190,12 @@ def _make_grammar_manager(
 
     def make_backend() -> XgrammarBackend:
         from tokenbus.loader import load_tokenizer
-        from tokenbus.structured.backend import (
-            XgrammarBackend,
-        )  # xgrammar: off the engine's start-up
+
+        # Imported here: xgrammar (seconds) stays off the engine's start-up.
+        from tokenbus.structured.backend import XgrammarBackend
 
         tokenizer = load_tokenizer(source, config.model.tokenizer)
         stops = [eos_token_id] if eos_token_id is not None else None
-        return XgrammarBackend(tokenizer, arch.vocab_size, stop_token_ids=stops)
+        return XgrammarBackend.from_tokenizer(tokenizer, arch.vocab_size, stop_token_ids=stops)
 
     return StructuredOutputManager(make_backend)

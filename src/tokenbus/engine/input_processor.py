@@ -31,7 +31,12 @@ class InputProcessor:
         self.config = config
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
-        self.structured_validator = StructuredOutputValidator(tokenizer, vocab_size)
+        self.structured_validator = StructuredOutputValidator(
+            tokenizer,
+            vocab_size,
+            timeout_s=config.structured_outputs.grammar_compile_timeout,
+            max_concurrent=config.structured_outputs.max_concurrent_grammar_compiles,
+        )
 
     @property
     def max_model_len(self) -> int:

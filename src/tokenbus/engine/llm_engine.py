@@ -111,3 +111,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.client.shutdown()
+        self.input_processor.structured_validator.close()

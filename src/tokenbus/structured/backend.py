@@ -19,15 +19,29 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def tokenizer_info(
+    tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None
+) -> xgr.TokenizerInfo:
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+    )
+
+
 class XgrammarBackend:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
-        self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
-        )
+    def __init__(self, info: xgr.TokenizerInfo, max_threads: int = 2, cache: bool = True) -> None:
+        self.vocab_size = info.vocab_size
         self._compiler = xgr.GrammarCompiler(
-            info, max_threads=2, cache_enabled=True, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+            info,
+            max_threads=max_threads,
+            cache_enabled=cache,
+            cache_limit_bytes=GRAMMAR_CACHE_BYTES,
         )
+
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None
+    ) -> XgrammarBackend:
+        return cls(tokenizer_info(tokenizer, vocab_size, stop_token_ids))
 
     @property
     def bitmask_width(self) -> int:
@@ -43,6 +57,15 @@ class XgrammarBackend:
             raise ValueError(
                 f"structured_outputs: {_kind(spec)} is invalid or unsupported: {reason}"
             ) from None
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Compile, then make sure the spec admits some output: a grammar whose first step
+        allows no token at all (not even the end) could only end a request with an error."""
+        matcher = self.new_matcher(self.compile(spec))
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise ValueError(f"structured_outputs: {_kind(spec)} admits no output at all")
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         compiler = self._compiler

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenbus.api.openai.protocol import ErrorInfo, ErrorResponse
 from tokenbus.engine.exceptions import EngineDeadError
-from tokenbus.structured.validator import CompileCapacityError
+from tokenbus.structured.compile_pool import CompileCapacityError
 from tokenbus.utils.log import log_safe
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,12 @@ class RequestTimeoutError(APIError):
 
 class RequestTooLargeError(APIError):
     status, type = 413, "RequestTooLargeError"
+
+
+class ClientClosedRequestError(APIError):
+    """The client went away before its answer was ready (nginx's 499); nobody reads the body."""
+
+    status, type = 499, "ClientClosedRequest"
 
 
 class ServiceUnavailableError(APIError):

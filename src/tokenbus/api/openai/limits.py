@@ -42,6 +42,11 @@ class RequestLimits:
     max_logit_bias: int = _cap(1024, "logit_bias entries")
     max_schema_bytes: int = _cap(64 * 1024, "bytes of a JSON schema, grammar or choice list")
     max_schema_depth: int = _cap(64, "nesting depth of a JSON schema")
+    max_schema_cost: int = _cap(
+        1 << 20,
+        "compile cost of a JSON schema: the sum over its objects of (optional properties)², "
+        "about 1,000 optional properties in one object (structured/schema_cost.py)",
+    )
     max_regex_chars: int = _cap(4096, "characters of a structured-output regex")
     max_prompt_logprob_entries: int = _cap(
         1 << 18,

@@ -23,6 +23,7 @@ from tokenbus.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from tokenbus.structured.schema_cost import optional_property_cost
 
 MAX_ABS_LOGIT_BIAS = 100.0
 
@@ -261,6 +262,12 @@ def check_spec_size(spec: StructuredOutputsParams, caps: RequestLimits) -> None:
             "max_schema_depth",
             json_depth(schema, caps.max_schema_depth),
             "JSON schema depth",
+            param,
+        )
+        caps.check(
+            "max_schema_cost",
+            optional_property_cost(schema),
+            "JSON schema compile cost (the sum over its objects of optional properties²)",
             param,
         )
 

@@ -126,7 +126,7 @@ class ChatServing(OpenAIServing):
         self.check_messages(request.messages, request.tools, request.functions)
         check_n(request, self.ctx.limits.caps)
         self.ctx.admission.check_room(request.n)  # overloaded: refuse before preparing
-        run = await self.prepare(self.build_run, request)
+        run = await self.prepare(self.build_run, request, raw=raw)
         return await self.respond(raw, request.stream, request.n, run)
 
     def build_run(self, request: ChatCompletionRequest) -> ChatRun:

@@ -143,7 +143,7 @@ class CompletionServing(OpenAIServing):
         self.ctx.admission.check_room(
             len(prompts) * request.n
         )  # overloaded: refuse before preparing
-        run = await self.prepare(self._prepare, request, prompts)
+        run = await self.prepare(self._prepare, request, prompts, raw=raw)
         return await self.respond(raw, request.stream, request.n * len(run.prompts), run)
 
     def _prepare(self, request: CompletionRequest, prompts: list[str | list[int]]) -> CompletionRun:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextvars
+import functools
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenbus.api.openai.errors import (
+    ClientClosedRequestError,
     NotFoundError,
     RequestTimeoutError,
     ServiceUnavailableError,
@@ -37,6 +41,7 @@ from tokenbus.api.openai.streaming import DONE_EVENT, SSEResponse, cancel_on_dis
 from tokenbus.api.openai.text_checks import find_lone_surrogate
 from tokenbus.api.openai.tool_parsers import ToolCallParser
 from tokenbus.sampling_params import SamplingParams
+from tokenbus.structured.validator import CHECK_CANCELLED
 from tokenbus.utils.log import log_safe
 
 logger = logging.getLogger(__name__)
@@ -166,9 +171,27 @@ class OpenAIServing:
             more = f" and {num_more} more" if num_more > 0 else ""
             logger.warning("ignored %d unknown request field(s): %s%s", len(unknown), shown, more)
 
-    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn` (tokenizing, templates, grammar checks) on a preparation thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.ctx.prepare_pool, fn, *args)
+    async def prepare(self, fn: Callable[..., T], *args: Any, raw: Request | None = None) -> T:
+        """Run `fn` (tokenizing, templates, grammar checks) on a preparation thread. If the
+        client of `raw` leaves meanwhile (499), a grammar check `fn` runs is stopped through
+        CHECK_CANCELLED: the thread itself cannot be, but the compile's process and slot are."""
+        cancelled = threading.Event()
+        context = contextvars.copy_context()
+        context.run(CHECK_CANCELLED.set, cancelled)
+        work = asyncio.get_running_loop().run_in_executor(
+            self.ctx.prepare_pool, functools.partial(context.run, fn, *args)
+        )
+        try:
+            if raw is None:
+                return await work
+            result = await cancel_on_disconnect(raw, work)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        if result is None:  # what preparation returns is never None: the client left
+            cancelled.set()
+            raise ClientClosedRequestError("The client closed the request during preparation.")
+        return result
 
     def check_text_length(self, name: str, num_chars: int) -> None:
         self.ctx.limits.caps.check("max_input_chars", num_chars, "number of characters", name)

@@ -89,7 +89,7 @@ class ResponsesServing(OpenAIServing):
         chat_request = _chat_request(request, conversation)
         self.check_messages(chat_request.messages, chat_request.tools)
         self.ctx.admission.check_room(1)
-        chat_run = await self.prepare(self.chat.build_run, chat_request)
+        chat_run = await self.prepare(self.chat.build_run, chat_request, raw=raw)
         return await self.respond(
             raw, request.stream, 1, ResponsesRun(chat_run, request, conversation)
         )
