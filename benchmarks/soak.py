@@ -3,19 +3,31 @@ engine's and the server's memory stay flat and that the gauges return to 0 once 
 
     .venv/bin/python benchmarks/soak.py --server-pid PID [--url http://127.0.0.1:8000]
         [--concurrency 8] [--duration 1800] [--warmup 300] [--sample-interval 30] [--out soak.json]
+        [--hostile] [--extra-pid PID ...] [--stop-pid PID --stop-every 180 --stop-for 30]
 
 The load mixes four kinds of request, round robin over the workers: streaming chat
 completions, non-streaming completions with n=2, structured output (response_format
 json_schema) and streams the client aborts after a few chunks (it closes the connection).
 Prompts differ from request to request so the prefix cache keeps taking new blocks.
 
+With --hostile a fifth kind joins them: specs a grammar compiler must refuse, each of which
+counts as answered only as a 400 with the expected reason: a schema of 5,000 optional
+properties (refused by --max-schema-cost), a regex that admits nothing, and now and then a
+grammar whose compile runs past the server's deadline (the server needs --max-schema-bytes
+1000000 for it), under a new name (killed at the deadline) or under one already refused
+(refused at once). With --stop-pid the soak also SIGSTOPs that process (a prefiller's EngineCore behind
+`tokenbus proxy`) for --stop-for seconds every --stop-every seconds; requests sent meanwhile
+must still be answered.
+
 Memory is sampled every --sample-interval seconds from /proc: the server (--server-pid) and the
-engine (its child processes, summed; multiprocessing's resource tracker is not an engine). On
-CPU the KV pool is calloc'd: its pages become resident only when a block is first written, so
-engine RSS rises by up to the pool's size as the LRU free queue cycles through every block. That
-growth is bounded and expected; the verdict therefore judges the engine's RSS *net of the KV
-pool's resident pages* (the pool's per-layer tensors are found in /proc/PID/smaps as a run of
-equally sized anonymous mappings), and the raw RSS is reported beside it.
+engine (its child processes, summed; multiprocessing's resource tracker is not an engine, and the
+front door's grammar-check processes are reported apart: they are killed and replaced), and so
+for every --extra-pid server (a prefiller), added to the first's. On CPU the KV pool is
+calloc'd: its pages become resident only when a block is first written, so engine RSS rises by
+up to the pool's size as the LRU free queue cycles through every block. That growth is bounded
+and expected; the verdict therefore judges the engine's RSS *net of the KV pool's resident
+pages* (the pool's per-layer tensors are found in /proc/PID/smaps as a run of equally sized
+anonymous mappings), and the raw RSS is reported beside it.
 
 Exit status 1 if any request failed, if the engine's (net) or the server's RSS grew more than
 --max-growth (5%) from the first sample after --warmup to the last, or if the gauges
@@ -26,12 +38,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
+import os
 import random
 import re
+import signal
 import sys
 import time
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +56,7 @@ import aiohttp
 import psutil
 
 KINDS = ("chat_stream", "completion_n2", "structured", "abort")
+HOSTILE_KINDS = (*KINDS, "hostile")
 GAUGES = (
     "tokenbus:num_requests_running",
     "tokenbus:num_requests_waiting",
@@ -79,6 +96,15 @@ class Options:
     max_growth: float
     seed: int
     out: Path | None
+    hostile: bool = False
+    extra_pids: tuple[int, ...] = ()
+    stop_pid: int | None = None
+    stop_every: float = 180.0
+    stop_for: float = 30.0
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return HOSTILE_KINDS if self.hostile else KINDS
 
 
 @dataclass
@@ -102,6 +128,8 @@ class Sample:
     engine_rss_mib: float
     engine_kv_rss_mib: float  # resident pages of the KV pool (part of engine_rss_mib)
     server_rss_mib: float
+    checkers: int  # the front door's grammar-check processes (and their forkserver)
+    checkers_rss_mib: float
     requests: dict[str, int]  # finished so far, by kind
     errors: dict[str, int]  # failed so far, by kind
 
@@ -128,14 +156,27 @@ class Growth:
 
 # ---------------------------------------------------------------------------- memory
 def engine_processes(server: psutil.Process) -> list[psutil.Process]:
-    """The server's descendants that run an engine (not multiprocessing's resource tracker)."""
+    """The server's descendants that run an engine: not multiprocessing's resource tracker,
+    not the grammar-check processes (checker_processes)."""
+    return [p for p, role in descendants(server) if role == "engine"]
+
+
+def checker_processes(server: psutil.Process) -> list[psutil.Process]:
+    """The front door's grammar-check processes and the forkserver they are forked from."""
+    return [p for p, role in descendants(server) if role == "checker"]
+
+
+def descendants(server: psutil.Process) -> list[tuple[psutil.Process, str]]:
     found = []
     for child in server.children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
-                found.append(child)
+            cmdline = " ".join(child.cmdline())
         except psutil.NoSuchProcess:
-            pass
+            continue
+        if "resource_tracker" in cmdline:
+            continue
+        # Forked from the forkserver, the checks carry its command line.
+        found.append((child, "checker" if "forkserver" in cmdline else "engine"))
     return found
 
 
@@ -161,19 +202,28 @@ def kv_pool_rss_bytes(pid: int) -> int:
     return groups[size] * 1024 if count >= 8 else 0
 
 
-def take_sample(server: psutil.Process, t: float, tally: Tally) -> Sample:
+def take_sample(servers: list[psutil.Process], t: float, tally: Tally) -> Sample:
     engine_rss = kv_rss = 0
-    for proc in engine_processes(server):
+    for proc in (engine for server in servers for engine in engine_processes(server)):
         try:
             engine_rss += proc.memory_info().rss
             kv_rss += kv_pool_rss_bytes(proc.pid)
         except (psutil.NoSuchProcess, FileNotFoundError):
             pass
+    checkers = [p for server in servers for p in checker_processes(server)]
+    checkers_rss = 0
+    for proc in checkers:
+        try:
+            checkers_rss += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
     return Sample(
         t=round(t, 1),
         engine_rss_mib=engine_rss / MIB,
         engine_kv_rss_mib=kv_rss / MIB,
-        server_rss_mib=server.memory_info().rss / MIB,
+        server_rss_mib=sum(server.memory_info().rss for server in servers) / MIB,
+        checkers=len(checkers),
+        checkers_rss_mib=checkers_rss / MIB,
         requests=dict(tally.requests),
         errors=dict(tally.errors),
     )
@@ -264,11 +314,63 @@ async def abort_mid_stream(session: aiohttp.ClientSession, base: str, prompt: st
         resp.close()  # drops the connection (not returned to the pool): the abort
 
 
+@functools.cache
+def slow_grammar(name: str) -> str:
+    """The EBNF xgrammar writes for an object of 3,000 optional properties: well past the
+    default compile deadline (the schema cost cap does not see grammars), ~400 KB. An unused
+    rule makes it `name`'s."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {f"p{i}": {} for i in range(3000)}}
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return f'{grammar}\nunused_{name} ::= "{name}"\n'
+
+
+# Shapes of the hostile kind, chosen by a hash of the request's prompt: mostly the cheap
+# refusals; the slow grammar (a compile killed at the deadline: a core for that long) seldom.
+HOSTILE_SHAPES = ("wide_schema", "empty_regex") * 4 + ("slow_grammar_new", "slow_grammar_known")
+
+
+async def hostile(session: aiohttp.ClientSession, base: str, prompt: str) -> None:
+    digest = zlib.crc32(prompt.encode())
+    shape = HOSTILE_SHAPES[digest % len(HOSTILE_SHAPES)]
+    if shape == "wide_schema":
+        schema = {
+            "title": f"t{digest}",
+            "type": "object",
+            "properties": {f"p{i}": {} for i in range(5000)},
+        }
+        path, expected = "/v1/chat/completions", "--max-schema-cost"
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 8,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "wide", "schema": schema},
+            },
+        }
+    else:
+        if shape == "empty_regex":
+            spec, expected = {"regex": "[^\\s\\S]"}, "admits no output"
+        else:
+            name = f"n{digest}" if shape == "slow_grammar_new" else "known"
+            spec, expected = {"grammar": slow_grammar(name)}, "longer than"
+        path = "/v1/completions"
+        body = {"prompt": prompt, "max_tokens": 8, "structured_outputs": spec}
+    async with session.post(f"{base}{path}", json=body) as resp:
+        text = await resp.text()
+        if resp.status != 400 or expected not in text:
+            raise RuntimeError(
+                f"{shape}: HTTP {resp.status}, expected a 400 naming {expected!r}: {text[:200]}"
+            )
+
+
 REQUESTS = {
     "chat_stream": chat_stream,
     "completion_n2": completion_n2,
     "structured": structured,
     "abort": abort_mid_stream,
+    "hostile": hostile,
 }
 
 
@@ -280,10 +382,11 @@ async def worker(
     tally: Tally,
     serials: itertools.count,
 ) -> None:
-    """Send requests back to back until the deadline; worker i starts at kind i (mod 4) so
-    every kind is in flight at any moment."""
+    """Send requests back to back until the deadline; worker i starts at kind i (mod the
+    number of kinds) so every kind is in flight at any moment."""
     rng = random.Random(opts.seed * 1000 + index)
-    for kind in itertools.islice(itertools.cycle(KINDS), index % len(KINDS), None):
+    kinds = opts.kinds
+    for kind in itertools.islice(itertools.cycle(kinds), index % len(kinds), None):
         if time.monotonic() >= deadline:
             return
         try:
@@ -322,9 +425,31 @@ async def drained_gauges(session: aiohttp.ClientSession, opts: Options) -> dict[
 
 
 # ---------------------------------------------------------------------------- the run
+async def stop_and_resume(opts: Options, start: float, stop: asyncio.Event) -> None:
+    """SIGSTOP opts.stop_pid for stop_for seconds every stop_every seconds, until `stop`."""
+    assert opts.stop_pid is not None
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), opts.stop_every)
+            return
+        except asyncio.TimeoutError:
+            pass
+        os.kill(opts.stop_pid, signal.SIGSTOP)
+        print(f"{time.monotonic() - start:7.0f} stopped pid {opts.stop_pid}", flush=True)
+        try:
+            await asyncio.wait_for(stop.wait(), opts.stop_for)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            os.kill(opts.stop_pid, signal.SIGCONT)
+            print(f"{time.monotonic() - start:7.0f} resumed pid {opts.stop_pid}", flush=True)
+        if stop.is_set():
+            return
+
+
 async def sample_every(
     opts: Options,
-    server: psutil.Process,
+    server: list[psutil.Process],
     start: float,
     stop: asyncio.Event,
     tally: Tally,
@@ -341,7 +466,7 @@ async def sample_every(
 
 
 async def run(opts: Options) -> tuple[list[Sample], Tally, dict[str, float]]:
-    server = psutil.Process(opts.server_pid)
+    server = [psutil.Process(pid) for pid in (opts.server_pid, *opts.extra_pids)]
     tally, samples, stop = Tally(), [], asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=opts.concurrency + 2)
@@ -349,6 +474,12 @@ async def run(opts: Options) -> tuple[list[Sample], Tally, dict[str, float]]:
         start = time.monotonic()
         print_header()
         sampler = asyncio.create_task(sample_every(opts, server, start, stop, tally, samples))
+        load_done = asyncio.Event()
+        stopper = (
+            asyncio.create_task(stop_and_resume(opts, start, load_done))
+            if opts.stop_pid is not None
+            else None
+        )
         serials = itertools.count()
         await asyncio.gather(
             *(
@@ -356,6 +487,9 @@ async def run(opts: Options) -> tuple[list[Sample], Tally, dict[str, float]]:
                 for i in range(opts.concurrency)
             )
         )
+        load_done.set()
+        if stopper is not None:
+            await stopper  # resumed before the drain: its gauges must reach 0 too
         gauges = await drained_gauges(session, opts)
         stop.set()
         await sampler
@@ -382,16 +516,17 @@ def growths(samples: list[Sample], opts: Options) -> list[Growth]:
 def print_header() -> None:
     print(
         f"{'t (s)':>7} {'engine MiB':>11} {'KV pool':>8} {'net':>8} {'server MiB':>11} "
-        f"{'requests':>9} {'errors':>7}",
+        f"{'checkers (MiB)':>15} {'requests':>9} {'errors':>7}",
         flush=True,
     )
 
 
 def print_sample(s: Sample) -> None:
-    by_kind = " ".join(f"{k}={s.requests.get(k, 0)}" for k in KINDS)
+    by_kind = " ".join(f"{k}={n}" for k, n in sorted(s.requests.items()))
     print(
         f"{s.t:7.0f} {s.engine_rss_mib:11.1f} {s.engine_kv_rss_mib:8.1f} {s.engine_net_mib:8.1f} "
-        f"{s.server_rss_mib:11.1f} {sum(s.requests.values()):9d} "
+        f"{s.server_rss_mib:11.1f} {s.checkers:3d} ({s.checkers_rss_mib:7.1f}) "
+        f"{sum(s.requests.values()):9d} "
         f"{sum(s.errors.values()):7d}  {by_kind}",
         flush=True,
     )
@@ -453,6 +588,13 @@ def parse_args() -> Options:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    p.add_argument("--hostile", action="store_true", help="add specs the server must refuse")
+    p.add_argument(
+        "--extra-pid", type=int, nargs="*", default=[], help="more servers whose memory counts"
+    )
+    p.add_argument("--stop-pid", type=int, default=None, help="a process to SIGSTOP now and then")
+    p.add_argument("--stop-every", type=float, default=180.0)
+    p.add_argument("--stop-for", type=float, default=30.0)
     a = p.parse_args()
     return Options(
         url=a.url.rstrip("/"),
@@ -465,6 +607,11 @@ def parse_args() -> Options:
         max_growth=a.max_growth,
         seed=a.seed,
         out=a.out,
+        hostile=a.hostile,
+        extra_pids=tuple(a.extra_pid),
+        stop_pid=a.stop_pid,
+        stop_every=a.stop_every,
+        stop_for=a.stop_for,
     )
 
 
