@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -11,6 +12,13 @@ from starlette.testclient import TestClient
 
 from tests.api.fake_engine import MAX_MODEL_LEN, FakeAsyncLLM
 from tokenbus.api.openai.server import ServerConfig, ServerState, build_app, make_serving_context
+from tokenbus.api.openai.serving_engine import (
+    MAX_RETRY_AFTER_S,
+    MIN_RETRY_AFTER_S,
+    RATE_HORIZON_S,
+    Admission,
+)
+from tokenbus.engine.stats import IterationStats
 
 MODEL = "fake-model"
 
@@ -367,7 +375,8 @@ def test_queue_overflow_is_503_with_retry_after():
         tickets = [ctx.admission.acquire(1), ctx.admission.acquire(1)]
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert_error(r, 503)
-        assert r.headers["retry-after"] == "1"
+        # Nothing measured yet: a floor's worth per running batch queued (1 waiting + this one).
+        assert r.headers["retry-after"] == str(2 * MIN_RETRY_AFTER_S)
         tickets[0].release()
         assert (
             client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code
@@ -380,6 +389,47 @@ def test_queue_overflow_is_503_with_retry_after():
             == 503
         )
         assert ctx.admission.num_in_flight == 1
+
+
+def test_retry_after_in_a_burst_grows_with_the_queue_before_anything_finished():
+    now = [0.0]
+    admission = Admission(max_running=4, max_waiting=60, clock=lambda: now[0])
+    tickets = [admission.acquire(1, max_new_tokens=100) for _ in range(4)]
+    # No step reported yet: a floor's worth per running batch of queue.
+    assert admission.retry_after_s() == MIN_RETRY_AFTER_S
+    tickets += [admission.acquire(1, max_new_tokens=100) for _ in range(8)]
+    assert admission.retry_after_s() == 3 * MIN_RETRY_AFTER_S  # 9 queued: 3 batches of 4
+    # The engine generates 50 tokens/s (4 running); sequences of 100 tokens free a slot each
+    # 100 / 50 = 2 s.
+    for step in range(20):
+        now[0] = step / 10
+        admission.record(None, IterationStats(timestamp=now[0], num_generation_tokens=5))
+    now[0] = 2.0
+    depths = []
+    for _ in range(3):
+        depths.append((admission.num_in_flight, admission.retry_after_s()))
+        tickets += [admission.acquire(1, max_new_tokens=100) for _ in range(4)]
+    # 8, 12, 16 queued beyond the running batch, plus the one asking: 2 s each.
+    assert depths == [(12, 18), (16, 26), (20, 34)]
+    assert admission.retry_after_s(num_seqs=100) == MAX_RETRY_AFTER_S
+    # Never under the floor, even with a fast engine and a short queue.
+    admission.record(None, IterationStats(timestamp=now[0], num_generation_tokens=100_000))
+    assert admission.retry_after_s() == MIN_RETRY_AFTER_S
+
+
+def test_retry_after_once_sequences_finish_is_the_queue_over_their_rate():
+    now = [0.0]
+    admission = Admission(max_running=2, max_waiting=10, clock=lambda: now[0])
+    tickets = [admission.acquire(1, max_new_tokens=1000) for _ in range(12)]
+    for _ in range(5):  # one finishes every 4 s: 0.25/s, whatever the budgets say
+        now[0] += 4.0
+        tickets.pop().release()
+        tickets.append(admission.acquire(1, max_new_tokens=1000))
+    assert admission.retry_after_s() == 44  # (10 queued + 1) / 0.25 per s
+    assert admission.retry_after_s(num_seqs=0) == 40
+    # Finishes older than the horizon say nothing about now: back to the burst estimate.
+    now[0] += RATE_HORIZON_S + 1
+    assert admission.retry_after_s() == math.ceil(11 / 2) * MIN_RETRY_AFTER_S
 
 
 def test_dead_engine(client, engine):

@@ -154,6 +154,53 @@ def test_overflow_then_engine_death(tiny_llama_dir, tmp_path):
         server.close()
 
 
+def test_burst_503s_carry_a_retry_after_that_grows_with_the_queue(tiny_llama_dir, tmp_path):
+    # 4 run, 4 may wait. Nothing finishes during the test: Retry-After comes from the engine's
+    # throughput and the sequences' budgets, not from a finish rate.
+    server = ServerProcess(
+        str(tiny_llama_dir), "--max-num-seqs", "4", "--max-waiting-requests", "4", log_dir=tmp_path
+    )
+    try:
+
+        def probe() -> int:
+            body = {"prompt": "The bus goes", "max_tokens": 1, "n": 5}  # never fits
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 503, r.text
+            return int(r.headers["retry-after"])
+
+        running = _start_stream(server.url, n=4)
+        assert running[1].wait(30)  # tokens flow: the engine reports its throughput
+        time.sleep(1.0)  # a second of steps to measure it over
+        shallow = probe()  # 4 running, none waiting: 5 queued
+        _start_stream(server.url, n=4)
+        assert wait_until(lambda: gauges(server.url)[:2] == (4.0, 4.0), 30)
+        deep = probe()  # 4 waiting + 5: 9 queued
+        assert not any(kind == "data" and data == "[DONE]" for kind, data in running[0])
+        assert 1 < shallow < deep, (shallow, deep)
+    finally:
+        server.close()  # no drain: the streams would take seconds more
+
+
+def _start_stream(url: str, n: int) -> tuple[list, threading.Event]:
+    """A stream of n sequences of 500 tokens in a thread: its events, and an event set once
+    data comes."""
+    events, started = [], threading.Event()
+
+    def run() -> None:
+        try:
+            payload = long_request(500, n=n)
+            with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(("data", line[len("data: ") :]))
+                        started.set()
+        except httpx.HTTPError as exc:
+            events.append(("error", repr(exc)))
+
+    threading.Thread(target=run, daemon=True).start()
+    return events, started
+
+
 def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
     server = ServerProcess(
         str(tiny_llama_dir), "--shutdown-timeout", "90", "--max-num-seqs", "1", log_dir=tmp_path

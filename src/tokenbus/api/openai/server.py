@@ -100,14 +100,18 @@ def make_serving_context(
             "sampling defaults for fields a request leaves out (--generation-config): %s", defaults
         )
     scheduler = engine.config.scheduler
+    admission = Admission(
+        scheduler.max_num_seqs, max_waiting(scheduler.max_num_seqs, scheduler.max_waiting_requests)
+    )
+    # Retry-After reads the engine's throughput from the same reports the metrics do.
+    stat_loggers = getattr(engine, "stat_loggers", None)
+    if stat_loggers is not None:
+        stat_loggers.append(admission)
     return ServingContext(
         engine=engine,
         served_model_names=served_model_names,
         limits=ParamLimits(engine.input_processor.max_model_len, config.limits, defaults),
-        admission=Admission(
-            scheduler.max_num_seqs,
-            max_waiting(scheduler.max_num_seqs, scheduler.max_waiting_requests),
-        ),
+        admission=admission,
         known_params=known_params(),
         request_timeout_s=config.request_timeout,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,

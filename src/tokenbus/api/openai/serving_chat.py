@@ -127,7 +127,8 @@ class ChatServing(OpenAIServing):
         check_n(request, self.ctx.limits.caps)
         self.ctx.admission.check_room(request.n)  # overloaded: refuse before preparing
         run = await self.prepare(self.build_run, request, raw=raw)
-        return await self.respond(raw, request.stream, request.n, run)
+        budget = self.generation_budget([run.engine_request])
+        return await self.respond(raw, request.stream, request.n, run, budget)
 
     def build_run(self, request: ChatCompletionRequest) -> ChatRun:
         if request.continue_final_message and request.add_generation_prompt:

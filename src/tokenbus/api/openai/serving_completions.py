@@ -144,7 +144,8 @@ class CompletionServing(OpenAIServing):
             len(prompts) * request.n
         )  # overloaded: refuse before preparing
         run = await self.prepare(self._prepare, request, prompts, raw=raw)
-        return await self.respond(raw, request.stream, request.n * len(run.prompts), run)
+        budget = self.generation_budget([p.engine_request for p in run.prompts])
+        return await self.respond(raw, request.stream, request.n * len(run.prompts), run, budget)
 
     def _prepare(self, request: CompletionRequest, prompts: list[str | list[int]]) -> CompletionRun:
         base_id = new_request_id("cmpl")

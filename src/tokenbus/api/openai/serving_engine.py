@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -44,12 +44,19 @@ from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.validator import CHECK_CANCELLED
 from tokenbus.utils.log import log_safe
 
+if TYPE_CHECKING:
+    from tokenbus.engine.stats import IterationStats
+    from tokenbus.protocol import EngineRequest, SchedulerStats
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+MIN_RETRY_AFTER_S = 3  # sooner, a refused client only finds the queue as full as it left it
 MAX_RETRY_AFTER_S = 60
-RATE_WINDOW = 256  # finished requests the drain-rate estimate looks back over
+RATE_HORIZON_S = 30.0  # how far back the drain-rate estimates look
+RATE_WINDOW = 256  # finished requests the drain-rate estimate looks back over (at most)
+RATE_MIN_SPAN_S = 1.0  # a throughput is never measured over less (the first steps of a burst)
 UNKNOWN_FIELDS_LOGGED = 5  # names a warning about ignored fields lists; the rest are counted
 PREPARE_THREADS = 4
 
@@ -59,8 +66,21 @@ class Admission:
     stays at most `max_waiting` deep beyond what the engine runs at once.
 
     Checked and counted synchronously (no await in between), so concurrent requests on the
-    event loop cannot all slip past the bound. A refusal's Retry-After is the time the queue
-    ahead needs to drain at the rate sequences recently finished.
+    event loop cannot all slip past the bound.
+
+    A refusal's Retry-After is the time the sequences ahead of it (those queued beyond the
+    running batch, plus its own) need to get a slot, at the best-known rate over the last
+    RATE_HORIZON_S seconds:
+
+    1. sequences finished there (two or more): `queued / finished per second`;
+    2. otherwise (a burst: nothing finished yet) the engine's generation throughput G (tokens
+       per second, from its step reports: see `record`) and the mean token budget L of the
+       sequences in flight (their max_tokens, an upper bound while none has finished to say
+       how long they really run): slots free at G / L per second, so `queued × L / G`;
+    3. otherwise (no step reported yet): MIN_RETRY_AFTER_S per running batch of the queue,
+       `ceil(queued / max_running) × MIN_RETRY_AFTER_S`.
+
+    The answer is at least MIN_RETRY_AFTER_S and at most MAX_RETRY_AFTER_S seconds.
     """
 
     def __init__(
@@ -71,49 +91,90 @@ class Admission:
         self.num_in_flight = 0
         self._clock = clock
         self._finished: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_WINDOW)
+        # Generation tokens the engine reported, per second: [start of the second, tokens].
+        self._generated: collections.deque[list] = collections.deque()
+        self._budget_in_flight = 0  # max_tokens over the in-flight sequences that have one
+        self._num_budgeted = 0
 
     def check_room(self, num_seqs: int) -> None:
         """Raise the 503 now if `num_seqs` would not be admitted (before preparing them)."""
         if self.limit is not None and self.num_in_flight + num_seqs > self.limit:
             raise ServiceUnavailableError(
                 "The server is overloaded: the request queue is full. Retry later.",
-                headers={"Retry-After": str(self.retry_after_s())},
+                headers={"Retry-After": str(self.retry_after_s(num_seqs))},
             )
 
-    def acquire(self, num_seqs: int) -> Ticket:
+    def acquire(self, num_seqs: int, max_new_tokens: int | None = None) -> Ticket:
+        """Admit `num_seqs` sequences that generate at most `max_new_tokens` in all (None: not
+        a generation, e.g. embeddings)."""
         self.check_room(num_seqs)
         self.num_in_flight += num_seqs
-        return Ticket(self, num_seqs)
+        if max_new_tokens is not None:
+            self._budget_in_flight += max_new_tokens
+            self._num_budgeted += num_seqs
+        return Ticket(self, num_seqs, max_new_tokens)
 
-    def release(self, num_seqs: int) -> None:
+    def release(self, num_seqs: int, max_new_tokens: int | None = None) -> None:
         self.num_in_flight -= num_seqs
+        if max_new_tokens is not None:
+            self._budget_in_flight -= max_new_tokens
+            self._num_budgeted -= num_seqs
         self._finished.append((self._clock(), num_seqs))
 
-    def retry_after_s(self) -> int:
-        """Seconds until the sequences queued beyond the running batch have drained."""
-        queued = max(self.num_in_flight - self.max_running, 0) + 1
-        if len(self._finished) < 2:
-            return 1
-        # Sequences finished after the window's first, over the time since it.
-        span = self._clock() - self._finished[0][0]
-        rate = (
-            (sum(n for _, n in self._finished) - self._finished[0][1]) / span
-            if span > 0
-            else math.inf
-        )
-        return int(min(max(math.ceil(queued / rate), 1), MAX_RETRY_AFTER_S))
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
+        """A StatLogger (engine/stats.py): every batch of engine outputs, on the event loop."""
+        if iteration_stats is None or not iteration_stats.num_generation_tokens:
+            return
+        now = self._clock()
+        if self._generated and now - self._generated[-1][0] < 1.0:
+            self._generated[-1][1] += iteration_stats.num_generation_tokens
+        else:
+            self._generated.append([now, iteration_stats.num_generation_tokens])
+        while now - self._generated[0][0] > RATE_HORIZON_S:
+            self._generated.popleft()
+
+    def retry_after_s(self, num_seqs: int = 1) -> int:
+        """Seconds until `num_seqs` more sequences would find a slot (the class docstring)."""
+        queued = max(self.num_in_flight - self.max_running, 0) + num_seqs
+        seconds = queued * self._seconds_per_slot()
+        if math.isnan(seconds):  # nothing measured yet: a batch of slots per floor's worth
+            seconds = math.ceil(queued / self.max_running) * MIN_RETRY_AFTER_S
+        return int(min(max(math.ceil(seconds), MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S))
+
+    def _seconds_per_slot(self) -> float:
+        """Seconds between two sequences' slots coming free; NaN when nothing tells."""
+        now = self._clock()
+        finished = [(t, n) for t, n in self._finished if now - t <= RATE_HORIZON_S]
+        if len(finished) >= 2:
+            # Sequences finished after the first of the horizon, over the time since it.
+            span = now - finished[0][0]
+            num_finished = sum(n for _, n in finished[1:])
+            return span / num_finished if num_finished else math.nan
+        generated = [(t, n) for t, n in self._generated if now - t <= RATE_HORIZON_S]
+        if generated and self._num_budgeted:
+            span = max(now - generated[0][0], RATE_MIN_SPAN_S)
+            tokens_per_s = sum(n for _, n in generated) / span
+            mean_budget = self._budget_in_flight / self._num_budgeted
+            return mean_budget / tokens_per_s
+        return math.nan
 
 
 @dataclass
 class Ticket:
     admission: Admission
     num_seqs: int
+    max_new_tokens: int | None = None
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.admission.release(self.num_seqs)
+            self.admission.release(self.num_seqs, self.max_new_tokens)
 
 
 @dataclass
@@ -244,14 +305,31 @@ class OpenAIServing:
     def decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    async def respond(self, raw: Request, stream: bool, num_seqs: int, run: Any) -> Response:
-        """Admit `num_seqs` sequences, then answer with `run` as an event stream or as one body.
+    def generation_budget(self, requests: list[EngineRequest]) -> int:
+        """The most tokens `requests` generate in all (n each), for the admission's estimates."""
+        max_model_len = self.ctx.limits.max_model_len
+        return sum(
+            r.sampling_params.n
+            * (r.sampling_params.max_tokens or max(max_model_len - len(r.prompt_token_ids), 1))
+            for r in requests
+        )
+
+    async def respond(
+        self,
+        raw: Request,
+        stream: bool,
+        num_seqs: int,
+        run: Any,
+        max_new_tokens: int | None = None,
+    ) -> Response:
+        """Admit `num_seqs` sequences (that generate at most `max_new_tokens` in all), then
+        answer with `run` as an event stream or as one body.
 
         The admission slot is held until the stream closes or the body is built. Engine requests
         need no abort here: engine.generate() aborts its own when closed early, cancelled (a
         disconnect) or failing.
         """
-        ticket = self.ctx.admission.acquire(num_seqs)
+        ticket = self.ctx.admission.acquire(num_seqs, max_new_tokens)
         deadline = self._deadline()
         if stream:
             return SSEResponse(

@@ -91,7 +91,11 @@ class ResponsesServing(OpenAIServing):
         self.ctx.admission.check_room(1)
         chat_run = await self.prepare(self.chat.build_run, chat_request, raw=raw)
         return await self.respond(
-            raw, request.stream, 1, ResponsesRun(chat_run, request, conversation)
+            raw,
+            request.stream,
+            1,
+            ResponsesRun(chat_run, request, conversation),
+            self.generation_budget([chat_run.engine_request]),
         )
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
