@@ -249,3 +249,69 @@ def test_fail_policy_keeps_blocks_of_a_load_still_in_flight_until_it_ends():
     _step(sched, finished_recving=["a"])
     assert not sched.has_unfinished_requests()
     sched.check_integrity()
+
+
+def _run_counting_external(sched, reports: dict[int, dict]) -> list[tuple[int, int]]:
+    """Step until done, the worker's KV report of step i being reports.get(i); the external
+    (queries, hits) of each step's stats."""
+    counts = []
+    step = 0
+    while sched.has_unfinished_requests():
+        _step(sched, **reports.get(step, {}))
+        stats = sched.make_stats()
+        counts.append((stats.external_prefix_cache_queries, stats.external_prefix_cache_hits))
+        step += 1
+    sched.check_integrity()  # every offered hit was settled, counted or not
+    return counts
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_external_hit_counts_only_once_a_synchronous_load_succeeded(policy):
+    def run(reports):
+        sched = make_scheduler(
+            num_blocks=10,
+            kv_connector=FakeConnector(external={"a": 32}),
+            enable_caching=True,
+            kv_load_failure_policy=policy,
+        )
+        sched.add_request(make_request("a", 40, max_tokens=2, ignore_eos=True, enable_caching=True))
+        return _run_counting_external(sched, reports)
+
+    failed = run({0: {"invalid_block_ids": [2]}})
+    assert failed[0] == (40, 0)  # looked up; the load failed: no hit
+    assert sum(hits for _, hits in failed) == 0  # nor later: it computes, never asks again
+    loaded = run({})
+    assert loaded[0] == (40, 32) and sum(hits for _, hits in loaded) == 32
+
+
+def test_external_hit_of_an_asynchronous_load_counts_what_came_in_when_it_did():
+    def run(load_report: dict, policy: str = "recompute"):
+        sched = make_scheduler(
+            num_blocks=10,
+            kv_connector=FakeConnector(external={"a": 48}, load_async=True),
+            enable_caching=True,
+            kv_load_failure_policy=policy,
+        )
+        sched.add_request(make_request("a", 48, max_tokens=1, ignore_eos=True, enable_caching=True))
+        return _run_counting_external(sched, {1: load_report})
+
+    loaded = run({"finished_recving": ["a"]})
+    assert loaded[:2] == [(48, 0), (0, 48)]  # asked at admission, a hit once the load ended
+    assert sum(hits for _, hits in loaded) == 48
+    # The second block failed: only the first came in (and counts); the rest is computed.
+    partial = run({"finished_recving": ["a"], "invalid_block_ids": [2]})
+    assert partial[:2] == [(48, 0), (0, BLOCK_SIZE)]
+    assert sum(hits for _, hits in partial) == BLOCK_SIZE
+    failed = run({"finished_recving": ["a"], "invalid_block_ids": [2]}, policy="fail")
+    assert sum(hits for _, hits in failed) == 0
+
+
+def test_external_hit_of_a_load_aborted_midway_is_not_counted():
+    connector = FakeConnector(external={"a": 32}, load_async=True)
+    sched = make_scheduler(num_blocks=10, kv_connector=connector)
+    sched.add_request(make_request("a", 40))
+    _step(sched)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    _step(sched, finished_recving=["a"])
+    assert sched.make_stats().external_prefix_cache_hits == 0
+    sched.check_integrity()

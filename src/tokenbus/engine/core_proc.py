@@ -230,6 +230,7 @@ def _did_work(outputs: EngineOutputs) -> bool:
             or stats.kv_bytes_saved
             or stats.kv_bytes_loaded
             or stats.external_prefix_cache_queries
+            or stats.external_prefix_cache_hits  # a load that ended: its hit counts now
         )
     )
 

@@ -97,6 +97,8 @@ class Scheduler:
         self._preempted_outside_step: set[str] = set()
         self._external_queries_step = 0
         self._external_hits_step = 0
+        # req_id → external tokens it was offered at admission: a hit only once they loaded.
+        self._pending_external_hits: dict[str, int] = {}
         self._kv_output_step: KVConnectorOutput | None = None
 
     @property
@@ -358,14 +360,21 @@ class Scheduler:
         return self.connector.get_num_new_matched_tokens(request, num_computed)
 
     def _count_external(self, request: Request, num_computed: int, num_external: int) -> None:
-        """Once per request, when it is admitted (not each step it waits for room)."""
+        """Once per request, when it is admitted (not each step it waits for room). Its hit
+        counts once the load has succeeded (_confirm_external_hit), not when it is offered."""
         if (
             self.connector is not None
             and request.num_cached_tokens is None
             and not request.kv_load_failed
         ):
             self._external_queries_step += request.num_tokens - num_computed
-            self._external_hits_step += num_external
+            if num_external > 0:
+                self._pending_external_hits[request.request_id] = num_external
+
+    def _confirm_external_hit(self, req_id: str, num_loaded: int) -> None:
+        """`num_loaded` of the tokens offered to `req_id` at its admission came in."""
+        if self._pending_external_hits.pop(req_id, None) is not None:
+            self._external_hits_step += num_loaded
 
     def _start_remote_load(
         self, request: Request, num_computed: int, computed_blocks, num_external: int
@@ -416,6 +425,10 @@ class Scheduler:
         if self._kv_output_step is not None:
             failed_loads = self._update_from_kv_output(self._kv_output_step, outputs)
         for req_id in scheduler_output.num_scheduled_tokens:
+            if req_id in failed_loads:
+                self._pending_external_hits.pop(req_id, None)
+            elif req_id in self._pending_external_hits:  # a synchronous load, done in the step
+                self._confirm_external_hit(req_id, self._pending_external_hits[req_id])
             request = self.requests.get(req_id)
             if request is None or request.is_finished or req_id in failed_loads:
                 continue  # aborted while the step ran, or its KV load failed (recomputed)
@@ -514,7 +527,10 @@ class Scheduler:
             request = self.requests.get(req_id)
             num_external = self._remote_loads.pop(req_id, None)
             if request is None or num_external is None or req_id in failed:
+                self._pending_external_hits.pop(req_id, None)
                 continue
+            # What came in: all it was offered, or the part before a failed block.
+            self._confirm_external_hit(req_id, num_external)
             request.num_computed_tokens += num_external
             if request.num_computed_tokens >= request.num_tokens:
                 request.num_computed_tokens = request.num_tokens - 1  # compute the last for logits
@@ -595,6 +611,7 @@ class Scheduler:
             )
             delay_free = delay_free or delay
         self._remote_loads.pop(request.request_id, None)
+        self._pending_external_hits.pop(request.request_id, None)  # never loaded: no hit
         if delay_free and self.kv.holds_blocks(request.request_id):
             self._delayed_free[request.request_id] = request
         else:
@@ -648,6 +665,9 @@ class Scheduler:
             f"blocks still held for KV transfer: {list(self._delayed_free)}"
         )
         assert not self._remote_loads, f"KV loads still tracked: {list(self._remote_loads)}"
+        assert not self._pending_external_hits, (
+            f"external hits never settled: {list(self._pending_external_hits)}"
+        )
         assert not self.waiting and not self.running, "queues not empty"
         self.kv.check_integrity()
 
