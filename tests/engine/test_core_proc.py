@@ -19,14 +19,18 @@ import time
 
 import pytest
 
+from tests.core.test_kv_connector_scheduler import FakeConnector
 from tests.fixtures.engine import (
     KV_TOO_SMALL,
+    FakeWorker,
     broken_engine_core,
     expected_tokens,
     fake_engine_core,
     make_fake_setup,
     too_small_engine_core,
 )
+from tokenbus.core.outputs import KVConnectorOutput
+from tokenbus.engine.core import EngineCore
 from tokenbus.engine.core_proc import IDLE_BACKOFF_S, EngineCoreLoop
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.messages import MessageType, RequestType, UtilityCall
@@ -157,8 +161,72 @@ def test_busy_loop_backs_off_when_no_request_can_run():
     inputs.put((RequestType.SHUTDOWN, None))
     thread.join(timeout=10)
     assert not thread.is_alive()
-    assert emitted == []  # nothing to report: the front end is not flooded
+    # The waiting gauge once, then nothing more to report: the front end is not flooded.
+    assert [p.scheduler_stats.num_waiting_reqs for _, p in emitted] == [1]
     assert engine.num_steps < 0.2 / IDLE_BACKOFF_S + 50  # no hot spin
+
+
+class _SendingWorker(FakeWorker):
+    """A prefiller's worker: the blocks of a finished request are held for a decoder to pull;
+    nobody does, so each is reported sent (freed) once its own timeout has passed on `clock`."""
+
+    def __init__(self, num_blocks: int, timeouts: dict[str, float], clock: list[float]) -> None:
+        super().__init__(num_blocks)
+        self.timeouts, self.clock = timeouts, clock
+        self.deadlines: dict[str, float] = {}
+
+    def execute_model(self, so):
+        output = super().execute_model(so)
+        for req_id in so.finished_req_ids:
+            self.deadlines[req_id] = self.clock[0] + self.timeouts[req_id]
+        expired = [r for r, deadline in self.deadlines.items() if deadline <= self.clock[0]]
+        for req_id in expired:
+            del self.deadlines[req_id]
+        output.kv_connector_output = KVConnectorOutput(finished_sending=expired)
+        return output
+
+
+def test_busy_loop_reports_kv_usage_when_unpulled_blocks_are_freed_without_a_step():
+    clock = [0.0]
+    setup = make_fake_setup()
+    worker = _SendingWorker(setup.config.cache.num_kv_blocks, {"a": 120, "b": 230}, clock)
+    engine = EngineCore(setup.config, None, setup.arch, setup.eos_token_id, worker=worker)
+    engine.scheduler.connector = FakeConnector(send_after_finish={"a", "b"})
+    inputs: queue.Queue = queue.Queue()
+    emitted: list = []
+    loop = EngineCoreLoop(engine, inputs, lambda kind, payload: emitted.append((kind, payload)))
+    inputs.put((RequestType.ADD, make_request("a", list(range(1, 41)), 1)))  # 3 blocks
+    inputs.put((RequestType.ADD, make_request("b", list(range(50, 70)), 1)))  # 2 blocks
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+
+    def reports() -> list[EngineOutputs]:
+        return [p for k, p in list(emitted) if k is MessageType.OUTPUTS and p.scheduler_stats]
+
+    def reported_usage() -> list[float]:
+        return [p.scheduler_stats.kv_cache_usage for p in reports()]
+
+    def wait_for_usage(usage: float) -> None:
+        deadline = time.monotonic() + 10
+        while not reported_usage() or reported_usage()[-1] != pytest.approx(usage):
+            assert time.monotonic() < deadline, reported_usage()
+            time.sleep(0.01)
+
+    try:
+        num_blocks = engine.num_kv_blocks - 1  # the null block is not counted
+        wait_for_usage(5 / num_blocks)  # both finished, their blocks held for the decoder
+        time.sleep(0.2)  # the loop keeps polling the worker meanwhile...
+        num_reports = len(reports())
+        time.sleep(0.2)
+        assert len(reports()) == num_reports  # ...with nothing to report
+        clock[0] = 121.0  # a's blocks were never pulled: freed while b's are still held
+        wait_for_usage(2 / num_blocks)
+        clock[0] = 231.0
+        wait_for_usage(0.0)
+    finally:
+        inputs.put((RequestType.SHUTDOWN, None))
+        thread.join(timeout=10)
+    engine.check_integrity()
 
 
 # ---------------------------------------------------------------------- the process

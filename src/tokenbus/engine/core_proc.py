@@ -39,7 +39,13 @@ from tokenbus.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
-from tokenbus.protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
+from tokenbus.protocol import (
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from tokenbus.utils.log import log_safe
 from tokenbus.utils.parent_watch import start_parent_watch
 
@@ -122,6 +128,10 @@ class EngineCoreLoop:
         self._shutdown = False
         # Aborts changed the queues: an idle engine must still report its gauges once.
         self._gauges_stale = False
+        # The gauges the front end last heard (it starts from an empty engine's): a step that
+        # ran nothing but changed them (a prefiller freeing blocks nobody pulled, a request
+        # starting to wait) is reported, or they would stay stale until the next real work.
+        self._reported_gauges: tuple[int, int, float] = (0, 0, 0.0)
 
     def run(self) -> None:
         """Return on SHUTDOWN; any exception escapes to the caller (the engine is then dead)."""
@@ -134,6 +144,8 @@ class EngineCoreLoop:
 
     def emit(self, kind: MessageType, payload: Any) -> None:
         self._last_emit = time.monotonic()
+        if isinstance(payload, EngineOutputs) and payload.scheduler_stats is not None:
+            self._reported_gauges = _gauges(payload.scheduler_stats)
         self._send(kind, payload)
 
     def _process_input_queue(self) -> None:
@@ -185,7 +197,7 @@ class EngineCoreLoop:
                 # The last work just ended (e.g. a KV connector's delayed free): the gauges an
                 # idle engine shows must be this step's, not the last reported one's.
                 self._gauges_stale = True
-            if _did_work(outputs) or self._gauges_stale:
+            if _did_work(outputs) or self._gauges_stale or self._gauges_changed(outputs):
                 self.emit(MessageType.OUTPUTS, outputs)
                 self._gauges_stale = False
             else:
@@ -197,6 +209,10 @@ class EngineCoreLoop:
                 EngineOutputs(scheduler_stats=stats, timestamp=time.monotonic()),
             )
             self._gauges_stale = False
+
+    def _gauges_changed(self, outputs: EngineOutputs) -> bool:
+        stats = outputs.scheduler_stats
+        return stats is not None and _gauges(stats) != self._reported_gauges
 
     def _back_off(self) -> None:
         # Nothing could run (every request waits, e.g. for its grammar to compile): wait a
@@ -212,6 +228,10 @@ def _shutdown_executor(engine: EngineCore) -> None:
         engine.shutdown()
     except Exception:  # leaving anyway: the workers' own sentinels and watchdogs end them
         logger.exception("executor shutdown failed")
+
+
+def _gauges(stats: SchedulerStats) -> tuple[int, int, float]:
+    return stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
 
 
 def _did_work(outputs: EngineOutputs) -> bool:
