@@ -7,13 +7,17 @@ import asyncio
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 
+from tests.fixtures.engine import fake_engine_core, make_fake_setup
 from tests.fixtures.server import ServerProcess, metric_value
+from tokenbus.engine.mp_client import SyncMPClient
 
 NUM_STORM_REQUESTS = 100
 # With --max-num-seqs 1 the n children of a stream run one after another: 16 × 500 tokens
@@ -199,6 +203,33 @@ def _start_stream(url: str, n: int) -> tuple[list, threading.Event]:
 
     threading.Thread(target=run, daemon=True).start()
     return events, started
+
+
+def test_a_sigkilled_servers_ipc_dir_is_removed_by_the_next_start(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    with tempfile.TemporaryDirectory(prefix="tb") as tmp:  # short: socket paths fit 107 bytes
+        server = ServerProcess(str(tiny_llama_dir), env={"TMPDIR": tmp}, log_dir=tmp_path)
+        try:
+            owned = _ipc_dirs(tmp)
+            assert len(owned) == 1 and owned[0].name.startswith(f"tokenbus-{server.proc.pid}-")
+        finally:
+            server.close()  # SIGKILL, engine included: nobody cleans up
+        assert owned[0].is_dir()
+        # The next start, here an engine with a fake model behind it, removes it.
+        monkeypatch.setattr(tempfile, "tempdir", tmp)
+        client = SyncMPClient(make_fake_setup(), fake_engine_core)
+        try:
+            assert not owned[0].exists()
+            [left] = _ipc_dirs(tmp)  # its own
+            assert left.name.startswith(f"tokenbus-{os.getpid()}-")
+        finally:
+            client.shutdown()
+        assert _ipc_dirs(tmp) == []
+
+
+def _ipc_dirs(directory: str) -> list[Path]:
+    return [p for p in Path(directory).iterdir() if p.name.startswith("tokenbus-") and p.is_dir()]
 
 
 def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):

@@ -24,7 +24,6 @@ import multiprocessing.util
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from tokenbus.engine.messages import (
     RequestType,
 )
 from tokenbus.protocol import EngineOutputs, EngineRequest
+from tokenbus.utils.ipc_dir import make_ipc_dir
 from tokenbus.utils.spawn import start_process
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class EngineConnection:
         self._engine_identity: bytes | None = None  # the engine's route, learned at READY
         self._threads: list[threading.Thread] = []
         self.last_heard = time.monotonic()  # written by the reader thread (a float: atomic)
-        self.ipc_dir = tempfile.mkdtemp(prefix="tokenbus-")
+        self.ipc_dir = make_ipc_dir("tokenbus-")  # first removing those of dead servers
         addresses = EngineAddresses(f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output")
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.ROUTER)

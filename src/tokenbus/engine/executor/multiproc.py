@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor
+from tokenbus.utils.ipc_dir import make_ipc_dir
 from tokenbus.utils.parent_watch import start_parent_watch
 from tokenbus.utils.spawn import start_process
 
@@ -91,7 +91,7 @@ class MultiProcExecutor(Executor):
         self._died = threading.Event()
         self._failure_callbacks: list[Callable[[], None]] = []
         self._closing = False
-        self._ipc_dir = tempfile.mkdtemp(prefix="tokenbus-tp-")
+        self._ipc_dir = make_ipc_dir("tokenbus-tp-")
         self._ctx = zmq.Context()
         self._result_socket = self._ctx.socket(zmq.PULL)
         result_address = f"ipc://{self._ipc_dir}/results"
