@@ -13,6 +13,8 @@ import pytest
 from tests.api.fake_engine import FakeAsyncLLM
 from tests.api.test_openai_app import assert_error, client, engine, make_client, sse_events  # noqa: F401 (fixtures)
 from tokenbus.api.openai.limits import RequestLimits, json_depth
+from tokenbus.api.openai.server_config import DEFAULT_REQUEST_TIMEOUT_S, ServerConfig
+from tokenbus.api.openai.serving_completions import CompletionServing
 from tokenbus.api.openai.serving_engine import Admission
 
 
@@ -179,6 +181,28 @@ def test_request_timeout_aborts_and_frees_the_request():
         assert engine.running == set() and client.app.state.server.ctx.admission.num_in_flight == 0
         quick = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert quick.status_code == 200
+
+
+def test_request_timeout_is_on_by_default_and_0_turns_it_off(monkeypatch):
+    from tokenbus.api.openai import launch
+    from tokenbus.cli.main import build_parser
+
+    configs = []
+    monkeypatch.setattr(launch, "serve", lambda args, config: configs.append(config) or 0)
+    for argv in (["serve"], ["serve", "--request-timeout", "0"]):
+        ns = build_parser().parse_args(argv)
+        assert ns.func(ns) == 0
+    assert [c.request_timeout for c in configs] == [DEFAULT_REQUEST_TIMEOUT_S, 0.0]
+    assert DEFAULT_REQUEST_TIMEOUT_S == 600.0 and ServerConfig().request_timeout == 600.0
+
+    async def deadline_in(ctx) -> float | None:
+        deadline = CompletionServing(ctx)._deadline()
+        return None if deadline is None else deadline - asyncio.get_running_loop().time()
+
+    with make_client() as client:  # the server's defaults
+        assert 599.0 < asyncio.run(deadline_in(client.app.state.server.ctx)) <= 600.0
+    with make_client(request_timeout=0) as client:
+        assert asyncio.run(deadline_in(client.app.state.server.ctx)) is None
 
 
 # --- a stalled engine ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 
+from tokenbus.api.openai.server_config import DEFAULT_REQUEST_TIMEOUT_S
 from tokenbus.api.openai.tool_parsers import PARSERS
 from tokenbus.cli.args import add_engine_args, engine_args_from
 
@@ -36,9 +37,10 @@ def add_serve_parser(sub) -> None:
     serve.add_argument(
         "--request-timeout",
         type=float,
-        default=None,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
         help="seconds a request may take from arrival to its last byte; past it, "
-        "it is aborted (408, or an error event in a stream). Default: no limit",
+        "it is aborted (408, or an error event in a stream). Default: %(default)g "
+        "(the longest request a CPU serves, and the OpenAI client's own timeout); 0: no limit",
     )
     serve.add_argument(
         "--engine-stall-timeout",

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 
 from tokenbus.api.openai.limits import RequestLimits
 
+# A request's deadline unless --request-timeout says otherwise. Long enough for the longest
+# legitimate request on a CPU: a stream among 16 on the slowest 2-core machine of
+# docs/benchmarks.md (a token each 74 ms, c16 ITL p50) generates ~8,000 tokens in it, nearly
+# SmolLM2's whole 8,192-token context. And the OpenAI Python client's own default timeout: a
+# client that waited longer has most likely left. Without a deadline, a request admitted before
+# an engine stall waits as long as the stall lasts.
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -16,9 +24,8 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the model argument
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_request_body_bytes: int = 10 * 1024 * 1024
-    request_timeout: float | None = (
-        None  # seconds from arrival to a request's last byte; None: none
-    )
+    # Seconds from arrival to a request's last byte; 0 or None: no limit.
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S
     engine_stall_timeout: float = 60.0  # seconds of pending work without a step → 503; 0: off
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers (browsers refuse)
