@@ -15,9 +15,9 @@ counts as answered only as a 400 with the expected reason: a schema of 5,000 opt
 properties (refused by --max-schema-cost), a regex that admits nothing, and now and then a
 grammar whose compile runs past the server's deadline (the server needs --max-schema-bytes
 1000000 for it), under a new name (killed at the deadline) or under one already refused
-(refused at once). With --stop-pid the soak also SIGSTOPs that process (a prefiller's EngineCore behind
-`tokenbus proxy`) for --stop-for seconds every --stop-every seconds; requests sent meanwhile
-must still be answered.
+(refused at once). With --stop-pid the soak also SIGSTOPs that process (a prefiller's
+EngineCore behind `tokenbus proxy`) for --stop-for seconds every --stop-every seconds; requests
+sent meanwhile must still be answered. --record DIR writes the run's record (topic soak).
 
 Memory is sampled every --sample-interval seconds from /proc: the server (--server-pid) and the
 engine (its child processes, summed; multiprocessing's resource tracker is not an engine, and the
@@ -101,6 +101,9 @@ class Options:
     stop_pid: int | None = None
     stop_every: float = 180.0
     stop_for: float = 30.0
+    record: str | None = None  # a results dir (src/tokenbus/bench/record.py)
+    variant: str = ""
+    command: str | None = None  # the record's command (soak.sh's), else this process's
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -564,7 +567,35 @@ def report(samples: list[Sample], tally: Tally, gauges: dict[str, float], opts: 
             "pass": ok,
         }
         opts.out.write_text(json.dumps(result, indent=1, default=str))
+    if opts.record:
+        write_record(samples, tally, checks, opts)
     return ok
+
+
+def write_record(samples: list[Sample], tally: Tally, checks: list[Growth], opts: Options) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    from tokenbus.bench.record import make_record, this_command
+    from tokenbus.bench.record import write_record as write
+
+    net, _, server = checks
+    row = {
+        "requests": sum(tally.requests.values()),
+        "errors": sum(tally.errors.values()),
+        f"engine RSS net of KV at {opts.warmup:g} s": round(net.first),
+        f"at {opts.duration:g} s": round(net.last),
+        "growth": round(100 * net.relative, 1),
+        "server RSS": round(server.last),
+        "server growth": round(100 * server.relative, 1),
+    }
+    if opts.hostile:
+        row["hostile 400s"] = tally.requests.get("hostile", 0)
+    if opts.stop_pid is not None:
+        row["prefiller stops"] = f"{opts.stop_for:g} s every {opts.stop_every:g} s"
+    units = {name: "MiB" for name in row if "RSS" in name or name.startswith("at ")}
+    units.update({"growth": "%", "server growth": "%"})
+    command = opts.command or this_command()
+    entry = make_record("soak", command, {"": row}, units=units, variant=opts.variant)
+    write(opts.record, entry)
 
 
 def parse_args() -> Options:
@@ -595,6 +626,9 @@ def parse_args() -> Options:
     p.add_argument("--stop-pid", type=int, default=None, help="a process to SIGSTOP now and then")
     p.add_argument("--stop-every", type=float, default=180.0)
     p.add_argument("--stop-for", type=float, default=30.0)
+    p.add_argument("--record", default=None, metavar="DIR", help="write a run record there")
+    p.add_argument("--variant", default="", help="the record's setting (e.g. the serve flags)")
+    p.add_argument("--command", default=None, help="the record's command (default: this one)")
     a = p.parse_args()
     return Options(
         url=a.url.rstrip("/"),
@@ -612,6 +646,9 @@ def parse_args() -> Options:
         stop_pid=a.stop_pid,
         stop_every=a.stop_every,
         stop_for=a.stop_for,
+        record=a.record,
+        variant=a.variant,
+        command=a.command,
     )
 
 

@@ -6,17 +6,22 @@
 # MODE=disagg: a prefiller (P2PConnector kv_producer) and a decoder (kv_consumer), one thread
 # each, behind `tokenbus proxy`; the load goes through the proxy, both servers' memory counts,
 # and the prefiller's EngineCore is SIGSTOPped for $STOP_FOR s (30) every $STOP_EVERY s (180).
-# Results in bench_out/soak_$TAG.{txt,json}; the exit status is soak.py's verdict.
+# Results in bench_out/soak_$TAG.{txt,json}, and a run record under $RECORD (a results dir,
+# e.g. benchmarks/results) when set; the exit status is soak.py's verdict.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/lib.sh
 tag=${TAG:-default} port=${PORT:-8041}
 serve_args="${SERVE_ARGS:-}"
+variant="${MODE:-colocated}${SERVE_ARGS:+, $SERVE_ARGS}"
 soak_args=()
+[ -n "${RECORD:-}" ] && soak_args+=(--record "$RECORD")
 if [ "${HOSTILE:-1}" = 1 ]; then
   serve_args="$serve_args --max-schema-bytes 1000000"  # room for the slow grammar
   soak_args+=(--hostile)
+  variant="$variant, hostile specs"
 fi
+soak_args+=(--variant "$variant" --command "$(env | grep -E '^(MODE|HOSTILE|SERVE_ARGS|DURATION|STOP_EVERY|STOP_FOR)=' | sort | tr '\n' ' ')bash benchmarks/soak.sh")
 engine_pid() {  # LOG: the EngineCore's pid, from the server's start-up line
   grep -o 'EngineCore pid=[0-9]*' "$1" | head -1 | cut -d= -f2
 }
