@@ -373,6 +373,7 @@ def _parse_sizes(sizes: list[int] | tuple[int, ...] | str, flag: str) -> tuple[i
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DATA_PARALLEL_ROUTINGS = ("prefix", "least_loaded", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -385,6 +386,9 @@ class ParallelConfig:
     # Which of the data-parallel engines this is (set per engine by the front end; it picks
     # the engine's GPUs: data_parallel_rank * tensor_parallel_size + rank).
     data_parallel_rank: int = 0
+    # Which data-parallel engine gets a new request: "prefix" (the one likely to hold its
+    # prompt's prefix, unless far busier), "least_loaded" or "round_robin" (engine/dp_router.py).
+    data_parallel_routing: str = "prefix"
     # The Ray cluster to attach to ("host:port", "auto"); None: $RAY_ADDRESS, else a local one.
     ray_address: str | None = None
 
@@ -393,6 +397,11 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTINGS:
+            raise ValueError(
+                f"data_parallel_routing must be one of {DATA_PARALLEL_ROUTINGS}, "
+                f"got {self.data_parallel_routing!r}"
+            )
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(

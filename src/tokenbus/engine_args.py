@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tokenbus.config import (
     ATTENTION_BACKENDS,
+    DATA_PARALLEL_ROUTINGS,
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
@@ -167,6 +168,12 @@ class EngineArgs:
     )
     tensor_parallel_size: int = _arg(1, "ranks that split each layer (torch.distributed)")
     data_parallel_size: int = _arg(1, "EngineCore processes behind one load-balancing client")
+    data_parallel_routing: str = _arg(
+        "prefix",
+        "which data-parallel engine gets a request: prefix (the one that was sent the "
+        "longest part of its prompt, unless it is far busier), least_loaded, round_robin",
+        choices=DATA_PARALLEL_ROUTINGS,
+    )
     distributed_executor_backend: str | None = _arg(
         None,
         "how ranks run: uni (in the engine process), mp (a process each), ray; default: uni "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -12,22 +14,6 @@ import pytest
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
 from tests.fixtures.server import ServerProcess, spawned_children
 from tests.fixtures.tiny_models import cached_tiny_model
-from tokenbus.engine.dp_client import pick_engine
-from tokenbus.protocol import SchedulerStats
-
-
-def test_pick_engine_scores_in_flight_and_waiting():
-    idle = SchedulerStats()
-    assert pick_engine([0, 0], [None, None]) == 0  # ties: lowest index
-    assert pick_engine([3, 1], [idle, idle]) == 1
-    # Engine 0 has fewer requests routed but a long reported waiting queue.
-    assert pick_engine([2, 4], [SchedulerStats(num_waiting_reqs=2), idle]) == 1
-    assert (
-        pick_engine(
-            [1, 1], [SchedulerStats(kv_cache_usage=0.5), SchedulerStats(kv_cache_usage=0.1)]
-        )
-        == 1
-    )
 
 
 def test_dp2_spreads_32_requests_and_matches_dp1():
@@ -94,3 +80,64 @@ def test_server_dp2_metrics_per_engine_and_health_when_one_dies(tmp_path):
         assert server.wait(30) != 0
     finally:
         server.close()
+
+
+def per_engine(metrics: str, name: str) -> list[float]:
+    """A counter's value for engines 0 and 1 of a DP=2 server's /metrics."""
+    return [
+        float(
+            re.search(
+                rf'^tokenbus:{name}_total{{engine="{e}",[^}}]*}} (\S+)$', metrics, re.MULTILINE
+            ).group(1)
+        )
+        for e in (0, 1)
+    ]
+
+
+def test_server_dp2_prefix_routing_keeps_each_prefix_on_one_engine(tmp_path):
+    """Three long prefixes, three rounds of one request each, sent at once: routed by prefix,
+    every repeat finds its prefix cached. Round robin cannot do that: the first round puts two
+    prefixes on one engine and the second round sends two requests to the other."""
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(1000, 40000) for _ in range(128)] for _ in range(3)]  # 8 blocks
+    max_tokens = 4
+
+    def run(routing: str) -> tuple[list[float], float, float]:
+        with ServerProcess(
+            str(cached_tiny_model("llama")),
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-routing",
+            routing,
+            log_dir=tmp_path,
+        ) as server:
+
+            def complete(args: tuple[int, list[int]]) -> None:
+                turn, prefix = args
+                response = httpx.post(
+                    server.url + "/v1/completions",
+                    timeout=60,
+                    json={
+                        "prompt": prefix + [7 + turn, 8, 9],  # a suffix of its own each turn
+                        "max_tokens": max_tokens,
+                        "ignore_eos": True,
+                    },
+                )
+                assert response.status_code == 200, response.text
+
+            with ThreadPoolExecutor(3) as pool:
+                for turn in range(3):
+                    list(pool.map(complete, [(turn, prefix) for prefix in prefixes]))
+            metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        requests = [t / max_tokens for t in per_engine(metrics, "generation_tokens")]
+        hits = sum(per_engine(metrics, "prefix_cache_hits"))
+        queries = sum(per_engine(metrics, "prefix_cache_queries"))
+        return requests, hits, hits / queries
+
+    requests, hits, prefix_rate = run("prefix")
+    assert sum(requests) == 9 and all(r % 3 == 0 for r in requests), requests  # 3 per prefix
+    assert hits == 6 * 128  # every repeat hit its whole prefix
+    requests, hits, round_robin_rate = run("round_robin")
+    assert sorted(requests) == [4, 5], requests
+    assert hits <= 5 * 128
+    assert prefix_rate > round_robin_rate, (prefix_rate, round_robin_rate)

@@ -1,18 +1,22 @@
-"""Data parallelism: N EngineCore processes behind one client that balances load (L4).
+"""Data parallelism: N EngineCore processes behind one client that routes requests (L4).
 
 Each engine is a whole EngineCore with its own executor, KV cache and scheduler; the front end
 (tokenizer, detokenizer, HTTP) stays one. The engines' reader threads all feed ONE
 OutputChannel, each EngineOutputs tagged with its engine's index, so the front end reads a
 single stream whatever N is.
 
-Routing (after vLLM's DPLBAsyncMPClient): a new request goes to the engine with the lowest
+Routing: a router (dp_router.py, `--data-parallel-routing`) picks the engine from the prompt's
+block hashes and each engine's load,
 
-    score = in-flight requests routed there + WAITING_WEIGHT × the engine's last reported
-            waiting queue
+    load = in-flight requests routed there + WAITING_WEIGHT × the engine's last reported
+           waiting queue
 
 (the in-flight count is exact and current; the waiting queue, reported each step, says where a
-new request would queue behind others), ties broken by KV-cache usage, then by index. Aborts go
-to the owning engine. If any engine dies, the client is dead: every waiter fails and /health
+new request would queue behind others), ties broken by KV-cache usage, then by index. The
+default sends a prompt where its prefix was sent before, unless that engine is far busier than
+the least loaded (after vLLM's DPLBAsyncMPClient, with SGLang's cache-aware routing); the block
+hashes are computed here as the engines compute them, so equal hashes mean the same KV. Aborts
+go to the owning engine. If any engine dies, the client is dead: every waiter fails and /health
 turns 503 (a dead engine's requests cannot move).
 """
 
@@ -23,7 +27,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tokenbus.core.kv import make_block_hasher
+from tokenbus.core.request import Request
 from tokenbus.engine.core_client import EngineCoreClient, OutputChannel
+from tokenbus.engine.dp_router import EngineLoad, Router, make_router
 from tokenbus.engine.exceptions import EngineDeadError
 from tokenbus.engine.mp_client import AsyncMPClient, EngineConnection, MPClient, SyncMPClient
 from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats
@@ -77,6 +84,16 @@ class DPLBClient(EngineCoreClient):
         self._in_flight = [0] * num_engines
         self._stats: list[SchedulerStats | None] = [None] * num_engines
         self.num_routed = [0] * num_engines  # requests sent to each engine, ever
+        routing = setup.config.parallel.data_parallel_routing
+        caching = setup.config.cache.enable_prefix_caching
+        if routing == "prefix" and not caching:
+            routing = "least_loaded"  # no engine keeps a prefix to be sent back to
+        self.router: Router = make_router(
+            routing, [client.num_kv_blocks for client in self.clients]
+        )
+        self._block_hasher = (
+            make_block_hasher(setup.config.cache.block_size) if routing == "prefix" else None
+        )
 
     @property
     def num_engines(self) -> int:
@@ -84,11 +101,20 @@ class DPLBClient(EngineCoreClient):
 
     # ------------------------------------------------------------------ routing
     def add_request(self, request: EngineRequest) -> None:
-        index = pick_engine(self._in_flight, self._stats)
+        index = self.router.choose(
+            self.prompt_block_hashes(request), engine_loads(self._in_flight, self._stats)
+        )
         self.clients[index].add_request(request)
         self._owner[request.request_id] = index
         self._in_flight[index] += 1
         self.num_routed[index] += 1
+
+    def prompt_block_hashes(self, request: EngineRequest) -> list[bytes]:
+        """The hashes the engine will give the prompt's full blocks: the engine's own code on
+        the same fields (tokens, cache salt), so that the router compares like with like."""
+        if self._block_hasher is None:
+            return []
+        return Request.from_engine_request(request, self._block_hasher).block_hashes
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
@@ -113,7 +139,18 @@ class DPLBClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """On every engine; booleans are and-ed (reset_prefix_cache), otherwise the first result."""
-        return _combine([client.call_utility(method, *args) for client in self.clients])
+        return _combine(
+            self._after_utility(
+                method, [client.call_utility(method, *args) for client in self.clients]
+            )
+        )
+
+    def _after_utility(self, method: str, results: list[Any]) -> list[Any]:
+        if method == "reset_prefix_cache":
+            for index, emptied in enumerate(results):
+                if emptied is True:
+                    self.router.forget(index)
+        return results
 
     # ------------------------------------------------------------------ asyncio half
     async def add_request_async(self, request: EngineRequest) -> None:
@@ -132,7 +169,7 @@ class DPLBClient(EngineCoreClient):
         results = await asyncio.gather(
             *(client.call_utility_async(method, *args) for client in self.clients)
         )
-        return list(results)
+        return self._after_utility(method, list(results))
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -162,16 +199,17 @@ def _for_engine(setup: EngineSetup, index: int) -> EngineSetup:
     return dataclasses.replace(setup, config=dataclasses.replace(setup.config, parallel=parallel))
 
 
-def pick_engine(in_flight: list[int], stats: list[SchedulerStats | None]) -> int:
-    """The engine with the lowest score (module docstring); ties: less KV in use, lower index."""
-
-    def score(index: int) -> tuple[float, float, int]:
-        engine = stats[index]
-        waiting = engine.num_waiting_reqs if engine is not None else 0
-        usage = engine.kv_cache_usage if engine is not None else 0.0
-        return in_flight[index] + WAITING_WEIGHT * waiting, usage, index
-
-    return min(range(len(in_flight)), key=score)
+def engine_loads(in_flight: list[int], stats: list[SchedulerStats | None]) -> list[EngineLoad]:
+    """Each engine's load (module docstring) for the router."""
+    loads = []
+    for count, engine in zip(in_flight, stats, strict=True):
+        if engine is None:
+            loads.append(EngineLoad(count))
+        else:
+            loads.append(
+                EngineLoad(count + WAITING_WEIGHT * engine.num_waiting_reqs, engine.kv_cache_usage)
+            )
+    return loads
 
 
 def _combine(results: list[Any]) -> Any:
