@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -110,6 +110,13 @@ class ChatRun:
         return make_usage([len(self.prompt_token_ids)], cached, num_completion_tokens)
 
 
+class RenderedChat(NamedTuple):
+    messages: list[dict[str, Any]]  # normalized: each content a string
+    plan: ToolPlan | None
+    text: str
+    token_ids: list[int]
+
+
 @dataclass
 class ChatChoiceState:
     text: str = ""
@@ -130,7 +137,8 @@ class ChatServing(OpenAIServing):
         budget = self.generation_budget([run.engine_request])
         return await self.respond(raw, request.stream, request.n, run, budget)
 
-    def build_run(self, request: ChatCompletionRequest) -> ChatRun:
+    def render(self, request: ChatCompletionRequest) -> RenderedChat:
+        """The chat as the model's template renders it, tools planned and checked."""
         if request.continue_final_message and request.add_generation_prompt:
             raise ValueError(
                 "continue_final_message: cannot be combined with add_generation_prompt "
@@ -138,19 +146,23 @@ class ChatServing(OpenAIServing):
             )
         messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
         plan = plan_tools(request, self.ctx.tool_parser)
-        processor = self.engine.input_processor
         native_tools = template_supports_tools(
             getattr(self.engine.tokenizer, "chat_template", None)
         )
         if plan is not None:
             self._check_tool_schemas(plan)
-        text, token_ids = processor.render_chat(
+        text, token_ids = self.engine.input_processor.render_chat(
             messages_for_template(messages, plan, native_tools),
             request.add_generation_prompt,
             template_kwargs(request.chat_template_kwargs),
             continue_final_message=request.continue_final_message,
             tools=plan.tools if plan is not None and native_tools else None,
         )
+        return RenderedChat(messages, plan, text, token_ids)
+
+    def build_run(self, request: ChatCompletionRequest) -> ChatRun:
+        messages, plan, text, token_ids = self.render(request)
+        processor = self.engine.input_processor
         truncated = truncate_prompt(
             token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len
         )
@@ -236,6 +248,16 @@ class ChatServing(OpenAIServing):
         if run.prompt_logprobs is not None:
             body.prompt_logprobs = prompt_logprobs_body(run.prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")
+
+    async def collect(self, run: ChatRun) -> ChatChoiceState:
+        """The one choice of `run`, generated to its end (the endpoints built on chat)."""
+        state = ChatChoiceState()
+        async with aclosing(self.generate(run)) as outputs:
+            async for out in outputs:
+                run.num_cached_tokens = out.num_cached_tokens
+                for output in out.outputs:
+                    fold_choice(state, output, None)
+        return state
 
     def final_choice(self, run: ChatRun, index: int, state: ChatChoiceState) -> ChatChoice:
         content, finish_reason, tool_calls = run.echo_text + state.text, state.finish_reason, None

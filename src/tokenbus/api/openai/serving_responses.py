@@ -120,13 +120,7 @@ class ResponsesServing(OpenAIServing):
 
     # ------------------------------------------------------------------ one body
     async def _complete(self, run: ResponsesRun) -> Response:
-        state = ChatChoiceState()
-        async with aclosing(self.chat.generate(run.chat)) as outputs:
-            async for out in outputs:
-                run.chat.num_cached_tokens = out.num_cached_tokens
-                for output in out.outputs:
-                    fold_choice(state, output, None)
-        body = self._finish(run, state)
+        body = self._finish(run, await self.chat.collect(run.chat))
         return Response(json.dumps(body), media_type="application/json")
 
     def _finish(self, run: ResponsesRun, state: ChatChoiceState) -> dict[str, Any]:
