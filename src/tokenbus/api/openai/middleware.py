@@ -15,7 +15,7 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenbus.api.openai.errors import error_bytes
+from tokenbus.api.openai.errors import error_bytes, speaks_anthropic
 from tokenbus.utils.log import log_safe
 
 logger = logging.getLogger(__name__)
@@ -66,13 +66,20 @@ class InternalErrorMiddleware:
                     f"Internal server error: {type(exc).__name__}",
                     "InternalServerError",
                     [(b"connection", b"close")],
+                    path=scope.get("path", ""),
                 )
 
 
 async def send_error(
-    send: Send, status: int, message: str, type_: str, extra_headers: list[tuple[bytes, bytes]] = ()
+    send: Send,
+    status: int,
+    message: str,
+    type_: str,
+    extra_headers: list[tuple[bytes, bytes]] = (),
+    path: str = "",
 ) -> None:
-    body = error_bytes(status, message, type_)
+    """An error answer before any route ran, in the shape of the route `path` asked for."""
+    body = error_bytes(status, message, type_, anthropic=speaks_anthropic(normalize_path(path)))
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -104,14 +111,18 @@ class APIKeyMiddleware:
         await send_error(
             send,
             401,
-            "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+            "Invalid or missing API key "
+            "(send 'Authorization: Bearer <key>' or 'x-api-key: <key>').",
             "AuthenticationError",
             [(b"www-authenticate", b"Bearer")],
+            path=scope["path"],
         )
 
     def _is_authorized(self, scope: Scope) -> bool:
         headers = dict(scope.get("headers") or [])
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" and b"x-api-key" in headers:  # Anthropic clients' header
+            scheme, token = "bearer", headers[b"x-api-key"].decode("latin-1")
         if scheme.lower() != "bearer":
             # A browser opening the /xray page cannot send a header: it may carry the key as
             # ?api_key=, and the page sends it on as a header for its stream.
@@ -151,7 +162,7 @@ class BodySizeLimitMiddleware:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             drain = int(declared) <= DRAIN_FACTOR * self.max_bytes
-            await self._refuse(receive, send, size=0, more_body=drain)
+            await self._refuse(scope, receive, send, size=0, more_body=drain)
             return
         chunks: list[bytes] = []
         size = 0
@@ -162,14 +173,15 @@ class BodySizeLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._refuse(receive, send, size, more_body=message.get("more_body", False))
+                more_body = message.get("more_body", False)
+                await self._refuse(scope, receive, send, size, more_body=more_body)
                 return
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     async def _refuse(
-        self, receive: Receive, send: Send, size: int, more_body: bool = True
+        self, scope: Scope, receive: Receive, send: Send, size: int, more_body: bool = True
     ) -> None:
         # Most clients send the whole body before they read a response; closing on them mid-upload
         # turns the 413 into a connection error. So a moderately oversized body is read (and
@@ -186,6 +198,7 @@ class BodySizeLimitMiddleware:
             f"Request body too large (limit {self.max_bytes} bytes).",
             "RequestTooLargeError",
             [(b"connection", b"close")],
+            path=scope["path"],
         )
 
 

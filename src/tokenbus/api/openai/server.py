@@ -47,6 +47,7 @@ from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
 from tokenbus.api.openai.serving_embeddings import EmbeddingServing
 from tokenbus.api.openai.serving_engine import Admission, ServingContext
+from tokenbus.api.openai.serving_messages import MessagesServing, add_messages_routes
 from tokenbus.api.openai.serving_responses import ResponsesRequest, ResponsesServing
 from tokenbus.api.openai.serving_tokenize import TokenizeServing
 from tokenbus.api.openai.tool_parsers import PARSERS, ToolCallParser, make_parser
@@ -192,6 +193,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.retrieve(response_id))
+
+    add_messages_routes(app, MessagesServing(chat))
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models() -> p.ModelList:
