@@ -366,3 +366,17 @@ def test_slow_preparation_does_not_block_the_event_loop(engine):
 
     fast_s, total_s = asyncio.run(scenario())
     assert fast_s < 0.5 < total_s
+
+
+def test_json_text_nested_past_the_parser_is_handled_not_a_500(client):
+    deep_text = "[" * 5000 + "]" * 5000  # json.loads raises RecursionError on it
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep_text}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert response.status_code in (200, 400), response.text
+    body = completion(structured_outputs={"json": '{"a":' * 5000 + "1" + "}" * 5000})
+    assert_error(client.post("/v1/completions", json=body), 400, "structured_outputs")

@@ -258,6 +258,10 @@ def check_spec_size(spec: StructuredOutputsParams, caps: RequestLimits) -> None:
                 schema = json.loads(schema)
             except ValueError:
                 return  # not JSON at all: the compile says so
+            except RecursionError:
+                raise ValueError(
+                    f"{param}: the JSON schema nests deeper than can be parsed"
+                ) from None
         caps.check(
             "max_schema_depth",
             json_depth(schema, caps.max_schema_depth),

@@ -337,7 +337,7 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     """A call's arguments as tool_use input; {} for arguments max_tokens cut short."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -38,7 +38,7 @@ def _call_from_json(value: object, arguments_key: str = "arguments") -> ParsedCa
     if isinstance(arguments, str):  # some models quote their arguments
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return None
     if not isinstance(arguments, dict):
         return None
@@ -85,7 +85,7 @@ class HermesParser(ToolCallParser):
         for body in self._CALL.findall(text[start:]):
             try:
                 call = _call_from_json(json.loads(body))
-            except ValueError:
+            except (ValueError, RecursionError):
                 call = None
             if call is None:
                 return ParsedOutput(text, [])
@@ -125,7 +125,7 @@ class MistralParser(ToolCallParser):
             return ParsedOutput(text, [])
         try:
             value = json.loads(text[start + len(self.marker) :].strip())
-        except ValueError:
+        except (ValueError, RecursionError):
             return ParsedOutput(text, [])
         values = value if isinstance(value, list) else [value]
         calls = [_call_from_json(v) for v in values]

@@ -81,7 +81,7 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 values = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []  # cut short (max_tokens): what there is, as text
             return None, [
                 ParsedCall(v["name"], json.dumps(v["arguments"], ensure_ascii=False))
@@ -203,7 +203,7 @@ def _arguments_object(function: dict) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json goes
             pass
     return arguments
 
