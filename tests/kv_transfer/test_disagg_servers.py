@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode with real processes: a prefiller and a decoder `tokenbus serve`
 (SmolLM2, P2PConnector) behind `tokenbus proxy`. Greedy answers through the proxy equal the
 decoder's own (colocated) answers; the decoder computes only the last prompt token; both sides
-end with every KV block free; a dead prefiller is skipped."""
+end with every KV block free; a prefiller whose engine is stopped holds no request past the
+proxy's --prefill-timeout; a dead prefiller is skipped."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.fixtures.server import ServerProcess, wait_until
@@ -36,11 +39,14 @@ def _metric(url: str, name: str) -> float:
     return sum(values)
 
 
+PROBE_INTERVAL_S = 0.5
+
+
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], tmp_path) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], tmp_path, *args: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp_path / "proxy.log", "w")
+        self.log = open(tmp_path / f"proxy-{self.port}.log", "w")
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -54,7 +60,8 @@ class Proxy:
                 "--port",
                 str(self.port),
                 "--health-interval",
-                "0.5",
+                str(PROBE_INTERVAL_S),
+                *args,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -178,6 +185,75 @@ def test_the_prefill_leg_returns_kv_transfer_params(cluster):
     # Nobody pulls these: they are freed after abort_timeout_s; a bad params object is a 400.
     bad = dict(body, kv_transfer_params={"a": {"b": {"c": {"d": {"e": 1}}}}})
     assert httpx.post(prefill.url + "/v1/completions", json=bad, timeout=60).status_code == 400
+
+
+# Ample for a one-token prefill of a short chat on two busy cores; far below the server's own
+# --engine-stall-timeout (60 s), after which its /health would answer 503 by itself.
+PREFILL_TIMEOUT_S = 4.0
+KV_USAGE = "tokenbus:kv_cache_usage_perc"
+
+
+def _proxy_metric(proxy: Proxy, name: str, kind: str = "prefill") -> float:
+    text = httpx.get(proxy.url + "/metrics", timeout=10).text
+    match = re.search(rf'^{re.escape(name)}{{kind="{kind}",[^}}]*}} (\S+)$', text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_a_stopped_prefill_engine_holds_no_request(cluster, tmp_path):
+    """SIGSTOP the prefiller's EngineCore: its API process still takes requests and answers
+    /health 200, but no completion. Through a proxy, each request answers within
+    --prefill-timeout plus one decode, with the decoder's own greedy text; once the engine
+    runs again the prefiller is back in rotation."""
+    prefill, decode, _ = cluster
+    proxy = Proxy(
+        [prefill.url], [decode.url], tmp_path, "--prefill-timeout", str(PREFILL_TIMEOUT_S)
+    )
+    engine = psutil.Process(prefill.engine_core_pid())
+    via_proxy, direct = _client(proxy.url), _client(decode.url)
+
+    def chat(client: openai.OpenAI) -> tuple[str, float]:
+        start = time.monotonic()
+        completion = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": QUESTIONS[0]}],
+            max_tokens=16,
+            temperature=0,
+        )
+        return completion.choices[0].message.content, time.monotonic() - start
+
+    try:
+        reference, decode_s = chat(direct)  # the prompt computed too: more than one decode
+        fallbacks = _metric(proxy.url, "tokenbus:proxy_prefill_fallbacks_total")
+        usage_before = _metric(prefill.url, KV_USAGE)
+        engine.suspend()
+        try:
+            assert prefill.wait_for_health(200, 1)  # its API process cannot tell
+            for i in range(3):
+                text, seconds = chat(via_proxy)
+                assert text == reference
+                # The first waits out the prefill timeout; the prefiller is down from then on.
+                budget = (PREFILL_TIMEOUT_S if i == 0 else 0) + decode_s + 5
+                assert seconds < budget, (i, seconds, decode_s)
+            assert _metric(proxy.url, "tokenbus:proxy_prefill_fallbacks_total") == fallbacks + 3
+            # Three of the proxy's probes find /health 200: not enough to bring it back.
+            time.sleep(3 * PROBE_INTERVAL_S)
+            assert prefill.wait_for_health(200, 1)
+            assert _proxy_metric(proxy, "tokenbus:proxy_upstream_healthy") == 0
+        finally:
+            engine.resume()
+        # Its engine answers the proxy's probe again: back in rotation, prompts prefilled there.
+        wait_until(lambda: _proxy_metric(proxy, "tokenbus:proxy_upstream_healthy") == 1, 20, 0.1)
+        prefills = _proxy_metric(proxy, "tokenbus:proxy_upstream_requests_total")
+        assert chat(via_proxy)[0] == reference
+        assert _proxy_metric(proxy, "tokenbus:proxy_upstream_requests_total") == prefills + 1
+        assert _metric(proxy.url, "tokenbus:proxy_prefill_fallbacks_total") == fallbacks + 3
+        # The legs the proxy gave up on were aborted once the engine ran: they hold no block.
+        # (Blocks an earlier test's prefill left for nobody are freed in their own time.)
+        wait_until(lambda: _metric(prefill.url, KV_USAGE) <= usage_before, 20, 0.1)
+        assert _metric(prefill.url, "tokenbus:num_requests_running") == 0
+    finally:
+        proxy.close()
 
 
 def test_a_dead_prefiller_is_skipped(cluster):

@@ -46,6 +46,26 @@ def add_proxy_parser(sub) -> None:
         "Default: no limit",
     )
     proxy.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=ProxyConfig.prefill_timeout,
+        metavar="S",
+        help="seconds a prefill leg may take, queueing included; past it the prefiller "
+        "leaves the rotation until its engine answers again, and the request is prefilled "
+        "on another one or, with none left, by the decoder itself (same answer, later). "
+        "Raise it for long prompts of large models on CPUs. Default: %(default)g",
+    )
+    proxy.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=ProxyConfig.decode_timeout,
+        metavar="S",
+        help="seconds a decode leg may go without a byte (its request queued, or a "
+        "non-stream answer still generating); past it the decoder leaves the rotation until "
+        "its engine answers again, and the request moves to another decoder (a stream "
+        "already begun ends with an error event). Default: %(default)g; 0: no limit",
+    )
+    proxy.add_argument(
         "--health-interval",
         type=float,
         default=2.0,
@@ -84,6 +104,8 @@ def config_from(ns: argparse.Namespace) -> ProxyConfig:
         host=ns.host,
         port=ns.port,
         request_timeout=ns.request_timeout,
+        prefill_timeout=ns.prefill_timeout,
+        decode_timeout=ns.decode_timeout or None,  # 0: no limit, as for the server's timeouts
         health_interval=ns.health_interval,
         max_request_body_bytes=ns.max_request_body_bytes,
         shutdown_timeout=ns.shutdown_timeout,
@@ -93,4 +115,4 @@ def config_from(ns: argparse.Namespace) -> ProxyConfig:
 def _proxy(ns: argparse.Namespace) -> int:
     from tokenbus.api.proxy.app import run_proxy  # uvicorn and httpx only when serving
 
-    return run_proxy(config_from(ns))
+    return run_proxy(config_from(ns))  # a bad value: main prints the ValueError, status 2

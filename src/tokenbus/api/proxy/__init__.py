@@ -6,8 +6,10 @@ decode instance that gets the prefiller's `kv_transfer_params` and streams the a
 
     config.py  ProxyConfig: upstream URLs, host/port, timeouts
     pool.py    instances of one kind: health, in-flight counts, least-loaded choice
-    health.py  the background probe (GET URL/health) that takes instances out and back in
-    router.py  one request's two legs, retries on dead instances, the fallbacks
+    health.py  the background probe (GET URL/health; a one-token completion for an instance
+               that let a leg time out) that takes instances out and back in
+    router.py  one request's two legs, their timeouts, retries on dead or hung instances,
+               the fallbacks
     metrics.py Prometheus counters and gauges per instance
     errors.py  the OpenAI error shape for what the proxy answers itself
     app.py     routes, the upstream HTTP client's life cycle, run_proxy

@@ -126,12 +126,14 @@ def _lifespan(state: ProxyState):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         config = state.config
-        # No read/write/pool limits: a decode stream may be quiet for as long as the model
-        # thinks, and concurrency is the clients' to choose (--request-timeout bounds a
+        # Each leg sets its own timeouts (router.Leg; the probes theirs): a prefill is bounded
+        # by --prefill-timeout, a decode stream only by --decode-timeout between bytes, since it
+        # may be quiet for as long as its request is queued. This default is a decode leg's.
+        # No pool limits: concurrency is the clients' to choose (--request-timeout bounds a
         # request). A connect timeout: an instance that drops packets counts as dead, soon.
         # trust_env=False: instances are addressed directly, never through $HTTP_PROXY.
         client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=config.connect_timeout),
+            timeout=httpx.Timeout(config.decode_timeout, connect=config.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             trust_env=False,
         )
@@ -143,6 +145,8 @@ def _lifespan(state: ProxyState):
                     (state.prefill, state.decode),
                     config.health_interval,
                     config.health_timeout,
+                    # The engine probe is a prefill of a word: a prefill's patience.
+                    config.prefill_timeout,
                 ),
                 name="proxy-health-probe",
             )

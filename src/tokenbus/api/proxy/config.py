@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -33,8 +34,29 @@ class ProxyConfig:
     # event, once a stream has started). None: no limit.
     request_timeout: float | None = None
     connect_timeout: float = 3.0  # seconds to open a connection before the instance counts as dead
+    # Seconds a prefill leg may take, from sending it to its whole answer (the prefiller's
+    # queue included). Past it the leg is closed (the prefiller aborts it), the prefiller is
+    # marked down until its engine answers a probe (see health.py), and the leg moves to another
+    # prefiller or, with none left, the decoder computes the prompt itself: the client still
+    # gets the same answer, later. So a prefill cut short is never wrong, only work wasted
+    # (and the prefiller out until the probe finds its engine answering), while a hung
+    # prefiller holds each request sent to it before its first timeout this long. 10 s: the
+    # default model (SmolLM2-135M) on one busy CPU core prefills 2k tokens in ~2 s, 4k in ~7 s,
+    # its whole 8k context in ~18 s. Raise it for prompts that long on few cores, for larger
+    # models on CPUs, or for prefillers that queue many prompts at once.
+    prefill_timeout: float = 10.0
+    # Seconds a decode leg may go without a byte. Generous on purpose: a decode stream sends
+    # nothing while its request waits in the decoder's queue, and a non-stream answer sends
+    # nothing until its last token, so silence there is no sign of a hang. New requests keep
+    # away from a stopped decoder anyway: the health probe takes a stopped process out at
+    # once, and one whose engine stopped once its own /health says so (the server's
+    # --engine-stall-timeout). 600 s: the server's own default --request-timeout, past which
+    # it ends the request itself. None: no limit.
+    decode_timeout: float | None = 600.0
     health_interval: float = 2.0  # seconds between GET /health probes of every instance
-    health_timeout: float = 2.0  # seconds a probe may take before the instance counts as dead
+    # Seconds GET /health may take before the instance counts as dead: short, so that a server
+    # that accepts connections but answers nothing (its process stopped) leaves soon.
+    health_timeout: float = 2.0
     shutdown_timeout: float = 30.0  # seconds open streams may finish after SIGTERM
     max_request_body_bytes: int = 10 * 1024 * 1024  # larger bodies get 413, as from the server
 
@@ -57,6 +79,15 @@ class ProxyConfig:
             raise ValueError(
                 f"max_request_body_bytes: must be >= 1, got {self.max_request_body_bytes}"
             )
-        for name in ("connect_timeout", "health_interval", "health_timeout", "shutdown_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
+        for name in (
+            "connect_timeout",
+            "prefill_timeout",
+            "decode_timeout",
+            "health_interval",
+            "health_timeout",
+            "shutdown_timeout",
+        ):
+            value = getattr(self, name)
+            # inf is refused too: socket timeouts and sleeps take finite seconds (None: no limit).
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name}: must be a finite number > 0 seconds, got {value}")

@@ -27,7 +27,7 @@ class ProxyMetrics:
         self._failures = Counter(
             PREFIX + "upstream_failures",
             "Requests to an upstream instance that "
-            "failed: no connection, a dropped connection, a 5xx prefill.",
+            "failed: no connection, a dropped connection, no answer in time, a 5xx prefill.",
             LABELS,
             registry=registry,
         )

@@ -8,6 +8,10 @@
 Failures, by leg:
 - an instance that cannot be reached or drops the connection (httpx.TransportError) is marked
   down (the health probe brings it back) and the leg is retried on another of its kind;
+- an instance that takes a leg and does not answer it in time (--prefill-timeout for the whole
+  prefill leg, --decode-timeout between a decode leg's bytes) is treated the same, except that
+  it comes back only once its engine answers the probe (health.py): a stopped engine behind a
+  live API process still passes /health;
 - prefill: a 4xx is the client's error and is returned as is (the decoder would refuse the
   same body); a 5xx tries the next prefiller; with none left the decoder gets the body
   unchanged (less any kv_transfer_params of the client's) and computes the prompt itself;
@@ -26,6 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import anyio
 import httpx
@@ -35,7 +40,7 @@ from starlette.types import Receive, Scope, Send
 from tokenbus.api.proxy.config import ProxyConfig
 from tokenbus.api.proxy.errors import ProxyError, error_body
 from tokenbus.api.proxy.metrics import ProxyMetrics
-from tokenbus.api.proxy.pool import Instance, InstancePool
+from tokenbus.api.proxy.pool import EngineCheck, Instance, InstancePool
 
 logger = logging.getLogger("tokenbus.proxy")
 
@@ -84,7 +89,22 @@ class Deadline:
 
 
 class InstanceDown(Exception):
-    """An instance could not be reached, or dropped the connection; it is marked down."""
+    """An instance could not be reached, dropped the connection or did not answer in time; it
+    is marked down."""
+
+
+@dataclass(frozen=True)
+class Leg:
+    """How one leg waits for an instance, and what its silence means."""
+
+    # connect: an unreachable instance is dead; read and write: between bytes
+    timeout: httpx.Timeout
+    # Seconds from sending to the whole answer (the headers, for a stream); None: unbounded
+    # (but for the request's deadline).
+    total_s: float | None = None
+    # A timeout other than connect's marks the instance down until its engine answers this
+    # probe; None: until /health answers 200 (a leg that needs no engine).
+    engine_check: EngineCheck | None = None
 
 
 class Router:
@@ -112,7 +132,8 @@ class Router:
             raise self._no_instance_error(self.decode)
         deadline = Deadline.after(self.config.request_timeout)
         headers = upstream_headers(client_headers)
-        outcome = await self._prefill(path, body, headers, deadline)
+        check = EngineCheck(body.get("model"), headers.get("authorization"))
+        outcome = await self._prefill(path, body, headers, deadline, check)
         if isinstance(outcome, Response):
             return outcome
         if outcome is None and "kv_transfer_params" not in body:
@@ -125,23 +146,27 @@ class Router:
             ).encode()
         else:
             content = json.dumps({**body, "kv_transfer_params": outcome}).encode()
+        leg = Leg(self._decode_timeout(), engine_check=check)
         answer = await self._first_answer(
-            self.decode, "POST", path, content, headers, deadline, stream=True
+            self.decode, "POST", path, content, headers, deadline, leg, stream=True
         )
         if answer is None:
             raise self._no_instance_error(self.decode)
         instance, upstream = answer
         return RelayResponse(
             upstream,
-            self._relay(instance, upstream, deadline),
+            self._relay(instance, upstream, deadline, leg),
             on_close=functools.partial(self.decode.release, instance),
         )
 
     async def forward_get(self, path: str, client_headers: Mapping[str, str]) -> Response:
         """GET `path` (/v1/models) from a decoder."""
         deadline = Deadline.after(self.config.request_timeout)
+        # The API process answers it without the engine, at once: a prefill's patience is
+        # plenty, and a timeout there needs no engine check (/health shares that process).
+        leg = Leg(httpx.Timeout(self.config.prefill_timeout, connect=self.config.connect_timeout))
         answer = await self._first_answer(
-            self.decode, "GET", path, None, upstream_headers(client_headers), deadline
+            self.decode, "GET", path, None, upstream_headers(client_headers), deadline, leg
         )
         if answer is None:
             raise self._no_instance_error(self.decode)
@@ -150,11 +175,20 @@ class Router:
         return relay_whole(upstream)
 
     async def _prefill(
-        self, path: str, body: dict, headers: dict[str, str], deadline: Deadline
+        self,
+        path: str,
+        body: dict,
+        headers: dict[str, str],
+        deadline: Deadline,
+        check: EngineCheck,
     ) -> dict | Response | None:
         """The prefiller's kv_transfer_params; its answer when it refused the request (4xx);
         None when the decoder is to compute the prompt itself."""
         content = json.dumps(prefill_body(body)).encode()
+        timeout_s = self.config.prefill_timeout
+        # A total bound, not only one between bytes: the answer is one piece, sent when the
+        # prompt is computed, and a prefiller that trickles bytes must not hold the request.
+        leg = Leg(httpx.Timeout(timeout_s, connect=self.config.connect_timeout), timeout_s, check)
         answer = await self._first_answer(
             self.prefill,
             "POST",
@@ -162,6 +196,7 @@ class Router:
             content,
             headers,
             deadline,
+            leg,
             is_answer=lambda r: r.status_code < 500,
         )
         if answer is None:
@@ -184,6 +219,7 @@ class Router:
         content: bytes | None,
         headers: dict[str, str],
         deadline: Deadline,
+        leg: Leg,
         stream: bool = False,
         is_answer: Callable[[httpx.Response], bool] = lambda r: True,
     ) -> tuple[Instance, httpx.Response] | None:
@@ -194,7 +230,7 @@ class Router:
             tried.append(instance)
             try:
                 response = await self._send(
-                    pool, instance, method, path, content, headers, deadline, stream
+                    pool, instance, method, path, content, headers, deadline, leg, stream
                 )
             except InstanceDown:
                 pool.release(instance)
@@ -226,25 +262,52 @@ class Router:
         content: bytes | None,
         headers: dict[str, str],
         deadline: Deadline,
+        leg: Leg,
         stream: bool,
     ) -> httpx.Response:
         """One try; with stream=True it returns once the headers are in."""
         self.metrics.request(instance)
         request = self.client.build_request(
-            method, instance.url + path, content=content, headers=headers
+            method, instance.url + path, content=content, headers=headers, timeout=leg.timeout
         )
         try:
-            with deadline.scope():
-                return await self.client.send(request, stream=stream)
+            with deadline.scope():  # the request's deadline: TimeoutError, a 408
+                # The leg's own bound, inside: when it runs out first, the scope ends quietly
+                # and the instance is the one to blame, not the request.
+                with anyio.move_on_after(leg.total_s):
+                    return await self.client.send(request, stream=stream)
+        except httpx.ConnectTimeout as exc:  # before the timeouts below: it is one of them
+            self._instance_failed(pool, instance, f"{method} {path}", exc)
+        except httpx.TimeoutException as exc:  # read, write: it took the request, then went quiet
+            self._instance_failed(pool, instance, f"{method} {path}", exc, leg.engine_check)
         except httpx.TransportError as exc:
-            self.metrics.failure(instance)
-            pool.mark_down(instance, f"{method} {path}: {type(exc).__name__}: {exc}")
-            raise InstanceDown(instance.url) from exc
+            self._instance_failed(pool, instance, f"{method} {path}", exc)
         except TimeoutError:
             raise self._timeout_error() from None
+        self._instance_failed(
+            pool,
+            instance,
+            f"{method} {path}",
+            f"no answer in {leg.total_s:g} s",
+            leg.engine_check,
+        )
+
+    def _instance_failed(
+        self,
+        pool: InstancePool,
+        instance: Instance,
+        what: str,
+        why: Exception | str,
+        engine_check: EngineCheck | None = None,
+    ) -> NoReturn:
+        self.metrics.failure(instance)
+        if isinstance(why, Exception):
+            why = f"{type(why).__name__}: {why}" if str(why) else type(why).__name__
+        pool.mark_down(instance, f"{what}: {why}", engine_check)
+        raise InstanceDown(instance.url)
 
     async def _relay(
-        self, instance: Instance, upstream: httpx.Response, deadline: Deadline
+        self, instance: Instance, upstream: httpx.Response, deadline: Deadline, leg: Leg
     ) -> AsyncIterator[bytes]:
         """The decoder's body as it arrives. Past the headers a failure can no longer change
         the status: a stream ends with an error event (as the server's own streams do), any
@@ -259,6 +322,16 @@ class Router:
                     return
                 ends_event = chunk.endswith(b"\n\n")
                 yield chunk
+        except httpx.TimeoutException as exc:  # silent for --decode-timeout mid-answer
+            self.metrics.failure(instance)
+            self.decode.mark_down(
+                instance, f"went silent mid-body: {type(exc).__name__}", leg.engine_check
+            )
+            error = ProxyError(
+                504,
+                f"The decode instance sent nothing for the proxy's --decode-timeout "
+                f"({self.config.decode_timeout:g} s).",
+            )
         except httpx.TransportError as exc:
             self.metrics.failure(instance)
             self.decode.mark_down(
@@ -302,6 +375,10 @@ class Router:
                 json.dumps(params)[:200],
             )
         return None
+
+    def _decode_timeout(self) -> httpx.Timeout:
+        # write too: a decoder that stopped reading a large body is as stuck as a silent one.
+        return httpx.Timeout(self.config.decode_timeout, connect=self.config.connect_timeout)
 
     def _no_instance_error(self, pool: InstancePool) -> ProxyError:
         # Upstream addresses stay in the log (mark_down wrote why): clients don't need them.
