@@ -726,3 +726,26 @@ def test_proxy_imports_no_torch_and_no_engine():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"n": 2}, {"best_of": 2}, {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}],
+    ids=["n", "best_of", "prompts", "token-prompts"],
+)
+def test_a_request_one_prefill_cannot_serve_goes_to_the_decoder_whole(cluster, fields):
+    body = {"model": "m", "prompt": "x", "max_tokens": 3, **fields}
+    response = httpx.post(cluster.url + "/v1/completions", json=body, timeout=10)
+    assert response.status_code == 200
+    assert cluster.prefill_bodies() == []
+    [decode] = cluster.decode_bodies()
+    assert decode == body
+
+
+def test_one_prefill_serves_one_prompt_and_one_sequence():
+    from tokenbus.api.proxy.router import one_prefill_serves
+
+    assert one_prefill_serves({"prompt": "x"}) and one_prefill_serves({"messages": [], "n": 1})
+    assert one_prefill_serves({"prompt": [1, 2, 3]}) and one_prefill_serves({"prompt": ["x"]})
+    assert one_prefill_serves({"prompt": "x", "n": None})
+    assert not one_prefill_serves({"messages": [], "n": 3})

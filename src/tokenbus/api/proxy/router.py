@@ -15,6 +15,7 @@ Failures, by leg:
 - prefill: a 4xx is the client's error and is returned as is (the decoder would refuse the
   same body); a 5xx tries the next prefiller; with none left the decoder gets the body
   unchanged (less any kv_transfer_params of the client's) and computes the prompt itself;
+- a request one prefill cannot serve (n > 1, several prompts) skips the prefill leg;
 - decode: with no decoder left, 503 (without a prefill when none is known to be healthy).
   Whatever a decoder answers, errors included, is relayed.
 """
@@ -58,6 +59,17 @@ def prefill_body(body: dict) -> dict:
     prefill = {name: value for name, value in body.items() if name not in _NOT_FOR_PREFILL}
     prefill.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
     return prefill
+
+
+def one_prefill_serves(body: dict) -> bool:
+    """Whether one prefill leg can serve the request: a server hands KV over for one prompt
+    and one sequence only. Others (n > 1, best_of > 1, several prompts) go to a decoder whole,
+    which computes their prompts itself."""
+    if body.get("n", 1) not in (None, 1) or body.get("best_of", 1) not in (None, 1):
+        return False
+    prompt = body.get("prompt")
+    # A list prompt is one prompt of token ids, or several prompts (texts or token-id lists).
+    return not (isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
 
 
 def upstream_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
@@ -133,7 +145,11 @@ class Router:
         deadline = Deadline.after(self.config.request_timeout)
         headers = upstream_headers(client_headers)
         check = EngineCheck(body.get("model"), headers.get("authorization"))
-        outcome = await self._prefill(path, body, headers, deadline, check)
+        outcome = (
+            await self._prefill(path, body, headers, deadline, check)
+            if one_prefill_serves(body)
+            else None
+        )
         if isinstance(outcome, Response):
             return outcome
         if outcome is None and "kv_transfer_params" not in body:
