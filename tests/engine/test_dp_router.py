@@ -67,11 +67,11 @@ def test_round_robin_ignores_load_and_prefix():
 
 def test_prefix_goes_back_to_the_engine_it_was_sent_to():
     router = PrefixRouter([100, 100])
-    assert router.choose(hashes(PROMPT), loads(1, 0)) == 1  # no match yet: least loaded
-    assert router.choose(hashes(PROMPT), idle()) == 1  # the tie would have said 0
-    assert router.choose(hashes(PROMPT + [7, 8, 9, 10, 11]), loads(0, 2)) == 1  # the next turn
-    assert router.choose(hashes(OTHER), loads(0, 1)) == 0  # an unrelated prompt: least loaded
-    assert router.choose(hashes([1, 2, 3, 4] + PROMPT), loads(0, 1)) == 0  # matches lead
+    assert router.choose(hashes(PROMPT), loads(2, 1)) == 1  # no match yet: least loaded
+    assert router.choose(hashes(PROMPT), loads(1, 1)) == 1  # the tie would have said 0
+    assert router.choose(hashes(PROMPT + [7, 8, 9, 10, 11]), loads(1, 3)) == 1  # the next turn
+    assert router.choose(hashes(OTHER), loads(1, 2)) == 0  # an unrelated prompt: least loaded
+    assert router.choose(hashes([1, 2, 3, 4] + PROMPT), loads(1, 2)) == 0  # matches lead
     assert [router.matched_blocks(e, hashes(PROMPT)) for e in (0, 1)] == [0, 6]
 
 
@@ -79,89 +79,110 @@ def test_prefix_prefers_the_longest_match_then_the_lower_load():
     def placed() -> PrefixRouter:
         """Two blocks of PROMPT on engines 0 and 2, four on engine 1 (loads past the slack)."""
         router = PrefixRouter([100, 100, 100])
-        assert router.choose(hashes(PROMPT[:8]), loads(0, 9, 9)) == 0
-        assert router.choose(hashes(PROMPT[:16]), loads(9, 0, 9)) == 1
-        assert router.choose(hashes(PROMPT[:8]), loads(9, 9, 0)) == 2
+        assert router.choose(hashes(PROMPT[:8]), loads(1, 9, 9)) == 0
+        assert router.choose(hashes(PROMPT[:16]), loads(9, 1, 9)) == 1
+        assert router.choose(hashes(PROMPT[:8]), loads(9, 9, 1)) == 2
         return router
 
     # Engine 1's gain over the least loaded: 2 of 6 blocks, worth 4 × 2/6 of excess load.
-    assert placed().choose(hashes(PROMPT), loads(0, 1.5, 0)) == 0
+    assert placed().choose(hashes(PROMPT), loads(1, 2.5, 1)) == 0
     router = placed()
-    assert router.choose(hashes(PROMPT), loads(0, 1, 0)) == 1
+    assert router.choose(hashes(PROMPT), loads(1, 2, 1)) == 1
     # Equal matches: the lower load, then the lower index.
-    assert router.choose(hashes(PROMPT[:8] + OTHER), loads(2, 0, 1)) == 1
-    assert router.choose(hashes(PROMPT[:4] + OTHER[:4]), loads(1, 1, 1)) == 0
+    assert router.choose(hashes(PROMPT[:8] + OTHER), loads(3, 1, 2)) == 1
+    assert router.choose(hashes(PROMPT[:4] + OTHER[:4]), loads(2, 2, 2)) == 0
 
 
 def test_prefix_match_under_one_block_is_no_match():
     router = PrefixRouter([100, 100])
-    router.choose(hashes(PROMPT[:3]), loads(0, 1))  # no full block: nothing remembered
-    assert router.num_remembered(0) == 0
-    assert router.choose(hashes(PROMPT[:3]), loads(1, 0)) == 1
-    router.choose(hashes(PROMPT[:4]), loads(0, 1))
-    assert router.choose(hashes(PROMPT[:3] + [1, 2]), loads(1, 0)) == 1  # first block differs
+    assert router.choose(hashes(PROMPT[:3]), loads(1, 2)) == 0
+    assert router.num_remembered(0) == 0  # no full block: nothing to remember
+    assert router.choose(hashes(PROMPT[:4]), loads(1, 2)) == 0
+    assert router.choose(hashes(PROMPT[:4] + [1]), loads(2, 1)) == 0  # one block: worth 4
+    assert router.choose(hashes(PROMPT[:3] + [1, 2]), loads(2, 1)) == 1  # first block differs
 
 
 def test_prefix_load_slack_is_four_or_a_quarter_of_the_least_load_for_a_whole_hit():
-    router = PrefixRouter([100, 100])
-    router.choose(hashes(PROMPT), loads(1, 0))  # engine 1 holds the prefix
-    assert router.choose(hashes(PROMPT), loads(0, 4)) == 1  # 4 above: still within
-    assert router.choose(hashes(PROMPT), loads(0, 4.5)) == 0  # past it: the least loaded …
-    assert router.choose(hashes(PROMPT), loads(0, 4.5)) == 0  # … which now holds it too
-    assert router.choose(hashes(PROMPT), loads(3, 0)) == 1  # both hold it: the lower load
-    router = PrefixRouter([100, 100])
-    router.choose(hashes(PROMPT), loads(1, 0))
-    assert router.choose(hashes(PROMPT), loads(20, 25)) == 1  # 20 / 4
-    assert router.choose(hashes(PROMPT), loads(20, 25.5)) == 0
+    def held() -> PrefixRouter:
+        router = PrefixRouter([100, 100])
+        assert router.choose(hashes(PROMPT), loads(2, 1)) == 1
+        return router
+
+    router = held()
+    assert router.choose(hashes(PROMPT), loads(1, 5)) == 1  # 4 above: still within
+    assert router.choose(hashes(PROMPT), loads(1, 5.5)) == 0  # past it: the least loaded …
+    assert router.choose(hashes(PROMPT), loads(1, 5.5)) == 0  # … which now holds it too
+    assert router.choose(hashes(PROMPT), loads(4, 1)) == 1  # both hold it: the lower load
+    assert held().choose(hashes(PROMPT), loads(20, 25)) == 1  # 20 / 4
+    assert held().choose(hashes(PROMPT), loads(20, 25.5)) == 0
     # Only requests count against the slack; KV usage only breaks ties.
-    router = PrefixRouter([100, 100])
-    router.choose(hashes(PROMPT), loads(1, 0))
-    assert router.choose(hashes(PROMPT), [EngineLoad(0, 0.0), EngineLoad(4, 0.99)]) == 1
+    assert held().choose(hashes(PROMPT), [EngineLoad(1, 0.0), EngineLoad(5, 0.99)]) == 1
 
 
 def test_prefix_slack_shrinks_with_the_share_of_the_prompt_held():
     def held() -> PrefixRouter:
         router = PrefixRouter([100, 100])
-        router.choose(hashes(PROMPT), loads(1, 0))  # six blocks on engine 1
+        assert router.choose(hashes(PROMPT), loads(2, 1)) == 1  # six blocks on engine 1
         return router
 
     turn = PROMPT + OTHER[:8]  # the next turn: 6 of its 8 blocks held, worth 3 units
-    assert held().choose(hashes(turn), loads(0, 3.5)) == 0
-    assert held().choose(hashes(turn), loads(0, 3)) == 1
+    assert held().choose(hashes(turn), loads(1, 4.5)) == 0
+    assert held().choose(hashes(turn), loads(1, 4)) == 1
 
     def shared() -> PrefixRouter:
         router = held()
-        router.choose(hashes(PROMPT[:4]), loads(0, 9))  # the first block on engine 0 too
+        assert router.choose(hashes(PROMPT[:4]), loads(1, 9)) == 0  # the first block too
         return router
 
     # Held by both, the shared head is no gain: one more block of eight is worth 4 / 8.
     longer = PROMPT[:8] + OTHER[:24]
-    assert shared().choose(hashes(longer), loads(0, 0.6)) == 0
-    assert shared().choose(hashes(longer), loads(0, 0.5)) == 1
+    assert shared().choose(hashes(longer), loads(1, 1.6)) == 0
+    assert shared().choose(hashes(longer), loads(1, 1.5)) == 1
+
+
+def test_prefix_no_slack_while_an_engine_is_idle():
+    def held() -> PrefixRouter:
+        router = PrefixRouter([100, 100])
+        assert router.choose(hashes(PROMPT), loads(2, 1)) == 1
+        return router
+
+    assert held().choose(hashes(PROMPT), loads(0, 0)) == 1  # both idle: the longer match
+    assert held().choose(hashes(PROMPT), loads(0, 1)) == 0  # never past an idle engine
+    # A hot system prompt at a steady concurrency of 2: the second question runs on the idle
+    # engine, which then holds the prompt too, and the questions spread by load.
+    system = list(range(900, 940))  # ten blocks
+    questions = [hashes(system + [q, q + 1, q + 2, q + 3]) for q in range(0, 24, 4)]
+    router = PrefixRouter([100, 100])
+    assert router.choose(questions[0], loads(0, 0)) == 0
+    assert router.choose(questions[1], loads(1, 0)) == 1
+    other_running = [(0, 1), (1, 0), (0, 1), (1, 0)]
+    assert [router.choose(q, loads(*o)) for q, o in zip(questions[2:], other_running)] == [
+        0, 1, 0, 1,
+    ]  # fmt: skip
 
 
 def test_prefix_spreads_new_chats_that_share_a_short_system_prompt():
     system = list(range(900, 908))  # two blocks
     chats = [system + [c * 100 + t for t in range(32)] for c in range(1, 5)]  # ten blocks each
     router = PrefixRouter([100, 100])
-    # Sent at once: the system prompt held by engine 0 is worth 4 × 2/10 < one request.
-    assert router.choose(hashes(chats[0]), loads(0, 0)) == 0
-    assert router.choose(hashes(chats[1]), loads(1, 0)) == 1
-    assert router.choose(hashes(chats[2]), loads(1, 1)) == 0
-    assert router.choose(hashes(chats[3]), loads(2, 1)) == 1
+    # Sent while both engines are busy: engine 0's system prompt is worth 4 × 2/10 < 1.
+    assert router.choose(hashes(chats[0]), loads(1, 1)) == 0
+    assert router.choose(hashes(chats[1]), loads(2, 1)) == 1
+    assert router.choose(hashes(chats[2]), loads(2, 2)) == 0
+    assert router.choose(hashes(chats[3]), loads(3, 2)) == 1
     # Their next turns go back where each chat went, against the load.
-    assert [router.choose(hashes(chat + [5, 6, 7, 8]), loads(2, 2)) for chat in chats] == [
+    assert [router.choose(hashes(chat + [5, 6, 7, 8]), loads(3, 3)) for chat in chats] == [
         0, 1, 0, 1,
     ]  # fmt: skip
-    assert router.choose(hashes(chats[1] + [5, 6, 7, 8]), loads(0, 3)) == 1
+    assert router.choose(hashes(chats[1] + [5, 6, 7, 8]), loads(1, 4)) == 1
 
 
 def test_prefix_falls_back_to_the_best_match_within_the_slack():
     router = PrefixRouter([100, 100, 100])
-    assert router.choose(hashes(PROMPT), loads(1, 0, 1)) == 1  # all six blocks on engine 1
-    assert router.choose(hashes(PROMPT[:8]), loads(9, 9, 0)) == 2  # two on engine 2
+    assert router.choose(hashes(PROMPT), loads(2, 1, 2)) == 1  # all six blocks on engine 1
+    assert router.choose(hashes(PROMPT[:8]), loads(9, 9, 1)) == 2  # two on engine 2
     # Engine 1 gains 6 of 6 blocks, 9 above the least load; engine 2 gains 2, 1 above.
-    assert router.choose(hashes(PROMPT), loads(0, 9, 1)) == 2
+    assert router.choose(hashes(PROMPT), loads(1, 10, 2)) == 2
 
 
 def test_prefix_record_is_an_lru_bounded_by_the_engines_blocks_tail_first():
@@ -180,15 +201,15 @@ def test_prefix_record_is_an_lru_bounded_by_the_engines_blocks_tail_first():
 
 def test_prefix_cache_salt_separates_tenants():
     router = PrefixRouter([100, 100])
-    router.choose(hashes(PROMPT, cache_salt="a"), loads(1, 0))
-    assert router.choose(hashes(PROMPT, cache_salt="b"), loads(0, 1)) == 0
-    assert router.choose(hashes(PROMPT, cache_salt="a"), loads(0, 1)) == 1
-    assert router.choose(hashes(PROMPT), loads(0, 1)) == 0
+    assert router.choose(hashes(PROMPT, cache_salt="a"), loads(2, 1)) == 1
+    assert router.choose(hashes(PROMPT, cache_salt="b"), loads(1, 2)) == 0
+    assert router.choose(hashes(PROMPT, cache_salt="a"), loads(1, 2)) == 1
+    assert router.choose(hashes(PROMPT), loads(1, 2)) == 0
 
 
 def test_prefix_forget_after_a_cache_reset():
     router = PrefixRouter([100, 100])
-    router.choose(hashes(PROMPT), loads(1, 0))
+    assert router.choose(hashes(PROMPT), loads(2, 1)) == 1
     router.forget(1)
     assert router.num_remembered(1) == 0
     assert router.choose(hashes(PROMPT), idle()) == 0

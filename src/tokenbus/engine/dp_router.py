@@ -9,8 +9,9 @@ request where `choose` says. Three policies (`--data-parallel-routing`):
 - ``prefix`` (the default): the engine that holds the longest leading run of the prompt's
   block hashes, at least one full block more than the least loaded engine holds, as long as its
   load exceeds the least load by no more than the slack times that gain (the share of the
-  prompt's full blocks it holds beyond the least loaded); otherwise the least loaded. Ties:
-  lower load, then lower index.
+  prompt's full blocks it holds beyond the least loaded); otherwise the least loaded. While an
+  engine is idle there is no slack: the request goes to the idle engine that holds the most of
+  it. Ties: lower load, then lower index.
 
 What an engine holds is a guess. The router remembers, per engine, the hashes of the prompts it
 sent there, as an LRU bounded by that engine's KV blocks (it cannot cache more). Engines evict
@@ -29,9 +30,15 @@ prompt's prefill repays, and a hit on a part of it that share: the next turn of 
 its prompt) stays where the chat went, a new chat that shares only a short system prompt
 merely breaks a tie, so that concurrent new chats spread over the engines instead of piling on
 the first one to see that prompt. The ratio keeps affinity alive under heavy load, where loads
-jitter by more than 4 from step to step, and still bounds the imbalance to a quarter. Engines
-may share one hot prefix: past the slack a request goes to the least loaded, which then holds
-the prefix too, and equal matches go to the lower load.
+jitter by more than 4 from step to step, and still bounds the imbalance to a quarter.
+
+A long prefix that every request shares (a system prompt of a thousand tokens before short
+questions) is a hot spot: held by one engine only, it would draw every request there while the
+load difference stays within the slack, which at a steady concurrency of up to 4 is forever,
+leaving the other engine idle. Hence no slack while an engine is idle: the idle engine gets
+the request, computes the prefix once, and from then on both hold it and equal matches go to
+the lower load; past a concurrency of 4 the slack itself spills the prefix over. What this
+costs: a chat whose engine is busy while another is idle moves, and recomputes its history.
 """
 
 from __future__ import annotations
@@ -109,7 +116,8 @@ class PrefixRouter:
             raise ValueError(f"{len(loads)} loads for {len(self._records)} engines")
         fallback = least_loaded(loads)
         floor = loads[fallback].requests
-        slack = max(self.slack, self.slack_ratio * floor)
+        # No slack while an engine is idle (module docstring): a hot prefix spreads at once.
+        slack = max(self.slack, self.slack_ratio * floor) if floor > 0 else 0.0
         matched = [self.matched_blocks(i, block_hashes) for i in range(len(loads))]
         num_blocks = max(len(block_hashes), 1)
 
