@@ -7,7 +7,8 @@ every time: --conversations chats, --concurrency of them at once, each of --turn
 turn's prompt is the whole chat so far (a shared system prompt, a long first message, the
 replies and shorter follow-ups), streamed, greedy, --max-tokens each. TTFT p50 pools every
 turn of every round of a mode; the hit rate is the prefix-cache hits over the lookups, in
-tokens, summed over both engines' /metrics for the measured requests.
+tokens, summed over both engines' /metrics for the measured requests; "all chats" is the
+median over rounds of the seconds the whole workload took.
 
     .venv/bin/python benchmarks/dp_routing.py [--rounds 2] [--record DIR]
 """
@@ -62,6 +63,7 @@ def main() -> None:
     ttfts: dict[str, list[float]] = {mode: [] for mode in modes}
     hits: dict[str, list[float]] = {mode: [0.0, 0.0] for mode in modes}  # hits, lookups
     splits: dict[str, list[str]] = {mode: [] for mode in modes}
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
     for round_index in range(args.rounds):
         for mode in modes if round_index % 2 == 0 else modes[::-1]:
             result = run_round(args, mode, chats)
@@ -69,10 +71,11 @@ def main() -> None:
             hits[mode][0] += result["hits"]
             hits[mode][1] += result["queries"]
             splits[mode].append(result["split"])
+            seconds[mode].append(result["seconds"])
             print(
                 f"round {round_index} {mode}: TTFT p50 {1e3 * median(result['ttfts']):.0f} ms, "
                 f"hit rate {result['hits'] / max(result['queries'], 1):.3f}, "
-                f"requests per engine {result['split']}",
+                f"requests per engine {result['split']}, {result['seconds']:.1f} s",
                 flush=True,
             )
     summary = {
@@ -80,6 +83,7 @@ def main() -> None:
             "TTFT p50": round(1e3 * median(ttfts[mode]), 1),
             "TTFT p90": round(1e3 * quantile(ttfts[mode], 0.9), 1),
             "prefix hit rate": round(hits[mode][0] / max(hits[mode][1], 1), 3),
+            "all chats, median": round(median(seconds[mode]), 1),
             "requests per engine": " ".join(splits[mode]),
         }
         for mode in modes
@@ -123,8 +127,10 @@ def run_round(args, mode: str, chats: list[dict]) -> dict:
         with ThreadPoolExecutor(2) as pool:  # one short request per engine, unmeasured
             list(pool.map(lambda i: turn(url, model, warm_up(i), 4), range(2)))
         before = httpx.get(url + "/metrics", timeout=10).text
+        start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
             per_chat = list(pool.map(lambda chat: converse(url, model, chat, args), chats))
+        seconds = time.perf_counter() - start
         after = httpx.get(url + "/metrics", timeout=10).text
     finally:
         server.terminate()
@@ -137,6 +143,7 @@ def run_round(args, mode: str, chats: list[dict]) -> dict:
     requests = [delta("generation_tokens", e) / args.max_tokens for e in (0, 1)]
     return {
         "ttfts": [t for chat in per_chat for t in chat],
+        "seconds": seconds,
         "hits": sum(delta("prefix_cache_hits", e) for e in (0, 1)),
         "queries": sum(delta("prefix_cache_queries", e) for e in (0, 1)),
         "split": "/".join(f"{r:.0f}" for r in requests),
@@ -235,7 +242,7 @@ def write_record(args, modes: list[str], summary: dict) -> None:
         "dp_routing",
         this_command(),
         {f"--data-parallel-routing {mode}": summary[mode] for mode in modes},
-        units={"TTFT p50": "ms", "TTFT p90": "ms", ratio: "×"},
+        units={"TTFT p50": "ms", "TTFT p90": "ms", "all chats, median": "s", ratio: "×"},
         peers=[f"--data-parallel-routing {mode}" for mode in modes[1:]] + ["alternated"],
         variant=(
             f"{args.model or 'SmolLM2 (default)'}, DP 2 × 1 thread; {args.conversations} "
