@@ -68,8 +68,10 @@ def test_round_robin_ignores_load_and_prefix():
 def test_prefix_goes_back_to_the_engine_it_was_sent_to():
     router = PrefixRouter([100, 100])
     assert router.choose(hashes(PROMPT), loads(2, 1)) == 1  # no match yet: least loaded
-    assert router.choose(hashes(PROMPT), loads(1, 1)) == 1  # the tie would have said 0
     assert router.choose(hashes(PROMPT + [7, 8, 9, 10, 11]), loads(1, 3)) == 1  # the next turn
+    assert router.choose(hashes(PROMPT), loads(1, 1)) == 1  # the tie would have said 0
+    third = PROMPT + [7, 8, 9, 10, 11] + [12, 13, 14, 15, 16, 17, 18]  # a chat's history: private
+    assert router.choose(hashes(third), loads(1, 3)) == 1
     assert router.choose(hashes(OTHER), loads(1, 2)) == 0  # an unrelated prompt: least loaded
     assert router.choose(hashes([1, 2, 3, 4] + PROMPT), loads(1, 2)) == 0  # matches lead
     assert [router.matched_blocks(e, hashes(PROMPT)) for e in (0, 1)] == [0, 6]
@@ -140,25 +142,20 @@ def test_prefix_slack_shrinks_with_the_share_of_the_prompt_held():
     assert shared().choose(hashes(longer), loads(1, 1.5)) == 1
 
 
-def test_prefix_no_slack_while_an_engine_is_idle():
-    def held() -> PrefixRouter:
-        router = PrefixRouter([100, 100])
-        assert router.choose(hashes(PROMPT), loads(2, 1)) == 1
-        return router
-
-    assert held().choose(hashes(PROMPT), loads(0, 0)) == 1  # both idle: the longer match
-    assert held().choose(hashes(PROMPT), loads(0, 1)) == 0  # never past an idle engine
-    # A hot system prompt at a steady concurrency of 2: the second question runs on the idle
-    # engine, which then holds the prompt too, and the questions spread by load.
+def test_prefix_a_shared_prefix_has_no_slack():
     system = list(range(900, 940))  # ten blocks
     questions = [hashes(system + [q, q + 1, q + 2, q + 3]) for q in range(0, 24, 4)]
     router = PrefixRouter([100, 100])
     assert router.choose(questions[0], loads(0, 0)) == 0
-    assert router.choose(questions[1], loads(1, 0)) == 1
-    other_running = [(0, 1), (1, 0), (0, 1), (1, 0)]
-    assert [router.choose(q, loads(*o)) for q, o in zip(questions[2:], other_running)] == [
-        0, 1, 0, 1,
-    ]  # fmt: skip
+    # Sent with one request, the system prompt is private: worth 4 × 10/11 of load.
+    assert router.choose(questions[1], loads(1, 0)) == 0
+    assert router.times_sent(0, questions[1][9]) == 2
+    # Sent with two, it is shared: the lighter engine gets the next question and holds it too.
+    assert router.choose(questions[2], loads(2, 0)) == 1
+    assert router.times_sent(1, questions[2][9]) == 1
+    # From then on the questions go by load (a steady concurrency of 2 here).
+    other_running = [(0, 1), (1, 0), (1, 2)]
+    assert [router.choose(q, loads(*o)) for q, o in zip(questions[3:], other_running)] == [0, 1, 0]
 
 
 def test_prefix_spreads_new_chats_that_share_a_short_system_prompt():

@@ -9,9 +9,8 @@ request where `choose` says. Three policies (`--data-parallel-routing`):
 - ``prefix`` (the default): the engine that holds the longest leading run of the prompt's
   block hashes, at least one full block more than the least loaded engine holds, as long as its
   load exceeds the least load by no more than the slack times that gain (the share of the
-  prompt's full blocks it holds beyond the least loaded); otherwise the least loaded. While an
-  engine is idle there is no slack: the request goes to the idle engine that holds the most of
-  it. Ties: lower load, then lower index.
+  prompt's full blocks it holds beyond the least loaded); otherwise the least loaded. A prefix
+  that several requests were sent with has no slack. Ties: lower load, then lower index.
 
 What an engine holds is a guess. The router remembers, per engine, the hashes of the prompts it
 sent there, as an LRU bounded by that engine's KV blocks (it cannot cache more). Engines evict
@@ -32,13 +31,15 @@ merely breaks a tie, so that concurrent new chats spread over the engines instea
 the first one to see that prompt. The ratio keeps affinity alive under heavy load, where loads
 jitter by more than 4 from step to step, and still bounds the imbalance to a quarter.
 
-A long prefix that every request shares (a system prompt of a thousand tokens before short
-questions) is a hot spot: held by one engine only, it would draw every request there while the
-load difference stays within the slack, which at a steady concurrency of up to 4 is forever,
-leaving the other engine idle. Hence no slack while an engine is idle: the idle engine gets
+A long prefix that many requests share (a system prompt of a thousand tokens before short
+questions, a document many ask about) would make a hot spot: held by one engine only, it would
+draw every request there while the load difference stays within the slack, which at a steady
+concurrency of up to 4 is forever, leaving the other engine idle. So the router counts, per
+engine and block, the requests sent with it, and a match whose last block was sent more than
+once is shared and has no slack: the first time another engine is lighter, that engine gets
 the request, computes the prefix once, and from then on both hold it and equal matches go to
-the lower load; past a concurrency of 4 the slack itself spills the prefix over. What this
-costs: a chat whose engine is busy while another is idle moves, and recomputes its history.
+the lower load. A chat's history is private: the last block of its previous turn's prompt was
+sent with that turn only, so the slack holds the chat where it went.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class RoundRobinRouter:
 
 class PrefixRouter:
     """The longest remembered prefix whose gain pays for its engine's excess load (module
-    docstring), else the least loaded."""
+    docstring; a shared prefix's gain pays for none), else the least loaded."""
 
     def __init__(
         self,
@@ -108,22 +109,23 @@ class PrefixRouter:
         self.capacities = list(capacities)
         self.slack = slack
         self.slack_ratio = slack_ratio
-        # Per engine: hashes sent there, least recently sent first (values unused).
-        self._records: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in capacities]
+        # Per engine: hash → how many requests were sent there with that block, least recently
+        # sent first.
+        self._records: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in capacities]
 
     def choose(self, block_hashes: Sequence[bytes], loads: Sequence[EngineLoad]) -> int:
         if len(loads) != len(self._records):
             raise ValueError(f"{len(loads)} loads for {len(self._records)} engines")
         fallback = least_loaded(loads)
         floor = loads[fallback].requests
-        # No slack while an engine is idle (module docstring): a hot prefix spreads at once.
-        slack = max(self.slack, self.slack_ratio * floor) if floor > 0 else 0.0
+        slack = max(self.slack, self.slack_ratio * floor)
         matched = [self.matched_blocks(i, block_hashes) for i in range(len(loads))]
         num_blocks = max(len(block_hashes), 1)
 
         def within(i: int) -> bool:  # the fallback always is: no excess for no gain
+            shared = matched[i] > 0 and self._records[i][block_hashes[matched[i] - 1]] > 1
             gain = (matched[i] - matched[fallback]) / num_blocks
-            return loads[i].requests - floor <= slack * gain
+            return loads[i].requests - floor <= (0.0 if shared else slack) * gain
 
         index = min(
             (i for i in range(len(loads)) if within(i)),
@@ -145,13 +147,17 @@ class PrefixRouter:
     def num_remembered(self, engine: int) -> int:
         return len(self._records[engine])
 
+    def times_sent(self, engine: int, block_hash: bytes) -> int:
+        """How many requests were sent to `engine` with this block (0: forgotten or never)."""
+        return self._records[engine].get(block_hash, 0)
+
     def forget(self, engine: int) -> None:
         self._records[engine].clear()
 
     def _remember(self, engine: int, block_hashes: Sequence[bytes]) -> None:
         record = self._records[engine]
         for block_hash in reversed(block_hashes):  # the head most recent: the tail goes first
-            record[block_hash] = None
+            record[block_hash] = record.get(block_hash, 0) + 1
             record.move_to_end(block_hash)
         while len(record) > self.capacities[engine]:
             record.popitem(last=False)
