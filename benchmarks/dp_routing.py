@@ -3,12 +3,13 @@
 One `tokenbus serve --data-parallel-size 2 --num-threads 1` (the default model unless --model)
 per round, started afresh (cold caches) with `--data-parallel-routing` set to each mode in turn,
 the order alternating from round to round (a shared machine drifts). The workload is the same
-every time: --conversations chats, --concurrency of them at once, each of --turns turns; a
-turn's prompt is the whole chat so far (a shared system prompt, a long first message, the
-replies and shorter follow-ups), streamed, greedy, --max-tokens each. TTFT p50 pools every
-turn of every round of a mode; the hit rate is the prefix-cache hits over the lookups, in
-tokens, summed over both engines' /metrics for the measured requests; "all chats" is the
-median over rounds of the seconds the whole workload took.
+every time: --conversations chats, --concurrency of them at once, each of --turns turns with a
+--think pause before each next one (a user reading and typing); a turn's prompt is the whole
+chat so far (a shared system prompt, a long first message, the replies and shorter
+follow-ups), streamed, greedy, --max-tokens each. TTFT p50 pools every turn of every round of a
+mode; the hit rate is the prefix-cache hits over the lookups, in tokens, summed over both
+engines' /metrics for the measured requests; "all chats" is the median over rounds of the
+seconds the whole workload took.
 
     .venv/bin/python benchmarks/dp_routing.py [--rounds 2] [--record DIR]
 """
@@ -55,6 +56,14 @@ def main() -> None:
     parser.add_argument("--first-words", type=int, default=400)
     parser.add_argument("--turn-words", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument(
+        "--think",
+        type=float,
+        nargs=2,
+        default=(0.0, 0.0),
+        metavar=("MIN", "MAX"),
+        help="seconds a chat pauses between turns, drawn per turn (seeded)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", default=None, metavar="DIR")
     args = parser.parse_args()
@@ -109,6 +118,7 @@ def make_chats(args) -> list[dict]:
             "system": system,
             "first": f"Read this report ({i}) and answer in short: " + text(args.first_words),
             "follow_ups": [f"Next ({t}): " + text(args.turn_words) for t in range(args.turns - 1)],
+            "pauses": [rng.uniform(*args.think) for _ in range(args.turns - 1)],
         }
         for i in range(args.conversations)
     ]
@@ -161,7 +171,7 @@ def converse(url: str, model: str, chat: dict, args) -> list[float]:
         {"role": "user", "content": chat["first"]},
     ]
     ttfts = []
-    for follow_up in [*chat["follow_ups"], None]:
+    for index, follow_up in enumerate([*chat["follow_ups"], None]):
         ttft, reply = turn(url, model, messages, args.max_tokens)
         ttfts.append(ttft)
         if follow_up is not None:
@@ -169,6 +179,7 @@ def converse(url: str, model: str, chat: dict, args) -> list[float]:
                 {"role": "assistant", "content": reply},
                 {"role": "user", "content": follow_up},
             ]
+            time.sleep(chat["pauses"][index])
     return ttfts
 
 
@@ -246,7 +257,8 @@ def write_record(args, modes: list[str], summary: dict) -> None:
         peers=[f"--data-parallel-routing {mode}" for mode in modes[1:]] + ["alternated"],
         variant=(
             f"{args.model or 'SmolLM2 (default)'}, DP 2 × 1 thread; {args.conversations} "
-            f"chats × {args.turns} turns, {args.concurrency} at once; {args.rounds} rounds"
+            f"chats × {args.turns} turns, {args.concurrency} at once, "
+            f"{args.think[0]:g}-{args.think[1]:g} s between turns; {args.rounds} rounds"
         ),
     )
     write_record(args.record, entry)
