@@ -111,9 +111,9 @@ def test_page_in_a_browser_draws_the_grid_rows_and_a_moving_timeline(server):
 
     def rendered() -> tuple[str, int]:
         """The DOM once the page has drawn a snapshot, and the step count it shows."""
-        for _ in range(3):  # a loaded machine may need more than one page load's budget
+        for _ in range(6):  # a loaded machine may need more than one page load's budget
             dom = subprocess.run(
-                [*common, "--virtual-time-budget=4000", "--dump-dom", page],
+                [*common, "--virtual-time-budget=8000", "--dump-dom", page],
                 capture_output=True,
                 text=True,
                 timeout=120,
