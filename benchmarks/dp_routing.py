@@ -31,6 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+from tokenbus.bench.server_wait import wait_healthy  # noqa: E402 - after the path
+
 BIN = os.path.join(os.path.dirname(sys.executable), "tokenbus")
 WORDS = tuple(
     (
@@ -229,23 +233,7 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def wait_healthy(url: str, server: subprocess.Popen, log, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server exited with {server.returncode}:\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} never became healthy")
-
-
 def write_record(args, modes: list[str], summary: dict) -> None:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
     from tokenbus.bench.record import make_record, this_command, write_record
 
     ratio = f"TTFT p50 / {modes[-1]}"

@@ -18,11 +18,14 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+from tokenbus.bench.server_wait import wait_healthy  # noqa: E402 - after the path
+
 BIN = os.path.join(os.path.dirname(sys.executable), "tokenbus")
 
 
@@ -75,18 +78,6 @@ def save_default_tokenizer(path: str) -> None:
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
 
 
-def wait_healthy(url: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} never became healthy")
-
-
 def bench(url: str, tokenizer: str, num_prompts: int, label: str) -> float:
     """Total tokens/s of one c16 run (the peers scripts' workload)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -130,7 +121,6 @@ class Viewer:
 
 
 def write_record(args, rates, medians, ratio) -> None:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
     from tokenbus.bench.record import make_record, this_command, write_record
 
     rows = {
