@@ -1,10 +1,12 @@
 """tokenbus: a small, readable LLM inference and serving engine built on vLLM V1's ideas."""
 
+from tokenbus.protocol import LoRARequest
 from tokenbus.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "RequestOutput",

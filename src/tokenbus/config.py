@@ -80,6 +80,12 @@ class ModelConfig:
     # vdpbf16ps (prefill chunks). benchmarks/quant_linear.py --step decides these thresholds
     # (layers/quantized.py's BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS).
     quant_activations: str = "auto"
+    # Every token's logits independent of the rest of its step (batch mates, chunk size, prefix
+    # cache hits, decode or prefill route), bit for bit: one activation mode at every size (auto:
+    # int16, never bf16), GGUF and dense linears on kernels whose rows never depend on each
+    # other, attention by the native kernel's decode path for every query
+    # (model/batch_invariant.py). CPU, float32 only; slower prefill (docs/benchmarks.md).
+    batch_invariant: bool = False
     # torch threads per rank on CPU; None: the cores this process may use (affinity, cgroup
     # quota) divided among the engine's ranks (tensor_parallel_size x data_parallel_size).
     num_threads: int | None = None

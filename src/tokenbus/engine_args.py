@@ -109,6 +109,13 @@ class EngineArgs:
         "int8/int16 cover prefill chunks too",
         choices=QUANT_ACTIVATIONS,
     )
+    batch_invariant: bool = _arg(
+        False,
+        "make each request's output independent of its batch mates, chunk size and prefix-cache "
+        "hits, bit for bit (vLLM's VLLM_BATCH_INVARIANT): int16 activations at every size, "
+        "row-independent linears, every attention query by the decode kernel. CPU, float32; "
+        "costs prefill speed (docs/cpu.md, docs/benchmarks.md)",
+    )
     num_threads: int | None = _arg(
         None,
         "torch threads per rank on CPU; default: the usable cores (affinity, cgroup quota) / ranks",

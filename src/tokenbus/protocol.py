@@ -19,6 +19,16 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class LoRARequest(msgspec.Struct, frozen=True):
+    """A LoRA adapter to run a request with: a PEFT directory (adapter_config.json and
+    adapter_model.safetensors) under a name. Name and path together identify it (its KV is
+    cached under both), so an adapter reloaded from elsewhere under the same name shares no
+    cached blocks with the old one."""
+
+    lora_name: str
+    lora_path: str
+
+
 class EngineRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -27,6 +37,7 @@ class EngineRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults
     arrival_time: float = 0.0
     cache_salt: str | None = None
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

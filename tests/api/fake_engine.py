@@ -53,7 +53,8 @@ class FakeAsyncLLM:
         self.config = args.to_config(max_model_len)
         self.setup = SimpleNamespace(sampling_defaults={})
         self.tokenizer = CharTokenizer()
-        self.input_processor = InputProcessor(self.tokenizer, self.config, 0, VOCAB_SIZE)
+        arch = SimpleNamespace(vocab_size=VOCAB_SIZE)  # all the front end reads of a ModelArch
+        self.input_processor = InputProcessor(self.tokenizer, self.config, 0, arch)
         # Grammars need a real vocabulary; the serving code only has to pass the spec along.
         self.input_processor.structured_validator = SimpleNamespace(validate=lambda spec: None)
         self.token_delay_s = token_delay_s

@@ -18,6 +18,7 @@ from tokenbus.engine.input_processor import PromptType
 from tokenbus.engine.llm_engine import LLMEngine
 from tokenbus.engine.outputs import RequestOutput
 from tokenbus.engine_args import EngineArgs
+from tokenbus.protocol import LoRARequest
 from tokenbus.sampling_params import SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -49,15 +50,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """`priority`: one per prompt, under --scheduling-policy priority (lower first)."""
+        """`priority`: one per prompt, under --scheduling-policy priority (lower first).
+        `lora_request`: the LoRA adapter to run with (enable_lora), one for all prompts or one
+        (or None: the base model) per prompt."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: {len(priority)} values for {len(prompts)} prompts")
         processor = self.engine.input_processor
         tokenized = [processor.tokenize(p) for p in prompts]
-        return self._run(tokenized, sampling_params, use_tqdm, priority)
+        return self._run(tokenized, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -66,6 +70,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
@@ -75,7 +80,7 @@ class LLM:
             processor.render_chat(c, add_generation_prompt, chat_template_kwargs)
             for c in conversations
         ]
-        return self._run(rendered, sampling_params, use_tqdm)
+        return self._run(rendered, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(
         self,
@@ -83,16 +88,22 @@ class LLM:
         sampling_params,
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _broadcast_params(sampling_params, len(tokenized))
+        loras = _broadcast_loras(lora_request, len(tokenized))
         ids = []
         try:
             priorities = priority or [0] * len(tokenized)
-            for (text, token_ids), params, rank in zip(tokenized, params_list, priorities):
+            for (text, token_ids), params, rank, lora in zip(
+                tokenized, params_list, priorities, loras
+            ):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank)
+                self.engine.add_request(
+                    request_id, token_ids, params, prompt=text, priority=rank, lora_request=lora
+                )
                 ids.append(request_id)
         except ValueError:
             self.engine.abort_request(_all_child_ids(self.engine, ids))
@@ -130,6 +141,19 @@ def _broadcast_params(sampling_params, num_prompts: int) -> list[SamplingParams]
             "pass one, or one per prompt"
         )
     return params
+
+
+def _broadcast_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"lora_request: got {len(loras)} for {num_prompts} prompts; pass one, or one per prompt"
+        )
+    return loras
 
 
 def _all_child_ids(engine: LLMEngine, parent_ids: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from tokenbus.protocol import EngineRequest, FinishReason
+from tokenbus.protocol import EngineRequest, FinishReason, LoRARequest
 from tokenbus.sampling_params import SamplingParams
 
 
@@ -58,6 +58,8 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         block_hasher: BlockHasher | None = None,
+        lora_request: LoRARequest | None = None,
+        lora_id: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,6 +68,9 @@ class Request:
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
         self.priority = priority
+        # The adapter it runs with, and the engine's number for it (0: the base model).
+        self.lora_request = lora_request
+        self.lora_id = lora_id
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -85,7 +90,7 @@ class Request:
 
     @classmethod
     def from_engine_request(
-        cls, req: EngineRequest, block_hasher: BlockHasher | None = None
+        cls, req: EngineRequest, block_hasher: BlockHasher | None = None, lora_id: int = 0
     ) -> Request:
         return cls(
             req.request_id,
@@ -96,6 +101,8 @@ class Request:
             req.cache_salt,
             req.priority,
             block_hasher,
+            req.lora_request,
+            lora_id,
         )
 
     @property

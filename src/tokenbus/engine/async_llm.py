@@ -33,7 +33,13 @@ from tokenbus.engine.setup import EngineSetup, create_engine_setup
 from tokenbus.engine.stats import IterationStats, RequestStatsTracker, StatLogger
 from tokenbus.engine.xray_hub import XrayHub
 from tokenbus.engine_args import EngineArgs
-from tokenbus.protocol import EngineOutputs, EngineRequest, SchedulerStats, XraySnapshot
+from tokenbus.protocol import (
+    EngineOutputs,
+    EngineRequest,
+    LoRARequest,
+    SchedulerStats,
+    XraySnapshot,
+)
 from tokenbus.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,7 +63,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.client = client
         self.input_processor = InputProcessor(
-            tokenizer, setup.config, setup.eos_token_id, setup.arch.vocab_size
+            tokenizer, setup.config, setup.eos_token_id, setup.arch
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()
@@ -96,6 +102,7 @@ class AsyncLLM:
         prompt: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """DELTA outputs, one child (`outputs[0].index`) each; `finished` on the last one.
 
@@ -103,7 +110,12 @@ class AsyncLLM:
         engine dies. Cancelling the iteration aborts the request in the engine.
         """
         request = self.input_processor.make_request(
-            request_id, prompt_token_ids, params, cache_salt=cache_salt, priority=priority
+            request_id,
+            prompt_token_ids,
+            params,
+            cache_salt=cache_salt,
+            priority=priority,
+            lora_request=lora_request,
         )
         async with aclosing(self.generate_request(request, prompt)) as outputs:
             async for output in outputs:

@@ -16,6 +16,7 @@ from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
 from tokenbus.core.xray import XrayRecorder
 from tokenbus.engine.executor import Executor, UniProcExecutor, WorkerBase, make_executor
+from tokenbus.engine.lora_registry import LoRARegistry
 from tokenbus.engine.setup import resolve_config
 from tokenbus.kv_transfer.layout import kv_layout
 from tokenbus.protocol import (
@@ -87,13 +88,23 @@ class EngineCore:
             kv_load_failure_policy=(
                 config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
             ),
+            max_loras=config.lora.max_loras if config.lora is not None else None,
         )
+        self.loras = LoRARegistry(config.lora, arch)
         # req_id → wall-clock time of its first scheduling, until its first output carries it.
         self._first_scheduled_times: dict[str, float] = {}
         self.xray = XrayRecorder(self.scheduler)  # /xray: step records; snapshots when watched
 
     def add_request(self, request: EngineRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_request(request, self._block_hasher))
+        lora_id = self.loras.id_for(request.lora_request)  # a bad adapter fails this request
+        self.scheduler.add_request(
+            Request.from_engine_request(request, self._block_hasher, lora_id)
+        )
+
+    def check_lora(self, lora_name: str, lora_path: str) -> int:
+        """Check an adapter against the model before requests name it (utility call): its
+        number, or a ValueError saying why it cannot run."""
+        return self.loras.check(lora_name, lora_path)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -14,8 +14,9 @@ from typing import Any
 
 import jinja2
 
-from tokenbus.config import EngineConfig
-from tokenbus.protocol import EngineRequest
+from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.engine.lora_registry import LoRARegistry
+from tokenbus.protocol import EngineRequest, LoRARequest
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.validator import StructuredOutputValidator
 
@@ -25,15 +26,16 @@ PromptType = str | Mapping[str, Any]
 
 class InputProcessor:
     def __init__(
-        self, tokenizer, config: EngineConfig, eos_token_id: int | None, vocab_size: int
+        self, tokenizer, config: EngineConfig, eos_token_id: int | None, arch: ModelArch
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_id = eos_token_id
-        self.vocab_size = vocab_size
+        self.vocab_size = arch.vocab_size
+        self.loras = LoRARegistry(config.lora, arch)
         self.structured_validator = StructuredOutputValidator(
             tokenizer,
-            vocab_size,
+            arch.vocab_size,
             timeout_s=config.structured_outputs.grammar_compile_timeout,
             max_concurrent=config.structured_outputs.max_concurrent_grammar_compiles,
         )
@@ -142,6 +144,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> EngineRequest:
         """Check the parameters (grammar included) and the prompt; the request carries the
         parameters as the engine runs them (logprobs -1 spelled out as the vocabulary's size)."""
@@ -150,6 +153,7 @@ class InputProcessor:
                 f"priority: {priority} needs --scheduling-policy priority (this engine "
                 f"schedules {self.config.scheduler.scheduling_policy})"
             )
+        self._check_lora(lora_request)
         params = params.with_resolved_logprobs(self.vocab_size)
         self._check_params(params)
         self._check_prompt(prompt_token_ids)
@@ -161,4 +165,10 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             priority=priority,
+            lora_request=lora_request,
         )
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """The adapter's config and tensor shapes against the model, once per adapter."""
+        if lora_request is not None:
+            self.loras.id_for(lora_request)

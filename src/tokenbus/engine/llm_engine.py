@@ -19,7 +19,7 @@ from tokenbus.engine.outputs import RequestOutput
 from tokenbus.engine.parallel_sampling import register_children
 from tokenbus.engine.setup import EngineSetup, create_engine_setup
 from tokenbus.engine_args import EngineArgs
-from tokenbus.protocol import SchedulerStats
+from tokenbus.protocol import LoRARequest, SchedulerStats
 from tokenbus.sampling_params import SamplingParams
 
 
@@ -30,7 +30,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.client = client
         self.input_processor = InputProcessor(
-            tokenizer, setup.config, setup.eos_token_id, setup.arch.vocab_size
+            tokenizer, setup.config, setup.eos_token_id, setup.arch
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.last_stats: SchedulerStats | None = None
@@ -73,9 +73,10 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         request = self.input_processor.make_request(
-            request_id, prompt_token_ids, params, arrival_time, cache_salt, priority
+            request_id, prompt_token_ids, params, arrival_time, cache_salt, priority, lora_request
         )
         for child in register_children(self.output_processor, request, prompt, kind):
             self.client.add_request(child)

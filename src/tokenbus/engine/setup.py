@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig, ModelArch, ModelConfig
 from tokenbus.engine_args import EngineArgs
 from tokenbus.loader import (
     ModelSource,
@@ -187,7 +187,37 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
     )
     kv_cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, device, dtype, quantization)
     cache = dataclasses.replace(cache, kv_cache_dtype=kv_cache_dtype)
+    if model.batch_invariant:
+        model = resolve_batch_invariant(model, kv_cache_dtype)
     return dataclasses.replace(config, model=model, cache=cache)
+
+
+def resolve_batch_invariant(model: ModelConfig, kv_cache_dtype: str) -> ModelConfig:
+    """--batch-invariant's requirements, each refused by name where unmet, and quant_activations
+    auto made int16 (one mode at every size, the integer mode closest to fp32)."""
+    wanted = (
+        ("device", model.device.split(":")[0], "cpu"),
+        ("dtype", model.dtype, "float32"),
+        ("attention_backend", model.attention_backend, "native"),
+    )
+    for name, value, need in wanted:
+        if value != need:
+            raise ValueError(
+                f"batch_invariant runs on its CPU kernels: it needs {name} {need!r}, got {value!r}"
+            )
+    if kv_cache_dtype not in ("float32", "float16"):
+        raise ValueError(
+            "batch_invariant reads K/V in float32 or float16 (kv_cache_dtype), "
+            f"got {kv_cache_dtype!r}"
+        )
+    if model.quant_activations == "auto" and model.quantization == "gguf":
+        model = dataclasses.replace(model, quant_activations="int16")
+    logger.info(
+        "batch invariant: linears on row-independent kernels (GGUF activations: %s), every "
+        "attention query by the decode kernel",
+        model.quant_activations,
+    )
+    return model
 
 
 def resolve_load_format(requested: str, source: ModelSource | None) -> str:

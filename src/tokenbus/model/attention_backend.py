@@ -28,6 +28,7 @@ from tokenbus.model.attention import (
     build_attention_plan,
     select_attention_kernel,
 )
+from tokenbus.model.batch_invariant import row_invariant_plan
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.native import PagedAttentionKernel
 
@@ -111,18 +112,27 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class NativeAttentionBackend(AttentionBackend):
-    """The native CPU kernel (model/native/paged_attention.c) for short queries, SDPA for long
-    prefill chunks."""
+    """The native CPU kernel (model/native/paged_attention.c) for short queries, its flash path
+    (or SDPA) for long prefill chunks; `row_invariant` (--batch-invariant): its decode path for
+    every query (model/batch_invariant.py)."""
 
     name = "native"
 
-    def __init__(self, dtype: torch.dtype, kernel: PagedAttentionKernel) -> None:
+    def __init__(
+        self, dtype: torch.dtype, kernel: PagedAttentionKernel, row_invariant: bool = False
+    ) -> None:
         super().__init__(dtype)
         self._kernel = kernel
+        self.row_invariant = row_invariant
 
     @property
     def kernel(self) -> PagedAttentionKernel:
         return self._kernel
+
+    def build_metadata(self, ctx: ForwardContext) -> AttentionPlan:
+        if self.row_invariant:
+            return row_invariant_plan(ctx, self._kernel, self.dtype)
+        return super().build_metadata(ctx)
 
     def _static_plan(self, ctx: ForwardContext, q_len: int) -> TorchDecodePlan:
         # Only CUDA graphs capture, and the native kernel runs on CPU: any static plan it is
@@ -184,14 +194,18 @@ def triton_problem(device: str | torch.device, block_size: int = 16) -> str | No
 
 
 def select_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype
+    name: str, device: torch.device, dtype: torch.dtype, row_invariant: bool = False
 ) -> AttentionBackend:
-    """The backend for --attention-backend `name` (see attention.select_attention_kernel)."""
+    """The backend for --attention-backend `name` (see attention.select_attention_kernel);
+    `row_invariant` (--batch-invariant) needs the native kernel, whose decode path is the only
+    one that sums a query's row the same in any step."""
+    if row_invariant and name not in ("auto", "native"):
+        raise ValueError(f"batch_invariant needs the native attention kernel, not {name!r}")
     if name == "triton":
         if (problem := triton_problem(device)) is not None:
             raise ValueError(f"attention_backend 'triton': {problem}")
         return TritonAttentionBackend(dtype)
-    kernel = select_attention_kernel(name, device, dtype)
+    kernel = select_attention_kernel("native" if row_invariant else name, device, dtype)
     if kernel is None:
         return TorchAttentionBackend(dtype)
-    return NativeAttentionBackend(dtype, kernel)
+    return NativeAttentionBackend(dtype, kernel, row_invariant)

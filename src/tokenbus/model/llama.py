@@ -331,14 +331,17 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
                 module.kernel.modes = modes
 
-    def set_attention_backend(self, backend: str, decode_layers: bool = True) -> None:
+    def set_attention_backend(
+        self, backend: str, decode_layers: bool = True, row_invariant: bool = False
+    ) -> None:
         """ "auto" (load_model's default), "torch" or "native": see
         attention.select_attention_kernel.
         A model built without load_model runs the torch path until this is called.
         `decode_layers`: decode-sized steps run each layer in one C call where they can (False:
-        op by op, as --enforce-eager asks)."""
+        op by op, as --enforce-eager asks). `row_invariant`: every query by the native kernel's
+        decode path (--batch-invariant: attention_backend.NativeAttentionBackend)."""
         self.attention_backend = select_attention_backend(
-            backend, self.embed_tokens.device, self.embed_tokens.dtype
+            backend, self.embed_tokens.device, self.embed_tokens.dtype, row_invariant
         )
         self._decode_layers = self._build_decode_layers() if decode_layers else None
 

@@ -15,6 +15,7 @@ from tokenbus.structured.manager import bitmask_rows, pad_bitmask_rows
 from tokenbus.utils import cdiv
 from tokenbus.worker.captured_step import CapturedSteps, make_captured_steps
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
+from tokenbus.worker.lora_slots import LoRAAdapters, StepRun
 from tokenbus.worker.pooling import compute_pooled
 from tokenbus.worker.prompt_logprobs import compute_prompt_logprobs
 from tokenbus.worker.request_state import CachedRequestState
@@ -65,6 +66,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_connector = kv_connector
         self.captured: CapturedSteps | None = None  # set by capture_model()
+        self.lora = LoRAAdapters(model, arch, config.lora) if config.lora is not None else None
 
     def capture_model(self) -> None:
         """Record the decode step of every capture size (warm-up, after the KV cache exists);
@@ -93,6 +95,8 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
+                lora_id=new.lora_id,
+                lora_path=new.lora_path,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -137,9 +141,20 @@ class ModelRunner:
             )
             for req_id, num_new in so.num_scheduled_tokens.items()
         ]
-        padded_size = self.captured.padded_size(scheduled) if self.captured is not None else None
+        with_lora = any(req.state.lora_id for req in scheduled)
+        padded_size = (
+            self.captured.padded_size(scheduled)
+            if self.captured is not None and not with_lora  # adapters: the eager side path
+            else None
+        )
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches, padded_size)
         batch.ctx.kv_connector = self.kv_connector
+        if self.lora is not None:
+            runs = [
+                StepRun(req.state.lora_id, req.state.lora_path, req.num_new_tokens)
+                for req in batch.requests
+            ]
+            self.lora.set_batch(runs, batch.input_ids.shape[0])
         if padded_size is not None:
             hidden = self.captured.run(batch)[: batch.num_tokens]  # padding rows are never sampled
         else:

@@ -21,6 +21,8 @@ class CachedRequestState:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     # Mean pooling (embedding requests): the hidden states summed over the chunks so far.
     pooled_sum: torch.Tensor | None = None
+    lora_id: int = 0  # its LoRA adapter (0: none), read from lora_path the first time
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids

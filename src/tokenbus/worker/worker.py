@@ -116,6 +116,7 @@ class Worker:
             self.config.compilation.enforce_eager,
             self.config.model.load_format,
             self.config.model.seed,
+            self.config.model.batch_invariant,
         )
 
     def determine_num_kv_blocks(self) -> int:

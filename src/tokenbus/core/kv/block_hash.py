@@ -41,13 +41,18 @@ def hash_block_tokens(
 def block_extra_keys(request: Request, block_index: int) -> tuple | None:
     """Whatever besides token ids decides the KV of block ``block_index``; None if nothing.
 
-    Today: the tenant's ``cache_salt``, on the first block only (every later hash chains from
-    it). LoRA adapter names (every block) and multimodal ``(mm_hash, offset)`` pairs (the blocks
+    On the first block only, since every later hash chains from it: the tenant's
+    ``cache_salt`` and the LoRA adapter (name and path: an adapter's K/V differ from the base
+    model's and from any other adapter's). Multimodal ``(mm_hash, offset)`` pairs (the blocks
     an image overlaps) belong here too, when requests carry them.
     """
+    if block_index != 0:
+        return None
     keys: list = []
-    if block_index == 0 and request.cache_salt is not None:
+    if request.cache_salt is not None:
         keys.append(("salt", request.cache_salt))
+    if request.lora_request is not None:
+        keys.append(("lora", request.lora_request.lora_name, request.lora_request.lora_path))
     return tuple(keys) if keys else None
 
 

@@ -20,6 +20,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Its LoRA adapter (0: none); the path lets a worker load one it has not seen yet.
+    lora_id: int = 0
+    lora_path: str | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

@@ -69,8 +69,11 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         kv_connector: KVConnectorScheduler | None = None,
         kv_load_failure_policy: str = "recompute",
+        max_loras: int | None = None,
     ) -> None:
         self.config = config
+        # Distinct LoRA adapters the running requests may use at once (None: no limit).
+        self.max_loras = max_loras
         self.kv = kv_cache_manager
         self.grammar = grammar_manager
         # Slots reserved past the scheduled tokens for next step's drafts (spec decode).
@@ -259,6 +262,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
+        loras = {r.lora_id for r in self.running if r.lora_id}
         while (
             self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
@@ -282,6 +286,9 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(self.waiting.popleft())  # its load is in flight
                 continue
+            if self._lora_slots_full(request, loras):
+                skipped.append(self.waiting.popleft())  # waits for its adapter's turn
+                continue
             admission = self._admit(request, plan)
             if admission is _Admission.NO_ROOM:
                 break  # strict head of line: nobody overtakes a request that does not fit
@@ -289,7 +296,18 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             self.waiting.popleft()
+            if request.lora_id:
+                loras.add(request.lora_id)
         self.waiting.extendleft(reversed(skipped))
+
+    def _lora_slots_full(self, request: Request, loras: set[int]) -> bool:
+        """Whether admitting `request` would run more distinct adapters than max_loras."""
+        return (
+            self.max_loras is not None
+            and request.lora_id != 0
+            and request.lora_id not in loras
+            and len(loras) >= self.max_loras
+        )
 
     def _admit(self, request: Request, plan: _StepPlan) -> _Admission:
         resumed_from_load = self.kv.holds_blocks(request.request_id)
@@ -348,6 +366,8 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_computed,
+                lora_id=request.lora_id,
+                lora_path=request.lora_request.lora_path if request.lora_request else None,
             )
         )
         self._record(request, num_new, plan)

@@ -27,7 +27,8 @@ from tokenbus.model.layers.quantized import (
 from tokenbus.model.native import QuantKernels
 from tokenbus.utils.cpu import CpuFeatures
 
-LINEAR_BACKENDS = ("auto", "dense", "onednn")
+# rows: dense_rows.c, every output one FMA chain whatever the batch (--batch-invariant)
+LINEAR_BACKENDS = ("auto", "dense", "onednn", "rows")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 LinearKernel = Callable[[torch.Tensor], torch.Tensor]
@@ -62,8 +63,13 @@ def choose_linear_backend(
     reason."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
-    if backend == "dense":
-        return "dense"
+    if backend in ("dense", "rows"):
+        if backend == "rows" and (weight.device.type, weight.dtype) != ("cpu", torch.float32):
+            raise ValueError(
+                f"linear backend 'rows' runs on CPU in float32, not {weight.device.type} "
+                f"{weight.dtype}"
+            )
+        return backend
     reason = onednn_unsupported_reason(weight, cpu)
     if backend == "onednn" and reason is not None:
         raise ValueError(f"linear backend 'onednn': {reason}")
@@ -77,8 +83,13 @@ def make_linear_kernel(
     cpu: CpuFeatures | None = None,
 ) -> LinearKernel:
     """A callable x[..., in] -> [..., out] computing x @ weight.T + bias; weight is [out, in]."""
-    if choose_linear_backend(weight, backend, cpu) == "dense":
+    chosen = choose_linear_backend(weight, backend, cpu)
+    if chosen == "dense":
         return lambda x: F.linear(x, weight, bias)
+    if chosen == "rows":
+        from tokenbus.model.native.dense_rows import row_invariant_linear
+
+        return row_invariant_linear(weight, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # opaque blocked layout
     packed_bias = None if bias is None else bias.detach()
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, packed_bias, "none", [], "")

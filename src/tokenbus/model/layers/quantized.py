@@ -22,6 +22,11 @@ decode batches of 16+) take bf16 activations instead, at any size: each weight t
 dequantized once per call into bf16, x is rounded to bf16, and AMX tiles (or, without AMX,
 vdpbf16ps) sum the products in fp32 (quant_tiles.c). benchmarks/quant_linear.py --step compares
 them with int16 tiles and with the fp32 GEMM.
+
+Every mode above is row-local (a row's result is the same whatever other rows share the call:
+tests/model/test_batch_invariant.py), but which mode and kernel a call takes depends on its
+rows, so a token's numbers change with the size of its step. --batch-invariant fixes the mode
+and keeps every call on the block kernels (TileModes.row_invariant).
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ from typing import Protocol
 
 import torch
 
-from tokenbus.model.native import QUANT_GEMV_MAX_ROWS, TILE_GEMV_MAX_ROWS, TILE_ROWS, QuantKernels
+from tokenbus.model.native import (
+    QUANT_GEMV_MAX_ROWS,
+    QUANT_MAX_ROWS,
+    TILE_GEMV_MAX_ROWS,
+    TILE_ROWS,
+    QuantKernels,
+)
 
 # From how many rows a call on tiles takes bf16 activations under quant_activations=auto, per
 # bf16 engine (QuantKernels.bf16_engine): where bf16 overtakes int16 tiles, below which int16's
@@ -57,11 +68,17 @@ class TileModes:
     worker/model_builder.quant_activation_modes chooses them): bf16 from `bf16_from_rows` rows up
     (0: never), else dequantized for an fp32 GEMM from `gemm_from_rows` rows up (0: never), else
     `activations` (fp32 | int16 | int8; fp32 tiles take at most TILE_GEMV_MAX_ROWS rows, beyond
-    that shard_matmul runs the GEMM)."""
+    that shard_matmul runs the GEMM).
+
+    `row_invariant` (--batch-invariant): every call runs the block kernels, whose rows never
+    depend on each other, in slices of QUANT_MAX_ROWS rows where a kernel takes no more, and
+    never the GEMM (whose sums for a row change with the call's number of rows); the modes
+    must then not depend on the rows either (bf16_from_rows 0 or 1, gemm_from_rows 0)."""
 
     activations: str = "fp32"
     bf16_from_rows: int = 0
     gemm_from_rows: int = GEMM_FROM_ROWS
+    row_invariant: bool = False
 
     def mode(self, rows: int) -> str:
         """The mode of a call of `rows` rows: shard_matmul's `mode`."""
@@ -178,7 +195,13 @@ class QuantizedLinearKernel:
         start, mode = 0, self.modes.mode(flat.shape[0])
         for shard in self.shards:
             shard_matmul(
-                self.kernels, shard, flat, out[:, start : start + shard.rows], mode, self.buffer
+                self.kernels,
+                shard,
+                flat,
+                out[:, start : start + shard.rows],
+                mode,
+                self.buffer,
+                self.modes.row_invariant,
             )
             start += shard.rows
         if self.bias is not None:
@@ -198,16 +221,22 @@ def shard_matmul(
     out: torch.Tensor,
     mode: str,
     buffer: DequantBuffer,
+    row_invariant: bool = False,
 ) -> None:
     """out [M, rows] (a column slice) = flat [M, K] @ shard.T: on tiles the block kernel in
     `mode` (TileModes.mode; fp32 up to TILE_GEMV_MAX_ROWS rows), in GGUF rows the block kernel up
     to QUANT_GEMV_MAX_ROWS; otherwise a GEMM per chunk of dequantized rows (of W^T, whole tiles,
-    when tiled)."""
+    when tiled). `row_invariant`: the block kernels at any size (TileModes.row_invariant)."""
     tiled, num_rows = shard.tiled, flat.shape[0]
+    if row_invariant and (not tiled or mode == "fp32") and num_rows > QUANT_MAX_ROWS:
+        for first in range(0, num_rows, QUANT_MAX_ROWS):  # the most these kernels take
+            rows = slice(first, first + QUANT_MAX_ROWS)
+            shard_matmul(kernels, shard, flat[rows], out[rows], mode, buffer, row_invariant)
+        return
     if tiled and mode != "gemm" and (mode != "fp32" or num_rows <= TILE_GEMV_MAX_ROWS):
         kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, mode)
         return
-    if not tiled and num_rows <= QUANT_GEMV_MAX_ROWS:
+    if not tiled and (num_rows <= QUANT_GEMV_MAX_ROWS or row_invariant):
         kernels.matmul(shard.qtype, shard.data, shard.cols, flat, out)
         return
     chunk = buffer.rows_per_chunk(shard.cols)
