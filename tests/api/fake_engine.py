@@ -104,6 +104,7 @@ class FakeAsyncLLM:
 
     async def _run(self, request_id, prompt_token_ids, params, prompt):
         texts = {i: "" for i in range(params.n)}
+        cumulative = {i: 0.0 for i in range(params.n)}
         done: set[int] = set()
         for step in range(params.max_tokens):
             for i in range(params.n):
@@ -127,12 +128,15 @@ class FakeAsyncLLM:
                 if finish:
                     done.add(i)
                 logprobs = (
-                    None if params.logprobs is None else [_logprobs(token_id, params.logprobs)]
+                    None if params.logprobs is None else [_logprobs(token_id, params.logprobs, i)]
                 )
+                if logprobs is not None:
+                    cumulative[i] += logprobs[0][token_id].logprob
                 completion = CompletionOutput(
                     index=i,
                     text=chr(token_id),
                     token_ids=[token_id],
+                    cumulative_logprob=None if logprobs is None else cumulative[i],
                     logprobs=logprobs,
                     finish_reason=finish,
                     stop_reason=stop_reason,
@@ -181,9 +185,10 @@ class FakeAsyncLLM:
         pass
 
 
-def _logprobs(token_id: int, num_top: int) -> dict[int, Logprob]:
-    """The sampled token ranks first; the rest of the top-n follow it alphabetically."""
-    result = {token_id: Logprob(-0.1, 1, chr(token_id))}
+def _logprobs(token_id: int, num_top: int, child: int = 0) -> dict[int, Logprob]:
+    """The sampled token ranks first (less likely in later children: child i's is -0.1 (i + 1));
+    the rest of the top-n follow it alphabetically."""
+    result = {token_id: Logprob(-0.1 * (child + 1), 1, chr(token_id))}
     for rank in range(2, num_top + 1):
         other = ord("a") + (token_id - ord("a") + rank - 1) % 26
         result[other] = Logprob(-float(rank), rank, chr(other))

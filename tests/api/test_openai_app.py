@@ -78,6 +78,10 @@ def test_completion_non_streaming(client):
             "logprobs": None,
             "finish_reason": "length",
             "stop_reason": None,
+            # vLLM's extensions, null unless asked for (as vLLM sends them)
+            "prompt_token_ids": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
         }
     ]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}

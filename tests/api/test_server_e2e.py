@@ -145,7 +145,9 @@ def test_n_and_logprobs(client):
     for choice in out.choices:
         assert len(choice.logprobs.tokens) == 6 and len(choice.logprobs.top_logprobs) == 6
         assert all(lp <= 0.0 for lp in choice.logprobs.token_logprobs)
-        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+        # The sampled token first, then the top 2: up to logprobs + 1 entries (OpenAI, vLLM).
+        assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+        assert [next(iter(top)) for top in choice.logprobs.top_logprobs] == choice.logprobs.tokens
     assert out.usage.completion_tokens == 18
     chat = client.chat.completions.create(
         model=MODEL,

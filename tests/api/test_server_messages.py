@@ -129,7 +129,10 @@ def test_bad_input_is_refused_in_anthropic_shape(server, client):
     assert missing.status_code == 400
     assert missing.json() == {
         "type": "error",
-        "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"},
+        "error": {
+            "type": "invalid_request_error",
+            "message": "max_tokens: Field required [type=missing]",
+        },
     }
     for messages, field in (([], "messages"), ([{"role": "tool", "content": "x"}], "role")):
         with pytest.raises(anthropic.BadRequestError, match=field):

@@ -202,7 +202,21 @@ def test_legacy_functions_map_onto_tools():
             "function_call": {"name": "get_weather"},
         }
         choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
-        assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        # OpenAI's legacy answer: the message's one function_call, no tool_calls.
+        assert choice["message"]["function_call"] == {
+            "name": "get_weather",
+            "arguments": '{"city": "Oslo"}',
+        }
+        assert "tool_calls" not in choice["message"]
+        assert choice["finish_reason"] == "stop"  # the request named the function
+        events = sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+        deltas = [c["delta"] for e in events[:-1] for c in e["choices"]]
+        assert not any("tool_calls" in d for d in deltas)
+        calls = [d["function_call"] for d in deltas if "function_call" in d]
+        assert calls[0]["name"] == "get_weather"
+        assert "".join(c.get("arguments") or "" for c in calls) == '{"city": "Oslo"}'
+        with_tools = {"messages": ASK, "tools": [WEATHER], "function_call": "auto"}
+        assert_error(client.post("/v1/chat/completions", json=with_tools), 400, "function_call")
 
 
 def test_tools_render_for_templates_without_tool_support():

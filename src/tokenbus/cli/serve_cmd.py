@@ -21,7 +21,7 @@ def add_serve_parser(sub) -> None:
         "--api-key",
         default=os.environ.get("TOKENBUS_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health, "
-        "/metrics, /version, /ping (default: $TOKENBUS_API_KEY)",
+        "/metrics, /version, /ping, /load (default: $TOKENBUS_API_KEY)",
     )
     serve.add_argument("--served-model-name", default=None, help="default: the model argument")
     serve.add_argument(
@@ -54,11 +54,16 @@ def add_serve_parser(sub) -> None:
         action="store_true",
         help="usage.prompt_tokens_details.cached_tokens in responses (as vLLM)",
     )
+    _add_cors_args(serve)
     serve.add_argument(
-        "--allowed-origins",
-        default=None,
-        help="CORS: origins browsers may call from, as JSON ('[\"*\"]') or "
-        "comma-separated; default: none (no CORS headers)",
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprob tokens as "token_id:N" unless a request sets return_tokens_as_token_ids',
+    )
+    serve.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="accepted for vLLM's command lines: GET /load always reports the requests in flight",
     )
     serve.add_argument(
         "--enable-auto-tool-choice",
@@ -98,6 +103,25 @@ def add_serve_parser(sub) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _add_cors_args(serve: argparse.ArgumentParser) -> None:
+    """CORS, with vLLM's flags and defaults: every origin, method and header, no credentials."""
+    serve.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="CORS: origins browsers may call from, as JSON ('[\"*\"]') or comma-separated; "
+        "default: all (as vLLM); '[]' or '': none (no CORS headers)",
+    )
+    serve.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow cookies and credentials"
+    )
+    serve.add_argument(
+        "--allowed-methods", default=None, help="CORS: methods, like --allowed-origins (all)"
+    )
+    serve.add_argument(
+        "--allowed-headers", default=None, help="CORS: headers, like --allowed-origins (all)"
+    )
+
+
 def _add_limit_args(serve: argparse.ArgumentParser) -> None:
     """A flag per RequestLimits field (api/openai/limits.py): the caps on one request's work."""
     from tokenbus.api.openai.limits import RequestLimits
@@ -113,14 +137,15 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
         )
 
 
-def _origins(value: str | None) -> tuple[str, ...]:
-    if not value:
-        return ()
+def _cors_list(value: str | None, name: str) -> tuple[str, ...]:
+    """A CORS list flag: JSON or comma-separated; left out: all ("*"); empty: none."""
+    if value is None:
+        return ("*",)
     if value.lstrip().startswith("["):
-        origins = json.loads(value)
-        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
-            raise ValueError("allowed_origins: expected a JSON list of strings")
-        return tuple(origins)
+        items = json.loads(value)
+        if not isinstance(items, list) or not all(isinstance(o, str) for o in items):
+            raise ValueError(f"{name}: expected a JSON list of strings")
+        return tuple(items)
     return tuple(o.strip() for o in value.split(",") if o.strip())
 
 
@@ -142,7 +167,11 @@ def _serve(ns: argparse.Namespace) -> int:
         request_timeout=ns.request_timeout,
         engine_stall_timeout=ns.engine_stall_timeout,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
-        allowed_origins=_origins(ns.allowed_origins),
+        allowed_origins=_cors_list(ns.allowed_origins, "allowed_origins"),
+        allow_credentials=ns.allow_credentials,
+        allowed_methods=_cors_list(ns.allowed_methods, "allowed_methods"),
+        allowed_headers=_cors_list(ns.allowed_headers, "allowed_headers"),
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
         shutdown_timeout=ns.shutdown_timeout,

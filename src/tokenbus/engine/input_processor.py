@@ -132,8 +132,7 @@ class InputProcessor:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
-                f"(size {self.vocab_size})"
+                f"prompt_token_ids: token id {bad[0]} is out of vocabulary (size {self.vocab_size})"
             )
 
     def make_request(

@@ -190,6 +190,8 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        if first.get("type"):  # pydantic's name for the check, as its own messages end
+            message += f" [type={first['type']}]"
         error = BadRequestError(message, loc[0] if loc else None)
         log_client_error(request, error)
         return _respond(request, error)

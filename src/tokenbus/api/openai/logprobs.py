@@ -19,8 +19,16 @@ Decode = Callable[[int], str]
 MISSING_LOGPROB = -9999.0
 
 
-def _token_text(token_id: int, logprob: Logprob, decode: Decode) -> str:
-    return logprob.decoded_token if logprob.decoded_token is not None else decode(token_id)
+def _token_text(token_id: int, logprob: Logprob | None, decode: Decode) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return decode(token_id)
+
+
+def _shown(token_id: int, logprob: Logprob | None, decode: Decode, as_ids: bool) -> str:
+    """A token as the response names it: its text, or (return_tokens_as_token_ids, vLLM)
+    "token_id:N", which survives tokens that are not whole characters."""
+    return f"token_id:{token_id}" if as_ids else _token_text(token_id, logprob, decode)
 
 
 def _top(position: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
@@ -38,21 +46,28 @@ def completion_logprobs(
     num_top: int,
     text_offset: int,
     decode: Decode,
+    as_ids: bool = False,
 ) -> CompletionLogProbs:
     """Legacy completions format; `text_offset` is where this delta's text starts in the choice.
-    A position of None (the first prompt token, echoed) has no logprobs: null, as OpenAI sends."""
+    A position of None (the first prompt token, echoed) has no logprobs: null, as OpenAI sends.
+
+    Each top_logprobs entry holds the sampled token first, then the `num_top` most likely
+    (OpenAI's legacy API: up to logprobs + 1 entries; logprobs 0 gives the sampled one alone),
+    as vLLM sends them."""
     result = CompletionLogProbs()
     for token_id, position in zip(token_ids, positions):
         sampled = position.get(token_id) if position is not None else None
-        token = _token_text(token_id, sampled, decode) if sampled else decode(token_id)
-        result.tokens.append(token)
+        result.tokens.append(_shown(token_id, sampled, decode, as_ids))
         result.token_logprobs.append(sampled.logprob if sampled else None)
         result.text_offset.append(text_offset)
-        text_offset += len(token)
+        text_offset += len(_token_text(token_id, sampled, decode))
+        if position is None:
+            result.top_logprobs.append(None)
+            continue
+        top = {token_id: sampled} if sampled else {}
+        top.update((t, lp) for t, lp in _top(position, num_top) if t not in top)
         result.top_logprobs.append(
-            {_token_text(t, lp, decode): lp.logprob for t, lp in _top(position, num_top)}
-            if num_top and position
-            else None
+            {_shown(t, lp, decode, as_ids): lp.logprob for t, lp in top.items()}
         )
     return result
 
@@ -73,15 +88,19 @@ def prompt_logprobs_body(
 
 
 def chat_logprobs(
-    token_ids: list[int], positions: list[dict[int, Logprob]], num_top: int, decode: Decode
+    token_ids: list[int],
+    positions: list[dict[int, Logprob]],
+    num_top: int,
+    decode: Decode,
+    as_ids: bool = False,
 ) -> ChatLogprobs:
     content = []
     for token_id, position in zip(token_ids, positions):
         sampled = position.get(token_id)
-        token = _token_text(token_id, sampled, decode) if sampled else decode(token_id)
+        token = _shown(token_id, sampled, decode, as_ids)
         top = [
             TopLogprob(
-                token=(text := _token_text(t, lp, decode)),
+                token=(text := _shown(t, lp, decode, as_ids)),
                 logprob=lp.logprob,
                 bytes=list(text.encode()),
             )

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 # Paths open without a key; everything else needs one (deny by default, unlike vLLM's /v1 prefix
 # check, which new routes and path tricks like `//v1` kept bypassing).
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/load"})
 _SLASHES = re.compile(r"/+")
 DRAIN_FACTOR = 8
 

@@ -76,6 +76,10 @@ class StructuredOutputsRequest(OpenAIRequest):
     json_object: bool | None = None
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TruncationSide = Literal["left", "right"]
+
+
 class SamplingFields(OpenAIRequest):
     """Sampling fields common to /v1/completions and /v1/chat/completions."""
 
@@ -85,7 +89,7 @@ class SamplingFields(OpenAIRequest):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float = 0.0
@@ -100,18 +104,39 @@ class SamplingFields(OpenAIRequest):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI: the end user, for abuse tracing; logged with the request
     cache_salt: str | None = None
     # vLLM: the request's place under --scheduling-policy priority (lower first); 0 otherwise.
     priority: int = 0
+    # Completions: sample best_of, answer with the n of highest mean token logprob.
     best_of: int | None = None
-    # vLLM extensions: the token ids of prompt and output in the response; keep only the last
-    # k prompt tokens (-1: as many as the context holds).
+    # vLLM: beam search with n beams, scored by cumulative logprob / length**length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    # vLLM extensions: the token ids of prompt and output in the response; keep only k prompt
+    # tokens (-1: as many as the context holds), the last k ("left", the default: the left is
+    # cut) or the first k ("right").
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
+    truncation_side: TruncationSide | None = None
+    # vLLM: logprob tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM: BOS and the like added to a prompt (None: completions yes, chat no: the template
+    # adds its own).
+    add_special_tokens: bool | None = None
+    # vLLM: the response's id is "<prefix>-<request_id>" (cmpl-, chatcmpl-).
+    # Visible ASCII only: it is logged and sent on to the engine.
+    request_id: str | None = Field(default=None, max_length=256, pattern=r"^[!-~]+$")
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt's tokens, top-n each
     # vLLM: disaggregated prefill/decode, for the instance's KV connector (see tokenbus proxy).
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM ≤ 0.11's spellings of structured_outputs' json, regex, choice and grammar; the
+    # backend's name is accepted whatever it is (xgrammar serves every constraint).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class PromptTokensDetails(OpenAIResponse):
@@ -155,15 +180,19 @@ class CompletionLogProbs(OpenAIResponse):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+# The vLLM extensions below are in every response, null unless asked for, as vLLM sends them:
+# clients read them as attributes (`choice.prompt_logprobs is None`).
+
+
 class CompletionChoice(OpenAIResponse):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = OnRequest()  # with return_token_ids
-    token_ids: list[int] | None = OnRequest()
-    prompt_logprobs: PromptLogprobs | None = OnRequest()  # with prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
 
 
 class CompletionResponse(OpenAIResponse):
@@ -172,8 +201,10 @@ class CompletionResponse(OpenAIResponse):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = OnRequest()  # a KV connector's, when it set some
+    kv_transfer_params: dict[str, Any] | None = None  # a KV connector's, when it set some
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +213,9 @@ class CompletionResponse(OpenAIResponse):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]]
+    # vLLM: handed to the chat template (RAG documents; a reasoning model's effort).
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: str | None = None
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -228,6 +262,7 @@ class ChatMessage(OpenAIResponse):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] | None = OnRequest()
+    function_call: FunctionCall | None = OnRequest()  # legacy `functions` requests' one call
 
 
 class ChatChoice(OpenAIResponse):
@@ -236,7 +271,7 @@ class ChatChoice(OpenAIResponse):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = OnRequest()  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIResponse):
@@ -245,10 +280,12 @@ class ChatCompletionResponse(OpenAIResponse):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
-    prompt_token_ids: list[int] | None = OnRequest()  # with return_token_ids
-    prompt_logprobs: PromptLogprobs | None = OnRequest()  # with prompt_logprobs
-    kv_transfer_params: dict[str, Any] | None = OnRequest()  # a KV connector's, when it set some
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
+    kv_transfer_params: dict[str, Any] | None = None  # a KV connector's, when it set some
 
 
 class DeltaFunctionCall(OpenAIResponse):
@@ -269,6 +306,7 @@ class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = None  # legacy `functions` requests
 
 
 class ChatStreamChoice(OpenAIResponse):
@@ -317,6 +355,7 @@ class EmbeddingRequest(OpenAIRequest):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM
+    truncation_side: TruncationSide | None = None  # vLLM
 
 
 class EmbeddingData(OpenAIResponse):
@@ -348,14 +387,19 @@ class TokenizerInfoResponse(OpenAIResponse):
 
 
 class TokenizeRequest(OpenAIRequest):
-    """Either `prompt` (text) or `messages` (rendered with the chat template)."""
+    """Either `prompt` (text) or `messages` (rendered as /v1/chat/completions renders them:
+    the chat template, tools included)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: yes for a prompt, no for messages (vLLM)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none": tools not shown to the model
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 

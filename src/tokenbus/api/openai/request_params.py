@@ -18,6 +18,7 @@ from tokenbus.api.openai.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from tokenbus.api.openai.unsupported import check_structured_outputs_keys
 from tokenbus.sampling_params import (
     GENERATION_CONFIG_FIELDS,
     SamplingParams,
@@ -61,7 +62,7 @@ def completion_params(
         prompt_logprobs = -1 if -1 in wanted else max(wanted)
     return SamplingParams(
         max_tokens=max_tokens,
-        logprobs=req.logprobs,
+        logprobs=_engine_logprobs(req, req.logprobs),
         prompt_logprobs=prompt_logprobs,
         **_common(req, limits),
     )
@@ -79,22 +80,52 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ParamLimits
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return SamplingParams(
         max_tokens=max_tokens,
-        logprobs=logprobs,
+        logprobs=_engine_logprobs(req, logprobs),
         prompt_logprobs=req.prompt_logprobs,
         **_common(req, limits),
     )
 
 
-def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """`truncate_prompt_tokens` (vLLM): only the last `keep` tokens; -1 keeps max_model_len.
-    The same list when nothing is cut."""
+def truncate_prompt(
+    token_ids: list[int], keep: int | None, max_model_len: int, side: str | None = None
+) -> list[int]:
+    """`truncate_prompt_tokens` (vLLM): only `keep` tokens, -1 keeping max_model_len; the last
+    ones (`truncation_side` "left" or None: the left is cut) or the first ("right"). The same
+    list when nothing is cut."""
     if keep is None:
         return token_ids
     if keep == -1:
         keep = max_model_len
     if keep < 1:
         raise ValueError(f"truncate_prompt_tokens: must be -1 or at least 1, got {keep}")
-    return token_ids if len(token_ids) <= keep else token_ids[-keep:]
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
+
+
+def num_samples(req: SamplingFields, caps: RequestLimits) -> int:
+    """Sequences to sample per prompt: `best_of` (n of them answer: those of highest mean
+    token logprob, OpenAI's "best"), else n."""
+    best_of = req.best_of
+    if best_of is None or best_of == req.n:
+        return req.n
+    if best_of < req.n:
+        raise ValueError(f"best_of: must be at least n ({req.n}), got {best_of}")
+    if req.stream:
+        raise ValueError(
+            "best_of: cannot be streamed (the best are known only at the end); leave it out, "
+            "set it to n, or set stream to false"
+        )
+    caps.check("max_n", best_of, "best_of", "best_of")
+    return best_of
+
+
+def _engine_logprobs(req: SamplingFields, logprobs: int | None) -> int | None:
+    """best_of > n ranks the samples by their logprobs: the engine reports the sampled
+    tokens' (0: no others) even when the response shows none."""
+    if logprobs is None and req.best_of is not None and req.best_of > req.n:
+        return 0
+    return logprobs
 
 
 def make_usage(
@@ -124,13 +155,11 @@ def check_n(req: SamplingFields, caps: RequestLimits) -> None:
 
 def _common(req: SamplingFields, limits: ParamLimits) -> dict[str, Any]:
     check_n(req, limits.caps)
-    if req.best_of is not None and req.best_of not in (1, req.n):
-        raise ValueError("best_of: values other than n are not supported")
     check_stream_options(req)
     check_stop(req, limits.caps)
     check_kv_transfer_params(req)
     return dict(
-        n=req.n,
+        n=num_samples(req, limits.caps),
         temperature=limits.default("temperature", req.temperature),
         top_p=limits.default("top_p", req.top_p),
         top_k=limits.default("top_k", req.top_k),
@@ -213,23 +242,19 @@ def _logit_bias(bias: dict[str, float] | None, caps: RequestLimits) -> dict[int,
 
 
 def structured_outputs(req: SamplingFields, caps: RequestLimits) -> StructuredOutputsParams | None:
-    """`response_format` (OpenAI) or `structured_outputs` (vLLM extension), at most one."""
-    from_format = _from_response_format(req)
-    if req.structured_outputs is None:
-        spec = from_format
-    elif from_format is not None:
+    """`response_format` (OpenAI), `structured_outputs` (vLLM extension) or the guided_*
+    fields (vLLM ≤ 0.11), at most one."""
+    given = [
+        spec
+        for spec in (_from_response_format(req), _from_structured_outputs(req), _from_guided(req))
+        if spec is not None
+    ]
+    if len(given) > 1:
         raise ValueError(
-            "structured_outputs: give either response_format or structured_outputs, not both"
+            "structured_outputs: give one of response_format, structured_outputs or the "
+            "guided_* fields, not several"
         )
-    else:
-        given = req.structured_outputs
-        spec = StructuredOutputsParams(
-            json=given.json_,
-            regex=given.regex,
-            choice=given.choice,
-            grammar=given.grammar,
-            json_object=given.json_object,
-        )
+    spec = given[0] if given else None
     if spec is not None:
         check_spec_size(spec, caps)
     return spec
@@ -274,6 +299,32 @@ def check_spec_size(spec: StructuredOutputsParams, caps: RequestLimits) -> None:
             "JSON schema compile cost (the sum over its objects of optional properties²)",
             param,
         )
+
+
+def _from_structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    given = req.structured_outputs
+    if given is None:
+        return None
+    check_structured_outputs_keys(given.model_extra)
+    return StructuredOutputsParams(
+        json=given.json_,
+        regex=given.regex,
+        choice=given.choice,
+        grammar=given.grammar,
+        json_object=given.json_object,
+    )
+
+
+def _from_guided(req: SamplingFields) -> StructuredOutputsParams | None:
+    fields = (req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
+    if all(f is None for f in fields):
+        return None
+    return StructuredOutputsParams(
+        json=req.guided_json,
+        regex=req.guided_regex,
+        choice=req.guided_choice,
+        grammar=req.guided_grammar,
+    )
 
 
 def _from_response_format(req: SamplingFields) -> StructuredOutputsParams | None:

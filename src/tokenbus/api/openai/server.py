@@ -42,6 +42,7 @@ from tokenbus.api.openai.middleware import (
     InternalErrorMiddleware,
 )
 from tokenbus.api.openai.request_params import ParamLimits
+from tokenbus.api.openai.sagemaker import add_sagemaker_routes
 from tokenbus.api.openai.server_config import ServerConfig
 from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
@@ -51,6 +52,7 @@ from tokenbus.api.openai.serving_messages import MessagesServing, add_messages_r
 from tokenbus.api.openai.serving_responses import ResponsesRequest, ResponsesServing
 from tokenbus.api.openai.serving_tokenize import TokenizeServing
 from tokenbus.api.openai.tool_parsers import PARSERS, ToolCallParser, make_parser
+from tokenbus.api.openai.unsupported import UNSUPPORTED_FIELDS
 from tokenbus.utils.tasks import cancel_all
 
 if TYPE_CHECKING:
@@ -79,7 +81,8 @@ class ServerState:
 
 
 def known_params() -> frozenset[str]:
-    names: set[str] = {"prompt_token_ids"}
+    """Field names an error may name as its `param` (refused ones included)."""
+    names: set[str] = {"prompt_token_ids", *UNSUPPORTED_FIELDS}
     for model in (
         p.CompletionRequest,
         p.ChatCompletionRequest,
@@ -116,6 +119,7 @@ def make_serving_context(
         known_params=known_params(),
         request_timeout_s=config.request_timeout,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         tool_parser=_tool_parser(config),
     )
 
@@ -153,14 +157,16 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_body_bytes)
     if state.config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
-    if state.config.allowed_origins:
+    config = state.config
+    if config.allowed_origins:
         # Outermost: a browser's preflight OPTIONS carries no key, and every answer, a 401 too,
         # needs the CORS headers for the page to read it.
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(state.config.allowed_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],
+            allow_origins=list(config.allowed_origins),
+            allow_credentials=config.allow_credentials,
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
         )
     return app
 
@@ -170,7 +176,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     chat = ChatServing(state.ctx)
     responses = ResponsesServing(chat)
     embeddings = EmbeddingServing(state.ctx)
-    tokenize = TokenizeServing(state.ctx)
+    tokenize = TokenizeServing(state.ctx, chat)
 
     @app.post("/v1/completions")
     async def create_completion(request: p.CompletionRequest, raw_request: Request) -> Response:
@@ -216,6 +222,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize_route(request: p.DetokenizeRequest) -> p.DetokenizeResponse:
         return await tokenize.detokenize(request)
 
+    add_sagemaker_routes(app, chat, completions, embeddings)
+
 
 def _add_service_routes(app: FastAPI, state: ServerState) -> None:
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -239,6 +247,11 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        # vLLM's: the generation and embedding requests in flight (admitted, not yet answered).
+        return JSONResponse({"server_load": state.ctx.admission.num_requests})
 
     @app.get("/version")
     async def version() -> JSONResponse:

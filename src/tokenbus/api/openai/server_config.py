@@ -28,7 +28,13 @@ class ServerConfig:
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S
     engine_stall_timeout: float = 60.0  # seconds of pending work without a step → 503; 0: off
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM
-    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers (browsers refuse)
+    # CORS, as vLLM's defaults: any origin may call (a key, when set, still guards every route);
+    # no origins: no CORS headers (browsers refuse cross-origin calls).
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" by default
     enable_auto_tool_choice: bool = False  # tool_choice "auto", parsed by tool_call_parser
     tool_call_parser: str | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests may drain after SIGTERM

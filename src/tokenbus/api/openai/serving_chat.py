@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenbus.api.openai.beam_search import BeamSearchParams, beam_search, beam_search_params
 from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from tokenbus.api.openai.protocol import (
@@ -26,9 +27,7 @@ from tokenbus.api.openai.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatStreamChoice,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     FunctionCall,
     ToolCall,
     UsageInfo,
@@ -38,10 +37,12 @@ from tokenbus.api.openai.request_params import (
     check_n,
     check_spec_size,
     make_usage,
+    num_samples,
     truncate_prompt,
 )
-from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
+from tokenbus.api.openai.serving_engine import OpenAIServing
 from tokenbus.api.openai.streaming import DONE_EVENT, sse_event
+from tokenbus.api.openai.tool_stream import ToolStream, tool_finish_reason
 from tokenbus.api.openai.tools import (
     ToolPlan,
     messages_for_template,
@@ -91,10 +92,17 @@ class ChatRun:
     prompt_logprobs: list | None = None  # from the outputs, when asked for
     kv_transfer_params: dict | None = None  # from the final output, when a KV connector set them
     with_cache_details: bool = False  # --enable-prompt-tokens-details
+    as_token_ids: bool = False  # return_tokens_as_token_ids
+    beam: BeamSearchParams | None = None  # use_beam_search
 
     @property
     def request_id(self) -> str:
         return self.engine_request.request_id
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences sampled: best_of, else n (the beam width for beam search)."""
+        return self.params.n
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -125,6 +133,12 @@ class ChatChoiceState:
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # when the engine computed logprobs
+
+    def mean_logprob(self) -> float:
+        if self.cumulative_logprob is None or not self.num_tokens:
+            return float("-inf")
+        return self.cumulative_logprob / self.num_tokens
 
 
 class ChatServing(OpenAIServing):
@@ -132,10 +146,12 @@ class ChatServing(OpenAIServing):
         self.preflight(request, request.model)
         self.check_messages(request.messages, request.tools, request.functions)
         check_n(request, self.ctx.limits.caps)
-        self.ctx.admission.check_room(request.n)  # overloaded: refuse before preparing
+        samples = num_samples(request, self.ctx.limits.caps)
+        self.ctx.admission.check_room(samples)  # overloaded: refuse before preparing
         run = await self.prepare(self.build_run, request, raw=raw)
+        self.log_user(run.request_id, request.user)
         budget = self.generation_budget([run.engine_request])
-        return await self.respond(raw, request.stream, request.n, run, budget)
+        return await self.respond(raw, request.stream, samples, run, budget)
 
     def render(self, request: ChatCompletionRequest) -> RenderedChat:
         """The chat as the model's template renders it, tools planned and checked."""
@@ -151,20 +167,30 @@ class ChatServing(OpenAIServing):
         )
         if plan is not None:
             self._check_tool_schemas(plan)
+        kwargs = template_kwargs(request.chat_template_kwargs) or {}
+        # vLLM hands these to the template too (templates that do not know them ignore them).
+        for name in ("documents", "reasoning_effort"):
+            if getattr(request, name, None) is not None:
+                kwargs[name] = getattr(request, name)
         text, token_ids = self.engine.input_processor.render_chat(
             messages_for_template(messages, plan, native_tools),
             request.add_generation_prompt,
-            template_kwargs(request.chat_template_kwargs),
+            kwargs or None,
             continue_final_message=request.continue_final_message,
             tools=plan.tools if plan is not None and native_tools else None,
         )
+        if request.add_special_tokens:  # BOS and the like on top of what the template adds
+            token_ids = self.engine.tokenizer.encode(text, add_special_tokens=True)
         return RenderedChat(messages, plan, text, token_ids)
 
     def build_run(self, request: ChatCompletionRequest) -> ChatRun:
         messages, plan, text, token_ids = self.render(request)
         processor = self.engine.input_processor
         truncated = truncate_prompt(
-            token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len
+            token_ids,
+            request.truncate_prompt_tokens,
+            self.ctx.limits.max_model_len,
+            request.truncation_side,
         )
         params = chat_params(request, len(truncated), self.ctx.limits)
         if plan is not None and (constraint := plan.structured_outputs()) is not None:
@@ -179,13 +205,16 @@ class ChatServing(OpenAIServing):
             params = params.clone(skip_special_tokens=False)  # its marker is a special token
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
         engine_request = processor.make_request(
-            new_request_id("chatcmpl"),
+            self.request_id_for("chatcmpl", request.request_id),
             truncated,
             params,
             cache_salt=request.cache_salt,
             priority=request.priority,
         )
         self.check_prompt_logprobs([(len(truncated), engine_request.sampling_params)])
+        beam = None
+        if request.use_beam_search:
+            beam = beam_search_params(request, params, self.engine.config.model.max_logprobs)
         echo = (
             messages[-1]["content"]
             if request.echo and messages[-1].get("role") == ASSISTANT
@@ -199,6 +228,8 @@ class ChatServing(OpenAIServing):
             echo_text=echo,
             with_cache_details=self.ctx.enable_prompt_tokens_details,
             tools=plan,
+            as_token_ids=self.tokens_as_ids(request),
+            beam=beam,
         )
 
     def _check_tool_schemas(self, plan: ToolPlan) -> None:
@@ -215,17 +246,24 @@ class ChatServing(OpenAIServing):
                 raise ValueError(f"tools[{index}].function.parameters: {reason}") from None
 
     def generate(self, run: ChatRun) -> AsyncIterator:
+        if run.beam is not None:
+            return beam_search(self.engine, run.engine_request, run.beam, run.prompt_text)
         return self.engine.generate_request(run.engine_request, prompt=run.prompt_text)
 
     def _delta_logprobs(self, run: ChatRun, output: CompletionOutput) -> ChatLogprobs | None:
-        if run.params.logprobs is None or output.logprobs is None:
+        # The engine computes logprobs for best_of alone too: shown only when asked for.
+        if not run.request.logprobs or output.logprobs is None:
             return None
         return chat_logprobs(
-            output.token_ids, output.logprobs, run.params.logprobs, self.decode_token
+            output.token_ids,
+            output.logprobs,
+            run.params.logprobs,
+            self.decode_token,
+            run.as_token_ids,
         )
 
     async def _complete(self, run: ChatRun) -> Response:
-        states = {i: ChatChoiceState() for i in range(run.request.n)}
+        states = {i: ChatChoiceState() for i in range(run.num_samples)}
         # Leaving early (a disconnect cancels us, or a failure) closes the engine stream,
         # and generate() aborts its request when closed; _stream relies on the same.
         async with aclosing(self.generate(run)) as outputs:
@@ -235,7 +273,10 @@ class ChatServing(OpenAIServing):
                 run.kv_transfer_params = out.kv_transfer_params or run.kv_transfer_params
                 for output in out.outputs:
                     fold_choice(states[output.index], output, self._delta_logprobs(run, output))
-        choices = [self.final_choice(run, i, s) for i, s in sorted(states.items())]
+        answered = [states[i] for i in sorted(states)]
+        if run.num_samples > run.request.n:  # best_of: the n of highest mean token logprob
+            answered = sorted(answered, key=ChatChoiceState.mean_logprob, reverse=True)
+        choices = [self.final_choice(run, i, s) for i, s in enumerate(answered[: run.request.n])]
         body = ChatCompletionResponse(
             id=run.request_id,
             created=run.created,
@@ -260,20 +301,20 @@ class ChatServing(OpenAIServing):
         return state
 
     def final_choice(self, run: ChatRun, index: int, state: ChatChoiceState) -> ChatChoice:
-        content, finish_reason, tool_calls = run.echo_text + state.text, state.finish_reason, None
+        content, finish_reason = run.echo_text + state.text, state.finish_reason
+        message = ChatMessage(role=ASSISTANT, content=content)
         if run.tools is not None:
-            content, calls = run.tools.calls_from_text(state.text)
-            if calls:
-                tool_calls = [
-                    ToolCall(
-                        id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)
-                    )
-                    for c in calls
-                ]
-                finish_reason = _tool_finish_reason(run.tools, finish_reason)
+            message.content, calls = run.tools.calls_from_text(state.text)
+            functions = [FunctionCall(name=c.name, arguments=c.arguments) for c in calls]
+            if run.tools.legacy and functions:  # OpenAI's legacy form: one call, no id
+                message.function_call = functions[0]
+            elif functions:
+                message.tool_calls = [ToolCall(id=new_call_id(), function=f) for f in functions]
+            if functions:
+                finish_reason = tool_finish_reason(run.tools, finish_reason)
         return ChatChoice(
             index=index,
-            message=ChatMessage(role=ASSISTANT, content=content, tool_calls=tool_calls),
+            message=message,
             logprobs=state.logprobs,
             finish_reason=finish_reason,
             stop_reason=state.stop_reason,
@@ -292,7 +333,7 @@ class ChatServing(OpenAIServing):
                 async for out in outputs:
                     run.num_cached_tokens = out.num_cached_tokens
                     if is_first:  # role chunks once the request is running, as vLLM does
-                        for event in self._first_events(run):
+                        for event in self._first_events(run, continuous_usage):
                             yield event
                         is_first = False
                     for output in out.outputs:
@@ -310,9 +351,11 @@ class ChatServing(OpenAIServing):
             yield sse_event(error_event_body(exc, self.ctx.known_params))
         yield DONE_EVENT
 
-    def _first_events(self, run: ChatRun) -> list[bytes]:
+    def _first_events(self, run: ChatRun, continuous_usage: bool) -> list[bytes]:
         """Each choice's role chunk (the first also carrying the prompt's token ids when asked
-        for), then the echoed message as each choice's first content."""
+        for), then the echoed message as each choice's first content; with continuous usage
+        each carries the usage so far (no completion tokens yet), as vLLM sends it."""
+        usage = run.usage(0) if continuous_usage else None
         events = []
         for i in range(run.request.n):
             chunk = _chunk(
@@ -328,11 +371,15 @@ class ChatServing(OpenAIServing):
             )
             if run.request.return_token_ids and i == 0:
                 chunk.prompt_token_ids = run.prompt_token_ids
+            if usage is not None:
+                chunk.usage = usage
             events.append(sse_event(chunk, exclude_unset=True))
         if run.echo_text:
             events.extend(
                 _chunk_event(
-                    run, [ChatStreamChoice(index=i, delta=DeltaMessage(content=run.echo_text))]
+                    run,
+                    [ChatStreamChoice(index=i, delta=DeltaMessage(content=run.echo_text))],
+                    usage,
                 )
                 for i in range(run.request.n)
             )
@@ -377,133 +424,14 @@ def _chunk_event(
     return sse_event(chunk, exclude_unset=True)
 
 
-def _tool_finish_reason(plan: ToolPlan, finish_reason: str | None) -> str | None:
-    """OpenAI's: "tool_calls" when the model chose to call (auto, required), "stop" when the
-    request named the function; a cut-short output keeps "length"."""
-    if finish_reason != "stop" or plan.mode == "named":
-        return finish_reason
-    return "tool_calls"
-
-
-class ToolStream:
-    """One choice's stream when tools are in play: OpenAI-shaped `tool_calls` deltas.
-
-    named     the output is the arguments: a first delta with id and name, then each token's
-              text as an argument fragment
-    required  the output is a JSON array of calls: parsed at the end, one delta per call
-    auto      text streams as content, except what may be a call (the parser's marker, held
-              back while it could still begin one): that is parsed at the end
-    """
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.text = ""
-        self.num_sent = 0  # characters of text streamed as content
-        self.call_id = new_call_id()
-        self.started = False
-
-    def feed(self, output: CompletionOutput) -> list[ChatStreamChoice]:
-        self.text += output.text
-        if self.plan.mode == "named":
-            choices = self._named(output)
-        elif self.plan.mode == "auto":
-            choices = self._auto_content(output.index, final=output.finish_reason is not None)
-        else:
-            choices = []
-        if output.finish_reason is not None:
-            choices += self._finish(output)
-        return choices
-
-    def _named(self, output: CompletionOutput) -> list[ChatStreamChoice]:
-        choices = []
-        if not self.started:
-            self.started = True
-            choices.append(
-                _tool_delta(
-                    output.index,
-                    DeltaToolCall(
-                        index=0,
-                        id=self.call_id,
-                        type="function",
-                        function=DeltaFunctionCall(name=self.plan.named, arguments=""),
-                    ),
-                )
-            )
-        if output.text:
-            choices.append(
-                _tool_delta(
-                    output.index,
-                    DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=output.text)),
-                )
-            )
-        return choices
-
-    def _auto_content(self, index: int, final: bool) -> list[ChatStreamChoice]:
-        parser = self.plan.parser
-        if final or (self.num_sent == 0 and parser.may_start_call(self.text)):
-            return []  # the end decides (calls, or the rest as content); or a call may be starting
-        if not parser.calls_after_text:
-            end = len(self.text)  # calls only ever open the output: the rest is prose
-        else:
-            marker = self.text.find(parser.marker, self.num_sent)
-            end = marker if marker >= 0 else len(self.text) - _held_back(self.text, parser.marker)
-        if end <= self.num_sent:
-            return []
-        piece, self.num_sent = self.text[self.num_sent : end], end
-        return [ChatStreamChoice(index=index, delta=DeltaMessage(content=piece))]
-
-    def _finish(self, output: CompletionOutput) -> list[ChatStreamChoice]:
-        choices: list[ChatStreamChoice] = []
-        finish_reason = output.finish_reason
-        if self.plan.mode != "named":
-            content, calls = self.plan.calls_from_text(self.text)
-            # What was streamed is a prefix of the content (nothing past a marker is sent).
-            rest = (content or "")[self.num_sent :] if calls else self.text[self.num_sent :]
-            if rest:
-                choices.append(
-                    ChatStreamChoice(index=output.index, delta=DeltaMessage(content=rest))
-                )
-            for i, call in enumerate(calls):
-                choices.append(
-                    _tool_delta(
-                        output.index,
-                        DeltaToolCall(
-                            index=i,
-                            id=new_call_id(),
-                            type="function",
-                            function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
-                        ),
-                    )
-                )
-            if calls:
-                finish_reason = _tool_finish_reason(self.plan, finish_reason)
-        else:
-            finish_reason = _tool_finish_reason(self.plan, finish_reason)
-        last = ChatStreamChoice(
-            index=output.index, delta=DeltaMessage(), finish_reason=finish_reason
-        )
-        last.stop_reason = output.stop_reason
-        return choices + [last]
-
-
-def _held_back(text: str, marker: str) -> int:
-    """Characters at the end of `text` that could be the start of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
-def _tool_delta(index: int, call: DeltaToolCall) -> ChatStreamChoice:
-    return ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[call]))
-
-
 def fold_choice(
     state: ChatChoiceState, output: CompletionOutput, logprobs: ChatLogprobs | None
 ) -> None:
     state.text += output.text
     state.num_tokens += len(output.token_ids)
     state.token_ids.extend(output.token_ids)
+    if output.cumulative_logprob is not None:
+        state.cumulative_logprob = output.cumulative_logprob
     if logprobs is not None:
         if state.logprobs is None:
             state.logprobs = ChatLogprobs(content=[])
@@ -522,6 +450,8 @@ def normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str):
         raise ValueError(f"messages[{index}].role: required, and must be a string")
+    message = _from_legacy(message, index)
+    role = message["role"]
     calls = message.get("tool_calls")
     if calls is not None and not (
         isinstance(calls, list)
@@ -550,6 +480,20 @@ def normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
             raise ValueError(f"messages[{index}].content: only text parts are supported")
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+def _from_legacy(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """OpenAI's legacy history: an assistant's `function_call` becomes its one tool call, a
+    `function` message (the call's result) a `tool` message, as templates know them."""
+    if message["role"] == "function":
+        message = {**message, "role": "tool"}
+    call = message.get("function_call")
+    if call is None or message.get("tool_calls") is not None:
+        return message
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ValueError(f'messages[{index}].function_call: expected {{"name", "arguments"}}')
+    rest = {k: v for k, v in message.items() if k != "function_call"}
+    return {**rest, "tool_calls": [{"id": f"call_{index}", "type": "function", "function": call}]}
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:

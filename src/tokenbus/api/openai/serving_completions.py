@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenbus.api.openai.beam_search import BeamSearchParams, beam_search, beam_search_params
 from tokenbus.api.openai.errors import error_event_body
 from tokenbus.api.openai.logprobs import (
     completion_logprobs,
@@ -32,9 +33,10 @@ from tokenbus.api.openai.request_params import (
     check_n,
     completion_params,
     make_usage,
+    num_samples,
     truncate_prompt,
 )
-from tokenbus.api.openai.serving_engine import OpenAIServing, new_request_id
+from tokenbus.api.openai.serving_engine import OpenAIServing
 from tokenbus.api.openai.streaming import DONE_EVENT, merge_async_iterators, sse_event
 from tokenbus.engine.outputs import CompletionOutput, RequestOutput
 from tokenbus.protocol import EngineRequest
@@ -77,6 +79,12 @@ class ChoiceState:
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # when the engine computed logprobs
+
+    def mean_logprob(self) -> float:
+        if self.cumulative_logprob is None or not self.num_tokens:
+            return float("-inf")
+        return self.cumulative_logprob / self.num_tokens
 
 
 @dataclass
@@ -101,6 +109,8 @@ class CompletionRun:
     prompts: list[PreparedPrompt]
     created: int = field(default_factory=lambda: int(time.time()))
     with_cache_details: bool = False  # --enable-prompt-tokens-details
+    as_token_ids: bool = False  # return_tokens_as_token_ids
+    beam: BeamSearchParams | None = None  # use_beam_search
 
     @property
     def generates(self) -> bool:
@@ -108,11 +118,23 @@ class CompletionRun:
         return self.request.max_tokens != 0
 
     @property
+    def with_logprobs(self) -> bool:
+        """The response shows logprobs (the engine may compute some for best_of alone)."""
+        return self.request.logprobs is not None
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences per prompt: best_of, else n (the beam width for beam search)."""
+        return self.prompts[0].params.n
+
+    @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
 
     def choice_index(self, prompt_index: int, child_index: int) -> int:
-        return prompt_index * self.request.n + child_index
+        """The index a sample is kept under; with best_of > n the kept samples are numbered
+        again (prompt index * n + rank) once chosen."""
+        return prompt_index * self.num_samples + child_index
 
     def usage(self, num_completion_tokens: int) -> UsageInfo:
         cached = [p.num_cached_tokens for p in self.prompts] if self.with_cache_details else None
@@ -126,10 +148,11 @@ class CompletionServing(OpenAIServing):
         # The caps that need no tokenizing, before any is done: a request's fan-out (each
         # sequence queues like a request of its own) and its text.
         check_n(request, self.ctx.limits.caps)
+        samples = num_samples(request, self.ctx.limits.caps)
         self.ctx.limits.caps.check(
             "max_sequences_per_request",
-            len(prompts) * request.n,
-            "number of sequences (prompts × n)",
+            len(prompts) * samples,
+            "number of sequences (prompts × n, or × best_of)",
             "prompt",
         )
         self.check_text_length("prompt", sum(len(p) for p in prompts if isinstance(p, str)))
@@ -140,26 +163,40 @@ class CompletionServing(OpenAIServing):
         if request.stream and request.echo and request.logprobs is not None and request.n > 1:
             raise ValueError("echo: streaming echo with logprobs is supported for n = 1 only")
         check_kv_transfer_params(request, len(prompts))
-        self.ctx.admission.check_room(
-            len(prompts) * request.n
-        )  # overloaded: refuse before preparing
+        # Overloaded: refuse before preparing.
+        self.ctx.admission.check_room(len(prompts) * samples)
         run = await self.prepare(self._prepare, request, prompts, raw=raw)
+        self.log_user(run.request_id, request.user)
         budget = self.generation_budget([p.engine_request for p in run.prompts])
-        return await self.respond(raw, request.stream, request.n * len(run.prompts), run, budget)
+        return await self.respond(raw, request.stream, samples * len(run.prompts), run, budget)
+
+    def _tokenize(
+        self, request: CompletionRequest, prompt: str | list[int]
+    ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one prompt; text gets BOS and the like unless
+        add_special_tokens is false."""
+        processor = self.engine.input_processor
+        if isinstance(prompt, str) and request.add_special_tokens is False:
+            token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+            return processor.tokenize({"prompt": prompt, "prompt_token_ids": token_ids})
+        return processor.tokenize(
+            prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        )
 
     def _prepare(self, request: CompletionRequest, prompts: list[str | list[int]]) -> CompletionRun:
-        base_id = new_request_id("cmpl")
+        base_id = self.request_id_for("cmpl", request.request_id)
         processor = self.engine.input_processor
         prepared = []
         # The parameters depend on a prompt only through its length (the max_tokens check):
         # built once per length, not once per prompt.
         params_for_length: dict[int, SamplingParams] = {}
         for i, prompt in enumerate(prompts):
-            text, token_ids = processor.tokenize(
-                prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-            )
+            text, token_ids = self._tokenize(request, prompt)
             truncated = truncate_prompt(
-                token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len
+                token_ids,
+                request.truncate_prompt_tokens,
+                self.ctx.limits.max_model_len,
+                request.truncation_side,
             )
             if truncated is not token_ids:
                 text, token_ids = None, truncated  # echo decodes what is left
@@ -180,15 +217,26 @@ class CompletionServing(OpenAIServing):
             sum((len(p.token_ids) + p.params.max_tokens) * p.params.n for p in prepared)
         )
         self.check_prompt_logprobs([(len(p.token_ids), p.params) for p in prepared])
+        beam = None
+        if request.use_beam_search:
+            beam = beam_search_params(
+                request, prepared[0].params, self.engine.config.model.max_logprobs
+            )
         return CompletionRun(
             base_id,
             request,
             self.response_model_name(request.model),
             prepared,
             with_cache_details=self.ctx.enable_prompt_tokens_details,
+            as_token_ids=self.tokens_as_ids(request),
+            beam=beam,
         )
 
     def _generators(self, run: CompletionRun) -> list[AsyncIterator[RequestOutput]]:
+        if run.beam is not None:
+            return [
+                beam_search(self.engine, p.engine_request, run.beam, p.text) for p in run.prompts
+            ]
         return [self.engine.generate_request(p.engine_request, prompt=p.text) for p in run.prompts]
 
     def _echo_text(self, prompt: PreparedPrompt) -> str:
@@ -210,16 +258,19 @@ class CompletionServing(OpenAIServing):
         text, logprobs = generated, None
         if run.request.echo and not state.is_started:
             text = self._echo_text(prompt) + generated
-            if prompt.params.logprobs is not None:
-                logprobs = self._echo_logprobs(prompt, state)
+            if run.with_logprobs:
+                logprobs = self._echo_logprobs(run, prompt, state)
         state.is_started = True
-        if prompt.params.logprobs is not None and output.logprobs is not None and token_ids:
+        if output.cumulative_logprob is not None:
+            state.cumulative_logprob = output.cumulative_logprob
+        if run.with_logprobs and output.logprobs is not None and token_ids:
             more = completion_logprobs(
                 token_ids,
                 output.logprobs,
                 prompt.params.logprobs,
                 len(state.text) + (len(text) - len(generated)),
                 self.decode_token,
+                run.as_token_ids,
             )
             logprobs = merge_completion_logprobs(logprobs, more)
         state.text += text
@@ -230,14 +281,19 @@ class CompletionServing(OpenAIServing):
         return text, logprobs
 
     def _echo_logprobs(
-        self, prompt: PreparedPrompt, state: ChoiceState
+        self, run: CompletionRun, prompt: PreparedPrompt, state: ChoiceState
     ) -> CompletionLogProbs | None:
         """The echoed prompt's tokens with their logprobs (the first one's null)."""
         if prompt.prompt_logprobs is None:
             state.echo_logprobs_pending = True
             return None
         return completion_logprobs(
-            prompt.token_ids, prompt.prompt_logprobs, prompt.params.logprobs, 0, self.decode_token
+            prompt.token_ids,
+            prompt.prompt_logprobs,
+            prompt.params.logprobs,
+            0,
+            self.decode_token,
+            run.as_token_ids,
         )
 
     async def _deltas(
@@ -274,11 +330,11 @@ class CompletionServing(OpenAIServing):
                     state.logprobs = merge_completion_logprobs(state.logprobs, delta.logprobs)
         for i, state in states.items():
             if state.echo_logprobs_pending:
-                echoed = self._echo_logprobs(run.prompts[i // run.request.n], state)
+                echoed = self._echo_logprobs(run, run.prompts[i // run.num_samples], state)
                 state.logprobs = (
                     merge_completion_logprobs(echoed, state.logprobs) if state.logprobs else echoed
                 )
-        choices = [self._final_choice(run, i, s) for i, s in sorted(states.items())]
+        choices = [self._final_choice(run, i, s) for i, s in self._answered(run, states)]
         body = CompletionResponse(
             id=run.request_id,
             created=run.created,
@@ -288,6 +344,22 @@ class CompletionServing(OpenAIServing):
             kv_transfer_params=run.prompts[0].kv_transfer_params,
         )
         return Response(body.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    def _answered(
+        run: CompletionRun, states: dict[int, ChoiceState]
+    ) -> list[tuple[int, ChoiceState]]:
+        """(choice index, state) of the choices the response holds: every sample, or with
+        best_of > n the n of highest mean token logprob per prompt (OpenAI's "best")."""
+        n, samples = run.request.n, run.num_samples
+        if samples == n:
+            return sorted(states.items())
+        answered = []
+        for p_idx in range(len(run.prompts)):
+            mine = [states[k] for k in range(p_idx * samples, (p_idx + 1) * samples) if k in states]
+            best = sorted(mine, key=ChoiceState.mean_logprob, reverse=True)[:n]
+            answered.extend((p_idx * n + rank, state) for rank, state in enumerate(best))
+        return answered
 
     def _final_choice(self, run: CompletionRun, index: int, state: ChoiceState) -> CompletionChoice:
         prompt = run.prompts[index // run.request.n]

@@ -47,6 +47,7 @@ class EmbeddingServing(OpenAIServing):
         self.check_text_length("input", sum(len(p) for p in inputs if isinstance(p, str)))
         self.ctx.admission.check_room(len(inputs))
         run = await self.prepare(self._prepare, request, inputs)
+        self.log_user(run.request_id, request.user)
         return await self.respond(raw, False, len(run.prompts), run)
 
     def _prepare(self, request: EmbeddingRequest, inputs: list[str | list[int]]) -> EmbeddingRun:
@@ -59,7 +60,10 @@ class EmbeddingServing(OpenAIServing):
                 item if isinstance(item, str) else {"prompt_token_ids": item}
             )
             token_ids = truncate_prompt(
-                token_ids, request.truncate_prompt_tokens, self.ctx.limits.max_model_len
+                token_ids,
+                request.truncate_prompt_tokens,
+                self.ctx.limits.max_model_len,
+                request.truncation_side,
             )
             engine_requests.append(processor.make_request(f"{request_id}-{i}", token_ids, params))
         self.check_request_tokens(sum(len(r.prompt_token_ids) for r in engine_requests))

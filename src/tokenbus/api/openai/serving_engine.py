@@ -40,6 +40,7 @@ from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.streaming import DONE_EVENT, SSEResponse, cancel_on_disconnect, sse_event
 from tokenbus.api.openai.text_checks import find_lone_surrogate
 from tokenbus.api.openai.tool_parsers import ToolCallParser
+from tokenbus.api.openai.unsupported import check_unsupported
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.validator import CHECK_CANCELLED
 from tokenbus.utils.log import log_safe
@@ -88,7 +89,8 @@ class Admission:
     ) -> None:
         self.max_running = max_running
         self.limit = None if max_waiting is None else max_running + max_waiting
-        self.num_in_flight = 0
+        self.num_in_flight = 0  # sequences
+        self.num_requests = 0  # requests, whatever their n: GET /load's server_load
         self._clock = clock
         self._finished: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_WINDOW)
         # Generation tokens the engine reported, per second: [start of the second, tokens].
@@ -109,6 +111,7 @@ class Admission:
         a generation, e.g. embeddings)."""
         self.check_room(num_seqs)
         self.num_in_flight += num_seqs
+        self.num_requests += 1
         if max_new_tokens is not None:
             self._budget_in_flight += max_new_tokens
             self._num_budgeted += num_seqs
@@ -116,6 +119,7 @@ class Admission:
 
     def release(self, num_seqs: int, max_new_tokens: int | None = None) -> None:
         self.num_in_flight -= num_seqs
+        self.num_requests -= 1
         if max_new_tokens is not None:
             self._budget_in_flight -= max_new_tokens
             self._num_budgeted -= num_seqs
@@ -189,6 +193,8 @@ class ServingContext:
     known_params: frozenset[str] = field(default_factory=frozenset)
     request_timeout_s: float | None = None  # a request's deadline, from arrival to its last byte
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    # Logprob tokens as "token_id:N" unless a request says otherwise (vLLM's flag).
+    return_tokens_as_token_ids: bool = False
     tool_parser: ToolCallParser | None = None  # tool_choice "auto": --enable-auto-tool-choice
     # Tokenizing, chat templates and grammar checks run here, never on the event loop.
     prepare_pool: concurrent.futures.ThreadPoolExecutor = field(
@@ -225,7 +231,7 @@ class OpenAIServing:
             raise ValueError(
                 f"{path}: contains a lone UTF-16 surrogate, which is not valid Unicode text"
             )
-        unknown = request.unknown_fields()
+        unknown = check_unsupported(request)
         if unknown:
             shown = ", ".join(log_safe(name, 40) for name in unknown[:UNKNOWN_FIELDS_LOGGED])
             num_more = len(unknown) - UNKNOWN_FIELDS_LOGGED
@@ -301,6 +307,24 @@ class OpenAIServing:
 
     def response_model_name(self, model: str | None) -> str:
         return model or self.ctx.model_name
+
+    @staticmethod
+    def request_id_for(prefix: str, requested: str | None) -> str:
+        """The response's (and engine's) id: "<prefix>-<request_id>" when the client chose one
+        (vLLM's `request_id`; a second one running under the same id is a 400), else random."""
+        return new_request_id(prefix) if requested is None else f"{prefix}-{requested}"
+
+    def tokens_as_ids(self, request: Any) -> bool:
+        """return_tokens_as_token_ids: the request's choice, else the server's."""
+        chosen = request.return_tokens_as_token_ids
+        return self.ctx.return_tokens_as_token_ids if chosen is None else chosen
+
+    @staticmethod
+    def log_user(request_id: str, user: str | None) -> None:
+        """OpenAI's `user` names the end user behind a request, for tracing abuse: it goes in
+        the log beside the request's id (nothing else reads it)."""
+        if user is not None:
+            logger.info("request %s: user %s", request_id, log_safe(user, 100))
 
     def decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

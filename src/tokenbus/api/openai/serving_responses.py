@@ -90,11 +90,13 @@ class ResponsesServing(OpenAIServing):
         self.check_messages(chat_request.messages, chat_request.tools)
         self.ctx.admission.check_room(1)
         chat_run = await self.prepare(self.chat.build_run, chat_request, raw=raw)
+        run = ResponsesRun(chat_run, request, conversation)
+        self.log_user(run.id, request.user)
         return await self.respond(
             raw,
             request.stream,
             1,
-            ResponsesRun(chat_run, request, conversation),
+            run,
             self.generation_budget([chat_run.engine_request]),
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokenbus.api.openai.errors import NotFoundError
 from tokenbus.api.openai.protocol import (
+    ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -12,33 +13,35 @@ from tokenbus.api.openai.protocol import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
-from tokenbus.api.openai.serving_chat import normalize_message, template_kwargs
-from tokenbus.api.openai.serving_engine import OpenAIServing
+from tokenbus.api.openai.serving_chat import ChatServing
+from tokenbus.api.openai.serving_engine import OpenAIServing, ServingContext
 
 
 class TokenizeServing(OpenAIServing):
+    def __init__(self, ctx: ServingContext, chat: ChatServing) -> None:
+        super().__init__(ctx)
+        self.chat = chat  # renders `messages` exactly as a chat completion would
+
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.preflight(request, request.model)
         if (request.prompt is None) == (request.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
         if request.messages is not None:
-            self.check_messages(request.messages)
+            self.check_messages(request.messages, request.tools)
         else:
+            if request.tools is not None:
+                raise ValueError("tools: only with messages")
             self.check_text_length("prompt", len(request.prompt))
         return await self.prepare(self._tokenize, request)
 
     def _tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         processor = self.engine.input_processor
         if request.messages is not None:
-            messages = [normalize_message(m, i) for i, m in enumerate(request.messages)]
-            _, token_ids = processor.render_chat(
-                messages,
-                request.add_generation_prompt,
-                template_kwargs(request.chat_template_kwargs),
-            )
+            token_ids = self.chat.render(self._as_chat(request)).token_ids
         else:
+            add_special_tokens = request.add_special_tokens is not False
             token_ids = self.engine.tokenizer.encode(
-                request.prompt, add_special_tokens=request.add_special_tokens
+                request.prompt, add_special_tokens=add_special_tokens
             )
         token_strs = None
         if request.return_token_strs:
@@ -50,6 +53,24 @@ class TokenizeServing(OpenAIServing):
             token_strs=token_strs,
         )
 
+    def _as_chat(self, request: TokenizeRequest) -> ChatCompletionRequest:
+        """The chat completion whose prompt `request` counts. Tools are shown to the model
+        unless tool_choice is "none" (how they are shown is the same for auto, required and a
+        named function, so "auto" needs no --enable-auto-tool-choice here)."""
+        tool_choice = request.tool_choice
+        if request.tools and tool_choice in (None, "auto"):
+            tool_choice = "auto" if self.ctx.tool_parser is not None else "required"
+        return ChatCompletionRequest(
+            messages=request.messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+            tools=request.tools,
+            tool_choice=tool_choice,
+            documents=request.documents,
+            add_special_tokens=request.add_special_tokens,
+        )
+
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.preflight(request, request.model)
         # As many tokens as characters of text /tokenize would take: a token is at least one.
@@ -57,9 +78,7 @@ class TokenizeServing(OpenAIServing):
         vocab_size = self.engine.input_processor.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(
-                f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})"
-            )
+            raise ValueError(f"tokens: token id {bad[0]} is out of vocabulary (size {vocab_size})")
         text = await self.prepare(self.engine.tokenizer.decode, request.tokens)
         return DetokenizeResponse(prompt=text)
 

@@ -17,6 +17,7 @@ instead, in Hermes' format, which the hermes parser reads back.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import uuid
@@ -45,6 +46,9 @@ class ToolPlan:
     parallel: bool = True
     parser: ToolCallParser | None = None  # for "auto"
     call_ids: list[str] = field(default_factory=list)
+    # `functions` / `function_call` (OpenAI's legacy form): one call, answered as the message's
+    # `function_call` with finish reason "function_call".
+    legacy: bool = False
 
     @property
     def parameters(self) -> dict[str, dict]:
@@ -101,13 +105,23 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolCallParser | None) ->
     """Validate tools and tool_choice (400s naming them); None when the request has no tools.
     `parser`: the server's --tool-call-parser when --enable-auto-tool-choice is on, else None."""
     tools, choice = request.tools, request.tool_choice
-    if request.functions is not None:  # the legacy form
-        if tools is not None:
-            raise ValueError("functions: give either tools or functions, not both")
-        tools = [{"type": "function", "function": f} for f in request.functions]
+    if request.functions is None:
         if request.function_call is not None:
-            fc = request.function_call
-            choice = fc if isinstance(fc, str) else {"type": "function", "function": fc}
+            raise ValueError("function_call: needs functions (with tools, use tool_choice)")
+        return _plan(tools, choice, request.parallel_tool_calls, parser)
+    if tools is not None:
+        raise ValueError("functions: give either tools or functions, not both")
+    tools = [{"type": "function", "function": f} for f in request.functions]
+    fc = request.function_call
+    if fc is not None:
+        choice = fc if isinstance(fc, str) else {"type": "function", "function": fc}
+    plan = _plan(tools, choice, False, parser)
+    return None if plan is None else dataclasses.replace(plan, legacy=True)
+
+
+def _plan(
+    tools: list | None, choice: Any, parallel_tool_calls: bool | None, parser: ToolCallParser | None
+) -> ToolPlan | None:
     if not tools:
         if choice not in (None, "none"):
             raise ValueError("tool_choice: needs tools")
@@ -141,7 +155,7 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolCallParser | None) ->
             'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
             '--tool-call-parser (or use "required" or a named function)'
         )
-    parallel = request.parallel_tool_calls is not False
+    parallel = parallel_tool_calls is not False
     return ToolPlan(tools, choice, parallel=parallel, parser=parser if choice == "auto" else None)
 
 
