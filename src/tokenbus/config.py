@@ -187,6 +187,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters (--enable-lora): each a low-rank side path on the linears
+    (model/lora.py), chosen per request."""
+
+    max_loras: int = 1  # distinct adapters in one batch (each has a slot in every linear)
+    max_lora_rank: int = 16  # the largest rank an adapter may have (slots are this wide)
+    max_cpu_loras: int | None = None  # adapters a worker keeps loaded; None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def num_cached_adapters(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class StructuredOutputsConfig:
     # The front-door check of a spec (structured/validator.py): seconds its compile may take,
     # each check in a process that is killed at the deadline, and how many run at once.
@@ -453,6 +477,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig | None = None  # None: no adapters (--enable-lora off)
 
     def unresolved_settings(self) -> list[str]:
         """The RESOLVED_SETTINGS still `auto`, as "model.device" & co (none once resolved)."""

@@ -24,6 +24,7 @@ from tokenbus.config import (
     CompilationConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -192,6 +193,16 @@ class EngineArgs:
         "the Ray cluster for --distributed-executor-backend ray "
         "(host:port); default: $RAY_ADDRESS, else a local cluster",
     )
+    enable_lora: bool = _arg(
+        False,
+        "serve LoRA adapters (PEFT format): requests name one (the server's --lora-modules, "
+        "or LLM.generate(lora_request=...)); each runs as a low-rank side path of the linears",
+    )
+    max_loras: int = _arg(1, "distinct LoRA adapters in one batch")
+    max_lora_rank: int = _arg(16, "the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = _arg(
+        None, "LoRA adapters kept loaded in memory (default: --max-loras)"
+    )
     # The EngineCore in its own process (ZMQ + msgspec) for the offline LLM; False runs it in
     # the caller's process (tests, debugging). The server chooses with --engine-in-process.
     multiprocess: bool = _arg(True, flag=False)
@@ -227,7 +238,17 @@ class EngineArgs:
                 self.max_num_batched_tokens,
             ),
             structured_outputs=self._sub_config(StructuredOutputsConfig, resolved),
+            lora=self._lora_config(resolved),
         )
+
+    def _lora_config(self, resolved: dict) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora: LoRA adapters run with tensor_parallel_size 1")
+        if self.speculative_config is not None:
+            raise ValueError("enable_lora: LoRA adapters run without speculative decoding")
+        return self._sub_config(LoRAConfig, resolved)
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:
         config = KVTransferConfig.from_dict(self.kv_transfer_config)

@@ -38,6 +38,7 @@ from tokenbus.model.layers.quantized import (
     kernel_weight,
     quantized_embedding,
 )
+from tokenbus.model.lora import LoRABatch
 from tokenbus.model.native import (
     TILE_GEMV_MAX_ROWS,
     FusedOps,
@@ -184,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
         self.quant_kernels: QuantKernels | None = None
         self._tile_modes = TileModes()  # of the tiled GGUF linears: set_quant_activations
         self._decode_layers: DecodeLayers | None = None  # decode_layer.c (set_attention_backend)
+        # Which rows of a step use which LoRA adapter (model/lora.py sets it with --enable-lora).
+        self.lora_batch: LoRABatch | None = None
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after finalize()
 
@@ -245,6 +248,7 @@ class LlamaForCausalLM(nn.Module):
             or plan.decode_tiles
             or plan.prefills
             or plan.num_tokens != x.shape[0]
+            or (self.lora_batch is not None and self.lora_batch.onehot is not None)
         ):
             return None
         kv = ctx.kv_caches[0]

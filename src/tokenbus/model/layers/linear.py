@@ -114,6 +114,8 @@ class Linear(nn.Module):
         self._kernel: LinearKernel | None = None
         self.backend = "dense"  # the kernel finalize() chose: "dense", "onednn" or "gguf"
         self.quantized: dict[int, QuantizedWeight] = {}  # shard → GGUF blocks (kept quantized)
+        # LoRA adapters' side path (model/lora.py LinearLoRA), added to the kernel's output.
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def shard_rows(self, shard: int) -> slice:
         start = sum(self.out_sizes[:shard])
@@ -197,6 +199,5 @@ class Linear(nn.Module):
         return list(self.quantized.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is None:
-            return F.linear(x, self.weight, self.bias)
-        return self._kernel(x)
+        y = F.linear(x, self.weight, self.bias) if self._kernel is None else self._kernel(x)
+        return y if self.lora is None else self.lora(x, y)
