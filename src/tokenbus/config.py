@@ -18,7 +18,35 @@ QUANTIZATIONS = ("auto", "gguf", "none")
 QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16")
 POOLERS = ("last", "mean")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# K/V element types: torch's, vLLM's fp8 names ("fp8" is fp8_e4m3; one scale per tensor) and
+# llama.cpp's q8_0 (blocks of 32 int8 values and their fp16 scale: 34 bytes). model/kv_quant.py
+# stores and converts them.
+KV_CACHE_DTYPES = (
+    "auto",
+    "float32",
+    "float16",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "q8_0",
+)
+QUANTIZED_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "q8_0")
+Q8_0_BLOCK_VALUES, Q8_0_BLOCK_BYTES = 32, 34
+
+
+def kv_row_bytes(kv_cache_dtype: str, head_dim: int) -> int:
+    """Bytes of one K (or V) row of a resolved kv_cache_dtype: one token's head_dim values of
+    one KV head. q8_0 needs head_dim a multiple of its 32-value blocks."""
+    if kv_cache_dtype == "q8_0":
+        if head_dim % Q8_0_BLOCK_VALUES:
+            raise ValueError(
+                f"kv_cache_dtype q8_0 needs a head size that is a multiple of "
+                f"{Q8_0_BLOCK_VALUES}, got {head_dim}"
+            )
+        return head_dim // Q8_0_BLOCK_VALUES * Q8_0_BLOCK_BYTES
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+    return head_dim * itemsize[kv_cache_dtype]
 
 
 @dataclass(frozen=True)
@@ -134,7 +162,8 @@ class CacheConfig:
         None  # exact pool size (tests, forcing preemption); wins over memory
     )
     # K/V element type. auto: float16 for an fp32 model on GGUF blocks on CPU (a batched decode
-    # step reads mostly K/V: half the bytes, rounding ~5e-4), else the model's dtype.
+    # step reads mostly K/V: half the bytes, rounding ~5e-4), else the model's dtype. fp8_e4m3,
+    # fp8_e5m2 ("fp8": e4m3) and q8_0 (CPU): 1 and 1.06 bytes a value, about 2x fp16's tokens.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

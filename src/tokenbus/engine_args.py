@@ -134,7 +134,9 @@ class EngineArgs:
     kv_cache_dtype: str = _arg(
         "auto",
         "K/V element type; auto: float16 for float32 models on GGUF blocks "
-        "on CPU (half the bytes a decode step reads), else --dtype",
+        "on CPU (half the bytes a decode step reads), else --dtype. On CPU, fp8_e4m3 (fp8), "
+        "fp8_e5m2 and q8_0 store 1 or 1.06 bytes a value: about 2x fp16's tokens in the same "
+        "--kv-cache-memory, for slightly rounder attention (q8_0 closest, e5m2 roughest)",
         choices=KV_CACHE_DTYPES,
     )
     max_num_seqs: int = _arg(128)

@@ -106,8 +106,12 @@ def _steps(
         ("qwen2", "Q4_0", "fp32", torch.float32),  # qwen2: q/k/v biases
         ("llama", "Q4_1", "bf16", torch.float32),  # AVX512-BF16 (AMX or not) only
         ("llama", "Q4_1", "auto", torch.float16),
+        ("llama", "Q4_1", "auto", torch.float8_e4m3fn),
+        ("llama", "Q8_0", "int8", torch.float8_e5m2),
+        ("llama", "Q4_1", "auto", torch.uint8),
     ],
-)  # --kv-cache-dtype float16 (the default on GGUF blocks)
+)  # --kv-cache-dtype float16 (the default on GGUF blocks), fp8_e4m3, fp8_e5m2, q8_0: written
+# in C by decode_layer.c, in torch by the layer-by-layer path (kv_quant.h / kv_quant.py)
 def test_decoder_layer_in_c_equals_the_layer_by_layer_path(
     tmp_path, arch, qtype, activations, kv_dtype
 ):

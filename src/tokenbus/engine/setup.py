@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenbus.config import EngineConfig, ModelArch, ModelConfig
+from tokenbus.config import QUANTIZED_KV_CACHE_DTYPES, EngineConfig, ModelArch, ModelConfig
 from tokenbus.engine_args import EngineArgs
 from tokenbus.loader import (
     ModelSource,
@@ -185,7 +185,9 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
         ),
         load_format=load_format,
     )
-    kv_cache_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, device, dtype, quantization)
+    kv_cache_dtype = resolve_kv_cache_dtype(
+        cache.kv_cache_dtype, device, dtype, quantization, model.attention_backend
+    )
     cache = dataclasses.replace(cache, kv_cache_dtype=kv_cache_dtype)
     if model.batch_invariant:
         model = resolve_batch_invariant(model, kv_cache_dtype)
@@ -316,11 +318,24 @@ def resolve_attention_backend(requested: str, device: str, dtype: str, block_siz
     return "torch" if kernel is None else "native"
 
 
-def resolve_kv_cache_dtype(requested: str, device: str, dtype: str, quantization: str) -> str:
+def resolve_kv_cache_dtype(
+    requested: str, device: str, dtype: str, quantization: str, attention_backend: str = "torch"
+) -> str:
     """auto: float16 for a float32 model on GGUF blocks on CPU, whose batched decode steps
     read mostly K/V from memory and whose 4-8-bit weights already round more than fp16 does
     (benchmarks/step_breakdown.py kv_cache_dtype=float32 measures the other); else the
-    model's dtype."""
+    model's dtype. "fp8" is vLLM's name for fp8_e4m3. fp8 and q8_0 K/V run on CPU (the native
+    kernel reads them in place; the torch path dequantizes what it gathers), not with the
+    Triton kernels."""
+    if requested == "fp8":
+        requested = "fp8_e4m3"
+    if requested in QUANTIZED_KV_CACHE_DTYPES and (
+        not device.startswith("cpu") or attention_backend == "triton"
+    ):
+        raise ValueError(
+            f"kv_cache_dtype {requested!r} runs on CPU with the native or torch attention, "
+            f"not on {device} with attention_backend {attention_backend!r}"
+        )
     if requested != "auto":
         return requested
     if device.startswith("cpu") and dtype == "float32" and quantization == "gguf":

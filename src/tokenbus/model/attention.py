@@ -4,6 +4,10 @@ Per layer and step: FIRST write every token's K/V through `slot_mapping`, THEN r
 block tables, so a block written this step by one request can be read by another request of
 the same step (prefix caching relies on it).
 
+K/V are stored in the pool's type (--kv-cache-dtype; model/kv_quant.py): fp8 and q8_0 rows are
+quantized as they are written; the native kernel reads them in place, the torch path
+dequantizes the blocks it gathers.
+
 Reading, with requests ordered decodes first (see ForwardContext):
 - with the native CPU kernel (model/native, fp32 or bf16): every request of at most
   NATIVE_MAX_QUERY_LEN queries (decodes, spec-decode verification, short chunks) in one call
@@ -37,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenbus.config import ATTENTION_BACKENDS
+from tokenbus.model import kv_quant
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.native import (
     KERNEL_KV_DTYPES,
@@ -97,6 +102,7 @@ class NativeBatch:
     long_queries: bool = False
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        k_scale, v_scale = kv_quant.tensor_scales(kv_cache.dtype)
         self.kernel(
             q,
             kv_cache,
@@ -107,6 +113,8 @@ class NativeBatch:
             scale,
             out,
             self.long_queries,
+            k_scale,
+            v_scale,
         )
 
 
@@ -215,8 +223,9 @@ def build_attention_plan(
     ctx: ForwardContext, dtype: torch.dtype, native_kernel: PagedAttentionKernel | None = None
 ) -> AttentionPlan:
     """Derive per-step index tensors and masks (in the activation `dtype`) from `ctx`."""
-    _, _, block_size, num_kv_heads, head_dim = ctx.kv_caches[0].shape
+    _, _, block_size, num_kv_heads, _ = ctx.kv_caches[0].shape
     kv = ctx.kv_caches[0]
+    head_dim = kv_quant.head_dim_of(kv)
     if (
         native_kernel is not None
         and kv.dtype in KERNEL_KV_DTYPES.get(dtype, ())
@@ -340,11 +349,11 @@ def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store k, v [T, Hkv, D] at slots (block_id * block_size + offset) of kv_cache
-    [2, NB, bs, Hkv, D] (rounded to the cache's dtype: --kv-cache-dtype)."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, NB * bs, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+    [2, NB, bs, Hkv, row] (rounded or quantized to the cache's type: --kv-cache-dtype)."""
+    _, _, _, num_kv_heads, width = kv_cache.shape
+    flat = kv_cache.view(2, -1, num_kv_heads, width)  # [2, NB * bs, Hkv, row]
+    kv_quant.write_rows(flat[0], slot_mapping, k)
+    kv_quant.write_rows(flat[1], slot_mapping, v)
 
 
 def paged_attention(
@@ -363,18 +372,18 @@ def paged_attention(
 def gather_blocks(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Copy out blocks: kv_cache [2, NB, bs, Hkv, D], block_ids [*] ->
+    """Copy out blocks: kv_cache [2, NB, bs, Hkv, row], block_ids [*] ->
     [2, len(block_ids) * bs, Hkv, D] in `dtype` (the queries', where the cache holds another:
-    --kv-cache-dtype).
+    --kv-cache-dtype; quantized rows are dequantized here, in the copy).
 
     index_select over whole blocks (contiguous rows) is faster than kv_cache[:, ids]
     (benchmarks/attention_layer.py times the torch path).
     """
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, num_blocks, block_size, num_kv_heads, width = kv_cache.shape
     rows = kv_cache.view(2, num_blocks, -1).index_select(
         1, block_ids.reshape(-1)
-    )  # [2, n_ids, bs*Hkv*D]
-    return rows.view(2, -1, num_kv_heads, head_dim).to(dtype)
+    )  # [2, n_ids, bs*Hkv*row]
+    return kv_quant.dequantize(rows.view(2, -1, num_kv_heads, width), dtype)
 
 
 def _decode_attention(
@@ -404,10 +413,8 @@ def _prefill_attention(
     """q [q_len, Hq, D], k/v [q_len, Hkv, D] of this step -> [q_len, Hq, D]."""
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
     if span.block_ids is None:
-        if (
-            kv_cache.dtype != q.dtype
-        ):  # attend over K/V as the cache holds them, as later steps will
-            k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
+        # attend over K/V as the cache holds them, as later steps will
+        k, v = kv_quant.as_stored(k, kv_cache.dtype), kv_quant.as_stored(v, kv_cache.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:

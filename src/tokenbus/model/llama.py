@@ -48,7 +48,12 @@ from tokenbus.model.native import (
     load_fused_ops,
     load_quant_kernels,
 )
-from tokenbus.model.native.decode_layer import DecodeLayers, LayerWeights, LinearWeights
+from tokenbus.model.native.decode_layer import (
+    DECODE_LAYER_KV_DTYPES,
+    DecodeLayers,
+    LayerWeights,
+    LinearWeights,
+)
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils.cpu import CpuFeatures
 
@@ -252,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         ):
             return None
         kv = ctx.kv_caches[0]
-        if kv.dtype not in (torch.float32, torch.float16) or not kv.is_contiguous():
+        if kv.dtype not in DECODE_LAYER_KV_DTYPES or not kv.is_contiguous():
             return None
         native = plan.native
         return layers.step_args(

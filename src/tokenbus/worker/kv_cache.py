@@ -8,12 +8,16 @@ import numpy as np
 import torch
 
 from tokenbus.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, ModelArch
+from tokenbus.model.kv_quant import row_width
 from tokenbus.utils import cdiv
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    """A block's K and V over all layers in a pool of `dtype` (its real bytes: q8_0 rows hold
+    their scales, model/kv_quant.py)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return arch.kv_bytes_per_token * block_size * element_size
+    row_bytes = row_width(dtype, arch.head_dim) * element_size
+    return arch.kv_bytes_per_token // arch.head_dim * row_bytes * block_size
 
 
 def determine_num_blocks(
@@ -65,8 +69,15 @@ def _kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
 def allocate_kv_caches(
     arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    """One zeroed tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, row] (row:
+    head_dim elements, or a q8_0 row's bytes: model/kv_quant.py)."""
+    shape = (
+        2,
+        num_blocks,
+        block_size,
+        arch.num_key_value_heads,
+        row_width(dtype, arch.head_dim),
+    )
     if device.type == "cpu":
         return [_lazy_zeros(shape, dtype) for _ in range(arch.num_hidden_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]

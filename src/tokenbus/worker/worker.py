@@ -12,6 +12,7 @@ from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.kv_transfer.factory import connector_context, make_worker_connector
 from tokenbus.kv_transfer.layout import kv_layout
 from tokenbus.loader import ModelSource
+from tokenbus.model.kv_quant import kv_storage_dtype
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils import cdiv
 from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
@@ -94,7 +95,7 @@ class Worker:
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(self.config))
         self.dtype = getattr(torch, self.config.model.dtype)
-        self.kv_dtype = getattr(torch, self.config.cache.kv_cache_dtype)
+        self.kv_dtype = kv_storage_dtype(self.config.cache.kv_cache_dtype)
         torch.manual_seed(self.config.model.seed)
         if self.device.type == "cpu" and self.rank == 0:
             cpu = CpuFeatures.detect()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tokenbus.model.kv_quant import QUANTIZED_KV_DTYPES
 from tokenbus.utils import cache_dir
 from tokenbus.utils.cpu import CpuFeatures
 
@@ -132,24 +133,29 @@ def load_library(source: Path, cpu: CpuFeatures | None = None) -> ctypes.CDLL:
         raise NativeBuildError(f"cannot load {source.stem}: {exc}") from exc
 
 
-# Element-type codes of paged_attention.c, and the KV cache dtypes it reads under each activation
-# dtype (fp16 K/V under fp32 queries: half the bytes; --kv-cache-dtype).
-KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Element-type codes of kv_quant.h, ELEM_F32 = 0 .. ELEM_Q8_0 = 5 (the cache tensor's dtype names
+# its type: uint8 is q8_0, model/kv_quant.py), and the KV cache dtypes the kernel reads under each
+# activation dtype (fp16, fp8 or q8_0 K/V under fp32 queries: a half or a quarter of the bytes).
+_ELEMS = (torch.float32, torch.bfloat16, torch.float16, *QUANTIZED_KV_DTYPES)
+KERNEL_DTYPES = {dtype: code for code, dtype in enumerate(_ELEMS)}
 KERNEL_KV_DTYPES = {
-    torch.float32: (torch.float32, torch.float16),
+    torch.float32: (torch.float32, torch.float16, *QUANTIZED_KV_DTYPES),
     torch.bfloat16: (torch.bfloat16,),
 }
 
 
 @dataclass(frozen=True)
 class PagedAttentionKernel:
-    """fp32/bf16 paged attention over K/V read in place, fp16 K/V under fp32 (see
+    """fp32/bf16 paged attention over K/V read in place, fp16/fp8/q8_0 K/V under fp32 (see
     paged_attention.c for the contract). `long_queries`: its flash path for prefill chunks
-    (paged_prefill_attention: fp32 queries, head sizes a multiple of 16), where it is built."""
+    (paged_prefill_attention: fp32 queries, head sizes a multiple of 16), where it is built.
+    quantize_fn / dequantize_fn: kv_quant.h's row conversions alone (tests)."""
 
     fn: ctypes._CFuncPtr
     long_fn: ctypes._CFuncPtr
     long_supported_fn: ctypes._CFuncPtr
+    quantize_fn: ctypes._CFuncPtr | None = None
+    dequantize_fn: ctypes._CFuncPtr | None = None
 
     def __call__(
         self,
@@ -162,11 +168,15 @@ class PagedAttentionKernel:
         scale: float,
         out: torch.Tensor,
         long_queries: bool = False,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, D];
-        by the flash path when `long_queries` (then takes_long_queries must hold)."""
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        num_heads = q.shape[1]
+        """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, row]
+        (a row: D values in the cache's type, kv_quant.py); by the flash path when
+        `long_queries` (then takes_long_queries must hold). k_scale, v_scale: fp8 K/V's
+        per-tensor scales."""
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        num_heads, head_dim = q.shape[1], q.shape[2]
         assert (
             q.stride(2) == 1
             and q.stride(1) == head_dim
@@ -193,6 +203,8 @@ class PagedAttentionKernel:
             reqs.data_ptr(),
             reqs.numel(),
             ctypes.c_float(scale),
+            ctypes.c_float(k_scale),
+            ctypes.c_float(v_scale),
             out.data_ptr(),
             out.stride(0),
             KERNEL_DTYPES[q.dtype],
@@ -208,8 +220,9 @@ class PagedAttentionKernel:
             raise MemoryError("paged_attention: out of memory for its scratch buffers")
 
     def takes_long_queries(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether the flash path runs these queries, K/V and head size (fp32 queries; fp32 or
-        fp16 K/V; head size a multiple of 16 up to 256; a build with AVX2+FMA+F16C or AVX-512)."""
+        """Whether the flash path runs these queries, K/V and head size (fp32 queries; fp32,
+        fp16, fp8 or q8_0 K/V; head size a multiple of 16 up to 256; a build with
+        AVX2+FMA+F16C or AVX-512)."""
         if dtype not in KERNEL_DTYPES or kv_dtype not in KERNEL_DTYPES:
             return False
         return bool(self.long_supported_fn(KERNEL_DTYPES[dtype], KERNEL_DTYPES[kv_dtype], head_dim))
@@ -234,11 +247,15 @@ def load_paged_attention(
     fns = lib.paged_attention, lib.paged_prefill_attention
     for fn in fns:  # the same contract
         fn.restype = ctypes.c_int
-        fn.argtypes = ctypes_args("plplllllplppplfpliii")
+        fn.argtypes = ctypes_args("plplllllplppplfffpliii")
     supported = lib.paged_prefill_supported
     supported.restype = ctypes.c_int
     supported.argtypes = ctypes_args("iil")
-    return PagedAttentionKernel(*fns, supported)
+    quantize, dequantize = lib.kv_quantize_rows, lib.kv_dequantize_rows
+    quantize.restype = dequantize.restype = ctypes.c_int
+    quantize.argtypes = ctypes_args("ppllif")
+    dequantize.argtypes = ctypes_args("pllip")
+    return PagedAttentionKernel(*fns, supported, quantize, dequantize)
 
 
 _QUANT_SOURCE = Path(__file__).with_name("quant_matmul.c")

@@ -8,7 +8,8 @@
      h, residual = add_rms_norm(x, residual) * input_norm
      qkv         = h @ Wqkv.T (+ bias)                  tiled Q8_0/Q4_0/Q4_1; x fp32, int16, int8, bf16
      q, k        rotated in place (rotate-half)
-     K, V        written to the cache at the step's slots (fp32, or rounded to fp16)
+     K, V        written to the cache at the step's slots (fp32, or rounded to fp16, fp8 or q8_0:
+                 kv_quant.h, as model/kv_quant.py rounds them)
      attn        = paged attention of q over the cache (each request's rows)
      o           = attn @ Wo.T (+ bias)
      h, residual = add_rms_norm(o, residual) * post_norm
@@ -23,15 +24,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+
+#include "kv_quant.h"
 
 typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, float *,
                               int64_t, int, int);
 typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
                             const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t,
-                            float, void *, int64_t, int, int, int);
+                            float, float, float, void *, int64_t, int, int, int);
 typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t,
                         int64_t, float, int);
 typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int);
@@ -67,28 +67,9 @@ typedef struct {
     int64_t table_stride;
     const int64_t *query_start, *seq_lens, *reqs;
     int64_t num_reqs, num_blocks, block_size, activations, num_threads;  /* activations: ACT_* */
-    int64_t kv_elem;  /* the cache's element type (paged_attention.c's ELEM_*): fp32 or fp16 */
+    int64_t kv_elem;  /* the cache's element type (kv_quant.h's ELEM_*): fp32, fp16, fp8 or q8_0 */
+    float k_scale, v_scale;  /* fp8 K/V's per-tensor scales (1 for the other types) */
 } step;
-
-enum { ELEM_F32 = 0, ELEM_F16 = 2 };
-
-/* n fp32 values to the cache at dst, in its element type: fp16 rounds to nearest even, as torch's
-   .to(torch.float16) does (F16C; a build without it has no tiled kernels, so no C layers). 0, or
-   4 for a type this build cannot write. */
-static int store_kv(void *dst, const float *src, int64_t n, int64_t kv_elem) {
-    if (kv_elem == ELEM_F32) {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
-        return 0;
-    }
-#if defined(__F16C__)
-    if (kv_elem == ELEM_F16) {
-        uint16_t *half = dst;
-        for (int64_t i = 0; i < n; i++) half[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
-        return 0;
-    }
-#endif
-    return 4;
-}
 
 static int run_linear(const kernels *k, const linear *l, const float *x, int64_t T, float *y, const step *s) {
     const int status = k->matmul((int)l->qtype, l->tiles, l->rows, l->cols, x, T, l->cols, y, l->rows,
@@ -113,19 +94,20 @@ int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache
     k->add_rms_norm(x, H, residual, H, residual_out, w->input_norm, h, T, H, w->eps, threads);
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
     k->rope(qkv, qkv_n, T, s->cos, s->sin, hq + hkv, D, threads);
-    const int64_t token_values = hkv * D, v_offset = s->num_blocks * s->block_size * token_values;
-    const size_t elem_size = s->kv_elem == ELEM_F32 ? sizeof(float) : sizeof(uint16_t);
-    for (int64_t t = 0; t < T; t++) {  /* K and V of token t to its slot: [2, NB * bs, Hkv, D] */
-        char *slot = (char *)kv_cache + (size_t)(s->slots[t] * token_values) * elem_size;
-        if ((status = store_kv(slot, qkv + t * qkv_n + hq * D, token_values, s->kv_elem)) ||
-            (status = store_kv(slot + (size_t)v_offset * elem_size, qkv + t * qkv_n + (hq + hkv) * D, token_values,
-                               s->kv_elem)))
+    /* K and V of token t to its slot: [2, NB * bs, Hkv, row], a row D values in slot_bytes / Hkv bytes. */
+    const int kv_elem = (int)s->kv_elem;
+    const int64_t slot_bytes = hkv * kv_row_bytes(D, kv_elem), v_bytes = s->num_blocks * s->block_size * slot_bytes;
+    for (int64_t t = 0; t < T; t++) {
+        uint8_t *slot = (uint8_t *)kv_cache + s->slots[t] * slot_bytes;
+        if ((status = kv_store_rows(slot, qkv + t * qkv_n + hq * D, hkv, D, kv_elem, 1.f / s->k_scale)) ||
+            (status = kv_store_rows(slot + v_bytes, qkv + t * qkv_n + (hq + hkv) * D, hkv, D, kv_elem,
+                                    1.f / s->v_scale)))
             goto done;
     }
     memset(attn, 0, sizeof(float) * (size_t)(T * hq * D));
     if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, s->block_tables,
-                               s->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale, attn,
-                               hq * D, ELEM_F32, (int)s->kv_elem, threads)))
+                               s->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale,
+                               s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads)))
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);

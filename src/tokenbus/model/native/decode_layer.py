@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tokenbus.model import kv_quant
 from tokenbus.model.native import (
     KERNEL_DTYPES,
     TILE_ACTIVATIONS,
@@ -26,6 +27,8 @@ from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# The pool dtypes decode_layer.c writes (kv_quant.h): fp32, and rounded to fp16, fp8 or q8_0.
+DECODE_LAYER_KV_DTYPES = (torch.float32, torch.float16, *kv_quant.QUANTIZED_KV_DTYPES)
 
 
 class _Kernels(ctypes.Structure):
@@ -77,6 +80,8 @@ class _Step(ctypes.Structure):
         ("activations", _I64),
         ("num_threads", _I64),
         ("kv_elem", _I64),
+        ("k_scale", _F32),
+        ("v_scale", _F32),
     ]
 
 
@@ -198,7 +203,7 @@ class DecodeLayers:
             and slots.is_contiguous()
             and slots.dtype == torch.int64
         )
-        assert kv_cache.dtype in (torch.float32, torch.float16)  # what decode_layer.c writes
+        assert kv_cache.dtype in DECODE_LAYER_KV_DTYPES
         _, num_blocks, block_size, _, _ = kv_cache.shape
         written = slots[:num_tokens]
         if num_tokens and (int(written.min()) < 0 or int(written.max()) >= num_blocks * block_size):
@@ -219,6 +224,7 @@ class DecodeLayers:
             TILE_ACTIVATIONS[activations],
             torch.get_num_threads(),
             KERNEL_DTYPES[kv_cache.dtype],
+            *kv_quant.tensor_scales(kv_cache.dtype),
         )
 
     def run(

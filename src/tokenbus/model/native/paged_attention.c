@@ -4,11 +4,16 @@
    SDPA can read them; at decode that copy is most of the step (every key is read, written and
    read again). Here every key and value is read once, straight from its block.
 
-   Element types: q and out fp32 or bf16 (the same), kv the same or, under fp32 q, fp16 (half the
-   bytes a decode step reads: K/V is most of a batch's traffic); scores and sums are always fp32.
+   Element types: q and out fp32 or bf16 (the same), kv the same or, under fp32 q, fp16, fp8
+   (e4m3, e5m2) or q8_0 (kv_quant.h: a decode step reads mostly K/V, and these are half or a
+   quarter of its bytes; --kv-cache-dtype); scores and sums are always fp32. Quantized rows are
+   converted to fp32 in registers or a row-sized buffer as they are read. fp8's per-tensor scales:
+   k_scale multiplies the query scale, v_scale the softmax's 1 / sum.
    Shapes (row-major):
      q      [*, Hq, D]           token t's head x at q + t * q_tok_stride + x * D
-     kv     [2, NB, bs, Hkv, D]  K then V; token j of block b, KV head h at (b * bs + j) * Hkv + h
+     kv     [2, NB, bs, Hkv, D]  K then V; token j of block b, KV head h at row (b * bs + j) * Hkv + h
+                                 (a row: D values, kv_row_bytes(D) bytes; offsets below count D
+                                 elements a row whatever the type: kv_quant.h)
      tables [*, table_stride]    int64 block ids of each request
      out    [*, Hq, D]           token t's head x at out + t * out_tok_stride + x * D
    Request r (one of reqs[0..num_reqs)) owns query rows query_start[r] .. query_start[r + 1] and
@@ -37,73 +42,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_quant.h"
 #include "tile_vectors.h"
 
-enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2 };
-
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-/* IEEE half -> fp32: F16C where the CPU has it, else by hand (no _Float16: GCC < 12 lacks it). */
-static inline __attribute__((always_inline)) float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-    uint32_t bits;
-    if (exp == 0) {  /* zero or subnormal: mant * 2^-24 */
-        const float f = (float)mant * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    bits = exp == 31 ? sign | 0x7F800000u | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
-/* Element i of a tensor of the given type, as fp32 (bf16 is the top half of an fp32). */
-static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int elem) {
-    if (elem == ELEM_F32) return ((const float *)p)[i];
-    if (elem == ELEM_F16) return half_to_float(((const uint16_t *)p)[i]);
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* D elements from offset on, as fp32, into out. fp16 converts 16 or 8 at a time with F16C: the
-   element-wise load above is not vectorised for it. */
-static inline __attribute__((always_inline)) void load_row(const void *p, int64_t offset, const int64_t D,
-                                                           const int elem, float *out) {
-#if defined(__F16C__)
-    if (elem == ELEM_F16) {
-        const uint16_t *h = (const uint16_t *)p + offset;
-        int64_t d = 0;
-#if defined(__AVX512F__)
-        for (; d + 16 <= D; d += 16)
-            _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + d))));
-#endif
-        for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
-        for (; d < D; d++) out[d] = half_to_float(h[d]);
-        return;
-    }
-#endif
-#pragma omp simd
-    for (int64_t d = 0; d < D; d++) out[d] = load(p, offset + d, elem);
-}
-
-/* Store fp32 x as element i; bf16 rounds to nearest even (x is finite here). */
-static inline __attribute__((always_inline)) void store(void *p, int64_t i, float x, const int elem) {
-    if (elem == ELEM_F32) {
-        ((float *)p)[i] = x;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-}
 
 /* Softmax of row[0 .. n) in place (the scores become probabilities, unnormalised); returns
    1 / their sum. */
@@ -129,8 +71,8 @@ static inline __attribute__((always_inline)) float softmax_row(float *row, int64
 static inline __attribute__((always_inline)) void attend(
         const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
         int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv,
-        const int64_t D, const int elem, const int kv_elem, float scale, void *out, int64_t out_tok_stride,
-        float *qf, float *scores, float *acc, float *inv_sum) {
+        const int64_t D, const int elem, const int kv_elem, float scale, float v_scale, void *out,
+        int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
     const int64_t ctx_len = seq_len - q_len, rows_per_head = q_len * G, R = (h1 - h0) * rows_per_head;
 
     for (int64_t r = 0; r < R; r++) {
@@ -166,7 +108,7 @@ static inline __attribute__((always_inline)) void attend(
 
     /* Softmax over each row's visible keys; the probabilities overwrite the scores. */
     for (int64_t r = 0; r < R; r++)
-        inv_sum[r] = softmax_row(scores + r * seq_len, ctx_len + (r % rows_per_head) / G + 1);
+        inv_sum[r] = softmax_row(scores + r * seq_len, ctx_len + (r % rows_per_head) / G + 1) * v_scale;
 
     /* Pass 2: probability-weighted values. */
     memset(acc, 0, (size_t)(R * D) * sizeof(float));
@@ -203,14 +145,8 @@ static inline __attribute__((always_inline)) void attend(
    dot product on its own). Per KV head: the G queries stay in registers (4 zmm each); pass 1
    takes keys 16 at a time, one zmm of partial products per key, and sums the 16 with one
    transposing reduction (45 instructions, instead of 16 horizontal sums); pass 2 keeps the G
-   output rows in registers. fp16 K/V rows are converted once per key and head. */
-
-/* 16 fp32 values of row p from element offset on (fp32, or fp16 converted). */
-static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t offset, const int kv_elem) {
-    if (kv_elem == ELEM_F16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + offset)));
-    return _mm512_loadu_ps((const float *)p + offset);
-}
+   output rows in registers. fp16, fp8 and q8_0 K/V rows are converted once per key and head
+   (kv_load16). */
 
 /* Lane j of the result = the sum of v[j]'s 16 lanes. */
 static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
@@ -232,7 +168,7 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
 static inline __attribute__((always_inline)) void prefetch_block(const void *p, int64_t block, int64_t bs,
                                                                  int64_t hkv, int64_t h0, int64_t h1, int64_t n,
                                                                  const int kv_elem) {
-    const int64_t row_bytes = 64 * (kv_elem == ELEM_F16 ? 2 : 4);
+    const int64_t row_bytes = kv_row_bytes(64, kv_elem);
     for (int64_t j = 0; j < n; j++) {
         const char *r = (const char *)p + ((block * bs + j) * hkv + h0) * row_bytes;
         for (int64_t o = 0; o < (h1 - h0) * row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
@@ -245,11 +181,11 @@ static inline __attribute__((always_inline)) void prefetch_block(const void *p, 
    (per key: the same dot product; per output: the same sequence of FMAs). */
 static inline __attribute__((always_inline)) void attend_decode64(
         const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len, int64_t h0,
-        int64_t h1, const int G, int64_t bs, int64_t hkv, const int kv_elem, float scale, float *out,
-        float *scores, float *acc_mem) {
+        int64_t h1, const int G, int64_t bs, int64_t hkv, const int kv_elem, float scale, float v_scale,
+        float *out, float *scores, float *acc_mem) {
     enum { D = 64 };
     const __m512 zero = _mm512_setzero_ps();
-    const int64_t H = h1 - h0, elem_bytes = kv_elem == ELEM_F16 ? 2 : 4;
+    const int64_t H = h1 - h0;
     /* Rows as attend() orders them (q_len 1): row (h - h0) * G + g. */
     float *qs = acc_mem + H * G * D;  /* the queries, scaled */
     for (int64_t i = 0; i < H * G * D; i++) qs[i] = q[h0 * G * D + i] * scale;
@@ -264,7 +200,7 @@ static inline __attribute__((always_inline)) void attend_decode64(
                 __m512 k[16][4];
                 for (int j = 0; j < 16; j++) {
                     const int64_t key = ((table[b] * bs + j0 + j) * hkv + h) * D;
-                    for (int c = 0; c < 4; c++) k[j][c] = j < n ? load16(kv, key + 16 * c, kv_elem) : zero;
+                    for (int c = 0; c < 4; c++) k[j][c] = j < n ? kv_load16(kv, key + 16 * c, D, kv_elem) : zero;
                 }
                 for (int g = 0; g < G; g++) {
                     const float *qr = qs + ((h - h0) * G + g) * D;
@@ -283,12 +219,13 @@ static inline __attribute__((always_inline)) void attend_decode64(
     }
 
     /* Softmax over all seq_len keys (one query: every key is visible). */
-    for (int64_t r = 0; r < H * G; r++) qs[r] = softmax_row(scores + r * seq_len, seq_len);  /* qs: 1 / sums now */
+    for (int64_t r = 0; r < H * G; r++)  /* qs: v_scale / sums now */
+        qs[r] = softmax_row(scores + r * seq_len, seq_len) * v_scale;
 
     /* Pass 2: per block and head, that head's G output rows in registers (kept in acc_mem between
        blocks). */
     for (int64_t i = 0; i < H * G * D; i++) acc_mem[i] = 0.f;
-    const char *vbase = (const char *)kv + v_offset * elem_bytes;
+    const uint8_t *vbase = kv_row(kv, v_offset, D, kv_elem);
     for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
         const int64_t nt = min64(bs, seq_len - t0);
         if (t0 + bs < seq_len) prefetch_block(vbase, table[b + 1], bs, hkv, h0, h1, min64(bs, seq_len - t0 - bs), kv_elem);
@@ -301,7 +238,7 @@ static inline __attribute__((always_inline)) void attend_decode64(
             for (int64_t j = 0; j < nt; j++) {
                 const int64_t value = v_offset + ((table[b] * bs + j) * hkv + h) * D;
                 __m512 v[4];
-                for (int c = 0; c < 4; c++) v[c] = load16(kv, value + 16 * c, kv_elem);
+                for (int c = 0; c < 4; c++) v[c] = kv_load16(kv, value + 16 * c, D, kv_elem);
                 for (int g = 0; g < G; g++) {
                     const __m512 p = _mm512_set1_ps(sc[g * seq_len + t0 + j]);
                     for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
@@ -324,25 +261,31 @@ static inline __attribute__((always_inline)) void attend_decode64(
    floats (attend_any's qf and acc, which lie end to end). */
 static int attend_decode(const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len,
                          int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv, int kv_elem, float scale,
-                         float *out, float *scores, float *scratch) {
-#define DECODE_G(g)                                                                                       \
-    case g:                                                                                               \
-        if (kv_elem == ELEM_F16)                                                                          \
-            attend_decode64(q, kv, v_offset, table, seq_len, h0, h1, g, bs, hkv, ELEM_F16, scale, out, scores, scratch); \
-        else                                                                                              \
-            attend_decode64(q, kv, v_offset, table, seq_len, h0, h1, g, bs, hkv, ELEM_F32, scale, out, scores, scratch); \
+                         float v_scale, float *out, float *scores, float *scratch) {
+#define DECODE_E(g, e)                                                                                     \
+    attend_decode64(q, kv, v_offset, table, seq_len, h0, h1, g, bs, hkv, e, scale, v_scale, out, scores, scratch)
+#define DECODE_G(g)                                                             \
+    case g:                                                                     \
+        switch (kv_elem) {                                                      \
+            case ELEM_F16: DECODE_E(g, ELEM_F16); break;                        \
+            case ELEM_FP8_E4M3: DECODE_E(g, ELEM_FP8_E4M3); break;              \
+            case ELEM_FP8_E5M2: DECODE_E(g, ELEM_FP8_E5M2); break;              \
+            case ELEM_Q8_0: DECODE_E(g, ELEM_Q8_0); break;                      \
+            default: DECODE_E(g, ELEM_F32); break;                              \
+        }                                                                       \
         return 1;
     switch (G) {
         DECODE_G(1) DECODE_G(2) DECODE_G(3) DECODE_G(4) DECODE_G(5) DECODE_G(6) DECODE_G(7) DECODE_G(8)
         default: return 0;
     }
 #undef DECODE_G
+#undef DECODE_E
 }
 #endif
 
 /* Specialisations for the common head sizes and each element-type pair, and the generic fallback. */
 #define ATTEND_ARGS q, q_tok_stride, kv, v_offset, table, seq_len, q_len, h0, h1, G, bs, hkv
-#define ATTEND_TAIL scale, out, out_tok_stride, qf, scores, acc, inv_sum
+#define ATTEND_TAIL scale, v_scale, out, out_tok_stride, qf, scores, acc, inv_sum
 #define ATTEND_D(elem, kv_elem)                                                                  \
     switch (D) {                                                                                  \
         case 64: attend(ATTEND_ARGS, 64, elem, kv_elem, ATTEND_TAIL); break;                     \
@@ -352,7 +295,8 @@ static int attend_decode(const float *q, const void *kv, int64_t v_offset, const
 static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1,
                        int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, int kv_elem, float scale,
-                       void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
+                       float v_scale, void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc,
+                       float *inv_sum) {
 #if defined(__AVX512F__)
     /* Every query token as a decode of the keys it sees: a row's arithmetic must not depend on
        how many queries its request has this step (a speculative verification's rows must give
@@ -360,32 +304,45 @@ static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int6
     if (D == 64 && elem == ELEM_F32 && G >= 1 && G <= 8 && seq_len >= q_len && q_len > 0) {
         for (int64_t i = 0; i < q_len; i++)
             attend_decode((const float *)q + i * q_tok_stride, kv, v_offset, table, seq_len - q_len + i + 1, h0, h1,
-                          G, bs, hkv, kv_elem, scale, (float *)out + i * out_tok_stride, scores, qf);
+                          G, bs, hkv, kv_elem, scale, v_scale, (float *)out + i * out_tok_stride, scores, qf);
         return;
     }
 #endif
     if (elem == ELEM_BF16) {
         ATTEND_D(ELEM_BF16, ELEM_BF16)
-    } else if (kv_elem == ELEM_F16) {
-        ATTEND_D(ELEM_F32, ELEM_F16)
     } else {
-        ATTEND_D(ELEM_F32, ELEM_F32)
+        switch (kv_elem) {
+            case ELEM_F16: ATTEND_D(ELEM_F32, ELEM_F16) break;
+            case ELEM_FP8_E4M3: ATTEND_D(ELEM_F32, ELEM_FP8_E4M3) break;
+            case ELEM_FP8_E5M2: ATTEND_D(ELEM_F32, ELEM_FP8_E5M2) break;
+            case ELEM_Q8_0: ATTEND_D(ELEM_F32, ELEM_Q8_0) break;
+            default: ATTEND_D(ELEM_F32, ELEM_F32) break;
+        }
     }
 }
 
+/* Whether the kernels take queries of type elem over K/V of type kv_elem at head size D: fp32
+   queries over fp32, fp16, fp8 or q8_0 (D a multiple of its 32-value blocks) K/V; bf16 over bf16. */
+static int takes_types(int elem, int kv_elem, int64_t D) {
+    if (elem == ELEM_BF16) return kv_elem == ELEM_BF16;
+    if (elem != ELEM_F32) return 0;
+    if (kv_elem == ELEM_Q8_0) return D % Q8_0_VALUES == 0;
+    return kv_elem == ELEM_F32 || kv_elem == ELEM_F16 || kv_is_fp8(kv_elem);
+}
+
 /* Returns 0, -1 when scratch memory could not be allocated (out is then incomplete), or -2
-   for an element-type pair it does not take (q/out fp32 with kv fp32 or fp16; bf16 with bf16).
+   for element types it does not take (takes_types). k_scale and v_scale: fp8 K/V's per-tensor
+   scales (1 for the other types).
    heads_per_item KV heads form one work item: all of them (each
    key row read as one contiguous run) when there are enough requests to keep the threads
    busy, else one. */
 int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks,
                     int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
                     int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
-                    const int64_t *reqs, int64_t num_reqs, float scale, void *out,
-                    int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
-    if (!((elem == ELEM_F32 && (kv_elem == ELEM_F32 || kv_elem == ELEM_F16)) ||
-          (elem == ELEM_BF16 && kv_elem == ELEM_BF16)))
-        return -2;
+                    const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
+                    void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
+    if (!takes_types(elem, kv_elem, D)) return -2;
+    scale *= k_scale;  /* q . (k_scale k) = (k_scale q) . k */
     const int64_t G = hq / hkv, v_offset = num_blocks * bs * hkv * D;
     const int64_t heads_per_item = num_reqs >= 4 * num_threads ? hkv : 1, splits = hkv / heads_per_item;
     int64_t max_scores = 0, max_rows = 0;
@@ -411,7 +368,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                 const size_t elem_size = elem == ELEM_F32 ? 4 : 2;
                 attend_any((const char *)q + start * q_tok_stride * elem_size, q_tok_stride, kv, v_offset,
                            tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, h0,
-                           h0 + heads_per_item, G, bs, hkv, D, elem, kv_elem, scale,
+                           h0 + heads_per_item, G, bs, hkv, D, elem, kv_elem, scale, v_scale,
                            (char *)out + start * out_tok_stride * elem_size, out_tok_stride,
                            rows, scores, rows + max_rows * D, rows + 2 * max_rows * D);
             }
@@ -497,7 +454,7 @@ static inline int64_t pf_scratch(int64_t R, int64_t D) { return 2 * R * D + 2 * 
 /* Queries i0 .. i1 of a request (q_len queries, seq_len keys), KV head h. q and out are fp32. */
 static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
                     int64_t seq_len, int64_t q_len, int64_t i0, int64_t i1, int64_t h, int64_t G, int64_t bs,
-                    int64_t hkv, const int64_t D, const int kv_elem, float scale, float *out,
+                    int64_t hkv, const int64_t D, const int kv_elem, float scale, float v_scale, float *out,
                     int64_t out_tok_stride, float *scratch) {
     const int64_t ctx_len = seq_len - q_len, R = (i1 - i0) * G, keys = ctx_len + i1;
     float *qf = scratch, *o = qf + R * D, *sc = o + R * D, *l = sc + R * PF_KEYS, *m = l + R * PF_KEYS;
@@ -566,7 +523,7 @@ static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_
         float *outr = out + (i0 + r / G) * out_tok_stride + (h * G + r % G) * D;
         float sum = 0.f;
         for (int64_t j = 0; j < PF_KEYS; j++) sum += l[r * PF_KEYS + j];
-        const float inv = 1.f / sum;
+        const float inv = v_scale / sum;
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) outr[d] = o[r * D + d] * inv;
     }
@@ -575,16 +532,22 @@ static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_
 /* D a constant where it is a common head size: the loops over it unroll. */
 static void pf_item_any(const float *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
                         const int64_t *table, int64_t seq_len, int64_t q_len, int64_t i0, int64_t i1, int64_t h,
-                        int64_t G, int64_t bs, int64_t hkv, int64_t D, int kv_elem, float scale, float *out,
-                        int64_t out_tok_stride, float *scratch) {
+                        int64_t G, int64_t bs, int64_t hkv, int64_t D, int kv_elem, float scale, float v_scale,
+                        float *out, int64_t out_tok_stride, float *scratch) {
 #define PF_ITEM(d, e) pf_item(q, q_tok_stride, kv, v_offset, table, seq_len, q_len, i0, i1, h, G, bs, hkv, d, e, \
-                              scale, out, out_tok_stride, scratch)
-    if (D == 64 && kv_elem == ELEM_F16) PF_ITEM(64, ELEM_F16);
-    else if (D == 64) PF_ITEM(64, ELEM_F32);
-    else if (D == 128 && kv_elem == ELEM_F16) PF_ITEM(128, ELEM_F16);
-    else if (D == 128) PF_ITEM(128, ELEM_F32);
-    else if (kv_elem == ELEM_F16) PF_ITEM(D, ELEM_F16);
-    else PF_ITEM(D, ELEM_F32);
+                              scale, v_scale, out, out_tok_stride, scratch)
+#define PF_D(e)                                \
+    if (D == 64) PF_ITEM(64, e);               \
+    else if (D == 128) PF_ITEM(128, e);        \
+    else PF_ITEM(D, e);
+    switch (kv_elem) {
+        case ELEM_F16: PF_D(ELEM_F16) break;
+        case ELEM_FP8_E4M3: PF_D(ELEM_FP8_E4M3) break;
+        case ELEM_FP8_E5M2: PF_D(ELEM_FP8_E5M2) break;
+        case ELEM_Q8_0: PF_D(ELEM_Q8_0) break;
+        default: PF_D(ELEM_F32) break;
+    }
+#undef PF_D
 #undef PF_ITEM
 }
 #endif
@@ -592,8 +555,7 @@ static void pf_item_any(const float *q, int64_t q_tok_stride, const void *kv, in
 /* 1 where paged_prefill_attention runs for these element types and head size here. */
 int paged_prefill_supported(int elem, int kv_elem, int64_t D) {
 #if defined(HAVE_TILES)
-    return elem == ELEM_F32 && (kv_elem == ELEM_F32 || kv_elem == ELEM_F16) && D % 16 == 0 && D > 0 &&
-           D <= PF_MAX_D;
+    return elem == ELEM_F32 && takes_types(elem, kv_elem, D) && D % 16 == 0 && D > 0 && D <= PF_MAX_D;
 #else
     (void)elem, (void)kv_elem, (void)D;
     return 0;
@@ -607,10 +569,11 @@ int paged_prefill_supported(int elem, int kv_elem, int64_t D) {
 int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks,
                             int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
                             int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
-                            const int64_t *reqs, int64_t num_reqs, float scale, void *out,
-                            int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
+                            const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
+                            void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
     if (!paged_prefill_supported(elem, kv_elem, D)) return -2;
 #if defined(HAVE_TILES)
+    scale *= k_scale;
     const int64_t G = hq / hkv, v_offset = num_blocks * bs * hkv * D;
     /* Item k of request n: query tile tiles[n] - 1 - k / hkv, KV head k % hkv; item_start[n] is
        the first item of request n. */
@@ -642,7 +605,7 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
             const int64_t i0 = (tiles - 1 - k / hkv) * PF_TOKENS, i1 = min64(i0 + PF_TOKENS, q_len);
             pf_item_any((const float *)q + start * q_tok_stride, q_tok_stride, kv, v_offset,
                         tables + r * table_stride, seq_lens[r], q_len, i0, i1, k % hkv, G, bs, hkv, D, kv_elem,
-                        scale, (float *)out + start * out_tok_stride, out_tok_stride, scratch);
+                        scale, v_scale, (float *)out + start * out_tok_stride, out_tok_stride, scratch);
         }
         free(scratch);
     }
@@ -651,7 +614,22 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
 #else
     (void)q, (void)q_tok_stride, (void)kv, (void)num_blocks, (void)bs, (void)hkv, (void)hq, (void)tables;
     (void)table_stride, (void)query_start, (void)seq_lens, (void)reqs, (void)num_reqs, (void)scale, (void)out;
-    (void)out_tok_stride, (void)num_threads;
+    (void)k_scale, (void)v_scale, (void)out_tok_stride, (void)num_threads;
     return -2;
 #endif
+}
+
+/* ---- Row conversions alone, for tests of kv_quant.h against model/kv_quant.py: `rows` rows of D
+   fp32 values at src -> the cache type at dst (kv_store_rows: 0, or 4 for a type this build
+   cannot write), and back (load_row, as the attention reads them: 0, or -2 for a type it does
+   not read). */
+int kv_quantize_rows(void *dst, const float *src, int64_t rows, int64_t D, int kv_elem, float inv_scale) {
+    if (kv_elem == ELEM_BF16 || (kv_elem == ELEM_Q8_0 && D % Q8_0_VALUES)) return 4;
+    return kv_store_rows(dst, src, rows, D, kv_elem, inv_scale);
+}
+
+int kv_dequantize_rows(const void *src, int64_t rows, int64_t D, int kv_elem, float *dst) {
+    if (!takes_types(ELEM_F32, kv_elem, D)) return -2;
+    for (int64_t r = 0; r < rows; r++) load_row(src, r * D, D, kv_elem, dst + r * D);
+    return 0;
 }
