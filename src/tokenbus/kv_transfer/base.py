@@ -67,7 +67,8 @@ class KVConnectorWorker:
         self.counters = TransferCounters()
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """The pool, per layer [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        """The pool, per layer [2, num_blocks, block_size, num_kv_heads, row] (row: head_dim
+        values in the layout's dtype, model/kv_quant.py)."""
         self.kv_caches = kv_caches
 
     def bind_connector_metadata(self, metadata: bytes | None) -> None:
@@ -124,4 +125,6 @@ class KVConnectorWorker:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_caches[0].device)
         kv = kv.to(self.kv_caches[0].device)
         for layer, cache in enumerate(self.kv_caches):
+            if cache.element_size() == 1:  # fp8 and q8_0 as bytes: no index_copy_ for fp8
+                cache, kv = cache.view(torch.uint8), kv.view(torch.uint8)
             cache.index_copy_(1, index, kv[layer])

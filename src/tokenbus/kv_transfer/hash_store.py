@@ -200,13 +200,13 @@ class HashStoreWorker(KVConnectorWorker):
                 self.counters.timed_load(stacked.numel() * stacked.element_size(), started)
 
     def _check_block(self, kv: torch.Tensor) -> None:
-        """A loaded block must fit the pool: [L, 2, bs, Hkv, D] of its dtype."""
+        """A loaded block must fit the pool: [L, 2, bs, Hkv, row] of its storage dtype."""
         layout = self.ctx.layout
-        shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
         dtype = str(kv.dtype).removeprefix("torch.")
-        if tuple(kv.shape) != shape or dtype != layout.dtype:
+        if list(kv.shape) != layout.block_shape or dtype != layout.storage_dtype:
             raise ValueError(
-                f"stored block is {dtype} {list(kv.shape)}, the pool's {layout.dtype} {list(shape)}"
+                f"stored block is {dtype} {list(kv.shape)}, the pool's {layout.dtype} "
+                f"({layout.storage_dtype}) {layout.block_shape}"
             )
 
     def wait_for_save(self) -> None:

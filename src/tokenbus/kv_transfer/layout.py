@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig, ModelArch, kv_row_bytes
 
-# Bytes per element of each K/V dtype a resolved config may name (config.KV_CACHE_DTYPES).
-KV_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The pool tensor's torch dtype (its name) for each K/V dtype a resolved config may name, where
+# the two differ (model/kv_quant.py: fp8 as torch's fp8 types, q8_0 rows as bytes).
+STORAGE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "q8_0": "uint8"}
+KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class KVLayout:
     """What must agree for two pools' blocks to be interchangeable (and what keys a store)."""
 
     model: str  # the model's path or name
-    dtype: str  # torch dtype name of the K/V tensors
+    dtype: str  # the K/V element type: --kv-cache-dtype, resolved (a torch dtype, fp8_*, q8_0)
     quantization: str  # weights decide the K/V values: dequantized and quantized differ slightly
     block_size: int
     num_layers: int
@@ -29,10 +31,26 @@ class KVLayout:
     weights: str = "files"
 
     @property
+    def storage_dtype(self) -> str:
+        """The torch dtype name of the pool's tensors (and of blocks read out of them)."""
+        return STORAGE_DTYPES.get(self.dtype, self.dtype)
+
+    @property
+    def row_width(self) -> int:
+        """The pool tensors' last dimension: head_dim, or a q8_0 row's bytes."""
+        itemsize = 1 if self.dtype in STORAGE_DTYPES else KV_ITEMSIZE[self.dtype]
+        return kv_row_bytes(self.dtype, self.head_dim) // itemsize
+
+    @property
+    def block_shape(self) -> list[int]:
+        """One block's K/V over every layer: [num_layers, 2, block_size, Hkv, row_width]."""
+        return [self.num_layers, 2, self.block_size, self.num_kv_heads, self.row_width]
+
+    @property
     def block_nbytes(self) -> int:
-        """Bytes of one block's K/V over every layer: [num_layers, 2, block_size, Hkv, D]."""
-        itemsize = KV_ITEMSIZES[self.dtype]
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one block's K/V over every layer (block_shape of storage_dtype)."""
+        row_bytes = kv_row_bytes(self.dtype, self.head_dim)
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * row_bytes
 
     def describe(self) -> dict:
         return dict(self.__dict__)

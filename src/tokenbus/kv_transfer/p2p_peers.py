@@ -362,22 +362,17 @@ class _Puller:
             raise _NoAnswer(str(exc)) from exc
 
     def _blocks(self, reply: Reply, data: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """The reply's bytes as K/V [L, 2, n, block_size, Hkv, D], checked against our layout."""
+        """The reply's bytes as K/V [L, 2, n, block_size, Hkv, row], checked against our
+        layout (row: head_dim values of its dtype, kv_quant.py)."""
         layout = self.ctx.layout
-        shape = [
-            layout.num_layers,
-            2,
-            num_blocks,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        ]
-        dtype = getattr(torch, layout.dtype)
-        if reply.dtype != layout.dtype or reply.shape != shape:
-            raise _Refused(f"got {reply.dtype} {reply.shape}, expected {layout.dtype} {shape}")
+        shape = layout.block_shape
+        shape.insert(2, num_blocks)
+        stored = layout.storage_dtype
+        if reply.dtype != stored or reply.shape != shape:
+            raise _Refused(f"got {reply.dtype} {reply.shape}, expected {stored} {shape}")
         if data.numel() != num_blocks * layout.block_nbytes:
-            raise _Refused(f"got {data.numel()} bytes for {layout.dtype} {shape}")
-        return data.view(dtype).view(shape)
+            raise _Refused(f"got {data.numel()} bytes for {stored} {shape}")
+        return data.view(getattr(torch, stored)).view(shape)
 
     def _send_done(self, job: _Job) -> None:
         """Tell the prefiller it may free the blocks; if it cannot hear it, its timeout does."""
