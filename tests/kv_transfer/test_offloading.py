@@ -7,6 +7,7 @@ import gc
 import itertools
 import json
 import logging
+import re
 import threading
 import time
 
@@ -22,6 +23,7 @@ from tokenbus.core.kv.block_hash import hash_block_tokens
 from tokenbus.core.outputs import KVConnectorOutput
 from tokenbus.kv_transfer import offloading
 from tokenbus.kv_transfer.base import ConnectorContext, KVLayout
+from tokenbus.kv_transfer.block_bytes import BlockSpec, tensor_bytes
 from tokenbus.kv_transfer.block_files import BlockFiles
 from tokenbus.kv_transfer.hash_store import BlockJob, HashStoreMeta
 from tokenbus.kv_transfer.offloading import (
@@ -208,7 +210,7 @@ def test_corrupt_and_truncated_files_are_misses(tiny_llama_dir, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="tokenbus.kv_transfer.block_files"):
         outs = _generate(reader, prompts)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert "checksum mismatch" in caplog.text and "unreadable" in caplog.text
+    assert "checksum mismatch" in caplog.text and "truncated" in caplog.text
     assert not files.path(flipped).exists() and not files.path(truncated).exists()
     assert not _scheduler_half(reader).contains(flipped) and not _scheduler_half(reader).contains(
         truncated
@@ -284,6 +286,15 @@ def _store(**extra) -> TieredStore:
     return TieredStore(OffloadConfig.from_extra(extra), LAYOUT.fingerprint())
 
 
+SPEC = BlockSpec(torch.float32, (2, 2, BLOCK, 2, 16))
+
+
+def _load(store: TieredStore, block_hash: bytes) -> torch.Tensor:
+    kv = torch.empty(SPEC.shape, dtype=SPEC.dtype)
+    store.load_into(block_hash, [tensor_bytes(kv)], SPEC)
+    return kv
+
+
 def test_lru_bounds_and_eviction_news(tmp_path, monkeypatch):
     monkeypatch.setattr(offloading, "MTIME_REFRESH_S", 0.0)  # every use moves the file's mtime
     file_bytes = len(_safetensors_size_probe(tmp_path))
@@ -296,7 +307,7 @@ def test_lru_bounds_and_eviction_news(tmp_path, monkeypatch):
     assert store.drain()
     time.sleep(0.02)  # file times are coarse: order the phases
     assert store.take_news() == ([], 3, _disk_usage(root))  # 0 and 1 left RAM but are on disk
-    assert torch.equal(store.load(_hash(0)), _kv(0))  # from disk, promoted: the newest in both
+    assert torch.equal(_load(store, _hash(0)), _kv(0))  # from disk: now the newest file
     assert store.drain()
     time.sleep(0.02)
     for i in range(5, 8):
@@ -313,13 +324,13 @@ def test_lru_bounds_and_eviction_news(tmp_path, monkeypatch):
     assert _on_disk(root) == {_hash(i) for i in (0, 4, 5, 6, 7)}
     for i in (1, 2, 3):
         with pytest.raises(KeyError):
-            store.load(_hash(i))
+            _load(store, _hash(i))
     store.close()
 
     # A restart reads the disk tier in use order (mtime): 0 was read after 4 was written.
     again = _store(cpu_bytes=0, disk_path=str(root), disk_bytes=disk_bytes)
     assert again.disk.keys()[:2] == [_hash(4), _hash(0)]
-    assert torch.equal(again.load(_hash(6)), _kv(6))
+    assert torch.equal(_load(again, _hash(6)), _kv(6))
     again.close()
     smaller = _store(
         cpu_bytes=0, disk_path=str(root), disk_bytes=2 * file_bytes + 64
@@ -348,7 +359,7 @@ def test_cpu_only_tier_reports_evictions(tmp_path):
     for i in range(4):
         store.store(_hash(i), _kv(i))
     assert store.take_news() == ([_hash(0), _hash(1)], 2, 0)
-    store.load(_hash(2))  # now the newest
+    _load(store, _hash(2))  # now the newest
     store.store(_hash(4), _kv(4))
     assert store.take_news()[0] == [_hash(3)]
     store.close()
@@ -399,6 +410,51 @@ def test_worker_reports_corrupt_file_as_dropped_and_invalid(tmp_path):
 
     scheduler = OffloadingScheduler(ctx)  # a restart: the index from the scan
     assert scheduler.contains(hashes[0]) and not scheduler.contains(hashes[1])
+    worker.shutdown()
+
+
+def test_worker_loads_from_ram_and_disk_and_logs_the_throughput(tmp_path, monkeypatch, caplog):
+    ctx = ConnectorContext(
+        KVTransferConfig(
+            "OffloadingConnector",
+            kv_connector_extra_config={"cpu_bytes": 2 * BLOCK_BYTES, "disk_path": str(tmp_path)},
+        ),
+        LAYOUT,
+        "test",
+    )
+    worker = OffloadingWorker(ctx)
+    worker.register_kv_caches([torch.randn(2, 8, BLOCK, 2, 16) for _ in range(2)])
+    hashes = [_hash(i) for i in range(3)]
+    saves = [BlockJob(i + 1, h) for i, h in enumerate(hashes)]
+    worker.bind_connector_metadata(msgspec.msgpack.encode(HashStoreMeta(saves=saves)))
+    worker.wait_for_save()  # stored tail first: the CPU tier keeps blocks 0 and 1
+    worker.store_tiers.drain()
+    worker.build_output(set())
+    assert worker.store_tiers.cpu.keys() == [hashes[1], hashes[0]]
+
+    def load(block_ids: list[int]) -> None:
+        jobs = [BlockJob(block_id, h) for block_id, h in zip(block_ids, hashes)]
+        worker.bind_connector_metadata(msgspec.msgpack.encode(HashStoreMeta(loads={"r": jobs})))
+        worker.start_load_kv()
+        assert worker.build_output(set()).bytes_loaded == 3 * BLOCK_BYTES
+
+    with caplog.at_level(logging.INFO, logger="tokenbus.kv_transfer.offloading"):
+        load([5, 6, 7])
+        load([4, 5, 6])  # within LOAD_LOG_INTERVAL_S of the first line: tallied, not logged
+    lines = [r.getMessage() for r in caplog.records if "KV offload: loaded" in r.getMessage()]
+    assert len(lines) == 1
+    assert re.fullmatch(
+        r"KV offload: loaded 0\.0 MiB in [\d.]+ ms, [\d.]+ GB/s "
+        r"\(blocks: 1 from disk, 2 from RAM\)",
+        lines[0],
+    )
+    for layer in worker.kv_caches:  # blocks 1-3 loaded into 4-6 (the second load)
+        assert torch.equal(layer[:, 4:7], layer[:, 1:4])
+    monkeypatch.setattr(offloading, "LOAD_LOG_INTERVAL_S", 0.0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tokenbus.kv_transfer.offloading"):
+        load([5, 6, 7])  # the second load's blocks and this one's: a disk hit is not promoted
+    assert "(blocks: 2 from disk, 4 from RAM)" in caplog.text
     worker.shutdown()
 
 

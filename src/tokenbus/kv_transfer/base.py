@@ -20,6 +20,7 @@ import torch
 
 from tokenbus.config import KVTransferConfig
 from tokenbus.core.outputs import KVConnectorOutput
+from tokenbus.kv_transfer.block_bytes import BlockSpec, PoolBytes
 
 # Re-exported: connectors and their tests name the layout beside the context it rides in.
 from tokenbus.kv_transfer.layout import KVLayout as KVLayout
@@ -64,12 +65,16 @@ class KVConnectorWorker:
     def __init__(self, ctx: ConnectorContext) -> None:
         self.ctx = ctx
         self.kv_caches: list[torch.Tensor] = []
+        self.block_spec: BlockSpec | None = None  # one block as the pool holds it
+        self.pool_bytes: PoolBytes | None = None  # a CPU pool's bytes: loads land there directly
         self.counters = TransferCounters()
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """The pool, per layer [2, num_blocks, block_size, num_kv_heads, row] (row: head_dim
         values in the layout's dtype, model/kv_quant.py)."""
         self.kv_caches = kv_caches
+        self.block_spec = BlockSpec.of_pool(kv_caches)
+        self.pool_bytes = PoolBytes.of(kv_caches, self.ctx.layout)
 
     def bind_connector_metadata(self, metadata: bytes | None) -> None:
         """This step's metadata from the scheduler half (None: nothing to do)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from tokenbus.kv_transfer.base import ConnectorContext, KVConnectorWorker
+from tokenbus.kv_transfer.block_bytes import StagedBlocks, copy_into
 
 if TYPE_CHECKING:
     import torch
@@ -148,8 +149,9 @@ class HashStoreScheduler:
 
 
 class HashStoreWorker(KVConnectorWorker):
-    """Worker half: `load(hash)` returns a block's K/V [L, 2, bs, Hkv, D] or raises; `store`
-    keeps one. Both synchronous (a subclass may defer the slow part of a store)."""
+    """Worker half: `load_into(hash, chunks)` writes a block's K/V where `chunks` say (the
+    pool's bytes, or a staging tensor's) or raises; `store` keeps one. Both synchronous (a
+    subclass may defer the slow part of a store)."""
 
     meta_type: type[HashStoreMeta] = HashStoreMeta  # what its scheduler half's make_meta builds
 
@@ -163,6 +165,14 @@ class HashStoreWorker(KVConnectorWorker):
     def load(self, block_hash: bytes) -> torch.Tensor:
         raise NotImplementedError
 
+    def load_into(self, block_hash: bytes, chunks: list[memoryview]) -> None:
+        """Write a block's K/V into `chunks`, its byte ranges in [L, 2, bs, Hkv, row] order
+        (block_bytes), or raise. This one copies what load() returns; a store that can read in
+        place overrides it."""
+        kv = self.load(block_hash)
+        self._check_block(kv)
+        copy_into(chunks, kv)
+
     def store(self, block_hash: bytes, kv: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -174,30 +184,34 @@ class HashStoreWorker(KVConnectorWorker):
         )
 
     def start_load_kv(self) -> None:
-        import torch
-
         self._load_failed = False
         for jobs in self._meta.loads.values():
             started = time.perf_counter()
-            block_ids, blocks = [], []
-            for job in jobs:
+            # Straight into the pool when it is CPU memory; else staged, then one copy to it.
+            staged = (
+                None if self.pool_bytes is not None else StagedBlocks(self.block_spec, len(jobs))
+            )
+            num_loaded = 0
+            for i, job in enumerate(jobs):
+                chunks = (
+                    staged.block_chunks(i)
+                    if staged is not None
+                    else self.pool_bytes.block_chunks(job.block_id)
+                )
                 try:
-                    kv = self.load(job.block_hash)
-                    self._check_block(kv)
+                    self.load_into(job.block_hash, chunks)
                 except Exception:  # missing, corrupt, unreadable: a miss, never wrong K/V
                     # The blocks after it chain from it: they are recomputed anyway.
-                    self.counters.invalid_block_ids.update(
-                        j.block_id for j in jobs[len(block_ids) :]
-                    )
+                    self.counters.invalid_block_ids.update(j.block_id for j in jobs[i:])
                     self._dropped.append(job.block_hash)
                     self._load_failed = True
                     break
-                block_ids.append(job.block_id)
-                blocks.append(kv)
-            if blocks:
-                stacked = torch.stack(blocks, dim=2)  # [L, 2, n, bs, Hkv, D]
-                self.write_blocks(block_ids, stacked)
-                self.counters.timed_load(stacked.numel() * stacked.element_size(), started)
+                num_loaded += 1
+            if num_loaded:
+                if staged is not None:
+                    block_ids = [job.block_id for job in jobs[:num_loaded]]
+                    self.write_blocks(block_ids, staged.tensor[:, :, :num_loaded])
+                self.counters.timed_load(num_loaded * self.block_spec.nbytes, started)
 
     def _check_block(self, kv: torch.Tensor) -> None:
         """A loaded block must fit the pool: [L, 2, bs, Hkv, row] of its storage dtype."""

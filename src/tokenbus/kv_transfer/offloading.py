@@ -13,7 +13,8 @@ another model, dtype or block size never hits.
 Data flow (the HashStore shape): a block a step fills is copied to the CPU tier after the
 forward and written through to disk by a background thread (a crash loses at most the queue);
 a waiting request's next blocks that a tier holds are loaded before its forward, from the CPU
-tier, else from the file (checksum-verified; a disk hit is promoted to the CPU tier). Both
+tier, else from the file, read straight into the pool and checksum-verified there (a disk hit
+is not copied to the CPU tier: the page cache keeps a file read once about as close). Both
 tiers are LRUs bounded in bytes; the worker half owns them. The scheduler half keeps an index
 of the hashes either tier holds (the disk scan at start, then the worker's news: stored,
 evicted from both tiers, dropped as unreadable), so `contains` costs no I/O. A block the index
@@ -26,6 +27,7 @@ fails its checksum is a miss) but each bounds only the files it knows of.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -38,6 +40,7 @@ import msgspec
 import torch
 
 from tokenbus.kv_transfer.base import ConnectorContext
+from tokenbus.kv_transfer.block_bytes import BlockSpec, copy_into
 from tokenbus.kv_transfer.block_files import BlockFiles
 from tokenbus.kv_transfer.byte_lru import ByteLRU
 from tokenbus.kv_transfer.hash_store import (
@@ -62,6 +65,7 @@ MAX_QUEUED_WRITE_BYTES = 256 << 20
 FLUSH_TIMEOUT_S = 30.0  # shutdown waits this long for queued disk writes, then gives up
 # A used block's file gets a new mtime (its LRU position after a restart) at most this often.
 MTIME_REFRESH_S = 10.0
+LOAD_LOG_INTERVAL_S = 10.0  # the load throughput log line, at most this often
 _KEYS = ("cpu_bytes", "disk_path", "disk_bytes")
 
 
@@ -169,6 +173,9 @@ class TieredStore:
         self._num_skipped_writes = 0
         self.files: BlockFiles | None = None
         self._jobs: queue.SimpleQueue | None = None
+        # Files whose mtime to refresh, sent to the writer as one job per step: a job per block
+        # would wake the writer, and trade the GIL with it, once per block of a load.
+        self._touches: list[bytes] = []
         self._flush = None
         if config.disk_path is not None:
             self.files = BlockFiles(config.disk_path, layout_fingerprint)
@@ -209,38 +216,39 @@ class TieredStore:
                     self._skipped_write()
             self._put_cpu(block_hash, kv)
 
-    def load(self, block_hash: bytes) -> torch.Tensor:
-        """The block's K/V [L, 2, bs, Hkv, D] on the CPU; raises if no tier holds it (or its
-        file is unreadable: then it is removed)."""
+    def load_into(self, block_hash: bytes, chunks: list[memoryview], spec: BlockSpec) -> str:
+        """Write the block into `chunks` (its byte ranges, block_bytes) from the CPU tier, else
+        straight from its file; returns the tier, "cpu" or "disk". Raises if no tier holds it
+        (or its file is unreadable: then it is removed). A disk hit is not copied to the CPU
+        tier: a file read once is in the page cache, which keeps it as close."""
         with self._lock:
             kv = self.cpu.get(block_hash)
             if kv is None:
                 kv = self._queued.get(block_hash)
             on_disk = self._touch_disk(block_hash, time.monotonic())
         if kv is not None:
-            return kv
+            copy_into(chunks, kv)
+            return "cpu"
         if not on_disk:
             raise KeyError(f"KV block {block_hash.hex()[:16]} is in neither tier")
         try:
-            kv = self.files.read(block_hash)  # a corrupt file is removed by read()
+            self.files.read_into(block_hash, chunks, spec)  # a corrupt file is removed by it
         except Exception:
             with self._lock:
                 self.disk.pop(block_hash)
             self.files.remove(block_hash)  # unreadable for any reason: never tried again
             raise
-        with self._lock:
-            # Promoted. If the writer evicted the file while we read it, the block is held again.
-            self._evicted.pop(block_hash, None)
-            self._put_cpu(block_hash, kv)
-        return kv
+        return "disk"
 
     def touch(self, block_hashes: list[bytes]) -> None:
-        """Mark blocks used, in order (the last becomes the most recently used)."""
+        """Mark blocks used, in order (the last becomes the most recently used), and hand the
+        writer the mtimes to refresh (these and the loads' since the last call)."""
         now = time.monotonic()
         with self._lock:
             for block_hash in block_hashes:
                 self.cpu.touch(block_hash)
                 self._touch_disk(block_hash, now)
+            self._send_touches()
 
     def take_news(self) -> tuple[list[bytes], int, int]:
         """(blocks that left both tiers since the last call, blocks in the CPU tier, disk bytes)."""
@@ -253,12 +261,16 @@ class TieredStore:
         if self._jobs is None:
             return True
         done = threading.Event()
+        with self._lock:
+            self._send_touches()
         self._jobs.put((_SYNC, None, done))
         return done.wait(timeout_s)
 
     def close(self) -> None:
         """Flush the queued disk writes (bounded by FLUSH_TIMEOUT_S) and stop the writer."""
         if self._flush is not None:
+            with self._lock:
+                self._send_touches()
             self._flush()
 
     # ------------------------------------------------------------------ writer thread
@@ -289,8 +301,13 @@ class TieredStore:
             return False
         if now - mtime_set >= MTIME_REFRESH_S:  # its mtime orders the LRU after a restart
             self.disk.set_value(block_hash, now)
-            self._jobs.put((_TOUCH, block_hash, None))
+            self._touches.append(block_hash)
         return True
+
+    def _send_touches(self) -> None:
+        if self._touches:
+            self._jobs.put((_TOUCH, None, self._touches))
+            self._touches = []
 
     def _put_cpu(self, block_hash: bytes, kv: torch.Tensor) -> None:
         for victim in self.cpu.put(block_hash, kv, kv.numel() * kv.element_size()):
@@ -345,7 +362,7 @@ def _writer_loop(
             return
         try:
             if op == _TOUCH:
-                os.utime(files.path(block_hash))
+                _refresh_mtimes(files, kv)
                 continue
             if op == _SYNC:
                 kv.set()  # the event drain() waits on
@@ -361,10 +378,16 @@ def _writer_loop(
             for victim in store._written(block_hash, nbytes) if store is not None else []:
                 files.remove(victim)
             del store
-        except FileNotFoundError:
-            pass  # touched a file evicted meanwhile
         except Exception:  # never let the thread die: later writes and the flush need it
             logger.exception("KV offload: disk tier job %s failed", op)
+
+
+def _refresh_mtimes(files: BlockFiles, block_hashes: list[bytes]) -> None:
+    for block_hash in block_hashes:
+        try:
+            os.utime(files.path(block_hash))
+        except FileNotFoundError:
+            pass  # evicted meanwhile
 
 
 def _flush_writer(jobs: queue.SimpleQueue, writer: threading.Thread) -> None:
@@ -378,6 +401,37 @@ def _flush_writer(jobs: queue.SimpleQueue, writer: threading.Thread) -> None:
             time.monotonic() - started,
             jobs.qsize(),
         )
+
+
+class LoadTally:
+    """Loads since the last throughput line, logged at most every LOAD_LOG_INTERVAL_S (the
+    first at once: after a restart, that is the load of the first warm prompt)."""
+
+    def __init__(self) -> None:
+        self._logged_at = -math.inf
+        self._reset()
+
+    def _reset(self) -> None:
+        self.num_blocks = {"cpu": 0, "disk": 0}  # by the tier that served them
+        self.num_bytes = 0
+        self.seconds = 0.0
+
+    def add(self, num_bytes: int, seconds: float) -> None:
+        self.num_bytes += num_bytes
+        self.seconds += seconds
+        now = time.monotonic()
+        if not num_bytes or now - self._logged_at < LOAD_LOG_INTERVAL_S:
+            return
+        logger.info(
+            "KV offload: loaded %.1f MiB in %.1f ms, %.2f GB/s (blocks: %d from disk, %d from RAM)",
+            self.num_bytes / 2**20,
+            self.seconds * 1e3,
+            self.num_bytes / max(self.seconds, 1e-9) / 1e9,
+            self.num_blocks["disk"],
+            self.num_blocks["cpu"],
+        )
+        self._logged_at = now
+        self._reset()
 
 
 # ---------------------------------------------------------------------- the connector's halves
@@ -464,15 +518,21 @@ class OffloadingWorker(HashStoreWorker):
             )
         self.store_tiers = TieredStore(config, ctx.layout.fingerprint())
         self._occupancy_sent = (0, -1)
+        self._loads = LoadTally()
 
-    def load(self, block_hash: bytes) -> torch.Tensor:
-        return self.store_tiers.load(block_hash)
+    def load_into(self, block_hash: bytes, chunks: list[memoryview]) -> None:
+        tier = self.store_tiers.load_into(block_hash, chunks, self.block_spec)
+        self._loads.num_blocks[tier] += 1
 
     def store(self, block_hash: bytes, kv: torch.Tensor) -> None:
         self.store_tiers.store(block_hash, kv)
 
     def start_load_kv(self) -> None:
+        num_bytes, seconds = self.counters.bytes_loaded, self.counters.load_seconds
         super().start_load_kv()
+        self._loads.add(
+            self.counters.bytes_loaded - num_bytes, self.counters.load_seconds - seconds
+        )
         self.store_tiers.touch(self._meta.touches)  # after the loads: a chain's head ends newest
 
     def wait_for_save(self) -> None:

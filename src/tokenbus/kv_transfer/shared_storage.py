@@ -38,8 +38,8 @@ class SharedStorageWorker(HashStoreWorker):
         super().__init__(ctx)
         self.files = _files(ctx)
 
-    def load(self, block_hash: bytes) -> torch.Tensor:
-        return self.files.read(block_hash)
+    def load_into(self, block_hash: bytes, chunks: list[memoryview]) -> None:
+        self.files.read_into(block_hash, chunks, self.block_spec)
 
     def store(self, block_hash: bytes, kv: torch.Tensor) -> None:
         self.files.write(block_hash, kv)
