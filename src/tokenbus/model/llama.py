@@ -253,7 +253,6 @@ class LlamaForCausalLM(nn.Module):
             or plan.decode_tiles
             or plan.prefills
             or plan.num_tokens != x.shape[0]
-            or (self.lora_batch is not None and self.lora_batch.onehot is not None)
         ):
             return None
         kv = ctx.kv_caches[0]
@@ -271,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
             native.reqs,
             kv,
             self._tile_modes.mode(x.shape[0]),
+            self.lora_batch.slots if self.lora_batch is not None else None,
         )
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -359,6 +359,13 @@ class LlamaForCausalLM(nn.Module):
         # layers hold raw pointers into: drop them (layer by layer from then on).
         self._decode_layers = None
         return super()._apply(fn, *args, **kwargs)
+
+    def attach_lora(self, batch: LoRABatch) -> None:
+        """Adapters are on (worker/lora_slots.py gave every linear its slots): the C layers
+        are rebuilt to read the slots too."""
+        self.lora_batch = batch
+        if self._decode_layers is not None:
+            self._decode_layers = self._build_decode_layers()
 
     @property
     def decodes_in_c(self) -> bool:
@@ -469,7 +476,7 @@ def _tiled_linear(linear: Linear) -> LinearWeights | None:
     ):
         return None
     shard = kernel.shards[0]
-    return LinearWeights(shard.qtype, shard.data, shard.rows, shard.cols, linear.bias)
+    return LinearWeights(shard.qtype, shard.data, shard.rows, shard.cols, linear.bias, linear.lora)
 
 
 def _layer_loaders(

@@ -134,7 +134,9 @@ def prepare_batch(
     in slot 0 of the null block, seq_len 1, a block table of zeros; tables are then passed at
     their full width, so every shape depends on padded_size alone."""
     buffers.wait_for_copies()
-    requests = sorted(requests, key=lambda r: not r.is_decode)  # stable: decodes first
+    # Stable: decodes first; within each part, requests of one LoRA adapter side by side (its
+    # rows a slice: model/lora.py).
+    requests = sorted(requests, key=lambda r: (not r.is_decode, r.state.lora_id))
     query_start_loc = [0]
     seq_lens: list[int] = []
     logits_rows: list[int] = []

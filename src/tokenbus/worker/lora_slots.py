@@ -36,12 +36,12 @@ class LoRAAdapters:
         self.arch = arch
         self.config = config
         self.batch = LoRABatch()
-        self.dtype = dtype = model.embed_tokens.dtype
+        dtype = model.embed_tokens.dtype
         self.linears: dict[str, LinearLoRA] = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.startswith("layers."):
                 module.lora = self.linears[name] = LinearLoRA(module, self.batch, config, dtype)
-        model.lora_batch = self.batch
+        model.attach_lora(self.batch)
         # id → {our linear's name → {shard → pair}}, most recently used last.
         self._loaded: OrderedDict[int, dict[str, dict[int, LoRAPair]]] = OrderedDict()
         self._slots: list[int] = [0] * config.max_loras  # adapter id per slot (0: empty)
@@ -52,7 +52,7 @@ class LoRAAdapters:
         scheduler's rule)."""
         paths = {run.lora_id: run.lora_path for run in runs if run.lora_id}
         if not paths:
-            self.batch.onehot = None
+            self.batch.groups, self.batch.slots = [], None
             return
         if len(paths) > len(self._slots):
             raise ValueError(f"{len(paths)} adapters in one step; max_loras is {len(self._slots)}")
@@ -61,13 +61,14 @@ class LoRAAdapters:
             self._fill_slot(slot, self._adapter(lora_id, paths[lora_id], paths.keys()))
             self._slots[slot] = lora_id
         slot_of = {lora_id: slot for slot, lora_id in enumerate(self._slots)}
-        onehot = torch.zeros(num_rows, len(self._slots), dtype=self.dtype)
+        slots = torch.full((num_rows,), -1, dtype=torch.int64)
         row = 0
         for run in runs:
             if run.lora_id:
-                onehot[row : row + run.num_rows, slot_of[run.lora_id]] = 1
+                slots[row : row + run.num_rows] = slot_of[run.lora_id]
             row += run.num_rows
-        self.batch.onehot = onehot
+        self.batch.groups = [(slot_of[i], _rows_of(slots, slot_of[i])) for i in paths]
+        self.batch.slots = slots
 
     def _adapter(self, lora_id: int, path: str | None, keep) -> dict[str, dict[int, LoRAPair]]:
         """The adapter's pairs by linear, read once; past max_cpu_loras the least recently
@@ -91,3 +92,11 @@ class LoRAAdapters:
     def _fill_slot(self, slot: int, adapter: dict[str, dict[int, LoRAPair]]) -> None:
         for name, linear in self.linears.items():
             linear.set_slot(slot, adapter.get(name, {}))
+
+
+def _rows_of(slots: torch.Tensor, slot: int) -> slice | torch.Tensor:
+    """The rows whose slot is `slot`: a slice when they are consecutive (the usual case: a
+    step's requests are ordered by adapter), else their indices."""
+    rows = (slots == slot).nonzero().flatten()
+    first, last = int(rows[0]), int(rows[-1])
+    return slice(first, last + 1) if last - first + 1 == rows.numel() else rows

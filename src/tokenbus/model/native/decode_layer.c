@@ -15,8 +15,10 @@
      h, residual = add_rms_norm(o, residual) * post_norm
      x_out       = silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T
 
-   Exactly what LlamaDecoderLayer.forward computes on the same kernels (the eager path with
-   the native attention backend): the same results, bit for bit. The caller checks the
+   Each linear adds its LoRA side path for rows with an adapter (lora_add). Without adapters,
+   exactly what LlamaDecoderLayer.forward computes on the same kernels (the eager path with
+   the native attention backend): the same results, bit for bit (with them, the side path sums
+   in another order than torch's GEMMs). The caller checks the
    preconditions (fp32, one tiled shard per linear, only the native attention in the plan).
    x_out may alias x, residual_out may alias residual (both are read before they are written,
    element by element). */
@@ -50,6 +52,10 @@ typedef struct {
     const uint8_t *tiles;
     int64_t rows, cols;
     const float *bias;  /* NULL: none */
+    /* LoRA slots (model/lora.py), NULL: none. Slot s holds rows [s * W, (s + 1) * W) of both:
+       lora_a [slots * W, cols] (its A, zero-padded) and lora_b [slots * W, rows] (scaling · Bᵀ). */
+    const float *lora_a, *lora_b;
+    int64_t lora_width;
 } linear;
 
 typedef struct {
@@ -69,14 +75,35 @@ typedef struct {
     int64_t num_reqs, num_blocks, block_size, activations, num_threads;  /* activations: ACT_* */
     int64_t kv_elem;  /* the cache's element type (kv_quant.h's ELEM_*): fp32, fp16, fp8 or q8_0 */
     float k_scale, v_scale;  /* fp8 K/V's per-tensor scales (1 for the other types) */
+    const int64_t *lora_slots;  /* [T]: each row's LoRA slot, -1 for none; NULL: no row has one */
 } step;
+
+/* y[t] += (A_s x[t]) · scaling Bᵀ_s for each row t with a slot s: what LinearLoRA adds in torch
+   (the one-hot there keeps exactly slot s's W columns). */
+static void lora_add(const linear *l, const float *x, int64_t T, float *y, const int64_t *slots) {
+    const int64_t W = l->lora_width, in = l->cols, out = l->rows;
+#pragma omp parallel for schedule(static) if (T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        const float *a = l->lora_a + slots[t] * W * in, *b = l->lora_b + slots[t] * W * out, *xt = x + t * in;
+        float *yt = y + t * out;
+        for (int64_t r = 0; r < W; r++) {
+            float h = 0.f;
+            for (int64_t i = 0; i < in; i++) h += a[r * in + i] * xt[i];
+            if (h == 0.f) continue; /* a padding row of a lower-rank adapter, or a shard it leaves alone */
+            for (int64_t o = 0; o < out; o++) yt[o] += h * b[r * out + o];
+        }
+    }
+}
 
 static int run_linear(const kernels *k, const linear *l, const float *x, int64_t T, float *y, const step *s) {
     const int status = k->matmul((int)l->qtype, l->tiles, l->rows, l->cols, x, T, l->cols, y, l->rows,
                                  (int)s->activations, (int)s->num_threads);
-    if (status || !l->bias) return status;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t n = 0; n < l->rows; n++) y[t * l->rows + n] += l->bias[n];
+    if (status) return status;
+    if (l->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < l->rows; n++) y[t * l->rows + n] += l->bias[n];
+    if (l->lora_a && s->lora_slots) lora_add(l, x, T, y, s->lora_slots);
     return 0;
 }
 

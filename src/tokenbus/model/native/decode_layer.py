@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tokenbus.model import kv_quant
+from tokenbus.model.lora import LinearLoRA
 from tokenbus.model.native import (
     KERNEL_DTYPES,
     TILE_ACTIVATIONS,
@@ -42,7 +43,16 @@ class _Kernels(ctypes.Structure):
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("qtype", _I64), ("tiles", _PTR), ("rows", _I64), ("cols", _I64), ("bias", _PTR)]
+    _fields_ = [
+        ("qtype", _I64),
+        ("tiles", _PTR),
+        ("rows", _I64),
+        ("cols", _I64),
+        ("bias", _PTR),
+        ("lora_a", _PTR),
+        ("lora_b", _PTR),
+        ("lora_width", _I64),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -82,6 +92,7 @@ class _Step(ctypes.Structure):
         ("kv_elem", _I64),
         ("k_scale", _F32),
         ("v_scale", _F32),
+        ("lora_slots", _PTR),
     ]
 
 
@@ -96,21 +107,27 @@ def _address(fn: ctypes._CFuncPtr) -> int:
 
 @dataclass(frozen=True)
 class LinearWeights:
-    """One linear as decode_layer.c reads it: a single tiled shard, an optional fp32 bias."""
+    """One linear as decode_layer.c reads it: a single tiled shard, an optional fp32 bias,
+    optional LoRA slots (model/lora.LinearLoRA: written in place, so the pointers stay valid)."""
 
     qtype: int
     tiles: torch.Tensor
     rows: int
     cols: int
     bias: torch.Tensor | None
+    lora: LinearLoRA | None = None
 
     def struct(self) -> _Linear:
+        lora = self.lora
         return _Linear(
             self.qtype,
             self.tiles.data_ptr(),
             self.rows,
             self.cols,
             None if self.bias is None else self.bias.data_ptr(),
+            None if lora is None else lora.a.data_ptr(),
+            None if lora is None else lora.b.data_ptr(),
+            0 if lora is None else lora.width,
         )
 
 
@@ -193,10 +210,12 @@ class DecodeLayers:
         reqs: torch.Tensor,
         kv_cache: torch.Tensor,
         activations: str,
+        lora_slots: torch.Tensor | None = None,
     ) -> _Step:
         """What every layer of this step shares. The tensors must live until the step ends
         (the caller's context holds them); cos/sin [T, 1, D/2] contiguous fp32; the index
-        tensors int64, contiguous (as the attention plan checked them)."""
+        tensors int64, contiguous (as the attention plan checked them); lora_slots [T] int64,
+        each row's LoRA slot (-1: none), or None."""
         assert (
             cos.is_contiguous()
             and sin.is_contiguous()
@@ -225,6 +244,7 @@ class DecodeLayers:
             torch.get_num_threads(),
             KERNEL_DTYPES[kv_cache.dtype],
             *kv_quant.tensor_scales(kv_cache.dtype),
+            None if lora_slots is None else lora_slots.data_ptr(),
         )
 
     def run(
