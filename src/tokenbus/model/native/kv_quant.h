@@ -17,6 +17,11 @@
    into the query scale and v_scale into the softmax's 1 / sum, so rows convert without it. q8_0
    carries a scale per 32 values and takes no per-tensor one.
 
+   Readers return e4m3 values divided by 256 (kv_unit): an e4m3 byte moved into an IEEE half's
+   bit positions reads as exactly that, and the kernel folds the 256 into the same two scales
+   (powers of two: the sums come out bit for bit as over the true values) instead of a multiply
+   per value.
+
    Offsets are in elements, as if every row held D elements (paged_attention.c computes them so:
    ((block * bs + token) * Hkv + head) * D, plus num_blocks * bs * Hkv * D for V). Element
    offset o of a row's first value is row o / D, which starts at byte (o / D) * kv_row_bytes(D);
@@ -39,6 +44,9 @@ enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2, ELEM_FP8_E4M3 = 3, ELEM_FP8_E5
 #define FP8_E5M2_MAX 57344.f
 
 static inline int kv_is_fp8(int elem) { return elem == ELEM_FP8_E4M3 || elem == ELEM_FP8_E5M2; }
+
+/* A stored value = kv_unit * what the readers below return. */
+static inline float kv_unit(int elem) { return elem == ELEM_FP8_E4M3 ? 256.f : 1.f; }
 
 /* Bytes of one row of D values (q8_0: D a multiple of 32). */
 static inline int64_t kv_row_bytes(int64_t D, int elem) {
@@ -73,18 +81,18 @@ static inline __attribute__((always_inline)) float half_to_float(uint16_t h) {
 #endif
 }
 
-/* An fp8 byte as the IEEE half bits of the same value, divided by 256 for e4m3. e5m2 is a half's
-   top byte. e4m3's exponent and mantissa (7 bits) shifted into place under a half's exponent
-   field read as a half 2^8 smaller than the e4m3 value (bias 15 against 7), subnormals included
-   (both types' subnormals have exponent field 0): one exact multiply by 256 restores it. */
+/* An fp8 byte as the IEEE half bits of the same value, divided by kv_unit. e5m2 is a half's top
+   byte. e4m3's exponent and mantissa (7 bits) shifted into place under a half's exponent field
+   read as a half 2^8 smaller than the e4m3 value (bias 15 against 7), subnormals included (both
+   types' subnormals have exponent field 0). */
 static inline __attribute__((always_inline)) uint16_t fp8_half_bits(uint8_t b, int elem) {
     if (elem == ELEM_FP8_E5M2) return (uint16_t)(b << 8);
     return (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
 }
 
+/* An fp8 byte's value / kv_unit. */
 static inline __attribute__((always_inline)) float fp8_to_float(uint8_t b, int elem) {
-    const float h = half_to_float(fp8_half_bits(b, elem));
-    return elem == ELEM_FP8_E4M3 ? h * 256.f : h;
+    return half_to_float(fp8_half_bits(b, elem));
 }
 
 /* A block_q8_0's scale (2 bytes, not necessarily aligned). */
@@ -115,13 +123,14 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
 
 /* ---- Vectors of converted values: 16 lanes on AVX-512, 8 on AVX2 + F16C. */
 #if defined(__AVX512F__)
-/* 16 fp8 bytes -> fp32. */
+/* 16 fp8 bytes -> fp32 (/ kv_unit). e4m3: sign-extended to 16 bits and shifted left 7, the
+   sign lands in bits 15 and 14 and exponent and mantissa in 13..7; clearing bit 14 leaves
+   fp8_half_bits. */
 static inline __attribute__((always_inline)) __m512 fp8x16(const uint8_t *p, int elem) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    if (elem == ELEM_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(x, 8));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                                      _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (elem == ELEM_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+    const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(x, _mm256_set1_epi16((short)0xBF80)));
 }
 
 /* 16 int8 quants times their block's scale. */
@@ -130,8 +139,8 @@ static inline __attribute__((always_inline)) __m512 q8x16(const int8_t *q, float
                          _mm512_set1_ps(d));
 }
 
-/* Values offset .. offset + 15 (offset % 16 == 0) of rows of D values, as fp32: fp32, fp16, fp8
-   or q8_0 (whose 16 values lie in one half of one block). */
+/* Values offset .. offset + 15 (offset % 16 == 0) of rows of D values, as fp32 (/ kv_unit): fp32,
+   fp16, fp8 or q8_0 (whose 16 values lie in one half of one block). */
 static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int64_t offset, const int64_t D,
                                                               const int elem) {
     if (elem == ELEM_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + offset)));
@@ -143,15 +152,32 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int
     }
     return _mm512_loadu_ps((const float *)p + offset);
 }
+
+/* The 64 values of the row at element offset `offset` (a multiple of 64), as four vectors: one
+   address computation and, for q8_0, one conversion of each of the row's two scales. */
+static inline __attribute__((always_inline)) void kv_load64(const void *p, int64_t offset, const int elem,
+                                                            __m512 v[4]) {
+    if (elem == ELEM_Q8_0) {
+        const uint8_t *row = kv_row(p, offset, 64, elem);
+        for (int b = 0; b < 2; b++) {
+            const __m512 d = _mm512_set1_ps(q8_scale(row + b * Q8_0_BYTES));
+            const int8_t *q = (const int8_t *)(row + b * Q8_0_BYTES + 2);
+            for (int h = 0; h < 2; h++)
+                v[2 * b + h] = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)))), d);
+        }
+        return;
+    }
+    for (int c = 0; c < 4; c++) v[c] = kv_load16(p, offset + 16 * c, 64, elem);
+}
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__)
 static inline __attribute__((always_inline)) __m256 fp8x8(const uint8_t *p, int elem) {
-    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    if (elem == ELEM_FP8_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
-                                   _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    if (elem == ELEM_FP8_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
+    const __m128i x = _mm_slli_epi16(_mm_cvtepi8_epi16(b), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(x, _mm_set1_epi16((short)0xBF80)));
 }
 
 static inline __attribute__((always_inline)) __m256 q8x8(const int8_t *q, float d) {
@@ -160,7 +186,7 @@ static inline __attribute__((always_inline)) __m256 q8x8(const int8_t *q, float 
 }
 #endif
 
-/* The D fp8 values at p, as fp32, into out. */
+/* The D fp8 values at p, as fp32 (/ kv_unit), into out. */
 static inline __attribute__((always_inline)) void fp8_row(const uint8_t *p, const int64_t D, const int elem,
                                                           float *out) {
     int64_t d = 0;
@@ -189,7 +215,7 @@ static inline __attribute__((always_inline)) void q8_row(const uint8_t *p, const
     }
 }
 
-/* The row at element offset `offset` (a multiple of D), as D fp32 values, into out. fp16
+/* The row at element offset `offset` (a multiple of D), as D fp32 values (/ kv_unit), into out. fp16
    converts 16 or 8 at a time with F16C: the element-wise load above is not vectorised for it. */
 static inline __attribute__((always_inline)) void load_row(const void *p, int64_t offset, const int64_t D,
                                                            const int elem, float *out) {

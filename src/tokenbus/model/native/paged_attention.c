@@ -200,7 +200,10 @@ static inline __attribute__((always_inline)) void attend_decode64(
                 __m512 k[16][4];
                 for (int j = 0; j < 16; j++) {
                     const int64_t key = ((table[b] * bs + j0 + j) * hkv + h) * D;
-                    for (int c = 0; c < 4; c++) k[j][c] = j < n ? kv_load16(kv, key + 16 * c, D, kv_elem) : zero;
+                    if (j < n)
+                        kv_load64(kv, key, kv_elem, k[j]);
+                    else
+                        for (int c = 0; c < 4; c++) k[j][c] = zero;
                 }
                 for (int g = 0; g < G; g++) {
                     const float *qr = qs + ((h - h0) * G + g) * D;
@@ -238,7 +241,7 @@ static inline __attribute__((always_inline)) void attend_decode64(
             for (int64_t j = 0; j < nt; j++) {
                 const int64_t value = v_offset + ((table[b] * bs + j) * hkv + h) * D;
                 __m512 v[4];
-                for (int c = 0; c < 4; c++) v[c] = kv_load16(kv, value + 16 * c, D, kv_elem);
+                kv_load64(kv, value, kv_elem, v);
                 for (int g = 0; g < G; g++) {
                     const __m512 p = _mm512_set1_ps(sc[g * seq_len + t0 + j]);
                     for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
@@ -342,7 +345,8 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                     const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
                     void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
     if (!takes_types(elem, kv_elem, D)) return -2;
-    scale *= k_scale;  /* q . (k_scale k) = (k_scale q) . k */
+    scale *= k_scale * kv_unit(kv_elem);  /* q . (k_scale k) = (k_scale q) . k; rows read / kv_unit */
+    v_scale *= kv_unit(kv_elem);
     const int64_t G = hq / hkv, v_offset = num_blocks * bs * hkv * D;
     const int64_t heads_per_item = num_reqs >= 4 * num_threads ? hkv : 1, splits = hkv / heads_per_item;
     int64_t max_scores = 0, max_rows = 0;
@@ -573,7 +577,8 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
                             void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
     if (!paged_prefill_supported(elem, kv_elem, D)) return -2;
 #if defined(HAVE_TILES)
-    scale *= k_scale;
+    scale *= k_scale * kv_unit(kv_elem);
+    v_scale *= kv_unit(kv_elem);
     const int64_t G = hq / hkv, v_offset = num_blocks * bs * hkv * D;
     /* Item k of request n: query tile tiles[n] - 1 - k / hkv, KV head k % hkv; item_start[n] is
        the first item of request n. */
@@ -630,6 +635,9 @@ int kv_quantize_rows(void *dst, const float *src, int64_t rows, int64_t D, int k
 
 int kv_dequantize_rows(const void *src, int64_t rows, int64_t D, int kv_elem, float *dst) {
     if (!takes_types(ELEM_F32, kv_elem, D)) return -2;
-    for (int64_t r = 0; r < rows; r++) load_row(src, r * D, D, kv_elem, dst + r * D);
+    for (int64_t r = 0; r < rows; r++) {
+        load_row(src, r * D, D, kv_elem, dst + r * D);
+        for (int64_t d = 0; d < D; d++) dst[r * D + d] *= kv_unit(kv_elem);
+    }
     return 0;
 }
