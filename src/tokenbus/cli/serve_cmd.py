@@ -25,6 +25,21 @@ def add_serve_parser(sub) -> None:
     )
     serve.add_argument("--served-model-name", default=None, help="default: the model argument")
     serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served as model names, with --enable-lora: "
+        'name=path, or JSON {"name": ..., "path": ...}',
+    )
+    serve.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters while "
+        "serving (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
+    serve.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
@@ -153,6 +168,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from tokenbus.api.openai import launch
     from tokenbus.api.openai.limits import RequestLimits
     from tokenbus.api.openai.server_config import ServerConfig
+    from tokenbus.api.openai.serving_lora import parse_lora_module
 
     limits = RequestLimits(
         **{f.name: getattr(ns, f.name) for f in dataclasses.fields(RequestLimits)}
@@ -162,6 +178,8 @@ def _serve(ns: argparse.Namespace) -> int:
         port=ns.port,
         api_key=ns.api_key,
         served_model_name=ns.served_model_name,
+        lora_modules=tuple(parse_lora_module(text) for text in ns.lora_modules),
+        enable_lora_runtime_updates=ns.enable_lora_runtime_updates,
         limits=limits,
         max_request_body_bytes=ns.max_request_body_bytes,
         request_timeout=ns.request_timeout,

@@ -48,6 +48,7 @@ from tokenbus.api.openai.serving_chat import ChatServing
 from tokenbus.api.openai.serving_completions import CompletionServing
 from tokenbus.api.openai.serving_embeddings import EmbeddingServing
 from tokenbus.api.openai.serving_engine import Admission, ServingContext
+from tokenbus.api.openai.serving_lora import LoRAModules, add_lora_routes
 from tokenbus.api.openai.serving_messages import MessagesServing, add_messages_routes
 from tokenbus.api.openai.serving_responses import ResponsesRequest, ResponsesServing
 from tokenbus.api.openai.serving_tokenize import TokenizeServing
@@ -121,7 +122,21 @@ def make_serving_context(
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         tool_parser=_tool_parser(config),
+        loras=_lora_modules(engine, config, served_model_names),
     )
+
+
+def _lora_modules(engine: Any, config: ServerConfig, base_names: list[str]) -> LoRAModules | None:
+    """The adapters to serve, each checked against the model now: a bad one stops the start."""
+    if not (config.lora_modules or config.enable_lora_runtime_updates):
+        return None
+    if engine.config.lora is None:
+        flag = "lora_modules" if config.lora_modules else "enable_lora_runtime_updates"
+        raise ValueError(f"{flag}: LoRA adapters need --enable-lora")
+    loras = LoRAModules(engine, base_names)
+    for lora in config.lora_modules:
+        loras.add(lora)
+    return loras
 
 
 def _tool_parser(config: ServerConfig) -> ToolCallParser | None:
@@ -148,6 +163,8 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app, state.ctx.known_params)
     _add_openai_routes(app, state)
     _add_service_routes(app, state)
+    if state.config.enable_lora_runtime_updates:
+        add_lora_routes(app, state.ctx.loras)
     if state.config.enable_xray:
         from tokenbus.api.openai.xray import add_xray_routes
 

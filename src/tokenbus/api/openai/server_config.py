@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenbus.api.openai.limits import RequestLimits
+from tokenbus.protocol import LoRARequest
 
 # A request's deadline unless --request-timeout says otherwise. Long enough for the longest
 # legitimate request on a CPU: a stream among 16 on the slowest 2-core machine of
@@ -22,6 +23,10 @@ class ServerConfig:
     port: int = 8000  # 0: any free port (the "Serving on" log line names it)
     api_key: str | None = None
     served_model_name: str | None = None  # default: the model argument
+    # LoRA adapters served as model names (--lora-modules; the engine needs --enable-lora), and
+    # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while running.
+    lora_modules: tuple[LoRARequest, ...] = ()
+    enable_lora_runtime_updates: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_request_body_bytes: int = 10 * 1024 * 1024
     # Seconds from arrival to a request's last byte; 0 or None: no limit.

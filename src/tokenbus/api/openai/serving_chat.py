@@ -210,6 +210,7 @@ class ChatServing(OpenAIServing):
             params,
             cache_salt=request.cache_salt,
             priority=request.priority,
+            lora_request=self.lora_for(request.model),
         )
         self.check_prompt_logprobs([(len(truncated), engine_request.sampling_params)])
         beam = None

@@ -211,6 +211,7 @@ class CompletionServing(OpenAIServing):
                 params,
                 cache_salt=request.cache_salt,
                 priority=request.priority,
+                lora_request=self.lora_for(request.model),
             )
             prepared.append(PreparedPrompt(engine_request, text))
         self.check_request_tokens(

@@ -65,7 +65,14 @@ class EmbeddingServing(OpenAIServing):
                 self.ctx.limits.max_model_len,
                 request.truncation_side,
             )
-            engine_requests.append(processor.make_request(f"{request_id}-{i}", token_ids, params))
+            engine_requests.append(
+                processor.make_request(
+                    f"{request_id}-{i}",
+                    token_ids,
+                    params,
+                    lora_request=self.lora_for(request.model),
+                )
+            )
         self.check_request_tokens(sum(len(r.prompt_token_ids) for r in engine_requests))
         return EmbeddingRun(
             request_id, request, self.response_model_name(request.model), engine_requests

@@ -37,10 +37,12 @@ from tokenbus.api.openai.errors import (
 )
 from tokenbus.api.openai.protocol import OpenAIRequest
 from tokenbus.api.openai.request_params import ParamLimits
+from tokenbus.api.openai.serving_lora import LoRAModules
 from tokenbus.api.openai.streaming import DONE_EVENT, SSEResponse, cancel_on_disconnect, sse_event
 from tokenbus.api.openai.text_checks import find_lone_surrogate
 from tokenbus.api.openai.tool_parsers import ToolCallParser
 from tokenbus.api.openai.unsupported import check_unsupported
+from tokenbus.protocol import LoRARequest
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.validator import CHECK_CANCELLED
 from tokenbus.utils.log import log_safe
@@ -196,6 +198,7 @@ class ServingContext:
     # Logprob tokens as "token_id:N" unless a request says otherwise (vLLM's flag).
     return_tokens_as_token_ids: bool = False
     tool_parser: ToolCallParser | None = None  # tool_choice "auto": --enable-auto-tool-choice
+    loras: LoRAModules | None = None  # adapters served as model names (--lora-modules)
     # Tokenizing, chat templates and grammar checks run here, never on the event loop.
     prepare_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "prepare")
@@ -225,7 +228,11 @@ class OpenAIServing:
                 f"The engine has completed no step for {self.ctx.stalled_for_s:.0f} s.",
                 headers={"Retry-After": "5"},
             )
-        if model is not None and model not in self.ctx.served_model_names:
+        if (
+            model is not None
+            and model not in self.ctx.served_model_names
+            and self.lora_for(model) is None
+        ):
             raise NotFoundError(f"The model `{model}` does not exist.", param="model")
         if (path := find_lone_surrogate(request)) is not None:
             raise ValueError(
@@ -304,6 +311,10 @@ class OpenAIServing:
             "prompt positions × (1 + prompt_logprobs)",
             "prompt_logprobs",
         )
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return self.ctx.loras.get(model) if self.ctx.loras is not None else None
 
     def response_model_name(self, model: str | None) -> str:
         return model or self.ctx.model_name

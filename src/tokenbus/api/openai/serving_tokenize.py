@@ -83,10 +83,10 @@ class TokenizeServing(OpenAIServing):
         return DetokenizeResponse(prompt=text)
 
     def model_card(self, model: str) -> ModelCard:
-        if model not in self.ctx.served_model_names:
-            raise NotFoundError(f"The model `{model}` does not exist.", param="model")
-        max_model_len = self.engine.input_processor.max_model_len
-        return ModelCard(id=model, root=model, max_model_len=max_model_len)
+        for card in self.models().data:
+            if card.id == model:
+                return card
+        raise NotFoundError(f"The model `{model}` does not exist.", param="model")
 
     def tokenizer_info(self) -> TokenizerInfoResponse:
         tokenizer = self.engine.tokenizer
@@ -102,10 +102,20 @@ class TokenizeServing(OpenAIServing):
 
     def models(self) -> ModelList:
         max_model_len = self.engine.input_processor.max_model_len
+        base = self.ctx.served_model_names
+        adapters = self.ctx.loras.by_name.values() if self.ctx.loras is not None else ()
         return ModelList(
             data=[
-                ModelCard(id=name, root=name, max_model_len=max_model_len)
-                for name in self.ctx.served_model_names
+                *(ModelCard(id=name, root=name, max_model_len=max_model_len) for name in base),
+                *(
+                    ModelCard(
+                        id=lora.lora_name,
+                        root=lora.lora_path,
+                        parent=base[0],
+                        max_model_len=max_model_len,
+                    )
+                    for lora in adapters
+                ),
             ]
         )
 
