@@ -232,3 +232,13 @@ def test_a_quantized_pools_blocks_go_to_disk_and_back_as_they_are(tmp_path, dtyp
     for cache in pool:
         as_bytes = cache.view(torch.uint8)
         assert torch.equal(as_bytes[:, 4:6], as_bytes[:, 1:3])
+
+
+def test_prefault_maps_pool_pages_without_writing_them():
+    pool = _pool()
+    for layer, cache in enumerate(pool):
+        cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(layer)))
+    before = [cache.clone() for cache in pool]
+    pool_bytes = PoolBytes.of(pool, LAYOUT)
+    assert pool_bytes.prefault(1, 3) and pool_bytes.prefault(6, 99)  # past the end: clipped
+    assert all(torch.equal(a, b) for a, b in zip(pool, before))

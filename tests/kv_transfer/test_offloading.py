@@ -23,7 +23,7 @@ from tokenbus.core.kv.block_hash import hash_block_tokens
 from tokenbus.core.outputs import KVConnectorOutput
 from tokenbus.kv_transfer import offloading
 from tokenbus.kv_transfer.base import ConnectorContext, KVLayout
-from tokenbus.kv_transfer.block_bytes import BlockSpec, tensor_bytes
+from tokenbus.kv_transfer.block_bytes import BlockSpec, PoolBytes, tensor_bytes
 from tokenbus.kv_transfer.block_files import BlockFiles
 from tokenbus.kv_transfer.hash_store import BlockJob, HashStoreMeta
 from tokenbus.kv_transfer.offloading import (
@@ -456,6 +456,33 @@ def test_worker_loads_from_ram_and_disk_and_logs_the_throughput(tmp_path, monkey
         load([5, 6, 7])  # the second load's blocks and this one's: a disk hit is not promoted
     assert "(blocks: 2 from disk, 4 from RAM)" in caplog.text
     worker.shutdown()
+
+
+def test_a_warm_disk_tier_prefaults_the_pool_blocks_it_will_fill(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(PoolBytes, "prefault", lambda self, first, n: calls.append((first, n)))
+    config = KVTransferConfig(
+        "OffloadingConnector",
+        kv_connector_extra_config={"cpu_bytes": 0, "disk_path": str(tmp_path)},
+    )
+
+    def start() -> OffloadingWorker:
+        worker = OffloadingWorker(ConnectorContext(config, LAYOUT, "test"))
+        worker.register_kv_caches([torch.zeros(2, 8, BLOCK, 2, 16) for _ in range(2)])
+        if worker.prefault_thread is not None:
+            worker.prefault_thread.join()
+        return worker
+
+    start().shutdown()
+    assert calls == []  # an empty tier: nothing to prefault
+    files = BlockFiles(tmp_path, LAYOUT.fingerprint())
+    for i in range(3):
+        files.write(_hash(i), _kv(i))
+    start().shutdown()
+    assert calls == [(1, 3)]  # a fresh pool's first blocks, as many as the tier holds
+    monkeypatch.setattr(offloading, "PREFAULT_BYTES", 2 * BLOCK_BYTES)
+    start().shutdown()
+    assert calls[-1] == (1, 2)
 
 
 def test_shutdown_flushes_the_queue_and_gives_up_when_stuck(tmp_path, monkeypatch, caplog):

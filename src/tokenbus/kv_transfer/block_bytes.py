@@ -13,7 +13,10 @@ region, whose two threads on two shared cores can wait on each other for millise
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +66,7 @@ class PoolBytes:
 
     def __init__(self, kv_caches: list[torch.Tensor]) -> None:
         self._layers = [tensor_bytes(cache) for cache in kv_caches]
+        self._addresses = [cache.data_ptr() for cache in kv_caches]
         self._num_blocks = kv_caches[0].shape[1]
         self._chunk_nbytes = kv_caches[0][0, 0].numel() * kv_caches[0].element_size()
 
@@ -95,6 +99,41 @@ class PoolBytes:
             chunks.append(layer[k_start : k_start + size])
             chunks.append(layer[v_start : v_start + size])
         return chunks
+
+    def prefault(self, first_block: int, num_blocks: int) -> bool:
+        """Make blocks [first_block, first_block + num_blocks) of every layer resident without
+        writing them (MADV_POPULATE_WRITE: page tables only, safe beside the engine's writes).
+        False where the kernel cannot (before Linux 5.14). A fresh pool's pages are mapped on
+        first write, in 2 MiB pages where numpy asked for them: on the first load after a start
+        that costs several times the copy itself."""
+        num_blocks = max(0, min(num_blocks, self._num_blocks - first_block))
+        for address in self._addresses:
+            for half in (0, self._num_blocks):  # K, then V
+                start = address + (half + first_block) * self._chunk_nbytes
+                end = start + num_blocks * self._chunk_nbytes
+                start -= start % mmap.PAGESIZE
+                if end > start and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+                    return False
+        return True
+
+
+_MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14)
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """libc's madvise; -1 where it fails or there is none (not Linux)."""
+    libc = _libc()
+    return -1 if libc is None else libc.madvise(address, length, advice)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 class StagedBlocks:
