@@ -5,7 +5,11 @@ Per trial (a different system prompt each, so nothing is warm by accident):
   1. `tokenbus serve` with no connector:       TTFT of the chat (the baseline, a plain server)
   2. `tokenbus serve` + OffloadingConnector, on an empty disk tier: TTFT cold (it saves)
   3. stop it (SIGTERM: the tier flushes), start it again on the same directory,
-     another question under the same system prompt: TTFT warm (the prompt's blocks from disk)
+     another question under the same system prompt: TTFT warm (the prompt's blocks from disk);
+     the tier's load throughput from /metrics (bytes loaded / seconds loading); then a third
+     question: TTFT with the prefix already in the pool (all of the TTFT but the load)
+  4. the page cache's own speed: every file of the tier read into one reused buffer (best of
+     3 passes), the ceiling of the tier's load throughput
 
 Every request streams one token (max_tokens 1), temperature 0. Prints one line per trial and
 the medians; --output-json writes them. Run from the repo root (the default model).
@@ -77,6 +81,16 @@ class Server:
             self.proc.wait()
         self.log.close()
 
+    def kv_loaded(self) -> tuple[int, float]:
+        """(bytes, seconds) the KV connector spent loading, from /metrics."""
+        totals = {"loaded_bytes_total": 0.0, "load_seconds_total": 0.0}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            name, _, value = line.partition(" ")
+            for key in totals:
+                if name.startswith("tokenbus:kv_transfer_" + key):
+                    totals[key] += float(value)
+        return int(totals["loaded_bytes_total"]), totals["load_seconds_total"]
+
     def num_tokens(self, text: str) -> int:
         return httpx.post(self.url + "/tokenize", json={"prompt": text}, timeout=60).json()["count"]
 
@@ -114,6 +128,21 @@ class Server:
         if first is None:
             raise RuntimeError("no token streamed")
         return first, cached
+
+
+def page_cache_gbps(directory: str, passes: int = 3) -> float:
+    """GB/s of reading every file under `directory` (in the page cache: just written and read)
+    into one reused buffer, the best of `passes`."""
+    paths = [p for p in Path(directory).rglob("*") if p.is_file()]
+    buffer = bytearray(max(p.stat().st_size for p in paths))
+    best = 0.0
+    for _ in range(passes):
+        started, num_bytes = time.perf_counter(), 0
+        for path in paths:
+            with open(path, "rb", buffering=0) as f:
+                num_bytes += f.readinto(buffer)
+        best = max(best, num_bytes / (time.perf_counter() - started) / 1e9)
+    return best
 
 
 def main() -> int:
@@ -156,7 +185,10 @@ def main() -> int:
             server.stop()
             server = Server(ns.port, [*common, "--kv-transfer-config", config], Path(ns.log))
             warm, warm_cached = server.ttft(system, "Which word appears most often?")
+            loaded_bytes, load_s = server.kv_loaded()
+            in_pool, _ = server.ttft(system, "Which word appears least often?")
             server.stop()
+            ceiling = page_cache_gbps(tier)
         row = dict(
             trial=trial,
             system_tokens=num_tokens,
@@ -165,6 +197,11 @@ def main() -> int:
             warm_s=warm,
             cold_cached_tokens=cold_cached,
             warm_cached_tokens=warm_cached,
+            in_pool_s=in_pool,
+            loaded_bytes=loaded_bytes,
+            load_s=load_s,
+            load_gbps=loaded_bytes / load_s / 1e9 if load_s else 0.0,
+            page_cache_gbps=ceiling,
             speedup=cold / warm,
         )
         rows.append(row)
@@ -172,18 +209,32 @@ def main() -> int:
             f"trial {trial}: system prompt {num_tokens} tokens; "
             f"TTFT no connector {baseline * 1e3:.0f} ms, "
             f"cold {cold * 1e3:.0f} ms (cached {cold_cached}), after restart {warm * 1e3:.0f} ms "
-            f"(cached {warm_cached}): {cold / warm:.1f}x",
+            f"(cached {warm_cached}): {cold / warm:.1f}x; "
+            f"prefix in the pool {in_pool * 1e3:.0f} ms; "
+            f"tier load {loaded_bytes / 1e6:.1f} MB in {load_s * 1e3:.1f} ms = "
+            f"{row['load_gbps']:.2f} GB/s (page cache {ceiling:.2f} GB/s)",
             flush=True,
         )
     summary = {
         key: statistics.median(r[key] for r in rows)
-        for key in ("no_connector_s", "cold_s", "warm_s")
+        for key in (
+            "no_connector_s",
+            "cold_s",
+            "warm_s",
+            "in_pool_s",
+            "load_s",
+            "load_gbps",
+            "page_cache_gbps",
+        )
     }
     summary["speedup_median"] = summary["cold_s"] / summary["warm_s"]
     print(
         f"median TTFT: no connector {summary['no_connector_s'] * 1e3:.0f} ms, "
         f"cold {summary['cold_s'] * 1e3:.0f} ms, "
-        f"warm after restart {summary['warm_s'] * 1e3:.0f} ms: {summary['speedup_median']:.1f}x"
+        f"warm after restart {summary['warm_s'] * 1e3:.0f} ms: {summary['speedup_median']:.1f}x; "
+        f"prefix in the pool {summary['in_pool_s'] * 1e3:.0f} ms; tier load "
+        f"{summary['load_s'] * 1e3:.1f} ms, {summary['load_gbps']:.2f} GB/s "
+        f"(page cache {summary['page_cache_gbps']:.2f} GB/s)"
     )
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps({"trials": rows, "summary": summary}, indent=2))
@@ -202,18 +253,32 @@ def restart_record(trials: list[dict], summary: dict) -> dict:
             "TTFT, cold": round(t["cold_s"] * 1e3),
             "TTFT, warm after restart": round(t["warm_s"] * 1e3),
             "cached tokens (warm)": t["warm_cached_tokens"],
+            "TTFT, prefix in the pool": round(t["in_pool_s"] * 1e3),
+            "KV loaded": round(t["loaded_bytes"] / 1e6, 1),
+            "tier load": round(t["load_s"] * 1e3, 1),
+            "tier load throughput": round(t["load_gbps"], 2),
+            "page-cache read": round(t["page_cache_gbps"], 2),
             "cold / warm": round(t["speedup"], 1),
         }
     rows["median"] = {
         "TTFT, no connector": round(summary["no_connector_s"] * 1e3),
         "TTFT, cold": round(summary["cold_s"] * 1e3),
         "TTFT, warm after restart": round(summary["warm_s"] * 1e3),
+        "TTFT, prefix in the pool": round(summary["in_pool_s"] * 1e3),
+        "tier load": round(summary["load_s"] * 1e3, 1),
+        "tier load throughput": round(summary["load_gbps"], 2),
+        "page-cache read": round(summary["page_cache_gbps"], 2),
         "cold / warm": round(summary["speedup_median"], 1),
     }
     units = {
         "TTFT, no connector": "ms",
         "TTFT, cold": "ms",
         "TTFT, warm after restart": "ms",
+        "TTFT, prefix in the pool": "ms",
+        "KV loaded": "MB",
+        "tier load": "ms",
+        "tier load throughput": "GB/s",
+        "page-cache read": "GB/s",
         "cold / warm": "×",
     }
     peers = ["tokenbus serve without a connector"]
