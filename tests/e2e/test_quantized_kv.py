@@ -3,8 +3,8 @@
 On SmolLM2 against fp16 K/V: greedy tokens equal up to a near tie, and per-token logprobs of
 one fixed text (fp16's greedy answers, read back as prompt logprobs) within a stated mean
 distance. fp8 keeps 3 (e4m3) or 2 (e5m2) mantissa bits, q8_0 7 bits and a scale per 32
-values, so their tolerances differ; for scale, fp32 against fp16 K/V gives a mean of ~0.008
-nats on the same text (docs/benchmarks.md, "Quantized KV cache", has the measured figures).
+values, so their tolerances differ (docs/benchmarks.md, "Quantized KV cache", has the measured
+figures, and fp32 against fp16 K/V for scale).
 
 On a tiny GGUF (each decoder layer in C, head size 32): speculative decoding and prefix-cache
 hits give the same tokens as a plain run with the same K/V type (quantizing is deterministic:
