@@ -52,7 +52,8 @@ def test_auto_is_float16_only_for_float32_models_on_gguf_blocks(gguf_path):
 
 def test_bad_kv_cache_dtype_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        CacheConfig(kv_cache_dtype="fp8")
+        CacheConfig(kv_cache_dtype="fp4")
+    assert CacheConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"  # vLLM's name: fp8_e4m3
     assert (
         dataclasses.replace(CacheConfig(), kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
     )
