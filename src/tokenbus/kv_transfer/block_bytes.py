@@ -106,13 +106,15 @@ class PoolBytes:
         False where the kernel cannot (before Linux 5.14). A fresh pool's pages are mapped on
         first write, in 2 MiB pages where numpy asked for them: on the first load after a start
         that costs several times the copy itself."""
-        num_blocks = max(0, min(num_blocks, self._num_blocks - first_block))
+        num_blocks = min(num_blocks, self._num_blocks - first_block)
+        if num_blocks <= 0:
+            return True
         for address in self._addresses:
             for half in (0, self._num_blocks):  # K, then V
                 start = address + (half + first_block) * self._chunk_nbytes
                 end = start + num_blocks * self._chunk_nbytes
                 start -= start % mmap.PAGESIZE
-                if end > start and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+                if _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
                     return False
         return True
 
