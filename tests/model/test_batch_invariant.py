@@ -272,6 +272,7 @@ def test_resolution_makes_auto_int16_and_refuses_what_it_cannot_keep(tiny_gguf):
         ({"dtype": "bfloat16"}, "dtype"),
         ({"attention_backend": "torch"}, "attention_backend"),
         ({"kv_cache_dtype": "bfloat16"}, "kv_cache_dtype"),
+        ({"enable_lora": True}, "enable_lora"),
     ):
         with pytest.raises(ValueError, match=name):
             resolved(**kwargs)

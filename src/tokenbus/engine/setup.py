@@ -190,13 +190,17 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
     )
     cache = dataclasses.replace(cache, kv_cache_dtype=kv_cache_dtype)
     if model.batch_invariant:
-        model = resolve_batch_invariant(model, kv_cache_dtype)
+        model = resolve_batch_invariant(model, kv_cache_dtype, with_lora=config.lora is not None)
     return dataclasses.replace(config, model=model, cache=cache)
 
 
-def resolve_batch_invariant(model: ModelConfig, kv_cache_dtype: str) -> ModelConfig:
+def resolve_batch_invariant(
+    model: ModelConfig, kv_cache_dtype: str, with_lora: bool = False
+) -> ModelConfig:
     """--batch-invariant's requirements, each refused by name where unmet, and quant_activations
     auto made int16 (one mode at every size, the integer mode closest to fp32)."""
+    if with_lora:  # its side path is torch GEMMs over the step's rows (model/lora.py)
+        raise ValueError("batch_invariant does not cover LoRA adapters (enable_lora)")
     wanted = (
         ("device", model.device.split(":")[0], "cpu"),
         ("dtype", model.dtype, "float32"),
