@@ -10,16 +10,12 @@ line, in the same order), then `num_computed_tokens` advances optimistically;
 `update_from_output` appends the sampled tokens, rolls back rejected drafts and checks stop
 conditions.
 
-With a KV connector (kv_transfer/, seen through core/sched/ports.KVConnectorScheduler), a
-waiting request may get tokens from outside the pool:
-- synchronously: the worker loads them before the step's forward; they count as computed at
-  once and the rest of the prompt is scheduled in the same step;
-- asynchronously: the request takes its blocks, waits in WAITING_FOR_REMOTE_KVS (keeping its
-  place, holding nobody up) until the worker reports the load done, then runs like a resumed
-  request. If the whole prompt came in, its last token is computed again for its logits.
-A finished request whose blocks the connector still sends keeps them (a delayed free) until
-the worker reports them sent. Blocks that failed to load are evicted from the prefix cache and
-their requests recompute (preempted) or fail, per kv_load_failure_policy.
+With a KV connector, a waiting request may get tokens from outside the pool, synchronously
+(in the step) or asynchronously (it waits in WAITING_FOR_REMOTE_KVS, keeping its place, holding
+nobody up); a finished request's blocks may be freed only once the connector is done with them.
+core/sched/external_kv.ExternalKV keeps that bookkeeping; the scheduler keeps the queues. Blocks
+that failed to load are evicted from the prefix cache and their requests recompute (preempted)
+or fail, per kv_load_failure_policy.
 """
 
 from __future__ import annotations
@@ -32,9 +28,9 @@ from dataclasses import dataclass, field
 
 from tokenbus.config import SchedulerConfig
 from tokenbus.core.kv import KVCacheManager
-from tokenbus.core.kv.manager import skips_prefix_cache
-from tokenbus.core.outputs import KVConnectorOutput, ModelRunnerOutput
+from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.request import Request, RequestStatus
+from tokenbus.core.sched.external_kv import ExternalKV
 from tokenbus.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenbus.core.sched.ports import GrammarManager, KVConnectorScheduler
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
@@ -89,20 +85,18 @@ class Scheduler:
         self._spec_counts = SpecDecodeMetrics()
         # Outputs for requests finished outside a model step (a grammar that failed to compile).
         self._pending_outputs: list[EngineOutput] = []
-        self.connector = kv_connector
+        self.external_kv = ExternalKV(kv_cache_manager, kv_connector)
         self.kv_load_failure_policy = kv_load_failure_policy
-        # req_id → tokens its asynchronous connector load provides (WAITING_FOR_REMOTE_KVS).
-        self._remote_loads: dict[str, int] = {}
-        # Finished requests whose blocks the connector's worker half still reads (sending) or
-        # writes (an aborted load): freed when the worker reports that request done.
-        self._delayed_free: dict[str, Request] = {}
         # Preempted outside schedule() (a failed KV load): reported with the next step.
         self._preempted_outside_step: set[str] = set()
-        self._external_queries_step = 0
-        self._external_hits_step = 0
-        # req_id → external tokens it was offered at admission: a hit only once they loaded.
-        self._pending_external_hits: dict[str, int] = {}
-        self._kv_output_step: KVConnectorOutput | None = None
+
+    @property
+    def connector(self) -> KVConnectorScheduler | None:
+        return self.external_kv.connector
+
+    @connector.setter
+    def connector(self, connector: KVConnectorScheduler | None) -> None:
+        self.external_kv.connector = connector
 
     @property
     def by_priority(self) -> bool:
@@ -118,8 +112,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self._delayed_free:
-            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        req_id = request.request_id
+        if req_id in self.requests or self.external_kv.is_delayed_free(req_id):
+            raise ValueError(f"request_id {req_id!r} is already in the engine")
         if self.grammar is not None and request.sampling_params.structured_outputs is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar.add_request(request)
@@ -136,10 +131,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._remove_from_queue(request)
             loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             request.status = status
             # A load in flight still writes into the request's blocks: keep them until it ends.
@@ -149,7 +141,7 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or blocks a connector still moves (the worker must be polled)."""
-        return bool(self.requests) or bool(self._delayed_free)
+        return bool(self.requests) or self.external_kv.has_delayed_free()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -158,7 +150,13 @@ class Scheduler:
     @property
     def delayed_free_request_ids(self) -> list[str]:
         """Finished requests whose blocks a connector still reads or writes."""
-        return list(self._delayed_free)
+        return self.external_kv.delayed_free_request_ids
+
+    def _remove_from_queue(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -179,8 +177,7 @@ class Scheduler:
         )
         if self.grammar is not None:
             self.grammar.fill_bitmask(output, self.requests)
-        if self.connector is not None:
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self.external_kv.attach_connector_meta(output)
         self._finished_req_ids = set()
         self._preempted_outside_step = set()
         self._advance_computed_tokens(plan)
@@ -321,11 +318,13 @@ class Scheduler:
             )
         else:
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
-            num_external, load_async = self._external_tokens(request, num_computed)
+            num_external, load_async = self.external_kv.matched_tokens(request, num_computed)
             if num_external is None:
                 return _Admission.WAITS  # the connector cannot tell yet
         if load_async and num_external > 0:
-            return self._start_remote_load(request, num_computed, computed_blocks, num_external)
+            if self.external_kv.start_load(request, num_computed, computed_blocks, num_external):
+                return _Admission.WAITS  # in WAITING_FOR_REMOTE_KVS until its load ends
+            return _Admission.NO_ROOM
         num_new = self._num_new_tokens(
             request, num_computed + num_external, plan.token_budget, request.num_tokens
         )
@@ -344,11 +343,7 @@ class Scheduler:
             return _Admission.NO_ROOM
         request.num_computed_tokens = num_computed  # the local hit: external tokens follow it
         if not resumed_from_load:
-            self._count_external(request, num_computed, num_external)
-        if self.connector is not None and not resumed_from_load:
-            self.connector.update_state_after_alloc(
-                request, self.kv.get_block_ids(request.request_id), num_external
-            )
+            self.external_kv.admitted(request, num_computed, num_external)
         num_computed += num_external
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
@@ -372,47 +367,6 @@ class Scheduler:
         )
         self._record(request, num_new, plan)
         return _Admission.ADMITTED
-
-    def _external_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
-        """What the connector can provide past the local prefix hit: (tokens, asynchronously?)."""
-        if self.connector is None or skips_prefix_cache(request) or request.kv_load_failed:
-            return 0, False
-        return self.connector.get_num_new_matched_tokens(request, num_computed)
-
-    def _count_external(self, request: Request, num_computed: int, num_external: int) -> None:
-        """Once per request, when it is admitted (not each step it waits for room). Its hit
-        counts once the load has succeeded (_confirm_external_hit), not when it is offered."""
-        if (
-            self.connector is not None
-            and request.num_cached_tokens is None
-            and not request.kv_load_failed
-        ):
-            self._external_queries_step += request.num_tokens - num_computed
-            if num_external > 0:
-                self._pending_external_hits[request.request_id] = num_external
-
-    def _confirm_external_hit(self, req_id: str, num_loaded: int) -> None:
-        """`num_loaded` of the tokens offered to `req_id` at its admission came in."""
-        if self._pending_external_hits.pop(req_id, None) is not None:
-            self._external_hits_step += num_loaded
-
-    def _start_remote_load(
-        self, request: Request, num_computed: int, computed_blocks, num_external: int
-    ) -> _Admission:
-        """Allocate the blocks an asynchronous load fills; not cached until it has."""
-        new_blocks = self.kv.allocate_slots(
-            request, num_external, num_computed, computed_blocks, cache_blocks=False
-        )
-        if new_blocks is None:
-            return _Admission.NO_ROOM
-        self._count_external(request, num_computed, num_external)
-        request.num_computed_tokens = num_computed
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._remote_loads[request.request_id] = num_external
-        self.connector.update_state_after_alloc(
-            request, self.kv.get_block_ids(request.request_id), num_external
-        )
-        return _Admission.WAITS
 
     def _record(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         plan.num_scheduled_tokens[request.request_id] = num_new
@@ -440,15 +394,18 @@ class Scheduler:
     ) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         self._spec_counts = SpecDecodeMetrics()
-        self._kv_output_step = runner_output.kv_connector_output
+        kv_output = runner_output.kv_connector_output
+        self.external_kv.receive_report(kv_output)
         failed_loads: set[str] = set()
-        if self._kv_output_step is not None:
-            failed_loads = self._update_from_kv_output(self._kv_output_step, outputs)
+        if kv_output is not None:
+            failed_loads = self._handle_invalid_blocks(
+                set(kv_output.invalid_block_ids), set(kv_output.finished_recving), outputs
+            )
+            self.external_kv.finish_transfers(kv_output, failed_loads, self.requests)
+        # Before any of the step's requests finishes: a finished request's unsettled hit would
+        # be dropped as never loaded.
+        self.external_kv.settle_hits(scheduler_output.num_scheduled_tokens, failed_loads)
         for req_id in scheduler_output.num_scheduled_tokens:
-            if req_id in failed_loads:
-                self._pending_external_hits.pop(req_id, None)
-            elif req_id in self._pending_external_hits:  # a synchronous load, done in the step
-                self._confirm_external_hit(req_id, self._pending_external_hits[req_id])
             request = self.requests.get(req_id)
             if request is None or request.is_finished or req_id in failed_loads:
                 continue  # aborted while the step ran, or its KV load failed (recomputed)
@@ -529,75 +486,24 @@ class Scheduler:
             return self.grammar.validate_tokens(request, drafts)
         return drafts
 
-    # ------------------------------------------------------------------ KV connector
-    def _update_from_kv_output(
-        self, kv_output: KVConnectorOutput, outputs: list[EngineOutput]
-    ) -> set[str]:
-        """Apply the worker half's report; returns the requests whose load failed this step
-        (their sampled tokens are void)."""
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_output)
-        failed = self._handle_invalid_blocks(
-            set(kv_output.invalid_block_ids), set(kv_output.finished_recving), outputs
-        )
-        for req_id in kv_output.finished_recving:
-            if req_id in self._delayed_free:  # aborted while loading: now nothing writes its blocks
-                self.kv.free(self._delayed_free.pop(req_id))
-                continue
-            request = self.requests.get(req_id)
-            num_external = self._remote_loads.pop(req_id, None)
-            if request is None or num_external is None or req_id in failed:
-                self._pending_external_hits.pop(req_id, None)
-                continue
-            # What came in: all it was offered, or the part before a failed block.
-            self._confirm_external_hit(req_id, num_external)
-            request.num_computed_tokens += num_external
-            if request.num_computed_tokens >= request.num_tokens:
-                request.num_computed_tokens = request.num_tokens - 1  # compute the last for logits
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            request.num_cached_tokens = request.num_computed_tokens
-            request.status = RequestStatus.WAITING  # admitted in its place next step
-        for req_id in kv_output.finished_sending:
-            request = self._delayed_free.pop(req_id, None)
-            if request is not None:
-                self.kv.free(request)
-        return failed
-
+    # ------------------------------------------------------------------ failed KV loads
     def _handle_invalid_blocks(
         self, invalid: set[int], recving: set[str], outputs: list[EngineOutput]
     ) -> set[str]:
-        """Blocks whose load failed: evict their hashes; every request holding one recomputes
-        from scratch (preempted: its valid blocks are prefix hits again) or fails."""
+        """Blocks whose load failed: every request holding one recomputes from scratch
+        (preempted: its valid blocks are prefix hits again) or fails; returns those requests
+        (their sampled tokens are void). ExternalKV evicts and truncates; the queues are ours."""
         if not invalid:
             return set()
-        self.kv.evict_cached_blocks(invalid)
-        affected = [
-            request
-            for request in self.requests.values()
-            if invalid.intersection(self.kv.get_block_ids(request.request_id))
-        ]
         failed = set()
-        for request in affected:
-            request.kv_load_failed = True  # never asks the connector again: it computes
-            # A block computed in the same step read the bad one: its K/V is wrong as well, and
-            # must not stay findable under its hash (a chained hash is hit again once the bad
-            # block's hash is cached anew).
-            block_ids = self.kv.get_block_ids(request.request_id)
-            self.kv.evict_cached_blocks(block_ids[_first_index_in(block_ids, invalid) :])
-            if (
-                request.request_id in self._remote_loads
-                and self.kv_load_failure_policy == "recompute"
-            ):
-                self._truncate_remote_load(request, invalid)
-                continue
+        recompute = self.kv_load_failure_policy == "recompute"
+        for request in self.external_kv.holders_of_bad_blocks(invalid, self.requests.values()):
+            self.external_kv.quarantine(request, invalid)
+            if recompute and self.external_kv.truncate_load(request, invalid):
+                continue  # its load keeps the blocks before the bad one; the rest is computed
             failed.add(request.request_id)
-            # A load still in flight (its end not in this report) writes into the blocks.
-            loading = request.request_id in self._remote_loads and request.request_id not in recving
-            self._remote_loads.pop(request.request_id, None)
-            if request in self.running:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            loading = self.external_kv.abandon_load(request.request_id, recving)
+            self._remove_from_queue(request)
             if self.kv_load_failure_policy == "fail":
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request, keep_blocks=loading)
@@ -616,26 +522,8 @@ class Scheduler:
             self._preempted_outside_step.add(request.request_id)
         return failed
 
-    def _truncate_remote_load(self, request: Request, invalid: set[int]) -> None:
-        """An asynchronous load that failed in part: keep the blocks before the first bad one
-        (its finished_recving comes in the same report), compute the rest."""
-        first_bad = _first_index_in(self.kv.get_block_ids(request.request_id), invalid)
-        valid_tokens = max(first_bad * self.kv.block_size, request.num_computed_tokens)
-        self._remote_loads[request.request_id] = valid_tokens - request.num_computed_tokens
-
     def _free_request(self, request: Request, keep_blocks: bool = False) -> None:
-        delay_free = keep_blocks
-        if self.connector is not None:
-            delay, request.kv_transfer_params_out = self.connector.request_finished(
-                request, self.kv.get_block_ids(request.request_id)
-            )
-            delay_free = delay_free or delay
-        self._remote_loads.pop(request.request_id, None)
-        self._pending_external_hits.pop(request.request_id, None)  # never loaded: no hit
-        if delay_free and self.kv.holds_blocks(request.request_id):
-            self._delayed_free[request.request_id] = request
-        else:
-            self.kv.free(request)
+        self.external_kv.release(request, keep_blocks)
         if self.grammar is not None:
             self.grammar.remove_request(request)
         self._finished_req_ids.add(request.request_id)
@@ -656,46 +544,16 @@ class Scheduler:
             spec_num_draft_tokens=self._spec_counts.num_draft_tokens,
             spec_num_accepted_tokens=self._spec_counts.num_accepted_tokens,
             spec_accepted_per_pos=self._spec_counts.accepted_per_pos,
-            **self._kv_transfer_stats(),
+            **self.external_kv.transfer_stats(),
         )
-
-    def _kv_transfer_stats(self) -> dict:
-        stats: dict = {}
-        if self.connector is not None:
-            stats.update(
-                external_prefix_cache_queries=self._external_queries_step,
-                external_prefix_cache_hits=self._external_hits_step,
-                kv_tier_bytes=self.connector.tier_occupancy(),
-            )
-            self._external_queries_step = self._external_hits_step = 0
-        out, self._kv_output_step = self._kv_output_step, None
-        if out is not None:
-            stats.update(
-                kv_bytes_loaded=out.bytes_loaded,
-                kv_bytes_saved=out.bytes_saved,
-                kv_load_seconds=out.load_seconds,
-                kv_save_seconds=out.save_seconds,
-            )
-        return stats
 
     def check_integrity(self) -> None:
         """After all requests finished: no request in any queue, every block free."""
         assert not self.requests, f"requests left: {list(self.requests)}"
-        assert not self._delayed_free, (
-            f"blocks still held for KV transfer: {list(self._delayed_free)}"
-        )
-        assert not self._remote_loads, f"KV loads still tracked: {list(self._remote_loads)}"
-        assert not self._pending_external_hits, (
-            f"external hits never settled: {list(self._pending_external_hits)}"
-        )
+        self.external_kv.check_integrity()
         assert not self.waiting and not self.running, "queues not empty"
         self.kv.check_integrity()
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
-
-
-def _first_index_in(block_ids: list[int], wanted: set[int]) -> int:
-    """The position of the first of `block_ids` in `wanted` (one is)."""
-    return next(i for i, block_id in enumerate(block_ids) if block_id in wanted)
