@@ -18,7 +18,9 @@ activations, the native attention kernel, each decoder layer in C), per K/V dtyp
          blocks, shuffled), 16 tokens a step: the model's forward and logits, the median of
          --rounds rounds that take the dtypes in turn so that machine drift hits all alike.
          Prefilling 16 x 8k tokens would take ~10 minutes a dtype on two cores; a decode step
-         reads the cache the same way whoever wrote it.
+         reads the cache the same way whoever wrote it. On a busy machine, --threads 1
+         --cpu-time times the step in CPU seconds of one thread, which other work does not
+         stretch the way it stretches two threads that wait for each other.
 """
 
 from __future__ import annotations
@@ -172,13 +174,14 @@ def decode_rates(ns: argparse.Namespace) -> dict[str, dict]:
         for name, caches in pools.items()
     }
     steps = {name: [] for name in ns.dtypes}
+    clock = time.process_time if ns.cpu_time else time.perf_counter
     with torch.inference_mode():
         for round_ in range(ns.rounds + 1):  # round 0 warms up
             for name, ctx in contexts.items():
-                start = time.perf_counter()
+                start = clock()
                 model.compute_logits(model(ids, ctx))
                 if round_:
-                    steps[name].append(time.perf_counter() - start)
+                    steps[name].append(clock() - start)
     results = {}
     for name in ns.dtypes:
         step = statistics.median(steps[name])
@@ -229,7 +232,8 @@ def kv_record(
     units = {f"{c} decode": "tok/s", f"tokens / {first}": "×", f"{c} / {first}": "×"}
     variant = (
         f"{ns.kv_cache_memory / 2**30:g} GiB pool; {c} decode at {ns.context} tokens, "
-        f"median of {ns.rounds}; {ns.answer_tokens}-token answers; "
+        f"median of {ns.rounds}{', CPU time' if ns.cpu_time else ''}, "
+        f"{torch.get_num_threads()} thread(s); {ns.answer_tokens}-token answers; "
         f"load average {ns.load_before:.1f} before the run"
     )
     peers = [f"--kv-cache-dtype {first} in the same run"]
@@ -258,6 +262,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads for the decode part"
+    )
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time decode steps in process CPU seconds"
+    )
+    parser.add_argument(
         "--record", default=None, metavar="DIR", help="write a run record under DIR/kv_cache_dtype/"
     )
     ns = parser.parse_args()
@@ -267,6 +277,8 @@ def main() -> None:
         parser.error(f"--context must be below {MAX_MODEL_LEN}")
     ns.load_before = os.getloadavg()[0]  # two cores: other work skews the decode figures
     pools, agreement = pools_and_agreement(ns)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     rates = decode_rates(ns)
     if record_dir(ns.record):
         write_record(record_dir(ns.record), kv_record(ns, pools, rates, agreement))
