@@ -39,6 +39,7 @@ class _CatchUpView:
     token_ids: list[int]  # the state's own list (not copied)
     block_ids: list[int]
     batch_index: int  # the request's index in the target step's batch
+    lora_id: int = 0  # no adapter: --enable-lora runs without speculative decoding
 
     @property
     def num_tokens(self) -> int:
