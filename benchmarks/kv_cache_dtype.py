@@ -226,17 +226,16 @@ def kv_record(
             same = agreement[name]
             rows[name] |= {
                 f"answers as {first}'s": f"{same['identical']} of {len(QUESTIONS)}",
-                "mean |Δ logprob|": round(same["mean"], 3),
-                "p95 |Δ logprob|": round(same["p95"], 3),
+                "mean abs Δ logprob": round(same["mean"], 3),
+                "p95 abs Δ logprob": round(same["p95"], 3),
             }
     units = {f"{c} decode": "tok/s", f"tokens / {first}": "×", f"{c} / {first}": "×"}
+    timing = "CPU time" if ns.cpu_time else "wall time"
     variant = (
-        f"{ns.kv_cache_memory / 2**30:g} GiB pool; {c} decode at {ns.context} tokens, "
-        f"median of {ns.rounds}{', CPU time' if ns.cpu_time else ''}, "
-        f"{torch.get_num_threads()} thread(s); {ns.answer_tokens}-token answers; "
-        f"load average {ns.load_before:.1f} before the run"
+        f"{ns.kv_cache_memory / 2**30:g} GiB pool; {c} at {ns.context} tokens, "
+        f"{torch.get_num_threads()} thread(s), {timing}; load {ns.load_before:.1f}"
     )
-    peers = [f"--kv-cache-dtype {first} in the same run"]
+    peers = [f"--kv-cache-dtype {first}"]
     return make_record(
         "kv_cache_dtype", this_command(), rows, units=units, peers=peers, variant=variant
     )
