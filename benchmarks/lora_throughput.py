@@ -1,12 +1,14 @@
 """LoRA serving cost: offline throughput of one batch whose requests use four adapters against
 the same batch on the base model, on the same engine settings.
 
-The adapters are random PEFT-format files of the model's shape (rank --rank on all seven
-projections of every layer, written here with safetensors), the worst case for the side path.
+The adapters are random PEFT-format files of the model's shape, written here with safetensors.
 Variants, each in a fresh engine, in alternating order over --rounds:
-  base      the base model, --enable-lora off
-  lora-off  --enable-lora --max-loras 4, every request on the base model (what enabling costs)
-  4-loras   --enable-lora --max-loras 4, requests spread round robin over four adapters
+  base       the base model, --enable-lora off
+  lora-off   --enable-lora --max-loras 4, every request on the base model (what enabling costs)
+  4-loras    the requests spread round robin over four adapters of rank --rank on all seven
+             projections of every layer: the worst case for the side path
+  4-loras-qv the same over four rank-8 adapters on q_proj and v_proj (PEFT's defaults for a
+             Llama model)
 Each round generates --requests prompts of --prompt-tokens random tokens, --max-tokens greedy
 tokens each (EOS ignored), all at once; tok/s counts prompt and generated tokens over the wall
 time of the whole batch (median over rounds).
@@ -37,15 +39,18 @@ from tokenbus.bench.record import make_record, record_dir, this_command, write_r
 from tokenbus.loader import load_arch, resolve_model  # noqa: E402
 from tokenbus.loader.lora import TARGET_MODULES, module_shape  # noqa: E402
 
-VARIANTS = ("base", "lora-off", "4-loras")
+VARIANTS = ("base", "lora-off", "4-loras", "4-loras-qv")
+QV_TARGETS = ("q_proj", "v_proj")
 
 
-def write_adapter(path: Path, arch, rank: int, seed: int) -> Path:
-    """A random rank-`rank` adapter on every projection of every layer, as PEFT saves one."""
+def write_adapter(
+    path: Path, arch, rank: int, seed: int, targets: tuple[str, ...] = TARGET_MODULES
+) -> Path:
+    """A random rank-`rank` adapter on `targets` of every layer, as PEFT saves one."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(arch.num_hidden_layers):
-        for target in TARGET_MODULES:
+        for target in targets:
             scope = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             module = f"model.layers.{layer}.{scope}.{target}"
             in_features, out_features = module_shape(arch, module)
@@ -62,25 +67,22 @@ def write_adapter(path: Path, arch, rank: int, seed: int) -> Path:
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": rank,
-        "target_modules": list(TARGET_MODULES),
+        "target_modules": list(targets),
         "bias": "none",
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
 
 
-def run_variant(args, variant: str, adapters: list[LoRARequest], prompts) -> float:
+def run_variant(args, variant: str, adapters: dict[str, list[LoRARequest]], prompts) -> float:
     engine = dict(max_num_seqs=max(args.requests, 1), seed=0)
     if variant != "base":
         engine.update(enable_lora=True, max_loras=4, max_lora_rank=args.rank)
     llm = LLM(args.model, **engine)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        loras = (
-            [adapters[i % len(adapters)] for i in range(len(prompts))]
-            if variant == "4-loras"
-            else None
-        )
+        group = adapters.get(variant)
+        loras = [group[i % len(group)] for i in range(len(prompts))] if group else None
         # Warm-up: each adapter read once, the kernels built.
         llm.generate(
             prompts[:4],
@@ -115,23 +117,33 @@ def main() -> None:
         for _ in range(args.requests)
     ]
     with tempfile.TemporaryDirectory(prefix="tokenbus-loras-") as tmp:
-        adapters = [
-            LoRARequest(f"adapter{i}", str(write_adapter(Path(tmp) / f"a{i}", arch, args.rank, i)))
-            for i in range(4)
-        ]
+        adapters = {
+            "4-loras": [
+                LoRARequest(
+                    f"all{i}", str(write_adapter(Path(tmp) / f"all{i}", arch, args.rank, i))
+                )
+                for i in range(4)
+            ],
+            "4-loras-qv": [
+                LoRARequest(
+                    f"qv{i}", str(write_adapter(Path(tmp) / f"qv{i}", arch, 8, i, QV_TARGETS))
+                )
+                for i in range(4)
+            ],
+        }
         results: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for round_index in range(args.rounds):
             order = VARIANTS if round_index % 2 == 0 else tuple(reversed(VARIANTS))
             for variant in order:
                 rate = run_variant(args, variant, adapters, prompts)
                 results[variant].append(rate)
-                print(f"round {round_index + 1} {variant:9s} {rate:8.1f} tok/s", flush=True)
+                print(f"round {round_index + 1} {variant:10s} {rate:8.1f} tok/s", flush=True)
     base = statistics.median(results["base"])
     rows = {}
     for variant in VARIANTS:
         rate = statistics.median(results[variant])
         rows[variant] = {"throughput": round(rate, 1), "vs base": round(rate / base, 3)}
-        print(f"{variant:9s} {rate:8.1f} tok/s  {rate / base:.3f}x base")
+        print(f"{variant:10s} {rate:8.1f} tok/s  {rate / base:.3f}x base")
     directory = record_dir(args.record)
     if directory:
         record = make_record(
