@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tokenbus.model.native import local_headers
+from tokenbus.model.native import included_headers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,9 +23,11 @@ def load_at_revision(rev: str, source: Path, load):
         ).stdout
 
     relative = source.relative_to(REPO)
-    text = show(relative)
+
+    def read(name: str) -> bytes:
+        return show(relative.parent / name)
+
     with tempfile.TemporaryDirectory(prefix=f"{source.stem}-") as folder:
-        for header in local_headers(text):
-            (Path(folder) / header).write_bytes(show(relative.parent / header))
-        (Path(folder) / source.name).write_bytes(text)
+        for name in (source.name, *included_headers(read, source.name)):
+            (Path(folder) / name).write_bytes(read(name))
         return load(Path(folder) / source.name)

@@ -20,12 +20,14 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tokenbus.model.kv_quant import QUANTIZED_KV_DTYPES
+from tokenbus.model.native.signatures import bind
 from tokenbus.utils import cache_dir
 from tokenbus.utils.cpu import CpuFeatures
 
@@ -36,14 +38,6 @@ OPT_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 _I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
-# A C signature's arguments, one letter each: p pointer, l int64_t, i int, f float.
-_CTYPES = {"p": _PTR, "l": _I64, "i": ctypes.c_int, "f": ctypes.c_float}
-
-
-def ctypes_args(letters: str) -> list:
-    """argtypes for a C function, from one letter per argument (_CTYPES)."""
-    return [_CTYPES[letter] for letter in letters]
 
 
 class NativeBuildError(RuntimeError):
@@ -64,11 +58,28 @@ def local_headers(text: bytes) -> list[str]:
     return [name.decode() for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)]
 
 
+def included_headers(read: Callable[[str], bytes], name: str) -> list[str]:
+    """The local headers the file `name` includes, directly or through another header (each once,
+    in the order first included); read(name) gives a file's bytes (from disk, or from git for an
+    older revision: benchmarks/revisions.py)."""
+    found: list[str] = []
+    pending = local_headers(read(name))
+    while pending:
+        header = pending.pop(0)
+        if header not in found:
+            found.append(header)
+            pending.extend(local_headers(read(header)))
+    return found
+
+
 def source_texts(source: Path) -> list[bytes]:
-    """`source` and its local headers: what the cache key hashes, so editing a header rebuilds
-    every object that includes it."""
-    text = source.read_bytes()
-    return [text, *(source.with_name(name).read_bytes() for name in local_headers(text))]
+    """`source` and every local header it includes: what the cache key hashes, so editing a
+    header rebuilds every object that includes it, however deep."""
+
+    def read(name: str) -> bytes:
+        return source.with_name(name).read_bytes()
+
+    return [read(name) for name in (source.name, *included_headers(read, source.name))]
 
 
 def build_shared_object(source: Path, cpu: CpuFeatures | None = None) -> Path:
@@ -244,18 +255,18 @@ def load_paged_attention(
     `source`: another paged_attention.c (with its headers beside it), for a benchmark to time a
     kernel change against the build before it in one process (benchmarks/attention_layer.py)."""
     lib = load_library(source, cpu)
-    fns = lib.paged_attention, lib.paged_prefill_attention
-    for fn in fns:  # the same contract
-        fn.restype = ctypes.c_int
-        fn.argtypes = ctypes_args("plplllllplppplfffpliii")
-    supported = lib.paged_prefill_supported
-    supported.restype = ctypes.c_int
-    supported.argtypes = ctypes_args("iil")
-    quantize, dequantize = lib.kv_quantize_rows, lib.kv_dequantize_rows
-    quantize.restype = dequantize.restype = ctypes.c_int
-    quantize.argtypes = ctypes_args("ppllif")
-    dequantize.argtypes = ctypes_args("pllip")
-    return PagedAttentionKernel(*fns, supported, quantize, dequantize)
+    return PagedAttentionKernel(
+        *(
+            bind(lib, name)
+            for name in (
+                "paged_attention",
+                "paged_prefill_attention",
+                "paged_prefill_supported",
+                "kv_quantize_rows",
+                "kv_dequantize_rows",
+            )
+        )
+    )
 
 
 _QUANT_SOURCE = Path(__file__).with_name("quant_matmul.c")
@@ -479,10 +490,7 @@ def load_quant_kernels(
     `tile_source`: another quant_tiles.c (with its headers beside it), for a benchmark to time a
     kernel change against the build before it in one process (benchmarks/quant_linear.py)."""
     lib = load_library(_QUANT_SOURCE, cpu)
-    matmul, dequant = lib.quant_matmul, lib.quant_dequant_rows
-    matmul.restype = dequant.restype = ctypes.c_int
-    matmul.argtypes = ctypes_args("ipllpllpli")
-    dequant.argtypes = ctypes_args("iplplpi")
+    matmul, dequant = bind(lib, "quant_matmul"), bind(lib, "quant_dequant_rows")
     tile_fns = _load_tile_fns(cpu, tile_source)
     engine = BF16_ENGINES[tile_fns["bf16_engine"]()] if tile_fns is not None else ""
     return QuantKernels(
@@ -493,27 +501,12 @@ def load_quant_kernels(
 def _load_tile_fns(cpu: CpuFeatures | None, source: Path) -> dict[str, ctypes._CFuncPtr] | None:
     """quant_tiles.c's entry points, or None where this CPU has no tiled kernels (below AVX2)."""
     lib = load_library(source, cpu)
-    lib.tile_supported.restype = ctypes.c_int
-    if not lib.tile_supported():
+    if not bind(lib, "tile_supported")():
         return None
-    fns = {
-        "nbytes": lib.tile_nbytes,
-        "repack": lib.tile_repack,
-        "matmul": lib.tile_matmul,
-        "dequant_rows": lib.tile_dequant_rows,
-        "dequant_t": lib.tile_dequant_t,
-        "bf16_engine": lib.tile_bf16_engine,
+    return {
+        key: bind(lib, f"tile_{key}")
+        for key in ("nbytes", "repack", "matmul", "dequant_rows", "dequant_t", "bf16_engine")
     }
-    for fn in fns.values():
-        fn.restype = ctypes.c_int
-    fns["nbytes"].restype = _I64
-    fns["bf16_engine"].argtypes = []
-    fns["nbytes"].argtypes = ctypes_args("ill")
-    fns["repack"].argtypes = ctypes_args("ipllp")
-    fns["matmul"].argtypes = ctypes_args("ipllpllplii")
-    fns["dequant_rows"].argtypes = ctypes_args("ipllplpi")
-    fns["dequant_t"].argtypes = ctypes_args("ipllllpli")
-    return fns
 
 
 _FUSED_SOURCE = Path(__file__).with_name("fused_ops.c")
@@ -592,9 +585,4 @@ class FusedOps:
 def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
     """Build (or find in the cache) and load fused_ops.c; NativeBuildError says why not."""
     lib = load_library(_FUSED_SOURCE, cpu)
-    norm, rope, silu = lib.add_rms_norm, lib.rope_inplace, lib.silu_mul
-    norm.restype = rope.restype = silu.restype = None
-    norm.argtypes = ctypes_args("plplpppllfi")
-    rope.argtypes = ctypes_args("pllpplli")
-    silu.argtypes = ctypes_args("pllpi")
-    return FusedOps(norm, rope, silu)
+    return FusedOps(*(bind(lib, name) for name in ("add_rms_norm", "rope_inplace", "silu_mul")))

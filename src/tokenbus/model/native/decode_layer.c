@@ -27,56 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "kv_quant.h"
-
-typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, float *,
-                              int64_t, int, int);
-typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t,
-                            float, float, float, void *, int64_t, int, int, int);
-typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t,
-                        int64_t, float, int);
-typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int);
-typedef void (*silu_fn)(const float *, int64_t, int64_t, float *, int);
-
-typedef struct {
-    tile_matmul_fn matmul;
-    attention_fn attention;
-    norm_fn add_rms_norm;
-    rope_fn rope;
-    silu_fn silu_mul;
-} kernels;
-
-typedef struct {
-    int64_t qtype;
-    const uint8_t *tiles;
-    int64_t rows, cols;
-    const float *bias;  /* NULL: none */
-    /* LoRA slots (model/lora.py), NULL: none. Slot s holds rows [s * W, (s + 1) * W) of both:
-       lora_a [slots * W, cols] (its A, zero-padded) and lora_b [slots * W, rows] (scaling · Bᵀ). */
-    const float *lora_a, *lora_b;
-    int64_t lora_width;
-} linear;
-
-typedef struct {
-    linear qkv, o, gate_up, down;
-    const float *input_norm, *post_norm;
-    float eps, scale;
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
-} layer;
-
-typedef struct {
-    int64_t num_tokens;
-    const float *cos, *sin;  /* [T, D / 2] */
-    const int64_t *slots;    /* [T] */
-    const int64_t *block_tables;
-    int64_t table_stride;
-    const int64_t *query_start, *seq_lens, *reqs;
-    int64_t num_reqs, num_blocks, block_size, activations, num_threads;  /* activations: ACT_* */
-    int64_t kv_elem;  /* the cache's element type (kv_quant.h's ELEM_*): fp32, fp16, fp8 or q8_0 */
-    float k_scale, v_scale;  /* fp8 K/V's per-tensor scales (1 for the other types) */
-    const int64_t *lora_slots;  /* [T]: each row's LoRA slot, -1 for none; NULL: no row has one */
-} step;
 
 /* y[t] += (A_s x[t]) · scaling Bᵀ_s for each row t with a slot s: what LinearLoRA adds in torch.
    Slot by slot, so that each adapter's A and B rows are read once for all its rows, not once per

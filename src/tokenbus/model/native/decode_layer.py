@@ -21,9 +21,9 @@ from tokenbus.model.native import (
     FusedOps,
     PagedAttentionKernel,
     QuantKernels,
-    ctypes_args,
     load_library,
 )
+from tokenbus.model.native.signatures import bind
 from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
@@ -175,12 +175,8 @@ class DecodeLayers:
         cpu: CpuFeatures | None = None,
     ) -> None:
         lib = load_library(_SOURCE, cpu)
-        self._fn = lib.decode_layer
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = ctypes_args("pppppppp")
-        self._all_fn = lib.decode_layers
-        self._all_fn.restype = ctypes.c_int
-        self._all_fn.argtypes = ctypes_args("pplpppp")
+        self._fn = bind(lib, "decode_layer")
+        self._all_fn = bind(lib, "decode_layers")
         self._kernels = _Kernels(
             _address(quant.tile_fns["matmul"]),
             _address(attention.fn),

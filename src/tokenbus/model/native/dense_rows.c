@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "tile_vectors.h"
 
 #define PR 16  /* rows of W per panel */

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tokenbus.model.native import ctypes_args, load_library
+from tokenbus.model.native import load_library
+from tokenbus.model.native.signatures import bind
 from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("dense_rows.c")
@@ -61,14 +62,9 @@ class DenseRowsKernel:
 def load_dense_rows(cpu: CpuFeatures | None = None) -> DenseRowsKernel:
     """Build (or find in the cache) and load dense_rows.c; NativeBuildError says why not."""
     lib = load_library(_SOURCE, cpu)
-    panel_floats, pack, matmul = lib.dense_panel_floats, lib.dense_pack, lib.dense_matmul
-    panel_floats.restype = ctypes.c_int64
-    panel_floats.argtypes = ctypes_args("ll")
-    pack.restype = None
-    pack.argtypes = ctypes_args("pllp")
-    matmul.restype = ctypes.c_int
-    matmul.argtypes = ctypes_args("pllpllpli")
-    return DenseRowsKernel(panel_floats, pack, matmul)
+    return DenseRowsKernel(
+        *(bind(lib, name) for name in ("dense_panel_floats", "dense_pack", "dense_matmul"))
+    )
 
 
 def row_invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None):

@@ -15,6 +15,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 #define PARALLEL_MIN_VALUES 65536  /* below this, one thread: the fork/join costs more */
 
 void add_rms_norm(const float *x, int64_t ldx, const float *residual, int64_t ldr, float *residual_out,

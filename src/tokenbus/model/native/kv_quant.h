@@ -36,7 +36,7 @@
 #include <immintrin.h>
 #endif
 
-enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2, ELEM_FP8_E4M3 = 3, ELEM_FP8_E5M2 = 4, ELEM_Q8_0 = 5 };
+#include "kernels.h" /* ELEM_* */
 
 #define Q8_0_VALUES 32     /* values per block_q8_0 */
 #define Q8_0_BYTES 34      /* its bytes: the fp16 scale, then the 32 quants */

@@ -23,11 +23,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define QK_K 256
 #define MAX_M 64
 #define LANES 32  /* accumulator lanes per activation row: every block size is a multiple */
 
-enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q2_K = 10, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* GGMLQuantizationType */
 
 #if defined(__F16C__)
 #include <immintrin.h>

@@ -1,0 +1,104 @@
+/* The C ABI of tokenbus's native CPU kernels (model/native): every function Python calls through
+   ctypes, the codes its int arguments take, and the structs decode_layer.c reads. Every .c here
+   includes it, so the compiler checks each definition against its prototype; signatures.py holds
+   the ctypes side in one table, and tests/model/test_native_abi.py checks that table (and
+   decode_layer.py's ctypes structs) against this file. Keep one declaration per line group, in
+   the plain `type name(args);` form that test parses. */
+#ifndef TOKENBUS_KERNELS_H
+#define TOKENBUS_KERNELS_H
+
+#include <stdint.h>
+
+/* ---- codes */
+/* GGML tensor types (gguf's GGMLQuantizationType): the weights' block formats. */
+enum {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9, Q2_K = 10, Q3_K = 11,
+    Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
+};
+/* Element types of queries and the KV cache (kv_quant.h has their row layouts). */
+enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2, ELEM_FP8_E4M3 = 3, ELEM_FP8_E5M2 = 4, ELEM_Q8_0 = 5 };
+/* How tile_matmul takes its activations: as they are, or rounded per 32 values first. */
+enum { ACT_FP32 = 0, ACT_INT8 = 1, ACT_INT16 = 2, ACT_BF16 = 3 };
+/* What runs tile_matmul's ACT_BF16 (tile_bf16_engine). */
+enum { BF16_ENGINE_NONE = 0, BF16_ENGINE_AVX512_BF16 = 1, BF16_ENGINE_AMX = 2 };
+
+/* ---- paged_attention.c: attention over K/V read in place through block tables */
+int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables, int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens, const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale, void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads);
+int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables, int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens, const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale, void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads);
+int paged_prefill_supported(int elem, int kv_elem, int64_t D);
+int kv_quantize_rows(void *dst, const float *src, int64_t rows, int64_t D, int kv_elem, float inv_scale);
+int kv_dequantize_rows(const void *src, int64_t rows, int64_t D, int kv_elem, float *dst);
+
+/* ---- quant_matmul.c: GGUF blocks row by row, fp32 activations */
+int quant_matmul(int qtype, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int num_threads);
+int quant_dequant_rows(int qtype, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows, float *out, int num_threads);
+
+/* ---- quant_tiles.c: GGUF blocks repacked in 16-row tiles */
+int tile_supported(void);
+int tile_bf16_engine(void);
+int64_t tile_nbytes(int qtype, int64_t N, int64_t K);
+int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out);
+int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int act, int num_threads);
+int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const int64_t *rows, int64_t num_rows, float *out, int num_threads);
+int tile_dequant_t(int qtype, const uint8_t *tiles, int64_t N, int64_t K, int64_t first, int64_t count, float *out, int64_t ldo, int num_threads);
+
+/* ---- fused_ops.c: a decoder layer's elementwise steps */
+void add_rms_norm(const float *x, int64_t ldx, const float *residual, int64_t ldr, float *residual_out, const float *weight, float *out, int64_t T, int64_t H, float eps, int num_threads);
+void rope_inplace(float *qkv, int64_t ld, int64_t T, const float *cos, const float *sin, int64_t num_rot_heads, int64_t head_dim, int num_threads);
+void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads);
+
+/* ---- dense_rows.c: fp32 weights in row panels, batch-invariant */
+int64_t dense_panel_floats(int64_t N, int64_t K);
+void dense_pack(const float *w, int64_t N, int64_t K, float *out);
+int dense_matmul(const float *panels, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int num_threads);
+
+/* ---- decode_layer.c: a decoder layer of a decode step in one call, through these pointers */
+typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t, int, int);
+typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t, float, float, float, void *, int64_t, int, int, int);
+typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t, int64_t, float, int);
+typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int);
+typedef void (*silu_fn)(const float *, int64_t, int64_t, float *, int);
+
+typedef struct {
+    tile_matmul_fn matmul;
+    attention_fn attention;
+    norm_fn add_rms_norm;
+    rope_fn rope;
+    silu_fn silu_mul;
+} kernels;
+
+typedef struct {
+    int64_t qtype;
+    const uint8_t *tiles;
+    int64_t rows, cols;
+    const float *bias; /* NULL: none */
+    /* LoRA slots (model/lora.py), NULL: none. Slot s holds rows [s * W, (s + 1) * W) of both:
+       lora_a [slots * W, cols] (its A, zero-padded) and lora_b [slots * W, rows] (scaling · Bᵀ). */
+    const float *lora_a, *lora_b;
+    int64_t lora_width;
+} linear;
+
+typedef struct {
+    linear qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+    float eps, scale;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+} layer;
+
+typedef struct {
+    int64_t num_tokens;
+    const float *cos, *sin; /* [T, D / 2] */
+    const int64_t *slots;   /* [T] */
+    const int64_t *block_tables;
+    int64_t table_stride;
+    const int64_t *query_start, *seq_lens, *reqs;
+    int64_t num_reqs, num_blocks, block_size, activations, num_threads; /* activations: ACT_* */
+    int64_t kv_elem;            /* the cache's element type (ELEM_*): fp32, fp16, fp8 or q8_0 */
+    float k_scale, v_scale;     /* fp8 K/V's per-tensor scales (1 for the other types) */
+    const int64_t *lora_slots;  /* [T]: each row's LoRA slot, -1 for none; NULL: no row has one */
+} step;
+
+int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache, const float *x, const float *residual, float *x_out, float *residual_out);
+int decode_layers(const kernels *k, const layer *const *w, int64_t n, const step *s, void *const *kv_caches, float *x, float *residual);
+
+#endif
