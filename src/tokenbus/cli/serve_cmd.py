@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 
+from tokenbus.api.openai.reasoning_parsers import PARSERS as REASONING_PARSERS
 from tokenbus.api.openai.server_config import DEFAULT_REQUEST_TIMEOUT_S
 from tokenbus.api.openai.tool_parsers import PARSERS
 from tokenbus.cli.args import add_engine_args, engine_args_from
@@ -91,6 +92,13 @@ def add_serve_parser(sub) -> None:
         choices=sorted(PARSERS),
         help="how tool calls look in the model's text (hermes: also what models "
         "whose chat template has no tools are shown)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="a reasoning model's thinking returned as reasoning_content, apart from content "
+        "(qwen3: Qwen3; deepseek_r1: DeepSeek R1, its distills, QwQ)",
     )
     _add_limit_args(serve)
     serve.add_argument(
@@ -192,6 +200,7 @@ def _serve(ns: argparse.Namespace) -> int:
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
         shutdown_timeout=ns.shutdown_timeout,
         log_interval=ns.log_interval,
         engine_in_process=ns.engine_in_process,

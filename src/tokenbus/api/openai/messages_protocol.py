@@ -2,8 +2,8 @@
 
 Requests accept unknown fields as the OpenAI ones do (`cache_control`, `thinking`, `citations`
 are ignored). A `content` or `system` given as a string is read as one text block, so that the
-serving code sees a single shape; block types other than text, tool_use and tool_result are a
-400 naming the block.
+serving code sees a single shape; block types other than text, tool_use, tool_result and an
+assistant's thinking are a 400 naming the block.
 """
 
 from __future__ import annotations
@@ -45,8 +45,16 @@ class ToolResultBlockParam(BlockParam):
     is_error: bool = False
 
 
+class ThinkingBlockParam(BlockParam):
+    """An earlier reply's reasoning (or Anthropic's redacted form), sent back in the history:
+    accepted and left out of the prompt, as reasoning models' templates leave it out."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
 ContentBlockParam = Annotated[
-    TextBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")
+    TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam,
+    Field(discriminator="type"),
 ]
 
 
@@ -104,6 +112,14 @@ class MessagesRequest(CountTokensRequest):
 # Responses
 
 
+class ThinkingBlock(OpenAIResponse):
+    """The reply's reasoning (--reasoning-parser); no signature: nothing here signs it."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class TextBlock(OpenAIResponse):
     type: Literal["text"] = "text"
     text: str
@@ -128,7 +144,7 @@ class MessageResponse(OpenAIResponse):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     model: str
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None

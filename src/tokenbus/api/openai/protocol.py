@@ -261,6 +261,10 @@ class ToolCall(OpenAIResponse):
 class ChatMessage(OpenAIResponse):
     role: str
     content: str | None = None
+    # With --reasoning-parser: the reply's reasoning, under vLLM's current name and the one
+    # DeepSeek's API and most clients read (vLLM sends both).
+    reasoning: str | None = OnRequest()
+    reasoning_content: str | None = OnRequest()
     tool_calls: list[ToolCall] | None = OnRequest()
     function_call: FunctionCall | None = OnRequest()  # legacy `functions` requests' one call
 
@@ -305,6 +309,8 @@ class DeltaToolCall(OpenAIResponse):
 class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # as ChatMessage's; set both (streams drop what is unset)
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
     function_call: DeltaFunctionCall | None = None  # legacy `functions` requests
 

@@ -41,6 +41,7 @@ from tokenbus.api.openai.middleware import (
     BodySizeLimitMiddleware,
     InternalErrorMiddleware,
 )
+from tokenbus.api.openai.reasoning_parsers import ReasoningParser, make_reasoning_parser
 from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.sagemaker import add_sagemaker_routes
 from tokenbus.api.openai.server_config import ServerConfig
@@ -122,6 +123,7 @@ def make_serving_context(
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         tool_parser=_tool_parser(config),
+        reasoning_parser=_reasoning_parser(engine, config),
         loras=_lora_modules(engine, config, served_model_names),
     )
 
@@ -147,6 +149,18 @@ def _tool_parser(config: ServerConfig) -> ToolCallParser | None:
             f"enable_auto_tool_choice: needs --tool-call-parser ({', '.join(sorted(PARSERS))})"
         )
     return make_parser(config.tool_call_parser)
+
+
+def _reasoning_parser(engine: Any, config: ServerConfig) -> ReasoningParser | None:
+    if config.reasoning_parser is None:
+        return None
+    parser = make_reasoning_parser(config.reasoning_parser, engine.tokenizer)
+    logger.info(
+        "reasoning parser %s: tags told %s",
+        parser.name,
+        "by token id" if parser.tag_ids is not None else "by text (not single tokens here)",
+    )
+    return parser
 
 
 def max_waiting(max_num_seqs: int, requested: int | None) -> int | None:

@@ -42,6 +42,7 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" by default
     enable_auto_tool_choice: bool = False  # tool_choice "auto", parsed by tool_call_parser
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # reasoning apart from content (reasoning_parsers.py)
     shutdown_timeout: float = 30.0  # seconds in-flight requests may drain after SIGTERM
     log_interval: float = 10.0  # seconds between stats log lines; 0 disables them
     engine_in_process: bool = False

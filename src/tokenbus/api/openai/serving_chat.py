@@ -7,6 +7,7 @@ with `choices: []`, then `data: [DONE]`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -32,6 +33,8 @@ from tokenbus.api.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
+from tokenbus.api.openai.reasoning_parsers import ReasoningPlan
+from tokenbus.api.openai.reply_stream import ReplyStream
 from tokenbus.api.openai.request_params import (
     chat_params,
     check_n,
@@ -42,7 +45,7 @@ from tokenbus.api.openai.request_params import (
 )
 from tokenbus.api.openai.serving_engine import OpenAIServing
 from tokenbus.api.openai.streaming import DONE_EVENT, sse_event
-from tokenbus.api.openai.tool_stream import ToolStream, tool_finish_reason
+from tokenbus.api.openai.tool_stream import tool_finish_reason
 from tokenbus.api.openai.tools import (
     ToolPlan,
     messages_for_template,
@@ -87,6 +90,7 @@ class ChatRun:
     prompt_text: str | None  # None once truncate_prompt_tokens cut the rendered prompt
     echo_text: str = ""  # `echo`: the last (assistant) message's content, before each reply
     tools: ToolPlan | None = None
+    reasoning: ReasoningPlan | None = None  # --reasoning-parser
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, from the outputs
     prompt_logprobs: list | None = None  # from the outputs, when asked for
@@ -203,6 +207,13 @@ class ChatServing(OpenAIServing):
             params = params.clone(structured_outputs=constraint)
         if plan is not None and plan.mode == "auto" and plan.parser.needs_special_tokens:
             params = params.clone(skip_special_tokens=False)  # its marker is a special token
+        reasoning = self._plan_reasoning(
+            request, truncated, text if truncated is token_ids else None
+        )
+        if reasoning is not None and reasoning.may_reason and params.structured_outputs:
+            raise ValueError(_constrained_reasoning_error(request, plan))
+        if reasoning is not None and reasoning.parser.needs_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # its tags are special tokens
         self.check_request_tokens((len(truncated) + params.max_tokens) * params.n)
         engine_request = processor.make_request(
             self.request_id_for("chatcmpl", request.request_id),
@@ -229,8 +240,19 @@ class ChatServing(OpenAIServing):
             echo_text=echo,
             with_cache_details=self.ctx.enable_prompt_tokens_details,
             tools=plan,
+            reasoning=reasoning,
             as_token_ids=self.tokens_as_ids(request),
             beam=beam,
+        )
+
+    def _plan_reasoning(
+        self, request: ChatCompletionRequest, token_ids: list[int], text: str | None
+    ) -> ReasoningPlan | None:
+        parser = self.ctx.reasoning_parser
+        if parser is None:
+            return None
+        return ReasoningPlan(
+            parser, parser.first_phase(token_ids, text, request.chat_template_kwargs)
         )
 
     def _check_tool_schemas(self, plan: ToolPlan) -> None:
@@ -302,10 +324,15 @@ class ChatServing(OpenAIServing):
         return state
 
     def final_choice(self, run: ChatRun, index: int, state: ChatChoiceState) -> ChatChoice:
-        content, finish_reason = run.echo_text + state.text, state.finish_reason
-        message = ChatMessage(role=ASSISTANT, content=content)
+        text, finish_reason = state.text, state.finish_reason
+        message = ChatMessage(role=ASSISTANT, content=run.echo_text + text)
+        if run.reasoning is not None:  # tools are parsed from the content alone
+            reasoning, content = run.reasoning.split(text, state.token_ids)
+            text = content or ""
+            message.content = run.echo_text + text if run.echo_text or content else content
+            message.reasoning = message.reasoning_content = reasoning
         if run.tools is not None:
-            message.content, calls = run.tools.calls_from_text(state.text)
+            message.content, calls = run.tools.calls_from_text(text)
             functions = [FunctionCall(name=c.name, arguments=c.arguments) for c in calls]
             if run.tools.legacy and functions:  # OpenAI's legacy form: one call, no id
                 message.function_call = functions[0]
@@ -328,7 +355,7 @@ class ChatServing(OpenAIServing):
         options = run.request.stream_options
         include_usage = options is not None and options.include_usage
         continuous_usage = include_usage and options.continuous_usage_stats
-        tool_streams: dict[int, ToolStream] = {}
+        replies: dict[int, ReplyStream] = {}
         try:
             async with aclosing(self.generate(run)) as outputs:
                 async for out in outputs:
@@ -340,12 +367,13 @@ class ChatServing(OpenAIServing):
                     for output in out.outputs:
                         num_tokens += len(output.token_ids)
                         usage = run.usage(num_tokens) if continuous_usage else None
-                        if run.tools is not None and run.tools.mode != "none":
-                            stream = tool_streams.setdefault(output.index, ToolStream(run.tools))
-                            for choice in stream.feed(output):
-                                yield _chunk_event(run, [choice], usage)
-                        elif output.text or output.token_ids or output.finish_reason:
-                            yield _chunk_event(run, [self._content_choice(run, output)], usage)
+                        if output.index not in replies:
+                            content_choice = functools.partial(self._content_choice, run)
+                            replies[output.index] = ReplyStream(
+                                run.reasoning, run.tools, content_choice
+                            )
+                        for choice in replies[output.index].feed(output):
+                            yield _chunk_event(run, [choice], usage)
             if include_usage:
                 yield _chunk_event(run, [], run.usage(num_tokens))
         except Exception as exc:
@@ -504,3 +532,19 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     if reserved:
         raise ValueError(f"chat_template_kwargs: may not set {', '.join(reserved)}")
     return kwargs
+
+
+def _constrained_reasoning_error(request: ChatCompletionRequest, plan: ToolPlan | None) -> str:
+    """Structured output constrains the reply from its first token; vLLM's waits for the
+    reasoning to end, ours cannot yet, so a reply that may reason is refused a constraint."""
+    if plan is not None and plan.structured_outputs() is not None:
+        field = "tool_choice"
+    elif request.response_format is not None:
+        field = "response_format"
+    else:
+        field = "structured_outputs"
+    return (
+        f"{field}: structured output constrains the reply from its first token, so it cannot "
+        "follow a reasoning model's thinking (--reasoning-parser); turn thinking off for this "
+        'request (qwen3: chat_template_kwargs {"enable_thinking": false})'
+    )

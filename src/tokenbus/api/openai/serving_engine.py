@@ -36,6 +36,7 @@ from tokenbus.api.openai.errors import (
     error_event_body,
 )
 from tokenbus.api.openai.protocol import OpenAIRequest
+from tokenbus.api.openai.reasoning_parsers import ReasoningParser
 from tokenbus.api.openai.request_params import ParamLimits
 from tokenbus.api.openai.serving_lora import LoRAModules
 from tokenbus.api.openai.streaming import DONE_EVENT, SSEResponse, cancel_on_disconnect, sse_event
@@ -198,6 +199,7 @@ class ServingContext:
     # Logprob tokens as "token_id:N" unless a request says otherwise (vLLM's flag).
     return_tokens_as_token_ids: bool = False
     tool_parser: ToolCallParser | None = None  # tool_choice "auto": --enable-auto-tool-choice
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     loras: LoRAModules | None = None  # adapters served as model names (--lora-modules)
     # Tokenizing, chat templates and grammar checks run here, never on the event loop.
     prepare_pool: concurrent.futures.ThreadPoolExecutor = field(

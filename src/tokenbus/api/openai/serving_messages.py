@@ -6,12 +6,13 @@ blocks → the assistant's tool_calls, tool_result blocks → tool messages, too
 tool_choice any → required and tool → a named call, stop_sequences → stop,
 output_config.format → response_format, a final assistant message → a prefill the reply
 continues), runs through ChatServing's preparation, admission and
-generation, and comes back as a Message: text and tool_use blocks, the stop reason in
-Anthropic's words, usage in input and output tokens. Streamed, it is Anthropic's event sequence:
+generation, and comes back as a Message: a thinking block (with --reasoning-parser), text and
+tool_use blocks, the stop reason in Anthropic's words, usage in input and output tokens.
+Streamed, it is Anthropic's event sequence:
 
-    message_start → ping → content_block_start → content_block_delta (text_delta or
-    input_json_delta) … → content_block_stop → … → message_delta (stop_reason, usage) →
-    message_stop
+    message_start → ping → content_block_start → content_block_delta (thinking_delta,
+    text_delta or input_json_delta) … → content_block_stop → … → message_delta (stop_reason,
+    usage) → message_stop
 
 Errors, a stream's included, are in Anthropic's shape (errors.py).
 """
@@ -41,6 +42,8 @@ from tokenbus.api.openai.messages_protocol import (
     StopReason,
     TextBlock,
     TextBlockParam,
+    ThinkingBlock,
+    ThinkingBlockParam,
     ToolChoiceParam,
     ToolParam,
     ToolResultBlockParam,
@@ -48,7 +51,8 @@ from tokenbus.api.openai.messages_protocol import (
     ToolUseBlockParam,
 )
 from tokenbus.api.openai.protocol import ChatCompletionRequest, ChatStreamChoice, DeltaMessage
-from tokenbus.api.openai.serving_chat import ChatRun, ChatServing, ToolStream
+from tokenbus.api.openai.reply_stream import ReplyStream
+from tokenbus.api.openai.serving_chat import ChatRun, ChatServing
 from tokenbus.api.openai.serving_engine import OpenAIServing
 from tokenbus.api.openai.streaming import DONE_EVENT
 from tokenbus.engine.outputs import CompletionOutput
@@ -91,9 +95,11 @@ class MessagesServing(OpenAIServing):
         state = await self.chat.collect(run.chat)
         choice = self.chat.final_choice(run.chat, 0, state)
         calls = choice.message.tool_calls or []
-        content: list[TextBlock | ToolUseBlock] = (
-            [TextBlock(text=choice.message.content)] if choice.message.content else []
-        )
+        content: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
+        if choice.message.reasoning:
+            content.append(ThinkingBlock(thinking=choice.message.reasoning))
+        if choice.message.content:
+            content.append(TextBlock(text=choice.message.content))
         content += [
             ToolUseBlock(id=c.id, name=c.function.name, input=_tool_input(c.function.arguments))
             for c in calls
@@ -104,8 +110,7 @@ class MessagesServing(OpenAIServing):
 
     # ------------------------------------------------------------------ events
     async def _stream(self, run: MessagesRun) -> AsyncIterator[bytes]:
-        plan = run.chat.tools
-        tool_stream = ToolStream(plan) if plan is not None and plan.mode != "none" else None
+        reply = ReplyStream(run.chat.reasoning, run.chat.tools, _text)
         blocks = BlockStream()
         num_tokens = 0
         yield _event("message_start", message=_message(run, [], 0, (None, None)))
@@ -115,8 +120,7 @@ class MessagesServing(OpenAIServing):
                 async for out in outputs:
                     for output in out.outputs:
                         num_tokens += len(output.token_ids)
-                        choices = tool_stream.feed(output) if tool_stream else [_text(output)]
-                        for choice in choices:
+                        for choice in reply.feed(output):
                             for event in blocks.feed(choice):
                                 yield event
             reason, sequence = blocks.stop
@@ -146,9 +150,9 @@ class MessagesServing(OpenAIServing):
 
 
 class BlockStream:
-    """A chat stream's deltas (ToolStream's, or plain text) → Anthropic's content-block events:
-    text deltas fill a text block, each call opens a tool_use block that its argument
-    fragments fill, and a new block closes the open one."""
+    """A chat stream's deltas (ReplyStream's) → Anthropic's content-block events: reasoning
+    fills a thinking block, text deltas a text block, each call opens a tool_use block that its
+    argument fragments fill, and a new block closes the open one."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -158,6 +162,12 @@ class BlockStream:
 
     def feed(self, choice: ChatStreamChoice) -> list[bytes]:
         events: list[bytes] = []
+        if choice.delta.reasoning:
+            if self.open_type != "thinking":
+                events += self._start(ThinkingBlock(thinking=""))
+            events.append(
+                self._delta({"type": "thinking_delta", "thinking": choice.delta.reasoning})
+            )
         if choice.delta.content:
             if self.open_type != "text":
                 events += self._start(TextBlock(text=""))
@@ -174,7 +184,7 @@ class BlockStream:
             self.stop = stop_reason(choice.finish_reason, choice.stop_reason, self.called)
         return events
 
-    def _start(self, block: TextBlock | ToolUseBlock) -> list[bytes]:
+    def _start(self, block: ThinkingBlock | TextBlock | ToolUseBlock) -> list[bytes]:
         events = self._close()
         self.index += 1
         self.open_type = block.type
@@ -253,9 +263,9 @@ def _chat_messages(message: MessageParam, index: int) -> list[dict[str, Any]]:
                 texts = []
             content = _text_parts(block.content)
             messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
-        elif isinstance(block, ToolUseBlockParam):
+        elif isinstance(block, ToolUseBlockParam | ThinkingBlockParam):
             raise ValueError(
-                f"messages[{index}].content[{j}]: tool_use blocks belong in assistant messages"
+                f"messages[{index}].content[{j}]: {block.type} blocks belong in assistant messages"
             )
         else:
             texts += _text_parts([block])
@@ -279,6 +289,8 @@ def _assistant_message(blocks: list[ContentBlockParam], where: str) -> dict[str,
             )
         elif isinstance(block, ToolResultBlockParam):
             raise ValueError(f"{where}.content[{j}]: tool_result blocks belong in user messages")
+        elif isinstance(block, ThinkingBlockParam):
+            continue  # past reasoning stays out of the prompt
         else:
             texts += _text_parts([block])
     message: dict[str, Any] = {"role": "assistant", "content": texts or None}
@@ -353,7 +365,7 @@ def _text(output: CompletionOutput) -> ChatStreamChoice:
 
 def _message(
     run: MessagesRun,
-    content: list[TextBlock | ToolUseBlock],
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock],
     num_output_tokens: int,
     stop: tuple[StopReason | None, str | None],
 ) -> MessageResponse:

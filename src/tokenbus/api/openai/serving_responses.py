@@ -3,15 +3,18 @@
 A request becomes a chat request (instructions → a system message, input items → messages,
 `text.format` → response_format, flat function tools → chat tools, max_output_tokens →
 max_completion_tokens), runs through ChatServing's preparation and generation, and comes back
-as a Response: output items (a message with output_text, or function_call items), usage in
-input/output tokens. Streamed, it is the typed event sequence OpenAI sends:
+as a Response: output items (a reasoning item with --reasoning-parser, a message with
+output_text, function_call items), usage in input/output tokens. Streamed, it is the typed event
+sequence OpenAI sends:
 
     response.created → response.in_progress → response.output_item.added →
     response.content_part.added → response.output_text.delta … → response.output_text.done →
     response.content_part.done → response.output_item.done → response.completed
     (response.incomplete when max_output_tokens cut it short)
 
-(function calls: output_item.added → function_call_arguments.delta/done → output_item.done).
+(reasoning: the same with a reasoning_text part and response.reasoning_text.delta/done; function
+calls: output_item.added → function_call_arguments.delta/done → output_item.done). Reasoning
+streams as it comes, text too unless tools are in play (calls are parsed at the end).
 Responses are kept in a bounded in-memory store (LRU) for GET and previous_response_id, unless
 `store: false`.
 """
@@ -32,10 +35,18 @@ from starlette.responses import Response
 
 from tokenbus.api.openai.errors import NotFoundError, error_event_body
 from tokenbus.api.openai.protocol import ChatCompletionRequest, OpenAIRequest
+from tokenbus.api.openai.reasoning_parsers import ReasoningDelta
 from tokenbus.api.openai.serving_chat import ChatChoiceState, ChatRun, ChatServing, fold_choice
 from tokenbus.api.openai.serving_engine import OpenAIServing
+from tokenbus.engine.outputs import CompletionOutput
 
 STORE_SIZE = 1024  # responses kept for GET /v1/responses/{id} and previous_response_id
+# Text items: their part's type and the prefix of their text events.
+TEXT_PARTS = {
+    "message": ("output_text", "response.output_text"),
+    "reasoning": ("reasoning_text", "response.reasoning_text"),
+}
+ITEM_ID_PREFIXES = {"message": "msg", "reasoning": "rs"}
 
 
 class ResponsesRequest(OpenAIRequest):
@@ -127,13 +138,19 @@ class ResponsesServing(OpenAIServing):
 
     def _finish(self, run: ResponsesRun, state: ChatChoiceState) -> dict[str, Any]:
         choice = self.chat.final_choice(run.chat, 0, state)
-        items = output_items(choice.message.content, choice.message.tool_calls)
+        reasoning = choice.message.reasoning
+        items = output_items(choice.message.content, choice.message.tool_calls, reasoning)
         body = response_body(
             run,
             items,
             state.num_tokens,
             "completed" if choice.finish_reason != "length" else "incomplete",
         )
+        if run.chat.reasoning is not None:
+            details = body["usage"]["output_tokens_details"]
+            details["reasoning_tokens"] = run.chat.reasoning.num_reasoning_tokens(
+                state.token_ids, reasoning
+            )
         if run.request.store:
             reply = {
                 "role": "assistant",
@@ -152,9 +169,7 @@ class ResponsesServing(OpenAIServing):
     # ------------------------------------------------------------------ events
     async def _stream(self, run: ResponsesRun) -> AsyncIterator[bytes]:
         state = ChatChoiceState()
-        item_id = f"msg_{uuid.uuid4().hex}"
-        streams_text = run.chat.tools is None or run.chat.tools.mode == "none"
-        started = False
+        live = LiveItems(run, streams_text=run.chat.tools is None or run.chat.tools.mode == "none")
         yield run.event("response.created", response=response_body(run, [], 0, "in_progress"))
         yield run.event("response.in_progress", response=response_body(run, [], 0, "in_progress"))
         try:
@@ -163,27 +178,19 @@ class ResponsesServing(OpenAIServing):
                     run.chat.num_cached_tokens = out.num_cached_tokens
                     for output in out.outputs:
                         fold_choice(state, output, None)
-                        if not streams_text or not output.text:
-                            continue
-                        if not started:
-                            started = True
-                            for event in _message_opening(run, item_id):
-                                yield event
-                        yield run.event(
-                            "response.output_text.delta",
-                            item_id=item_id,
-                            output_index=0,
-                            content_index=0,
-                            delta=output.text,
-                        )
+                        for event in live.feed(output):
+                            yield event
             body = self._finish(run, state)
-            if started:
-                for event in _message_closing(run, item_id, state.text):
+            for event in live.close():
+                yield event
+            # The items streamed live lead the output (reasoning, then the message): they keep
+            # their ids; the rest come now.
+            for index, item in enumerate(body["output"]):
+                if index < len(live.item_ids):
+                    item["id"] = live.item_ids[index]
+                    continue
+                for event in _item_events(run, index, item):
                     yield event
-            else:
-                for index, item in enumerate(body["output"]):
-                    for event in _item_events(run, index, item):
-                        yield event
             yield run.event(
                 "response.completed" if body["status"] == "completed" else "response.incomplete",
                 response=body,
@@ -213,6 +220,8 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue  # an earlier reply's reasoning: left out of the prompt, as templates do
         elif kind == "function_call_output":
             messages.append(
                 {
@@ -289,18 +298,13 @@ def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def output_items(content: str | None, tool_calls) -> list[dict[str, Any]]:
+def output_items(
+    content: str | None, tool_calls, reasoning: str | None = None
+) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
-    if content:
-        items.append(
-            {
-                "type": "message",
-                "id": f"msg_{uuid.uuid4().hex}",
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": content, "annotations": []}],
-            }
-        )
+    for kind, text in (("reasoning", reasoning), ("message", content)):
+        if text:
+            items.append(_text_item(kind, _item_id(kind), "completed", [_text_part(kind, text)]))
     for call in tool_calls or []:
         items.append(
             {
@@ -350,63 +354,129 @@ def response_body(
     }
 
 
-def _message_opening(run: ResponsesRun, item_id: str) -> list[bytes]:
-    item = {
-        "type": "message",
-        "id": item_id,
-        "status": "in_progress",
-        "role": "assistant",
-        "content": [],
-    }
+def _item_id(kind: str) -> str:
+    return f"{ITEM_ID_PREFIXES[kind]}_{uuid.uuid4().hex}"
+
+
+def _text_part(kind: str, text: str) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": TEXT_PARTS[kind][0], "text": text}
+    if kind == "message":
+        part["annotations"] = []
+    return part
+
+
+def _text_item(kind: str, item_id: str, status: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    if kind == "message":
+        return {
+            "type": "message",
+            "id": item_id,
+            "status": status,
+            "role": "assistant",
+            "content": parts,
+        }
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": parts}
+
+
+def _text_opening(run: ResponsesRun, index: int, kind: str, item_id: str) -> list[bytes]:
     return [
-        run.event("response.output_item.added", output_index=0, item=item),
+        run.event(
+            "response.output_item.added",
+            output_index=index,
+            item=_text_item(kind, item_id, "in_progress", []),
+        ),
         run.event(
             "response.content_part.added",
             item_id=item_id,
-            output_index=0,
+            output_index=index,
             content_index=0,
-            part={"type": "output_text", "text": "", "annotations": []},
+            part=_text_part(kind, ""),
         ),
     ]
 
 
-def _message_closing(run: ResponsesRun, item_id: str, text: str) -> list[bytes]:
-    part = {"type": "output_text", "text": text, "annotations": []}
-    item = {
-        "type": "message",
-        "id": item_id,
-        "status": "completed",
-        "role": "assistant",
-        "content": [part],
-    }
+def _text_delta(run: ResponsesRun, index: int, kind: str, item_id: str, delta: str) -> bytes:
+    return run.event(
+        f"{TEXT_PARTS[kind][1]}.delta",
+        item_id=item_id,
+        output_index=index,
+        content_index=0,
+        delta=delta,
+    )
+
+
+def _text_closing(run: ResponsesRun, index: int, kind: str, item_id: str, text: str) -> list[bytes]:
+    part = _text_part(kind, text)
     return [
         run.event(
-            "response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text
+            f"{TEXT_PARTS[kind][1]}.done",
+            item_id=item_id,
+            output_index=index,
+            content_index=0,
+            text=text,
         ),
         run.event(
             "response.content_part.done",
             item_id=item_id,
-            output_index=0,
+            output_index=index,
             content_index=0,
             part=part,
         ),
-        run.event("response.output_item.done", output_index=0, item=item),
+        run.event(
+            "response.output_item.done",
+            output_index=index,
+            item=_text_item(kind, item_id, "completed", [part]),
+        ),
     ]
+
+
+class LiveItems:
+    """The reply's items streamed as its text comes: the reasoning (--reasoning-parser), then
+    the message, unless tools are in play (its text may hold calls, parsed at the end)."""
+
+    def __init__(self, run: ResponsesRun, streams_text: bool) -> None:
+        self.run = run
+        self.reasoning = run.chat.reasoning.stream() if run.chat.reasoning is not None else None
+        self.streams_text = streams_text
+        self.item_ids: list[str] = []  # of the items streamed, in output order
+        self.open: tuple[str, str] | None = None  # (kind, text so far) of the last item
+
+    def feed(self, output: CompletionOutput) -> list[bytes]:
+        piece = ReasoningDelta(content=output.text)
+        if self.reasoning is not None:
+            piece = self.reasoning.feed(output.text, output.token_ids, output.finished())
+        events = self._add("reasoning", piece.reasoning) if piece.reasoning else []
+        if piece.content and self.streams_text:
+            events += self._add("message", piece.content)
+        return events
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        (kind, text), self.open = self.open, None
+        index = len(self.item_ids) - 1
+        return _text_closing(self.run, index, kind, self.item_ids[index], text)
+
+    def _add(self, kind: str, text: str) -> list[bytes]:
+        events: list[bytes] = []
+        if self.open is None or self.open[0] != kind:
+            events += self.close()
+            self.item_ids.append(_item_id(kind))
+            self.open = (kind, "")
+            events += _text_opening(self.run, len(self.item_ids) - 1, kind, self.item_ids[-1])
+        self.open = (kind, self.open[1] + text)
+        index = len(self.item_ids) - 1
+        return [*events, _text_delta(self.run, index, kind, self.item_ids[index], text)]
 
 
 def _item_events(run: ResponsesRun, index: int, item: dict[str, Any]) -> list[bytes]:
     """A finished output item's events, for items that were not streamed as they came."""
-    if item["type"] == "message":
-        text = item["content"][0]["text"]
-        opening = _message_opening(run, item["id"])
-        delta = run.event(
-            "response.output_text.delta",
-            item_id=item["id"],
-            output_index=index,
-            content_index=0,
-            delta=text,
-        )
-        return [*opening, delta, *_message_closing(run, item["id"], text)]
+    if item["type"] in TEXT_PARTS:
+        kind, text = item["type"], item["content"][0]["text"]
+        return [
+            *_text_opening(run, index, kind, item["id"]),
+            _text_delta(run, index, kind, item["id"], text),
+            *_text_closing(run, index, kind, item["id"], text),
+        ]
     added = {**item, "status": "in_progress", "arguments": ""}
     return [
         run.event("response.output_item.added", output_index=index, item=added),

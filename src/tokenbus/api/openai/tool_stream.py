@@ -85,7 +85,7 @@ class ToolStream:
             end = len(self.text)  # calls only ever open the output: the rest is prose
         else:
             marker = self.text.find(parser.marker, self.num_sent)
-            end = marker if marker >= 0 else len(self.text) - _held_back(self.text, parser.marker)
+            end = marker if marker >= 0 else len(self.text) - held_back(self.text, parser.marker)
         if end <= self.num_sent:
             return []
         piece, self.num_sent = self.text[self.num_sent : end], end
@@ -130,7 +130,7 @@ class ToolStream:
         return ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[call]))
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """Characters at the end of `text` that could be the start of `marker`."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
