@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-from tests.model.test_quantized import DETECTED, TILE_TYPES, _logits, blocks
+from tests.model.test_quantized import DETECTED, TILE_BYTES, TILE_TYPES, _logits, blocks
 
 from tokenbus.loader import resolve_model
 from tokenbus.model.layers import Linear
@@ -52,12 +52,11 @@ def bf16_kernels(engine: str):
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 def test_bf16_kernel_equals_bf16_rounded_reference(qtype, engine):
     kernels = bf16_kernels(engine)
-    for rows, cols in (
-        (200, 576),
-        (64, 128),
-        (16, 64),
-        (7, 1536),
-    ):  # odd/even tile counts, partial tiles, 48 blocks
+    # odd/even tile counts, partial tiles, 48 blocks (K-quants: rows of whole 256-value blocks)
+    shapes = ((200, 576), (64, 128), (16, 64), (7, 1536))
+    if qtype in TILE_BYTES:
+        shapes = ((200, 768), (64, 256), (16, 256), (7, 1536))
+    for rows, cols in shapes:
         w = blocks(qtype, rows, cols, seed=rows)
         tiles = kernels.repack_tiles(int(qtype), torch.from_numpy(w), cols)
         dense = torch.from_numpy(gguf.quants.dequantize(w, qtype).astype(np.float32))

@@ -109,6 +109,8 @@ def _steps(
         ("llama", "Q4_1", "auto", torch.float8_e4m3fn),
         ("llama", "Q8_0", "int8", torch.float8_e5m2),
         ("llama", "Q4_1", "auto", torch.uint8),
+        ("llama", "Q4_K", "auto", torch.float32),  # K-quants on tiles
+        ("llama", "Q6_K", "int8", torch.float32),
     ],
 )  # --kv-cache-dtype float16 (the default on GGUF blocks), fp8_e4m3, fp8_e5m2, q8_0: written
 # in C by decode_layer.c, in torch by the layer-by-layer path (kv_quant.h / kv_quant.py)
@@ -138,11 +140,11 @@ def test_decoder_layer_in_c_equals_the_layer_by_layer_path(
 
 @pytest.mark.parametrize("case", ["dequantized", "k-quant", "bf16"])
 def test_decoder_layer_in_c_only_where_it_applies(tmp_path, case):
-    """Dense weights, K-quant blocks (not tiled) and bf16 run layer by layer, as before."""
+    """Dense weights, blocks not tiled (Q2_K) and bf16 run layer by layer, as before."""
     if case == "dequantized":
         model = _model(tmp_path, "llama", "Q4_1", quantization="none")
     elif case == "k-quant":
-        model = _model(tmp_path, "llama", "Q4_K", quantization="gguf")
+        model = _model(tmp_path, "llama", "Q2_K", quantization="gguf")
     else:
         model = _model(tmp_path, "llama", "Q4_1", quantization="gguf", dtype=torch.bfloat16)
     assert not model.decodes_in_c

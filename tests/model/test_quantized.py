@@ -79,7 +79,11 @@ def test_kernel_equals_dequantize_then_matmul(qtype, cap):
             )
 
 
-TILE_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+TILE_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+# Tile bytes per GGUF byte: the 32-value types keep their bytes; Q4_K adds its 6-bit scales and
+# mins as bytes, Q6_K its 6-bit quants as bytes (quant_tiles.c's Repacking).
+# Bytes per 256 values of a row: (in the GGUF file, in tiles).
+TILE_BYTES = {Q.Q4_K: (144, 148), Q.Q6_K: (210, 274)}
 
 
 def rounded(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -102,11 +106,13 @@ def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
     whatever else is in the batch."""
     kernels = kernels_for(cap)
     assert kernels.tiles(int(qtype)), f"no tiled kernels on {DETECTED.describe()} capped to {cap}"
-    for rows, cols in ((40, 256), (7, 512), (64, 96)):
+    shapes = ((40, 256), (7, 512), (64, 96)) if qtype not in TILE_BYTES else ((40, 256), (7, 512))
+    for rows, cols in shapes:
         w = torch.from_numpy(blocks(qtype, rows, cols, seed=rows))
         dense = kernels.dequant_rows(int(qtype), w, cols, torch.arange(rows))
         tiles = kernels.repack_tiles(int(qtype), w, cols)
-        assert tiles.numel() == -(-rows // 16) * 16 * w.shape[1]  # the same bytes per row
+        gguf_bytes, tile_bytes = TILE_BYTES.get(qtype, (1, 1))
+        assert tiles.numel() == -(-rows // 16) * 16 * w.shape[1] // gguf_bytes * tile_bytes
         ids = torch.tensor([rows - 1, 0, 3, 3])
         assert torch.equal(
             kernels.tile_dequant_rows(int(qtype), tiles, rows, cols, ids), dense[ids]

@@ -102,7 +102,8 @@ class QuantizedWeight(Protocol):
 class KernelWeight:
     """A GGUF matrix as the kernels hold it: in GGUF rows (uint8 [rows, row_bytes]) or, when
     `tiled`, in quant_tiles.c's 16-row tiles (uint8 [ceil(rows / 16), tile_bytes]: the same
-    bytes, QuantKernels.repack_tiles)."""
+    bytes for the 32-value types, 3% more for Q4_K and 30% more for Q6_K, whose 6-bit quants
+    become bytes: QuantKernels.repack_tiles)."""
 
     qtype: int
     data: torch.Tensor

@@ -281,9 +281,9 @@ QUANT_GEMV_MAX_ROWS = min(16, QUANT_MAX_ROWS)
 TILE_GEMV_MAX_ROWS = QUANT_MAX_ROWS
 
 
-# Rows per tile of quant_tiles.c, and the GGML types it repacks (Q8_0, Q4_0, Q4_1).
+# Rows per tile of quant_tiles.c, and the GGML types it repacks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
 TILE_ROWS = 16
-TILE_QTYPES = (8, 2, 3)
+TILE_QTYPES = (8, 2, 3, 12, 14)
 # How quant_tiles.c takes the activations (its ACT_*): as they are, or rounded per 32 values.
 TILE_ACTIVATIONS = {"fp32": 0, "int8": 1, "int16": 2, "bf16": 3}
 # What quant_tiles.c's tile_bf16_engine() answers: how "bf16" activations run (none, AVX512-BF16
@@ -295,7 +295,7 @@ BF16_ENGINES = ("", "avx512_bf16", "amx")
 class QuantKernels:
     """GGUF-block kernels: on W in GGUF rows, uint8 [N, row_bytes] (quant_matmul.c: every
     kernel type, weight-only), and on W repacked in 16-row tiles, uint8 [ceil(N / 16),
-    tile_bytes] (quant_tiles.c: Q8_0/Q4_0/Q4_1, fp32 or int8 activations)."""
+    tile_bytes] (quant_tiles.c: Q8_0/Q4_0/Q4_1/Q4_K/Q6_K, fp32, int8, int16 or bf16 activations)."""
 
     matmul_fn: ctypes._CFuncPtr
     dequant_fn: ctypes._CFuncPtr

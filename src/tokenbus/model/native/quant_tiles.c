@@ -1,5 +1,5 @@
-/* Q8_0 / Q4_0 / Q4_1 weights repacked in tiles of 16 rows, for decode-shaped matmuls
-   (tokenbus, model/native).
+/* Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights repacked in tiles of 16 rows, for decode-shaped
+   matmuls (tokenbus, model/native).
 
    GGUF stores a matrix row by row, block by block. Dotting one row at a time leaves a GEMV
    latency-bound: one accumulator chain per row, a horizontal sum per output, a scalar scale per
@@ -7,14 +7,13 @@
    rows and the scales of a block are 16 fp16 values in a row: each instruction then works for
    16 outputs, and a tile's 16 results come out as one vector store.
 
-   Layout, per tile of rows [16t, 16t + 16) and per block b of 32 values (tile-block), in the
-   same bytes as the 16 GGUF blocks it replaces (nothing is added):
-       chunks: Q4_0/Q4_1 4, Q8_0 8; chunk c is 16 rows x 4 bytes, row r's being bytes
-               [4c, 4c + 4) of that row's GGUF quants (for Q4: the low nibbles are values
-               4c..4c+3, the high ones 16+4c..16+4c+3; for Q8_0 the bytes are values 4c..4c+3)
-       d[16]:  fp16 scales, row r at 2r
-       m[16]:  fp16 mins (Q4_1 only)
-   A matrix is ceil(N / 16) tiles of (K / 32) tile-blocks; rows past N are zero (d = 0).
+   Layout, per tile of rows [16t, 16t + 16) and per block b of 32 values (tile-block): the quants
+   in chunks of 16 rows x 4 bytes (4 of nibbles, or 8 of bytes), then the block's scales
+   (Repacking, below). The 32-value types keep the bytes of the 16 GGUF blocks a tile-block
+   replaces; the K-quants' sub-blocks take the same form, their super-block scales in a header
+   per 8 tile-blocks. A matrix is ceil(N / 16) tiles of (K / 32) tile-blocks; rows past N are
+   zero (d = 0). Q4_K runs as Q4_1 does (a scale and a min per block), Q6_K as Q8_0 with a
+   second scale for values 16-31.
 
    Kernels per call shape, y[m, n] = sum_k x[m, k] W[n, k] (y row-strided: a column slice of a
    wider output), and with AVX512-BF16 (AMX or not) a third for any number of rows (bf16, below):
@@ -43,46 +42,151 @@
 #define MAX_M 64   /* activation rows per call (QUANT_MAX_ROWS) */
 
 
-/* Bytes of one GGUF block, of its quants, and whether it carries a min. 0 if not tiled. */
-static int tile_info(int qtype, int *block_bytes, int *quant_bytes, int *has_min) {
+/* A tiled type's layout (tile_layout below). */
+typedef struct {
+    int qb;          /* bytes of one row's quants in a tile-block: 16 (4-bit) or 32 (8-bit) */
+    int has_min;     /* Q4_1 (fp16 mins) and Q4_K (6-bit mins): value = d q + m */
+    int split;       /* Q6_K: two scales per tile-block, values 0-15 and 16-31 */
+    int64_t tbb;     /* bytes of a tile-block */
+    int64_t header;  /* bytes of a K-quant group's header (0: 32-value types, no groups) */
+} tile_type;
+
+/* 0 if not tiled. */
+static int tile_info(int qtype, tile_type *tt) {
     switch (qtype) {
-    case Q8_0: *block_bytes = 34; *quant_bytes = 32; *has_min = 0; return 1;
-    case Q4_0: *block_bytes = 18; *quant_bytes = 16; *has_min = 0; return 1;
-    case Q4_1: *block_bytes = 20; *quant_bytes = 16; *has_min = 1; return 1;
+    case Q8_0: *tt = (tile_type){32, 0, 0, TR * 34, 0}; return 1;
+    case Q4_0: *tt = (tile_type){16, 0, 0, TR * 18, 0}; return 1;
+    case Q4_1: *tt = (tile_type){16, 1, 0, TR * 20, 0}; return 1;
+    case Q4_K: *tt = (tile_type){16, 1, 0, TR * 18, 2 * TR * 2}; return 1;
+    case Q6_K: *tt = (tile_type){32, 0, 1, TR * 34, TR * 2}; return 1;
     default: return 0;
     }
 }
 
-/* Tile-blocks the matrix has, and the size of one; 0 if the type or shape is not tiled. */
-static int64_t tile_geometry(int qtype, int64_t N, int64_t K, int64_t *blocks, int64_t *tile_block_bytes) {
-    int bb, qb, hm;
-    if (!tile_info(qtype, &bb, &qb, &hm) || K % 32 || N <= 0) return 0;
+/* 8-bit quants (Q8_0, Q6_K): chunks of signed bytes; else nibbles. */
+static inline int q8_chunks(int qtype) { return qtype == Q8_0 || qtype == Q6_K; }
+
+/* K-quants: a group of QK_GROUP tile-blocks (one 256-value super-block) shares a header. */
+#define QK_GROUP 8
+
+/* Tile-blocks the matrix has, the size of one, and of a whole tile; 0 tiles if the type or shape
+   is not tiled. */
+static int64_t tile_geometry(int qtype, int64_t N, int64_t K, int64_t *blocks, int64_t *tbb, int64_t *tile_bytes) {
+    tile_type tt = {0};
+    if (!tile_info(qtype, &tt) || K % (tt.header ? 32 * QK_GROUP : 32) || N <= 0) return 0;
     *blocks = K / 32;
-    *tile_block_bytes = (int64_t)TR * bb;
+    *tbb = tt.tbb;
+    *tile_bytes = *blocks * tt.tbb + (tt.header ? *blocks / QK_GROUP * tt.header : 0);
     return (N + TR - 1) / TR;
 }
 
 int64_t tile_nbytes(int qtype, int64_t N, int64_t K) {
-    int64_t blocks, tbb, tiles = tile_geometry(qtype, N, K, &blocks, &tbb);
-    return tiles * blocks * tbb;
+    int64_t blocks, tbb, tile_bytes, tiles = tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes);
+    return tiles * tile_bytes;
 }
 
-/* out (tile_nbytes) <- W in GGUF rows [N, K / 32 blocks]. 0 on success, 1: not tiled. */
+/* Tile-block b of tile t. 32-value types: tiles of `blocks` tile-blocks back to back. K-quants:
+   per super-block a group, its header (the super-block's scales of the 16 rows) then its 8
+   tile-blocks; a tile is blocks / 8 groups. */
+static inline uint8_t *tile_block(int qtype, const uint8_t *tiles, int64_t t, int64_t b, int64_t blocks,
+                                  int64_t tbb) {
+    if (qtype != Q4_K && qtype != Q6_K) return (uint8_t *)tiles + (t * blocks + b) * tbb;
+    const int64_t header = qtype == Q4_K ? 2 * TR * 2 : TR * 2, group = header + QK_GROUP * tbb;
+    return (uint8_t *)tiles + (t * (blocks / QK_GROUP) + b / QK_GROUP) * group + header + b % QK_GROUP * tbb;
+}
+
+/* The header of tile-block b's group (K-quants), from the tile-block's address. */
+static inline const uint8_t *group_header(int qtype, const uint8_t *tb, int64_t b, int64_t tbb) {
+    return tb - b % QK_GROUP * tbb - (qtype == Q4_K ? 2 * TR * 2 : TR * 2);
+}
+
+/* ---- Repacking. 32-value types keep their bytes: per tile-block, chunk c is 16 rows x 4 bytes,
+   row r's being bytes [4c, 4c + 4) of that row's GGUF quants (for Q4: the low nibbles are
+   values 4c..4c+3, the high ones 16+4c..16+4c+3; for Q8_0 the bytes are values 4c..4c+3), then
+   d[16] (fp16 scales, row r at 2r) and for Q4_1 m[16] (fp16 mins).
+   K-quants are rearranged into that form, each 32-value sub-block a tile-block, their scales kept
+   exact (as ggml computes them, d * sc in fp32 at run time):
+     Q4_K: quants as Q4_0's (byte i: value i, value 16 + i); sc[16], m[16] the rows' 6-bit scale and
+           min of the sub-block (u8); group header d[16], dmin[16] (fp16). Value = d sc q - dmin m.
+     Q6_K: quants as Q8_0's, q - 32 (int8); sc0[16], sc1[16] the rows' int8 scales of values 0-15
+           and 16-31; group header d[16] (fp16). Value = d sc (q - 32).
+   Bytes per 256 values and row: Q4_K 148 (GGUF 144), Q6_K 274 (GGUF 210: 6-bit quants as bytes). */
+
+/* Q4_K sub-block j's scale and min (ggml's get_scale_min_k4). */
+static void q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* Row r of super-block s (GGUF block `src`) into tile t's group s. */
+static void repack_q4k(const uint8_t *src, uint8_t *out, int64_t t, int64_t s, int64_t blocks, int64_t tbb, int r) {
+    uint8_t *hdr = tile_block(Q4_K, out, t, s * QK_GROUP, blocks, tbb) - 2 * TR * 2;
+    memcpy(hdr + 2 * r, src, 2);                /* d */
+    memcpy(hdr + 2 * TR + 2 * r, src + 2, 2);   /* dmin */
+    for (int j = 0; j < QK_GROUP; j++) {
+        uint8_t *tb = tile_block(Q4_K, out, t, s * QK_GROUP + j, blocks, tbb), v[32], bytes[16];
+        const uint8_t *qs = src + 16 + 32 * (j / 2);  /* 64 values per 32 bytes: j even low nibbles */
+        for (int i = 0; i < 32; i++) v[i] = j % 2 ? qs[i] >> 4 : qs[i] & 0xF;
+        for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)(v[i] | (v[i + 16] << 4));
+        for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, bytes + 4 * c, 4);
+        q4k_scale_min(j, src + 4, tb + 16 * TR + r, tb + 16 * TR + TR + r);
+    }
+}
+
+static void repack_q6k(const uint8_t *src, uint8_t *out, int64_t t, int64_t s, int64_t blocks, int64_t tbb, int r) {
+    const uint8_t *ql = src, *qh = src + 128;
+    const int8_t *scales = (const int8_t *)(src + 192);
+    int8_t q[256];
+    for (int n = 0; n < 2; n++)  /* ggml's dequantize_row_q6_K, per 128 values */
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *a = ql + 64 * n, h = qh[32 * n + l];
+            q[128 * n + l] = (int8_t)(((a[l] & 0xF) | ((h & 3) << 4)) - 32);
+            q[128 * n + l + 32] = (int8_t)(((a[l + 32] & 0xF) | (((h >> 2) & 3) << 4)) - 32);
+            q[128 * n + l + 64] = (int8_t)(((a[l] >> 4) | (((h >> 4) & 3) << 4)) - 32);
+            q[128 * n + l + 96] = (int8_t)(((a[l + 32] >> 4) | (((h >> 6) & 3) << 4)) - 32);
+        }
+    uint8_t *hdr = tile_block(Q6_K, out, t, s * QK_GROUP, blocks, tbb) - TR * 2;
+    memcpy(hdr + 2 * r, src + 208, 2);  /* d */
+    for (int j = 0; j < QK_GROUP; j++) {
+        uint8_t *tb = tile_block(Q6_K, out, t, s * QK_GROUP + j, blocks, tbb);
+        for (int c = 0; c < 8; c++) memcpy(tb + c * 64 + r * 4, q + 32 * j + 4 * c, 4);
+        tb[32 * TR + r] = (uint8_t)scales[2 * j];
+        tb[32 * TR + TR + r] = (uint8_t)scales[2 * j + 1];
+    }
+}
+
+/* out (tile_nbytes) <- W in GGUF rows. 0 on success, 1: not tiled. */
 int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
-    int bb, qb, hm;
-    int64_t blocks, tbb, tiles = tile_geometry(qtype, N, K, &blocks, &tbb);
+    tile_type tt = {0};
+    int64_t blocks, tbb, tile_bytes, tiles = tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes);
     if (!tiles) return 1;
-    tile_info(qtype, &bb, &qb, &hm);
-    const int qoff = hm ? 4 : 2;
-    memset(out, 0, (size_t)(tiles * blocks * tbb));
+    tile_info(qtype, &tt);
+    memset(out, 0, (size_t)(tiles * tile_bytes));
+    if (tt.header) {
+        const int64_t supers = blocks / QK_GROUP, bytes = qtype == Q4_K ? 144 : 210;
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t s = 0; s < supers; s++) {
+                const uint8_t *src = w + (n * supers + s) * bytes;
+                if (qtype == Q4_K) repack_q4k(src, out, n / TR, s, blocks, tbb, (int)(n % TR));
+                else repack_q6k(src, out, n / TR, s, blocks, tbb, (int)(n % TR));
+            }
+        return 0;
+    }
+    const int bb = (int)(tbb / TR), qoff = tt.has_min ? 4 : 2;
     for (int64_t n = 0; n < N; n++) {
         const int64_t t = n / TR, r = n % TR;
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *src = w + (n * blocks + b) * bb;
-            uint8_t *dst = out + (t * blocks + b) * tbb;
-            for (int c = 0; c < qb / 4; c++) memcpy(dst + c * 64 + r * 4, src + qoff + 4 * c, 4);
-            memcpy(dst + qb * TR + 2 * r, src, 2);
-            if (hm) memcpy(dst + qb * TR + 2 * TR + 2 * r, src + 2, 2);
+            uint8_t *dst = tile_block(qtype, out, t, b, blocks, tbb);
+            for (int c = 0; c < tt.qb / 4; c++) memcpy(dst + c * 64 + r * 4, src + qoff + 4 * c, 4);
+            memcpy(dst + tt.qb * TR + 2 * r, src, 2);
+            if (tt.has_min) memcpy(dst + tt.qb * TR + 2 * TR + 2 * r, src + 2, 2);
         }
     }
     return 0;
@@ -93,17 +197,37 @@ int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out)
 /* Tile-blocks a thread asks the memory system for ahead of the one it multiplies: a decode
    step streams every weight once, and the hardware prefetcher alone did not keep it fed
    (benchmarks/cpu_speed.py's tg128 decides the distance). Prefetches never fault, so the
-   last blocks' run past the end harmlessly. */
+   last blocks' run past the end harmlessly (and a K-quant group's header is skipped: a
+   header is 64 bytes in 2.3 KiB, which the hardware prefetcher picks up). */
 #define PREFETCH_AHEAD 8
 static inline void prefetch_ahead(const uint8_t *tb, int64_t tbb) {
     for (int64_t off = 0; off < tbb; off += 64) __builtin_prefetch(tb + PREFETCH_AHEAD * tbb + off);
 }
 
 #ifdef HAVE_TILES
-/* The d and m vectors of a tile-block (m = -8d for Q4_0, -Q8_BIAS d or 0 for Q8_0 under int8
-   activations, 0 for Q8_0 under fp32 ones). */
-static inline void tile_scales(int qtype, const uint8_t *tb, int qb, float q8_bias, vf *d, vf *m) {
+/* The scale, second scale and min vectors of tile-block b (at tb): d for its values (values 0-15
+   for Q6_K), d1 = d but for Q6_K's values 16-31, m = -8d for Q4_0, -Q8_BIAS d or 0 for Q8_0 under
+   int8 activations, 0 for Q8_0 under fp32 ones and for Q6_K. K-quants multiply out their
+   super-block scale in fp32, as ggml's dequantization does. */
+static inline void tile_scales(int qtype, const uint8_t *tb, int64_t b, int64_t tbb, float q8_bias, vf *d, vf *d1,
+                               vf *m) {
+    if (qtype == Q4_K) {
+        const uint8_t *hdr = group_header(Q4_K, tb, b, tbb);
+        *d = vf_mul(vf_half(hdr), vf_u8(tb + 16 * TR));
+        *m = vf_mul(vf_half(hdr + 2 * TR), vf_mul(vf_u8(tb + 16 * TR + TR), vf_set1(-1.0f)));
+        *d1 = *d;
+        return;
+    }
+    if (qtype == Q6_K) {
+        const vf dk = vf_half(group_header(Q6_K, tb, b, tbb));
+        *d = vf_mul(dk, vf_s8(tb + 32 * TR));
+        *d1 = vf_mul(dk, vf_s8(tb + 32 * TR + TR));
+        *m = vf_zero();
+        return;
+    }
+    const int qb = qtype == Q8_0 ? 32 : 16;
     *d = vf_half(tb + qb * TR);
+    *d1 = *d;
     if (qtype == Q4_1) *m = vf_half(tb + qb * TR + 2 * TR);
     else *m = vf_mul(*d, vf_set1(qtype == Q4_0 ? -8.0f : -q8_bias));
 }
@@ -126,7 +250,7 @@ static inline void finish_tile(const vf *accd, const vf *accm, int64_t M, float 
 
 /* Value k (< 32) of row r in a tile-block, before scale and min. */
 static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
-    if (qtype == Q8_0) return (int8_t)tb[(k / 4) * 64 + r * 4 + k % 4];
+    if (q8_chunks(qtype)) return (int8_t)tb[(k / 4) * 64 + r * 4 + k % 4];
     const int low = k < 16, kk = low ? k : k - 16;
     const uint8_t byte = tb[(kk / 4) * 64 + r * 4 + kk % 4];
     return low ? (byte & 0xF) : (byte >> 4);
@@ -190,28 +314,28 @@ int tile_supported(void) {
    per token). 0 on success. Tiles exist only where the tiled kernels do, so this too. */
 int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const int64_t *rows,
                       int64_t num_rows, float *out, int num_threads) {
-    int bb, qb, hm;
-    int64_t blocks, tbb;
-    if (!tile_geometry(qtype, N, K, &blocks, &tbb) || !tile_supported()) return 1;
+    int64_t blocks, tbb, tile_bytes;
+    if (!tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes) || !tile_supported()) return 1;
 #ifdef HAVE_TILES
-    tile_info(qtype, &bb, &qb, &hm);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
     for (int64_t i = 0; i < num_rows; i++) {
         const int64_t t = rows[i] / TR;
         const int r = (int)(rows[i] % TR);
         for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *tb = tiles + (t * blocks + b) * tbb;
-            uint16_t h;
-            memcpy(&h, tb + qb * TR + 2 * r, 2);
-            const float d = _cvtsh_ss(h);
-            float m = qtype == Q4_0 ? -8.0f * d : 0.0f;
-            if (hm) { memcpy(&h, tb + qb * TR + 2 * TR + 2 * r, 2); m = _cvtsh_ss(h); }
-            for (int k = 0; k < 32; k++) out[i * K + b * 32 + k] = d * (float)tile_quant(qtype, tb, r, k) + m;
+            const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
+            vf dv, d1v, mv;
+            float d[TR], d1[TR], m[TR];
+            tile_scales(qtype, tb, b, tbb, 0.0f, &dv, &d1v, &mv);
+            vf_store(d, dv);
+            vf_store(d1, d1v);
+            vf_store(m, mv);
+            for (int k = 0; k < 32; k++)
+                out[i * K + b * 32 + k] = (k < 16 ? d[r] : d1[r]) * (float)tile_quant(qtype, tb, r, k) + m[r];
         }
     }
     return 0;
 #else
-    (void)bb; (void)qb; (void)hm; (void)tiles; (void)rows; (void)num_rows; (void)out; (void)num_threads;
+    (void)tiles; (void)rows; (void)num_rows; (void)out; (void)num_threads;
     return 1;
 #endif
 }
@@ -224,12 +348,13 @@ int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, con
 int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx,
                 float *y, int64_t ldy, int act, int num_threads) {
     if (act != ACT_FP32 && act != ACT_INT8 && act != ACT_INT16 && act != ACT_BF16) return 1;
-    int64_t blocks, tbb, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb);
+    int64_t blocks, tbb, tile_bytes, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes);
     if (!ntiles || !tile_supported()) return 1;
     if (M > MAX_M && act == ACT_FP32) return 2;
 #ifdef HAVE_TILES
-    int bb, qb, hm;
-    tile_info(qtype, &bb, &qb, &hm);
+    tile_type tt = {0};
+    tile_info(qtype, &tt);
+    const int qb = tt.qb;
     if (act == ACT_BF16) {
         const bf16_engine *engine = bf16_engine_here();
         return engine->matmul ? engine->matmul(qtype, qb, tiles, ntiles, blocks, tbb, N, K, x, M, ldx, y, ldy,
@@ -270,7 +395,7 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
 #if !VI_DOT_VNNI
                     /* From 8 rows: at 4 + 3 the second pass over the tile looked to cost more than
                        the first saved on AVX-512 without VNNI (an ad-hoc timing). */
-                    grouped = qtype == Q8_0 || rows < 2 * Q4A_ROWS ? 0 : rows / Q4A_ROWS * Q4A_ROWS;
+                    grouped = q8_chunks(qtype) || rows < 2 * Q4A_ROWS ? 0 : rows / Q4A_ROWS * Q4A_ROWS;
                     if (grouped)
                         tile_q4a(qtype, qb, tiles, blocks, tbb, (const int8_t *)qa + m0 * K, da + m0 * blocks,
                                  sa + m0 * blocks, rows, K, ys, ldy, N, t);
@@ -306,11 +431,12 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
 /* out [K, ldo] columns [0, 16 * count) = (tiles [first, first + count) of W)^T as fp32. */
 int tile_dequant_t(int qtype, const uint8_t *tiles, int64_t N, int64_t K, int64_t first, int64_t count,
                    float *out, int64_t ldo, int num_threads) {
-    int64_t blocks, tbb, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb);
+    int64_t blocks, tbb, tile_bytes, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes);
     if (!ntiles || !tile_supported() || first < 0 || first + count > ntiles || ldo < TR * count) return 1;
 #ifdef HAVE_TILES
-    int bb, qb, hm;
-    tile_info(qtype, &bb, &qb, &hm);
+    tile_type tt = {0};
+    tile_info(qtype, &tt);
+    const int qb = tt.qb;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < count; i++) tile_dequant_t_one(qtype, qb, tiles, blocks, tbb, first + i, out + i * TR, ldo);
     return 0;

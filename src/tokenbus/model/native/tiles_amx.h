@@ -63,18 +63,17 @@ static void amx_tile_pair(int qtype, int qb, const uint8_t *tiles, int64_t block
         _tile_zero(2);
         _tile_zero(3);
         if (m0 == 0 && blocks > 0) {
-            bf16_pack_block(qtype, qb, tiles + t * blocks * tbb, interleave, bt);
-            if (two) bf16_pack_block(qtype, qb, tiles + (t + 1) * blocks * tbb, interleave, bt1);
+            bf16_pack_block(qtype, tiles, t, 0, blocks, tbb, interleave, bt);
+            if (two) bf16_pack_block(qtype, tiles, t + 1, 0, blocks, tbb, interleave, bt1);
         }
         for (int64_t b = 0; b < blocks; b++) {
             /* One block ahead: a tile load waits for every store to the bytes it reads to reach
                L1 (no forwarding from the store buffer), so block b's stores drain while b - 1's
                tiles multiply. */
             if (m0 == 0 && b + 1 < blocks) {
-                bf16_pack_block(qtype, qb, tiles + (t * blocks + b + 1) * tbb, interleave, bt + (b + 1) * 512);
+                bf16_pack_block(qtype, tiles, t, b + 1, blocks, tbb, interleave, bt + (b + 1) * 512);
                 if (two)
-                    bf16_pack_block(qtype, qb, tiles + ((t + 1) * blocks + b + 1) * tbb, interleave,
-                                   bt1 + (b + 1) * 512);
+                    bf16_pack_block(qtype, tiles, t + 1, b + 1, blocks, tbb, interleave, bt1 + (b + 1) * 512);
             }
             _tile_loadd(6, bt + b * 512, 64);
             _tile_loadd(4, a + b * 32, lda);

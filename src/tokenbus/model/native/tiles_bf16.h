@@ -15,12 +15,15 @@
 #define HAVE_BF16_TILES 1
 
 /* Tile-block tb as 16 packed pair rows: bt[p * 32 + 2n + j] = bf16(W[n][2p + j]) for its 16 rows n. */
-static inline void bf16_pack_block(int qtype, int qb, const uint8_t *tb, __m512i interleave, uint16_t *bt) {
-    vf q[32], d, mn;
-    tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+static inline void bf16_pack_block(int qtype, const uint8_t *tiles, int64_t t, int64_t b, int64_t blocks,
+                                   int64_t tbb, __m512i interleave, uint16_t *bt) {
+    const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
+    vf q[32], d, d1, mn;
+    tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
     unpack_fp32(qtype, tb, q);
     for (int p = 0; p < 16; p++) {  /* words 0-15: W[.][2p], 16-31: W[.][2p + 1]; then paired per row */
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vf_fma(q[2 * p + 1], d, mn), vf_fma(q[2 * p], d, mn));
+        const vf dp = p < 8 ? d : d1;  /* Q6_K: values 16-31 have their own scale */
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vf_fma(q[2 * p + 1], dp, mn), vf_fma(q[2 * p], dp, mn));
         _mm512_storeu_si512((void *)(bt + p * 32), _mm512_permutexvar_epi16(interleave, both));
     }
 }
@@ -117,8 +120,8 @@ static int dp_matmul(int qtype, int qb, const uint8_t *tiles, int64_t ntiles, in
             const int two = t + 1 < ntiles;
             uint16_t *bt1 = bt + blocks * 512;
             for (int64_t b = 0; b < blocks; b++) {
-                bf16_pack_block(qtype, qb, tiles + (t * blocks + b) * tbb, interleave, bt + b * 512);
-                if (two) bf16_pack_block(qtype, qb, tiles + ((t + 1) * blocks + b) * tbb, interleave, bt1 + b * 512);
+                bf16_pack_block(qtype, tiles, t, b, blocks, tbb, interleave, bt + b * 512);
+                if (two) bf16_pack_block(qtype, tiles, t + 1, b, blocks, tbb, interleave, bt1 + b * 512);
             }
             const __mmask16 v0 = dp_valid(N, t), v1 = two ? dp_valid(N, t + 1) : 0;
             for (int64_t m0 = 0; m0 < M; m0 += DP_ROWS) {

@@ -7,7 +7,7 @@
 /* ---- fp32 activations */
 /* The 32 quants of a tile-block as fp32: quant k of the 16 rows in q[k]. */
 static inline void unpack_fp32(int qtype, const uint8_t *tb, vf *q) {
-    if (qtype == Q8_0) {
+    if (q8_chunks(qtype)) {
         for (int c = 0; c < 8; c++) {  /* byte j of each lane, sign-extended */
             const vi raw = vi_load(tb + 64 * c);
             q[4 * c + 0] = vf_cvt(vi_srai32(vi_slli32(raw, 24), 24));
@@ -33,13 +33,18 @@ static void tile_fp32(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
     vf accd[MAX_M], accm[MAX_M], q[32];
     for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
-        vf d, mn;
-        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
+        vf d, d1, mn;
+        tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
         unpack_fp32(qtype, tb, q);
         for (int64_t m = 0; m < M; m++) {
             const float *xb = x + m * ldx + b * 32;
             vf s[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};  /* four chains: FMA latency */
+            if (qtype == Q6_K) {  /* values 0-15 and 16-31 under their own scales */
+                for (int k = 0; k < 32; k++) s[k / 16 * 2 + k % 2] = vf_fma(q[k], vf_set1(xb[k]), s[k / 16 * 2 + k % 2]);
+                accd[m] = vf_fma(vf_add(s[2], s[3]), d1, vf_fma(vf_add(s[0], s[1]), d, accd[m]));
+                continue;
+            }
             for (int k = 0; k < 32; k++) s[k % 4] = vf_fma(q[k], vf_set1(xb[k]), s[k % 4]);
             accd[m] = vf_fma(vf_add(vf_add(s[0], s[1]), vf_add(s[2], s[3])), d, accd[m]);
             accm[m] = vf_fma(mn, vf_set1(xsum[m * blocks + b]), accm[m]);
@@ -54,11 +59,11 @@ static void tile_dequant_t_one(int qtype, int qb, const uint8_t *tiles, int64_t 
                                float *out, int64_t ldo) {
     vf q[32];
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
-        vf d, mn;
-        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
+        vf d, d1, mn;
+        tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
         unpack_fp32(qtype, tb, q);
-        for (int k = 0; k < 32; k++) vf_store(out + (b * 32 + k) * ldo, vf_fma(q[k], d, mn));
+        for (int k = 0; k < 32; k++) vf_store(out + (b * 32 + k) * ldo, vf_fma(q[k], k < 16 ? d : d1, mn));
     }
 }
 

@@ -45,20 +45,20 @@ static void quantize_rows_q16(const float *x, int64_t M, int64_t ldx, int64_t K,
         }
 }
 
-/* Q16_ROWS rows of x (R <= Q16_ROWS; a constant where inlined) against one tile-block's 16
-   int16 weight groups w: out[r] = the integer dots of row r (a, row stride lda bytes). The rows
+/* Q16_ROWS rows of x (R <= Q16_ROWS; a constant where inlined) against P (16, or 8: half of a
+   Q6_K tile-block) of a tile-block's int16 weight groups w: out[r] = the integer dots of row r (a, row stride lda bytes). The rows
    go R at a time so that each w[p] is read once per R rows, not once per row: on AVX2 the 16
    groups are 32 ymm, twice the register file, and a row at a time spent more load slots than
    dot products (slower than the int8 kernel: quant_linear.py --step --rows 16). Q16_ROWS
    chains in all, C per row: vpdpwssd (VNNI) has 5 cycles of latency on its accumulator. */
 #define Q16_ROWS 4
 static inline __attribute__((always_inline)) void q16_dots(const vi *w, const int8_t *a, int64_t lda, int R,
-                                                           vi *out) {
+                                                           int P, vi *out) {
     const int C = R == 1 ? 4 : R == 2 ? 2 : 1;
     vi acc[Q16_ROWS];
     for (int i = 0; i < R * C; i++) acc[i] = vi_zero();
 #pragma GCC unroll 16
-    for (int p = 0; p < 16; p++)
+    for (int p = 0; p < P; p++)
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             acc[r * C + p % C] = vi_dot16(acc[r * C + p % C], w[p], vi_bcast32(a + r * lda + 4 * p));
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void q16_dots(const vi *w, const in
    j 0-3, the groups 2c, 2c + 1 (low nibbles) and 8 + 2c, 9 + 2c (high nibbles). */
 static inline __attribute__((always_inline)) vi q16_group(int qtype, vi raw, int j) {
     const vi low4 = vi_set32(0x000F000F);
-    if (qtype == Q8_0) return j == 0 ? vi_srai16(vi_slli16(raw, 8), 8) : vi_srai16(raw, 8);
+    if (q8_chunks(qtype)) return j == 0 ? vi_srai16(vi_slli16(raw, 8), 8) : vi_srai16(raw, 8);
     switch (j) {
     case 0: return vi_and(raw, low4);
     case 1: return vi_and(vi_srli16(raw, 8), low4);
@@ -94,17 +94,22 @@ static inline __attribute__((always_inline)) vi q16_group(int qtype, vi raw, int
    (< 2^30), so the integer sums are those of the shifted groups. Groups 0 and 3 (unscaled)
    share a chain: three chains in all, so that on AVX2 they, the chunk and the masks stay in the
    16 registers. */
-static inline __attribute__((always_inline)) vi q16_dots_row(int qtype, const uint8_t *tb, const int8_t *a) {
-    if (qtype == Q8_0) {
+static inline __attribute__((always_inline)) vi q16_dots_row(int qtype, const uint8_t *tb, const int8_t *a,
+                                                             vi *hi) {
+    if (q8_chunks(qtype)) {  /* chains 0-1 take values 0-15 (chunks 0-3), 2-3 values 16-31 */
         vi acc[4] = {vi_zero(), vi_zero(), vi_zero(), vi_zero()};
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
             const vi raw = vi_load(tb + 64 * c);
-            const int i = 2 * (c % 2);
-            acc[i] = vi_dot16(acc[i], q16_group(Q8_0, raw, 0), vi_bcast32(a + 8 * c));
-            acc[i + 1] = vi_dot16(acc[i + 1], q16_group(Q8_0, raw, 1), vi_bcast32(a + 8 * c + 4));
+            const int i = 2 * (c / 4);
+            acc[i] = vi_dot16(acc[i], q16_group(qtype, raw, 0), vi_bcast32(a + 8 * c));
+            acc[i + 1] = vi_dot16(acc[i + 1], q16_group(qtype, raw, 1), vi_bcast32(a + 8 * c + 4));
             vi_keep(&acc[i]);
             vi_keep(&acc[i + 1]);
+        }
+        if (qtype == Q6_K) {  /* the halves have their own scales */
+            *hi = vi_add(acc[2], acc[3]);
+            return vi_add(acc[0], acc[1]);
         }
         return vi_add(vi_add(acc[0], acc[1]), vi_add(acc[2], acc[3]));
     }
@@ -134,13 +139,16 @@ static inline __attribute__((always_inline)) void q16a_one(const int qtype, int 
                                                            int64_t t) {
     vf accd = vf_zero(), accm = vf_zero();
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
         prefetch_ahead(tb, tbb);
-        vf d, mn;
-        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
-        const vi dots = q16_dots_row(qtype, tb, (const int8_t *)(qa + b * 32));
-        accd = vf_fma(vf_cvt(dots), vf_mul(d, vf_set1(da[b])), accd);
-        accm = vf_fma(mn, vf_set1(sa[b]), accm);
+        vf d, d1, mn;
+        tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
+        vi hi;
+        const vi dots = q16_dots_row(qtype, tb, (const int8_t *)(qa + b * 32), &hi);
+        const vf dab = vf_set1(da[b]);
+        accd = vf_fma(vf_cvt(dots), vf_mul(d, dab), accd);
+        if (qtype == Q6_K) accd = vf_fma(vf_cvt(hi), vf_mul(d1, dab), accd);
+        else accm = vf_fma(mn, vf_set1(sa[b]), accm);
     }
     finish_tile(&accd, &accm, 1, y, 0, N, t);
 }
@@ -151,6 +159,8 @@ static __attribute__((noinline)) void tile_q16a_one(int qtype, int qb, const uin
     switch (qtype) {  /* a constant type in each copy */
     case Q8_0: q16a_one(Q8_0, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q4_0: q16a_one(Q4_0, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case Q4_K: q16a_one(Q4_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case Q6_K: q16a_one(Q6_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     default: q16a_one(Q4_1, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     }
 }
@@ -166,13 +176,13 @@ static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
     for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
     const int64_t lda = 2 * K;  /* bytes per row of qa */
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
-        vf d, mn;
-        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
+        vf d, d1, mn;
+        tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
         const int8_t *a = (const int8_t *)(qa + b * 32);
         prefetch_ahead(tb, tbb);
         vi w[16];  /* w[2p], w[2p + 1]: int16 pairs (k, k+2), (k+1, k+3) of activation group p */
-        if (qtype == Q8_0) {
+        if (q8_chunks(qtype)) {
             for (int c = 0; c < 8; c++) {
                 const vi raw = vi_load(tb + 64 * c);
                 w[2 * c] = q16_group(Q8_0, raw, 0);
@@ -185,13 +195,28 @@ static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
             }
         }
         for (int64_t m0 = 0; m0 < M; m0 += Q16_ROWS) {
-            vi dots[Q16_ROWS];
+            vi dots[Q16_ROWS], his[Q16_ROWS];
             const int64_t R = M - m0 < Q16_ROWS ? M - m0 : Q16_ROWS;
+            const int8_t *am = a + m0 * lda;
+            if (qtype == Q6_K) {  /* groups 0-7 are values 0-15, 8-15 values 16-31: two scales */
+                switch (R) {
+                case 4: q16_dots(w, am, lda, 4, 8, dots); q16_dots(w + 8, am + 32, lda, 4, 8, his); break;
+                case 3: q16_dots(w, am, lda, 3, 8, dots); q16_dots(w + 8, am + 32, lda, 3, 8, his); break;
+                case 2: q16_dots(w, am, lda, 2, 8, dots); q16_dots(w + 8, am + 32, lda, 2, 8, his); break;
+                default: q16_dots(w, am, lda, 1, 8, dots); q16_dots(w + 8, am + 32, lda, 1, 8, his); break;
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t m = m0 + r;
+                    const vf dab = vf_set1(da[m * blocks + b]);
+                    accd[m] = vf_fma(vf_cvt(his[r]), vf_mul(d1, dab), vf_fma(vf_cvt(dots[r]), vf_mul(d, dab), accd[m]));
+                }
+                continue;
+            }
             switch (R) {  /* constant R: the row loops unrolled, the accumulators in registers */
-            case 4: q16_dots(w, a + m0 * lda, lda, 4, dots); break;
-            case 3: q16_dots(w, a + m0 * lda, lda, 3, dots); break;
-            case 2: q16_dots(w, a + m0 * lda, lda, 2, dots); break;
-            default: q16_dots(w, a + m0 * lda, lda, 1, dots); break;
+            case 4: q16_dots(w, am, lda, 4, 16, dots); break;
+            case 3: q16_dots(w, am, lda, 3, 16, dots); break;
+            case 2: q16_dots(w, am, lda, 2, 16, dots); break;
+            default: q16_dots(w, am, lda, 1, 16, dots); break;
             }
             for (int64_t r = 0; r < R; r++) {
                 const int64_t m = m0 + r;

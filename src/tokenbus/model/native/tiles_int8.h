@@ -84,13 +84,15 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
     for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
     const vi nibble = vi_set8(0xF), bias = vi_set8((int8_t)0x80);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
         prefetch_ahead(tb, tbb);
-        vf d, mn;
-        tile_scales(qtype, tb, qb, (float)Q8_BIAS, &d, &mn);
+        vf d, d1, mn;
+        tile_scales(qtype, tb, b, tbb, (float)Q8_BIAS, &d, &d1, &mn);
         vi w[8];  /* w[c]: the quants that meet dword c of an activation block */
         if (qtype == Q8_0) {
             for (int c = 0; c < 8; c++) w[c] = Q8_BIAS ? vi_xor(vi_load(tb + 64 * c), bias) : vi_load(tb + 64 * c);
+        } else if (qtype == Q6_K) {
+            for (int c = 0; c < 8; c++) w[c] = vi_load(tb + 64 * c);
         } else {
             for (int c = 0; c < 4; c++) {
                 const vi raw = vi_load(tb + 64 * c);
@@ -100,6 +102,16 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
         }
         for (int64_t m = 0; m < M; m++) {
             const int8_t *a = qa + m * K + b * 32;
+            if (qtype == Q6_K) {  /* signed quants (|q| <= 32, no bias), two halves of their own scale */
+                vi i0 = vi_zero(), i1 = vi_zero();
+                for (int c = 0; c < 4; c++) {
+                    i0 = vi_dot(i0, vi_abs8(w[c]), vi_sign(vi_bcast32(a + 4 * c), w[c]));
+                    i1 = vi_dot(i1, vi_abs8(w[c + 4]), vi_sign(vi_bcast32(a + 4 * c + 16), w[c + 4]));
+                }
+                const vf dab = vf_set1(da[m * blocks + b]);
+                accd[m] = vf_fma(vf_cvt(i1), vf_mul(d1, dab), vf_fma(vf_cvt(i0), vf_mul(d, dab), accd[m]));
+                continue;
+            }
             vi i0 = vi_zero(), i1 = vi_zero();  /* two chains: the dot latency is 5 cycles */
             for (int c = 0; c < 8; c += 2) {
                 if (qtype == Q8_0 && !Q8_BIAS) {
@@ -135,10 +147,10 @@ static void tile_q4a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
     for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
     const vi nibble = vi_set8(0xF);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
         prefetch_ahead(tb, tbb);
-        vf d, mn;
-        tile_scales(qtype, tb, qb, 0.0f, &d, &mn);
+        vf d, d1, mn;
+        tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
         vi w[8];  /* as tile_q8a's */
         for (int c = 0; c < 4; c++) {
             const vi raw = vi_load(tb + 64 * c);
