@@ -105,7 +105,7 @@ class KernelWeight:
     bytes for the 32-value types, 3% more for Q4_K and 30% more for Q6_K, whose 6-bit quants
     become bytes: QuantKernels.repack_tiles)."""
 
-    qtype: int
+    qtype: int  # when tiled: its tile format (QuantKernels.tile_format), which the kernels take
     data: torch.Tensor
     cols: int
     rows: int
@@ -119,7 +119,7 @@ def kernel_weight(kernels: QuantKernels, weight: QuantizedWeight) -> KernelWeigh
     if not kernels.tiles(weight.qtype):
         return KernelWeight(weight.qtype, weight.data, weight.cols, weight.rows)
     return KernelWeight(
-        weight.qtype,
+        kernels.tile_format(weight.qtype),
         kernels.repack_tiles(weight.qtype, weight.data, weight.cols),
         weight.cols,
         weight.rows,

@@ -281,9 +281,9 @@ QUANT_GEMV_MAX_ROWS = min(16, QUANT_MAX_ROWS)
 TILE_GEMV_MAX_ROWS = QUANT_MAX_ROWS
 
 
-# Rows per tile of quant_tiles.c, and the GGML types it repacks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+# Rows per tile of quant_tiles.c (which GGML types it repacks, and into which format: its
+# tile_format).
 TILE_ROWS = 16
-TILE_QTYPES = (8, 2, 3, 12, 14)
 # How quant_tiles.c takes the activations (its ACT_*): as they are, or rounded per 32 values.
 TILE_ACTIVATIONS = {"fp32": 0, "int8": 1, "int16": 2, "bf16": 3}
 # What quant_tiles.c's tile_bf16_engine() answers: how "bf16" activations run (none, AVX512-BF16
@@ -309,10 +309,17 @@ class QuantKernels:
 
     def tiles(self, qtype: int) -> bool:
         """Whether weights of this GGML type are repacked in tiles here."""
-        return self.tile_fns is not None and qtype in TILE_QTYPES
+        return self.tile_fns is not None and self.tile_fns["format"](qtype) >= 0
+
+    def tile_format(self, qtype: int) -> int:
+        """The GGML type whose tile format holds W of type `qtype` once repacked (its own, or
+        Q8_0 for Q5_0 / IQ4_NL, Q6_K for Q3_K / IQ4_XS): the qtype the tile kernels then take."""
+        assert self.tiles(qtype)
+        return self.tile_fns["format"](qtype)
 
     def repack_tiles(self, qtype: int, w: torch.Tensor, num_cols: int) -> torch.Tensor:
-        """W in GGUF rows -> a new uint8 [ceil(N / 16), tile_bytes] (same bytes, 16-row tiles)."""
+        """W in GGUF rows -> a new uint8 [ceil(N / 16), tile_bytes] in 16-row tiles of
+        tile_format(qtype)."""
         assert self.tiles(qtype) and w.dtype == torch.uint8 and w.is_contiguous()
         rows = w.shape[0]
         nbytes = self.tile_fns["nbytes"](qtype, rows, num_cols)
@@ -505,7 +512,15 @@ def _load_tile_fns(cpu: CpuFeatures | None, source: Path) -> dict[str, ctypes._C
         return None
     return {
         key: bind(lib, f"tile_{key}")
-        for key in ("nbytes", "repack", "matmul", "dequant_rows", "dequant_t", "bf16_engine")
+        for key in (
+            "nbytes",
+            "repack",
+            "matmul",
+            "dequant_rows",
+            "dequant_t",
+            "bf16_engine",
+            "format",
+        )
     }
 
 

@@ -36,6 +36,7 @@ int quant_dequant_rows(int qtype, const uint8_t *w, int64_t K, const int64_t *ro
 /* ---- quant_tiles.c: GGUF blocks repacked in 16-row tiles */
 int tile_supported(void);
 int tile_bf16_engine(void);
+int tile_format(int qtype);
 int64_t tile_nbytes(int qtype, int64_t N, int64_t K);
 int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out);
 int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int act, int num_threads);

@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf_blocks.h"
 #include "kernels.h"
 
 #define TR 16      /* rows per tile */
@@ -57,14 +58,34 @@ static int tile_info(int qtype, tile_type *tt) {
     case Q8_0: *tt = (tile_type){32, 0, 0, TR * 34, 0}; return 1;
     case Q4_0: *tt = (tile_type){16, 0, 0, TR * 18, 0}; return 1;
     case Q4_1: *tt = (tile_type){16, 1, 0, TR * 20, 0}; return 1;
+    case Q5_1: *tt = (tile_type){32, 1, 0, TR * 36, 0}; return 1;
     case Q4_K: *tt = (tile_type){16, 1, 0, TR * 18, 2 * TR * 2}; return 1;
+    case Q5_K: *tt = (tile_type){32, 1, 0, TR * 34, 2 * TR * 2}; return 1;
     case Q6_K: *tt = (tile_type){32, 0, 1, TR * 34, TR * 2}; return 1;
     default: return 0;
     }
 }
 
-/* 8-bit quants (Q8_0, Q6_K): chunks of signed bytes; else nibbles. */
-static inline int q8_chunks(int qtype) { return qtype == Q8_0 || qtype == Q6_K; }
+/* The tile format a GGUF type is repacked into: its own, or, for a type whose values another
+   format holds exactly, that one (Q5_0 and IQ4_NL: int8 values and an fp16 scale per 32, as
+   Q8_0; Q3_K and IQ4_XS: int8 values, int8 scales and a super-block fp16 scale, as Q6_K).
+   -1: not tiled. */
+int tile_format(int qtype) {
+    switch (qtype) {
+    case Q8_0: case Q4_0: case Q4_1: case Q5_1: case Q4_K: case Q5_K: case Q6_K: return qtype;
+    case Q5_0: case IQ4_NL: return Q8_0;
+    case Q3_K: case IQ4_XS: return Q6_K;
+    default: return -1;
+    }
+}
+
+/* 8-bit quants: chunks of bytes (Q8_0, Q6_K: signed; Q5_1, Q5_K: 0-31); else nibbles. */
+static inline int q8_chunks(int qtype) { return qtype == Q8_0 || qtype == Q6_K || qtype == Q5_1 || qtype == Q5_K; }
+
+/* K-quant formats: tile-blocks in groups of 8 behind a header. */
+static inline int64_t group_header_bytes(int qtype) {
+    return qtype == Q4_K || qtype == Q5_K ? 2 * TR * 2 : qtype == Q6_K ? TR * 2 : 0;
+}
 
 /* K-quants: a group of QK_GROUP tile-blocks (one 256-value super-block) shares a header. */
 #define QK_GROUP 8
@@ -73,15 +94,16 @@ static inline int q8_chunks(int qtype) { return qtype == Q8_0 || qtype == Q6_K; 
    is not tiled. */
 static int64_t tile_geometry(int qtype, int64_t N, int64_t K, int64_t *blocks, int64_t *tbb, int64_t *tile_bytes) {
     tile_type tt = {0};
-    if (!tile_info(qtype, &tt) || K % (tt.header ? 32 * QK_GROUP : 32) || N <= 0) return 0;
+    if (tile_format(qtype) != qtype || !tile_info(qtype, &tt) || K % (tt.header ? 32 * QK_GROUP : 32) || N <= 0) return 0;
     *blocks = K / 32;
     *tbb = tt.tbb;
     *tile_bytes = *blocks * tt.tbb + (tt.header ? *blocks / QK_GROUP * tt.header : 0);
     return (N + TR - 1) / TR;
 }
 
+/* Bytes of W's tiles, W of GGUF type qtype (in its tile_format). */
 int64_t tile_nbytes(int qtype, int64_t N, int64_t K) {
-    int64_t blocks, tbb, tile_bytes, tiles = tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes);
+    int64_t blocks, tbb, tile_bytes, tiles = tile_geometry(tile_format(qtype), N, K, &blocks, &tbb, &tile_bytes);
     return tiles * tile_bytes;
 }
 
@@ -90,14 +112,14 @@ int64_t tile_nbytes(int qtype, int64_t N, int64_t K) {
    tile-blocks; a tile is blocks / 8 groups. */
 static inline uint8_t *tile_block(int qtype, const uint8_t *tiles, int64_t t, int64_t b, int64_t blocks,
                                   int64_t tbb) {
-    if (qtype != Q4_K && qtype != Q6_K) return (uint8_t *)tiles + (t * blocks + b) * tbb;
-    const int64_t header = qtype == Q4_K ? 2 * TR * 2 : TR * 2, group = header + QK_GROUP * tbb;
+    const int64_t header = group_header_bytes(qtype), group = header + QK_GROUP * tbb;
+    if (!header) return (uint8_t *)tiles + (t * blocks + b) * tbb;
     return (uint8_t *)tiles + (t * (blocks / QK_GROUP) + b / QK_GROUP) * group + header + b % QK_GROUP * tbb;
 }
 
 /* The header of tile-block b's group (K-quants), from the tile-block's address. */
 static inline const uint8_t *group_header(int qtype, const uint8_t *tb, int64_t b, int64_t tbb) {
-    return tb - b % QK_GROUP * tbb - (qtype == Q4_K ? 2 * TR * 2 : TR * 2);
+    return tb - b % QK_GROUP * tbb - group_header_bytes(qtype);
 }
 
 /* ---- Repacking. 32-value types keep their bytes: per tile-block, chunk c is 16 rows x 4 bytes,
@@ -112,83 +134,121 @@ static inline const uint8_t *group_header(int qtype, const uint8_t *tb, int64_t 
            and 16-31; group header d[16] (fp16). Value = d sc (q - 32).
    Bytes per 256 values and row: Q4_K 148 (GGUF 144), Q6_K 274 (GGUF 210: 6-bit quants as bytes). */
 
-/* Q4_K sub-block j's scale and min (ggml's get_scale_min_k4). */
-static void q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+/* Row r's 32 values q of a tile-block: bytes for the 8-bit formats, else nibbles. */
+static void put_values(int fmt, uint8_t *tb, int r, const int8_t *q) {
+    if (q8_chunks(fmt)) {
+        for (int c = 0; c < 8; c++) memcpy(tb + c * 64 + r * 4, q + 4 * c, 4);
+        return;
+    }
+    uint8_t bytes[16];
+    for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)((q[i] & 0xF) | (q[i + 16] << 4));
+    for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, bytes + 4 * c, 4);
+}
+
+/* Values and bytes of one GGUF block of a type tiles take. */
+static int source_block(int qtype, int *values, int *bytes) {
+    switch (qtype) {
+    case Q8_0: *values = 32; *bytes = Q8_0_BLOCK; return 1;
+    case Q4_0: *values = 32; *bytes = Q4_0_BLOCK; return 1;
+    case Q4_1: *values = 32; *bytes = Q4_1_BLOCK; return 1;
+    case Q5_0: *values = 32; *bytes = Q5_0_BLOCK; return 1;
+    case Q5_1: *values = 32; *bytes = Q5_1_BLOCK; return 1;
+    case IQ4_NL: *values = 32; *bytes = IQ4_NL_BLOCK; return 1;
+    case Q3_K: *values = QK_K; *bytes = Q3_K_BLOCK; return 1;
+    case Q4_K: *values = QK_K; *bytes = Q4_K_BLOCK; return 1;
+    case Q5_K: *values = QK_K; *bytes = Q5_K_BLOCK; return 1;
+    case Q6_K: *values = QK_K; *bytes = Q6_K_BLOCK; return 1;
+    case IQ4_XS: *values = QK_K; *bytes = IQ4_XS_BLOCK; return 1;
+    default: return 0;
     }
 }
 
-/* Row r of super-block s (GGUF block `src`) into tile t's group s. */
-static void repack_q4k(const uint8_t *src, uint8_t *out, int64_t t, int64_t s, int64_t blocks, int64_t tbb, int r) {
-    uint8_t *hdr = tile_block(Q4_K, out, t, s * QK_GROUP, blocks, tbb) - 2 * TR * 2;
-    memcpy(hdr + 2 * r, src, 2);                /* d */
-    memcpy(hdr + 2 * TR + 2 * r, src + 2, 2);   /* dmin */
-    for (int j = 0; j < QK_GROUP; j++) {
-        uint8_t *tb = tile_block(Q4_K, out, t, s * QK_GROUP + j, blocks, tbb), v[32], bytes[16];
-        const uint8_t *qs = src + 16 + 32 * (j / 2);  /* 64 values per 32 bytes: j even low nibbles */
-        for (int i = 0; i < 32; i++) v[i] = j % 2 ? qs[i] >> 4 : qs[i] & 0xF;
-        for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)(v[i] | (v[i + 16] << 4));
-        for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, bytes + 4 * c, 4);
-        q4k_scale_min(j, src + 4, tb + 16 * TR + r, tb + 16 * TR + TR + r);
+/* Row r of one 32-value GGUF block (src) into tile-block tb of format fmt. */
+static void repack_block32(int qtype, int fmt, const uint8_t *src, uint8_t *tb, int r) {
+    int8_t q[32];
+    const int qb = q8_chunks(fmt) ? 32 : 16;
+    switch (qtype) {
+    case Q8_0: case Q4_0: case Q4_1:  /* the file's bytes */
+        for (int c = 0; c < qb / 4; c++) memcpy(tb + c * 64 + r * 4, src + (qtype == Q4_1 ? 4 : 2) + 4 * c, 4);
+        memcpy(tb + qb * TR + 2 * r, src, 2);
+        if (qtype == Q4_1) memcpy(tb + qb * TR + 2 * TR + 2 * r, src + 2, 2);
+        return;
+    case Q5_0:  /* d (q - 16) */
+        q5_values(src + 2, src + 6, q);
+        for (int j = 0; j < 32; j++) q[j] = (int8_t)(q[j] - 16);
+        break;
+    case Q5_1:  /* d q + m */
+        q5_values(src + 4, src + 8, q);
+        memcpy(tb + qb * TR + 2 * TR + 2 * r, src + 2, 2);
+        break;
+    default:  /* IQ4_NL: d kvalues[q] */
+        iq4_values(src + 2, q);
+        break;
     }
+    put_values(fmt, tb, r, q);
+    memcpy(tb + qb * TR + 2 * r, src, 2);
 }
 
-static void repack_q6k(const uint8_t *src, uint8_t *out, int64_t t, int64_t s, int64_t blocks, int64_t tbb, int r) {
-    const uint8_t *ql = src, *qh = src + 128;
-    const int8_t *scales = (const int8_t *)(src + 192);
-    int8_t q[256];
-    for (int n = 0; n < 2; n++)  /* ggml's dequantize_row_q6_K, per 128 values */
-        for (int l = 0; l < 32; l++) {
-            const uint8_t *a = ql + 64 * n, h = qh[32 * n + l];
-            q[128 * n + l] = (int8_t)(((a[l] & 0xF) | ((h & 3) << 4)) - 32);
-            q[128 * n + l + 32] = (int8_t)(((a[l + 32] & 0xF) | (((h >> 2) & 3) << 4)) - 32);
-            q[128 * n + l + 64] = (int8_t)(((a[l] >> 4) | (((h >> 4) & 3) << 4)) - 32);
-            q[128 * n + l + 96] = (int8_t)(((a[l + 32] >> 4) | (((h >> 6) & 3) << 4)) - 32);
+/* Row r of one 256-value GGUF super-block (src) into tile t's group s of format fmt. */
+static void repack_super(int qtype, int fmt, const uint8_t *src, uint8_t *out, int64_t t, int64_t s,
+                         int64_t blocks, int64_t tbb, int r) {
+    uint8_t *hdr = tile_block(fmt, out, t, s * QK_GROUP, blocks, tbb) - group_header_bytes(fmt);
+    int8_t q[QK_K];
+    int scales[16];  /* Q6_K format: per 16 values */
+    switch (qtype) {
+    case Q4_K: case Q5_K:  /* d, dmin, scales[12], (Q5_K: qh[32],) qs[128] */
+        memcpy(hdr + 2 * r, src, 2);
+        memcpy(hdr + 2 * TR + 2 * r, src + 2, 2);
+        for (int j = 0; j < QK_GROUP; j++) {
+            uint8_t *tb = tile_block(fmt, out, t, s * QK_GROUP + j, blocks, tbb);
+            const int qb = qtype == Q4_K ? 16 : 32;
+            k_sub_values(qtype == Q4_K ? src + 16 : src + 48, qtype == Q4_K ? NULL : src + 16, j, q);
+            put_values(fmt, tb, r, q);
+            k4_scale_min(j, src + 4, tb + qb * TR + r, tb + qb * TR + TR + r);
         }
-    uint8_t *hdr = tile_block(Q6_K, out, t, s * QK_GROUP, blocks, tbb) - TR * 2;
-    memcpy(hdr + 2 * r, src + 208, 2);  /* d */
-    for (int j = 0; j < QK_GROUP; j++) {
-        uint8_t *tb = tile_block(Q6_K, out, t, s * QK_GROUP + j, blocks, tbb);
-        for (int c = 0; c < 8; c++) memcpy(tb + c * 64 + r * 4, q + 32 * j + 4 * c, 4);
-        tb[32 * TR + r] = (uint8_t)scales[2 * j];
-        tb[32 * TR + TR + r] = (uint8_t)scales[2 * j + 1];
+        return;
+    case Q6_K:  /* ql[128], qh[64], scales[16], d */
+        q6_k_values(src, q);
+        for (int i = 0; i < 16; i++) scales[i] = (int8_t)src[192 + i];
+        memcpy(hdr + 2 * r, src + 208, 2);
+        break;
+    case Q3_K:  /* hmask[32], qs[64], scales[12], d */
+        q3_k_values(src, q);
+        for (int i = 0; i < 16; i++) scales[i] = q3_k_scale(src + 96, i);
+        memcpy(hdr + 2 * r, src + 108, 2);
+        break;
+    default:  /* IQ4_XS: d, scales_h, scales_l[4], qs[128]; one scale per 32 values */
+        for (int j = 0; j < QK_GROUP; j++) {
+            iq4_values(src + 8 + 16 * j, q + 32 * j);
+            scales[2 * j] = scales[2 * j + 1] = iq4_xs_scale(src, j);
+        }
+        memcpy(hdr + 2 * r, src, 2);
+        break;
+    }
+    for (int j = 0; j < QK_GROUP; j++) {  /* the Q6_K format: bytes, two int8 scales */
+        uint8_t *tb = tile_block(fmt, out, t, s * QK_GROUP + j, blocks, tbb);
+        put_values(fmt, tb, r, q + 32 * j);
+        tb[32 * TR + r] = (uint8_t)(int8_t)scales[2 * j];
+        tb[32 * TR + TR + r] = (uint8_t)(int8_t)scales[2 * j + 1];
     }
 }
 
-/* out (tile_nbytes) <- W in GGUF rows. 0 on success, 1: not tiled. */
+/* out (tile_nbytes) <- W of GGUF type qtype, in rows, as tiles of its tile_format. 0 on
+   success, 1: not tiled. Rows are independent (each writes its own bytes of every tile-block). */
 int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
-    tile_type tt = {0};
-    int64_t blocks, tbb, tile_bytes, tiles = tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes);
-    if (!tiles) return 1;
-    tile_info(qtype, &tt);
+    const int fmt = tile_format(qtype);
+    int values, bytes;
+    int64_t blocks, tbb, tile_bytes, tiles = tile_geometry(fmt, N, K, &blocks, &tbb, &tile_bytes);
+    if (!tiles || !source_block(qtype, &values, &bytes) || K % values) return 1;
     memset(out, 0, (size_t)(tiles * tile_bytes));
-    if (tt.header) {
-        const int64_t supers = blocks / QK_GROUP, bytes = qtype == Q4_K ? 144 : 210;
+    const int64_t per_row = K / values;
 #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t s = 0; s < supers; s++) {
-                const uint8_t *src = w + (n * supers + s) * bytes;
-                if (qtype == Q4_K) repack_q4k(src, out, n / TR, s, blocks, tbb, (int)(n % TR));
-                else repack_q6k(src, out, n / TR, s, blocks, tbb, (int)(n % TR));
-            }
-        return 0;
-    }
-    const int bb = (int)(tbb / TR), qoff = tt.has_min ? 4 : 2;
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t t = n / TR, r = n % TR;
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *src = w + (n * blocks + b) * bb;
-            uint8_t *dst = tile_block(qtype, out, t, b, blocks, tbb);
-            for (int c = 0; c < tt.qb / 4; c++) memcpy(dst + c * 64 + r * 4, src + qoff + 4 * c, 4);
-            memcpy(dst + tt.qb * TR + 2 * r, src, 2);
-            if (tt.has_min) memcpy(dst + tt.qb * TR + 2 * TR + 2 * r, src + 2, 2);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t i = 0; i < per_row; i++) {
+            const uint8_t *src = w + (n * per_row + i) * bytes;
+            if (values == QK_K) repack_super(qtype, fmt, src, out, n / TR, i, blocks, tbb, (int)(n % TR));
+            else repack_block32(qtype, fmt, src, tile_block(fmt, out, n / TR, i, blocks, tbb), (int)(n % TR));
         }
-    }
     return 0;
 }
 
@@ -211,10 +271,10 @@ static inline void prefetch_ahead(const uint8_t *tb, int64_t tbb) {
    super-block scale in fp32, as ggml's dequantization does. */
 static inline void tile_scales(int qtype, const uint8_t *tb, int64_t b, int64_t tbb, float q8_bias, vf *d, vf *d1,
                                vf *m) {
-    if (qtype == Q4_K) {
-        const uint8_t *hdr = group_header(Q4_K, tb, b, tbb);
-        *d = vf_mul(vf_half(hdr), vf_u8(tb + 16 * TR));
-        *m = vf_mul(vf_half(hdr + 2 * TR), vf_mul(vf_u8(tb + 16 * TR + TR), vf_set1(-1.0f)));
+    if (qtype == Q4_K || qtype == Q5_K) {
+        const uint8_t *hdr = group_header(qtype, tb, b, tbb), *sc = tb + (qtype == Q4_K ? 16 : 32) * TR;
+        *d = vf_mul(vf_half(hdr), vf_u8(sc));
+        *m = vf_mul(vf_half(hdr + 2 * TR), vf_mul(vf_u8(sc + TR), vf_set1(-1.0f)));
         *d1 = *d;
         return;
     }
@@ -225,10 +285,10 @@ static inline void tile_scales(int qtype, const uint8_t *tb, int64_t b, int64_t 
         *m = vf_zero();
         return;
     }
-    const int qb = qtype == Q8_0 ? 32 : 16;
+    const int qb = q8_chunks(qtype) ? 32 : 16;
     *d = vf_half(tb + qb * TR);
     *d1 = *d;
-    if (qtype == Q4_1) *m = vf_half(tb + qb * TR + 2 * TR);
+    if (qtype == Q4_1 || qtype == Q5_1) *m = vf_half(tb + qb * TR + 2 * TR);
     else *m = vf_mul(*d, vf_set1(qtype == Q4_0 ? -8.0f : -q8_bias));
 }
 

@@ -161,6 +161,8 @@ static __attribute__((noinline)) void tile_q16a_one(int qtype, int qb, const uin
     case Q4_0: q16a_one(Q4_0, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q4_K: q16a_one(Q4_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q6_K: q16a_one(Q6_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case Q5_1: q16a_one(Q5_1, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case Q5_K: q16a_one(Q5_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     default: q16a_one(Q4_1, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     }
 }

@@ -91,7 +91,7 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
         vi w[8];  /* w[c]: the quants that meet dword c of an activation block */
         if (qtype == Q8_0) {
             for (int c = 0; c < 8; c++) w[c] = Q8_BIAS ? vi_xor(vi_load(tb + 64 * c), bias) : vi_load(tb + 64 * c);
-        } else if (qtype == Q6_K) {
+        } else if (q8_chunks(qtype)) {  /* Q6_K (signed), Q5_1 / Q5_K (0..31: unsigned as they are) */
             for (int c = 0; c < 8; c++) w[c] = vi_load(tb + 64 * c);
         } else {
             for (int c = 0; c < 4; c++) {
