@@ -209,8 +209,8 @@ def test_tile_kernels_from_another_source(tmp_path):
 def test_unsupported_shapes_and_types_are_errors():
     kernels = load_quant_kernels()
     w = torch.from_numpy(blocks(Q.Q4_K, 4, 256))
-    with pytest.raises(ValueError, match="GGML type 6 with 256 columns is not supported"):  # Q5_0
-        kernels.matmul(int(Q.Q5_0), w, 256, torch.zeros(1, 256), torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="GGML type 16 with 256 columns is not supported"):
+        kernels.matmul(int(Q.IQ2_XXS), w, 256, torch.zeros(1, 256), torch.zeros(1, 4))
     with pytest.raises(ValueError, match="GGML type 12 with 200 columns"):  # not a multiple of 256
         kernels.dequant_rows(int(Q.Q4_K), w, 200, torch.tensor([0]))
 

@@ -156,7 +156,8 @@ def _parse(path: Path, buffer: mmap.mmap) -> GGUFFile:
     alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
     data_start = round_up(cursor.pos, alignment)
     tensors = {}
-    for name, shape, qtype, rel_offset in table:
+    for name, shape, type_id, rel_offset in table:
+        qtype = _known_qtype(path, name, type_id)
         nbytes = _tensor_nbytes(path, name, shape, qtype)
         info = GGUFTensorInfo(name, shape, qtype, data_start + rel_offset, nbytes)
         if info.offset + info.nbytes > len(buffer):
@@ -168,17 +169,26 @@ def _parse(path: Path, buffer: mmap.mmap) -> GGUFFile:
     return GGUFFile(path, metadata, tensors)
 
 
-def _read_tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+def _read_tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
     name = cursor.read_str()
     dims = [cursor.read("<Q") for _ in range(cursor.read("<I"))]  # GGML order: innermost first
     type_id = cursor.read("<I")
+    return name, tuple(reversed(dims)), type_id, cursor.read("<Q")
+
+
+def _known_qtype(path: Path, name: str, type_id: int) -> GGMLQuantizationType:
+    """The tensor's type, if the gguf package knows its block layout (the loader then says
+    whether tokenbus runs it); a ValueError naming the tensor otherwise."""
     try:
         qtype = GGMLQuantizationType(type_id)
     except ValueError:
-        raise _FormatError(f"tensor {name} has unknown type id {type_id}") from None
-    if qtype not in GGML_QUANT_SIZES:
-        raise _FormatError(f"tensor {name} has type {qtype.name} of unknown size")
-    return name, tuple(reversed(dims)), qtype, cursor.read("<Q")
+        qtype = None
+    if qtype is None or qtype not in GGML_QUANT_SIZES:
+        raise ValueError(
+            f"{path}: tensor {name} has GGML type id {type_id}, unknown to the installed gguf "
+            "package (a type newer than it, or a damaged file): not supported"
+        )
+    return qtype
 
 
 def _tensor_nbytes(

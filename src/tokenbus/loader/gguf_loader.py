@@ -23,13 +23,18 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
     import torch  # metadata through this module, and its start-up is shorter without torch
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we load
-SUPPORTED_QTYPES = tuple(
-    GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K")
-)
-# Types model/native/quant_matmul.c runs on their blocks; the rest are dequantized on load.
+# Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
+# them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
+# attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants); the float types are dequantized on load.
 KERNEL_QTYPES = tuple(
-    GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K")
+    GGMLQuantizationType[name]
+    for name in (
+        *("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"),  # 32-value blocks
+        *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"),  # 256-value super-blocks
+    )
+)
+SUPPORTED_QTYPES = (
+    tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16")) + KERNEL_QTYPES
 )
 
 
@@ -91,6 +96,8 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         )
     if "token_embd.weight" not in gf.tensors:
         raise ValueError(f"{gf.path}: missing tensor token_embd.weight")
+    for info in gf.tensors.values():  # refused here, before any weight is read
+        check_qtype(gf, info)
     rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     return ModelArch(
         architecture=arch,
@@ -184,14 +191,20 @@ def iter_gguf_weights(
         )
 
 
-def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
-    """[numpy shape] fp32, writable (a fresh array, not a view of the file)."""
+def check_qtype(gf: GGUFFile, info: GGUFTensorInfo) -> None:
+    """A ValueError naming the tensor and its type unless tokenbus runs that type (the IQ1, IQ2
+    and IQ3 families, TQ1_0/TQ2_0, MXFP4 and the like are refused)."""
     if info.qtype not in SUPPORTED_QTYPES:
         supported = ", ".join(t.name for t in SUPPORTED_QTYPES)
         raise ValueError(
             f"{gf.path}: tensor {info.name} has unsupported type {info.qtype.name} "
             f"(supported: {supported})"
         )
+
+
+def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
+    """[numpy shape] fp32, writable (a fresh array, not a view of the file)."""
+    check_qtype(gf, info)
     weights = dequantize(gf.tensor_bytes(info), info.qtype)
     return weights if weights.flags.writeable else weights.copy()
 

@@ -16,6 +16,11 @@
    reorder the fp32 sums, so results match a dequantize-then-matmul reference to rounding, not
    bit for bit.
 
+   Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (32-value blocks); Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+   IQ4_XS (256-value super-blocks), each as ggml defines it (the gguf package's quants.py
+   dequantizes every one of them in numpy: the tests' reference). Where the CPU has AVX2 or
+   AVX-512, all but Q2_K, Q4_K and Q5_K skip the float buffer (the "SIMD" sections below).
+
    Also quant_dequant_rows: rows of W as fp32 (embedding lookups, GEMM tiles).
 */
 
@@ -23,9 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf_blocks.h"
 #include "kernels.h"
 
-#define QK_K 256
 #define MAX_M 64
 #define LANES 32  /* accumulator lanes per activation row: every block size is a multiple */
 
@@ -84,25 +89,14 @@ static void deq_q4_1(const uint8_t *b, float *y) {  /* d, m, qs[16] */
     }
 }
 
-/* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K block (12 packed bytes). */
-static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 static void deq_q4_k(const uint8_t *b, float *y) {  /* d, dmin, scales[12], qs[128] */
     const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
     for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, q += 32) {
-        int sc, m;
-        scale_min_k4(is, scales, &sc, &m);
+        uint8_t sc, m;
+        k4_scale_min(is, scales, &sc, &m);
         const float d1 = d * sc, m1 = dmin * m;
-        scale_min_k4(is + 1, scales, &sc, &m);
+        k4_scale_min(is + 1, scales, &sc, &m);
         const float d2 = d * sc, m2 = dmin * m;
         for (int l = 0; l < 32; l++) y[j + l] = d1 * (q[l] & 0xF) - m1;
         for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (q[l] >> 4) - m2;
@@ -114,10 +108,10 @@ static void deq_q5_k(const uint8_t *b, float *y) {  /* d, dmin, scales[12], qh[3
     const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
     uint8_t u1 = 1, u2 = 2;
     for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
-        int sc, m;
-        scale_min_k4(is, scales, &sc, &m);
+        uint8_t sc, m;
+        k4_scale_min(is, scales, &sc, &m);
         const float d1 = d * sc, m1 = dmin * m;
-        scale_min_k4(is + 1, scales, &sc, &m);
+        k4_scale_min(is + 1, scales, &sc, &m);
         const float d2 = d * sc, m2 = dmin * m;
         for (int l = 0; l < 32; l++) y[j + l] = d1 * ((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
         for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * ((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
@@ -158,6 +152,70 @@ static void deq_q2_k(const uint8_t *b, float *y) {  /* scales[16], qs[64], d, dm
     }
 }
 
+/* Q5_0, Q5_1: weight j's fifth bit is bit j of qh, a little-endian uint32 (ggml's block_q5_0,
+   block_q5_1); its low four bits are Q4_0's nibbles. */
+static void deq_q5_0(const uint8_t *b, float *y) {  /* d, qh[4], qs[16]: d * (q - 16) */
+    const float d = fp16_to_fp32(b);
+    const uint32_t qh = load_u32(b + 2);
+    const uint8_t *q = b + 6;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * ((int)((q[j] & 0xF) | ((qh >> j) & 1) << 4) - 16);
+        y[j + 16] = d * ((int)((q[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+    }
+}
+
+static void deq_q5_1(const uint8_t *b, float *y) {  /* d, m, qh[4], qs[16]: d * q + m */
+    const float d = fp16_to_fp32(b), m = fp16_to_fp32(b + 2);
+    const uint32_t qh = load_u32(b + 4);
+    const uint8_t *q = b + 8;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (int)((q[j] & 0xF) | ((qh >> j) & 1) << 4) + m;
+        y[j + 16] = d * (int)((q[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
+    }
+}
+
+static void deq_iq4_nl(const uint8_t *b, float *y) {  /* d, qs[16]: d * kvalues[nibble] */
+    const float d = fp16_to_fp32(b);
+    const uint8_t *q = b + 2;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * kvalues_iq4nl[q[j] & 0xF];
+        y[j + 16] = d * kvalues_iq4nl[q[j] >> 4];
+    }
+}
+
+static void deq_iq4_xs(const uint8_t *b, float *y) {  /* d, scales_h[2], scales_l[4], qs[128] */
+    const float d = fp16_to_fp32(b);
+    const uint8_t *q = b + 8;
+    for (int ib = 0; ib < QK_K / 32; ib++, q += 16, y += 32) {  /* 32-value sub-blocks */
+        const float dl = d * iq4_xs_scale(b, ib);
+        for (int j = 0; j < 16; j++) {
+            y[j] = dl * kvalues_iq4nl[q[j] & 0xF];
+            y[j + 16] = dl * kvalues_iq4nl[q[j] >> 4];
+        }
+    }
+}
+
+static void deq_q3_k(const uint8_t *b, float *y) {  /* hmask[32], qs[64], scales[12], d */
+    const uint8_t *hmask = b, *scales = b + 96;
+    const float d = fp16_to_fp32(b + 108);
+    float dl[16];
+    for (int i = 0; i < 16; i++) dl[i] = d * q3_k_scale(scales, i);
+    /* Value v = 128 h + 32 s + l (l < 32): 2 low bits at bit 2s of qs[32 h + l], the third at
+       bit 4h + s of hmask[l], set meaning +0 and clear -4 (q in [-4, 3]); sub-block v / 16.
+       Written as 32-value loops of constant shifts, which GCC vectorises (16-value loops, or a
+       separate pass for the scales, it did one value at a time). */
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++) {
+            const uint8_t *qs = b + 32 + 32 * h;
+            const int bit = 4 * h + s;
+            const float d0 = dl[8 * h + 2 * s], d1 = dl[8 * h + 2 * s + 1];
+            float *out = y + 128 * h + 32 * s;
+            for (int l = 0; l < 32; l++)
+                out[l] = (l < 16 ? d0 : d1) *
+                         (float)((int)((qs[l] >> (2 * s)) & 3) - (((hmask[l] >> bit) & 1) ^ 1) * 4);
+        }
+}
+
 typedef void (*dequant_fn)(const uint8_t *, float *);
 
 /* Block size in values and bytes, and the dequantizer, of a type; 0 if unsupported. */
@@ -170,6 +228,11 @@ static int block_info(int qtype, int *qk, int *bytes, dequant_fn *fn) {
     case Q4_K: *qk = QK_K; *bytes = 144; *fn = deq_q4_k; return 1;
     case Q5_K: *qk = QK_K; *bytes = 176; *fn = deq_q5_k; return 1;
     case Q6_K: *qk = QK_K; *bytes = 210; *fn = deq_q6_k; return 1;
+    case Q5_0: *qk = 32; *bytes = 22; *fn = deq_q5_0; return 1;
+    case Q5_1: *qk = 32; *bytes = 24; *fn = deq_q5_1; return 1;
+    case IQ4_NL: *qk = 32; *bytes = 18; *fn = deq_iq4_nl; return 1;
+    case Q3_K: *qk = QK_K; *bytes = 110; *fn = deq_q3_k; return 1;
+    case IQ4_XS: *qk = QK_K; *bytes = 136; *fn = deq_iq4_xs; return 1;
     default: return 0;
     }
 }
@@ -289,6 +352,179 @@ static void deq_32_simd(int qtype, const uint8_t *b, float *y) {
 }
 #endif
 
+#ifdef HAVE_SIMD
+/* ---------------------------------------------------------------- 32-value sub-blocks, SIMD
+   Q5_0, Q5_1 and IQ4_NL blocks, and the eight 32-value sub-blocks of a Q3_K, Q6_K or IQ4_XS
+   block, run as Q8_0's blocks do: 32 weights d * q_j + m, q_j unpacked to int8 with byte
+   shuffles (SSSE3, which every AVX2 and AVX-512 CPU has) and converted to floats once for all
+   M rows of x, with m * (sum of x) for Q5_1's min. The two 16-value halves of a Q3_K or Q6_K
+   sub-block have scales of their own: they are applied to the floats (d = 1). */
+static inline int is_sub32_type(int qtype) {
+    return qtype == Q5_0 || qtype == Q5_1 || qtype == IQ4_NL || qtype == Q3_K || qtype == Q6_K ||
+           qtype == IQ4_XS;
+}
+
+static inline __m128i load16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+
+static inline void nibbles16(const uint8_t *qs, __m128i *lo, __m128i *hi) {  /* weights 0-15, 16-31 */
+    const __m128i b = load16(qs), mask = _mm_set1_epi8(0xF);
+    *lo = _mm_and_si128(b, mask);
+    *hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+}
+
+/* Bits 0-15 of `bits` as 16 bytes, `value` where the bit is set and 0 where not. */
+static inline __m128i bits16(uint32_t bits, char value) {
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits), _mm_set_epi64x(0x0101010101010101LL, 0));
+    const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ULL);  /* byte k: 1 << k % 8 */
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(value));
+}
+
+/* Q3_K's quants 16 l .. 16 l + 15 of sub-block ib: 2 bits at 2 (ib % 4) of qs, minus 4 where
+   bit ib of hmask is clear. */
+static inline __m128i q3_k_quants16(const uint8_t *qs, const uint8_t *hmask, int ib) {
+    const __m128i low = _mm_and_si128(_mm_srl_epi16(load16(qs), _mm_cvtsi32_si128(2 * (ib % 4))), _mm_set1_epi8(3));
+    const __m128i bit = _mm_set1_epi8((char)(1 << ib));
+    const __m128i clear = _mm_cmpeq_epi8(_mm_and_si128(load16(hmask), bit), _mm_setzero_si128());
+    return _mm_sub_epi8(low, _mm_and_si128(clear, _mm_set1_epi8(4)));
+}
+
+/* Q6_K's quants 16 l .. 16 l + 15 of sub-block ib (of 8; 128 n + 32 g with n = ib / 4,
+   g = ib % 4): 4 low bits in the low (g < 2) or high nibbles of ql[64 n + 32 (g % 2) + l], 2
+   high bits at bit 2g of qh[32 n + l], offset by 32. */
+static inline __m128i q6_k_quants16(const uint8_t *ql, const uint8_t *qh, int ib) {
+    const int g = ib % 4;
+    const __m128i low = _mm_and_si128(_mm_srl_epi16(load16(ql), _mm_cvtsi32_si128(4 * (g / 2))), _mm_set1_epi8(0xF));
+    const __m128i high = _mm_and_si128(_mm_srl_epi16(load16(qh), _mm_cvtsi32_si128(2 * g)), _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+}
+
+/* 16 + 16 int8 quants (weights 0-15, 16-31) as two vectors of floats, as quants32 makes them. */
+static inline void int8_quants32(__m128i lo8, __m128i hi8, vec *lo, vec *hi) {
+#if defined(__AVX512F__)
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo8));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi8));
+#else
+    lo->a = cvt8(lo8, 1);
+    lo->b = cvt8(_mm_unpackhi_epi64(lo8, lo8), 1);
+    hi->a = cvt8(hi8, 1);
+    hi->b = cvt8(_mm_unpackhi_epi64(hi8, hi8), 1);
+#endif
+}
+
+/* Sub-block ib of block b (0 for the 32-value types): its 32 weights as d * (lo, hi) + m. */
+static inline void sub32_quants(int qtype, const uint8_t *b, int ib, vec *qlo, vec *qhi, float *d, float *m) {
+    __m128i lo, hi;
+    *m = 0.0f;
+    if (qtype == Q3_K) {  /* hmask[32], qs[64], scales[12], d */
+        const uint8_t *qs = b + 32 + 32 * (ib / 4);
+        const float d_all = fp16_to_fp32(b + 108);
+        int8_quants32(q3_k_quants16(qs, b, ib), q3_k_quants16(qs + 16, b + 16, ib), qlo, qhi);
+        *qlo = vfma_scalar(d_all * q3_k_scale(b + 96, 2 * ib), *qlo, vzero());
+        *qhi = vfma_scalar(d_all * q3_k_scale(b + 96, 2 * ib + 1), *qhi, vzero());
+        *d = 1.0f;
+        return;
+    }
+    if (qtype == Q6_K) {  /* ql[128], qh[64], int8 scales[16], d */
+        const int n = ib / 4;
+        const uint8_t *ql = b + 64 * n + 32 * (ib % 2), *qh = b + 128 + 32 * n;
+        const int8_t *sc = (const int8_t *)(b + 192) + 2 * ib;  /* 8 n + 2 g */
+        const float d_all = fp16_to_fp32(b + 208);
+        int8_quants32(q6_k_quants16(ql, qh, ib), q6_k_quants16(ql + 16, qh + 16, ib), qlo, qhi);
+        *qlo = vfma_scalar(d_all * sc[0], *qlo, vzero());
+        *qhi = vfma_scalar(d_all * sc[1], *qhi, vzero());
+        *d = 1.0f;
+        return;
+    }
+    *d = fp16_to_fp32(b);
+    if (qtype == Q5_0 || qtype == Q5_1) {
+        const int q5_1 = qtype == Q5_1;  /* Q5_1: d, m, qh, qs; Q5_0: d, qh, qs and m = -16 d */
+        const uint32_t qh = load_u32(b + 2 + 2 * q5_1);
+        nibbles16(b + 6 + 2 * q5_1, &lo, &hi);
+        const __m128i offset = _mm_set1_epi8(q5_1 ? 0 : 16);  /* Q5_0's as int8: q - 16 */
+        lo = _mm_sub_epi8(_mm_or_si128(lo, bits16(qh, 16)), offset);
+        hi = _mm_sub_epi8(_mm_or_si128(hi, bits16(qh >> 16, 16)), offset);
+        if (q5_1) *m = fp16_to_fp32(b + 2);
+    } else {  /* IQ4_NL, IQ4_XS: each nibble indexes kvalues_iq4nl */
+        const __m128i table = load16((const uint8_t *)kvalues_iq4nl);
+        nibbles16(qtype == IQ4_XS ? b + 8 + 16 * ib : b + 2, &lo, &hi);
+        lo = _mm_shuffle_epi8(table, lo);
+        hi = _mm_shuffle_epi8(table, hi);
+        if (qtype == IQ4_XS) *d *= iq4_xs_scale(b, ib);
+    }
+    int8_quants32(lo, hi, qlo, qhi);
+}
+
+/* Row n of W against M rows of x, per 32-value sub-block s; xsum[m * subs + s] = sum of
+   sub-block s of x's row m (Q5_1's only). Always inlined with a constant qtype, so each type's
+   loop is compiled on its own (with a run-time qtype GCC vectorised across m instead, 4-6x
+   slower at M = 1). */
+static inline __attribute__((always_inline)) void sub32_row(const int qtype, const int qk, int bytes,
+                                                            const uint8_t *row, int64_t blocks, const float *x,
+                                                            int64_t M, int64_t ldx, const float *xsum, float *y,
+                                                            int64_t ldy, int64_t n) {
+    vec acc[MAX_M];
+    float macc[MAX_M];
+    for (int64_t m = 0; m < M; m++) { acc[m] = vzero(); macc[m] = 0.0f; }
+    const int per_block = qk / 32;
+    const int64_t subs = blocks * per_block;
+    for (int64_t s = 0; s < subs; s++) {
+        float d, mn;
+        vec lo, hi;
+        sub32_quants(qtype, row + s / per_block * bytes, (int)(s % per_block), &lo, &hi, &d, &mn);
+        for (int64_t m = 0; m < M; m++) {
+            acc[m] = vfma_scalar(d, block_dot(lo, hi, x + m * ldx + s * 32), acc[m]);
+            if (qtype == Q5_1) macc[m] += mn * xsum[m * subs + s];
+        }
+    }
+    for (int64_t m = 0; m < M; m++) y[m * ldy + n] = vsum(acc[m]) + macc[m];
+}
+
+static void matmul_sub32_simd(int qtype, int bytes, const uint8_t *row, int64_t blocks, const float *x,
+                              int64_t M, int64_t ldx, const float *xsum, float *y, int64_t ldy, int64_t n) {
+    switch (qtype) {
+    case Q5_0: sub32_row(Q5_0, 32, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
+    case Q5_1: sub32_row(Q5_1, 32, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
+    case IQ4_NL: sub32_row(IQ4_NL, 32, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
+    case Q3_K: sub32_row(Q3_K, QK_K, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
+    case Q6_K: sub32_row(Q6_K, QK_K, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
+    default: sub32_row(IQ4_XS, QK_K, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
+    }
+}
+
+static void deq_sub32_simd(int qtype, int qk, const uint8_t *b, float *y) {
+    float q[32];
+    for (int ib = 0; ib < qk / 32; ib++, y += 32) {
+        float d, mn;
+        vec lo, hi;
+        sub32_quants(qtype, b, ib, &lo, &hi, &d, &mn);
+        vstore(q, lo);
+        vstore(q + 16, hi);
+        for (int j = 0; j < 32; j++) y[j] = d * q[j] + mn;
+    }
+}
+
+static int quant_matmul_sub32(int qtype, int qk, int bytes, const uint8_t *w, int64_t N, int64_t K,
+                              const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int num_threads) {
+    const int64_t blocks = K / qk, row_bytes = blocks * bytes, subs = K / 32;
+    float *xsum = NULL;
+    if (qtype == Q5_1) {  /* the only one with a min */
+        xsum = malloc(sizeof(float) * (size_t)(M * subs));
+        if (!xsum) return 3;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t s = 0; s < subs; s++) {
+                float sum = 0.0f;
+                for (int j = 0; j < 32; j++) sum += x[m * ldx + s * 32 + j];
+                xsum[m * subs + s] = sum;
+            }
+    }
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++)
+        matmul_sub32_simd(qtype, bytes, w + n * row_bytes, blocks, x, M, ldx, xsum, y, ldy, n);
+    free(xsum);
+    return 0;
+}
+#endif
+
 /* Rows of any supported W through its block dequantizer: sums in LANES lanes per activation
    row across the whole row of W (no horizontal add per block), added once at the end. */
 static void matmul_generic(int qk, int bytes, dequant_fn deq, const uint8_t *w, int64_t row_bytes,
@@ -323,6 +559,7 @@ int quant_matmul(int qtype, const uint8_t *w, int64_t N, int64_t K, const float 
     if (M > MAX_M) return 2;
     const int64_t blocks = K / qk, row_bytes = blocks * bytes;
 #ifdef HAVE_SIMD
+    if (is_sub32_type(qtype)) return quant_matmul_sub32(qtype, qk, bytes, w, N, K, x, M, ldx, y, ldy, num_threads);
     if (qk == 32 && qtype != Q2_K) {
         float *xsum = malloc(sizeof(float) * (size_t)(M * blocks));
         if (!xsum) return 3;
@@ -353,6 +590,14 @@ int quant_dequant_rows(int qtype, const uint8_t *w, int64_t K, const int64_t *ro
     if (!block_info(qtype, &qk, &bytes, &deq) || K % qk) return 1;
     const int64_t blocks = K / qk, row_bytes = blocks * bytes;
 #ifdef HAVE_SIMD
+    if (is_sub32_type(qtype)) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
+        for (int64_t i = 0; i < num_rows; i++) {
+            const uint8_t *row = w + rows[i] * row_bytes;
+            for (int64_t blk = 0; blk < blocks; blk++) deq_sub32_simd(qtype, qk, row + blk * bytes, out + i * K + blk * qk);
+        }
+        return 0;
+    }
     if (qk == 32) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
         for (int64_t i = 0; i < num_rows; i++) {

@@ -1,0 +1,232 @@
+"""Every GGUF quant type in common use, per tensor as llama.cpp's recipes mix them: the block
+kernels against the gguf package's numpy dequantizers, each type through a model, a Q4_K_M-like
+mixed file against HF transformers (which dequantizes it with the same gguf.quants), and types
+we do not run refused at load with the tensor named."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy, load_hf
+from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.fixtures.tiny_models import (
+    GGUF_QTYPES,
+    RANDOM_BLOCK_TYPES,
+    cached_tiny_model,
+    random_k_quant_blocks,
+    write_gguf,
+)
+from tests.model.test_quantized import _logits, kernels_for
+
+from tokenbus import SamplingParams
+from tokenbus.loader import iter_weights, load_arch, resolve_model
+from tokenbus.loader.gguf_file import read_gguf
+from tokenbus.loader.gguf_loader import KERNEL_QTYPES, QuantizedWeight
+from tokenbus.model.layers import Linear
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler: the quantized kernels cannot be built here",
+)
+BLOCK_TYPES = [Q[name] for name in GGUF_QTYPES if name not in ("F32", "F16", "BF16")]
+# Shapes where no dimension is a round number of tiles: N not a multiple of 16, K = 896
+# (Qwen2.5-0.5B's hidden size, which llama.cpp stores in 32-value types since 896 % 256 != 0).
+SHAPES = {32: ((37, 896), (5, 96)), 256: ((37, 768), (5, 256))}  # block size -> (N, K)
+
+
+def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row bytes]: gguf.quants' own quantization where it has one (Q8_0, Q4_*,
+    Q5_*), else valid random blocks (K-quants, IQ4_NL, IQ4_XS: random quants, sane scales)."""
+    if qtype.name in RANDOM_BLOCK_TYPES:
+        return random_k_quant_blocks(qtype.name, rows, cols, seed)
+    data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    return gguf.quants.quantize(data, qtype)
+
+
+def test_types_match_the_loader():
+    """The kernel types here are the loader's, and gguf.quants quantizes every type the fixture
+    does not build from random blocks (so each type has a real reference)."""
+    assert set(BLOCK_TYPES) == set(KERNEL_QTYPES)
+    for qtype in BLOCK_TYPES:
+        if qtype.name not in RANDOM_BLOCK_TYPES:
+            gguf.quants.quantize(np.ones((1, 32), np.float32), qtype)
+
+
+@pytest.mark.parametrize("cap", ["native", "avx512", "avx2", "baseline"])
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_kernels_equal_gguf_dequantize(qtype, cap):
+    """dequant_rows gives gguf.quants' values exactly (every product of a block's scales and
+    quants is exact in fp32); matmul gives dequantize-then-matmul within 1e-5 of the sum of
+    |x * w| (fp32 sums in another order: ~sqrt(K) roundings of 6e-8), for M = 1, 3, 17, 64."""
+    kernels = kernels_for(cap)
+    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+    for rows, cols in SHAPES[block_size]:
+        w = blocks(qtype, rows, cols, seed=rows)
+        dense = torch.from_numpy(gguf.quants.dequantize(w, qtype).astype(np.float32))
+        assert dense.isfinite().all() and dense.abs().max() > 0
+        ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2])
+        got = kernels.dequant_rows(int(qtype), torch.from_numpy(w), cols, ids)
+        assert torch.equal(got, dense[ids])
+        for m in (1, 3, 17, 64):
+            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+            out = torch.full((m, rows + 3), float("nan"))[:, 1 : rows + 1]  # a column slice
+            kernels.matmul(int(qtype), torch.from_numpy(w), cols, x, out)
+            want = x.double() @ dense.double().T
+            bound = 1e-5 * (x.double().abs() @ dense.double().abs().T) + 1e-30
+            assert ((out.double() - want).abs() <= bound).all(), (qtype.name, cap, m)
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q3_K, Q.Q6_K, Q.IQ4_XS], ids=lambda t: t.name
+)
+def test_shuffle_path_is_row_local_and_thread_count_free(qtype):
+    """The types unpacked with byte shuffles (quant_matmul.c's 32-value sub-blocks): each
+    output is one thread's sum over its row of W, for each row of x on its own, so the same
+    bits whatever else is in the batch and however many threads share the call."""
+    kernels = kernels_for("native")
+    rows, cols = 45, 768 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 896
+    w = torch.from_numpy(blocks(qtype, rows, cols, seed=1))
+    x = torch.randn(17, cols, generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads, m in ((1, 17), (2, 17), (3, 3)):
+            torch.set_num_threads(threads)
+            out = torch.empty(m, rows)
+            kernels.matmul(int(qtype), w, cols, x[:m], out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0][:3], outs[2])
+
+
+@pytest.mark.parametrize("qtype", GGUF_QTYPES)
+def test_each_type_loads_and_runs_as_its_dequantized_model(tmp_path, qtype):
+    """A model whose matrices are all of one type (embedding and LM head too): block types are
+    kept in their blocks and run by the kernels, float types dequantized; either way the
+    logits equal those of the model dequantized by gguf.quants on load."""
+    hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512, vocab_size=2048)
+    src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
+    weights = dict(iter_weights(src, load_arch(src), keep_quantized=True))
+    embedding = weights["model.embed_tokens.weight"]
+    assert isinstance(embedding, QuantizedWeight) == (Q[qtype] in KERNEL_QTYPES)
+    quantized, model = _logits(src, "gguf")
+    if Q[qtype] in KERNEL_QTYPES:
+        assert {m.backend for m in model.modules() if isinstance(m, Linear)} == {"gguf"}
+        assert model.embed_quantized is not None
+    dequantized, _ = _logits(src, "none")
+    error = ((quantized - dequantized).norm() / dequantized.norm()).item()
+    assert error < 1e-4  # int16 activations on tiled types (Q8_0, Q4_*), fp32 on the rest
+
+
+# llama.cpp's Q4_K_M recipe on a model whose rows fit K-quants: Q4_K, with Q6_K for the output
+# and attn_v / ffn_down of some layers. Layer 1 takes the types the recipes fall back to (Q5_0,
+# Q5_1, IQ4_NL, Q8_0 where a row is not a multiple of 256) and those of Q3_K_M and imatrix
+# quants (Q3_K, IQ4_XS), so one fused linear mixes per-row types and tiled ones.
+MIXED_RECIPE = {
+    "token_embd": "Q5_0",
+    "output": "Q6_K",
+    "blk.0.attn_v": "Q6_K",
+    "blk.0.ffn_down": "Q6_K",
+    "blk.1.attn_q": "Q3_K",
+    "blk.1.attn_k": "IQ4_XS",
+    "blk.1.attn_v": "Q8_0",
+    "blk.1.attn_output": "IQ4_NL",
+    "blk.1.ffn_gate": "Q5_1",
+    "blk.1.ffn_up": "Q5_K",
+    "blk.1.ffn_down": "Q5_0",
+}
+
+
+def mixed_qtype(gguf_name: str) -> str:
+    return MIXED_RECIPE.get(gguf_name.removesuffix(".weight"), "Q4_K")
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512)
+    return write_gguf(hf_dir, tmp_path_factory.mktemp("mixed") / "q4_k_m.gguf", mixed_qtype)
+
+
+@pytest.mark.parametrize("quant_activations", ["fp32", "auto"])
+def test_mixed_type_gguf_greedy_matches_transformers(mixed_gguf, quant_activations):
+    """HF transformers loads the same file through gguf.quants' dequantizers, so the only
+    difference left is our kernels (K/V kept in fp32: auto would store fp16 for a GGUF model).
+    With fp32 activations the greedy tokens are HF's and so are their logprobs, to 1e-4; under
+    auto (int16 or, from 32 rows where the CPU has a bf16 engine, bf16 activations on the
+    tiled Q8_0 shard) a first difference is allowed at a near tie."""
+    types = {info.qtype.name for info in read_gguf(mixed_gguf).tensors.values()}
+    assert types == {*MIXED_RECIPE.values(), "Q4_K", "F32"}
+    hf = load_hf(str(mixed_gguf.parent), mixed_gguf.name)
+    prompts = random_prompts(4, 3, 40, seed=3)
+    llm = make_llm(
+        mixed_gguf, dtype="float32", kv_cache_dtype="float32", quant_activations=quant_activations
+    )
+    try:
+        model = llm.engine.client.engine_core.executor.worker.model
+        assert {m.backend for m in model.modules() if isinstance(m, Linear)} == {"gguf"}
+        params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=5)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for out, prompt in zip(outputs, prompts):
+            got, want = out.outputs[0], hf_greedy(hf, prompt, 16)
+            if quant_activations != "fp32":
+                assert_same_or_near_tie(got.token_ids, want, got.logprobs)
+                continue
+            assert got.token_ids == want
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + want])).logits[0, len(prompt) - 1 : -1]
+            hf_logprobs = logits.float().log_softmax(-1).gather(1, torch.tensor(want)[:, None])
+            ours = torch.tensor([lp[t].logprob for t, lp in zip(want, got.logprobs)])
+            torch.testing.assert_close(ours, hf_logprobs.squeeze(1), rtol=0, atol=1e-4)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.MXFP4],
+    ids=lambda t: t.name,
+)
+def test_unsupported_types_are_refused_with_the_tensor_named(tmp_path, qtype):
+    hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512, vocab_size=1024)
+    target = "blk.1.ffn_up.weight"
+    path = write_gguf(
+        hf_dir,
+        tmp_path / "m.gguf",
+        lambda name: qtype.name if name == target else "Q8_0",
+        with_tokenizer=False,
+    )
+    with pytest.raises(ValueError, match=f"tensor {target} has unsupported type {qtype.name}"):
+        load_arch(resolve_model(str(path)))  # the metadata read that starts every load
+
+
+def test_unsupported_type_refused_by_llm_before_the_engine_starts(tmp_path):
+    path = write_gguf(
+        cached_tiny_model("llama"),
+        tmp_path / "m.gguf",
+        lambda name: "MXFP4" if name == "blk.0.attn_k.weight" else "Q8_0",
+    )
+    with pytest.raises(ValueError, match="tensor blk.0.attn_k.weight has unsupported type MXFP4"):
+        make_llm(path)
+
+
+def test_unknown_type_id_is_refused_with_the_tensor_named(tmp_path):
+    """A type id newer than the installed gguf package (patched into a valid file's header)."""
+    path = write_gguf(cached_tiny_model("llama"), tmp_path / "m.gguf", "Q8_0", with_tokenizer=False)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_k.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    num_dims = int.from_bytes(data[at : at + 4], "little")
+    type_at = at + 4 + 8 * num_dims
+    assert int.from_bytes(data[type_at : type_at + 4], "little") == Q.Q8_0
+    data[type_at : type_at + 4] = (250).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="tensor blk.0.attn_k.weight has GGML type id 250"):
+        load_arch(resolve_model(str(path)))
