@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-from tests.model.test_quantized import DETECTED, TILE_BYTES, TILE_TYPES, _logits, blocks
+from tests.model.test_quantized import (
+    DETECTED,
+    SUPER_BLOCK_TYPES,
+    TILE_TYPES,
+    _logits,
+    blocks,
+)
 
 from tokenbus.loader import resolve_model
 from tokenbus.model.layers import Linear
@@ -54,7 +60,7 @@ def test_bf16_kernel_equals_bf16_rounded_reference(qtype, engine):
     kernels = bf16_kernels(engine)
     # odd/even tile counts, partial tiles, 48 blocks (K-quants: rows of whole 256-value blocks)
     shapes = ((200, 576), (64, 128), (16, 64), (7, 1536))
-    if qtype in TILE_BYTES:
+    if qtype in SUPER_BLOCK_TYPES:
         shapes = ((200, 768), (64, 256), (16, 256), (7, 1536))
     for rows, cols in shapes:
         w = blocks(qtype, rows, cols, seed=rows)
@@ -77,7 +83,7 @@ def test_bf16_kernel_equals_bf16_rounded_reference(qtype, engine):
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
             wide = torch.full((m, rows + 3), float("nan"))
             out = wide[:, 1 : rows + 1]  # a column slice, like fused q/k/v
-            kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, "bf16")
+            kernels.tile_matmul(kernels.tile_format(int(qtype)), tiles, rows, cols, x, out, "bf16")
             want = x.bfloat16().float() @ dense.bfloat16().float().T  # fp32 sums of bf16 products
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
             # nothing else written

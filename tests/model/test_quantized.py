@@ -39,7 +39,7 @@ DETECTED = CpuFeatures.detect()
 
 
 def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    if qtype.name in ("Q8_0", "Q4_0", "Q4_1"):
+    if qtype.name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
         return gguf.quants.quantize(data, qtype)
     return random_k_quant_blocks(qtype.name, rows, cols, seed)
@@ -79,11 +79,25 @@ def test_kernel_equals_dequantize_then_matmul(qtype, cap):
             )
 
 
-TILE_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
-# Tile bytes per GGUF byte: the 32-value types keep their bytes; Q4_K adds its 6-bit scales and
-# mins as bytes, Q6_K its 6-bit quants as bytes (quant_tiles.c's Repacking).
-# Bytes per 256 values of a row: (in the GGUF file, in tiles).
-TILE_BYTES = {Q.Q4_K: (144, 148), Q.Q6_K: (210, 274)}
+TILE_TYPES = [
+    *(Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL),
+    *(Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS),
+]
+# Bytes per 256 values of a row, (in the GGUF file, in tiles), where they differ: Q4_K keeps its
+# 6-bit scales and mins as bytes, the other types widen their quants to bytes (quant_tiles.c's
+# Repacking; docs/cpu.md).
+TILE_BYTES = {
+    Q.Q5_0: (176, 272),
+    Q.Q5_1: (192, 288),
+    Q.IQ4_NL: (144, 272),
+    Q.Q3_K: (110, 274),
+    Q.Q4_K: (144, 148),
+    Q.Q5_K: (176, 276),
+    Q.Q6_K: (210, 274),
+    Q.IQ4_XS: (136, 274),
+}
+# Types in 256-value super-blocks: rows of whole ones.
+SUPER_BLOCK_TYPES = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 
 
 def rounded(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -106,19 +120,20 @@ def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
     whatever else is in the batch."""
     kernels = kernels_for(cap)
     assert kernels.tiles(int(qtype)), f"no tiled kernels on {DETECTED.describe()} capped to {cap}"
-    shapes = ((40, 256), (7, 512), (64, 96)) if qtype not in TILE_BYTES else ((40, 256), (7, 512))
+    shapes = (
+        ((40, 256), (7, 512)) if qtype in SUPER_BLOCK_TYPES else ((40, 256), (7, 512), (64, 96))
+    )
+    fmt = kernels.tile_format(int(qtype))  # what the tile kernels take
     for rows, cols in shapes:
         w = torch.from_numpy(blocks(qtype, rows, cols, seed=rows))
         dense = kernels.dequant_rows(int(qtype), w, cols, torch.arange(rows))
         tiles = kernels.repack_tiles(int(qtype), w, cols)
         gguf_bytes, tile_bytes = TILE_BYTES.get(qtype, (1, 1))
-        assert tiles.numel() == -(-rows // 16) * 16 * w.shape[1] // gguf_bytes * tile_bytes
+        assert tiles.numel() == -(-rows // 16) * 16 * w.shape[1] * tile_bytes // gguf_bytes
         ids = torch.tensor([rows - 1, 0, 3, 3])
-        assert torch.equal(
-            kernels.tile_dequant_rows(int(qtype), tiles, rows, cols, ids), dense[ids]
-        )
+        assert torch.equal(kernels.tile_dequant_rows(fmt, tiles, rows, cols, ids), dense[ids])
         weight_t = torch.full((cols, tiles.shape[0] * 16 + 5), float("nan"))[:, 2:-3]  # row-strided
-        kernels.tile_dequant_t(int(qtype), tiles, rows, cols, 0, weight_t)
+        kernels.tile_dequant_t(fmt, tiles, rows, cols, 0, weight_t)
         assert torch.equal(weight_t[:, :rows], dense.T) and not weight_t[:, rows:].any()
         outs = {}
         for m in (1, 5, 16, 64, 150):
@@ -134,7 +149,7 @@ def test_tiled_kernels_equal_dequantize_then_matmul(qtype, cap):
                 if activations == "fp32" and m > 64:
                     continue
                 out = torch.full((m, rows + 3), float("nan"))[:, 1 : rows + 1]  # a column slice
-                kernels.tile_matmul(int(qtype), tiles, rows, cols, x, out, activations)
+                kernels.tile_matmul(fmt, tiles, rows, cols, x, out, activations)
                 torch.testing.assert_close(out, want, rtol=1e-4, atol=scale * x.abs().max().item())
                 # The previous (smaller) call's rows, here among more: one row goes alone, int16 4
                 # rows at a time, int8 on Q4 without VNNI 4 at a time from 8 rows (tile_q4a).
