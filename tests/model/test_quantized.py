@@ -83,18 +83,14 @@ TILE_TYPES = [
     *(Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL),
     *(Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS),
 ]
-# Bytes per 256 values of a row, (in the GGUF file, in tiles), where they differ: Q4_K keeps its
-# 6-bit scales and mins as bytes, the other types widen their quants to bytes (quant_tiles.c's
-# Repacking; docs/cpu.md).
+# Bytes per 256 values of a row, (in the GGUF file, in tiles), where they differ: the K-quants'
+# 6-bit sub-block scales become bytes, and Q3_K takes Q6_K's format (quant_tiles.c's Repacking;
+# docs/cpu.md).
 TILE_BYTES = {
-    Q.Q5_0: (176, 272),
-    Q.Q5_1: (192, 288),
-    Q.IQ4_NL: (144, 272),
-    Q.Q3_K: (110, 274),
+    Q.Q3_K: (110, 210),
     Q.Q4_K: (144, 148),
-    Q.Q5_K: (176, 276),
-    Q.Q6_K: (210, 274),
-    Q.IQ4_XS: (136, 274),
+    Q.Q5_K: (176, 180),
+    Q.IQ4_XS: (136, 138),
 }
 # Types in 256-value super-blocks: rows of whole ones.
 SUPER_BLOCK_TYPES = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)

@@ -43,48 +43,65 @@
 #define MAX_M 64   /* activation rows per call (QUANT_MAX_ROWS) */
 
 
-/* A tiled type's layout (tile_layout below). */
+/* A tile format's layout. */
 typedef struct {
-    int qb;          /* bytes of one row's quants in a tile-block: 16 (4-bit) or 32 (8-bit) */
-    int has_min;     /* Q4_1 (fp16 mins) and Q4_K (6-bit mins): value = d q + m */
-    int split;       /* Q6_K: two scales per tile-block, values 0-15 and 16-31 */
+    int qb;          /* bytes of one row's quants in a tile-block: 16 (4-bit), 20 or 24 (planes), 32 */
     int64_t tbb;     /* bytes of a tile-block */
     int64_t header;  /* bytes of a K-quant group's header (0: 32-value types, no groups) */
 } tile_type;
 
-/* 0 if not tiled. */
+/* 0 if not a tile format. */
 static int tile_info(int qtype, tile_type *tt) {
     switch (qtype) {
-    case Q8_0: *tt = (tile_type){32, 0, 0, TR * 34, 0}; return 1;
-    case Q4_0: *tt = (tile_type){16, 0, 0, TR * 18, 0}; return 1;
-    case Q4_1: *tt = (tile_type){16, 1, 0, TR * 20, 0}; return 1;
-    case Q5_1: *tt = (tile_type){32, 1, 0, TR * 36, 0}; return 1;
-    case Q4_K: *tt = (tile_type){16, 1, 0, TR * 18, 2 * TR * 2}; return 1;
-    case Q5_K: *tt = (tile_type){32, 1, 0, TR * 34, 2 * TR * 2}; return 1;
-    case Q6_K: *tt = (tile_type){32, 0, 1, TR * 34, TR * 2}; return 1;
+    case Q8_0: *tt = (tile_type){32, TR * 34, 0}; return 1;
+    case Q4_0: case IQ4_NL: *tt = (tile_type){16, TR * 18, 0}; return 1;
+    case Q4_1: *tt = (tile_type){16, TR * 20, 0}; return 1;
+    case Q5_0: *tt = (tile_type){20, TR * 22, 0}; return 1;
+    case Q5_1: *tt = (tile_type){20, TR * 24, 0}; return 1;
+    case Q4_K: *tt = (tile_type){16, TR * 18, 2 * TR * 2}; return 1;
+    case Q5_K: *tt = (tile_type){20, TR * 22, 2 * TR * 2}; return 1;
+    case Q6_K: *tt = (tile_type){24, TR * 26, TR * 2}; return 1;
+    case IQ4_XS: *tt = (tile_type){16, TR * 17, TR * 2}; return 1;
     default: return 0;
     }
 }
 
-/* The tile format a GGUF type is repacked into: its own, or, for a type whose values another
-   format holds exactly, that one (Q5_0 and IQ4_NL: int8 values and an fp16 scale per 32, as
-   Q8_0; Q3_K and IQ4_XS: int8 values, int8 scales and a super-block fp16 scale, as Q6_K).
-   -1: not tiled. */
+/* Bytes of one row's quants in a tile-block of this format. */
+static inline int quant_bytes(int qtype) {
+    switch (qtype) {
+    case Q8_0: return 32;
+    case Q5_0: case Q5_1: case Q5_K: return 20;
+    case Q6_K: return 24;
+    default: return 16;
+    }
+}
+
+/* The tile format a GGUF type is repacked into: its own, but Q3_K's (6-bit values, int8 scales
+   per 16 and a super-block fp16 scale, as Q6_K: its values exactly). -1: not tiled. */
 int tile_format(int qtype) {
     switch (qtype) {
-    case Q8_0: case Q4_0: case Q4_1: case Q5_1: case Q4_K: case Q5_K: case Q6_K: return qtype;
-    case Q5_0: case IQ4_NL: return Q8_0;
-    case Q3_K: case IQ4_XS: return Q6_K;
+    case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case IQ4_NL:
+    case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return qtype;
+    case Q3_K: return Q6_K;
     default: return -1;
     }
 }
 
-/* 8-bit quants: chunks of bytes (Q8_0, Q6_K: signed; Q5_1, Q5_K: 0-31); else nibbles. */
-static inline int q8_chunks(int qtype) { return qtype == Q8_0 || qtype == Q6_K || qtype == Q5_1 || qtype == Q5_K; }
+/* Quants the kernels take as chunks of bytes (q8_chunk), all but Q4_0 / Q4_1 / Q4_K's nibbles
+   (which their kernels take as nibbles): Q8_0's bytes, the 5- and 6-bit types' planes, the IQ4
+   types' nibbles through their table. */
+static inline int q8_chunks(int qtype) { return qtype != Q4_0 && qtype != Q4_1 && qtype != Q4_K; }
+
+/* Signed bytes with one scale per tile-block (under int8 activations: biased by 128 on VNNI,
+   their sign moved onto x otherwise). */
+static inline int signed_bytes(int qtype) { return qtype == Q8_0 || qtype == IQ4_NL || qtype == IQ4_XS; }
+
+/* Two scales per tile-block, for values 0-15 and 16-31. */
+static inline int split_scales(int qtype) { return qtype == Q6_K; }
 
 /* K-quant formats: tile-blocks in groups of 8 behind a header. */
 static inline int64_t group_header_bytes(int qtype) {
-    return qtype == Q4_K || qtype == Q5_K ? 2 * TR * 2 : qtype == Q6_K ? TR * 2 : 0;
+    return qtype == Q4_K || qtype == Q5_K ? 2 * TR * 2 : qtype == Q6_K || qtype == IQ4_XS ? TR * 2 : 0;
 }
 
 /* K-quants: a group of QK_GROUP tile-blocks (one 256-value super-block) shares a header. */
@@ -122,26 +139,41 @@ static inline const uint8_t *group_header(int qtype, const uint8_t *tb, int64_t 
     return tb - b % QK_GROUP * tbb - group_header_bytes(qtype);
 }
 
-/* ---- Repacking. 32-value types keep their bytes: per tile-block, chunk c is 16 rows x 4 bytes,
-   row r's being bytes [4c, 4c + 4) of that row's GGUF quants (for Q4: the low nibbles are
-   values 4c..4c+3, the high ones 16+4c..16+4c+3; for Q8_0 the bytes are values 4c..4c+3), then
-   d[16] (fp16 scales, row r at 2r) and for Q4_1 m[16] (fp16 mins).
-   K-quants are rearranged into that form, each 32-value sub-block a tile-block, their scales kept
-   exact (as ggml computes them, d * sc in fp32 at run time):
-     Q4_K: quants as Q4_0's (byte i: value i, value 16 + i); sc[16], m[16] the rows' 6-bit scale and
-           min of the sub-block (u8); group header d[16], dmin[16] (fp16). Value = d sc q - dmin m.
-     Q6_K: quants as Q8_0's, q - 32 (int8); sc0[16], sc1[16] the rows' int8 scales of values 0-15
-           and 16-31; group header d[16] (fp16). Value = d sc (q - 32).
-   Bytes per 256 values and row: Q4_K 148 (GGUF 144), Q6_K 274 (GGUF 210: 6-bit quants as bytes). */
+/* ---- Repacking. Per tile-block, chunk c is 16 rows x 4 bytes, row r's being bytes [4c, 4c + 4)
+   of its quants, then the block's scales (each row's at r). The quants, by format:
+     Q8_0               the file's int8 bytes (chunk c: values 4c..4c+3)
+     Q4_0, Q4_1, Q4_K   nibbles, 16 bytes a row (byte i: value i low, value 16 + i high)
+     IQ4_NL, IQ4_XS     the same nibbles, which index the IQ4 table
+     Q5_0, Q5_1, Q5_K   those nibbles, then a plane of 4 bytes a row laid out as a Q8_0 chunk:
+                        bit c of the byte of value 4c + i is that value's fifth bit
+     Q6_K (and Q3_K)    nibbles of q + 32 (0..63), then two such planes of its top 2 bits: value
+                        4c + i's in bits 2 (c % 4) of plane c / 4
+   and the scales: fp16 d (Q8_0, Q4_0, Q5_0, IQ4_NL) and m (Q4_1, Q5_1); the K-quants' sub-block
+   scales as bytes (Q4_K, Q5_K: 6-bit scale and min; Q6_K: int8 scales of values 0-15 and 16-31;
+   IQ4_XS: its int8 scale) with the super-block's fp16 d (and dmin) in a header per 8
+   tile-blocks. The K-quants' values are d sc q (- dmin m), multiplied out in fp32 at run time
+   as ggml's dequantization does. Bytes per 256 values and row: the file's for the 32-value
+   types; Q4_K 148 (144), Q5_K 180 (176), Q6_K 210 (210), IQ4_XS 138 (136), Q3_K 210 (110). */
 
-/* Row r's 32 values q of a tile-block: bytes for the 8-bit formats, else nibbles. */
+/* Row r's 32 values q of a tile-block (Q6_K: -32..31; IQ4: table indices 0..15), as the
+   format keeps them. */
 static void put_values(int fmt, uint8_t *tb, int r, const int8_t *q) {
-    if (q8_chunks(fmt)) {
+    if (fmt == Q8_0) {
         for (int c = 0; c < 8; c++) memcpy(tb + c * 64 + r * 4, q + 4 * c, 4);
         return;
     }
+    const int planes = fmt == Q6_K ? 2 : fmt == Q5_0 || fmt == Q5_1 || fmt == Q5_K ? 1 : 0;
+    int8_t low[32];
+    for (int k = 0; k < 32; k++) {
+        const int u = fmt == Q6_K ? q[k] + 32 : q[k];
+        low[k] = (int8_t)(u & 0xF);
+        if (planes) {  /* chunk k / 4's bits, at byte k % 4 of row r's 4 */
+            uint8_t *h = tb + 256 + 64 * (planes == 2 ? k / 16 : 0) + r * 4 + k % 4;
+            *h = (uint8_t)(*h | (u >> 4) << (planes == 2 ? 2 * (k / 4 % 4) : k / 4));
+        }
+    }
     uint8_t bytes[16];
-    for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)((q[i] & 0xF) | (q[i + 16] << 4));
+    for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)(low[i] | (low[i + 16] << 4));
     for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, bytes + 4 * c, 4);
 }
 
@@ -163,30 +195,19 @@ static int source_block(int qtype, int *values, int *bytes) {
     }
 }
 
-/* Row r of one 32-value GGUF block (src) into tile-block tb of format fmt. */
-static void repack_block32(int qtype, int fmt, const uint8_t *src, uint8_t *tb, int r) {
-    int8_t q[32];
-    const int qb = q8_chunks(fmt) ? 32 : 16;
-    switch (qtype) {
-    case Q8_0: case Q4_0: case Q4_1:  /* the file's bytes */
-        for (int c = 0; c < qb / 4; c++) memcpy(tb + c * 64 + r * 4, src + (qtype == Q4_1 ? 4 : 2) + 4 * c, 4);
-        memcpy(tb + qb * TR + 2 * r, src, 2);
-        if (qtype == Q4_1) memcpy(tb + qb * TR + 2 * TR + 2 * r, src + 2, 2);
-        return;
-    case Q5_0:  /* d (q - 16) */
-        q5_values(src + 2, src + 6, q);
-        for (int j = 0; j < 32; j++) q[j] = (int8_t)(q[j] - 16);
-        break;
-    case Q5_1:  /* d q + m */
-        q5_values(src + 4, src + 8, q);
-        memcpy(tb + qb * TR + 2 * TR + 2 * r, src + 2, 2);
-        break;
-    default:  /* IQ4_NL: d kvalues[q] */
-        iq4_values(src + 2, q);
-        break;
+/* Row r of one 32-value GGUF block (src) into tile-block tb (of the same format). */
+static void repack_block32(int qtype, const uint8_t *src, uint8_t *tb, int r) {
+    const int qb = quant_bytes(qtype);
+    if (qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1 || qtype == IQ4_NL) {  /* the file's bytes */
+        const int qoff = qtype == Q4_1 ? 4 : 2;
+        for (int c = 0; c < qb / 4; c++) memcpy(tb + c * 64 + r * 4, src + qoff + 4 * c, 4);
+    } else {  /* Q5_0, Q5_1: d, (m,) qh[4], qs[16] */
+        int8_t q[32];
+        q5_values(src + (qtype == Q5_1 ? 4 : 2), src + (qtype == Q5_1 ? 8 : 6), q);
+        put_values(qtype, tb, r, q);
     }
-    put_values(fmt, tb, r, q);
     memcpy(tb + qb * TR + 2 * r, src, 2);
+    if (qtype == Q4_1 || qtype == Q5_1) memcpy(tb + qb * TR + 2 * TR + 2 * r, src + 2, 2);
 }
 
 /* Row r of one 256-value GGUF super-block (src) into tile t's group s of format fmt. */
@@ -201,7 +222,7 @@ static void repack_super(int qtype, int fmt, const uint8_t *src, uint8_t *out, i
         memcpy(hdr + 2 * TR + 2 * r, src + 2, 2);
         for (int j = 0; j < QK_GROUP; j++) {
             uint8_t *tb = tile_block(fmt, out, t, s * QK_GROUP + j, blocks, tbb);
-            const int qb = qtype == Q4_K ? 16 : 32;
+            const int qb = quant_bytes(fmt);
             k_sub_values(qtype == Q4_K ? src + 16 : src + 48, qtype == Q4_K ? NULL : src + 16, j, q);
             put_values(fmt, tb, r, q);
             k4_scale_min(j, src + 4, tb + qb * TR + r, tb + qb * TR + TR + r);
@@ -217,19 +238,20 @@ static void repack_super(int qtype, int fmt, const uint8_t *src, uint8_t *out, i
         for (int i = 0; i < 16; i++) scales[i] = q3_k_scale(src + 96, i);
         memcpy(hdr + 2 * r, src + 108, 2);
         break;
-    default:  /* IQ4_XS: d, scales_h, scales_l[4], qs[128]; one scale per 32 values */
-        for (int j = 0; j < QK_GROUP; j++) {
-            iq4_values(src + 8 + 16 * j, q + 32 * j);
-            scales[2 * j] = scales[2 * j + 1] = iq4_xs_scale(src, j);
-        }
+    default:  /* IQ4_XS: d, scales_h, scales_l[4], qs[128] (the file's nibbles); a scale per 32 */
         memcpy(hdr + 2 * r, src, 2);
-        break;
+        for (int j = 0; j < QK_GROUP; j++) {
+            uint8_t *tb = tile_block(fmt, out, t, s * QK_GROUP + j, blocks, tbb);
+            for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, src + 8 + 16 * j + 4 * c, 4);
+            tb[16 * TR + r] = (uint8_t)(int8_t)iq4_xs_scale(src, j);
+        }
+        return;
     }
-    for (int j = 0; j < QK_GROUP; j++) {  /* the Q6_K format: bytes, two int8 scales */
+    for (int j = 0; j < QK_GROUP; j++) {  /* Q6_K's format */
         uint8_t *tb = tile_block(fmt, out, t, s * QK_GROUP + j, blocks, tbb);
         put_values(fmt, tb, r, q + 32 * j);
-        tb[32 * TR + r] = (uint8_t)(int8_t)scales[2 * j];
-        tb[32 * TR + TR + r] = (uint8_t)(int8_t)scales[2 * j + 1];
+        tb[24 * TR + r] = (uint8_t)(int8_t)scales[2 * j];
+        tb[24 * TR + TR + r] = (uint8_t)(int8_t)scales[2 * j + 1];
     }
 }
 
@@ -247,7 +269,7 @@ int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out)
         for (int64_t i = 0; i < per_row; i++) {
             const uint8_t *src = w + (n * per_row + i) * bytes;
             if (values == QK_K) repack_super(qtype, fmt, src, out, n / TR, i, blocks, tbb, (int)(n % TR));
-            else repack_block32(qtype, fmt, src, tile_block(fmt, out, n / TR, i, blocks, tbb), (int)(n % TR));
+            else repack_block32(qtype, src, tile_block(fmt, out, n / TR, i, blocks, tbb), (int)(n % TR));
         }
     return 0;
 }
@@ -265,31 +287,50 @@ static inline void prefetch_ahead(const uint8_t *tb, int64_t tbb) {
 }
 
 #ifdef HAVE_TILES
+/* Chunk c (< 8) of a q8_chunks tile-block: the 16 rows' values 4c..4c+3, a byte each. Past
+   Q8_0's bytes, from the nibbles of chunk c % 4 (low for c < 4, high above): through the IQ4
+   table; with bit 4 from the plane's bit c (Q5); with bits 4-5 from plane c / 4's bits 2 (c % 4),
+   minus 32 (Q6_K). */
+static inline vi q8_chunk(int qtype, const uint8_t *tb, int c) {
+    if (qtype == Q8_0) return vi_load(tb + 64 * c);
+    const vi raw = vi_load(tb + 64 * (c % 4)), low4 = vi_set8(0x0F);
+    const vi low = c < 4 ? vi_and(raw, low4) : vi_and(vi_srli16(raw, 4), low4);
+    if (qtype == IQ4_NL || qtype == IQ4_XS) return vi_lut16(kvalues_iq4nl, low);
+    if (qtype == Q6_K) {
+        const vi h = vi_load(tb + 256 + 64 * (c / 4));
+        const int s = 2 * (c % 4);  /* bits s, s + 1 of h to bits 4, 5 */
+        const vi high = vi_and(s <= 4 ? vi_slli16(h, 4 - s) : vi_srli16(h, s - 4), vi_set8(0x30));
+        return vi_sub8(vi_or(low, high), vi_set8(32));
+    }
+    const vi h = vi_load(tb + 256);  /* Q5: bit c to bit 4 */
+    return vi_or(low, vi_and(c <= 4 ? vi_slli16(h, 4 - c) : vi_srli16(h, c - 4), vi_set8(0x10)));
+}
+
 /* The scale, second scale and min vectors of tile-block b (at tb): d for its values (values 0-15
    for Q6_K), d1 = d but for Q6_K's values 16-31, m = -8d for Q4_0, -Q8_BIAS d or 0 for Q8_0 under
    int8 activations, 0 for Q8_0 under fp32 ones and for Q6_K. K-quants multiply out their
    super-block scale in fp32, as ggml's dequantization does. */
 static inline void tile_scales(int qtype, const uint8_t *tb, int64_t b, int64_t tbb, float q8_bias, vf *d, vf *d1,
                                vf *m) {
+    const uint8_t *sc = tb + quant_bytes(qtype) * TR;  /* the block's scales, after its quants */
     if (qtype == Q4_K || qtype == Q5_K) {
-        const uint8_t *hdr = group_header(qtype, tb, b, tbb), *sc = tb + (qtype == Q4_K ? 16 : 32) * TR;
+        const uint8_t *hdr = group_header(qtype, tb, b, tbb);
         *d = vf_mul(vf_half(hdr), vf_u8(sc));
         *m = vf_mul(vf_half(hdr + 2 * TR), vf_mul(vf_u8(sc + TR), vf_set1(-1.0f)));
         *d1 = *d;
         return;
     }
-    if (qtype == Q6_K) {
-        const vf dk = vf_half(group_header(Q6_K, tb, b, tbb));
-        *d = vf_mul(dk, vf_s8(tb + 32 * TR));
-        *d1 = vf_mul(dk, vf_s8(tb + 32 * TR + TR));
-        *m = vf_zero();
+    if (qtype == Q6_K || qtype == IQ4_XS) {
+        const vf dk = vf_half(group_header(qtype, tb, b, tbb));
+        *d = vf_mul(dk, vf_s8(sc));
+        *d1 = qtype == Q6_K ? vf_mul(dk, vf_s8(sc + TR)) : *d;
+        *m = qtype == Q6_K ? vf_zero() : vf_mul(*d, vf_set1(-q8_bias));
         return;
     }
-    const int qb = q8_chunks(qtype) ? 32 : 16;
-    *d = vf_half(tb + qb * TR);
+    *d = vf_half(sc);
     *d1 = *d;
-    if (qtype == Q4_1 || qtype == Q5_1) *m = vf_half(tb + qb * TR + 2 * TR);
-    else *m = vf_mul(*d, vf_set1(qtype == Q4_0 ? -8.0f : -q8_bias));
+    if (qtype == Q4_1 || qtype == Q5_1) *m = vf_half(sc + 2 * TR);
+    else *m = vf_mul(*d, vf_set1(qtype == Q4_0 ? -8.0f : qtype == Q5_0 ? -16.0f : -q8_bias));
 }
 
 /* Tile t's 16 outputs (those below N) of M rows into y: the scaled dots plus the mins. */
@@ -310,10 +351,17 @@ static inline void finish_tile(const vf *accd, const vf *accm, int64_t M, float 
 
 /* Value k (< 32) of row r in a tile-block, before scale and min. */
 static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
-    if (q8_chunks(qtype)) return (int8_t)tb[(k / 4) * 64 + r * 4 + k % 4];
+    if (qtype == Q8_0) return (int8_t)tb[(k / 4) * 64 + r * 4 + k % 4];
     const int low = k < 16, kk = low ? k : k - 16;
     const uint8_t byte = tb[(kk / 4) * 64 + r * 4 + kk % 4];
-    return low ? (byte & 0xF) : (byte >> 4);
+    const int nibble = low ? (byte & 0xF) : (byte >> 4);
+    const uint8_t *plane = tb + 256 + r * 4 + k % 4;
+    switch (qtype) {
+    case IQ4_NL: case IQ4_XS: return kvalues_iq4nl[nibble];
+    case Q5_0: case Q5_1: case Q5_K: return nibble | ((plane[0] >> (k / 4)) & 1) << 4;
+    case Q6_K: return (nibble | ((plane[64 * (k / 16)] >> (2 * (k / 4 % 4))) & 3) << 4) - 32;
+    default: return nibble;
+    }
 }
 
 #include "tiles_int8.h"

@@ -9,7 +9,7 @@
 static inline void unpack_fp32(int qtype, const uint8_t *tb, vf *q) {
     if (q8_chunks(qtype)) {
         for (int c = 0; c < 8; c++) {  /* byte j of each lane, sign-extended */
-            const vi raw = vi_load(tb + 64 * c);
+            const vi raw = q8_chunk(qtype, tb, c);
             q[4 * c + 0] = vf_cvt(vi_srai32(vi_slli32(raw, 24), 24));
             q[4 * c + 1] = vf_cvt(vi_srai32(vi_slli32(raw, 16), 24));
             q[4 * c + 2] = vf_cvt(vi_srai32(vi_slli32(raw, 8), 24));
@@ -40,7 +40,7 @@ static void tile_fp32(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
         for (int64_t m = 0; m < M; m++) {
             const float *xb = x + m * ldx + b * 32;
             vf s[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};  /* four chains: FMA latency */
-            if (qtype == Q6_K) {  /* values 0-15 and 16-31 under their own scales */
+            if (split_scales(qtype)) {  /* values 0-15 and 16-31 under their own scales */
                 for (int k = 0; k < 32; k++) s[k / 16 * 2 + k % 2] = vf_fma(q[k], vf_set1(xb[k]), s[k / 16 * 2 + k % 2]);
                 accd[m] = vf_fma(vf_add(s[2], s[3]), d1, vf_fma(vf_add(s[0], s[1]), d, accd[m]));
                 continue;

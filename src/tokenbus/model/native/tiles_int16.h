@@ -100,14 +100,14 @@ static inline __attribute__((always_inline)) vi q16_dots_row(int qtype, const ui
         vi acc[4] = {vi_zero(), vi_zero(), vi_zero(), vi_zero()};
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
-            const vi raw = vi_load(tb + 64 * c);
+            const vi raw = q8_chunk(qtype, tb, c);
             const int i = 2 * (c / 4);
             acc[i] = vi_dot16(acc[i], q16_group(qtype, raw, 0), vi_bcast32(a + 8 * c));
             acc[i + 1] = vi_dot16(acc[i + 1], q16_group(qtype, raw, 1), vi_bcast32(a + 8 * c + 4));
             vi_keep(&acc[i]);
             vi_keep(&acc[i + 1]);
         }
-        if (qtype == Q6_K) {  /* the halves have their own scales */
+        if (split_scales(qtype)) {  /* the halves have their own scales */
             *hi = vi_add(acc[2], acc[3]);
             return vi_add(acc[0], acc[1]);
         }
@@ -147,7 +147,7 @@ static inline __attribute__((always_inline)) void q16a_one(const int qtype, int 
         const vi dots = q16_dots_row(qtype, tb, (const int8_t *)(qa + b * 32), &hi);
         const vf dab = vf_set1(da[b]);
         accd = vf_fma(vf_cvt(dots), vf_mul(d, dab), accd);
-        if (qtype == Q6_K) accd = vf_fma(vf_cvt(hi), vf_mul(d1, dab), accd);
+        if (split_scales(qtype)) accd = vf_fma(vf_cvt(hi), vf_mul(d1, dab), accd);
         else accm = vf_fma(mn, vf_set1(sa[b]), accm);
     }
     finish_tile(&accd, &accm, 1, y, 0, N, t);
@@ -161,6 +161,9 @@ static __attribute__((noinline)) void tile_q16a_one(int qtype, int qb, const uin
     case Q4_0: q16a_one(Q4_0, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q4_K: q16a_one(Q4_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q6_K: q16a_one(Q6_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case IQ4_XS: q16a_one(IQ4_XS, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case IQ4_NL: q16a_one(IQ4_NL, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case Q5_0: q16a_one(Q5_0, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q5_1: q16a_one(Q5_1, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q5_K: q16a_one(Q5_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     default: q16a_one(Q4_1, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
@@ -186,7 +189,7 @@ static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
         vi w[16];  /* w[2p], w[2p + 1]: int16 pairs (k, k+2), (k+1, k+3) of activation group p */
         if (q8_chunks(qtype)) {
             for (int c = 0; c < 8; c++) {
-                const vi raw = vi_load(tb + 64 * c);
+                const vi raw = q8_chunk(qtype, tb, c);
                 w[2 * c] = q16_group(Q8_0, raw, 0);
                 w[2 * c + 1] = q16_group(Q8_0, raw, 1);
             }
@@ -200,7 +203,7 @@ static void tile_q16a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, i
             vi dots[Q16_ROWS], his[Q16_ROWS];
             const int64_t R = M - m0 < Q16_ROWS ? M - m0 : Q16_ROWS;
             const int8_t *am = a + m0 * lda;
-            if (qtype == Q6_K) {  /* groups 0-7 are values 0-15, 8-15 values 16-31: two scales */
+            if (split_scales(qtype)) {  /* groups 0-7 are values 0-15, 8-15 values 16-31: two scales */
                 switch (R) {
                 case 4: q16_dots(w, am, lda, 4, 8, dots); q16_dots(w + 8, am + 32, lda, 4, 8, his); break;
                 case 3: q16_dots(w, am, lda, 3, 8, dots); q16_dots(w + 8, am + 32, lda, 3, 8, his); break;

@@ -89,10 +89,10 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
         vf d, d1, mn;
         tile_scales(qtype, tb, b, tbb, (float)Q8_BIAS, &d, &d1, &mn);
         vi w[8];  /* w[c]: the quants that meet dword c of an activation block */
-        if (qtype == Q8_0) {
-            for (int c = 0; c < 8; c++) w[c] = Q8_BIAS ? vi_xor(vi_load(tb + 64 * c), bias) : vi_load(tb + 64 * c);
-        } else if (q8_chunks(qtype)) {  /* Q6_K (signed), Q5_1 / Q5_K (0..31: unsigned as they are) */
-            for (int c = 0; c < 8; c++) w[c] = vi_load(tb + 64 * c);
+        if (signed_bytes(qtype)) {
+            for (int c = 0; c < 8; c++) w[c] = Q8_BIAS ? vi_xor(q8_chunk(qtype, tb, c), bias) : q8_chunk(qtype, tb, c);
+        } else if (q8_chunks(qtype)) {  /* Q6_K (signed), Q5 (0..31: unsigned as they are) */
+            for (int c = 0; c < 8; c++) w[c] = q8_chunk(qtype, tb, c);
         } else {
             for (int c = 0; c < 4; c++) {
                 const vi raw = vi_load(tb + 64 * c);
@@ -102,7 +102,7 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
         }
         for (int64_t m = 0; m < M; m++) {
             const int8_t *a = qa + m * K + b * 32;
-            if (qtype == Q6_K) {  /* signed quants (|q| <= 32, no bias), two halves of their own scale */
+            if (split_scales(qtype)) {  /* signed quants (no bias), two halves of their own scale */
                 vi i0 = vi_zero(), i1 = vi_zero();
                 for (int c = 0; c < 4; c++) {
                     i0 = vi_dot(i0, vi_abs8(w[c]), vi_sign(vi_bcast32(a + 4 * c), w[c]));
@@ -114,7 +114,7 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
             }
             vi i0 = vi_zero(), i1 = vi_zero();  /* two chains: the dot latency is 5 cycles */
             for (int c = 0; c < 8; c += 2) {
-                if (qtype == Q8_0 && !Q8_BIAS) {
+                if (signed_bytes(qtype) && !Q8_BIAS) {
                     i0 = vi_dot(i0, vi_abs8(w[c]), vi_sign(vi_bcast32(a + 4 * c), w[c]));
                     i1 = vi_dot(i1, vi_abs8(w[c + 1]), vi_sign(vi_bcast32(a + 4 * c + 4), w[c + 1]));
                 } else {

@@ -18,6 +18,14 @@ static inline vi vi_set32(int32_t v) { vi r = {_mm256_set1_epi32(v), _mm256_set1
 #define VI_BIN(name, op) static inline vi name(vi x, vi y) { vi r = {op(x.a, y.a), op(x.b, y.b)}; return r; }
 VI_BIN(vi_and, _mm256_and_si256)
 VI_BIN(vi_xor, _mm256_xor_si256)
+VI_BIN(vi_or, _mm256_or_si256)
+VI_BIN(vi_sub8, _mm256_sub_epi8)
+/* Each byte of idx (0-15) replaced by that entry of the 16-byte table t. */
+static inline vi vi_lut16(const int8_t *t, vi idx) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+    vi r = {_mm256_shuffle_epi8(table, idx.a), _mm256_shuffle_epi8(table, idx.b)};
+    return r;
+}
 VI_BIN(vi_add, _mm256_add_epi32)
 VI_BIN(vi_sign, _mm256_sign_epi8)
 #define VI_SHIFT(name, op) static inline vi name(vi x, int s) { vi r = {op(x.a, s), op(x.b, s)}; return r; }

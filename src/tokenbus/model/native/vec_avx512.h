@@ -13,6 +13,12 @@ static inline vi vi_set8(int8_t v) { return _mm512_set1_epi8(v); }
 static inline vi vi_set32(int32_t v) { return _mm512_set1_epi32(v); }
 static inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
 static inline vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vi_sub8(vi a, vi b) { return _mm512_sub_epi8(a, b); }
+/* Each byte of idx (0-15) replaced by that entry of the 16-byte table t. */
+static inline vi vi_lut16(const int8_t *t, vi idx) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t)), idx);
+}
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_srli16(vi a, int s) { return _mm512_srli_epi16(a, s); }
 static inline vi vi_slli16(vi a, int s) { return _mm512_slli_epi16(a, s); }
