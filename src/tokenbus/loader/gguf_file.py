@@ -76,11 +76,16 @@ class GGUFFile:
     ]  # scalars, strings, numeric arrays as lists, string arrays as SkippedArray
     tensors: dict[str, GGUFTensorInfo]
 
-    def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
+    def tensor_bytes(self, info: GGUFTensorInfo, writable: bool = False) -> np.ndarray:
         """The tensor's raw bytes, memory-mapped, shaped as gguf.quants expects:
-        [..., row bytes]."""
+        [..., row bytes]. `writable`: copy-on-write (a torch tensor over it then needs no copy;
+        the file never changes)."""
         raw = np.memmap(
-            self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,)
+            self.path,
+            dtype=np.uint8,
+            mode="c" if writable else "r",
+            offset=info.offset,
+            shape=(info.nbytes,),
         )
         return raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))
 

@@ -40,8 +40,8 @@ SUPPORTED_QTYPES = (
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A GGUF matrix kept in its blocks: uint8 [rows, row_bytes] (a private copy, not the
-    file's mapping), `cols` values per row."""
+    """A GGUF matrix kept in its blocks: uint8 [rows, row_bytes] (the file's pages, mapped
+    copy-on-write: read when a kernel repacks or runs on them), `cols` values per row."""
 
     qtype: int
     data: torch.Tensor
@@ -173,7 +173,10 @@ def iter_gguf_weights(
             continue
         name = hf_weight_name(gf, info.name)
         if keep_quantized and info.qtype in KERNEL_QTYPES and len(info.shape) == 2:
-            tensor = torch.from_numpy(np.array(gf.tensor_bytes(info)))  # [rows, row bytes]
+            # [rows, row bytes], a view of the file: its pages are read when a kernel repacks
+            # them (then unmapped with the view) or runs on them, never copied at load, so peak
+            # memory is the tiles plus one linear's blocks, not the file twice.
+            tensor = torch.from_numpy(gf.tensor_bytes(info, writable=True))
         else:
             tensor = torch.from_numpy(_dequantize(gf, info))
         if arch.architecture == "llama" and ".self_attn.q_proj." in name:

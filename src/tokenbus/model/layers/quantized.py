@@ -32,7 +32,6 @@ and keeps every call on the block kernels (TileModes.row_invariant).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,17 +112,28 @@ class KernelWeight:
     tiled: bool = False
 
 
-def kernel_weight(kernels: QuantKernels, weight: QuantizedWeight) -> KernelWeight:
-    """`weight` repacked in tiles where its type has tiled kernels here, else as it is."""
+def kernel_weight(
+    kernels: QuantKernels, weight: QuantizedWeight | Sequence[QuantizedWeight]
+) -> KernelWeight:
+    """`weight` (or shards of one type stacked along N, in order) repacked in tiles where its
+    type has tiled kernels here, else as it is (shards stacked: one copy). Tiles are written shard
+    by shard, so the GGUF blocks (pages of the file, as the loader maps them) are read once and
+    never copied."""
     if isinstance(weight, KernelWeight):
         return weight
-    if not kernels.tiles(weight.qtype):
-        return KernelWeight(weight.qtype, weight.data, weight.cols, weight.rows)
+    parts = list(weight) if isinstance(weight, Sequence) else [weight]
+    first, rows = parts[0], sum(p.rows for p in parts)
+    if not kernels.tiles(first.qtype):
+        data = first.data if len(parts) == 1 else torch.cat([p.data for p in parts])
+        return KernelWeight(first.qtype, data, first.cols, rows)
+    blocks = [p.data for p in parts]
+    if any(p.rows % TILE_ROWS for p in parts[:-1]):  # a shard's tiles must start a tile
+        blocks = [torch.cat(blocks)]
     return KernelWeight(
-        kernels.tile_format(weight.qtype),
-        kernels.repack_tiles(weight.qtype, weight.data, weight.cols),
-        weight.cols,
-        weight.rows,
+        kernels.tile_format(first.qtype),
+        kernels.repack_tiles(first.qtype, blocks, first.cols),
+        first.cols,
+        rows,
         tiled=True,
     )
 
@@ -132,23 +142,17 @@ def is_quantized(tensor: object) -> bool:
     return not isinstance(tensor, torch.Tensor)
 
 
-def merge_shards(shards: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
-    """Stack neighbouring shards of the same type (q/k/v, gate/up usually are): one kernel call
-    (one OpenMP region) per linear instead of one per shard, each call paying a region's start-up;
-    the rows are copied once, the originals dropped."""
-    merged: list[list[QuantizedWeight]] = []
+def group_shards(shards: Sequence[QuantizedWeight]) -> list[list[QuantizedWeight]]:
+    """Neighbouring shards of the same type (q/k/v, gate/up usually are), to be stacked into one
+    weight (kernel_weight): one kernel call (one OpenMP region) per linear instead of one per
+    shard, each call paying a region's start-up."""
+    groups: list[list[QuantizedWeight]] = []
     for shard in shards:
-        if merged and merged[-1][0].qtype == shard.qtype and merged[-1][0].cols == shard.cols:
-            merged[-1].append(shard)
+        if groups and groups[-1][0].qtype == shard.qtype and groups[-1][0].cols == shard.cols:
+            groups[-1].append(shard)
         else:
-            merged.append([shard])
-    # replace(): the loader's own frozen dataclass, with the stacked blocks.
-    return [
-        group[0]
-        if len(group) == 1
-        else dataclasses.replace(group[0], data=torch.cat([s.data for s in group]))
-        for group in merged
-    ]
+            groups.append([shard])
+    return groups
 
 
 class DequantBuffer:
@@ -184,7 +188,7 @@ class QuantizedLinearKernel:
         buffer: DequantBuffer | None = None,
     ) -> None:
         self.kernels = kernels
-        self.shards = [kernel_weight(kernels, shard) for shard in merge_shards(shards)]
+        self.shards = [kernel_weight(kernels, group) for group in group_shards(shards)]
         self.in_features = self.shards[0].cols
         self.out_features = sum(q.rows for q in self.shards)
         self.bias = bias

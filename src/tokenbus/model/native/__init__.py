@@ -20,7 +20,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,18 +317,31 @@ class QuantKernels:
         assert self.tiles(qtype)
         return self.tile_fns["format"](qtype)
 
-    def repack_tiles(self, qtype: int, w: torch.Tensor, num_cols: int) -> torch.Tensor:
+    def repack_tiles(
+        self, qtype: int, w: torch.Tensor | Sequence[torch.Tensor], num_cols: int
+    ) -> torch.Tensor:
         """W in GGUF rows -> a new uint8 [ceil(N / 16), tile_bytes] in 16-row tiles of
-        tile_format(qtype)."""
-        assert self.tiles(qtype) and w.dtype == torch.uint8 and w.is_contiguous()
-        rows = w.shape[0]
+        tile_format(qtype). W may come in parts stacked along N (fused q/k/v): each part is
+        repacked straight into its tiles, with no stacked copy of the blocks first; every part
+        but the last must then have a multiple of 16 rows (a part's tiles start a tile)."""
+        parts = [w] if isinstance(w, torch.Tensor) else list(w)
+        assert self.tiles(qtype)
+        assert all(p.dtype == torch.uint8 and p.is_contiguous() for p in parts)
+        assert all(p.shape[0] % TILE_ROWS == 0 for p in parts[:-1])
+        rows = sum(p.shape[0] for p in parts)
         nbytes = self.tile_fns["nbytes"](qtype, rows, num_cols)
         num_tiles = -(-rows // TILE_ROWS)
         out = torch.empty(num_tiles, nbytes // num_tiles, dtype=torch.uint8)
-        if self.tile_fns["repack"](qtype, w.data_ptr(), rows, num_cols, out.data_ptr()) != 0:
-            raise ValueError(
-                f"tile_repack: GGML type {qtype} with {num_cols} columns is not supported"
+        first = 0
+        for part in parts:
+            status = self.tile_fns["repack"](
+                qtype, part.data_ptr(), part.shape[0], num_cols, out[first // TILE_ROWS].data_ptr()
             )
+            if status != 0:
+                raise ValueError(
+                    f"tile_repack: GGML type {qtype} with {num_cols} columns is not supported"
+                )
+            first += part.shape[0]
         return out
 
     def tile_matmul(

@@ -163,18 +163,13 @@ static void put_values(int fmt, uint8_t *tb, int r, const int8_t *q) {
         return;
     }
     const int planes = fmt == Q6_K ? 2 : fmt == Q5_0 || fmt == Q5_1 || fmt == Q5_K ? 1 : 0;
-    int8_t low[32];
-    for (int k = 0; k < 32; k++) {
-        const int u = fmt == Q6_K ? q[k] + 32 : q[k];
-        low[k] = (int8_t)(u & 0xF);
-        if (planes) {  /* chunk k / 4's bits, at byte k % 4 of row r's 4 */
-            uint8_t *h = tb + 256 + 64 * (planes == 2 ? k / 16 : 0) + r * 4 + k % 4;
-            *h = (uint8_t)(*h | (u >> 4) << (planes == 2 ? 2 * (k / 4 % 4) : k / 4));
-        }
-    }
-    uint8_t bytes[16];
-    for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)(low[i] | (low[i + 16] << 4));
+    uint8_t u[32], bytes[16], high[2][4] = {{0}};
+    for (int k = 0; k < 32; k++) u[k] = (uint8_t)(fmt == Q6_K ? q[k] + 32 : q[k]);
+    for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)((u[i] & 0xF) | (u[i + 16] & 0xF) << 4);
     for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, bytes + 4 * c, 4);
+    for (int k = 0; k < 32 && planes; k++)  /* chunk k / 4's bits, at byte k % 4 of row r's 4 */
+        high[planes == 2 ? k / 16 : 0][k % 4] |= (uint8_t)((u[k] >> 4) << (planes == 2 ? 2 * (k / 4 % 4) : k / 4));
+    for (int p = 0; p < planes; p++) memcpy(tb + 256 + 64 * p + r * 4, high[p], 4);
 }
 
 /* Values and bytes of one GGUF block of a type tiles take. */
@@ -223,8 +218,17 @@ static void repack_super(int qtype, int fmt, const uint8_t *src, uint8_t *out, i
         for (int j = 0; j < QK_GROUP; j++) {
             uint8_t *tb = tile_block(fmt, out, t, s * QK_GROUP + j, blocks, tbb);
             const int qb = quant_bytes(fmt);
-            k_sub_values(qtype == Q4_K ? src + 16 : src + 48, qtype == Q4_K ? NULL : src + 16, j, q);
-            put_values(fmt, tb, r, q);
+            if (qtype == Q4_K) {  /* sub-block j's nibbles: the low (j even) or high ones of 32 bytes */
+                const uint8_t *qs = src + 16 + 32 * (j / 2);
+                uint8_t bytes[16];
+                for (int i = 0; i < 16; i++)
+                    bytes[i] = j % 2 ? (uint8_t)((qs[i] >> 4) | (qs[i + 16] & 0xF0))
+                                     : (uint8_t)((qs[i] & 0xF) | (qs[i + 16] & 0xF) << 4);
+                for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, bytes + 4 * c, 4);
+            } else {
+                k_sub_values(src + 48, src + 16, j, q);
+                put_values(fmt, tb, r, q);
+            }
             k4_scale_min(j, src + 4, tb + qb * TR + r, tb + qb * TR + TR + r);
         }
         return;
@@ -262,15 +266,22 @@ int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out)
     int values, bytes;
     int64_t blocks, tbb, tile_bytes, tiles = tile_geometry(fmt, N, K, &blocks, &tbb, &tile_bytes);
     if (!tiles || !source_block(qtype, &values, &bytes) || K % values) return 1;
-    memset(out, 0, (size_t)(tiles * tile_bytes));
     const int64_t per_row = K / values;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t i = 0; i < per_row; i++) {
-            const uint8_t *src = w + (n * per_row + i) * bytes;
-            if (values == QK_K) repack_super(qtype, fmt, src, out, n / TR, i, blocks, tbb, (int)(n % TR));
-            else repack_block32(qtype, src, tile_block(fmt, out, n / TR, i, blocks, tbb), (int)(n % TR));
-        }
+    /* Tiles zeroed (rows past N stay 0) by all threads, then filled by rows: a tile's 16 rows may
+       fall to two threads, which write different bytes of it. Both passes in parallel: the first
+       touch of each page of `out` is its page fault. */
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) memset(out + t * tile_bytes, 0, (size_t)tile_bytes);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < per_row; i++) {
+                const uint8_t *src = w + (n * per_row + i) * bytes;
+                if (values == QK_K) repack_super(qtype, fmt, src, out, n / TR, i, blocks, tbb, (int)(n % TR));
+                else repack_block32(qtype, src, tile_block(fmt, out, n / TR, i, blocks, tbb), (int)(n % TR));
+            }
+    }
     return 0;
 }
 
