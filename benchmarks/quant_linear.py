@@ -38,6 +38,14 @@ int16 tiles can lead that peer by where both are compute-bound. Where the CPU it
       MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python benchmarks/quant_linear.py --peak
 
     .venv/bin/python benchmarks/quant_linear.py --against-bf16-gemm
+
+--types: one decode-shaped matmul (1 row, int16 activations, 2 threads) on a 65536 x 2048 matrix
+of each tiled GGUF type (random blocks, ~40-140 MB: past the caches, as a decode step's weights
+are), the types taking turns, each the best of --repeats rounds: the time, and the GGUF file's
+bytes streamed per second against Q4_0's ("per byte": how much slower a type is per byte of
+the file than Q4_0).
+
+    .venv/bin/python benchmarks/quant_linear.py --types --repeats 10 --record benchmarks/results
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +81,58 @@ SHAPES = [
     (576, 1536, Q.Q4_1),
     (49152, 576, Q.Q8_0),
 ]  # gate_up, down, tied LM head
+
+
+TYPE_SHAPE = (65536, 2048)
+TILED_TYPES = (
+    *(Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL),
+    *(Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS),
+)
+
+
+def type_blocks(qtype: Q, rows: int, cols: int) -> torch.Tensor:
+    """GGUF blocks of `qtype`: quantized random weights where gguf.quants can, else random valid
+    blocks (the tests' generator)."""
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+        data = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+        return torch.from_numpy(quantize(data, qtype))
+    sys.path.insert(0, str(REPO))
+    from tests.fixtures.tiny_models import random_k_quant_blocks
+
+    return torch.from_numpy(random_k_quant_blocks(qtype.name, rows, cols))
+
+
+def tile_types(kernels, repeats: int) -> dict[str, dict[str, float]]:
+    """Per tiled type: ms of one decode matmul, GB/s of the file's bytes, per byte vs Q4_0."""
+    rows, cols = TYPE_SHAPE
+    x, out = torch.randn(1, cols), torch.empty(1, rows)
+    weights, cells = {}, {}
+    for qtype in TILED_TYPES:
+        blocks = type_blocks(qtype, rows, cols)
+        tiles = kernels.repack_tiles(int(qtype), blocks, cols)
+        fmt = kernels.tile_format(int(qtype))
+        weights[qtype.name] = (blocks.numel(), tiles)
+
+        def cell(fmt=fmt, tiles=tiles) -> float:
+            start = time.perf_counter()
+            kernels.tile_matmul(fmt, tiles, rows, cols, x, out, "int16")
+            return time.perf_counter() - start
+
+        cells[qtype.name] = cell
+    best = best_of_rounds(cells, repeats)
+    q4_rate = weights["Q4_0"][0] / best["Q4_0"]
+    table = {}
+    for name, seconds in best.items():
+        file_bytes, tiles = weights[name]
+        rate = file_bytes / seconds
+        table[name] = {
+            "ms": round(seconds * 1e3, 3),
+            "file GB/s": round(rate / 1e9, 1),
+            "tile bytes / file bytes": round(tiles.numel() / file_bytes, 2),
+            "per byte vs Q4_0": round(q4_rate / rate, 2),
+        }
+        print(name, table[name])
+    return table
 
 
 def per_call(fn, reps: int) -> float:
@@ -374,10 +435,13 @@ def main() -> None:
         "--peak", action="store_true", help="integer tiles against the core's int16 issue rate"
     )
     parser.add_argument(
+        "--types", action="store_true", help="a decode matmul per tiled GGUF type, per byte"
+    )
+    parser.add_argument(
         "--record",
         default=None,
         metavar="DIR",
-        help="--peak: write a run record under DIR/int16_peak/",
+        help="--peak, --types: write a run record under DIR/int16_peak/ or DIR/tile_types/",
     )
     args = parser.parse_args()
     if args.baseline and not args.step:
@@ -391,6 +455,13 @@ def main() -> None:
         if not kernels.bf16_engine:
             raise SystemExit("--against-bf16-gemm needs AVX512-BF16 (this CPU has no bf16 engine)")
         against_bf16_gemm(kernels)
+        return
+    if args.types:
+        rows = tile_types(kernels, args.repeats)
+        if record_dir(args.record):
+            units = {"ms": "ms", "file GB/s": "GB/s", "per byte vs Q4_0": "×"}
+            record = make_record("tile_types", this_command(), rows, units=units)
+            write_record(record_dir(args.record), record)
         return
     if args.peak:
         rows = peak(kernels)
