@@ -1,0 +1,238 @@
+"""Write a random-weight F16 GGUF of a real model's shape, for benchmarks at the sizes people run.
+
+    .venv/bin/python benchmarks/make_random_gguf.py llama-3.2-1b [--out FILE] [--seed 0]
+    benchmarks/peers/llama_cpp.sh quantize FILE.gguf FILE-Q4_K_M.gguf Q4_K_M   # then quantize
+
+Configs (CONFIGS below): llama-3.2-1b, llama-3.2-3b, llama-3.1-8b (Llama 3 rope factors as
+rope_freqs.weight, as llama.cpp's converter writes them; tied embeddings for 3.2), qwen2.5-0.5b
+(Qwen2 with q/k/v biases; 896 wide, so llama.cpp's K-quant recipes fall back to other types for
+some tensors, as in the real files). Tensor names and metadata are llama.cpp's; matrices are
+F16, norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02), norms 1.
+
+The tokenizer and chat template are the packaged SmolLM2 GGUF's, its vocabulary padded up to
+the model's with `[PAD<i>]` tokens of type UNUSED (as llama.cpp's converter pads a vocabulary
+that is smaller than the embedding): llama.cpp checks that the token list matches the embedding
+rows, and tokenbus builds its tokenizer from the file. Prompts tokenize as SmolLM2's.
+
+The file is written tensor by tensor (header first, then each tensor drawn and written), so
+peak memory is the largest tensor (the 8B's 1 GB output matrix), not the model: the 8B's 16 GB
+F16 file needs well under 4 GB. Default output: ~/.cache/tokenbus/models/random-<config>-F16.gguf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.constants import TokenType
+
+from tokenbus.loader.source import packaged_smollm2_gguf
+
+STD = 0.02  # transformers' initializer_range: activations stay finite through any depth
+CHUNK_ROWS = 4096  # rows drawn at a time: float32 scratch of CHUNK_ROWS * cols values
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    architecture: str  # llama.cpp's general.architecture
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    rope_theta: float
+    context: int
+    rms_eps: float
+    tied: bool
+    qkv_bias: bool = False
+    # Llama 3 rope scaling (factor, low_freq_factor, high_freq_factor, original context)
+    llama3_rope: tuple[float, float, float, int] | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+# The published models' config.json values.
+CONFIGS = {
+    "llama-3.2-1b": ModelShape(
+        "llama", 2048, 16, 32, 8, 8192, 128256, 500000.0, 131072, 1e-5, True,
+        llama3_rope=(32.0, 1.0, 4.0, 8192),
+    ),
+    "llama-3.2-3b": ModelShape(
+        "llama", 3072, 28, 24, 8, 8192, 128256, 500000.0, 131072, 1e-5, True,
+        llama3_rope=(32.0, 1.0, 4.0, 8192),
+    ),
+    "llama-3.1-8b": ModelShape(
+        "llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, 131072, 1e-5, False,
+        llama3_rope=(8.0, 1.0, 4.0, 8192),
+    ),
+    "qwen2.5-0.5b": ModelShape(
+        "qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, 32768, 1e-6, True, qkv_bias=True
+    ),
+}  # fmt: skip
+
+
+def default_out(config: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "tokenbus" / "models" / f"random-{config}-F16.gguf"
+
+
+def llama3_rope_factors(shape: ModelShape) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf rope_freqs for rope_type llama3: a divisor per frequency."""
+    factor, low, high, original = shape.llama3_rope
+    dim = shape.head_dim
+    freqs = 1.0 / shape.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    low_wavelen, high_wavelen = original / low, original / high
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(llama.cpp name, numpy shape [out, in], kind) in llama.cpp's converter's order; kind:
+    matrix (F16, random), norm (F32 ones), bias (F32 random), rope (F32 factors)."""
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    yield "token_embd.weight", (shape.vocab, h), "matrix"
+    if shape.llama3_rope:
+        yield "rope_freqs.weight", (shape.head_dim // 2,), "rope"
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", (h,), "norm"
+        for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
+            yield b + name + ".weight", (rows, h), "matrix"
+            if shape.qkv_bias:
+                yield b + name + ".bias", (rows,), "bias"
+        yield b + "attn_output.weight", (h, h), "matrix"
+        yield b + "ffn_norm.weight", (h,), "norm"
+        yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
+        yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
+        yield b + "ffn_down.weight", (h, shape.intermediate), "matrix"
+    yield "output_norm.weight", (h,), "norm"
+    if not shape.tied:
+        yield "output.weight", (shape.vocab, h), "matrix"
+
+
+@functools.cache
+def tokenizer_fields(source: Path) -> tuple[tuple[str, object, GGUFValueType, GGUFValueType], ...]:
+    """(key, value, type, array item type) of the source GGUF's tokenizer.* keys (read once:
+    GGUFReader takes seconds over a 49k-token vocabulary)."""
+    fields = GGUFReader(source).fields.items()
+    return tuple(
+        (key, f.contents(), f.types[0], f.types[-1])
+        for key, f in fields
+        if key.startswith("tokenizer.")
+    )
+
+
+def copy_tokenizer(writer: GGUFWriter, source: Path, vocab: int) -> None:
+    """The source GGUF's tokenizer.* keys, its token list padded to `vocab` with UNUSED
+    [PAD<i>] tokens."""
+    for key, value, vtype, item_type in tokenizer_fields(source):
+        if key == "tokenizer.ggml.tokens":
+            if len(value) > vocab:
+                raise ValueError(f"vocab: {vocab} is smaller than {source.name}'s {len(value)}")
+            value = value + [f"[PAD{i}]" for i in range(len(value), vocab)]
+        elif key == "tokenizer.ggml.token_type":
+            value = value + [int(TokenType.UNUSED)] * (vocab - len(value))
+        elif key == "tokenizer.ggml.scores":
+            value = value + [-1000.0] * (vocab - len(value))
+        sub_type = item_type if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+
+
+def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Path) -> None:
+    writer.add_type("model")
+    writer.add_name(f"random {name}")
+    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(shape.vocab)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    writer.add_quantization_version(2)
+    copy_tokenizer(writer, tokenizer, shape.vocab)
+
+
+def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """A matrix (F16) or bias (F32) of N(0, STD) values, or a norm's ones (F32)."""
+    if kind == "norm":
+        return np.ones(shape, dtype=np.float32)
+    if kind == "bias":
+        return (rng.standard_normal(shape, dtype=np.float32) * STD).astype(np.float32)
+    out = np.empty(shape, dtype=np.float16)
+    scratch = np.empty((min(CHUNK_ROWS, shape[0]), shape[1]), dtype=np.float32)
+    for start in range(0, shape[0], CHUNK_ROWS):  # chunks: float32 scratch stays small
+        part = scratch[: min(CHUNK_ROWS, shape[0] - start)]
+        rng.standard_normal(dtype=np.float32, out=part)
+        part *= STD
+        out[start : start + len(part)] = part
+    return out
+
+
+def write_random_gguf(
+    name: str, out: Path, seed: int = 0, shape: ModelShape | None = None, quiet: bool = False
+) -> Path:
+    """Write config `name` (or `shape`, for tests' small models) to `out`, via a temporary
+    file renamed at the end (an interrupted run leaves no half-written GGUF)."""
+    shape = shape or CONFIGS[name]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    writer = GGUFWriter(tmp, shape.architecture)
+    write_header(writer, name, shape, packaged_smollm2_gguf())
+    plan = list(tensor_plan(shape))
+    for tensor_name, tensor_shape, kind in plan:
+        dtype = np.float16 if kind == "matrix" else np.float32
+        nbytes = int(np.prod(tensor_shape)) * np.dtype(dtype).itemsize
+        writer.add_tensor_info(tensor_name, tensor_shape, np.dtype(dtype), nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    for i, (_, tensor_shape, kind) in enumerate(plan):
+        rope = kind == "rope"
+        writer.write_tensor_data(
+            llama3_rope_factors(shape) if rope else draw(rng, tensor_shape, kind)
+        )
+        if not quiet and (i % 50 == 0 or i == len(plan) - 1):
+            print(f"  {i + 1}/{len(plan)} tensors, {time.perf_counter() - start:.0f} s", flush=True)
+    writer.close()
+    tmp.rename(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", choices=sorted(CONFIGS))
+    parser.add_argument("--out", type=Path, default=None, help="default: " + str(default_out("X")))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = write_random_gguf(args.config, args.out or default_out(args.config), args.seed)
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)")
+
+
+if __name__ == "__main__":
+    main()

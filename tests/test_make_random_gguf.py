@@ -1,0 +1,101 @@
+"""benchmarks/make_random_gguf.py: a small shape written as the real configs are, read back."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from tokenbus.loader.gguf_file import SkippedArray, read_gguf
+from tokenbus.loader.model_loader import load_arch
+from tokenbus.loader.source import ModelSource
+from tokenbus.worker.model_builder import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location(
+    "make_random_gguf", ROOT / "benchmarks" / "make_random_gguf.py"
+)
+make_random_gguf = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = make_random_gguf  # dataclasses look their module up there
+_spec.loader.exec_module(make_random_gguf)
+
+SMOLLM2_VOCAB = 49152
+
+
+def small(config: str) -> make_random_gguf.ModelShape:
+    """The config's kind of model (architecture, rope, ties, biases) at a test's size; the
+    vocabulary a little past SmolLM2's, so padding is exercised."""
+    return dataclasses.replace(
+        make_random_gguf.CONFIGS[config],
+        hidden=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=256,
+        vocab=SMOLLM2_VOCAB + 64,
+    )
+
+
+@pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen2.5-0.5b"])
+def written(request, tmp_path_factory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
+    make_random_gguf.write_random_gguf(request.param, out, shape=small(request.param), quiet=True)
+    return request.param, out
+
+
+def test_header_and_tensors_are_llama_cpp_s(written):
+    config, path = written
+    shape, gf = small(config), read_gguf(path)
+    arch = load_arch(ModelSource("gguf", path))
+    assert (arch.architecture, arch.hidden_size, arch.num_hidden_layers) == (
+        shape.architecture,
+        128,
+        2,
+    )
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.vocab_size) == (
+        4,
+        2,
+        shape.vocab,
+    )
+    assert arch.rope_theta == shape.rope_theta and arch.tie_word_embeddings == shape.tied
+    assert arch.attention_bias == shape.qkv_bias
+    # The tokenizer's lists are padded to the embedding's rows (llama.cpp's vocab check).
+    assert gf.metadata["tokenizer.ggml.tokens"] == SkippedArray(shape.vocab)
+    assert gf.metadata["tokenizer.ggml.merges"].length > 0
+    assert "tokenizer.chat_template" in gf.metadata
+    types = {name: info.qtype for name, info in gf.tensors.items()}
+    assert types["token_embd.weight"] == GGMLQuantizationType.F16
+    assert types["blk.1.ffn_down.weight"] == GGMLQuantizationType.F16
+    assert types["blk.0.attn_norm.weight"] == GGMLQuantizationType.F32
+    assert ("output.weight" in types) == (not shape.tied)
+    assert ("rope_freqs.weight" in types) == (shape.llama3_rope is not None)
+    if shape.llama3_rope:  # Llama 3's rope: factors from 1 (high frequencies) to the factor
+        factors = arch.rope_scaling["factors"]
+        assert len(factors) == 128 // 4 // 2
+        assert factors[0] == 1.0 and factors[-1] == shape.llama3_rope[0]
+
+
+def test_the_engine_loads_every_tensor(written):
+    _, path = written
+    src = ModelSource("gguf", path)
+    model = load_model(src, load_arch(src), torch.float32, "cpu")  # strict: all names known
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.isfinite(weights).all()
+    assert 0.015 < model.layers[0].mlp.down_proj.weight.std().item() < 0.025
+
+
+def test_the_real_configs_have_the_published_sizes():
+    params = {}
+    for name, shape in make_random_gguf.CONFIGS.items():
+        params[name] = sum(
+            int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(shape)
+        )
+    assert 1.22e9 < params["llama-3.2-1b"] < 1.25e9
+    assert 3.19e9 < params["llama-3.2-3b"] < 3.22e9
+    assert 8.02e9 < params["llama-3.1-8b"] < 8.04e9
+    assert 0.49e9 < params["qwen2.5-0.5b"] < 0.5e9
