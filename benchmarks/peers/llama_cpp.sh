@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench and llama-server (CPU only) from the llama.cpp tree vendored in
-# the llama-cpp-python source distribution on PyPI, cached outside the repo, then run them.
+# Build llama.cpp's llama-bench, llama-server and llama-quantize (CPU only) from the llama.cpp
+# tree vendored in the llama-cpp-python source distribution on PyPI, cached outside the repo,
+# then run them.
 #
 #   benchmarks/peers/llama_cpp.sh build              # once: ~10 min on 2 idle cores
-#   benchmarks/peers/llama_cpp.sh bench [MODEL]      # llama-bench -t 2 -p 512 -n 128 -r 3
+#   benchmarks/peers/llama_cpp.sh bench [MODEL] [extra llama-bench args, e.g. -r 1 -o json]
+#                                                    # llama-bench -t 2 -p 512 -n 128 -r 3
 #   benchmarks/peers/llama_cpp.sh server PORT [MODEL] [extra llama-server args...]
+#   benchmarks/peers/llama_cpp.sh quantize SRC DST TYPE   # e.g. an F16 GGUF to Q4_K_M
 #   benchmarks/peers/llama_cpp.sh path               # print the binaries' directory
 #
 # MODEL defaults to the packaged SmolLM2-135M-Instruct Q4_1 GGUF. Loopback only.
@@ -34,7 +37,9 @@ if [ -n "${LLAMA_CPP_AMX:-}" ]; then NO_AMX=""; else NO_AMX="-mno-amx-tile -mno-
 PY=.venv/bin/python
 
 build() {
-  if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; return; fi
+  if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-quantize" ]; then
+    echo "$BIN"; return
+  fi
   command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
   mkdir -p "$CACHE"
   if [ ! -d "$CACHE/src" ]; then
@@ -50,15 +55,19 @@ build() {
     -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_OPENMP=ON -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_CURL=OFF >/dev/null
-  cmake --build "$BUILD" --config Release -j2 --target llama-server llama-bench >/dev/null
+  cmake --build "$BUILD" --config Release -j2 --target llama-server llama-bench \
+    llama-quantize >/dev/null
   echo "$BIN"
 }
 
 case "${1:-}" in
   build) build ;;
   path) echo "$BIN" ;;
-  bench) build >/dev/null; "$BIN/llama-bench" -m "${2:-$(default_gguf)}" -t 2 -p 512 -n 128 -r 3 ;;
+  bench) build >/dev/null; shift; model=${1:-$(default_gguf)}; shift || true
+         "$BIN/llama-bench" -m "$model" -t 2 -p 512 -n 128 -r 3 "$@" ;;
+  quantize) build >/dev/null; [ $# -eq 4 ] || { echo "usage: $0 quantize SRC DST TYPE" >&2; exit 2; }
+            exec "$BIN/llama-quantize" "$2" "$3" "$4" 2 ;;
   server) build >/dev/null; port=$2; shift 2; model=${1:-$(default_gguf)}; shift || true
           exec "$BIN/llama-server" -m "$model" --host 127.0.0.1 --port "$port" -t 2 "$@" ;;
-  *) sed -n 2,16p "$0"; exit 2 ;;
+  *) sed -n 2,19p "$0"; exit 2 ;;
 esac
