@@ -1,19 +1,27 @@
-"""Single-stream decode (tg128) and prompt processing (pp512) on the default model, tokenbus
-measured the way llama-bench measures them, with llama-bench in the same run.
+"""Single-stream decode (tg128) and prompt processing (pp512), tokenbus measured the way
+llama-bench measures them, with llama-bench on the same GGUF in the same run: the default model,
+or any GGUF files (--model, one run each).
 
-    .venv/bin/python benchmarks/cpu_speed.py [--quantization auto|gguf|none]
-        [--quant-activations auto|int16|int8|fp32] [--enforce-eager] [--num-threads N] [--peer]
-        [--reps 3]
+    .venv/bin/python benchmarks/cpu_speed.py [--model FILE ...] [--peer] [--reps 3]
+        [--quantization auto|gguf|none] [--quant-activations auto|int16|int8|fp32]
+        [--enforce-eager] [--num-threads N] [--max-model-len 4096]
 
 tg128: 128 greedy tokens after a 1-token prompt, timed as (time for 129 tokens) - (time for 1),
 so prefill is excluded, as llama-bench's tg test has no prompt. pp512: a 512-token random prompt
-and one output token. Each is the best of --reps runs after one warm-up (llama-bench -r 3
-reports the mean; both are printed with the CPU). --peer runs benchmarks/peers/llama_cpp.sh bench.
+and one output token. After one warm-up, each of --reps rounds times tokenbus's tg128 and pp512
+once and then (--peer) runs `benchmarks/peers/llama_cpp.sh bench FILE -r 1` (llama-bench -t 2
+-p 512 -n 128, its own warm-up included); both sides report their best round. Alternating
+rounds puts the load of whatever else shares the machine on both sides alike; the best round is
+the one least disturbed. A file tokenbus does not load (a quant type it refuses) is recorded as
+refused, beside llama.cpp's figures. The default model's record is topic cpu_speed; --model
+files' are topic gguf_speed, one per file (the file's name is the record's setting).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import subprocess
 import time
@@ -21,7 +29,11 @@ from pathlib import Path
 
 from tokenbus import LLM, SamplingParams
 from tokenbus.bench.record import make_record, record_dir, this_command, write_record
+from tokenbus.loader.source import packaged_smollm2_gguf
 from tokenbus.utils.cpu import CpuFeatures
+
+LLAMA_CPP = Path(__file__).with_name("peers") / "llama_cpp.sh"
+TESTS = {(512, 0): "pp512", (0, 128): "tg128"}  # llama-bench's (n_prompt, n_gen) -> test
 
 
 def timed(llm: LLM, prompt: list[int], max_tokens: int) -> float:
@@ -33,68 +45,101 @@ def timed(llm: LLM, prompt: list[int], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quant-activations", default="auto")
-    parser.add_argument(
-        "--enforce-eager", action="store_true", help="every layer op by op (no C decode layers)"
-    )
-    parser.add_argument(
-        "--num-threads", type=int, default=None, help="engine threads (default: the usable cores)"
-    )
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--peer", action="store_true", help="also run llama-bench on the same GGUF")
-    parser.add_argument(
-        "--record", default=None, metavar="DIR", help="write a run record under DIR/cpu_speed/"
-    )
-    args = parser.parse_args()
-    print(f"CPU: {CpuFeatures.detect().describe()}")
-    llm = LLM(
-        quantization=args.quantization,
-        dtype=args.dtype,
-        quant_activations=args.quant_activations,
-        enforce_eager=args.enforce_eager,
-        num_threads=args.num_threads,
-        enable_prefix_caching=False,
-    )
+def llama_bench(gguf: Path) -> tuple[dict[str, float], str]:
+    """One llama-bench round on `gguf`: {test: tok/s} and llama.cpp's build commit."""
+    out = subprocess.run(
+        ["bash", str(LLAMA_CPP), "bench", str(gguf), "-r", "1", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return parse_llama_bench(out)
+
+
+def parse_llama_bench(out: str) -> tuple[dict[str, float], str]:
+    """llama-bench -o json's tests as {"tg128" | "pp512": tok/s}, and its build commit."""
+    results = json.loads(out)
+    rates = {TESTS[(r["n_prompt"], r["n_gen"])]: r["avg_ts"] for r in results}
+    return rates, results[0].get("build_commit", "")
+
+
+def refusal(error: Exception) -> str:
+    """The reason a file did not load, without its path (which the record's setting names)."""
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    text = text.split(".gguf: ", 1)[-1]
+    return "refused: " + text.split(" (supported:", 1)[0]
+
+
+def measure(args: argparse.Namespace, model: str | None) -> dict:
+    """Rounds of tokenbus (and llama-bench) on one model; the run's record."""
+    gguf = Path(model) if model else packaged_smollm2_gguf()
+    load = os.getloadavg()[0]  # before this file's run: the machine is shared
+    print(f"== {gguf.name} ({gguf.stat().st_size / 2**30:.2f} GiB); load average {load:.2f}")
+    refused = ""
+    try:
+        llm = LLM(
+            model,
+            quantization=args.quantization,
+            dtype=args.dtype,
+            quant_activations=args.quant_activations,
+            enforce_eager=args.enforce_eager,
+            num_threads=args.num_threads,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - a file the engine refuses is a result too
+        llm, refused = None, refusal(exc)
+        print(f"tokenbus: {refused}")
     rng = random.Random(0)
     short, long = [rng.randrange(1000, 40000)], [rng.randrange(1000, 40000) for _ in range(512)]
-    timed(llm, short, 16), timed(llm, long, 1)  # warm-up (kernels built, caches filled)
-    tg = min(timed(llm, short, 129) - timed(llm, short, 1) for _ in range(args.reps))
-    pp = min(timed(llm, long, 1) for _ in range(args.reps))
-    llm.shutdown()
-    print(
-        f"tokenbus quantization={args.quantization} dtype={args.dtype} "
-        f"quant_activations={args.quant_activations} "
-        f"enforce_eager={args.enforce_eager} num_threads={args.num_threads}: "
-        f"tg128 {128 / tg:.1f} tok/s, pp512 {512 / pp:.1f} tok/s"
-    )
-    peer = ""
-    if args.peer:
-        script = Path(__file__).with_name("peers") / "llama_cpp.sh"
-        peer = subprocess.run(
-            ["bash", str(script), "bench"], capture_output=True, text=True, check=True
-        ).stdout
-        print(peer)
-    if record_dir(args.record):
-        write_record(record_dir(args.record), speed_record(args, 128 / tg, 512 / pp, peer))
+    if llm is not None:
+        timed(llm, short, 16), timed(llm, long, 1)  # warm-up (kernels built, caches filled)
+    ours: dict[str, list[float]] = {"tg128": [], "pp512": []}
+    peer: dict[str, list[float]] = {"tg128": [], "pp512": []}
+    commit = ""
+    for n in range(args.reps):
+        if llm is not None:
+            ours["tg128"].append(128 / (timed(llm, short, 129) - timed(llm, short, 1)))
+            ours["pp512"].append(512 / timed(llm, long, 1))
+            print(
+                f"round {n + 1}: tokenbus tg128 {ours['tg128'][-1]:.1f}, "
+                f"pp512 {ours['pp512'][-1]:.1f} tok/s"
+            )
+        if args.peer:
+            rates, commit = llama_bench(gguf)
+            for test, rate in rates.items():
+                peer[test].append(rate)
+            print(
+                f"round {n + 1}: llama.cpp tg128 {rates['tg128']:.1f}, "
+                f"pp512 {rates['pp512']:.1f} tok/s"
+            )
+    if llm is not None:
+        llm.shutdown()
+    best = {test: max(rates) for test, rates in ours.items() if rates}
+    best_peer = {test: max(rates) for test, rates in peer.items() if rates}
+    print(f"best of {args.reps}: tokenbus {best or refused}, llama.cpp {best_peer or '-'}")
+    return speed_record(args, model, best or refused, best_peer, commit, load)
 
 
-def speed_record(args: argparse.Namespace, tg: float, pp: float, peer: str) -> dict:
-    """tg128 and pp512 as a run record, beside llama-bench's means where it ran."""
-    peer_rates = {}  # llama-bench's markdown rows: "| ... | pp512 | 362.00 ± 4.00 |"
-    for line in peer.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 2 and cells[-2] in ("tg128", "pp512"):
-            peer_rates[cells[-2]] = cells[-1]
+def speed_record(
+    args: argparse.Namespace,
+    model: str | None,
+    ours: dict[str, float] | str,
+    peer: dict[str, float],
+    commit: str = "",
+    load: float | None = None,
+) -> dict:
+    """tg128 and pp512 as a run record (`ours` a refusal's text where tokenbus did not load
+    the file), beside llama-bench's best round where it ran; a file's first row also gives the
+    load average when its run began (`load`)."""
     rows = {}
-    for test, rate in (("tg128", tg), ("pp512", pp)):
-        cells = {"tokenbus": round(rate, 1)}
-        if test in peer_rates:
-            cells["llama.cpp"] = peer_rates[test]
-            cells["tokenbus / llama.cpp"] = round(rate / float(peer_rates[test].split()[0]), 2)
+    for test in ("tg128", "pp512"):
+        rate = ours if isinstance(ours, str) else ours[test]
+        cells = {"tokenbus": rate if isinstance(rate, str) else round(rate, 1)}
+        if test in peer:
+            cells["llama.cpp"] = round(peer[test], 1)
+            if not isinstance(rate, str):
+                cells["tokenbus / llama.cpp"] = round(rate / peer[test], 2)
         rows[test] = cells
     settings = {
         "quantization": args.quantization,
@@ -104,11 +149,59 @@ def speed_record(args: argparse.Namespace, tg: float, pp: float, peer: str) -> d
     variant = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items() if v != "auto")
     variant += " --enforce-eager" * args.enforce_eager
     variant += f" --num-threads {args.num_threads}" if args.num_threads else ""
+    if model:  # the file first: one row per file in the table
+        size = Path(model).stat().st_size / 2**30
+        variant = f"{Path(model).name} ({size:.2f} GiB) {variant}"
+        if load is not None:
+            rows["tg128"]["load average"] = round(load, 2)
     units = {"tg128": "tok/s", "pp512": "tok/s", "tokenbus / llama.cpp": "×"}
-    peers = ["llama.cpp (llama-bench -t 2 -r 3, mean)"] if peer_rates else []
-    return make_record(
-        "cpu_speed", this_command(), rows, units=units, peers=peers, variant=variant.strip()
+    peers = []
+    if peer:
+        build = f"llama.cpp {commit}".strip()
+        peers = [
+            f"{build} (llama-bench -t 2 -r 1 per round, best of {args.reps} rounds "
+            "alternated with tokenbus's)"
+        ]
+    topic = "gguf_speed" if model else "cpu_speed"
+    record = make_record(
+        topic, this_command(), rows, units=units, peers=peers, variant=variant.strip()
     )
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--model", nargs="+", default=[None], metavar="FILE", help="GGUF files (default model)"
+    )
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quant-activations", default="auto")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="every layer op by op (no C decode layers)"
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="engine threads (default: the usable cores)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="the tests need 641 tokens; a model's own context (128k for Llama 3) would not fit "
+        "the default KV pool",
+    )
+    parser.add_argument("--reps", type=int, default=3, help="rounds")
+    parser.add_argument("--peer", action="store_true", help="also run llama-bench on the same GGUF")
+    parser.add_argument(
+        "--record", default=None, metavar="DIR", help="write a run record under DIR/<topic>/"
+    )
+    args = parser.parse_args()
+    print(f"CPU: {CpuFeatures.detect().describe()}")
+    for model in args.model:
+        record = measure(args, model)
+        if record_dir(args.record):
+            name = None if model is None else f"{record['date'][:10]}-{Path(model).stem}"
+            write_record(record_dir(args.record), record, name=name)
 
 
 if __name__ == "__main__":

@@ -87,22 +87,43 @@ def test_bench_results_become_rows():
 
 def test_cpu_speed_reads_llama_bench(tmp_path):
     cpu_speed = _load("cpu_speed")
-    peer = (
-        "| model | size | params | backend | threads | test | t/s |\n"
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: |\n"
-        "| llama ?B Q4_1 | 85.8 MiB | 134.52 M | CPU | 2 | pp512 | 362.00 ± 4.00 |\n"
-        "| llama ?B Q4_1 | 85.8 MiB | 134.52 M | CPU | 2 | tg128 | 103.00 ± 0.60 |\n"
-    )
+    peer = json.dumps([
+        {"build_commit": "0c1e570", "n_prompt": 512, "n_gen": 0, "avg_ts": 362.0},
+        {"build_commit": "0c1e570", "n_prompt": 0, "n_gen": 128, "avg_ts": 103.0},
+    ])  # fmt: skip
+    rates, commit = cpu_speed.parse_llama_bench(peer)
+    assert rates == {"pp512": 362.0, "tg128": 103.0} and commit == "0c1e570"
     args = cpu_speed.argparse.Namespace(
         quantization="auto", dtype="auto", quant_activations="int8", enforce_eager=False,
-        num_threads=None,
+        num_threads=None, reps=3,
     )  # fmt: skip
-    record = cpu_speed.speed_record(args, 143.2, 1011.0, peer)
+    record = cpu_speed.speed_record(args, None, {"tg128": 143.2, "pp512": 1011.0}, rates, commit)
+    assert record["topic"] == "cpu_speed"
     assert record["rows"]["tg128"] == {
         "tokenbus": 143.2,
-        "llama.cpp": "103.00 ± 0.60",
+        "llama.cpp": 103.0,
         "tokenbus / llama.cpp": 1.39,
     }
     assert record["rows"]["pp512"]["tokenbus / llama.cpp"] == 2.79
     assert record["variant"] == "--quant-activations int8"
+    assert record["peers"][0].startswith("llama.cpp 0c1e570 (llama-bench -t 2 -r 1 per round")
     json.dumps(record)  # a record is plain JSON
+
+
+def test_cpu_speed_records_a_refused_file_beside_llama_cpp(tmp_path):
+    cpu_speed = _load("cpu_speed")
+    gguf = tmp_path / "random-llama-3.2-1b-IQ4_XS.gguf"
+    gguf.write_bytes(b"\0" * 2**20)
+    error = ValueError(
+        f"{gguf}: tensor blk.0.ffn_down.weight has unsupported type IQ4_XS (supported: F32, F16)"
+    )
+    refused = cpu_speed.refusal(error)
+    assert refused == "refused: tensor blk.0.ffn_down.weight has unsupported type IQ4_XS"
+    args = cpu_speed.argparse.Namespace(
+        quantization="auto", dtype="auto", quant_activations="auto", enforce_eager=False,
+        num_threads=None, reps=3,
+    )  # fmt: skip
+    record = cpu_speed.speed_record(args, str(gguf), refused, {"tg128": 20.1, "pp512": 150.0})
+    assert record["topic"] == "gguf_speed"
+    assert record["variant"] == "random-llama-3.2-1b-IQ4_XS.gguf (0.00 GiB)"
+    assert record["rows"]["tg128"] == {"tokenbus": refused, "llama.cpp": 20.1}
