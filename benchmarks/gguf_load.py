@@ -50,7 +50,8 @@ def engine_pid() -> int:
     """The EngineCore process: this process's child with the largest resident set."""
     children = []
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        children += [int(p) for p in (task / "children").read_text().split()]
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            children += [int(p) for p in (task / "children").read_text().split()]
     if not children:
         raise RuntimeError("no EngineCore child process found")
     return max(children, key=lambda pid: proc_status_bytes(pid, "VmRSS"))
