@@ -75,7 +75,10 @@ def serving(directory: str, names: list[str]) -> None:
         ours = figures["tokenbus"][label]
         for column in list(figures)[1:]:
             rows[label][f"tokenbus / {column}"] = round(ours / figures[column][label], 2)
-    command = shell_command("benchmarks/peers/serve_vs_llama_cpp.sh", ("PEERS", "SERVE_ARGS"))
+    command = shell_command(
+        "benchmarks/peers/serve_vs_llama_cpp.sh", ("PEERS", "SERVE_ARGS", "MODEL")
+    )
+    model = os.environ.get("MODEL", "")
     units = UNITS | {f"tokenbus / {c}": "×" for c in list(figures)[1:]}
     record = make_record(
         "serving",
@@ -83,7 +86,10 @@ def serving(directory: str, names: list[str]) -> None:
         rows,
         units=units,
         peers=[peer_description(n) for n in names if n != "tokenbus"],
-        variant=os.environ.get("SERVE_ARGS", "").strip(),
+        # Another model's figures are a setting of their own, beside the default model's.
+        variant=" ".join(
+            filter(None, [Path(model).name if model else "", os.environ.get("SERVE_ARGS", "")])
+        ).strip(),
     )
     write_record(directory, record)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `tokenbus serve` vs `llama-server -np 16` on the same GGUF (the packaged SmolLM2 Q4_1), the
+# `tokenbus serve` vs `llama-server -np 16` on the same GGUF (the packaged SmolLM2 Q4_1, or
+# MODEL=FILE: e.g. benchmarks/make_random_gguf.py's, which carry SmolLM2's tokenizer), the
 # same client (`tokenbus bench serve`, text prompts through SmolLM2's tokenizer) and workload:
 # concurrency 1 (12 requests) and 16 (64 requests), prompts 20-600, outputs 16-256, EOS
 # ignored. Also cold start to healthy for both. Loopback only; results in bench_out/peer_*.
@@ -16,7 +17,7 @@ source benchmarks/lib.sh
 B=.venv/bin
 TOK=${TOK:-/tmp/smollm2-tokenizer}
 save_default_tokenizer "$TOK"
-MODEL=$(default_gguf)
+MODEL=${MODEL:-$(default_gguf)}
 workload=$(serve_workload "$TOK")
 
 run_peer() {  # name, port, server command...
@@ -29,7 +30,7 @@ run_peer() {  # name, port, server command...
   stop_server
 }
 
-run_peer tokenbus 8041 $B/tokenbus serve --port 8041 --served-model-name smollm2 ${SERVE_ARGS:-}
+run_peer tokenbus 8041 $B/tokenbus serve "$MODEL" --port 8041 --served-model-name smollm2 ${SERVE_ARGS:-}
 for peer in ${PEERS:-llama_cpp}; do
   case $peer in
     llama_cpp) run_peer llama_cpp 8042 bash benchmarks/peers/llama_cpp.sh server 8042 "$MODEL" -np 16 -c 32768 --alias smollm2 ;;
