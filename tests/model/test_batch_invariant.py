@@ -112,7 +112,7 @@ def test_gguf_linears_are_row_invariant(activations, cap):
     row-invariant modes no call switches mode or kernel with its rows."""
     kernels = load_quant_kernels(capped(cap))
     if activations == "bf16" and not kernels.bf16_engine:
-        pytest.skip(f"no bf16 engine here: {DETECTED.describe()}")
+        pytest.skip(f"no bf16 engine in the {cap} build on {DETECTED.describe()}")
     cols = 256  # K-quants take K in blocks of 256
     shards = [_Shard(Q.Q4_1, _quant_blocks(Q.Q4_1, 48, cols), cols)]
     shards.append(_Shard(Q.Q4_K, _quant_blocks(Q.Q4_K, 24, cols), cols))
