@@ -41,7 +41,8 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=129, min_tokens=129, ignore_eos=True)
     request = [{"prompt_token_ids": [1234]}]
     if args.layer_by_layer:
-        llm.engine.client.engine_core.executor.worker.model._decode_layers = None
+        model = llm.engine.client.engine_core.executor.worker.model
+        model.kernels = model.kernels.without_decode_layers()
     llm.generate(request, params, use_tqdm=False)  # warm-up
     plain = []
     for _ in range(3):

@@ -15,6 +15,7 @@ import torch
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import ForwardContext
+from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
 from tokenbus.model.layers.linear import LINEAR_BACKENDS
 from tokenbus.worker.model_builder import load_model
 
@@ -70,9 +71,9 @@ def main():
     src = resolve_model(None)
     arch = load_arch(src)
     dtype = getattr(torch, args.dtype)
-    model = load_model(src, arch, dtype, "cpu", args.attention_backend)  # finalized for "auto"
+    model = load_model(src, arch, dtype, "cpu", args.attention_backend)  # linears "auto"
     if args.linear_backend != "auto":
-        model.finalize(args.linear_backend)
+        apply_kernels(model, KernelRequest(args.attention_backend, args.linear_backend))
     bs = args.block_size
     num_blocks = max(args.batches) * ((args.context + bs) // bs + 1) + 2
     g = torch.Generator().manual_seed(0)

@@ -22,12 +22,12 @@ from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks,
 
 from tokenbus.model.attention_backend import NativeAttentionBackend, select_attention_backend
 from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.kernel_plan import quant_activation_modes
 from tokenbus.model.layers.linear import make_linear_kernel
 from tokenbus.model.layers.quantized import QuantizedLinearKernel
 from tokenbus.model.native import load_paged_attention, load_quant_kernels
 from tokenbus.model.native.dense_rows import load_dense_rows
 from tokenbus.utils.cpu import CpuFeatures, _capped
-from tokenbus.worker.model_builder import quant_activation_modes
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,

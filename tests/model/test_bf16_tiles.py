@@ -23,11 +23,11 @@ from tests.model.test_quantized import (
 )
 
 from tokenbus.loader import resolve_model
+from tokenbus.model.kernel_plan import quant_activation_modes
 from tokenbus.model.layers import Linear
 from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, TileModes
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CPU_ISA_ENV, CpuFeatures, _capped
-from tokenbus.worker.model_builder import quant_activation_modes
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,

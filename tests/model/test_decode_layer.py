@@ -75,9 +75,9 @@ def _steps(
     model, use_c: bool, kv_dtype: torch.dtype = torch.float32, connector: _LayerHooks | None = None
 ) -> list[torch.Tensor]:
     """Logits of a few steps: a prefill, decodes of two requests, a mixed step."""
-    saved = model._decode_layers
+    saved = model.kernels
     if not use_c:
-        model._decode_layers = None
+        model.kernels = saved.without_decode_layers()
     try:
         kv = PagedKV.for_model(model, kv_dtype=kv_dtype)
         batches = [
@@ -95,7 +95,7 @@ def _steps(
                 out.append(model.compute_logits(model(input_ids, ctx)))
         return out
     finally:
-        model._decode_layers = saved
+        model.kernels = saved
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_decoder_layer_in_c_equals_the_layer_by_layer_path(
     if activations == "bf16" and not load_quant_kernels().bf16_engine:
         pytest.skip(f"bf16 tiles need AVX512-BF16; this CPU is {CpuFeatures.detect().describe()}")
     model = _model(tmp_path, arch, qtype, quantization="gguf", quant_activations=activations)
-    layers = model._decode_layers
+    layers = model.kernels.decode_layers
     assert layers is not None
     calls, per_layer = [], []
     run_all, run = layers.run_all, layers.run

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import ForwardContext, LlamaForCausalLM, attention, get_model_class
+from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
 from tokenbus.worker.model_builder import load_model
 
 ATOL = 1e-4
@@ -228,11 +229,11 @@ def test_dense_and_packed_linear_backends_agree():
     ours, _ = load_pair(cached_tiny_model("llama"))
     ids = SEQS["c"]
     packed = run(ours, PagedKV.for_model(ours), [("c", ids)])
-    ours.finalize("dense")
+    apply_kernels(ours, KernelRequest(linear_backend="dense"))
     dense = run(ours, PagedKV.for_model(ours), [("c", ids)])
     torch.testing.assert_close(packed, dense, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="linear backend"):
-        ours.finalize("fast")
+        apply_kernels(ours, KernelRequest(linear_backend="fast"))
 
 
 def test_registry_maps_names_and_rejects_unknown():

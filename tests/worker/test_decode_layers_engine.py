@@ -35,7 +35,7 @@ def model_of(llm):
 def count_c_steps(llm) -> list[tuple[int, int]]:
     """Wrap the model's C layers: (tokens, requests) of every step that ran them (all layers in
     one call: no connector here)."""
-    layers = model_of(llm)._decode_layers
+    layers = model_of(llm).kernels.decode_layers
     steps: list[tuple[int, int]] = []
     run_all = layers.run_all
 

@@ -126,6 +126,17 @@ class AttentionPlan:
     native: NativeBatch | None = None  # decode-sized requests
     native_long: NativeBatch | None = None  # prefill chunks, by the flash path
 
+    def native_decode_only(self, num_rows: int) -> bool:
+        """Whether every query of a step of `num_rows` rows goes to the native kernel's decode
+        path: no flash-path chunk, no torch tile or span, no padding rows past num_tokens."""
+        return (
+            self.native is not None
+            and self.native_long is None
+            and not self.decode_tiles
+            and not self.prefills
+            and self.num_tokens == num_rows
+        )
+
     def forward(
         self,
         q: torch.Tensor,

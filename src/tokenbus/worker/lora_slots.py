@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenbus.config import LoRAConfig, ModelArch
 from tokenbus.loader.lora import load_adapter
+from tokenbus.model.kernel_plan import attach_lora
 from tokenbus.model.layers import Linear
 from tokenbus.model.lora import LORA_TARGETS, LinearLoRA, LoRABatch, LoRAPair
 
@@ -41,7 +42,7 @@ class LoRAAdapters:
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.startswith("layers."):
                 module.lora = self.linears[name] = LinearLoRA(module, self.batch, config, dtype)
-        model.attach_lora(self.batch)
+        attach_lora(model, self.batch)
         # id → {our linear's name → {shard → pair}}, most recently used last.
         self._loaded: OrderedDict[int, dict[str, dict[int, LoRAPair]]] = OrderedDict()
         self._slots: list[int] = [0] * config.max_loras  # adapter id per slot (0: empty)

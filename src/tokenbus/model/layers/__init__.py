@@ -2,6 +2,7 @@
 
 from tokenbus.model.layers.linear import LINEAR_BACKENDS, Linear, make_linear_kernel
 from tokenbus.model.layers.norm import RMSNorm
+from tokenbus.model.layers.ops import TORCH_OPS, FusedCpuOps, OpsModule, TorchOps
 from tokenbus.model.layers.rotary import ROPE_TYPES, RotaryEmbedding, apply_rotary, compute_inv_freq
 
 __all__ = [
@@ -9,6 +10,10 @@ __all__ = [
     "Linear",
     "make_linear_kernel",
     "RMSNorm",
+    "TORCH_OPS",
+    "FusedCpuOps",
+    "OpsModule",
+    "TorchOps",
     "ROPE_TYPES",
     "RotaryEmbedding",
     "apply_rotary",

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenbus.model.native import FusedOps
+from tokenbus.model.layers.ops import OpsModule
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(OpsModule):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim (bit-equal to HF's in fp32 on the
     torch path; to rounding on the fused C one)."""
 
@@ -17,7 +17,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.fused: FusedOps | None = None  # the fp32 CPU kernel (set by the model's finalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -26,7 +25,4 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x (the running stream), then return (norm(residual), residual)."""
-        if self.fused is not None and x.dim() == 2:
-            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
-        residual = x if residual is None else residual + x
-        return self.forward(residual), residual
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -64,8 +64,8 @@ INT_TILES_ANY_ROWS_ISAS = ("avx2", "avx512")
 
 @dataclass(frozen=True)
 class TileModes:
-    """How calls on tiles take x, by their number of rows (LlamaForCausalLM.set_quant_activations;
-    worker/model_builder.quant_activation_modes chooses them): bf16 from `bf16_from_rows` rows up
+    """How calls on tiles take x, by their number of rows (model/kernel_plan.py's
+    quant_activation_modes chooses them): bf16 from `bf16_from_rows` rows up
     (0: never), else dequantized for an fp32 GEMM from `gemm_from_rows` rows up (0: never), else
     `activations` (fp32 | int16 | int8; fp32 tiles take at most TILE_GEMV_MAX_ROWS rows, beyond
     that shard_matmul runs the GEMM).
@@ -177,8 +177,8 @@ class DequantBuffer:
 
 class QuantizedLinearKernel:
     """x[..., K] -> [..., N] over shards of GGUF blocks stacked along N (fused q/k/v may mix
-    types), plus an optional dense bias. How tiled shards take x: `modes` (set by the model:
-    LlamaForCausalLM.set_quant_activations)."""
+    types), plus an optional dense bias. How tiled shards take x: `modes` (set by the kernel
+    plan: model/kernel_plan.apply_kernels)."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@
      x_out       = silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T
 
    Each linear adds its LoRA side path for rows with an adapter (lora_add). Without adapters,
-   exactly what LlamaDecoderLayer.forward computes on the same kernels (the eager path with
+   exactly what decoder.DecoderLayer.forward computes on the same kernels (the eager path with
    the native attention backend): the same results, bit for bit (with them, the side path sums
    in another order than torch's GEMMs). The caller checks the
    preconditions (fp32, one tiled shard per linear, only the native attention in the plan).

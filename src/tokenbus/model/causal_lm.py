@@ -1,0 +1,178 @@
+"""A decoder-only language model built from model/decoder.py's parts (L2): the embedding, the
+layers a family file makes (`make_layer`), the final norm and the LM head, and the strict
+loading of HF-named weights into them.
+
+Which kernels run it the model does not choose: it holds a KernelPlan (model/kernel_plan.py),
+the torch path until `apply_kernels` picks, and hands its layers to `kernels.run_layers`.
+Under tensor parallelism (model/parallel.py) each rank holds its vocabulary rows: embedding
+lookups outside them give 0 before an all-reduce, and logits are all-gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenbus.config import ModelArch
+from tokenbus.model.attention_backend import AttentionBackend
+from tokenbus.model.decoder import DecoderLayer
+from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.kernel_plan import KernelPlan
+from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding
+from tokenbus.model.layers.quantized import (
+    KernelWeight,
+    QuantizedWeight,
+    is_quantized,
+    quantized_embedding,
+)
+from tokenbus.model.native import PagedAttentionKernel, QuantKernels
+from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.model.weights import (
+    TensorSlicer,
+    WeightLoader,
+    copy_param,
+    layer_loaders,
+    load_strictly,
+    sliced,
+)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids [T], ctx) -> final-normed hidden [T, hidden]; compute_logits -> fp32
+    logits."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        tp.check_divides(arch)
+        self.arch = arch
+        self.tp = tp
+        self.num_layers = arch.num_hidden_layers
+        self.num_kv_heads = tp.shard_arch(arch).num_key_value_heads
+        self.head_dim = arch.head_dim
+        # This rank's vocabulary rows (all of them without TP).
+        self.vocab_start, self.vocab_per_rank = tp.vocab_shard(arch.vocab_size)
+        self.embed_tokens = nn.Parameter(
+            torch.empty(self.vocab_per_rank, arch.hidden_size), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            self.make_layer(arch, tp) for _ in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+        self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
+        # A GGUF embedding kept in its blocks (then embed_tokens is released).
+        self.embed_quantized: QuantizedWeight | KernelWeight | None = None
+        self.kernels = KernelPlan.portable(self.embed_tokens.dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after the kernels
+
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
+        """One decoder layer of this family (a subclass chooses the parts)."""
+        raise NotImplementedError
+
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """Run the first `num_layers` decoder layers (default: all), then the final norm.
+
+        With num_layers=N this is the self-speculative draft model; it writes K/V only into
+        ctx.kv_caches[:N], and those entries equal the full model's (same weights and inputs).
+        """
+        num_layers = self.num_layers if num_layers is None else num_layers
+        if not 1 <= num_layers <= self.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
+        if ctx.attn_metadata is None:
+            raise ValueError(
+                "ForwardContext.attn_metadata is not set: build it with the model's "
+                "attention_backend before the forward"
+            )
+        x = self._embed(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
+        x, residual = self.kernels.run_layers(self.layers, num_layers, x, cos, sin, ctx)
+        return self.norm.add_and_norm(x, residual)[0]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quantized is not None:
+            return quantized_embedding(
+                self.kernels.quant, self.embed_quantized, input_ids, self.embed_tokens.dtype
+            )
+        if not self.tp.enabled:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_per_rank)
+        x = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.embed_tokens)
+        return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))  # other ranks' ids gave 0
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (rows of forward's output) -> fp32 logits [N, vocab], on every
+        rank."""
+        logits = self.lm_head(hidden).float()
+        if not self.tp.enabled:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.arch.vocab_size]  # drop the padding rows
+
+    # ------------------------------------------------------------------ the kernel plan's parts
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        """Builds each step's attention metadata (the worker calls it before the forward)."""
+        return self.kernels.attention
+
+    @property
+    def attention_kernel(self) -> PagedAttentionKernel | None:
+        """The native kernel the backend runs; None: the torch path."""
+        return self.kernels.attention.kernel
+
+    @property
+    def quant_kernels(self) -> QuantKernels | None:
+        return self.kernels.quant
+
+    @property
+    def decodes_in_c(self) -> bool:
+        """Whether decode-sized steps run their decoder layers in C (decode_layer.c: all in one
+        call, or one call per layer when a KV connector hooks in between)."""
+        return self.kernels.decode_layers is not None
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .float(), share_memory() & co may replace parameters' storage, which the C
+        # layers hold raw pointers into: drop them (layer by layer from then on).
+        self.kernels = self.kernels.without_decode_layers()
+        return super()._apply(fn, *args, **kwargs)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (any dtype; cast on copy), strictly. The kernels that run
+        them are chosen after (kernel_plan.apply_kernels)."""
+        load_strictly(self._weight_loaders(), weights, self.arch)
+
+    def _weight_loaders(self) -> dict[str, WeightLoader]:
+        """HF tensor name -> function copying that tensor (this rank's slice of it) into our
+        (possibly fused) parameter."""
+        vocab = TensorSlicer(self.tp, self.arch).vocab_rows(self.vocab_start, self.vocab_per_rank)
+        loaders: dict[str, WeightLoader] = {
+            "model.embed_tokens.weight": sliced(self._load_embedding, vocab),
+            "model.norm.weight": partial(copy_param, self.norm.weight),
+        }
+        if not self.arch.tie_word_embeddings:
+            loaders["lm_head.weight"] = sliced(self.lm_head.load_shard, vocab)
+        for idx, layer in enumerate(self.layers):
+            loaders.update(layer_loaders(f"model.layers.{idx}.", layer, self.tp, self.arch))
+        return loaders
+
+    def _load_embedding(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+        if not is_quantized(tensor):
+            copy_param(self.embed_tokens, name, tensor)
+            return
+        if (tensor.rows, tensor.cols) != tuple(self.embed_tokens.shape):
+            raise ValueError(
+                f"weight {name}: expected shape {list(self.embed_tokens.shape)}, "
+                f"got {[tensor.rows, tensor.cols]}"
+            )
+        self.embed_quantized = tensor
+        if self.arch.tie_word_embeddings:  # the LM head reads the same blocks
+            self.lm_head.load_shard(name, tensor)

@@ -1,0 +1,105 @@
+"""The parts of a pre-norm decoder layer, shared by every family (L2): attention, a gated MLP,
+and the layer that joins them. Each calls one injected op for each step it takes: its linears'
+kernels (layers/linear.py), the elementwise ops (`self.ops`: layers/ops.py) and the step's
+attention plan (ctx.attn_metadata: model/attention.py). Which kernels those are, the kernel plan
+decides once at load (model/kernel_plan.py); a family file only chooses the parts.
+
+Token layout is flat: every tensor is [T, ...] over the step's tokens of all requests.
+Fused weights: q/k/v are one `qkv_proj` [Hq*D + 2*Hkv*D, hidden] and gate/up one
+`gate_up_proj` [2*I, hidden]. Under tensor parallelism (model/parallel.py) each rank builds the
+same modules at its shard's sizes and joins partial results with one all-reduce after o_proj
+and one after down_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenbus.config import ModelArch
+from tokenbus.model.attention import Plan, paged_attention
+from tokenbus.model.layers import Linear, OpsModule, RMSNorm
+from tokenbus.model.parallel import SINGLE, TensorParallel
+
+
+class Attention(OpsModule):
+    """qkv_proj -> rotary -> paged attention -> o_proj; `qkv_bias` / `o_bias`: which
+    projections carry a bias."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TensorParallel = SINGLE,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        local = tp.shard_arch(arch)
+        self.num_heads = local.num_attention_heads
+        self.num_kv_heads = local.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias)
+        self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
+        q, k, v = self.ops.rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        out = paged_attention(q, k, v, kv_cache, slot_mapping, plan, self.scale)  # [T, Hq, D]
+        # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
+
+
+class GatedMLP(OpsModule):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up as one linear."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if arch.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {arch.hidden_act!r}")
+        self.tp = tp
+        size = tp.shard_arch(arch).intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, (size, size))
+        self.down_proj = Linear(size, (arch.hidden_size,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(gate_up)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), the residual carried apart."""
+
+    def __init__(self, arch: ModelArch, self_attn: Attention, mlp: GatedMLP) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` is the previous block's output, not yet added to `residual`."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual

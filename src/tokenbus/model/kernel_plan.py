@@ -1,0 +1,355 @@
+"""Which kernel runs each part of a step: chosen once, at load, here (L2).
+
+Model files describe an architecture (model/decoder.py's parts, a family file choosing them);
+they choose no kernel. As vLLM's get_attn_backend picks an attention backend once from the
+device, dtype and flags, and gpt-fast applies quantization and tensor parallelism to a model
+from outside, `apply_kernels(model, request)` picks, for the model's device, dtype and this CPU:
+
+- the elementwise ops every norm, attention and MLP calls (layers/ops.py): fused_ops.c on CPU in
+  fp32 where it builds, torch otherwise;
+- each linear's kernel (layers/linear.py): packed oneDNN, plain F.linear, dense_rows.c
+  (--batch-invariant), or the GGUF blocks on the native kernels (weights kept quantized), and
+  how tiled blocks take their activations (TileModes: `quant_activation_modes`);
+- the embedding's blocks, where it was kept quantized;
+- the attention backend (attention_backend.select_attention_backend);
+- decode_layer.c over every decoder layer, where each layer can run there (`decode_layers`).
+
+The result is a frozen KernelPlan the model holds; `KernelPlan.run_layers` is the one place a
+step's route is decided: all layers in one C call (a decode-sized step whose attention is all
+the native kernel's decode path), one C call per layer (the same, with a KV connector's hooks
+between layers), or each layer op by op. A new family whose layers are the shared parts gets
+every one of these paths without a line of kernel code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenbus.model.attention import AttentionPlan
+from tokenbus.model.attention_backend import (
+    AttentionBackend,
+    TorchAttentionBackend,
+    select_attention_backend,
+)
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
+from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.layers import TORCH_OPS, FusedCpuOps, Linear, OpsModule, TorchOps
+from tokenbus.model.layers.quantized import (
+    BF16_AUTO_MIN_ROWS,
+    GEMM_FROM_ROWS,
+    INT_TILES_ANY_ROWS_ISAS,
+    DequantBuffer,
+    QuantizedLinearKernel,
+    TileModes,
+    kernel_weight,
+)
+from tokenbus.model.lora import LoRABatch
+from tokenbus.model.native import (
+    TILE_GEMV_MAX_ROWS,
+    NativeBuildError,
+    QuantKernels,
+    load_fused_ops,
+    load_quant_kernels,
+)
+from tokenbus.model.native.decode_layer import (
+    DECODE_LAYER_KV_DTYPES,
+    DecodeLayers,
+    LayerWeights,
+    LinearWeights,
+)
+from tokenbus.utils.cpu import CpuFeatures
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelRequest:
+    """What the configuration asks of the kernels (ModelConfig, CompilationConfig)."""
+
+    attention_backend: str = "auto"  # ModelConfig.attention_backend
+    linear_backend: str = "auto"  # layers/linear.LINEAR_BACKENDS (benchmarks compare them)
+    decode_layers: bool = True  # False (--enforce-eager): every step op by op
+    batch_invariant: bool = False  # ModelConfig.batch_invariant
+    # ModelConfig.quant_activations; None: no weights are kept in GGUF blocks
+    quant_activations: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernels a model runs with, and the route of each step (run_layers)."""
+
+    request: KernelRequest
+    ops: TorchOps  # the elementwise ops bound to every OpsModule
+    attention: AttentionBackend  # builds each step's attention metadata (the worker asks it)
+    quant: QuantKernels | None = None  # the GGUF blocks' kernels, where weights are kept so
+    tile_modes: TileModes = TileModes()  # how tiled blocks take x (the linears hold the same)
+    decode_layers: DecodeLayers | None = None  # decode_layer.c over every layer, or None
+    lora: LoRABatch | None = None  # which rows use which adapter (worker/lora_slots.py)
+
+    @classmethod
+    def portable(cls, dtype: torch.dtype) -> KernelPlan:
+        """The torch path everywhere: a model's plan until apply_kernels chooses."""
+        return cls(
+            KernelRequest("torch", "dense", decode_layers=False),
+            TORCH_OPS,
+            TorchAttentionBackend(dtype),
+        )
+
+    def without_decode_layers(self) -> KernelPlan:
+        return dataclasses.replace(self, decode_layers=None)
+
+    def run_layers(
+        self,
+        layers: Sequence[DecoderLayer],
+        num_layers: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """layers[:num_layers] over x [T, hidden]: (the last layer's output, the residual
+        stream), for the model's final add-and-norm."""
+        step = self._decode_step(x, cos, sin, ctx)
+        connector = ctx.kv_connector
+        if step is not None and connector is None:  # every layer in one C call
+            residual = torch.empty_like(x)
+            self.decode_layers.run_all(num_layers, step, ctx.kv_caches, x, residual)
+            return x, residual
+        residual = None
+        for layer_idx in range(num_layers):
+            if connector is not None:
+                connector.wait_for_layer_load(layer_idx)
+            if step is not None:  # the whole layer in one C call, x and residual updated in place
+                out = residual if residual is not None else torch.empty_like(x)
+                self.decode_layers.run(
+                    layer_idx, step, ctx.kv_caches[layer_idx], x, residual, x, out
+                )
+                residual = out
+            else:
+                x, residual = layers[layer_idx](
+                    x,
+                    residual,
+                    cos,
+                    sin,
+                    ctx.kv_caches[layer_idx],
+                    ctx.slot_mapping,
+                    ctx.attn_metadata,
+                )
+            if connector is not None:
+                connector.save_kv_layer(layer_idx, ctx.kv_caches[layer_idx])
+        return x, residual
+
+    def _decode_step(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ):
+        """decode_layer.c's step arguments when this step runs there: a decode-sized batch
+        whose attention is all the native kernel's decode path, over a pool it writes; else
+        None. (fp32, CPU, tiled weights and the native kernel were settled at load.)"""
+        layers, plan, rows = self.decode_layers, ctx.attn_metadata, x.shape[0]
+        if (
+            layers is None
+            or rows > TILE_GEMV_MAX_ROWS
+            or not isinstance(plan, AttentionPlan)
+            or not plan.native_decode_only(rows)
+        ):
+            return None
+        kv = ctx.kv_caches[0]
+        if kv.dtype not in DECODE_LAYER_KV_DTYPES or not kv.is_contiguous():
+            return None
+        native = plan.native
+        return layers.step_args(
+            rows,
+            cos,
+            sin,
+            ctx.slot_mapping,
+            native.block_tables,
+            native.query_start,
+            native.seq_lens,
+            native.reqs,
+            kv,
+            self.tile_modes.mode(rows),
+            self.lora.slots if self.lora is not None else None,
+        )
+
+
+def apply_kernels(
+    model: nn.Module, request: KernelRequest = KernelRequest(), cpu: CpuFeatures | None = None
+) -> KernelPlan:
+    """Choose every kernel of a loaded `model` (a causal_lm.CausalLM), bind them, and return
+    the plan the model now holds. Choosing again (another request) is allowed: weights kept in
+    GGUF blocks stay on them."""
+    cpu = cpu or CpuFeatures.detect()
+    device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
+    quant = _finalize_weights(model, request, cpu)
+    modes = TileModes()
+    if request.quant_activations is not None:
+        modes = quant_activation_modes(request.quant_activations, quant, request.batch_invariant)
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
+            module.kernel.modes = modes
+    attention = select_attention_backend(
+        request.attention_backend, device, dtype, request.batch_invariant
+    )
+    plan = KernelPlan(
+        request, _layer_ops(device, dtype, cpu), attention, quant, modes, lora=model.kernels.lora
+    )
+    if request.decode_layers:
+        plan = dataclasses.replace(plan, decode_layers=build_decode_layers(model, plan))
+    _install(model, plan)
+    return plan
+
+
+def attach_lora(model: nn.Module, batch: LoRABatch) -> None:
+    """Adapters are on (worker/lora_slots.py gave every linear its slots): the plan carries the
+    step's rows, and the C layers are rebuilt to read the slots too."""
+    plan = dataclasses.replace(model.kernels, lora=batch)
+    if plan.decode_layers is not None:
+        plan = dataclasses.replace(plan, decode_layers=build_decode_layers(model, plan))
+    _install(model, plan)
+
+
+def _install(model: nn.Module, plan: KernelPlan) -> None:
+    """The model holds the plan, and every norm, attention and MLP of it calls the plan's ops."""
+    for module in model.modules():
+        if isinstance(module, OpsModule):
+            module.ops = plan.ops
+    model.kernels = plan
+
+
+def _layer_ops(device: torch.device, dtype: torch.dtype, cpu: CpuFeatures) -> TorchOps:
+    """fused_ops.c on CPU in fp32 (one C call per step instead of 3-6 ATen ops), where it
+    builds; torch otherwise."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return TORCH_OPS
+    try:
+        return FusedCpuOps(load_fused_ops(cpu))
+    except NativeBuildError as exc:
+        logger.warning("fused CPU ops unavailable, torch runs them: %s", exc)
+        return TORCH_OPS
+
+
+def _finalize_weights(
+    model: nn.Module, request: KernelRequest, cpu: CpuFeatures
+) -> QuantKernels | None:
+    """Each linear's kernel (layers/linear.py: GGUF blocks on the native kernels, else packed
+    for the device and CPU, or dense_rows.c under batch invariance, whose rows never depend on
+    each other), and the embedding's blocks; the quantized kernels, where weights use them."""
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    on_blocks = model.embed_quantized is not None or any(
+        linear.quantized or linear.backend == "gguf" for linear in linears
+    )
+    quant = load_quant_kernels(cpu) if on_blocks else None
+    backend = "rows" if request.batch_invariant else request.linear_backend
+    buffer = DequantBuffer()  # one scratch for all linears: they run one at a time
+    for linear in linears:
+        linear.finalize(backend, cpu, quant, buffer)
+    if model.embed_quantized is not None:  # lookups read the blocks: no dense table
+        head = model.lm_head.quantized_weights()
+        if model.arch.tie_word_embeddings and len(head) == 1:
+            model.embed_quantized = head[0]  # the LM head's (maybe tiled) copy: one in memory
+        else:
+            model.embed_quantized = kernel_weight(quant, model.embed_quantized)
+        model.embed_tokens = nn.Parameter(
+            model.embed_tokens.new_empty(0, model.arch.hidden_size), requires_grad=False
+        )
+    return quant
+
+
+def quant_activation_modes(
+    requested: str, kernels: QuantKernels | None, row_invariant: bool = False
+) -> TileModes:
+    """The TileModes for a ModelConfig.quant_activations: auto is int16, and bf16 from
+    BF16_AUTO_MIN_ROWS[engine] rows where the CPU has a bf16 engine (AMX: prefill chunks and
+    decode batches of 16+; AVX512-BF16: prefill chunks), else int16 at any size on
+    INT_TILES_ANY_ROWS_ISAS (AVX2, AVX-512); bf16 is bf16 for every call and needs an engine; an
+    explicit int8 or int16 takes its tiles at any size on those ISAs too (there they beat
+    dequantizing for the GEMM). Calls past the decode-sized ones dequantize for the fp32 GEMM
+    otherwise. `row_invariant` (--batch-invariant): one mode at every size (auto: int16), on the
+    block kernels only (TileModes.row_invariant)."""
+    engine = kernels.bf16_engine if kernels is not None else ""
+    any_rows = not engine and kernels is not None and kernels.isa in INT_TILES_ANY_ROWS_ISAS
+    if requested == "bf16":
+        if not engine:
+            raise ValueError(
+                "quant_activations 'bf16' needs AVX512-BF16 (avx512_bf16; AMX tiles where the "
+                f"kernel grants them); this CPU: {CpuFeatures.detect().describe()}"
+            )
+        return TileModes("bf16", 1, 0, row_invariant)
+    if row_invariant:
+        return TileModes("int16" if requested == "auto" else requested, 0, 0, True)
+    if requested == "auto":
+        return TileModes(
+            "int16", BF16_AUTO_MIN_ROWS.get(engine, 0), 0 if any_rows else GEMM_FROM_ROWS
+        )
+    return TileModes(
+        requested, 0, 0 if any_rows and requested in ("int8", "int16") else GEMM_FROM_ROWS
+    )
+
+
+def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
+    """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
+    ops and the native attention kernel, every linear one tiled GGUF shard, no TP, every layer
+    made of the shared parts alone."""
+    kernel = plan.attention.kernel
+    if (
+        kernel is None
+        or not isinstance(plan.ops, FusedCpuOps)
+        or plan.quant is None
+        or model.tp.enabled
+    ):
+        return None
+    layers = [_layer_weights(layer) for layer in model.layers]
+    if None in layers:
+        return None
+    try:
+        return DecodeLayers(layers, plan.quant, kernel, plan.ops.fused)
+    except NativeBuildError as exc:
+        logger.warning("decode layers in C unavailable, torch runs them: %s", exc)
+        return None
+
+
+# The parts decode_layer.c computes, as they are: a subclass may compute something else (another
+# norm, another activation), so only these exact types are taken.
+_C_PARTS = (DecoderLayer, Attention, GatedMLP)
+
+
+def _layer_weights(layer: nn.Module) -> LayerWeights | None:
+    """A decoder layer as decode_layer.c reads it, or None where it cannot run there."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if tuple(type(part) for part in (layer, attn, mlp)) != _C_PARTS:
+        return None
+    linears = [
+        _tiled_linear(linear)
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    ]
+    if None in linears:
+        return None
+    return LayerWeights(
+        *linears,
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        layer.input_layernorm.eps,
+        attn.scale,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+    )
+
+
+def _tiled_linear(linear: Linear) -> LinearWeights | None:
+    """A linear as decode_layer.c runs it (one tiled GGUF shard), or None."""
+    kernel = linear.kernel
+    if (
+        not isinstance(kernel, QuantizedLinearKernel)
+        or len(kernel.shards) != 1
+        or not kernel.shards[0].tiled
+    ):
+        return None
+    shard = kernel.shards[0]
+    return LinearWeights(shard.qtype, shard.data, shard.rows, shard.cols, linear.bias, linear.lora)

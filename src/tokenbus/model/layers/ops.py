@@ -1,0 +1,101 @@
+"""The elementwise steps of a decoder layer, as one object a model's modules call.
+
+A layer's norms, rotary and SiLU-times-up go through `module.ops`, never through a
+kernel of the module's own choosing: the kernel plan (model/kernel_plan.py) picks the object
+once at load and binds it to every `OpsModule`. `TorchOps` is the portable path (any device and
+dtype: bit-equal to HF in fp32); `FusedCpuOps` runs native/fused_ops.c, one C call per step
+instead of 3-6 ATen ops, on CPU in fp32. decode_layer.c calls the same C functions, so a layer
+it runs and the same layer run op by op on FusedCpuOps agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenbus.model.layers.rotary import apply_rotary
+from tokenbus.model.native import FusedOps
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class TorchOps:
+    """The portable path: torch ops on any device and dtype."""
+
+    name = "torch"
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += x (the running stream), then (rms_norm(residual) * weight, residual)."""
+        residual = x if residual is None else residual + x
+        return F.rms_norm(residual, weight.shape, weight, eps), residual
+
+    def rope(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> QKV:
+        """q, k rotated (rotate-half) and v, from qkv [T, Hq + 2 Hkv, D]; cos/sin [T, 1, D/2]."""
+        num_qk_heads = num_heads + num_kv_heads
+        qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # q and k rotated at once
+        q, k = qk.split((num_heads, num_kv_heads), dim=1)
+        return q, k, qkv[:, num_qk_heads:]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [..., 2I] -> [..., I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class FusedCpuOps(TorchOps):
+    """fused_ops.c on CPU in fp32 (one C call each); torch for shapes it does not take."""
+
+    name = "fused"
+
+    def __init__(self, fused: FusedOps) -> None:
+        self.fused = fused
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() != 2:
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self.fused.add_rms_norm(x, residual, weight, eps)
+
+    def rope(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> QKV:
+        num_tokens, _, head_dim = qkv.shape
+        num_qk_heads = num_heads + num_kv_heads
+        flat = qkv.view(num_tokens, -1)  # [T, (Hq + 2 Hkv) * D]
+        self.fused.rope_(
+            flat, cos.view(num_tokens, -1), sin.view(num_tokens, -1), num_qk_heads, head_dim
+        )
+        return qkv[:, :num_heads], qkv[:, num_heads:num_qk_heads], qkv[:, num_qk_heads:]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2:
+            return super().silu_mul(gate_up)
+        return self.fused.silu_mul(gate_up)
+
+
+TORCH_OPS = TorchOps()
+
+
+class OpsModule(nn.Module):
+    """A module whose elementwise steps go through `ops` (the torch path until the kernel plan
+    binds another: model/kernel_plan.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: TorchOps = TORCH_OPS

@@ -1,0 +1,157 @@
+"""Loading HF-named checkpoint tensors into a decoder's (possibly fused, possibly sharded)
+parameters, strictly (L2): every name must be known, none may be missing, every shape must be
+the one built; each error names the tensor.
+
+A model maps each HF name to a loader (name, tensor) -> None that copies this rank's slice of
+the tensor into its parameter (`Slicer`s cut the slice: model/parallel.py says which).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import torch
+
+from tokenbus.config import ModelArch
+from tokenbus.model.decoder import DecoderLayer
+from tokenbus.model.layers.quantized import is_quantized
+from tokenbus.model.parallel import TensorParallel
+
+WeightLoader = Callable[[str, torch.Tensor], None]
+Slicer = Callable[[torch.Tensor], torch.Tensor]
+# Checkpoint tensors that carry no information for us (old HF checkpoints store inv_freq).
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_strictly(
+    loaders: dict[str, WeightLoader],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    arch: ModelArch,
+) -> None:
+    """Feed each (name, tensor) to its loader; unknown, repeated and missing names are errors."""
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name in loaded:
+            raise ValueError(f"weight {name} appears twice")
+        loader = loaders.get(name)
+        if loader is None:
+            tied_head = name == "lm_head.weight" and arch.tie_word_embeddings
+            if name.endswith(IGNORED_WEIGHT_SUFFIXES) or tied_head:
+                continue
+            raise ValueError(
+                f"unexpected weight {name} for {arch.architecture} "
+                f"with {arch.num_hidden_layers} layers"
+            )
+        loader(name, tensor)
+        loaded.add(name)
+    missing = sorted(set(loaders) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        )
+        raise ValueError(f"missing weights: {shown}")
+
+
+def layer_loaders(
+    prefix: str, layer: DecoderLayer, tp: TensorParallel, arch: ModelArch
+) -> dict[str, WeightLoader]:
+    """HF names of one decoder layer (`prefix` = "model.layers.N.") -> loaders: separate
+    q/k/v and gate/up tensors into the fused linears, this rank's slice of each."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [
+        ("input_layernorm", layer.input_layernorm),
+        ("post_attention_layernorm", layer.post_attention_layernorm),
+    ]
+    loaders: dict[str, WeightLoader] = {
+        f"{prefix}{name}.weight": partial(copy_param, norm.weight) for name, norm in norms
+    }
+    cut = TensorSlicer(tp, arch)
+    q_rows = cut.head_rows(attn.num_heads * tp.rank, attn.num_heads)
+    kv_rows = cut.head_rows(tp.kv_head_start(arch.num_key_value_heads), attn.num_kv_heads)
+    mlp_rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)
+    # (linear, scope, [(HF name, weight slicer, bias slicer)]) per fused linear.
+    fused = [
+        (
+            attn.qkv_proj,
+            "self_attn.",
+            [
+                ("q_proj", q_rows, q_rows),
+                ("k_proj", kv_rows, kv_rows),
+                ("v_proj", kv_rows, kv_rows),
+            ],
+        ),
+        (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),
+        (mlp.gate_up_proj, "mlp.", [("gate_proj", mlp_rows, None), ("up_proj", mlp_rows, None)]),
+        (mlp.down_proj, "mlp.", [("down_proj", cut.columns(mlp_rows), None)]),
+    ]
+    for linear, scope, shards in fused:
+        for shard, (name, weight_slice, bias_slice) in enumerate(shards):
+            loaders[f"{prefix}{scope}{name}.weight"] = sliced(
+                partial(linear.load_shard, shard=shard), weight_slice
+            )
+            if linear.bias is not None:
+                loaders[f"{prefix}{scope}{name}.bias"] = sliced(
+                    partial(linear.load_shard, shard=shard, is_bias=True), bias_slice
+                )
+    return loaders
+
+
+class TensorSlicer:
+    """This rank's slice of a full HF tensor; None (no slicing) without tensor parallelism."""
+
+    def __init__(self, tp: TensorParallel, arch: ModelArch) -> None:
+        self.tp = tp
+        self.head_dim = arch.head_dim
+
+    def rows(self, start: int, count: int) -> Slicer | None:
+        return None if not self.tp.enabled else (lambda t: t[start : start + count])
+
+    def head_rows(self, first_head: int, num_heads: int) -> Slicer | None:
+        return self.rows(first_head * self.head_dim, num_heads * self.head_dim)
+
+    def columns(self, rows: Slicer | None) -> Slicer | None:
+        """The same range along the input dim (row-parallel weights are [out, in])."""
+        return None if rows is None else (lambda t: rows(t.T).T)
+
+    def rank0_only(self) -> Slicer | None:
+        """A row-parallel bias is added once: rank 0 keeps it, the others add zeros."""
+        if not self.tp.enabled:
+            return None
+        return (lambda t: t) if self.tp.rank == 0 else torch.zeros_like
+
+    def vocab_rows(self, start: int, per_rank: int) -> Slicer | None:
+        """Rows [start, start + per_rank), zero-padded past the real vocabulary."""
+        if not self.tp.enabled:
+            return None
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            part = t[start : start + per_rank]
+            pad = per_rank - part.shape[0]
+            return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+
+        return cut
+
+
+def sliced(loader: WeightLoader, slicer: Slicer | None) -> WeightLoader:
+    if slicer is None:
+        return loader
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        if is_quantized(tensor):
+            raise ValueError(
+                f"weight {name}: GGUF blocks cannot be split for tensor parallelism; "
+                f"use --quantization none"
+            )
+        loader(name, slicer(tensor))
+
+    return load
+
+
+def copy_param(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    if tensor.shape != param.shape:
+        raise ValueError(
+            f"weight {name}: expected shape {list(param.shape)}, got {list(tensor.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
