@@ -53,7 +53,7 @@ def kv_row_bytes(kv_cache_dtype: str, head_dim: int) -> int:
 class ModelArch:
     """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama", "mistral" or "qwen2"
+    architecture: str  # "llama", "mistral", "qwen2" or "qwen3" (model/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

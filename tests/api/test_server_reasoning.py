@@ -7,45 +7,14 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
 
 from tests.fixtures.server import ServerProcess
-from tests.fixtures.tiny_models import TINY_CONFIG, smollm2_tokenizer_dir
+from tests.fixtures.tiny_models import make_scripted_model, smollm2_tokenizer_dir
 
 pytestmark = pytest.mark.slow  # a server start (~25 s on two cores)
 
 ASK = [{"role": "user", "content": "Hello?"}]
 REPLY_WORDS = ("Hmm", "Hi")  # the reasoning, the content
-
-
-def make_scripted_model(path, tokenizer, reply: list[int]):
-    """A tiny llama whose greedy reply to any chat prompt is `reply`, then EOS.
-
-    Attention and MLP outputs are zero, so each position's logits depend on its own token
-    only: lm_head's row for token b is token a's embedding where b follows a in the script
-    (the prompt's last token, "\\n", leads to reply[0]); every other row is zero.
-    """
-    import transformers
-
-    config = transformers.LlamaConfig(**{**TINY_CONFIG, "vocab_size": len(tokenizer)})
-    model = transformers.LlamaForCausalLM(config).float()
-    newline = tokenizer.encode("\n")[-1]
-    chain = [newline, *reply, config.eos_token_id]
-    assert len(set(chain)) == len(chain), "each token of the script must lead to one next token"
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.fill_(1.0)
-        embed = torch.randn(model.model.embed_tokens.weight.shape, generator=generator)
-        model.model.embed_tokens.weight.copy_(embed)
-        model.lm_head.weight.zero_()
-        for token, following in zip(chain, chain[1:]):
-            model.lm_head.weight[following] = embed[token]
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,8 @@ def _steps(
         ("llama", "Q4_1", "auto", torch.uint8),
         ("llama", "Q4_K", "auto", torch.float32),  # K-quants on tiles
         ("llama", "Q6_K", "int8", torch.float32),
+        ("qwen3", "Q8_0", "auto", torch.float32),  # qwen3: q/k norms in C, head_dim 128
+        ("qwen3", "Q4_0", "int8", torch.uint8),
     ],
 )  # --kv-cache-dtype float16 (the default on GGUF blocks), fp8_e4m3, fp8_e5m2, q8_0: written
 # in C by decode_layer.c, in torch by the layer-by-layer path (kv_quant.h / kv_quant.py)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import ForwardContext, LlamaForCausalLM, attention, get_model_class
 from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
+from tokenbus.model.qwen3 import Qwen3ForCausalLM
 from tokenbus.worker.model_builder import load_model
 
 ATOL = 1e-4
@@ -36,7 +37,9 @@ def load_pair(path, attention_backend: str = "auto") -> tuple[LlamaForCausalLM, 
 @pytest.fixture(
     scope="module",
     params=[
-        (arch, backend) for arch in ("llama", "qwen2", "mistral") for backend in ("torch", "native")
+        (arch, backend)
+        for arch in ("llama", "qwen2", "mistral", "qwen3")
+        for backend in ("torch", "native")
     ],
     ids="-".join,
 )
@@ -210,6 +213,27 @@ def test_llama_variants_match_hf(overrides):
     torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(tie_word_embeddings=True, head_dim=16),  # head_dim = hidden / heads here
+        dict(attention_bias=True, head_dim=32),  # q/k/v and o_proj biases
+        dict(num_key_value_heads=1, head_dim=64),  # 4 query heads on one KV head
+    ],
+    ids=["tied-embeddings", "attention-bias", "mqa"],
+)
+def test_qwen3_variants_match_hf(overrides):
+    """Qwen3's q/k norms under each variant, prefill then decode (its default head_dim, 128,
+    runs in the `pair` tests)."""
+    ours, hf = load_pair(cached_tiny_model("qwen3", **overrides))
+    assert type(ours).__name__ == "Qwen3ForCausalLM" and ours.layers[0].self_attn.q_norm is not None
+    ids, kv = SEQS["c"], PagedKV.for_model(ours)
+    logits = torch.cat(
+        [run(ours, kv, [("c", ids[:10])])] + [run(ours, kv, [("c", [t])]) for t in ids[10:]]
+    )
+    torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 0.25), (torch.float16, 0.05)])
 def test_half_precision_runs_close_to_fp32(dtype, atol):
     path = cached_tiny_model("qwen2")
@@ -246,5 +270,6 @@ def test_registry_maps_names_and_rejects_unknown():
         "Qwen2ForCausalLM",
     ):
         assert get_model_class(name) is LlamaForCausalLM
+    assert get_model_class("qwen3") is get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         get_model_class("GPT2LMHeadModel")

@@ -3,6 +3,7 @@ errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -120,6 +121,31 @@ def test_load_arch_from_config_and_gguf_agree(tmp_path, arch_name):
     assert {f: getattr(gguf_arch, f) for f in expected} == expected
 
 
+def test_qwen3_arch_from_config_and_gguf(tmp_path):
+    """Qwen3's head_dim comes from the config (Qwen3Config's default 128, not 64 / 4); llama.cpp
+    writes it as qwen3.attention.key_length, and the q/k norms as attn_q_norm / attn_k_norm."""
+    hf_dir = cached_tiny_model("qwen3", tie_word_embeddings=True)
+    arch = load_arch(resolve_model(str(hf_dir)))
+    assert (arch.architecture, arch.head_dim, arch.attention_bias, arch.tie_word_embeddings) == (
+        "qwen3",
+        128,
+        False,
+        True,
+    )
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False)
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == "qwen3"
+    assert reader.fields["qwen3.attention.key_length"].contents() == 128
+    assert {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= {
+        t.name for t in reader.tensors
+    }
+    assert "output.weight" not in {t.name for t in reader.tensors}  # tied: no LM head tensor
+    gguf_arch = load_arch(resolve_model(str(path)))
+    # fp32 eps in a GGUF; no token ids without the tokenizer's metadata
+    same = dict(rms_norm_eps=arch.rms_norm_eps, bos_token_id=1, eos_token_ids=(2,))
+    assert dataclasses.replace(gguf_arch, **same) == arch
+
+
 def test_hf_tokenizer_and_generation_config():
     src = resolve_model(str(cached_tiny_model("llama")))
     tokenizer = load_tokenizer(src)
@@ -139,7 +165,7 @@ def test_rope_types_understood_by_loader_are_built_by_model():
 # ----------------------------------------------------------------------------- weights
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3"])
 def test_f32_gguf_and_safetensors_give_identical_logits(tmp_path, arch_name):
     hf_dir = cached_tiny_model(arch_name)
     gguf_src = resolve_model(
@@ -250,6 +276,37 @@ def test_unsupported_hf_architecture_is_named(tmp_path):
     (hf_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'"):
         load_arch(resolve_model(str(hf_dir)))
+
+
+def test_qwen3_config_fields_not_implemented_are_named(tmp_path):
+    hf_dir = shutil.copytree(cached_tiny_model("qwen3"), tmp_path / "m")
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        load_arch(resolve_model(str(hf_dir)))
+
+
+def test_qwen3_gguf_tensors_strictly_mapped(tmp_path):
+    """A Qwen3 GGUF without its q/k norms is refused naming them; a llama GGUF that carries
+    them is refused naming the tensor it does not take."""
+    qwen3 = cached_tiny_model("qwen3", head_dim=32)
+    stripped = shutil.copytree(qwen3, tmp_path / "stripped")
+    weights = hf_weights(stripped)
+    for name in [n for n in weights if "q_norm" in n]:
+        del weights[name]
+    save_file(weights, str(stripped / "model.safetensors"))
+    src = resolve_model(str(write_gguf(stripped, tmp_path / "a.gguf", with_tokenizer=False)))
+    with pytest.raises(ValueError, match=r"missing weights: model.layers.0.self_attn.q_norm"):
+        load_model(src, load_arch(src), torch.float32, "cpu")
+    config = json.loads((stripped / "config.json").read_text())
+    (stripped / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    save_file(hf_weights(qwen3), str(stripped / "model.safetensors"))
+    src = resolve_model(str(write_gguf(stripped, tmp_path / "b.gguf", with_tokenizer=False)))
+    with pytest.raises(
+        ValueError, match=r"unexpected weight model.layers.0.self_attn.[qk]_norm.weight for llama"
+    ):
+        load_model(src, load_arch(src), torch.float32, "cpu")
 
 
 def test_unsupported_gguf_quant_type_is_named(tmp_path):

@@ -2,8 +2,9 @@
 (keep_quantized) the GGUF blocks themselves for the types the native kernels run.
 
 llama.cpp's converter permutes the rows of q/k weights of llama-arch models (interleaved
-rotary pairs instead of HF's rotate-half halves); `unpermute_qk` undoes it. Qwen2 GGUFs are
-written unpermuted. Mistral is written as architecture "llama".
+rotary pairs instead of HF's rotate-half halves); `unpermute_qk` undoes it. Qwen2 and Qwen3
+GGUFs are written unpermuted (llama.cpp's NeoX rotary is rotate-half). Mistral is written as
+architecture "llama". A tensor name this table does not know is refused, naming it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we load
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values we load
 # Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
 # them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
 # attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants); the float types are dequantized on load.
@@ -62,6 +63,8 @@ _BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",

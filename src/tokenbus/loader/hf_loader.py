@@ -15,11 +15,12 @@ from tokenbus.config import ModelArch
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
 
-# HF `architectures` entry -> ModelArch.architecture (model_type); all built by model/llama.py.
+# HF `architectures` entry -> ModelArch.architecture (model_type); model/registry.py builds each.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 # Rope types we pass on to the model (model/layers/rotary.py ROPE_TYPES; a test keeps them in sync).
 HF_ROPE_TYPES = ("default", "linear", "llama3")

@@ -1,4 +1,5 @@
-"""L2 models: nn.Modules of Llama-family decoders and their paged attention."""
+"""L2 models: nn.Modules of decoder families (model/registry.py), their kernels and paged
+attention."""
 
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.llama import LlamaForCausalLM

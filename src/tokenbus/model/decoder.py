@@ -23,8 +23,11 @@ from tokenbus.model.parallel import SINGLE, TensorParallel
 
 
 class Attention(OpsModule):
-    """qkv_proj -> rotary -> paged attention -> o_proj; `qkv_bias` / `o_bias`: which
-    projections carry a bias."""
+    """qkv_proj -> (per-head q/k RMSNorm) -> rotary -> paged attention -> o_proj.
+
+    `qkv_bias` / `o_bias`: which projections carry a bias; `qk_norm`: an RMSNorm over each
+    query and key head's D values before the rotary (Qwen3's q_norm / k_norm, one weight [D]
+    each, whole on every rank)."""
 
     def __init__(
         self,
@@ -32,6 +35,7 @@ class Attention(OpsModule):
         tp: TensorParallel = SINGLE,
         qkv_bias: bool = False,
         o_bias: bool = False,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -43,6 +47,8 @@ class Attention(OpsModule):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias)
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -55,6 +61,11 @@ class Attention(OpsModule):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
+        if self.q_norm is not None:
+            self.ops.head_rms_norm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
+            self.ops.head_rms_norm_(
+                qkv, self.num_heads, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps
+            )
         q, k, v = self.ops.rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         out = paged_attention(q, k, v, kv_cache, slot_mapping, plan, self.scale)  # [T, Hq, D]
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).

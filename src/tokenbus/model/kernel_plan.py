@@ -339,6 +339,8 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         attn.num_heads,
         attn.num_kv_heads,
         attn.head_dim,
+        None if attn.q_norm is None else attn.q_norm.weight,
+        None if attn.k_norm is None else attn.k_norm.weight,
     )
 
 

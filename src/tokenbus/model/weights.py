@@ -63,6 +63,8 @@ def layer_loaders(
         ("input_layernorm", layer.input_layernorm),
         ("post_attention_layernorm", layer.post_attention_layernorm),
     ]
+    if attn.q_norm is not None:  # per head, the same on every rank
+        norms += [("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]
     loaders: dict[str, WeightLoader] = {
         f"{prefix}{name}.weight": partial(copy_param, norm.weight) for name, norm in norms
     }

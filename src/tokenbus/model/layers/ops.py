@@ -1,6 +1,6 @@
 """The elementwise steps of a decoder layer, as one object a model's modules call.
 
-A layer's norms, rotary and SiLU-times-up go through `module.ops`, never through a
+A layer's norms, rotary, q/k norms and SiLU-times-up go through `module.ops`, never through a
 kernel of the module's own choosing: the kernel plan (model/kernel_plan.py) picks the object
 once at load and binds it to every `OpsModule`. `TorchOps` is the portable path (any device and
 dtype: bit-equal to HF in fp32); `FusedCpuOps` runs native/fused_ops.c, one C call per step
@@ -31,6 +31,14 @@ class TorchOps:
         """residual += x (the running stream), then (rms_norm(residual) * weight, residual)."""
         residual = x if residual is None else residual + x
         return F.rms_norm(residual, weight.shape, weight, eps), residual
+
+    def head_rms_norm_(
+        self, qkv: torch.Tensor, first: int, count: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        """RMSNorm over each of heads [first, first + count) of qkv [T, H, D], in place (Qwen3's
+        q_norm / k_norm: one weight [D] for every head)."""
+        heads = qkv[:, first : first + count]
+        heads.copy_(F.rms_norm(heads, weight.shape, weight, eps))
 
     def rope(
         self,
@@ -66,6 +74,15 @@ class FusedCpuOps(TorchOps):
         if x.dim() != 2:
             return super().add_rms_norm(x, residual, weight, eps)
         return self.fused.add_rms_norm(x, residual, weight, eps)
+
+    def head_rms_norm_(
+        self, qkv: torch.Tensor, first: int, count: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        # Rows of a norm are independent: the heads gathered as rows [T * count, D] give what
+        # decode_layer.c computes head by head in place.
+        heads = qkv[:, first : first + count]
+        rows = heads.reshape(-1, qkv.shape[2])  # [T * count, D], a copy
+        heads.copy_(self.fused.add_rms_norm(rows, None, weight, eps)[0].view(heads.shape))
 
     def rope(
         self,

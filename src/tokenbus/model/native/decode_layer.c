@@ -1,4 +1,4 @@
-/* One Llama decoder layer of a decode-sized step in one C call (tokenbus, model/native).
+/* One Llama-family decoder layer of a decode-sized step in one C call (tokenbus, model/native).
 
    At one stream the ~40 torch ops and ctypes calls around a layer's arithmetic cost about as
    much again in dispatch (benchmarks/decode_profile.py --layer-by-layer shows it). Here the
@@ -7,6 +7,7 @@
 
      h, residual = add_rms_norm(x, residual) * input_norm
      qkv         = h @ Wqkv.T (+ bias)                  tiled Q8_0/Q4_0/Q4_1; x fp32, int16, int8, bf16
+     q, k        each head RMS-normed over its D values, where the layer has q_norm / k_norm (Qwen3)
      q, k        rotated in place (rotate-half)
      K, V        written to the cache at the step's slots (fp32, or rounded to fp16, fp8 or q8_0:
                  kv_quant.h, as model/kv_quant.py rounds them)
@@ -102,19 +103,35 @@ static int run_linear(const kernels *k, const linear *l, const float *x, int64_t
     return l->lora_a && s->lora_slots ? lora_add(l, x, T, y, s->lora_slots) : 0;
 }
 
+/* Qwen3's q/k norm, in place: each query head of each token normed by q_norm, each key head by
+   k_norm, through add_rms_norm with no residual (the heads of a token are rows of D values), as the
+   layer-by-layer path calls it. `out` may alias `x` there: a row is copied whole into residual_out
+   (here `scratch`, one token's query heads) before it is written. */
+static void head_norms(const kernels *k, const layer *w, float *qkv, int64_t T, int64_t qkv_n, float *scratch,
+                       int threads) {
+    const int64_t D = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads;
+    for (int64_t t = 0; t < T; t++) {
+        float *q = qkv + t * qkv_n, *key = q + hq * D;
+        k->add_rms_norm(q, D, NULL, 0, scratch, w->q_norm, q, hq, D, w->eps, threads);
+        k->add_rms_norm(key, D, NULL, 0, scratch, w->k_norm, key, hkv, D, w->eps, threads);
+    }
+}
+
 /* 0 on success; a kernel's status otherwise (3: out of memory, 4: a KV type it cannot write). */
 int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache, const float *x,
                  const float *residual, float *x_out, float *residual_out) {
     const int64_t T = s->num_tokens, H = w->hidden, D = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads;
     const int64_t qkv_n = (hq + 2 * hkv) * D, I = w->intermediate;
     const int threads = (int)s->num_threads;
-    float *buf = malloc(sizeof(float) * (size_t)(T * (H + qkv_n + hq * D + H + 3 * I)));
+    const int64_t norm_scratch = w->q_norm ? hq * D : 0;
+    float *buf = malloc(sizeof(float) * (size_t)(T * (H + qkv_n + hq * D + H + 3 * I) + norm_scratch));
     if (!buf) return 3;
     float *h = buf, *qkv = h + T * H, *attn = qkv + T * qkv_n, *o = attn + T * hq * D, *gate_up = o + T * H,
-          *act = gate_up + T * 2 * I;
+          *act = gate_up + T * 2 * I, *heads = act + T * I;
     int status;
     k->add_rms_norm(x, H, residual, H, residual_out, w->input_norm, h, T, H, w->eps, threads);
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
+    if (w->q_norm) head_norms(k, w, qkv, T, qkv_n, heads, threads);
     k->rope(qkv, qkv_n, T, s->cos, s->sin, hq + hkv, D, threads);
     /* K and V of token t to its slot: [2, NB * bs, Hkv, row], a row D values in slot_bytes / Hkv bytes. */
     const int kv_elem = (int)s->kv_elem;

@@ -63,6 +63,8 @@ class _Layer(ctypes.Structure):
         ("down", _Linear),
         ("input_norm", _PTR),
         ("post_norm", _PTR),
+        ("q_norm", _PTR),
+        ("k_norm", _PTR),
         ("eps", _F32),
         ("scale", _F32),
         ("hidden", _I64),
@@ -144,8 +146,13 @@ class LayerWeights:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # Qwen3's RMSNorm of each query / key head before the rotary, [head_dim] each; None: none.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
     def struct(self) -> _Layer:
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("decode_layer: q_norm and k_norm come together")
         return _Layer(
             self.qkv.struct(),
             self.o.struct(),
@@ -153,6 +160,8 @@ class LayerWeights:
             self.down.struct(),
             self.input_norm.data_ptr(),
             self.post_norm.data_ptr(),
+            None if self.q_norm is None else self.q_norm.data_ptr(),
+            None if self.k_norm is None else self.k_norm.data_ptr(),
             self.eps,
             self.scale,
             self.input_norm.numel(),

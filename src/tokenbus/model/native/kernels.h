@@ -82,6 +82,7 @@ typedef struct {
 typedef struct {
     linear qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
+    const float *q_norm, *k_norm; /* [head_dim] each: an RMSNorm of every q / k head before the rotary; NULL: none */
     float eps, scale;
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
 } layer;

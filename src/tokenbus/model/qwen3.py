@@ -1,0 +1,22 @@
+"""Qwen3 (dense): the Llama decoder with an RMSNorm over each query and key head (q_norm,
+k_norm: one weight [head_dim] each, applied before the rotary), no q/k/v bias unless
+`attention_bias` asks for one (then o_proj has one too), and head_dim from the config, which may
+differ from hidden_size / num_attention_heads.
+
+Its sliding-window layers (`use_sliding_window`) are not built as such: the loader caps the
+context at the window instead, where full attention and the window agree.
+"""
+
+from __future__ import annotations
+
+from tokenbus.config import ModelArch
+from tokenbus.model.causal_lm import CausalLM
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
+from tokenbus.model.parallel import TensorParallel
+
+
+class Qwen3ForCausalLM(CausalLM):
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
+        bias = arch.attention_bias
+        attention = Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return DecoderLayer(arch, attention, GatedMLP(arch, tp))
