@@ -53,7 +53,7 @@ def kv_row_bytes(kv_cache_dtype: str, head_dim: int) -> int:
 class ModelArch:
     """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama", "mistral", "qwen2" or "qwen3" (model/registry.py)
+    architecture: str  # llama, mistral, qwen2, qwen3, gemma2 or gemma3 (model/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,6 +70,15 @@ class ModelArch:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2 / Gemma 3 (model/gemma.py); the other families leave them at their defaults.
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Each layer's sliding window in tokens (None: a global layer); (): no layer has one.
+    sliding_windows: tuple[int | None, ...] = ()
+    # RoPE base of the sliding-window layers where it differs from rope_theta (Gemma 3's
+    # rope_local_base_freq; those layers take no rope_scaling); None: every layer uses rope_theta.
+    rope_local_theta: float | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -3,8 +3,10 @@
 
 llama.cpp's converter permutes the rows of q/k weights of llama-arch models (interleaved
 rotary pairs instead of HF's rotate-half halves); `unpermute_qk` undoes it. Qwen2 and Qwen3
-GGUFs are written unpermuted (llama.cpp's NeoX rotary is rotate-half). Mistral is written as
-architecture "llama". A tensor name this table does not know is refused, naming it.
+GGUFs are written unpermuted (llama.cpp's NeoX rotary is rotate-half), and so are Gemma 2 and
+Gemma 3's, whose norm weights llama.cpp stores as (1 + w): they are given back as HF's w.
+Mistral is written as architecture "llama". A tensor name this table does not know is refused,
+naming it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenbus.config import ModelArch
+from tokenbus.loader.gemma_config import (
+    GEMMA_GGUF_ARCHITECTURES,
+    capped_context,
+    gemma_gguf_fields,
+)
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values we load
+# general.architecture values we load
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", *GEMMA_GGUF_ARCHITECTURES)
 # Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
 # them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
 # attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants); the float types are dequantized on load.
@@ -71,6 +79,16 @@ _BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma's norms around attention and MLP: attn_norm is input_layernorm as above, but ffn_norm
+# is the pre-MLP norm and the post-norms have their own names (gguf's ATTN_POST_NORM,
+# FFN_PRE_NORM, FFN_POST_NORM).
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_BLOCK_NAMES = {arch: _GEMMA_BLOCK_NAMES for arch in GEMMA_GGUF_ARCHITECTURES}
 _ROPE_FREQS = (
     "rope_freqs.weight"  # per-frequency divisors (Llama 3.1 rope); folded into rope_scaling
 )
@@ -102,6 +120,12 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     for info in gf.tensors.values():  # refused here, before any weight is read
         check_qtype(gf, info)
     rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    family: dict = {"hidden_act": "silu"}
+    if arch in GEMMA_GGUF_ARCHITECTURES:
+        family = gemma_gguf_fields(meta, arch, need("block_count"))
+    max_positions = need("context_length")
+    if family.get("sliding_windows"):  # windows are not built yet: the context stops at one
+        max_positions = capped_context(max_positions, family["sliding_windows"])
     return ModelArch(
         architecture=arch,
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
@@ -111,15 +135,15 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         num_attention_heads=num_heads,
         num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        max_position_embeddings=need("context_length"),
+        max_position_embeddings=max_positions,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=rope_theta,
         rope_scaling=_rope_scaling(gf, arch),
         tie_word_embeddings="output.weight" not in gf.tensors,
         attention_bias="blk.0.attn_q.bias" in gf.tensors,
-        hidden_act="silu",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(meta),
+        **family,
     )
 
 
@@ -152,15 +176,16 @@ def _eos_token_ids(meta: dict) -> tuple[int, ...]:
 def hf_weight_name(gf: GGUFFile, name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    block_names = _ARCH_BLOCK_NAMES.get(gf.metadata.get("general.architecture"), _BLOCK_NAMES)
     parts = name.split(".")  # blk.<layer>.<tensor>.<weight|bias>
     if (
         len(parts) == 4
         and parts[0] == "blk"
         and parts[1].isdigit()
-        and parts[2] in _BLOCK_NAMES
+        and parts[2] in block_names
         and parts[3] in ("weight", "bias")
     ):
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     raise ValueError(f"{gf.path}: unexpected GGUF tensor {name}")
 
 
@@ -186,6 +211,8 @@ def iter_gguf_weights(
             tensor = unpermute_qk(tensor, arch.num_attention_heads)
         elif arch.architecture == "llama" and ".self_attn.k_proj." in name:
             tensor = unpermute_qk(tensor, arch.num_key_value_heads)
+        elif arch.architecture in GEMMA_GGUF_ARCHITECTURES and name.endswith("norm.weight"):
+            tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF's w
         # The permutation moves whole rows, so it applies to rows of blocks unchanged.
         yield (
             name,

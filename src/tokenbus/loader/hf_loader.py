@@ -3,6 +3,7 @@ weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,12 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from tokenbus.config import ModelArch
+from tokenbus.loader.gemma_config import (
+    GEMMA_ARCHITECTURES,
+    capped_context,
+    gemma3_hf_rope,
+    gemma_hf_fields,
+)
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
@@ -21,6 +28,15 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+# model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
+HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
+# model_types refused with a reason (their names would otherwise match a family above).
+REFUSED_MODEL_TYPES = {
+    "gemma3": "Gemma3ForConditionalGeneration (image and text) is not supported; its text "
+    "model is (Gemma3ForCausalLM, model_type gemma3_text)",
 }
 # Rope types we pass on to the model (model/layers/rotary.py ROPE_TYPES; a test keeps them in sync).
 HF_ROPE_TYPES = ("default", "linear", "llama3")
@@ -52,9 +68,18 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if config.get("mlp_bias"):
         raise ValueError(f"{path}: mlp_bias=true is not supported")
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
-    rope_theta, rope_scaling = _rope(config, path)
+    family: dict[str, Any] = {}
+    if architecture in GEMMA_ARCHITECTURES:
+        family = gemma_hf_fields(config, path, architecture)
+    rope_config = config
+    if architecture == "gemma3":  # the global layers' rope; the local ones' base apart
+        rope_config, family["rope_local_theta"] = gemma3_hf_rope(config, path)
+    rope_theta, rope_scaling = _rope(rope_config, path)
     eos = config.get("eos_token_id")
-    return ModelArch(
+    max_positions = _max_positions(config, architecture)
+    if family.get("sliding_windows"):
+        max_positions = capped_context(max_positions, family["sliding_windows"])
+    arch = ModelArch(
         architecture=architecture,
         vocab_size=need("vocab_size"),
         hidden_size=hidden_size,
@@ -63,20 +88,28 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         num_attention_heads=num_heads,
         num_key_value_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=config.get("head_dim") or hidden_size // num_heads,
-        max_position_embeddings=_max_positions(config, architecture),
+        max_position_embeddings=max_positions,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # Gemma ties its head unless the config says otherwise (transformers' default there)
+        tie_word_embeddings=bool(
+            config.get("tie_word_embeddings", architecture in GEMMA_ARCHITECTURES)
+        ),
         attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
         hidden_act=config.get("hidden_act", "silu"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
     )
+    return dataclasses.replace(arch, **family) if family else arch
 
 
 def _architecture(config: dict[str, Any], path: Path) -> str:
     model_type = config.get("model_type")
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
+    if model_type in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[model_type]
     if model_type in HF_ARCHITECTURES.values():
         return model_type
     for name in config.get("architectures") or ():

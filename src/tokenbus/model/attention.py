@@ -145,20 +145,25 @@ class AttentionPlan:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         n = self.num_tokens
         write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # padding rows stay 0
         for batch in (self.native, self.native_long):
             if batch is not None:
+                if softcap is not None:  # the kernel plan keeps such models on torch
+                    raise ValueError("the native attention kernel has no logit soft-capping")
                 batch.run(q, kv_cache, scale, out)
         for tile in self.decode_tiles:
             out[tile.start : tile.end] = _decode_attention(
-                q[tile.start : tile.end], kv_cache, tile, scale
+                q[tile.start : tile.end], kv_cache, tile, scale, softcap
             )
         for span in self.prefills:
             rows = slice(span.start, span.end)
-            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
+            out[rows] = _prefill_attention(
+                q[rows], k[rows], v[rows], kv_cache, span, scale, softcap
+            )
         return out
 
 
@@ -181,6 +186,7 @@ class TorchDecodePlan:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv(kv_cache, k, v, slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
@@ -195,9 +201,7 @@ class TorchDecodePlan:
             masked, float("-inf")
         )
         q = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [T, Hkv, G, D]
-        out = F.scaled_dot_product_attention(
-            q, kv[0], kv[1], attn_mask=bias[:, None, None, :], scale=scale
-        )
+        out = sdpa(q, kv[0], kv[1], attn_mask=bias[:, None, None, :], scale=scale, softcap=softcap)
         return out.reshape(num_tokens, num_heads, head_dim)
 
 
@@ -375,9 +379,47 @@ def paged_attention(
     slot_mapping: torch.Tensor,
     plan: Plan,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]."""
-    return plan.forward(q, k, v, kv_cache, slot_mapping, scale)
+    """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]. `softcap`
+    (Gemma 2's attn_logit_softcapping): scores -> softcap * tanh(scores / softcap), on the
+    torch plans only (the kernel plan chooses them for such a model)."""
+    if softcap is None:
+        return plan.forward(q, k, v, kv_cache, slot_mapping, scale)
+    return plan.forward(q, k, v, kv_cache, slot_mapping, scale, softcap=softcap)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """F.scaled_dot_product_attention; with `softcap`, the same in explicit ops with the scores
+    soft-capped before the mask, in the order of HF's eager attention (SDPA has no soft-cap).
+    q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D] (Hq a multiple of Hkv only with enable_gqa)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:  # query head h reads KV head h // groups (HF's repeat_kv)
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, Lq, Lk]
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:  # query i sees keys 0 .. Lk - Lq + i
+        num_queries, num_keys = scores.shape[-2:]
+        visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device)
+        scores = scores.masked_fill(~visible.tril(num_keys - num_queries), float("-inf"))
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def gather_blocks(
@@ -398,7 +440,11 @@ def gather_blocks(
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, tile: DecodeTile, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tile: DecodeTile,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [n, Hq, D] (one query per request) -> [n, Hq, D]."""
     n, num_heads, head_dim = q.shape
@@ -409,7 +455,7 @@ def _decode_attention(
     kv = kv.transpose(2, 3)  # [2, n, Hkv, L, D]
     # GQA: query head h uses KV head h // G, so view the G heads of a KV head as G query rows.
     q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, Hkv, G, D]
-    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=tile.bias, scale=scale)
+    out = sdpa(q, kv[0], kv[1], attn_mask=tile.bias, scale=scale, softcap=softcap)
     return out.reshape(n, num_heads, head_dim)  # [n, Hkv, G, D] -> [n, Hq, D]
 
 
@@ -420,6 +466,7 @@ def _prefill_attention(
     kv_cache: torch.Tensor,
     span: PrefillSpan,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [q_len, Hq, D], k/v [q_len, Hkv, D] of this step -> [q_len, Hq, D]."""
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
@@ -427,13 +474,13 @@ def _prefill_attention(
         # attend over K/V as the cache holds them, as later steps will
         k, v = kv_quant.as_stored(k, kv_cache.dtype), kv_quant.as_stored(v, kv_cache.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True, softcap=softcap)
     else:
         kv = gather_blocks(kv_cache, span.block_ids, q.dtype)[
             :, : span.seq_len
         ]  # [2, seq_len, Hkv, D]
         kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, Hkv, seq_len, D]
-        out = F.scaled_dot_product_attention(
-            q, kv[0], kv[1], attn_mask=span.bias, scale=scale, enable_gqa=True
+        out = sdpa(
+            q, kv[0], kv[1], attn_mask=span.bias, scale=scale, enable_gqa=True, softcap=softcap
         )
     return out[0].transpose(0, 1)  # [1, Hq, q_len, D] -> [q_len, Hq, D]

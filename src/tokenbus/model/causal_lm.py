@@ -93,9 +93,16 @@ class CausalLM(nn.Module):
                 "attention_backend before the forward"
             )
         x = self._embed(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.lookup(ctx.positions, x.dtype)
+        cos, sin = self.rotary_lookup(ctx.positions, x.dtype)
         x, residual = self.kernels.run_layers(self.layers, num_layers, x, cos, sin, ctx)
         return self.norm.add_and_norm(x, residual)[0]
+
+    def rotary_lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's cos, sin [T, 1, D/2] the layers take (a family with several RoPE tables
+        gives its layers what they pick from: model/gemma.py)."""
+        return self.rotary.lookup(positions, dtype)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:

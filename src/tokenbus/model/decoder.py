@@ -49,6 +49,7 @@ class Attention(OpsModule):
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.logit_softcap: float | None = None  # a family's scores soft-cap (model/gemma.py)
 
     def forward(
         self,
@@ -67,7 +68,9 @@ class Attention(OpsModule):
                 qkv, self.num_heads, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps
             )
         q, k, v = self.ops.rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
-        out = paged_attention(q, k, v, kv_cache, slot_mapping, plan, self.scale)  # [T, Hq, D]
+        out = paged_attention(
+            q, k, v, kv_cache, slot_mapping, plan, self.scale, self.logit_softcap
+        )  # [T, Hq, D]
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
@@ -75,10 +78,14 @@ class Attention(OpsModule):
 class GatedMLP(OpsModule):
     """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up as one linear."""
 
+    activation = "silu"  # the hidden_act this part computes (`act_mul`)
+
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        if arch.hidden_act != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {arch.hidden_act!r}")
+        if arch.hidden_act != self.activation:
+            raise ValueError(
+                f"hidden_act: only {self.activation!r} is supported, got {arch.hidden_act!r}"
+            )
         self.tp = tp
         size = tp.shard_arch(arch).intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, (size, size))
@@ -86,7 +93,10 @@ class GatedMLP(OpsModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(gate_up)))
+        return self.tp.all_reduce(self.down_proj(self.act_mul(gate_up)))
+
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):

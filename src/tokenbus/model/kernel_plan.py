@@ -194,7 +194,7 @@ def apply_kernels(
         if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
             module.kernel.modes = modes
     attention = select_attention_backend(
-        request.attention_backend, device, dtype, request.batch_invariant
+        _attention_backend_name(model, request), device, dtype, request.batch_invariant
     )
     plan = KernelPlan(
         request, _layer_ops(device, dtype, cpu), attention, quant, modes, lora=model.kernels.lora
@@ -212,6 +212,25 @@ def attach_lora(model: nn.Module, batch: LoRABatch) -> None:
     if plan.decode_layers is not None:
         plan = dataclasses.replace(plan, decode_layers=build_decode_layers(model, plan))
     _install(model, plan)
+
+
+def _attention_backend_name(model: nn.Module, request: KernelRequest) -> str:
+    """The requested backend, but the torch path for a model whose attention soft-caps its
+    scores (Gemma 2's attn_logit_softcapping): neither paged_attention.c nor the Triton kernels
+    compute the cap, so auto takes torch and asking for another is refused, naming why."""
+    if not any(getattr(layer.self_attn, "logit_softcap", None) for layer in model.layers):
+        return request.attention_backend
+    if request.batch_invariant:
+        raise ValueError(
+            "batch_invariant needs the native attention kernel, which has no attention logit "
+            "soft-capping (this model's attn_logit_softcapping)"
+        )
+    if request.attention_backend not in ("auto", "torch"):
+        raise ValueError(
+            f"attention_backend {request.attention_backend!r} has no attention logit "
+            "soft-capping (this model's attn_logit_softcapping): use 'torch' or 'auto'"
+        )
+    return "torch"
 
 
 def _install(model: nn.Module, plan: KernelPlan) -> None:
@@ -315,7 +334,9 @@ def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | No
 
 
 # The parts decode_layer.c computes, as they are: a subclass may compute something else (another
-# norm, another activation), so only these exact types are taken.
+# norm, another activation), so only these exact types are taken. Gemma's layers
+# (model/gemma.py: post-norms, GeGLU, fp32 norms, soft-capped scores) are not among them and
+# run op by op.
 _C_PARTS = (DecoderLayer, Attention, GatedMLP)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
 
@@ -16,6 +17,10 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

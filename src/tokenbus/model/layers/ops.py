@@ -32,13 +32,25 @@ class TorchOps:
         residual = x if residual is None else residual + x
         return F.rms_norm(residual, weight.shape, weight, eps), residual
 
+    def add_rms_norm_fp32(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm with an fp32 `weight`, the norm computed in fp32 and cast back (Gemma's
+        RMSNorm: (x * w).to(dtype), where Llama's is x.to(dtype) * w); in fp32, add_rms_norm."""
+        if x.dtype == weight.dtype:
+            return self.add_rms_norm(x, residual, weight, eps)
+        residual = x if residual is None else residual + x
+        normed = F.rms_norm(residual.to(weight.dtype), weight.shape, weight, eps)
+        return normed.to(residual.dtype), residual
+
     def head_rms_norm_(
         self, qkv: torch.Tensor, first: int, count: int, weight: torch.Tensor, eps: float
     ) -> None:
         """RMSNorm over each of heads [first, first + count) of qkv [T, H, D], in place (Qwen3's
-        q_norm / k_norm: one weight [D] for every head)."""
+        q_norm / k_norm: one weight [D] for every head), in the weight's dtype (Gemma 3's fp32
+        ones) and stored back in qkv's."""
         heads = qkv[:, first : first + count]
-        heads.copy_(F.rms_norm(heads, weight.shape, weight, eps))
+        heads.copy_(F.rms_norm(heads.to(weight.dtype), weight.shape, weight, eps))
 
     def rope(
         self,
@@ -59,9 +71,20 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, tanh approximation) * up for gate_up [..., 2I] -> [..., I] (GeGLU: HF's
+        gelu_pytorch_tanh)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * tanh(x / cap), in HF's order (Gemma's final logit soft-capping)."""
+        return torch.tanh(x / cap) * cap
+
 
 class FusedCpuOps(TorchOps):
-    """fused_ops.c on CPU in fp32 (one C call each); torch for shapes it does not take."""
+    """fused_ops.c on CPU in fp32 (one C call each); torch for shapes it does not take, and
+    for the steps fused_ops.c does not have (gelu_tanh_mul, softcap: Gemma's)."""
 
     name = "fused"
 

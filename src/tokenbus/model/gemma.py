@@ -1,0 +1,190 @@
+"""Gemma 2 and Gemma 3 (text): model/decoder.py's attention and gated MLP with what Gemma adds.
+
+- RMSNorm scales by (1 + w), computed in fp32 whatever the activations' dtype, then cast back
+  (HF's Gemma2RMSNorm / Gemma3RMSNorm). The parameter holds (1 + w), made in fp32 at load from
+  HF's w (a GGUF's norms come back as w too: loader/gguf_loader.py), so in an fp32 model the norm
+  is a plain RMSNorm and the fused C op runs it.
+- Each layer norms before and after attention and before and after the MLP:
+  x + post_attention_norm(attn(input_norm(x))), then + post_ffw_norm(mlp(pre_ffw_norm(.))).
+- The MLP is GeGLU: gelu(gate, tanh approximation) * up.
+- The embedding is scaled by sqrt(hidden_size), that factor cast to the activations' dtype first.
+- Attention scale query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps the attention scores
+  (attn_logit_softcapping) and both may soft-cap the final logits (final_logit_softcapping).
+- Gemma 3 norms each query and key head (q_norm / k_norm, the same (1 + w) norm) before the
+  rotary, and its local (sliding-window) layers take their own RoPE base, unscaled: the model
+  hands its layers both tables stacked ([2, T, 1, D/2]: global, local), each layer reads its own.
+- Tied embeddings (Gemma's default).
+
+Sliding windows: each layer keeps its window as `self_attn.sliding_window` (None: global), for
+the kernels to take; until they do, the loader caps the context at the window, where full
+attention and the window agree.
+
+Kernels (model/kernel_plan.py): the layers are not decode_layer.c's parts (post-norms, GeGLU),
+so decode steps run op by op; soft-capped attention runs on the torch path.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from tokenbus.config import ModelArch
+from tokenbus.model.attention import Plan
+from tokenbus.model.causal_lm import CausalLM
+from tokenbus.model.decoder import Attention, GatedMLP
+from tokenbus.model.layers import RMSNorm, RotaryEmbedding
+from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.model.weights import WeightLoader, copy_param
+
+GLOBAL_ROPE, LOCAL_ROPE = 0, 1  # rows of the stacked cos/sin tables (GemmaForCausalLM)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * weight in fp32, cast back to x's dtype; weight = (1 + HF's w), fp32."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=torch.float32), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.add_rms_norm_fp32(x, None, self.weight, self.eps)[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm_fp32(x, residual, self.weight, self.eps)
+
+
+class GemmaAttention(Attention):
+    """Attention with Gemma's scale, score soft-cap, (Gemma 3) (1 + w) q/k norms, a window and
+    a RoPE table per layer (`set_layer`)."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        bias = arch.attention_bias
+        super().__init__(arch, tp, qkv_bias=bias, o_bias=bias)
+        if arch.architecture == "gemma3":
+            self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
+        self.logit_softcap = arch.attn_logit_softcapping
+        self.sliding_window: int | None = None
+        self.rope_table = GLOBAL_ROPE
+
+    def set_layer(self, arch: ModelArch, layer_idx: int) -> None:
+        """This layer's window (None: global) and RoPE table, from the config."""
+        self.sliding_window = arch.sliding_windows[layer_idx] if arch.sliding_windows else None
+        is_local = self.sliding_window is not None and arch.rope_local_theta is not None
+        self.rope_table = LOCAL_ROPE if is_local else GLOBAL_ROPE
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+    ) -> torch.Tensor:
+        """cos/sin: the model's tables stacked [R, T, 1, D/2]; this layer reads its own."""
+        table = self.rope_table
+        return super().forward(x, cos[table], sin[table], kv_cache, slot_mapping, plan)
+
+
+class GeGLUMLP(GatedMLP):
+    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))."""
+
+    activation = "gelu_pytorch_tanh"
+
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.gelu_tanh_mul(gate_up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Sandwich-norm block; like DecoderLayer, it returns its output not yet added to the
+    residual stream (the next layer's input norm, or the final norm, adds it)."""
+
+    def __init__(self, arch: ModelArch, self_attn: GemmaAttention, mlp: GeGLUMLP) -> None:
+        super().__init__()
+        size, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan))
+        h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class GemmaForCausalLM(CausalLM):
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(arch, tp)
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.local_rotary = None
+        if arch.rope_local_theta is not None:  # Gemma 3's local layers: their base, unscaled
+            self.local_rotary = RotaryEmbedding(
+                arch.head_dim, arch.max_position_embeddings, arch.rope_local_theta, None
+            )
+        for idx, layer in enumerate(self.layers):
+            layer.self_attn.set_layer(arch, idx)
+
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> GemmaDecoderLayer:
+        return GemmaDecoderLayer(arch, GemmaAttention(arch, tp), GeGLUMLP(arch, tp))
+
+    def rotary_lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [R, T, 1, D/2]: row GLOBAL_ROPE, and LOCAL_ROPE where the model has one."""
+        cos, sin = self.rotary.lookup(positions, dtype)
+        if self.local_rotary is None:
+            return cos.unsqueeze(0), sin.unsqueeze(0)
+        local_cos, local_sin = self.local_rotary.lookup(positions, dtype)
+        return torch.stack((cos, local_cos)), torch.stack((sin, local_sin))
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super()._embed(input_ids)
+        # HF: a fp32 tensor of sqrt(hidden) cast to the weights' dtype (55.43 is 55.5 in bf16)
+        return x * torch.tensor(self.arch.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else self.kernels.ops.softcap(logits, cap)
+
+    def _weight_loaders(self) -> dict[str, WeightLoader]:
+        loaders = super()._weight_loaders()
+        for idx, layer in enumerate(self.layers):
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                param = getattr(layer, name).weight
+                loaders[f"model.layers.{idx}.{name}.weight"] = partial(copy_param, param)
+        # Every norm of Gemma's is a GemmaRMSNorm: HF's w in, (1 + w) held.
+        return {
+            name: _plus_one(loader) if name.endswith("norm.weight") else loader
+            for name, loader in loaders.items()
+        }
+
+
+def _plus_one(loader: WeightLoader) -> WeightLoader:
+    """A norm loader taking HF's w and storing 1 + w, added in fp32 as HF's forward does."""
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        loader(name, 1.0 + tensor.float())
+
+    return load
