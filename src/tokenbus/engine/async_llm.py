@@ -63,7 +63,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.client = client
         self.input_processor = InputProcessor(
-            tokenizer, setup.config, setup.eos_token_id, setup.arch
+            tokenizer, setup.config, setup.eos_token_id, setup.arch, setup.extra_eos_token_ids
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()

@@ -46,7 +46,7 @@ class EngineCore:
         """`worker` (tests: a fake) runs under a UniProcExecutor; by default the executor
         for config.parallel is built. Every `auto` of `config` is resolved here, once, before
         any worker starts (setup.resolve_config): self.config holds the facts."""
-        self.config = config = resolve_config(config, source)
+        self.config = config = resolve_config(config, source, arch)
         if executor is None:
             executor = (
                 UniProcExecutor(worker)

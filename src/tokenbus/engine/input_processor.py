@@ -26,11 +26,19 @@ PromptType = str | Mapping[str, Any]
 
 class InputProcessor:
     def __init__(
-        self, tokenizer, config: EngineConfig, eos_token_id: int | None, arch: ModelArch
+        self,
+        tokenizer,
+        config: EngineConfig,
+        eos_token_id: int | None,
+        arch: ModelArch,
+        extra_eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_id = eos_token_id
+        # The model's other EOS ids stop a request as stop_token_ids do (vLLM's way), unless
+        # ignore_eos: a request carries one eos_token_id.
+        self.extra_eos_token_ids = extra_eos_token_ids
         self.vocab_size = arch.vocab_size
         self.loras = LoRARegistry(config.lora, arch)
         self.structured_validator = StructuredOutputValidator(
@@ -154,6 +162,10 @@ class InputProcessor:
             )
         self._check_lora(lora_request)
         params = params.with_resolved_logprobs(self.vocab_size)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            added = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+            if added:
+                params = params.clone(stop_token_ids=[*params.stop_token_ids, *added])
         self._check_params(params)
         self._check_prompt(prompt_token_ids)
         return EngineRequest(

@@ -30,7 +30,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.client = client
         self.input_processor = InputProcessor(
-            tokenizer, setup.config, setup.eos_token_id, setup.arch
+            tokenizer, setup.config, setup.eos_token_id, setup.arch, setup.extra_eos_token_ids
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.last_stats: SchedulerStats | None = None

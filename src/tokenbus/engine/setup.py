@@ -37,6 +37,9 @@ class EngineSetup:
     # Sampling fields a request leaves out take these values (--generation-config); by name,
     # a subset of sampling_params.GENERATION_CONFIG_FIELDS.
     sampling_defaults: dict = field(default_factory=dict)
+    # The model's other EOS ids (generation_config.json's list, else the config's or GGUF's,
+    # after eos_token_id: Gemma's <end_of_turn>): each ends a request as EOS does.
+    extra_eos_token_ids: tuple[int, ...] = ()
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
@@ -105,15 +108,18 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
     if config.model.tokenizer is not None:
         tokenizer_path(config.model.tokenizer)
     generation_config = load_generation_config(source)
-    eos = generation_config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is None and arch.eos_token_ids:
-        eos = arch.eos_token_ids[0]
+    eos_ids = _eos_token_ids(generation_config.get("eos_token_id")) or arch.eos_token_ids
+    eos = eos_ids[0] if eos_ids else None
     defaults = sampling_defaults(
         args.generation_config, args.override_generation_config, source, generation_config
     )
-    return EngineSetup(config, source, arch, eos, generation_config, defaults)
+    return EngineSetup(config, source, arch, eos, generation_config, defaults, eos_ids[1:])
+
+
+def _eos_token_ids(value) -> tuple[int, ...]:
+    """generation_config's eos_token_id (an id or a list of them) as a tuple of unique ids."""
+    ids = value if isinstance(value, list) else ([] if value is None else [value])
+    return tuple(dict.fromkeys(ids))
 
 
 def sampling_defaults(
@@ -154,7 +160,9 @@ def sampling_defaults(
     }
 
 
-def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineConfig:
+def resolve_config(
+    config: EngineConfig, source: ModelSource | None, arch: ModelArch | None = None
+) -> EngineConfig:
     """A new config whose RESOLVED_SETTINGS (config.py) are facts: device "cpu"/"cuda[:i]",
     dtype and kv_cache_dtype a dtype name, quantization "gguf"/"none", attention_backend
     "native"/"torch". The workers, the scheduler and the connectors read them as they are.
@@ -162,8 +170,16 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
     Runs once per engine, where the EngineCore is built (engine/core.py): it asks torch
     whether a GPU is there and may build the native kernels to learn whether they run, work
     that stays off the front end's start-up. `source` None (tests' fake engines): no weights.
+    `arch`: what the model computes that some kernels do not (soft-capped attention scores).
     """
     model, cache = config.model, config.cache
+    requested_attention = model.attention_backend
+    if arch is not None and arch.attn_logit_softcapping is not None:
+        from tokenbus.model.kernel_plan import attention_backend_for
+
+        requested_attention = attention_backend_for(
+            requested_attention, True, model.batch_invariant
+        )
     device = resolve_device(model.device)
     dtype = resolve_dtype(model.dtype, device)
     load_format = resolve_load_format(model.load_format, source)
@@ -181,7 +197,7 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
         dtype=dtype,
         quantization=quantization,
         attention_backend=resolve_attention_backend(
-            model.attention_backend, device, dtype, cache.block_size
+            requested_attention, device, dtype, cache.block_size
         ),
         load_format=load_format,
     )

@@ -77,6 +77,11 @@ def gemma_gguf_fields(meta: dict[str, Any], arch: str, num_layers: int) -> dict[
     window = meta.get(f"{arch}.attention.sliding_window")
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _DEFAULT_PATTERN[arch])
     if isinstance(pattern, (list, tuple)):  # llama.cpp's per-layer flags: true = local
+        if len(pattern) != num_layers:
+            raise ValueError(
+                f"{arch}.attention.sliding_window_pattern: {len(pattern)} flags for "
+                f"{num_layers} layers"
+            )
         is_local = [bool(flag) for flag in pattern]
     else:
         is_local = [_is_local(i, int(pattern)) for i in range(num_layers)]

@@ -215,20 +215,27 @@ def attach_lora(model: nn.Module, batch: LoRABatch) -> None:
 
 
 def _attention_backend_name(model: nn.Module, request: KernelRequest) -> str:
-    """The requested backend, but the torch path for a model whose attention soft-caps its
-    scores (Gemma 2's attn_logit_softcapping): neither paged_attention.c nor the Triton kernels
-    compute the cap, so auto takes torch and asking for another is refused, naming why."""
-    if not any(getattr(layer.self_attn, "logit_softcap", None) for layer in model.layers):
-        return request.attention_backend
-    if request.batch_invariant:
+    softcapped = any(getattr(layer.self_attn, "logit_softcap", None) for layer in model.layers)
+    return attention_backend_for(request.attention_backend, softcapped, request.batch_invariant)
+
+
+def attention_backend_for(requested: str, softcapped: bool, batch_invariant: bool = False) -> str:
+    """The requested attention backend, but the torch path for a model whose attention
+    soft-caps its scores (Gemma 2's attn_logit_softcapping): neither paged_attention.c nor the
+    Triton kernels compute the cap, so auto takes torch and asking for another (or for
+    batch_invariant, which needs the native kernel) is refused, naming why. The engine asks the
+    same when it resolves its config (engine/setup.resolve_config)."""
+    if not softcapped:
+        return requested
+    if batch_invariant:
         raise ValueError(
             "batch_invariant needs the native attention kernel, which has no attention logit "
             "soft-capping (this model's attn_logit_softcapping)"
         )
-    if request.attention_backend not in ("auto", "torch"):
+    if requested not in ("auto", "torch"):
         raise ValueError(
-            f"attention_backend {request.attention_backend!r} has no attention logit "
-            "soft-capping (this model's attn_logit_softcapping): use 'torch' or 'auto'"
+            f"attention_backend {requested!r} has no attention logit soft-capping "
+            "(this model's attn_logit_softcapping): use 'torch' or 'auto'"
         )
     return "torch"
 

@@ -1,0 +1,344 @@
+"""Gemma 2 and Gemma 3 (text) through the paged KV cache vs HF transformers on the same weights
+(fp32), from safetensors and from a GGUF in llama.cpp's naming; their loaders (config layouts,
+GGUF metadata and names, the (1 + w) norms) and the refusals that name a field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file
+from tests.fixtures.paged import PagedKV
+from tests.fixtures.tiny_models import cached_tiny_model, make_tiny_model, write_gguf
+from transformers import AutoModelForCausalLM
+
+from tokenbus.loader import load_arch, resolve_model
+from tokenbus.model import get_model_class
+from tokenbus.model.gemma import GemmaForCausalLM, GemmaRMSNorm
+from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
+from tokenbus.worker.model_builder import load_model
+
+ATOL = 1e-4
+IDS = [101, 202, 303, 404, 505, 606, 707, 808, 909, 1010, 1111, 1212, 1313, 1414]
+HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None
+
+
+def hf_logits(path, ids: list[int]) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def our_logits(model, ids: list[int], prefill: int = 10) -> torch.Tensor:
+    """Prefill ids[:prefill], then decode the rest one by one; logits of every position."""
+    kv = PagedKV.for_model(model, block_size=4)
+    rows = []
+    with torch.inference_mode():
+        for batch in [[("r", ids[:prefill])]] + [[("r", [t])] for t in ids[prefill:]]:
+            input_ids, ctx = kv.step(batch)
+            rows.append(model.compute_logits(model(input_ids, ctx)))
+    return torch.cat(rows)
+
+
+def load(path, backend: str = "auto", dtype: torch.dtype = torch.float32):
+    src = resolve_model(str(path))
+    return load_model(src, load_arch(src), dtype, "cpu", backend)
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hf_dir(family):
+    return cached_tiny_model(family)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(hf_dir, family, tmp_path_factory):
+    return write_gguf(hf_dir, tmp_path_factory.mktemp(family) / f"tiny-{family}.gguf")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_prefill_then_decode_matches_hf(hf_dir, gguf_path, family, fmt, backend):
+    if backend == "native" and not HAS_CC:
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+    path = hf_dir if fmt == "safetensors" else gguf_path
+    if backend == "native" and family == "gemma2":  # soft-capped scores: refused, named
+        with pytest.raises(ValueError, match="attn_logit_softcapping"):
+            load(path, backend)
+        return
+    ours = load(path, backend)
+    assert isinstance(ours, GemmaForCausalLM)
+    torch.testing.assert_close(our_logits(ours, IDS), hf_logits(hf_dir, IDS), atol=ATOL, rtol=0)
+
+
+def test_mixed_batch_of_decodes_and_prefill_chunks_matches_hf(hf_dir):
+    """Decodes beside prefill chunks with context (the torch path's tiles and spans)."""
+    ours = load(hf_dir, "torch")
+    a, c = IDS[:9], IDS
+    kv = PagedKV.for_model(ours, block_size=4)
+    with torch.inference_mode():
+        first = ours.compute_logits(ours(*kv.step([("c", c[:5]), ("a", a[:8])])))
+        second = ours.compute_logits(ours(*kv.step([("a", a[8:9]), ("c", c[5:])])))
+    ref_a, ref_c = hf_logits(hf_dir, a), hf_logits(hf_dir, c)
+    torch.testing.assert_close(first, torch.cat([ref_c[:5], ref_a[:8]]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(second, torch.cat([ref_a[8:], ref_c[5:]]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "family_name,overrides",
+    [
+        ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None)),
+        ("gemma2", dict(query_pre_attn_scalar=64, num_key_value_heads=1)),
+        ("gemma3", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+        ("gemma3", dict(final_logit_softcapping=4.0, tie_word_embeddings=False)),
+    ],
+    ids=[
+        "gemma2-no-softcap",
+        "gemma2-scalar-mqa",
+        "gemma3-global-linear-rope",
+        "gemma3-cap-untied",
+    ],
+)
+def test_variants_match_hf(family_name, overrides):
+    path = cached_tiny_model(family_name, **overrides)
+    torch.testing.assert_close(
+        our_logits(load(path, "torch"), IDS), hf_logits(path, IDS), atol=ATOL, rtol=0
+    )
+
+
+def test_gemma3_global_rope_scaling_reaches_the_gguf(tmp_path):
+    """llama.cpp writes Gemma 3's linear rope scaling as the (global) rope.scaling keys; the
+    local layers stay unscaled at base 10k."""
+    path = cached_tiny_model("gemma3", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    src = resolve_model(str(write_gguf(path, tmp_path / "m.gguf")))
+    arch = load_arch(src)
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert (arch.rope_theta, arch.rope_local_theta) == (1_000_000.0, 10_000.0)
+    ours = load_model(src, arch, torch.float32, "cpu", "torch")
+    torch.testing.assert_close(our_logits(ours, IDS), hf_logits(path, IDS), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 0.3)])
+def test_bf16_runs_close_to_fp32_hf(hf_dir, dtype, atol):
+    """Norms in fp32 with fp32 (1 + w) weights, cast back, as HF does in half precision."""
+    ours = load(hf_dir, "torch", dtype)
+    assert ours.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert ours.embed_tokens.dtype == dtype
+    kv = PagedKV.for_model(ours, dtype=dtype)
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(*kv.step([("r", IDS)])))
+    torch.testing.assert_close(logits, hf_logits(hf_dir, IDS), atol=atol, rtol=0)
+
+
+def test_layers_keep_their_windows_and_rope_tables(family, hf_dir):
+    """Gemma 2 alternates local and global layers; Gemma 3 has five local ones, then a global
+    one, the local ones on their own RoPE base. The context stops at the window."""
+    ours = load(hf_dir, "torch")
+    windows = [layer.self_attn.sliding_window for layer in ours.layers]
+    tables = [layer.self_attn.rope_table for layer in ours.layers]
+    if family == "gemma2":
+        assert windows == [128, None] and tables == [0, 0] and ours.local_rotary is None
+        assert ours.layers[0].self_attn.q_norm is None
+    else:
+        assert windows == [128] * 5 + [None] and tables == [1] * 5 + [0]
+        assert isinstance(ours.layers[0].self_attn.q_norm, GemmaRMSNorm)
+    assert ours.arch.max_position_embeddings == 128
+    assert ours.layers[0].self_attn.scale == 16**-0.5
+    assert not ours.decodes_in_c  # post-norms and GeGLU are not decode_layer.c's
+
+
+# ----------------------------------------------------------------------------- loaders
+
+
+def test_arch_from_config_and_gguf_agree(family, hf_dir, gguf_path):
+    arch = load_arch(resolve_model(str(hf_dir)))
+    assert arch.architecture == family and arch.hidden_act == "gelu_pytorch_tanh"
+    assert arch.tie_word_embeddings and arch.head_dim == 16
+    gguf_arch = load_arch(resolve_model(str(gguf_path)))
+    same = dict(rms_norm_eps=arch.rms_norm_eps)  # a GGUF stores eps as float32
+    assert dataclasses.replace(gguf_arch, **same) == arch
+
+
+def test_gguf_uses_llama_cpps_names_and_norm_offset(family, hf_dir, gguf_path):
+    reader = gguf.GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    assert reader.fields["general.architecture"].contents() == family
+    assert {
+        "blk.0.attn_norm.weight",
+        "blk.0.post_attention_norm.weight",
+        "blk.0.ffn_norm.weight",
+        "blk.0.post_ffw_norm.weight",
+    } <= set(tensors)
+    assert ("blk.0.attn_q_norm.weight" in tensors) == (family == "gemma3")
+    assert "output.weight" not in tensors  # tied
+    assert reader.fields[f"{family}.attention.sliding_window"].contents() == 128
+    hf = load_file(str(hf_dir / "model.safetensors"))
+    stored = torch.from_numpy(tensors["blk.0.ffn_norm.weight"].data.copy())
+    torch.testing.assert_close(stored, hf["model.layers.0.pre_feedforward_layernorm.weight"] + 1)
+    ours = load(gguf_path, "torch")  # HF's w comes back, 1 + w is held
+    torch.testing.assert_close(ours.layers[0].pre_feedforward_layernorm.weight, stored)
+
+
+def test_transformers_4_config_layout(tmp_path):
+    """A Gemma 3 config.json as Google ships it (transformers 4.5x): rope_theta, rope_scaling and
+    rope_local_base_freq flat, sliding_window_pattern instead of layer_types."""
+    hf_dir = shutil.copytree(cached_tiny_model("gemma3"), tmp_path / "m")
+    config = json.loads((hf_dir / "config.json").read_text())
+    new_arch = load_arch(resolve_model(str(hf_dir)))
+    for key in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+        del config[key]
+    config.update(
+        rope_theta=1_000_000.0,
+        rope_scaling=None,
+        rope_local_base_freq=10000.0,
+        sliding_window_pattern=6,
+        eos_token_id=[1, 106],
+    )
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    old_arch = load_arch(resolve_model(str(hf_dir)))
+    assert dataclasses.replace(old_arch, eos_token_ids=(2,)) == new_arch
+    assert old_arch.eos_token_ids == (1, 106)
+
+
+def test_registry_and_architecture_names():
+    assert get_model_class("gemma2") is get_model_class("Gemma3ForCausalLM") is GemmaForCausalLM
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (dict(hidden_activation="gelu"), "hidden_activation 'gelu' is not supported"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        (
+            dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
+            "model_type 'gemma3': Gemma3ForConditionalGeneration",
+        ),
+        (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
+        (
+            dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0}}),
+            "unsupported rope type 'yarn'",
+        ),
+    ],
+    ids=["activation", "bidirectional", "multimodal", "layer-types", "rope-type"],
+)
+def test_config_fields_not_implemented_are_named(tmp_path, edit, message):
+    hf_dir = shutil.copytree(cached_tiny_model("gemma2"), tmp_path / "m")
+    if "rope_parameters" in edit:
+        hf_dir = shutil.copytree(cached_tiny_model("gemma3"), tmp_path / "m3")
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.update(edit)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_arch(resolve_model(str(hf_dir)))
+
+
+def test_gguf_tensors_strictly_mapped(tmp_path):
+    """A Gemma 3 GGUF without its post-MLP norms is refused naming them."""
+    hf_dir = shutil.copytree(cached_tiny_model("gemma3"), tmp_path / "m")
+    path = write_gguf(hf_dir, tmp_path / "full.gguf", with_tokenizer=False)
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "gemma3")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for tensor in reader.tensors:
+        if tensor.name != "blk.3.post_ffw_norm.weight":
+            writer.add_tensor(tensor.name, tensor.data.copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    src = resolve_model(str(tmp_path / "cut.gguf"))
+    with pytest.raises(ValueError, match="missing weights: model.layers.3.post_feedforward"):
+        load_model(src, load_arch(src), torch.float32, "cpu")
+
+
+def test_softcapped_attention_refuses_other_backends():
+    ours = load(cached_tiny_model("gemma2"), "torch")
+    with pytest.raises(ValueError, match="batch_invariant.*attn_logit_softcapping"):
+        apply_kernels(ours, KernelRequest(batch_invariant=True))
+    with pytest.raises(ValueError, match="'triton' has no attention logit soft-capping"):
+        apply_kernels(ours, KernelRequest(attention_backend="triton"))
+
+
+def test_make_tiny_gemma_overrides(tmp_path):
+    path = make_tiny_model(tmp_path, "gemma2", num_hidden_layers=4, sliding_window=64)
+    arch = load_arch(resolve_model(str(path)))
+    assert arch.sliding_windows == (64, None, 64, None) and arch.max_position_embeddings == 64
+
+
+def test_engine_resolves_softcapped_attention_to_torch():
+    """The engine's resolved config says what runs: torch for Gemma 2's soft-capped scores
+    (auto), the native kernel for Gemma 3 on CPU where it builds; an explicit native backend
+    for Gemma 2 is refused at start, naming the field."""
+    from tokenbus.engine.setup import resolve_config
+    from tokenbus.engine_args import EngineArgs
+
+    for family_name in ("gemma2", "gemma3"):
+        src = resolve_model(str(cached_tiny_model(family_name)))
+        config = EngineArgs(model=str(src.path), device="cpu").to_config(128)
+        resolved = resolve_config(config, src, load_arch(src))
+        expected = "torch" if family_name == "gemma2" or not HAS_CC else "native"
+        assert resolved.model.attention_backend == expected
+    src = resolve_model(str(cached_tiny_model("gemma2")))
+    native = EngineArgs(model=str(src.path), device="cpu", attention_backend="native")
+    with pytest.raises(ValueError, match="'native' has no attention logit soft-capping"):
+        resolve_config(native.to_config(128), src, load_arch(src))
+
+
+def test_generation_configs_eos_list_stops_at_each(tmp_path):
+    """Gemma's generation_config.json lists eos_token_id [1, 106]: the first is the request's
+    EOS, the others stop it too (as stop_token_ids, unless ignore_eos)."""
+    from tokenbus import LLM, SamplingParams
+
+    hf_dir = shutil.copytree(cached_tiny_model("gemma3"), tmp_path / "m")
+    llm = LLM(str(hf_dir), multiprocess=False, seed=0, attention_backend="torch")
+    prompt = {"prompt_token_ids": IDS}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+    stop_at = tokens[3]  # the 4th greedy token as the model's second EOS id
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop_at]}))
+    llm = LLM(str(hf_dir), multiprocess=False, seed=0, attention_backend="torch")
+    assert llm.engine.setup.extra_eos_token_ids == (stop_at,)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    first = tokens.index(stop_at)
+    assert out[0].outputs[0].token_ids == tokens[: first + 1]
+    assert out[0].outputs[0].finish_reason == "stop"
+    ignored = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == tokens  # ignore_eos ignores every EOS id
+    llm.shutdown()
+
+
+def test_gguf_window_pattern_and_27b_scale():
+    """llama.cpp's choices where the GGUF is silent (Gemma 3: five local layers, then a global
+    one; the 27B models scaled by hidden / heads); its sliding_window_pattern key where present,
+    as a period or as per-layer flags."""
+    from tokenbus.loader.gemma_config import gemma_gguf_fields
+
+    meta = {
+        "gemma3.embedding_length": 64,
+        "gemma3.attention.head_count": 2,
+        "gemma3.attention.key_length": 16,
+        "gemma3.attention.sliding_window": 512,
+    }
+    fields = gemma_gguf_fields(meta, "gemma3", 7)
+    assert fields["sliding_windows"] == (512,) * 5 + (None, 512)
+    assert fields["query_pre_attn_scalar"] == 16 and fields["rope_local_theta"] == 10000.0
+    assert gemma_gguf_fields(meta, "gemma3", 62)["query_pre_attn_scalar"] == 32  # 64 / 2
+    period = {**meta, "gemma3.attention.sliding_window_pattern": 2}
+    assert gemma_gguf_fields(period, "gemma3", 3)["sliding_windows"] == (512, None, 512)
+    flags = {**meta, "gemma3.attention.sliding_window_pattern": [False, True]}
+    assert gemma_gguf_fields(flags, "gemma3", 2)["sliding_windows"] == (None, 512)
+    with pytest.raises(ValueError, match="sliding_window_pattern: 2 flags for 3 layers"):
+        gemma_gguf_fields(flags, "gemma3", 3)
