@@ -342,3 +342,50 @@ def test_gguf_window_pattern_and_27b_scale():
     assert gemma_gguf_fields(flags, "gemma3", 2)["sliding_windows"] == (None, 512)
     with pytest.raises(ValueError, match="sliding_window_pattern: 2 flags for 3 layers"):
         gemma_gguf_fields(flags, "gemma3", 3)
+
+
+def test_softcapped_sdpa_is_hfs_eager_attention():
+    """attention.sdpa with a soft-cap against HF Gemma 2's eager attention: GQA, a causal
+    mask aligned to the end (a chunk after context), and an additive mask."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from tokenbus.model.attention import sdpa
+
+    g = torch.Generator().manual_seed(3)
+    q = 3 * torch.randn(1, 4, 5, 16, generator=g)  # [B, Hq, Lq, D], scores past the cap
+    k, v = (3 * torch.randn(1, 2, 9, 16, generator=g) for _ in range(2))  # [B, Hkv, Lk, D]
+    visible = torch.ones(5, 9, dtype=torch.bool).tril(9 - 5)
+    mask = torch.zeros(5, 9).masked_fill(~visible, float("-inf"))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    ref, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.25, softcap=2.0)
+    ref = ref.transpose(1, 2)  # HF returns [B, Lq, H, D]
+    ours = sdpa(q, k, v, is_causal=True, scale=0.25, enable_gqa=True, softcap=2.0)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(sdpa(q, k, v, mask, scale=0.25, enable_gqa=True, softcap=2.0), ref)
+    uncapped = sdpa(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    assert (uncapped - ours).abs().max() > 0.1  # the cap bends these scores
+
+
+def test_captured_decode_plan_soft_caps_like_the_eager_one():
+    """A captured step's static plan (TorchDecodePlan) with the cap gives the eager plan's rows."""
+    from tests.model.test_attention_backend import pad_uniform
+    from tests.model.test_native_attention import make_batch
+
+    from tokenbus.model.attention import paged_attention
+    from tokenbus.model.attention_backend import TorchAttentionBackend
+
+    backend = TorchAttentionBackend(torch.float32)
+    q, k, v, kv, ctx = make_batch([(1, c) for c in (0, 5, 16, 40)], 4, 2, 16)
+    q = 4 * q
+    eager = backend.build_metadata(ctx)
+    ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, eager, 0.25, softcap=2.0)
+    padded, pq, pk, pv = pad_uniform(
+        ctx, q, k, v, padded_reqs=6, q_len=1, width=ctx.block_tables.shape[1] + 2
+    )
+    backend.prepare_for_capture(padded)
+    plan = backend.prepare_for_replay(padded, padded.num_tokens)
+    out = paged_attention(pq, pk, pv, kv, padded.slot_mapping, plan, 0.25, softcap=2.0)
+    torch.testing.assert_close(out[: ctx.num_tokens], ref, atol=2e-5, rtol=1e-4)
+    plain = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, eager, 0.25)
+    assert (plain - ref).abs().max() > 0.01
