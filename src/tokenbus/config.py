@@ -53,7 +53,7 @@ def kv_row_bytes(kv_cache_dtype: str, head_dim: int) -> int:
 class ModelArch:
     """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
 
-    architecture: str  # llama, mistral, qwen2, qwen3, gemma2 or gemma3 (model/registry.py)
+    architecture: str  # llama, mistral, qwen2, qwen3, gemma2, gemma3 or phi3 (model/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -79,6 +79,9 @@ class ModelArch:
     # RoPE base of the sliding-window layers where it differs from rope_theta (Gemma 3's
     # rope_local_base_freq; those layers take no rope_scaling); None: every layer uses rope_theta.
     rope_local_theta: float | None = None
+    # Dims of each head the rotary turns (the first ones; Phi-4-mini's partial_rotary_factor
+    # 0.75); None: the whole head.
+    rotary_dim: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -281,9 +281,9 @@ def test_unsupported_hf_architecture_is_named(tmp_path):
 def test_qwen3_config_fields_not_implemented_are_named(tmp_path):
     hf_dir = shutil.copytree(cached_tiny_model("qwen3"), tmp_path / "m")
     config = json.loads((hf_dir / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}
     (hf_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+    with pytest.raises(ValueError, match="unsupported rope type 'dynamic'"):
         load_arch(resolve_model(str(hf_dir)))
 
 

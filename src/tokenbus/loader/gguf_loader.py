@@ -7,6 +7,12 @@ GGUFs are written unpermuted (llama.cpp's NeoX rotary is rotate-half), and so ar
 Gemma 3's, whose norm weights llama.cpp stores as (1 + w): they are given back as HF's w.
 Mistral is written as architecture "llama". A tensor name this table does not know is refused,
 naming it.
+
+Phi-3 ("phi3"): q/k/v fused in `attn_qkv` (or separate attn_q/k/v), gate and up fused in
+`ffn_up` [2*I, hidden] (HF's gate_up_proj), unpermuted; LongRoPE as two tensors,
+`rope_factors_long` / `rope_factors_short`, with `rope.scaling.original_context_length` and
+`rope.scaling.attn_factor`; partial rotary as `rope.dimension_count` < head_dim; its window as
+`attention.sliding_window` (0: none), capping the context as config.json's does.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
     import torch  # metadata through this module, and its start-up is shorter without torch
 
 # general.architecture values we load
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", *GEMMA_GGUF_ARCHITECTURES)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", *GEMMA_GGUF_ARCHITECTURES)
+# Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
+_PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
 # Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
 # them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
 # attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants); the float types are dequantized on load.
@@ -78,20 +86,28 @@ _BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3
 }
 # Gemma's norms around attention and MLP: attn_norm is input_layernorm as above, but ffn_norm
 # is the pre-MLP norm and the post-norms have their own names (gguf's ATTN_POST_NORM,
 # FFN_PRE_NORM, FFN_POST_NORM).
 _GEMMA_BLOCK_NAMES = {
-    **_BLOCK_NAMES,
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_ARCH_BLOCK_NAMES = {arch: _GEMMA_BLOCK_NAMES for arch in GEMMA_GGUF_ARCHITECTURES}
+_ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something else
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    **{arch: _GEMMA_BLOCK_NAMES for arch in GEMMA_GGUF_ARCHITECTURES},
+}
 _ROPE_FREQS = (
     "rope_freqs.weight"  # per-frequency divisors (Llama 3.1 rope); folded into rope_scaling
 )
+_ROPE_FACTORS = {  # LongRoPE's factor sets (phi3); folded into rope_scaling
+    "long_factor": "rope_factors_long.weight",
+    "short_factor": "rope_factors_short.weight",
+}
+_ROPE_TENSORS = (_ROPE_FREQS, *_ROPE_FACTORS.values())
 
 
 def arch_from_gguf(gf: GGUFFile) -> ModelArch:
@@ -110,10 +126,11 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
 
     hidden_size, num_heads = need("embedding_length"), need("attention.head_count")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden_size // num_heads)
-    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+    rotary_dim = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim and arch not in _PARTIAL_ROTARY_ARCHITECTURES:
         raise ValueError(
-            f"{gf.path}: partial rotary ({arch}.rope.dimension_count != head_dim {head_dim}) "
-            "is not supported"
+            f"{gf.path}: partial rotary ({arch}.rope.dimension_count {rotary_dim} != head_dim "
+            f"{head_dim}) is not supported for {arch}"
         )
     if "token_embd.weight" not in gf.tensors:
         raise ValueError(f"{gf.path}: missing tensor token_embd.weight")
@@ -123,7 +140,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     family: dict = {"hidden_act": "silu"}
     if arch in GEMMA_GGUF_ARCHITECTURES:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
-    max_positions = need("context_length")
+    max_positions = _context_length(gf, arch, need("context_length"))
     if family.get("sliding_windows"):  # windows are not built yet: the context stops at one
         max_positions = capped_context(max_positions, family["sliding_windows"])
     return ModelArch(
@@ -143,12 +160,21 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         attention_bias="blk.0.attn_q.bias" in gf.tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(meta),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         **family,
     )
 
 
+def _context_length(gf: GGUFFile, arch: str, context_length: int) -> int:
+    """Capped at a phi3 sliding window (0: none), as hf_loader caps Phi-3's."""
+    window = gf.metadata.get(f"{arch}.attention.sliding_window", 0)
+    return min(context_length, window) if arch == "phi3" and window else context_length
+
+
 def _rope_scaling(gf: GGUFFile, arch: str) -> dict | None:
     kind = gf.metadata.get(f"{arch}.rope.scaling.type", "none")
+    if any(name in gf.tensors for name in _ROPE_FACTORS.values()):
+        return _longrope(gf, arch, kind)
     if _ROPE_FREQS in gf.tensors:
         if kind != "none":
             raise ValueError(f"{gf.path}: both {_ROPE_FREQS} and rope scaling type {kind!r}")
@@ -158,9 +184,68 @@ def _rope_scaling(gf: GGUFFile, arch: str) -> dict | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(gf.metadata[f"{arch}.rope.scaling.factor"])}
+    if kind == "yarn":
+        return _yarn(gf, arch)
     raise ValueError(
         f"{gf.path}: unsupported rope scaling type {kind!r} ({arch}.rope.scaling.type)"
     )
+
+
+def _yarn(gf: GGUFFile, arch: str) -> dict:
+    """llama.cpp's YaRN keys as transformers' rope_parameters (convert_hf_to_gguf writes the
+    config's attention_factor as yarn_attn_factor). Keys with no transformers counterpart are
+    refused unless they hold llama.cpp's neutral value."""
+    meta, key = gf.metadata, f"{arch}.rope.scaling."
+    for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        if float(meta.get(key + name, neutral)) != neutral:
+            raise ValueError(
+                f"{gf.path}: {key}{name}={meta[key + name]} is not supported (only {neutral})"
+            )
+    for name in ("factor", "original_context_length"):
+        if key + name not in meta:
+            raise ValueError(f"{gf.path}: rope scaling type 'yarn' needs {key}{name}")
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(meta[key + "factor"]),
+        "original_max_position_embeddings": int(meta[key + "original_context_length"]),
+    }
+    for name, hf_name in (
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        if key + name in meta:
+            scaling[hf_name] = float(meta[key + name])
+    return scaling
+
+
+def _longrope(gf: GGUFFile, arch: str, kind: str) -> dict:
+    """Phi-3's LongRoPE from its two factor tensors (older converters write no scaling type;
+    newer ones "longrope"); the model picks the set for its context (model/layers/rotary.py)."""
+    meta, key = gf.metadata, f"{arch}.rope.scaling."
+    if kind not in ("none", "longrope"):
+        raise ValueError(f"{gf.path}: rope factor tensors with rope scaling type {kind!r}")
+    present = [name for name in _ROPE_TENSORS if name in gf.tensors]
+    if sorted(present) != sorted(_ROPE_FACTORS.values()):
+        raise ValueError(
+            f"{gf.path}: LongRoPE needs both {' and '.join(_ROPE_FACTORS.values())} (and no "
+            f"{_ROPE_FREQS}); found {', '.join(present)}"
+        )
+    if key + "original_context_length" not in meta:
+        raise ValueError(f"{gf.path}: LongRoPE needs {key}original_context_length")
+    original = int(meta[key + "original_context_length"])
+    scaling = {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": original,
+        "factor": meta[f"{arch}.context_length"] / original,
+        **{
+            hf_name: tuple(float(f) for f in _dequantize(gf, gf.tensors[name]))
+            for hf_name, name in _ROPE_FACTORS.items()
+        },
+    }
+    if key + "attn_factor" in meta:
+        scaling["attention_factor"] = float(meta[key + "attn_factor"])
+    return scaling
 
 
 def _eos_token_ids(meta: dict) -> tuple[int, ...]:
@@ -176,7 +261,10 @@ def _eos_token_ids(meta: dict) -> tuple[int, ...]:
 def hf_weight_name(gf: GGUFFile, name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    block_names = _ARCH_BLOCK_NAMES.get(gf.metadata.get("general.architecture"), _BLOCK_NAMES)
+    block_names = {
+        **_BLOCK_NAMES,
+        **_ARCH_BLOCK_NAMES.get(gf.metadata.get("general.architecture"), {}),
+    }
     parts = name.split(".")  # blk.<layer>.<tensor>.<weight|bias>
     if (
         len(parts) == 4
@@ -197,7 +285,7 @@ def iter_gguf_weights(
     import torch
 
     for info in gf.tensors.values():
-        if info.name == _ROPE_FREQS:
+        if info.name in _ROPE_TENSORS:
             continue
         name = hf_weight_name(gf, info.name)
         if keep_quantized and info.qtype in KERNEL_QTYPES and len(info.shape) == 2:

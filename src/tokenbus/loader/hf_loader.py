@@ -30,6 +30,7 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -39,11 +40,16 @@ REFUSED_MODEL_TYPES = {
     "model is (Gemma3ForCausalLM, model_type gemma3_text)",
 }
 # Rope types we pass on to the model (model/layers/rotary.py ROPE_TYPES; a test keeps them in sync).
-HF_ROPE_TYPES = ("default", "linear", "llama3")
+HF_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ROPE_REQUIRED_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor"),
 }
+# Families whose HF model turns only the first partial_rotary_factor of each head (Phi-4-mini).
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
+# Families that cap the context at config.json's `sliding_window` (see _max_positions).
+_WINDOWED_ARCHITECTURES = ("mistral", "phi3")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -74,7 +80,9 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     rope_config = config
     if architecture == "gemma3":  # the global layers' rope; the local ones' base apart
         rope_config, family["rope_local_theta"] = gemma3_hf_rope(config, path)
-    rope_theta, rope_scaling = _rope(rope_config, path)
+    head_dim = config.get("head_dim") or hidden_size // num_heads
+    rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
+    rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
     eos = config.get("eos_token_id")
     max_positions = _max_positions(config, architecture)
     if family.get("sliding_windows"):
@@ -87,7 +95,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or hidden_size // num_heads,
+        head_dim=head_dim,
         max_position_embeddings=max_positions,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
@@ -100,6 +108,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         hidden_act=config.get("hidden_act", "silu"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        rotary_dim=rotary_dim,
     )
     return dataclasses.replace(arch, **family) if family else arch
 
@@ -122,22 +131,54 @@ def _architecture(config: dict[str, Any], path: Path) -> str:
     )
 
 
-def _rope(config: dict[str, Any], path: Path) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) from 5.x `rope_parameters` or 4.x
-    `rope_theta`/`rope_scaling`."""
+def _rope(
+    config: dict[str, Any], path: Path, architecture: str
+) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling or None, partial_rotary_factor) from 5.x `rope_parameters` or
+    4.x `rope_theta`/`rope_scaling`/`partial_rotary_factor`, with the defaults transformers fills
+    in (standardize_rope_params) written out, so the model needs no other config field."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type") or params.get("type") or "default"
+    partial = params.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor")
+    partial = float(partial or 1.0)
+    if partial != 1.0 and architecture not in PARTIAL_ROTARY_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: partial_rotary_factor={partial} is not supported for {architecture} "
+            f"(only {', '.join(PARTIAL_ROTARY_ARCHITECTURES)})"
+        )
+    legacy_type = params.pop("type", None)  # transformers 4.x's name of the field
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    if rope_type == "su" or (architecture == "phi3" and rope_type == "yarn"):
+        rope_type = "longrope"  # as transformers' Phi3Config reads these older names
     if rope_type not in HF_ROPE_TYPES:
         raise ValueError(
             f"{path}: unsupported rope type {rope_type!r} (supported: {', '.join(HF_ROPE_TYPES)})"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{path}: partial_rotary_factor != 1 is not supported")
     missing = [key for key in _ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in params]
     if missing:
         raise ValueError(f"{path}: rope type {rope_type!r} needs {missing}")
-    return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
+    if rope_type in ("yarn", "longrope"):
+        params.update(_extended_context(config, params, architecture))
+    return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}, partial
+
+
+def _extended_context(
+    config: dict[str, Any], params: dict[str, Any], architecture: str
+) -> dict[str, Any]:
+    """YaRN's and LongRoPE's pretraining context and scale factor, as transformers resolves
+    them: Phi-3 keeps `original_max_position_embeddings` beside rope_scaling (it wins there,
+    default 4096), others inside it (default max_position_embeddings); a missing `factor` is
+    max_position_embeddings / original (it sets LongRoPE's attention factor)."""
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    if architecture == "phi3":
+        original = config.get("original_max_position_embeddings") or 4096
+    else:
+        original = params.get("original_max_position_embeddings") or max_positions
+    factor = params.get("factor")
+    return {
+        "original_max_position_embeddings": int(original),
+        "factor": float(factor) if factor is not None else max_positions / original,
+    }
 
 
 def _max_positions(config: dict[str, Any], architecture: str) -> int:
@@ -145,7 +186,7 @@ def _max_positions(config: dict[str, Any], architecture: str) -> int:
     context."""
     max_positions = int(config.get("max_position_embeddings", 2048))
     window = config.get("sliding_window")
-    uses_window = architecture == "mistral" or config.get("use_sliding_window", False)
+    uses_window = architecture in _WINDOWED_ARCHITECTURES or config.get("use_sliding_window", False)
     return min(max_positions, window) if uses_window and window else max_positions
 
 

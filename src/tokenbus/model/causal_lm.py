@@ -63,7 +63,11 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+            arch.head_dim,
+            arch.max_position_embeddings,
+            arch.rope_theta,
+            arch.rope_scaling,
+            arch.rotary_dim,
         )
         self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
         # A GGUF embedding kept in its blocks (then embed_tokens is released).

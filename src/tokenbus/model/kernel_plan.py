@@ -321,13 +321,14 @@ def quant_activation_modes(
 def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
     """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
     ops and the native attention kernel, every linear one tiled GGUF shard, no TP, every layer
-    made of the shared parts alone."""
+    made of the shared parts alone, the rotary over whole heads."""
     kernel = plan.attention.kernel
     if (
         kernel is None
         or not isinstance(plan.ops, FusedCpuOps)
         or plan.quant is None
         or model.tp.enabled
+        or model.rotary.is_partial  # decode_layer.c turns whole heads only
     ):
         return None
     layers = [_layer_weights(layer) for layer in model.layers]

@@ -6,6 +6,7 @@ from torch import nn
 
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
+from tokenbus.model.phi3 import Phi3ForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -13,6 +14,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -21,6 +23,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

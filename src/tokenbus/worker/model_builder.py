@@ -6,6 +6,7 @@ Here, not in `loader`, because it joins two L2 siblings: `model` (the classes) a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,14 +33,19 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     batch_invariant: bool = False,
+    max_model_len: int | None = None,
 ) -> nn.Module:
     """The whole model, or this rank's shard of it under tensor parallelism; GGUF weights kept
     in their blocks when `quantization` is gguf (resolved: engine/setup.resolve_quantization;
     any other value dequantizes), their decode calls on int16, int8, fp32 or (AVX512-BF16) bf16
     activations (`quant_activations`: ModelConfig). Decode steps run their layers in C where
     they can, unless `enforce_eager` (op by op). `batch_invariant`: every kernel's result for a
-    token independent of the rest of its step (ModelConfig.batch_invariant)."""
+    token independent of the rest of its step (ModelConfig.batch_invariant). `max_model_len`
+    (the engine's context; None: the model's): the model is built for positions below it (its
+    rotary table; LongRoPE picks its factor set from it, model/layers/rotary.py)."""
     model_class = get_model_class(arch.architecture)
+    if max_model_len is not None:
+        arch = dataclasses.replace(arch, max_position_embeddings=max_model_len)
     keep_quantized = quantization == "gguf"
     if quant_activations in ("int8", "int16", "bf16") and not keep_quantized:
         raise ValueError(

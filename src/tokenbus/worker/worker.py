@@ -118,6 +118,7 @@ class Worker:
             self.config.model.load_format,
             self.config.model.seed,
             self.config.model.batch_invariant,
+            self.config.scheduler.max_model_len,
         )
 
     def determine_num_kv_blocks(self) -> int:

@@ -60,7 +60,8 @@ class TorchOps:
         num_heads: int,
         num_kv_heads: int,
     ) -> QKV:
-        """q, k rotated (rotate-half) and v, from qkv [T, Hq + 2 Hkv, D]; cos/sin [T, 1, D/2]."""
+        """q, k rotated (rotate-half) and v, from qkv [T, Hq + 2 Hkv, D]; cos/sin [T, 1, R/2]
+        (R < D: partial rotary, the first R dims of each head turn)."""
         num_qk_heads = num_heads + num_kv_heads
         qk = apply_rotary(qkv[:, :num_qk_heads], cos, sin)  # q and k rotated at once
         q, k = qk.split((num_heads, num_kv_heads), dim=1)
@@ -116,6 +117,8 @@ class FusedCpuOps(TorchOps):
         num_kv_heads: int,
     ) -> QKV:
         num_tokens, _, head_dim = qkv.shape
+        if 2 * cos.shape[-1] != head_dim:  # partial rotary: fused_ops.c turns whole heads only
+            return super().rope(qkv, cos, sin, num_heads, num_kv_heads)
         num_qk_heads = num_heads + num_kv_heads
         flat = qkv.view(num_tokens, -1)  # [T, (Hq + 2 Hkv) * D]
         self.fused.rope_(
