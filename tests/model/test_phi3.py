@@ -192,25 +192,45 @@ def test_longrope_without_its_factors_is_named(tmp_path):
         load_arch(src)
 
 
-def test_gguf_with_one_rope_factor_tensor_is_named(tmp_path):
-    hf_dir = cached_tiny_model("phi3", **LONGROPE)
-    path = write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False)
-    reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "phi3")
+def copy_gguf(src, dst, skip=(), add=lambda writer: None):
+    """`src` rewritten to `dst` without the keys and tensors named in `skip`, plus `add`'s."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
     for field in reader.fields.values():
-        if field.name.startswith(("GGUF.", "general.architecture")):
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", *skip):
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    add(writer)
     for tensor in reader.tensors:
-        if tensor.name != "rope_factors_short.weight":
+        if tensor.name not in skip:
             writer.add_tensor(tensor.name, tensor.data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return resolve_model(str(dst))
+
+
+def test_gguf_with_one_rope_factor_tensor_is_named(tmp_path):
+    hf_dir = cached_tiny_model("phi3", **LONGROPE)
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False)
+    src = copy_gguf(path, tmp_path / "cut.gguf", skip=("rope_factors_short.weight",))
     with pytest.raises(ValueError, match="LongRoPE needs both rope_factors_long.weight and"):
-        load_arch(resolve_model(str(tmp_path / "cut.gguf")))
+        load_arch(src)
+
+
+def test_gguf_partial_rotary_refused_outside_phi3(tmp_path):
+    path = write_gguf(cached_tiny_model("llama"), tmp_path / "m.gguf", with_tokenizer=False)
+    src = copy_gguf(
+        path,
+        tmp_path / "partial.gguf",
+        skip=("llama.rope.dimension_count",),
+        add=lambda writer: writer.add_rope_dimension_count(8),
+    )
+    with pytest.raises(ValueError, match=r"partial rotary \(llama.rope.dimension_count 8 != head"):
+        load_arch(src)
 
 
 def test_gguf_fused_tensor_of_the_wrong_size_is_named(tmp_path):
@@ -236,21 +256,10 @@ def test_gguf_yarn_keys_without_a_transformers_meaning_are_named(tmp_path):
         "original_max_position_embeddings": 128,
         "beta_fast": 16.0,
     }
-    reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(tmp_path / "ext.gguf"), "qwen3")
-    for field in reader.fields.values():
-        if field.name.startswith(("GGUF.", "general.architecture")):
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    writer.add_rope_scaling_yarn_ext_factor(0.5)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    src = copy_gguf(
+        path, tmp_path / "ext.gguf", add=lambda writer: writer.add_rope_scaling_yarn_ext_factor(0.5)
+    )
     with pytest.raises(
         ValueError, match=r"qwen3.rope.scaling.yarn_ext_factor=0.5 is not supported"
     ):
-        load_arch(resolve_model(str(tmp_path / "ext.gguf")))
+        load_arch(src)
