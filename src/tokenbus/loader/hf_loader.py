@@ -166,14 +166,15 @@ def _extended_context(
     config: dict[str, Any], params: dict[str, Any], architecture: str
 ) -> dict[str, Any]:
     """YaRN's and LongRoPE's pretraining context and scale factor, as transformers resolves
-    them: Phi-3 keeps `original_max_position_embeddings` beside rope_scaling (it wins there,
-    default 4096), others inside it (default max_position_embeddings); a missing `factor` is
-    max_position_embeddings / original (it sets LongRoPE's attention factor)."""
+    them (standardize_rope_params): `original_max_position_embeddings` beside rope_scaling wins
+    (Phi-3 keeps it there; its config class defaults it to 4096), else the one inside it, else
+    max_position_embeddings; a missing `factor` is max_position_embeddings / original (it sets
+    LongRoPE's attention factor)."""
     max_positions = int(config.get("max_position_embeddings", 2048))
-    if architecture == "phi3":
-        original = config.get("original_max_position_embeddings") or 4096
-    else:
-        original = params.get("original_max_position_embeddings") or max_positions
+    original = config.get("original_max_position_embeddings")
+    if original is None:
+        inside = params.get("original_max_position_embeddings")
+        original = 4096 if architecture == "phi3" else (inside or max_positions)
     factor = params.get("factor")
     return {
         "original_max_position_embeddings": int(original),
