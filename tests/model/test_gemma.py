@@ -224,8 +224,8 @@ def test_registry_and_architecture_names():
         ),
         (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
         (
-            dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0}}),
-            "unsupported rope type 'yarn'",
+            dict(rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 2.0}}),
+            "unsupported rope type 'dynamic'",
         ),
     ],
     ids=["activation", "bidirectional", "multimodal", "layer-types", "rope-type"],
