@@ -53,6 +53,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         raise ValueError(f"{path}: mlp_bias=true is not supported")
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     rope_theta, rope_scaling = _rope(config, path)
+    sliding_window, layer_types = _sliding_window(config, architecture, path)
     eos = config.get("eos_token_id")
     return ModelArch(
         architecture=architecture,
@@ -63,7 +64,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         num_attention_heads=num_heads,
         num_key_value_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=config.get("head_dim") or hidden_size // num_heads,
-        max_position_embeddings=_max_positions(config, architecture),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -72,6 +73,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         hidden_act=config.get("hidden_act", "silu"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
     )
 
 
@@ -107,13 +110,33 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, dict | None]:
     return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
 
 
-def _max_positions(config: dict[str, Any], architecture: str) -> int:
-    """Context length; capped at a sliding window, since our attention always sees the full
-    context."""
-    max_positions = int(config.get("max_position_embeddings", 2048))
+def _sliding_window(
+    config: dict[str, Any], architecture: str, path: Path
+) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, layer types) as transformers builds them: Mistral's `sliding_window` on every
+    layer; Qwen2's / Qwen3's only with `use_sliding_window`, on the layers of `layer_types`
+    (or, in a 4.x config, from `max_window_layers` on)."""
     window = config.get("sliding_window")
-    uses_window = architecture == "mistral" or config.get("use_sliding_window", False)
-    return min(max_positions, window) if uses_window and window else max_positions
+    if architecture in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        window = None
+    if architecture not in ("mistral", "qwen2", "qwen3") or not window:
+        return None, None
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
+    if architecture == "mistral":
+        return window, None
+    num_layers = config.get("num_hidden_layers", 0)
+    types = config.get("layer_types")
+    if types is None:
+        first = config.get("max_window_layers", num_layers)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if len(types) != num_layers or unknown:
+        raise ValueError(
+            f"{path}: layer_types must name 'sliding_attention' or 'full_attention' for each of "
+            f"the {num_layers} layers, got {types!r}"
+        )
+    return window, tuple(types)
 
 
 def safetensors_files(directory: Path) -> list[Path]:

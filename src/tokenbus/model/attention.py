@@ -23,6 +23,12 @@ Reading, with requests ordered decodes first (see ForwardContext):
 GQA never repeats K/V: decode folds the G query heads of one KV head into G query rows, and
 prefill uses SDPA's `enable_gqa`.
 
+A sliding window (a layer's `sliding_window`, Mistral's and Gemma's local layers): query at
+position p sees keys p - window < key <= p, as HF transformers' sliding_window_overlay. Layers
+of one window share one windowed plan a step (`AttentionPlan.windowed`: the same batches, masks
+narrowed, the native kernel told the window); keys before the window are never read, so their
+blocks may have been handed back (the null block: core/kv/hybrid.py).
+
 `AttentionPlan` holds the index tensors and masks derived from a ForwardContext; it is built
 once per step (by the worker, through model/attention_backend.py) and shared by all layers.
 
@@ -34,8 +40,9 @@ padding requests that read and write only the null block (block 0).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +81,14 @@ class DecodeTile:
     # [n, num_blocks] int64: first blocks of each table (enough for the longest)
     block_ids: torch.Tensor
     bias: torch.Tensor  # [n, 1, 1, num_blocks * block_size]: 0 for keys < seq_len, -inf after
+    seq_lens: torch.Tensor  # [n] int64, at least 1 (a padding request sees key 0)
+
+    def windowed(self, window: int) -> DecodeTile:
+        """Keys before seq_len - window masked too."""
+        key_ids = torch.arange(self.bias.shape[-1], device=self.bias.device)
+        early = key_ids[None, :] < (self.seq_lens - window)[:, None]  # [n, L]
+        bias = self.bias.masked_fill(early[:, None, None, :], float("-inf"))
+        return dataclasses.replace(self, bias=bias)
 
 
 @dataclass(frozen=True)
@@ -85,8 +100,17 @@ class PrefillSpan:
     seq_len: int
     # [num_blocks] int64; None: no earlier context (keys = this step's)
     block_ids: torch.Tensor | None
-    # [q_len, seq_len]: 0 where visible, -inf where not; None with block_ids
+    # [q_len, seq_len]: 0 (or True) where visible, -inf (False) where not; None: plain causal
     bias: torch.Tensor | None
+
+    def windowed(self, window: int) -> PrefillSpan:
+        """Causal and within the window: a boolean mask (True: visible)."""
+        q_len = self.end - self.start
+        device = self.bias.device if self.bias is not None else None
+        query_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
+        key_ids = torch.arange(self.seq_len, device=device)[None, :]
+        visible = (key_ids <= query_pos) & (key_ids > query_pos - window)
+        return dataclasses.replace(self, bias=visible)
 
 
 @dataclass(frozen=True)
@@ -100,6 +124,7 @@ class NativeBatch:
     seq_lens: torch.Tensor  # [num_reqs] int64
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
     long_queries: bool = False
+    window: int | None = None  # a sliding window, told to the kernel
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         k_scale, v_scale = kv_quant.tensor_scales(kv_cache.dtype)
@@ -115,6 +140,7 @@ class NativeBatch:
             self.long_queries,
             k_scale,
             v_scale,
+            self.window,
         )
 
 
@@ -125,6 +151,25 @@ class AttentionPlan:
     num_tokens: int
     native: NativeBatch | None = None  # decode-sized requests
     native_long: NativeBatch | None = None  # prefill chunks, by the flash path
+    # window -> this plan narrowed to it, made by the first layer of that window a step
+    _windowed: dict[int, AttentionPlan] = field(default_factory=dict, compare=False, repr=False)
+
+    def windowed(self, window: int) -> AttentionPlan:
+        """This step's plan for layers with a sliding `window` (made once, shared by them)."""
+        plan = self._windowed.get(window)
+        if plan is None:
+            batches = (
+                None if batch is None else dataclasses.replace(batch, window=window)
+                for batch in (self.native, self.native_long)
+            )
+            plan = AttentionPlan(
+                [tile.windowed(window) for tile in self.decode_tiles],
+                [span.windowed(window) for span in self.prefills],
+                self.num_tokens,
+                *batches,
+            )
+            self._windowed[window] = plan
+        return plan
 
     def native_decode_only(self, num_rows: int) -> bool:
         """Whether every query of a step of `num_rows` rows goes to the native kernel's decode
@@ -172,6 +217,10 @@ class TorchDecodePlan:
     block_tables: torch.Tensor  # [R, W] int64
     token_requests: torch.Tensor  # [T] int64: the request (row of block_tables) of each token
     positions: torch.Tensor  # [T] int64
+    window: int | None = None  # a sliding window: keys at positions[t] - window or before masked
+
+    def windowed(self, window: int) -> TorchDecodePlan:
+        return dataclasses.replace(self, window=window)
 
     def forward(
         self,
@@ -191,6 +240,8 @@ class TorchDecodePlan:
         kv = kv.transpose(2, 3)  # [2, T, Hkv, L, D]
         key_ids = torch.arange(tables.shape[1] * block_size, device=q.device)
         masked = key_ids[None, :] > self.positions[:, None]  # [T, L]: after the token itself
+        if self.window is not None:
+            masked |= key_ids[None, :] <= (self.positions - self.window)[:, None]
         bias = torch.zeros(masked.shape, dtype=q.dtype, device=q.device).masked_fill_(
             masked, float("-inf")
         )
@@ -316,7 +367,13 @@ def _plan_decode_tiles(
             masked, float("-inf")
         )
         tiles.append(
-            DecodeTile(start, end, ctx.block_tables[start:end, :num_blocks], bias[:, None, None, :])
+            DecodeTile(
+                start,
+                end,
+                ctx.block_tables[start:end, :num_blocks],
+                bias[:, None, None, :],
+                seq_lens[start:end],
+            )
         )
     return tiles
 
@@ -375,8 +432,15 @@ def paged_attention(
     slot_mapping: torch.Tensor,
     plan: Plan,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]."""
+    """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]; `window`: a
+    sliding window (each query sees its last `window` keys, itself included)."""
+    if window is not None:
+        narrow = getattr(plan, "windowed", None)
+        if narrow is None:  # the kernel plan keeps windowed models off such backends
+            raise ValueError(f"{type(plan).__name__} does not take a sliding window")
+        plan = narrow(window)
     return plan.forward(q, k, v, kv_cache, slot_mapping, scale)
 
 
@@ -427,7 +491,15 @@ def _prefill_attention(
         # attend over K/V as the cache holds them, as later steps will
         k, v = kv_quant.as_stored(k, kv_cache.dtype), kv_quant.as_stored(v, kv_cache.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if span.bias is None else span.bias.to(q.device),  # a window's
+            is_causal=span.bias is None,
+            scale=scale,
+            enable_gqa=True,
+        )
     else:
         kv = gather_blocks(kv_cache, span.block_ids, q.dtype)[
             :, : span.seq_len
