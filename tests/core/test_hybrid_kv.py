@@ -75,7 +75,7 @@ def test_sliding_group_frees_out_of_window_blocks():
     # computed 12: the next query (12) sees keys 5..12: sliding block 0 (id 4) goes back, hashed,
     # to the queue's tail (still a prefix hit); both groups then take a block for tokens 12..15.
     assert run(kv, req, 1) == [[7], [8]]
-    assert kv.get_block_ids("r") == [[1, 2, 3, 7], [NULL, 5, 6, 8]]
+    assert kv.get_all_block_ids("r") == [[1, 2, 3, 7], [NULL, 5, 6, 8]]
     assert free_ids(kv) == [*range(9, 20), 4]
     held = []
     for _ in range(30):
@@ -83,7 +83,7 @@ def test_sliding_group_frees_out_of_window_blocks():
         held.append(kv.num_held_blocks(1))
     assert max(held) <= WINDOW // BS + 1  # bounded, while the full group grows
     assert kv.num_held_blocks(0) == 11
-    table = kv.get_block_ids("r")[1]
+    table = kv.get_all_block_ids("r")[1]
     assert table[:8] == [NULL] * 8 and NULL not in table[8:]
     kv.free(req)
     kv.check_integrity()
@@ -123,7 +123,7 @@ def test_preemption_frees_every_group_and_hits_again():
     for _ in range(4):
         run(kv, req, 1)
     # computed 19: query 19 sees keys 12..: sliding blocks 0-2 are back in the pool (hashed)
-    assert kv.get_block_ids("r") == [[1, 2, 3, 4, 9], [NULL, NULL, NULL, 8, 10]]
+    assert kv.get_all_block_ids("r") == [[1, 2, 3, 4, 9], [NULL, NULL, NULL, 8, 10]]
     kv.free(req)  # preempted: everything back, tail first per group
     req.num_computed_tokens = 0
     assert kv.num_free_blocks == 11

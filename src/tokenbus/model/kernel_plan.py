@@ -134,14 +134,9 @@ class KernelPlan:
                 )
                 residual = out
             else:
+                slot_mapping, attn_metadata = ctx.layer_inputs(layer_idx)  # its KV group's
                 x, residual = layers[layer_idx](
-                    x,
-                    residual,
-                    cos,
-                    sin,
-                    ctx.kv_caches[layer_idx],
-                    ctx.slot_mapping,
-                    ctx.attn_metadata,
+                    x, residual, cos, sin, ctx.kv_caches[layer_idx], slot_mapping, attn_metadata
                 )
             if connector is not None:
                 connector.save_kv_layer(layer_idx, ctx.kv_caches[layer_idx])

@@ -13,7 +13,7 @@ has its own block table per request over the shared pool:
   null block and freed while the request runs (`_drop_out_of_window`), so it holds about
   window / bs + 1 blocks at any context length.
 
-Memory shrinks because groups share K/V tensors (the worker's side of `KVLayout`): layer j of
+Memory shrinks because groups share K/V tensors (the worker's side of `KVGroupLayout`): layer j of
 every group reads and writes buffer j, so a pool block is one page of the j-th layer of all
 groups, and a block a sliding group frees is a page any group may take next.
 
@@ -42,9 +42,10 @@ from tokenbus.core.kv.stats import PrefixCacheStats
 from tokenbus.utils import cdiv
 
 if TYPE_CHECKING:
+    from tokenbus.config import EngineConfig, ModelArch
     from tokenbus.core.request import Request
 
-# Per KV group: a request's blocks (one list per group, in KVLayout.groups order).
+# Per KV group: a request's blocks (one list per group, in KVGroupLayout.groups order).
 GroupBlocks = list[list[KVBlock]]
 
 
@@ -57,7 +58,7 @@ class KVGroup:
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class KVGroupLayout:
     """How a model's layers map onto KV groups and shared K/V buffers: layer `groups[g].layers[j]`
     uses buffer j (num_buffers of them, one per layer of the largest group)."""
 
@@ -79,7 +80,7 @@ class KVLayout:
         raise ValueError(f"layer {layer} is in no KV group")
 
 
-def plan_kv_groups(windows: Sequence[int | None], hybrid: bool = True) -> KVLayout:
+def plan_kv_groups(windows: Sequence[int | None], hybrid: bool = True) -> KVGroupLayout:
     """KV groups for layers of these sliding windows (None: full attention).
 
     One group of every layer when all windows agree, or with `hybrid` False (vLLM's
@@ -93,7 +94,7 @@ def plan_kv_groups(windows: Sequence[int | None], hybrid: bool = True) -> KVLayo
     distinct = list(dict.fromkeys(windows))  # first-appearance order
     if len(distinct) == 1 or not hybrid:
         window = distinct[0] if len(distinct) == 1 else None
-        return KVLayout((KVGroup(window, tuple(range(len(windows)))),))
+        return KVGroupLayout((KVGroup(window, tuple(range(len(windows)))),))
     by_window = {w: tuple(i for i, x in enumerate(windows) if x == w) for w in distinct}
     size = min(len(layers) for layers in by_window.values())
     groups = [
@@ -101,7 +102,24 @@ def plan_kv_groups(windows: Sequence[int | None], hybrid: bool = True) -> KVLayo
         for window, layers in by_window.items()
         for start in range(0, len(layers), size)
     ]
-    return KVLayout(tuple(groups))
+    return KVGroupLayout(tuple(groups))
+
+
+def engine_kv_groups(config: EngineConfig, arch: ModelArch) -> KVGroupLayout | None:
+    """The engine's KV groups, or None: every layer full attention, on KVCacheManager as
+    ever. A model with sliding windows gets them unless --disable-hybrid-kv-cache-manager, a KV
+    connector (it moves one block table a request) or speculative decoding (its drafts share
+    the target's single table) is configured: then one full-attention group, windows still
+    masked, every block held."""
+    windows = [arch.layer_window(i) for i in range(arch.num_hidden_layers)]
+    if all(window is None for window in windows):
+        return None
+    hybrid = not (
+        config.cache.disable_hybrid_kv_cache_manager
+        or config.kv_transfer is not None
+        or config.speculative is not None
+    )
+    return plan_kv_groups(windows, hybrid) if hybrid else None
 
 
 class HybridKVCacheManager:
@@ -109,7 +127,7 @@ class HybridKVCacheManager:
     the checks take and give one block list per group (GroupBlocks)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, layout: KVLayout, enable_caching: bool = True
+        self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool = True
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -144,9 +162,18 @@ class HybridKVCacheManager:
     def null_block(self) -> KVBlock:
         return self.block_pool.null_block
 
-    def get_block_ids(self, request_id: str) -> list[list[int]]:
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """Group 0's table (what a single-table reader sees: xray)."""
+        return self.get_all_block_ids(request_id)[0]
+
+    def get_all_block_ids(self, request_id: str) -> list[list[int]]:
         tables = self.req_to_blocks.get(request_id) or [[] for _ in self.windows]
         return [[block.block_id for block in table] for table in tables]
+
+    @staticmethod
+    def block_ids_per_group(blocks: GroupBlocks) -> list[list[int]]:
+        """allocate_slots' result as ids, a list per group."""
+        return [[block.block_id for block in group] for group in blocks]
 
     def num_held_blocks(self, group: int | None = None) -> int:
         """Pool blocks requests hold (null entries not counted), in `group` or in all."""
