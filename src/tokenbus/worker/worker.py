@@ -120,6 +120,7 @@ class Worker:
             self.config.model.seed,
             self.config.model.batch_invariant,
         )
+        check_layer_windows(self.model, self.arch)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold after its weights and its CUDA graphs (what it measures,
@@ -247,6 +248,20 @@ class Worker:
             self.kv_connector.shutdown()
         if self.tp.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def check_layer_windows(model: torch.nn.Module, arch: ModelArch) -> None:
+    """The scheduler plans KV groups from ModelArch.layer_window (core/kv/hybrid.py), the
+    layers attend with their own sliding_window: they must agree, or a sliding group would hand
+    back blocks a layer still reads."""
+    built = [
+        getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in model.layers
+    ]
+    planned = [arch.layer_window(i) for i in range(arch.num_hidden_layers)]
+    if built != planned:
+        raise ValueError(
+            f"the layers' sliding windows {built} differ from ModelArch.layer_window's {planned}"
+        )
 
 
 def cpu_threads(config: EngineConfig) -> int:
