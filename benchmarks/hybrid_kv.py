@@ -150,7 +150,12 @@ def main() -> None:
             "hybrid_kv",
             this_command(),
             rows,
-            units={"KV MiB held": "MiB", "KV bytes vs global": "×", "decode": "tok/s"},
+            units={
+                "KV MiB held": "MiB",
+                "KV bytes vs global": "×",
+                "decode": "tok/s",
+                "decode vs global": "×",
+            },
             peers=["tokenbus --disable-hybrid-kv-cache-manager (global)", "alternated"],
             variant=f"context {args.context}, window {args.window}, {args.layers} layers 5:1",
         )
