@@ -56,10 +56,18 @@ def kv_manager(llm) -> HybridKVCacheManager:
     return manager
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_prefix_hits_and_chunks(model, prompts, reference, caching):
+def test_prefix_hits_and_chunks(model, prompts, reference, caching, backend):
+    """The torch path gathers from the first block in the window: tables whose earlier entries
+    were handed back (and maybe reused) never reach its masks."""
     llm = make_llm(
-        model, enable_prefix_caching=caching, max_num_batched_tokens=24, max_num_seqs=3, **ENGINE
+        model,
+        enable_prefix_caching=caching,
+        max_num_batched_tokens=24,
+        max_num_seqs=3,
+        attention_backend=backend,
+        **ENGINE,
     )
     assert generate(llm, prompts) == reference
     hits = llm.engine.stats_totals["prefix_cache_hits"]

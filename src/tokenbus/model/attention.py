@@ -82,13 +82,18 @@ class DecodeTile:
     block_ids: torch.Tensor
     bias: torch.Tensor  # [n, 1, 1, num_blocks * block_size]: 0 for keys < seq_len, -inf after
     seq_lens: torch.Tensor  # [n] int64, at least 1 (a padding request sees key 0)
+    min_seq_len: int = 1  # the shortest of seq_lens, on the host
 
     def windowed(self, window: int) -> DecodeTile:
-        """Keys before seq_len - window masked too."""
-        key_ids = torch.arange(self.bias.shape[-1], device=self.bias.device)
+        """Keys before seq_len - window masked too; the blocks before every row's window are
+        not gathered (they may have been handed back: core/kv/hybrid.py)."""
+        block_size = self.bias.shape[-1] // self.block_ids.shape[1]
+        first = max(self.min_seq_len - window, 0) // block_size  # the first block any row reads
+        bias = self.bias[..., first * block_size :]
+        key_ids = torch.arange(bias.shape[-1], device=bias.device) + first * block_size
         early = key_ids[None, :] < (self.seq_lens - window)[:, None]  # [n, L]
-        bias = self.bias.masked_fill(early[:, None, None, :], float("-inf"))
-        return dataclasses.replace(self, bias=bias)
+        bias = bias.masked_fill(early[:, None, None, :], float("-inf"))
+        return dataclasses.replace(self, block_ids=self.block_ids[:, first:], bias=bias)
 
 
 @dataclass(frozen=True)
@@ -100,17 +105,27 @@ class PrefillSpan:
     seq_len: int
     # [num_blocks] int64; None: no earlier context (keys = this step's)
     block_ids: torch.Tensor | None
-    # [q_len, seq_len]: 0 (or True) where visible, -inf (False) where not; None: plain causal
+    # [q_len, seq_len - key_offset]: 0 (or True) where visible, -inf (False) where not; None:
+    # plain causal
     bias: torch.Tensor | None
+    # keys before it are not gathered (a sliding window's, rounded down to a block); block_ids
+    # start at its block
+    key_offset: int = 0
+    block_size: int = 1  # of the tables block_ids come from
 
     def windowed(self, window: int) -> PrefillSpan:
-        """Causal and within the window: a boolean mask (True: visible)."""
+        """Causal and within the window: a boolean mask (True: visible); with earlier context,
+        the blocks before the first query's window are not gathered."""
         q_len = self.end - self.start
         device = self.bias.device if self.bias is not None else None
+        block_ids, offset = self.block_ids, 0
+        if block_ids is not None:
+            first = max(self.seq_len - q_len + 1 - window, 0) // self.block_size
+            block_ids, offset = block_ids[first:], first * self.block_size
         query_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
-        key_ids = torch.arange(self.seq_len, device=device)[None, :]
+        key_ids = torch.arange(offset, self.seq_len, device=device)[None, :]
         visible = (key_ids <= query_pos) & (key_ids > query_pos - window)
-        return dataclasses.replace(self, bias=visible)
+        return dataclasses.replace(self, block_ids=block_ids, bias=visible, key_offset=offset)
 
 
 @dataclass(frozen=True)
@@ -373,6 +388,7 @@ def _plan_decode_tiles(
                 ctx.block_tables[start:end, :num_blocks],
                 bias[:, None, None, :],
                 seq_lens[start:end],
+                max(min(ctx.seq_lens[start:end]), 1),
             )
         )
     return tiles
@@ -403,14 +419,14 @@ def _plan_prefill(
     start, end = ctx.query_start_loc[req], ctx.query_start_loc[req + 1]
     q_len, seq_len = end - start, ctx.seq_lens[req]
     if q_len == seq_len:  # the whole context is this step's tokens: plain causal attention
-        return PrefillSpan(start, end, seq_len, None, None)
+        return PrefillSpan(start, end, seq_len, None, None, block_size=block_size)
     block_ids = ctx.block_tables[req, : cdiv(seq_len, block_size)]
     device = block_ids.device
     query_pos = torch.arange(seq_len - q_len, seq_len, device=device)  # position of query i
     # [q_len, seq_len]: future keys
     masked = torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]
     bias = torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill_(masked, float("-inf"))
-    return PrefillSpan(start, end, seq_len, block_ids, bias)
+    return PrefillSpan(start, end, seq_len, block_ids, bias, block_size=block_size)
 
 
 def write_kv(
@@ -502,8 +518,8 @@ def _prefill_attention(
         )
     else:
         kv = gather_blocks(kv_cache, span.block_ids, q.dtype)[
-            :, : span.seq_len
-        ]  # [2, seq_len, Hkv, D]
+            :, : span.seq_len - span.key_offset
+        ]  # [2, seq_len - key_offset, Hkv, D]
         kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, Hkv, seq_len, D]
         out = F.scaled_dot_product_attention(
             q, kv[0], kv[1], attn_mask=span.bias, scale=scale, enable_gqa=True
