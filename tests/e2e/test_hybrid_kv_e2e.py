@@ -7,6 +7,8 @@ full-attention group's grow."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.e2e.test_sliding_window import WINDOW, hf_reference
@@ -130,3 +132,23 @@ def test_disabled_switch_holds_every_block(model):
     llm = make_llm(model, disable_hybrid_kv_cache_manager=True, **ENGINE)
     assert not isinstance(llm.engine.client.engine_core.kv_cache_manager, HybridKVCacheManager)
     assert_engine_clean(llm)
+
+
+def test_connector_and_spec_decode_run_on_one_table(model, prompts, reference, tmp_path):
+    """A KV connector or speculative decoding moves one block table a request: the engine holds
+    every layer's blocks then (windows still masked) and gives HF's tokens."""
+    from tests.spec_decode.utils import NGRAM
+
+    connector = json.dumps(
+        {
+            "kv_connector": "SharedStorageConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+        }
+    )
+    for extra in (dict(kv_transfer_config=connector), dict(speculative_config=NGRAM)):
+        llm = make_llm(model, **extra, **ENGINE)
+        manager = llm.engine.client.engine_core.kv_cache_manager
+        assert not isinstance(manager, HybridKVCacheManager)
+        assert generate(llm, prompts) == reference
+        assert_engine_clean(llm)
