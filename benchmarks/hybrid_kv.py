@@ -37,7 +37,7 @@ from tests.fixtures.tiny_models import make_tiny_model  # noqa: E402
 
 from tokenbus import LLM, SamplingParams  # noqa: E402
 from tokenbus.bench.record import make_record, record_dir, this_command, write_record  # noqa: E402
-from tokenbus.core.kv.hybrid import plan_kv_groups  # noqa: E402
+from tokenbus.core.kv.hybrid import layer_windows, plan_kv_groups  # noqa: E402
 from tokenbus.loader import load_arch, resolve_model  # noqa: E402
 from tokenbus.worker.kv_cache import bytes_per_block  # noqa: E402
 
@@ -99,8 +99,7 @@ def run_variant(args, model: Path, variant: str, prompt: list[int]) -> dict[str,
     finally:
         llm.shutdown()
     arch = load_arch(resolve_model(str(model)))
-    windows = [arch.layer_window(i) for i in range(arch.num_hidden_layers)]
-    groups = plan_kv_groups(windows, hybrid=variant == "hybrid")
+    groups = plan_kv_groups(layer_windows(arch), hybrid=variant == "hybrid")
     per_block = bytes_per_block(arch, BLOCK_SIZE, torch.float32, groups)
     return {
         "blocks": held,

@@ -70,17 +70,8 @@ class ModelArch:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Sliding-window attention: each query sees its last `sliding_window` keys. With
-    # `layer_types` ("sliding_attention" / "full_attention" per layer, as HF's config), only
-    # the sliding layers; without, every layer (Mistral).
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None
-
-    def layer_window(self, layer: int) -> int | None:
-        """The sliding window of decoder layer `layer`, or None (full attention)."""
-        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
-            return self.sliding_window
-        return None
+    # Each layer's sliding window in tokens (None: a global layer); (): no layer has one.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -83,10 +83,10 @@ def test_window_is_read_from_the_config(mistral_dir, qwen2_dir):
     from tokenbus.loader import load_arch, resolve_model
 
     arch = load_arch(resolve_model(str(mistral_dir)))
-    assert (arch.sliding_window, arch.layer_types) == (WINDOW, None)
+    assert arch.sliding_windows == (WINDOW, WINDOW)
     assert arch.max_position_embeddings == 512  # no longer capped at the window
     arch = load_arch(resolve_model(str(qwen2_dir)))
-    assert [arch.layer_window(i) for i in range(3)] == [None, WINDOW, WINDOW]
+    assert arch.sliding_windows == (None, WINDOW, WINDOW)
 
 
 def test_hf_oracle_differs_from_full_attention(mistral_dir, prompts, mistral_reference):

@@ -53,7 +53,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         raise ValueError(f"{path}: mlp_bias=true is not supported")
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     rope_theta, rope_scaling = _rope(config, path)
-    sliding_window, layer_types = _sliding_window(config, architecture, path)
+    sliding_windows = _sliding_windows(config, architecture, path)
     eos = config.get("eos_token_id")
     return ModelArch(
         architecture=architecture,
@@ -73,8 +73,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         hidden_act=config.get("hidden_act", "silu"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-        sliding_window=sliding_window,
-        layer_types=layer_types,
+        sliding_windows=sliding_windows,
     )
 
 
@@ -110,22 +109,22 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, dict | None]:
     return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
 
 
-def _sliding_window(
+def _sliding_windows(
     config: dict[str, Any], architecture: str, path: Path
-) -> tuple[int | None, tuple[str, ...] | None]:
-    """(window, layer types) as transformers builds them: Mistral's `sliding_window` on every
+) -> tuple[int | None, ...]:
+    """Each layer's window as transformers builds them: Mistral's `sliding_window` on every
     layer; Qwen2's / Qwen3's only with `use_sliding_window`, on the layers of `layer_types`
-    (or, in a 4.x config, from `max_window_layers` on)."""
+    (or, in a 4.x config, from `max_window_layers` on); () where no layer has one."""
     window = config.get("sliding_window")
     if architecture in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         window = None
     if architecture not in ("mistral", "qwen2", "qwen3") or not window:
-        return None, None
+        return ()
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
-    if architecture == "mistral":
-        return window, None
     num_layers = config.get("num_hidden_layers", 0)
+    if architecture == "mistral":
+        return (window,) * num_layers
     types = config.get("layer_types")
     if types is None:
         first = config.get("max_window_layers", num_layers)
@@ -136,7 +135,7 @@ def _sliding_window(
             f"{path}: layer_types must name 'sliding_attention' or 'full_attention' for each of "
             f"the {num_layers} layers, got {types!r}"
         )
-    return window, tuple(types)
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 def safetensors_files(directory: Path) -> list[Path]:

@@ -61,10 +61,10 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             self.make_layer(arch, tp) for _ in range(arch.num_hidden_layers)
         )
-        if arch.layer_types is not None:  # local and global layers (Qwen2's max_window_layers)
+        if arch.sliding_windows:  # Mistral's sliding_window, Qwen2's max_window_layers
             for idx, layer in enumerate(self.layers):
                 if isinstance(getattr(layer, "self_attn", None), Attention):
-                    layer.self_attn.sliding_window = arch.layer_window(idx)
+                    layer.self_attn.sliding_window = arch.sliding_windows[idx]
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling

@@ -28,8 +28,7 @@ class Attention(OpsModule):
     `qkv_bias` / `o_bias`: which projections carry a bias; `qk_norm`: an RMSNorm over each
     query and key head's D values before the rotary (Qwen3's q_norm / k_norm, one weight [D]
     each, whole on every rank). `sliding_window`: each query sees only its last `sliding_window`
-    keys (itself included); default: the architecture's (ModelArch.sliding_window; None: all).
-    Families that mix local and global layers give each layer its own."""
+    keys (itself included); None: all. CausalLM gives each layer ModelArch.sliding_windows'."""
 
     def __init__(
         self,
@@ -42,8 +41,6 @@ class Attention(OpsModule):
     ) -> None:
         super().__init__()
         self.tp = tp
-        if sliding_window is None and arch.layer_types is None:  # the same on every layer
-            sliding_window = arch.sliding_window
         self.sliding_window = sliding_window
         local = tp.shard_arch(arch)
         self.num_heads = local.num_attention_heads

@@ -4,7 +4,7 @@ k_norm: one weight [head_dim] each, applied before the rotary), no q/k/v bias un
 differ from hidden_size / num_attention_heads.
 
 Its sliding-window layers (`use_sliding_window`, on the layers of `layer_types`) attend within
-their window (ModelArch.layer_window), as Qwen2's.
+their window (ModelArch.sliding_windows), as Qwen2's.
 """
 
 from __future__ import annotations

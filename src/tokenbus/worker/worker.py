@@ -7,7 +7,7 @@ import logging
 import torch
 
 from tokenbus.config import EngineConfig, ModelArch
-from tokenbus.core.kv.hybrid import KVGroupLayout, engine_kv_groups
+from tokenbus.core.kv.hybrid import KVGroupLayout, engine_kv_groups, layer_windows
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.kv_transfer.factory import connector_context, make_worker_connector
@@ -251,16 +251,16 @@ class Worker:
 
 
 def check_layer_windows(model: torch.nn.Module, arch: ModelArch) -> None:
-    """The scheduler plans KV groups from ModelArch.layer_window (core/kv/hybrid.py), the
+    """The scheduler plans KV groups from ModelArch.sliding_windows (core/kv/hybrid.py), the
     layers attend with their own sliding_window: they must agree, or a sliding group would hand
     back blocks a layer still reads."""
     built = [
         getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in model.layers
     ]
-    planned = [arch.layer_window(i) for i in range(arch.num_hidden_layers)]
+    planned = layer_windows(arch)
     if built != planned:
         raise ValueError(
-            f"the layers' sliding windows {built} differ from ModelArch.layer_window's {planned}"
+            f"the layers' sliding windows {built} differ from ModelArch.sliding_windows {planned}"
         )
 
 

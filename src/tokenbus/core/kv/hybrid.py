@@ -105,13 +105,18 @@ def plan_kv_groups(windows: Sequence[int | None], hybrid: bool = True) -> KVGrou
     return KVGroupLayout(tuple(groups))
 
 
+def layer_windows(arch: ModelArch) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention)."""
+    return list(arch.sliding_windows) or [None] * arch.num_hidden_layers
+
+
 def engine_kv_groups(config: EngineConfig, arch: ModelArch) -> KVGroupLayout | None:
     """The engine's KV groups, or None: every layer full attention, on KVCacheManager as
     ever. A model with sliding windows gets them unless --disable-hybrid-kv-cache-manager, a KV
     connector (it moves one block table a request) or speculative decoding (its drafts share
     the target's single table) is configured: then one full-attention group, windows still
     masked, every block held."""
-    windows = [arch.layer_window(i) for i in range(arch.num_hidden_layers)]
+    windows = layer_windows(arch)
     if all(window is None for window in windows):
         return None
     hybrid = not (
