@@ -105,17 +105,17 @@ class PrefillSpan:
     seq_len: int
     # [num_blocks] int64; None: no earlier context (keys = this step's)
     block_ids: torch.Tensor | None
-    # [q_len, seq_len - key_offset]: 0 (or True) where visible, -inf (False) where not; None:
-    # plain causal
+    # [q_len, seq_len - key_offset]: 0 where visible, -inf where not; None: plain causal
     bias: torch.Tensor | None
     # keys before it are not gathered (a sliding window's, rounded down to a block); block_ids
     # start at its block
     key_offset: int = 0
     block_size: int = 1  # of the tables block_ids come from
+    dtype: torch.dtype = torch.float32  # of the masks (the activations')
 
     def windowed(self, window: int) -> PrefillSpan:
-        """Causal and within the window: a boolean mask (True: visible); with earlier context,
-        the blocks before the first query's window are not gathered."""
+        """Causal and within the window (a float mask: an additive one for any attention); with
+        earlier context, the blocks before the first query's window are not gathered."""
         q_len = self.end - self.start
         device = self.bias.device if self.bias is not None else None
         block_ids, offset = self.block_ids, 0
@@ -125,7 +125,9 @@ class PrefillSpan:
         query_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
         key_ids = torch.arange(offset, self.seq_len, device=device)[None, :]
         visible = (key_ids <= query_pos) & (key_ids > query_pos - window)
-        return dataclasses.replace(self, block_ids=block_ids, bias=visible, key_offset=offset)
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+        bias.masked_fill_(~visible, float("-inf"))
+        return dataclasses.replace(self, block_ids=block_ids, bias=bias, key_offset=offset)
 
 
 @dataclass(frozen=True)
@@ -419,14 +421,14 @@ def _plan_prefill(
     start, end = ctx.query_start_loc[req], ctx.query_start_loc[req + 1]
     q_len, seq_len = end - start, ctx.seq_lens[req]
     if q_len == seq_len:  # the whole context is this step's tokens: plain causal attention
-        return PrefillSpan(start, end, seq_len, None, None, block_size=block_size)
+        return PrefillSpan(start, end, seq_len, None, None, block_size=block_size, dtype=dtype)
     block_ids = ctx.block_tables[req, : cdiv(seq_len, block_size)]
     device = block_ids.device
     query_pos = torch.arange(seq_len - q_len, seq_len, device=device)  # position of query i
     # [q_len, seq_len]: future keys
     masked = torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]
     bias = torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill_(masked, float("-inf"))
-    return PrefillSpan(start, end, seq_len, block_ids, bias, block_size=block_size)
+    return PrefillSpan(start, end, seq_len, block_ids, bias, block_size=block_size, dtype=dtype)
 
 
 def write_kv(
