@@ -177,6 +177,9 @@ class CacheConfig:
     # step reads mostly K/V: half the bytes, rounding ~5e-4), else the model's dtype. fp8_e4m3,
     # fp8_e5m2 ("fp8": e4m3) and q8_0 (CPU): 1 and 1.06 bytes a value, about 2x fp16's tokens.
     kv_cache_dtype: str = "auto"
+    # vLLM's flag: a model with sliding-window layers holds every layer's blocks for the whole
+    # context (windows still masked) instead of one KV group per window (core/kv/hybrid.py)
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

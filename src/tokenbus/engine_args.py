@@ -132,6 +132,11 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(0.9)
     enable_prefix_caching: bool = _arg(True)
     num_kv_blocks: int | None = _arg(None, "an exact KV pool size (tests)", hidden=True)
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False,
+        "hold every layer's KV blocks for the whole context, sliding-window layers too, "
+        "instead of freeing those that fell out of the window (one KV group per window)",
+    )
     kv_cache_dtype: str = _arg(
         "auto",
         "K/V element type; auto: float16 for float32 models on GGUF blocks "

@@ -146,12 +146,12 @@ def test_layers_keep_their_windows_and_rope_tables(family, hf_dir):
     windows = [layer.self_attn.sliding_window for layer in ours.layers]
     tables = [layer.self_attn.rope_table for layer in ours.layers]
     if family == "gemma2":
-        assert windows == [128, None] and tables == [0, 0] and ours.local_rotary is None
+        assert windows == [32, None] and tables == [0, 0] and ours.local_rotary is None
         assert ours.layers[0].self_attn.q_norm is None
     else:
-        assert windows == [128] * 5 + [None] and tables == [1] * 5 + [0]
+        assert windows == [32] * 5 + [None] and tables == [1] * 5 + [0]
         assert isinstance(ours.layers[0].self_attn.q_norm, GemmaRMSNorm)
-    assert ours.arch.max_position_embeddings == 128
+    assert ours.arch.max_position_embeddings == 512  # the windows narrow layers, not the context
     assert ours.layers[0].self_attn.scale == 16**-0.5
     assert not ours.decodes_in_c  # post-norms and GeGLU are not decode_layer.c's
 
@@ -180,7 +180,7 @@ def test_gguf_uses_llama_cpps_names_and_norm_offset(family, hf_dir, gguf_path):
     } <= set(tensors)
     assert ("blk.0.attn_q_norm.weight" in tensors) == (family == "gemma3")
     assert "output.weight" not in tensors  # tied
-    assert reader.fields[f"{family}.attention.sliding_window"].contents() == 128
+    assert reader.fields[f"{family}.attention.sliding_window"].contents() == 32
     hf = load_file(str(hf_dir / "model.safetensors"))
     stored = torch.from_numpy(tensors["blk.0.ffn_norm.weight"].data.copy())
     torch.testing.assert_close(stored, hf["model.layers.0.pre_feedforward_layernorm.weight"] + 1)
@@ -274,7 +274,7 @@ def test_softcapped_attention_refuses_other_backends():
 def test_make_tiny_gemma_overrides(tmp_path):
     path = make_tiny_model(tmp_path, "gemma2", num_hidden_layers=4, sliding_window=64)
     arch = load_arch(resolve_model(str(path)))
-    assert arch.sliding_windows == (64, None, 64, None) and arch.max_position_embeddings == 64
+    assert arch.sliding_windows == (64, None, 64, None) and arch.max_position_embeddings == 512
 
 
 def test_engine_resolves_softcapped_attention_to_torch():

@@ -88,6 +88,7 @@ def both_paths(
     dtype=torch.float32,
     kv_dtype=None,
     block_size=BLOCK_SIZE,
+    window=None,
 ):
     q, k, v, kv, ctx = make_batch(
         requests, num_heads, num_kv_heads, head_dim, block_size=block_size
@@ -97,10 +98,10 @@ def both_paths(
     ctx.kv_caches = [kv]
     scale = head_dim**-0.5
     ref = paged_attention(
-        q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, dtype), scale
+        q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, dtype), scale, window
     )
     plan = build_attention_plan(ctx, dtype, kernel)
-    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale)
+    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale, window)
     return out, ref, plan
 
 
@@ -432,3 +433,35 @@ def test_loading_the_kernel_keeps_denormals(kernel):
     which turns on flush-to-zero for the whole process when the object is loaded."""
     tiny = torch.tensor([1e-40]) * 1.0
     assert tiny.item() != 0.0
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 1000])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_sliding_window_matches_torch_path(kernel, heads, kv_dtype, window):
+    """Each query sees its last `window` keys: the decode path (head size 64: attend_decode64,
+    else attend), short multi-query requests and the flash path all skip the keys before the
+    window as the torch path masks them (windows below, at and past a block, and past every
+    context)."""
+    requests = DECODES + [(5, 30), (16, 40)] + LONG[2:]
+    out, ref, plan = both_paths(kernel, requests, *heads, kv_dtype=kv_dtype, window=window)
+    assert plan.native_long is not None
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_sliding_window_reads_no_block_before_it(kernel):
+    """Blocks wholly before every query's window may be handed back (the hybrid KV cache): the
+    kernel gives the same output with those table entries pointing at the null block."""
+    requests = [(1, 200), (1, 90), (3, 100), (40, 120)]
+    q, k, v, kv, ctx = make_batch(requests, 8, 2, 64)
+    scale, window = 64**-0.5, 20
+    plan = build_attention_plan(ctx, torch.float32, kernel)
+    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale, window)
+    tables = ctx.block_tables.clone()
+    for r, (_, ctx_len) in enumerate(requests):
+        first_key = max(ctx_len + 1 - window, 0)  # of the request's first query
+        tables[r, : first_key // BLOCK_SIZE] = 0
+    ctx.block_tables = tables
+    plan = build_attention_plan(ctx, torch.float32, kernel)
+    again = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale, window)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)

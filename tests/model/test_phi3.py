@@ -141,13 +141,18 @@ def test_longrope_factor_set_follows_the_engine_context():
     assert (our_logits(hf_dir, ids) - want).abs().max() > 1e-2  # long factors: not HF's here
 
 
-def test_sliding_window_caps_the_context(tmp_path):
+def test_sliding_window_narrows_every_layer(tmp_path):
+    """Phi-3's window is every layer's, from config.json and from the GGUF's
+    phi3.attention.sliding_window (0: none); the context stays the model's."""
     hf_dir = cached_tiny_model("phi3", sliding_window=100)
     gguf_path = write_gguf(hf_dir, tmp_path / "m.gguf", with_tokenizer=False)
-    assert load_arch(resolve_model(str(hf_dir))).max_position_embeddings == 100
-    assert load_arch(resolve_model(str(gguf_path))).max_position_embeddings == 100
+    for path in (hf_dir, gguf_path):
+        arch = load_arch(resolve_model(str(path)))
+        assert arch.sliding_windows == (100,) * arch.num_hidden_layers
+        assert arch.max_position_embeddings == 512
     no_window = write_gguf(cached_tiny_model("phi3"), tmp_path / "n.gguf", with_tokenizer=False)
-    assert load_arch(resolve_model(str(no_window))).max_position_embeddings == 512
+    arch = load_arch(resolve_model(str(no_window)))
+    assert arch.sliding_windows == () and arch.max_position_embeddings == 512
 
 
 @pytest.mark.skipif(not HAS_CC, reason="the GGUF block kernels need a C compiler")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.kv import KVCacheManager, make_block_hasher
+from tokenbus.core.kv.hybrid import HybridKVCacheManager, engine_kv_groups
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
@@ -68,9 +69,15 @@ class EngineCore:
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         block_size = config.cache.block_size
-        self.kv_cache_manager = KVCacheManager(
-            self.num_kv_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
-        )
+        groups = engine_kv_groups(config, arch)
+        if groups is None:  # every layer full attention (or windows held whole): one table
+            self.kv_cache_manager = KVCacheManager(
+                self.num_kv_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+            )
+        else:
+            self.kv_cache_manager = HybridKVCacheManager(
+                self.num_kv_blocks, block_size, groups, config.cache.enable_prefix_caching
+            )
         self._block_hasher = (
             make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         )

@@ -95,13 +95,6 @@ def gemma_gguf_fields(meta: dict[str, Any], arch: str, num_layers: int) -> dict[
     )
 
 
-def capped_context(max_positions: int, sliding_windows: tuple[int | None, ...]) -> int:
-    """The context length while windows are not built as such: capped at the smallest window,
-    where full attention and the window agree."""
-    windows = [window for window in sliding_windows if window is not None]
-    return min([max_positions, *windows])
-
-
 def _hf_windows(
     config: dict[str, Any], path: Path, architecture: str, num_layers: int
 ) -> tuple[int | None, ...]:

@@ -12,7 +12,7 @@ Phi-3 ("phi3"): q/k/v fused in `attn_qkv` (or separate attn_q/k/v), gate and up 
 `ffn_up` [2*I, hidden] (HF's gate_up_proj), unpermuted; LongRoPE as two tensors,
 `rope_factors_long` / `rope_factors_short`, with `rope.scaling.original_context_length` and
 `rope.scaling.attn_factor`; partial rotary as `rope.dimension_count` < head_dim; its window as
-`attention.sliding_window` (0: none), capping the context as config.json's does.
+`attention.sliding_window` (0: none), on every layer as config.json's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from gguf.quants import dequantize
 from tokenbus.config import ModelArch
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
-    capped_context,
     gemma_gguf_fields,
 )
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
@@ -140,9 +139,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     family: dict = {"hidden_act": "silu"}
     if arch in GEMMA_GGUF_ARCHITECTURES:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
-    max_positions = _context_length(gf, arch, need("context_length"))
-    if family.get("sliding_windows"):  # windows are not built yet: the context stops at one
-        max_positions = capped_context(max_positions, family["sliding_windows"])
+    window = meta.get(f"{arch}.attention.sliding_window", 0)
+    if arch == "phi3" and window:  # every layer's (0: none), as config.json's
+        family["sliding_windows"] = (window,) * need("block_count")
     return ModelArch(
         architecture=arch,
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
@@ -152,7 +151,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         num_attention_heads=num_heads,
         num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        max_position_embeddings=max_positions,
+        max_position_embeddings=need("context_length"),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=rope_theta,
         rope_scaling=_rope_scaling(gf, arch),
@@ -163,12 +162,6 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         **family,
     )
-
-
-def _context_length(gf: GGUFFile, arch: str, context_length: int) -> int:
-    """Capped at a phi3 sliding window (0: none), as hf_loader caps Phi-3's."""
-    window = gf.metadata.get(f"{arch}.attention.sliding_window", 0)
-    return min(context_length, window) if arch == "phi3" and window else context_length
 
 
 def _rope_scaling(gf: GGUFFile, arch: str) -> dict | None:

@@ -14,7 +14,6 @@ from safetensors import SafetensorError, safe_open
 from tokenbus.config import ModelArch
 from tokenbus.loader.gemma_config import (
     GEMMA_ARCHITECTURES,
-    capped_context,
     gemma3_hf_rope,
     gemma_hf_fields,
 )
@@ -48,8 +47,6 @@ _ROPE_REQUIRED_KEYS = {
 }
 # Families whose HF model turns only the first partial_rotary_factor of each head (Phi-4-mini).
 PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
-# Families that cap the context at config.json's `sliding_window` (see _max_positions).
-_WINDOWED_ARCHITECTURES = ("mistral", "phi3")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -83,10 +80,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
+    sliding_windows = _sliding_windows(config, architecture, path)
     eos = config.get("eos_token_id")
-    max_positions = _max_positions(config, architecture)
-    if family.get("sliding_windows"):
-        max_positions = capped_context(max_positions, family["sliding_windows"])
     arch = ModelArch(
         architecture=architecture,
         vocab_size=need("vocab_size"),
@@ -96,7 +91,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         num_attention_heads=num_heads,
         num_key_value_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
-        max_position_embeddings=max_positions,
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -109,6 +104,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         rotary_dim=rotary_dim,
+        sliding_windows=sliding_windows,
     )
     return dataclasses.replace(arch, **family) if family else arch
 
@@ -182,13 +178,33 @@ def _extended_context(
     }
 
 
-def _max_positions(config: dict[str, Any], architecture: str) -> int:
-    """Context length; capped at a sliding window, since our attention always sees the full
-    context."""
-    max_positions = int(config.get("max_position_embeddings", 2048))
+def _sliding_windows(
+    config: dict[str, Any], architecture: str, path: Path
+) -> tuple[int | None, ...]:
+    """Each layer's window as transformers builds them: Mistral's and Phi-3's `sliding_window`
+    on every layer; Qwen2's / Qwen3's only with `use_sliding_window`, on the layers of `layer_types`
+    (or, in a 4.x config, from `max_window_layers` on); () where no layer has one."""
     window = config.get("sliding_window")
-    uses_window = architecture in _WINDOWED_ARCHITECTURES or config.get("use_sliding_window", False)
-    return min(max_positions, window) if uses_window and window else max_positions
+    if architecture in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        window = None
+    if architecture not in ("mistral", "phi3", "qwen2", "qwen3") or not window:
+        return ()
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
+    num_layers = config.get("num_hidden_layers", 0)
+    if architecture in ("mistral", "phi3"):
+        return (window,) * num_layers
+    types = config.get("layer_types")
+    if types is None:
+        first = config.get("max_window_layers", num_layers)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if len(types) != num_layers or unknown:
+        raise ValueError(
+            f"{path}: layer_types must name 'sliding_attention' or 'full_attention' for each of "
+            f"the {num_layers} layers, got {types!r}"
+        )
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 def safetensors_files(directory: Path) -> list[Path]:

@@ -23,6 +23,12 @@ Reading, with requests ordered decodes first (see ForwardContext):
 GQA never repeats K/V: decode folds the G query heads of one KV head into G query rows, and
 prefill uses SDPA's `enable_gqa`.
 
+A sliding window (a layer's `sliding_window`, Mistral's and Gemma's local layers): query at
+position p sees keys p - window < key <= p, as HF transformers' sliding_window_overlay. Layers
+of one window share one windowed plan a step (`AttentionPlan.windowed`: the same batches, masks
+narrowed, the native kernel told the window); keys before the window are never read, so their
+blocks may have been handed back (the null block: core/kv/hybrid.py).
+
 `AttentionPlan` holds the index tensors and masks derived from a ForwardContext; it is built
 once per step (by the worker, through model/attention_backend.py) and shared by all layers.
 
@@ -34,8 +40,9 @@ padding requests that read and write only the null block (block 0).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +81,19 @@ class DecodeTile:
     # [n, num_blocks] int64: first blocks of each table (enough for the longest)
     block_ids: torch.Tensor
     bias: torch.Tensor  # [n, 1, 1, num_blocks * block_size]: 0 for keys < seq_len, -inf after
+    seq_lens: torch.Tensor  # [n] int64, at least 1 (a padding request sees key 0)
+    min_seq_len: int = 1  # the shortest of seq_lens, on the host
+
+    def windowed(self, window: int) -> DecodeTile:
+        """Keys before seq_len - window masked too; the blocks before every row's window are
+        not gathered (they may have been handed back: core/kv/hybrid.py)."""
+        block_size = self.bias.shape[-1] // self.block_ids.shape[1]
+        first = max(self.min_seq_len - window, 0) // block_size  # the first block any row reads
+        bias = self.bias[..., first * block_size :]
+        key_ids = torch.arange(bias.shape[-1], device=bias.device) + first * block_size
+        early = key_ids[None, :] < (self.seq_lens - window)[:, None]  # [n, L]
+        bias = bias.masked_fill(early[:, None, None, :], float("-inf"))
+        return dataclasses.replace(self, block_ids=self.block_ids[:, first:], bias=bias)
 
 
 @dataclass(frozen=True)
@@ -85,8 +105,29 @@ class PrefillSpan:
     seq_len: int
     # [num_blocks] int64; None: no earlier context (keys = this step's)
     block_ids: torch.Tensor | None
-    # [q_len, seq_len]: 0 where visible, -inf where not; None with block_ids
+    # [q_len, seq_len - key_offset]: 0 where visible, -inf where not; None: plain causal
     bias: torch.Tensor | None
+    # keys before it are not gathered (a sliding window's, rounded down to a block); block_ids
+    # start at its block
+    key_offset: int = 0
+    block_size: int = 1  # of the tables block_ids come from
+    dtype: torch.dtype = torch.float32  # of the masks (the activations')
+
+    def windowed(self, window: int) -> PrefillSpan:
+        """Causal and within the window (a float mask: an additive one for any attention); with
+        earlier context, the blocks before the first query's window are not gathered."""
+        q_len = self.end - self.start
+        device = self.bias.device if self.bias is not None else None
+        block_ids, offset = self.block_ids, 0
+        if block_ids is not None:
+            first = max(self.seq_len - q_len + 1 - window, 0) // self.block_size
+            block_ids, offset = block_ids[first:], first * self.block_size
+        query_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
+        key_ids = torch.arange(offset, self.seq_len, device=device)[None, :]
+        visible = (key_ids <= query_pos) & (key_ids > query_pos - window)
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+        bias.masked_fill_(~visible, float("-inf"))
+        return dataclasses.replace(self, block_ids=block_ids, bias=bias, key_offset=offset)
 
 
 @dataclass(frozen=True)
@@ -100,6 +141,7 @@ class NativeBatch:
     seq_lens: torch.Tensor  # [num_reqs] int64
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
     long_queries: bool = False
+    window: int | None = None  # a sliding window, told to the kernel
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         k_scale, v_scale = kv_quant.tensor_scales(kv_cache.dtype)
@@ -115,6 +157,7 @@ class NativeBatch:
             self.long_queries,
             k_scale,
             v_scale,
+            self.window,
         )
 
 
@@ -125,6 +168,25 @@ class AttentionPlan:
     num_tokens: int
     native: NativeBatch | None = None  # decode-sized requests
     native_long: NativeBatch | None = None  # prefill chunks, by the flash path
+    # window -> this plan narrowed to it, made by the first layer of that window a step
+    _windowed: dict[int, AttentionPlan] = field(default_factory=dict, compare=False, repr=False)
+
+    def windowed(self, window: int) -> AttentionPlan:
+        """This step's plan for layers with a sliding `window` (made once, shared by them)."""
+        plan = self._windowed.get(window)
+        if plan is None:
+            batches = (
+                None if batch is None else dataclasses.replace(batch, window=window)
+                for batch in (self.native, self.native_long)
+            )
+            plan = AttentionPlan(
+                [tile.windowed(window) for tile in self.decode_tiles],
+                [span.windowed(window) for span in self.prefills],
+                self.num_tokens,
+                *batches,
+            )
+            self._windowed[window] = plan
+        return plan
 
     def native_decode_only(self, num_rows: int) -> bool:
         """Whether every query of a step of `num_rows` rows goes to the native kernel's decode
@@ -177,6 +239,10 @@ class TorchDecodePlan:
     block_tables: torch.Tensor  # [R, W] int64
     token_requests: torch.Tensor  # [T] int64: the request (row of block_tables) of each token
     positions: torch.Tensor  # [T] int64
+    window: int | None = None  # a sliding window: keys at positions[t] - window or before masked
+
+    def windowed(self, window: int) -> TorchDecodePlan:
+        return dataclasses.replace(self, window=window)
 
     def forward(
         self,
@@ -197,6 +263,8 @@ class TorchDecodePlan:
         kv = kv.transpose(2, 3)  # [2, T, Hkv, L, D]
         key_ids = torch.arange(tables.shape[1] * block_size, device=q.device)
         masked = key_ids[None, :] > self.positions[:, None]  # [T, L]: after the token itself
+        if self.window is not None:
+            masked |= key_ids[None, :] <= (self.positions - self.window)[:, None]
         bias = torch.zeros(masked.shape, dtype=q.dtype, device=q.device).masked_fill_(
             masked, float("-inf")
         )
@@ -320,7 +388,14 @@ def _plan_decode_tiles(
             masked, float("-inf")
         )
         tiles.append(
-            DecodeTile(start, end, ctx.block_tables[start:end, :num_blocks], bias[:, None, None, :])
+            DecodeTile(
+                start,
+                end,
+                ctx.block_tables[start:end, :num_blocks],
+                bias[:, None, None, :],
+                seq_lens[start:end],
+                max(min(ctx.seq_lens[start:end]), 1),
+            )
         )
     return tiles
 
@@ -350,14 +425,14 @@ def _plan_prefill(
     start, end = ctx.query_start_loc[req], ctx.query_start_loc[req + 1]
     q_len, seq_len = end - start, ctx.seq_lens[req]
     if q_len == seq_len:  # the whole context is this step's tokens: plain causal attention
-        return PrefillSpan(start, end, seq_len, None, None)
+        return PrefillSpan(start, end, seq_len, None, None, block_size=block_size, dtype=dtype)
     block_ids = ctx.block_tables[req, : cdiv(seq_len, block_size)]
     device = block_ids.device
     query_pos = torch.arange(seq_len - q_len, seq_len, device=device)  # position of query i
     # [q_len, seq_len]: future keys
     masked = torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]
     bias = torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill_(masked, float("-inf"))
-    return PrefillSpan(start, end, seq_len, block_ids, bias)
+    return PrefillSpan(start, end, seq_len, block_ids, bias, block_size=block_size, dtype=dtype)
 
 
 def write_kv(
@@ -379,11 +454,18 @@ def paged_attention(
     slot_mapping: torch.Tensor,
     plan: Plan,
     scale: float,
+    window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]. `softcap`
-    (Gemma 2's attn_logit_softcapping): scores -> softcap * tanh(scores / softcap), on the
-    torch plans only (the kernel plan chooses them for such a model)."""
+    """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]. `window`: a
+    sliding window (each query sees its last `window` keys, itself included); `softcap` (Gemma
+    2's attn_logit_softcapping): scores -> softcap * tanh(scores / softcap), on the torch plans
+    only (the kernel plan chooses them for such a model)."""
+    if window is not None:
+        narrow = getattr(plan, "windowed", None)
+        if narrow is None:  # the kernel plan keeps windowed models off such backends
+            raise ValueError(f"{type(plan).__name__} does not take a sliding window")
+        plan = narrow(window)
     if softcap is None:
         return plan.forward(q, k, v, kv_cache, slot_mapping, scale)
     return plan.forward(q, k, v, kv_cache, slot_mapping, scale, softcap=softcap)
@@ -474,11 +556,20 @@ def _prefill_attention(
         # attend over K/V as the cache holds them, as later steps will
         k, v = kv_quant.as_stored(k, kv_cache.dtype), kv_quant.as_stored(v, kv_cache.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
-        out = sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True, softcap=softcap)
+        out = sdpa(
+            q,
+            k,
+            v,
+            attn_mask=None if span.bias is None else span.bias.to(q.device),  # a window's
+            is_causal=span.bias is None,
+            scale=scale,
+            enable_gqa=True,
+            softcap=softcap,
+        )
     else:
         kv = gather_blocks(kv_cache, span.block_ids, q.dtype)[
-            :, : span.seq_len
-        ]  # [2, seq_len, Hkv, D]
+            :, : span.seq_len - span.key_offset
+        ]  # [2, seq_len - key_offset, Hkv, D]
         kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, Hkv, seq_len, D]
         out = sdpa(
             q, kv[0], kv[1], attn_mask=span.bias, scale=scale, enable_gqa=True, softcap=softcap

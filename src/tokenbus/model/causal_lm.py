@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.model.attention_backend import AttentionBackend
-from tokenbus.model.decoder import DecoderLayer
+from tokenbus.model.decoder import Attention, DecoderLayer
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.kernel_plan import KernelPlan
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding
@@ -61,6 +61,10 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             self.make_layer(arch, tp) for _ in range(arch.num_hidden_layers)
         )
+        if arch.sliding_windows:  # Mistral's sliding_window, Qwen2's max_window_layers
+            for idx, layer in enumerate(self.layers):
+                if isinstance(getattr(layer, "self_attn", None), Attention):
+                    layer.self_attn.sliding_window = arch.sliding_windows[idx]
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             arch.head_dim,

@@ -27,7 +27,8 @@ class Attention(OpsModule):
 
     `qkv_bias` / `o_bias`: which projections carry a bias; `qk_norm`: an RMSNorm over each
     query and key head's D values before the rotary (Qwen3's q_norm / k_norm, one weight [D]
-    each, whole on every rank)."""
+    each, whole on every rank). `sliding_window`: each query sees only its last `sliding_window`
+    keys (itself included); None: all. CausalLM gives each layer ModelArch.sliding_windows'."""
 
     def __init__(
         self,
@@ -36,9 +37,11 @@ class Attention(OpsModule):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.sliding_window = sliding_window
         local = tp.shard_arch(arch)
         self.num_heads = local.num_attention_heads
         self.num_kv_heads = local.num_key_value_heads
@@ -69,7 +72,15 @@ class Attention(OpsModule):
             )
         q, k, v = self.ops.rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         out = paged_attention(
-            q, k, v, kv_cache, slot_mapping, plan, self.scale, self.logit_softcap
+            q,
+            k,
+            v,
+            kv_cache,
+            slot_mapping,
+            plan,
+            self.scale,
+            self.sliding_window,
+            self.logit_softcap,
         )  # [T, Hq, D]
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))

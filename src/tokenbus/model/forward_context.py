@@ -11,10 +11,21 @@ backend (model/attention_backend.py) before the forward; the model never builds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+@dataclass
+class KVGroupInputs:
+    """A hybrid KV cache's group past the first (core/kv/hybrid.py): its own slots and block
+    tables over the same K/V buffers, and the attention plan built from them."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
+    attn_metadata: Any = None
 
 
 @dataclass
@@ -39,6 +50,30 @@ class ForwardContext:
     # A KV connector's worker half (kv_transfer/base.KVConnectorWorker), told of each layer:
     # wait_for_layer_load(i) before layer i runs, save_kv_layer(i, cache) after.
     kv_connector: Any = None
+    # A hybrid KV cache: groups 1.. (slot_mapping, block_tables and attn_metadata above are
+    # group 0's) and each layer's group; empty: every layer in group 0.
+    kv_groups: list[KVGroupInputs] = field(default_factory=list)
+    layer_groups: tuple[int, ...] = ()
+
+    def layer_inputs(self, layer: int) -> tuple[torch.Tensor, Any]:
+        """(slot_mapping, attn_metadata) of decoder layer `layer`'s KV group."""
+        group = self.layer_groups[layer] if self.layer_groups else 0
+        if group == 0:
+            return self.slot_mapping, self.attn_metadata
+        inputs = self.kv_groups[group - 1]
+        return inputs.slot_mapping, inputs.attn_metadata
+
+    def group_context(self, group: int) -> ForwardContext:
+        """This step as KV group `group` (>= 1) sees it: its slots and tables."""
+        inputs = self.kv_groups[group - 1]
+        return dataclasses.replace(
+            self,
+            slot_mapping=inputs.slot_mapping,
+            block_tables=inputs.block_tables,
+            attn_metadata=None,
+            kv_groups=[],
+            layer_groups=(),
+        )
 
     @property
     def num_reqs(self) -> int:

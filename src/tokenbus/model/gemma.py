@@ -15,9 +15,9 @@
   hands its layers both tables stacked ([2, T, 1, D/2]: global, local), each layer reads its own.
 - Tied embeddings (Gemma's default).
 
-Sliding windows: each layer keeps its window as `self_attn.sliding_window` (None: global), for
-the kernels to take; until they do, the loader caps the context at the window, where full
-attention and the window agree.
+Sliding windows: each layer keeps its window as `self_attn.sliding_window` (None: global); the
+attention plans narrow to it, and the hybrid KV cache (core/kv/hybrid.py) frees the local
+layers' blocks that fall out of it.
 
 Kernels (model/kernel_plan.py): the layers are not decode_layer.c's parts (post-norms, GeGLU),
 so decode steps run op by op; soft-capped attention runs on the torch path.

@@ -11,8 +11,10 @@ from outside, `apply_kernels(model, request)` picks, for the model's device, dty
   (--batch-invariant), or the GGUF blocks on the native kernels (weights kept quantized), and
   how tiled blocks take their activations (TileModes: `quant_activation_modes`);
 - the embedding's blocks, where it was kept quantized;
-- the attention backend (attention_backend.select_attention_backend);
-- decode_layer.c over every decoder layer, where each layer can run there (`decode_layers`).
+- the attention backend (attention_backend.select_attention_backend); a model with
+  sliding-window layers runs the torch path instead of Triton, whose kernels take no window;
+- decode_layer.c over every decoder layer, where each layer can run there (`decode_layers`:
+  not for sliding-window layers, which it does not narrow).
 
 The result is a frozen KernelPlan the model holds; `KernelPlan.run_layers` is the one place a
 step's route is decided: all layers in one C call (a decode-sized step whose attention is all
@@ -132,14 +134,9 @@ class KernelPlan:
                 )
                 residual = out
             else:
+                slot_mapping, attn_metadata = ctx.layer_inputs(layer_idx)  # its KV group's
                 x, residual = layers[layer_idx](
-                    x,
-                    residual,
-                    cos,
-                    sin,
-                    ctx.kv_caches[layer_idx],
-                    ctx.slot_mapping,
-                    ctx.attn_metadata,
+                    x, residual, cos, sin, ctx.kv_caches[layer_idx], slot_mapping, attn_metadata
                 )
             if connector is not None:
                 connector.save_kv_layer(layer_idx, ctx.kv_caches[layer_idx])
@@ -196,6 +193,9 @@ def apply_kernels(
     attention = select_attention_backend(
         _attention_backend_name(model, request), device, dtype, request.batch_invariant
     )
+    if attention.name == "triton" and sliding_windows(model):
+        logger.warning("sliding-window layers: the Triton kernels take no window; torch runs them")
+        attention = TorchAttentionBackend(dtype)
     plan = KernelPlan(
         request, _layer_ops(device, dtype, cpu), attention, quant, modes, lora=model.kernels.lora
     )
@@ -203,6 +203,15 @@ def apply_kernels(
         plan = dataclasses.replace(plan, decode_layers=build_decode_layers(model, plan))
     _install(model, plan)
     return plan
+
+
+def sliding_windows(model: nn.Module) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), where any layer has one;
+    else [] (every layer full)."""
+    windows = [
+        getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in model.layers
+    ]
+    return windows if any(window is not None for window in windows) else []
 
 
 def attach_lora(model: nn.Module, batch: LoRABatch) -> None:
@@ -321,7 +330,7 @@ def quant_activation_modes(
 def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
     """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
     ops and the native attention kernel, every linear one tiled GGUF shard, no TP, every layer
-    made of the shared parts alone, the rotary over whole heads."""
+    made of the shared parts alone, the rotary over whole heads, none with a sliding window."""
     kernel = plan.attention.kernel
     if (
         kernel is None
@@ -329,6 +338,7 @@ def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | No
         or plan.quant is None
         or model.tp.enabled
         or model.rotary.is_partial  # decode_layer.c turns whole heads only
+        or sliding_windows(model)  # decode_layer.c attends to every key
     ):
         return None
     layers = [_layer_weights(layer) for layer in model.layers]

@@ -8,7 +8,7 @@ KV heads and its share of gate and of up. GGUF blocks are cut the same way (whol
 blocks), and the linear stacks them back into one kernel weight.
 
 LongRoPE and partial rotary (Phi-4-mini) live in model/layers/rotary.py; Phi-3's
-`sliding_window` is not built as a window: the loader caps the context at it.
+`sliding_window` narrows every layer, as Mistral's.
 """
 
 from __future__ import annotations

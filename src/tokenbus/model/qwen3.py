@@ -3,8 +3,8 @@ k_norm: one weight [head_dim] each, applied before the rotary), no q/k/v bias un
 `attention_bias` asks for one (then o_proj has one too), and head_dim from the config, which may
 differ from hidden_size / num_attention_heads.
 
-Its sliding-window layers (`use_sliding_window`) are not built as such: the loader caps the
-context at the window instead, where full attention and the window agree.
+Its sliding-window layers (`use_sliding_window`, on the layers of `layer_types`) attend within
+their window (ModelArch.sliding_windows), as Qwen2's.
 """
 
 from __future__ import annotations

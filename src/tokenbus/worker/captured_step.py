@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from tokenbus.config import EngineConfig
+from tokenbus.core.kv.hybrid import engine_kv_groups
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ def capture_disabled_reason(
         return f"captured steps are CUDA graphs; none on {device.type}"
     if config.kv_transfer is not None:
         return "a KV connector is configured (its per-layer hooks run in Python)"
+    if model is not None and engine_kv_groups(config, model.arch) is not None:
+        return "a hybrid KV cache: each KV group's tables (static plans hold one)"
     return None
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenbus.model.forward_context import ForwardContext
+from tokenbus.core.kv.hybrid import KVGroupLayout
+from tokenbus.model.forward_context import ForwardContext, KVGroupInputs
 from tokenbus.worker.request_state import CachedRequestState
 
 
@@ -84,12 +85,26 @@ class InputBuffers:
     device tensor of the rows a step uses. On CUDA the host copies are pinned and copied
     asynchronously; `wait_for_copies` (called before the host buffers are written again) makes
     sure the last step's copies have read them.
+
+    A hybrid KV cache (`kv_groups`, core/kv/hybrid.py) adds `block_table_<g>` and
+    `slot_mapping_<g>` for each group g >= 1 (group 0 uses the plain ones).
     """
 
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        kv_groups: KVGroupLayout | None = None,
     ) -> None:
         self.device = device
+        num_groups = 1 if kv_groups is None else len(kv_groups.groups)
+        self.num_groups = num_groups
+        self.layer_groups: tuple[int, ...] = ()
+        if kv_groups is not None:
+            num_layers = sum(len(group.layers) for group in kv_groups.groups)
+            self.layer_groups = tuple(kv_groups.place(i)[0] for i in range(num_layers))
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.staged = {
@@ -99,6 +114,11 @@ class InputBuffers:
         self.staged["block_table"] = StagedBuffer((max_num_reqs, max_blocks_per_req), device)
         self.staged["seq_lens"] = StagedBuffer((max_num_reqs,), device)
         self.staged["query_start_loc"] = StagedBuffer((max_num_reqs + 1,), device)
+        for group in range(1, num_groups):
+            self.staged[f"slot_mapping_{group}"] = StagedBuffer((max_num_tokens,), device)
+            self.staged[f"block_table_{group}"] = StagedBuffer(
+                (max_num_reqs, max_blocks_per_req), device
+            )
         self.input_ids = self.staged["input_ids"].np
         self.positions = self.staged["positions"].np
         self.slot_mapping = self.staged["slot_mapping"].np
@@ -142,13 +162,14 @@ def prepare_batch(
     logits_rows: list[int] = []
     sampling_requests: list[int] = []
     num_logits: list[int] = []
-    max_blocks = 1
+    max_blocks = [1] * buffers.num_groups
     for i, req in enumerate(requests):
         start, stop = query_start_loc[-1], query_start_loc[-1] + req.num_new_tokens
         _fill_request(req, buffers, block_size, start, stop, i)
         query_start_loc.append(stop)
         seq_lens.append(req.state.num_computed_tokens + req.num_new_tokens)
-        max_blocks = max(max_blocks, len(req.state.block_ids))
+        for group, block_ids in enumerate(_tables(req.state)):
+            max_blocks[group] = max(max_blocks[group], len(block_ids))
         if req.samples:
             # Verify drafts: logits at the last 1 + k positions; else only at the last one.
             rows = 1 + len(req.draft_token_ids)
@@ -156,8 +177,10 @@ def prepare_batch(
             sampling_requests.append(i)
             num_logits.append(rows)
     num_tokens, num_reqs = query_start_loc[-1], len(requests)
-    real_tokens, table_width = num_tokens, max_blocks
+    real_tokens, table_width = num_tokens, max_blocks[0]
     if padded_size is not None:
+        if buffers.num_groups > 1:  # captured_step.capture_disabled_reason keeps them eager
+            raise ValueError("a step over a hybrid KV cache cannot be padded to a capture size")
         _fill_padding(buffers, num_reqs, padded_size, query_start_loc, seq_lens)
         num_tokens = num_reqs = padded_size
         table_width = buffers.block_table.shape[1]
@@ -176,6 +199,14 @@ def prepare_batch(
         block_tables=view("block_table", num_reqs, table_width),
         num_decodes=sum(1 for r in requests if r.is_decode) + num_reqs - len(requests),
         query_start_loc_t=view("query_start_loc", num_reqs + 1),
+        kv_groups=[
+            KVGroupInputs(
+                view(f"slot_mapping_{group}", num_tokens),
+                view(f"block_table_{group}", num_reqs, max_blocks[group]),
+            )
+            for group in range(1, buffers.num_groups)
+        ],
+        layer_groups=buffers.layer_groups,
     )
     return PreparedBatch(
         requests=requests,
@@ -210,6 +241,11 @@ def _fill_padding(
     seq_lens.extend([1] * (padded_size - num_reqs))  # reads the key it wrote, in the null block
 
 
+def _tables(state: CachedRequestState) -> list[list[int]]:
+    """The request's block table of each KV group."""
+    return [state.block_ids, *state.group_block_ids]
+
+
 def _fill_request(
     req: ScheduledRequest, buffers: InputBuffers, block_size: int, start: int, stop: int, row: int
 ) -> None:
@@ -217,21 +253,23 @@ def _fill_request(
     first = state.num_computed_tokens
     block_ids = state.block_ids
     buffers.block_table[row, : len(block_ids)] = block_ids
+    for group, ids in enumerate(state.group_block_ids, start=1):
+        buffers.staged[f"block_table_{group}"].np[row, : len(ids)] = ids
     if req.is_decode:  # the common case, without numpy temporaries
         buffers.input_ids[start] = state.token_ids[first]
         buffers.positions[start] = first
-        buffers.slot_mapping[start] = (
-            block_ids[first // block_size] * block_size + first % block_size
-        )
+        for group, ids in enumerate(_tables(state)):
+            slots = buffers.staged["slot_mapping" if group == 0 else f"slot_mapping_{group}"].np
+            slots[start] = ids[first // block_size] * block_size + first % block_size
         return
     # Known tokens first; positions past them are this step's draft tokens.
     known = state.token_ids[first : first + req.num_new_tokens]
     tokens = known + req.draft_token_ids[: req.num_new_tokens - len(known)]
     positions = np.arange(first, first + req.num_new_tokens, dtype=np.int64)
-    blocks = np.asarray(block_ids, dtype=np.int64)
     buffers.input_ids[start:stop] = tokens
     buffers.positions[start:stop] = positions
-    # slot = block_id * block_size + offset within the block
-    buffers.slot_mapping[start:stop] = (
-        blocks[positions // block_size] * block_size + positions % block_size
-    )
+    for group, ids in enumerate(_tables(state)):
+        blocks = np.asarray(ids, dtype=np.int64)
+        slots = buffers.staged["slot_mapping" if group == 0 else f"slot_mapping_{group}"].np
+        # slot = block_id * block_size + offset within the block
+        slots[start:stop] = blocks[positions // block_size] * block_size + positions % block_size

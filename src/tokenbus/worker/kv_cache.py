@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import torch
 
 from tokenbus.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, ModelArch
+from tokenbus.core.kv.hybrid import KVGroupLayout
 from tokenbus.model.kv_quant import row_width
 from tokenbus.utils import cdiv
 
 
-def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(
+    arch: ModelArch, block_size: int, dtype: torch.dtype, groups: KVGroupLayout | None = None
+) -> int:
     """A block's K and V over all layers in a pool of `dtype` (its real bytes: q8_0 rows hold
-    their scales, model/kv_quant.py)."""
+    their scales, model/kv_quant.py); under a hybrid KV cache (`groups`) over the layers of one
+    group only: a block is a page of the shared buffers."""
     element_size = torch.empty((), dtype=dtype).element_size()
     row_bytes = row_width(dtype, arch.head_dim) * element_size
-    return arch.kv_bytes_per_token // arch.head_dim * row_bytes * block_size
+    layers = arch.num_hidden_layers if groups is None else groups.num_buffers
+    return 2 * layers * arch.num_key_value_heads * row_bytes * block_size
 
 
 def determine_num_blocks(
@@ -28,11 +34,15 @@ def determine_num_blocks(
     max_model_len: int,
     max_num_seqs: int,
     reserved_bytes: int = 0,
+    groups: KVGroupLayout | None = None,
 ) -> int:
     """Blocks that fit the KV budget, less `reserved_bytes` (CUDA graphs) of a profiled budget;
-    fails if one max_model_len request cannot fit."""
-    per_block = bytes_per_block(arch, cache.block_size, dtype)
-    needed = cdiv(max_model_len, cache.block_size) + 1  # one full-length request + the null block
+    fails if one max_model_len request cannot fit (in every KV group: a whole-prompt prefill
+    holds all its blocks in a sliding group too, until the next step frees them)."""
+    per_block = bytes_per_block(arch, cache.block_size, dtype, groups)
+    num_groups = 1 if groups is None else len(groups.groups)
+    # one full-length request + the null block
+    needed = num_groups * cdiv(max_model_len, cache.block_size) + 1
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:
@@ -67,10 +77,25 @@ def _kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
 
 
 def allocate_kv_caches(
-    arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    arch: ModelArch,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    groups: KVGroupLayout | None = None,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, row] (row:
-    head_dim elements, or a q8_0 row's bytes: model/kv_quant.py)."""
+    head_dim elements, or a q8_0 row's bytes: model/kv_quant.py). Under a hybrid KV cache
+    (`groups`) one per buffer, shared: layer j of every group gets buffer j."""
+    if groups is not None:
+        buffers = allocate_kv_caches(
+            dataclasses.replace(arch, num_hidden_layers=groups.num_buffers),
+            num_blocks,
+            block_size,
+            dtype,
+            device,
+        )
+        return [buffers[groups.place(i)[1]] for i in range(arch.num_hidden_layers)]
     shape = (
         2,
         num_blocks,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.core.kv.hybrid import engine_kv_groups
 from tokenbus.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.kv_transfer.base import KVConnectorWorker
@@ -55,6 +56,7 @@ class ModelRunner:
             max_num_reqs=max(sched.max_num_seqs, config.compilation.max_capture_size),
             max_blocks_per_req=cdiv(sched.max_model_len + num_spec, self.block_size) + 1,
             device=device,
+            kv_groups=engine_kv_groups(config, arch),
         )
         # Unseeded rows share one generator seeded from the engine seed: runs are repeatable.
         default_generator = torch.Generator(device=device)
@@ -97,10 +99,13 @@ class ModelRunner:
                 generator=generator,
                 lora_id=new.lora_id,
                 lora_path=new.lora_path,
+                group_block_ids=[list(ids) for ids in new.group_block_ids],
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(state.group_block_ids, cached.new_group_block_ids):
+                table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
@@ -158,7 +163,10 @@ class ModelRunner:
         if padded_size is not None:
             hidden = self.captured.run(batch)[: batch.num_tokens]  # padding rows are never sampled
         else:
-            batch.ctx.attn_metadata = self.model.attention_backend.build_metadata(batch.ctx)
+            backend = self.model.attention_backend
+            batch.ctx.attn_metadata = backend.build_metadata(batch.ctx)
+            for group, inputs in enumerate(batch.ctx.kv_groups, start=1):  # a hybrid KV cache
+                inputs.attn_metadata = backend.build_metadata(batch.ctx.group_context(group))
             hidden = self.model(batch.input_ids, batch.ctx)
         sampled, logprobs = self._sample(batch, hidden, so)
         output = self._make_output(batch, sampled, logprobs)

@@ -23,6 +23,8 @@ class CachedRequestState:
     pooled_sum: torch.Tensor | None = None
     lora_id: int = 0  # its LoRA adapter (0: none), read from lora_path the first time
     lora_path: str | None = None
+    # KV groups 1.. of a hybrid KV cache: their block tables (block_ids: group 0's)
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.core.kv.hybrid import KVGroupLayout, engine_kv_groups, layer_windows
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.kv_transfer.factory import connector_context, make_worker_connector
@@ -120,6 +121,7 @@ class Worker:
             self.config.model.batch_invariant,
             self.config.scheduler.max_model_len,
         )
+        check_layer_windows(self.model, self.arch)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank can hold after its weights and its CUDA graphs (what it measures,
@@ -132,14 +134,20 @@ class Worker:
             self.config.scheduler.max_model_len,
             self.config.scheduler.max_num_seqs,
             reserved_bytes=self._graph_memory_bytes(),
+            groups=self.kv_groups,
         )
+
+    @property
+    def kv_groups(self) -> KVGroupLayout | None:
+        """The hybrid KV cache's groups (core/kv/hybrid.py), or None: one table per request."""
+        return engine_kv_groups(self.config, self.arch)
 
     def _graph_memory_bytes(self) -> int:
         """On CUDA with captured steps: what capturing the largest size takes, measured on a
         throwaway two-block KV cache (0 if that capture fails: the real one will say why)."""
         if (
             self.device.type != "cuda"
-            or capture_disabled_reason(self.config, self.device) is not None
+            or capture_disabled_reason(self.config, self.device, self.model) is not None
         ):
             return 0
         from tokenbus.worker.cuda_graphs import CudaGraphRunner, profile_graph_memory
@@ -183,9 +191,15 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         kv_caches = allocate_kv_caches(
-            self.rank_arch, num_blocks, self.config.cache.block_size, self.kv_dtype, self.device
+            self.rank_arch,
+            num_blocks,
+            self.config.cache.block_size,
+            self.kv_dtype,
+            self.device,
+            self.kv_groups,
         )
-        kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
+        buffers = {id(t): t for t in kv_caches}.values()  # hybrid: layers share buffers
+        kv_bytes = sum(t.numel() * t.element_size() for t in buffers)
         logger.info(
             "KV cache: %d blocks of %d tokens (%s, %s)",
             num_blocks,
@@ -235,6 +249,20 @@ class Worker:
             self.kv_connector.shutdown()
         if self.tp.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def check_layer_windows(model: torch.nn.Module, arch: ModelArch) -> None:
+    """The scheduler plans KV groups from ModelArch.sliding_windows (core/kv/hybrid.py), the
+    layers attend with their own sliding_window: they must agree, or a sliding group would hand
+    back blocks a layer still reads."""
+    built = [
+        getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in model.layers
+    ]
+    planned = layer_windows(arch)
+    if built != planned:
+        raise ValueError(
+            f"the layers' sliding windows {built} differ from ModelArch.sliding_windows {planned}"
+        )
 
 
 def cpu_threads(config: EngineConfig) -> int:

@@ -50,6 +50,15 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 
+    # The scheduler's view per KV group (one here; core/kv/hybrid.py has several).
+    def get_all_block_ids(self, request_id: str) -> list[list[int]]:
+        return [self.get_block_ids(request_id)]
+
+    @staticmethod
+    def block_ids_per_group(blocks: Sequence[KVBlock]) -> list[list[int]]:
+        """allocate_slots' result as ids, a list per group."""
+        return [[block.block_id for block in blocks]]
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of ``request``: (hit blocks, number of hit tokens).
 

@@ -23,12 +23,16 @@ class NewRequestData(msgspec.Struct, array_like=True):
     # Its LoRA adapter (0: none); the path lets a worker load one it has not seen yet.
     lora_id: int = 0
     lora_path: str | None = None
+    # KV groups 1.. of a hybrid KV cache (core/kv/hybrid.py): their tables (block_ids: group 0)
+    group_block_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
     req_id: str
     new_block_ids: list[int]  # appended to the request's block table
     num_computed_tokens: int  # tokens already in the KV cache before this step
+    # KV groups 1.. of a hybrid KV cache: what is appended to each of their tables
+    new_group_block_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True):

@@ -210,12 +210,9 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:  # the request preempted itself
                 break
+            first, *others = self.kv.block_ids_per_group(new_blocks)
             plan.cached_reqs.append(
-                CachedRequestData(
-                    request.request_id,
-                    [b.block_id for b in new_blocks],
-                    request.num_computed_tokens,
-                )
+                CachedRequestData(request.request_id, first, request.num_computed_tokens, others)
             )
             self._record(request, num_new, plan)
             i += 1
@@ -353,16 +350,18 @@ class Scheduler:
             self._insert_by_priority(self.running, request)
         else:
             self.running.append(request)
+        first, *others = self.kv.get_all_block_ids(request.request_id)
         plan.new_reqs.append(
             NewRequestData(
                 req_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
-                block_ids=self.kv.get_block_ids(request.request_id),
+                block_ids=first,
                 num_computed_tokens=num_computed,
                 lora_id=request.lora_id,
                 lora_path=request.lora_request.lora_path if request.lora_request else None,
+                group_block_ids=others,
             )
         )
         self._record(request, num_new, plan)

@@ -181,11 +181,13 @@ class PagedAttentionKernel:
         long_queries: bool = False,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        window: int | None = None,
     ) -> None:
         """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, row]
         (a row: D values in the cache's type, kv_quant.py); by the flash path when
         `long_queries` (then takes_long_queries must hold). k_scale, v_scale: fp8 K/V's
-        per-tensor scales."""
+        per-tensor scales. `window`: a sliding window (each query sees its last `window` keys,
+        itself included); None: every earlier key."""
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         assert (
@@ -221,6 +223,7 @@ class PagedAttentionKernel:
             KERNEL_DTYPES[q.dtype],
             KERNEL_DTYPES[kv_cache.dtype],
             torch.get_num_threads(),
+            window or 0,
         )
         if status == -2:
             raise ValueError(

@@ -44,10 +44,11 @@ static inline __attribute__((always_inline)) void prefetch_block(const void *p, 
 /* Block-major: each block's K (then V) rows of every head of the item are used while the block
    is in L1, so a work item with all KV heads reads each block once, front to back, instead of
    once per head at a stride of hkv rows. A row's arithmetic is the same as head-major order
-   (per key: the same dot product; per output: the same sequence of FMAs). */
+   (per key: the same dot product; per output: the same sequence of FMAs). Keys before `lo` (a
+   sliding window's first key) are never read; their blocks may be the null block. */
 static inline __attribute__((always_inline)) void attend_decode64(
-        const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len, int64_t h0,
-        int64_t h1, const int G, int64_t bs, int64_t hkv, const int kv_elem, float scale, float v_scale,
+        const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len, int64_t lo,
+        int64_t h0, int64_t h1, const int G, int64_t bs, int64_t hkv, const int kv_elem, float scale, float v_scale,
         float *out, float *scores, float *acc_mem) {
     enum { D = 64 };
     const __m512 zero = _mm512_setzero_ps();
@@ -57,10 +58,10 @@ static inline __attribute__((always_inline)) void attend_decode64(
     for (int64_t i = 0; i < H * G * D; i++) qs[i] = q[h0 * G * D + i] * scale;
 
     /* Pass 1: scores, 16 keys at a time (a chunk never spans two blocks). */
-    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
+    for (int64_t b = lo / bs, t0 = b * bs; t0 < seq_len; t0 += bs, b++) {
         const int64_t nt = min64(bs, seq_len - t0);
         if (t0 + bs < seq_len) prefetch_block(kv, table[b + 1], bs, hkv, h0, h1, min64(bs, seq_len - t0 - bs), kv_elem);
-        for (int64_t j0 = 0; j0 < nt; j0 += 16) {
+        for (int64_t j0 = t0 < lo ? lo - t0 : 0; j0 < nt; j0 += 16) {
             const int n = (int)min64(16, nt - j0);
             for (int64_t h = h0; h < h1; h++) {
                 __m512 k[16][4];
@@ -87,15 +88,15 @@ static inline __attribute__((always_inline)) void attend_decode64(
         }
     }
 
-    /* Softmax over all seq_len keys (one query: every key is visible). */
+    /* Softmax over keys lo .. seq_len - 1 (one query: every one of them is visible). */
     for (int64_t r = 0; r < H * G; r++)  /* qs: v_scale / sums now */
-        qs[r] = softmax_row(scores + r * seq_len, seq_len) * v_scale;
+        qs[r] = softmax_row(scores + r * seq_len + lo, seq_len - lo) * v_scale;
 
     /* Pass 2: per block and head, that head's G output rows in registers (kept in acc_mem between
        blocks). */
     for (int64_t i = 0; i < H * G * D; i++) acc_mem[i] = 0.f;
     const uint8_t *vbase = kv_row(kv, v_offset, D, kv_elem);
-    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
+    for (int64_t b = lo / bs, t0 = b * bs; t0 < seq_len; t0 += bs, b++) {
         const int64_t nt = min64(bs, seq_len - t0);
         if (t0 + bs < seq_len) prefetch_block(vbase, table[b + 1], bs, hkv, h0, h1, min64(bs, seq_len - t0 - bs), kv_elem);
         for (int64_t h = h0; h < h1; h++) {
@@ -104,7 +105,7 @@ static inline __attribute__((always_inline)) void attend_decode64(
             __m512 acc[G][4];
             for (int g = 0; g < G; g++)
                 for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(am + g * D + 16 * c);
-            for (int64_t j = 0; j < nt; j++) {
+            for (int64_t j = t0 < lo ? lo - t0 : 0; j < nt; j++) {
                 const int64_t value = v_offset + ((table[b] * bs + j) * hkv + h) * D;
                 __m512 v[4];
                 kv_load64(kv, value, kv_elem, v);
@@ -129,10 +130,10 @@ static inline __attribute__((always_inline)) void attend_decode64(
 /* 1 when it ran: one query of head size 64 under fp32 queries with G <= 8. scratch: 2 (h1 - h0) G 64
    floats (attend_any's qf and acc, which lie end to end). */
 static int attend_decode(const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len,
-                         int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv, int kv_elem, float scale,
+                         int64_t lo, int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv, int kv_elem, float scale,
                          float v_scale, float *out, float *scores, float *scratch) {
 #define DECODE_E(g, e)                                                                                     \
-    attend_decode64(q, kv, v_offset, table, seq_len, h0, h1, g, bs, hkv, e, scale, v_scale, out, scores, scratch)
+    attend_decode64(q, kv, v_offset, table, seq_len, lo, h0, h1, g, bs, hkv, e, scale, v_scale, out, scores, scratch)
 #define DECODE_G(g)                                                             \
     case g:                                                                     \
         switch (kv_elem) {                                                      \

@@ -146,7 +146,8 @@ int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache
     memset(attn, 0, sizeof(float) * (size_t)(T * hq * D));
     if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, s->block_tables,
                                s->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale,
-                               s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads)))
+                               s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads,
+                               0 /* no window: kernel_plan.py builds no C layers for windowed models */)))
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);

@@ -18,7 +18,9 @@
      out    [*, Hq, D]           token t's head x at out + t * out_tok_stride + x * D
    Request r (one of reqs[0..num_reqs)) owns query rows query_start[r] .. query_start[r + 1] and
    has seq_lens[r] keys in the cache, this step's included. Query i of a request with q_len
-   queries sees keys 0 .. seq_len - q_len + i (causal, aligned to the end).
+   queries sees keys 0 .. seq_len - q_len + i (causal, aligned to the end); with a sliding
+   `window` > 0 only the last `window` of them (HF's sliding_window_overlay: key > query - window),
+   and the blocks before the first key it sees are never read (they may be the null block).
 
    paged_prefill_attention (at the end) takes requests of any query count by a flash path;
    attention.py sends it those of more than NATIVE_MAX_QUERY_LEN queries.
@@ -48,6 +50,12 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* The first key a query whose last key is `last` sees: last + 1 - window under a sliding window
+   (window > 0), else 0. */
+static inline int64_t first_key(int64_t last, int64_t window) {
+    return window > 0 && last + 1 > window ? last + 1 - window : 0;
+}
+
 /* Softmax of row[0 .. n) in place (the scores become probabilities, unnormalised); returns
    1 / their sum. */
 static inline __attribute__((always_inline)) float softmax_row(float *row, int64_t n) {
@@ -63,7 +71,8 @@ static inline __attribute__((always_inline)) float softmax_row(float *row, int64
 
 /* One work item: request with q_len queries and seq_len keys, KV heads [h0, h1). Its rows are
    ordered (KV head, query, group member): row ((h - h0) * q_len + i) * G + g is query i, head
-   h * G + g, and sees keys 0 .. ctx_len + i. Keys are visited in cache order (block by block,
+   h * G + g, and sees keys first_key(ctx_len + i, window) .. ctx_len + i: for key t, the queries
+   [t - ctx_len, t - ctx_len + window) (clamped to the request's). Keys are visited in cache order (block by block,
    token by token, then head) so memory is read sequentially within each block.
    Scratch: qf [rows, D] (the queries in fp32), scores [rows, seq_len], acc [rows, D],
    inv_sum [rows].
@@ -71,10 +80,11 @@ static inline __attribute__((always_inline)) float softmax_row(float *row, int64
    fully unrolled vector code. Offsets below are in elements. */
 static inline __attribute__((always_inline)) void attend(
         const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
-        int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv,
-        const int64_t D, const int elem, const int kv_elem, float scale, float v_scale, void *out,
+        int64_t seq_len, int64_t q_len, int64_t window, int64_t h0, int64_t h1, int64_t G, int64_t bs,
+        int64_t hkv, const int64_t D, const int elem, const int kv_elem, float scale, float v_scale, void *out,
         int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
     const int64_t ctx_len = seq_len - q_len, rows_per_head = q_len * G, R = (h1 - h0) * rows_per_head;
+    const int64_t lo = first_key(ctx_len, window);  /* query 0's first key: no query sees one before */
 
     for (int64_t r = 0; r < R; r++) {
         const int64_t h = h0 + r / rows_per_head, i = (r % rows_per_head) / G, g = r % G;
@@ -84,10 +94,11 @@ static inline __attribute__((always_inline)) void attend(
     }
 
     /* Pass 1: scores. */
-    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
+    for (int64_t b = lo / bs, t0 = b * bs; t0 < seq_len; t0 += bs, b++) {
         const int64_t nt = min64(bs, seq_len - t0);
-        for (int64_t j = 0; j < nt; j++) {
+        for (int64_t j = t0 < lo ? lo - t0 : 0; j < nt; j++) {
             const int64_t t = t0 + j, first_query = t > ctx_len ? t - ctx_len : 0;
+            const int64_t end_query = window > 0 ? min64(q_len, t - ctx_len + window) : q_len;
             const int64_t key = (table[b] * bs + j) * hkv * D;
             for (int64_t h = h0; h < h1; h++) {
                 float converted[D];  /* the key row as fp32, read by its G rows (fp32: in place) */
@@ -96,7 +107,7 @@ static inline __attribute__((always_inline)) void attend(
                     load_row(kv, key + h * D, D, kv_elem, converted);
                     kr = converted;
                 }
-                for (int64_t r = (h - h0) * rows_per_head + first_query * G; r < (h - h0 + 1) * rows_per_head; r++) {
+                for (int64_t r = (h - h0) * rows_per_head + first_query * G; r < (h - h0) * rows_per_head + end_query * G; r++) {
                     const float *qr = qf + r * D;
                     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -108,20 +119,23 @@ static inline __attribute__((always_inline)) void attend(
     }
 
     /* Softmax over each row's visible keys; the probabilities overwrite the scores. */
-    for (int64_t r = 0; r < R; r++)
-        inv_sum[r] = softmax_row(scores + r * seq_len, ctx_len + (r % rows_per_head) / G + 1) * v_scale;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t last = ctx_len + (r % rows_per_head) / G, first = first_key(last, window);
+        inv_sum[r] = softmax_row(scores + r * seq_len + first, last + 1 - first) * v_scale;
+    }
 
     /* Pass 2: probability-weighted values. */
     memset(acc, 0, (size_t)(R * D) * sizeof(float));
-    for (int64_t t0 = 0, b = 0; t0 < seq_len; t0 += bs, b++) {
+    for (int64_t b = lo / bs, t0 = b * bs; t0 < seq_len; t0 += bs, b++) {
         const int64_t nt = min64(bs, seq_len - t0);
-        for (int64_t j = 0; j < nt; j++) {
+        for (int64_t j = t0 < lo ? lo - t0 : 0; j < nt; j++) {
             const int64_t t = t0 + j, first_row = (t > ctx_len ? t - ctx_len : 0) * G;
+            const int64_t end_row = (window > 0 ? min64(q_len, t - ctx_len + window) : q_len) * G;
             const int64_t value = v_offset + (table[b] * bs + j) * hkv * D;
             for (int64_t h = h0; h < h1; h++) {
                 float v[D];
                 load_row(kv, value + h * D, D, kv_elem, v);
-                for (int64_t r = (h - h0) * rows_per_head + first_row; r < (h - h0 + 1) * rows_per_head; r++) {
+                for (int64_t r = (h - h0) * rows_per_head + first_row; r < (h - h0) * rows_per_head + end_row; r++) {
                     const float p = scores[r * seq_len + t];
                     float *a = acc + r * D;
 #pragma omp simd
@@ -143,7 +157,7 @@ static inline __attribute__((always_inline)) void attend(
 #include "attention_avx512.h"
 
 /* Specialisations for the common head sizes and each element-type pair, and the generic fallback. */
-#define ATTEND_ARGS q, q_tok_stride, kv, v_offset, table, seq_len, q_len, h0, h1, G, bs, hkv
+#define ATTEND_ARGS q, q_tok_stride, kv, v_offset, table, seq_len, q_len, window, h0, h1, G, bs, hkv
 #define ATTEND_TAIL scale, v_scale, out, out_tok_stride, qf, scores, acc, inv_sum
 #define ATTEND_D(elem, kv_elem)                                                                  \
     switch (D) {                                                                                  \
@@ -152,8 +166,8 @@ static inline __attribute__((always_inline)) void attend(
         default: attend(ATTEND_ARGS, D, elem, kv_elem, ATTEND_TAIL); break;                      \
     }
 static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
-                       const int64_t *table, int64_t seq_len, int64_t q_len, int64_t h0, int64_t h1,
-                       int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, int kv_elem, float scale,
+                       const int64_t *table, int64_t seq_len, int64_t q_len, int64_t window, int64_t h0,
+                       int64_t h1, int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, int kv_elem, float scale,
                        float v_scale, void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc,
                        float *inv_sum) {
 #if defined(HAVE_DECODE64)
@@ -161,9 +175,12 @@ static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int6
        how many queries its request has this step (a speculative verification's rows must give
        what decoding them one by one gives, bit for bit), and attend() sums in another order. */
     if (D == 64 && elem == ELEM_F32 && G >= 1 && G <= 8 && seq_len >= q_len && q_len > 0) {
-        for (int64_t i = 0; i < q_len; i++)
-            attend_decode((const float *)q + i * q_tok_stride, kv, v_offset, table, seq_len - q_len + i + 1, h0, h1,
-                          G, bs, hkv, kv_elem, scale, v_scale, (float *)out + i * out_tok_stride, scores, qf);
+        for (int64_t i = 0; i < q_len; i++) {
+            const int64_t keys = seq_len - q_len + i + 1;
+            attend_decode((const float *)q + i * q_tok_stride, kv, v_offset, table, keys,
+                          first_key(keys - 1, window), h0, h1, G, bs, hkv, kv_elem, scale, v_scale,
+                          (float *)out + i * out_tok_stride, scores, qf);
+        }
         return;
     }
 #endif
@@ -191,7 +208,7 @@ static int takes_types(int elem, int kv_elem, int64_t D) {
 
 /* Returns 0, -1 when scratch memory could not be allocated (out is then incomplete), or -2
    for element types it does not take (takes_types). k_scale and v_scale: fp8 K/V's per-tensor
-   scales (1 for the other types).
+   scales (1 for the other types); window: the sliding window (0: none).
    heads_per_item KV heads form one work item: all of them (each
    key row read as one contiguous run) when there are enough requests to keep the threads
    busy, else one. */
@@ -199,7 +216,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                     int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
                     int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
                     const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
-                    void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
+                    void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads, int64_t window) {
     if (!takes_types(elem, kv_elem, D)) return -2;
     scale *= k_scale * kv_unit(kv_elem);  /* q . (k_scale k) = (k_scale q) . k; rows read / kv_unit */
     v_scale *= kv_unit(kv_elem);
@@ -227,7 +244,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                 const int64_t r = reqs[n], start = query_start[r], h0 = split * heads_per_item;
                 const size_t elem_size = elem == ELEM_F32 ? 4 : 2;
                 attend_any((const char *)q + start * q_tok_stride * elem_size, q_tok_stride, kv, v_offset,
-                           tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, h0,
+                           tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, window, h0,
                            h0 + heads_per_item, G, bs, hkv, D, elem, kv_elem, scale, v_scale,
                            (char *)out + start * out_tok_stride * elem_size, out_tok_stride,
                            rows, scores, rows + max_rows * D, rows + 2 * max_rows * D);
@@ -298,8 +315,8 @@ static inline __attribute__((always_inline)) void pf_values(float *o, const floa
 }
 
 #define PF_BLOCKS(call)                                                                        \
-    for (int64_t r0 = r_first; r0 < R; r0 += PF_ROWS) {                                         \
-        switch (R - r0 < PF_ROWS ? R - r0 : PF_ROWS) { /* constant n: unrolled, in registers */ \
+    for (int64_t r0 = r_first; r0 < r_end; r0 += PF_ROWS) {                                     \
+        switch (r_end - r0 < PF_ROWS ? r_end - r0 : PF_ROWS) { /* constant n: unrolled, in registers */ \
         PF_WIDE_CASES(call)                                                                    \
         case 4: call(4); break;                                                                \
         case 3: call(3); break;                                                                \
@@ -313,7 +330,7 @@ static inline int64_t pf_scratch(int64_t R, int64_t D) { return 2 * R * D + 2 * 
 
 /* Queries i0 .. i1 of a request (q_len queries, seq_len keys), KV head h. q and out are fp32. */
 static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
-                    int64_t seq_len, int64_t q_len, int64_t i0, int64_t i1, int64_t h, int64_t G, int64_t bs,
+                    int64_t seq_len, int64_t q_len, int64_t window, int64_t i0, int64_t i1, int64_t h, int64_t G, int64_t bs,
                     int64_t hkv, const int64_t D, const int kv_elem, float scale, float v_scale, float *out,
                     int64_t out_tok_stride, float *scratch) {
     const int64_t ctx_len = seq_len - q_len, R = (i1 - i0) * G, keys = ctx_len + i1;
@@ -327,7 +344,8 @@ static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_
     }
     memset(o, 0, (size_t)(R * D) * sizeof(float));
     memset(l, 0, (size_t)(R * PF_KEYS) * sizeof(float));
-    for (int64_t t0 = 0; t0 < keys; t0 += PF_KEYS) {
+    /* From query i0's first key (under a window the later queries' first keys come later). */
+    for (int64_t t0 = first_key(ctx_len + i0, window); t0 < keys; t0 += PF_KEYS) {
         const int64_t nt = min64(PF_KEYS, keys - t0);
         for (int64_t j = 0; j < PF_KEYS; j++) {
             float k[PF_MAX_D];
@@ -343,29 +361,34 @@ static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_
         }
         /* Rows of queries before t0 - ctx_len see none of these keys: they are left as they are. */
         const int64_t r_first = (t0 - ctx_len > i0 ? t0 - ctx_len - i0 : 0) * G;
+        /* Under a window, rows of queries from t0 + nt - 1 - ctx_len + window on see none either
+           (their first key is past the chunk): every row in [r_first, r_end) sees one key at least. */
+        const int64_t r_end = window > 0 ? min64(i1, t0 + nt - 1 - ctx_len + window) * G - i0 * G : R;
 #define PF_SCORES(n) pf_scores(qf + r0 * D, kt, D, n, sc + r0 * PF_KEYS)
         PF_BLOCKS(PF_SCORES)
         /* Each row's new max; then, vectorised across rows, its rescale factor; then its
            probabilities. l keeps 16 partial sums a row (added up at the end): no horizontal sum
            per chunk. */
-        for (int64_t r = r_first; r < R; r++) {
+        for (int64_t r = r_first; r < r_end; r++) {
             float *s = sc + r * PF_KEYS;
-            const int64_t visible = ctx_len + i0 + r / G - t0 + 1;  /* of this chunk's keys, >= 1 here */
+            const int64_t last = ctx_len + i0 + r / G;
+            const int64_t visible = last - t0 + 1;  /* of this chunk's keys, >= 1 here */
+            const int64_t hidden = first_key(last, window) - t0;  /* keys before the window */
             float mx = m[r];
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < PF_KEYS; j++) {
-                s[j] = j < visible ? s[j] : PF_MASKED;
+                s[j] = j < visible && j >= hidden ? s[j] : PF_MASKED;
                 mx = s[j] > mx ? s[j] : mx;
             }
             alpha[r] = mx;  /* the new max, until the loop below */
         }
 #pragma omp simd
-        for (int64_t r = r_first; r < R; r++) {
+        for (int64_t r = r_first; r < r_end; r++) {
             const float mx = alpha[r];
             alpha[r] = expf(m[r] - mx);
             m[r] = mx;
         }
-        for (int64_t r = r_first; r < R; r++) {
+        for (int64_t r = r_first; r < r_end; r++) {
             float *s = sc + r * PF_KEYS, *lr = l + r * PF_KEYS;
             const float mx = m[r], a = alpha[r];
 #pragma omp simd
@@ -391,10 +414,11 @@ static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_
 
 /* D a constant where it is a common head size: the loops over it unroll. */
 static void pf_item_any(const float *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
-                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t i0, int64_t i1, int64_t h,
+                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t window, int64_t i0, int64_t i1,
+                        int64_t h,
                         int64_t G, int64_t bs, int64_t hkv, int64_t D, int kv_elem, float scale, float v_scale,
                         float *out, int64_t out_tok_stride, float *scratch) {
-#define PF_ITEM(d, e) pf_item(q, q_tok_stride, kv, v_offset, table, seq_len, q_len, i0, i1, h, G, bs, hkv, d, e, \
+#define PF_ITEM(d, e) pf_item(q, q_tok_stride, kv, v_offset, table, seq_len, q_len, window, i0, i1, h, G, bs, hkv, d, e, \
                               scale, v_scale, out, out_tok_stride, scratch)
 #define PF_D(e)                                \
     if (D == 64) PF_ITEM(64, e);               \
@@ -430,7 +454,8 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
                             int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
                             int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
                             const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
-                            void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads) {
+                            void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads,
+                            int64_t window) {
     if (!paged_prefill_supported(elem, kv_elem, D)) return -2;
 #if defined(HAVE_TILES)
     scale *= k_scale * kv_unit(kv_elem);
@@ -465,7 +490,7 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
             const int64_t k = item - item_start[n], tiles = (item_start[n + 1] - item_start[n]) / hkv;
             const int64_t i0 = (tiles - 1 - k / hkv) * PF_TOKENS, i1 = min64(i0 + PF_TOKENS, q_len);
             pf_item_any((const float *)q + start * q_tok_stride, q_tok_stride, kv, v_offset,
-                        tables + r * table_stride, seq_lens[r], q_len, i0, i1, k % hkv, G, bs, hkv, D, kv_elem,
+                        tables + r * table_stride, seq_lens[r], q_len, window, i0, i1, k % hkv, G, bs, hkv, D, kv_elem,
                         scale, v_scale, (float *)out + start * out_tok_stride, out_tok_stride, scratch);
         }
         free(scratch);
@@ -475,7 +500,7 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
 #else
     (void)q, (void)q_tok_stride, (void)kv, (void)num_blocks, (void)bs, (void)hkv, (void)hq, (void)tables;
     (void)table_stride, (void)query_start, (void)seq_lens, (void)reqs, (void)num_reqs, (void)scale, (void)out;
-    (void)k_scale, (void)v_scale, (void)out_tok_stride, (void)num_threads;
+    (void)k_scale, (void)v_scale, (void)out_tok_stride, (void)num_threads, (void)window;
     return -2;
 #endif
 }

@@ -40,6 +40,8 @@ class _CatchUpView:
     block_ids: list[int]
     batch_index: int  # the request's index in the target step's batch
     lora_id: int = 0  # no adapter: --enable-lora runs without speculative decoding
+    # none: speculative decoding runs on one block table (core/kv/hybrid.engine_kv_groups)
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,406 @@
+"""The hybrid KV cache (L1, pure Python): one KV group per attention window, over ONE BlockPool.
+
+A model whose layers mix sliding-window and full attention (Gemma 2/3, Mistral with a window,
+Qwen2's max_window_layers) would hold, under KVCacheManager, every layer's K/V for the whole
+context. Here (as vLLM V1's hybrid allocator: KVCacheCoordinator over one SingleTypeKVCacheManager
+per group) layers of one window form KV groups of equal size (`plan_kv_groups`), and each group
+has its own block table per request over the shared pool:
+
+- a full-attention group's table is KVCacheManager's: append-only, block i holds tokens
+  [i * bs, (i + 1) * bs);
+- a sliding group's table stays positional too, but blocks that fell entirely out of the window
+  of every query still to come (tokens < num_computed_tokens - window + 1) are replaced by the
+  null block and freed while the request runs (`_drop_out_of_window`), so it holds about
+  window / bs + 1 blocks at any context length.
+
+Memory shrinks because groups share K/V tensors (the worker's side of `KVGroupLayout`): layer j of
+every group reads and writes buffer j, so a pool block is one page of the j-th layer of all
+groups, and a block a sliding group frees is a page any group may take next.
+
+Prefix caching stays correct across groups: a block's hash key carries its group (a sliding
+group's block and a full group's block of the same tokens hold different layers), and a hit of n
+blocks needs every full group's first n blocks and, for each sliding group, the blocks holding
+the keys the first uncached query sees (those within the window of the hit's end); the hit is
+the longest n every group agrees on (`get_computed_blocks`). Admission counts every group's new
+blocks against the one pool's free blocks. Preemption frees every group's blocks.
+
+The worker keeps block tables append-only: an entry replaced here by the null block keeps its old
+id there, which attention never reads (it lies before the window) and never writes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenbus.core.kv.block import KVBlock
+from tokenbus.core.kv.block_pool import BlockPool, require
+from tokenbus.core.kv.manager import skips_prefix_cache
+from tokenbus.core.kv.stats import PrefixCacheStats
+from tokenbus.utils import cdiv
+
+if TYPE_CHECKING:
+    from tokenbus.config import EngineConfig, ModelArch
+    from tokenbus.core.request import Request
+
+# Per KV group: a request's blocks (one list per group, in KVGroupLayout.groups order).
+GroupBlocks = list[list[KVBlock]]
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers of one attention window whose K/V share block tables."""
+
+    window: int | None  # None: full attention
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVGroupLayout:
+    """How a model's layers map onto KV groups and shared K/V buffers: layer `groups[g].layers[j]`
+    uses buffer j (num_buffers of them, one per layer of the largest group)."""
+
+    groups: tuple[KVGroup, ...]
+
+    @property
+    def num_buffers(self) -> int:
+        return max(len(group.layers) for group in self.groups)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(group.window for group in self.groups)
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(group, buffer) of decoder layer `layer`."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise ValueError(f"layer {layer} is in no KV group")
+
+
+def plan_kv_groups(windows: Sequence[int | None], hybrid: bool = True) -> KVGroupLayout:
+    """KV groups for layers of these sliding windows (None: full attention).
+
+    One group of every layer when all windows agree, or with `hybrid` False (vLLM's
+    --disable-hybrid-kv-cache-manager: every layer allocated as a global one, windows still
+    masked). Otherwise each window's layers are cut into groups of the size of the smallest
+    window's layer count (Gemma 3's 5 local : 1 global: groups of the global layers' count), so
+    the groups share that many buffers; a window whose count is not a multiple leaves its last
+    group short (its unused buffer pages are the price of one page size)."""
+    if not windows:
+        raise ValueError("a model needs at least one layer")
+    distinct = list(dict.fromkeys(windows))  # first-appearance order
+    if len(distinct) == 1 or not hybrid:
+        window = distinct[0] if len(distinct) == 1 else None
+        return KVGroupLayout((KVGroup(window, tuple(range(len(windows)))),))
+    by_window = {w: tuple(i for i, x in enumerate(windows) if x == w) for w in distinct}
+    size = min(len(layers) for layers in by_window.values())
+    groups = [
+        KVGroup(window, layers[start : start + size])
+        for window, layers in by_window.items()
+        for start in range(0, len(layers), size)
+    ]
+    return KVGroupLayout(tuple(groups))
+
+
+def layer_windows(arch: ModelArch) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention)."""
+    return list(arch.sliding_windows) or [None] * arch.num_hidden_layers
+
+
+def engine_kv_groups(config: EngineConfig, arch: ModelArch) -> KVGroupLayout | None:
+    """The engine's KV groups, or None: every layer full attention, on KVCacheManager as
+    ever. A model with sliding windows gets them unless --disable-hybrid-kv-cache-manager, a KV
+    connector (it moves one block table a request) or speculative decoding (its drafts share
+    the target's single table) is configured: then one full-attention group, windows still
+    masked, every block held."""
+    windows = layer_windows(arch)
+    if all(window is None for window in windows):
+        return None
+    hybrid = not (
+        config.cache.disable_hybrid_kv_cache_manager
+        or config.kv_transfer is not None
+        or config.speculative is not None
+    )
+    return plan_kv_groups(windows, hybrid) if hybrid else None
+
+
+class HybridKVCacheManager:
+    """KVCacheManager's contract per KV group: allocate_slots, get_computed_blocks, free and
+    the checks take and give one block list per group (GroupBlocks)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        for group in layout.groups:
+            if group.window is not None and group.window < 1:
+                raise ValueError(f"sliding window must be >= 1, got {group.window}")
+        self.block_size = block_size
+        self.layout = layout
+        self.windows = layout.windows
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, GroupBlocks] = {}
+        # request id → per group, how many leading blocks are registered in the hash map.
+        self.num_cached_blocks: dict[str, list[int]] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.total_prefix_cache_stats = PrefixCacheStats()
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def null_block(self) -> KVBlock:
+        return self.block_pool.null_block
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """Group 0's table (what a single-table reader sees: xray)."""
+        return self.get_all_block_ids(request_id)[0]
+
+    def get_all_block_ids(self, request_id: str) -> list[list[int]]:
+        tables = self.req_to_blocks.get(request_id) or [[] for _ in self.windows]
+        return [[block.block_id for block in table] for table in tables]
+
+    @staticmethod
+    def block_ids_per_group(blocks: GroupBlocks) -> list[list[int]]:
+        """allocate_slots' result as ids, a list per group."""
+        return [[block.block_id for block in group] for group in blocks]
+
+    def num_held_blocks(self, group: int | None = None) -> int:
+        """Pool blocks requests hold (null entries not counted), in `group` or in all."""
+        groups = range(self.num_groups) if group is None else (group,)
+        return sum(
+            not block.is_null
+            for tables in self.req_to_blocks.values()
+            for g in groups
+            for block in tables[g]
+        )
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return request_id in self.req_to_blocks
+
+    # ------------------------------------------------------------------ prefix cache
+    def _key(self, group: int, block_hash: bytes) -> bytes:
+        """A block's hash-map key: its tokens' chained hash and its group."""
+        return block_hash + group.to_bytes(2, "little")
+
+    def _cached(self, group: int, request: Request, index: int) -> KVBlock | None:
+        return self.block_pool.get_cached_block(self._key(group, request.block_hashes[index]))
+
+    def _first_needed_block(self, group: int, num_tokens: int) -> int:
+        """The first block a query at position `num_tokens` (the first not yet computed) reads
+        in `group`: 0 under full attention, else the block of key num_tokens - window + 1."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(num_tokens - window + 1, 0) // self.block_size
+
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """The longest prefix every group has cached: (per group, its hit blocks, null where a
+        sliding group needs none; the number of hit tokens). As KVCacheManager's: call it for a
+        request holding no blocks, pass the result to allocate_slots."""
+        empty: GroupBlocks = [[] for _ in self.windows]
+        if not self.enable_caching or skips_prefix_cache(request):
+            return empty, 0
+        num_hit = max(request.num_tokens - 1, 0) // self.block_size  # in blocks
+        while True:  # shrink until every group agrees (a shorter hit may not suit a window)
+            agreed = num_hit
+            for group in range(self.num_groups):
+                agreed = self._group_hit(group, request, agreed)
+            if agreed == num_hit:
+                break
+            num_hit = agreed
+        hits: GroupBlocks = []
+        for group in range(self.num_groups):
+            first = self._first_needed_block(group, num_hit * self.block_size)
+            hits.append(
+                [self.null_block] * first
+                + [self._cached(group, request, i) for i in range(first, num_hit)]
+            )
+        num_hit_tokens = num_hit * self.block_size
+        for stats in (self.prefix_cache_stats, self.total_prefix_cache_stats):
+            stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
+        return hits, num_hit_tokens
+
+    def _group_hit(self, group: int, request: Request, most: int) -> int:
+        """The longest hit of at most `most` blocks this group can serve."""
+        if self.windows[group] is None:  # chained hashes: a miss at i is a miss after
+            for i in range(most):
+                if self._cached(group, request, i) is None:
+                    return i
+            return most
+        # A hit of n blocks needs blocks [first_needed(n), n) cached: scan from the right for
+        # a long enough run of cached blocks (vLLM's SlidingWindowManager does the same).
+        n = most
+        while n > 0:
+            first = self._first_needed_block(group, n * self.block_size)
+            missing = next(
+                (i for i in range(n - 1, first - 1, -1) if self._cached(group, request, i) is None),
+                None,
+            )
+            if missing is None:
+                return n
+            n = missing  # any hit ending past the miss needs it
+        return 0
+
+    # ------------------------------------------------------------------ allocation
+    def _drop_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Sliding groups: free the blocks before the first block any later query reads."""
+        tables = self.req_to_blocks.get(request_id)
+        if tables is None:
+            return
+        for group, table in enumerate(tables):
+            end = min(self._first_needed_block(group, num_computed_tokens), len(table))
+            dropped = []
+            for i in range(end - 1, -1, -1):  # tail first, as `free`; stop at the earlier drops
+                if table[i].is_null:
+                    break
+                dropped.append(table[i])
+                table[i] = self.null_block
+            self.block_pool.free_blocks(dropped)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: GroupBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        cache_blocks: bool = True,
+    ) -> GroupBlocks | None:
+        """KVCacheManager.allocate_slots per group: the blocks appended to each group's table
+        (hit blocks first), or None (changing nothing but out-of-window frees) if the new
+        blocks of all groups together do not fit the pool."""
+        if min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) < 0:
+            raise ValueError("allocate_slots: token counts must be >= 0")
+        request_id = request.request_id
+        hits = new_computed_blocks or [[] for _ in self.windows]
+        if len(hits) != self.num_groups:
+            raise ValueError(f"new_computed_blocks: expected {self.num_groups} groups")
+        if any(hits) and request_id in self.req_to_blocks:
+            raise ValueError(
+                f"request {request_id!r} already holds blocks: "
+                "prefix-hit blocks can only start a block table"
+            )
+        # What the queries from num_computed_tokens on no longer need goes back first: it may
+        # be what lets this step fit.
+        self._drop_out_of_window(request_id, request.num_computed_tokens)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+        tables = self.req_to_blocks.get(request_id) or [[] for _ in self.windows]
+        counts, needed = [], 0
+        for group, table in enumerate(tables):
+            num_blocks = cdiv(num_slots, self.block_size) - len(table) - len(hits[group])
+            # A fresh sliding table needs nothing before the window of its first new query.
+            skipped = 0
+            if not table and self.windows[group] is not None:
+                skipped = max(self._first_needed_block(group, num_computed) - len(hits[group]), 0)
+            counts.append((skipped, max(num_blocks - skipped, 0)))
+            needed += counts[-1][1]
+            needed += sum(1 for b in hits[group] if b.ref_cnt == 0 and not b.is_null)
+        if needed > self.block_pool.num_free_blocks:
+            return None
+        added: GroupBlocks = []
+        tables = self.req_to_blocks.setdefault(request_id, [[] for _ in self.windows])
+        cached = self.num_cached_blocks.setdefault(request_id, [0] * self.num_groups)
+        for group, (skipped, num_new) in enumerate(counts):
+            self.block_pool.touch(hits[group])
+            blocks = hits[group] + [self.null_block] * skipped
+            blocks += self.block_pool.get_new_blocks(num_new)
+            if hits[group]:
+                cached[group] = len(hits[group])
+            tables[group].extend(blocks)
+            added.append(blocks)
+        if self.enable_caching and cache_blocks:
+            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return added
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        num_full = num_tokens // self.block_size
+        cached = self.num_cached_blocks[request.request_id]
+        if len(request.block_hashes) < num_full:
+            raise ValueError(
+                f"request {request.request_id!r} has {len(request.block_hashes)} block hashes "
+                f"but {num_full} full blocks"
+            )
+        for group, table in enumerate(self.req_to_blocks[request.request_id]):
+            for i in range(cached[group], num_full):
+                block = table[i]
+                if block.is_null:  # out of the window: nothing to register
+                    continue
+                assert block.block_hash is None, f"block {block.block_id} is already cached"
+                block.block_hash = self._key(group, request.block_hashes[i])
+                same = self.block_pool.cached_block_hash_to_block.setdefault(block.block_hash, {})
+                same[block.block_id] = block
+            cached[group] = max(cached[group], num_full)
+
+    def evict_cached_blocks(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            if 0 < block_id < self.block_pool.num_blocks:
+                self.block_pool.evict_cached_hash(self.block_pool.blocks[block_id])
+
+    def free(self, request: Request) -> None:
+        """Release every group's blocks, each table tail first (as KVCacheManager.free)."""
+        tables = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        for table in tables:
+            self.block_pool.free_blocks(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_stats.reset = True
+        return True
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    # ------------------------------------------------------------------ checks
+    def check_consistency(self) -> None:
+        """Ref counts match the table entries of every group; sliding tables hold no block
+        before their window's first needed one but nulls (valid mid-workload)."""
+        self.block_pool.check_consistency()
+        holders = Counter(
+            block.block_id
+            for tables in self.req_to_blocks.values()
+            for table in tables
+            for block in table
+            if not block.is_null
+        )
+        for block in self.block_pool.blocks[1:]:
+            require(
+                block.ref_cnt == holders[block.block_id],
+                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
+                f"{holders[block.block_id]} block-table entries",
+            )
+
+    def check_integrity(self) -> None:
+        require(
+            not self.req_to_blocks, f"requests still hold KV blocks: {sorted(self.req_to_blocks)}"
+        )
+        self.check_consistency()
+        num_usable = self.block_pool.num_blocks - 1
+        require(
+            self.num_free_blocks == num_usable,
+            f"{num_usable - self.num_free_blocks} KV blocks leaked: "
+            f"{self.num_free_blocks} of {num_usable} are free",
+        )
