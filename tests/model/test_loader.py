@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -407,3 +408,64 @@ def test_gguf_tokenizer_is_converted_once_and_cached(tmp_path, monkeypatch):
     # the generic class loaded directly is what AutoTokenizer gave
     assert type(second) is type(first)
     assert list((tmp_path / "cache" / "tokenizers").iterdir()) == [entry]  # nothing left behind
+
+
+def _windowed_config(model_type: str, **fields) -> dict:
+    base = dict(
+        model_type=model_type,
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        sliding_window=8,
+    )
+    return {**base, **fields}
+
+
+@pytest.mark.parametrize(
+    ("config", "windows"),
+    [
+        (_windowed_config("mistral"), (8, 8, 8, 8)),
+        (_windowed_config("mistral", sliding_window=None), ()),
+        # Qwen2 / Qwen3 use the window only with use_sliding_window
+        (_windowed_config("qwen2"), ()),
+        (
+            _windowed_config("qwen2", use_sliding_window=True, max_window_layers=2),
+            (None, None, 8, 8),
+        ),
+        (
+            _windowed_config(
+                "qwen3",
+                use_sliding_window=True,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+            ),
+            (8, None, 8, None),
+        ),
+        (_windowed_config("llama"), ()),  # Llama has no window
+    ],
+)
+def test_sliding_windows_per_layer(config, windows):
+    from tokenbus.loader.hf_loader import arch_from_hf_config
+
+    arch = arch_from_hf_config(config, Path("cfg"))
+    assert arch.sliding_windows == windows
+    assert arch.max_position_embeddings == 2048  # never capped at the window
+    assert [arch.layer_window(i) for i in range(4)] == list(windows or (None,) * 4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"sliding_window": -1}, "sliding_window must be a positive integer"),
+        ({"sliding_window": 8.5}, "sliding_window must be a positive integer"),
+        ({"layer_types": ["sliding_attention"] * 3}, "layer_types must name"),
+        ({"layer_types": ["chunked_attention"] * 4}, "layer_types must name"),
+    ],
+)
+def test_bad_sliding_window_is_refused(fields, message):
+    from tokenbus.loader.hf_loader import arch_from_hf_config
+
+    config = _windowed_config("qwen2", use_sliding_window=True, **fields)
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf_config(config, Path("cfg"))
