@@ -446,12 +446,13 @@ def _windowed_config(model_type: str, **fields) -> dict:
     ],
 )
 def test_sliding_windows_per_layer(config, windows):
+    from tokenbus.core.kv.hybrid import layer_windows
     from tokenbus.loader.hf_loader import arch_from_hf_config
 
     arch = arch_from_hf_config(config, Path("cfg"))
     assert arch.sliding_windows == windows
     assert arch.max_position_embeddings == 2048  # never capped at the window
-    assert [arch.layer_window(i) for i in range(4)] == list(windows or (None,) * 4)
+    assert layer_windows(arch) == list(windows or (None,) * 4)
 
 
 @pytest.mark.parametrize(
