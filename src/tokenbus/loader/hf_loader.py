@@ -21,6 +21,8 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # Rope types we pass on to the model (model/layers/rotary.py ROPE_TYPES; a test keeps them in sync).
 HF_ROPE_TYPES = ("default", "linear", "llama3")
@@ -72,6 +74,40 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         hidden_act=config.get("hidden_act", "silu"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        **_moe_fields(config, architecture, path),
+    )
+
+
+def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[str, Any]:
+    """ModelArch's MoE fields (model/moe.py) of a Mixtral or Qwen3-MoE config; {} otherwise.
+    Fields we do not implement (shared experts) are refused, naming them."""
+    if architecture not in ("mixtral", "qwen3_moe"):
+        return {}
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if config.get(key):
+            raise ValueError(f"{path}: {key} (shared experts) is not supported for {architecture}")
+    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    top_k = config.get("num_experts_per_tok")
+    if not num_experts or not top_k:
+        raise ValueError(
+            f"{path}: an MoE config needs 'num_local_experts' and 'num_experts_per_tok'"
+        )
+    num_layers = int(config["num_hidden_layers"])
+    if architecture == "mixtral":
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=config["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    step = int(config.get("decoder_sparse_step") or 1)
+    only = set(config.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        dense_layers=tuple(i for i in range(num_layers) if i in only or (i + 1) % step),
     )
 
 
@@ -112,7 +148,7 @@ def _max_positions(config: dict[str, Any], architecture: str) -> int:
     context."""
     max_positions = int(config.get("max_position_embeddings", 2048))
     window = config.get("sliding_window")
-    uses_window = architecture == "mistral" or config.get("use_sliding_window", False)
+    uses_window = architecture in ("mistral", "mixtral") or config.get("use_sliding_window", False)
     return min(max_positions, window) if uses_window and window else max_positions
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from tokenbus.model.llama import LlamaForCausalLM
+from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
+from tokenbus.model.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -16,6 +18,10 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
