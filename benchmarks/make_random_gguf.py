@@ -56,10 +56,16 @@ class ModelShape:
     qkv_bias: bool = False
     # Llama 3 rope scaling (factor, low_freq_factor, high_freq_factor, original context)
     llama3_rope: tuple[float, float, float, int] | None = None
+    # Sparse MoE (qwen3moe): experts stacked per layer as ffn_{gate,up,down}_exps
+    experts: int = 0
+    experts_used: int = 0
+    expert_intermediate: int = 0
+    head_dim_override: int = 0  # Qwen3's head_dim != hidden / heads
+    qk_norm: bool = False  # Qwen3's attn_q_norm / attn_k_norm
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim_override or self.hidden // self.heads
 
 
 # The published models' config.json values.
@@ -78,6 +84,15 @@ CONFIGS = {
     ),
     "qwen2.5-0.5b": ModelShape(
         "qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, 32768, 1e-6, True, qkv_bias=True
+    ),
+    # Qwen3-30B-A3B's layer (2048 wide, 32/4 heads of 128, 128 experts of 768, top 8) at 8 of
+    # its 48 layers: the whole model is ~61 GB at F16 and ~18 GB at Q4_K_M, past a 24 GiB box;
+    # 8 layers keep every per-token kernel shape (the expert step, attention, the LM head) and
+    # weigh ~11 GB at F16, ~3 GB at Q4_K_M.
+    "qwen3-30b-a3b-8l": ModelShape(
+        "qwen3moe", 2048, 8, 32, 4, 6144, 151936, 1000000.0, 40960, 1e-6, False,
+        experts=128, experts_used=8, expert_intermediate=768, head_dim_override=128,
+        qk_norm=True,
     ),
 }  # fmt: skip
 
@@ -110,18 +125,29 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
     """(llama.cpp name, numpy shape [out, in], kind) in llama.cpp's converter's order; kind:
     matrix (F16, random), norm (F32 ones), bias (F32 random), rope (F32 factors)."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    q = shape.heads * shape.head_dim
     yield "token_embd.weight", (shape.vocab, h), "matrix"
     if shape.llama3_rope:
         yield "rope_freqs.weight", (shape.head_dim // 2,), "rope"
     for i in range(shape.layers):
         b = f"blk.{i}."
         yield b + "attn_norm.weight", (h,), "norm"
-        for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
             yield b + name + ".weight", (rows, h), "matrix"
             if shape.qkv_bias:
                 yield b + name + ".bias", (rows,), "bias"
-        yield b + "attn_output.weight", (h, h), "matrix"
+        if shape.qk_norm:
+            yield b + "attn_q_norm.weight", (shape.head_dim,), "norm"
+            yield b + "attn_k_norm.weight", (shape.head_dim,), "norm"
+        yield b + "attn_output.weight", (h, q), "matrix"
         yield b + "ffn_norm.weight", (h,), "norm"
+        if shape.experts:
+            e, inter = shape.experts, shape.expert_intermediate
+            yield b + "ffn_gate_inp.weight", (e, h), "router"
+            yield b + "ffn_gate_exps.weight", (e, inter, h), "matrix"
+            yield b + "ffn_up_exps.weight", (e, inter, h), "matrix"
+            yield b + "ffn_down_exps.weight", (e, h, inter), "matrix"
+            continue
         yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_down.weight", (h, shape.intermediate), "matrix"
@@ -170,6 +196,13 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_dimension_count(shape.head_dim)
+    if shape.head_dim_override:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_intermediate)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_quantization_version(2)
@@ -177,10 +210,14 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
 
 
 def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
-    """A matrix (F16) or bias (F32) of N(0, STD) values, or a norm's ones (F32)."""
+    """A matrix (F16) or bias or router (F32: llama.cpp keeps routers F32) of N(0, STD)
+    values, or a norm's ones (F32). A stacked expert tensor [E, out, in] is drawn as
+    [E * out, in]."""
     if kind == "norm":
         return np.ones(shape, dtype=np.float32)
-    if kind == "bias":
+    if len(shape) == 3:
+        return draw(rng, (shape[0] * shape[1], shape[2]), kind).reshape(shape)
+    if kind in ("bias", "router"):
         return (rng.standard_normal(shape, dtype=np.float32) * STD).astype(np.float32)
     out = np.empty(shape, dtype=np.float16)
     scratch = np.empty((min(CHUNK_ROWS, shape[0]), shape[1]), dtype=np.float32)

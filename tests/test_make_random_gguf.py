@@ -99,3 +99,22 @@ def test_the_real_configs_have_the_published_sizes():
     assert 3.19e9 < params["llama-3.2-3b"] < 3.22e9
     assert 8.02e9 < params["llama-3.1-8b"] < 8.04e9
     assert 0.49e9 < params["qwen2.5-0.5b"] < 0.5e9
+
+
+def test_moe_config_writes_stacked_experts_the_engine_loads(tmp_path):
+    """The Qwen3-MoE shape (at a test's size): experts stacked per layer, F32 router, q/k
+    norms; our loader maps and loads every tensor."""
+    shape = dataclasses.replace(
+        small("qwen3-30b-a3b-8l"), experts=8, experts_used=2, expert_intermediate=64
+    )
+    path = make_random_gguf.write_random_gguf("moe", tmp_path / "moe.gguf", shape=shape, quiet=True)
+    types = {name: info.qtype for name, info in read_gguf(path).tensors.items()}
+    assert types["blk.0.ffn_gate_inp.weight"] == GGMLQuantizationType.F32
+    assert types["blk.1.ffn_down_exps.weight"] == GGMLQuantizationType.F16
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.num_experts, arch.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert (arch.head_dim, arch.moe_intermediate_size) == (128, 64)
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    down = model.layers[1].mlp.experts[7].down_proj.weight
+    assert down.shape == (128, 64) and 0.015 < down.std().item() < 0.025

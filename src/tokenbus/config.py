@@ -82,6 +82,12 @@ class ModelArch:
     # Dims of each head the rotary turns (the first ones; Phi-4-mini's partial_rotary_factor
     # 0.75); None: the whole head.
     rotary_dim: int | None = None
+    # Sparse MoE (model/moe.py); 0 experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's gate/up width
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -36,9 +36,12 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
     import torch  # metadata through this module, and its start-up is shorter without torch
 
 # general.architecture values we load
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", *GEMMA_GGUF_ARCHITECTURES)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", *GEMMA_GGUF_ARCHITECTURES)
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
 _PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
+# llama.cpp's MoE names: experts stacked per layer ([E, rows, cols]), split here into HF's
+# per-expert names (quantized experts stay blocks: each expert's rows are contiguous).
+_EXPERT_NAMES = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 # Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
 # them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
 # attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants); the float types are dequantized on load.
@@ -83,6 +86,7 @@ _BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_qkv": "self_attn.qkv_proj",  # phi3
@@ -142,8 +146,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     window = meta.get(f"{arch}.attention.sliding_window", 0)
     if arch == "phi3" and window:  # every layer's (0: none), as config.json's
         family["sliding_windows"] = (window,) * need("block_count")
+    moe = _moe_fields(gf, arch, need("block_count"))
     return ModelArch(
-        architecture=arch,
+        architecture=_our_architecture(arch, moe),
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden_size,
         intermediate_size=need("feed_forward_length"),
@@ -161,6 +166,44 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         eos_token_ids=_eos_token_ids(meta),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         **family,
+        **moe,
+    )
+
+
+def _our_architecture(gguf_arch: str, moe: dict) -> str:
+    """llama.cpp writes Mixtral as "llama" with experts; "qwen3moe" is our "qwen3_moe"."""
+    if gguf_arch == "qwen3moe":
+        return "qwen3_moe"
+    return "mixtral" if gguf_arch == "llama" and moe else gguf_arch
+
+
+def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
+    """ModelArch's MoE fields from `{arch}.expert_*` metadata ({} for a dense model). Layers
+    without a router tensor (ffn_gate_inp) are dense (Qwen3-MoE's mlp_only_layers); shared
+    experts (ffn_*_shexp) are refused, naming the tensor."""
+    meta = gf.metadata
+    num_experts = int(meta.get(f"{arch}.expert_count", 0))
+    if not num_experts:
+        if arch == "qwen3moe":
+            raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_count")
+        return {}
+    for name in gf.tensors:
+        if "_shexp" in name:
+            raise ValueError(f"{gf.path}: tensor {name}: shared experts are not supported")
+    if f"{arch}.expert_used_count" not in meta:
+        raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_used_count")
+    width_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+    if f"{arch}.{width_key}" not in meta:
+        raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.{width_key}")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
+        moe_intermediate_size=int(meta[f"{arch}.{width_key}"]),
+        # llama.cpp renormalises Mixtral's and Qwen3-MoE's top k unless told otherwise
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        dense_layers=tuple(
+            i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gf.tensors
+        ),
     )
 
 
@@ -280,7 +323,10 @@ def iter_gguf_weights(
     for info in gf.tensors.values():
         if info.name in _ROPE_TENSORS:
             continue
-        name = hf_weight_name(gf, info.name)
+        if info.name.split(".")[2:3] and info.name.split(".")[2] in _EXPERT_NAMES:
+            yield from _expert_weights(gf, info, arch, keep_quantized)
+            continue
+        name = _moe_scope(hf_weight_name(gf, info.name), arch)
         if keep_quantized and info.qtype in KERNEL_QTYPES and len(info.shape) == 2:
             # [rows, row bytes], a view of the file: its pages are read when a kernel repacks
             # them (then unmapped with the view) or runs on them, never copied at load, so peak
@@ -288,9 +334,10 @@ def iter_gguf_weights(
             tensor = torch.from_numpy(gf.tensor_bytes(info, writable=True))
         else:
             tensor = torch.from_numpy(_dequantize(gf, info))
-        if arch.architecture == "llama" and ".self_attn.q_proj." in name:
+        permuted = arch.architecture in ("llama", "mixtral")
+        if permuted and ".self_attn.q_proj." in name:
             tensor = unpermute_qk(tensor, arch.num_attention_heads)
-        elif arch.architecture == "llama" and ".self_attn.k_proj." in name:
+        elif permuted and ".self_attn.k_proj." in name:
             tensor = unpermute_qk(tensor, arch.num_key_value_heads)
         elif arch.architecture in GEMMA_GGUF_ARCHITECTURES and name.endswith("norm.weight"):
             tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF's w
@@ -303,6 +350,50 @@ def iter_gguf_weights(
                 else tensor
             ),
         )
+
+
+def _moe_scope(name: str, arch: ModelArch) -> str:
+    """Mixtral's HF names say block_sparse_moe where the dense ones say mlp."""
+    if arch.architecture == "mixtral":
+        return name.replace(".mlp.", ".block_sparse_moe.")
+    return name
+
+
+_HF_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def _expert_weights(
+    gf: GGUFFile, info: GGUFTensorInfo, arch: ModelArch, keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """blk.N.ffn_{gate,up,down}_exps [E, rows, cols] -> E per-expert HF tensors: views of the
+    stacked blocks (each expert's rows are contiguous) or of the dequantized array."""
+    import torch
+
+    _, layer, kind, suffix = info.name.split(".")
+    if arch.architecture not in _HF_EXPERT_NAMES or suffix != "weight" or len(info.shape) != 3:
+        raise ValueError(f"{gf.path}: unexpected GGUF tensor {info.name}")
+    if info.shape[0] != arch.num_experts:
+        raise ValueError(
+            f"{gf.path}: tensor {info.name} holds {info.shape[0]} experts, "
+            f"expert_count says {arch.num_experts}"
+        )
+    scope, names = _HF_EXPERT_NAMES[arch.architecture]
+    prefix = f"model.layers.{layer}.{scope}.experts."
+    hf_name = names[_EXPERT_NAMES[kind]]
+    if keep_quantized and info.qtype in KERNEL_QTYPES:
+        stacked = torch.from_numpy(gf.tensor_bytes(info, writable=True))  # [E, rows, row bytes]
+        for e in range(arch.num_experts):
+            yield (
+                f"{prefix}{e}.{hf_name}.weight",
+                QuantizedWeight(int(info.qtype), stacked[e], info.shape[2]),
+            )
+        return
+    stacked = torch.from_numpy(_dequantize(gf, info))  # [E, rows, cols] fp32
+    for e in range(arch.num_experts):
+        yield f"{prefix}{e}.{hf_name}.weight", stacked[e]
 
 
 def check_qtype(gf: GGUFFile, info: GGUFTensorInfo) -> None:

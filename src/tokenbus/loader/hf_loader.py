@@ -30,6 +30,8 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -105,8 +107,42 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         rotary_dim=rotary_dim,
         sliding_windows=sliding_windows,
+        **_moe_fields(config, architecture, path),
     )
     return dataclasses.replace(arch, **family) if family else arch
+
+
+def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[str, Any]:
+    """ModelArch's MoE fields (model/moe.py) of a Mixtral or Qwen3-MoE config; {} otherwise.
+    Fields we do not implement (shared experts) are refused, naming them."""
+    if architecture not in ("mixtral", "qwen3_moe"):
+        return {}
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if config.get(key):
+            raise ValueError(f"{path}: {key} (shared experts) is not supported for {architecture}")
+    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    top_k = config.get("num_experts_per_tok")
+    if not num_experts or not top_k:
+        raise ValueError(
+            f"{path}: an MoE config needs 'num_local_experts' and 'num_experts_per_tok'"
+        )
+    num_layers = int(config["num_hidden_layers"])
+    if architecture == "mixtral":
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=config["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    step = int(config.get("decoder_sparse_step") or 1)
+    only = set(config.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        dense_layers=tuple(i for i in range(num_layers) if i in only or (i + 1) % step),
+    )
 
 
 def _architecture(config: dict[str, Any], path: Path) -> str:
@@ -181,18 +217,22 @@ def _extended_context(
 def _sliding_windows(
     config: dict[str, Any], architecture: str, path: Path
 ) -> tuple[int | None, ...]:
-    """Each layer's window as transformers builds them: Mistral's and Phi-3's `sliding_window`
-    on every layer; Qwen2's / Qwen3's only with `use_sliding_window`, on the layers of `layer_types`
-    (or, in a 4.x config, from `max_window_layers` on); () where no layer has one."""
+    """Each layer's window as transformers builds them: Mistral's, Mixtral's and Phi-3's
+    `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's /
+    Qwen3's only with `use_sliding_window`, on the layers of `layer_types` (or, in a 4.x config,
+    from `max_window_layers` on); () where no layer has one."""
     window = config.get("sliding_window")
-    if architecture in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if architecture in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
         window = None
-    if architecture not in ("mistral", "phi3", "qwen2", "qwen3") or not window:
+    if (
+        architecture not in ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+        or not window
+    ):
         return ()
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
     num_layers = config.get("num_hidden_layers", 0)
-    if architecture in ("mistral", "phi3"):
+    if architecture in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return (window,) * num_layers
     types = config.get("layer_types")
     if types is None:

@@ -6,8 +6,10 @@ from torch import nn
 
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
+from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
+from tokenbus.model.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -24,6 +26,10 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from tokenbus.config import ModelArch
-from tokenbus.model.decoder import DecoderLayer
+from tokenbus.model.decoder import DecoderLayer, GatedMLP
 from tokenbus.model.layers.quantized import is_quantized
 from tokenbus.model.parallel import TensorParallel
 
@@ -28,8 +28,10 @@ def load_strictly(
     loaders: dict[str, WeightLoader],
     weights: Iterable[tuple[str, torch.Tensor]],
     arch: ModelArch,
+    optional: set[str] = frozenset(),
 ) -> None:
-    """Feed each (name, tensor) to its loader; unknown, repeated and missing names are errors."""
+    """Feed each (name, tensor) to its loader; unknown, repeated and missing names are errors
+    (names in `optional` may be missing: another rank's experts)."""
     loaded: set[str] = set()
     for name, tensor in weights:
         if name in loaded:
@@ -45,7 +47,7 @@ def load_strictly(
             )
         loader(name, tensor)
         loaded.add(name)
-    missing = sorted(set(loaders) - loaded)
+    missing = sorted(set(loaders) - loaded - optional)
     if missing:
         shown = ", ".join(missing[:8]) + (
             f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
@@ -57,7 +59,8 @@ def layer_loaders(
     prefix: str, layer: DecoderLayer, tp: TensorParallel, arch: ModelArch
 ) -> dict[str, WeightLoader]:
     """HF names of one decoder layer (`prefix` = "model.layers.N.") -> loaders: separate
-    q/k/v and gate/up tensors into the fused linears, this rank's slice of each."""
+    q/k/v and gate/up tensors into the fused linears, this rank's slice of each. A layer whose
+    mlp is not a GatedMLP (a sparse MoE block) gets its MLP's names from its family."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = [
         ("input_layernorm", layer.input_layernorm),
@@ -71,7 +74,6 @@ def layer_loaders(
     cut = TensorSlicer(tp, arch)
     q_rows = cut.head_rows(attn.num_heads * tp.rank, attn.num_heads)
     kv_rows = cut.head_rows(tp.kv_head_start(arch.num_key_value_heads), attn.num_kv_heads)
-    mlp_rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)
     # (linear, scope, [(HF name, weight slicer, bias slicer)]) per fused linear.
     fused = [
         (
@@ -84,9 +86,17 @@ def layer_loaders(
             ],
         ),
         (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),
-        (mlp.gate_up_proj, "mlp.", [("gate_proj", mlp_rows, None), ("up_proj", mlp_rows, None)]),
-        (mlp.down_proj, "mlp.", [("down_proj", cut.columns(mlp_rows), None)]),
     ]
+    if isinstance(mlp, GatedMLP):
+        mlp_rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)
+        fused += [
+            (
+                mlp.gate_up_proj,
+                "mlp.",
+                [("gate_proj", mlp_rows, None), ("up_proj", mlp_rows, None)],
+            ),
+            (mlp.down_proj, "mlp.", [("down_proj", cut.columns(mlp_rows), None)]),
+        ]
     for linear, scope, shards in fused:
         for shard, (name, weight_slice, bias_slice) in enumerate(shards):
             loaders[f"{prefix}{scope}{name}.weight"] = sliced(

@@ -1,0 +1,164 @@
+"""A sparse mixture-of-experts MLP (L2): Mixtral's and Qwen3-MoE's.
+
+Routing: a router linear (`gate`, [E, hidden]) gives each token E logits; softmax over all E
+in fp32, the top k kept, and (norm_topk_prob) renormalised to sum to 1. Mixtral's "softmax of
+the top-k logits" is the same numbers (the renormalised top-k of a softmax), so both families
+share this one rule, with norm_topk_prob always on for Mixtral.
+
+The expert step is fused over the batch: the T*k (token, expert) pairs are sorted by expert
+(a stable argsort), so each expert's tokens are one contiguous run; each active expert runs
+once on its gathered rows (gate_up -> silu*up -> down, through the linear kernels the kernel
+plan chose: packed oneDNN for dense weights, the GGUF blocks kept quantized otherwise), its
+rows are scaled by their routing weights and added back with one index_add_. The Python loop is
+over active experts (at most E), never over tokens, and experts run in ascending order, as HF's
+does, so the sums per token are taken in HF's order.
+
+Tensor parallelism is expert parallel: a rank holds whole experts [r*E/size, (r+1)*E/size)
+and the router whole; every rank routes every token, runs only its own experts, and one
+all-reduce sums the ranks' partial outputs (the same single all-reduce a dense MLP has).
+Whole experts keep each kernel call at the expert's full width (a slice of I/size columns would
+halve every call's work while keeping its fixed cost) and need no slicing of quantized blocks.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from tokenbus.config import ModelArch
+from tokenbus.model.causal_lm import CausalLM
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
+from tokenbus.model.layers import Linear, OpsModule
+from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.model.weights import WeightLoader, load_strictly
+
+# An expert's HF tensor names per family: (gate, up, down).
+EXPERT_NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP: gate and up as one linear [2I, hidden], down [hidden, I]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, (intermediate_size, intermediate_size))
+        self.down_proj = Linear(intermediate_size, (hidden_size,))
+
+
+class SparseMoeBlock(OpsModule):
+    """x [T, hidden] -> the routed experts' weighted sum [T, hidden]."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if arch.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {arch.hidden_act!r}")
+        if not 0 < arch.num_experts_per_tok <= arch.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={arch.num_experts}], "
+                f"got {arch.num_experts_per_tok}"
+            )
+        if arch.num_experts % tp.size:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size} does not divide the {arch.num_experts} experts "
+                "of this model (experts are split whole across ranks)"
+            )
+        self.tp = tp
+        self.num_experts = arch.num_experts
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        per_rank = arch.num_experts // tp.size
+        self.first_expert = tp.rank * per_rank  # this rank's experts: [first, first + per_rank)
+        self.gate = Linear(arch.hidden_size, (arch.num_experts,))  # the router, whole on every rank
+        self.experts = nn.ModuleList(
+            Expert(arch.hidden_size, arch.moe_intermediate_size) for _ in range(per_rank)
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) of each token."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), expert_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.route(x)
+        flat_ids = expert_ids.flatten()  # [T*k]: pair p is token p // k
+        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens ascending
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // self.top_k
+        pair_weights = weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = sum(counts[: self.first_expert])  # the pairs before this rank's experts
+        for local, expert in enumerate(self.experts):
+            count = counts[self.first_expert + local]
+            if count == 0:
+                continue
+            run = slice(start, start + count)
+            rows = token_of[run]
+            h = expert.down_proj(self.ops.silu_mul(expert.gate_up_proj(x[rows])))  # [n, hidden]
+            out.index_add_(0, rows, h * pair_weights[run].unsqueeze(-1))
+            start += count
+        return self.tp.all_reduce(out)
+
+    def weight_loaders(self, prefix: str, family: str) -> dict[str, WeightLoader]:
+        """HF names under `prefix` ("model.layers.N.mlp." or "...block_sparse_moe.") of the
+        router and this rank's experts (other ranks' experts are skipped: see skipped_names)."""
+        gate_name, up_name, down_name = EXPERT_NAMES[family]
+        loaders: dict[str, WeightLoader] = {f"{prefix}gate.weight": self.gate.load_shard}
+        for local, expert in enumerate(self.experts):
+            scope = f"{prefix}experts.{self.first_expert + local}."
+            loaders[f"{scope}{gate_name}.weight"] = partial(expert.gate_up_proj.load_shard, shard=0)
+            loaders[f"{scope}{up_name}.weight"] = partial(expert.gate_up_proj.load_shard, shard=1)
+            loaders[f"{scope}{down_name}.weight"] = expert.down_proj.load_shard
+        return loaders
+
+    def skipped_names(self, prefix: str, family: str) -> dict[str, WeightLoader]:
+        """Other ranks' experts: known names this rank drops (expert parallel)."""
+        mine = range(self.first_expert, self.first_expert + len(self.experts))
+        return {
+            f"{prefix}experts.{e}.{name}.weight": _skip
+            for e in range(self.num_experts)
+            if e not in mine
+            for name in EXPERT_NAMES[family]
+        }
+
+
+def _skip(name: str, tensor: object) -> None:
+    del name, tensor
+
+
+class MoECausalLM(CausalLM):
+    """A decoder whose MLPs are SparseMoeBlocks, except arch.dense_layers (a GatedMLP). A
+    subclass names its family (EXPERT_NAMES), the HF scope of its MoE block and its attention."""
+
+    family = ""
+    moe_scope = "mlp."
+
+    def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
+        raise NotImplementedError
+
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
+        idx = self._layers_made = getattr(self, "_layers_made", -1) + 1  # made in order
+        mlp = GatedMLP(arch, tp) if idx in arch.dense_layers else SparseMoeBlock(arch, tp)
+        return DecoderLayer(arch, self.make_attention(arch, tp), mlp)
+
+    def _weight_loaders(self) -> dict[str, WeightLoader]:
+        loaders = super()._weight_loaders()
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                prefix = f"model.layers.{idx}.{self.moe_scope}"
+                loaders.update(layer.mlp.skipped_names(prefix, self.family))
+                loaders.update(layer.mlp.weight_loaders(prefix, self.family))
+        return loaders
+
+    def load_weights(self, weights) -> None:
+        # Other ranks' experts are known names: fed to a no-op, and not required.
+        loaders = self._weight_loaders()
+        skipped = {name for name, loader in loaders.items() if loader is _skip}
+        load_strictly(loaders, weights, self.arch, optional=skipped)

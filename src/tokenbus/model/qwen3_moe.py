@@ -1,0 +1,20 @@
+"""Qwen3-MoE: Qwen3's attention (q/k RMSNorm per head, head_dim from the config) and a sparse
+MoE block (model/moe.py) as the MLP of every layer except `mlp_only_layers` and those off the
+`decoder_sparse_step` (those keep a dense gated MLP: arch.dense_layers). Routing: softmax over
+all experts, top k, renormalised iff `norm_topk_prob`. No shared experts in this family."""
+
+from __future__ import annotations
+
+from tokenbus.config import ModelArch
+from tokenbus.model.decoder import Attention
+from tokenbus.model.moe import MoECausalLM
+from tokenbus.model.parallel import TensorParallel
+
+
+class Qwen3MoeForCausalLM(MoECausalLM):
+    family = "qwen3_moe"
+    moe_scope = "mlp."
+
+    def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
+        bias = arch.attention_bias
+        return Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=True)

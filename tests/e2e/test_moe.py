@@ -1,0 +1,148 @@
+"""Sparse MoE (Qwen3-MoE, Mixtral) end to end against HF transformers, fp32 on CPU: tiny random
+models (8 and 4 experts, top 2; a Qwen3-MoE dense layer via mlp_only_layers) from safetensors and
+from a GGUF in llama.cpp's naming (experts stacked per layer as ffn_*_exps) give HF's greedy
+tokens, with logprobs within tolerance, through prefix-cache hits, chunked prefill, preemption
+and two expert-parallel ranks; a Q8_0 GGUF whose experts stay quantized gives the tokens of the
+same file dequantized at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy, load_hf
+from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tokenbus import SamplingParams
+
+MAX_TOKENS = 10
+LOGPROB_ATOL = 2e-3
+ENGINE = dict(kv_cache_dtype="float32")
+CONFIGS = {
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        head_dim=32,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hf_dir(family):
+    return cached_tiny_model(family, **CONFIGS[family])
+
+
+@pytest.fixture(scope="module")
+def gguf_file(hf_dir, family, tmp_path_factory):
+    return write_gguf(hf_dir, tmp_path_factory.mktemp(family) / "tiny-f32.gguf", "F32")
+
+
+@pytest.fixture(params=["safetensors", "gguf"])
+def model_path(request, hf_dir, gguf_file):
+    return hf_dir if request.param == "safetensors" else gguf_file
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    prefix = random_prompts(1, 40, 40, seed=31)[0]  # 2 full blocks + 8 tokens, shared
+    return random_prompts(3, 1, 50, seed=32) + [prefix + t for t in random_prompts(3, 1, 20, 33)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir, prompts):
+    hf = load_hf(str(hf_dir))
+    result = []
+    for prompt in prompts:
+        tokens = hf_greedy(hf, prompt, MAX_TOKENS)
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
+        rows = logits[len(prompt) - 1 : -1].log_softmax(-1)
+        result.append((tokens, rows[torch.arange(len(tokens)), tokens].tolist()))
+    return result
+
+
+def generate(llm, prompts, logprobs=1):
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=logprobs
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [out.outputs[0] for out in outputs]
+
+
+def assert_matches_hf(outputs, reference) -> None:
+    for out, (tokens, logprobs) in zip(outputs, reference):
+        assert out.token_ids == tokens
+        ours = [position[token].logprob for position, token in zip(out.logprobs, tokens)]
+        assert ours == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+def test_arch_reads_the_experts(model_path, family):
+    from tokenbus.loader import load_arch, resolve_model
+
+    arch = load_arch(resolve_model(str(model_path)))
+    config = CONFIGS[family]
+    assert arch.architecture == family
+    assert arch.num_experts == config.get("num_experts", config.get("num_local_experts"))
+    assert arch.num_experts_per_tok == 2 and arch.norm_topk_prob
+    assert arch.dense_layers == ((1,) if family == "qwen3_moe" else ())
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_batch_with_shared_prefixes(model_path, prompts, hf_reference, caching):
+    llm = make_llm(model_path, enable_prefix_caching=caching, **ENGINE)
+    assert not llm.engine.client.engine_core.executor.worker.model.decodes_in_c
+    assert_matches_hf(generate(llm, prompts), hf_reference)
+    assert llm.engine.stats_totals["prefix_cache_hits"] == (2 * 32 if caching else 0)
+    assert_engine_clean(llm)
+
+
+def test_tiny_token_budget_forces_chunking(model_path, prompts, hf_reference):
+    llm = make_llm(model_path, max_num_batched_tokens=16, long_prefill_token_threshold=8, **ENGINE)
+    assert_matches_hf(generate(llm, prompts), hf_reference)
+    assert_engine_clean(llm)
+
+
+def test_small_kv_pool_forces_preemptions(model_path, prompts, hf_reference):
+    llm = make_llm(model_path, num_kv_blocks=8, max_model_len=96, **ENGINE)
+    assert_matches_hf(generate(llm, prompts), hf_reference)
+    assert llm.engine.stats_totals["num_preemptions"] > 0
+    assert_engine_clean(llm)
+
+
+@pytest.mark.slow
+def test_two_expert_parallel_ranks(model_path, prompts, hf_reference):
+    """Each rank holds half the experts and routes every token; one all-reduce joins them."""
+    llm = make_llm(model_path, tensor_parallel_size=2, **ENGINE)
+    try:
+        outputs = generate(llm, prompts[:3], logprobs=5)
+        for out, (tokens, _) in zip(outputs, hf_reference[:3]):
+            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_experts_match_the_dequantized_file(hf_dir, prompts, tmp_path, qtype):
+    """Experts kept in their GGUF blocks (per-expert views of the stacked tensor, fp32
+    activations) give the tokens of the same file dequantized to fp32 at load."""
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{qtype}.gguf", qtype)
+    results = {}
+    for quantization in ("gguf", "none"):
+        llm = make_llm(path, quantization=quantization, quant_activations="fp32", **ENGINE)
+        model = llm.engine.client.engine_core.executor.worker.model
+        assert (model.quant_kernels is not None) == (quantization == "gguf")
+        results[quantization] = generate(llm, prompts, logprobs=5)
+        assert_engine_clean(llm)
+    for ours, dense in zip(results["gguf"], results["none"]):
+        assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)

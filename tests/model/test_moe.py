@@ -1,0 +1,140 @@
+"""Sparse MoE: routing against HF's block, llama.cpp's stacked expert tensors mapped to HF's
+per-expert names (blocks kept as views), and refusals that name the field or tensor."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tests.fixtures.tiny_models import cached_tiny_model, stack_experts, write_gguf
+
+from tokenbus.loader import iter_weights, load_arch, resolve_model
+from tokenbus.loader.gguf_loader import QuantizedWeight
+from tokenbus.model.moe import SparseMoeBlock
+from tokenbus.model.parallel import TensorParallel
+
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_block_matches_hf_sparse_moe_block(norm_topk_prob):
+    """Our routing (softmax, top k, optional renormalisation) and grouped expert step equal
+    HF's Qwen3MoeSparseMoeBlock on the same weights, in fp32."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(
+        hidden_size=64, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        norm_topk_prob=norm_topk_prob,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape) / param.shape[-1] ** 0.5)
+    hf_dir = cached_tiny_model("qwen3_moe", **QWEN3_MOE)
+    arch = dataclasses.replace(
+        load_arch(resolve_model(str(hf_dir))), num_experts_per_tok=3, norm_topk_prob=norm_topk_prob
+    )
+    ours = SparseMoeBlock(arch)
+    inter = config.moe_intermediate_size
+    named = {"mlp.gate.weight": hf.gate.weight}
+    for e in range(8):
+        gate_up, down = hf.experts.gate_up_proj[e], hf.experts.down_proj[e]
+        named[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[:inter]
+        named[f"mlp.experts.{e}.up_proj.weight"] = gate_up[inter:]
+        named[f"mlp.experts.{e}.down_proj.weight"] = down
+    loaders = ours.weight_loaders("mlp.", "qwen3_moe")
+    assert set(loaders) == set(named)
+    for name, tensor in named.items():
+        loaders[name](name, tensor.detach())
+    x = torch.randn(37, 64)
+    with torch.no_grad():
+        want = hf(x.unsqueeze(0))[0]
+        torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_stacked_gguf_experts_map_to_hf_names(tmp_path, family):
+    """llama.cpp's blk.N.ffn_{gate,up,down}_exps [E, out, in] become E per-expert HF tensors:
+    F32 equal to the safetensors ones; Q8_0 kept as views of the stacked blocks."""
+    config = QWEN3_MOE if family == "qwen3_moe" else dict(num_local_experts=4)
+    hf_dir = cached_tiny_model(family, **config)
+    hf = load_file(str(hf_dir / "model.safetensors"))
+    src = resolve_model(str(write_gguf(hf_dir, tmp_path / "f32.gguf", with_tokenizer=False)))
+    arch = load_arch(src)
+    ours = dict(iter_weights(src, arch))
+    assert set(ours) == set(hf)
+    for name in [n for n in hf if ".experts." in n or n.endswith(".gate.weight")]:
+        torch.testing.assert_close(ours[name], hf[name], atol=0, rtol=0)
+    src = resolve_model(str(write_gguf(hf_dir, tmp_path / "q8.gguf", "Q8_0", False)))
+    quantized = dict(iter_weights(src, arch, keep_quantized=True))
+    scope = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    first, second = (f"model.layers.0.{scope}.experts.{e}." for e in (0, 1))
+    w = "gate_proj" if family == "qwen3_moe" else "w1"
+    a, b = quantized[f"{first}{w}.weight"], quantized[f"{second}{w}.weight"]
+    assert isinstance(a, QuantizedWeight) and a.qtype == gguf.GGMLQuantizationType.Q8_0
+    # one stacked mapping: expert 1's rows follow expert 0's
+    assert b.data.data_ptr() == a.data.data_ptr() + a.data.numel()
+
+
+def test_stack_experts_is_llama_cpps_layout():
+    hf = load_file(str(cached_tiny_model("qwen3_moe", **QWEN3_MOE) / "model.safetensors"))
+    stacked = stack_experts(hf)["model.layers.0.ffn_down_exps.weight"]
+    assert stacked.shape == (8, 64, 32)
+    torch.testing.assert_close(stacked[3], hf["model.layers.0.mlp.experts.3.down_proj.weight"])
+
+
+def test_shared_experts_config_is_refused_by_name(tmp_path):
+    hf_dir = shutil.copytree(cached_tiny_model("qwen3_moe", **QWEN3_MOE), tmp_path / "m")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(
+        json.dumps({**config, "shared_expert_intermediate_size": 64})
+    )
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        load_arch(resolve_model(str(hf_dir)))
+
+
+def test_gguf_shared_expert_tensor_and_missing_metadata_are_named(tmp_path):
+    from tests.fixtures.tiny_models import _write_metadata
+
+    config = json.loads((cached_tiny_model("qwen3_moe", **QWEN3_MOE) / "config.json").read_text())
+
+    def write(path, used_count: bool, extra: str | None):
+        writer = gguf.GGUFWriter(str(path), "qwen3moe")
+        _write_metadata(writer, config)
+        writer.add_expert_count(8)
+        writer.add_expert_feed_forward_length(32)
+        if used_count:
+            writer.add_expert_used_count(2)
+        writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+        if extra:
+            writer.add_tensor(extra, np.zeros((4, 64), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return resolve_model(str(path))
+
+    with pytest.raises(ValueError, match="blk.0.ffn_gate_shexp.weight: shared experts"):
+        load_arch(write(tmp_path / "a.gguf", True, "blk.0.ffn_gate_shexp.weight"))
+    with pytest.raises(ValueError, match="qwen3moe.expert_used_count"):
+        load_arch(write(tmp_path / "b.gguf", False, None))
+
+
+def test_expert_parallel_split_must_divide_the_experts():
+    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **QWEN3_MOE))))
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 8 experts"):
+        SparseMoeBlock(arch, TensorParallel(rank=0, size=3))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        SparseMoeBlock(dataclasses.replace(arch, num_experts_per_tok=9))
+    half = SparseMoeBlock(arch, TensorParallel(rank=1, size=2))
+    assert (half.first_expert, len(half.experts)) == (4, 4)
+    assert "mlp.experts.4.up_proj.weight" in half.weight_loaders("mlp.", "qwen3_moe")
+    assert "mlp.experts.0.up_proj.weight" in half.skipped_names("mlp.", "qwen3_moe")
