@@ -24,6 +24,7 @@ from tokenbus.protocol import XraySnapshot
 
 WATCH_SECONDS = 5.0  # how long one renewal keeps the engines snapshotting
 KEEPALIVE_SECONDS = 10.0
+FRESH_SNAPSHOT_WAIT_S = 0.5  # a new viewer's wait for a snapshot newer than the hub's
 
 
 class XraySource(Protocol):
@@ -72,7 +73,12 @@ async def _events(request: Request, engine: XraySource, model: str):
     (ASGI back-pressure), and always sends the newest snapshots: a slow reader skips some."""
     loop = asyncio.get_running_loop()
     hub = engine.xray_hub
-    version, renew_at, quiet_since = -1, 0.0, loop.time()
+    # The hub holds what the engines sent while last watched, maybe long ago: a new viewer
+    # waits briefly for a snapshot taken under this watch, and is sent the old one only when
+    # none comes (an idle engine takes no step to snapshot).
+    await engine.xray_watch(WATCH_SECONDS)
+    await hub.wait_newer(hub.version, timeout=FRESH_SNAPSHOT_WAIT_S)
+    version, renew_at, quiet_since = -1, loop.time() + WATCH_SECONDS / 2, loop.time()
     while not await request.is_disconnected():
         now = loop.time()
         if now >= renew_at:
