@@ -17,6 +17,7 @@ import psutil
 
 from tests.fixtures.engine import fake_engine_core, make_fake_setup
 from tests.fixtures.server import ServerProcess, metric_value
+from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus.engine.mp_client import SyncMPClient
 
 NUM_STORM_REQUESTS = 100
@@ -158,11 +159,14 @@ def test_overflow_then_engine_death(tiny_llama_dir, tmp_path):
         server.close()
 
 
-def test_burst_503s_carry_a_retry_after_that_grows_with_the_queue(tiny_llama_dir, tmp_path):
+def test_burst_503s_carry_a_retry_after_that_grows_with_the_queue(tmp_path):
     # 4 run, 4 may wait. Nothing finishes during the test: Retry-After comes from the engine's
-    # throughput and the sequences' budgets, not from a finish rate.
+    # throughput and the sequences' budgets, not from a finish rate. Budgets of 2000 tokens (a
+    # tiny model with room for them): on a fast machine 500 could all be decoded before the
+    # second probe.
+    model = cached_tiny_model("llama", max_position_embeddings=2048)
     server = ServerProcess(
-        str(tiny_llama_dir), "--max-num-seqs", "4", "--max-waiting-requests", "4", log_dir=tmp_path
+        str(model), "--max-num-seqs", "4", "--max-waiting-requests", "4", log_dir=tmp_path
     )
     try:
 
@@ -186,13 +190,13 @@ def test_burst_503s_carry_a_retry_after_that_grows_with_the_queue(tiny_llama_dir
 
 
 def _start_stream(url: str, n: int) -> tuple[list, threading.Event]:
-    """A stream of n sequences of 500 tokens in a thread: its events, and an event set once
+    """A stream of n sequences of 2000 tokens in a thread: its events, and an event set once
     data comes."""
     events, started = [], threading.Event()
 
     def run() -> None:
         try:
-            payload = long_request(500, n=n)
+            payload = long_request(2000, n=n)
             with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
