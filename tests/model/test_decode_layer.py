@@ -49,6 +49,10 @@ def test_fused_ops_equal_torch(rows):
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+def q4_k_m_mix(name: str) -> str:
+    return "Q6_K" if "attn_v" in name or "ffn_up" in name else "Q4_K"
+
+
 def _model(tmp_path, arch: str, qtype: str, **kwargs):
     overrides = dict(hidden_size=256, intermediate_size=512)
     path = write_gguf(
@@ -113,6 +117,8 @@ def _steps(
         ("llama", "Q6_K", "int8", torch.float32),
         ("qwen3", "Q8_0", "auto", torch.float32),  # qwen3: q/k norms in C, head_dim 128
         ("qwen3", "Q4_0", "int8", torch.uint8),
+        # a mix as Q4_K_M's: q/k/v and gate/up each shards of two types (Q4_K, Q6_K)
+        ("llama", q4_k_m_mix, "auto", torch.float32),
     ],
 )  # --kv-cache-dtype float16 (the default on GGUF blocks), fp8_e4m3, fp8_e5m2, q8_0: written
 # in C by decode_layer.c, in torch by the layer-by-layer path (kv_quant.h / kv_quant.py)
@@ -150,3 +156,32 @@ def test_decoder_layer_in_c_only_where_it_applies(tmp_path, case):
     else:
         model = _model(tmp_path, "llama", "Q4_1", quantization="gguf", dtype=torch.bfloat16)
     assert not model.decodes_in_c
+
+
+@pytest.mark.parametrize(
+    "family, qtype, config",
+    [
+        ("qwen3_moe", "Q8_0", dict(num_experts=8, num_experts_per_tok=2, head_dim=64)),
+        ("qwen3_moe", "Q4_K", dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)),
+        ("mixtral", "Q4_0", dict(num_local_experts=4, num_experts_per_tok=2)),
+    ],
+)
+def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype, config):
+    """An MoE layer in C: the router on the same dense_rows.c panels (so the same experts), the
+    routing weights by C's expf instead of torch's softmax (so equal to float rounding)."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    sizes = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256)
+    hf_dir = cached_tiny_model(family, **sizes, **config)
+    path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", qtype, with_tokenizer=False)
+    src = resolve_model(str(path))
+    model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
+    layers = model.kernels.decode_layers
+    assert layers is not None and model.decodes_in_c
+    calls, run_all = [], layers.run_all
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    want = _steps(model, False)
+    for got, expected in zip(_steps(model, True), want):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert calls == [model.num_layers] * 5  # every step is decode-sized: all in C

@@ -61,7 +61,8 @@ def _structs() -> dict[str, list[tuple[str, str]]]:
 
 def test_header_is_parsed():
     """The parser sees what the header holds (a guard against a regex that matches nothing)."""
-    assert len(_prototypes()) >= 20 and set(_structs()) == {"kernels", "linear", "layer", "step"}
+    structs = {"kernels", "shard", "linear", "moe", "layer", "step"}
+    assert len(_prototypes()) >= 20 and set(_structs()) == structs
 
 
 def test_signature_table_matches_header():
@@ -82,7 +83,9 @@ def test_every_exported_function_is_declared():
 _CTYPE_LETTERS = {ctypes.c_void_p: "p", ctypes.c_int64: "l", ctypes.c_float: "f", ctypes.c_int: "i"}
 _STRUCTS = {
     "kernels": decode_layer._Kernels,
+    "shard": decode_layer._Shard,
     "linear": decode_layer._Linear,
+    "moe": decode_layer._Moe,
     "layer": decode_layer._Layer,
     "step": decode_layer._Step,
 }
@@ -92,7 +95,10 @@ _STRUCTS = {
 def test_ctypes_structs_match_header(name):
     c_names = {cls: c for c, cls in _STRUCTS.items()}
     fields = [
-        (field, _CTYPE_LETTERS.get(kind) or c_names[kind])
+        (
+            field,
+            "p" if issubclass(kind, ctypes._Pointer) else _CTYPE_LETTERS.get(kind) or c_names[kind],
+        )
         for field, kind in _STRUCTS[name]._fields_
     ]
     assert fields == _structs()[name]

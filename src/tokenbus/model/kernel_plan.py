@@ -52,6 +52,7 @@ from tokenbus.model.layers.quantized import (
     kernel_weight,
 )
 from tokenbus.model.lora import LoRABatch
+from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.model.native import (
     TILE_GEMV_MAX_ROWS,
     NativeBuildError,
@@ -64,7 +65,10 @@ from tokenbus.model.native.decode_layer import (
     DecodeLayers,
     LayerWeights,
     LinearWeights,
+    MoeWeights,
+    ShardWeights,
 )
+from tokenbus.model.native.dense_rows import RowInvariantLinear
 from tokenbus.utils.cpu import CpuFeatures
 
 logger = logging.getLogger(__name__)
@@ -330,7 +334,8 @@ def quant_activation_modes(
 def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
     """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
     ops and the native attention kernel, every linear one tiled GGUF shard, no TP, every layer
-    made of the shared parts alone, the rotary over whole heads, none with a sliding window."""
+    made of the shared parts alone (a dense or an MoE MLP), the rotary over whole heads, none
+    with a sliding window."""
     kernel = plan.attention.kernel
     if (
         kernel is None
@@ -356,18 +361,24 @@ def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | No
 # (model/gemma.py: post-norms, GeGLU, fp32 norms, soft-capped scores) are not among them and
 # run op by op.
 _C_PARTS = (DecoderLayer, Attention, GatedMLP)
+_C_MOE_PARTS = (DecoderLayer, Attention, SparseMoeBlock)
 
 
 def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     """A decoder layer as decode_layer.c reads it, or None where it cannot run there."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if tuple(type(part) for part in (layer, attn, mlp)) != _C_PARTS:
+    parts = tuple(type(part) for part in (layer, attn, mlp))
+    if parts == _C_MOE_PARTS:
+        moe = _moe_weights(mlp)
+        if moe is None:
+            return None
+        mlp_linears = [None, None]
+    elif parts == _C_PARTS:
+        moe, mlp_linears = None, [_tiled_linear(mlp.gate_up_proj), _tiled_linear(mlp.down_proj)]
+    else:
         return None
-    linears = [
-        _tiled_linear(linear)
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    ]
-    if None in linears:
+    linears = [_tiled_linear(attn.qkv_proj), _tiled_linear(attn.o_proj), *mlp_linears]
+    if None in linears[:2] or (moe is None and None in linears):
         return None
     return LayerWeights(
         *linears,
@@ -380,17 +391,27 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         attn.head_dim,
         None if attn.q_norm is None else attn.q_norm.weight,
         None if attn.k_norm is None else attn.k_norm.weight,
+        moe,
     )
 
 
-def _tiled_linear(linear: Linear) -> LinearWeights | None:
-    """A linear as decode_layer.c runs it (one tiled GGUF shard), or None."""
-    kernel = linear.kernel
-    if (
-        not isinstance(kernel, QuantizedLinearKernel)
-        or len(kernel.shards) != 1
-        or not kernel.shards[0].tiled
-    ):
+def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
+    """An MoE MLP as decode_layer.c runs it: the router on dense_rows.c's panels, every expert's
+    two linears one tiled shard each, all experts on this rank (no expert parallelism); or None."""
+    router = block.gate.kernel
+    if not isinstance(router, RowInvariantLinear) or router.bias is not None or block.tp.enabled:
         return None
-    shard = kernel.shards[0]
-    return LinearWeights(shard.qtype, shard.data, shard.rows, shard.cols, linear.bias, linear.lora)
+    gate_up = [_tiled_linear(expert.gate_up_proj) for expert in block.experts]
+    down = [_tiled_linear(expert.down_proj) for expert in block.experts]
+    if None in gate_up or None in down:
+        return None
+    return MoeWeights(router.panels, gate_up, down, block.top_k, block.norm_topk_prob)
+
+
+def _tiled_linear(linear: Linear) -> LinearWeights | None:
+    """A linear as decode_layer.c runs it (every GGUF shard tiled), or None."""
+    kernel = linear.kernel
+    if not isinstance(kernel, QuantizedLinearKernel) or not all(s.tiled for s in kernel.shards):
+        return None
+    shards = [ShardWeights(s.qtype, s.data, s.rows) for s in kernel.shards]
+    return LinearWeights(shards, kernel.shards[0].cols, linear.bias, linear.lora)

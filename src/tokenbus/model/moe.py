@@ -11,7 +11,8 @@ once on its gathered rows (gate_up -> silu*up -> down, through the linear kernel
 plan chose: packed oneDNN for dense weights, the GGUF blocks kept quantized otherwise), its
 rows are scaled by their routing weights and added back with one index_add_. The Python loop is
 over active experts (at most E), never over tokens, and experts run in ascending order, as HF's
-does, so the sums per token are taken in HF's order.
+does, so the sums per token are taken in HF's order. A decode-sized step on CPU runs the
+same pipeline in C inside its layer (native/decode_layer.c, moe_mlp), where the plan allows.
 
 Tensor parallelism is expert parallel: a rank holds whole experts [r*E/size, (r+1)*E/size)
 and the router whole; every rank routes every token, runs only its own experts, and one
@@ -28,11 +29,9 @@ import torch
 from torch import nn
 
 from tokenbus.config import ModelArch
-from tokenbus.model.causal_lm import CausalLM
-from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
 from tokenbus.model.layers import Linear, OpsModule
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.weights import WeightLoader, load_strictly
+from tokenbus.model.weights import WeightLoader
 
 # An expert's HF tensor names per family: (gate, up, down).
 EXPERT_NAMES = {
@@ -73,7 +72,9 @@ class SparseMoeBlock(OpsModule):
         self.norm_topk_prob = arch.norm_topk_prob
         per_rank = arch.num_experts // tp.size
         self.first_expert = tp.rank * per_rank  # this rank's experts: [first, first + per_rank)
-        self.gate = Linear(arch.hidden_size, (arch.num_experts,))  # the router, whole on every rank
+        # The router, whole on every rank. Row-invariant: a token's experts never depend on
+        # which other tokens share its step (and decode_layer.c reads the same panels).
+        self.gate = Linear(arch.hidden_size, (arch.num_experts,), row_invariant=True)
         self.experts = nn.ModuleList(
             Expert(arch.hidden_size, arch.moe_intermediate_size) for _ in range(per_rank)
         )
@@ -122,43 +123,12 @@ class SparseMoeBlock(OpsModule):
         """Other ranks' experts: known names this rank drops (expert parallel)."""
         mine = range(self.first_expert, self.first_expert + len(self.experts))
         return {
-            f"{prefix}experts.{e}.{name}.weight": _skip
+            f"{prefix}experts.{e}.{name}.weight": skip_weight
             for e in range(self.num_experts)
             if e not in mine
             for name in EXPERT_NAMES[family]
         }
 
 
-def _skip(name: str, tensor: object) -> None:
+def skip_weight(name: str, tensor: object) -> None:
     del name, tensor
-
-
-class MoECausalLM(CausalLM):
-    """A decoder whose MLPs are SparseMoeBlocks, except arch.dense_layers (a GatedMLP). A
-    subclass names its family (EXPERT_NAMES), the HF scope of its MoE block and its attention."""
-
-    family = ""
-    moe_scope = "mlp."
-
-    def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
-        raise NotImplementedError
-
-    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
-        idx = self._layers_made = getattr(self, "_layers_made", -1) + 1  # made in order
-        mlp = GatedMLP(arch, tp) if idx in arch.dense_layers else SparseMoeBlock(arch, tp)
-        return DecoderLayer(arch, self.make_attention(arch, tp), mlp)
-
-    def _weight_loaders(self) -> dict[str, WeightLoader]:
-        loaders = super()._weight_loaders()
-        for idx, layer in enumerate(self.layers):
-            if isinstance(layer.mlp, SparseMoeBlock):
-                prefix = f"model.layers.{idx}.{self.moe_scope}"
-                loaders.update(layer.mlp.skipped_names(prefix, self.family))
-                loaders.update(layer.mlp.weight_loaders(prefix, self.family))
-        return loaders
-
-    def load_weights(self, weights) -> None:
-        # Other ranks' experts are known names: fed to a no-op, and not required.
-        loaders = self._weight_loaders()
-        skipped = {name for name, loader in loaders.items() if loader is _skip}
-        load_strictly(loaders, weights, self.arch, optional=skipped)

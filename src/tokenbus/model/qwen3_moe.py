@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tokenbus.config import ModelArch
 from tokenbus.model.decoder import Attention
-from tokenbus.model.moe import MoECausalLM
+from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
 
 

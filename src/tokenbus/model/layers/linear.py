@@ -87,9 +87,9 @@ def make_linear_kernel(
     if chosen == "dense":
         return lambda x: F.linear(x, weight, bias)
     if chosen == "rows":
-        from tokenbus.model.native.dense_rows import row_invariant_linear
+        from tokenbus.model.native.dense_rows import RowInvariantLinear
 
-        return row_invariant_linear(weight, bias)
+        return RowInvariantLinear(weight, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # opaque blocked layout
     packed_bias = None if bias is None else bias.detach()
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, packed_bias, "none", [], "")
@@ -102,8 +102,18 @@ class Linear(nn.Module):
     layer runs `F.linear`; afterwards it runs the kernel chosen for its device and dtype.
     """
 
-    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: Sequence[int],
+        bias: bool = False,
+        row_invariant: bool = False,
+    ) -> None:
         super().__init__()
+        # row_invariant: each row's output must not depend on the other rows (an MoE router,
+        # whose logits choose experts): on CPU in fp32 it runs on dense_rows.c, whatever
+        # backend the engine asked for, and its GGUF blocks (if any) are dequantized for it.
+        self.row_invariant = row_invariant
         self.in_features = in_features
         self.out_sizes = tuple(out_sizes)
         self.out_features = sum(self.out_sizes)
@@ -166,7 +176,10 @@ class Linear(nn.Module):
         quantized (and the dense weight is released); a mix is dequantized into the weight."""
         if self.backend == "gguf" and self._kernel is not None and not self.quantized:
             return  # already on its blocks (the loaded shards were handed to the kernel)
-        if self.quantized and len(self.quantized) == len(self.out_sizes):
+        rows_here = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
+        if self.row_invariant and rows_here:
+            backend = "rows"
+        elif self.quantized and len(self.quantized) == len(self.out_sizes):
             shards = [self.quantized[i] for i in range(len(self.out_sizes))]
             self.backend = "gguf"
             self._kernel = QuantizedLinearKernel(quant_kernels, shards, self.bias, dequant_buffer)

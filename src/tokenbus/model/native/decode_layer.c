@@ -1,4 +1,4 @@
-/* One Llama-family decoder layer of a decode-sized step in one C call (tokenbus, model/native).
+/* One Llama-family decoder layer (dense or MoE) of a decode-sized step in one C call (tokenbus, model/native).
 
    At one stream the ~40 torch ops and ctypes calls around a layer's arithmetic cost about as
    much again in dispatch (benchmarks/decode_profile.py --layer-by-layer shows it). Here the
@@ -6,7 +6,7 @@
    objects (quant_tiles.c, paged_attention.c, fused_ops.c), with no Python in between:
 
      h, residual = add_rms_norm(x, residual) * input_norm
-     qkv         = h @ Wqkv.T (+ bias)                  tiled Q8_0/Q4_0/Q4_1; x fp32, int16, int8, bf16
+     qkv         = h @ Wqkv.T (+ bias)                  GGUF tiles, a shard per type; x fp32, int16, int8, bf16
      q, k        each head RMS-normed over its D values, where the layer has q_norm / k_norm (Qwen3)
      q, k        rotated in place (rotate-half)
      K, V        written to the cache at the step's slots (fp32, or rounded to fp16, fp8 or q8_0:
@@ -14,16 +14,19 @@
      attn        = paged attention of q over the cache (each request's rows)
      o           = attn @ Wo.T (+ bias)
      h, residual = add_rms_norm(o, residual) * post_norm
-     x_out       = silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T
+     x_out       = silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T, or a sparse MoE MLP of h (moe_mlp:
+                   the router's top k experts of each token, each expert once over its tokens)
 
    Each linear adds its LoRA side path for rows with an adapter (lora_add). Without adapters,
    exactly what decoder.DecoderLayer.forward computes on the same kernels (the eager path with
    the native attention backend): the same results, bit for bit (with them, the side path sums
-   in another order than torch's GEMMs). The caller checks the
-   preconditions (fp32, one tiled shard per linear, only the native attention in the plan).
+   in another order than torch's GEMMs; an MoE's routing weights differ by float rounding: expf
+   here, torch's softmax there). The caller checks the preconditions (fp32, every linear's
+   shards tiled, only the native attention in the plan).
    x_out may alias x, residual_out may alias residual (both are read before they are written,
    element by element). */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,9 +97,12 @@ static int lora_add(const linear *l, const float *x, int64_t T, float *y, const 
 }
 
 static int run_linear(const kernels *k, const linear *l, const float *x, int64_t T, float *y, const step *s) {
-    const int status = k->matmul((int)l->qtype, l->tiles, l->rows, l->cols, x, T, l->cols, y, l->rows,
-                                 (int)s->activations, (int)s->num_threads);
-    if (status) return status;
+    for (int64_t i = 0, first = 0; i < l->num_shards; first += l->shards[i++].rows) {
+        const shard *part = &l->shards[i];
+        const int status = k->matmul((int)part->qtype, part->tiles, part->rows, l->cols, x, T, l->cols, y + first,
+                                     l->rows, (int)s->activations, (int)s->num_threads);
+        if (status) return status;
+    }
     if (l->bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t n = 0; n < l->rows; n++) y[t * l->rows + n] += l->bias[n];
@@ -115,6 +121,78 @@ static void head_norms(const kernels *k, const layer *w, float *qkv, int64_t T, 
         k->add_rms_norm(q, D, NULL, 0, scratch, w->q_norm, q, hq, D, w->eps, threads);
         k->add_rms_norm(key, D, NULL, 0, scratch, w->k_norm, key, hkv, D, w->eps, threads);
     }
+}
+
+/* Token t's routing from its E logits: its top k experts, most probable first (ties to the lower
+   index), and their weights: the softmax over all E, then (norm_topk_prob) each divided by the k
+   kept ones' sum, as SparseMoeBlock.route computes them. */
+static void route_token(const float *logits, int64_t E, int64_t K, int64_t norm, int64_t *experts,
+                        float *weights) {
+    float max = logits[0], sum = 0.f, kept = 0.f;
+    for (int64_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
+    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - max);
+    for (int64_t j = 0; j < K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j && !taken; i++) taken = experts[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        experts[j] = best;
+        weights[j] = expf(logits[best] - max) / sum;
+        kept += weights[j];
+    }
+    if (norm)
+        for (int64_t j = 0; j < K; j++) weights[j] /= kept;
+}
+
+/* out [T, H] = the MoE MLP of h [T, H] (model/moe.py's SparseMoeBlock.forward): the router's
+   logits by dense_rows.c on the same panels (the same sums as the op-by-op path), each token's
+   routing, then the T*k (token, expert) pairs counting-sorted by expert (stable: tokens
+   ascending), and each active expert in ascending order once on its gathered rows, gate_up ->
+   silu*up -> down, its rows scaled by their weights and added to their tokens' outputs. 0, 3 when
+   out of memory, or a kernel's status. */
+static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, int64_t H, int64_t I, float *out,
+                   const step *s) {
+    const int64_t E = m->num_experts, K = m->top_k, P = T * K;
+    const int threads = (int)s->num_threads;
+    float *logits = malloc(sizeof(float) * (size_t)(T * E)), *weights = malloc(sizeof(float) * (size_t)P);
+    float *rows = malloc(sizeof(float) * (size_t)(T * (H + 3 * I + H)));
+    int64_t *experts = malloc(sizeof(int64_t) * (size_t)P), *order = malloc(sizeof(int64_t) * (size_t)P);
+    int64_t *first = calloc((size_t)(E + 1), sizeof(int64_t));
+    int status = 3;
+    if (!logits || !weights || !rows || !experts || !order || !first) goto done;
+    if ((status = k->dense_matmul(m->router, E, H, h, T, H, logits, E, threads))) goto done;
+    for (int64_t t = 0; t < T; t++) route_token(logits + t * E, E, K, m->norm_topk_prob, experts + t * K, weights + t * K);
+    for (int64_t p = 0; p < P; p++) first[experts[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) first[e + 1] += first[e];
+    for (int64_t p = 0, *next = first; p < P; p++) order[next[experts[p]]++] = p; /* pair p is token p / K */
+    for (int64_t e = E; e > 0; e--) first[e] = first[e - 1]; /* next[] advanced first[] */
+    first[0] = 0;
+    float *xs = rows, *gate_up = xs + T * H, *act = gate_up + T * 2 * I, *ys = act + T * I;
+    memset(out, 0, sizeof(float) * (size_t)(T * H));
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = first[e + 1] - first[e], *pairs = order + first[e];
+        if (!n) continue;
+        for (int64_t i = 0; i < n; i++) memcpy(xs + i * H, h + pairs[i] / K * H, sizeof(float) * (size_t)H);
+        if ((status = run_linear(k, &m->gate_up[e], xs, n, gate_up, s))) goto done;
+        k->silu_mul(gate_up, n, I, act, threads);
+        if ((status = run_linear(k, &m->down[e], act, n, ys, s))) goto done;
+        for (int64_t i = 0; i < n; i++) {
+            float *o = out + pairs[i] / K * H;
+            const float *y = ys + i * H, w = weights[pairs[i]];
+            for (int64_t c = 0; c < H; c++) o[c] += y[c] * w;
+        }
+    }
+    status = 0;
+done:
+    free(logits);
+    free(weights);
+    free(rows);
+    free(experts);
+    free(order);
+    free(first);
+    return status;
 }
 
 /* 0 on success; a kernel's status otherwise (3: out of memory, 4: a KV type it cannot write). */
@@ -151,6 +229,10 @@ int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);
+    if (w->moe) {
+        status = moe_mlp(k, w->moe, h, T, H, I, x_out, s);
+        goto done;
+    }
     if ((status = run_linear(k, &w->gate_up, h, T, gate_up, s))) goto done;
     k->silu_mul(gate_up, T, I, act, threads);
     status = run_linear(k, &w->down, act, T, x_out, s);

@@ -1,4 +1,5 @@
-"""A whole Llama decoder layer of a decode-sized step in one C call (decode_layer.c).
+"""A whole decoder layer of a decode-sized step in one C call (decode_layer.c): a Llama-family
+layer, with a dense or a sparse MoE MLP.
 
 The structs mirror decode_layer.c field for field. `DecodeLayers` holds one `layer` struct per
 decoder layer (pointers into the model's own tensors: the model must outlive it) and runs a
@@ -23,6 +24,7 @@ from tokenbus.model.native import (
     QuantKernels,
     load_library,
 )
+from tokenbus.model.native.dense_rows import load_dense_rows
 from tokenbus.model.native.signatures import bind
 from tokenbus.utils.cpu import CpuFeatures
 
@@ -39,19 +41,36 @@ class _Kernels(ctypes.Structure):
         ("add_rms_norm", _PTR),
         ("rope", _PTR),
         ("silu_mul", _PTR),
+        ("dense_matmul", _PTR),
     ]
 
 
+class _Shard(ctypes.Structure):
+    _fields_ = [("qtype", _I64), ("tiles", _PTR), ("rows", _I64)]
+
+
 class _Linear(ctypes.Structure):
+    # Pointer fields, not addresses: a ctypes array assigned to one is kept alive by the struct.
     _fields_ = [
-        ("qtype", _I64),
-        ("tiles", _PTR),
+        ("shards", ctypes.POINTER(_Shard)),
+        ("num_shards", _I64),
         ("rows", _I64),
         ("cols", _I64),
         ("bias", _PTR),
         ("lora_a", _PTR),
         ("lora_b", _PTR),
         ("lora_width", _I64),
+    ]
+
+
+class _Moe(ctypes.Structure):
+    _fields_ = [
+        ("router", _PTR),
+        ("gate_up", ctypes.POINTER(_Linear)),
+        ("down", ctypes.POINTER(_Linear)),
+        ("num_experts", _I64),
+        ("top_k", _I64),
+        ("norm_topk_prob", _I64),
     ]
 
 
@@ -72,6 +91,7 @@ class _Layer(ctypes.Structure):
         ("num_kv_heads", _I64),
         ("head_dim", _I64),
         ("intermediate", _I64),
+        ("moe", ctypes.POINTER(_Moe)),
     ]
 
 
@@ -108,22 +128,35 @@ def _address(fn: ctypes._CFuncPtr) -> int:
 
 
 @dataclass(frozen=True)
-class LinearWeights:
-    """One linear as decode_layer.c reads it: a single tiled shard, an optional fp32 bias,
-    optional LoRA slots (model/lora.LinearLoRA: written in place, so the pointers stay valid)."""
+class ShardWeights:
+    """`rows` outputs of a linear in one tiled GGUF type."""
 
     qtype: int
     tiles: torch.Tensor
     rows: int
+
+
+@dataclass(frozen=True)
+class LinearWeights:
+    """One linear as decode_layer.c reads it: its tiled shards (outputs side by side), an
+    optional fp32 bias, optional LoRA slots (model/lora.LinearLoRA: written in place, so the
+    pointers stay valid)."""
+
+    shards: list[ShardWeights]
     cols: int
     bias: torch.Tensor | None
     lora: LinearLoRA | None = None
 
+    @property
+    def rows(self) -> int:
+        return sum(shard.rows for shard in self.shards)
+
     def struct(self) -> _Linear:
         lora = self.lora
+        shards = [_Shard(s.qtype, s.tiles.data_ptr(), s.rows) for s in self.shards]
         return _Linear(
-            self.qtype,
-            self.tiles.data_ptr(),
+            (_Shard * len(shards))(*shards),
+            len(shards),
             self.rows,
             self.cols,
             None if self.bias is None else self.bias.data_ptr(),
@@ -134,11 +167,36 @@ class LinearWeights:
 
 
 @dataclass(frozen=True)
+class MoeWeights:
+    """A sparse MoE MLP as decode_layer.c reads it: the router's dense_rows.c panels, and each
+    expert's gate_up and down (one tiled shard each)."""
+
+    router: torch.Tensor
+    gate_up: list[LinearWeights]
+    down: list[LinearWeights]
+    top_k: int
+    norm_topk_prob: bool
+
+    def struct(self) -> _Moe:
+        experts = len(self.gate_up)
+        return _Moe(
+            self.router.data_ptr(),
+            (_Linear * experts)(*(linear.struct() for linear in self.gate_up)),
+            (_Linear * experts)(*(linear.struct() for linear in self.down)),
+            experts,
+            self.top_k,
+            int(self.norm_topk_prob),
+        )
+
+
+@dataclass(frozen=True)
 class LayerWeights:
+    """One decoder layer as decode_layer.c reads it: its MLP is gate_up and down, or moe."""
+
     qkv: LinearWeights
     o: LinearWeights
-    gate_up: LinearWeights
-    down: LinearWeights
+    gate_up: LinearWeights | None
+    down: LinearWeights | None
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
@@ -149,15 +207,19 @@ class LayerWeights:
     # Qwen3's RMSNorm of each query / key head before the rotary, [head_dim] each; None: none.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None
 
     def struct(self) -> _Layer:
         if (self.q_norm is None) != (self.k_norm is None):
             raise ValueError("decode_layer: q_norm and k_norm come together")
+        if (self.moe is None) == (self.down is None):
+            raise ValueError("decode_layer: a layer's MLP is gate_up and down, or moe")
+        down = self.down if self.moe is None else self.moe.down[0]
         return _Layer(
             self.qkv.struct(),
             self.o.struct(),
-            self.gate_up.struct(),
-            self.down.struct(),
+            _Linear() if self.gate_up is None else self.gate_up.struct(),
+            _Linear() if self.down is None else self.down.struct(),
             self.input_norm.data_ptr(),
             self.post_norm.data_ptr(),
             None if self.q_norm is None else self.q_norm.data_ptr(),
@@ -168,7 +230,8 @@ class LayerWeights:
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            self.down.cols,
+            down.cols,
+            None if self.moe is None else ctypes.pointer(self.moe.struct()),
         )
 
 
@@ -186,15 +249,18 @@ class DecodeLayers:
         lib = load_library(_SOURCE, cpu)
         self._fn = bind(lib, "decode_layer")
         self._all_fn = bind(lib, "decode_layers")
+        routers = load_dense_rows(cpu) if any(layer.moe for layer in layers) else None
         self._kernels = _Kernels(
             _address(quant.tile_fns["matmul"]),
             _address(attention.fn),
             _address(fused.add_rms_norm_fn),
             _address(fused.rope_fn),
             _address(fused.silu_mul_fn),
+            None if routers is None else _address(routers.matmul_fn),
         )
         self._weights = layers  # keeps every tensor the structs point into alive
-        self._libraries = (quant, attention, fused)  # and the objects behind the function pointers
+        # and the objects behind the function pointers
+        self._libraries = (quant, attention, fused, routers)
         self._layers = [layer.struct() for layer in layers]
         self._kernels_ref = ctypes.byref(self._kernels)
         self._layer_refs = [ctypes.byref(layer) for layer in self._layers]

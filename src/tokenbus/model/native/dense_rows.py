@@ -67,19 +67,20 @@ def load_dense_rows(cpu: CpuFeatures | None = None) -> DenseRowsKernel:
     )
 
 
-def row_invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """x [..., K] -> x @ weight.T + bias [..., N] by dense_rows.c (weight fp32 [N, K] on CPU)."""
-    kernel = load_dense_rows()
-    rows, cols = weight.shape
-    panels = kernel.pack(weight)
-    bias = None if bias is None else bias.detach()
+class RowInvariantLinear:
+    """x [..., K] -> x @ weight.T + bias [..., N] by dense_rows.c (weight fp32 [N, K] on CPU).
+    `panels` is the packed weight, which decode_layer.c's routers read too."""
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, cols).contiguous()  # [M, K]
-        out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
-        kernel.matmul(panels, rows, flat, out)
-        if bias is not None:
-            out += bias  # after the chain: one add per output, whatever the rows
-        return out.reshape(*x.shape[:-1], rows)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.kernel = load_dense_rows()
+        self.rows, self.cols = weight.shape
+        self.panels = self.kernel.pack(weight)
+        self.bias = None if bias is None else bias.detach()
 
-    return run
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.cols).contiguous()  # [M, K]
+        out = torch.empty(flat.shape[0], self.rows, dtype=torch.float32)
+        self.kernel.matmul(self.panels, self.rows, flat, out)
+        if self.bias is not None:
+            out += self.bias  # after the chain: one add per output, whatever the rows
+        return out.reshape(*x.shape[:-1], self.rows)

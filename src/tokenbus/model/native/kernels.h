@@ -59,6 +59,7 @@ typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_
 typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t, int64_t, float, int);
 typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int);
 typedef void (*silu_fn)(const float *, int64_t, int64_t, float *, int);
+typedef int (*dense_matmul_fn)(const float *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t, int);
 
 typedef struct {
     tile_matmul_fn matmul;
@@ -66,12 +67,21 @@ typedef struct {
     norm_fn add_rms_norm;
     rope_fn rope;
     silu_fn silu_mul;
+    dense_matmul_fn dense_matmul; /* dense_rows.c's: MoE routers; NULL where no layer has one */
 } kernels;
 
+/* One tiled GGUF shard of a linear: `rows` of its outputs in one block type. */
 typedef struct {
     int64_t qtype;
     const uint8_t *tiles;
-    int64_t rows, cols;
+    int64_t rows;
+} shard;
+
+typedef struct {
+    /* Shards in order, their outputs side by side in y (a Q4_K_M q/k/v: q and k Q4_K, v Q6_K). */
+    const shard *shards;
+    int64_t num_shards;
+    int64_t rows, cols; /* rows: all shards' */
     const float *bias; /* NULL: none */
     /* LoRA slots (model/lora.py), NULL: none. Slot s holds rows [s * W, (s + 1) * W) of both:
        lora_a [slots * W, cols] (its A, zero-padded) and lora_b [slots * W, rows] (scaling · Bᵀ). */
@@ -79,12 +89,20 @@ typedef struct {
     int64_t lora_width;
 } linear;
 
+/* A sparse MoE MLP (model/moe.py): the router's packed rows, and expert e's two linears. */
 typedef struct {
-    linear qkv, o, gate_up, down;
+    const float *router;          /* [E, hidden] in dense_pack's panels (dense_rows.c) */
+    const linear *gate_up, *down; /* [E] each */
+    int64_t num_experts, top_k, norm_topk_prob;
+} moe;
+
+typedef struct {
+    linear qkv, o, gate_up, down; /* gate_up and down unused where moe is set */
     const float *input_norm, *post_norm;
     const float *q_norm, *k_norm; /* [head_dim] each: an RMSNorm of every q / k head before the rotary; NULL: none */
     float eps, scale;
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: an expert's, under moe */
+    const moe *moe; /* NULL: the dense MLP */
 } layer;
 
 typedef struct {

@@ -1,0 +1,41 @@
+"""The body MoE families share (L2): a decoder whose MLPs are model/moe.py's SparseMoeBlocks."""
+
+from __future__ import annotations
+
+from tokenbus.config import ModelArch
+from tokenbus.model.causal_lm import CausalLM
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
+from tokenbus.model.moe import SparseMoeBlock, skip_weight
+from tokenbus.model.parallel import TensorParallel
+from tokenbus.model.weights import WeightLoader, load_strictly
+
+
+class MoECausalLM(CausalLM):
+    """A decoder whose MLPs are SparseMoeBlocks, except arch.dense_layers (a GatedMLP). A
+    subclass names its family (EXPERT_NAMES), the HF scope of its MoE block and its attention."""
+
+    family = ""
+    moe_scope = "mlp."
+
+    def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
+        raise NotImplementedError
+
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
+        idx = self._layers_made = getattr(self, "_layers_made", -1) + 1  # made in order
+        mlp = GatedMLP(arch, tp) if idx in arch.dense_layers else SparseMoeBlock(arch, tp)
+        return DecoderLayer(arch, self.make_attention(arch, tp), mlp)
+
+    def _weight_loaders(self) -> dict[str, WeightLoader]:
+        loaders = super()._weight_loaders()
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                prefix = f"model.layers.{idx}.{self.moe_scope}"
+                loaders.update(layer.mlp.skipped_names(prefix, self.family))
+                loaders.update(layer.mlp.weight_loaders(prefix, self.family))
+        return loaders
+
+    def load_weights(self, weights) -> None:
+        # Other ranks' experts are known names: fed to a no-op, and not required.
+        loaders = self._weight_loaders()
+        skipped = {name for name, loader in loaders.items() if loader is skip_weight}
+        load_strictly(loaders, weights, self.arch, optional=skipped)
