@@ -333,7 +333,7 @@ def quant_activation_modes(
 
 def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
     """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
-    ops and the native attention kernel, every linear one tiled GGUF shard, no TP, every layer
+    ops and the native attention kernel, every linear tiled GGUF shards, no TP, every layer
     made of the shared parts alone (a dense or an MoE MLP), the rotary over whole heads, none
     with a sliding window."""
     kernel = plan.attention.kernel
@@ -397,7 +397,7 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
 
 def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
     """An MoE MLP as decode_layer.c runs it: the router on dense_rows.c's panels, every expert's
-    two linears one tiled shard each, all experts on this rank (no expert parallelism); or None."""
+    two linears on tiled shards, all experts on this rank (no expert parallelism); or None."""
     router = block.gate.kernel
     if not isinstance(router, RowInvariantLinear) or router.bias is not None or block.tp.enabled:
         return None

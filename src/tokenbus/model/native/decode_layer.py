@@ -169,7 +169,7 @@ class LinearWeights:
 @dataclass(frozen=True)
 class MoeWeights:
     """A sparse MoE MLP as decode_layer.c reads it: the router's dense_rows.c panels, and each
-    expert's gate_up and down (one tiled shard each)."""
+    expert's gate_up and down (on tiled shards)."""
 
     router: torch.Tensor
     gate_up: list[LinearWeights]
