@@ -1,7 +1,8 @@
-"""Where one stream's decode step goes: cProfile of 129 greedy steps of the default model with
-the EngineCore in this process (so the profile sees the model), after one warm-up run.
+"""Where one stream's decode step goes: cProfile of 129 greedy steps of the default model (or
+--model's) with the EngineCore in this process (so the profile sees the model), after one
+warm-up run.
 
-    .venv/bin/python benchmarks/decode_profile.py [--top 20] [--layer-by-layer]
+    .venv/bin/python benchmarks/decode_profile.py [--model PATH] [--top 20] [--layer-by-layer]
 
 --layer-by-layer drops the model's C decode layers (model/native/decode_layer.c), so every layer
 runs its torch ops and kernel calls one by one, as before they existed. Also prints the step time
@@ -33,11 +34,12 @@ def profiled_generate(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="a GGUF file or HF directory")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--layer-by-layer", action="store_true")
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
-    llm = LLM(multiprocess=False, enable_prefix_caching=False)
+    llm = LLM(args.model, multiprocess=False, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=129, min_tokens=129, ignore_eos=True)
     request = [{"prompt_token_ids": [1234]}]
     if args.layer_by_layer:

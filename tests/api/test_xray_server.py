@@ -25,13 +25,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ARTIFACTS = Path(os.environ.get("TOKENBUS_TEST_ARTIFACTS", "/tmp/tokenbus-test-artifacts"))
 
 
-def load(url: str, seconds: float, concurrency: int = 4) -> threading.Thread:
-    """Streams of long completions for `seconds`, in the background."""
-    deadline = time.monotonic() + seconds
+def load(url: str, seconds: float, concurrency: int = 4) -> threading.Event:
+    """Long completions for `seconds` (or until the returned event is set), in the background."""
+    deadline, stop = time.monotonic() + seconds, threading.Event()
 
     def client(index: int) -> None:
         with httpx.Client(timeout=60, headers=AUTH) as http:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not stop.is_set():
                 prompt = f"Request {index}: tell me a long story about the sea and the stars."
                 body = {"prompt": prompt * (1 + index % 3), "max_tokens": 48, "ignore_eos": True}
                 try:
@@ -42,7 +42,7 @@ def load(url: str, seconds: float, concurrency: int = 4) -> threading.Thread:
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
     for thread in threads:
         thread.start()
-    return threads[0]
+    return stop
 
 
 def snapshot(url: str) -> dict:
@@ -103,7 +103,16 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium (Debian package chromium)")
 def test_page_in_a_browser_draws_the_grid_rows_and_a_moving_timeline(server):
-    load(server.url, seconds=20, concurrency=6)
+    # Load for the whole test: a loaded machine may take many seconds per page load, and the
+    # rows and the moving timeline need running requests whenever the page is drawn.
+    stop = load(server.url, seconds=300, concurrency=6)
+    try:
+        _browse(server)
+    finally:
+        stop.set()
+
+
+def _browse(server) -> None:
     wait_for(server.url, lambda d: len(d["engines"][0]["steps"]) > 10)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = f"{server.url}/xray?api_key={KEY}"
@@ -125,9 +134,6 @@ def test_page_in_a_browser_draws_the_grid_rows_and_a_moving_timeline(server):
     dom, first = rendered()
     assert 'class="grid"' in dom and 'class="timeline"' in dom
     assert 'class="status running"' in dom  # a request row
-    # Fresh load: on a slow machine the first page loads can outlast the first load's 20 s,
-    # and an idle engine takes no step for the timeline to show.
-    load(server.url, seconds=30, concurrency=2)
     time.sleep(1.5)
     assert rendered()[1] > first  # the timeline moves
     shot = ARTIFACTS / "xray.png"
