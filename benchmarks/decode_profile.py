@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--layer-by-layer", action="store_true")
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
-    llm = LLM(args.model, multiprocess=False, enable_prefix_caching=False)
+    llm = LLM(args.model, multiprocess=False, enable_prefix_caching=False, max_model_len=4096)
     params = SamplingParams(temperature=0.0, max_tokens=129, min_tokens=129, ignore_eos=True)
     request = [{"prompt_token_ids": [1234]}]
     if args.layer_by_layer:
