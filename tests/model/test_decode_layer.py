@@ -185,3 +185,25 @@ def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype,
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert calls == [model.num_layers] * 5  # every step is decode-sized: all in C
+
+
+def test_windowed_layers_in_c_equal_the_layer_by_layer_path(tmp_path):
+    """Phi-3's sliding window on every layer (a GGUF's phi3.attention.sliding_window): the C
+    layer tells the attention kernel the window as the layer-by-layer path does, and the
+    steps' contexts outgrow it: the same logits, bit for bit."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    config = dict(hidden_size=256, intermediate_size=512, sliding_window=4)
+    hf_dir = cached_tiny_model("phi3", **config)
+    path = write_gguf(hf_dir, tmp_path / "phi3.gguf", "Q8_0", with_tokenizer=False)
+    src = resolve_model(str(path))
+    model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
+    assert {layer.self_attn.sliding_window for layer in model.layers} == {4}
+    layers = model.kernels.decode_layers
+    assert layers is not None
+    calls, run_all = [], layers.run_all
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    want = _steps(model, False)
+    for got, expected in zip(_steps(model, True), want):
+        assert torch.equal(got, expected)
+    assert calls == [model.num_layers] * 5

@@ -155,6 +155,7 @@ class KernelPlan:
         layers, plan, rows = self.decode_layers, ctx.attn_metadata, x.shape[0]
         if (
             layers is None
+            or ctx.kv_groups  # a hybrid KV cache: layers read different block tables
             or rows > TILE_GEMV_MAX_ROWS
             or not isinstance(plan, AttentionPlan)
             or not plan.native_decode_only(rows)
@@ -334,8 +335,8 @@ def quant_activation_modes(
 def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
     """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
     ops and the native attention kernel, every linear tiled GGUF shards, no TP, every layer
-    made of the shared parts alone (a dense or an MoE MLP), the rotary over whole heads, none
-    with a sliding window."""
+    made of the shared parts alone (a dense or an MoE MLP), the rotary over whole heads. A step
+    runs there only while every layer reads one KV group's tables (see _decode_step)."""
     kernel = plan.attention.kernel
     if (
         kernel is None
@@ -343,7 +344,6 @@ def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | No
         or plan.quant is None
         or model.tp.enabled
         or model.rotary.is_partial  # decode_layer.c turns whole heads only
-        or sliding_windows(model)  # decode_layer.c attends to every key
     ):
         return None
     layers = [_layer_weights(layer) for layer in model.layers]
@@ -392,6 +392,7 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         None if attn.q_norm is None else attn.q_norm.weight,
         None if attn.k_norm is None else attn.k_norm.weight,
         moe,
+        attn.sliding_window,
     )
 
 

@@ -11,7 +11,7 @@
      q, k        rotated in place (rotate-half)
      K, V        written to the cache at the step's slots (fp32, or rounded to fp16, fp8 or q8_0:
                  kv_quant.h, as model/kv_quant.py rounds them)
-     attn        = paged attention of q over the cache (each request's rows)
+     attn        = paged attention of q over the cache (each request's rows; a sliding window's last keys)
      o           = attn @ Wo.T (+ bias)
      h, residual = add_rms_norm(o, residual) * post_norm
      x_out       = silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T, or a sparse MoE MLP of h (moe_mlp:
@@ -224,8 +224,7 @@ int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache
     memset(attn, 0, sizeof(float) * (size_t)(T * hq * D));
     if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, s->block_tables,
                                s->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale,
-                               s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads,
-                               0 /* no window: kernel_plan.py builds no C layers for windowed models */)))
+                               s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads, w->window)))
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);

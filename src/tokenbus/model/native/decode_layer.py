@@ -91,6 +91,7 @@ class _Layer(ctypes.Structure):
         ("num_kv_heads", _I64),
         ("head_dim", _I64),
         ("intermediate", _I64),
+        ("window", _I64),
         ("moe", ctypes.POINTER(_Moe)),
     ]
 
@@ -208,6 +209,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None
+    window: int | None = None  # a sliding window (decoder.Attention.sliding_window); None: all
 
     def struct(self) -> _Layer:
         if (self.q_norm is None) != (self.k_norm is None):
@@ -231,6 +233,7 @@ class LayerWeights:
             self.num_kv_heads,
             self.head_dim,
             down.cols,
+            self.window or 0,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),
         )
 

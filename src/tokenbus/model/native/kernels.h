@@ -102,6 +102,7 @@ typedef struct {
     const float *q_norm, *k_norm; /* [head_dim] each: an RMSNorm of every q / k head before the rotary; NULL: none */
     float eps, scale;
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: an expert's, under moe */
+    int64_t window; /* a sliding window: each query sees its last `window` keys; 0: all */
     const moe *moe; /* NULL: the dense MLP */
 } layer;
 
