@@ -300,6 +300,7 @@ def test_generation_configs_eos_list_stops_at_each(tmp_path):
     """Gemma's generation_config.json lists eos_token_id [1, 106]: the first is the request's
     EOS, the others stop it too (as stop_token_ids, unless ignore_eos)."""
     from tokenbus import LLM, SamplingParams
+    from tokenbus.sampling_params import StructuredOutputsParams
 
     hf_dir = shutil.copytree(cached_tiny_model("gemma3"), tmp_path / "m")
     llm = LLM(str(hf_dir), multiprocess=False, seed=0, attention_backend="torch")
@@ -317,6 +318,10 @@ def test_generation_configs_eos_list_stops_at_each(tmp_path):
     assert out[0].outputs[0].finish_reason == "stop"
     ignored = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
     assert ignored.token_ids == tokens  # ignore_eos ignores every EOS id
+    # A grammar ends on any of them too: xgrammar is told every EOS id as a stop token.
+    grammars = llm.engine.client.engine_core.grammar_manager
+    compiled = grammars._get_backend().compile(StructuredOutputsParams(choice=["yes", "no"]))
+    assert compiled.tokenizer_info.stop_token_ids == [2, stop_at]
     llm.shutdown()
 
 

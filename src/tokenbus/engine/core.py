@@ -43,10 +43,13 @@ class EngineCore:
         eos_token_id: int | None,
         worker: WorkerBase | None = None,
         executor: Executor | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         """`worker` (tests: a fake) runs under a UniProcExecutor; by default the executor
         for config.parallel is built. Every `auto` of `config` is resolved here, once, before
-        any worker starts (setup.resolve_config): self.config holds the facts."""
+        any worker starts (setup.resolve_config): self.config holds the facts.
+        `extra_eos_token_ids`: the model's other EOS ids (EngineSetup's), which a grammar lets
+        end the output as EOS does."""
         self.config = config = resolve_config(config, source, arch)
         if executor is None:
             executor = (
@@ -56,13 +59,16 @@ class EngineCore:
             )
         self.executor = executor
         try:
-            self._init_after_executor(config, source, arch, eos_token_id)
+            stop_ids = ((eos_token_id,) if eos_token_id is not None else ()) + tuple(
+                t for t in extra_eos_token_ids if t != eos_token_id
+            )
+            self._init_after_executor(config, source, arch, stop_ids)
         except BaseException:
             executor.shutdown()  # no rank process (or placement group) outlives a failed start
             raise
 
     def _init_after_executor(
-        self, config: EngineConfig, source: ModelSource, arch: ModelArch, eos_token_id: int | None
+        self, config: EngineConfig, source: ModelSource, arch: ModelArch, stop_ids: tuple[int, ...]
     ) -> None:
         # Every rank measures what it can hold; all get the smallest count, so a block id means
         # the same slots on every rank.
@@ -81,7 +87,7 @@ class EngineCore:
         self._block_hasher = (
             make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         )
-        self.grammar_manager = _make_grammar_manager(config, source, arch, eos_token_id)
+        self.grammar_manager = _make_grammar_manager(config, source, arch, stop_ids)
         self.kv_connector = _make_scheduler_connector(config, arch)
         if self.kv_connector is not None:
             block_size = config.cache.block_size
@@ -202,9 +208,11 @@ def _num_lookahead_tokens(config: EngineConfig) -> int:
 
 
 def _make_grammar_manager(
-    config: EngineConfig, source: ModelSource, arch: ModelArch, eos_token_id: int | None
+    config: EngineConfig, source: ModelSource, arch: ModelArch, stop_ids: tuple[int, ...]
 ) -> StructuredOutputManager:
-    """The tokenizer is loaded only when the first constrained request arrives."""
+    """The tokenizer is loaded only when the first constrained request arrives. `stop_ids`:
+    every EOS id of the model (Gemma's <eos> and <end_of_turn>), each one a grammar accepts at
+    its end, as xgrammar's stop tokens."""
 
     def make_backend() -> XgrammarBackend:
         from tokenbus.loader import load_tokenizer
@@ -213,7 +221,7 @@ def _make_grammar_manager(
         from tokenbus.structured.backend import XgrammarBackend
 
         tokenizer = load_tokenizer(source, config.model.tokenizer)
-        stops = [eos_token_id] if eos_token_id is not None else None
+        stops = list(stop_ids) or None  # None: xgrammar's guess from the tokenizer
         return XgrammarBackend.from_tokenizer(tokenizer, arch.vocab_size, stop_token_ids=stops)
 
     return StructuredOutputManager(make_backend)

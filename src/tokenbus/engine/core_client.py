@@ -102,7 +102,11 @@ class InprocClient(EngineCoreClient):
         from tokenbus.engine.core import EngineCore
 
         self.engine_core = engine_core or EngineCore(
-            setup.config, setup.source, setup.arch, setup.eos_token_id
+            setup.config,
+            setup.source,
+            setup.arch,
+            setup.eos_token_id,
+            extra_eos_token_ids=setup.extra_eos_token_ids,
         )
         self.num_kv_blocks = self.engine_core.num_kv_blocks
 

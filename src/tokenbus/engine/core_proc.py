@@ -77,7 +77,13 @@ def make_engine_core(setup: EngineSetup) -> EngineCore:
     """The default factory: the real EngineCore (loads the model)."""
     from tokenbus.engine.core import EngineCore
 
-    return EngineCore(setup.config, setup.source, setup.arch, setup.eos_token_id)
+    return EngineCore(
+        setup.config,
+        setup.source,
+        setup.arch,
+        setup.eos_token_id,
+        extra_eos_token_ids=setup.extra_eos_token_ids,
+    )
 
 
 @dataclass(frozen=True)
