@@ -1,0 +1,91 @@
+"""A decoder layer's elementwise steps (fused_ops.c), through ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenbus.model.native.build import load_library
+from tokenbus.model.native.signatures import bind
+from tokenbus.utils.cpu import CpuFeatures
+
+_FUSED_SOURCE = Path(__file__).with_name("fused_ops.c")
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """fp32 CPU elementwise steps of a decoder layer in one C call each (fused_ops.c)."""
+
+    add_rms_norm_fn: ctypes._CFuncPtr
+    rope_fn: ctypes._CFuncPtr
+    silu_mul_fn: ctypes._CFuncPtr
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual) * weight, x + residual) for x [T, H] (residual None: x alone)."""
+        assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+        assert residual is None or (residual.dtype == torch.float32 and residual.stride(1) == 1)
+        num_tokens, hidden = x.shape
+        residual_out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+        out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+        self.add_rms_norm_fn(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+            residual_out.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            num_tokens,
+            hidden,
+            ctypes.c_float(eps),
+            torch.get_num_threads(),
+        )
+        return out, residual_out
+
+    def rope_(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_rot_heads: int,
+        head_dim: int,
+    ) -> None:
+        """Rotate (rotate-half) the first num_rot_heads heads of each row of qkv [T, *] in place,
+        by cos/sin [T, head_dim / 2] (contiguous)."""
+        assert qkv.dtype == cos.dtype == sin.dtype == torch.float32 and qkv.stride(1) == 1
+        assert (
+            cos.is_contiguous()
+            and sin.is_contiguous()
+            and cos.shape == (qkv.shape[0], head_dim // 2)
+        )
+        self.rope_fn(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            qkv.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            num_rot_heads,
+            head_dim,
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2I] (contiguous) -> [T, I]."""
+        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
+        num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(num_tokens, size, dtype=torch.float32)
+        self.silu_mul_fn(
+            gate_up.data_ptr(), num_tokens, size, out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+
+
+def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
+    """Build (or find in the cache) and load fused_ops.c; NativeBuildError says why not."""
+    lib = load_library(_FUSED_SOURCE, cpu)
+    return FusedOps(*(bind(lib, name) for name in ("add_rms_norm", "rope_inplace", "silu_mul")))
