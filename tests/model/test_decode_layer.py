@@ -44,6 +44,11 @@ def test_fused_ops_equal_torch(rows):
     want[:, :12] = apply_rotary(want[:, :12], cos, sin)
     ops.rope_(qkv, cos.view(rows, 32), sin.view(rows, 32), 12, 64)
     torch.testing.assert_close(qkv.view(rows, 15, 64), want, rtol=1e-5, atol=1e-5)
+    partial = qkv.view(rows, 15, 64).clone()  # Phi-4-mini's: the first 48 of 64 turn
+    cos, sin = cos[..., :24].contiguous(), sin[..., :24].contiguous()
+    partial[:, :12] = apply_rotary(partial[:, :12], cos, sin)
+    ops.rope_(qkv, cos.view(rows, 24), sin.view(rows, 24), 12, 64, rotary_dim=48)
+    torch.testing.assert_close(qkv.view(rows, 15, 64), partial, rtol=1e-5, atol=1e-5)
     gate_up = torch.randn(rows, 2 * 1536, generator=g)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
@@ -187,18 +192,22 @@ def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype,
     assert calls == [model.num_layers] * 5  # every step is decode-sized: all in C
 
 
-def test_windowed_layers_in_c_equal_the_layer_by_layer_path(tmp_path):
+@pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.75])
+def test_windowed_layers_in_c_equal_the_layer_by_layer_path(tmp_path, partial_rotary_factor):
     """Phi-3's sliding window on every layer (a GGUF's phi3.attention.sliding_window): the C
     layer tells the attention kernel the window as the layer-by-layer path does, and the
-    steps' contexts outgrow it: the same logits, bit for bit."""
+    steps' contexts outgrow it; Phi-4-mini's partial rotary turns the first 3/4 of each head
+    in C too: the same logits, bit for bit."""
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
     config = dict(hidden_size=256, intermediate_size=512, sliding_window=4)
+    config |= dict(partial_rotary_factor=partial_rotary_factor)
     hf_dir = cached_tiny_model("phi3", **config)
     path = write_gguf(hf_dir, tmp_path / "phi3.gguf", "Q8_0", with_tokenizer=False)
     src = resolve_model(str(path))
     model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
     assert {layer.self_attn.sliding_window for layer in model.layers} == {4}
+    assert model.rotary.is_partial == (partial_rotary_factor < 1)
     layers = model.kernels.decode_layers
     assert layers is not None
     calls, run_all = [], layers.run_all

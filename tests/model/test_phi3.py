@@ -159,14 +159,15 @@ def test_sliding_window_narrows_every_layer(tmp_path):
 @pytest.mark.parametrize("variant_name", ["phi3", "phi3-partial"])
 def test_quantized_fused_tensors_and_the_c_layer(tmp_path, variant_name):
     """Q8_0 attn_qkv / ffn_up are cut into their parts as blocks and stacked back into one
-    kernel weight each; the C decode layer takes whole-head rotary only (the plan decides)."""
+    kernel weight each; the kernel plan gives both the C decode layers, partial rotary
+    included (tests/model/test_decode_layer.py checks them against the layer-by-layer path)."""
     arch, overrides = VARIANTS[variant_name]
     hf_dir = cached_tiny_model(arch, **overrides)
     src = resolve_model(str(write_gguf(hf_dir, tmp_path / "q.gguf", "Q8_0", with_tokenizer=False)))
     model = load_model(src, load_arch(src), torch.float32, "cpu", "native", quantization="gguf")
     attn = model.layers[0].self_attn
     assert attn.qkv_proj.backend == "gguf" and model.layers[0].mlp.gate_up_proj.backend == "gguf"
-    assert model.decodes_in_c is (variant_name == "phi3")
+    assert model.decodes_in_c
     input_ids, ctx = PagedKV.for_model(model).step([("x", PROMPT)])
     with torch.inference_mode():
         logits = model.compute_logits(model(input_ids, ctx))

@@ -335,7 +335,7 @@ def quant_activation_modes(
 def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
     """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
     ops and the native attention kernel, every linear tiled GGUF shards, no TP, every layer
-    made of the shared parts alone (a dense or an MoE MLP), the rotary over whole heads. A step
+    made of the shared parts alone (a dense or an MoE MLP). A step
     runs there only while every layer reads one KV group's tables (see _decode_step)."""
     kernel = plan.attention.kernel
     if (
@@ -343,7 +343,6 @@ def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | No
         or not isinstance(plan.ops, FusedCpuOps)
         or plan.quant is None
         or model.tp.enabled
-        or model.rotary.is_partial  # decode_layer.c turns whole heads only
     ):
         return None
     layers = [_layer_weights(layer) for layer in model.layers]

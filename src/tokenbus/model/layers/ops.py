@@ -117,13 +117,10 @@ class FusedCpuOps(TorchOps):
         num_kv_heads: int,
     ) -> QKV:
         num_tokens, _, head_dim = qkv.shape
-        if 2 * cos.shape[-1] != head_dim:  # partial rotary: fused_ops.c turns whole heads only
-            return super().rope(qkv, cos, sin, num_heads, num_kv_heads)
         num_qk_heads = num_heads + num_kv_heads
         flat = qkv.view(num_tokens, -1)  # [T, (Hq + 2 Hkv) * D]
-        self.fused.rope_(
-            flat, cos.view(num_tokens, -1), sin.view(num_tokens, -1), num_qk_heads, head_dim
-        )
+        cos, sin = cos.view(num_tokens, -1), sin.view(num_tokens, -1)  # [T, R / 2]
+        self.fused.rope_(flat, cos, sin, num_qk_heads, head_dim, 2 * cos.shape[-1])
         return qkv[:, :num_heads], qkv[:, num_heads:num_qk_heads], qkv[:, num_qk_heads:]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

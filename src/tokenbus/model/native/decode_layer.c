@@ -210,7 +210,7 @@ int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache
     k->add_rms_norm(x, H, residual, H, residual_out, w->input_norm, h, T, H, w->eps, threads);
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
     if (w->q_norm) head_norms(k, w, qkv, T, qkv_n, heads, threads);
-    k->rope(qkv, qkv_n, T, s->cos, s->sin, hq + hkv, D, threads);
+    k->rope(qkv, qkv_n, T, s->cos, s->sin, hq + hkv, D, s->rotary_dim, threads);
     /* K and V of token t to its slot: [2, NB * bs, Hkv, row], a row D values in slot_bytes / Hkv bytes. */
     const int kv_elem = (int)s->kv_elem;
     const int64_t slot_bytes = hkv * kv_row_bytes(D, kv_elem), v_bytes = s->num_blocks * s->block_size * slot_bytes;

@@ -38,8 +38,8 @@ void add_rms_norm(const float *x, int64_t ldx, const float *residual, int64_t ld
 }
 
 void rope_inplace(float *qkv, int64_t ld, int64_t T, const float *cos, const float *sin, int64_t num_rot_heads,
-                  int64_t head_dim, int num_threads) {
-    const int64_t half = head_dim / 2;
+                  int64_t head_dim, int64_t rotary_dim, int num_threads) {
+    const int64_t half = rotary_dim / 2; /* partial rotary (rotary_dim < head_dim): the rest stays */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T * num_rot_heads * head_dim >= PARALLEL_MIN_VALUES)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos + t * half, *s = sin + t * half;

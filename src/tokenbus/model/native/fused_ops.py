@@ -54,14 +54,19 @@ class FusedOps:
         sin: torch.Tensor,
         num_rot_heads: int,
         head_dim: int,
+        rotary_dim: int | None = None,
     ) -> None:
         """Rotate (rotate-half) the first num_rot_heads heads of each row of qkv [T, *] in place,
-        by cos/sin [T, head_dim / 2] (contiguous)."""
+        by cos/sin [T, rotary_dim / 2] (contiguous): the first rotary_dim values of each head
+        (default: all head_dim of them)."""
+        rotary_dim = rotary_dim or head_dim
         assert qkv.dtype == cos.dtype == sin.dtype == torch.float32 and qkv.stride(1) == 1
         assert (
             cos.is_contiguous()
             and sin.is_contiguous()
-            and cos.shape == (qkv.shape[0], head_dim // 2)
+            and cos.shape == (qkv.shape[0], rotary_dim // 2)
+            and rotary_dim % 2 == 0
+            and rotary_dim <= head_dim
         )
         self.rope_fn(
             qkv.data_ptr(),
@@ -71,6 +76,7 @@ class FusedOps:
             sin.data_ptr(),
             num_rot_heads,
             head_dim,
+            rotary_dim,
             torch.get_num_threads(),
         )
 

@@ -45,7 +45,7 @@ int tile_dequant_t(int qtype, const uint8_t *tiles, int64_t N, int64_t K, int64_
 
 /* ---- fused_ops.c: a decoder layer's elementwise steps */
 void add_rms_norm(const float *x, int64_t ldx, const float *residual, int64_t ldr, float *residual_out, const float *weight, float *out, int64_t T, int64_t H, float eps, int num_threads);
-void rope_inplace(float *qkv, int64_t ld, int64_t T, const float *cos, const float *sin, int64_t num_rot_heads, int64_t head_dim, int num_threads);
+void rope_inplace(float *qkv, int64_t ld, int64_t T, const float *cos, const float *sin, int64_t num_rot_heads, int64_t head_dim, int64_t rotary_dim, int num_threads);
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads);
 
 /* ---- dense_rows.c: fp32 weights in row panels, batch-invariant */
@@ -57,7 +57,7 @@ int dense_matmul(const float *panels, int64_t N, int64_t K, const float *x, int6
 typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t, int, int);
 typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t, float, float, float, void *, int64_t, int, int, int, int64_t);
 typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t, int64_t, float, int);
-typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int);
+typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int64_t, int);
 typedef void (*silu_fn)(const float *, int64_t, int64_t, float *, int);
 typedef int (*dense_matmul_fn)(const float *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t, int);
 
@@ -108,7 +108,8 @@ typedef struct {
 
 typedef struct {
     int64_t num_tokens;
-    const float *cos, *sin; /* [T, D / 2] */
+    const float *cos, *sin; /* [T, rotary_dim / 2] */
+    int64_t rotary_dim;     /* the first rotary_dim of each head's D values turn (D: all) */
     const int64_t *slots;   /* [T] */
     const int64_t *block_tables;
     int64_t table_stride;

@@ -32,7 +32,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "tile_dequant_t": ("i", "ipllllpli"),
     # fused_ops.c
     "add_rms_norm": ("v", "plplpppllfi"),
-    "rope_inplace": ("v", "pllpplli"),
+    "rope_inplace": ("v", "pllppllli"),
     "silu_mul": ("v", "pllpi"),
     # dense_rows.c
     "dense_panel_floats": ("l", "ll"),
