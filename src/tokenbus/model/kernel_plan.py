@@ -334,9 +334,9 @@ def quant_activation_modes(
 
 def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
     """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
-    ops and the native attention kernel, every linear tiled GGUF shards, no TP, every layer
-    made of the shared parts alone (a dense or an MoE MLP). A step
-    runs there only while every layer reads one KV group's tables (see _decode_step)."""
+    ops and the native attention kernel, every linear on tiled GGUF shards, no TP, every layer
+    made of the shared parts alone (a dense or an MoE MLP). A step runs there only while every
+    layer reads one KV group's tables (see _decode_step)."""
     kernel = plan.attention.kernel
     if (
         kernel is None
@@ -368,19 +368,23 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     parts = tuple(type(part) for part in (layer, attn, mlp))
     if parts == _C_MOE_PARTS:
-        moe = _moe_weights(mlp)
+        moe, gate_up, down = _moe_weights(mlp), None, None
         if moe is None:
             return None
-        mlp_linears = [None, None]
     elif parts == _C_PARTS:
-        moe, mlp_linears = None, [_tiled_linear(mlp.gate_up_proj), _tiled_linear(mlp.down_proj)]
+        moe, gate_up, down = None, _tiled_linear(mlp.gate_up_proj), _tiled_linear(mlp.down_proj)
+        if gate_up is None or down is None:
+            return None
     else:
         return None
-    linears = [_tiled_linear(attn.qkv_proj), _tiled_linear(attn.o_proj), *mlp_linears]
-    if None in linears[:2] or (moe is None and None in linears):
+    qkv, o = _tiled_linear(attn.qkv_proj), _tiled_linear(attn.o_proj)
+    if qkv is None or o is None:
         return None
     return LayerWeights(
-        *linears,
+        qkv,
+        o,
+        gate_up,
+        down,
         layer.input_layernorm.weight,
         layer.post_attention_layernorm.weight,
         layer.input_layernorm.eps,
