@@ -1,10 +1,11 @@
 """Where a prefill goes: one request of --prompt-len tokens (max_tokens 1) through the default
-model with the EngineCore in this process, timed without the profiler (best of --repeats), then
+model (or --model's) with the EngineCore in this process, timed without the profiler (best of --repeats), then
 once under cProfile, split into its parts: the linears (layers/linear.py's Linear.forward, the
 kernel calls inside), attention (model/attention.py's paged_attention, the K/V writes
 included), and the rest.
 
-    .venv/bin/python benchmarks/prefill_profile.py [--prompt-len 512] [--top 15] [--num-threads 1]
+    .venv/bin/python benchmarks/prefill_profile.py [--model PATH] [--prompt-len 512] [--top 15]
+        [--num-threads 1] [--quant-activations auto|int16|int8|bf16]
 
 Prefix caching is off, so every run computes the whole prompt.
 """
@@ -27,7 +28,9 @@ PARTS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="a GGUF file or HF directory")
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--quant-activations", default="auto", help="GGUF linears' activations")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument(
@@ -35,7 +38,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(f"CPU: {CpuFeatures.detect().describe()}")
-    llm = LLM(multiprocess=False, enable_prefix_caching=False, num_threads=args.num_threads)
+    llm = LLM(
+        args.model,
+        multiprocess=False,
+        enable_prefix_caching=False,
+        num_threads=args.num_threads,
+        max_model_len=4096,
+        quant_activations=args.quant_activations,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1)
     request = [{"prompt_token_ids": [(7 * i) % 40000 + 100 for i in range(args.prompt_len)]}]
     llm.generate(request, params, use_tqdm=False)  # warm-up
