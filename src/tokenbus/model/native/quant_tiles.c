@@ -376,6 +376,7 @@ static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
 }
 
 #include "tiles_int8.h"
+#include "tiles_int8_pairs.h"
 #include "tiles_int16.h"
 #include "tiles_fp32.h"
 #endif
@@ -504,8 +505,20 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int64_t rows = M - m0 < MAX_M ? M - m0 : MAX_M;
             float *ys = y + m0 * ldy;
+            int pairs = 0;  /* int8 on VNNI from Q8_PAIR_MIN_ROWS rows: tile_q8a_pair, by pairs of tiles */
+#if VI_DOT_VNNI
+            pairs = act == ACT_INT8 && rows >= Q8_PAIR_MIN_ROWS(qtype);
+#endif
+            const int64_t step = pairs ? 2 : 1;
 #pragma omp for schedule(guided) nowait
-            for (int64_t t = 0; t < ntiles; t++) {
+            for (int64_t t = 0; t < ntiles; t += step) {
+#if VI_DOT_VNNI
+                if (pairs) {
+                    tile_q8a_pair(qtype, tiles, blocks, tbb, (const int8_t *)qa + m0 * K, da + m0 * blocks,
+                                  sa + m0 * blocks, rows, K, ys, ldy, N, t, t + 1 < ntiles);
+                    continue;
+                }
+#endif
                 if (act == ACT_INT16)
                     tile_q16a(qtype, qb, tiles, blocks, tbb, (const int16_t *)qa + m0 * K, da + m0 * blocks,
                               sa + m0 * blocks, rows, K, ys, ldy, N, t);

@@ -27,6 +27,7 @@ static inline vi vi_lut16(const int8_t *t, vi idx) {
     return r;
 }
 VI_BIN(vi_add, _mm256_add_epi32)
+VI_BIN(vi_sub32, _mm256_sub_epi32)
 VI_BIN(vi_sign, _mm256_sign_epi8)
 #define VI_SHIFT(name, op) static inline vi name(vi x, int s) { vi r = {op(x.a, s), op(x.b, s)}; return r; }
 VI_SHIFT(vi_srli16, _mm256_srli_epi16)

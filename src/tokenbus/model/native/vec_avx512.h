@@ -20,6 +20,7 @@ static inline vi vi_lut16(const int8_t *t, vi idx) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t)), idx);
 }
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi vi_sub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 static inline vi vi_srli16(vi a, int s) { return _mm512_srli_epi16(a, s); }
 static inline vi vi_slli16(vi a, int s) { return _mm512_slli_epi16(a, s); }
 static inline vi vi_srai16(vi a, int s) { return _mm512_srai_epi16(a, s); }
