@@ -1,11 +1,11 @@
 """Where a prefill goes: one request of --prompt-len tokens (max_tokens 1) through the default
-model (or --model's) with the EngineCore in this process, timed without the profiler (best of --repeats), then
-once under cProfile, split into its parts: the linears (layers/linear.py's Linear.forward, the
-kernel calls inside), attention (model/attention.py's paged_attention, the K/V writes
-included), and the rest.
+model (or --model's) with the EngineCore in this process, timed without the profiler (best of
+--repeats), then once under cProfile, split into its parts: the linears (layers/linear.py's
+Linear.forward, the kernel calls inside), attention (model/attention.py's paged_attention, the
+K/V writes included), and the rest.
 
     .venv/bin/python benchmarks/prefill_profile.py [--model PATH] [--prompt-len 512] [--top 15]
-        [--num-threads 1] [--quant-activations auto|int16|int8|bf16]
+        [--num-threads 1] [--quant-activations auto|int16|int8|bf16|q8_k]
 
 Prefix caching is off, so every run computes the whole prompt.
 """
