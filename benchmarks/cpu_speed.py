@@ -15,20 +15,30 @@ rounds puts the load of whatever else shares the machine on both sides alike; th
 the one least disturbed. A file tokenbus does not load (a quant type it refuses) is recorded as
 refused, beside llama.cpp's figures. The default model's record is topic cpu_speed; --model
 files' are topic gguf_speed, one per file (the file's name is the record's setting).
+
+Decode streams every weight once a token, so tg128 is bound by how fast the cores read memory:
+each round also times a read of 1 GiB (torch's sum over fp32 values, best of 3), and the tg128
+row gives that rate (the best round's) beside the rate each engine streams the file's weights
+at (tok/s x the bytes a token reads: every tensor but the token embedding, whose one row a
+token reads, unless it is also the LM head).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
 import time
 from pathlib import Path
 
+import torch
+
 from tokenbus import LLM, SamplingParams
 from tokenbus.bench.record import make_record, record_dir, this_command, write_record
+from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.source import packaged_smollm2_gguf
 from tokenbus.utils.cpu import CpuFeatures
 
@@ -54,6 +64,26 @@ def llama_bench(gguf: Path) -> tuple[dict[str, float], str]:
         check=True,
     ).stdout
     return parse_llama_bench(out)
+
+
+def read_rate(gib: int = 1, repeats: int = 3) -> float:
+    """GB/s the cores read memory at: torch's sum of `gib` GiB of fp32 (past every cache), the
+    best of `repeats`."""
+    data = torch.ones(gib * 2**28)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def streamed_bytes(gguf: Path) -> int:
+    """Bytes of weights a decoded token reads: every tensor but token_embd (a row of it), which
+    is read whole where it is also the LM head (no output tensor)."""
+    tensors = read_gguf(gguf).tensors
+    tied = "output.weight" not in tensors
+    return sum(t.nbytes for name, t in tensors.items() if tied or name != "token_embd.weight")
 
 
 def parse_llama_bench(out: str) -> tuple[dict[str, float], str]:
@@ -96,8 +126,10 @@ def measure(args: argparse.Namespace, model: str | None) -> dict:
         timed(llm, short, 16), timed(llm, long, 1)  # warm-up (kernels built, caches filled)
     ours: dict[str, list[float]] = {"tg128": [], "pp512": []}
     peer: dict[str, list[float]] = {"tg128": [], "pp512": []}
-    commit = ""
+    commit, reads = "", []
     for n in range(args.reps):
+        reads.append(read_rate())
+        print(f"round {n + 1}: memory read {reads[-1]:.1f} GB/s")
         if llm is not None:
             ours["tg128"].append(128 / (timed(llm, short, 129) - timed(llm, short, 1)))
             ours["pp512"].append(512 / timed(llm, long, 1))
@@ -118,7 +150,14 @@ def measure(args: argparse.Namespace, model: str | None) -> dict:
     best = {test: max(rates) for test, rates in ours.items() if rates}
     best_peer = {test: max(rates) for test, rates in peer.items() if rates}
     print(f"best of {args.reps}: tokenbus {best or refused}, llama.cpp {best_peer or '-'}")
-    return speed_record(args, model, best or refused, best_peer, commit, load)
+    record = speed_record(args, model, best or refused, best_peer, commit, load)
+    streamed = streamed_bytes(gguf) / 1e9
+    stream = record["rows"]["tg128"]
+    stream["memory read (GB/s)"] = round(max(reads), 1)
+    for engine, rates in (("tokenbus", best), ("llama.cpp", best_peer)):
+        if "tg128" in rates:
+            stream[f"{engine} streams (GB/s)"] = round(rates["tg128"] * streamed, 1)
+    return record
 
 
 def speed_record(
