@@ -1,9 +1,11 @@
 """How far the reduced-precision paths move the default model from fp32 (weight-only tiles, fp32
-K/V), on real chat text: int16, int8 and (on AMX) bf16 activations (--quant-activations), an fp16
-KV cache (--kv-cache-dtype), and the defaults (auto: int16 below 16 rows, bf16 from 16 rows on
-AMX, fp16 K/V). A few questions, each answered greedily (48 tokens) under each mode, and the fp32
-run's prompt + answer scored under each mode (prompt logprobs, prefilled in 64-token chunks so
-every matmul runs on the tiles with that mode's activations).
+K/V), on real chat text: int16, int8, bf16 (AVX512-BF16) and q8_k (AVX-512 VNNI: int8 per 256
+values) activations (--quant-activations), an fp16 KV cache (--kv-cache-dtype), and the defaults
+(auto: int16 for decode steps, bf16 for prefill chunks where the CPU has a bf16 engine: the
+default model has no K-quant weights, which auto would give q8_k from 32 rows; fp16 K/V). A few
+questions, each answered greedily (48 tokens) under each mode, and the fp32 run's prompt +
+answer scored under each mode (prompt logprobs, prefilled in 64-token chunks so every matmul
+runs on the tiles with that mode's activations).
 
     .venv/bin/python benchmarks/activation_error.py
     .venv/bin/python benchmarks/activation_error.py --mixed 3.5 4 --modes fp32 int16 int8
@@ -47,7 +49,8 @@ MODES = {
     "fp32": dict(quant_activations="fp32", kv_cache_dtype="float32"),
     "int16": dict(quant_activations="int16", kv_cache_dtype="float32"),
     "int8": dict(quant_activations="int8", kv_cache_dtype="float32"),
-    "bf16": dict(quant_activations="bf16", kv_cache_dtype="float32"),  # AMX only
+    "bf16": dict(quant_activations="bf16", kv_cache_dtype="float32"),  # AVX512-BF16 only
+    "q8_k": dict(quant_activations="q8_k", kv_cache_dtype="float32"),  # AVX-512 VNNI only
     "fp16 KV": dict(quant_activations="fp32", kv_cache_dtype="float16"),
     "defaults": dict(),
 }
@@ -149,11 +152,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = {}
     print(f"CPU: {CpuFeatures.detect().describe()}")
-    modes = ["fp32"] + [
-        mode
-        for mode in args.modes
-        if mode != "fp32" and (mode != "bf16" or load_quant_kernels().bf16_engine)
-    ]
+    kernels = load_quant_kernels()
+    here = {"bf16": bool(kernels.bf16_engine), "q8_k": kernels.q8_k}  # modes this CPU may lack
+    modes = ["fp32"] + [mode for mode in args.modes if mode != "fp32" and here.get(mode, True)]
     reference = MODES["fp32"]
     answers, scores, texts = {}, {}, None
     for mode in modes:

@@ -15,7 +15,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
-QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16")
+QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16", "q8_k")
 POOLERS = ("last", "mean")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # K/V element types: torch's, vLLM's fp8 names ("fp8" is fp8_e4m3; one scale per tensor) and
@@ -121,10 +121,12 @@ class ModelConfig:
     # calls of more than 64 rows (long prefill chunks) then dequantize and multiply in fp32,
     # except without a bf16 engine (AVX2, AVX-512) under auto, int16 or int8 (integer tiles at
     # any size, ahead of the fp32 GEMM there). bf16 (CPUs with AVX512-BF16): x and W rounded to
-    # bf16 for every call, summed in fp32 by AMX tiles or (no AMX) vdpbf16ps. auto: int16, and
-    # bf16 from 16 rows up on AMX (prefill chunks, decode batches of 16+), from 32 rows with
-    # vdpbf16ps (prefill chunks). benchmarks/quant_linear.py --step decides these thresholds
-    # (layers/quantized.py's BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS).
+    # bf16 for every call, summed in fp32 by AMX tiles or (no AMX) vdpbf16ps. q8_k (AVX-512
+    # VNNI): x rounded to int8 per 256 values for every call (llama.cpp's Q8_K activations:
+    # integer dot products at twice bf16's rate, coarser). auto: int16, and from 16 rows up bf16
+    # on AMX (prefill chunks, decode batches of 16+); else from 32 rows q8_k on AVX-512 VNNI,
+    # bf16 with vdpbf16ps (prefill chunks). benchmarks/quant_linear.py --step decides these
+    # thresholds (layers/quantized.py's BF16_AUTO_MIN_ROWS, Q8_K_AUTO_MIN_ROWS, GEMM_FROM_ROWS).
     quant_activations: str = "auto"
     # Every token's logits independent of the rest of its step (batch mates, chunk size, prefix
     # cache hits, decode or prefill route), bit for bit: one activation mode at every size (auto:

@@ -106,11 +106,12 @@ def test_avx512_bf16_cap_builds_without_amx():
 def test_quant_activations_choose_bf16_only_with_an_engine():
     kernels = load_quant_kernels()
     amx, dp, none = (
-        dataclasses.replace(kernels, bf16_engine=e, isa="avx512")
+        dataclasses.replace(kernels, bf16_engine=e, isa="avx512", q8_k=False)
         for e in ("amx", "avx512_bf16", "")
     )
     avx2, baseline = (
-        dataclasses.replace(kernels, bf16_engine="", isa=isa) for isa in ("avx2", "baseline")
+        dataclasses.replace(kernels, bf16_engine="", isa=isa, q8_k=False)
+        for isa in ("avx2", "baseline")
     )
     assert quant_activation_modes("auto", amx) == TileModes(
         "int16", BF16_AUTO_MIN_ROWS["amx"], GEMM_FROM_ROWS

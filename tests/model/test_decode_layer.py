@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,8 @@ from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 
 from tokenbus.loader import load_arch, resolve_model
+from tokenbus.model.layers import Linear
+from tokenbus.model.layers.quantized import QuantizedLinearKernel, TileModes
 from tokenbus.model.layers.rotary import apply_rotary
 from tokenbus.model.native import load_fused_ops, load_quant_kernels
 from tokenbus.utils.cpu import CpuFeatures
@@ -56,6 +60,11 @@ def test_fused_ops_equal_torch(rows):
 
 def q4_k_m_mix(name: str) -> str:
     return "Q6_K" if "attn_v" in name or "ffn_up" in name else "Q4_K"
+
+
+def k_quant_and_32_value_mix(name: str) -> str:
+    """Q4_K and Q6_K shards beside Q8_0 and Q4_0 ones: calls on both kinds in one step."""
+    return "Q8_0" if "attn_k" in name or "ffn_gate" in name else q4_k_m_mix(name)
 
 
 def _model(tmp_path, arch: str, qtype: str, **kwargs):
@@ -124,6 +133,8 @@ def _steps(
         ("qwen3", "Q4_0", "int8", torch.uint8),
         # a mix as Q4_K_M's: q/k/v and gate/up each shards of two types (Q4_K, Q6_K)
         ("llama", q4_k_m_mix, "auto", torch.float32),
+        ("llama", q4_k_m_mix, "q8_k", torch.float32),  # AVX-512 VNNI only
+        ("qwen2", "Q8_0", "q8_k", torch.float32),  # a 32-value type (K 256: one group)
     ],
 )  # --kv-cache-dtype float16 (the default on GGUF blocks), fp8_e4m3, fp8_e5m2, q8_0: written
 # in C by decode_layer.c, in torch by the layer-by-layer path (kv_quant.h / kv_quant.py)
@@ -134,6 +145,8 @@ def test_decoder_layer_in_c_equals_the_layer_by_layer_path(
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
     if activations == "bf16" and not load_quant_kernels().bf16_engine:
         pytest.skip(f"bf16 tiles need AVX512-BF16; this CPU is {CpuFeatures.detect().describe()}")
+    if activations == "q8_k" and not load_quant_kernels().q8_k:
+        pytest.skip(f"q8_k needs AVX-512 VNNI; this CPU is {CpuFeatures.detect().describe()}")
     model = _model(tmp_path, arch, qtype, quantization="gguf", quant_activations=activations)
     layers = model.kernels.decode_layers
     assert layers is not None
@@ -149,6 +162,33 @@ def test_decoder_layer_in_c_equals_the_layer_by_layer_path(
     for got, expected in zip(_steps(model, True, kv_dtype, hooks), want):
         assert torch.equal(got, expected)
     assert per_layer == list(range(model.num_layers)) * 5 and hooks.saved == per_layer
+
+
+def test_k_quant_shards_take_their_own_activations_in_c(tmp_path):
+    """auto's q8_k from some rows up is for K-quant shards only: in one decode step the C layers
+    run those on q8_k and the Q8_0 ones on int16 (step.k_activations), as the layer-by-layer
+    path does shard by shard."""
+    if not load_quant_kernels().q8_k:
+        pytest.skip(f"q8_k needs AVX-512 VNNI; this CPU is {CpuFeatures.detect().describe()}")
+    model = _model(tmp_path, "llama", k_quant_and_32_value_mix, quantization="gguf")
+    modes = TileModes("int16", 0, 0, q8_k_from_rows=1)  # every call past 0 rows
+    model.kernels = dataclasses.replace(model.kernels, tile_modes=modes)
+    linears = [m.kernel for m in model.modules() if isinstance(m, Linear)]
+    for kernel in linears:
+        if isinstance(kernel, QuantizedLinearKernel):
+            kernel.modes = modes
+    taken = []
+    tile_matmul = model.quant_kernels.tile_matmul
+    spy = lambda qtype, *args: (taken.append((qtype, args[-1])), tile_matmul(qtype, *args))  # noqa: E731
+    object.__setattr__(model.quant_kernels, "tile_matmul", spy)
+    want = _steps(model, False)
+    assert {(gguf.GGMLQuantizationType(q).name, mode) for q, mode in taken} >= {
+        ("Q8_0", "int16"),
+        ("Q4_K", "q8_k"),
+        ("Q6_K", "q8_k"),
+    }
+    for got, expected in zip(_steps(model, True), want):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("case", ["dequantized", "k-quant", "bf16"])

@@ -154,13 +154,19 @@ def mixed_gguf(tmp_path_factory):
     return write_gguf(hf_dir, tmp_path_factory.mktemp("mixed") / "q4_k_m.gguf", mixed_qtype)
 
 
+def gguf_linears(model) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
 @pytest.mark.parametrize("quant_activations", ["fp32", "auto"])
 def test_mixed_type_gguf_greedy_matches_transformers(mixed_gguf, quant_activations):
     """HF transformers loads the same file through gguf.quants' dequantizers, so the only
     difference left is our kernels (K/V kept in fp32: auto would store fp16 for a GGUF model).
     With fp32 activations the greedy tokens are HF's and so are their logprobs, to 1e-4; under
-    auto (int16 or, from 32 rows where the CPU has a bf16 engine, bf16 activations on the
-    tiled Q8_0 shard) a first difference is allowed at a near tie."""
+    auto (int16; from 32 rows bf16 where the CPU has a bf16 engine, and q8_k on the K-quant
+    shards where it has AVX-512 VNNI without AMX) a first difference is allowed at a near tie:
+    within 0.1 nats, or 0.5 where the 40-token prefills' K-quant calls round x to int8 per 256
+    values (this random model's logits then move by up to ~0.3: test_q8k_tiles.py)."""
     types = {info.qtype.name for info in read_gguf(mixed_gguf).tensors.values()}
     assert types == {*MIXED_RECIPE.values(), "Q4_K", "F32"}
     hf = load_hf(str(mixed_gguf.parent), mixed_gguf.name)
@@ -170,13 +176,14 @@ def test_mixed_type_gguf_greedy_matches_transformers(mixed_gguf, quant_activatio
     )
     try:
         model = llm.engine.client.engine_core.executor.worker.model
-        assert {m.backend for m in model.modules() if isinstance(m, Linear)} == {"gguf"}
+        assert {m.backend for m in gguf_linears(model)} == {"gguf"}
         params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=5)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for out, prompt in zip(outputs, prompts):
             got, want = out.outputs[0], hf_greedy(hf, prompt, 16)
             if quant_activations != "fp32":
-                assert_same_or_near_tie(got.token_ids, want, got.logprobs)
+                q8_k = any(m.kernel.modes.q8_k_from_rows for m in gguf_linears(model))
+                assert_same_or_near_tie(got.token_ids, want, got.logprobs, 0.5 if q8_k else 0.1)
                 continue
             assert got.token_ids == want
             with torch.no_grad():

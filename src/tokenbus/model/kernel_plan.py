@@ -46,6 +46,7 @@ from tokenbus.model.layers.quantized import (
     BF16_AUTO_MIN_ROWS,
     GEMM_FROM_ROWS,
     INT_TILES_ANY_ROWS_ISAS,
+    Q8_K_AUTO_MIN_ROWS,
     DequantBuffer,
     QuantizedLinearKernel,
     TileModes,
@@ -176,6 +177,7 @@ class KernelPlan:
             native.reqs,
             kv,
             self.tile_modes.mode(rows),
+            self.tile_modes.mode(rows, k_quant=True),
             self.lora.slots if self.lora is not None else None,
         )
 
@@ -307,12 +309,16 @@ def quant_activation_modes(
     """The TileModes for a ModelConfig.quant_activations: auto is int16, and bf16 from
     BF16_AUTO_MIN_ROWS[engine] rows where the CPU has a bf16 engine (AMX: prefill chunks and
     decode batches of 16+; AVX512-BF16: prefill chunks), else int16 at any size on
-    INT_TILES_ANY_ROWS_ISAS (AVX2, AVX-512); bf16 is bf16 for every call and needs an engine; an
-    explicit int8 or int16 takes its tiles at any size on those ISAs too (there they beat
-    dequantizing for the GEMM). Calls past the decode-sized ones dequantize for the fp32 GEMM
-    otherwise. `row_invariant` (--batch-invariant): one mode at every size (auto: int16), on the
-    block kernels only (TileModes.row_invariant)."""
+    INT_TILES_ANY_ROWS_ISAS (AVX2, AVX-512); without AMX but with q8_k's kernels (AVX-512
+    VNNI), calls on K-quant tiles from Q8_K_AUTO_MIN_ROWS rows take q8_k (llama.cpp's pairing:
+    Q8_K activations for K-quant weights). bf16 and q8_k are that mode for every call and need
+    their kernels; an explicit int8 or int16 takes its tiles at any size where
+    auto's int16 does, and int8 wherever q8_k runs (VNNI: int8 tiles by pairs, ahead of the
+    GEMM). Calls past the decode-sized ones dequantize for the fp32 GEMM otherwise.
+    `row_invariant` (--batch-invariant): one mode at every size (auto: int16), on the block
+    kernels only (TileModes.row_invariant)."""
     engine = kernels.bf16_engine if kernels is not None else ""
+    q8_k = kernels is not None and kernels.q8_k
     any_rows = not engine and kernels is not None and kernels.isa in INT_TILES_ANY_ROWS_ISAS
     if requested == "bf16":
         if not engine:
@@ -321,15 +327,24 @@ def quant_activation_modes(
                 f"kernel grants them); this CPU: {CpuFeatures.detect().describe()}"
             )
         return TileModes("bf16", 1, 0, row_invariant)
+    if requested == "q8_k":
+        if not q8_k:
+            raise ValueError(
+                "quant_activations 'q8_k' needs AVX-512 with VNNI (avx512_vnni); this CPU: "
+                f"{CpuFeatures.detect().describe()}"
+            )
+        return TileModes("q8_k", 0, 0, row_invariant)
     if row_invariant:
         return TileModes("int16" if requested == "auto" else requested, 0, 0, True)
     if requested == "auto":
         return TileModes(
-            "int16", BF16_AUTO_MIN_ROWS.get(engine, 0), 0 if any_rows else GEMM_FROM_ROWS
+            "int16",
+            BF16_AUTO_MIN_ROWS.get(engine, 0),
+            0 if any_rows else GEMM_FROM_ROWS,
+            q8_k_from_rows=Q8_K_AUTO_MIN_ROWS if q8_k and engine != "amx" else 0,
         )
-    return TileModes(
-        requested, 0, 0 if any_rows and requested in ("int8", "int16") else GEMM_FROM_ROWS
-    )
+    int_any_rows = (any_rows and requested in ("int8", "int16")) or (q8_k and requested == "int8")
+    return TileModes(requested, 0, 0 if int_any_rows else GEMM_FROM_ROWS)
 
 
 def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:

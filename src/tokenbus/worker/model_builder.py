@@ -47,7 +47,7 @@ def load_model(
     if max_model_len is not None:
         arch = dataclasses.replace(arch, max_position_embeddings=max_model_len)
     keep_quantized = quantization == "gguf"
-    if quant_activations in ("int8", "int16", "bf16") and not keep_quantized:
+    if quant_activations in ("int8", "int16", "bf16", "q8_k") and not keep_quantized:
         raise ValueError(
             f"quant_activations {quant_activations!r} needs GGUF weights kept quantized "
             f"(--quantization gguf)"

@@ -22,7 +22,10 @@ On a CPU with AVX512-BF16, calls from BF16_AUTO_MIN_ROWS rows up (prefill chunks
 decode batches of 16+) take bf16 activations instead, at any size: each weight tile is
 dequantized once per call into bf16, x is rounded to bf16, and AMX tiles (or, without AMX,
 vdpbf16ps) sum the products in fp32 (quant_tiles.c). benchmarks/quant_linear.py --step compares
-them with int16 tiles and with the fp32 GEMM.
+them with int16 tiles and with the fp32 GEMM. Without AMX but with AVX-512 VNNI, those calls
+(from Q8_K_AUTO_MIN_ROWS rows) take q8_k activations instead: x rounded to int8 per 256 values
+(llama.cpp's Q8_K) and integer dot products, at twice vdpbf16ps's multiply-adds per
+instruction (quant_tiles.c's tiles_q8k.h).
 
 Every mode above is row-local (a row's result is the same whatever other rows share the call:
 tests/model/test_batch_invariant.py), but which mode and kernel a call takes depends on its
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from gguf import GGMLQuantizationType
 
 from tokenbus.model.native import (
     QUANT_GEMV_MAX_ROWS,
@@ -51,6 +55,10 @@ from tokenbus.model.native import (
 # numerics, closer to fp32, are kept. benchmarks/quant_linear.py --step (int16 vs bf16 rows)
 # decides each threshold.
 BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
+# From how many rows a call on tiles takes q8_k activations (int8 per 256 values) under
+# quant_activations=auto, where the kernels have them (AVX-512 VNNI) and no AMX takes bf16: the
+# prefill chunks, where it runs at ~1.4x vdpbf16ps's rate; decode batches keep int16's numerics.
+Q8_K_AUTO_MIN_ROWS = 32
 
 # Where no bf16 engine takes the big calls, from how many rows a call on tiles dequantizes its
 # weight for an fp32 GEMM instead (quant_activations=auto): past the decode-sized calls, except
@@ -59,6 +67,17 @@ BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 # 64 256 2048 decides which ISAs belong. With VNNI an int16 multiply-add is one vpdpwssd
 # instead of two instructions.
 GEMM_FROM_ROWS = TILE_GEMV_MAX_ROWS + 1
+# Tile formats in 256-value super-blocks (K-quants; Q3_K is repacked as Q6_K): the calls
+# TileModes.q8_k_from_rows moves to q8_k.
+SUPER_BLOCK_FORMATS = frozenset(
+    int(t)
+    for t in (
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+        GGMLQuantizationType.IQ4_XS,
+    )
+)
 INT_TILES_ANY_ROWS_ISAS = ("avx2", "avx512")
 
 
@@ -79,9 +98,15 @@ class TileModes:
     bf16_from_rows: int = 0
     gemm_from_rows: int = GEMM_FROM_ROWS
     row_invariant: bool = False
+    # From this many rows (0: never), calls on K-quant tiles (SUPER_BLOCK_FORMATS) take q8_k, the
+    # activations llama.cpp pairs with K-quants; the other types' calls keep the modes above.
+    q8_k_from_rows: int = 0
 
-    def mode(self, rows: int) -> str:
-        """The mode of a call of `rows` rows: shard_matmul's `mode`."""
+    def mode(self, rows: int, k_quant: bool = False) -> str:
+        """The mode of a call of `rows` rows (on K-quant tiles where `k_quant`): shard_matmul's
+        `mode`."""
+        if self.q8_k_from_rows and rows >= self.q8_k_from_rows and k_quant:
+            return "q8_k"
         if self.bf16_from_rows and rows >= self.bf16_from_rows:
             return "bf16"
         return "gemm" if self.gemm_from_rows and rows >= self.gemm_from_rows else self.activations
@@ -198,14 +223,14 @@ class QuantizedLinearKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
-        start, mode = 0, self.modes.mode(flat.shape[0])
+        start = 0
         for shard in self.shards:
             shard_matmul(
                 self.kernels,
                 shard,
                 flat,
                 out[:, start : start + shard.rows],
-                mode,
+                self.modes.mode(flat.shape[0], shard.tiled and shard.qtype in SUPER_BLOCK_FORMATS),
                 self.buffer,
                 self.modes.row_invariant,
             )

@@ -113,6 +113,7 @@ class _Step(ctypes.Structure):
         ("block_size", _I64),
         ("activations", _I64),
         ("num_threads", _I64),
+        ("k_activations", _I64),
         ("kv_elem", _I64),
         ("k_scale", _F32),
         ("v_scale", _F32),
@@ -285,6 +286,7 @@ class DecodeLayers:
         reqs: torch.Tensor,
         kv_cache: torch.Tensor,
         activations: str,
+        k_activations: str,
         lora_slots: torch.Tensor | None = None,
     ) -> _Step:
         """What every layer of this step shares. The tensors must live until the step ends
@@ -318,6 +320,7 @@ class DecodeLayers:
             block_size,
             TILE_ACTIVATIONS[activations],
             torch.get_num_threads(),
+            TILE_ACTIVATIONS[k_activations],
             KERNEL_DTYPES[kv_cache.dtype],
             *kv_quant.tensor_scales(kv_cache.dtype),
             None if lora_slots is None else lora_slots.data_ptr(),

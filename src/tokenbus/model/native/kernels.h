@@ -17,8 +17,9 @@ enum {
 };
 /* Element types of queries and the KV cache (kv_quant.h has their row layouts). */
 enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2, ELEM_FP8_E4M3 = 3, ELEM_FP8_E5M2 = 4, ELEM_Q8_0 = 5 };
-/* How tile_matmul takes its activations: as they are, or rounded per 32 values first. */
-enum { ACT_FP32 = 0, ACT_INT8 = 1, ACT_INT16 = 2, ACT_BF16 = 3 };
+/* How tile_matmul takes its activations: as they are, rounded per 32 values first (int8, int16),
+   rounded to bf16, or to int8 per 256 values (Q8_K: tiles_q8k.h). */
+enum { ACT_FP32 = 0, ACT_INT8 = 1, ACT_INT16 = 2, ACT_BF16 = 3, ACT_Q8_K = 4 };
 /* What runs tile_matmul's ACT_BF16 (tile_bf16_engine). */
 enum { BF16_ENGINE_NONE = 0, BF16_ENGINE_AVX512_BF16 = 1, BF16_ENGINE_AMX = 2 };
 
@@ -36,6 +37,7 @@ int quant_dequant_rows(int qtype, const uint8_t *w, int64_t K, const int64_t *ro
 /* ---- quant_tiles.c: GGUF blocks repacked in 16-row tiles */
 int tile_supported(void);
 int tile_bf16_engine(void);
+int tile_q8_k(void);
 int tile_format(int qtype);
 int64_t tile_nbytes(int qtype, int64_t N, int64_t K);
 int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out);
@@ -115,6 +117,7 @@ typedef struct {
     int64_t table_stride;
     const int64_t *query_start, *seq_lens, *reqs;
     int64_t num_reqs, num_blocks, block_size, activations, num_threads; /* activations: ACT_* */
+    int64_t k_activations;      /* ACT_* of the calls on K-quant shards (Q4_K, Q5_K, Q6_K, IQ4_XS) */
     int64_t kv_elem;            /* the cache's element type (ELEM_*): fp32, fp16, fp8 or q8_0 */
     float k_scale, v_scale;     /* fp8 K/V's per-tensor scales (1 for the other types) */
     const int64_t *lora_slots;  /* [T]: each row's LoRA slot, -1 for none; NULL: no row has one */

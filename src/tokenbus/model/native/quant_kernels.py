@@ -28,8 +28,9 @@ TILE_GEMV_MAX_ROWS = QUANT_MAX_ROWS
 # Rows per tile of quant_tiles.c (which GGML types it repacks, and into which format: its
 # tile_format).
 TILE_ROWS = 16
-# How quant_tiles.c takes the activations (its ACT_*): as they are, or rounded per 32 values.
-TILE_ACTIVATIONS = {"fp32": 0, "int8": 1, "int16": 2, "bf16": 3}
+# How quant_tiles.c takes the activations (its ACT_*): as they are, rounded per 32 values (int8,
+# int16), rounded to bf16, or to int8 per 256 values (q8_k: llama.cpp's Q8_K).
+TILE_ACTIVATIONS = {"fp32": 0, "int8": 1, "int16": 2, "bf16": 3, "q8_k": 4}
 # What quant_tiles.c's tile_bf16_engine() answers: how "bf16" activations run (none, AVX512-BF16
 # dot products, AMX tiles).
 BF16_ENGINES = ("", "avx512_bf16", "amx")
@@ -50,6 +51,7 @@ class QuantKernels:
     isa: str = (
         ""  # the vector level the kernels were built for (CpuFeatures.isa: avx512, avx2, baseline)
     )
+    q8_k: bool = False  # whether tile_matmul takes "q8_k" activations here (AVX-512 VNNI)
 
     def tiles(self, qtype: int) -> bool:
         """Whether weights of this GGML type are repacked in tiles here."""
@@ -99,9 +101,10 @@ class QuantKernels:
         activations: str,
     ) -> None:
         """out[M, N] (row-strided) = x[M, K] @ W.T, W tiled (num_rows = N); `activations`
-        (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (any M), bf16 rounds x
-        and W to bf16 (any M; where `bf16_engine`: AMX tiles or AVX512-BF16 dot products), fp32
-        takes up to QUANT_MAX_ROWS rows (quant_tiles.c)."""
+        (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (any M), q8_k rounds x
+        to int8 per 256 values (any M; where `q8_k`), bf16 rounds x and W to bf16 (any M; where
+        `bf16_engine`: AMX tiles or AVX512-BF16 dot products), fp32 takes up to QUANT_MAX_ROWS
+        rows (quant_tiles.c)."""
         assert (
             tiles.dtype == torch.uint8
             and tiles.is_contiguous()
@@ -258,7 +261,12 @@ def load_quant_kernels(
     tile_fns = _load_tile_fns(cpu, tile_source)
     engine = BF16_ENGINES[tile_fns["bf16_engine"]()] if tile_fns is not None else ""
     return QuantKernels(
-        matmul, dequant, tile_fns, bf16_engine=engine, isa=(cpu or CpuFeatures.detect()).isa
+        matmul,
+        dequant,
+        tile_fns,
+        bf16_engine=engine,
+        isa=(cpu or CpuFeatures.detect()).isa,
+        q8_k=tile_fns is not None and bool(tile_fns["q8_k"]()),
     )
 
 
@@ -276,6 +284,7 @@ def _load_tile_fns(cpu: CpuFeatures | None, source: Path) -> dict[str, ctypes._C
             "dequant_rows",
             "dequant_t",
             "bf16_engine",
+            "q8_k",
             "format",
         )
     }

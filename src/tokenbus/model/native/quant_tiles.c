@@ -377,6 +377,7 @@ static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
 
 #include "tiles_int8.h"
 #include "tiles_int8_pairs.h"
+#include "tiles_q8k.h"
 #include "tiles_int16.h"
 #include "tiles_fp32.h"
 #endif
@@ -420,6 +421,15 @@ static const bf16_engine *bf16_engine_here(void) {
 
 /* How tile_matmul takes bf16 activations here: BF16_ENGINE_*. */
 int tile_bf16_engine(void) { return bf16_engine_here()->code; }
+
+/* 1 when this build runs ACT_Q8_K (AVX-512 VNNI: tiles_q8k.h). */
+int tile_q8_k(void) {
+#ifdef HAVE_Q8K_TILES
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* 1 when this build has the tiled kernels (AVX2 + FMA + F16C, or AVX-512 BW). */
 int tile_supported(void) {
@@ -467,7 +477,7 @@ int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, con
    2: fp32 with M > MAX_M; 3: out of memory. */
 int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx,
                 float *y, int64_t ldy, int act, int num_threads) {
-    if (act != ACT_FP32 && act != ACT_INT8 && act != ACT_INT16 && act != ACT_BF16) return 1;
+    if (act != ACT_FP32 && act != ACT_INT8 && act != ACT_INT16 && act != ACT_BF16 && act != ACT_Q8_K) return 1;
     int64_t blocks, tbb, tile_bytes, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes);
     if (!ntiles || !tile_supported()) return 1;
     if (M > MAX_M && act == ACT_FP32) return 2;
@@ -480,6 +490,13 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
         return engine->matmul ? engine->matmul(qtype, qb, tiles, ntiles, blocks, tbb, N, K, x, M, ldx, y, ldy,
                                                num_threads)
                               : 1;
+    }
+    if (act == ACT_Q8_K) {
+#ifdef HAVE_Q8K_TILES
+        return q8k_matmul(qtype, tiles, ntiles, blocks, tbb, N, K, x, M, ldx, y, ldy, num_threads);
+#else
+        return 1;
+#endif
     }
     if (act != ACT_FP32) {  /* x rounded per block first: qa (int8 or int16), then its scales */
         const size_t elem = act == ACT_INT16 ? sizeof(int16_t) : sizeof(int8_t);

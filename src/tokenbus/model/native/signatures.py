@@ -24,6 +24,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     # quant_tiles.c
     "tile_supported": ("i", ""),
     "tile_bf16_engine": ("i", ""),
+    "tile_q8_k": ("i", ""),
     "tile_format": ("i", "i"),
     "tile_nbytes": ("l", "ill"),
     "tile_repack": ("i", "ipllp"),
