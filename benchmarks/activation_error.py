@@ -2,7 +2,7 @@
 K/V), on real chat text: int16, int8, bf16 (AVX512-BF16) and q8_k (AVX-512 VNNI: int8 per 256
 values) activations (--quant-activations), an fp16 KV cache (--kv-cache-dtype), and the defaults
 (auto: int16 for decode steps, bf16 for prefill chunks where the CPU has a bf16 engine: the
-default model has no K-quant weights, which auto would give q8_k from 32 rows; fp16 K/V). A few
+default model has no K-quant weights, which auto would give q8_k from 16 rows; fp16 K/V). A few
 questions, each answered greedily (48 tokens) under each mode, and the fp32 run's prompt +
 answer scored under each mode (prompt logprobs, prefilled in 64-token chunks so every matmul
 runs on the tiles with that mode's activations).

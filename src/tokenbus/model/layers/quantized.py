@@ -22,8 +22,9 @@ On a CPU with AVX512-BF16, calls from BF16_AUTO_MIN_ROWS rows up (prefill chunks
 decode batches of 16+) take bf16 activations instead, at any size: each weight tile is
 dequantized once per call into bf16, x is rounded to bf16, and AMX tiles (or, without AMX,
 vdpbf16ps) sum the products in fp32 (quant_tiles.c). benchmarks/quant_linear.py --step compares
-them with int16 tiles and with the fp32 GEMM. Without AMX but with AVX-512 VNNI, those calls
-(from Q8_K_AUTO_MIN_ROWS rows) take q8_k activations instead: x rounded to int8 per 256 values
+them with int16 tiles and with the fp32 GEMM. Without AMX but with AVX-512 VNNI, calls on
+K-quant tiles from Q8_K_AUTO_MIN_ROWS rows (prefill chunks, decode batches of 16+) take q8_k
+activations instead: x rounded to int8 per 256 values
 (llama.cpp's Q8_K) and integer dot products, at twice vdpbf16ps's multiply-adds per
 instruction (quant_tiles.c's tiles_q8k.h).
 
@@ -56,9 +57,10 @@ from tokenbus.model.native import (
 # decides each threshold.
 BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 # From how many rows a call on tiles takes q8_k activations (int8 per 256 values) under
-# quant_activations=auto, where the kernels have them (AVX-512 VNNI) and no AMX takes bf16: the
-# prefill chunks, where it runs at ~1.4x vdpbf16ps's rate; decode batches keep int16's numerics.
-Q8_K_AUTO_MIN_ROWS = 32
+# quant_activations=auto, on K-quant tiles, where the kernels have them (AVX-512 VNNI) and no AMX
+# takes bf16: prefill chunks and decode batches of 16+ (as AMX's bf16), where its integer dots
+# beat vdpbf16ps and int16's vpdpwssd; smaller decode steps keep int16's numerics.
+Q8_K_AUTO_MIN_ROWS = 16
 
 # Where no bf16 engine takes the big calls, from how many rows a call on tiles dequantizes its
 # weight for an fp32 GEMM instead (quant_activations=auto): past the decode-sized calls, except
