@@ -24,9 +24,8 @@ dequantized once per call into bf16, x is rounded to bf16, and AMX tiles (or, wi
 vdpbf16ps) sum the products in fp32 (quant_tiles.c). benchmarks/quant_linear.py --step compares
 them with int16 tiles and with the fp32 GEMM. Without AMX but with AVX-512 VNNI, calls on
 K-quant tiles from Q8_K_AUTO_MIN_ROWS rows (prefill chunks, decode batches of 16+) take q8_k
-activations instead: x rounded to int8 per 256 values
-(llama.cpp's Q8_K) and integer dot products, at twice vdpbf16ps's multiply-adds per
-instruction (quant_tiles.c's tiles_q8k.h).
+activations instead: x rounded to int8 per 256 values (llama.cpp's Q8_K) and integer dot
+products, at twice vdpbf16ps's multiply-adds per instruction (quant_tiles.c's tiles_q8k.h).
 
 Every mode above is row-local (a row's result is the same whatever other rows share the call:
 tests/model/test_batch_invariant.py), but which mode and kernel a call takes depends on its

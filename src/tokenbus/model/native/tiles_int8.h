@@ -4,6 +4,37 @@
 #ifndef TOKENBUS_TILES_INT8_H
 #define TOKENBUS_TILES_INT8_H
 
+/* ---- int8 dots' weights */
+/* A tile-block's values as 8 chunk vectors, chunk c the 16 rows' values 4c..4c+3 a byte each, as
+   the format keeps them: q8_chunk's (Q8_0, IQ4 table values, Q5 0..31, Q6_K -32..31), or Q4's
+   nibbles (0..15). */
+static inline __attribute__((always_inline)) void tile_chunks(int qtype, const uint8_t *tb, vi *w) {
+    if (q8_chunks(qtype)) {
+        for (int c = 0; c < 8; c++) w[c] = q8_chunk(qtype, tb, c);
+        return;
+    }
+    const vi nibble = vi_set8(0xF);
+    for (int c = 0; c < 4; c++) {
+        const vi raw = vi_load(tb + 64 * c);
+        w[c] = vi_and(raw, nibble);
+        w[c + 4] = vi_and(vi_srli16(raw, 4), nibble);
+    }
+}
+
+/* Where signed values w meet x biased to unsigned bytes (v + 128, VNNI): per half of a block
+   sum w (v + 128) = sum w v + 128 sum w, so a dot chain over values 0-15 (lo) or 16-31 (hi)
+   that starts from -128 sum w (these, from dots of 1 against w) ends at sum w v. */
+static inline void bias_starts(const vi *w, vi *lo, vi *hi) {
+    const vi ones = vi_set8(1);
+    vi l = vi_zero(), h = vi_zero();
+    for (int c = 0; c < 4; c++) {
+        l = vi_dot(l, ones, w[c]);
+        h = vi_dot(h, ones, w[c + 4]);
+    }
+    *lo = vi_sub32(vi_zero(), vi_slli32(l, 7));
+    *hi = vi_sub32(vi_zero(), vi_slli32(h, 7));
+}
+
 /* ---- integer activations (int8, int16) */
 /* Block b of row m of x rounded to multiples of da = max|x| / levels: v[32], and
    da[m * blocks + b], sa[...] = da * sum(v) (what the mins multiply). */
@@ -82,24 +113,16 @@ static void tile_q8a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
                      int64_t t) {
     vf accd[MAX_M], accm[MAX_M];
     for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
-    const vi nibble = vi_set8(0xF), bias = vi_set8((int8_t)0x80);
+    const vi bias = vi_set8((int8_t)0x80);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
         prefetch_ahead(tb, tbb);
         vf d, d1, mn;
         tile_scales(qtype, tb, b, tbb, (float)Q8_BIAS, &d, &d1, &mn);
         vi w[8];  /* w[c]: the quants that meet dword c of an activation block */
-        if (signed_bytes(qtype)) {
-            for (int c = 0; c < 8; c++) w[c] = Q8_BIAS ? vi_xor(q8_chunk(qtype, tb, c), bias) : q8_chunk(qtype, tb, c);
-        } else if (q8_chunks(qtype)) {  /* Q6_K (signed), Q5 (0..31: unsigned as they are) */
-            for (int c = 0; c < 8; c++) w[c] = q8_chunk(qtype, tb, c);
-        } else {
-            for (int c = 0; c < 4; c++) {
-                const vi raw = vi_load(tb + 64 * c);
-                w[c] = vi_and(raw, nibble);
-                w[c + 4] = vi_and(vi_srli16(raw, 4), nibble);
-            }
-        }
+        tile_chunks(qtype, tb, w);  /* Q6_K signed, Q5 (0..31) and Q4 unsigned as they are */
+        if (signed_bytes(qtype) && Q8_BIAS)
+            for (int c = 0; c < 8; c++) w[c] = vi_xor(w[c], bias);
         for (int64_t m = 0; m < M; m++) {
             const int8_t *a = qa + m * K + b * 32;
             if (split_scales(qtype)) {  /* signed quants (no bias), two halves of their own scale */
@@ -145,18 +168,13 @@ static void tile_q4a(int qtype, int qb, const uint8_t *tiles, int64_t blocks, in
                      int64_t t) {
     vf accd[MAX_M], accm[MAX_M];
     for (int64_t m = 0; m < M; m++) { accd[m] = vf_zero(); accm[m] = vf_zero(); }
-    const vi nibble = vi_set8(0xF);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
         prefetch_ahead(tb, tbb);
         vf d, d1, mn;
         tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
         vi w[8];  /* as tile_q8a's */
-        for (int c = 0; c < 4; c++) {
-            const vi raw = vi_load(tb + 64 * c);
-            w[c] = vi_and(raw, nibble);
-            w[c + 4] = vi_and(vi_srli16(raw, 4), nibble);
-        }
+        tile_chunks(qtype, tb, w);
         for (int64_t m0 = 0; m0 + Q4A_ROWS <= M; m0 += Q4A_ROWS) {
             const int8_t *a = qa + m0 * K + b * 32;
             vi acc[Q4A_ROWS];  /* int16 pair sums per row */

@@ -33,27 +33,10 @@
    two halves, -128 times the sum of a row's 16 quants in each. */
 static inline __attribute__((always_inline)) void q8p_weights(const int qtype, const uint8_t *tb, vi *w,
                                                               vi *start_lo, vi *start_hi) {
-    if (signed_bytes(qtype)) {
-        for (int c = 0; c < 8; c++) w[c] = vi_xor(q8_chunk(qtype, tb, c), vi_set8((int8_t)0x80));
-    } else if (q8_chunks(qtype)) {
-        for (int c = 0; c < 8; c++) w[c] = q8_chunk(qtype, tb, c);
-    } else {
-        for (int c = 0; c < 4; c++) {
-            const vi raw = vi_load(tb + 64 * c);
-            w[c] = vi_and(raw, vi_set8(0xF));
-            w[c + 4] = vi_and(vi_srli16(raw, 4), vi_set8(0xF));
-        }
-    }
-    if (split_scales(qtype)) {
-        const vi ones = vi_set8(1);
-        vi lo = vi_zero(), hi = vi_zero();
-        for (int c = 0; c < 4; c++) {
-            lo = vi_dot(lo, ones, w[c]);
-            hi = vi_dot(hi, ones, w[c + 4]);
-        }
-        *start_lo = vi_sub32(vi_zero(), vi_slli32(lo, 7));
-        *start_hi = vi_sub32(vi_zero(), vi_slli32(hi, 7));
-    }
+    tile_chunks(qtype, tb, w);
+    if (split_scales(qtype)) bias_starts(w, start_lo, start_hi);
+    if (signed_bytes(qtype))
+        for (int c = 0; c < 8; c++) w[c] = vi_xor(w[c], vi_set8((int8_t)0x80));
 }
 
 /* Rows [0, M) of qa against tiles t and t + 1 (t alone where !two: the pair's second tile is

@@ -4,7 +4,7 @@
 
    Why another int8 kernel. With a scale per 32 values (ACT_INT8), every row, tile and block
    costs three float instructions beside its 8 dot products (d da, its fma, the min's fma), and
-   they issue on the pipes vpdpbusd issues on: that caps the integer rate at ~70%. With one
+   they issue on the pipes vpdpbusd issues on: 3 of every 11 issue slots go to them. With one
    scale da per 256 values, the block's d (the K-quants' d sc) multiplies the integer sum alone,
    and da multiplies a whole group's sum once: per row, tile and block one fma (two with mins).
 
@@ -80,34 +80,21 @@ static void quantize_rows_q8k(const float *x, int64_t M, int64_t ldx, int64_t K,
 static inline __attribute__((always_inline)) void q8k_unpack(const int qtype, const uint8_t *tiles, int64_t t,
                                                              int64_t b, int64_t blocks, int64_t tbb, uint8_t *out) {
     const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
-    vi w[8];
-    if (q8_chunks(qtype)) {
-        for (int c = 0; c < 8; c++) w[c] = q8_chunk(qtype, tb, c);
-    } else {
-        for (int c = 0; c < 4; c++) {
-            const vi raw = vi_load(tb + 64 * c);
-            w[c] = vi_and(raw, vi_set8(0xF));
-            w[c + 4] = vi_and(vi_srli16(raw, 4), vi_set8(0xF));
-        }
-    }
+    vi w[8], lo, hi;
+    tile_chunks(qtype, tb, w);
     const int offset = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;  /* the value is d (q - offset) */
     for (int c = 0; c < 8; c++) {
         if (offset) w[c] = vi_sub8(w[c], vi_set8((int8_t)offset));
         _mm512_store_si512((void *)(out + 64 * c), w[c]);
     }
     uint8_t *p = out + 512;
-    const vi ones = vi_set8(1);
-    vi lo = vi_zero(), hi = vi_zero();
-    for (int c = 0; c < 4; c++) {
-        lo = vi_dot(lo, ones, w[c]);
-        hi = vi_dot(hi, ones, w[c + 4]);
-    }
+    bias_starts(w, &lo, &hi);
     if (split_scales(qtype)) {  /* a start per half */
-        _mm512_store_si512((void *)p, vi_sub32(vi_zero(), vi_slli32(lo, 7)));
-        _mm512_store_si512((void *)(p + 64), vi_sub32(vi_zero(), vi_slli32(hi, 7)));
+        _mm512_store_si512((void *)p, lo);
+        _mm512_store_si512((void *)(p + 64), hi);
         p += 128;
     } else {
-        _mm512_store_si512((void *)p, vi_sub32(vi_zero(), vi_slli32(vi_add(lo, hi), 7)));
+        _mm512_store_si512((void *)p, vi_add(lo, hi));
         p += 64;
     }
     vf d, d1, mn;
