@@ -16,6 +16,7 @@ from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus import SamplingParams
 from tokenbus.core.kv.hybrid import HybridKVCacheManager
+from tokenbus.model.attention_backend import triton_problem
 
 MAX_TOKENS = 10
 BLOCK = 4  # small blocks: the window spans several
@@ -75,6 +76,25 @@ def test_prefix_hits_and_chunks(model, prompts, reference, caching, backend):
     hits = llm.engine.stats_totals["prefix_cache_hits"]
     if caching:
         assert hits > 0  # the shared prefix's blocks, in every group
+    assert_engine_clean(llm)
+
+
+@pytest.mark.skipif(triton_problem("cpu") is not None, reason=f"Triton: {triton_problem('cpu')}")
+def test_triton_kernels_skip_the_handed_back_blocks(model, prompts, reference):
+    """The Triton kernels (in their interpreter here) start each query's keys at its window's
+    first block, so the sliding groups' tables may point anywhere before it. Its blocks are
+    16 tokens at least: a 16-token window then spans two blocks, and 60-80-token requests
+    hand back several."""
+    llm = make_llm(
+        model,
+        max_num_batched_tokens=24,
+        max_num_seqs=3,
+        attention_backend="triton",
+        kv_cache_dtype="float32",
+        block_size=16,
+    )
+    assert generate(llm, prompts) == reference
+    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
     assert_engine_clean(llm)
 
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import get_model_class
+from tokenbus.model.attention_backend import triton_problem
 from tokenbus.model.gemma import GemmaForCausalLM, GemmaRMSNorm
 from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
 from tokenbus.worker.model_builder import load_model
@@ -34,9 +35,9 @@ def hf_logits(path, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def our_logits(model, ids: list[int], prefill: int = 10) -> torch.Tensor:
+def our_logits(model, ids: list[int], prefill: int = 10, block_size: int = 4) -> torch.Tensor:
     """Prefill ids[:prefill], then decode the rest one by one; logits of every position."""
-    kv = PagedKV.for_model(model, block_size=4)
+    kv = PagedKV.for_model(model, block_size=block_size)
     rows = []
     with torch.inference_mode():
         for batch in [[("r", ids[:prefill])]] + [[("r", [t])] for t in ids[prefill:]]:
@@ -78,6 +79,19 @@ def test_prefill_then_decode_matches_hf(hf_dir, gguf_path, family, fmt, backend)
     ours = load(path, backend)
     assert isinstance(ours, GemmaForCausalLM)
     torch.testing.assert_close(our_logits(ours, IDS), hf_logits(hf_dir, IDS), atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(triton_problem("cpu") is not None, reason=f"Triton: {triton_problem('cpu')}")
+def test_triton_kernels_match_hf(family):
+    """The Triton kernels (here in their interpreter) with Gemma's soft-capped scores and a
+    window of 8 keys on the local layers: a 24-token prefill over two KV blocks, then decodes
+    whose windows leave the first block behind."""
+    path = cached_tiny_model(family, sliding_window=8)
+    ours = load(path, "triton")
+    assert ours.kernels.attention.name == "triton"
+    ids = [(7 * i + 3) % 1000 + 10 for i in range(40)]
+    logits = our_logits(ours, ids, prefill=24, block_size=16)
+    torch.testing.assert_close(logits, hf_logits(path, ids), atol=ATOL, rtol=0)
 
 
 def test_mixed_batch_of_decodes_and_prefill_chunks_matches_hf(hf_dir):
@@ -267,8 +281,8 @@ def test_softcapped_attention_refuses_other_backends():
     ours = load(cached_tiny_model("gemma2"), "torch")
     with pytest.raises(ValueError, match="batch_invariant.*attn_logit_softcapping"):
         apply_kernels(ours, KernelRequest(batch_invariant=True))
-    with pytest.raises(ValueError, match="'triton' has no attention logit soft-capping"):
-        apply_kernels(ours, KernelRequest(attention_backend="triton"))
+    with pytest.raises(ValueError, match="'native' has no attention logit soft-capping"):
+        apply_kernels(ours, KernelRequest(attention_backend="native"))
 
 
 def test_make_tiny_gemma_overrides(tmp_path):

@@ -53,8 +53,10 @@ def _make_step(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, kv_dt
     )
 
 
-def _reference(q, cache, tables, starts, seq_lens, scale):
-    """Dense causal attention per request over its gathered keys, in float64."""
+def _reference(q, cache, tables, starts, seq_lens, scale, window=None, softcap=None):
+    """Dense causal attention per request over its gathered keys, in float64 (a `window`: each
+    query's last `window` keys; `softcap`: scores soft-capped before the mask, as HF's eager
+    attention does)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     num_heads, num_kv_heads = q.shape[1], cache.shape[3]
     group = num_heads // num_kv_heads
@@ -68,22 +70,38 @@ def _reference(q, cache, tables, starts, seq_lens, scale):
         values = kv[1].repeat_interleave(group, dim=1)
         queries = q[start:end].cpu().double()  # [L, Hq, D]
         scores = torch.einsum("lhd,shd->hls", queries, keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - (end - start), seq_len)
-        scores.masked_fill_(torch.arange(seq_len)[None, None, :] > q_pos[None, :, None], -1e300)
+        key_pos = torch.arange(seq_len)[None, None, :]
+        scores.masked_fill_(key_pos > q_pos[None, :, None], -1e300)
+        if window is not None:
+            scores.masked_fill_(key_pos <= q_pos[None, :, None] - window, -1e300)
         out[start:end] = torch.einsum("hls,shd->lhd", scores.softmax(-1), values)
     return out
 
 
-def _run(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, split_kv=1, kv_dtype=None):
+def _run(
+    q_lens,
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    split_kv=1,
+    kv_dtype=None,
+    **options,  # window, softcap
+):
     q, k, v, cache, tables, starts, lens, slots = _make_step(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, kv_dtype
     )
     triton_attention.write_kv(cache, k, v, slots)  # rounded to the cache's dtype
     scale = head_dim**-0.5
     out = triton_attention.paged_attention(
-        q, cache, tables, starts, lens, scale, max(q_lens), split_kv=split_kv
+        q, cache, tables, starts, lens, scale, max(q_lens), split_kv=split_kv, **options
     )
-    return out, _reference(q, cache, tables, starts, lens, scale), (cache, k, v, slots)
+    ref = _reference(q, cache, tables, starts, lens, scale, **options)
+    return out, ref, (cache, k, v, slots)
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -134,6 +152,47 @@ def test_split_decode_equals_unsplit():
     whole, ref, _ = _run([1, 1], [90, 17], 8, 2, 64, torch.float32)
     torch.testing.assert_close(split, whole, atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(whole.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 20])
+@pytest.mark.parametrize("split_kv", [1, 4])
+def test_sliding_window(window, split_kv):
+    # Decodes (one past a block edge, one long), a chunk over a cached prefix, a whole prompt
+    # longer than the window: windows inside one block and across blocks.
+    q_lens, seq_lens = [1, 1, 7, 20], [17, 90, 30, 20]
+    out, ref, _ = _run(q_lens, seq_lens, 4, 2, 64, torch.float32, split_kv, window=window)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_sliding_window_never_reads_the_blocks_before_it():
+    """A hybrid KV cache frees a windowed group's blocks once every query is past them: the
+    tables may point those at anything. Here they hold NaN, and no output sees one."""
+    q_lens, seq_lens, window = [1, 3, 1], [70, 52, 33], 20
+    q, k, v, cache, tables, starts, lens, slots = _make_step(
+        q_lens, seq_lens, 4, 2, 64, torch.float32
+    )
+    triton_attention.write_kv(cache, k, v, slots)
+    ref = _reference(q, cache, tables, starts, lens, 0.125, window=window)
+    poison = cache.shape[1] - 1  # a spare block no table holds
+    cache[:, poison] = float("nan")
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        unseen = (seq_len - q_len + 1 - window) // BLOCK_SIZE  # blocks wholly before it
+        tables[r, :unseen] = poison
+    for split_kv in (1, 4):
+        out = triton_attention.paged_attention(
+            q, cache, tables, starts, lens, 0.125, max(q_lens), split_kv=split_kv, window=window
+        )
+        torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_softcapped_scores(window):
+    # Scores of a few units against a cap of 2: tanh is far from linear there.
+    q_lens, seq_lens = [1, 6, 1], [40, 6, 3]
+    out, ref, _ = _run(q_lens, seq_lens, 4, 1, 64, torch.float32, softcap=2.0, window=window)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+    plain, _, _ = _run(q_lens, seq_lens, 4, 1, 64, torch.float32, window=window)
+    assert not torch.allclose(out, plain, atol=1e-3)  # the cap changed the output
 
 
 def test_write_kv_stores_each_token_at_its_slot_and_skips_negative_slots():

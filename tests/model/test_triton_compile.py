@@ -27,22 +27,25 @@ SCRIPT = textwrap.dedent(
     target = GPUTarget("cuda", 90, 32)
     pointers = ("q_ptr", "cache_ptr", "out_ptr")
     ints = ("stride_q_token", "stride_q_head", "stride_o_token", "stride_o_head",
-            "stride_table", "split_kv")
+            "stride_table", "split_kv", "window")
     compiled = 0
     # Every dtype in both tile shapes, then the other GQA groups, head size and block size.
     shapes = [(d, 4, 128, 16, q) for d, q in itertools.product(("bf16", "fp16", "fp32"), (1, 7))]
     shapes += [("bf16", g, 64, 16, q) for g, q in itertools.product((1, 3, 8), (1, 7))]
     shapes += [("bf16", 4, 128, 32, 1)]
-    for dtype, group, head_dim, block_size, max_query_len in shapes:
+    shapes = [shape + (False,) for shape in shapes]
+    shapes += [("bf16", 2, 256, 16, q, True) for q in (1, 7)]  # Gemma 2: soft-cap, head 256
+    for dtype, group, head_dim, block_size, max_query_len, softcap in shapes:
         block_g = triton.next_power_of_2(group)
         signature = {name: f"*{dtype}" for name in pointers}
         signature |= {"part_ptr": "*fp32", "block_tables_ptr": "*i64",
                       "query_start_ptr": "*i64", "seq_lens_ptr": "*i64", "scale": "fp32",
-                      "cache_half": "i64"}
+                      "cache_half": "i64", "softcap": "fp32"}
         signature |= {name: "i32" for name in ints}
         constants = dict(NUM_KV_HEADS=8, GROUP=group, BLOCK_G=block_g,
                          BLOCK_M=ta.query_tile(block_g, max_query_len), HEAD_DIM=head_dim,
-                         BLOCK_D=head_dim, BLOCK_SIZE=block_size, FP32_DOT=dtype == "fp32")
+                         BLOCK_D=head_dim, BLOCK_SIZE=block_size, FP32_DOT=dtype == "fp32",
+                         SOFTCAP=softcap)
         signature |= {name: "constexpr" for name in constants}
         triton.compile(ASTSource(ta._attention_kernel, signature, constants), target=target)
         compiled += 1
@@ -70,4 +73,4 @@ def test_kernels_compile_for_sm90_in_every_tile_shape():
     if "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("this triton has no ptxas for a CUDA target")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "compiled 15" in result.stdout
+    assert "compiled 17" in result.stdout

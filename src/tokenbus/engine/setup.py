@@ -173,14 +173,14 @@ def resolve_config(
     `arch`: what the model computes that some kernels do not (soft-capped attention scores).
     """
     model, cache = config.model, config.cache
+    device = resolve_device(model.device)
     requested_attention = model.attention_backend
     if arch is not None and arch.attn_logit_softcapping is not None:
         from tokenbus.model.kernel_plan import attention_backend_for
 
         requested_attention = attention_backend_for(
-            requested_attention, True, model.batch_invariant
+            requested_attention, True, device, model.batch_invariant
         )
-    device = resolve_device(model.device)
     dtype = resolve_dtype(model.dtype, device)
     load_format = resolve_load_format(model.load_format, source)
     if load_format == "dummy":  # random dense weights: no GGUF blocks to keep

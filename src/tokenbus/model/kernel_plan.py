@@ -11,8 +11,7 @@ from outside, `apply_kernels(model, request)` picks, for the model's device, dty
   (--batch-invariant), or the GGUF blocks on the native kernels (weights kept quantized), and
   how tiled blocks take their activations (TileModes: `quant_activation_modes`);
 - the embedding's blocks, where it was kept quantized;
-- the attention backend (attention_backend.select_attention_backend); a model with
-  sliding-window layers runs the torch path instead of Triton, whose kernels take no window;
+- the attention backend (attention_backend.select_attention_backend);
 - decode_layer.c over every decoder layer, where each layer can run there (`decode_layers`:
   not for sliding-window layers, which it does not narrow).
 
@@ -200,9 +199,6 @@ def apply_kernels(
     attention = select_attention_backend(
         _attention_backend_name(model, request), device, dtype, request.batch_invariant
     )
-    if attention.name == "triton" and sliding_windows(model):
-        logger.warning("sliding-window layers: the Triton kernels take no window; torch runs them")
-        attention = TorchAttentionBackend(dtype)
     plan = KernelPlan(
         request, _layer_ops(device, dtype, cpu), attention, quant, modes, lora=model.kernels.lora
     )
@@ -210,15 +206,6 @@ def apply_kernels(
         plan = dataclasses.replace(plan, decode_layers=build_decode_layers(model, plan))
     _install(model, plan)
     return plan
-
-
-def sliding_windows(model: nn.Module) -> list[int | None]:
-    """Each decoder layer's sliding window (None: full attention), where any layer has one;
-    else [] (every layer full)."""
-    windows = [
-        getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in model.layers
-    ]
-    return windows if any(window is not None for window in windows) else []
 
 
 def attach_lora(model: nn.Module, batch: LoRABatch) -> None:
@@ -232,15 +219,21 @@ def attach_lora(model: nn.Module, batch: LoRABatch) -> None:
 
 def _attention_backend_name(model: nn.Module, request: KernelRequest) -> str:
     softcapped = any(getattr(layer.self_attn, "logit_softcap", None) for layer in model.layers)
-    return attention_backend_for(request.attention_backend, softcapped, request.batch_invariant)
+    device = str(model.embed_tokens.device)
+    return attention_backend_for(
+        request.attention_backend, softcapped, device, request.batch_invariant
+    )
 
 
-def attention_backend_for(requested: str, softcapped: bool, batch_invariant: bool = False) -> str:
-    """The requested attention backend, but the torch path for a model whose attention
-    soft-caps its scores (Gemma 2's attn_logit_softcapping): neither paged_attention.c nor the
-    Triton kernels compute the cap, so auto takes torch and asking for another (or for
-    batch_invariant, which needs the native kernel) is refused, naming why. The engine asks the
-    same when it resolves its config (engine/setup.resolve_config)."""
+def attention_backend_for(
+    requested: str, softcapped: bool, device: str, batch_invariant: bool = False
+) -> str:
+    """The requested attention backend, but never paged_attention.c for a model whose
+    attention soft-caps its scores (Gemma 2's attn_logit_softcapping): the native kernel does
+    not compute the cap, the torch path and the Triton kernels do. So auto stays auto on CUDA
+    (Triton, or torch) and takes torch elsewhere, and asking for native (or for
+    batch_invariant, which needs it) is refused, naming why. The engine asks the same when it
+    resolves its config (engine/setup.resolve_config)."""
     if not softcapped:
         return requested
     if batch_invariant:
@@ -248,12 +241,14 @@ def attention_backend_for(requested: str, softcapped: bool, batch_invariant: boo
             "batch_invariant needs the native attention kernel, which has no attention logit "
             "soft-capping (this model's attn_logit_softcapping)"
         )
-    if requested not in ("auto", "torch"):
+    if requested == "native":
         raise ValueError(
-            f"attention_backend {requested!r} has no attention logit soft-capping "
-            "(this model's attn_logit_softcapping): use 'torch' or 'auto'"
+            "attention_backend 'native' has no attention logit soft-capping "
+            "(this model's attn_logit_softcapping): use 'torch', 'triton' or 'auto'"
         )
-    return "torch"
+    if requested == "auto" and not device.startswith("cuda"):
+        return "torch"
+    return requested
 
 
 def _install(model: nn.Module, plan: KernelPlan) -> None:

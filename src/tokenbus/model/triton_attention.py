@@ -19,12 +19,18 @@ With `split_kv` > 1, requests of one query token (decodes) split their keys into
 segments, each program writes a partial (max, sum, output) and `_merge_splits` combines them:
 FlashAttention's split-K decode, which keeps the GPU busy when a batch has few long requests.
 
+Two per-layer options, as model/attention.py's torch path has them: a sliding `window` (a
+query sees its last `window` keys, itself included; blocks wholly before the earliest query's
+window are never read, so a hybrid KV cache may have freed them), and `softcap` (Gemma 2's
+attn_logit_softcapping: scores -> softcap * tanh(scores / softcap), before the mask).
+
 The kernels run on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks them against the torch path).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -67,7 +73,7 @@ def _write_kv_kernel(
     tl.store(dst + cache_half, v.to(cache_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit(do_not_specialize=["split_kv"])
+@triton.jit(do_not_specialize=["split_kv", "window"])
 def _attention_kernel(
     q_ptr,
     cache_ptr,
@@ -84,6 +90,8 @@ def _attention_kernel(
     stride_table,
     cache_half,
     split_kv,  # key segments per decode (1: none); a runtime value, so no recompile per batch
+    window,  # a sliding window in keys (0: none)
+    softcap,  # the soft-cap of the scores (read under SOFTCAP only)
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two
@@ -92,6 +100,7 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     FP32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -122,15 +131,20 @@ def _attention_kernel(
         other=0.0,
     )
     query_pos = seq_len - q_len + token  # the query's own position: it sees keys <= it
+    # Under a window, keys at query_pos - window or before are out of sight too.
+    window_edge = tl.where(window > 0, query_pos - window, -1)
 
-    # Keys this program needs: up to its last query's position; a split takes its share.
+    # Keys this program needs: from its first query's window (block 0 without one) up to its
+    # last query's position; a split takes its share of those blocks.
+    first_query = seq_len - q_len + q_block * BLOCK_M
+    skipped = tl.where(window > 0, tl.maximum(first_query - window + 1, 0) // BLOCK_SIZE, 0)
     num_keys = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_M)
     num_blocks = (num_keys + BLOCK_SIZE - 1) // BLOCK_SIZE
     # One segment of the blocks per split; the whole range otherwise (tl.where keeps every
     # bound one type, int64, whichever way the request goes).
     num_segments = tl.where(is_split, split_kv, 1)
-    per_split = (num_blocks + num_segments - 1) // num_segments
-    first_block = tl.where(is_split, split * per_split, 0)
+    per_split = (num_blocks - skipped + num_segments - 1) // num_segments
+    first_block = skipped + tl.where(is_split, split * per_split, 0)
     last_block = tl.minimum(num_blocks, first_block + per_split)
 
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -150,7 +164,11 @@ def _attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh from one exp of a non-positive power
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            s = tl.where(s < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
         visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)
+        visible = visible & (key_pos[None, :] > window_edge[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -256,13 +274,17 @@ def paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     split_kv: int = 1,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] against the cached keys of each request -> out [T, Hq, D].
 
     block_tables [R, W], query_start [R + 1] (token offsets of each request in q), seq_lens
     [R] (keys in the cache after this step's write, the request's own queries included).
     `max_query_len` (a host int) sizes the grid; `split_kv` > 1 splits each decode's keys.
-    Rows of tokens that belong to no request are left as `out` had them."""
+    `window`: a sliding window (the last `window` keys of each query); `softcap`: scores ->
+    softcap * tanh(scores / softcap). Rows of tokens that belong to no request are left as
+    `out` had them."""
     _check_cache(kv_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -301,6 +323,8 @@ def paged_attention(
         block_tables.stride(0),
         kv_cache[0].numel(),
         split_kv,
+        window or 0,
+        softcap or 0.0,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         BLOCK_G=block_g,
@@ -309,6 +333,7 @@ def paged_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         FP32_DOT=q.dtype == torch.float32,
+        SOFTCAP=softcap is not None,
     )
     if split_kv > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
@@ -347,6 +372,10 @@ class TritonPlan:
     block_tables: torch.Tensor  # [R, W] int64
     max_query_len: int
     split_kv: int = 1
+    window: int | None = None  # a sliding window, for the layers that have one
+
+    def windowed(self, window: int) -> TritonPlan:
+        return dataclasses.replace(self, window=window)
 
     def forward(
         self,
@@ -356,6 +385,7 @@ class TritonPlan:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         n = self.num_tokens
         write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
@@ -370,6 +400,8 @@ class TritonPlan:
             self.max_query_len,
             out=out,
             split_kv=self.split_kv,
+            window=self.window,
+            softcap=softcap,
         )
 
 
