@@ -37,6 +37,22 @@ def test_triton_backend_gives_the_torch_paths_greedy_tokens(tiny_llama_dir):
     assert_engine_clean(llm)
 
 
+@needs_triton
+def test_triton_backend_reads_an_fp8_cache_in_place(tiny_llama_dir):
+    """--kv-cache-dtype fp8 on the Triton kernels: the pool holds e4m3 bytes, and the same
+    prompts again (their blocks now prefix-cache hits, read back in place) give the same
+    tokens, as a quantized cache must (the same inputs give the same bytes)."""
+    prompts = random_prompts(4, 20, 40, seed=4)
+    llm = make_llm(tiny_llama_dir, attention_backend="triton", kv_cache_dtype="fp8", device=DEVICE)
+    worker = llm.engine.client.engine_core.executor.worker
+    assert worker.kv_dtype == worker.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    first = generate_greedy(llm, prompts, 8)
+    hits = llm.engine.stats_totals["prefix_cache_hits"]
+    assert generate_greedy(llm, prompts, 8) == first
+    assert llm.engine.stats_totals["prefix_cache_hits"] > hits
+    assert_engine_clean(llm)
+
+
 def test_triton_backend_on_cpu_without_the_interpreter_is_refused(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if torch.cuda.is_available():

@@ -218,8 +218,8 @@ def test_pool_holds_about_twice_the_tokens_of_float16():
 
 
 def test_kv_cache_dtype_flag_and_resolution():
-    """vLLM's "fp8" is fp8_e4m3; quantized K/V run on CPU, with the native or torch attention
-    (the Triton kernels read K/V of the model's dtype); --help names every choice."""
+    """vLLM's "fp8" is fp8_e4m3; quantized K/V run on CPU, with the native or torch attention,
+    and fp8 with the Triton kernels too (q8_0 is not read there); --help names every choice."""
     import argparse
 
     from tokenbus.cli.args import add_engine_args
@@ -230,7 +230,11 @@ def test_kv_cache_dtype_flag_and_resolution():
     with pytest.raises(ValueError, match="runs on CPU"):
         resolve_kv_cache_dtype("q8_0", "cuda", "bfloat16", "none", "torch")
     with pytest.raises(ValueError, match="attention_backend 'triton'"):
-        resolve_kv_cache_dtype("fp8_e5m2", "cpu", "float32", "none", "triton")
+        resolve_kv_cache_dtype("q8_0", "cpu", "float32", "none", "triton")
+    with pytest.raises(ValueError, match="fp8 with the Triton kernels too.*'torch'"):
+        resolve_kv_cache_dtype("fp8", "cuda", "bfloat16", "none", "torch")
+    assert resolve_kv_cache_dtype("fp8", "cuda", "bfloat16", "none", "triton") == "fp8_e4m3"
+    assert resolve_kv_cache_dtype("fp8_e5m2", "cpu", "float32", "none", "triton") == "fp8_e5m2"
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     text = parser.format_help()

@@ -134,6 +134,8 @@ BF16_DOT_ON_GPU_ONLY = pytest.mark.skipif(
         pytest.param(torch.bfloat16, torch.bfloat16, marks=BF16_DOT_ON_GPU_ONLY),
         (torch.float32, torch.float16),  # --kv-cache-dtype below the model's dtype
         (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float8_e4m3fn),  # --kv-cache-dtype fp8: read in place
+        (torch.float16, torch.float8_e5m2),
     ],
 )
 def test_half_precision(dtype, kv_dtype):
@@ -193,6 +195,41 @@ def test_softcapped_scores(window):
     torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
     plain, _, _ = _run(q_lens, seq_lens, 4, 1, 64, torch.float32, window=window)
     assert not torch.allclose(out, plain, atol=1e-3)  # the cap changed the output
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_is_written_as_the_torch_path_writes_it(kv_dtype):
+    """Saturated at the type's largest finite value, then rounded, into the tokens' slots
+    alone: on a GPU, the bytes of kv_quant.write_rows. Triton's interpreter rounds fp32 to fp8
+    wrong where the mantissa carries into the exponent (0.49 -> 0.25), so on CPU the values
+    are not compared."""
+    from tokenbus.model import kv_quant
+
+    q, k, v, cache, *_, slots = _make_step([3, 1], [3, 18], 2, 2, 64, torch.float32, kv_dtype)
+    k[0, 0, :4] = torch.tensor([1e6, -1e6, 500.0, -70000.0])  # past e4m3's 448 (and e5m2's)
+    before = cache.clone()
+    triton_attention.write_kv(cache, k, v, slots)
+    expected = before.clone()
+    flat = expected.view(2, -1, 2, 64)
+    kv_quant.write_rows(flat[0], slots, k)
+    kv_quant.write_rows(flat[1], slots, v)
+    limit = kv_quant.FP8_MAX[kv_dtype]
+    first = cache.view(2, -1, 2, 64)[0, slots[0], 0, :4].float()
+    assert first.tolist()[:2] == [limit, -limit] and first.abs().max() == limit
+    untouched = torch.ones(cache.view(2, -1, 2, 64).shape[1], dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    as_bytes = cache.view(torch.uint8).view(2, -1, 2, 64)
+    assert torch.equal(
+        as_bytes[:, untouched], before.view(torch.uint8).view(2, -1, 2, 64)[:, untouched]
+    )
+    if DEVICE == "cuda":
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_q8_0_cache_is_refused():
+    cache = torch.zeros(2, 4, 16, 1, 68, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not one the Triton kernels read"):
+        triton_attention.write_kv(cache, *[torch.zeros(1, 1, 64)] * 2, torch.zeros(1).long())
 
 
 def test_write_kv_stores_each_token_at_its_slot_and_skips_negative_slots():

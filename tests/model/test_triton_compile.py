@@ -33,11 +33,13 @@ SCRIPT = textwrap.dedent(
     shapes = [(d, 4, 128, 16, q) for d, q in itertools.product(("bf16", "fp16", "fp32"), (1, 7))]
     shapes += [("bf16", g, 64, 16, q) for g, q in itertools.product((1, 3, 8), (1, 7))]
     shapes += [("bf16", 4, 128, 32, 1)]
-    shapes = [shape + (False,) for shape in shapes]
-    shapes += [("bf16", 2, 256, 16, q, True) for q in (1, 7)]  # Gemma 2: soft-cap, head 256
-    for dtype, group, head_dim, block_size, max_query_len, softcap in shapes:
+    shapes = [shape + (False, shape[0]) for shape in shapes]
+    shapes += [("bf16", 2, 256, 16, q, True, "bf16") for q in (1, 7)]  # Gemma 2: soft-cap, 256
+    shapes += [("bf16", 4, 128, 16, q, False, c) for q in (1, 7) for c in ("fp8e4nv", "fp8e5")]
+    for dtype, group, head_dim, block_size, max_query_len, softcap, cache in shapes:
         block_g = triton.next_power_of_2(group)
         signature = {name: f"*{dtype}" for name in pointers}
+        signature["cache_ptr"] = f"*{cache}"
         signature |= {"part_ptr": "*fp32", "block_tables_ptr": "*i64",
                       "query_start_ptr": "*i64", "seq_lens_ptr": "*i64", "scale": "fp32",
                       "cache_half": "i64", "softcap": "fp32"}
@@ -54,13 +56,15 @@ SCRIPT = textwrap.dedent(
     constants = dict(NUM_HEADS=32, HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=ta.MAX_SPLITS)
     merge |= {name: "constexpr" for name in constants}
     triton.compile(ASTSource(ta._merge_splits_kernel, merge, constants), target=target)
-    write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
-             "stride_k_token": "i32", "stride_k_head": "i32", "stride_v_token": "i32",
-             "stride_v_head": "i32", "cache_half": "i64"}
-    constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_D=128)
-    write |= {name: "constexpr" for name in constants}
-    triton.compile(ASTSource(ta._write_kv_kernel, write, constants), target=target)
-    print("compiled", compiled + 2)
+    for cache, fp8_max in (("bf16", 0.0), ("fp8e4nv", 448.0), ("fp8e5", 57344.0)):
+        write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": f"*{cache}",
+                 "slot_ptr": "*i64", "stride_k_token": "i32", "stride_k_head": "i32",
+                 "stride_v_token": "i32", "stride_v_head": "i32", "cache_half": "i64"}
+        constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_D=128, FP8_MAX=fp8_max)
+        write |= {name: "constexpr" for name in constants}
+        triton.compile(ASTSource(ta._write_kv_kernel, write, constants), target=target)
+        compiled += 1
+    print("compiled", compiled + 1)
     """
 )
 
@@ -73,4 +77,4 @@ def test_kernels_compile_for_sm90_in_every_tile_shape():
     if "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("this triton has no ptxas for a CUDA target")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "compiled 17" in result.stdout
+    assert "compiled 23" in result.stdout

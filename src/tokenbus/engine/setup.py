@@ -344,17 +344,19 @@ def resolve_kv_cache_dtype(
     """auto: float16 for a float32 model on GGUF blocks on CPU, whose batched decode steps
     read mostly K/V from memory and whose 4-8-bit weights already round more than fp16 does
     (benchmarks/step_breakdown.py kv_cache_dtype=float32 measures the other); else the
-    model's dtype. "fp8" is vLLM's name for fp8_e4m3. fp8 and q8_0 K/V run on CPU (the native
-    kernel reads them in place; the torch path dequantizes what it gathers), not with the
-    Triton kernels."""
+    model's dtype. "fp8" is vLLM's name for fp8_e4m3. fp8 K/V run with the Triton kernels
+    (read in place), and on CPU with the native kernel (likewise) or the torch path (which
+    dequantizes what it gathers); q8_0 K/V run on CPU alone."""
     if requested == "fp8":
         requested = "fp8_e4m3"
-    if requested in QUANTIZED_KV_CACHE_DTYPES and (
+    triton_fp8 = attention_backend == "triton" and requested.startswith("fp8")
+    if requested in QUANTIZED_KV_CACHE_DTYPES and not triton_fp8 and (
         not device.startswith("cpu") or attention_backend == "triton"
     ):
         raise ValueError(
-            f"kv_cache_dtype {requested!r} runs on CPU with the native or torch attention, "
-            f"not on {device} with attention_backend {attention_backend!r}"
+            f"kv_cache_dtype {requested!r} runs on CPU with the native or torch attention"
+            + (", fp8 with the Triton kernels too" if requested.startswith("fp8") else "")
+            + f", not on {device} with attention_backend {attention_backend!r}"
         )
     if requested != "auto":
         return requested

@@ -13,7 +13,8 @@ model/attention.py):
 Work split: one program per (request, block of BLOCK_M query tokens, KV head). GQA never
 repeats K/V: the G query heads of one KV head are folded into the program's rows (row
 r = token r // BLOCK_G, head r % BLOCK_G), so each K/V block is loaded once for all of them.
-Softmax is online (FlashAttention's running max and sum), in fp32 whatever the K/V dtype.
+Softmax is online (FlashAttention's running max and sum), in fp32 whatever the K/V dtype
+(fp32, fp16, bf16, or fp8 e4m3 / e5m2: --kv-cache-dtype fp8).
 
 With `split_kv` > 1, requests of one query token (decodes) split their keys into that many
 segments, each program writes a partial (max, sum, output) and `_merge_splits` combines them:
@@ -38,10 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenbus.model import kv_quant
+
 # Rows of a program: BLOCK_M query tokens × BLOCK_G heads, at least 16 (tl.dot's minimum).
 MIN_ROWS = 16
 MAX_SPLITS = 16  # key segments of one decode at most (decode_splits)
 MIN_BLOCK_SIZE = 16  # KV block tokens are a tl.dot dimension: 16 at least
+# K/V element types the kernels read in place: the float types, and fp8 stored as x / KV_SCALE
+# with KV_SCALE 1.0 (kv_quant.py), so a loaded value is x itself. q8_0 rows are not read here.
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *kv_quant.FP8_MAX)
+assert kv_quant.KV_SCALE == 1.0, "fp8 caches are read without a scale"
 
 
 @triton.jit
@@ -58,6 +65,7 @@ def _write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # an fp8 cache: values saturate at its largest finite one (else 0)
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -68,6 +76,9 @@ def _write_kv_kernel(
     d_mask = d < HEAD_DIM
     k = tl.load(k_ptr + token * stride_k_token + head * stride_k_head + d, mask=d_mask)
     v = tl.load(v_ptr + token * stride_v_token + head * stride_v_head + d, mask=d_mask)
+    if FP8_MAX > 0:  # as kv_quant.write_rows: x / KV_SCALE (1.0), saturated, then rounded
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
     dst = cache_ptr + (slot * NUM_KV_HEADS + head) * HEAD_DIM + d
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=d_mask)
     tl.store(dst + cache_half, v.to(cache_ptr.dtype.element_ty), mask=d_mask)
@@ -261,6 +272,7 @@ def write_kv(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=kv_quant.FP8_MAX.get(kv_cache.dtype, 0.0),
     )
 
 
@@ -428,3 +440,5 @@ def _check_cache(kv_cache: torch.Tensor) -> None:
         )
     if kv_cache.shape[2] < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} for Triton attention")
+    if kv_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"a {kv_cache.dtype} KV cache is not one the Triton kernels read")
