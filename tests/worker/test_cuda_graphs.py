@@ -131,3 +131,43 @@ def test_kv_sizing_from_free_device_memory(model_dir):
         assert generate_greedy(llm, random_prompts(2, 4, 8), 4)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_a_decode_step_syncs_only_to_read_the_sampled_ids(model_dir, enforce_eager):
+    """Greedy and sampled (temperature, top-p, top-k) requests decoding together: the whole
+    step (inputs, forward or graph replay, sampling) makes one synchronizing CUDA call, the
+    one that reads the sampled ids. torch's sync debug mode warns at each such call, from the
+    Python line that made it."""
+    import warnings
+
+    llm = make_llm(model_dir, enforce_eager=enforce_eager, **ENGINE)
+    try:
+        engine = llm.engine
+        prompts = random_prompts(4, 5, 20, seed=6)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            if i % 2:
+                params = SamplingParams(
+                    temperature=0.8, top_p=0.9, top_k=20, max_tokens=40, ignore_eos=True
+                )
+            engine.add_request(f"r{i}", prompt, params)
+        for _ in range(4):  # the prefills, then a decode or two: every graph is warm
+            engine.step()
+        steps = 5
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        where = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+        assert len(syncs) <= steps, where
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()

@@ -74,7 +74,15 @@ def test_plain_temperature_batch_keeps_optional_parts_empty():
     meta = SamplingMetadata.build([_row(), _row(temperature=0.5)], 10, "cpu")
     assert meta.all_random and meta.is_greedy is None
     assert meta.temperature is not None and meta.top_k is None and meta.min_p is None
-    assert meta.generators == {}
+    assert meta.generators == {} and meta.max_top_k == 0
+
+
+def test_largest_top_k_is_known_on_the_host():
+    """The rows' largest k (k >= V and greedy rows are off) comes with the tensor, so top-k
+    reads nothing back from the device."""
+    rows = [_row(top_k=3), _row(top_k=7), _row(top_k=50), _row(temperature=0.0, top_k=9)]
+    meta = SamplingMetadata.build(rows, 10, "cpu")
+    assert meta.top_k.tolist() == [3, 7, 10, 10] and meta.max_top_k == 7
 
 
 def test_low_temperature_converges_to_argmax():
@@ -115,10 +123,12 @@ def _support(masked: torch.Tensor) -> set[int]:
     "top_k, expected", [(1, {1}), (2, {1, 3}), (3, {1, 3, 4}), (5, set(range(5)))]
 )
 def test_top_k_masks_exactly(top_k, expected):
-    masked = apply_top_k_top_p(_logits_of(PROBS), torch.tensor([top_k]), None)
+    masked = apply_top_k_top_p(_logits_of(PROBS), torch.tensor([top_k]), None, top_k % 5)
     assert _support(masked[0]) == expected
     # The sort path (taken when top-p is also on) keeps the same set.
-    masked = apply_top_k_top_p(_logits_of(PROBS), torch.tensor([top_k]), torch.tensor([1.0]))
+    masked = apply_top_k_top_p(
+        _logits_of(PROBS), torch.tensor([top_k]), torch.tensor([1.0]), top_k % 5
+    )
     assert _support(masked[0]) == expected
 
 
@@ -133,16 +143,16 @@ def test_top_k_masks_exactly(top_k, expected):
     ],
 )
 def test_top_p_keeps_smallest_set_reaching_p(top_p, expected):
-    masked = apply_top_k_top_p(_logits_of(PROBS), None, torch.tensor([top_p]))
+    masked = apply_top_k_top_p(_logits_of(PROBS), None, torch.tensor([top_p]), 0)
     assert _support(masked[0]) == expected
 
 
 def test_top_p_applies_to_the_top_k_distribution():
     # After top-k=2 the probabilities are 0.57 and 0.43: top-p 0.5 keeps only id 1, while
     # top-p 0.5 alone (0.4 < 0.5) keeps ids 1 and 3.
-    masked = apply_top_k_top_p(_logits_of(PROBS), torch.tensor([2]), torch.tensor([0.5]))
+    masked = apply_top_k_top_p(_logits_of(PROBS), torch.tensor([2]), torch.tensor([0.5]), 2)
     assert _support(masked[0]) == {1}
-    masked = apply_top_k_top_p(_logits_of(PROBS), None, torch.tensor([0.5]))
+    masked = apply_top_k_top_p(_logits_of(PROBS), None, torch.tensor([0.5]), 0)
     assert _support(masked[0]) == {1, 3}
 
 
@@ -187,9 +197,9 @@ def test_min_p_masks_relative_to_the_max(min_p, expected):
 def test_rows_use_their_own_settings_and_disabled_rows_are_untouched():
     logits = _logits_of(PROBS).repeat(3, 1)
     top_k, top_p = torch.tensor([1, 5, 2]), torch.tensor([1.0, 0.6, 1.0])
-    masked = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    masked = apply_top_k_top_p(logits.clone(), top_k, top_p, 2)
     assert [_support(row) for row in masked] == [{1}, {1, 3}, {1, 3}]
-    masked = apply_top_k_top_p(logits.clone(), torch.tensor([5, 2, 5]), None)
+    masked = apply_top_k_top_p(logits.clone(), torch.tensor([5, 2, 5]), None, 2)
     assert torch.equal(masked[0], logits[0]) and _support(masked[1]) == {1, 3}
 
 

@@ -350,8 +350,10 @@ def resolve_kv_cache_dtype(
     if requested == "fp8":
         requested = "fp8_e4m3"
     triton_fp8 = attention_backend == "triton" and requested.startswith("fp8")
-    if requested in QUANTIZED_KV_CACHE_DTYPES and not triton_fp8 and (
-        not device.startswith("cpu") or attention_backend == "triton"
+    if (
+        requested in QUANTIZED_KV_CACHE_DTYPES
+        and not triton_fp8
+        and (not device.startswith("cpu") or attention_backend == "triton")
     ):
         raise ValueError(
             f"kv_cache_dtype {requested!r} runs on CPU with the native or torch attention"

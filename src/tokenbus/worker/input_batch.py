@@ -66,13 +66,12 @@ class StagedBuffer:
         self.device = torch.zeros(shape, dtype=torch.int64, device=device) if on_cuda else self.host
 
     def to_device(self, rows: int, cols: int | None = None) -> torch.Tensor:
-        """The device tensor's first `rows` (by `cols`), copied from the host if they differ
-        (asynchronously: pinned memory)."""
-        index = (slice(0, rows),) if cols is None else (slice(0, rows), slice(0, cols))
-        target = self.device[index]
+        """The device tensor's first `rows` (by `cols`), copied from the host if they differ.
+        Whole rows are copied: a contiguous pinned source, so the copy stays asynchronous (a
+        column slice would go through pageable memory and wait)."""
         if self.device is not self.host:
-            target.copy_(self.host[index], non_blocking=True)
-        return target
+            self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        return self.device[:rows] if cols is None else self.device[:rows, :cols]
 
 
 class InputBuffers:
@@ -126,20 +125,22 @@ class InputBuffers:
         self.block_table = self.staged["block_table"].np
         self.seq_lens = self.staged["seq_lens"].np
         self.query_start_loc = self.staged["query_start_loc"].np
-        self._copies_done: torch.cuda.Event | None = None
+        # Recorded after each copy (the last record is the one waited for); one event, reused.
+        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        self._copies_pending = False
 
     def device_view(self, name: str, rows: int, cols: int | None = None) -> torch.Tensor:
         view = self.staged[name].to_device(rows, cols)
-        if self.device.type == "cuda":
-            self._copies_done = torch.cuda.Event()
+        if self._copies_done is not None:
             self._copies_done.record()
+            self._copies_pending = True
         return view
 
     def wait_for_copies(self) -> None:
         """Before writing the host buffers: the previous step's copies out of them are done."""
-        if self._copies_done is not None:
+        if self._copies_pending:
             self._copies_done.synchronize()
-            self._copies_done = None
+            self._copies_pending = False
 
 
 def prepare_batch(

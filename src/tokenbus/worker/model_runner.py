@@ -21,7 +21,7 @@ from tokenbus.worker.pooling import compute_pooled
 from tokenbus.worker.prompt_logprobs import compute_prompt_logprobs
 from tokenbus.worker.request_state import CachedRequestState
 from tokenbus.worker.sampler import Sampler, to_token_logprobs
-from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow, to_device
 from tokenbus.worker.spec_decode import (
     RejectionSampler,
     SpecDecodeMetadata,
@@ -200,7 +200,7 @@ class ModelRunner:
                 constrained.shape[1],
                 batch.num_logits_per_request,
             )
-            meta.grammar_bitmask = bitmask.to(self.device)
+            meta.grammar_bitmask = to_device(bitmask, self.device)
         if verifies:
             spec = SpecDecodeMetadata.build(drafts, self.device)
             out = self.rejection_sampler(logits, meta, spec)

@@ -89,7 +89,7 @@ def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     Works in place on `logits`."""
     if meta.temperature is not None:
         logits = logits.div_(meta.temperature.unsqueeze(1))
-    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
     if meta.min_p is not None:
         logits = apply_min_p(logits, meta.min_p)
     return logits.softmax(-1)
@@ -127,9 +127,19 @@ def to_token_logprobs(
 ) -> list[TokenLogprobs | None]:
     """One TokenLogprobs per row (sampled token first, then its own top-n); None where a row
     did not ask for logprobs. `num_logprobs[i]` is row i's `SamplingParams.logprobs`."""
-    token_ids = tensors.token_ids.tolist()
-    logprobs = tensors.logprobs.tolist()
-    ranks = tensors.sampled_ranks.tolist()
+    # One read from the device: ids and ranks (below 2^53) travel exactly as float64.
+    width = tensors.token_ids.shape[1]
+    packed = torch.cat(
+        [
+            tensors.token_ids.double(),
+            tensors.logprobs.double(),
+            tensors.sampled_ranks.double().unsqueeze(1),
+        ],
+        dim=1,
+    ).tolist()
+    token_ids = [[int(t) for t in row[:width]] for row in packed]
+    logprobs = [row[width : 2 * width] for row in packed]
+    ranks = [int(row[-1]) for row in packed]
     return [
         None
         if n is None

@@ -40,6 +40,7 @@ class SamplingMetadata:
     is_greedy: torch.Tensor | None  # Bool[B]; only when greedy and random rows are mixed
     temperature: torch.Tensor | None  # Float[B]; None when no random row has temperature != 1
     top_k: torch.Tensor | None  # Long[B]; rows without top-k hold vocab_size
+    max_top_k: int  # the largest k of the rows with top-k (a host int: no read of top_k); 0
     top_p: torch.Tensor | None  # Float[B]; rows without top-p hold 1.0
     min_p: torch.Tensor | None  # Float[B]; rows without min-p hold 0.0
     generators: dict[int, torch.Generator]  # row → generator, seeded random rows only
@@ -69,6 +70,7 @@ class SamplingMetadata:
         random_params = [p for p in params if not p.is_greedy]
         all_greedy = not random_params
         all_random = not any(is_greedy)
+        top_k = _top_k_values(params, vocab_size)
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
@@ -76,7 +78,8 @@ class SamplingMetadata:
             all_random=all_random,
             is_greedy=None if all_greedy or all_random else _tensor(is_greedy, torch.bool, device),
             temperature=_temperature(params, device),
-            top_k=_top_k(params, vocab_size, device),
+            top_k=None if top_k is None else _tensor(top_k, torch.long, device),
+            max_top_k=max((k for k in top_k or () if k < vocab_size), default=0),
             top_p=_per_row(params, lambda p: p.top_p, off=1.0, device=device),
             min_p=_per_row(params, lambda p: p.min_p, off=0.0, device=device),
             generators={
@@ -93,8 +96,16 @@ class SamplingMetadata:
         )
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A step's host tensor on the device. On CUDA through pinned memory, without waiting: the
+    copy queues on the stream behind the step's forward, and the host goes on."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _temperature(params: list[SamplingParams], device: torch.device | str) -> torch.Tensor | None:
@@ -105,16 +116,14 @@ def _temperature(params: list[SamplingParams], device: torch.device | str) -> to
     return _tensor(values, torch.float32, device)
 
 
-def _top_k(
-    params: list[SamplingParams], vocab_size: int, device: torch.device | str
-) -> torch.Tensor | None:
+def _top_k_values(params: list[SamplingParams], vocab_size: int) -> list[int] | None:
     # top_k of 0 or -1 (or >= V) disables it.
     values = [
         vocab_size if p.is_greedy or p.top_k <= 0 else min(p.top_k, vocab_size) for p in params
     ]
     if all(v == vocab_size for v in values):
         return None
-    return _tensor(values, torch.long, device)
+    return values
 
 
 def _per_row(
@@ -161,8 +170,8 @@ def _token_counts(
 ) -> torch.Tensor:
     """Float[B, V]: how often each token id occurs in each row's list."""
     token_ids = _tensor([t for ids in token_lists for t in ids], torch.long, device)  # [N]
-    lengths = _tensor([len(ids) for ids in token_lists], torch.long, device)  # [B]
-    row_ids = torch.arange(len(token_lists), device=device).repeat_interleave(lengths)  # [N]
+    # Each id's row, listed here: repeat_interleave of device lengths would read them back.
+    row_ids = _tensor([row for row, ids in enumerate(token_lists) for _ in ids], torch.long, device)
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
     ones = torch.ones(token_ids.shape, dtype=torch.float32, device=device)
     return counts.index_put_((row_ids, token_ids), ones, accumulate=True)

@@ -36,10 +36,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
             f"too few for a vocabulary of {vocab_size}"
         )
     bitmask = bitmask.to(device=logits.device, dtype=torch.int32)
+    if _xgrammar_kernel(logits, bitmask):  # every row at once: all-ones rows stay as they are
+        return logits
     rows = (bitmask != -1).any(dim=1).nonzero().squeeze(1)  # [R]: constrained rows
     if rows.numel() == 0:
-        return logits
-    if _xgrammar_kernel(logits, bitmask):  # faster than the torch path below, where it runs
         return logits
     shifts = torch.arange(_BITS_PER_WORD, dtype=torch.int32, device=logits.device)
     bits = (bitmask[rows].unsqueeze(-1) >> shifts) & 1  # [R, W, 32]; (w, i) → token 32 * w + i
@@ -65,26 +65,27 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int
 ) -> torch.Tensor:
-    """Top-k, then top-p on the distribution that top-k left. Rows with k = V / p = 1 are off."""
+    """Top-k, then top-p on the distribution that top-k left. Rows with k = V / p = 1 are off.
+    `max_top_k`: the largest k of the rows with top-k (SamplingMetadata.max_top_k)."""
     if top_k is not None:
-        logits = apply_top_k(logits, top_k)
+        logits = apply_top_k(logits, top_k, max_top_k)
     if top_p is not None:
         logits = apply_top_p(logits, top_p)
     return logits
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
     """Keep each row's k largest logits (ties with the k-th are kept too).
 
-    One torch.topk with the largest k of the rows that use it; no full sort of the vocabulary.
+    One torch.topk with the largest k of the rows that use it (`max_k`, known on the host, so
+    nothing is read back from the device); no full sort of the vocabulary.
     """
     vocab_size = logits.shape[1]
     uses_top_k = top_k < vocab_size  # [B]
-    if not uses_top_k.any():
+    if max_k <= 0:
         return logits
-    max_k = int(top_k[uses_top_k].max())
     top_values = logits.topk(max_k, dim=-1).values  # [B, max_k], descending
     kth_largest = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))  # [B, 1]
     kth_largest.masked_fill_(~uses_top_k.unsqueeze(1), _NEG_INF)
@@ -97,14 +98,16 @@ def apply_top_p(
     """Keep the smallest set of most likely tokens whose probability reaches top_p: a token
     stays while the tokens ranked above it hold less than p.
 
-    A full sort of the vocabulary costs far more than a topk of 1024 on CPU, so each row first
-    looks at its `num_candidates` most likely tokens and only rows whose candidates hold less
-    than p fall back to the full vocabulary.
+    A full sort of the vocabulary costs far more than a topk of 1024 on CPU, so there each
+    row first looks at its `num_candidates` most likely tokens and only rows whose candidates
+    hold less than p fall back to the full vocabulary. On a GPU every row sorts the whole
+    vocabulary: choosing the rows would read a result back from the device.
     """
     vocab_size = logits.shape[1]
     probs = logits.softmax(dim=-1)  # [B, V]
-    keep, covered = _top_p_keep(probs, top_p, min(num_candidates, vocab_size))
-    if not covered.all():
+    candidates = vocab_size if logits.is_cuda else min(num_candidates, vocab_size)
+    keep, covered = _top_p_keep(probs, top_p, candidates)
+    if candidates < vocab_size and not covered.all():
         short = (~covered).nonzero().squeeze(1)  # [S]
         keep[short] = _top_p_keep(probs[short], top_p[short], vocab_size)[0]
     return logits.masked_fill_(~keep, _NEG_INF)
