@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="default: the model's own")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
@@ -85,18 +86,34 @@ def make_llm(args, **overrides):
         tokenizer=args.tokenizer,
         device=args.device,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
         max_model_len=args.input_len + args.output_len + 8,
         multiprocess=False,
     )
     return LLM(args.model, **(engine | overrides))
 
 
-def release(llm) -> None:
-    llm.shutdown()
-    del llm
+def with_llm(args, measure, **overrides):
+    """measure(llm) on an engine built for this part, which is gone when this returns: no
+    reference to it outlives the call, so its weights and KV pool are freed before the next
+    engine (or HF's model) needs the memory."""
+    llm = make_llm(args, **overrides)
+    try:
+        return measure(llm)
+    finally:
+        llm.shutdown()
+        del llm
+        free_memory()
+
+
+def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def worker_of(llm):
+    return llm.engine.client.engine_core.executor.worker
 
 
 def token_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -140,10 +157,12 @@ def weight_bytes(model: str, dtype: str) -> int:
 
 def part_decode(args) -> dict:
     bandwidth = args.bandwidth or measure_bandwidth(args.device)
-    llm = make_llm(args, max_num_seqs=8)
-    vocab = llm.get_tokenizer().vocab_size
-    rate = decode_rate(llm, token_prompts(1, 128, vocab), args.output_len)
-    release(llm)
+
+    def one_stream(llm) -> float:
+        vocab = llm.get_tokenizer().vocab_size
+        return decode_rate(llm, token_prompts(1, 128, vocab), args.output_len)
+
+    rate = with_llm(args, one_stream, max_num_seqs=8)
     num_bytes = weight_bytes(args.model, args.dtype)
     bound = bandwidth / num_bytes
     return {
@@ -156,22 +175,38 @@ def part_decode(args) -> dict:
 
 
 def part_throughput(args) -> dict:
-    llm = make_llm(args, max_num_seqs=min(args.num_prompts, 256))
-    vocab = llm.get_tokenizer().vocab_size
-    prompts = token_prompts(args.num_prompts, args.input_len, vocab, seed=1)
-    timed_generate(llm, prompts[:4], 4)
-    elapsed = timed_generate(llm, prompts, args.output_len)
-    release(llm)
-    tokens = args.num_prompts * (args.input_len + args.output_len)
-    ours = tokens / elapsed
-    hf = {b: hf_throughput(args, prompts, b) for b in args.hf_batch_sizes}
-    best = max(hf, key=hf.get)
-    return {
-        "tokenbus_total_tokens_per_s": ours,
-        "hf_total_tokens_per_s_by_batch": hf,
-        "hf_best_batch_size": best,
-        "ratio_vs_hf_best": ours / hf[best],
-    }
+    prompts: list[dict] = []
+
+    def offline(llm) -> float:
+        vocab = llm.get_tokenizer().vocab_size
+        prompts.extend(token_prompts(args.num_prompts, args.input_len, vocab, seed=1))
+        timed_generate(llm, prompts[:4], 4)
+        return timed_generate(llm, prompts, args.output_len)
+
+    elapsed = with_llm(args, offline, max_num_seqs=min(args.num_prompts, 256))
+    ours = args.num_prompts * (args.input_len + args.output_len) / elapsed
+    result: dict = {"tokenbus_total_tokens_per_s": ours}
+    write_partial(args, result)  # kept should HF fail (out of memory, say)
+    hf, errors = {}, {}
+    for batch_size in args.hf_batch_sizes:
+        try:
+            hf[batch_size] = hf_throughput(args, prompts, batch_size)
+        except Exception as exc:  # a batch HF cannot run: named, the others still count
+            errors[batch_size] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            free_memory()
+    result["hf_total_tokens_per_s_by_batch"] = hf
+    if errors:
+        result["hf_errors_by_batch"] = errors
+    if hf:
+        best = max(hf, key=hf.get)
+        result |= {"hf_best_batch_size": best, "ratio_vs_hf_best": ours / hf[best]}
+    return result
+
+
+def write_partial(args, result: dict) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"part": args.part, "partial": True} | result, f, indent=1)
 
 
 def hf_throughput(args, prompts: list[dict], batch_size: int) -> float:
@@ -198,24 +233,33 @@ def hf_throughput(args, prompts: list[dict], batch_size: int) -> float:
         sync(args.device)
         elapsed = time.perf_counter() - start
     del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     return len(ids) * (args.input_len + args.output_len) / elapsed
 
 
 def part_graphs(args) -> dict:
+    """Graphs are captured at exactly the measured batch sizes: named sizes that fail to
+    capture stop the engine, rather than leave it eager and the ratio near 1."""
+    sizes = sorted(set(args.batches))
+    modes = {"eager": dict(enforce_eager=True), "graphs": dict(cudagraph_capture_sizes=sizes)}
     rates: dict[str, dict[int, float]] = {}
-    for mode, overrides in (("eager", dict(enforce_eager=True)), ("graphs", {})):
-        llm = make_llm(args, max_num_seqs=max(args.batches), **overrides)
+    captured: list[int] = []
+
+    def decode_rates(llm) -> dict[int, float]:
+        captured_step = worker_of(llm).runner.captured
+        if captured_step is not None:
+            captured.extend(sorted(captured_step.runner.graphs))
         vocab = llm.get_tokenizer().vocab_size
-        rates[mode] = {
+        return {
             b: decode_rate(llm, token_prompts(b, 32, vocab, seed=b), args.output_len)
             for b in args.batches
         }
-        release(llm)
+
+    for mode, overrides in modes.items():
+        rates[mode] = with_llm(args, decode_rates, max_num_seqs=max(sizes), **overrides)
     return {
         "decode_tokens_per_s": rates,
+        "captured_sizes": captured,
         "graphs_over_eager": {b: rates["graphs"][b] / rates["eager"][b] for b in args.batches},
     }
 

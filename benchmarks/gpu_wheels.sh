@@ -15,7 +15,7 @@ DEST=${DEST:-.whl}
 WHEELS=(
     msgspec==0.23.0 pyzmq==27.3.0 gguf==0.19.0
     xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-    fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2
+    fastapi==0.165.0 annotated-doc==0.0.7 starlette==1.10.0 opentelemetry-api==1.45.2
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
     typing-extensions==4.16.0 uvicorn==0.55.0
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0

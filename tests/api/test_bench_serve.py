@@ -64,6 +64,17 @@ def test_bench_serve_counts_failures(base_url):
     assert "HTTP 400" in summary["errors"][1]
 
 
+def test_a_token_without_text_still_counts():
+    """A chunk whose token has no text yet (half a UTF-8 character, or an id past the
+    tokenizer's vocabulary) is a token arrival for TTFT and ITL; finish-only and usage chunks
+    are not."""
+    assert serve.carries_tokens({"choices": [{"text": "hi", "finish_reason": None}]})
+    assert serve.carries_tokens({"choices": [{"text": "", "finish_reason": None}]})
+    assert serve.carries_tokens({"choices": [{"text": "!", "finish_reason": "stop"}]})
+    assert not serve.carries_tokens({"choices": [{"text": "", "finish_reason": "length"}]})
+    assert not serve.carries_tokens({"choices": [], "usage": {"completion_tokens": 3}})
+
+
 def test_loopback_only_and_bounds():
     for url in ("http://10.1.2.3:8000", "http://example.com", "ftp://127.0.0.1"):
         with pytest.raises(ValueError, match="base_url"):

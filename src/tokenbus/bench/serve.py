@@ -205,7 +205,7 @@ async def send_request(
                         "completion_tokens", result.output_tokens
                     )
                     result.prompt_len = chunk["usage"].get("prompt_tokens", result.prompt_len)
-                if not any(c.get("text") for c in chunk.get("choices", [])):
+                if not carries_tokens(chunk):
                     continue
                 if not result.chunk_times_s:
                     result.ttft_s = now - start
@@ -220,6 +220,13 @@ async def send_request(
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def carries_tokens(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed completion chunk brings tokens: text, or no text yet (bytes of an
+    unfinished character, or ids the tokenizer cannot spell: a dummy model's wider vocab). An
+    empty chunk that only finishes brings none, nor does a usage chunk (no choices)."""
+    return any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices", []))
 
 
 async def run_benchmark(config: ServeBenchConfig, requests: list[ServeRequest]) -> dict[str, Any]:
