@@ -104,3 +104,20 @@ def test_model_forward_reads_metadata_it_never_builds(tiny_llama_dir):
     ctx.attn_metadata = None
     with pytest.raises(ValueError, match="attn_metadata is not set"), torch.inference_mode():
         model(input_ids, ctx)
+
+
+@pytest.mark.skipif(triton_problem("cpu") is not None, reason=f"Triton: {triton_problem('cpu')}")
+def test_triton_splits_only_the_keys_of_decode_only_steps(monkeypatch):
+    """Split-K is for a step of decodes alone: beside a prefill chunk the GPU has work anyway,
+    and the fp32 partials would be sized by every token of the chunk."""
+    from tokenbus.model import triton_attention
+
+    monkeypatch.setattr(triton_attention, "decode_splits", lambda *args: 4)  # as on a GPU
+    backend = select_attention_backend("triton", torch.device("cpu"), torch.float32)
+    long = backend.MIN_SPLIT_CONTEXT + 40
+    *_, decodes = make_batch([(1, long), (1, 9)], 4, 2, 32)
+    *_, mixed = make_batch([(1, long), (5, 9)], 4, 2, 32)
+    *_, short = make_batch([(1, 30), (1, 9)], 4, 2, 32)
+    assert backend.build_metadata(decodes).split_kv == 4
+    assert backend.build_metadata(mixed).split_kv == 1
+    assert backend.build_metadata(short).split_kv == 1

@@ -154,7 +154,10 @@ class TritonAttentionBackend(AttentionBackend):
         max_query_len = max((b - a for a, b in zip(starts, starts[1:])), default=0)
         device = ctx.block_tables.device
         split = 1
-        if max(ctx.seq_lens, default=0) > self.MIN_SPLIT_CONTEXT:
+        # Only a decode-only step splits: beside a prefill chunk the GPU is busy anyway, and
+        # the partials ([tokens, heads, splits, D + 2] fp32) would be sized by every token.
+        decode_only = ctx.num_decodes == ctx.num_reqs
+        if decode_only and max(ctx.seq_lens, default=0) > self.MIN_SPLIT_CONTEXT:
             split = decode_splits(ctx.num_reqs, ctx.kv_caches[0].shape[3], device)
         return TritonPlan(
             ctx.num_tokens,

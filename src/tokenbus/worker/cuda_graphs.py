@@ -33,9 +33,12 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # Warm-ups run on one side stream for every size (a stream per size would each get a
+        # cuBLAS workspace of its own).
+        self.warmup_stream = torch.cuda.Stream(self.device)
 
     def capture(self, size: int, batch: PreparedBatch) -> None:
-        stream = torch.cuda.Stream(self.device)
+        stream = self.warmup_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(NUM_WARMUP_RUNS):
