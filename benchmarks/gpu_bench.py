@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result = {"part": args.part, "device": device_name(args.device), "model": args.model}
+    result |= {"versions": versions()}
     result |= PARTS[args.part](args)
     print(json.dumps(result, indent=1))
     if args.json:
@@ -54,6 +55,19 @@ def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     return "cpu"
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    found = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return found
 
 
 def sync(device: str) -> None:

@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/record_run.py serving DIR tokenbus llama_cpp vllm ...
     .venv/bin/python benchmarks/record_run.py cold_start DIR
+    .venv/bin/python benchmarks/record_run.py gpu_check OUT_DIR benchmarks/results
 
 Called by benchmarks/peers/serve_vs_llama_cpp.sh (tokenbus and every peer of the run, c1 and
 c16, side by side) and benchmarks/cold_start.sh (each start, and the start-up memory line) when
-$TOKENBUS_BENCH_RECORD names a results dir (record format: src/tokenbus/bench/record.py).
+$TOKENBUS_BENCH_RECORD names a results dir (record format: src/tokenbus/bench/record.py); by
+hand for benchmarks/gpu_check.sh, whose figures.json comes back from the GPU machine.
 """
 
 from __future__ import annotations
@@ -120,6 +122,81 @@ def cold_start(directory: str) -> None:
     write_record(directory, record)
 
 
+def gpu_check(directory: str, results: str) -> None:
+    """benchmarks/gpu_check.sh's figures.json (in `directory`, the $OUT it wrote): one record
+    per GPU topic, each naming the GPU as the CPU tables name their CPU."""
+    figures = json.loads((Path(directory) / "figures.json").read_text())
+    parts = [v for v in figures.values() if isinstance(v, dict) and "part" in v]
+    gpu = next(p["device"] for p in parts if p.get("device"))
+    versions = next((p["versions"] for p in parts if p.get("versions")), {})
+    stack = ", ".join(f"{name} {version}" for name, version in versions.items())
+    gpu += f" ({stack}; attention {figures.get('attention_backend', 'auto')})"
+    command = shell_command("benchmarks/gpu_check.sh", ("DEADLINE",))
+    for topic, (rows, units, peers) in gpu_rows(figures).items():
+        if rows:
+            record = make_record(topic, command, rows, units=units, peers=peers, cpu=gpu)
+            write_record(results, record)
+
+
+def gpu_rows(figures: dict) -> dict[str, tuple[dict, dict, list[str]]]:
+    """Per GPU topic: rows, units and the peers of the same run, from what the run measured."""
+    topics: dict[str, tuple[dict, dict, list[str]]] = {}
+    if decode := figures.get("decode_8b"):
+        rows = {
+            "Llama-3.1-8B shape, bf16, one stream": {
+                "tokenbus": round(decode["decode_tokens_per_s"], 1),
+                "memory bound": round(decode["bound_tokens_per_s"], 1),
+                "tokenbus / bound": round(decode["fraction_of_bound"], 3),
+                "weights": round(decode["weight_bytes"] / 1e9, 2),
+                "copy bandwidth": round(decode["bandwidth_bytes_per_s"] / 1e12, 2),
+            }
+        }
+        units = {"tokenbus": "tok/s", "memory bound": "tok/s", "tokenbus / bound": "×"}
+        units |= {"weights": "GB", "copy bandwidth": "TB/s"}
+        topics["gpu_decode"] = (rows, units, ["the bound: weight bytes / measured copy bandwidth"])
+    if (throughput := figures.get("throughput_8b")) and "hf_best_batch_size" in throughput:
+        best = throughput["hf_best_batch_size"]
+        hf = throughput["hf_total_tokens_per_s_by_batch"][str(best)]
+        rows = {
+            "Llama-3.1-8B shape, bf16, 256 prompts × (512 in + 256 out)": {
+                "tokenbus": round(throughput["tokenbus_total_tokens_per_s"], 1),
+                f"HF generate (batch {best})": round(hf, 1),
+                "tokenbus / HF": round(throughput["ratio_vs_hf_best"], 2),
+            }
+        }
+        units = {"tokenbus": "tok/s", f"HF generate (batch {best})": "tok/s", "tokenbus / HF": "×"}
+        version = throughput.get("versions", {}).get("transformers", "")
+        sizes = ", ".join(throughput["hf_total_tokens_per_s_by_batch"])
+        peers = [f"HF transformers {version} generate, static batches of {sizes}, best shown"]
+        topics["gpu_throughput"] = (rows, units, peers)
+    serve_rows = {}
+    for name in sorted((k for k in figures if k.startswith("serve_c")), key=lambda k: int(k[7:])):
+        summary = figures[name]
+        serve_rows[f"concurrency {summary['max_concurrency']}"] = {
+            "requests": summary["completed"],
+            "failed": summary["failed"],
+            "output": round(summary["output_throughput"], 1),
+            "TTFT p50": round(summary["median_ttft_ms"], 1),
+            "ITL p50": round(summary["median_itl_ms"], 2),
+            "ITL p99": round(summary["p99_itl_ms"], 2),
+        }
+    units = {"output": "tok/s", "TTFT p50": "ms", "ITL p50": "ms", "ITL p99": "ms"}
+    topics["gpu_serving"] = (serve_rows, units, [])
+    graph_rows = {}
+    for name, label in (("graphs_smollm2", "SmolLM2-135M shape"), ("graphs_8b", "8B shape")):
+        graphs = figures.get(name)
+        for batch, ratio in (graphs or {}).get("graphs_over_eager", {}).items():
+            rates = graphs["decode_tokens_per_s"]
+            graph_rows[f"{label}, batch {batch}"] = {
+                "eager": round(rates["eager"][batch], 1),
+                "CUDA graphs": round(rates["graphs"][batch], 1),
+                "graphs / eager": round(ratio, 2),
+            }
+    units = {"eager": "tok/s", "CUDA graphs": "tok/s", "graphs / eager": "×"}
+    topics["gpu_graphs"] = (graph_rows, units, ["the same engine with --enforce-eager"])
+    return topics
+
+
 def shell_command(script: str, settings: tuple[str, ...]) -> str:
     """The script's command line as run: the ISA caps and its own settings that were set."""
     names = (
@@ -140,4 +217,5 @@ if __name__ == "__main__":
     {
         "serving": lambda: serving(sys.argv[2], sys.argv[3:]),
         "cold_start": lambda: cold_start(sys.argv[2]),
+        "gpu_check": lambda: gpu_check(sys.argv[2], sys.argv[3]),
     }[sys.argv[1]]()

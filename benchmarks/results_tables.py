@@ -55,7 +55,8 @@ def _label(name: str, unit: str | None) -> str:
     return f"{name} ({unit})" if unit and unit != "×" else name
 
 
-def render_topic(records: list[dict]) -> str:
+def render_topic(records: list[dict], machine: str = "CPU") -> str:
+    """One topic's table; `machine` heads the first column (the GPU topics name their GPU)."""
     records = current(records)
     columns: list[str] = []
     for r in records:
@@ -67,7 +68,7 @@ def render_topic(records: list[dict]) -> str:
     columns.sort(key=lambda c: units.get(c) == "×")  # ratios after the figures they compare
     has_variant = any(r.get("variant") for r in records)
     has_label = any(label for r in records for label in r["rows"])
-    header = ["CPU", *(["setting"] if has_variant else []), *([""] if has_label else [])]
+    header = [machine, *(["setting"] if has_variant else []), *([""] if has_label else [])]
     header += [_label(c, units.get(c)) for c in columns] + ["run"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for n, r in enumerate(records, 1):
@@ -93,7 +94,9 @@ def render_doc(doc: str, by_topic: dict[str, list[dict]]) -> str:
 
     def fill(match: re.Match) -> str:
         topic = match.group(2)
-        table = render_topic(by_topic[topic]) if topic in by_topic else "No record yet.\n"
+        machine = "GPU" if topic.startswith("gpu_") else "CPU"
+        records = by_topic.get(topic)
+        table = render_topic(records, machine) if records else "No record yet.\n"
         return match.group(1) + table + match.group(4)
 
     return SECTION.sub(fill, doc)

@@ -127,3 +127,41 @@ def test_cpu_speed_records_a_refused_file_beside_llama_cpp(tmp_path):
     assert record["topic"] == "gguf_speed"
     assert record["variant"] == "random-llama-3.2-1b-IQ4_XS.gguf (0.00 GiB)"
     assert record["rows"]["tg128"] == {"tokenbus": refused, "llama.cpp": 20.1}
+
+
+def test_gpu_check_figures_become_gpu_tables(tmp_path):
+    """figures.json from benchmarks/gpu_check.sh: one record per GPU topic, headed by the GPU
+    and the stack it ran, the HF peer named with its batch sizes."""
+    record_run = _load("record_run")
+    versions = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "triton": "3.6.0"}
+    part = {"device": "NVIDIA H200", "versions": versions}
+    serve = {"completed": 16, "failed": 0, "output_throughput": 91.4, "median_ttft_ms": 40.2,
+             "median_itl_ms": 10.9, "p99_itl_ms": 12.4}  # fmt: skip
+    figures = {
+        "attention_backend": "auto",
+        "decode_8b": part | {"part": "decode", "decode_tokens_per_s": 240.0,
+                             "bound_tokens_per_s": 268.0, "fraction_of_bound": 0.8956,
+                             "weight_bytes": 16.06e9, "bandwidth_bytes_per_s": 4.3e12},
+        "throughput_8b": part | {"part": "throughput", "tokenbus_total_tokens_per_s": 30000.0,
+                                 "hf_total_tokens_per_s_by_batch": {"128": 4000.0, "256": 5000.0},
+                                 "hf_best_batch_size": 256, "ratio_vs_hf_best": 6.0},
+        "serve_c64": serve | {"max_concurrency": 64},
+        "serve_c1": serve | {"max_concurrency": 1},
+        "graphs_smollm2": part | {"part": "graphs", "graphs_over_eager": {"1": 3.1},
+                                  "decode_tokens_per_s": {"eager": {"1": 200.0},
+                                                          "graphs": {"1": 620.0}}},
+    }  # fmt: skip
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "figures.json").write_text(json.dumps(figures))
+    record_run.gpu_check(str(out), str(tmp_path / "results"))
+    by_topic = tables.load_records(tmp_path / "results")
+    assert sorted(by_topic) == ["gpu_decode", "gpu_graphs", "gpu_serving", "gpu_throughput"]
+    serving = by_topic["gpu_serving"][0]
+    assert list(serving["rows"]) == ["concurrency 1", "concurrency 64"]
+    assert serving["cpu"].startswith("NVIDIA H200 (torch 2.11.0+cu130, transformers 5.17.0")
+    doc = "".join(f"<!-- results:{t} -->\n<!-- /results:{t} -->\n" for t in sorted(by_topic))
+    rendered = tables.render_doc(doc, by_topic)
+    assert "| GPU |  | tokenbus (tok/s) | memory bound (tok/s) | weights (GB)" in rendered
+    assert "| 0.896× |" in rendered and "| 6.0× |" in rendered and "| 3.1× |" in rendered
+    assert "HF transformers 5.17.0 generate, static batches of 128, 256, best shown" in rendered
