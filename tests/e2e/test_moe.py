@@ -146,3 +146,17 @@ def test_quantized_experts_match_the_dequantized_file(hf_dir, prompts, tmp_path,
         assert_engine_clean(llm)
     for ours, dense in zip(results["gguf"], results["none"]):
         assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)
+
+
+def test_moe_steps_are_never_captured(hf_dir):
+    """An MoE layer reads its experts' token counts on the host, which a CUDA graph cannot
+    hold: capture is off for such a model, by name, not by a failed capture."""
+    from tokenbus.worker.captured_step import capture_disabled_reason
+
+    llm = make_llm(hf_dir, **ENGINE)
+    try:
+        worker = llm.engine.client.engine_core.executor.worker
+        reason = capture_disabled_reason(worker.config, torch.device("cuda"), worker.model)
+        assert reason is not None and "MoE" in reason
+    finally:
+        llm.shutdown()

@@ -24,6 +24,7 @@ import torch
 
 from tokenbus.config import EngineConfig
 from tokenbus.core.kv.hybrid import engine_kv_groups
+from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ def capture_disabled_reason(
         return "a KV connector is configured (its per-layer hooks run in Python)"
     if model is not None and engine_kv_groups(config, model.arch) is not None:
         return "a hybrid KV cache: each KV group's tables (static plans hold one)"
+    if model is not None and any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        return "MoE layers read their experts' token counts on the host (model/moe.py)"
     return None
 
 
