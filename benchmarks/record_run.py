@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from tokenbus.bench.record import make_record, write_record
+from tokenbus.bench.record import make_record, serve_summary_rows, write_record
 
 OUT = Path("bench_out")
 COLUMNS = {
@@ -169,18 +169,14 @@ def gpu_rows(figures: dict) -> dict[str, tuple[dict, dict, list[str]]]:
         sizes = ", ".join(throughput["hf_total_tokens_per_s_by_batch"])
         peers = [f"HF transformers {version} generate, static batches of {sizes}, best shown"]
         topics["gpu_throughput"] = (rows, units, peers)
-    serve_rows = {}
+    serve_rows: dict[str, dict] = {}
+    units = {"ITL p99": "ms"}
     for name in sorted((k for k in figures if k.startswith("serve_c")), key=lambda k: int(k[7:])):
-        summary = figures[name]
-        serve_rows[f"concurrency {summary['max_concurrency']}"] = {
-            "requests": summary["completed"],
-            "failed": summary["failed"],
-            "output": round(summary["output_throughput"], 1),
-            "TTFT p50": round(summary["median_ttft_ms"], 1),
-            "ITL p50": round(summary["median_itl_ms"], 2),
-            "ITL p99": round(summary["p99_itl_ms"], 2),
-        }
-    units = {"output": "tok/s", "TTFT p50": "ms", "ITL p50": "ms", "ITL p99": "ms"}
+        rows, serve_units = serve_summary_rows(figures[name])
+        for cells in rows.values():
+            cells["ITL p99"] = round(figures[name]["p99_itl_ms"], 2)
+        serve_rows |= rows
+        units |= serve_units
     topics["gpu_serving"] = (serve_rows, units, [])
     graph_rows = {}
     for name, label in (("graphs_smollm2", "SmolLM2-135M shape"), ("graphs_8b", "8B shape")):

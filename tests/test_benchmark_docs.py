@@ -136,7 +136,8 @@ def test_gpu_check_figures_become_gpu_tables(tmp_path):
     versions = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "triton": "3.6.0"}
     part = {"device": "NVIDIA H200", "versions": versions}
     serve = {"completed": 16, "failed": 0, "output_throughput": 91.4, "median_ttft_ms": 40.2,
-             "median_itl_ms": 10.9, "p99_itl_ms": 12.4}  # fmt: skip
+             "median_itl_ms": 10.9, "p99_itl_ms": 12.4,
+             "total_token_throughput": 400.0}  # fmt: skip
     figures = {
         "attention_backend": "auto",
         "decode_8b": part | {"part": "decode", "decode_tokens_per_s": 240.0,
