@@ -117,8 +117,9 @@ run() {  # run NAME SECONDS CMD...: a part under its own limit (cut to the deadl
 }
 
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rs"
-run tests_cuda 150 $PYTEST --timeout=100 -x \
-    tests/worker/test_cuda_graphs.py tests/e2e/test_cuda_greedy.py tests/e2e/test_triton_and_dummy.py
+run tests_cuda 150 $PYTEST --timeout=100 \
+    tests/worker/test_cuda_graphs.py tests/e2e/test_cuda_greedy.py tests/e2e/test_triton_and_dummy.py \
+    tests/e2e/test_lora_e2e.py::test_adapters_on_a_gpu_give_the_cpu_engines_tokens
 # Kernel tests compile one Triton kernel per shape: spread over the cores (pytest-xdist).
 PARALLEL=()
 $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)

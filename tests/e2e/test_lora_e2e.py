@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.e2e.oracle import assert_same_or_near_tie
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
@@ -209,3 +210,24 @@ def test_decode_layers_in_c_add_the_same_side_path(tiny_llama_dir, adapters, tmp
         tolerance = 1e-3 if lora else 0.0
         for mine, other, token in zip(ours.logprobs, theirs.logprobs, ours.token_ids):
             assert abs(mine[token].logprob - other[token].logprob) <= tolerance
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_adapters_on_a_gpu_give_the_cpu_engines_tokens(tiny_llama_dir, adapters):
+    """Adapters on CUDA: the slots and the side path's rows sit on the activations' device
+    (fp32 on both sides, so the tokens agree up to a near tie)."""
+    prompts = random_prompts(5, 20, 40, seed=8)
+    loras = [adapters["first"], None, adapters["first"], adapters["second"], None]
+    args = dict(enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32")
+    cpu = make_llm(tiny_llama_dir, device="cpu", **args)
+    expected = _greedy(cpu, prompts, loras)
+    cpu.shutdown()
+    gpu = make_llm(tiny_llama_dir, device="cuda", **args)
+    try:
+        for ours, theirs in zip(_greedy(gpu, prompts, loras), expected):
+            ours, theirs = ours.outputs[0], theirs.outputs[0]
+            assert_same_or_near_tie(list(ours.token_ids), list(theirs.token_ids), ours.logprobs)
+        assert_engine_clean(gpu)
+    finally:
+        gpu.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.e2e.oracle import assert_same_or_near_tie
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus import SamplingParams
@@ -37,6 +38,8 @@ def model_dir():
 
 
 def test_cuda_graphs_equal_eager_fp32(model_dir):
+    """The same tokens, up to a near tie: captured decodes split their keys (split-K) where
+    eager ones of short contexts do not, so fp32 sums run in another order."""
     prompts = random_prompts(6, 3, 40, seed=1)
     eager = make_llm(model_dir, enforce_eager=True, dtype="float32", **ENGINE)
     ref = generate_greedy(eager, prompts, 20)
@@ -45,7 +48,13 @@ def test_cuda_graphs_equal_eager_fp32(model_dir):
     try:
         runner = runner_of(graphs)
         assert runner.captured is not None and sorted(runner.captured.runner.graphs) == [1, 2, 4, 8]
-        assert generate_greedy(graphs, prompts, 20) == ref
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
+        outputs = graphs.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        for output, want in zip(outputs, ref):
+            got = output.outputs[0]
+            assert_same_or_near_tie(list(got.token_ids), want, got.logprobs, gap=1e-3)
         assert_engine_clean(graphs)
     finally:
         graphs.shutdown()

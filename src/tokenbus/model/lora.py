@@ -56,14 +56,22 @@ class LoRABatch:
 class LinearLoRA:
     """The slots of one linear; called after the base kernel: y += side path of x."""
 
-    def __init__(self, linear: Linear, batch: LoRABatch, config: LoRAConfig, dtype) -> None:
+    def __init__(
+        self,
+        linear: Linear,
+        batch: LoRABatch,
+        config: LoRAConfig,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.batch = batch
         self.rank = config.max_lora_rank
         self.out_sizes = linear.out_sizes
         self.width = len(linear.out_sizes) * self.rank  # columns of one slot
         size = config.max_loras * self.width
-        self.a = torch.zeros(size, linear.in_features, dtype=dtype)
-        self.b = torch.zeros(size, linear.out_features, dtype=dtype)
+        # On the model's device: the side path multiplies the step's activations.
+        self.a = torch.zeros(size, linear.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(size, linear.out_features, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, shards: dict[int, LoRAPair]) -> None:
         """Slot `slot` holds these shards' pairs (shard → (A [r, in], B [out_s, r], scaling));

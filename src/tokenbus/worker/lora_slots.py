@@ -37,11 +37,12 @@ class LoRAAdapters:
         self.arch = arch
         self.config = config
         self.batch = LoRABatch()
-        dtype = model.embed_tokens.dtype
+        dtype, self.device = model.embed_tokens.dtype, model.embed_tokens.device
         self.linears: dict[str, LinearLoRA] = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.startswith("layers."):
-                module.lora = self.linears[name] = LinearLoRA(module, self.batch, config, dtype)
+                lora = LinearLoRA(module, self.batch, config, dtype, self.device)
+                module.lora = self.linears[name] = lora
         attach_lora(model, self.batch)
         # id → {our linear's name → {shard → pair}}, most recently used last.
         self._loaded: OrderedDict[int, dict[str, dict[int, LoRAPair]]] = OrderedDict()
@@ -68,8 +69,13 @@ class LoRAAdapters:
             if run.lora_id:
                 slots[row : row + run.num_rows] = slot_of[run.lora_id]
             row += run.num_rows
-        self.batch.groups = [(slot_of[i], _rows_of(slots, slot_of[i])) for i in paths]
-        self.batch.slots = slots
+        # Found on the host; a row list (not a slice) goes to the activations' device.
+        groups = [(slot_of[i], _rows_of(slots, slot_of[i])) for i in paths]
+        self.batch.groups = [
+            (slot, rows if isinstance(rows, slice) else rows.to(self.device))
+            for slot, rows in groups
+        ]
+        self.batch.slots = slots  # read by decode_layer.c, on CPU
 
     def _adapter(self, lora_id: int, path: str | None, keep) -> dict[str, dict[int, LoRAPair]]:
         """The adapter's pairs by linear, read once; past max_cpu_loras the least recently
