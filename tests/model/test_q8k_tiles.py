@@ -159,3 +159,14 @@ def test_k_quant_model_prefills_on_q8_k(tmp_path, qtype):
     assert 1e-5 < error(long_prompt, long_dequantized) < 5e-2
     chosen = long_dequantized.gather(1, long_prompt.argmax(-1, keepdim=True)).squeeze(1)
     assert (long_dequantized.max(-1).values - chosen < 0.1).all()
+
+
+def test_the_library_names_the_super_block_formats():
+    """K-quant tiles are named once, in kernels.h: the library answers for Python, so a linear's
+    shards and decode_layer.c's steps pick the same calls for q8_k."""
+    kernels = load_quant_kernels()
+    if kernels.tile_fns is None:
+        pytest.skip(f"no tiled kernels on {DETECTED.describe()}")
+    tiled = {t for t in TILE_TYPES if kernels.tiles(t)}
+    super_block = {t for t in tiled if kernels.super_block(kernels.tile_format(t))}
+    assert super_block == tiled & set(SUPER_BLOCK_TYPES)

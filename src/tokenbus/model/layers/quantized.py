@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from gguf import GGMLQuantizationType
 
 from tokenbus.model.native import (
     QUANT_GEMV_MAX_ROWS,
@@ -68,17 +67,6 @@ Q8_K_AUTO_MIN_ROWS = 16
 # 64 256 2048 decides which ISAs belong. With VNNI an int16 multiply-add is one vpdpwssd
 # instead of two instructions.
 GEMM_FROM_ROWS = TILE_GEMV_MAX_ROWS + 1
-# Tile formats in 256-value super-blocks (K-quants; Q3_K is repacked as Q6_K): the calls
-# TileModes.q8_k_from_rows moves to q8_k.
-SUPER_BLOCK_FORMATS = frozenset(
-    int(t)
-    for t in (
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-        GGMLQuantizationType.IQ4_XS,
-    )
-)
 INT_TILES_ANY_ROWS_ISAS = ("avx2", "avx512")
 
 
@@ -99,8 +87,9 @@ class TileModes:
     bf16_from_rows: int = 0
     gemm_from_rows: int = GEMM_FROM_ROWS
     row_invariant: bool = False
-    # From this many rows (0: never), calls on K-quant tiles (SUPER_BLOCK_FORMATS) take q8_k, the
-    # activations llama.cpp pairs with K-quants; the other types' calls keep the modes above.
+    # From this many rows (0: never), calls on K-quant tiles (KernelWeight.super_block) take
+    # q8_k, the activations llama.cpp pairs with K-quants; the other types' calls keep the modes
+    # above.
     q8_k_from_rows: int = 0
 
     def mode(self, rows: int, k_quant: bool = False) -> str:
@@ -136,6 +125,9 @@ class KernelWeight:
     cols: int
     rows: int
     tiled: bool = False
+    # Tiled in 256-value super-blocks (a K-quant, QuantKernels.super_block): its calls take
+    # the K-quant activation mode (TileModes.mode).
+    super_block: bool = False
 
 
 def kernel_weight(
@@ -155,12 +147,14 @@ def kernel_weight(
     blocks = [p.data for p in parts]
     if any(p.rows % TILE_ROWS for p in parts[:-1]):  # a shard's tiles must start a tile
         blocks = [torch.cat(blocks)]
+    tile_format = kernels.tile_format(first.qtype)
     return KernelWeight(
-        kernels.tile_format(first.qtype),
+        tile_format,
         kernels.repack_tiles(first.qtype, blocks, first.cols),
         first.cols,
         rows,
         tiled=True,
+        super_block=kernels.super_block(tile_format),
     )
 
 
@@ -231,7 +225,7 @@ class QuantizedLinearKernel:
                 shard,
                 flat,
                 out[:, start : start + shard.rows],
-                self.modes.mode(flat.shape[0], shard.tiled and shard.qtype in SUPER_BLOCK_FORMATS),
+                self.modes.mode(flat.shape[0], shard.super_block),
                 self.buffer,
                 self.modes.row_invariant,
             )

@@ -96,12 +96,10 @@ static int lora_add(const linear *l, const float *x, int64_t T, float *y, const 
     return 0;
 }
 
-static int k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == IQ4_XS; }
-
 static int run_linear(const kernels *k, const linear *l, const float *x, int64_t T, float *y, const step *s) {
     for (int64_t i = 0, first = 0; i < l->num_shards; first += l->shards[i++].rows) {
         const shard *part = &l->shards[i];
-        const int act = (int)(k_quant(part->qtype) ? s->k_activations : s->activations);
+        const int act = (int)(super_block_format(part->qtype) ? s->k_activations : s->activations);
         const int status = k->matmul((int)part->qtype, part->tiles, part->rows, l->cols, x, T, l->cols, y + first,
                                      l->rows, act, (int)s->num_threads);
         if (status) return status;

@@ -15,6 +15,11 @@ enum {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9, Q2_K = 10, Q3_K = 11,
     Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
 };
+/* Tile formats in 256-value super-blocks (the K-quants; Q3_K is repacked as Q6_K): the calls on
+   them take their own activation mode (decode_layer.c's step.k_activations; tile_super_block). */
+static inline int super_block_format(int64_t format) {
+    return format == Q4_K || format == Q5_K || format == Q6_K || format == IQ4_XS;
+}
 /* Element types of queries and the KV cache (kv_quant.h has their row layouts). */
 enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2, ELEM_FP8_E4M3 = 3, ELEM_FP8_E5M2 = 4, ELEM_Q8_0 = 5 };
 /* How tile_matmul takes its activations: as they are, rounded per 32 values first (int8, int16),
@@ -38,6 +43,7 @@ int quant_dequant_rows(int qtype, const uint8_t *w, int64_t K, const int64_t *ro
 int tile_supported(void);
 int tile_bf16_engine(void);
 int tile_q8_k(void);
+int tile_super_block(int64_t format);
 int tile_format(int qtype);
 int64_t tile_nbytes(int qtype, int64_t N, int64_t K);
 int tile_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out);

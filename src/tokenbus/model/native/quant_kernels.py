@@ -63,6 +63,11 @@ class QuantKernels:
         assert self.tiles(qtype)
         return self.tile_fns["format"](qtype)
 
+    def super_block(self, tile_format: int) -> bool:
+        """Whether a tile format is in 256-value super-blocks (the K-quants): the calls that
+        TileModes.q8_k_from_rows moves to q8_k, as decode_layer.c's k_activations."""
+        return self.tile_fns is not None and bool(self.tile_fns["super_block"](tile_format))
+
     def repack_tiles(
         self, qtype: int, w: torch.Tensor | Sequence[torch.Tensor], num_cols: int
     ) -> torch.Tensor:
@@ -286,5 +291,6 @@ def _load_tile_fns(cpu: CpuFeatures | None, source: Path) -> dict[str, ctypes._C
             "bf16_engine",
             "q8_k",
             "format",
+            "super_block",
         )
     }

@@ -422,6 +422,9 @@ static const bf16_engine *bf16_engine_here(void) {
 /* How tile_matmul takes bf16 activations here: BF16_ENGINE_*. */
 int tile_bf16_engine(void) { return bf16_engine_here()->code; }
 
+/* 1 when tile format `format` is in 256-value super-blocks (kernels.h: super_block_format). */
+int tile_super_block(int64_t format) { return super_block_format(format); }
+
 /* 1 when this build runs ACT_Q8_K (AVX-512 VNNI: tiles_q8k.h). */
 int tile_q8_k(void) {
 #ifdef HAVE_Q8K_TILES

@@ -25,6 +25,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "tile_supported": ("i", ""),
     "tile_bf16_engine": ("i", ""),
     "tile_q8_k": ("i", ""),
+    "tile_super_block": ("i", "l"),
     "tile_format": ("i", "i"),
     "tile_nbytes": ("l", "ill"),
     "tile_repack": ("i", "ipllp"),
