@@ -349,12 +349,11 @@ def resolve_kv_cache_dtype(
     dequantizes what it gathers); q8_0 K/V run on CPU alone."""
     if requested == "fp8":
         requested = "fp8_e4m3"
-    triton_fp8 = attention_backend == "triton" and requested.startswith("fp8")
-    if (
-        requested in QUANTIZED_KV_CACHE_DTYPES
-        and not triton_fp8
-        and (not device.startswith("cpu") or attention_backend == "triton")
-    ):
+    if attention_backend == "triton":
+        runs_here = requested.startswith("fp8")
+    else:
+        runs_here = device.startswith("cpu")
+    if requested in QUANTIZED_KV_CACHE_DTYPES and not runs_here:
         raise ValueError(
             f"kv_cache_dtype {requested!r} runs on CPU with the native or torch attention"
             + (", fp8 with the Triton kernels too" if requested.startswith("fp8") else "")

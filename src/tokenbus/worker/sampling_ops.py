@@ -82,10 +82,9 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.
     One torch.topk with the largest k of the rows that use it (`max_k`, known on the host, so
     nothing is read back from the device); no full sort of the vocabulary.
     """
-    vocab_size = logits.shape[1]
-    uses_top_k = top_k < vocab_size  # [B]
     if max_k <= 0:
         return logits
+    uses_top_k = top_k < logits.shape[1]  # [B]: rows without top-k hold V
     top_values = logits.topk(max_k, dim=-1).values  # [B, max_k], descending
     kth_largest = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))  # [B, 1]
     kth_largest.masked_fill_(~uses_top_k.unsqueeze(1), _NEG_INF)
