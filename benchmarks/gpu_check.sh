@@ -119,11 +119,13 @@ run() {  # run NAME SECONDS CMD...: a part under its own limit (cut to the deadl
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rs"
 run tests_cuda 150 $PYTEST --timeout=100 \
     tests/worker/test_cuda_graphs.py tests/e2e/test_cuda_greedy.py tests/e2e/test_triton_and_dummy.py \
-    tests/e2e/test_lora_e2e.py::test_adapters_on_a_gpu_give_the_cpu_engines_tokens
+    tests/e2e/test_lora_e2e.py::test_adapters_on_a_gpu_give_the_cpu_engines_tokens \
+    tests/e2e/test_moe.py::test_moe_on_a_gpu_runs_stacked_experts_in_graphs
 # Kernel tests compile one Triton kernel per shape: spread over the cores (pytest-xdist).
 PARALLEL=()
 $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
-run tests_triton 90 $PYTEST --timeout=80 "${PARALLEL[@]}" tests/model/test_triton_attention.py
+run tests_triton 90 $PYTEST --timeout=80 "${PARALLEL[@]}" tests/model/test_triton_attention.py \
+    tests/model/test_triton_moe.py
 
 LLAMA=benchmarks/configs/llama-3.1-8b
 SMOL=benchmarks/configs/smollm2-135m

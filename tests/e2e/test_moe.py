@@ -7,6 +7,8 @@ same file dequantized at load."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -148,9 +150,11 @@ def test_quantized_experts_match_the_dequantized_file(hf_dir, prompts, tmp_path,
         assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)
 
 
-def test_moe_steps_are_never_captured(hf_dir):
-    """An MoE layer reads its experts' token counts on the host, which a CUDA graph cannot
-    hold: capture is off for such a model, by name, not by a failed capture."""
+def test_moe_steps_are_captured_only_with_stacked_experts(hf_dir):
+    """Experts run one by one read their token counts on the host, which a CUDA graph cannot
+    hold: capture is off for such a model, by name, not by a failed capture. Stacked for the
+    Triton grouped GEMMs (what the plan does on CUDA), nothing stands in the way."""
+    from tokenbus.model.moe import SparseMoeBlock
     from tokenbus.worker.captured_step import capture_disabled_reason
 
     llm = make_llm(hf_dir, **ENGINE)
@@ -158,5 +162,50 @@ def test_moe_steps_are_never_captured(hf_dir):
         worker = llm.engine.client.engine_core.executor.worker
         reason = capture_disabled_reason(worker.config, torch.device("cuda"), worker.model)
         assert reason is not None and "MoE" in reason
+        for module in worker.model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.stack_experts()
+        assert capture_disabled_reason(worker.config, torch.device("cuda"), worker.model) is None
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton needs a GPU, or TRITON_INTERPRET=1 from the start",
+)
+def test_stacked_experts_give_hfs_tokens(hf_dir, prompts, hf_reference):
+    """The Triton grouped GEMMs inside the engine (on CPU: in Triton's interpreter, every step
+    op by op), through prefix hits and chunked prefill: HF's tokens and logprobs."""
+    from tokenbus.model.moe import SparseMoeBlock
+
+    llm = make_llm(hf_dir, enforce_eager=True, max_num_batched_tokens=32, **ENGINE)
+    model = llm.engine.client.engine_core.executor.worker.model
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.stack_experts()
+    assert_matches_hf(generate(llm, prompts), hf_reference)
+    assert_engine_clean(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_moe_on_a_gpu_runs_stacked_experts_in_graphs(hf_dir, prompts, hf_reference):
+    """On CUDA the plan stacks the experts for the Triton grouped GEMMs, decode steps are
+    captured, and the tokens are HF's up to a near tie (fp32)."""
+    from tokenbus.model.moe import SparseMoeBlock
+
+    llm = make_llm(
+        hf_dir, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+        kv_cache_memory="256MiB", **ENGINE,
+    )  # fmt: skip
+    try:
+        worker = llm.engine.client.engine_core.executor.worker
+        blocks = [m for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
+        assert blocks and all(block.stacked is not None for block in blocks)
+        assert worker.runner.captured is not None
+        for out, (tokens, _) in zip(generate(llm, prompts, logprobs=5), hf_reference):
+            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+        assert_engine_clean(llm)
     finally:
         llm.shutdown()

@@ -2,7 +2,8 @@
 
 Triton's interpreter (the CPU tests) never compiles a kernel, so a construct only the compiler
 refuses would first fail on a GPU machine. A fresh interpreter with TRITON_INTERPRET=0 compiles
-each kernel ahead of time for the CUDA target, in every tile shape paged_attention launches.
+each kernel ahead of time for the CUDA target, in every tile shape paged_attention and the
+MoE expert GEMMs launch.
 """
 
 from __future__ import annotations
@@ -70,6 +71,23 @@ SCRIPT = textwrap.dedent(
         write |= {name: "constexpr" for name in constants}
         triton.compile(ASTSource(ta._write_kv_kernel, write, constants), target=target)
         compiled += 1
+    # The MoE expert GEMMs (triton_moe.py): both tile configs, gate_up (rows of tokens) and
+    # down (rows of pairs, routed), in every model dtype.
+    from tokenbus.model import triton_moe as tm
+    gemm = {"a_ptr": None, "w_ptr": None, "c_ptr": None, "routing_ptr": None,
+            "pairs_ptr": "*i64", "block_experts_ptr": "*i64", "num_padded_ptr": "*i64",
+            "num_pairs": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
+            "stride_w_expert": "i32", "stride_w_n": "i32", "stride_c": "i32"}
+    configs = (tm.GemmConfig.for_step(1, 128), tm.GemmConfig.for_step(4096, 128))
+    for dtype, config, (rows_per_pair, routed) in itertools.product(
+        ("bf16", "fp16", "fp32"), configs, ((8, False), (1, True))
+    ):
+        signature = {name: kind or f"*{dtype}" for name, kind in gemm.items()}
+        constants = dict(ROWS_PER_PAIR=rows_per_pair, ROUTED=routed, FP32_DOT=dtype == "fp32",
+                         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+        signature |= {name: "constexpr" for name in constants}
+        triton.compile(ASTSource(tm._expert_gemm_kernel, signature, constants), target=target)
+        compiled += 1
     print("compiled", compiled + 1)
     """
 )
@@ -83,4 +101,4 @@ def test_kernels_compile_for_sm90_in_every_tile_shape():
     if "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("this triton has no ptxas for a CUDA target")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "compiled 35" in result.stdout
+    assert "compiled 47" in result.stdout

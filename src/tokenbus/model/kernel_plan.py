@@ -12,6 +12,7 @@ from outside, `apply_kernels(model, request)` picks, for the model's device, dty
   how tiled blocks take their activations (TileModes: `quant_activation_modes`);
 - the embedding's blocks, where it was kept quantized;
 - the attention backend (attention_backend.select_attention_backend);
+- on CUDA, MoE experts stacked for triton_moe.py's grouped GEMMs (`_stack_moe_experts`);
 - decode_layer.c over every decoder layer, where each layer can run there (`decode_layers`:
   not for sliding-window layers, which it does not narrow).
 
@@ -37,6 +38,7 @@ from tokenbus.model.attention_backend import (
     AttentionBackend,
     TorchAttentionBackend,
     select_attention_backend,
+    triton_problem,
 )
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
 from tokenbus.model.forward_context import ForwardContext
@@ -189,6 +191,7 @@ def apply_kernels(
     GGUF blocks stay on them."""
     cpu = cpu or CpuFeatures.detect()
     device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
+    _stack_moe_experts(model, device)
     quant = _finalize_weights(model, request, cpu)
     modes = TileModes()
     if request.quant_activations is not None:
@@ -257,6 +260,21 @@ def _install(model: nn.Module, plan: KernelPlan) -> None:
         if isinstance(module, OpsModule):
             module.ops = plan.ops
     model.kernels = plan
+
+
+def _stack_moe_experts(model: nn.Module, device: torch.device) -> None:
+    """On CUDA, MoE blocks whose experts are dense run them through triton_moe.py's grouped
+    GEMMs, which read nothing back to the host, so their steps can be captured
+    (worker/captured_step.py). Elsewhere, and for GGUF blocks, experts run one by one."""
+    if device.type != "cuda" or triton_problem(device) is not None:
+        return
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock) and not any(
+            linear.quantized or linear.backend == "gguf"
+            for expert in module.experts
+            for linear in (expert.gate_up_proj, expert.down_proj)
+        ):
+            module.stack_experts()
 
 
 def _layer_ops(device: torch.device, dtype: torch.dtype, cpu: CpuFeatures) -> TorchOps:

@@ -14,6 +14,11 @@ over active experts (at most E), never over tokens, and experts run in ascending
 does, so the sums per token are taken in HF's order. A decode-sized step on CPU runs the
 same pipeline in C inside its layer (native/decode_layer.c, moe_mlp), where the plan allows.
 
+Reading the counts waits on the device, once per layer, and a CUDA graph cannot record it. So
+on CUDA, where the experts are dense, the kernel plan stacks them (`stack_experts`: HF's
+[E, 2I, hidden] and [E, hidden, I] layout, each expert's linears then views of it) and the
+step runs model/triton_moe.py's grouped GEMMs instead: the same numbers, nothing read back.
+
 Tensor parallelism is expert parallel: a rank holds whole experts [r*E/size, (r+1)*E/size)
 and the router whole; every rank routes every token, runs only its own experts, and one
 all-reduce sums the ranks' partial outputs (the same single all-reduce a dense MLP has).
@@ -23,6 +28,7 @@ halve every call's work while keeping its fixed cost) and need no slicing of qua
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -78,6 +84,10 @@ class SparseMoeBlock(OpsModule):
         self.experts = nn.ModuleList(
             Expert(arch.hidden_size, arch.moe_intermediate_size) for _ in range(per_rank)
         )
+        # stack_experts: (gate_up [E, 2I, hidden], down [E, hidden, I]) and the grouped GEMMs
+        # that run them (triton_moe.fused_experts); None: experts run one by one.
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused_experts: Callable[..., torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of each token."""
@@ -89,6 +99,17 @@ class SparseMoeBlock(OpsModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(x)
+        if self._fused_experts is not None:
+            out = self._fused_experts(
+                x, *self.stacked, weights, expert_ids, self.ops.silu_mul,
+                first_expert=self.first_expert, some_experts_elsewhere=self.tp.size > 1,
+            )  # fmt: skip
+            return self.tp.all_reduce(out)
+        return self.tp.all_reduce(self._experts_one_by_one(x, weights, expert_ids))
+
+    def _experts_one_by_one(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
         flat_ids = expert_ids.flatten()  # [T*k]: pair p is token p // k
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens ascending
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
@@ -105,7 +126,23 @@ class SparseMoeBlock(OpsModule):
             h = expert.down_proj(self.ops.silu_mul(expert.gate_up_proj(x[rows])))  # [n, hidden]
             out.index_add_(0, rows, h * pair_weights[run].unsqueeze(-1))
             start += count
-        return self.tp.all_reduce(out)
+        return out
+
+    def stack_experts(self) -> None:
+        """Run the experts through triton_moe.py's grouped GEMMs from now on: their dense
+        weights are stacked into two tensors, and each expert's linears view its slice of
+        them (one copy in memory). The plan calls this at load (kernel_plan.py)."""
+        if self.stacked is not None:
+            return
+        from tokenbus.model.triton_moe import fused_experts
+
+        linears = [(e.gate_up_proj, e.down_proj) for e in self.experts]
+        stacked = tuple(torch.stack([pair[i].weight for pair in linears]) for i in range(2))
+        for e, pair in enumerate(linears):
+            for linear, weights in zip(pair, stacked):
+                linear.use_weight(weights[e])
+        self.stacked = stacked
+        self._fused_experts = fused_experts
 
     def weight_loaders(self, prefix: str, family: str) -> dict[str, WeightLoader]:
         """HF names under `prefix` ("model.layers.N.mlp." or "...block_sparse_moe.") of the

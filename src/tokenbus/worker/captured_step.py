@@ -116,8 +116,10 @@ def capture_disabled_reason(
         return "a KV connector is configured (its per-layer hooks run in Python)"
     if model is not None and engine_kv_groups(config, model.arch) is not None:
         return "a hybrid KV cache: each KV group's tables (static plans hold one)"
-    if model is not None and any(isinstance(m, SparseMoeBlock) for m in model.modules()):
-        return "MoE layers read their experts' token counts on the host (model/moe.py)"
+    if model is not None and any(
+        isinstance(m, SparseMoeBlock) and m.stacked is None for m in model.modules()
+    ):
+        return "MoE layers that run their experts one by one read token counts on the host"
     return None
 
 

@@ -69,7 +69,10 @@ def _kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
         return cache.kv_cache_memory
     if device.type == "cuda":
         # Weights are loaded before sizing, so what is free now minus the headroom left by
-        # gpu_memory_utilization (activations of one max-sized step) is the KV budget.
+        # gpu_memory_utilization (activations of one max-sized step) is the KV budget. Blocks
+        # freed while loading (per-expert tensors replaced by stacked ones: model/moe.py) sit in
+        # torch's allocator cache until handed back, and would count as used.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         reserve = int(total * (1.0 - cache.gpu_memory_utilization))
         return max(0, free - reserve)

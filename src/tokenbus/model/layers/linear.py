@@ -200,6 +200,14 @@ class Linear(nn.Module):
         self.backend = choose_linear_backend(self.weight, backend, cpu)
         self._kernel = make_linear_kernel(self.weight, self.bias, self.backend)
 
+    def use_weight(self, weight: torch.Tensor) -> None:
+        """Hold `weight` (same shape; a view into a stacked tensor, say) as the dense weight;
+        F.linear runs it until finalize() chooses a kernel again."""
+        if weight.shape != self.weight.shape:
+            raise ValueError(f"expected shape {list(self.weight.shape)}, got {list(weight.shape)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self._kernel = None
+
     @property
     def kernel(self) -> LinearKernel | None:
         return self._kernel

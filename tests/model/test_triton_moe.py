@@ -1,0 +1,125 @@
+"""The Triton MoE step (model/triton_moe.py): pairs grouped by expert with exact slots, and the
+grouped GEMMs against the experts run one by one (model/moe.py's portable path).
+
+Without a GPU the kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set
+by tests/conftest.py before triton is imported); on a CUDA machine they run compiled.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton needs a GPU, or TRITON_INTERPRET=1 from the start", allow_module_level=True)
+
+from tests.fixtures.tiny_models import cached_tiny_model  # noqa: E402
+
+from tokenbus.loader import load_arch, resolve_model  # noqa: E402
+from tokenbus.model import triton_moe  # noqa: E402  (after the interpreter check)
+from tokenbus.model.moe import SparseMoeBlock  # noqa: E402
+from tokenbus.model.parallel import TensorParallel  # noqa: E402
+
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
+BF16_DOT_ON_GPU_ONLY = pytest.mark.skipif(
+    DEVICE == "cpu", reason="Triton's interpreter computes bf16 tl.dot wrong (3.9: errors ~1e10)"
+)
+# Pairs p = t * k + j of 3 tokens, 2 experts each: token 0 -> experts 2, 0; 1 -> 0, 1; 2 -> 2, 0.
+EXPERT_IDS = [[2, 0], [0, 1], [2, 0]]
+
+
+def test_pairs_are_grouped_by_expert_in_padded_blocks():
+    blocks = triton_moe.align_pairs(torch.tensor(EXPERT_IDS), 0, 3, block_m=4)
+    none = 6  # the padding id: the number of pairs
+    # Expert 0 has pairs 1, 2, 5; expert 1 pair 3; expert 2 pairs 0, 4, each run padded to 4.
+    # Slots: 6 pairs + 3 experts * 3 padding at most = 15, rounded up to whole blocks: 16.
+    assert blocks.pairs.tolist() == [1, 2, 5, none, 3, none, none, none, 0, 4] + [none] * 6
+    assert blocks.block_experts.tolist() == [0, 1, 2, 2]  # the idle last block: clamped
+    assert blocks.num_padded.tolist() == [12]
+    assert (blocks.num_pairs, blocks.block_m) == (6, 4)
+
+
+def test_other_ranks_experts_are_never_placed():
+    # This rank holds experts 1 and 2 (local 0 and 1): expert 0's pairs 1, 2 and 5 stay out.
+    blocks = triton_moe.align_pairs(torch.tensor(EXPERT_IDS), 1, 2, block_m=4)
+    assert blocks.pairs.tolist() == [3, 6, 6, 6, 0, 4, 6, 6, 6, 6, 6, 6]
+    assert blocks.block_experts.tolist() == [0, 1, 1]
+    assert blocks.num_padded.tolist() == [8]
+
+
+def _block(rank=0, size=1, dtype=torch.float32, seed=0):
+    """A Qwen3-MoE block (8 experts, 2 per token) with random weights, on DEVICE."""
+    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **QWEN3_MOE))))
+    block = SparseMoeBlock(arch, TensorParallel(rank=rank, size=size))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+    return block.to(DEVICE, dtype), arch
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])  # decode-sized blocks of 16, prefill of 64
+def test_grouped_gemms_equal_the_experts_one_by_one(num_tokens):
+    block, arch = _block()
+    x = torch.randn(num_tokens, arch.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = x.to(DEVICE)
+    with torch.no_grad():
+        want = block(x)
+        gate_up = block.experts[3].gate_up_proj
+        block.stack_experts()
+        assert block.stacked[0].shape == (8, 2 * arch.moe_intermediate_size, arch.hidden_size)
+        assert block.stacked[1].shape == (8, arch.hidden_size, arch.moe_intermediate_size)
+        # one copy: each expert's linear now views its slice of the stacked tensor
+        assert gate_up.weight.data_ptr() == block.stacked[0][3].data_ptr()
+        got = block(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_DOT_ON_GPU_ONLY)]
+)
+def test_half_precision_experts_stay_close(dtype):
+    block, arch = _block(dtype=dtype)
+    x = torch.randn(9, arch.hidden_size, generator=torch.Generator().manual_seed(2))
+    x = x.to(DEVICE, dtype)
+    with torch.no_grad():
+        want = block(x).float()
+        block.stack_experts()
+        got = block(x).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_expert_parallel_ranks_sum_to_the_whole_block():
+    """Each rank runs only its experts and leaves the others' rows at zero: the two partial
+    outputs (what the all-reduce sums) add up to the single-rank block's output."""
+    whole, arch = _block()
+    x = torch.randn(11, arch.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    halves = []
+    for rank in range(2):
+        half, _ = _block(rank=rank, size=2)
+        # the same weights as the whole block: the router, and this rank's four experts
+        half.gate.load_state_dict(whole.gate.state_dict())
+        for local, expert in enumerate(half.experts):
+            expert.load_state_dict(whole.experts[half.first_expert + local].state_dict())
+        half.stack_experts()
+        halves.append(half)
+    with torch.no_grad():
+        want = whole(x)
+        # the all-reduce of size 2 needs a process group: call the experts' step directly
+        parts = []
+        for half in halves:
+            weights, expert_ids = half.route(x)
+            parts.append(
+                triton_moe.fused_experts(
+                    x,
+                    *half.stacked,
+                    weights,
+                    expert_ids,
+                    half.ops.silu_mul,
+                    first_expert=half.first_expert,
+                    some_experts_elsewhere=True,
+                )  # fmt: skip
+            )
+    torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-5, rtol=1e-5)
