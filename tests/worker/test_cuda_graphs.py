@@ -142,39 +142,71 @@ def test_kv_sizing_from_free_device_memory(model_dir):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_a_decode_step_syncs_only_to_read_the_sampled_ids(model_dir, enforce_eager):
-    """Greedy and sampled (temperature, top-p, top-k) requests decoding together: the whole
-    step (inputs, forward or graph replay, sampling) makes one synchronizing CUDA call, the
-    one that reads the sampled ids. torch's sync debug mode warns at each such call, from the
-    Python line that made it."""
+def _add_mixed_requests(engine, prompts, max_tokens=40):
+    """Greedy and sampled (temperature, top-p, top-k) requests, alternating."""
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if i % 2:
+            params = SamplingParams(
+                temperature=0.8, top_p=0.9, top_k=20, max_tokens=max_tokens, ignore_eos=True
+            )
+        engine.add_request(f"r{i}", prompt, params)
+
+
+def _synchronizing_calls(engine, steps):
+    """Take `steps` engine steps under torch's sync debug mode, which warns at each
+    synchronizing CUDA call from the Python line that made it: those lines."""
     import warnings
 
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_a_decode_step_syncs_only_to_read_the_sampled_ids(model_dir, enforce_eager):
+    """Greedy and sampled requests decoding together: the whole step (inputs, forward or
+    graph replay, sampling) makes one synchronizing CUDA call, the one that reads the sampled
+    ids."""
     llm = make_llm(model_dir, enforce_eager=enforce_eager, **ENGINE)
     try:
         engine = llm.engine
-        prompts = random_prompts(4, 5, 20, seed=6)
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-            if i % 2:
-                params = SamplingParams(
-                    temperature=0.8, top_p=0.9, top_k=20, max_tokens=40, ignore_eos=True
-                )
-            engine.add_request(f"r{i}", prompt, params)
+        _add_mixed_requests(engine, random_prompts(4, 5, 20, seed=6))
         for _ in range(4):  # the prefills, then a decode or two: every graph is warm
             engine.step()
         steps = 5
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(steps):
-                    engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in seen if "synchroniz" in str(w.message)]
-        where = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
-        assert len(syncs) <= steps, where
+        syncs = _synchronizing_calls(engine, steps)
+        assert len(syncs) <= steps, sorted(set(syncs))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_verification_step_syncs_once(model_dir):
+    """n-gram speculation: drafts come from host token lists, and a step verifying them
+    (greedy acceptance, rejection sampling for the sampled rows) reads the device once: the
+    accepted counts and the emitted tokens together."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    llm = make_llm(model_dir, speculative_config=ngram, **ENGINE)
+    try:
+        engine = llm.engine
+        motif = random_prompts(1, 6, 6, seed=7)[0]
+        _add_mixed_requests(engine, [motif * 5 + [1000 + i] for i in range(4)])
+        for _ in range(3):
+            engine.step()
+        steps = 5
+        with engine.measure_spec_decode() as metrics:
+            syncs = _synchronizing_calls(engine, steps)
+        assert metrics.num_draft_tokens > 0  # the steps did verify drafts
+        assert len(syncs) <= steps, sorted(set(syncs))
         while engine.has_unfinished_requests():
             engine.step()
         assert_engine_clean(llm)

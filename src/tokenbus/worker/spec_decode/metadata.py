@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenbus.worker.sampling_metadata import SamplingRow
+from tokenbus.worker.sampling_metadata import SamplingRow, to_device
 
 
 @dataclass
@@ -25,6 +25,11 @@ class SpecDecodeMetadata:
     draft_rows: torch.Tensor  # Long[D] the logits row that checks each draft
     draft_req_index: torch.Tensor  # Long[D] the request of each draft
     draft_pos: torch.Tensor  # Long[D] position of each draft within its request (0..k_i - 1)
+    # Long[B] each, on the device: first_rows, num_draft_tokens and draft_starts, so the
+    # rejection sampler indexes with them without a host list crossing over in the step.
+    first_rows_t: torch.Tensor
+    num_draft_tokens_t: torch.Tensor
+    draft_starts_t: torch.Tensor
     # Float[D, V]: the proposer's distribution q at each draft; None when drafts are proposed
     # deterministically (n-gram, greedy draft model): q is then one-hot on the draft.
     draft_probs: torch.Tensor | None = None
@@ -68,12 +73,15 @@ class SpecDecodeMetadata:
         if draft_probs is not None and draft_probs.shape[0] != len(flat):
             raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows for {len(flat)} drafts")
 
-        def long(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        return cls(
-            num_drafts, first_rows, long(flat), long(rows), long(req_index), long(pos), draft_probs
+        starts = [first - i for i, first in enumerate(first_rows)]  # as draft_starts
+        # Every index list in one host tensor, so one copy takes them to the device (pinned,
+        # without waiting on CUDA: sampling_metadata.to_device); the fields are its slices.
+        parts = (flat, rows, req_index, pos, first_rows, num_drafts, starts)
+        packed = to_device(
+            torch.tensor([v for part in parts for v in part], dtype=torch.long), device
         )
+        fields = packed.split([len(part) for part in parts])
+        return cls(num_drafts, first_rows, *fields, draft_probs=draft_probs)
 
 
 def expand_sampling_rows(

@@ -60,9 +60,7 @@ class RejectionSampler:
 
         accepted = self._accept(greedy_ids, probs, meta, spec)  # Bool[D]
         num_accepted = _num_leading_accepted(accepted, spec)  # Long[B]
-        final_rows = (
-            torch.tensor(spec.first_rows, dtype=torch.long, device=logits.device) + num_accepted
-        )
+        final_rows = spec.first_rows_t + num_accepted
         # [B]
         final_ids = self._final_tokens(greedy_ids, probs, meta, spec, num_accepted, final_rows)
 
@@ -70,8 +68,9 @@ class RejectionSampler:
         row_ids = torch.zeros(spec.num_rows, dtype=torch.long, device=logits.device)  # [R]
         row_ids[spec.draft_rows] = spec.draft_token_ids
         row_ids[final_rows] = final_ids
-        num_accepted_list = num_accepted.tolist()
-        row_list = row_ids.tolist()
+        # The step's one read from the device: the accepted counts and every row's token.
+        both = torch.cat([num_accepted, row_ids]).tolist()
+        num_accepted_list, row_list = both[: spec.num_requests], both[spec.num_requests :]
         token_ids = [
             row_list[first : first + a + 1] for first, a in zip(spec.first_rows, num_accepted_list)
         ]
@@ -136,16 +135,16 @@ class RejectionSampler:
         if probs is None:
             return greedy_final
         final_probs = probs[final_rows]  # [B, V], a copy: the race divides it in place
-        rejected = (
-            (num_accepted < torch.tensor(spec.num_draft_tokens, device=probs.device))
-            .nonzero()
-            .squeeze(1)
-        )
-        if rejected.numel() > 0:
-            # Index of each rejected request's first failing draft in the flat draft list.
-            starts = torch.tensor(spec.draft_starts, dtype=torch.long, device=probs.device)
-            failed = starts[rejected] + num_accepted[rejected]  # [Rj]
-            final_probs[rejected] = _residual(final_probs[rejected], spec, failed)
+        num_drafts = spec.draft_token_ids.numel()
+        if num_drafts > 0:
+            # Every request's residual, kept where a draft was rejected: selecting the rejected
+            # rows instead (nonzero) would wait on the device for their count. Index of each
+            # request's first failing draft in the flat draft list; clamped for requests whose
+            # drafts all passed (or that had none), whose residual is dropped.
+            rejected = num_accepted < spec.num_draft_tokens_t  # [B]
+            failed = (spec.draft_starts_t + num_accepted).clamp_(max=num_drafts - 1)
+            residual = _residual(final_probs, spec, failed)
+            final_probs = torch.where(rejected.unsqueeze(1), residual, final_probs)
         generators = {
             i: meta.generators[row]
             for i, row in enumerate(spec.first_rows)
@@ -158,7 +157,7 @@ class RejectionSampler:
 
 
 def _residual(p: torch.Tensor, spec: SpecDecodeMetadata, failed: torch.Tensor) -> torch.Tensor:
-    """max(0, p − q) for the rows of the failed drafts (unnormalised: the race needs no sum).
+    """max(0, p − q) for each row's failed draft (unnormalised: the race needs no sum).
 
     Should p − q vanish everywhere (p == q, reachable only through rounding), p itself is used.
     """
@@ -167,7 +166,7 @@ def _residual(p: torch.Tensor, spec: SpecDecodeMetadata, failed: torch.Tensor) -
         residual[torch.arange(len(failed), device=p.device), spec.draft_token_ids[failed]] = 0.0
     else:
         residual = (p - spec.draft_probs[failed]).clamp_min_(0.0)
-    empty = residual.sum(-1, keepdim=True) <= 0  # [Rj, 1]
+    empty = residual.sum(-1, keepdim=True) <= 0  # [B, 1]
     return torch.where(empty, p, residual)
 
 
