@@ -121,3 +121,16 @@ def test_triton_splits_only_the_keys_of_decode_only_steps(monkeypatch):
     assert backend.build_metadata(decodes).split_kv == 4
     assert backend.build_metadata(mixed).split_kv == 1
     assert backend.build_metadata(short).split_kv == 1
+
+
+def test_decode_tiles_fit_their_device_budget():
+    """Runs of decode rows padded to their longest request fit the budget: a cache-sized one
+    on CPU, a launch-saving one on a GPU (the torch path there, when Triton cannot run)."""
+    from tokenbus.model.attention import DECODE_TILE_BYTES, GPU_DECODE_TILE_BYTES, _tile_rows
+
+    # 1 KiB a key, blocks of 16: each request of 17..32 keys gathers 2 blocks, 32 KiB.
+    assert _tile_rows([32, 32, 20, 32], 16, 1024, budget=64 << 10) == [(0, 2, 2), (2, 4, 2)]
+    # 8B-shaped keys (8 KV heads x 128 x bf16, K and V: 4 KiB) at 2K context, batch 64.
+    cpu = _tile_rows([2048] * 64, 16, 4096, DECODE_TILE_BYTES)
+    gpu = _tile_rows([2048] * 64, 16, 4096, GPU_DECODE_TILE_BYTES)
+    assert (len(cpu), len(gpu)) == (64, 2)

@@ -16,7 +16,8 @@ Reading, with requests ordered decodes first (see ForwardContext):
   Otherwise:
 - the `num_decodes` single-query requests: batched `scaled_dot_product_attention` over their
   gathered blocks, in tiles of consecutive requests, each tile padded to its longest request
-  and masked by `seq_lens`, and sized so its gathered K/V stays in cache (DECODE_TILE_BYTES);
+  and masked by `seq_lens`, and sized so its gathered K/V stays in cache (DECODE_TILE_BYTES; on
+  a GPU, GPU_DECODE_TILE_BYTES: few large tiles);
 - every other request (prefill chunk, spec-decode verification): its own SDPA over its
   gathered context, with a causal mask aligned to the END: query i of a request with q_len
   queries and seq_len keys sees keys 0 .. seq_len - q_len + i.
@@ -65,6 +66,11 @@ logger = logging.getLogger(__name__)
 # stay in cache between the gather and the SDPA that reads it. benchmarks/decode_step.py
 # --tile-mib decides the size.
 DECODE_TILE_BYTES = 2 << 20
+# On a GPU (the fallback when Triton cannot run there) no cache holds a tile between its gather
+# and its SDPA, and each tile costs launches: few large tiles, bounded so the gathered copy
+# stays a small share of device memory (32 layers of an 8B at batch 64 and 2K context would
+# otherwise be ~2,000 tiles a step).
+GPU_DECODE_TILE_BYTES = 256 << 20
 # Requests with at most this many queries go to the native kernel's decode path, which reads K/V
 # once per (request, KV head) but computes scores row by row (on AVX-512 at head size 64, once per
 # query token, so a row's bits do not depend on its request's query count); longer chunks go to
@@ -377,9 +383,10 @@ def _plan_decode_tiles(
         return []
     # A padded request (seq_len 0) may attend key 0 (the null block): its row stays finite.
     seq_lens = ctx.seq_lens_t[: ctx.num_decodes].clamp(min=1)
+    budget = DECODE_TILE_BYTES if seq_lens.device.type == "cpu" else GPU_DECODE_TILE_BYTES
     tiles = []
     for start, end, num_blocks in _tile_rows(
-        ctx.seq_lens[: ctx.num_decodes], block_size, bytes_per_key
+        ctx.seq_lens[: ctx.num_decodes], block_size, bytes_per_key, budget
     ):
         key_ids = torch.arange(num_blocks * block_size, device=seq_lens.device)
         # [n, num_keys]: past the request's end
@@ -401,16 +408,16 @@ def _plan_decode_tiles(
 
 
 def _tile_rows(
-    seq_lens: list[int], block_size: int, bytes_per_key: int
+    seq_lens: list[int], block_size: int, bytes_per_key: int, budget: int
 ) -> list[tuple[int, int, int]]:
     """Split decode rows into runs (start, end, num_blocks) whose K/V, padded to the run's longest
-    request (num_blocks), fits DECODE_TILE_BYTES; a run has at least one row."""
+    request (num_blocks), fits `budget` bytes; a run has at least one row."""
     tiles, start, num_blocks = [], 0, 0
     for row, seq_len in enumerate(seq_lens):
         widest = max(num_blocks, cdiv(max(seq_len, 1), block_size))
         if (
             row > start
-            and (row + 1 - start) * widest * block_size * bytes_per_key > DECODE_TILE_BYTES
+            and (row + 1 - start) * widest * block_size * bytes_per_key > budget
         ):
             tiles.append((start, row, num_blocks))
             start, widest = row, cdiv(max(seq_len, 1), block_size)
