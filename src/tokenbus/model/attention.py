@@ -415,10 +415,7 @@ def _tile_rows(
     tiles, start, num_blocks = [], 0, 0
     for row, seq_len in enumerate(seq_lens):
         widest = max(num_blocks, cdiv(max(seq_len, 1), block_size))
-        if (
-            row > start
-            and (row + 1 - start) * widest * block_size * bytes_per_key > budget
-        ):
+        if row > start and (row + 1 - start) * widest * block_size * bytes_per_key > budget:
             tiles.append((start, row, num_blocks))
             start, widest = row, cdiv(max(seq_len, 1), block_size)
         num_blocks = widest
