@@ -93,19 +93,28 @@ def test_dummy_weights_refuse_to_keep_gguf_blocks(config_only_dir, tiny_llama_di
         )
 
 
-def test_real_size_config_resolves_without_weights():
-    """The shipped Llama-3.1-8B config builds an engine setup (metadata only: no 16 GB here)."""
+@pytest.mark.parametrize(
+    "name, layers, hidden, kv_heads, experts",
+    [
+        ("llama-3.1-8b", 32, 4096, 8, 0),
+        ("qwen2.5-7b", 28, 3584, 4, 0),
+        ("qwen3-30b-a3b", 48, 2048, 4, 128),
+    ],
+)
+def test_real_size_config_resolves_without_weights(name, layers, hidden, kv_heads, experts):
+    """Each shipped config builds an engine setup (metadata only: no 16 GB here)."""
     from pathlib import Path
 
     from tokenbus.engine.setup import create_engine_setup
     from tokenbus.engine_args import EngineArgs
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks/configs/llama-3.1-8b"
-    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 32
+    path = Path(__file__).resolve().parents[2] / "benchmarks/configs" / name
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == layers
     setup = create_engine_setup(
         EngineArgs(model=str(path), load_format="dummy", max_model_len=4096)
     )
-    assert setup.arch.hidden_size == 4096 and setup.arch.num_key_value_heads == 8
+    assert setup.arch.hidden_size == hidden and setup.arch.num_key_value_heads == kv_heads
+    assert setup.arch.num_experts == experts
     assert setup.config.model.load_format == "dummy"
 
 
