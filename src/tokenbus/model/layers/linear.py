@@ -206,7 +206,7 @@ class Linear(nn.Module):
         if weight.shape != self.weight.shape:
             raise ValueError(f"expected shape {list(self.weight.shape)}, got {list(weight.shape)}")
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self._kernel = None
+        self._kernel, self.backend = None, "dense"
 
     @property
     def kernel(self) -> LinearKernel | None:
