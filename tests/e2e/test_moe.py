@@ -192,7 +192,8 @@ def test_stacked_experts_give_hfs_tokens(hf_dir, prompts, hf_reference):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_moe_on_a_gpu_runs_stacked_experts_in_graphs(hf_dir, prompts, hf_reference):
     """On CUDA the plan stacks the experts for the Triton grouped GEMMs, decode steps are
-    captured, and the tokens are HF's up to a near tie (fp32)."""
+    captured, and the tokens are HF's up to a near tie (fp32); with the torch attention
+    backend, the experts run one by one, eagerly, with the same tokens."""
     from tokenbus.model.moe import SparseMoeBlock
 
     llm = make_llm(
@@ -209,3 +210,17 @@ def test_moe_on_a_gpu_runs_stacked_experts_in_graphs(hf_dir, prompts, hf_referen
         assert_engine_clean(llm)
     finally:
         llm.shutdown()
+    # --attention-backend torch keeps every step in torch: experts one by one, eager steps
+    torch_llm = make_llm(
+        hf_dir, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+        kv_cache_memory="256MiB", attention_backend="torch", **ENGINE,
+    )  # fmt: skip
+    try:
+        worker = torch_llm.engine.client.engine_core.executor.worker
+        blocks = [m for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
+        assert all(block.stacked is None for block in blocks)
+        assert worker.runner.captured is None
+        for out, (tokens, _) in zip(generate(torch_llm, prompts, logprobs=5), hf_reference):
+            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+    finally:
+        torch_llm.shutdown()

@@ -123,3 +123,15 @@ def test_expert_parallel_ranks_sum_to_the_whole_block():
                 )  # fmt: skip
             )
     torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_converting_a_stacked_block_stacks_its_converted_weights():
+    """.to() & co convert each expert's weight on its own: the block stacks them again, so the
+    GEMMs run the converted weights and each expert still views its slice."""
+    block, _ = _block()
+    block.stack_experts()
+    block.half()
+    assert block.stacked[0].dtype == block.stacked[1].dtype == torch.float16
+    for e, expert in enumerate(block.experts):
+        assert expert.gate_up_proj.weight.data_ptr() == block.stacked[0][e].data_ptr()
+        assert expert.down_proj.weight.data_ptr() == block.stacked[1][e].data_ptr()

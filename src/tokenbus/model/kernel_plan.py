@@ -12,7 +12,8 @@ from outside, `apply_kernels(model, request)` picks, for the model's device, dty
   how tiled blocks take their activations (TileModes: `quant_activation_modes`);
 - the embedding's blocks, where it was kept quantized;
 - the attention backend (attention_backend.select_attention_backend);
-- on CUDA, MoE experts stacked for triton_moe.py's grouped GEMMs (`_stack_moe_experts`);
+- on CUDA with the Triton backend, MoE experts stacked for triton_moe.py's grouped GEMMs
+  (`_stack_moe_experts`);
 - decode_layer.c over every decoder layer, where each layer can run there (`decode_layers`:
   not for sliding-window layers, which it does not narrow).
 
@@ -37,8 +38,8 @@ from tokenbus.model.attention import AttentionPlan
 from tokenbus.model.attention_backend import (
     AttentionBackend,
     TorchAttentionBackend,
+    TritonAttentionBackend,
     select_attention_backend,
-    triton_problem,
 )
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
 from tokenbus.model.forward_context import ForwardContext
@@ -191,7 +192,10 @@ def apply_kernels(
     GGUF blocks stay on them."""
     cpu = cpu or CpuFeatures.detect()
     device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
-    _stack_moe_experts(model, device)
+    attention = select_attention_backend(
+        _attention_backend_name(model, request), device, dtype, request.batch_invariant
+    )
+    _stack_moe_experts(model, device, attention)
     quant = _finalize_weights(model, request, cpu)
     modes = TileModes()
     if request.quant_activations is not None:
@@ -199,9 +203,6 @@ def apply_kernels(
     for module in model.modules():
         if isinstance(module, Linear) and isinstance(module.kernel, QuantizedLinearKernel):
             module.kernel.modes = modes
-    attention = select_attention_backend(
-        _attention_backend_name(model, request), device, dtype, request.batch_invariant
-    )
     plan = KernelPlan(
         request, _layer_ops(device, dtype, cpu), attention, quant, modes, lora=model.kernels.lora
     )
@@ -262,11 +263,13 @@ def _install(model: nn.Module, plan: KernelPlan) -> None:
     model.kernels = plan
 
 
-def _stack_moe_experts(model: nn.Module, device: torch.device) -> None:
-    """On CUDA, MoE blocks whose experts are dense run them through triton_moe.py's grouped
-    GEMMs, which read nothing back to the host, so their steps can be captured
-    (worker/captured_step.py). Elsewhere, and for GGUF blocks, experts run one by one."""
-    if device.type != "cuda" or triton_problem(device) is not None:
+def _stack_moe_experts(model: nn.Module, device: torch.device, attention: AttentionBackend) -> None:
+    """On CUDA with the Triton backend (the default there), MoE blocks whose experts are dense
+    run them through triton_moe.py's grouped GEMMs, which read nothing back to the host, so
+    their steps can be captured (worker/captured_step.py). `--attention-backend torch` keeps
+    every step in torch (where Triton cannot run, say); elsewhere, and for GGUF blocks, experts
+    run one by one."""
+    if device.type != "cuda" or not isinstance(attention, TritonAttentionBackend):
         return
     for module in model.modules():
         if isinstance(module, SparseMoeBlock) and not any(

@@ -15,9 +15,10 @@ does, so the sums per token are taken in HF's order. A decode-sized step on CPU 
 same pipeline in C inside its layer (native/decode_layer.c, moe_mlp), where the plan allows.
 
 Reading the counts waits on the device, once per layer, and a CUDA graph cannot record it. So
-on CUDA, where the experts are dense, the kernel plan stacks them (`stack_experts`: HF's
-[E, 2I, hidden] and [E, hidden, I] layout, each expert's linears then views of it) and the
-step runs model/triton_moe.py's grouped GEMMs instead: the same numbers, nothing read back.
+on CUDA with the Triton backend, where the experts are dense, the kernel plan stacks them
+(`stack_experts`: HF's [E, 2I, hidden] and [E, hidden, I] layout, each expert's linears then
+views of it) and the step runs model/triton_moe.py's grouped GEMMs instead, nothing read
+back: equal to this path in fp32 up to summation order, to rounding in bf16 and fp16.
 
 Tensor parallelism is expert parallel: a rank holds whole experts [r*E/size, (r+1)*E/size)
 and the router whole; every rank routes every token, runs only its own experts, and one
@@ -143,6 +144,15 @@ class SparseMoeBlock(OpsModule):
                 linear.use_weight(weights[e])
         self.stacked = stacked
         self._fused_experts = fused_experts
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .half() & co convert each expert's weight on its own, which ends its view of
+        # the stacked tensors: stack the converted weights again.
+        result = super()._apply(fn, *args, **kwargs)
+        if self.stacked is not None:
+            self.stacked = None
+            self.stack_experts()
+        return result
 
     def weight_loaders(self, prefix: str, family: str) -> dict[str, WeightLoader]:
         """HF names under `prefix` ("model.layers.N.mlp." or "...block_sparse_moe.") of the

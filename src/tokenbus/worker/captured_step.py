@@ -119,7 +119,10 @@ def capture_disabled_reason(
     if model is not None and any(
         isinstance(m, SparseMoeBlock) and m.stacked is None for m in model.modules()
     ):
-        return "MoE layers that run their experts one by one read token counts on the host"
+        return (
+            "MoE layers that run their experts one by one read token counts on the host "
+            "(the Triton backend runs them in grouped GEMMs instead)"
+        )
     return None
 
 
