@@ -135,3 +135,33 @@ def test_converting_a_stacked_block_stacks_its_converted_weights():
     for e, expert in enumerate(block.experts):
         assert expert.gate_up_proj.weight.data_ptr() == block.stacked[0][e].data_ptr()
         assert expert.down_proj.weight.data_ptr() == block.stacked[1][e].data_ptr()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="a real-size layer in the interpreter takes minutes")
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])  # decode, a decode batch, a prefill chunk
+def test_a_qwen3_30b_a3b_layer_on_the_gpu(num_tokens):
+    """Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, 8 a token) in bf16,
+    every tile edge at its real place, against each pair computed in fp32 from the same
+    weights."""
+    gen = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    bf16 = dict(device=DEVICE, dtype=torch.bfloat16)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, **bf16) * hidden**-0.5
+    down = torch.randn(experts, hidden, inter, generator=gen, **bf16) * inter**-0.5
+    x = torch.randn(num_tokens, hidden, generator=gen, **bf16)
+    logits = torch.randn(num_tokens, experts, generator=gen, device=DEVICE)
+    routing, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    routing = (routing / routing.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+    def silu_mul(h):
+        g, u = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g) * u
+
+    got = triton_moe.fused_experts(x, gate_up, down, routing, ids, silu_mul).float()
+    want = torch.zeros(num_tokens, hidden, device=DEVICE)
+    for j in range(top_k):
+        w13, w2 = gate_up[ids[:, j]].float(), down[ids[:, j]].float()  # [T, 2I, H], [T, H, I]
+        h = silu_mul(torch.bmm(w13, x.float().unsqueeze(-1)).squeeze(-1))
+        want += routing[:, j, None].float() * torch.bmm(w2, h.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
