@@ -158,14 +158,20 @@ def decode_rate(llm, prompts, num_tokens: int) -> float:
 
 
 def weight_bytes(model: str, dtype: str) -> int:
+    """The weight bytes one decoded token reads: every layer's, and the LM head."""
     from tokenbus.loader import load_arch, resolve_model
 
     a = load_arch(resolve_model(model))
     attn = a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
     attn += a.num_attention_heads * a.head_dim * a.hidden_size
-    per_layer = attn + 3 * a.hidden_size * a.intermediate_size
-    # Per decoded token: every layer and the LM head (the embedding row read is negligible).
-    count = a.num_hidden_layers * per_layer + a.vocab_size * a.hidden_size
+    dense_mlp = 3 * a.hidden_size * a.intermediate_size
+    # An MoE layer's token reads the router and its top k experts, not all of them.
+    moe_mlp = a.num_experts * a.hidden_size
+    moe_mlp += a.num_experts_per_tok * 3 * a.hidden_size * a.moe_intermediate_size
+    count = a.vocab_size * a.hidden_size  # the LM head (the embedding row read is negligible)
+    for layer in range(a.num_hidden_layers):
+        sparse = a.num_experts > 0 and layer not in a.dense_layers
+        count += attn + (moe_mlp if sparse else dense_mlp)
     return count * torch.finfo(getattr(torch, dtype)).bits // 8
 
 

@@ -166,3 +166,15 @@ def test_gpu_check_figures_become_gpu_tables(tmp_path):
     assert "| GPU |  | tokenbus (tok/s) | memory bound (tok/s) | weights (GB)" in rendered
     assert "| 0.896× |" in rendered and "| 6.0× |" in rendered and "| 3.1× |" in rendered
     assert "HF transformers 5.17.0 generate, static batches of 128, 256, best shown" in rendered
+
+
+def test_decode_bound_counts_the_bytes_a_token_reads():
+    """gpu_bench's memory bound: every weight of a dense model but the embedding; for an MoE,
+    each layer's router and top k experts only (Qwen3-30B-A3B: ~3B of its 30B)."""
+    bench = _load("gpu_bench")
+    configs = ROOT / "benchmarks" / "configs"
+    llama = bench.weight_bytes(str(configs / "llama-3.1-8b"), "bfloat16")
+    # Llama-3.1-8B has 8,030,261,248 parameters: less its embedding and its 65 norms
+    assert llama == 2 * (8_030_261_248 - 128_256 * 4096 - 65 * 4096)
+    moe = bench.weight_bytes(str(configs / "qwen3-30b-a3b"), "bfloat16")
+    assert 2.9e9 < moe / 2 < 3.2e9
