@@ -7,14 +7,13 @@ same file dequantized at load."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.triton_device import TRITON_RUNS_HERE
 from tokenbus import SamplingParams
 
 MAX_TOKENS = 10
@@ -171,8 +170,7 @@ def test_moe_steps_are_captured_only_with_stacked_experts(hf_dir):
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton needs a GPU, or TRITON_INTERPRET=1 from the start",
+    not TRITON_RUNS_HERE, reason="Triton needs a GPU, or TRITON_INTERPRET=1 from the start"
 )
 def test_stacked_experts_give_hfs_tokens(hf_dir, prompts, hf_reference):
     """The Triton grouped GEMMs inside the engine (on CPU: in Triton's interpreter, every step

@@ -1,18 +1,15 @@
-"""The Triton paged-attention kernels against a dense reference.
-
-Without a GPU the kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set
-by tests/conftest.py before triton is imported); on a CUDA machine they run compiled.
-"""
-
-import os
+"""The Triton paged-attention kernels against a dense reference, on a GPU or in Triton's
+interpreter (tests/fixtures/triton_device.py)."""
 
 import pytest
 import torch
+from tests.fixtures.triton_device import (
+    BF16_DOT_ON_GPU_ONLY,
+    DEVICE,
+    skip_module_without_triton,
+)
 
-pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton needs a GPU, or TRITON_INTERPRET=1 from the start", allow_module_level=True)
+skip_module_without_triton()
 
 from tokenbus.model import triton_attention  # noqa: E402  (after the interpreter check)
 
@@ -120,11 +117,6 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 def test_matches_dense_reference(q_lens, seq_lens, num_heads, num_kv_heads):
     out, ref, _ = _run(q_lens, seq_lens, num_heads, num_kv_heads, 64, torch.float32)
     torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
-
-
-BF16_DOT_ON_GPU_ONLY = pytest.mark.skipif(
-    DEVICE == "cpu", reason="Triton's interpreter computes bf16 tl.dot wrong (3.9: errors ~1e10)"
-)
 
 
 @pytest.mark.parametrize(

@@ -1,19 +1,16 @@
 """The Triton MoE step (model/triton_moe.py): pairs grouped by expert with exact slots, and the
-grouped GEMMs against the experts run one by one (model/moe.py's portable path).
-
-Without a GPU the kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set
-by tests/conftest.py before triton is imported); on a CUDA machine they run compiled.
-"""
-
-import os
+grouped GEMMs against the experts run one by one (model/moe.py's portable path), on a GPU or
+in Triton's interpreter (tests/fixtures/triton_device.py)."""
 
 import pytest
 import torch
+from tests.fixtures.triton_device import (
+    BF16_DOT_ON_GPU_ONLY,
+    DEVICE,
+    skip_module_without_triton,
+)
 
-pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton needs a GPU, or TRITON_INTERPRET=1 from the start", allow_module_level=True)
+skip_module_without_triton()
 
 from tests.fixtures.tiny_models import cached_tiny_model  # noqa: E402
 
@@ -23,9 +20,6 @@ from tokenbus.model.moe import SparseMoeBlock  # noqa: E402
 from tokenbus.model.parallel import TensorParallel  # noqa: E402
 
 QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
-BF16_DOT_ON_GPU_ONLY = pytest.mark.skipif(
-    DEVICE == "cpu", reason="Triton's interpreter computes bf16 tl.dot wrong (3.9: errors ~1e10)"
-)
 # Pairs p = t * k + j of 3 tokens, 2 experts each: token 0 -> experts 2, 0; 1 -> 0, 1; 2 -> 2, 0.
 EXPERT_IDS = [[2, 0], [0, 1], [2, 0]]
 

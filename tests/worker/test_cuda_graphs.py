@@ -169,6 +169,25 @@ def _synchronizing_calls(engine, steps):
     return [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
 
 
+SYNC_STEPS = 5
+
+
+def _syncs_of_warm_steps(llm, prompts, warm_steps):
+    """Mixed requests of `prompts`, `warm_steps` steps (prefills, then every graph warm), then
+    SYNC_STEPS steps counted: (their synchronizing calls' lines, their speculative-decoding
+    figures). The requests then run to their end, and the engine must be clean."""
+    engine = llm.engine
+    _add_mixed_requests(engine, prompts)
+    for _ in range(warm_steps):
+        engine.step()
+    with engine.measure_spec_decode() as metrics:
+        syncs = _synchronizing_calls(engine, SYNC_STEPS)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_engine_clean(llm)
+    return syncs, metrics
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_a_decode_step_syncs_only_to_read_the_sampled_ids(model_dir, enforce_eager):
     """Greedy and sampled requests decoding together: the whole step (inputs, forward or
@@ -176,16 +195,8 @@ def test_a_decode_step_syncs_only_to_read_the_sampled_ids(model_dir, enforce_eag
     ids."""
     llm = make_llm(model_dir, enforce_eager=enforce_eager, **ENGINE)
     try:
-        engine = llm.engine
-        _add_mixed_requests(engine, random_prompts(4, 5, 20, seed=6))
-        for _ in range(4):  # the prefills, then a decode or two: every graph is warm
-            engine.step()
-        steps = 5
-        syncs = _synchronizing_calls(engine, steps)
-        assert len(syncs) <= steps, sorted(set(syncs))
-        while engine.has_unfinished_requests():
-            engine.step()
-        assert_engine_clean(llm)
+        syncs, _ = _syncs_of_warm_steps(llm, random_prompts(4, 5, 20, seed=6), warm_steps=4)
+        assert len(syncs) <= SYNC_STEPS, sorted(set(syncs))
     finally:
         llm.shutdown()
 
@@ -197,18 +208,10 @@ def test_a_verification_step_syncs_once(model_dir):
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     llm = make_llm(model_dir, speculative_config=ngram, **ENGINE)
     try:
-        engine = llm.engine
         motif = random_prompts(1, 6, 6, seed=7)[0]
-        _add_mixed_requests(engine, [motif * 5 + [1000 + i] for i in range(4)])
-        for _ in range(3):
-            engine.step()
-        steps = 5
-        with engine.measure_spec_decode() as metrics:
-            syncs = _synchronizing_calls(engine, steps)
-        assert metrics.num_draft_tokens > 0  # the steps did verify drafts
-        assert len(syncs) <= steps, sorted(set(syncs))
-        while engine.has_unfinished_requests():
-            engine.step()
-        assert_engine_clean(llm)
+        prompts = [motif * 5 + [1000 + i] for i in range(4)]
+        syncs, metrics = _syncs_of_warm_steps(llm, prompts, warm_steps=3)
+        assert metrics.num_draft_tokens > 0  # the counted steps did verify drafts
+        assert len(syncs) <= SYNC_STEPS, sorted(set(syncs))
     finally:
         llm.shutdown()
