@@ -43,6 +43,24 @@ def test_other_ranks_experts_are_never_placed():
     assert blocks.num_padded.tolist() == [8]
 
 
+def test_grouping_reads_nothing_back_from_the_device():
+    """torch.compile(fullgraph=True) refuses a function with a host read or an output whose
+    size depends on the data (as the portable path's bincount().tolist() is refused): the
+    grouping traces as one graph, which is what a CUDA graph needs of it."""
+    ids = torch.tensor(EXPERT_IDS)
+    traced = torch.compile(triton_moe.align_pairs, fullgraph=True, backend="eager", dynamic=False)
+    assert (
+        traced(ids, 0, 3, 4).pairs.tolist() == triton_moe.align_pairs(ids, 0, 3, 4).pairs.tolist()
+    )
+    counts = torch.compile(
+        lambda ids: torch.bincount(ids.flatten(), minlength=3).tolist(),
+        fullgraph=True,
+        backend="eager",
+    )
+    with pytest.raises(Exception, match="[Dd]ata.?[Dd]ependent"):
+        counts(ids)
+
+
 def _block(rank=0, size=1, dtype=torch.float32, seed=0):
     """A Qwen3-MoE block (8 experts, 2 per token) with random weights, on DEVICE."""
     arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **QWEN3_MOE))))
