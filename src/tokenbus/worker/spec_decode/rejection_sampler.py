@@ -49,6 +49,25 @@ class RejectionSampler:
         self, logits: torch.Tensor, meta: SamplingMetadata, spec: SpecDecodeMetadata
     ) -> RejectionOutput:
         """logits Float[R, V] and meta (R rows, one per position) -> tokens per request."""
+        num_accepted, row_ids, raw_logprobs = self.verify(logits, meta, spec)
+        # The step's one read from the device: the accepted counts and every row's token.
+        both = torch.cat([num_accepted, row_ids]).tolist()
+        num_accepted_list, row_list = both[: spec.num_requests], both[spec.num_requests :]
+        token_ids = [
+            row_list[first : first + a + 1] for first, a in zip(spec.first_rows, num_accepted_list)
+        ]
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, meta.max_num_logprobs, row_ids)
+        return RejectionOutput(token_ids, num_accepted_list, logprobs)
+
+    def verify(
+        self, logits: torch.Tensor, meta: SamplingMetadata, spec: SpecDecodeMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The device half, which reads nothing back: (Long[B] drafts accepted per request,
+        Long[R] the token each row emits, the raw logprobs [R, V] or None). Row j of a request
+        emits its draft j while accepted, then the recovered or bonus token; rows past it are
+        meaningless."""
         if logits.shape[0] != spec.num_rows or meta.num_rows != spec.num_rows:
             raise ValueError(
                 f"rejection sampler: {logits.shape[0]} logits rows and {meta.num_rows} "
@@ -64,20 +83,10 @@ class RejectionSampler:
         # [B]
         final_ids = self._final_tokens(greedy_ids, probs, meta, spec, num_accepted, final_rows)
 
-        # The token each row emits: its draft while accepted, then the final token.
         row_ids = torch.zeros(spec.num_rows, dtype=torch.long, device=logits.device)  # [R]
         row_ids[spec.draft_rows] = spec.draft_token_ids
         row_ids[final_rows] = final_ids
-        # The step's one read from the device: the accepted counts and every row's token.
-        both = torch.cat([num_accepted, row_ids]).tolist()
-        num_accepted_list, row_list = both[: spec.num_requests], both[spec.num_requests :]
-        token_ids = [
-            row_list[first : first + a + 1] for first, a in zip(spec.first_rows, num_accepted_list)
-        ]
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, meta.max_num_logprobs, row_ids)
-        return RejectionOutput(token_ids, num_accepted_list, logprobs)
+        return num_accepted, row_ids, raw_logprobs
 
     def _accept(
         self,
