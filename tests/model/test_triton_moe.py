@@ -12,6 +12,7 @@ from tests.fixtures.triton_device import (
 
 skip_module_without_triton()
 
+from tests.fixtures.host_reads import HostReads  # noqa: E402
 from tests.fixtures.tiny_models import cached_tiny_model  # noqa: E402
 
 from tokenbus.loader import load_arch, resolve_model  # noqa: E402
@@ -43,24 +44,6 @@ def test_other_ranks_experts_are_never_placed():
     assert blocks.num_padded.tolist() == [8]
 
 
-def test_grouping_reads_nothing_back_from_the_device():
-    """torch.compile(fullgraph=True) refuses a function with a host read or an output whose
-    size depends on the data (as the portable path's bincount().tolist() is refused): the
-    grouping traces as one graph, which is what a CUDA graph needs of it."""
-    ids = torch.tensor(EXPERT_IDS)
-    traced = torch.compile(triton_moe.align_pairs, fullgraph=True, backend="eager", dynamic=False)
-    assert (
-        traced(ids, 0, 3, 4).pairs.tolist() == triton_moe.align_pairs(ids, 0, 3, 4).pairs.tolist()
-    )
-    counts = torch.compile(
-        lambda ids: torch.bincount(ids.flatten(), minlength=3).tolist(),
-        fullgraph=True,
-        backend="eager",
-    )
-    with pytest.raises(Exception, match="[Dd]ata.?[Dd]ependent"):
-        counts(ids)
-
-
 def _block(rank=0, size=1, dtype=torch.float32, seed=0):
     """A Qwen3-MoE block (8 experts, 2 per token) with random weights, on DEVICE."""
     arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **QWEN3_MOE))))
@@ -87,6 +70,22 @@ def test_grouped_gemms_equal_the_experts_one_by_one(num_tokens):
         assert gate_up.weight.data_ptr() == block.stacked[0][3].data_ptr()
         got = block(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_stacked_block_reads_nothing_back():
+    """What a CUDA graph needs of the step, checked on CPU (tests/fixtures/host_reads.py):
+    the experts run one by one read their counts back (bincount, tolist); stacked, the
+    routing, grouping and GEMMs read nothing."""
+    block, arch = _block()
+    x = torch.randn(5, arch.hidden_size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        with HostReads() as reads:
+            block(x)
+        assert reads.ops == ["bincount", "tolist"]
+        block.stack_experts()
+        with HostReads() as reads:
+            block(x)
+        assert reads.ops == []
 
 
 @pytest.mark.parametrize(

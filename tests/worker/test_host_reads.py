@@ -1,0 +1,102 @@
+"""The device half of sampling reads nothing back to the host, checked on CPU.
+
+On a GPU, tests/worker/test_cuda_graphs.py counts a step's synchronizing calls under torch's
+sync debug mode. Here tests/fixtures/host_reads.py names the ops that would wait there: scalar
+reads and outputs sized by the data. The vocabulary is kept under top-p's 1024-candidate
+shortcut, so the CPU path is the one a GPU takes (on CPU, a larger vocabulary may check on the
+host which rows the candidates did not cover: nothing waits for it there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fixtures.host_reads import HostReads
+from tokenbus.sampling_params import SamplingParams
+from tokenbus.worker.sampler import Sampler
+from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from tokenbus.worker.spec_decode.metadata import SpecDecodeMetadata, expand_sampling_rows
+from tokenbus.worker.spec_decode.rejection_sampler import RejectionSampler
+
+VOCAB = 512
+EVERYTHING = dict(
+    temperature=0.8,
+    top_p=0.9,
+    top_k=20,
+    min_p=0.05,
+    presence_penalty=0.5,
+    frequency_penalty=0.3,
+    repetition_penalty=1.2,
+    logit_bias={7: 2.0},
+    min_tokens=4,
+    logprobs=2,
+)
+
+
+def _rows(seed: int | None = None) -> list[SamplingRow]:
+    """A greedy row with logprobs, and a random row using every sampling setting (seeded: its
+    own generator)."""
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return [
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=3), [1, 2, 3], [4, 5]),
+        SamplingRow(
+            SamplingParams(seed=seed, **EVERYTHING), [1, 2, 3], [9], generator,
+            stop_ids_for_min_tokens=[0],
+        ),
+    ]  # fmt: skip
+
+
+X = torch.randn(6, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    "read, names",
+    [
+        (lambda: X.argmax().item(), ["_local_scalar_dense"]),
+        (lambda: X.tolist(), ["tolist"]),
+        (lambda: bool(X.sum() > 0), ["_local_scalar_dense"]),
+        (lambda: X[X > 0], ["index"]),
+        (lambda: X.nonzero(), ["nonzero"]),
+        (lambda: torch.bincount(X.long().abs()), ["bincount"]),
+        (lambda: torch.arange(3).repeat_interleave(torch.tensor([1, 2, 3])), ["repeat_interleave"]),
+        (lambda: torch.where(X > 0, X, 0.0).topk(2), []),
+        (lambda: X[torch.tensor([0, 2])].argsort(stable=True), []),
+    ],
+)
+def test_the_reads_are_named(read, names):
+    with HostReads() as reads:
+        read()
+    assert reads.ops == names
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_sampling_reads_nothing_back(seed):
+    meta = SamplingMetadata.build(_rows(seed), VOCAB, "cpu")
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    with HostReads() as reads:
+        out = Sampler(torch.Generator().manual_seed(2))(logits, meta)
+    assert reads.ops == []
+    assert out.sampled_token_ids.shape == (2,) and out.logprobs.token_ids.shape == (2, 4)
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_draft_verification_reads_once(with_draft_probs):
+    """Greedy and random requests, the last without drafts (its draft start is D): the device
+    half reads nothing; the whole verification reads once, the counts and tokens together."""
+    drafts = [[3, 4, 5], [6, 7], []]
+    rows = _rows() + [SamplingRow(SamplingParams(temperature=1.0), [1], [])]
+    expanded = expand_sampling_rows(rows, drafts)
+    meta = SamplingMetadata.build(expanded, VOCAB, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    draft_probs = torch.rand(5, VOCAB, generator=gen).softmax(-1) if with_draft_probs else None
+    spec = SpecDecodeMetadata.build(drafts, "cpu", draft_probs)
+    logits = torch.randn(len(expanded), VOCAB, generator=gen)
+    sampler = RejectionSampler(torch.Generator().manual_seed(4))
+    with HostReads() as reads:
+        sampler.verify(logits.clone(), meta, spec)
+    assert reads.ops == []
+    with HostReads() as reads:
+        out = sampler(logits.clone(), meta, spec)
+    assert reads.ops == ["tolist"]
+    assert [len(tokens) for tokens in out.token_ids] == [a + 1 for a in out.num_accepted]
