@@ -407,3 +407,24 @@ def test_sampler_samples_only_grammar_allowed_tokens():
     meta.grammar_bitmask = _bitmask(allowed)
     tokens = Sampler(torch.Generator().manual_seed(0))(torch.zeros(2000, vocab_size), meta)
     assert set(tokens.sampled_token_ids.unique().tolist()) == {3, 17, 33}
+
+
+def test_penalty_counts_per_row():
+    """Output ids counted per row (repeats add up, an empty row counts nothing); the prompt
+    mask marks each prompt id once."""
+    rows = [
+        _row([1, 2], [3, 3, 4], repetition_penalty=1.2),
+        _row([5], [], frequency_penalty=0.5),
+        _row([], [4, 0, 4, 4], presence_penalty=0.1),
+    ]
+    meta = SamplingMetadata.build(rows, 6, "cpu")
+    assert meta.output_token_counts.tolist() == [
+        [0, 0, 0, 2, 1, 0],
+        [0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 3, 0],
+    ]
+    assert meta.prompt_token_mask.int().tolist() == [
+        [0, 1, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0, 1],
+        [0, 0, 0, 0, 0, 0],
+    ]

@@ -7,9 +7,11 @@ it, so a batch of plain greedy or plain temperature rows takes the sampler's fas
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenbus.sampling_params import SamplingParams
@@ -169,9 +171,13 @@ def _token_counts(
     token_lists: list[list[int]], vocab_size: int, device: torch.device | str
 ) -> torch.Tensor:
     """Float[B, V]: how often each token id occurs in each row's list."""
-    token_ids = _tensor([t for ids in token_lists for t in ids], torch.long, device)  # [N]
-    # Each id's row, listed here: repeat_interleave of device lengths would read them back.
-    row_ids = _tensor([row for row, ids in enumerate(token_lists) for _ in ids], torch.long, device)
+    # Every prompt and output id, each step: flattened in C by numpy (a Python comprehension
+    # over 64 rows of 2K ids took ~17 ms a step), and each id's row made on the host, where
+    # repeat_interleave of device lengths would read them back.
+    lengths = [len(ids) for ids in token_lists]
+    flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, sum(lengths))
+    token_ids = to_device(torch.from_numpy(flat), device)  # [N]
+    row_ids = to_device(torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)), device)
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
     ones = torch.ones(token_ids.shape, dtype=torch.float32, device=device)
     return counts.index_put_((row_ids, token_ids), ones, accumulate=True)
