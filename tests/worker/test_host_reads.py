@@ -60,8 +60,12 @@ X = torch.randn(6, generator=torch.Generator().manual_seed(0))
         (lambda: X.nonzero(), ["nonzero"]),
         (lambda: torch.bincount(X.long().abs()), ["bincount"]),
         (lambda: torch.arange(3).repeat_interleave(torch.tensor([1, 2, 3])), ["repeat_interleave"]),
+        (lambda: torch.equal(X, X), ["equal"]),
+        (lambda: torch.multinomial(X.abs(), 1), ["multinomial"]),
+        (lambda: X.cpu(), ["cpu"]),
         (lambda: torch.where(X > 0, X, 0.0).topk(2), []),
         (lambda: X[torch.tensor([0, 2])].argsort(stable=True), []),
+        (lambda: X.clone().__setitem__(X > 0, 0.0), []),  # lowered to masked_fill
     ],
 )
 def test_the_reads_are_named(read, names):
@@ -72,12 +76,16 @@ def test_the_reads_are_named(read, names):
 
 @pytest.mark.parametrize("seed", [None, 7])
 def test_sampling_reads_nothing_back(seed):
+    """Every setting, a seeded row, and a grammar's bitmask on the random row."""
     meta = SamplingMetadata.build(_rows(seed), VOCAB, "cpu")
+    meta.grammar_bitmask = torch.full((2, VOCAB // 32), -1, dtype=torch.int32)
+    meta.grammar_bitmask[1, : VOCAB // 64] = 0  # the first half of the vocabulary disallowed
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
     with HostReads() as reads:
         out = Sampler(torch.Generator().manual_seed(2))(logits, meta)
     assert reads.ops == []
     assert out.sampled_token_ids.shape == (2,) and out.logprobs.token_ids.shape == (2, 4)
+    assert out.sampled_token_ids[1] >= VOCAB // 2
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])

@@ -177,7 +177,9 @@ def _token_counts(
     lengths = [len(ids) for ids in token_lists]
     flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, sum(lengths))
     token_ids = to_device(torch.from_numpy(flat), device)  # [N]
-    row_ids = to_device(torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)), device)
+    row_ids = to_device(
+        torch.from_numpy(np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)), device
+    )
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
     ones = torch.ones(token_ids.shape, dtype=torch.float32, device=device)
     return counts.index_put_((row_ids, token_ids), ones, accumulate=True)
