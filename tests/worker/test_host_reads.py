@@ -12,7 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.host_reads import HostReads
+from tests.fixtures.tiny_models import cached_tiny_model
+from tests.fixtures.triton_device import TRITON_RUNS_HERE
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.worker.sampler import Sampler
 from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -108,3 +111,43 @@ def test_draft_verification_reads_once(with_draft_probs):
         out = sampler(logits.clone(), meta, spec)
     assert reads.ops == ["tolist"]
     assert [len(tokens) for tokens in out.token_ids] == [a + 1 for a in out.num_accepted]
+
+
+@pytest.mark.skipif(
+    not TRITON_RUNS_HERE, reason="Triton needs a GPU, or TRITON_INTERPRET=1 from the start"
+)
+@pytest.mark.parametrize("speculative", [False, True])
+def test_an_eager_triton_step_reads_once(speculative):
+    """A GPU's eager step, run on CPU: the step's inputs, the Triton attention plan and
+    kernels (in the interpreter), the forward, and sampling or n-gram draft verification, for
+    greedy and sampled rows together, read back one thing a step: the sampled ids, or the
+    accepted counts and tokens. (Where the CPU and GPU paths differ, the linears' and norms'
+    kernels and pinned staging, the CPU's runs here.)"""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    llm = make_llm(
+        cached_tiny_model("llama"), device="cpu", dtype="float32", attention_backend="triton",
+        enforce_eager=True, max_num_seqs=8, max_model_len=256,
+        speculative_config=ngram if speculative else None,
+    )  # fmt: skip
+    try:
+        engine = llm.engine
+        motif = random_prompts(1, 6, 6, seed=7)[0]
+        prompts = [motif * 5 + [1000 + i] for i in range(4)]
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(
+                temperature=0.8 * (i % 2), top_p=0.9, top_k=20, max_tokens=30, ignore_eos=True
+            )
+            engine.add_request(f"r{i}", prompt, params)
+        for _ in range(4):  # the prefills, then decodes
+            engine.step()
+        steps = 5
+        with engine.measure_spec_decode() as metrics, HostReads() as reads:
+            for _ in range(steps):
+                engine.step()
+        assert reads.ops == ["tolist"] * steps
+        assert (metrics.num_draft_tokens > 0) == speculative
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
