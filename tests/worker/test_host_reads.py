@@ -16,6 +16,7 @@ from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.host_reads import HostReads
 from tests.fixtures.tiny_models import cached_tiny_model
 from tests.fixtures.triton_device import TRITON_RUNS_HERE
+from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.worker.sampler import Sampler
 from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -23,6 +24,7 @@ from tokenbus.worker.spec_decode.metadata import SpecDecodeMetadata, expand_samp
 from tokenbus.worker.spec_decode.rejection_sampler import RejectionSampler
 
 VOCAB = 512
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
 EVERYTHING = dict(
     temperature=0.8,
     top_p=0.9,
@@ -116,21 +118,28 @@ def test_draft_verification_reads_once(with_draft_probs):
 @pytest.mark.skipif(
     not TRITON_RUNS_HERE, reason="Triton needs a GPU, or TRITON_INTERPRET=1 from the start"
 )
-@pytest.mark.parametrize("speculative", [False, True])
-def test_an_eager_triton_step_reads_once(speculative):
+@pytest.mark.parametrize(
+    "family, speculative", [("llama", False), ("llama", True), ("qwen3_moe", False)]
+)
+def test_an_eager_triton_step_reads_once(family, speculative):
     """A GPU's eager step, run on CPU: the step's inputs, the Triton attention plan and
-    kernels (in the interpreter), the forward, and sampling or n-gram draft verification, for
+    kernels (in the interpreter), the forward (an MoE's experts stacked, as on a GPU), and
+    sampling or n-gram draft verification, for
     greedy and sampled rows together, read back one thing a step: the sampled ids, or the
     accepted counts and tokens. (Where the CPU and GPU paths differ, the linears' and norms'
     kernels and pinned staging, the CPU's runs here.)"""
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    model = cached_tiny_model(family, **MOE if family == "qwen3_moe" else {})
     llm = make_llm(
-        cached_tiny_model("llama"), device="cpu", dtype="float32", attention_backend="triton",
+        model, device="cpu", dtype="float32", attention_backend="triton",
         enforce_eager=True, max_num_seqs=8, max_model_len=256,
         speculative_config=ngram if speculative else None,
     )  # fmt: skip
     try:
         engine = llm.engine
+        for module in engine.client.engine_core.executor.worker.model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.stack_experts()
         motif = random_prompts(1, 6, 6, seed=7)[0]
         prompts = [motif * 5 + [1000 + i] for i in range(4)]
         for i, prompt in enumerate(prompts):
