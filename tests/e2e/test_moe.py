@@ -13,7 +13,7 @@ import torch
 from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-from tests.fixtures.triton_device import TRITON_RUNS_HERE
+from tests.fixtures.triton_device import INTERPRETED
 from tokenbus import SamplingParams
 
 MAX_TOKENS = 10
@@ -170,14 +170,14 @@ def test_moe_steps_are_captured_only_with_stacked_experts(hf_dir):
 
 
 @pytest.mark.skipif(
-    not TRITON_RUNS_HERE, reason="Triton needs a GPU, or TRITON_INTERPRET=1 from the start"
+    not INTERPRETED, reason="runs Triton's kernels on CPU tensors (TRITON_INTERPRET=1)"
 )
 def test_stacked_experts_give_hfs_tokens(hf_dir, prompts, hf_reference):
     """The Triton grouped GEMMs inside the engine (on CPU: in Triton's interpreter, every step
     op by op), through prefix hits and chunked prefill: HF's tokens and logprobs."""
     from tokenbus.model.moe import SparseMoeBlock
 
-    llm = make_llm(hf_dir, enforce_eager=True, max_num_batched_tokens=32, **ENGINE)
+    llm = make_llm(hf_dir, device="cpu", enforce_eager=True, max_num_batched_tokens=32, **ENGINE)
     model = llm.engine.client.engine_core.executor.worker.model
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):

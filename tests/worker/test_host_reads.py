@@ -15,7 +15,7 @@ import torch
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.host_reads import HostReads
 from tests.fixtures.tiny_models import cached_tiny_model
-from tests.fixtures.triton_device import TRITON_RUNS_HERE
+from tests.fixtures.triton_device import INTERPRETED
 from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.worker.sampler import Sampler
@@ -116,7 +116,9 @@ def test_draft_verification_reads_once(with_draft_probs):
 
 
 @pytest.mark.skipif(
-    not TRITON_RUNS_HERE, reason="Triton needs a GPU, or TRITON_INTERPRET=1 from the start"
+    not INTERPRETED,
+    reason="runs Triton's kernels on CPU tensors (TRITON_INTERPRET=1); on a GPU, "
+    "tests/worker/test_cuda_graphs.py counts a step's synchronizing calls",
 )
 @pytest.mark.parametrize(
     "family, speculative", [("llama", False), ("llama", True), ("qwen3_moe", False)]
