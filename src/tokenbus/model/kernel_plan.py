@@ -267,16 +267,13 @@ def _stack_moe_experts(model: nn.Module, device: torch.device, attention: Attent
     """On CUDA with the Triton backend (the default there), MoE blocks whose experts are dense
     run them through triton_moe.py's grouped GEMMs, which read nothing back to the host, so
     their steps can be captured (worker/captured_step.py). `--attention-backend torch` keeps
-    every step in torch (where Triton cannot run, say); elsewhere, and for GGUF blocks, experts
-    run one by one."""
+    every step in torch (where Triton cannot run, say); elsewhere experts run one by one.
+    (Experts on CUDA are dense: GGUF blocks are kept on CPU only, engine/setup.py's
+    quantization_problem.)"""
     if device.type != "cuda" or not isinstance(attention, TritonAttentionBackend):
         return
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock) and not any(
-            linear.quantized or linear.backend == "gguf"
-            for expert in module.experts
-            for linear in (expert.gate_up_proj, expert.down_proj)
-        ):
+        if isinstance(module, SparseMoeBlock):
             module.stack_experts()
 
 

@@ -29,7 +29,6 @@ halve every call's work while keeping its fixed cost) and need no slicing of qua
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -85,10 +84,9 @@ class SparseMoeBlock(OpsModule):
         self.experts = nn.ModuleList(
             Expert(arch.hidden_size, arch.moe_intermediate_size) for _ in range(per_rank)
         )
-        # stack_experts: (gate_up [E, 2I, hidden], down [E, hidden, I]) and the grouped GEMMs
-        # that run them (triton_moe.fused_experts); None: experts run one by one.
+        # stack_experts: (gate_up [E, 2I, hidden], down [E, hidden, I]), which
+        # triton_moe.fused_experts runs; None: experts run one by one.
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._fused_experts: Callable[..., torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of each token."""
@@ -100,8 +98,10 @@ class SparseMoeBlock(OpsModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(x)
-        if self._fused_experts is not None:
-            out = self._fused_experts(
+        if self.stacked is not None:
+            from tokenbus.model.triton_moe import fused_experts  # imports triton: CUDA only
+
+            out = fused_experts(
                 x, *self.stacked, weights, expert_ids, self.ops.silu_mul,
                 first_expert=self.first_expert, some_experts_elsewhere=self.tp.size > 1,
             )  # fmt: skip
@@ -135,15 +135,12 @@ class SparseMoeBlock(OpsModule):
         them (one copy in memory). The plan calls this at load (kernel_plan.py)."""
         if self.stacked is not None:
             return
-        from tokenbus.model.triton_moe import fused_experts
-
         linears = [(e.gate_up_proj, e.down_proj) for e in self.experts]
         stacked = tuple(torch.stack([pair[i].weight for pair in linears]) for i in range(2))
         for e, pair in enumerate(linears):
             for linear, weights in zip(pair, stacked):
                 linear.use_weight(weights[e])
         self.stacked = stacked
-        self._fused_experts = fused_experts
 
     def _apply(self, fn, *args, **kwargs):
         # .to(), .half() & co convert each expert's weight on its own, which ends its view of
