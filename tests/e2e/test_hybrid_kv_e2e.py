@@ -14,9 +14,9 @@ import pytest
 from tests.e2e.test_sliding_window import WINDOW, hf_reference
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model
+from tests.fixtures.triton_device import needs_triton_on_cpu
 from tokenbus import SamplingParams
 from tokenbus.core.kv.hybrid import HybridKVCacheManager
-from tokenbus.model.attention_backend import triton_problem
 
 MAX_TOKENS = 10
 BLOCK = 4  # small blocks: the window spans several
@@ -79,7 +79,7 @@ def test_prefix_hits_and_chunks(model, prompts, reference, caching, backend):
     assert_engine_clean(llm)
 
 
-@pytest.mark.skipif(triton_problem("cpu") is not None, reason=f"Triton: {triton_problem('cpu')}")
+@needs_triton_on_cpu
 def test_triton_kernels_skip_the_handed_back_blocks(model, prompts, reference):
     """The Triton kernels (in their interpreter here) start each query's keys at its window's
     first block, so the sliding groups' tables may point anywhere before it. Its blocks are

@@ -13,7 +13,7 @@ import torch
 from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-from tests.fixtures.triton_device import INTERPRETED
+from tests.fixtures.triton_device import needs_triton_on_cpu, stack_moe_blocks
 from tokenbus import SamplingParams
 
 MAX_TOKENS = 10
@@ -153,7 +153,6 @@ def test_moe_steps_are_captured_only_with_stacked_experts(hf_dir):
     """Experts run one by one read their token counts on the host, which a CUDA graph cannot
     hold: capture is off for such a model, by name, not by a failed capture. Stacked for the
     Triton grouped GEMMs (what the plan does on CUDA), nothing stands in the way."""
-    from tokenbus.model.moe import SparseMoeBlock
     from tokenbus.worker.captured_step import capture_disabled_reason
 
     llm = make_llm(hf_dir, **ENGINE)
@@ -161,27 +160,18 @@ def test_moe_steps_are_captured_only_with_stacked_experts(hf_dir):
         worker = llm.engine.client.engine_core.executor.worker
         reason = capture_disabled_reason(worker.config, torch.device("cuda"), worker.model)
         assert reason is not None and "MoE" in reason
-        for module in worker.model.modules():
-            if isinstance(module, SparseMoeBlock):
-                module.stack_experts()
+        stack_moe_blocks(worker.model)
         assert capture_disabled_reason(worker.config, torch.device("cuda"), worker.model) is None
     finally:
         llm.shutdown()
 
 
-@pytest.mark.skipif(
-    not INTERPRETED, reason="runs Triton's kernels on CPU tensors (TRITON_INTERPRET=1)"
-)
+@needs_triton_on_cpu
 def test_stacked_experts_give_hfs_tokens(hf_dir, prompts, hf_reference):
     """The Triton grouped GEMMs inside the engine (on CPU: in Triton's interpreter, every step
     op by op), through prefix hits and chunked prefill: HF's tokens and logprobs."""
-    from tokenbus.model.moe import SparseMoeBlock
-
     llm = make_llm(hf_dir, device="cpu", enforce_eager=True, max_num_batched_tokens=32, **ENGINE)
-    model = llm.engine.client.engine_core.executor.worker.model
-    for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
-            module.stack_experts()
+    stack_moe_blocks(llm.engine.client.engine_core.executor.worker.model)
     assert_matches_hf(generate(llm, prompts), hf_reference)
     assert_engine_clean(llm)
 
@@ -194,31 +184,19 @@ def test_moe_on_a_gpu_runs_stacked_experts_in_graphs(hf_dir, prompts, hf_referen
     backend, the experts run one by one, eagerly, with the same tokens."""
     from tokenbus.model.moe import SparseMoeBlock
 
-    llm = make_llm(
-        hf_dir, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
-        kv_cache_memory="256MiB", **ENGINE,
-    )  # fmt: skip
-    try:
-        worker = llm.engine.client.engine_core.executor.worker
-        blocks = [m for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
-        assert blocks and all(block.stacked is not None for block in blocks)
-        assert worker.runner.captured is not None
-        for out, (tokens, _) in zip(generate(llm, prompts, logprobs=5), hf_reference):
-            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
-    # --attention-backend torch keeps every step in torch: experts one by one, eager steps
-    torch_llm = make_llm(
-        hf_dir, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
-        kv_cache_memory="256MiB", attention_backend="torch", **ENGINE,
-    )  # fmt: skip
-    try:
-        worker = torch_llm.engine.client.engine_core.executor.worker
-        blocks = [m for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
-        assert all(block.stacked is None for block in blocks)
-        assert worker.runner.captured is None
-        for out, (tokens, _) in zip(generate(torch_llm, prompts, logprobs=5), hf_reference):
-            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
-    finally:
-        torch_llm.shutdown()
+    # The default on CUDA (Triton: stacked, captured), then the torch backend (one by one, eager).
+    for backend, stacked in (("auto", True), ("torch", False)):
+        llm = make_llm(
+            hf_dir, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+            kv_cache_memory="256MiB", attention_backend=backend, **ENGINE,
+        )  # fmt: skip
+        try:
+            worker = llm.engine.client.engine_core.executor.worker
+            blocks = [m for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
+            assert blocks and all((block.stacked is not None) == stacked for block in blocks)
+            assert (worker.runner.captured is not None) == stacked
+            for out, (tokens, _) in zip(generate(llm, prompts, logprobs=5), hf_reference):
+                assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+            assert_engine_clean(llm)
+        finally:
+            llm.shutdown()

@@ -13,13 +13,9 @@ import pytest
 import torch
 
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
+from tests.fixtures.triton_device import DEVICE, needs_triton
 from tokenbus import SamplingParams
 from tokenbus.model.attention_backend import triton_problem
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(
-    triton_problem(DEVICE) is not None, reason=f"Triton: {triton_problem(DEVICE)}"
-)
 
 
 @needs_triton

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from tests.fixtures.triton_device import needs_triton_on_cpu
 from tests.model.test_native_attention import BLOCK_SIZE, make_batch
 
 from tokenbus.model import ForwardContext
@@ -106,7 +107,7 @@ def test_model_forward_reads_metadata_it_never_builds(tiny_llama_dir):
         model(input_ids, ctx)
 
 
-@pytest.mark.skipif(triton_problem("cpu") is not None, reason=f"Triton: {triton_problem('cpu')}")
+@needs_triton_on_cpu
 def test_triton_splits_only_the_keys_of_decode_only_steps(monkeypatch):
     """Split-K is for a step of decodes alone: beside a prefill chunk the GPU has work anyway,
     and the fp32 partials would be sized by every token of the chunk."""

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import cached_tiny_model, make_tiny_model, write_gguf
+from tests.fixtures.triton_device import needs_triton_on_cpu
 from transformers import AutoModelForCausalLM
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import get_model_class
-from tokenbus.model.attention_backend import triton_problem
 from tokenbus.model.gemma import GemmaForCausalLM, GemmaRMSNorm
 from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
 from tokenbus.worker.model_builder import load_model
@@ -81,7 +81,7 @@ def test_prefill_then_decode_matches_hf(hf_dir, gguf_path, family, fmt, backend)
     torch.testing.assert_close(our_logits(ours, IDS), hf_logits(hf_dir, IDS), atol=ATOL, rtol=0)
 
 
-@pytest.mark.skipif(triton_problem("cpu") is not None, reason=f"Triton: {triton_problem('cpu')}")
+@needs_triton_on_cpu
 def test_triton_kernels_match_hf(family):
     """The Triton kernels (here in their interpreter) with Gemma's soft-capped scores and a
     window of 8 keys on the local layers: a 24-token prefill over two KV blocks, then decodes

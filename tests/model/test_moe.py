@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.fixtures.tiny_models import cached_tiny_model, stack_experts, write_gguf
+from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model, stack_experts, write_gguf
 
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
 from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.model.parallel import TensorParallel
-
-QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -38,7 +36,7 @@ def test_block_matches_hf_sparse_moe_block(norm_topk_prob):
     with torch.no_grad():
         for param in hf.parameters():
             param.copy_(torch.randn(param.shape) / param.shape[-1] ** 0.5)
-    hf_dir = cached_tiny_model("qwen3_moe", **QWEN3_MOE)
+    hf_dir = cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE)
     arch = dataclasses.replace(
         load_arch(resolve_model(str(hf_dir))), num_experts_per_tok=3, norm_topk_prob=norm_topk_prob
     )
@@ -64,7 +62,7 @@ def test_block_matches_hf_sparse_moe_block(norm_topk_prob):
 def test_stacked_gguf_experts_map_to_hf_names(tmp_path, family):
     """llama.cpp's blk.N.ffn_{gate,up,down}_exps [E, out, in] become E per-expert HF tensors:
     F32 equal to the safetensors ones; Q8_0 kept as views of the stacked blocks."""
-    config = QWEN3_MOE if family == "qwen3_moe" else dict(num_local_experts=4)
+    config = TINY_QWEN3_MOE if family == "qwen3_moe" else dict(num_local_experts=4)
     hf_dir = cached_tiny_model(family, **config)
     hf = load_file(str(hf_dir / "model.safetensors"))
     src = resolve_model(str(write_gguf(hf_dir, tmp_path / "f32.gguf", with_tokenizer=False)))
@@ -85,14 +83,14 @@ def test_stacked_gguf_experts_map_to_hf_names(tmp_path, family):
 
 
 def test_stack_experts_is_llama_cpps_layout():
-    hf = load_file(str(cached_tiny_model("qwen3_moe", **QWEN3_MOE) / "model.safetensors"))
+    hf = load_file(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE) / "model.safetensors"))
     stacked = stack_experts(hf)["model.layers.0.ffn_down_exps.weight"]
     assert stacked.shape == (8, 64, 32)
     torch.testing.assert_close(stacked[3], hf["model.layers.0.mlp.experts.3.down_proj.weight"])
 
 
 def test_shared_experts_config_is_refused_by_name(tmp_path):
-    hf_dir = shutil.copytree(cached_tiny_model("qwen3_moe", **QWEN3_MOE), tmp_path / "m")
+    hf_dir = shutil.copytree(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE), tmp_path / "m")
     config = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(
         json.dumps({**config, "shared_expert_intermediate_size": 64})
@@ -104,7 +102,9 @@ def test_shared_experts_config_is_refused_by_name(tmp_path):
 def test_gguf_shared_expert_tensor_and_missing_metadata_are_named(tmp_path):
     from tests.fixtures.tiny_models import _write_metadata
 
-    config = json.loads((cached_tiny_model("qwen3_moe", **QWEN3_MOE) / "config.json").read_text())
+    config = json.loads(
+        (cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE) / "config.json").read_text()
+    )
 
     def write(path, used_count: bool, extra: str | None):
         writer = gguf.GGUFWriter(str(path), "qwen3moe")
@@ -129,7 +129,7 @@ def test_gguf_shared_expert_tensor_and_missing_metadata_are_named(tmp_path):
 
 
 def test_expert_parallel_split_must_divide_the_experts():
-    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **QWEN3_MOE))))
+    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE))))
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 8 experts"):
         SparseMoeBlock(arch, TensorParallel(rank=0, size=3))
     with pytest.raises(ValueError, match="num_experts_per_tok"):

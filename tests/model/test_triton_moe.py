@@ -13,14 +13,14 @@ from tests.fixtures.triton_device import (
 skip_module_without_triton()
 
 from tests.fixtures.host_reads import HostReads  # noqa: E402
-from tests.fixtures.tiny_models import cached_tiny_model  # noqa: E402
+from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model  # noqa: E402
 
 from tokenbus.loader import load_arch, resolve_model  # noqa: E402
 from tokenbus.model import triton_moe  # noqa: E402  (after the interpreter check)
+from tokenbus.model.layers import TORCH_OPS  # noqa: E402
 from tokenbus.model.moe import SparseMoeBlock  # noqa: E402
 from tokenbus.model.parallel import TensorParallel  # noqa: E402
 
-QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
 # Pairs p = t * k + j of 3 tokens, 2 experts each: token 0 -> experts 2, 0; 1 -> 0, 1; 2 -> 2, 0.
 EXPERT_IDS = [[2, 0], [0, 1], [2, 0]]
 
@@ -46,7 +46,7 @@ def test_other_ranks_experts_are_never_placed():
 
 def _block(rank=0, size=1, dtype=torch.float32, seed=0):
     """A Qwen3-MoE block (8 experts, 2 per token) with random weights, on DEVICE."""
-    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **QWEN3_MOE))))
+    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE))))
     block = SparseMoeBlock(arch, TensorParallel(rank=rank, size=size))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -164,11 +164,7 @@ def test_a_qwen3_30b_a3b_layer_on_the_gpu(num_tokens):
     logits = torch.randn(num_tokens, experts, generator=gen, device=DEVICE)
     routing, ids = logits.softmax(-1).topk(top_k, dim=-1)
     routing = (routing / routing.sum(-1, keepdim=True)).to(torch.bfloat16)
-
-    def silu_mul(h):
-        g, u = h.chunk(2, dim=-1)
-        return torch.nn.functional.silu(g) * u
-
+    silu_mul = TORCH_OPS.silu_mul
     got = triton_moe.fused_experts(x, gate_up, down, routing, ids, silu_mul).float()
     want = torch.zeros(num_tokens, hidden, device=DEVICE)
     for j in range(top_k):

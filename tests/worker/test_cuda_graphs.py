@@ -9,6 +9,13 @@ import torch
 
 from tests.e2e.oracle import assert_same_or_near_tie
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
+from tests.fixtures.step_reads import (
+    COUNTED_STEPS,
+    NGRAM,
+    DeviceSyncs,
+    count_warm_steps,
+    motif_prompts,
+)
 from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus import SamplingParams
 from tokenbus.worker.input_batch import ScheduledRequest, prepare_batch
@@ -48,7 +55,8 @@ def test_cuda_graphs_equal_eager_fp32(model_dir):
     try:
         runner = runner_of(graphs)
         assert runner.captured is not None and sorted(runner.captured.runner.graphs) == [1, 2, 4, 8]
-        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
+        # EOS masked as generate_greedy masks it for the eager reference (min_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=5)
         outputs = graphs.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
         )
@@ -142,52 +150,6 @@ def test_kv_sizing_from_free_device_memory(model_dir):
         llm.shutdown()
 
 
-def _add_mixed_requests(engine, prompts, max_tokens=40):
-    """Greedy and sampled (temperature, top-p, top-k) requests, alternating."""
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        if i % 2:
-            params = SamplingParams(
-                temperature=0.8, top_p=0.9, top_k=20, max_tokens=max_tokens, ignore_eos=True
-            )
-        engine.add_request(f"r{i}", prompt, params)
-
-
-def _synchronizing_calls(engine, steps):
-    """Take `steps` engine steps under torch's sync debug mode, which warns at each
-    synchronizing CUDA call from the Python line that made it: those lines."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(steps):
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
-
-
-SYNC_STEPS = 5
-
-
-def _syncs_of_warm_steps(llm, prompts, warm_steps):
-    """Mixed requests of `prompts`, `warm_steps` steps (prefills, then every graph warm), then
-    SYNC_STEPS steps counted: (their synchronizing calls' lines, their speculative-decoding
-    figures). The requests then run to their end, and the engine must be clean."""
-    engine = llm.engine
-    _add_mixed_requests(engine, prompts)
-    for _ in range(warm_steps):
-        engine.step()
-    with engine.measure_spec_decode() as metrics:
-        syncs = _synchronizing_calls(engine, SYNC_STEPS)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_engine_clean(llm)
-    return syncs, metrics
-
-
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_a_decode_step_syncs_only_to_read_the_sampled_ids(model_dir, enforce_eager):
     """Greedy and sampled requests decoding together: the whole step (inputs, forward or
@@ -195,8 +157,9 @@ def test_a_decode_step_syncs_only_to_read_the_sampled_ids(model_dir, enforce_eag
     ids."""
     llm = make_llm(model_dir, enforce_eager=enforce_eager, **ENGINE)
     try:
-        syncs, _ = _syncs_of_warm_steps(llm, random_prompts(4, 5, 20, seed=6), warm_steps=4)
-        assert len(syncs) <= SYNC_STEPS, sorted(set(syncs))
+        prompts = random_prompts(4, 5, 20, seed=6)
+        syncs, _ = count_warm_steps(llm, prompts, warm_steps=4, counter=DeviceSyncs())
+        assert len(syncs) <= COUNTED_STEPS, sorted(set(syncs))
     finally:
         llm.shutdown()
 
@@ -205,13 +168,10 @@ def test_a_verification_step_syncs_once(model_dir):
     """n-gram speculation: drafts come from host token lists, and a step verifying them
     (greedy acceptance, rejection sampling for the sampled rows) reads the device once: the
     accepted counts and the emitted tokens together."""
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
-    llm = make_llm(model_dir, speculative_config=ngram, **ENGINE)
+    llm = make_llm(model_dir, speculative_config=NGRAM, **ENGINE)
     try:
-        motif = random_prompts(1, 6, 6, seed=7)[0]
-        prompts = [motif * 5 + [1000 + i] for i in range(4)]
-        syncs, metrics = _syncs_of_warm_steps(llm, prompts, warm_steps=3)
+        syncs, metrics = count_warm_steps(llm, motif_prompts(), warm_steps=3, counter=DeviceSyncs())
         assert metrics.num_draft_tokens > 0  # the counted steps did verify drafts
-        assert len(syncs) <= SYNC_STEPS, sorted(set(syncs))
+        assert len(syncs) <= COUNTED_STEPS, sorted(set(syncs))
     finally:
         llm.shutdown()

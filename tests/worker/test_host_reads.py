@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.e2e.utils import make_llm
 from tests.fixtures.host_reads import HostReads
-from tests.fixtures.tiny_models import cached_tiny_model
-from tests.fixtures.triton_device import INTERPRETED
-from tokenbus.model.moe import SparseMoeBlock
+from tests.fixtures.step_reads import COUNTED_STEPS, NGRAM, count_warm_steps, motif_prompts
+from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model
+from tests.fixtures.triton_device import needs_triton_on_cpu, stack_moe_blocks
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.worker.sampler import Sampler
 from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -24,7 +24,6 @@ from tokenbus.worker.spec_decode.metadata import SpecDecodeMetadata, expand_samp
 from tokenbus.worker.spec_decode.rejection_sampler import RejectionSampler
 
 VOCAB = 512
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
 EVERYTHING = dict(
     temperature=0.8,
     top_p=0.9,
@@ -115,50 +114,28 @@ def test_draft_verification_reads_once(with_draft_probs):
     assert [len(tokens) for tokens in out.token_ids] == [a + 1 for a in out.num_accepted]
 
 
-@pytest.mark.skipif(
-    not INTERPRETED,
-    reason="runs Triton's kernels on CPU tensors (TRITON_INTERPRET=1); on a GPU, "
-    "tests/worker/test_cuda_graphs.py counts a step's synchronizing calls",
-)
+@needs_triton_on_cpu
 @pytest.mark.parametrize(
     "family, speculative", [("llama", False), ("llama", True), ("qwen3_moe", False)]
 )
 def test_an_eager_triton_step_reads_once(family, speculative):
     """A GPU's eager step, run on CPU: the step's inputs, the Triton attention plan and
     kernels (in the interpreter), the forward (an MoE's experts stacked, as on a GPU), and
-    sampling or n-gram draft verification, for
-    greedy and sampled rows together, read back one thing a step: the sampled ids, or the
-    accepted counts and tokens. (Where the CPU and GPU paths differ, the linears' and norms'
-    kernels and pinned staging, the CPU's runs here.)"""
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
-    model = cached_tiny_model(family, **MOE if family == "qwen3_moe" else {})
+    sampling or n-gram draft verification, for greedy and sampled rows together, read back one
+    thing a step: the sampled ids, or the accepted counts and tokens. (Where the CPU and GPU
+    paths differ, the linears' and norms' kernels and pinned staging, the CPU's runs here.)"""
+    model = cached_tiny_model(family, **TINY_QWEN3_MOE if family == "qwen3_moe" else {})
     llm = make_llm(
         model, device="cpu", dtype="float32", attention_backend="triton",
         enforce_eager=True, max_num_seqs=8, max_model_len=256,
-        speculative_config=ngram if speculative else None,
+        speculative_config=NGRAM if speculative else None,
     )  # fmt: skip
     try:
-        engine = llm.engine
-        for module in engine.client.engine_core.executor.worker.model.modules():
-            if isinstance(module, SparseMoeBlock):
-                module.stack_experts()
-        motif = random_prompts(1, 6, 6, seed=7)[0]
-        prompts = [motif * 5 + [1000 + i] for i in range(4)]
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(
-                temperature=0.8 * (i % 2), top_p=0.9, top_k=20, max_tokens=30, ignore_eos=True
-            )
-            engine.add_request(f"r{i}", prompt, params)
-        for _ in range(4):  # the prefills, then decodes
-            engine.step()
-        steps = 5
-        with engine.measure_spec_decode() as metrics, HostReads() as reads:
-            for _ in range(steps):
-                engine.step()
-        assert reads.ops == ["tolist"] * steps
+        stack_moe_blocks(llm.engine.client.engine_core.executor.worker.model)
+        reads, metrics = count_warm_steps(
+            llm, motif_prompts(), warm_steps=4, counter=HostReads(), max_tokens=30
+        )
+        assert reads == ["tolist"] * COUNTED_STEPS
         assert (metrics.num_draft_tokens > 0) == speculative
-        while engine.has_unfinished_requests():
-            engine.step()
-        assert_engine_clean(llm)
     finally:
         llm.shutdown()
