@@ -18,6 +18,7 @@ test of the script: --device cpu with benchmarks/configs/smollm2-135m and small 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -195,15 +196,13 @@ def part_decode(args) -> dict:
 
 
 def part_throughput(args) -> dict:
-    prompts: list[dict] = []
-
-    def offline(llm) -> float:
+    def offline(llm) -> tuple[float, list[dict]]:
         vocab = llm.get_tokenizer().vocab_size
-        prompts.extend(token_prompts(args.num_prompts, args.input_len, vocab, seed=1))
+        prompts = token_prompts(args.num_prompts, args.input_len, vocab, seed=1)
         timed_generate(llm, prompts[:4], 4)
-        return timed_generate(llm, prompts, args.output_len)
+        return timed_generate(llm, prompts, args.output_len), prompts
 
-    elapsed = with_llm(args, offline, max_num_seqs=min(args.num_prompts, 256))
+    elapsed, prompts = with_llm(args, offline, max_num_seqs=min(args.num_prompts, 256))
     ours = args.num_prompts * (args.input_len + args.output_len) / elapsed
     result: dict = {"tokenbus_total_tokens_per_s": ours}
     write_partial(args, result)  # kept should HF fail (out of memory, say)
@@ -259,15 +258,18 @@ def hf_throughput(args, prompts: list[dict], batch_size: int) -> float:
 
 def part_graphs(args) -> dict:
     """Graphs are captured at exactly the measured batch sizes: named sizes that fail to
-    capture stop the engine, rather than leave it eager and the ratio near 1."""
+    capture stop the engine, and an engine that captures nothing (capture disabled for the
+    model, its log says why) stops the part, rather than leave it eager and the ratio near 1."""
     sizes = sorted(set(args.batches))
     modes = {"eager": dict(enforce_eager=True), "graphs": dict(cudagraph_capture_sizes=sizes)}
     rates: dict[str, dict[int, float]] = {}
     captured: list[int] = []
 
-    def decode_rates(llm) -> dict[int, float]:
+    def decode_rates(llm, graphs: bool) -> dict[int, float]:
         captured_step = worker_of(llm).runner.captured
-        if captured_step is not None:
+        if graphs and args.device.startswith("cuda"):  # CPUs capture nothing (a rehearsal)
+            if captured_step is None:
+                raise RuntimeError("graphs asked for, but the engine captured none (see its log)")
             captured.extend(sorted(captured_step.runner.graphs))
         vocab = llm.get_tokenizer().vocab_size
         return {
@@ -276,7 +278,8 @@ def part_graphs(args) -> dict:
         }
 
     for mode, overrides in modes.items():
-        rates[mode] = with_llm(args, decode_rates, max_num_seqs=max(sizes), **overrides)
+        measure = functools.partial(decode_rates, graphs=mode == "graphs")
+        rates[mode] = with_llm(args, measure, max_num_seqs=max(sizes), **overrides)
     return {
         "decode_tokens_per_s": rates,
         "captured_sizes": captured,

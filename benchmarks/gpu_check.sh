@@ -98,9 +98,12 @@ PYEOF
     tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 }
 
+seconds_left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
+
 run() {  # run NAME SECONDS CMD...: a part under its own limit (cut to the deadline)
     local name=$1 limit=$2; shift 2
-    local left=$(( DEADLINE - ($(date +%s) - start) ))
+    local left
+    left=$(seconds_left)
     (( limit > left )) && limit=$left
     if (( limit < 15 )); then
         note "== $name skipped: ${left}s left of the ${DEADLINE}s deadline"
@@ -159,7 +162,7 @@ run throughput_8b 120 $BENCH throughput --model $LLAMA "${THROUGHPUT[@]}" \
     --json "$LOGS/throughput_8b.json"
 
 PORT=18123
-if (( DEADLINE - ($(date +%s) - start) < 60 )); then
+if (( $(seconds_left) < 60 )); then
     note "== serving skipped: under 60s left of the ${DEADLINE}s deadline"
 else
     note "== serving the dummy 8B"

@@ -19,8 +19,9 @@ moe_align_block_size and the Triton GEMM, organised our own way):
 3. The k rows of each token are summed. The pairs of a token are ordered by expert id first,
    so the sum is taken in ascending expert order, HF's (its index_add_ over experts). In fp32
    the result is model/moe.py's up to the GEMMs' summation order; in bf16 and fp16 it agrees
-   to rounding: the routing weight scales the fp32 accumulator, and the k rows are summed
-   before one rounding, where the per-expert path rounds after each.
+   to rounding: each pair's row is rounded once (after its routing weight scaled the fp32
+   accumulator) and the sum of a token's k rows once more, where the per-expert path rounds
+   the product and then each add.
 
 Expert parallel (tensor_parallel_size > 1): a rank holds experts [first, first + E); pairs of
 other ranks' experts are never placed, their rows stay zero, and the caller's all-reduce sums
