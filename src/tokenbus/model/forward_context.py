@@ -12,6 +12,7 @@ backend (model/attention_backend.py) before the forward; the model never builds 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,14 @@ class ForwardContext:
             return self.slot_mapping, self.attn_metadata
         inputs = self.kv_groups[group - 1]
         return inputs.slot_mapping, inputs.attn_metadata
+
+    def plan_attention(self, build: Callable[[ForwardContext], Any]) -> None:
+        """Set this step's attention plans: `build` (an attention backend's entry point) of
+        group 0's view into attn_metadata, and of each further KV group's view into its
+        inputs."""
+        self.attn_metadata = build(self)
+        for group, inputs in enumerate(self.kv_groups, start=1):
+            inputs.attn_metadata = build(self.group_context(group))
 
     def group_context(self, group: int) -> ForwardContext:
         """This step as KV group `group` (>= 1) sees it: its slots and tables."""

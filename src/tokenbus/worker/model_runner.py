@@ -163,10 +163,7 @@ class ModelRunner:
         if padded_size is not None:
             hidden = self.captured.run(batch)[: batch.num_tokens]  # padding rows are never sampled
         else:
-            backend = self.model.attention_backend
-            batch.ctx.attn_metadata = backend.build_metadata(batch.ctx)
-            for group, inputs in enumerate(batch.ctx.kv_groups, start=1):  # a hybrid KV cache
-                inputs.attn_metadata = backend.build_metadata(batch.ctx.group_context(group))
+            batch.ctx.plan_attention(self.model.attention_backend.build_metadata)
             hidden = self.model(batch.input_ids, batch.ctx)
         sampled, logprobs = self._sample(batch, hidden, so)
         output = self._make_output(batch, sampled, logprobs)
