@@ -114,8 +114,10 @@ class InputBuffers:
         self.staged["seq_lens"] = StagedBuffer((max_num_reqs,), device)
         self.staged["query_start_loc"] = StagedBuffer((max_num_reqs + 1,), device)
         for group in range(1, num_groups):
-            self.staged[f"slot_mapping_{group}"] = StagedBuffer((max_num_tokens,), device)
-            self.staged[f"block_table_{group}"] = StagedBuffer(
+            self.staged[self.group_name("slot_mapping", group)] = StagedBuffer(
+                (max_num_tokens,), device
+            )
+            self.staged[self.group_name("block_table", group)] = StagedBuffer(
                 (max_num_reqs, max_blocks_per_req), device
             )
         self.input_ids = self.staged["input_ids"].np
@@ -128,6 +130,11 @@ class InputBuffers:
         # Recorded after each copy (the last record is the one waited for); one event, reused.
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
         self._copies_pending = False
+
+    @staticmethod
+    def group_name(name: str, group: int) -> str:
+        """The buffer `name` ("slot_mapping" or "block_table") of KV group `group`."""
+        return name if group == 0 else f"{name}_{group}"
 
     def device_view(self, name: str, rows: int, cols: int | None = None) -> torch.Tensor:
         view = self.staged[name].to_device(rows, cols)
@@ -202,8 +209,8 @@ def prepare_batch(
         query_start_loc_t=view("query_start_loc", num_reqs + 1),
         kv_groups=[
             KVGroupInputs(
-                view(f"slot_mapping_{group}", num_tokens),
-                view(f"block_table_{group}", num_reqs, max_blocks[group]),
+                view(buffers.group_name("slot_mapping", group), num_tokens),
+                view(buffers.group_name("block_table", group), num_reqs, max_blocks[group]),
             )
             for group in range(1, buffers.num_groups)
         ],
@@ -252,15 +259,14 @@ def _fill_request(
 ) -> None:
     state = req.state
     first = state.num_computed_tokens
-    block_ids = state.block_ids
-    buffers.block_table[row, : len(block_ids)] = block_ids
-    for group, ids in enumerate(state.group_block_ids, start=1):
-        buffers.staged[f"block_table_{group}"].np[row, : len(ids)] = ids
+    tables = _tables(state)
+    for group, ids in enumerate(tables):
+        buffers.staged[buffers.group_name("block_table", group)].np[row, : len(ids)] = ids
     if req.is_decode:  # the common case, without numpy temporaries
         buffers.input_ids[start] = state.token_ids[first]
         buffers.positions[start] = first
-        for group, ids in enumerate(_tables(state)):
-            slots = buffers.staged["slot_mapping" if group == 0 else f"slot_mapping_{group}"].np
+        for group, ids in enumerate(tables):
+            slots = buffers.staged[buffers.group_name("slot_mapping", group)].np
             slots[start] = ids[first // block_size] * block_size + first % block_size
         return
     # Known tokens first; positions past them are this step's draft tokens.
@@ -269,8 +275,8 @@ def _fill_request(
     positions = np.arange(first, first + req.num_new_tokens, dtype=np.int64)
     buffers.input_ids[start:stop] = tokens
     buffers.positions[start:stop] = positions
-    for group, ids in enumerate(_tables(state)):
+    for group, ids in enumerate(tables):
         blocks = np.asarray(ids, dtype=np.int64)
-        slots = buffers.staged["slot_mapping" if group == 0 else f"slot_mapping_{group}"].np
+        slots = buffers.staged[buffers.group_name("slot_mapping", group)].np
         # slot = block_id * block_size + offset within the block
         slots[start:stop] = blocks[positions // block_size] * block_size + positions % block_size
