@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.e2e.oracle import assert_same_or_near_tie
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.e2e.utils import assert_engine_clean, make_llm, model_runner, random_prompts
 from tests.fixtures.lora import hf_lora_greedy, hf_lora_model, make_adapter
 from tokenbus import LoRARequest, SamplingParams
 
@@ -198,7 +198,7 @@ def test_decode_layers_in_c_add_the_same_side_path(tiny_llama_dir, adapters, tmp
     results = []
     for eager in (False, True):
         llm = make_llm(gguf, enable_lora=True, max_loras=2, max_lora_rank=8, enforce_eager=eager)
-        runner = llm.engine.client.engine_core.executor.worker.runner
+        runner = model_runner(llm)
         assert runner.model.decodes_in_c is not eager
         results.append(_greedy(llm, prompts, loras))
         assert_engine_clean(llm)

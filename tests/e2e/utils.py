@@ -15,6 +15,11 @@ def make_llm(model=None, **engine_args) -> LLM:
     return LLM(None if model is None else str(model), **engine_args)
 
 
+def model_runner(llm: LLM):
+    """The in-process engine's model runner (worker/model_runner.py)."""
+    return llm.engine.client.engine_core.executor.worker.runner
+
+
 def random_prompts(
     num: int,
     min_len: int,

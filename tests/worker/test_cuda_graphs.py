@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from tests.e2e.oracle import assert_same_or_near_tie
-from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
+from tests.e2e.utils import (
+    assert_engine_clean,
+    generate_greedy,
+    make_llm,
+    model_runner,
+    random_prompts,
+)
 from tests.fixtures.step_reads import (
     COUNTED_STEPS,
     NGRAM,
@@ -35,10 +41,6 @@ ENGINE = dict(
 )
 
 
-def runner_of(llm):
-    return llm.engine.client.engine_core.executor.worker.runner
-
-
 @pytest.fixture(scope="module")
 def model_dir():
     return cached_tiny_model("llama")
@@ -53,7 +55,7 @@ def test_cuda_graphs_equal_eager_fp32(model_dir):
     eager.shutdown()
     graphs = make_llm(model_dir, dtype="float32", **ENGINE)  # default sizes: 1 2 4 8
     try:
-        runner = runner_of(graphs)
+        runner = model_runner(graphs)
         assert runner.captured is not None and sorted(runner.captured.runner.graphs) == [1, 2, 4, 8]
         # EOS masked as generate_greedy masks it for the eager reference (min_tokens)
         params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=5)
@@ -74,7 +76,7 @@ def test_bf16_is_the_default_and_graphs_agree_with_eager_in_top_k(model_dir):
     outs = {}
     for name, extra in (("eager", dict(enforce_eager=True)), ("graphs", {})):
         llm = make_llm(model_dir, **ENGINE, **extra)
-        assert runner_of(llm).model.embed_tokens.dtype == torch.bfloat16
+        assert model_runner(llm).model.embed_tokens.dtype == torch.bfloat16
         outs[name] = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
         )
@@ -103,7 +105,7 @@ def test_graph_memory_is_kept_out_of_the_kv_budget(model_dir):
 def test_padded_graph_step_changes_no_real_kv_outside_its_own_slots(model_dir):
     llm = make_llm(model_dir, dtype="float32", cudagraph_capture_sizes=[4], **ENGINE)
     try:
-        runner = runner_of(llm)
+        runner = model_runner(llm)
         bs = runner.block_size
         states = [
             CachedRequestState(

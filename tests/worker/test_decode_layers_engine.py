@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm
+from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, model_runner
 from tests.fixtures.mode_equality import (
     ENGINE,
     NGRAM,
@@ -110,7 +110,7 @@ def test_explicit_capture_sizes_do_not_compile_over_the_c_layers(gguf_path, capl
     with caplog.at_level("INFO", logger="tokenbus.worker.captured_step"):
         llm = make_llm(gguf_path, cudagraph_capture_sizes=[1, 2], **ENGINE)
     try:
-        assert llm.engine.client.engine_core.executor.worker.runner.captured is None
+        assert model_runner(llm).captured is None
         assert model_of(llm).decodes_in_c
         assert any("one C call" in r.getMessage() for r in caplog.records)
     finally:
