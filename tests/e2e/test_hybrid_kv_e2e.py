@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.e2e.test_sliding_window import WINDOW, hf_reference
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.e2e.utils import assert_engine_clean, make_llm, model_runner, random_prompts
+from tests.fixtures.eager_replay import replay_padded_steps
 from tests.fixtures.tiny_models import cached_tiny_model
 from tests.fixtures.triton_device import needs_triton_on_cpu
 from tokenbus import SamplingParams
 from tokenbus.core.kv.hybrid import HybridKVCacheManager
+from tokenbus.worker.captured_step import capture_disabled_reason
 
 MAX_TOKENS = 10
 BLOCK = 4  # small blocks: the window spans several
@@ -95,6 +98,35 @@ def test_triton_kernels_skip_the_handed_back_blocks(model, prompts, reference):
     )
     assert generate(llm, prompts) == reference
     assert llm.engine.stats_totals["prefix_cache_hits"] > 0
+    assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize(
+    "backend, block_size",
+    [("native", BLOCK), ("torch", BLOCK), pytest.param("triton", 16, marks=needs_triton_on_cpu)],
+)
+def test_padded_decode_steps_run_on_every_groups_static_plan(
+    model, prompts, reference, backend, block_size
+):
+    """Decode steps as a CUDA graph takes them (fixtures/eager_replay.py: the graph replayed
+    eagerly): three requests padded to four, each KV group's slots and tables padded in its own
+    buffers, a static plan per group over the full table width (the torch plan gathers and
+    masks every entry before the window, handed-back blocks included)."""
+    llm = make_llm(
+        model,
+        max_num_seqs=3,
+        cudagraph_capture_sizes=[1, 2, 4],
+        attention_backend=backend,
+        kv_cache_dtype="float32",
+        block_size=block_size,
+    )
+    replay = replay_padded_steps(llm)
+    assert generate(llm, prompts) == reference
+    assert 4 in replay.replayed and 2 in replay.replayed  # 3 and 2 (or 1) running, padded
+    runner = model_runner(llm)
+    assert runner.buffers.num_groups == (1 if "mistral" in model.name else 3)
+    # On a GPU these steps are CUDA graphs: nothing about the hybrid cache keeps them eager.
+    assert capture_disabled_reason(runner.config, torch.device("cuda"), runner.model) is None
     assert_engine_clean(llm)
 
 

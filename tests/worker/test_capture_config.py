@@ -97,6 +97,32 @@ def test_padding_rows_use_the_null_block_and_are_never_sampled():
         prepare_batch([ScheduledRequest(states[0], 2, [])], buffers, 4, kv, padded_size=4)
 
 
+def test_every_kv_groups_padding_rows_use_the_null_block():
+    """A hybrid KV cache: each group's slots and tables are padded in its own buffers, at the
+    full table width, as group 0's are."""
+    from tokenbus.core.kv.hybrid import plan_kv_groups
+
+    groups = plan_kv_groups([None, 8])  # group 1: the windowed layer
+    buffers = InputBuffers(16, 8, 5, torch.device("cpu"), kv_groups=groups)
+    for name in ("block_table", "block_table_1"):
+        buffers.staged[name].np[:] = 9  # stale ids from an earlier step
+    states = [
+        CachedRequestState(f"r{i}", [3] * (6 + i), [], SamplingParams(), [2 + i, 5 + i], 5 + i)
+        for i in range(2)
+    ]
+    for i, state in enumerate(states):
+        state.group_block_ids = [[0, 7 + i]]  # its first block handed back: the null block
+    kv = [torch.zeros(2, 12, 4, 1, 2)] * 2
+    ctx = prepare_batch([ScheduledRequest(s, 1, []) for s in states], buffers, 4, kv, 4).ctx
+    (group,) = ctx.kv_groups
+    assert group.slot_mapping.tolist() == [7 * 4 + 1, 8 * 4 + 2, 0, 0]
+    assert ctx.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 0, 0]
+    for tables in (ctx.block_tables, group.block_tables):
+        assert tables.shape == (4, 5) and (tables[2:] == 0).all()
+    assert group.block_tables[:2, :2].tolist() == [[0, 7], [0, 8]]
+    assert ctx.layer_groups == (0, 1)
+
+
 def test_dispatcher_pads_uniform_decodes_only():
     from tokenbus.worker.captured_step import CaptureDispatcher
 

@@ -46,9 +46,13 @@ def model_dir():
     return cached_tiny_model("llama")
 
 
-def test_cuda_graphs_equal_eager_fp32(model_dir):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cuda_graphs_equal_eager_fp32(family):
     """The same tokens, up to a near tie: captured decodes split their keys (split-K) where
-    eager ones of short contexts do not, so fp32 sums run in another order."""
+    eager ones of short contexts do not, so fp32 sums run in another order. Gemma 3's five
+    windowed layers to one global make six KV groups, each captured with its own tables;
+    prompt and output run past its 32-token window."""
+    model_dir = cached_tiny_model(family)
     prompts = random_prompts(6, 3, 40, seed=1)
     eager = make_llm(model_dir, enforce_eager=True, dtype="float32", **ENGINE)
     ref = generate_greedy(eager, prompts, 20)
@@ -57,6 +61,7 @@ def test_cuda_graphs_equal_eager_fp32(model_dir):
     try:
         runner = model_runner(graphs)
         assert runner.captured is not None and sorted(runner.captured.runner.graphs) == [1, 2, 4, 8]
+        assert runner.buffers.num_groups == (6 if family == "gemma3" else 1)
         # EOS masked as generate_greedy masks it for the eager reference (min_tokens)
         params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=5)
         outputs = graphs.generate(

@@ -4,6 +4,8 @@ A uniform decode batch (every scheduled request computes exactly one token) of a
 largest capture size is padded up to the next capture size and run through a step recorded
 at warm-up: a CUDA graph (worker/cuda_graphs.py). Padding requests (prepare_batch's
 `padded_size`) write their K/V to the null block, read nothing else, and are never sampled.
+Over a hybrid KV cache (core/kv/hybrid.py) every KV group's slots and tables are padded so, and
+each group gets a static plan of its own tables (ForwardContext.plan_attention).
 Every other batch (prefill chunks, spec-decode verification, larger batches) runs eagerly, as
 does every step with --enforce-eager or a KV connector (its per-layer hooks are Python). CPUs
 capture nothing: their decode steps run each decoder layer in one C call
@@ -23,7 +25,6 @@ from typing import Protocol
 import torch
 
 from tokenbus.config import EngineConfig
-from tokenbus.core.kv.hybrid import engine_kv_groups
 from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 
@@ -90,13 +91,14 @@ class CapturedSteps:
             batch = prepare_batch(
                 [], self.buffers, self.block_size, self.kv_caches, padded_size=size
             )
-            batch.ctx.attn_metadata = self.model.attention_backend.prepare_for_capture(batch.ctx)
+            batch.ctx.plan_attention(self.model.attention_backend.prepare_for_capture)
             self.runner.capture(size, batch)
 
     def run(self, batch: PreparedBatch) -> torch.Tensor:
         """Hidden states [padded_size, hidden] (rows past batch.num_tokens are padding)."""
         size = batch.padded_size
-        batch.ctx.attn_metadata = self.model.attention_backend.prepare_for_replay(batch.ctx, size)
+        backend = self.model.attention_backend
+        batch.ctx.plan_attention(lambda ctx: backend.prepare_for_replay(ctx, size))
         return self.runner.replay(size, batch)
 
 
@@ -114,8 +116,6 @@ def capture_disabled_reason(
         return f"captured steps are CUDA graphs; none on {device.type}"
     if config.kv_transfer is not None:
         return "a KV connector is configured (its per-layer hooks run in Python)"
-    if model is not None and engine_kv_groups(config, model.arch) is not None:
-        return "a hybrid KV cache: each KV group's tables (static plans hold one)"
     if model is not None and any(
         isinstance(m, SparseMoeBlock) and m.stacked is None for m in model.modules()
     ):

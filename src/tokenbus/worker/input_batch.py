@@ -185,13 +185,11 @@ def prepare_batch(
             sampling_requests.append(i)
             num_logits.append(rows)
     num_tokens, num_reqs = query_start_loc[-1], len(requests)
-    real_tokens, table_width = num_tokens, max_blocks[0]
+    real_tokens, table_widths = num_tokens, max_blocks
     if padded_size is not None:
-        if buffers.num_groups > 1:  # captured_step.capture_disabled_reason keeps them eager
-            raise ValueError("a step over a hybrid KV cache cannot be padded to a capture size")
         _fill_padding(buffers, num_reqs, padded_size, query_start_loc, seq_lens)
         num_tokens = num_reqs = padded_size
-        table_width = buffers.block_table.shape[1]
+        table_widths = [buffers.block_table.shape[1]] * buffers.num_groups
     buffers.seq_lens[:num_reqs] = seq_lens
     buffers.query_start_loc[: num_reqs + 1] = query_start_loc
     buffers.logits_indices[: len(logits_rows)] = logits_rows
@@ -204,13 +202,13 @@ def prepare_batch(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         seq_lens_t=view("seq_lens", num_reqs),
-        block_tables=view("block_table", num_reqs, table_width),
+        block_tables=view("block_table", num_reqs, table_widths[0]),
         num_decodes=sum(1 for r in requests if r.is_decode) + num_reqs - len(requests),
         query_start_loc_t=view("query_start_loc", num_reqs + 1),
         kv_groups=[
             KVGroupInputs(
                 view(buffers.group_name("slot_mapping", group), num_tokens),
-                view(buffers.group_name("block_table", group), num_reqs, max_blocks[group]),
+                view(buffers.group_name("block_table", group), num_reqs, table_widths[group]),
             )
             for group in range(1, buffers.num_groups)
         ],
@@ -235,7 +233,8 @@ def _fill_padding(
     query_start_loc: list[int],
     seq_lens: list[int],
 ) -> None:
-    """Rows [num_reqs, padded_size): one padding token each (decodes only, so row == token)."""
+    """Rows [num_reqs, padded_size): one padding token each (decodes only, so row == token),
+    in every KV group's slots and tables."""
     if query_start_loc[-1] != num_reqs:
         raise ValueError("only a batch of single-token decodes can be padded to a capture size")
     if padded_size < num_reqs:
@@ -243,8 +242,9 @@ def _fill_padding(
     pad = slice(num_reqs, padded_size)
     buffers.input_ids[pad] = 0
     buffers.positions[pad] = 0
-    buffers.slot_mapping[pad] = 0  # slot 0: the null block
-    buffers.block_table[pad] = 0
+    for group in range(buffers.num_groups):  # slot 0 and tables of zeros: the null block
+        buffers.staged[buffers.group_name("slot_mapping", group)].np[pad] = 0
+        buffers.staged[buffers.group_name("block_table", group)].np[pad] = 0
     query_start_loc.extend(range(num_reqs + 1, padded_size + 1))
     seq_lens.extend([1] * (padded_size - num_reqs))  # reads the key it wrote, in the null block
 

@@ -157,13 +157,14 @@ class Worker:
 
         def capture_largest() -> CapturedSteps:
             kv_caches = allocate_kv_caches(
-                self.rank_arch, 2, block_size, self.kv_dtype, self.device
+                self.rank_arch, 2, block_size, self.kv_dtype, self.device, self.kv_groups
             )
             buffers = InputBuffers(
                 largest,
                 largest,
                 cdiv(self.config.scheduler.max_model_len, block_size) + 1,
                 self.device,
+                self.kv_groups,
             )
             steps = CapturedSteps(
                 self.model,
