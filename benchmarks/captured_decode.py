@@ -136,9 +136,7 @@ def step_latency(args) -> list[dict]:
         )
 
         def captured():
-            batch = prepare_batch(
-                requests, buffers, bs, kv, padded_size=steps.padded_size(requests)
-            )
+            batch = prepare_batch(requests, buffers, bs, kv, steps.shape(requests))
             return model.compute_logits(steps.run(batch)[: batch.num_tokens][batch.logits_indices])
 
         modes = {"eager": plain_step(eager_model, requests, buffers, bs, kv)}

@@ -270,7 +270,7 @@ def part_graphs(args) -> dict:
         if graphs and args.device.startswith("cuda"):  # CPUs capture nothing (a rehearsal)
             if captured_step is None:
                 raise RuntimeError("graphs asked for, but the engine captured none (see its log)")
-            captured.extend(sorted(captured_step.runner.graphs))
+            captured.extend(shape.num_reqs for shape in sorted(captured_step.runner.graphs))
         vocab = llm.get_tokenizer().vocab_size
         return {
             b: decode_rate(llm, token_prompts(b, 32, vocab, seed=b), args.output_len)

@@ -20,6 +20,7 @@ from tests.fixtures.triton_device import needs_triton_on_cpu
 from tokenbus import SamplingParams
 from tokenbus.core.kv.hybrid import HybridKVCacheManager
 from tokenbus.worker.captured_step import capture_disabled_reason
+from tokenbus.worker.input_batch import StepShape
 
 MAX_TOKENS = 10
 BLOCK = 4  # small blocks: the window spans several
@@ -122,7 +123,8 @@ def test_padded_decode_steps_run_on_every_groups_static_plan(
     )
     replay = replay_padded_steps(llm)
     assert generate(llm, prompts) == reference
-    assert 4 in replay.replayed and 2 in replay.replayed  # 3 and 2 (or 1) running, padded
+    # 3 running, padded to 4; then 2
+    assert {StepShape(4), StepShape(2)} <= set(replay.replayed)
     runner = model_runner(llm)
     assert runner.buffers.num_groups == (1 if "mistral" in model.name else 3)
     # On a GPU these steps are CUDA graphs: nothing about the hybrid cache keeps them eager.

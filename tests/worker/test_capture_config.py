@@ -7,7 +7,7 @@ import torch
 
 from tokenbus.engine_args import EngineArgs
 from tokenbus.sampling_params import SamplingParams
-from tokenbus.worker.input_batch import InputBuffers, ScheduledRequest, prepare_batch
+from tokenbus.worker.input_batch import InputBuffers, ScheduledRequest, StepShape, prepare_batch
 from tokenbus.worker.request_state import CachedRequestState
 
 
@@ -76,10 +76,15 @@ def test_padding_rows_use_the_null_block_and_are_never_sampled():
     ]
     kv = [torch.zeros(2, 12, 4, 1, 2)]
     batch = prepare_batch(
-        [ScheduledRequest(s, 1, []) for s in states], buffers, 4, kv, padded_size=8
+        [ScheduledRequest(s, 1, []) for s in states], buffers, 4, kv, StepShape(8)
     )
     ctx = batch.ctx
-    assert (batch.num_tokens, batch.padded_size, ctx.num_tokens, ctx.num_reqs) == (3, 8, 8, 8)
+    assert (batch.num_tokens, batch.padded, ctx.num_tokens, ctx.num_reqs) == (
+        3,
+        StepShape(8),
+        8,
+        8,
+    )
     # padding: slot 0
     assert ctx.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 3] + [0] * 5
     assert ctx.positions.tolist()[3:] == [0] * 5 and batch.input_ids.tolist()[3:] == [0] * 5
@@ -94,7 +99,7 @@ def test_padding_rows_use_the_null_block_and_are_never_sampled():
     # The buffers are persistent: the step's tensors are views of them, rewritten in place.
     assert ctx.positions.data_ptr() == buffers.staged["positions"].device.data_ptr()
     with pytest.raises(ValueError, match="only a batch of single-token decodes"):
-        prepare_batch([ScheduledRequest(states[0], 2, [])], buffers, 4, kv, padded_size=4)
+        prepare_batch([ScheduledRequest(states[0], 2, [])], buffers, 4, kv, StepShape(4))
 
 
 def test_every_kv_groups_padding_rows_use_the_null_block():
@@ -113,7 +118,8 @@ def test_every_kv_groups_padding_rows_use_the_null_block():
     for i, state in enumerate(states):
         state.group_block_ids = [[0, 7 + i]]  # its first block handed back: the null block
     kv = [torch.zeros(2, 12, 4, 1, 2)] * 2
-    ctx = prepare_batch([ScheduledRequest(s, 1, []) for s in states], buffers, 4, kv, 4).ctx
+    requests = [ScheduledRequest(s, 1, []) for s in states]
+    ctx = prepare_batch(requests, buffers, 4, kv, StepShape(4)).ctx
     (group,) = ctx.kv_groups
     assert group.slot_mapping.tolist() == [7 * 4 + 1, 8 * 4 + 2, 0, 0]
     assert ctx.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 0, 0]
@@ -130,13 +136,13 @@ def test_dispatcher_pads_uniform_decodes_only():
     state = CachedRequestState("x", [1, 2, 3], [], SamplingParams(), [1], 2)
     decode, chunk = ScheduledRequest(state, 1, []), ScheduledRequest(state, 2, [])
     verify = ScheduledRequest(state, 1, [5])
-    assert [dispatcher.padded_size([decode] * n) for n in (1, 2, 3, 4, 5)] == [
-        1,
-        2,
-        4,
-        4,
+    assert [dispatcher.shape([decode] * n) for n in (1, 2, 3, 4, 5)] == [
+        StepShape(1),
+        StepShape(2),
+        StepShape(4),
+        StepShape(4),
         None,
     ]
-    assert dispatcher.padded_size([decode, chunk]) is None
-    assert dispatcher.padded_size([verify]) is None
-    assert dispatcher.padded_size([]) is None
+    assert dispatcher.shape([decode, chunk]) is None
+    assert dispatcher.shape([verify]) is None
+    assert dispatcher.shape([]) is None

@@ -24,7 +24,7 @@ from tests.fixtures.step_reads import (
 )
 from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus import SamplingParams
-from tokenbus.worker.input_batch import ScheduledRequest, prepare_batch
+from tokenbus.worker.input_batch import ScheduledRequest, StepShape, prepare_batch
 from tokenbus.worker.request_state import CachedRequestState
 
 pytestmark = [
@@ -60,7 +60,8 @@ def test_cuda_graphs_equal_eager_fp32(family):
     graphs = make_llm(model_dir, dtype="float32", **ENGINE)  # default sizes: 1 2 4 8
     try:
         runner = model_runner(graphs)
-        assert runner.captured is not None and sorted(runner.captured.runner.graphs) == [1, 2, 4, 8]
+        assert runner.captured is not None
+        assert sorted(runner.captured.runner.graphs) == [StepShape(n) for n in (1, 2, 4, 8)]
         assert runner.buffers.num_groups == (6 if family == "gemma3" else 1)
         # EOS masked as generate_greedy masks it for the eager reference (min_tokens)
         params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=5)
@@ -128,7 +129,7 @@ def test_padded_graph_step_changes_no_real_kv_outside_its_own_slots(model_dir):
         before = [cache.clone() for cache in runner.kv_caches]
         requests = [ScheduledRequest(s, 1, []) for s in states]
         with torch.inference_mode():
-            batch = prepare_batch(requests, runner.buffers, bs, runner.kv_caches, padded_size=4)
+            batch = prepare_batch(requests, runner.buffers, bs, runner.kv_caches, StepShape(4))
             hidden = runner.captured.run(batch)
         torch.cuda.synchronize()
         assert torch.isfinite(hidden).all()

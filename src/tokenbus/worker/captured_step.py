@@ -3,7 +3,7 @@
 A uniform decode batch (every scheduled request computes exactly one token) of at most the
 largest capture size is padded up to the next capture size and run through a step recorded
 at warm-up: a CUDA graph (worker/cuda_graphs.py). Padding requests (prepare_batch's
-`padded_size`) write their K/V to the null block, read nothing else, and are never sampled.
+`padded`) write their K/V to the null block, read nothing else, and are never sampled.
 Over a hybrid KV cache (core/kv/hybrid.py) every KV group's slots and tables are padded so, and
 each group gets a static plan of its own tables (ForwardContext.plan_attention).
 Every other batch (prefill chunks, spec-decode verification, larger batches) runs eagerly, as
@@ -12,8 +12,8 @@ capture nothing: their decode steps run each decoder layer in one C call
 (model/native/decode_layer.c), which beat a torch.compile'd step at every batch size measured
 (benchmarks/captured_decode.py).
 
-The dispatcher is the single source of truth: `padded_size(requests)` says whether a step is
-captured and at which size; the runners trust it.
+The dispatcher is the single source of truth: `shape(requests)` says whether a step is
+captured and at which shape; the runners trust it.
 """
 
 from __future__ import annotations
@@ -26,13 +26,19 @@ import torch
 
 from tokenbus.config import EngineConfig
 from tokenbus.model.moe import SparseMoeBlock
-from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
+from tokenbus.worker.input_batch import (
+    InputBuffers,
+    PreparedBatch,
+    ScheduledRequest,
+    StepShape,
+    prepare_batch,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class CaptureDispatcher:
-    """Batch size -> the capture size it is padded to (None: run eagerly)."""
+    """A step's requests -> the captured shape they are padded to (None: run eagerly)."""
 
     def __init__(self, sizes: tuple[int, ...]) -> None:
         self.sizes = tuple(sizes)
@@ -41,25 +47,29 @@ class CaptureDispatcher:
     def max_size(self) -> int:
         return self.sizes[-1] if self.sizes else 0
 
-    def padded_size(self, requests: list[ScheduledRequest]) -> int | None:
+    @property
+    def shapes(self) -> tuple[StepShape, ...]:
+        return tuple(StepShape(size) for size in self.sizes)
+
+    def shape(self, requests: list[ScheduledRequest]) -> StepShape | None:
         num_reqs = len(requests)
         if not 0 < num_reqs <= self.max_size:
             return None
         if any(req.num_new_tokens != 1 or req.draft_token_ids for req in requests):
             return None  # mixed prefill, or spec-decode verification: eager
-        return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+        return StepShape(self.sizes[bisect.bisect_left(self.sizes, num_reqs)])
 
 
 class StepRunner(Protocol):
     """A device's way of recording and replaying the forward of one padded batch size."""
 
-    def capture(self, size: int, batch: PreparedBatch) -> None:
-        """Record the forward of `batch` (all padding, `size` tokens) over the persistent
+    def capture(self, shape: StepShape, batch: PreparedBatch) -> None:
+        """Record the forward of `batch` (all padding, of `shape`) over the persistent
         buffers."""
 
-    def replay(self, size: int, batch: PreparedBatch) -> torch.Tensor:
-        """Final hidden states [size, hidden] of `batch` (padded to `size`, attention
-        metadata from prepare_for_replay)."""
+    def replay(self, shape: StepShape, batch: PreparedBatch) -> torch.Tensor:
+        """Final hidden states [shape.num_tokens, hidden] of `batch` (padded to `shape`,
+        attention metadata from prepare_for_replay)."""
 
 
 class CapturedSteps:
@@ -81,25 +91,23 @@ class CapturedSteps:
         self.block_size = block_size
         self.kv_caches = kv_caches
 
-    def padded_size(self, requests: list[ScheduledRequest]) -> int | None:
-        return self.dispatcher.padded_size(requests)
+    def shape(self, requests: list[ScheduledRequest]) -> StepShape | None:
+        return self.dispatcher.shape(requests)
 
     def capture_all(self) -> None:
         """Largest first (a CUDA graph pool is sized by the first capture, smaller ones reuse
         it)."""
-        for size in reversed(self.dispatcher.sizes):
-            batch = prepare_batch(
-                [], self.buffers, self.block_size, self.kv_caches, padded_size=size
-            )
+        for shape in sorted(self.dispatcher.shapes, key=lambda s: s.num_tokens, reverse=True):
+            batch = prepare_batch([], self.buffers, self.block_size, self.kv_caches, shape)
             batch.ctx.plan_attention(self.model.attention_backend.prepare_for_capture)
-            self.runner.capture(size, batch)
+            self.runner.capture(shape, batch)
 
     def run(self, batch: PreparedBatch) -> torch.Tensor:
-        """Hidden states [padded_size, hidden] (rows past batch.num_tokens are padding)."""
-        size = batch.padded_size
+        """Hidden states [padded.num_tokens, hidden] (rows past batch.num_tokens are padding)."""
+        shape = batch.padded
         backend = self.model.attention_backend
-        batch.ctx.plan_attention(lambda ctx: backend.prepare_for_replay(ctx, size))
-        return self.runner.replay(size, batch)
+        batch.ctx.plan_attention(lambda ctx: backend.prepare_for_replay(ctx, shape.num_tokens))
+        return self.runner.replay(shape, batch)
 
 
 def capture_disabled_reason(

@@ -21,7 +21,7 @@ import gc
 
 import torch
 
-from tokenbus.worker.input_batch import PreparedBatch
+from tokenbus.worker.input_batch import PreparedBatch, StepShape
 
 NUM_WARMUP_RUNS = 2  # eager runs before each capture
 
@@ -31,13 +31,13 @@ class CudaGraphRunner:
         self.model = model
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[StepShape, torch.Tensor] = {}
         # Warm-ups run on one side stream for every size (a stream per size would each get a
         # cuBLAS workspace of its own).
         self.warmup_stream = torch.cuda.Stream(self.device)
 
-    def capture(self, size: int, batch: PreparedBatch) -> None:
+    def capture(self, shape: StepShape, batch: PreparedBatch) -> None:
         stream = self.warmup_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -49,16 +49,16 @@ class CudaGraphRunner:
         gc.freeze()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self.model(batch.input_ids, batch.ctx)
+                self.outputs[shape] = self.model(batch.input_ids, batch.ctx)
         finally:
             gc.unfreeze()
-        self.graphs[size] = graph
+        self.graphs[shape] = graph
 
-    def replay(self, size: int, batch: PreparedBatch) -> torch.Tensor:
+    def replay(self, shape: StepShape, batch: PreparedBatch) -> torch.Tensor:
         # batch's tensors are views of the buffers the graph was captured with (prepare_batch
         # copied this step's inputs into them on the current stream).
-        self.graphs[size].replay()
-        return self.outputs[size]
+        self.graphs[shape].replay()
+        return self.outputs[shape]
 
 
 def profile_graph_memory(make_steps) -> int:

@@ -40,6 +40,18 @@ class ScheduledRequest:
         return self.completes_prompt and not self.pools
 
 
+@dataclass(frozen=True, order=True)
+class StepShape:
+    """The shape of a padded (captured) step: num_reqs requests of query_len tokens each."""
+
+    num_reqs: int
+    query_len: int = 1  # a decode's one token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_reqs * self.query_len
+
+
 @dataclass
 class PreparedBatch:
     requests: list[ScheduledRequest]  # in batch order
@@ -49,7 +61,7 @@ class PreparedBatch:
     sampling_requests: list[int]  # batch indices of requests that sample, one row each
     num_logits_per_request: list[int]  # rows in logits_indices per sampling request (1 + drafts)
     num_tokens: int = 0  # the real requests' tokens (input_ids and ctx may hold padding after them)
-    padded_size: int | None = None  # tokens of a padded (captured) step, padding included
+    padded: StepShape | None = None  # a padded (captured) step's shape, padding included
 
 
 class StagedBuffer:
@@ -155,12 +167,12 @@ def prepare_batch(
     buffers: InputBuffers,
     block_size: int,
     kv_caches: list[torch.Tensor],
-    padded_size: int | None = None,
+    padded: StepShape | None = None,
 ) -> PreparedBatch:
-    """The step's inputs in `buffers`. With `padded_size` (a captured step: every request a
-    single-token decode), padding requests fill rows up to padded_size: token 0 at position 0
-    in slot 0 of the null block, seq_len 1, a block table of zeros; tables are then passed at
-    their full width, so every shape depends on padded_size alone."""
+    """The step's inputs in `buffers`. With `padded` (a captured step: every request a
+    single-token decode), padding requests fill rows up to padded.num_reqs: token 0 at
+    position 0 in slot 0 of the null block, seq_len 1, a block table of zeros; tables are then
+    passed at their full width, so every shape depends on `padded` alone."""
     buffers.wait_for_copies()
     # Stable: decodes first; within each part, requests of one LoRA adapter side by side (its
     # rows a slice: model/lora.py).
@@ -186,9 +198,9 @@ def prepare_batch(
             num_logits.append(rows)
     num_tokens, num_reqs = query_start_loc[-1], len(requests)
     real_tokens, table_widths = num_tokens, max_blocks
-    if padded_size is not None:
-        _fill_padding(buffers, num_reqs, padded_size, query_start_loc, seq_lens)
-        num_tokens = num_reqs = padded_size
+    if padded is not None:
+        _fill_padding(buffers, num_reqs, padded.num_reqs, query_start_loc, seq_lens)
+        num_tokens = num_reqs = padded.num_reqs
         table_widths = [buffers.block_table.shape[1]] * buffers.num_groups
     buffers.seq_lens[:num_reqs] = seq_lens
     buffers.query_start_loc[: num_reqs + 1] = query_start_loc
@@ -222,7 +234,7 @@ def prepare_batch(
         sampling_requests=sampling_requests,
         num_logits_per_request=num_logits,
         num_tokens=real_tokens,
-        padded_size=padded_size,
+        padded=padded,
     )
 
 

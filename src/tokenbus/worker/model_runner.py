@@ -147,12 +147,12 @@ class ModelRunner:
             for req_id, num_new in so.num_scheduled_tokens.items()
         ]
         with_lora = any(req.state.lora_id for req in scheduled)
-        padded_size = (
-            self.captured.padded_size(scheduled)
+        padded = (
+            self.captured.shape(scheduled)
             if self.captured is not None and not with_lora  # adapters: the eager side path
             else None
         )
-        batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches, padded_size)
+        batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches, padded)
         batch.ctx.kv_connector = self.kv_connector
         if self.lora is not None:
             runs = [
@@ -160,7 +160,7 @@ class ModelRunner:
                 for req in batch.requests
             ]
             self.lora.set_batch(runs, batch.input_ids.shape[0])
-        if padded_size is not None:
+        if padded is not None:
             hidden = self.captured.run(batch)[: batch.num_tokens]  # padding rows are never sampled
         else:
             batch.ctx.plan_attention(self.model.attention_backend.build_metadata)
