@@ -7,9 +7,10 @@
 #   2. preflight: the server's imports, and one Triton kernel compiled and launched (Triton
 #      builds its launcher with the machine's C compiler); if that fails, the benchmarks run
 #      on the torch attention path and the summary says so;
-#   3. runs the CUDA-marked tests (CUDA graphs against eager, one synchronizing call a decode
-#      step, greedy tokens against HF transformers in fp32 and bf16, the Triton backend
-#      through the engine), then the Triton kernel tests against a reference, in parallel;
+#   3. runs the CUDA-marked tests (CUDA graphs against eager, a sliding-window model's and
+#      draft-verification steps' among them, one synchronizing call a decode step, greedy
+#      tokens against HF transformers in fp32 and bf16, the Triton backend through the
+#      engine), then the Triton kernel tests against a reference, in parallel;
 #   4. measures (benchmarks/gpu_bench.py): the copy bandwidth; one decode stream of a dummy
 #      Llama-3.1-8B in bf16 against weight bytes / bandwidth; CUDA graphs against eager at
 #      batch 1 and 64 on the SmolLM2 shape; offline throughput of 256 prompts (512 in, 256

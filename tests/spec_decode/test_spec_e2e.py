@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.utils import assert_engine_clean, generate_greedy
+from tests.fixtures.eager_replay import replay_padded_steps
 from tests.fixtures.tiny_models import cached_tiny_model
 from tests.spec_decode.utils import (
     NGRAM,
@@ -72,6 +73,30 @@ def test_greedy_identical_with_prefix_caching(kind, models, plain_outputs):
         == llm.engine.stats_totals["spec_num_draft_tokens"]
         >= metrics.num_draft_tokens
     )
+    assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_identical_with_verification_steps_padded_as_captured(kind, models, plain_outputs):
+    """Steps where every request verifies all k drafts run as captured ones (on a GPU, CUDA
+    graphs; here fixtures/eager_replay.py replays them eagerly): padded to a capture size of
+    1 + k tokens a request, over static attention plans. A draft model drafts k for every
+    request, so most of its verification steps are captured; n-gram drafts vary in number,
+    and those steps run eagerly."""
+    spec = _spec(kind, models)
+    llm = make_spec_llm(
+        models[0],
+        spec,
+        max_model_len=256,
+        num_kv_blocks=128,
+        cudagraph_capture_sizes=[1, 2, 4, 8],
+    )
+    replay = replay_padded_steps(llm)
+    assert generate_greedy(llm, mixed_prompts(), MAX_TOKENS) == plain_outputs
+    verify = 1 + spec["num_speculative_tokens"]
+    verified = [shape for shape in replay.replayed if shape.query_len == verify]
+    if kind != "ngram":
+        assert any(shape.num_reqs > 1 for shape in verified), replay.replayed
     assert_engine_clean(llm)
 
 

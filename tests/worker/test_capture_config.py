@@ -98,7 +98,7 @@ def test_padding_rows_use_the_null_block_and_are_never_sampled():
     assert ctx.num_decodes == 8
     # The buffers are persistent: the step's tensors are views of them, rewritten in place.
     assert ctx.positions.data_ptr() == buffers.staged["positions"].device.data_ptr()
-    with pytest.raises(ValueError, match="only a batch of single-token decodes"):
+    with pytest.raises(ValueError, match="only a uniform batch"):
         prepare_batch([ScheduledRequest(states[0], 2, [])], buffers, 4, kv, StepShape(4))
 
 
@@ -129,6 +129,36 @@ def test_every_kv_groups_padding_rows_use_the_null_block():
     assert ctx.layer_groups == (0, 1)
 
 
+def test_verification_steps_pad_whole_requests_of_one_plus_k_tokens():
+    """Two requests verifying 2 drafts each, padded to 4 requests of 3 tokens: padding tokens
+    at positions 0, 1, 2 of the null block (slot 0), seq_len 3; logits at the real 1 + k rows."""
+    buffers = InputBuffers(16, 8, 5, torch.device("cpu"))
+    states = [
+        CachedRequestState(f"r{i}", [3] * (6 + i), [], SamplingParams(), [2, 5, 8 + i], 5 + i)
+        for i in range(2)
+    ]
+    requests = [ScheduledRequest(s, 3, [40 + i, 50 + i]) for i, s in enumerate(states)]
+    kv = [torch.zeros(2, 12, 4, 1, 2)]
+    batch = prepare_batch(requests, buffers, 4, kv, StepShape(4, 3))
+    ctx = batch.ctx
+    assert (batch.num_tokens, ctx.num_tokens, ctx.num_reqs, ctx.num_decodes) == (6, 12, 4, 0)
+    assert ctx.query_start_loc == [0, 3, 6, 9, 12] and ctx.seq_lens == [8, 9, 3, 3]
+    assert ctx.positions.tolist() == [5, 6, 7, 6, 7, 8] + [0, 1, 2] * 2
+    assert batch.input_ids.tolist()[:6] == [3, 40, 50, 3, 41, 51]
+    assert batch.input_ids.tolist()[6:] == [0] * 6
+    assert (
+        ctx.slot_mapping.tolist()[:6] == [21, 22, 23, 22, 23, 36]
+        and ctx.slot_mapping.tolist()[6:] == [0] * 6
+    )
+    assert ctx.block_tables.shape == (4, 5) and (ctx.block_tables[2:] == 0).all()
+    assert batch.logits_indices.tolist() == list(range(6))
+    assert batch.num_logits_per_request == [3, 3]
+    with pytest.raises(ValueError, match="every request 3 query tokens"):
+        prepare_batch(
+            requests[:1] + [ScheduledRequest(states[1], 1, [])], buffers, 4, kv, StepShape(4, 3)
+        )
+
+
 def test_dispatcher_pads_uniform_decodes_only():
     from tokenbus.worker.captured_step import CaptureDispatcher
 
@@ -146,3 +176,27 @@ def test_dispatcher_pads_uniform_decodes_only():
     assert dispatcher.shape([decode, chunk]) is None
     assert dispatcher.shape([verify]) is None
     assert dispatcher.shape([]) is None
+
+
+def test_dispatcher_pads_verification_steps_with_all_k_drafts():
+    """With k = 2 drafts: whole verification steps of 3 tokens a request are padded too, up to
+    the sizes whose tokens fit the buffers (4 * 3 > 10); a request short of drafts, a chunk of
+    3 prompt tokens, or a mix with plain decodes runs eagerly."""
+    from tokenbus.worker.captured_step import CaptureDispatcher
+
+    dispatcher = CaptureDispatcher((1, 2, 4), query_lens=(1, 3), max_num_tokens=10)
+    state = CachedRequestState("x", [1, 2, 3], [], SamplingParams(), [1], 2)
+    verify, short = ScheduledRequest(state, 3, [5, 6]), ScheduledRequest(state, 2, [5])
+    chunk, decode = ScheduledRequest(state, 3, []), ScheduledRequest(state, 1, [])
+    assert set(dispatcher.shapes) == {
+        *(StepShape(n) for n in (1, 2, 4)),
+        *(StepShape(n, 3) for n in (1, 2)),
+    }
+    assert [dispatcher.shape([verify] * n) for n in (1, 2, 3)] == [
+        StepShape(1, 3),
+        StepShape(2, 3),
+        None,
+    ]
+    assert dispatcher.shape([decode] * 3) == StepShape(4)
+    for mixed in ([verify, short], [short], [chunk], [verify, chunk], [verify, decode]):
+        assert dispatcher.shape(mixed) is None

@@ -183,3 +183,37 @@ def test_a_verification_step_syncs_once(model_dir):
         assert len(syncs) <= COUNTED_STEPS, sorted(set(syncs))
     finally:
         llm.shutdown()
+
+
+def test_verification_steps_replay_graphs_and_agree_with_eager(model_dir):
+    """Self-drafting (the target's first layer drafts k = 3 for every request): its steps
+    verifying all k drafts replay graphs of 1 + k tokens a request, and the tokens are the
+    eager engine's, up to near ties."""
+    spec = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3}
+    prompts = random_prompts(6, 3, 40, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=5)
+    eager = make_llm(
+        model_dir, enforce_eager=True, dtype="float32", speculative_config=spec, **ENGINE
+    )
+    ref = [
+        list(o.outputs[0].token_ids)
+        for o in eager.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
+    eager.shutdown()
+    graphs = make_llm(model_dir, dtype="float32", speculative_config=spec, **ENGINE)
+    try:
+        captured = model_runner(graphs).captured
+        assert captured is not None and StepShape(8, 4) in captured.runner.graphs
+        replayed: list[StepShape] = []
+        replay = captured.runner.replay
+        captured.runner.replay = lambda shape, batch: replayed.append(shape) or replay(shape, batch)
+        outputs = graphs.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        for output, want in zip(outputs, ref):
+            got = output.outputs[0]
+            assert_same_or_near_tie(list(got.token_ids), want, got.logprobs, gap=1e-3)
+        assert any(shape.query_len == 4 for shape in replayed), replayed
+        assert_engine_clean(graphs)
+    finally:
+        graphs.shutdown()

@@ -2,12 +2,14 @@
 
 A uniform decode batch (every scheduled request computes exactly one token) of at most the
 largest capture size is padded up to the next capture size and run through a step recorded
-at warm-up: a CUDA graph (worker/cuda_graphs.py). Padding requests (prepare_batch's
-`padded`) write their K/V to the null block, read nothing else, and are never sampled.
-Over a hybrid KV cache (core/kv/hybrid.py) every KV group's slots and tables are padded so, and
-each group gets a static plan of its own tables (ForwardContext.plan_attention).
-Every other batch (prefill chunks, spec-decode verification, larger batches) runs eagerly, as
-does every step with --enforce-eager or a KV connector (its per-layer hooks are Python). CPUs
+at warm-up: a CUDA graph (worker/cuda_graphs.py). With speculative decoding of k drafts, so
+is a uniform verification batch (every request verifies all k: 1 + k tokens each). Padding
+requests (prepare_batch's `padded`) write their K/V to the null block, read nothing else, and
+are never sampled. Over a hybrid KV cache (core/kv/hybrid.py) every KV group's slots and
+tables are padded so, and each group gets a static plan of its own tables
+(ForwardContext.plan_attention). Every other batch (prefill chunks, verification of fewer
+drafts than k, larger batches) runs eagerly, as does every step with --enforce-eager or a KV
+connector (its per-layer hooks are Python); the draft model's own forwards are eager too. CPUs
 capture nothing: their decode steps run each decoder layer in one C call
 (model/native/decode_layer.c), which beat a torch.compile'd step at every batch size measured
 (benchmarks/captured_decode.py).
@@ -38,30 +40,44 @@ logger = logging.getLogger(__name__)
 
 
 class CaptureDispatcher:
-    """A step's requests -> the captured shape they are padded to (None: run eagerly)."""
+    """A step's requests -> the captured shape they are padded to (None: run eagerly).
 
-    def __init__(self, sizes: tuple[int, ...]) -> None:
+    Shapes: each capture size (requests) at each query length, 1 (decodes) and, with
+    speculative decoding, 1 + k (a verification step whose every request carries all k
+    drafts), where size * query length fits `max_num_tokens`."""
+
+    def __init__(
+        self,
+        sizes: tuple[int, ...],
+        query_lens: tuple[int, ...] = (1,),
+        max_num_tokens: int | None = None,
+    ) -> None:
         self.sizes = tuple(sizes)
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1] if self.sizes else 0
+        self._sizes = {
+            q: tuple(s for s in self.sizes if max_num_tokens is None or s * q <= max_num_tokens)
+            for q in query_lens
+        }
 
     @property
     def shapes(self) -> tuple[StepShape, ...]:
-        return tuple(StepShape(size) for size in self.sizes)
+        return tuple(StepShape(size, q) for q, sizes in self._sizes.items() for size in sizes)
 
     def shape(self, requests: list[ScheduledRequest]) -> StepShape | None:
-        num_reqs = len(requests)
-        if not 0 < num_reqs <= self.max_size:
+        if not requests:
             return None
-        if any(req.num_new_tokens != 1 or req.draft_token_ids for req in requests):
-            return None  # mixed prefill, or spec-decode verification: eager
-        return StepShape(self.sizes[bisect.bisect_left(self.sizes, num_reqs)])
+        q = requests[0].num_new_tokens
+        sizes = self._sizes.get(q, ())
+        if not sizes or len(requests) > sizes[-1]:
+            return None
+        # Uniform: every request q tokens, all but its first drafts (q == 1: a plain decode).
+        # Anything else (prefill chunks, fewer drafts than k) runs eagerly.
+        if any(r.num_new_tokens != q or len(r.draft_token_ids) != q - 1 for r in requests):
+            return None
+        return StepShape(sizes[bisect.bisect_left(sizes, len(requests))], q)
 
 
 class StepRunner(Protocol):
-    """A device's way of recording and replaying the forward of one padded batch size."""
+    """A device's way of recording and replaying the forward of one padded step shape."""
 
     def capture(self, shape: StepShape, batch: PreparedBatch) -> None:
         """Record the forward of `batch` (all padding, of `shape`) over the persistent
@@ -73,7 +89,7 @@ class StepRunner(Protocol):
 
 
 class CapturedSteps:
-    """Captures every size at warm-up (largest first) and replays the padded steps."""
+    """Captures every shape at warm-up (largest first) and replays the padded steps."""
 
     def __init__(
         self,
@@ -83,10 +99,11 @@ class CapturedSteps:
         buffers: InputBuffers,
         block_size: int,
         kv_caches: list[torch.Tensor],
+        query_lens: tuple[int, ...] = (1,),
     ) -> None:
         self.model = model
         self.runner = runner
-        self.dispatcher = CaptureDispatcher(sizes)
+        self.dispatcher = CaptureDispatcher(sizes, query_lens, buffers.max_num_tokens)
         self.buffers = buffers
         self.block_size = block_size
         self.kv_caches = kv_caches
@@ -134,6 +151,18 @@ def capture_disabled_reason(
     return None
 
 
+def capture_query_lens(config: EngineConfig, model: torch.nn.Module) -> tuple[int, ...]:
+    """The query lengths captured: 1 (decodes) and, with speculative decoding of k drafts a
+    step, 1 + k (verification steps) where the backend's static plans take that length."""
+    spec = config.speculative
+    if spec is None:
+        return (1,)
+    verify = 1 + spec.num_speculative_tokens
+    if verify > model.attention_backend.max_capture_query_len():
+        return (1,)
+    return (1, verify)
+
+
 def make_captured_steps(
     config: EngineConfig,
     model: torch.nn.Module,
@@ -156,7 +185,10 @@ def make_captured_steps(
         from tokenbus.worker.cuda_graphs import CudaGraphRunner
 
         runner: StepRunner = CudaGraphRunner(model, device)
-        steps = CapturedSteps(model, runner, sizes, buffers, config.cache.block_size, kv_caches)
+        query_lens = capture_query_lens(config, model)
+        steps = CapturedSteps(
+            model, runner, sizes, buffers, config.cache.block_size, kv_caches, query_lens
+        )
         steps.capture_all()
     except Exception as exc:  # noqa: BLE001 - any failure to capture falls back or fails clearly
         if config.compilation.capture_sizes_explicit:
@@ -171,5 +203,9 @@ def make_captured_steps(
             exc,
         )
         return None
-    logger.info("captured decode steps for batch sizes %s (CUDA graphs)", list(sizes))
+    logger.info(
+        "captured steps for batch sizes %s of %s query tokens a request (CUDA graphs)",
+        list(sizes),
+        " and ".join(map(str, query_lens)),
+    )
     return steps

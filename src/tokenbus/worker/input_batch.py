@@ -45,7 +45,7 @@ class StepShape:
     """The shape of a padded (captured) step: num_reqs requests of query_len tokens each."""
 
     num_reqs: int
-    query_len: int = 1  # a decode's one token
+    query_len: int = 1  # a decode's one token; 1 + k when verifying k drafts a request
 
     @property
     def num_tokens(self) -> int:
@@ -169,10 +169,11 @@ def prepare_batch(
     kv_caches: list[torch.Tensor],
     padded: StepShape | None = None,
 ) -> PreparedBatch:
-    """The step's inputs in `buffers`. With `padded` (a captured step: every request a
-    single-token decode), padding requests fill rows up to padded.num_reqs: token 0 at
-    position 0 in slot 0 of the null block, seq_len 1, a block table of zeros; tables are then
-    passed at their full width, so every shape depends on `padded` alone."""
+    """The step's inputs in `buffers`. With `padded` (a captured step: every request
+    padded.query_len tokens), padding requests fill rows up to padded.num_reqs: query_len
+    tokens 0 at positions 0.. in slot 0 of the null block, seq_len query_len, a block table of
+    zeros; tables are then passed at their full width, so every shape depends on `padded`
+    alone."""
     buffers.wait_for_copies()
     # Stable: decodes first; within each part, requests of one LoRA adapter side by side (its
     # rows a slice: model/lora.py).
@@ -198,9 +199,12 @@ def prepare_batch(
             num_logits.append(rows)
     num_tokens, num_reqs = query_start_loc[-1], len(requests)
     real_tokens, table_widths = num_tokens, max_blocks
+    num_decodes = sum(1 for r in requests if r.is_decode)
     if padded is not None:
-        _fill_padding(buffers, num_reqs, padded.num_reqs, query_start_loc, seq_lens)
-        num_tokens = num_reqs = padded.num_reqs
+        _fill_padding(buffers, num_reqs, padded, query_start_loc, seq_lens)
+        if padded.query_len == 1:
+            num_decodes = padded.num_reqs
+        num_tokens, num_reqs = padded.num_tokens, padded.num_reqs
         table_widths = [buffers.block_table.shape[1]] * buffers.num_groups
     buffers.seq_lens[:num_reqs] = seq_lens
     buffers.query_start_loc[: num_reqs + 1] = query_start_loc
@@ -215,7 +219,7 @@ def prepare_batch(
         seq_lens=seq_lens,
         seq_lens_t=view("seq_lens", num_reqs),
         block_tables=view("block_table", num_reqs, table_widths[0]),
-        num_decodes=sum(1 for r in requests if r.is_decode) + num_reqs - len(requests),
+        num_decodes=num_decodes,
         query_start_loc_t=view("query_start_loc", num_reqs + 1),
         kv_groups=[
             KVGroupInputs(
@@ -241,24 +245,30 @@ def prepare_batch(
 def _fill_padding(
     buffers: InputBuffers,
     num_reqs: int,
-    padded_size: int,
+    shape: StepShape,
     query_start_loc: list[int],
     seq_lens: list[int],
 ) -> None:
-    """Rows [num_reqs, padded_size): one padding token each (decodes only, so row == token),
-    in every KV group's slots and tables."""
-    if query_start_loc[-1] != num_reqs:
-        raise ValueError("only a batch of single-token decodes can be padded to a capture size")
-    if padded_size < num_reqs:
-        raise ValueError(f"padded_size {padded_size} is below the batch's {num_reqs} requests")
-    pad = slice(num_reqs, padded_size)
-    buffers.input_ids[pad] = 0
-    buffers.positions[pad] = 0
+    """Requests [num_reqs, shape.num_reqs): shape.query_len padding tokens each, in every KV
+    group's slots and tables. Its tokens sit at positions 0.. and its table is zeros: each
+    writes slot 0 and reads only the null block."""
+    q = shape.query_len
+    if query_start_loc != list(range(0, num_reqs * q + 1, q)):
+        raise ValueError(
+            f"only a uniform batch (every request {q} query token{'s' * (q > 1)}) can be "
+            f"padded to the captured shape {shape}"
+        )
+    if shape.num_reqs < num_reqs:
+        raise ValueError(f"{shape} is below the batch's {num_reqs} requests")
+    rows = slice(num_reqs * q, shape.num_tokens)  # tokens
+    pad = slice(num_reqs, shape.num_reqs)  # requests
+    buffers.input_ids[rows] = 0
+    buffers.positions[rows] = np.tile(np.arange(q), shape.num_reqs - num_reqs)
     for group in range(buffers.num_groups):  # slot 0 and tables of zeros: the null block
-        buffers.staged[buffers.group_name("slot_mapping", group)].np[pad] = 0
+        buffers.staged[buffers.group_name("slot_mapping", group)].np[rows] = 0
         buffers.staged[buffers.group_name("block_table", group)].np[pad] = 0
-    query_start_loc.extend(range(num_reqs + 1, padded_size + 1))
-    seq_lens.extend([1] * (padded_size - num_reqs))  # reads the key it wrote, in the null block
+    query_start_loc.extend(range((num_reqs + 1) * q, shape.num_tokens + 1, q))
+    seq_lens.extend([q] * (shape.num_reqs - num_reqs))
 
 
 def _tables(state: CachedRequestState) -> list[list[int]]:

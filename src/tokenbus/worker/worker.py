@@ -17,7 +17,11 @@ from tokenbus.model.kv_quant import kv_storage_dtype
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils import cdiv
 from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
-from tokenbus.worker.captured_step import CapturedSteps, capture_disabled_reason
+from tokenbus.worker.captured_step import (
+    CapturedSteps,
+    capture_disabled_reason,
+    capture_query_lens,
+)
 from tokenbus.worker.input_batch import InputBuffers
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.worker.model_builder import load_model
@@ -143,8 +147,9 @@ class Worker:
         return engine_kv_groups(self.config, self.arch)
 
     def _graph_memory_bytes(self) -> int:
-        """On CUDA with captured steps: what capturing the largest size takes, measured on a
-        throwaway two-block KV cache (0 if that capture fails: the real one will say why)."""
+        """On CUDA with captured steps: what capturing the largest size (at each query length)
+        takes, measured on a throwaway two-block KV cache (0 if that capture fails: the real
+        one will say why)."""
         if (
             self.device.type != "cuda"
             or capture_disabled_reason(self.config, self.device, self.model) is not None
@@ -153,6 +158,7 @@ class Worker:
         from tokenbus.worker.cuda_graphs import CudaGraphRunner, profile_graph_memory
 
         largest = self.config.compilation.max_capture_size
+        query_lens = capture_query_lens(self.config, self.model)
         block_size = self.config.cache.block_size
 
         def capture_largest() -> CapturedSteps:
@@ -160,7 +166,7 @@ class Worker:
                 self.rank_arch, 2, block_size, self.kv_dtype, self.device, self.kv_groups
             )
             buffers = InputBuffers(
-                largest,
+                min(largest * max(query_lens), self.config.scheduler.max_num_batched_tokens),
                 largest,
                 cdiv(self.config.scheduler.max_model_len, block_size) + 1,
                 self.device,
@@ -173,6 +179,7 @@ class Worker:
                 buffers,
                 block_size,
                 kv_caches,
+                query_lens,
             )
             with torch.inference_mode():
                 steps.capture_all()
