@@ -18,6 +18,7 @@ from tests.e2e.utils import (
 from tests.fixtures.step_reads import (
     COUNTED_STEPS,
     NGRAM,
+    SELF_DRAFT,
     DeviceSyncs,
     count_warm_steps,
     motif_prompts,
@@ -172,15 +173,19 @@ def test_a_decode_step_syncs_only_to_read_the_sampled_ids(model_dir, enforce_eag
         llm.shutdown()
 
 
-def test_a_verification_step_syncs_once(model_dir):
+@pytest.mark.parametrize(
+    "spec, syncs_a_step", [(NGRAM, 1), (SELF_DRAFT, 2)], ids=["ngram", "self_draft"]
+)
+def test_a_verification_step_syncs_once(model_dir, spec, syncs_a_step):
     """n-gram speculation: drafts come from host token lists, and a step verifying them
     (greedy acceptance, rejection sampling for the sampled rows) reads the device once: the
-    accepted counts and the emitted tokens together."""
-    llm = make_llm(model_dir, speculative_config=NGRAM, **ENGINE)
+    accepted counts and the emitted tokens together. A draft model's k drafts stay on the
+    device through its passes and come back in one more read."""
+    llm = make_llm(model_dir, speculative_config=spec, **ENGINE)
     try:
         syncs, metrics = count_warm_steps(llm, motif_prompts(), warm_steps=3, counter=DeviceSyncs())
         assert metrics.num_draft_tokens > 0  # the counted steps did verify drafts
-        assert len(syncs) <= COUNTED_STEPS, sorted(set(syncs))
+        assert len(syncs) <= syncs_a_step * COUNTED_STEPS, sorted(set(syncs))
     finally:
         llm.shutdown()
 
@@ -189,18 +194,17 @@ def test_verification_steps_replay_graphs_and_agree_with_eager(model_dir):
     """Self-drafting (the target's first layer drafts k = 3 for every request): its steps
     verifying all k drafts replay graphs of 1 + k tokens a request, and the tokens are the
     eager engine's, up to near ties."""
-    spec = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3}
     prompts = random_prompts(6, 3, 40, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=5)
     eager = make_llm(
-        model_dir, enforce_eager=True, dtype="float32", speculative_config=spec, **ENGINE
+        model_dir, enforce_eager=True, dtype="float32", speculative_config=SELF_DRAFT, **ENGINE
     )
     ref = [
         list(o.outputs[0].token_ids)
         for o in eager.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ]
     eager.shutdown()
-    graphs = make_llm(model_dir, dtype="float32", speculative_config=spec, **ENGINE)
+    graphs = make_llm(model_dir, dtype="float32", speculative_config=SELF_DRAFT, **ENGINE)
     try:
         captured = model_runner(graphs).captured
         assert captured is not None and StepShape(8, 4) in captured.runner.graphs

@@ -14,7 +14,13 @@ import torch
 
 from tests.e2e.utils import make_llm
 from tests.fixtures.host_reads import HostReads
-from tests.fixtures.step_reads import COUNTED_STEPS, NGRAM, count_warm_steps, motif_prompts
+from tests.fixtures.step_reads import (
+    COUNTED_STEPS,
+    NGRAM,
+    SELF_DRAFT,
+    count_warm_steps,
+    motif_prompts,
+)
 from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model
 from tests.fixtures.triton_device import needs_triton_on_cpu, stack_moe_blocks
 from tokenbus.sampling_params import SamplingParams
@@ -116,26 +122,30 @@ def test_draft_verification_reads_once(with_draft_probs):
 
 @needs_triton_on_cpu
 @pytest.mark.parametrize(
-    "family, speculative", [("llama", False), ("llama", True), ("qwen3_moe", False)]
+    "family, speculative, reads_a_step",
+    [("llama", None, 1), ("llama", NGRAM, 1), ("llama", SELF_DRAFT, 2), ("qwen3_moe", None, 1)],
+    ids=["llama", "ngram", "self_draft", "qwen3_moe"],
 )
-def test_an_eager_triton_step_reads_once(family, speculative):
+def test_an_eager_triton_step_reads_once(family, speculative, reads_a_step):
     """A GPU's eager step, run on CPU: the step's inputs, the Triton attention plan and
     kernels (in the interpreter), the forward (an MoE's experts stacked, as on a GPU), and
-    sampling or n-gram draft verification, for greedy and sampled rows together, read back one
-    thing a step: the sampled ids, or the accepted counts and tokens. (Where the CPU and GPU
-    paths differ, the linears' and norms' kernels and pinned staging, the CPU's runs here.)"""
+    sampling or draft verification, for greedy and sampled rows together, read back one
+    thing a step: the sampled ids, or the accepted counts and tokens. A draft model's k
+    drafts, made by a catch-up pass and k - 1 decode passes, come back in one more read.
+    (Where the CPU and GPU paths differ, the linears' and norms' kernels and pinned staging,
+    the CPU's runs here.)"""
     model = cached_tiny_model(family, **TINY_QWEN3_MOE if family == "qwen3_moe" else {})
     llm = make_llm(
         model, device="cpu", dtype="float32", attention_backend="triton",
         enforce_eager=True, max_num_seqs=8, max_model_len=256,
-        speculative_config=NGRAM if speculative else None,
+        speculative_config=speculative,
     )  # fmt: skip
     try:
         stack_moe_blocks(llm.engine.client.engine_core.executor.worker.model)
         reads, metrics = count_warm_steps(
             llm, motif_prompts(), warm_steps=4, counter=HostReads(), max_tokens=30
         )
-        assert reads == ["tolist"] * COUNTED_STEPS
-        assert (metrics.num_draft_tokens > 0) == speculative
+        assert reads == ["tolist"] * (reads_a_step * COUNTED_STEPS)
+        assert (metrics.num_draft_tokens > 0) == (speculative is not None)
     finally:
         llm.shutdown()

@@ -4,7 +4,8 @@ Each step, after the target sampled, the draft model runs:
 
 1. a catch-up pass over the tokens the step made final, ending at each request's newly sampled
    token; its logits there give draft 1;
-2. k - 1 decode passes, each feeding the previous draft.
+2. k - 1 decode passes, each feeding the previous draft (on the device: the drafts are read
+   back once, after the last pass).
 
 Its KV lives in paged tensors indexed by the target's block tables (same block ids, same
 slots). A separate draft model owns its own layer tensors, so its catch-up pass feeds every
@@ -71,25 +72,33 @@ class DraftModelProposer:
         self, batch: PreparedBatch, sampled: list[bool], caps: list[int]
     ) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.requests]
-        first = self._catch_up(batch, sampled, caps)  # batch index → draft 1
-        for index, token in first.items():
-            drafts[index].append(token)
-        for j in range(1, self.k):
-            active = [i for i in first if caps[i] > j]
-            if not active:
-                break
+        rows, first = self._catch_up(batch, sampled, caps)  # draft 1 of each row, on the device
+        if not rows:
+            return drafts
+        # Every row runs each decode pass, so a pass's output is the next one's input where it
+        # lies, on the device; a row past its cap runs as padding (the null block) and its
+        # drafts are dropped. The drafts come back in one read, after the last pass.
+        states = [batch.requests[i].state for i in rows]
+        passes = [first]
+        for j in range(1, max(caps[i] for i in rows)):
             # Draft j (0-based) is fed at position num_tokens - 1 + j and predicts draft j + 1.
-            states = [batch.requests[i].state for i in active]
-            positions = [s.num_tokens - 1 + j for s in states]
-            tokens = [drafts[i][-1] for i in active]
-            next_tokens = self._decode(tokens, positions, [s.block_ids for s in states])
-            for i, token in zip(active, next_tokens):
-                drafts[i].append(token)
+            passes.append(
+                self._decode(
+                    passes[-1],
+                    [s.num_tokens - 1 + j if caps[i] > j else None for i, s in zip(rows, states)],
+                    [s.block_ids for s in states],
+                )
+            )
+        tokens = torch.stack(passes, dim=1).tolist()  # [rows, passes]
+        for index, row_tokens in zip(rows, tokens):
+            drafts[index] = row_tokens[: caps[index]]
         return drafts
 
     def _catch_up(
         self, batch: PreparedBatch, sampled: list[bool], caps: list[int]
-    ) -> dict[int, int]:
+    ) -> tuple[list[int], torch.Tensor]:
+        """(each row's batch index, its draft 1 [rows] on the device): rows end at a newly
+        sampled token (those with caps of 0 too; their drafts are dropped)."""
         views = []
         for index, req in enumerate(batch.requests):
             state = req.state
@@ -115,34 +124,36 @@ class DraftModelProposer:
                 (_CatchUpView(start, state.token_ids, state.block_ids, index), end - start)
             )
         if not views:
-            return {}
+            return [], torch.empty(0)
         inputs = prepare_batch(
             [ScheduledRequest(view, n, []) for view, n in views],
             self.buffers,
             self.block_size,
             self.kv_caches,
         )
-        tokens = self._greedy(inputs.input_ids, inputs.ctx, inputs.logits_indices)
-        first = {}
-        for row, request_index in enumerate(inputs.sampling_requests):
-            index = inputs.requests[request_index].state.batch_index
-            if caps[index] > 0:
-                first[index] = tokens[row]
-        return first
+        rows = [inputs.requests[r].state.batch_index for r in inputs.sampling_requests]
+        return rows, self._greedy(inputs.input_ids, inputs.ctx, inputs.logits_indices)
 
     def _decode(
-        self, tokens: list[int], positions: list[int], block_ids: list[list[int]]
-    ) -> list[int]:
-        """One token per request at the given positions -> the draft's argmax after each."""
-        n, bs, buf = len(tokens), self.block_size, self.buffers
+        self, tokens: torch.Tensor, positions: list[int | None], block_ids: list[list[int]]
+    ) -> torch.Tensor:
+        """One token a row (`tokens`, on the device) at the given positions -> the draft's
+        argmax after each. A row at position None is padding: position 0, slot 0 of the null
+        block, reading only that block."""
+        n, bs, buf = len(positions), self.block_size, self.buffers
         buf.wait_for_copies()
         max_blocks = max(len(b) for b in block_ids)
+        seq_lens = []
         for row, (pos, blocks) in enumerate(zip(positions, block_ids)):
+            if pos is None:
+                buf.block_table[row, :max_blocks] = 0
+                buf.slot_mapping[row] = buf.positions[row] = 0
+                seq_lens.append(1)
+                continue
             buf.block_table[row, : len(blocks)] = blocks
             buf.slot_mapping[row] = blocks[pos // bs] * bs + pos % bs  # slot of the fed token
-        buf.input_ids[:n] = tokens
-        buf.positions[:n] = positions
-        seq_lens = [p + 1 for p in positions]
+            buf.positions[row] = pos
+            seq_lens.append(pos + 1)
         buf.seq_lens[:n] = seq_lens
         buf.query_start_loc[: n + 1] = range(n + 1)
         buf.logits_indices[:n] = range(n)
@@ -158,16 +169,15 @@ class DraftModelProposer:
             num_decodes=n,
             query_start_loc_t=buf.device_view("query_start_loc", n + 1),
         )
-        return self._greedy(
-            buf.device_view("input_ids", n), ctx, buf.device_view("logits_indices", n)
-        )
+        return self._greedy(tokens, ctx, buf.device_view("logits_indices", n))
 
     def _greedy(
         self, input_ids: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
-    ) -> list[int]:
+    ) -> torch.Tensor:
+        """The argmax token [len(rows)] after each row, left on the device."""
         ctx.attn_metadata = self.model.attention_backend.build_metadata(ctx)
         hidden = self.model(input_ids, ctx, num_layers=self.num_layers)  # [T, hidden]
-        return self.model.compute_logits(hidden[rows]).argmax(-1).tolist()
+        return self.model.compute_logits(hidden[rows]).argmax(-1)
 
 
 def make_draft_model_proposer(
