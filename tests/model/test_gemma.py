@@ -13,10 +13,10 @@ import gguf
 import pytest
 import torch
 from safetensors.torch import load_file
+from tests.e2e.oracle import load_hf
 from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import cached_tiny_model, make_tiny_model, write_gguf
 from tests.fixtures.triton_device import needs_triton_on_cpu
-from transformers import AutoModelForCausalLM
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import get_model_class
@@ -30,7 +30,7 @@ HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None
 
 
 def hf_logits(path, ids: list[int]) -> torch.Tensor:
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = load_hf(str(path))
     with torch.inference_mode():
         return hf(torch.tensor([ids])).logits[0].float()
 

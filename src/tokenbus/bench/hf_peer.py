@@ -21,4 +21,8 @@ def load_hf_model(model: str | None, dtype: str = "auto"):
         )
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch_dtype)
+    if getattr(hf.config, "attn_logit_softcapping", None) is not None:
+        # Gemma 2's scores are soft-capped, which only HF's eager attention does; some
+        # transformers versions (5.17) give such a model SDPA by default all the same.
+        hf.set_attn_implementation("eager")
     return hf.eval()
