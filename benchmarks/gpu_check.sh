@@ -100,6 +100,7 @@ PYEOF
 }
 
 seconds_left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
+source benchmarks/lib.sh  # start_server, stop_server
 
 run() {  # run NAME SECONDS CMD...: a part under its own limit (cut to the deadline)
     local name=$1 limit=$2; shift 2
@@ -167,22 +168,17 @@ if (( $(seconds_left) < 60 )); then
     note "== serving skipped: under 60s left of the ${DEADLINE}s deadline"
 else
     note "== serving the dummy 8B"
-    $PY -m tokenbus.cli.main serve $LLAMA --load-format dummy --tokenizer $TOKENIZER \
+    START_TIMEOUT=90 start_server "$LOGS/server.log" $PORT /health \
+        $PY -m tokenbus.cli.main serve $LLAMA --load-format dummy --tokenizer $TOKENIZER \
         "${DEVICE_ARGS[@]}" --attention-backend $ATTENTION --max-model-len 2048 \
-        --max-num-seqs 256 --port $PORT > "$LOGS/server.log" 2>&1 &
-    server=$!
-    for _ in $(seq 90); do
-        curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
-        kill -0 "$server" 2>/dev/null || { note "the server exited (log: server.log)"; break; }
-        sleep 1
-    done
+        --max-num-seqs 256 --port $PORT || note "the server did not start (log: server.log)"
     for c in "${CONCURRENCY[@]}"; do
         prompts=$(( c == 1 ? 8 : 2 * c ))
         run serve_c$c 45 $PY -m tokenbus.cli.main bench serve --base-url "http://127.0.0.1:$PORT" \
             --max-concurrency $c --num-prompts $prompts "${SERVE_LENS[@]}" \
             --ignore-eos --tokenizer $TOKENIZER --output-json "$LOGS/serve_c$c.json"
     done
-    kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+    stop_server
 fi
 
 run graphs_8b 75 $BENCH graphs --model $LLAMA "${GRAPHS_8B[@]}" --json "$LOGS/graphs_8b.json"

@@ -6,7 +6,11 @@ start_server() {  # LOG PORT READY_PATH command... ; sets SERVER_PID; waits up t
   local log=$1 port=$2 path=$3; shift 3
   "$@" > "$log" 2>&1 &
   SERVER_PID=$!
-  for _ in $(seq $((${START_TIMEOUT:-180} * 20))); do curl -sf "127.0.0.1:$port$path" >/dev/null && return 0; sleep 0.05; done
+  for _ in $(seq $((${START_TIMEOUT:-180} * 20))); do
+    curl -sf "127.0.0.1:$port$path" >/dev/null && return 0
+    kill -0 "$SERVER_PID" 2>/dev/null || { echo "the server exited; see $log" >&2; return 1; }
+    sleep 0.05
+  done
   echo "server on port $port never answered $path; see $log" >&2
   return 1
 }
