@@ -98,7 +98,7 @@ def test_padding_rows_use_the_null_block_and_are_never_sampled():
     assert ctx.num_decodes == 8
     # The buffers are persistent: the step's tensors are views of them, rewritten in place.
     assert ctx.positions.data_ptr() == buffers.staged["positions"].device.data_ptr()
-    with pytest.raises(ValueError, match="only a uniform batch"):
+    with pytest.raises(ValueError, match="a request of 2 query tokens cannot be padded"):
         prepare_batch([ScheduledRequest(states[0], 2, [])], buffers, 4, kv, StepShape(4))
 
 
@@ -153,10 +153,31 @@ def test_verification_steps_pad_whole_requests_of_one_plus_k_tokens():
     assert ctx.block_tables.shape == (4, 5) and (ctx.block_tables[2:] == 0).all()
     assert batch.logits_indices.tolist() == list(range(6))
     assert batch.num_logits_per_request == [3, 3]
-    with pytest.raises(ValueError, match="every request 3 query tokens"):
-        prepare_batch(
-            requests[:1] + [ScheduledRequest(states[1], 1, [])], buffers, 4, kv, StepShape(4, 3)
-        )
+    with pytest.raises(ValueError, match="a request of 3 query tokens cannot be padded"):
+        prepare_batch(requests, buffers, 4, kv, StepShape(2, 2))
+
+
+def test_a_request_short_of_drafts_gets_dummy_rows_after_its_own():
+    """k = 2: a plain decode and a request with one draft, in a step of 2 requests of 3 rows.
+    Each request's own tokens come first at their positions and slots; its dummy rows (token
+    0, position 0, slot 0) follow and count in its seq_len, so its own tokens keep their
+    causal ends; logits only at its own rows."""
+    buffers = InputBuffers(16, 8, 5, torch.device("cpu"))
+    states = [
+        CachedRequestState(f"r{i}", [3] * (6 + i), [], SamplingParams(), [2, 5, 8 + i], 5 + i)
+        for i in range(2)
+    ]
+    requests = [ScheduledRequest(states[0], 1, []), ScheduledRequest(states[1], 2, [41])]
+    kv = [torch.zeros(2, 12, 4, 1, 2)]
+    batch = prepare_batch(requests, buffers, 4, kv, StepShape(2, 3))
+    ctx = batch.ctx
+    assert (batch.num_tokens, ctx.num_tokens, ctx.num_reqs, ctx.num_decodes) == (6, 6, 2, 0)
+    assert ctx.query_start_loc == [0, 3, 6] and ctx.seq_lens == [5 + 3, 6 + 3]
+    assert ctx.positions.tolist() == [5, 0, 0, 6, 7, 0]
+    assert batch.input_ids.tolist() == [3, 0, 0, 3, 41, 0]
+    assert ctx.slot_mapping.tolist() == [21, 0, 0, 22, 23, 0]
+    assert batch.logits_indices.tolist() == [0, 3, 4]
+    assert batch.num_logits_per_request == [1, 2]
 
 
 def test_dispatcher_pads_uniform_decodes_only():
@@ -178,10 +199,10 @@ def test_dispatcher_pads_uniform_decodes_only():
     assert dispatcher.shape([]) is None
 
 
-def test_dispatcher_pads_verification_steps_with_all_k_drafts():
-    """With k = 2 drafts: whole verification steps of 3 tokens a request are padded too, up to
-    the sizes whose tokens fit the buffers (4 * 3 > 10); a request short of drafts, a chunk of
-    3 prompt tokens, or a mix with plain decodes runs eagerly."""
+def test_dispatcher_pads_verification_steps():
+    """With k = 2 drafts: verification steps are padded to 3 rows a request, up to the sizes
+    whose tokens fit the buffers (4 * 3 > 10), requests short of drafts (plain decodes too)
+    with dummy rows; a step with a prefill chunk runs eagerly."""
     from tokenbus.worker.captured_step import CaptureDispatcher
 
     dispatcher = CaptureDispatcher((1, 2, 4), query_lens=(1, 3), max_num_tokens=10)
@@ -198,5 +219,21 @@ def test_dispatcher_pads_verification_steps_with_all_k_drafts():
         None,
     ]
     assert dispatcher.shape([decode] * 3) == StepShape(4)
-    for mixed in ([verify, short], [short], [chunk], [verify, chunk], [verify, decode]):
+    for mixed in ([verify, short], [short], [verify, decode], [decode, short]):
+        assert dispatcher.shape(mixed) == StepShape(len(mixed), 3)
+    for mixed in ([chunk], [verify, chunk], [decode, chunk]):
         assert dispatcher.shape(mixed) is None
+
+
+def test_dummy_rows_stay_within_a_memory_bound_step(monkeypatch):
+    """Dummy draft rows are captured only while the padded step has at most
+    MAX_DUMMY_PADDED_TOKENS tokens; a step whose every request has all k drafts, at any size."""
+    from tokenbus.worker import captured_step
+
+    monkeypatch.setattr(captured_step, "MAX_DUMMY_PADDED_TOKENS", 6)
+    dispatcher = captured_step.CaptureDispatcher((1, 2, 4), query_lens=(1, 3))
+    state = CachedRequestState("x", [1, 2, 3], [], SamplingParams(), [1], 2)
+    verify, short = ScheduledRequest(state, 3, [5, 6]), ScheduledRequest(state, 2, [5])
+    assert dispatcher.shape([verify, short]) == StepShape(2, 3)  # 6 tokens
+    assert dispatcher.shape([verify, short, short]) is None  # 12
+    assert dispatcher.shape([verify] * 3) == StepShape(4, 3)

@@ -1,18 +1,18 @@
 """Captured decode steps (docs/architecture.md), the device-agnostic half (L3).
 
 A uniform decode batch (every scheduled request computes exactly one token) of at most the
-largest capture size is padded up to the next capture size and run through a step recorded
-at warm-up: a CUDA graph (worker/cuda_graphs.py). With speculative decoding of k drafts, so
-is a uniform verification batch (every request verifies all k: 1 + k tokens each). Padding
-requests (prepare_batch's `padded`) write their K/V to the null block, read nothing else, and
-are never sampled. Over a hybrid KV cache (core/kv/hybrid.py) every KV group's slots and
-tables are padded so, and each group gets a static plan of its own tables
-(ForwardContext.plan_attention). Every other batch (prefill chunks, verification of fewer
-drafts than k, larger batches) runs eagerly, as does every step with --enforce-eager or a KV
-connector (its per-layer hooks are Python); the draft model's own forwards are eager too. CPUs
-capture nothing: their decode steps run each decoder layer in one C call
-(model/native/decode_layer.c), which beat a torch.compile'd step at every batch size measured
-(benchmarks/captured_decode.py).
+largest capture size is padded up to the next capture size and run through a step recorded at
+warm-up: a CUDA graph (worker/cuda_graphs.py). With speculative decoding of k drafts, so is a
+verification batch, every request spanning 1 + k rows: a request with fewer drafts (or none)
+gets dummy rows after its own tokens, up to MAX_DUMMY_PADDED_TOKENS in all. Padding requests
+and dummy rows (prepare_batch's `padded`) write their K/V to the null block, read nothing a
+real token needs, and are never sampled. Over a hybrid KV cache (core/kv/hybrid.py) every KV
+group's slots and tables are padded so, and each group gets a static plan of its own tables
+(ForwardContext.plan_attention). Every other batch (prefill chunks, larger batches, dummy rows
+past that) runs eagerly, as does every step with --enforce-eager or a KV connector (its
+per-layer hooks are Python); the draft model's own forwards are eager too. CPUs capture
+nothing: their decode steps run each decoder layer in one C call (model/native/decode_layer.c),
+which beat a torch.compile'd step at every batch size measured (benchmarks/captured_decode.py).
 
 The dispatcher is the single source of truth: `shape(requests)` says whether a step is
 captured and at which shape; the runners trust it.
@@ -39,12 +39,19 @@ from tokenbus.worker.input_batch import (
 logger = logging.getLogger(__name__)
 
 
+# A verification step where some request has fewer drafts than k is captured with dummy rows
+# for the missing ones (prepare_batch) only up to this many tokens: a 7B bf16 model's step of
+# 256 tokens on an H100 computes in about the time it reads its weights, so up to here the
+# dummy rows cost next to nothing; past it they cost compute, and the step runs eagerly.
+MAX_DUMMY_PADDED_TOKENS = 256
+
+
 class CaptureDispatcher:
     """A step's requests -> the captured shape they are padded to (None: run eagerly).
 
     Shapes: each capture size (requests) at each query length, 1 (decodes) and, with
-    speculative decoding, 1 + k (a verification step whose every request carries all k
-    drafts), where size * query length fits `max_num_tokens`."""
+    speculative decoding, 1 + k (verification steps: a request with fewer drafts than k, or
+    none, gets dummy rows up to 1 + k), where size * query length fits `max_num_tokens`."""
 
     def __init__(
         self,
@@ -63,17 +70,19 @@ class CaptureDispatcher:
         return tuple(StepShape(size, q) for q, sizes in self._sizes.items() for size in sizes)
 
     def shape(self, requests: list[ScheduledRequest]) -> StepShape | None:
-        if not requests:
+        # Decodes only: one known token a request, then its drafts (a prefill chunk has more).
+        if not requests or any(r.num_new_tokens != 1 + len(r.draft_token_ids) for r in requests):
             return None
-        q = requests[0].num_new_tokens
-        sizes = self._sizes.get(q, ())
-        if not sizes or len(requests) > sizes[-1]:
+        longest = max(r.num_new_tokens for r in requests)
+        q = min((q for q in self._sizes if q >= longest), default=None)
+        if q is None or not self._sizes[q] or len(requests) > self._sizes[q][-1]:
             return None
-        # Uniform: every request q tokens, all but its first drafts (q == 1: a plain decode).
-        # Anything else (prefill chunks, fewer drafts than k) runs eagerly.
-        if any(r.num_new_tokens != q or len(r.draft_token_ids) != q - 1 for r in requests):
+        sizes = self._sizes[q]
+        shape = StepShape(sizes[bisect.bisect_left(sizes, len(requests))], q)
+        has_dummy_rows = any(r.num_new_tokens < q for r in requests)
+        if has_dummy_rows and shape.num_tokens > MAX_DUMMY_PADDED_TOKENS:
             return None
-        return StepShape(sizes[bisect.bisect_left(sizes, len(requests))], q)
+        return shape
 
 
 class StepRunner(Protocol):

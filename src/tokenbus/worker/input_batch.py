@@ -60,7 +60,9 @@ class PreparedBatch:
     logits_indices: torch.Tensor  # [num_sampled_rows] rows of the hidden states to sample from
     sampling_requests: list[int]  # batch indices of requests that sample, one row each
     num_logits_per_request: list[int]  # rows in logits_indices per sampling request (1 + drafts)
-    num_tokens: int = 0  # the real requests' tokens (input_ids and ctx may hold padding after them)
+    # The real requests' rows (input_ids and ctx may hold padding requests after them; in a
+    # padded verification step, a request with fewer drafts than k has dummy rows of its own).
+    num_tokens: int = 0
     padded: StepShape | None = None  # a padded (captured) step's shape, padding included
 
 
@@ -169,11 +171,13 @@ def prepare_batch(
     kv_caches: list[torch.Tensor],
     padded: StepShape | None = None,
 ) -> PreparedBatch:
-    """The step's inputs in `buffers`. With `padded` (a captured step: every request
-    padded.query_len tokens), padding requests fill rows up to padded.num_reqs: query_len
-    tokens 0 at positions 0.. in slot 0 of the null block, seq_len query_len, a block table of
-    zeros; tables are then passed at their full width, so every shape depends on `padded`
-    alone."""
+    """The step's inputs in `buffers`. With `padded` (a captured step), every request spans
+    padded.query_len rows: its own tokens, then dummy rows (a verification of fewer drafts than
+    k: token 0 at position 0, written to slot 0 of the null block, never sampled; its seq_len
+    counts them, so its own tokens keep their causal ends). Padding requests fill the rows up to
+    padded.num_reqs: query_len tokens 0 at positions 0.. in slot 0 of the null block, seq_len
+    query_len, a block table of zeros. Tables are then passed at their full width, so every
+    shape depends on `padded` alone."""
     buffers.wait_for_copies()
     # Stable: decodes first; within each part, requests of one LoRA adapter side by side (its
     # rows a slice: model/lora.py).
@@ -187,8 +191,17 @@ def prepare_batch(
     for i, req in enumerate(requests):
         start, stop = query_start_loc[-1], query_start_loc[-1] + req.num_new_tokens
         _fill_request(req, buffers, block_size, start, stop, i)
-        query_start_loc.append(stop)
-        seq_lens.append(req.state.num_computed_tokens + req.num_new_tokens)
+        end = stop
+        if padded is not None:
+            if req.num_new_tokens > padded.query_len:
+                raise ValueError(
+                    f"a request of {req.num_new_tokens} query tokens cannot be padded to "
+                    f"the captured shape {padded}"
+                )
+            end = start + padded.query_len
+            _null_rows(buffers, slice(stop, end))  # its dummy rows, after its own tokens
+        query_start_loc.append(end)
+        seq_lens.append(req.state.num_computed_tokens + end - start)
         for group, block_ids in enumerate(_tables(req.state)):
             max_blocks[group] = max(max_blocks[group], len(block_ids))
         if req.samples:
@@ -202,8 +215,8 @@ def prepare_batch(
     num_decodes = sum(1 for r in requests if r.is_decode)
     if padded is not None:
         _fill_padding(buffers, num_reqs, padded, query_start_loc, seq_lens)
-        if padded.query_len == 1:
-            num_decodes = padded.num_reqs
+        # Every request spans query_len rows now: all of them decodes, or none.
+        num_decodes = padded.num_reqs if padded.query_len == 1 else 0
         num_tokens, num_reqs = padded.num_tokens, padded.num_reqs
         table_widths = [buffers.block_table.shape[1]] * buffers.num_groups
     buffers.seq_lens[:num_reqs] = seq_lens
@@ -253,22 +266,24 @@ def _fill_padding(
     group's slots and tables. Its tokens sit at positions 0.. and its table is zeros: each
     writes slot 0 and reads only the null block."""
     q = shape.query_len
-    if query_start_loc != list(range(0, num_reqs * q + 1, q)):
-        raise ValueError(
-            f"only a uniform batch (every request {q} query token{'s' * (q > 1)}) can be "
-            f"padded to the captured shape {shape}"
-        )
     if shape.num_reqs < num_reqs:
         raise ValueError(f"{shape} is below the batch's {num_reqs} requests")
     rows = slice(num_reqs * q, shape.num_tokens)  # tokens
-    pad = slice(num_reqs, shape.num_reqs)  # requests
-    buffers.input_ids[rows] = 0
+    _null_rows(buffers, rows)
     buffers.positions[rows] = np.tile(np.arange(q), shape.num_reqs - num_reqs)
-    for group in range(buffers.num_groups):  # slot 0 and tables of zeros: the null block
-        buffers.staged[buffers.group_name("slot_mapping", group)].np[rows] = 0
-        buffers.staged[buffers.group_name("block_table", group)].np[pad] = 0
+    for group in range(buffers.num_groups):  # tables of zeros: the null block
+        buffers.staged[buffers.group_name("block_table", group)].np[num_reqs : shape.num_reqs] = 0
     query_start_loc.extend(range((num_reqs + 1) * q, shape.num_tokens + 1, q))
     seq_lens.extend([q] * (shape.num_reqs - num_reqs))
+
+
+def _null_rows(buffers: InputBuffers, rows: slice) -> None:
+    """Rows no request reads back: token 0 at position 0, written to slot 0 (the null block)
+    in every KV group."""
+    buffers.input_ids[rows] = 0
+    buffers.positions[rows] = 0
+    for group in range(buffers.num_groups):
+        buffers.staged[buffers.group_name("slot_mapping", group)].np[rows] = 0
 
 
 def _tables(state: CachedRequestState) -> list[list[int]]:
