@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.utils import assert_engine_clean, generate_greedy
+from tests.e2e.utils import assert_engine_clean, generate_greedy, model_runner
 from tests.fixtures.eager_replay import replay_padded_steps
 from tests.fixtures.tiny_models import cached_tiny_model
 from tests.spec_decode.utils import (
@@ -81,7 +81,8 @@ def test_greedy_identical_with_verification_steps_padded_as_captured(kind, model
     """Verification steps run as captured ones (on a GPU, CUDA graphs; here
     fixtures/eager_replay.py replays them eagerly): padded to a capture size of 1 + k rows a
     request, over static attention plans. n-gram drafts vary in number: a request with fewer
-    than k (or none) gets dummy rows."""
+    than k (or none) gets dummy rows. A draft model's decode passes (and self-speculation's
+    catch-up pass, one token a request) replay steps of its own."""
     spec = _spec(kind, models)
     llm = make_spec_llm(
         models[0],
@@ -95,6 +96,9 @@ def test_greedy_identical_with_verification_steps_padded_as_captured(kind, model
     verify = 1 + spec["num_speculative_tokens"]
     verified = [shape for shape in replay.replayed if shape.query_len == verify]
     assert any(shape.num_reqs > 1 for shape in verified), replay.replayed
+    if kind != "ngram":  # the draft model's single-token passes replay its own steps
+        drafted = model_runner(llm).proposer.captured.runner.replayed
+        assert drafted and all(shape.query_len == 1 for shape in drafted)
     assert_engine_clean(llm)
 
 

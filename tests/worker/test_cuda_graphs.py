@@ -191,9 +191,9 @@ def test_a_verification_step_syncs_once(model_dir, spec, syncs_a_step):
 
 
 def test_verification_steps_replay_graphs_and_agree_with_eager(model_dir):
-    """Self-drafting (the target's first layer drafts k = 3 for every request): its steps
-    verifying all k drafts replay graphs of 1 + k tokens a request, and the tokens are the
-    eager engine's, up to near ties."""
+    """Self-drafting (the target's first layer drafts k = 3 for every request): its
+    verification steps replay graphs of 1 + k tokens a request, its draft passes graphs of
+    the first layer, and the tokens are the eager engine's, up to near ties."""
     prompts = random_prompts(6, 3, 40, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=5)
     eager = make_llm(
@@ -208,6 +208,8 @@ def test_verification_steps_replay_graphs_and_agree_with_eager(model_dir):
     try:
         captured = model_runner(graphs).captured
         assert captured is not None and StepShape(8, 4) in captured.runner.graphs
+        drafts = model_runner(graphs).proposer.captured  # the draft's single-token passes
+        assert drafts is not None and StepShape(8) in drafts.runner.graphs
         replayed: list[StepShape] = []
         replay = captured.runner.replay
         captured.runner.replay = lambda shape, batch: replayed.append(shape) or replay(shape, batch)

@@ -10,9 +10,10 @@ real token needs, and are never sampled. Over a hybrid KV cache (core/kv/hybrid.
 group's slots and tables are padded so, and each group gets a static plan of its own tables
 (ForwardContext.plan_attention). Every other batch (prefill chunks, larger batches, dummy rows
 past that) runs eagerly, as does every step with --enforce-eager or a KV connector (its
-per-layer hooks are Python); the draft model's own forwards are eager too. CPUs capture
-nothing: their decode steps run each decoder layer in one C call (model/native/decode_layer.c),
-which beat a torch.compile'd step at every batch size measured (benchmarks/captured_decode.py).
+per-layer hooks are Python); a draft model's single-token passes replay captured steps of their
+own (spec_decode/draft_model.py). CPUs capture nothing: their decode steps run each decoder
+layer in one C call (model/native/decode_layer.c), which beat a torch.compile'd step at every
+batch size measured (benchmarks/captured_decode.py).
 
 The dispatcher is the single source of truth: `shape(requests)` says whether a step is
 captured and at which shape; the runners trust it.
@@ -75,14 +76,23 @@ class CaptureDispatcher:
             return None
         longest = max(r.num_new_tokens for r in requests)
         q = min((q for q in self._sizes if q >= longest), default=None)
-        if q is None or not self._sizes[q] or len(requests) > self._sizes[q][-1]:
+        shape = None if q is None else self._padded(len(requests), q)
+        if shape is None:
             return None
-        sizes = self._sizes[q]
-        shape = StepShape(sizes[bisect.bisect_left(sizes, len(requests))], q)
         has_dummy_rows = any(r.num_new_tokens < q for r in requests)
         if has_dummy_rows and shape.num_tokens > MAX_DUMMY_PADDED_TOKENS:
             return None
         return shape
+
+    def decode_shape(self, num_reqs: int) -> StepShape | None:
+        """The shape a step of num_reqs single-token decodes is padded to (None: eager)."""
+        return self._padded(num_reqs, 1) if num_reqs > 0 else None
+
+    def _padded(self, num_reqs: int, query_len: int) -> StepShape | None:
+        sizes = self._sizes.get(query_len, ())
+        if not sizes or num_reqs > sizes[-1]:
+            return None
+        return StepShape(sizes[bisect.bisect_left(sizes, num_reqs)], query_len)
 
 
 class StepRunner(Protocol):
@@ -178,10 +188,16 @@ def make_captured_steps(
     buffers: InputBuffers,
     kv_caches: list[torch.Tensor],
     device: torch.device,
+    query_lens: tuple[int, ...] | None = None,
+    num_layers: int | None = None,
+    role: str = "the model",
 ) -> CapturedSteps | None:
     """Capture every size now; None (eager steps) when disabled or, for default sizes, when
     capturing fails (one warning naming the cause). With explicit --cudagraph-capture-sizes a
-    failure is an error, and sizes that cannot be captured here are said in a warning."""
+    failure is an error, and sizes that cannot be captured here are said in a warning.
+
+    `query_lens` default to capture_query_lens; `num_layers` runs only the first layers (a
+    self-drafting proposer); `role` names the model in the log."""
     reason = capture_disabled_reason(config, device, model)
     if reason is not None:
         if config.compilation.capture_sizes_explicit:
@@ -193,8 +209,8 @@ def make_captured_steps(
     try:
         from tokenbus.worker.cuda_graphs import CudaGraphRunner
 
-        runner: StepRunner = CudaGraphRunner(model, device)
-        query_lens = capture_query_lens(config, model)
+        runner: StepRunner = CudaGraphRunner(model, device, num_layers)
+        query_lens = query_lens or capture_query_lens(config, model)
         steps = CapturedSteps(
             model, runner, sizes, buffers, config.cache.block_size, kv_caches, query_lens
         )
@@ -213,7 +229,8 @@ def make_captured_steps(
         )
         return None
     logger.info(
-        "captured steps for batch sizes %s of %s query tokens a request (CUDA graphs)",
+        "captured steps of %s for batch sizes %s of %s query tokens a request (CUDA graphs)",
+        role,
         list(sizes),
         " and ".join(map(str, query_lens)),
     )

@@ -27,9 +27,12 @@ NUM_WARMUP_RUNS = 2  # eager runs before each capture
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, num_layers: int | None = None
+    ) -> None:
         self.model = model
         self.device = device
+        self.num_layers = num_layers  # a self-drafting proposer's first layers (None: all)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[StepShape, torch.Tensor] = {}
@@ -42,14 +45,16 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(NUM_WARMUP_RUNS):
-                self.model(batch.input_ids, batch.ctx)
+                self.model(batch.input_ids, batch.ctx, num_layers=self.num_layers)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         gc.freeze()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[shape] = self.model(batch.input_ids, batch.ctx)
+                self.outputs[shape] = self.model(
+                    batch.input_ids, batch.ctx, num_layers=self.num_layers
+                )
         finally:
             gc.unfreeze()
         self.graphs[shape] = graph

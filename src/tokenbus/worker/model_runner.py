@@ -71,12 +71,15 @@ class ModelRunner:
         self.lora = LoRAAdapters(model, arch, config.lora) if config.lora is not None else None
 
     def capture_model(self) -> None:
-        """Record the decode step of every capture size (warm-up, after the KV cache exists);
-        steps stay eager when capture is off or fails (captured_step.make_captured_steps)."""
+        """Record the decode step of every capture size (warm-up, after the KV cache exists),
+        then the proposer's own forwards; steps stay eager when capture is off or fails
+        (captured_step.make_captured_steps)."""
         with torch.inference_mode():
             self.captured = make_captured_steps(
                 self.config, self.model, self.buffers, self.kv_caches, self.device
             )
+            if self.captured is not None and self.proposer is not None:
+                self.proposer.capture_model(self.config, self.device)
 
     # ------------------------------------------------------------------ state updates
     def update_states(self, so: SchedulerOutput) -> None:

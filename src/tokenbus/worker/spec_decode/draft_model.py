@@ -7,6 +7,9 @@ Each step, after the target sampled, the draft model runs:
 2. k - 1 decode passes, each feeding the previous draft (on the device: the drafts are read
    back once, after the last pass).
 
+On CUDA its single-token passes (the decode passes, and self-speculation's catch-up) replay
+CUDA graphs of their own once the target's steps are captured (worker/captured_step.py).
+
 Its KV lives in paged tensors indexed by the target's block tables (same block ids, same
 slots). A separate draft model owns its own layer tensors, so its catch-up pass feeds every
 token the target computed this step (prefill chunks too) and its KV holds wherever the
@@ -29,6 +32,7 @@ from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.utils import cdiv
+from tokenbus.worker.captured_step import CapturedSteps, make_captured_steps
 from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
 
 
@@ -67,6 +71,24 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.buffers = buffers  # the draft's own: the target's batch tensors view the runner's
+        # Its single-token passes replayed as CUDA graphs, once the target's steps are captured.
+        self.captured: CapturedSteps | None = None
+
+    def capture_model(self, config: EngineConfig, device: torch.device) -> None:
+        """Its single-token passes as the target's decode steps, at the same sizes (a
+        separate draft model's catch-up pass, of several tokens a request, stays eager). Their
+        graphs' memory, a draft's activations for at most the largest size, is not taken out
+        of the KV budget as the target's is."""
+        self.captured = make_captured_steps(
+            config,
+            self.model,
+            self.buffers,
+            self.kv_caches,
+            device,
+            query_lens=(1,),
+            num_layers=self.num_layers,
+            role="the draft model",
+        )
 
     def propose(
         self, batch: PreparedBatch, sampled: list[bool], caps: list[int]
@@ -125,59 +147,78 @@ class DraftModelProposer:
             )
         if not views:
             return [], torch.empty(0)
-        inputs = prepare_batch(
-            [ScheduledRequest(view, n, []) for view, n in views],
-            self.buffers,
-            self.block_size,
-            self.kv_caches,
-        )
+        requests = [ScheduledRequest(view, n, []) for view, n in views]
+        # Self-speculation feeds one token a request: a captured step where one was recorded.
+        padded = self.captured.shape(requests) if self.captured is not None else None
+        inputs = prepare_batch(requests, self.buffers, self.block_size, self.kv_caches, padded)
         rows = [inputs.requests[r].state.batch_index for r in inputs.sampling_requests]
-        return rows, self._greedy(inputs.input_ids, inputs.ctx, inputs.logits_indices)
+        return rows, self._greedy(inputs)
 
     def _decode(
         self, tokens: torch.Tensor, positions: list[int | None], block_ids: list[list[int]]
     ) -> torch.Tensor:
         """One token a row (`tokens`, on the device) at the given positions -> the draft's
-        argmax after each. A row at position None is padding: position 0, slot 0 of the null
-        block, reading only that block."""
+        argmax after each. A row at position None is padding, as are the rows past them up to
+        a captured size: position 0, slot 0 of the null block, reading only that block."""
         n, bs, buf = len(positions), self.block_size, self.buffers
         buf.wait_for_copies()
-        max_blocks = max(len(b) for b in block_ids)
+        padded = self.captured.dispatcher.decode_shape(n) if self.captured is not None else None
+        size = n if padded is None else padded.num_reqs
+        # A captured step reads the tables at their full width (a shape fixed at capture).
+        width = max(len(b) for b in block_ids) if padded is None else buf.block_table.shape[1]
         seq_lens = []
-        for row, (pos, blocks) in enumerate(zip(positions, block_ids)):
+        for row in range(size):
+            pos = positions[row] if row < n else None
             if pos is None:
-                buf.block_table[row, :max_blocks] = 0
+                buf.block_table[row, :width] = 0
                 buf.slot_mapping[row] = buf.positions[row] = 0
                 seq_lens.append(1)
                 continue
+            blocks = block_ids[row]
             buf.block_table[row, : len(blocks)] = blocks
             buf.slot_mapping[row] = blocks[pos // bs] * bs + pos % bs  # slot of the fed token
             buf.positions[row] = pos
             seq_lens.append(pos + 1)
-        buf.seq_lens[:n] = seq_lens
-        buf.query_start_loc[: n + 1] = range(n + 1)
+        buf.seq_lens[:size] = seq_lens
+        buf.query_start_loc[: size + 1] = range(size + 1)
         buf.logits_indices[:n] = range(n)
         ctx = ForwardContext(
-            positions=buf.device_view("positions", n),
-            slot_mapping=buf.device_view("slot_mapping", n),
+            positions=buf.device_view("positions", size),
+            slot_mapping=buf.device_view("slot_mapping", size),
             kv_caches=self.kv_caches,
             block_size=bs,
-            query_start_loc=list(range(n + 1)),
+            query_start_loc=list(range(size + 1)),
             seq_lens=seq_lens,
-            seq_lens_t=buf.device_view("seq_lens", n),
-            block_tables=buf.device_view("block_table", n, max_blocks),
-            num_decodes=n,
-            query_start_loc_t=buf.device_view("query_start_loc", n + 1),
+            seq_lens_t=buf.device_view("seq_lens", size),
+            block_tables=buf.device_view("block_table", size, width),
+            num_decodes=size,
+            query_start_loc_t=buf.device_view("query_start_loc", size + 1),
         )
-        return self._greedy(tokens, ctx, buf.device_view("logits_indices", n))
+        input_ids = tokens
+        if padded is not None:  # the tokens go where the recorded graph reads them
+            input_ids = buf.staged["input_ids"].device[:size]
+            input_ids[:n].copy_(tokens)
+            input_ids[n:].zero_()
+        batch = PreparedBatch(
+            requests=[],
+            input_ids=input_ids,
+            ctx=ctx,
+            logits_indices=buf.device_view("logits_indices", n),
+            sampling_requests=[],
+            num_logits_per_request=[],
+            num_tokens=n,
+            padded=padded,
+        )
+        return self._greedy(batch)
 
-    def _greedy(
-        self, input_ids: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """The argmax token [len(rows)] after each row, left on the device."""
-        ctx.attn_metadata = self.model.attention_backend.build_metadata(ctx)
-        hidden = self.model(input_ids, ctx, num_layers=self.num_layers)  # [T, hidden]
-        return self.model.compute_logits(hidden[rows]).argmax(-1)
+    def _greedy(self, batch: PreparedBatch) -> torch.Tensor:
+        """The argmax token after each of the batch's logits rows, left on the device."""
+        if batch.padded is not None:
+            hidden = self.captured.run(batch)
+        else:
+            batch.ctx.plan_attention(self.model.attention_backend.build_metadata)
+            hidden = self.model(batch.input_ids, batch.ctx, num_layers=self.num_layers)
+        return self.model.compute_logits(hidden[batch.logits_indices]).argmax(-1)
 
 
 def make_draft_model_proposer(
@@ -192,7 +233,7 @@ def make_draft_model_proposer(
     sched = config.scheduler
     buffers = InputBuffers(
         max_num_tokens=sched.max_num_batched_tokens + sched.max_num_seqs,  # + one new token each
-        max_num_reqs=sched.max_num_seqs,
+        max_num_reqs=max(sched.max_num_seqs, config.compilation.max_capture_size),
         max_blocks_per_req=cdiv(
             sched.max_model_len + spec.num_speculative_tokens, config.cache.block_size
         )

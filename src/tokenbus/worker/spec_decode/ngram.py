@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
+    from tokenbus.config import EngineConfig
     from tokenbus.worker.input_batch import PreparedBatch
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -68,6 +71,9 @@ class NgramProposer:
     ) -> list[list[int]]:
         """Drafts per request of the batch from its whole context (prompt + output so far)."""
         return self.propose_for_contexts([r.state.token_ids for r in batch.requests], caps)
+
+    def capture_model(self, config: EngineConfig, device: torch.device) -> None:
+        pass  # no forward of its own
 
     def propose_for_contexts(
         self, contexts: list[list[int]], max_num_drafts: list[int]

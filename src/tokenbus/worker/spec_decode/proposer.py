@@ -28,6 +28,10 @@ class Proposer(Protocol):
         may still need work (a draft model keeps its own KV cache in step with the target's).
         """
 
+    def capture_model(self, config: EngineConfig, device: torch.device) -> None:
+        """Record the proposer's own forwards as the target's steps were (after they were
+        captured: worker/captured_step.py); nothing for a proposer without a model."""
+
 
 def draft_cap(
     state: CachedRequestState,
