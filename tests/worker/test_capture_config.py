@@ -199,6 +199,24 @@ def test_dispatcher_pads_uniform_decodes_only():
     assert dispatcher.shape([]) is None
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_an_embedding_request_pools_its_own_rows_not_its_dummy_rows(pooling):
+    """A one-token embedding chunk beside a verification gets dummy rows; its vector comes
+    from its own row alone."""
+    from tokenbus.worker.pooling import compute_pooled
+
+    buffers = InputBuffers(16, 8, 5, torch.device("cpu"))
+    embed = CachedRequestState("e", [7], [], SamplingParams(pooling=pooling), [2], 0)
+    verify = CachedRequestState("v", [3] * 6, [], SamplingParams(), [4, 5], 5)
+    requests = [ScheduledRequest(embed, 1, [], pools=True), ScheduledRequest(verify, 3, [8, 9])]
+    kv = [torch.zeros(2, 12, 4, 1, 2)]
+    batch = prepare_batch(requests, buffers, 4, kv, StepShape(2, 3))
+    assert batch.ctx.query_start_loc == [0, 3, 6]
+    hidden = torch.eye(6)  # row r: the unit vector e_r
+    pooled = compute_pooled(hidden, batch)
+    assert pooled[0] == torch.eye(6)[0].tolist() and pooled[1] is None
+
+
 def test_dispatcher_pads_verification_steps():
     """With k = 2 drafts: verification steps are padded to 3 rows a request, up to the sizes
     whose tokens fit the buffers (4 * 3 > 10), requests short of drafts (plain decodes too)

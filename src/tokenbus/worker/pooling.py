@@ -24,7 +24,9 @@ def compute_pooled(hidden: torch.Tensor, batch: PreparedBatch) -> list[list[floa
         if pooling is None:
             continue
         found = True
-        chunk = hidden[batch.ctx.query_start_loc[i] : batch.ctx.query_start_loc[i + 1]].float()
+        # Its own tokens: the first of its rows (a padded step may give it dummy rows after).
+        start = batch.ctx.query_start_loc[i]
+        chunk = hidden[start : start + req.num_new_tokens].float()
         if pooling == "mean":
             total = chunk.sum(0)
             state.pooled_sum = total if state.pooled_sum is None else state.pooled_sum + total
