@@ -231,6 +231,8 @@ def test_dispatcher_pads_verification_steps():
         *(StepShape(n) for n in (1, 2, 4)),
         *(StepShape(n, 3) for n in (1, 2)),
     }
+    # What the graph-memory profile captures: the largest at each query length.
+    assert dispatcher.largest() == (StepShape(4), StepShape(2, 3))
     assert [dispatcher.shape([verify] * n) for n in (1, 2, 3)] == [
         StepShape(1, 3),
         StepShape(2, 3),

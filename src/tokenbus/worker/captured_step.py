@@ -84,6 +84,10 @@ class CaptureDispatcher:
             return None
         return shape
 
+    def largest(self) -> tuple[StepShape, ...]:
+        """The largest shape captured at each query length."""
+        return tuple(StepShape(sizes[-1], q) for q, sizes in self._sizes.items() if sizes)
+
     def decode_shape(self, num_reqs: int) -> StepShape | None:
         """The shape a step of num_reqs single-token decodes is padded to (None: eager)."""
         return self._padded(num_reqs, 1) if num_reqs > 0 else None

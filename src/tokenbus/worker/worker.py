@@ -18,6 +18,7 @@ from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.utils import cdiv
 from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
 from tokenbus.worker.captured_step import (
+    CaptureDispatcher,
     CapturedSteps,
     capture_disabled_reason,
     capture_query_lens,
@@ -147,9 +148,10 @@ class Worker:
         return engine_kv_groups(self.config, self.arch)
 
     def _graph_memory_bytes(self) -> int:
-        """On CUDA with captured steps: what capturing the largest size (at each query length)
-        takes, measured on a throwaway two-block KV cache (0 if that capture fails: the real
-        one will say why)."""
+        """On CUDA with captured steps: what capturing the largest shape at each query length
+        takes (the first of them sizes the graph pool), measured on a throwaway two-block KV
+        cache (0 if that capture fails: the real one will say why). A draft model's graphs,
+        in a pool of their own, are not counted."""
         if (
             self.device.type != "cuda"
             or capture_disabled_reason(self.config, self.device, self.model) is not None
@@ -157,25 +159,34 @@ class Worker:
             return 0
         from tokenbus.worker.cuda_graphs import CudaGraphRunner, profile_graph_memory
 
-        largest = self.config.compilation.max_capture_size
-        query_lens = capture_query_lens(self.config, self.model)
-        block_size = self.config.cache.block_size
+        config = self.config
+        query_lens = capture_query_lens(config, self.model)
+        largest = CaptureDispatcher(
+            config.compilation.cudagraph_capture_sizes,
+            query_lens,
+            config.scheduler.max_num_batched_tokens,
+        ).largest()
+        # Those shapes' sizes at every query length whose tokens fit the largest: shapes the
+        # real capture takes too, the largest of each among them.
+        sizes = tuple(sorted({shape.num_reqs for shape in largest}))
+        block_size = config.cache.block_size
+        num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
 
         def capture_largest() -> CapturedSteps:
             kv_caches = allocate_kv_caches(
                 self.rank_arch, 2, block_size, self.kv_dtype, self.device, self.kv_groups
             )
             buffers = InputBuffers(
-                min(largest * max(query_lens), self.config.scheduler.max_num_batched_tokens),
-                largest,
-                cdiv(self.config.scheduler.max_model_len, block_size) + 1,
+                max(shape.num_tokens for shape in largest),
+                sizes[-1],
+                cdiv(config.scheduler.max_model_len + num_spec, block_size) + 1,  # the runner's
                 self.device,
                 self.kv_groups,
             )
             steps = CapturedSteps(
                 self.model,
                 CudaGraphRunner(self.model, self.device),
-                (largest,),
+                sizes,
                 buffers,
                 block_size,
                 kv_caches,
@@ -191,9 +202,9 @@ class Worker:
             logger.debug("profiling CUDA graph memory failed: %s", exc)
             return 0
         logger.info(
-            "CUDA graphs: %.1f MiB for the largest capture size (%d), kept out of the KV budget",
+            "CUDA graphs: %.1f MiB for the largest capture shapes %s, kept out of the KV budget",
             graph_bytes / 2**20,
-            largest,
+            list(largest),
         )
         return graph_bytes
 
