@@ -176,12 +176,15 @@ def capture_disabled_reason(
 
 def capture_query_lens(config: EngineConfig, model: torch.nn.Module) -> tuple[int, ...]:
     """The query lengths captured: 1 (decodes) and, with speculative decoding of k drafts a
-    step, 1 + k (verification steps) where the backend's static plans take that length."""
+    step, 1 + k (verification steps) on the Triton backend, whose static plans read K/V in
+    place. (The torch path's static plan gathers each token's whole block table: 1 + k times a
+    decode step's memory, which would make a failed capture, and eager steps, likelier.)"""
     spec = config.speculative
-    if spec is None:
+    backend = model.attention_backend
+    if spec is None or backend.name != "triton":
         return (1,)
     verify = 1 + spec.num_speculative_tokens
-    if verify > model.attention_backend.max_capture_query_len():
+    if verify > backend.max_capture_query_len():
         return (1,)
     return (1, verify)
 
