@@ -391,14 +391,15 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> tup
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """Captured decode steps (docs/architecture.md): uniform decode batches padded to a capture size
-    replay a CUDA graph; others run eagerly (as every CPU step does)."""
+    """Captured decode steps (docs/architecture.md): decode batches (and speculative
+    verification batches) padded to a capture size replay a CUDA graph; others run eagerly
+    (as every CPU step does)."""
 
     enforce_eager: bool = (
         False  # never capture: every step runs op by op (on CPU: no C decode layers either)
     )
-    # Batch sizes (tokens of a uniform decode batch) to capture, strictly increasing; resolved
-    # from max_num_seqs when not given (default_capture_sizes). Empty with enforce_eager.
+    # Batch sizes (requests a step) to capture, strictly increasing; resolved from
+    # max_num_seqs when not given (default_capture_sizes). Empty with enforce_eager.
     cudagraph_capture_sizes: tuple[int, ...] = ()
     # The user listed the sizes: a capture that fails at start-up is then an error, not a
     # warning and eager steps.

@@ -75,8 +75,9 @@ class EngineArgs:
     )
     cudagraph_capture_sizes: list[int] | str | None = _arg(
         None,
-        "decode batch sizes to capture as CUDA graphs, strictly increasing (default: 1 2 4 8, "
-        "then steps of 8 up to --max-num-seqs); larger and mixed prefill batches run eagerly",
+        "decode batch sizes (requests) to capture as CUDA graphs, strictly increasing "
+        "(default: 1 2 4 8, then steps of 8 up to --max-num-seqs), speculative verification "
+        "steps at the same sizes; larger batches and prefill chunks run eagerly",
         nargs="+",
     )
     attention_backend: str = _arg(
