@@ -13,9 +13,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenbus.config import EngineConfig
 from tokenbus.core.kv.hybrid import KVGroupLayout
 from tokenbus.model.forward_context import ForwardContext, KVGroupInputs
+from tokenbus.utils import cdiv
 from tokenbus.worker.request_state import CachedRequestState
+
+
+def max_blocks_per_req(config: EngineConfig) -> int:
+    """The block-table width every step buffer takes: a request of max_model_len tokens and
+    its k draft lookahead slots, and one block more."""
+    spec = config.speculative
+    num_spec = spec.num_speculative_tokens if spec is not None else 0
+    return cdiv(config.scheduler.max_model_len + num_spec, config.cache.block_size) + 1
 
 
 @dataclass

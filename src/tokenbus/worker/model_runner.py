@@ -13,9 +13,14 @@ from tokenbus.kv_transfer.base import KVConnectorWorker
 from tokenbus.protocol import TokenLogprobs
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.manager import bitmask_rows, pad_bitmask_rows
-from tokenbus.utils import cdiv
 from tokenbus.worker.captured_step import CapturedSteps, make_captured_steps
-from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
+from tokenbus.worker.input_batch import (
+    InputBuffers,
+    PreparedBatch,
+    ScheduledRequest,
+    max_blocks_per_req,
+    prepare_batch,
+)
 from tokenbus.worker.lora_slots import LoRAAdapters, StepRun
 from tokenbus.worker.pooling import compute_pooled
 from tokenbus.worker.prompt_logprobs import compute_prompt_logprobs
@@ -54,7 +59,7 @@ class ModelRunner:
         self.buffers = InputBuffers(
             max_num_tokens=sched.max_num_batched_tokens,
             max_num_reqs=max(sched.max_num_seqs, config.compilation.max_capture_size),
-            max_blocks_per_req=cdiv(sched.max_model_len + num_spec, self.block_size) + 1,
+            max_blocks_per_req=max_blocks_per_req(config),
             device=device,
             kv_groups=engine_kv_groups(config, arch),
         )

@@ -15,7 +15,6 @@ from tokenbus.kv_transfer.layout import kv_layout
 from tokenbus.loader import ModelSource
 from tokenbus.model.kv_quant import kv_storage_dtype
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.utils import cdiv
 from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
 from tokenbus.worker.captured_step import (
     CaptureDispatcher,
@@ -23,7 +22,7 @@ from tokenbus.worker.captured_step import (
     capture_disabled_reason,
     capture_query_lens,
 )
-from tokenbus.worker.input_batch import InputBuffers
+from tokenbus.worker.input_batch import InputBuffers, max_blocks_per_req
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.worker.model_builder import load_model
 from tokenbus.worker.model_runner import ModelRunner
@@ -170,7 +169,6 @@ class Worker:
         # real capture takes too, the largest of each among them.
         sizes = tuple(sorted({shape.num_reqs for shape in largest}))
         block_size = config.cache.block_size
-        num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
 
         def capture_largest() -> CapturedSteps:
             kv_caches = allocate_kv_caches(
@@ -179,7 +177,7 @@ class Worker:
             buffers = InputBuffers(
                 max(shape.num_tokens for shape in largest),
                 sizes[-1],
-                cdiv(config.scheduler.max_model_len + num_spec, block_size) + 1,  # the runner's
+                max_blocks_per_req(config),
                 self.device,
                 self.kv_groups,
             )

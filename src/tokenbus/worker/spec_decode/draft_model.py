@@ -31,9 +31,14 @@ import torch
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.parallel import TensorParallel
-from tokenbus.utils import cdiv
 from tokenbus.worker.captured_step import CapturedSteps, make_captured_steps
-from tokenbus.worker.input_batch import InputBuffers, PreparedBatch, ScheduledRequest, prepare_batch
+from tokenbus.worker.input_batch import (
+    InputBuffers,
+    PreparedBatch,
+    ScheduledRequest,
+    max_blocks_per_req,
+    prepare_batch,
+)
 
 
 @dataclass
@@ -234,10 +239,7 @@ def make_draft_model_proposer(
     buffers = InputBuffers(
         max_num_tokens=sched.max_num_batched_tokens + sched.max_num_seqs,  # + one new token each
         max_num_reqs=max(sched.max_num_seqs, config.compilation.max_capture_size),
-        max_blocks_per_req=cdiv(
-            sched.max_model_len + spec.num_speculative_tokens, config.cache.block_size
-        )
-        + 1,
+        max_blocks_per_req=max_blocks_per_req(config),
         device=device,
     )
     common = dict(
