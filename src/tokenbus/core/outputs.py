@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import msgspec
 
 from tokenbus.protocol import TokenLogprobs
@@ -60,3 +63,20 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+class PendingOutput(Protocol):
+    """A step handed to the device whose output may still be on it: `result()` reads it back
+    (waiting for the step) once, in launch order."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class ReadyOutput:
+    """A step whose output is on the host already (a step run to its end, or a fake's)."""
+
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output

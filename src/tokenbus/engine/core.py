@@ -7,11 +7,12 @@ offline) or inside its own process behind ZMQ.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.kv import KVCacheManager, make_block_hasher
 from tokenbus.core.kv.hybrid import HybridKVCacheManager, engine_kv_groups
+from tokenbus.core.outputs import PendingOutput
 from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.core.sched.scheduler import Scheduler
@@ -32,6 +33,12 @@ from tokenbus.structured.manager import StructuredOutputManager
 if TYPE_CHECKING:
     from tokenbus.loader import ModelSource
     from tokenbus.structured.backend import XgrammarBackend
+
+
+class _LaunchedStep(NamedTuple):
+    scheduler_output: SchedulerOutput
+    pending: PendingOutput
+    xray_begun: tuple[float, int, int]
 
 
 class EngineCore:
@@ -130,14 +137,21 @@ class EngineCore:
     def step(self) -> EngineOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineOutputs(timestamp=time.monotonic())
+        return self._finish(self._launch())
+
+    def _launch(self) -> _LaunchedStep:
         scheduler_output = self.scheduler.schedule()
         begun = self.xray.begin_step(scheduler_output)
         self._note_first_scheduled(scheduler_output)
-        runner_output = self.executor.execute_model(scheduler_output)
+        return _LaunchedStep(scheduler_output, self.executor.launch_model(scheduler_output), begun)
+
+    def _finish(self, step: _LaunchedStep) -> EngineOutputs:
+        scheduler_output = step.scheduler_output
+        runner_output = step.pending.result()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._attach_first_scheduled(outputs)
         stats = self.scheduler.make_stats()
-        self.xray.end_step(begun, scheduler_output, runner_output, stats.num_preemptions)
+        self.xray.end_step(step.xray_begun, scheduler_output, runner_output, stats.num_preemptions)
         return EngineOutputs(
             outputs=outputs,
             scheduler_stats=stats,

@@ -3,11 +3,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.kv.hybrid import engine_kv_groups
-from tokenbus.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from tokenbus.core.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    PendingOutput,
+    ReadyOutput,
+)
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.kv_transfer.base import KVConnectorWorker
 from tokenbus.protocol import TokenLogprobs
@@ -25,7 +32,7 @@ from tokenbus.worker.lora_slots import LoRAAdapters, StepRun
 from tokenbus.worker.pooling import compute_pooled
 from tokenbus.worker.prompt_logprobs import compute_prompt_logprobs
 from tokenbus.worker.request_state import CachedRequestState
-from tokenbus.worker.sampler import Sampler, to_token_logprobs
+from tokenbus.worker.sampler import LogprobsTensors, Sampler, to_token_logprobs
 from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow, to_device
 from tokenbus.worker.spec_decode import (
     RejectionSampler,
@@ -124,27 +131,33 @@ class ModelRunner:
         return generator
 
     # ------------------------------------------------------------------ the step
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(so).result()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> PendingOutput:
+        """Hand the step to the device. What needs its sampled ids on the host (the output,
+        next step's drafts) waits for `.result()`, so the caller may prepare the next step
+        while the device runs this one."""
         self.update_states(so)
         connector = self.kv_connector
         if connector is None:
-            return self._execute(so)
+            return self._launch(so)
         # Loads land before any layer reads the pool; saves end before its blocks may change.
         connector.bind_connector_metadata(so.kv_connector_metadata)
         connector.start_load_kv()
-        output = self._execute(so)
+        output = self._launch(so).result()
         connector.wait_for_save()
         kv_output = connector.build_output(so.finished_req_ids)
         if kv_output is not None:
             if output is EMPTY_MODEL_RUNNER_OUTPUT:
                 output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             output.kv_connector_output = kv_output
-        return output
+        return ReadyOutput(output)
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _launch(self, so: SchedulerOutput) -> PendingOutput:
         if so.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return ReadyOutput(EMPTY_MODEL_RUNNER_OUTPUT)
         scheduled = [
             ScheduledRequest(
                 self.requests[req_id],
@@ -173,21 +186,18 @@ class ModelRunner:
         else:
             batch.ctx.plan_attention(self.model.attention_backend.build_metadata)
             hidden = self.model(batch.input_ids, batch.ctx)
-        sampled, logprobs = self._sample(batch, hidden, so)
-        output = self._make_output(batch, sampled, logprobs)
-        if (prompt_logprobs := compute_prompt_logprobs(self.model, hidden, batch)) is not None:
-            output.prompt_logprobs, output.prompt_logprobs_start = prompt_logprobs
-        output.pooled = compute_pooled(hidden, batch)
-        if self.proposer is not None:
-            output.spec_token_ids = self._propose(batch, sampled)
-        return output
+        return _LaunchedStep(
+            self,
+            batch,
+            self._sample(batch, hidden, so),
+            compute_prompt_logprobs(self.model, hidden, batch),
+            compute_pooled(hidden, batch),
+        )
 
-    def _sample(
-        self, batch: PreparedBatch, hidden: torch.Tensor, so: SchedulerOutput
-    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor, so: SchedulerOutput) -> _Samples:
         """Tokens (and logprobs) per sampling request: one, or accepted drafts + one."""
         if not batch.sampling_requests:
-            return [], None
+            return _Samples.on_host([], [], None, [])
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [rows, vocab] fp32
         states = [batch.requests[i].state for i in batch.sampling_requests]
         drafts = [batch.requests[i].draft_token_ids for i in batch.sampling_requests]
@@ -206,21 +216,13 @@ class ModelRunner:
                 batch.num_logits_per_request,
             )
             meta.grammar_bitmask = to_device(bitmask, self.device)
+        num_logprobs = [row.params.logprobs for row in rows]
         if verifies:
             spec = SpecDecodeMetadata.build(drafts, self.device)
             out = self.rejection_sampler(logits, meta, spec)
-            tokens, first_rows, lp_tensors = out.token_ids, spec.first_rows, out.logprobs
-        else:
-            out = self.sampler(logits, meta)
-            tokens = [[t] for t in out.sampled_token_ids.tolist()]
-            first_rows, lp_tensors = list(range(len(states))), out.logprobs
-        if lp_tensors is None:
-            return tokens, None
-        per_row = to_token_logprobs(lp_tensors, [row.params.logprobs for row in rows])
-        return tokens, [
-            None if per_row[first] is None else per_row[first : first + len(t)]
-            for first, t in zip(first_rows, tokens)
-        ]
+            return _Samples.on_host(out.token_ids, spec.first_rows, out.logprobs, num_logprobs)
+        out = self.sampler(logits, meta)
+        return _Samples.on_device(out.sampled_token_ids, out.logprobs, num_logprobs)
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(
@@ -273,3 +275,70 @@ class ModelRunner:
             for req, tokens in zip(batch.requests, emitted)
         ]
         return self.proposer.propose(batch, [tokens is not None for tokens in emitted], caps)
+
+
+@dataclass
+class _Samples:
+    """A step's sampled tokens, one list per sampling request. Plain sampling leaves them on
+    the device (on CUDA, copying into pinned memory behind the step) until `read()`; a
+    verification has read its accepted tokens already."""
+
+    token_ids: list[list[int]] | None  # on the host already
+    device_ids: torch.Tensor | None  # Long[rows], one token per request
+    host_ids: torch.Tensor | None  # device_ids' pinned copy, landed once `copied` is reached
+    copied: torch.cuda.Event | None
+    first_rows: list[int]  # each request's first row in `logprobs`
+    logprobs: LogprobsTensors | None
+    num_logprobs: list[int | None]  # per row: what its request asked for
+
+    @classmethod
+    def on_host(cls, token_ids, first_rows, logprobs, num_logprobs) -> _Samples:
+        return cls(token_ids, None, None, None, first_rows, logprobs, num_logprobs)
+
+    @classmethod
+    def on_device(cls, ids: torch.Tensor, logprobs, num_logprobs) -> _Samples:
+        host, copied = ids, None
+        if ids.device.type == "cuda":
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return cls(None, ids, host, copied, list(range(len(ids))), logprobs, num_logprobs)
+
+    def read(self) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """The tokens (waiting for their step) and their logprobs, per sampling request."""
+        tokens = self.token_ids
+        if tokens is None:
+            if self.copied is not None:
+                self.copied.synchronize()  # this step's copy only, not the steps launched after
+            tokens = [[t] for t in self.host_ids.tolist()]
+        if self.logprobs is None:
+            return tokens, None
+        per_row = to_token_logprobs(self.logprobs, self.num_logprobs)
+        return tokens, [
+            None if per_row[first] is None else per_row[first : first + len(t)]
+            for first, t in zip(self.first_rows, tokens)
+        ]
+
+
+@dataclass
+class _LaunchedStep:
+    """A step on the device; `result()` reads its tokens back and finishes the output."""
+
+    runner: ModelRunner
+    batch: PreparedBatch
+    samples: _Samples
+    prompt_logprobs: tuple[list, list[int]] | None
+    pooled: list[list[float] | None] | None
+
+    @torch.inference_mode()
+    def result(self) -> ModelRunnerOutput:
+        runner, batch = self.runner, self.batch
+        sampled, logprobs = self.samples.read()
+        output = runner._make_output(batch, sampled, logprobs)
+        if self.prompt_logprobs is not None:
+            output.prompt_logprobs, output.prompt_logprobs_start = self.prompt_logprobs
+        output.pooled = self.pooled
+        if runner.proposer is not None:
+            output.spec_token_ids = runner._propose(batch, sampled)
+        return output

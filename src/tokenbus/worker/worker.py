@@ -8,7 +8,7 @@ import torch
 
 from tokenbus.config import EngineConfig, ModelArch
 from tokenbus.core.kv.hybrid import KVGroupLayout, engine_kv_groups, layer_windows
-from tokenbus.core.outputs import ModelRunnerOutput
+from tokenbus.core.outputs import ModelRunnerOutput, PendingOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.kv_transfer.factory import connector_context, make_worker_connector
 from tokenbus.kv_transfer.layout import kv_layout
@@ -257,6 +257,11 @@ class Worker:
         logits, so their request states stay equal); only rank 0 reports it."""
         output = self.runner.execute_model(scheduler_output)
         return output if self.rank == 0 else None
+
+    def launch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """The step handed to the device; its sampled ids are read by `.result()` (the
+        in-process executor's one rank)."""
+        return self.runner.launch(scheduler_output)
 
     def check_health(self) -> None:
         """A rank is healthy while it answers."""

@@ -161,7 +161,6 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
-        self._num_preemptions_step = 0
         self._schedule_running(plan)
         # A step that preempted admits nobody: the pool is under pressure.
         if not plan.preempted:
@@ -379,7 +378,6 @@ class Scheduler:
     def _advance_computed_tokens(self, plan: _StepPlan) -> None:
         # Optimistic: the next schedule() may already issue the next chunk. Rejected drafts
         # are subtracted in update_from_output.
-        self._num_prompt_tokens_step = 0
         for req_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             self._num_prompt_tokens_step += max(
@@ -392,7 +390,6 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        self._spec_counts = SpecDecodeMetrics()
         kv_output = runner_output.kv_connector_output
         self.external_kv.receive_report(kv_output)
         failed_loads: set[str] = set()
@@ -530,8 +527,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stats and checks
     def make_stats(self) -> SchedulerStats:
+        """The gauges, and the counters since the last call (which it resets): each schedule
+        and each update is counted once, however the engine interleaves them."""
         prefix = self.kv.make_prefix_cache_stats()
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv.usage,
@@ -545,6 +544,9 @@ class Scheduler:
             spec_accepted_per_pos=self._spec_counts.accepted_per_pos,
             **self.external_kv.transfer_stats(),
         )
+        self._num_preemptions_step = self._num_prompt_tokens_step = 0
+        self._spec_counts = SpecDecodeMetrics()
+        return stats
 
     def check_integrity(self) -> None:
         """After all requests finished: no request in any queue, every block free."""

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tokenbus.core.outputs import ModelRunnerOutput
+from tokenbus.core.outputs import ModelRunnerOutput, PendingOutput, ReadyOutput
 from tokenbus.core.sched.output import SchedulerOutput
 
 
@@ -47,6 +47,11 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def launch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Start the step; its output is read with `.result()`. Executors whose workers run
+        elsewhere run it to its end here."""
+        return ReadyOutput(self.execute_model(scheduler_output))
 
     def determine_num_kv_blocks(self) -> int:
         """The pool size every rank can hold: the smallest rank's."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenbus.core.outputs import ModelRunnerOutput
+from tokenbus.core.outputs import ModelRunnerOutput, PendingOutput, ReadyOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor, WorkerBase
 
@@ -13,6 +13,9 @@ class UniProcExecutor(Executor):
     def __init__(self, worker: WorkerBase) -> None:
         """`worker` is built but not started: its device and model phases run here."""
         self.worker = worker
+        # A worker that can hand a step to the device and return before it ends (a fake
+        # runs each step to its end).
+        self._launch = getattr(worker, "launch_model", None)
         worker.init_device()
         worker.load_model()
 
@@ -25,6 +28,11 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)  # the hot path: no getattr
+
+    def launch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        if self._launch is None:
+            return ReadyOutput(self.worker.execute_model(scheduler_output))
+        return self._launch(scheduler_output)
 
     def shutdown(self) -> None:
         self.worker.shutdown()
