@@ -2,7 +2,7 @@
 
     bandwidth   device-to-device copy: bytes read + written per second (the memory bound)
     decode      one greedy stream of a --load-format dummy model: tokens/s against the bound
-                weight bytes / bandwidth
+                weight bytes / bandwidth, steps one at a time and with --async-scheduling
     throughput  offline: N prompts (IN tokens in, OUT out, EOS ignored) through tokenbus,
                 then HF transformers `generate` on the same device in static batches (its best
                 batch size wins)
@@ -184,14 +184,18 @@ def part_decode(args) -> dict:
         return decode_rate(llm, token_prompts(1, 128, vocab), args.output_len)
 
     rate = with_llm(args, one_stream, max_num_seqs=8)
+    # The next step scheduled and launched while the device runs this one.
+    rate_async = with_llm(args, one_stream, max_num_seqs=8, async_scheduling=True)
     num_bytes = weight_bytes(args.model, args.dtype)
     bound = bandwidth / num_bytes
     return {
         "decode_tokens_per_s": rate,
+        "decode_tokens_per_s_async": rate_async,
         "weight_bytes": num_bytes,
         "bandwidth_bytes_per_s": bandwidth,
         "bound_tokens_per_s": bound,
         "fraction_of_bound": rate / bound,
+        "fraction_of_bound_async": rate_async / bound,
     }
 
 

@@ -12,7 +12,8 @@
 #      tokens against HF transformers in fp32 and bf16, the Triton backend through the
 #      engine), then the Triton kernel tests against a reference, in parallel;
 #   4. measures (benchmarks/gpu_bench.py): the copy bandwidth; one decode stream of a dummy
-#      Llama-3.1-8B in bf16 against weight bytes / bandwidth; CUDA graphs against eager at
+#      Llama-3.1-8B in bf16 against weight bytes / bandwidth (steps one at a time, then
+#      with --async-scheduling); CUDA graphs against eager at
 #      batch 1 and 64 on the SmolLM2 shape; offline throughput of 256 prompts (512 in, 256
 #      out) against HF generate at its best batch size; then serves the dummy 8B and runs
 #      `tokenbus bench serve` at concurrency 1, 64 and 256; last, graphs against eager on the
@@ -156,7 +157,7 @@ BENCH="$BENCH ${DEVICE_ARGS[*]}"
 run bandwidth 20 $BENCH bandwidth --json "$LOGS/bandwidth.json"
 BW=$($PY -c "import json; print(json.load(open('$LOGS/bandwidth.json'))['bandwidth_bytes_per_s'])" \
     2>/dev/null || echo "")
-run decode_8b 60 $BENCH decode --model $LLAMA "${DECODE[@]}" ${BW:+--bandwidth $BW} \
+run decode_8b 90 $BENCH decode --model $LLAMA "${DECODE[@]}" ${BW:+--bandwidth $BW} \
     --json "$LOGS/decode_8b.json"
 run graphs_smollm2 45 $BENCH graphs --model $SMOL "${GRAPHS_SMOL[@]}" \
     --json "$LOGS/graphs_smollm2.json"

@@ -151,6 +151,12 @@ def gpu_rows(figures: dict) -> dict[str, tuple[dict, dict, list[str]]]:
                 "copy bandwidth": round(decode["bandwidth_bytes_per_s"] / 1e12, 2),
             }
         }
+        if "decode_tokens_per_s_async" in decode:
+            rows["Llama-3.1-8B shape, bf16, one stream, --async-scheduling"] = {
+                "tokenbus": round(decode["decode_tokens_per_s_async"], 1),
+                "memory bound": round(decode["bound_tokens_per_s"], 1),
+                "tokenbus / bound": round(decode["fraction_of_bound_async"], 3),
+            }
         units = {"tokenbus": "tok/s", "memory bound": "tok/s", "tokenbus / bound": "×"}
         units |= {"weights": "GB", "copy bandwidth": "TB/s"}
         topics["gpu_decode"] = (rows, units, ["the bound: weight bytes / measured copy bandwidth"])

@@ -142,7 +142,9 @@ def test_gpu_check_figures_become_gpu_tables(tmp_path):
         "attention_backend": "auto",
         "decode_8b": part | {"part": "decode", "decode_tokens_per_s": 240.0,
                              "bound_tokens_per_s": 268.0, "fraction_of_bound": 0.8956,
-                             "weight_bytes": 16.06e9, "bandwidth_bytes_per_s": 4.3e12},
+                             "weight_bytes": 16.06e9, "bandwidth_bytes_per_s": 4.3e12,
+                             "decode_tokens_per_s_async": 252.0,
+                             "fraction_of_bound_async": 0.9403},
         "throughput_8b": part | {"part": "throughput", "tokenbus_total_tokens_per_s": 30000.0,
                                  "hf_total_tokens_per_s_by_batch": {"128": 4000.0, "256": 5000.0},
                                  "hf_best_batch_size": 256, "ratio_vs_hf_best": 6.0},
@@ -165,6 +167,8 @@ def test_gpu_check_figures_become_gpu_tables(tmp_path):
     rendered = tables.render_doc(doc, by_topic)
     assert "| GPU |  | tokenbus (tok/s) | memory bound (tok/s) | weights (GB)" in rendered
     assert "| 0.896× |" in rendered and "| 6.0× |" in rendered and "| 3.1× |" in rendered
+    assert "one stream, --async-scheduling | 252.0 | 268.0 |" in rendered
+    assert "| 0.94× |" in rendered
     assert "HF transformers 5.17.0 generate, static batches of 128, 256, best shown" in rendered
 
 

@@ -218,6 +218,8 @@ class SchedulerConfig:
     # fcfs: arrival order, the last admitted preempted first; priority: (priority, arrival)
     # order, a lower value first, and the lowest priority (latest among equals) preempted first.
     scheduling_policy: str = "fcfs"
+    # Schedule the next step before reading the last one's tokens (engine/core.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

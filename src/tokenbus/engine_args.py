@@ -157,6 +157,13 @@ class EngineArgs:
         "then arrival), the lowest priority preempted first under memory pressure",
         choices=SCHEDULING_POLICIES,
     )
+    async_scheduling: bool = _arg(
+        False,
+        "schedule and prepare the next step while the device runs this one (its decodes "
+        "take their input token from the sampled ids on the device): the host's part of a "
+        "step no longer idles a GPU. Steps run one at a time while a request uses penalties, "
+        "min_tokens or structured output; not with speculative decoding or a KV connector",
+    )
     grammar_compile_timeout: float = _arg(
         10.0,
         "seconds a structured-output spec may take to compile at the front door; past it the "
@@ -235,6 +242,7 @@ class EngineArgs:
             kv_cache_memory=parse_size(self.kv_cache_memory),
             data_parallel_rank=0,
         )  # each data-parallel engine gets its own (dp_client)
+        self._check_async_scheduling()
         return EngineConfig(
             model=self._sub_config(ModelConfig, resolved),
             cache=self._sub_config(CacheConfig, resolved),
@@ -251,6 +259,18 @@ class EngineArgs:
             structured_outputs=self._sub_config(StructuredOutputsConfig, resolved),
             lora=self._lora_config(resolved),
         )
+
+    def _check_async_scheduling(self) -> None:
+        """Drafts are proposed from the step's tokens, and a connector's transfers follow each
+        step's blocks: both need the last step read before the next is scheduled."""
+        if not self.async_scheduling:
+            return
+        if self.speculative_config is not None:
+            raise ValueError(
+                "async_scheduling (--async-scheduling) runs without speculative decoding"
+            )
+        if self.kv_transfer_config is not None:
+            raise ValueError("async_scheduling (--async-scheduling) runs without a KV connector")
 
     def _lora_config(self, resolved: dict) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -223,3 +223,33 @@ def test_verification_steps_replay_graphs_and_agree_with_eager(model_dir):
         assert_engine_clean(graphs)
     finally:
         graphs.shutdown()
+
+
+def test_steps_launched_ahead_equal_steps_one_at_a_time(model_dir):
+    """--async-scheduling: each step is launched before the last one is read, its decodes fed
+    the last step's sampled ids on the device, through the same graphs: the tokens (greedy,
+    and seeded samples) are those of steps run one at a time, and a step still syncs once."""
+    prompts = random_prompts(6, 3, 40, seed=2)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
+    ] * 3
+
+    def run(llm):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+
+    plain = make_llm(model_dir, dtype="float32", **ENGINE)
+    try:
+        want = run(plain)
+    finally:
+        plain.shutdown()
+    ahead = make_llm(model_dir, dtype="float32", async_scheduling=True, **ENGINE)
+    try:
+        assert model_runner(ahead).captured is not None
+        assert run(ahead) == want
+        assert_engine_clean(ahead)
+        syncs, _ = count_warm_steps(ahead, motif_prompts(), warm_steps=4, counter=DeviceSyncs())
+        assert len(syncs) <= COUNTED_STEPS, sorted(set(syncs))
+    finally:
+        ahead.shutdown()

@@ -24,6 +24,7 @@ from tests.fixtures.step_reads import (
 from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model
 from tests.fixtures.triton_device import needs_triton_on_cpu, stack_moe_blocks
 from tokenbus.sampling_params import SamplingParams
+from tokenbus.worker.model_runner import ModelRunner
 from tokenbus.worker.sampler import Sampler
 from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow
 from tokenbus.worker.spec_decode.metadata import SpecDecodeMetadata, expand_sampling_rows
@@ -147,5 +148,38 @@ def test_an_eager_triton_step_reads_once(family, speculative, reads_a_step):
         )
         assert reads == ["tolist"] * (reads_a_step * COUNTED_STEPS)
         assert (metrics.num_draft_tokens > 0) == (speculative is not None)
+    finally:
+        llm.shutdown()
+
+
+@needs_triton_on_cpu
+def test_a_step_launched_ahead_reads_nothing_before_its_result(monkeypatch):
+    """Async scheduling: launching a step (decodes fed the last step's unread tokens on the
+    device) reads nothing back; each step's one read comes with its result, after the next
+    step was launched."""
+    llm = make_llm(
+        cached_tiny_model("llama"), device="cpu", dtype="float32", attention_backend="triton",
+        enforce_eager=True, max_num_seqs=8, max_model_len=256, async_scheduling=True,
+    )  # fmt: skip
+    launch_reads: list[str] = []
+    fed: list[int] = []
+    launch = ModelRunner.launch
+
+    def counted_launch(runner, so):
+        with HostReads() as reads:
+            pending = launch(runner, so)
+        launch_reads.extend(reads.ops)
+        batch = getattr(pending, "batch", None)  # None: an empty step
+        fed.append(len(batch.unread_inputs) if batch is not None else 0)
+        return pending
+
+    monkeypatch.setattr(ModelRunner, "launch", counted_launch)
+    try:
+        reads, _ = count_warm_steps(
+            llm, motif_prompts(), warm_steps=4, counter=HostReads(), max_tokens=30
+        )
+        assert reads == ["tolist"] * COUNTED_STEPS
+        assert launch_reads == []
+        assert max(fed) == len(motif_prompts())  # every decode fed an unread token
     finally:
         llm.shutdown()

@@ -37,6 +37,18 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
+
+def reads_own_outputs(params: SamplingParams) -> bool:
+    """Whether sampling the next token needs every earlier output token on the host."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.min_tokens > 0
+        or params.structured_outputs is not None
+    )
+
+
 # Computes the hashes of the request's full blocks not hashed yet (set by the KV layer).
 BlockHasher = Callable[["Request"], list[bytes]]
 
@@ -75,6 +87,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose ids are not back yet: at most one between a
+        # step's schedule() and its update_from_output(), two while the next step is
+        # scheduled before the last one's tokens are read (async scheduling).
+        self.num_output_placeholders = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.output_token_ids: list[int] = []
@@ -129,6 +145,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def reads_own_outputs(self) -> bool:
+        """Its sampling reads its own output tokens (penalties, min_tokens, a grammar): the
+        next step cannot be scheduled before they are all known."""
+        return reads_own_outputs(self.sampling_params)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):

@@ -56,14 +56,17 @@ class XrayRecorder:
     def begin_step(self, so: SchedulerOutput) -> tuple[float, int, int]:
         """Right after schedule(): (start time, prefill tokens, decode tokens) of the step.
 
-        schedule() has already advanced num_computed_tokens by the step's tokens, so a request
-        was generating when it had computed all but its last token (drafts come on top)."""
+        schedule() has already advanced num_computed_tokens by the step's tokens and counted
+        the token it samples as a placeholder, so a request was generating when it had computed
+        all but its last token, known or unread (drafts come on top), and has sampled before."""
         prefill = decode = 0
         requests = self.scheduler.requests
         for req_id, num_new in so.num_scheduled_tokens.items():
             request = requests[req_id]
             computed_before = request.num_computed_tokens - num_new
-            if computed_before == request.num_tokens - 1 and request.num_output_tokens > 0:
+            unread = request.num_output_placeholders - 1  # before this step's own; -1: none
+            last = request.num_tokens + unread - 1  # its last known or unread token's position
+            if unread >= 0 and computed_before == last and request.num_output_tokens + unread > 0:
                 decode += num_new
             else:
                 prefill += num_new

@@ -2,11 +2,23 @@
 
 It knows nothing of text: token ids in, token ids out. The same object runs in-process (tests,
 offline) or inside its own process behind ZMQ.
+
+With async scheduling, each step() schedules and launches the next step before reading the
+last one's tokens, so the host's scheduling, input preparation and output handling run while
+the device computes:
+
+    step k:   schedule(n+1) → launch(n+1) → read(n) → update(n)    [device: n, then n+1]
+
+A decode in step n+1 feeds the token step n sampled, taken on the device from that step's
+sampled ids; the scheduler counts such tokens as placeholders. A request that stopped in step
+n was scheduled in n+1 too: that token is dropped, and its blocks are freed at update(n) (steps
+run in order on the device, so n+1's writes land before any later step reuses them).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
 from tokenbus.config import EngineConfig, ModelArch
@@ -114,6 +126,8 @@ class EngineCore:
         # req_id → wall-clock time of its first scheduling, until its first output carries it.
         self._first_scheduled_times: dict[str, float] = {}
         self.xray = XrayRecorder(self.scheduler)  # /xray: step records; snapshots when watched
+        # Launched steps not read back yet, oldest first: at most two (async scheduling).
+        self._in_flight: deque[_LaunchedStep] = deque()
 
     def add_request(self, request: EngineRequest) -> None:
         lora_id = self.loras.id_for(request.lora_request)  # a bad adapter fails this request
@@ -132,12 +146,32 @@ class EngineCore:
             self._first_scheduled_times.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps launched and not read back yet (async scheduling: 0 to 2)."""
+        return len(self._in_flight)
 
     def step(self) -> EngineOutputs:
+        if self.config.scheduler.async_scheduling:
+            return self._step_ahead()
         if not self.scheduler.has_unfinished_requests():
             return EngineOutputs(timestamp=time.monotonic())
         return self._finish(self._launch())
+
+    def _step_ahead(self) -> EngineOutputs:
+        """Launch the next step, then read the oldest one in flight (see the module doc).
+        While a request reads its own outputs, steps run one at a time."""
+        ahead = self.scheduler.can_schedule_ahead
+        if self.scheduler.has_unfinished_requests() and (ahead or not self._in_flight):
+            self._in_flight.append(self._launch())
+            if ahead and len(self._in_flight) == 1:
+                # Nothing to read yet: the next call launches another step before this is read.
+                return EngineOutputs(timestamp=time.monotonic())
+        if not self._in_flight:
+            return EngineOutputs(timestamp=time.monotonic())
+        return self._finish(self._in_flight.popleft())
 
     def _launch(self) -> _LaunchedStep:
         scheduler_output = self.scheduler.schedule()

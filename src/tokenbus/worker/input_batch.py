@@ -8,7 +8,7 @@ host staging arrays, copied into device tensors of the same shape on CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -74,6 +74,10 @@ class PreparedBatch:
     # padded verification step, a request with fewer drafts than k has dummy rows of its own).
     num_tokens: int = 0
     padded: StepShape | None = None  # a padded (captured) step's shape, padding included
+    # (row of input_ids, batch index) of each decode whose input token is the last step's
+    # sample, not read back yet (async scheduling): its row holds 0 until the runner copies
+    # the token in on the device.
+    unread_inputs: list[tuple[int, int]] = field(default_factory=list)
 
 
 class StagedBuffer:
@@ -137,6 +141,9 @@ class InputBuffers:
         self.staged["block_table"] = StagedBuffer((max_num_reqs, max_blocks_per_req), device)
         self.staged["seq_lens"] = StagedBuffer((max_num_reqs,), device)
         self.staged["query_start_loc"] = StagedBuffer((max_num_reqs + 1,), device)
+        # Unread input tokens (PreparedBatch.unread_inputs): rows of input_ids, then the rows
+        # of the last step's sampled ids they come from.
+        self.staged["unread_inputs"] = StagedBuffer((2, max_num_reqs), device)
         for group in range(1, num_groups):
             self.staged[self.group_name("slot_mapping", group)] = StagedBuffer(
                 (max_num_tokens,), device
@@ -198,9 +205,11 @@ def prepare_batch(
     sampling_requests: list[int] = []
     num_logits: list[int] = []
     max_blocks = [1] * buffers.num_groups
+    unread_inputs: list[tuple[int, int]] = []
     for i, req in enumerate(requests):
         start, stop = query_start_loc[-1], query_start_loc[-1] + req.num_new_tokens
-        _fill_request(req, buffers, block_size, start, stop, i)
+        if not _fill_request(req, buffers, block_size, start, stop, i):
+            unread_inputs.append((start, i))
         end = stop
         if padded is not None:
             if req.num_new_tokens > padded.query_len:
@@ -262,6 +271,7 @@ def prepare_batch(
         num_logits_per_request=num_logits,
         num_tokens=real_tokens,
         padded=padded,
+        unread_inputs=unread_inputs,
     )
 
 
@@ -303,19 +313,22 @@ def _tables(state: CachedRequestState) -> list[list[int]]:
 
 def _fill_request(
     req: ScheduledRequest, buffers: InputBuffers, block_size: int, start: int, stop: int, row: int
-) -> None:
+) -> bool:
+    """Its rows and block tables; False when it is a decode whose input token is not read
+    back yet (its row holds 0)."""
     state = req.state
     first = state.num_computed_tokens
     tables = _tables(state)
     for group, ids in enumerate(tables):
         buffers.staged[buffers.group_name("block_table", group)].np[row, : len(ids)] = ids
     if req.is_decode:  # the common case, without numpy temporaries
-        buffers.input_ids[start] = state.token_ids[first]
+        known = first < state.num_tokens
+        buffers.input_ids[start] = state.token_ids[first] if known else 0
         buffers.positions[start] = first
         for group, ids in enumerate(tables):
             slots = buffers.staged[buffers.group_name("slot_mapping", group)].np
             slots[start] = ids[first // block_size] * block_size + first % block_size
-        return
+        return known
     # Known tokens first; positions past them are this step's draft tokens.
     known = state.token_ids[first : first + req.num_new_tokens]
     tokens = known + req.draft_token_ids[: req.num_new_tokens - len(known)]
@@ -327,3 +340,4 @@ def _fill_request(
         slots = buffers.staged[buffers.group_name("slot_mapping", group)].np
         # slot = block_id * block_size + offset within the block
         slots[start:stop] = blocks[positions // block_size] * block_size + positions % block_size
+    return True

@@ -80,6 +80,11 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_connector = kv_connector
         self.captured: CapturedSteps | None = None  # set by capture_model()
+        # Async scheduling: the last step's sampled ids on the device, and each sampling
+        # request's row in them (the next step's decodes feed these tokens before they are
+        # read back).
+        self.keeps_samples = config.scheduler.async_scheduling
+        self.last_samples: tuple[torch.Tensor, dict[str, int]] | None = None
         self.lora = LoRAAdapters(model, arch, config.lora) if config.lora is not None else None
 
     def capture_model(self) -> None:
@@ -174,6 +179,8 @@ class ModelRunner:
             else None
         )
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches, padded)
+        if batch.unread_inputs:
+            self._feed_unread_inputs(batch)
         batch.ctx.kv_connector = self.kv_connector
         if self.lora is not None:
             runs = [
@@ -222,7 +229,24 @@ class ModelRunner:
             out = self.rejection_sampler(logits, meta, spec)
             return _Samples.on_host(out.token_ids, spec.first_rows, out.logprobs, num_logprobs)
         out = self.sampler(logits, meta)
+        if self.keeps_samples:
+            rows_of = {state.req_id: row for row, state in enumerate(states)}
+            self.last_samples = (out.sampled_token_ids, rows_of)
         return _Samples.on_device(out.sampled_token_ids, out.logprobs, num_logprobs)
+
+    def _feed_unread_inputs(self, batch: PreparedBatch) -> None:
+        """Decodes whose input token the last step sampled and nobody has read yet (async
+        scheduling): copied into input_ids on the device, from that step's sampled ids."""
+        if self.last_samples is None:
+            raise RuntimeError("a decode's input token is unknown, and no step sampled it")
+        sampled, rows_of = self.last_samples
+        staged = self.buffers.staged["unread_inputs"]
+        count = len(batch.unread_inputs)
+        for j, (row, index) in enumerate(batch.unread_inputs):
+            staged.np[0, j] = row
+            staged.np[1, j] = rows_of[batch.requests[index].state.req_id]
+        rows = self.buffers.device_view("unread_inputs", 2)
+        batch.input_ids[rows[0, :count]] = sampled[rows[1, :count]]
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(

@@ -4,6 +4,12 @@ One rule, as in vLLM V1: each step, every scheduled request gets `num_new_tokens
 `num_computed_tokens` catches up with `num_tokens_with_spec`, under one token budget. Prefill,
 chunked prefill, decode, resume after preemption and speculative verification are all that rule.
 
+A token scheduled to be sampled is a placeholder (Request.num_output_placeholders) until its
+step's output comes back. With async scheduling the engine schedules the next step before
+reading the last one's tokens: a decode then feeds its unread token (the worker takes it from
+the last step's sampled ids on the device), and a request whose placeholders already reach
+its max_tokens waits for them.
+
 Step order: running requests first (in admission order; under the priority policy in
 (priority, arrival) order, so the last is the one preempted), then waiting ones (strict head of
 line, in the same order), then `num_computed_tokens` advances optimistically;
@@ -34,7 +40,7 @@ from tokenbus.core.sched.external_kv import ExternalKV
 from tokenbus.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenbus.core.sched.ports import GrammarManager, KVConnectorScheduler
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
-from tokenbus.core.sched.stop import check_stop
+from tokenbus.core.sched.stop import check_stop, max_output_tokens
 from tokenbus.protocol import EngineOutput, SchedulerStats
 
 
@@ -89,6 +95,8 @@ class Scheduler:
         self.kv_load_failure_policy = kv_load_failure_policy
         # Preempted outside schedule() (a failed KV load): reported with the next step.
         self._preempted_outside_step: set[str] = set()
+        # Unfinished requests whose sampling reads their own outputs (Request.reads_own_outputs).
+        self._num_reading_outputs = 0
 
     @property
     def connector(self) -> KVConnectorScheduler | None:
@@ -119,6 +127,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar.add_request(request)
         self.requests[request.request_id] = request
+        self._num_reading_outputs += request.reads_own_outputs
         if self.by_priority:
             self._insert_by_priority(self.waiting, request)
         else:
@@ -142,6 +151,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or blocks a connector still moves (the worker must be polled)."""
         return bool(self.requests) or self.external_kv.has_delayed_free()
+
+    @property
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the last one's tokens are read: no
+        unfinished request's sampling reads its own outputs."""
+        return self._num_reading_outputs == 0
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -201,8 +216,12 @@ class Scheduler:
                 request,
                 request.num_computed_tokens,
                 plan.token_budget,
-                request.num_tokens_with_spec,
+                request.num_tokens_with_spec + request.num_output_placeholders,
             )
+            if request.num_output_placeholders and request.num_output_tokens + (
+                request.num_output_placeholders
+            ) >= max_output_tokens(request, self.config.max_model_len):
+                num_new = 0  # its unread tokens reach max_tokens: it ends with them
             if num_new == 0:
                 i += 1
                 continue
@@ -247,6 +266,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # an unread token still appends when it comes back
         request.spec_token_ids = []
         if self.by_priority:  # back in its place: no later arrival of its priority overtakes it
             self._insert_by_priority(self.waiting, request)
@@ -384,6 +404,13 @@ class Scheduler:
                 0, min(request.num_prompt_tokens - request.num_computed_tokens, num_new)
             )
             request.num_computed_tokens += num_new
+            # A chunk reaching the end of its known and unread tokens samples one more.
+            if (
+                request.sampling_params.pooling is None
+                and request.num_computed_tokens
+                >= request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1
 
     # ------------------------------------------------------------------ update
     def update_from_output(
@@ -407,6 +434,8 @@ class Scheduler:
                 continue  # aborted while the step ran, or its KV load failed (recomputed)
             index = runner_output.req_id_to_index[req_id]
             sampled = runner_output.sampled_token_ids[index]
+            if sampled and request.num_output_placeholders:  # none after a preemption
+                request.num_output_placeholders -= 1
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts and sampled:
                 # Accepted drafts + 1 sampled token came back; the rest of the drafts' KV is void.
@@ -432,7 +461,8 @@ class Scheduler:
         if self.grammar is not None and new_token_ids:
             self.grammar.accept_tokens(request, new_token_ids)
         if request.is_finished:
-            self.running.remove(request)
+            # Running, or preempted after its step was launched (async scheduling).
+            self._remove_from_queue(request)
             self._free_request(request)
         elif runner_output.spec_token_ids is not None:
             request.spec_token_ids = self._valid_drafts(
@@ -519,6 +549,7 @@ class Scheduler:
         return failed
 
     def _free_request(self, request: Request, keep_blocks: bool = False) -> None:
+        self._num_reading_outputs -= request.reads_own_outputs
         self.external_kv.release(request, keep_blocks)
         if self.grammar is not None:
             self.grammar.remove_request(request)
