@@ -161,8 +161,8 @@ class EngineArgs:
         False,
         "schedule and prepare the next step while the device runs this one (its decodes "
         "take their input token from the sampled ids on the device): the host's part of a "
-        "step no longer idles a GPU. Steps run one at a time while a request uses penalties, "
-        "min_tokens or structured output; not with speculative decoding or a KV connector",
+        "step no longer idles a GPU. Steps run one at a time while a request uses structured "
+        "output; not with speculative decoding or a KV connector",
     )
     grammar_compile_timeout: float = _arg(
         10.0,

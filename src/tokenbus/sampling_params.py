@@ -164,6 +164,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
+    @property
+    def reads_outputs(self) -> bool:
+        """Sampling reads the request's earlier output ids: penalties count them, min_tokens
+        counts how many there are."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
+        )
+
     def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
 

@@ -1,6 +1,6 @@
 """--async-scheduling end to end: the next step is scheduled and launched before the last one's
 tokens are read, and every output is the one steps run one at a time give (HF's greedy tokens,
-seeded samples, logprobs, stops, preemption, aborts), with every block freed."""
+seeded samples, logprobs, penalties, stops, preemption, aborts), with every block freed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from tests.e2e.oracle import hf_greedy, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, model_runner, random_prompts
 from tests.fixtures.eager_replay import replay_padded_steps
-from tokenbus import SamplingParams
+from tokenbus import SamplingParams, StructuredOutputsParams
 from tokenbus.worker.input_batch import StepShape
 from tokenbus.worker.model_runner import ModelRunner
 
@@ -86,21 +86,43 @@ def test_sampling_stops_and_logprobs_match_steps_one_at_a_time(tiny_llama_dir):
     assert_engine_clean(ahead)
 
 
-def test_requests_reading_their_outputs_run_steps_one_at_a_time(tiny_llama_dir, monkeypatch):
+def test_penalties_and_min_tokens_count_the_unread_token(tiny_llama_dir, monkeypatch):
+    """Penalties and min_tokens read a request's outputs: the one not read back yet is counted
+    on the device, so these requests run ahead too, with the same tokens."""
     prompts = random_prompts(4, 4, 20, seed=3)
     params = [
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8),
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=0.8, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=1, max_tokens=12, presence_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6),
     ]
     want = outputs_of(make_llm(tiny_llama_dir), prompts, params)
     llm = make_llm(tiny_llama_dir, async_scheduling=True)
     spy = LaunchSpy(llm, monkeypatch)
     assert outputs_of(llm, prompts, params) == want
-    # While the penalty and min_tokens requests run (the first 8 steps), nothing runs ahead.
-    assert spy.in_flight_at_launch[:8] == [0] * 8
-    assert 1 in spy.in_flight_at_launch  # after them, the plain requests do
+    assert max(spy.in_flight_at_launch) == 1 and spy.unread_inputs > 0
+    assert_engine_clean(llm)
+
+
+def test_a_request_under_a_grammar_runs_steps_one_at_a_time(tiny_llama_dir, monkeypatch):
+    """Its bitmask for the next step is built from the tokens it accepted: while it runs,
+    every step is read before the next is scheduled."""
+    prompts = random_prompts(2, 4, 20, seed=8)
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=6,
+            structured_outputs=StructuredOutputsParams(regex="[0-9]+"),
+        ),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    ]
+    want = outputs_of(make_llm(tiny_llama_dir), prompts, params)
+    llm = make_llm(tiny_llama_dir, async_scheduling=True)
+    spy = LaunchSpy(llm, monkeypatch)
+    got = outputs_of(llm, prompts, params)
+    assert got == want and got[0][3].isdigit()
+    assert spy.in_flight_at_launch[:6] == [0] * 6
+    assert 1 in spy.in_flight_at_launch  # the plain request runs ahead once it is alone
     assert_engine_clean(llm)
 
 

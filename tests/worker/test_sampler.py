@@ -428,3 +428,23 @@ def test_penalty_counts_per_row():
         [0, 0, 0, 0, 0, 1],
         [0, 0, 0, 0, 0, 0],
     ]
+
+
+def test_unread_outputs_count_as_outputs():
+    """Async scheduling: a row's output sampled by the last step and not read back yet
+    (SamplingRow.num_unread_outputs, its id on the device) counts in the penalties and
+    toward min_tokens as if it were in output_token_ids."""
+    rows = [
+        _row([1], [3], frequency_penalty=0.5),
+        _row([5], [2], min_tokens=2, stop_ids=[0], temperature=0),  # 1 + 1 unread: reached
+        _row([], [4], min_tokens=2, stop_ids=[0], presence_penalty=0.1),  # 1 < 2: masked
+    ]
+    rows[0].num_unread_outputs = rows[1].num_unread_outputs = 1
+    unread = (torch.tensor([0, 1]), torch.tensor([3, 2]))  # rows 0 and 1 sampled 3 and 2
+    meta = SamplingMetadata.build(rows, 6, "cpu", unread)
+    assert meta.output_token_counts.tolist() == [
+        [0, 0, 0, 2, 0, 0],
+        [0, 0, 2, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+    ]
+    assert meta.min_tokens_indices.tolist() == [[2], [0]]

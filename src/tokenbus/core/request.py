@@ -38,17 +38,6 @@ _FINISH_REASONS = {
 }
 
 
-def reads_own_outputs(params: SamplingParams) -> bool:
-    """Whether sampling the next token needs every earlier output token on the host."""
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.min_tokens > 0
-        or params.structured_outputs is not None
-    )
-
-
 # Computes the hashes of the request's full blocks not hashed yet (set by the KV layer).
 BlockHasher = Callable[["Request"], list[bytes]]
 
@@ -145,12 +134,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def reads_own_outputs(self) -> bool:
-        """Its sampling reads its own output tokens (penalties, min_tokens, a grammar): the
-        next step cannot be scheduled before they are all known."""
-        return reads_own_outputs(self.sampling_params)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):

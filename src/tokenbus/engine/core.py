@@ -162,7 +162,7 @@ class EngineCore:
 
     def _step_ahead(self) -> EngineOutputs:
         """Launch the next step, then read the oldest one in flight (see the module doc).
-        While a request reads its own outputs, steps run one at a time."""
+        While a request is under a grammar, steps run one at a time."""
         ahead = self.scheduler.can_schedule_ahead
         if self.scheduler.has_unfinished_requests() and (ahead or not self._in_flight):
             self._in_flight.append(self._launch())

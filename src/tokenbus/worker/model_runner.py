@@ -179,8 +179,7 @@ class ModelRunner:
             else None
         )
         batch = prepare_batch(scheduled, self.buffers, self.block_size, self.kv_caches, padded)
-        if batch.unread_inputs:
-            self._feed_unread_inputs(batch)
+        unread_tokens = self._feed_unread_inputs(batch) if batch.unread_inputs else None
         batch.ctx.kv_connector = self.kv_connector
         if self.lora is not None:
             runs = [
@@ -196,13 +195,20 @@ class ModelRunner:
         return _LaunchedStep(
             self,
             batch,
-            self._sample(batch, hidden, so),
+            self._sample(batch, hidden, so, unread_tokens),
             compute_prompt_logprobs(self.model, hidden, batch),
             compute_pooled(hidden, batch),
         )
 
-    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor, so: SchedulerOutput) -> _Samples:
-        """Tokens (and logprobs) per sampling request: one, or accepted drafts + one."""
+    def _sample(
+        self,
+        batch: PreparedBatch,
+        hidden: torch.Tensor,
+        so: SchedulerOutput,
+        unread_tokens: torch.Tensor | None = None,
+    ) -> _Samples:
+        """Tokens (and logprobs) per sampling request: one, or accepted drafts + one.
+        `unread_tokens`: the tokens batch.unread_inputs fed, on the device."""
         if not batch.sampling_requests:
             return _Samples.on_host([], [], None, [])
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [rows, vocab] fp32
@@ -210,9 +216,18 @@ class ModelRunner:
         drafts = [batch.requests[i].draft_token_ids for i in batch.sampling_requests]
         verifies = any(drafts)
         rows = [self._sampling_row(state) for state in states]
+        unread = None
+        if unread_tokens is not None:
+            # A decode fed an unread token has one output more than its state holds.
+            row_of = {index: row for row, index in enumerate(batch.sampling_requests)}
+            unread_rows = [row_of[index] for _, index in batch.unread_inputs]
+            for row in unread_rows:
+                rows[row].num_unread_outputs = 1
+            if any(row.params.reads_outputs for row in rows):  # penalties count them
+                unread = (to_device(torch.tensor(unread_rows), self.device), unread_tokens)
         if verifies:
             rows = expand_sampling_rows(rows, drafts)  # one row per position
-        meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
+        meta = SamplingMetadata.build(rows, logits.shape[-1], self.device, unread)
         if so.grammar_bitmask is not None:
             constrained = bitmask_rows(so.grammar_bitmask)
             bitmask = pad_bitmask_rows(
@@ -234,9 +249,10 @@ class ModelRunner:
             self.last_samples = (out.sampled_token_ids, rows_of)
         return _Samples.on_device(out.sampled_token_ids, out.logprobs, num_logprobs)
 
-    def _feed_unread_inputs(self, batch: PreparedBatch) -> None:
+    def _feed_unread_inputs(self, batch: PreparedBatch) -> torch.Tensor:
         """Decodes whose input token the last step sampled and nobody has read yet (async
-        scheduling): copied into input_ids on the device, from that step's sampled ids."""
+        scheduling): copied into input_ids on the device, from that step's sampled ids.
+        Returns those tokens (Long[len(batch.unread_inputs)], on the device)."""
         if self.last_samples is None:
             raise RuntimeError("a decode's input token is unknown, and no step sampled it")
         sampled, rows_of = self.last_samples
@@ -246,7 +262,9 @@ class ModelRunner:
             staged.np[0, j] = row
             staged.np[1, j] = rows_of[batch.requests[index].state.req_id]
         rows = self.buffers.device_view("unread_inputs", 2)
-        batch.input_ids[rows[0, :count]] = sampled[rows[1, :count]]
+        tokens = sampled[rows[1, :count]]
+        batch.input_ids[rows[0, :count]] = tokens
+        return tokens
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(

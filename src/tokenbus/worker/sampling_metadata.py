@@ -27,8 +27,11 @@ class SamplingRow:
     # Per-request generator created by the worker from `params.seed` (None: unseeded). It must
     # live on the logits' device.
     generator: torch.Generator | None = None
-    # EOS + stop_token_ids, masked while len(output_token_ids) < params.min_tokens.
+    # EOS + stop_token_ids, masked while the request has fewer outputs than params.min_tokens.
     stop_ids_for_min_tokens: list[int] = field(default_factory=list)
+    # Outputs sampled by the last step and not read back yet, beyond output_token_ids (async
+    # scheduling: 0 or 1). Their ids are on the device (SamplingMetadata.build's `unread`).
+    num_unread_outputs: int = 0
 
 
 @dataclass
@@ -65,8 +68,14 @@ class SamplingMetadata:
 
     @classmethod
     def build(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu"
+        cls,
+        rows: list[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        unread: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingMetadata:
+        """`unread`: (rows, token ids), Long[M] each on the device: the outputs not read back
+        yet (SamplingRow.num_unread_outputs), counted by the penalties there."""
         params = [row.params for row in rows]
         is_greedy = [p.is_greedy for p in params]
         random_params = [p for p in params if not p.is_greedy]
@@ -89,7 +98,7 @@ class SamplingMetadata:
                 for i, row in enumerate(rows)
                 if row.generator is not None and not row.params.is_greedy
             },
-            **_penalties(rows, vocab_size, device),
+            **_penalties(rows, vocab_size, device, unread),
             **_logit_bias(rows, vocab_size, device),
             min_tokens_indices=_min_tokens_indices(rows, vocab_size, device),
             max_num_logprobs=max(
@@ -141,7 +150,12 @@ def _per_row(
     return _tensor(values, torch.float32, device)
 
 
-def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> dict:
+def _penalties(
+    rows: list[SamplingRow],
+    vocab_size: int,
+    device: torch.device | str,
+    unread: tuple[torch.Tensor, torch.Tensor] | None,
+) -> dict:
     params = [row.params for row in rows]
     repetition = [p.repetition_penalty for p in params]
     presence = [p.presence_penalty for p in params]
@@ -150,6 +164,12 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device | 
     uses_presence = any(v != 0.0 for v in presence)
     uses_frequency = any(v != 0.0 for v in frequency)
     uses_any = uses_repetition or uses_presence or uses_frequency
+    output_counts = None
+    if uses_any:
+        output_counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
+        if unread is not None:
+            ones = torch.ones(unread[1].shape, dtype=torch.float32, device=device)
+            output_counts.index_put_(unread, ones, accumulate=True)
     return dict(
         repetition_penalty=_tensor(repetition, torch.float32, device) if uses_repetition else None,
         presence_penalty=_tensor(presence, torch.float32, device) if uses_presence else None,
@@ -159,11 +179,7 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device | 
             if uses_repetition
             else None
         ),
-        output_token_counts=(
-            _token_counts([r.output_token_ids for r in rows], vocab_size, device)
-            if uses_any
-            else None
-        ),
+        output_token_counts=output_counts,
     )
 
 
@@ -210,7 +226,7 @@ def _min_tokens_indices(
     pairs = [
         (i, token_id)
         for i, row in enumerate(rows)
-        if len(row.output_token_ids) < row.params.min_tokens
+        if len(row.output_token_ids) + row.num_unread_outputs < row.params.min_tokens
         for token_id in set(row.stop_ids_for_min_tokens)
         if 0 <= token_id < vocab_size
     ]

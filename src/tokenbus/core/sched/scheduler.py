@@ -8,7 +8,8 @@ A token scheduled to be sampled is a placeholder (Request.num_output_placeholder
 step's output comes back. With async scheduling the engine schedules the next step before
 reading the last one's tokens: a decode then feeds its unread token (the worker takes it from
 the last step's sampled ids on the device), and a request whose placeholders already reach
-its max_tokens waits for them.
+its max_tokens waits for them. A request under a grammar needs its tokens before its next
+bitmask: while one is unfinished, steps are scheduled one at a time.
 
 Step order: running requests first (in admission order; under the priority policy in
 (priority, arrival) order, so the last is the one preempted), then waiting ones (strict head of
@@ -95,8 +96,8 @@ class Scheduler:
         self.kv_load_failure_policy = kv_load_failure_policy
         # Preempted outside schedule() (a failed KV load): reported with the next step.
         self._preempted_outside_step: set[str] = set()
-        # Unfinished requests whose sampling reads their own outputs (Request.reads_own_outputs).
-        self._num_reading_outputs = 0
+        # Unfinished requests under a grammar (can_schedule_ahead).
+        self._num_with_grammar = 0
 
     @property
     def connector(self) -> KVConnectorScheduler | None:
@@ -127,7 +128,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar.add_request(request)
         self.requests[request.request_id] = request
-        self._num_reading_outputs += request.reads_own_outputs
+        self._num_with_grammar += _has_grammar(request)
         if self.by_priority:
             self._insert_by_priority(self.waiting, request)
         else:
@@ -155,8 +156,9 @@ class Scheduler:
     @property
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the last one's tokens are read: no
-        unfinished request's sampling reads its own outputs."""
-        return self._num_reading_outputs == 0
+        unfinished request is under a grammar, whose bitmask for the next step is built here
+        from the tokens it accepted."""
+        return self._num_with_grammar == 0
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -549,7 +551,7 @@ class Scheduler:
         return failed
 
     def _free_request(self, request: Request, keep_blocks: bool = False) -> None:
-        self._num_reading_outputs -= request.reads_own_outputs
+        self._num_with_grammar -= _has_grammar(request)
         self.external_kv.release(request, keep_blocks)
         if self.grammar is not None:
             self.grammar.remove_request(request)
@@ -585,6 +587,10 @@ class Scheduler:
         self.external_kv.check_integrity()
         assert not self.waiting and not self.running, "queues not empty"
         self.kv.check_integrity()
+
+
+def _has_grammar(request: Request) -> bool:
+    return request.sampling_params.structured_outputs is not None
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
