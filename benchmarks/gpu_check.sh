@@ -123,7 +123,7 @@ run() {  # run NAME SECONDS CMD...: a part under its own limit (cut to the deadl
 }
 
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rs"
-run tests_cuda 150 $PYTEST --timeout=100 \
+run tests_cuda 180 $PYTEST --timeout=100 \
     tests/worker/test_cuda_graphs.py tests/e2e/test_cuda_greedy.py tests/e2e/test_triton_and_dummy.py \
     tests/e2e/test_lora_e2e.py::test_adapters_on_a_gpu_give_the_cpu_engines_tokens \
     tests/e2e/test_moe.py::test_moe_on_a_gpu_runs_stacked_experts_in_graphs
