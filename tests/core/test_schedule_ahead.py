@@ -4,6 +4,7 @@ unread token is a placeholder; fake runner outputs, exact block ids, leak check 
 from __future__ import annotations
 
 from tests.core.sched_utils import EOS, fake_runner_output, make_request, make_scheduler
+from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.request import RequestStatus
 from tokenbus.protocol import FinishReason
 from tokenbus.sampling_params import StructuredOutputsParams
@@ -125,3 +126,39 @@ def test_a_request_under_a_grammar_stops_scheduling_ahead():
     assert not sched.can_schedule_ahead
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert sched.can_schedule_ahead  # penalties and min_tokens count unread outputs
+
+
+def test_an_embedding_request_preempted_while_its_last_chunk_runs_still_finishes():
+    # 8 usable blocks: a and e take 4 each; scheduling ahead, a's decode needs a ninth, so e
+    # (admitted last) is preempted while its chunk still runs; its vector comes back after.
+    sched = make_scheduler(num_blocks=9)
+    sched.add_request(make_request("a", 64, max_tokens=3, ignore_eos=True))
+    sched.add_request(make_request("e", 64, max_tokens=1, pooling="last"))
+    so1 = sched.schedule()
+    out1 = ModelRunnerOutput(req_ids=["a", "e"], sampled_token_ids=[[7], []], pooled=[None, [1.0]])
+    so2, out2 = launch(sched)
+    assert so2.preempted_req_ids == {"e"} and so2.num_scheduled_tokens == {"a": 1}
+    outputs = sched.update_from_output(so1, out1)
+    assert [(o.request_id, o.pooled) for o in outputs] == [("a", None), ("e", [1.0])]
+    assert not sched.waiting and "e" not in sched.requests
+    sched.update_from_output(so2, out2)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    sched.schedule()
+    sched.check_integrity()
+
+
+def test_a_new_request_reusing_an_id_gets_none_of_the_old_one_s_tokens():
+    sched = make_scheduler()
+    sched.add_request(make_request("x", 5, max_tokens=10, ignore_eos=True))
+    so1, out1 = launch(sched)
+    so2, out2 = launch(sched)
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+    sched.add_request(make_request("x", 9, max_tokens=2, ignore_eos=True, first_token=300))
+    assert sched.update_from_output(so1, out1) == []
+    assert sched.update_from_output(so2, out2) == []
+    x = sched.requests["x"]
+    assert x.output_token_ids == [] and x.num_computed_tokens == 0
+    so3, out3 = launch(sched)
+    assert so3.num_scheduled_tokens == {"x": 9} and so3.finished_req_ids == {"x"}
+    [first] = sched.update_from_output(so3, out3)
+    assert first.new_token_ids == [7]

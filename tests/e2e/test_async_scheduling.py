@@ -64,6 +64,8 @@ def test_greedy_tokens_are_hf_s_with_steps_launched_ahead(tiny_llama_dir, monkey
     assert max(spy.in_flight_at_launch) == 1  # launched while the last step was unread
     assert spy.unread_inputs > 0
     assert llm.engine.stats_totals["num_prompt_tokens"] == sum(map(len, prompts))
+    # The step launched after the last request ended was read too: nothing is held.
+    assert llm.engine.client.engine_core.num_steps_in_flight == 0
     assert_engine_clean(llm)
 
 
@@ -177,9 +179,7 @@ def test_an_abort_while_steps_are_in_flight_frees_everything(tiny_llama_dir):
     while engine.has_unfinished_requests():
         for out in engine.step():
             finished[out.request_id] = len(out.outputs[0].token_ids)
-    assert finished == {"1": 50}
-    while core.has_unfinished_requests():  # the step launched after the last one
-        core.step()
+    assert finished == {"1": 50} and core.num_steps_in_flight == 0
     assert_engine_clean(llm)
 
 
@@ -210,3 +210,28 @@ def test_the_engine_process_launches_ahead_too(tiny_llama_dir):
         assert_engine_clean(llm)
     finally:
         llm.shutdown()
+
+
+def test_an_id_reused_while_its_old_step_runs_starts_afresh(tiny_llama_dir):
+    """A request aborted while a step holding it is in flight, then added again under the
+    same id: the old step's token is not the new request's."""
+    first, second = random_prompts(2, 5, 20, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    def reuse(llm) -> list[int]:
+        engine = llm.engine
+        engine.add_request("x", first, params)
+        for _ in range(3):
+            engine.step()
+        engine.abort_request(["x"])
+        engine.add_request("x", second, params)
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [t for out in engine.step() for t in out.outputs[0].token_ids]
+        return tokens
+
+    want = outputs_of(make_llm(tiny_llama_dir), [second], params)[0][0]
+    llm = make_llm(tiny_llama_dir, async_scheduling=True)
+    assert llm.engine.client.engine_core.config.scheduler.async_scheduling
+    assert reuse(llm) == want
+    assert_engine_clean(llm)

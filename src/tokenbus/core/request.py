@@ -80,6 +80,9 @@ class Request:
         # step's schedule() and its update_from_output(), two while the next step is
         # scheduled before the last one's tokens are read (async scheduling).
         self.num_output_placeholders = 0
+        # The scheduler's step index when it was added: a step scheduled before that never
+        # ran it, whatever request of the same id it ran (set by Scheduler.add_request).
+        self.first_step_index = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.output_token_ids: list[int] = []

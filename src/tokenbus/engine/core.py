@@ -171,7 +171,12 @@ class EngineCore:
                 return EngineOutputs(timestamp=time.monotonic())
         if not self._in_flight:
             return EngineOutputs(timestamp=time.monotonic())
-        return self._finish(self._in_flight.popleft())
+        outputs = self._finish(self._in_flight.popleft())
+        if self._in_flight and not self.scheduler.has_unfinished_requests():
+            # Every request ended: the step launched after holds only void tokens. Read it
+            # now rather than keep its buffers until the next request (its counters are 0).
+            self._finish(self._in_flight.popleft())
+        return outputs
 
     def _launch(self) -> _LaunchedStep:
         scheduler_output = self.scheduler.schedule()

@@ -60,6 +60,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar_bitmask: GrammarBitmask | None = None
     # Opaque to the scheduler: what a KV connector's scheduler half tells its worker half.
     kv_connector_metadata: bytes | None = None
+    # The scheduler's count of steps before this one (async scheduling: a request added after
+    # this step was scheduled is not in it, though it may reuse an id that is).
+    step_index: int = 0
 
     @property
     def is_empty(self) -> bool:

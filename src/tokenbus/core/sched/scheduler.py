@@ -96,6 +96,8 @@ class Scheduler:
         self.kv_load_failure_policy = kv_load_failure_policy
         # Preempted outside schedule() (a failed KV load): reported with the next step.
         self._preempted_outside_step: set[str] = set()
+        # schedule() calls so far: the next step's SchedulerOutput.step_index.
+        self._num_steps_scheduled = 0
         # Unfinished requests under a grammar (can_schedule_ahead).
         self._num_with_grammar = 0
 
@@ -128,6 +130,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar.add_request(request)
         self.requests[request.request_id] = request
+        request.first_step_index = self._num_steps_scheduled
         self._num_with_grammar += _has_grammar(request)
         if self.by_priority:
             self._insert_by_priority(self.waiting, request)
@@ -190,7 +193,9 @@ class Scheduler:
             scheduled_spec_decode_tokens=plan.spec_tokens,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted} | self._preempted_outside_step,
+            step_index=self._num_steps_scheduled,
         )
+        self._num_steps_scheduled += 1
         if self.grammar is not None:
             self.grammar.fill_bitmask(output, self.requests)
         self.external_kv.attach_connector_meta(output)
@@ -432,8 +437,15 @@ class Scheduler:
         self.external_kv.settle_hits(scheduler_output.num_scheduled_tokens, failed_loads)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished or req_id in failed_loads:
-                continue  # aborted while the step ran, or its KV load failed (recomputed)
+            if (
+                request is None
+                or request.is_finished
+                or req_id in failed_loads
+                or request.first_step_index > scheduler_output.step_index
+            ):
+                # Aborted while the step ran, its KV load failed (recomputed), or a new request
+                # took the id of one that ended while this step ran (async scheduling).
+                continue
             index = runner_output.req_id_to_index[req_id]
             sampled = runner_output.sampled_token_ids[index]
             if sampled and request.num_output_placeholders:  # none after a preemption
@@ -494,7 +506,7 @@ class Scheduler:
     def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineOutput:
         """An embedding request is done once its whole prompt went through the model."""
         request.status = RequestStatus.FINISHED_STOPPED
-        self.running.remove(request)
+        self._remove_from_queue(request)  # preempted after its last chunk launched: waiting
         self._free_request(request)
         return EngineOutput(
             request_id=request.request_id,
