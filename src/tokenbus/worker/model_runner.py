@@ -32,7 +32,13 @@ from tokenbus.worker.lora_slots import LoRAAdapters, StepRun
 from tokenbus.worker.pooling import compute_pooled
 from tokenbus.worker.prompt_logprobs import compute_prompt_logprobs
 from tokenbus.worker.request_state import CachedRequestState
-from tokenbus.worker.sampler import LogprobsTensors, Sampler, to_token_logprobs
+from tokenbus.worker.sampler import (
+    LogprobsTensors,
+    Sampler,
+    pack_logprobs,
+    to_token_logprobs,
+    unpack_logprobs,
+)
 from tokenbus.worker.sampling_metadata import SamplingMetadata, SamplingRow, to_device
 from tokenbus.worker.spec_decode import (
     RejectionSampler,
@@ -330,7 +336,8 @@ class _Samples:
     host_ids: torch.Tensor | None  # device_ids' pinned copy, landed once `copied` is reached
     copied: torch.cuda.Event | None
     first_rows: list[int]  # each request's first row in `logprobs`
-    logprobs: LogprobsTensors | None
+    # A verification's, or plain sampling's pack_logprobs rows (on CUDA in pinned memory).
+    logprobs: LogprobsTensors | torch.Tensor | None
     num_logprobs: list[int | None]  # per row: what its request asked for
 
     @classmethod
@@ -340,9 +347,14 @@ class _Samples:
     @classmethod
     def on_device(cls, ids: torch.Tensor, logprobs, num_logprobs) -> _Samples:
         host, copied = ids, None
+        if logprobs is not None:  # one tensor, read with the ids
+            logprobs = pack_logprobs(logprobs)
         if ids.device.type == "cuda":
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
+            # The logprobs too: reading them from the device would wait for every step
+            # launched after this one.
+            host = _pinned_copy(ids)
+            if logprobs is not None:
+                logprobs = _pinned_copy(logprobs)
             copied = torch.cuda.Event()
             copied.record()
         return cls(None, ids, host, copied, list(range(len(ids))), logprobs, num_logprobs)
@@ -356,11 +368,20 @@ class _Samples:
             tokens = [[t] for t in self.host_ids.tolist()]
         if self.logprobs is None:
             return tokens, None
-        per_row = to_token_logprobs(self.logprobs, self.num_logprobs)
+        if isinstance(self.logprobs, torch.Tensor):
+            per_row = unpack_logprobs(self.logprobs, self.num_logprobs)
+        else:
+            per_row = to_token_logprobs(self.logprobs, self.num_logprobs)
         return tokens, [
             None if per_row[first] is None else per_row[first : first + len(t)]
             for first, t in zip(self.first_rows, tokens)
         ]
+
+
+def _pinned_copy(device: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor that `device` is copied into behind the work queued so far."""
+    host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+    return host.copy_(device, non_blocking=True)
 
 
 @dataclass

@@ -127,19 +127,31 @@ def to_token_logprobs(
 ) -> list[TokenLogprobs | None]:
     """One TokenLogprobs per row (sampled token first, then its own top-n); None where a row
     did not ask for logprobs. `num_logprobs[i]` is row i's `SamplingParams.logprobs`."""
-    # One read from the device: ids and ranks (below 2^53) travel exactly as float64.
-    width = tensors.token_ids.shape[1]
-    packed = torch.cat(
+    return unpack_logprobs(pack_logprobs(tensors), num_logprobs)
+
+
+def pack_logprobs(tensors: LogprobsTensors) -> torch.Tensor:
+    """Float64[B, 2 * (1 + n) + 1]: each row's ids, logprobs and rank, to come back in one
+    read (ids and ranks, below 2^53, travel exactly as float64)."""
+    return torch.cat(
         [
             tensors.token_ids.double(),
             tensors.logprobs.double(),
             tensors.sampled_ranks.double().unsqueeze(1),
         ],
         dim=1,
-    ).tolist()
-    token_ids = [[int(t) for t in row[:width]] for row in packed]
-    logprobs = [row[width : 2 * width] for row in packed]
-    ranks = [int(row[-1]) for row in packed]
+    )
+
+
+def unpack_logprobs(
+    packed: torch.Tensor, num_logprobs: list[int | None]
+) -> list[TokenLogprobs | None]:
+    """to_token_logprobs of pack_logprobs' rows (read back here)."""
+    width = (packed.shape[1] - 1) // 2
+    rows = packed.tolist()
+    token_ids = [[int(t) for t in row[:width]] for row in rows]
+    logprobs = [row[width : 2 * width] for row in rows]
+    ranks = [int(row[-1]) for row in rows]
     return [
         None
         if n is None
