@@ -332,8 +332,7 @@ class _Samples:
     verification has read its accepted tokens already."""
 
     token_ids: list[list[int]] | None  # on the host already
-    device_ids: torch.Tensor | None  # Long[rows], one token per request
-    host_ids: torch.Tensor | None  # device_ids' pinned copy, landed once `copied` is reached
+    host_ids: torch.Tensor | None  # Long[rows] (CUDA: a pinned copy, complete at `copied`)
     copied: torch.cuda.Event | None
     first_rows: list[int]  # each request's first row in `logprobs`
     # A verification's, or plain sampling's pack_logprobs rows (on CUDA in pinned memory).
@@ -342,7 +341,7 @@ class _Samples:
 
     @classmethod
     def on_host(cls, token_ids, first_rows, logprobs, num_logprobs) -> _Samples:
-        return cls(token_ids, None, None, None, first_rows, logprobs, num_logprobs)
+        return cls(token_ids, None, None, first_rows, logprobs, num_logprobs)
 
     @classmethod
     def on_device(cls, ids: torch.Tensor, logprobs, num_logprobs) -> _Samples:
@@ -357,7 +356,7 @@ class _Samples:
                 logprobs = _pinned_copy(logprobs)
             copied = torch.cuda.Event()
             copied.record()
-        return cls(None, ids, host, copied, list(range(len(ids))), logprobs, num_logprobs)
+        return cls(None, host, copied, list(range(len(ids))), logprobs, num_logprobs)
 
     def read(self) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
         """The tokens (waiting for their step) and their logprobs, per sampling request."""
