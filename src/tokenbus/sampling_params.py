@@ -16,6 +16,9 @@ GENERATION_CONFIG_FIELDS = {
     "repetition_penalty": 1.0,
 }
 
+# Each penalty's value when it is off.
+PENALTIES_OFF = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Exactly one constraint: a JSON schema, a regex, a choice list, an EBNF grammar or any
@@ -165,15 +168,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.temperature < GREEDY_EPSILON
 
     @property
+    def has_penalties(self) -> bool:
+        return any(getattr(self, name) != off for name, off in PENALTIES_OFF.items())
+
+    @property
     def reads_outputs(self) -> bool:
         """Sampling reads the request's earlier output ids: penalties count them, min_tokens
         counts how many there are."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.min_tokens > 0
-        )
+        return self.has_penalties or self.min_tokens > 0
 
     def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

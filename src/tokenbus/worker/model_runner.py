@@ -229,7 +229,7 @@ class ModelRunner:
             unread_rows = [row_of[index] for _, index in batch.unread_inputs]
             for row in unread_rows:
                 rows[row].num_unread_outputs = 1
-            if any(row.params.reads_outputs for row in rows):  # penalties count them
+            if any(row.params.has_penalties for row in rows):  # they count them
                 unread = (to_device(torch.tensor(unread_rows), self.device), unread_tokens)
         if verifies:
             rows = expand_sampling_rows(rows, drafts)  # one row per position

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenbus.sampling_params import SamplingParams
+from tokenbus.sampling_params import PENALTIES_OFF, SamplingParams
 
 
 @dataclass
@@ -156,27 +156,24 @@ def _penalties(
     device: torch.device | str,
     unread: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> dict:
-    params = [row.params for row in rows]
-    repetition = [p.repetition_penalty for p in params]
-    presence = [p.presence_penalty for p in params]
-    frequency = [p.frequency_penalty for p in params]
-    uses_repetition = any(v != 1.0 for v in repetition)
-    uses_presence = any(v != 0.0 for v in presence)
-    uses_frequency = any(v != 0.0 for v in frequency)
-    uses_any = uses_repetition or uses_presence or uses_frequency
+    # Each penalty some row uses, Float[B]; None for the others.
+    used = {
+        name: _tensor([getattr(row.params, name) for row in rows], torch.float32, device)
+        if any(getattr(row.params, name) != off for row in rows)
+        else None
+        for name, off in PENALTIES_OFF.items()
+    }
     output_counts = None
-    if uses_any:
+    if any(penalty is not None for penalty in used.values()):
         output_counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
         if unread is not None:
             ones = torch.ones(unread[1].shape, dtype=torch.float32, device=device)
             output_counts.index_put_(unread, ones, accumulate=True)
     return dict(
-        repetition_penalty=_tensor(repetition, torch.float32, device) if uses_repetition else None,
-        presence_penalty=_tensor(presence, torch.float32, device) if uses_presence else None,
-        frequency_penalty=_tensor(frequency, torch.float32, device) if uses_frequency else None,
+        **used,
         prompt_token_mask=(
             _token_counts([r.prompt_token_ids for r in rows], vocab_size, device) > 0
-            if uses_repetition
+            if used["repetition_penalty"] is not None
             else None
         ),
         output_token_counts=output_counts,
