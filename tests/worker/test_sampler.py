@@ -63,7 +63,7 @@ def test_greedy_is_argmax_and_takes_the_fast_path():
     meta = SamplingMetadata.build(rows, 100, "cpu")
     assert meta.all_greedy and not meta.all_random
     assert meta.temperature is None and meta.top_k is None and meta.top_p is None
-    assert meta.output_token_counts is None and meta.logit_bias_indices is None
+    assert meta.output_token_indices is None and meta.logit_bias_indices is None
     assert meta.max_num_logprobs is None
     out = Sampler()(logits.clone(), meta)
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
@@ -409,6 +409,68 @@ def test_sampler_samples_only_grammar_allowed_tokens():
     assert set(tokens.sampled_token_ids.unique().tolist()) == {3, 17, 33}
 
 
+def _dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The penalties' definition over [B, V] tables: the oracle of the (row, token) pairs."""
+    counts = torch.zeros_like(logits)
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        for token_id in row.output_token_ids:
+            counts[i, token_id] += 1
+        seen[i, row.prompt_token_ids] = True
+    seen |= counts > 0
+    params = [row.params for row in rows]
+    repetition = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
+    penalty = torch.where(seen, repetition, 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1) * counts
+    return logits - torch.tensor([p.presence_penalty for p in params]).unsqueeze(1) * (counts > 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_penalties_equal_their_dense_definition_bit_for_bit(seed):
+    """Repeated ids within and across prompt and output, rows without a penalty, empty rows,
+    each penalty alone and together, -inf logits (a min_tokens mask)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab_size = 12
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab_size, (n,), generator=gen).tolist()
+
+    settings = [
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=0.7),
+        dict(presence_penalty=-0.4),
+        dict(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=1.1),
+        dict(),
+    ]
+    rows = [
+        _row(ids(int(torch.randint(0, 9, (1,), generator=gen))), ids(n_out), **settings[i % 5])
+        for i, n_out in enumerate([0, 1, 7, 12, 3, 0, 9, 5, 2, 11])
+    ]
+    logits = torch.randn(len(rows), vocab_size, generator=gen) * 3
+    logits[2, 5] = NEG_INF
+    assert torch.equal(_processed(logits, rows), _dense_penalties(logits, rows))
+
+
+def test_penalties_of_rows_without_tokens():
+    rows = [_row([], [], repetition_penalty=1.5, frequency_penalty=0.5), _row([3], [])]
+    logits = torch.randn(2, 6)
+    assert torch.equal(_processed(logits, rows), logits)
+
+
+def _output_counts(meta: SamplingMetadata) -> list[list[int]]:
+    """[B, V]: each output pair's count, at its pair (the pairs of one token agree on it)."""
+    dense = torch.zeros(meta.num_rows, meta.vocab_size, dtype=torch.long)
+    dense[tuple(meta.output_token_indices)] = meta.output_token_counts.long()
+    return dense.tolist()
+
+
+def _prompt_mask(meta: SamplingMetadata) -> list[list[int]]:
+    dense = torch.zeros(meta.num_rows, meta.vocab_size, dtype=torch.long)
+    dense[tuple(meta.prompt_token_indices)] = 1
+    return dense.tolist()
+
+
 def test_penalty_counts_per_row():
     """Output ids counted per row (repeats add up, an empty row counts nothing); the prompt
     mask marks each prompt id once."""
@@ -418,12 +480,12 @@ def test_penalty_counts_per_row():
         _row([], [4, 0, 4, 4], presence_penalty=0.1),
     ]
     meta = SamplingMetadata.build(rows, 6, "cpu")
-    assert meta.output_token_counts.tolist() == [
+    assert _output_counts(meta) == [
         [0, 0, 0, 2, 1, 0],
         [0, 0, 0, 0, 0, 0],
         [1, 0, 0, 0, 3, 0],
     ]
-    assert meta.prompt_token_mask.int().tolist() == [
+    assert _prompt_mask(meta) == [
         [0, 1, 1, 0, 0, 0],
         [0, 0, 0, 0, 0, 1],
         [0, 0, 0, 0, 0, 0],
@@ -440,11 +502,11 @@ def test_unread_outputs_count_as_outputs():
         _row([], [4], min_tokens=2, stop_ids=[0], presence_penalty=0.1),  # 1 < 2: masked
     ]
     rows[0].num_unread_outputs = rows[1].num_unread_outputs = 1
-    unread = (torch.tensor([0, 1]), torch.tensor([3, 2]))  # rows 0 and 1 sampled 3 and 2
+    unread = ([0, 1], torch.tensor([3, 2]))  # rows 0 and 1 sampled 3 and 2
     meta = SamplingMetadata.build(rows, 6, "cpu", unread)
-    assert meta.output_token_counts.tolist() == [
+    assert _output_counts(meta) == [
         [0, 0, 0, 2, 0, 0],
-        [0, 0, 2, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0],  # no penalty: none of its tokens is listed
         [0, 0, 0, 0, 1, 0],
     ]
     assert meta.min_tokens_indices.tolist() == [[2], [0]]

@@ -229,8 +229,7 @@ class ModelRunner:
             unread_rows = [row_of[index] for _, index in batch.unread_inputs]
             for row in unread_rows:
                 rows[row].num_unread_outputs = 1
-            if any(row.params.has_penalties for row in rows):  # they count them
-                unread = (to_device(torch.tensor(unread_rows), self.device), unread_tokens)
+            unread = (unread_rows, unread_tokens)  # the penalties count them
         if verifies:
             rows = expand_sampling_rows(rows, drafts)  # one row per position
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device, unread)

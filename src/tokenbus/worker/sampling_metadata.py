@@ -52,8 +52,11 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None  # Float[B]; 1.0 = off
     presence_penalty: torch.Tensor | None  # Float[B]; 0.0 = off
     frequency_penalty: torch.Tensor | None  # Float[B]; 0.0 = off
-    prompt_token_mask: torch.Tensor | None  # Bool[B, V]: token occurs in the prompt (repetition)
-    output_token_counts: torch.Tensor | None  # Float[B, V]: occurrences in the output (penalties)
+    # Penalties read (row, token id) pairs, not [B, V] tables: only rows with a penalty have
+    # pairs, one per occurrence (repeats included).
+    prompt_token_indices: torch.Tensor | None  # Long[2, P]: prompt tokens (repetition only)
+    output_token_indices: torch.Tensor | None  # Long[2, M]: output tokens, unread ones last
+    output_token_counts: torch.Tensor | None  # Float[M]: each pair's occurrences (frequency)
     logit_bias_indices: torch.Tensor | None  # Long[2, N]: (row, token id) pairs
     logit_bias_values: torch.Tensor | None  # Float[N]: added to the logits at those pairs
     min_tokens_indices: torch.Tensor | None  # Long[2, M]: (row, token id) pairs set to -inf
@@ -64,7 +67,7 @@ class SamplingMetadata:
 
     @property
     def has_penalties(self) -> bool:
-        return self.output_token_counts is not None
+        return self.output_token_indices is not None
 
     @classmethod
     def build(
@@ -72,10 +75,11 @@ class SamplingMetadata:
         rows: list[SamplingRow],
         vocab_size: int,
         device: torch.device | str = "cpu",
-        unread: tuple[torch.Tensor, torch.Tensor] | None = None,
+        unread: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
-        """`unread`: (rows, token ids), Long[M] each on the device: the outputs not read back
-        yet (SamplingRow.num_unread_outputs), counted by the penalties there."""
+        """`unread`: the rows whose last output is not read back yet
+        (SamplingRow.num_unread_outputs) and those outputs, Long[M] on the device, where the
+        penalties count them."""
         params = [row.params for row in rows]
         is_greedy = [p.is_greedy for p in params]
         random_params = [p for p in params if not p.is_greedy]
@@ -154,7 +158,7 @@ def _penalties(
     rows: list[SamplingRow],
     vocab_size: int,
     device: torch.device | str,
-    unread: tuple[torch.Tensor, torch.Tensor] | None,
+    unread: tuple[list[int], torch.Tensor] | None,
 ) -> dict:
     # Each penalty some row uses, Float[B]; None for the others.
     used = {
@@ -163,39 +167,54 @@ def _penalties(
         else None
         for name, off in PENALTIES_OFF.items()
     }
-    output_counts = None
-    if any(penalty is not None for penalty in used.values()):
-        output_counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
-        if unread is not None:
-            ones = torch.ones(unread[1].shape, dtype=torch.float32, device=device)
-            output_counts.index_put_(unread, ones, accumulate=True)
+    if all(penalty is None for penalty in used.values()):
+        return dict(
+            used, prompt_token_indices=None, output_token_indices=None, output_token_counts=None
+        )
+    # Rows without a penalty hold its off value: applied to their pairs it would change nothing,
+    # so they get none.
+    penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    outputs = _token_indices([rows[i].output_token_ids for i in penalized], penalized, device)
+    if unread is not None:
+        unread_rows, unread_tokens = unread
+        kept = [j for j, row in enumerate(unread_rows) if rows[row].params.has_penalties]
+        if kept:
+            kept_rows = _tensor([unread_rows[j] for j in kept], torch.long, device)
+            kept_tokens = unread_tokens[_tensor(kept, torch.long, device)]
+            outputs = torch.cat([outputs, torch.stack([kept_rows, kept_tokens])], dim=1)
+    prompts = counts = None
+    if used["repetition_penalty"] is not None:
+        prompts = _token_indices([rows[i].prompt_token_ids for i in penalized], penalized, device)
+    if used["frequency_penalty"] is not None:
+        counts = _pair_counts(outputs, vocab_size)
     return dict(
-        **used,
-        prompt_token_mask=(
-            _token_counts([r.prompt_token_ids for r in rows], vocab_size, device) > 0
-            if used["repetition_penalty"] is not None
-            else None
-        ),
-        output_token_counts=output_counts,
+        used,
+        prompt_token_indices=prompts,
+        output_token_indices=outputs,
+        output_token_counts=counts,
     )
 
 
-def _token_counts(
-    token_lists: list[list[int]], vocab_size: int, device: torch.device | str
+def _token_indices(
+    token_lists: list[list[int]], row_ids: list[int], device: torch.device | str
 ) -> torch.Tensor:
-    """Float[B, V]: how often each token id occurs in each row's list."""
-    # Every prompt and output id, each step: flattened in C by numpy, not by a Python
-    # comprehension over every id; each id's row made on the host, where repeat_interleave of
-    # device lengths would read them back.
+    """Long[2, N]: (row, token id) for every id of every list, list i's ids in row row_ids[i]."""
+    # Every listed id, each step: flattened in C by numpy, not by a Python comprehension over
+    # every id; each id's row made on the host, where repeat_interleave of device lengths would
+    # read them back.
     lengths = [len(ids) for ids in token_lists]
     flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, sum(lengths))
-    token_ids = to_device(torch.from_numpy(flat), device)  # [N]
-    row_ids = to_device(
-        torch.from_numpy(np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)), device
-    )
-    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
-    ones = torch.ones(token_ids.shape, dtype=torch.float32, device=device)
-    return counts.index_put_((row_ids, token_ids), ones, accumulate=True)
+    rows = np.repeat(np.asarray(row_ids, dtype=np.int64), lengths)
+    return to_device(torch.from_numpy(np.stack([rows, flat])), device)
+
+
+def _pair_counts(pairs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Float[N]: how often each (row, token id) pair of Long[2, N] occurs among them, counted on
+    the device without reading anything back: its number of equal keys in the sorted keys."""
+    keys = pairs[0] * vocab_size + pairs[1]
+    ordered = keys.sort().values
+    counts = torch.searchsorted(ordered, keys, right=True) - torch.searchsorted(ordered, keys)
+    return counts.float()
 
 
 def _logit_bias(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> dict:

@@ -50,17 +50,26 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Repetition (HF/vLLM) on tokens seen in prompt or output, then OpenAI frequency and
-    presence penalties on output tokens: logit -= frequency * count + presence * (count > 0)."""
-    counts = meta.output_token_counts  # [B, V]
+    presence penalties on output tokens: logit -= frequency * count + presence * (count > 0).
+
+    Each reads the logits at its (row, token id) pairs and writes them back: a pair that occurs
+    more than once writes the same value each time, so repeats need no dedupe, and the work
+    grows with the tokens seen, not with B * V."""
+    outputs = meta.output_token_indices  # [2, M]
     if meta.repetition_penalty is not None:
-        seen = meta.prompt_token_mask | (counts > 0)  # [B, V]
-        penalty = torch.where(seen, meta.repetition_penalty.unsqueeze(1), 1.0)  # [B, V]
+        rows, token_ids = torch.cat([meta.prompt_token_indices, outputs], dim=1)
+        values = logits[rows, token_ids]
+        penalty = meta.repetition_penalty[rows]
         # Dividing positive logits and multiplying negative ones both make a token less likely.
-        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    if meta.frequency_penalty is not None:
-        logits -= meta.frequency_penalty.unsqueeze(1) * counts
-    if meta.presence_penalty is not None:
-        logits -= meta.presence_penalty.unsqueeze(1) * (counts > 0)
+        logits[rows, token_ids] = torch.where(values > 0, values / penalty, values * penalty)
+    if meta.frequency_penalty is not None or meta.presence_penalty is not None:
+        rows, token_ids = outputs
+        values = logits[rows, token_ids]
+        if meta.frequency_penalty is not None:
+            values = values - meta.frequency_penalty[rows] * meta.output_token_counts
+        if meta.presence_penalty is not None:
+            values = values - meta.presence_penalty[rows]
+        logits[rows, token_ids] = values
     return logits
 
 
