@@ -97,6 +97,30 @@ def test_busy_loop_orders_inputs_before_steps_and_stops_on_shutdown():
     assert results[0].call_id == 7 and results[0].error is None
 
 
+def test_busy_loop_with_async_scheduling_reports_only_steps_it_read():
+    """A call that only launches a step (the first of a run ahead) has nothing to report: no
+    empty OUTPUTS message goes to the front end, and the loop does not back off after it."""
+    engine = fake_engine_core(make_fake_setup(async_scheduling=True))
+    inputs: queue.Queue = queue.Queue()
+    emitted: list = []
+    loop = EngineCoreLoop(engine, inputs, lambda kind, payload: emitted.append((kind, payload)))
+    inputs.put((RequestType.ADD, make_request("a", [1, 2, 3], 5)))
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not any(o.finished for _, p in list(emitted) for o in p.outputs):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    inputs.put((RequestType.SHUTDOWN, None))
+    thread.join(timeout=10)
+    reports = [p for k, p in emitted if k is MessageType.OUTPUTS]
+    assert all(p.scheduler_stats is not None for p in reports)
+    assert [t for p in reports for o in p.outputs for t in o.new_token_ids] == expected_tokens(
+        [1, 2, 3], 5
+    )
+    engine.check_integrity()
+
+
 def test_busy_loop_reports_gauges_after_aborts_while_idle():
     engine = fake_engine_core(make_fake_setup())
     inputs: queue.Queue = queue.Queue()

@@ -199,6 +199,8 @@ class EngineCoreLoop:
     def _process_engine_step(self) -> None:
         if self.engine.has_unfinished_requests():
             outputs = self.engine.step()
+            if outputs.scheduler_stats is None and self.engine.num_steps_in_flight:
+                return  # it launched a step and read none (async scheduling): nothing to say
             if not self.engine.has_unfinished_requests():
                 # The last work just ended (e.g. a KV connector's delayed free): the gauges an
                 # idle engine shows must be this step's, not the last reported one's.
