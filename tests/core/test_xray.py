@@ -130,6 +130,32 @@ def test_step_ring_is_bounded_and_snapshot_crosses_processes():
     assert msgspec.msgpack.decode(wire, type=EngineOutputs).xray == snap
 
 
+def test_step_durations_do_not_count_an_overlap_twice(monkeypatch):
+    """Async scheduling launches step 2 before step 1 is read: step 1 lasts from its launch to
+    its read, step 2 from step 1's read to its own (not from its launch)."""
+    clock = iter([1.0, 2.0, 3.0, 4.5, 5.0, 5.25])
+    monkeypatch.setattr("tokenbus.core.xray.time.perf_counter", lambda: next(clock))
+    sched = make_scheduler()
+    recorder = XrayRecorder(sched)
+    sched.add_request(make_request("a", 20, max_tokens=50, ignore_eos=True))
+    so1 = sched.schedule()
+    begun1 = recorder.begin_step(so1)  # 1.0
+    out1 = fake_runner_output(so1, sched, 7)
+    so2 = sched.schedule()  # scheduled ahead: its input token is step 1's, unread
+    begun2 = recorder.begin_step(so2)  # 2.0
+    sched.update_from_output(so1, out1)
+    recorder.end_step(begun1, so1, out1, 0)  # 3.0
+    out2 = fake_runner_output(so2, sched, 8)
+    sched.update_from_output(so2, out2)
+    recorder.end_step(begun2, so2, out2, 0)  # 4.5
+    so3 = sched.schedule()  # one at a time again: from its launch
+    begun3 = recorder.begin_step(so3)  # 5.0
+    out3 = fake_runner_output(so3, sched, 9)
+    sched.update_from_output(so3, out3)
+    recorder.end_step(begun3, so3, out3, 0)  # 5.25
+    assert [s.duration_ms for s in recorder.steps] == [2000.0, 1500.0, 250.0]
+
+
 def test_kv_transfers_in_flight_are_listed():
     from tests.core.test_kv_connector_scheduler import FakeConnector, _step
 

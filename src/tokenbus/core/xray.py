@@ -51,6 +51,7 @@ class XrayRecorder:
         self._last: XraySnapshot | None = None
         self._build_seconds = 0.0  # what the last snapshot took to build
         self._spec: dict[str, _SpecCounts] = {}  # only requests that drafted
+        self._last_read = 0.0  # perf_counter when the last step's output was read
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, so: SchedulerOutput) -> tuple[float, int, int]:
@@ -96,11 +97,17 @@ class XrayRecorder:
                 accepted += num_accepted
             self._forget_finished()
         self.num_steps += 1
+        # From its launch, or from the last step's read if that came later: with async
+        # scheduling a step launches before the one ahead of it is read, and the durations
+        # still add up to the engine's time instead of counting the overlap twice.
+        now = time.perf_counter()
+        duration = now - max(start, self._last_read)
+        self._last_read = now
         self.steps.append(
             XrayStep(
                 index=self.num_steps,
                 timestamp=time.time(),
-                duration_ms=(time.perf_counter() - start) * 1e3,
+                duration_ms=duration * 1e3,
                 num_reqs=len(so.num_scheduled_tokens),
                 num_prefill_tokens=prefill,
                 num_decode_tokens=decode,
