@@ -203,6 +203,27 @@ def test_seeded_sampling_reproducible_and_batch_independent_with_spec(models):
     assert_engine_clean(llm)
 
 
+def test_a_draft_models_cache_counts_in_the_kv_budget(models):
+    """--kv-cache-memory covers the draft model's cache too: it holds every block id the
+    target's does, so each block costs both models' layers."""
+    budget = 3 * 2**20
+
+    def per_block(tensors) -> int:
+        return sum(t.numel() * t.element_size() // t.shape[1] for t in tensors)
+
+    llm = make_spec_llm(
+        models[0], _spec("draft_model", models), max_model_len=256, kv_cache_memory=budget
+    )
+    runner = model_runner(llm)
+    target, draft = runner.kv_caches, runner.proposer.kv_caches
+    num_blocks = target[0].shape[1]
+    assert all(t.shape[1] == num_blocks for t in target + draft)
+    assert num_blocks == budget // (per_block(target) + per_block(draft))
+    assert num_blocks * (per_block(target) + per_block(draft)) <= budget
+    assert generate_greedy(llm, mixed_prompts()[:2], 8)  # and it runs
+    assert_engine_clean(llm)
+
+
 def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir):
     other = cached_tiny_model("llama", seed=2, vocab_size=32000)
     with pytest.raises(ValueError, match="share the target's vocabulary"):

@@ -35,11 +35,16 @@ def determine_num_blocks(
     max_num_seqs: int,
     reserved_bytes: int = 0,
     groups: KVGroupLayout | None = None,
+    draft_arch: ModelArch | None = None,
 ) -> int:
     """Blocks that fit the KV budget, less `reserved_bytes` (CUDA graphs) of a profiled budget;
     fails if one max_model_len request cannot fit (in every KV group: a whole-prompt prefill
-    holds all its blocks in a sliding group too, until the next step frees them)."""
+    holds all its blocks in a sliding group too, until the next step frees them). A separate
+    draft model's cache (`draft_arch`: a rank's share) holds the same block ids: its layers
+    count in each block's bytes."""
     per_block = bytes_per_block(arch, cache.block_size, dtype, groups)
+    if draft_arch is not None:
+        per_block += bytes_per_block(draft_arch, cache.block_size, dtype)
     num_groups = 1 if groups is None else len(groups.groups)
     # one full-length request + the null block
     needed = num_groups * cdiv(max_model_len, cache.block_size) + 1

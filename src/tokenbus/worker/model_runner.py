@@ -47,6 +47,7 @@ from tokenbus.worker.spec_decode import (
     expand_sampling_rows,
     make_proposer,
 )
+from tokenbus.worker.spec_decode.draft_model import DraftModel
 
 
 class ModelRunner:
@@ -59,6 +60,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_id: int | None,
         kv_connector: KVConnectorWorker | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.config = config
         self.arch = arch
@@ -82,7 +84,7 @@ class ModelRunner:
         self.sampler = Sampler(default_generator)
         self.rejection_sampler = RejectionSampler(default_generator)
         self.num_spec_tokens = num_spec
-        self.proposer = make_proposer(config, arch, model, kv_caches, device)
+        self.proposer = make_proposer(config, arch, model, kv_caches, device, draft)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_connector = kv_connector
         self.captured: CapturedSteps | None = None  # set by capture_model()

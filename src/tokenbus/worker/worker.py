@@ -26,6 +26,7 @@ from tokenbus.worker.input_batch import InputBuffers, max_blocks_per_req
 from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.worker.model_builder import load_model
 from tokenbus.worker.model_runner import ModelRunner
+from tokenbus.worker.spec_decode.draft_model import DraftModel, load_draft_model
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Worker:
         self.local_device_index = local_device_index
         self.tp = SINGLE
         self.model: torch.nn.Module | None = None
+        self.draft: DraftModel | None = None  # a separate draft model, loaded with the target
         self.runner: ModelRunner | None = None
 
     @property
@@ -126,10 +128,11 @@ class Worker:
             self.config.scheduler.max_model_len,
         )
         check_layer_windows(self.model, self.arch)
+        self.draft = load_draft_model(self.config, self.arch, self.model, self.device)
 
     def determine_num_kv_blocks(self) -> int:
-        """Blocks this rank can hold after its weights and its CUDA graphs (what it measures,
-        not what it gets)."""
+        """Blocks this rank can hold after its weights (a draft model's too) and its CUDA
+        graphs (what it measures, not what it gets)."""
         return determine_num_blocks(
             self.config.cache,
             self.rank_arch,
@@ -139,6 +142,7 @@ class Worker:
             self.config.scheduler.max_num_seqs,
             reserved_bytes=self._graph_memory_bytes(),
             groups=self.kv_groups,
+            draft_arch=None if self.draft is None else self.tp.shard_arch(self.draft.arch),
         )
 
     @property
@@ -249,6 +253,7 @@ class Worker:
             self.device,
             self.eos_token_id,
             self.kv_connector,
+            self.draft,
         )
         self.runner.capture_model()
 

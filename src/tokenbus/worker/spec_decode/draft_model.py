@@ -226,14 +226,46 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[batch.logits_indices]).argmax(-1)
 
 
+@dataclass(frozen=True)
+class DraftModel:
+    """A separate draft model (speculative_config.model), sharded like the target."""
+
+    model: torch.nn.Module
+    arch: ModelArch  # its whole shape; a rank's share is model.tp.shard_arch(arch)
+
+
+def load_draft_model(
+    config: EngineConfig, arch: ModelArch, target: torch.nn.Module, device: torch.device
+) -> DraftModel | None:
+    """The separate draft model speculative_config.model names, or None (no speculation,
+    n-gram, self-speculation). Loaded with the target, before the KV cache is sized: its
+    weights are in use then, and its own cache holds every block id the target's does, so its
+    layers count in each block's bytes (worker/kv_cache.determine_num_blocks)."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model" or spec.model is None:
+        return None
+    model, draft_arch = _load_draft_model(
+        spec.model,
+        arch,
+        config.scheduler.max_model_len,
+        target.embed_tokens.dtype,
+        device,
+        config.model.attention_backend,
+        target.tp,
+    )
+    return DraftModel(model, draft_arch)
+
+
 def make_draft_model_proposer(
     config: EngineConfig,
     arch: ModelArch,
     model: torch.nn.Module,
     kv_caches: list[torch.Tensor],
     device: torch.device,
+    draft: DraftModel | None,
 ) -> DraftModelProposer:
-    """Self-speculation ("draft_layers" only) or a separate draft model ("model")."""
+    """Self-speculation ("draft_layers" only) or a separate draft model ("model": `draft`, from
+    load_draft_model)."""
     spec = config.speculative
     sched = config.scheduler
     buffers = InputBuffers(
@@ -254,34 +286,26 @@ def make_draft_model_proposer(
             f"(self-speculation uses fewer than the target's {arch.num_hidden_layers})",
         )
         return DraftModelProposer(model, kv_caches, num_layers, shares_target_kv=True, **common)
-    draft_model, draft_arch = _load_draft_model(
-        spec.model,
-        arch,
-        sched.max_model_len,
-        model.embed_tokens.dtype,
-        device,
-        config.model.attention_backend,
-        model.tp,
-    )
+    assert draft is not None, "load_draft_model loads a separate draft model with the target"
     num_layers = None
     if spec.draft_layers is not None:
         num_layers = _check_draft_layers(
             spec.draft_layers,
-            draft_arch.num_hidden_layers,
-            f"(the draft model has {draft_arch.num_hidden_layers})",
+            draft.arch.num_hidden_layers,
+            f"(the draft model has {draft.arch.num_hidden_layers})",
         )
     from tokenbus.worker.kv_cache import allocate_kv_caches
 
     num_blocks = kv_caches[0].shape[1]  # [2, num_blocks, block_size, Hkv, D]
     # The target's pool dtype (--kv-cache-dtype) too: its block count was sized for that.
     draft_kv = allocate_kv_caches(
-        model.tp.shard_arch(draft_arch),
+        model.tp.shard_arch(draft.arch),
         num_blocks,
         config.cache.block_size,
         kv_caches[0].dtype,
         device,
     )
-    return DraftModelProposer(draft_model, draft_kv, num_layers, shares_target_kv=False, **common)
+    return DraftModelProposer(draft.model, draft_kv, num_layers, shares_target_kv=False, **common)
 
 
 def _check_draft_layers(draft_layers: int, max_layers: int, why: str) -> int:

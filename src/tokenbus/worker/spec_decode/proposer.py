@@ -15,6 +15,7 @@ from tokenbus.worker.request_state import CachedRequestState
 
 if TYPE_CHECKING:
     from tokenbus.worker.input_batch import PreparedBatch
+    from tokenbus.worker.spec_decode.draft_model import DraftModel
 
 
 class Proposer(Protocol):
@@ -62,8 +63,10 @@ def make_proposer(
     model: torch.nn.Module,
     kv_caches: list[torch.Tensor],
     device: torch.device,
+    draft: DraftModel | None = None,
 ) -> Proposer | None:
-    """The proposer `config.speculative` asks for (None: no speculation)."""
+    """The proposer `config.speculative` asks for (None: no speculation); `draft`: a separate
+    draft model, loaded with the target (spec_decode/draft_model.load_draft_model)."""
     spec = config.speculative
     if spec is None:
         return None
@@ -75,4 +78,4 @@ def make_proposer(
         )
     from tokenbus.worker.spec_decode.draft_model import make_draft_model_proposer
 
-    return make_draft_model_proposer(config, arch, model, kv_caches, device)
+    return make_draft_model_proposer(config, arch, model, kv_caches, device, draft)
