@@ -171,12 +171,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def has_penalties(self) -> bool:
         return any(getattr(self, name) != off for name, off in PENALTIES_OFF.items())
 
-    @property
-    def reads_outputs(self) -> bool:
-        """Sampling reads the request's earlier output ids: penalties count them, min_tokens
-        counts how many there are."""
-        return self.has_penalties or self.min_tokens > 0
-
     def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
 
