@@ -1,7 +1,8 @@
-"""The parts of a pre-norm decoder layer, shared by every family (L2): attention, a gated MLP,
-and the layer that joins them. Each calls one injected op for each step it takes: its linears'
-kernels (layers/linear.py), the elementwise ops (`self.ops`: layers/ops.py) and the step's
-attention plan (ctx.attn_metadata: model/attention.py). Which kernels those are, the kernel plan
+"""The parts of a pre-norm decoder layer, shared by every family (L2): attention, a gated MLP
+(SiLU or GeGLU), and the layers that join them (pre-norm, or with Gemma's sandwich norms). Each
+calls one injected op for each step it takes: its linears' kernels (layers/linear.py), the
+elementwise ops (`self.ops`: layers/ops.py) and the step's attention plan (ctx.attn_metadata:
+model/attention.py). Which kernels those are, the kernel plan
 decides once at load (model/kernel_plan.py); a family file only chooses the parts.
 
 Token layout is flat: every tensor is [T, ...] over the step's tokens of all requests.
@@ -28,7 +29,14 @@ class Attention(OpsModule):
     `qkv_bias` / `o_bias`: which projections carry a bias; `qk_norm`: an RMSNorm over each
     query and key head's D values before the rotary (Qwen3's q_norm / k_norm, one weight [D]
     each, whole on every rank). `sliding_window`: each query sees only its last `sliding_window`
-    keys (itself included); None: all. CausalLM gives each layer ModelArch.sliding_windows'."""
+    keys (itself included); None: all. CausalLM gives each layer ModelArch.sliding_windows'.
+    `rope_table`: a family with a RoPE table per kind of layer (Gemma 3's local layers: their own
+    base) hands its layers the tables stacked [R, T, 1, D/2], and this layer reads row
+    `rope_table`; None: one table [T, 1, D/2].
+
+    A family's subclass only configures these (model/gemma.py's: scale, soft-cap, norms,
+    window, table); the computation is this forward, which decode_layer.c mirrors
+    (model/kernel_plan.py takes a subclass there only while it keeps this forward)."""
 
     def __init__(
         self,
@@ -53,6 +61,7 @@ class Attention(OpsModule):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
         self.logit_softcap: float | None = None  # a family's scores soft-cap (model/gemma.py)
+        self.rope_table: int | None = None
 
     def forward(
         self,
@@ -64,6 +73,8 @@ class Attention(OpsModule):
         plan: Plan,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
+        if self.rope_table is not None:
+            cos, sin = cos[self.rope_table], sin[self.rope_table]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
         if self.q_norm is not None:
             self.ops.head_rms_norm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
@@ -110,6 +121,15 @@ class GatedMLP(OpsModule):
         return self.ops.silu_mul(gate_up)
 
 
+class GeGLUMLP(GatedMLP):
+    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)) (Gemma's)."""
+
+    activation = "gelu_pytorch_tanh"
+
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.gelu_tanh_mul(gate_up)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), the residual carried apart."""
 
@@ -135,3 +155,38 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 2/3's block: each sublayer's output normed again before it joins the residual,
+    x + post_attention_norm(attn(input_norm(x))), then + post_ffw_norm(mlp(pre_ffw_norm(.))).
+    `norm` builds its four norms (the family's RMSNorm). Like DecoderLayer, it returns its
+    output not yet added to the residual stream (the next layer's input norm, or the final
+    norm, adds it)."""
+
+    def __init__(
+        self, arch: ModelArch, self_attn: Attention, mlp: GatedMLP, norm: type[RMSNorm] = RMSNorm
+    ) -> None:
+        super().__init__()
+        size, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = norm(size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = norm(size, eps)
+        self.pre_feedforward_layernorm = norm(size, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = norm(size, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan))
+        h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual

@@ -1,12 +1,12 @@
-"""Gemma 2 and Gemma 3 (text): model/decoder.py's attention and gated MLP with what Gemma adds.
+"""Gemma 2 and Gemma 3 (text): model/decoder.py's parts (attention, GeGLU MLP, sandwich-norm
+layer) configured as Gemma's.
 
 - RMSNorm scales by (1 + w), computed in fp32 whatever the activations' dtype, then cast back
   (HF's Gemma2RMSNorm / Gemma3RMSNorm). The parameter holds (1 + w), made in fp32 at load from
   HF's w (a GGUF's norms come back as w too: loader/gguf_loader.py), so in an fp32 model the norm
   is a plain RMSNorm and the fused C op runs it.
-- Each layer norms before and after attention and before and after the MLP:
-  x + post_attention_norm(attn(input_norm(x))), then + post_ffw_norm(mlp(pre_ffw_norm(.))).
-- The MLP is GeGLU: gelu(gate, tanh approximation) * up.
+- Each layer norms before and after attention and before and after the MLP
+  (decoder.SandwichDecoderLayer), and its MLP is GeGLU (decoder.GeGLUMLP).
 - The embedding is scaled by sqrt(hidden_size), that factor cast to the activations' dtype first.
 - Attention scale query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps the attention scores
   (attn_logit_softcapping) and both may soft-cap the final logits (final_logit_softcapping).
@@ -31,9 +31,8 @@ import torch
 from torch import nn
 
 from tokenbus.config import ModelArch
-from tokenbus.model.attention import Plan
 from tokenbus.model.causal_lm import CausalLM
-from tokenbus.model.decoder import Attention, GatedMLP
+from tokenbus.model.decoder import Attention, GeGLUMLP, SandwichDecoderLayer
 from tokenbus.model.layers import RMSNorm, RotaryEmbedding
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader, copy_param
@@ -60,8 +59,8 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaAttention(Attention):
-    """Attention with Gemma's scale, score soft-cap, (Gemma 3) (1 + w) q/k norms, a window and
-    a RoPE table per layer (`set_layer`)."""
+    """The shared attention with Gemma's scale, score soft-cap, (Gemma 3) (1 + w) q/k norms,
+    and a window and RoPE table per layer (`set_layer`)."""
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         bias = arch.attention_bias
@@ -71,7 +70,6 @@ class GemmaAttention(Attention):
             self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
         self.logit_softcap = arch.attn_logit_softcapping
-        self.sliding_window: int | None = None
         self.rope_table = GLOBAL_ROPE
 
     def set_layer(self, arch: ModelArch, layer_idx: int) -> None:
@@ -79,58 +77,6 @@ class GemmaAttention(Attention):
         self.sliding_window = arch.sliding_windows[layer_idx] if arch.sliding_windows else None
         is_local = self.sliding_window is not None and arch.rope_local_theta is not None
         self.rope_table = LOCAL_ROPE if is_local else GLOBAL_ROPE
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        plan: Plan,
-    ) -> torch.Tensor:
-        """cos/sin: the model's tables stacked [R, T, 1, D/2]; this layer reads its own."""
-        table = self.rope_table
-        return super().forward(x, cos[table], sin[table], kv_cache, slot_mapping, plan)
-
-
-class GeGLUMLP(GatedMLP):
-    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))."""
-
-    activation = "gelu_pytorch_tanh"
-
-    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.ops.gelu_tanh_mul(gate_up)
-
-
-class GemmaDecoderLayer(nn.Module):
-    """Sandwich-norm block; like DecoderLayer, it returns its output not yet added to the
-    residual stream (the next layer's input norm, or the final norm, adds it)."""
-
-    def __init__(self, arch: ModelArch, self_attn: GemmaAttention, mlp: GeGLUMLP) -> None:
-        super().__init__()
-        size, eps = arch.hidden_size, arch.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.self_attn = self_attn
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.mlp = mlp
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        plan: Plan,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan))
-        h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class GemmaForCausalLM(CausalLM):
@@ -145,8 +91,9 @@ class GemmaForCausalLM(CausalLM):
         for idx, layer in enumerate(self.layers):
             layer.self_attn.set_layer(arch, idx)
 
-    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> GemmaDecoderLayer:
-        return GemmaDecoderLayer(arch, GemmaAttention(arch, tp), GeGLUMLP(arch, tp))
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> SandwichDecoderLayer:
+        attn, mlp = GemmaAttention(arch, tp), GeGLUMLP(arch, tp)
+        return SandwichDecoderLayer(arch, attn, mlp, GemmaRMSNorm)
 
     def rotary_lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
