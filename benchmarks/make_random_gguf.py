@@ -6,8 +6,10 @@
 Configs (CONFIGS below): llama-3.2-1b, llama-3.2-3b, llama-3.1-8b (Llama 3 rope factors as
 rope_freqs.weight, as llama.cpp's converter writes them; tied embeddings for 3.2), qwen2.5-0.5b
 (Qwen2 with q/k/v biases; 896 wide, so llama.cpp's K-quant recipes fall back to other types for
-some tensors, as in the real files). Tensor names and metadata are llama.cpp's; matrices are
-F16, norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02), norms 1.
+some tensors, as in the real files), qwen3-30b-a3b-8l (MoE), gemma-3-1b (sandwich norms, q/k
+norms, five sliding-window layers to one global). Tensor names and metadata are llama.cpp's;
+matrices are F16, norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02),
+norms 1.
 
 The tokenizer and chat template are the packaged SmolLM2 GGUF's, its vocabulary padded up to
 the model's with `[PAD<i>]` tokens of type UNUSED (as llama.cpp's converter pads a vocabulary
@@ -62,6 +64,10 @@ class ModelShape:
     expert_intermediate: int = 0
     head_dim_override: int = 0  # Qwen3's head_dim != hidden / heads
     qk_norm: bool = False  # Qwen3's attn_q_norm / attn_k_norm
+    # Gemma 3: the local layers' window (llama.cpp fixes the pattern, five local then a global,
+    # and the local RoPE base, 10k); its sandwich norms (post_attention_norm, post_ffw_norm)
+    # come with the architecture.
+    sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -94,6 +100,12 @@ CONFIGS = {
         experts=128, experts_used=8, expert_intermediate=768, head_dim_override=128,
         qk_norm=True,
     ),
+    # Gemma 3 1B: 1152 wide (not a multiple of 256, so K-quant recipes fall back to other types
+    # for some tensors, as in the real files), 4/1 heads of 256, a 262k vocabulary, tied.
+    "gemma-3-1b": ModelShape(
+        "gemma3", 1152, 26, 4, 1, 6912, 262144, 1000000.0, 32768, 1e-6, True,
+        head_dim_override=256, qk_norm=True, sliding_window=512,
+    ),
 }  # fmt: skip
 
 
@@ -123,7 +135,8 @@ def llama3_rope_factors(shape: ModelShape) -> np.ndarray:
 
 def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """(llama.cpp name, numpy shape [out, in], kind) in llama.cpp's converter's order; kind:
-    matrix (F16, random), norm (F32 ones), bias (F32 random), rope (F32 factors)."""
+    matrix (F16, random), norm (F32 ones: Gemma's stored 1 + w, so w = 0 there too), bias (F32
+    random), rope (F32 factors)."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     q = shape.heads * shape.head_dim
     yield "token_embd.weight", (shape.vocab, h), "matrix"
@@ -140,6 +153,8 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "attn_q_norm.weight", (shape.head_dim,), "norm"
             yield b + "attn_k_norm.weight", (shape.head_dim,), "norm"
         yield b + "attn_output.weight", (h, q), "matrix"
+        if shape.architecture == "gemma3":
+            yield b + "post_attention_norm.weight", (h,), "norm"
         yield b + "ffn_norm.weight", (h,), "norm"
         if shape.experts:
             e, inter = shape.experts, shape.expert_intermediate
@@ -151,6 +166,8 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
         yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_down.weight", (h, shape.intermediate), "matrix"
+        if shape.architecture == "gemma3":
+            yield b + "post_ffw_norm.weight", (h,), "norm"
     yield "output_norm.weight", (h,), "norm"
     if not shape.tied:
         yield "output.weight", (shape.vocab, h), "matrix"
@@ -203,6 +220,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_quantization_version(2)

@@ -56,6 +56,9 @@ def test_fused_ops_equal_torch(rows):
     gate_up = torch.randn(rows, 2 * 1536, generator=g)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ops.gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5
+    )
 
 
 def q4_k_m_mix(name: str) -> str:
@@ -67,8 +70,10 @@ def k_quant_and_32_value_mix(name: str) -> str:
     return "Q8_0" if "attn_k" in name or "ffn_gate" in name else q4_k_m_mix(name)
 
 
-def _model(tmp_path, arch: str, qtype: str, **kwargs):
+def _model(tmp_path, arch: str, qtype: str, window: int | None = None, **kwargs):
     overrides = dict(hidden_size=256, intermediate_size=512)
+    if window is not None:
+        overrides["sliding_window"] = window
     path = write_gguf(
         cached_tiny_model(arch, **overrides), tmp_path / f"{arch}.gguf", qtype, with_tokenizer=False
     )
@@ -162,6 +167,32 @@ def test_decoder_layer_in_c_equals_the_layer_by_layer_path(
     for got, expected in zip(_steps(model, True, kv_dtype, hooks), want):
         assert torch.equal(got, expected)
     assert per_layer == list(range(model.num_layers)) * 5 and hooks.saved == per_layer
+
+
+@pytest.mark.parametrize(
+    "qtype, activations, kv_dtype",
+    [("Q8_0", "auto", torch.float32), ("Q4_0", "int8", torch.float16)],
+)
+def test_gemma3_layers_in_c_equal_the_layer_by_layer_path(tmp_path, qtype, activations, kv_dtype):
+    """Gemma 3's sandwich norms, GeGLU, (1 + w) q/k norms and its local layers' own rotary table
+    and window of 8 (the steps reach 14 tokens) in C: the same logits, bit for bit."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    model = _model(
+        tmp_path, "gemma3", qtype, window=8, quantization="gguf", quant_activations=activations
+    )
+    layers = model.kernels.decode_layers
+    assert layers is not None and layers.num_rope_tables == 2
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [8] * 5 + [None]
+    calls = []
+    run_all = layers.run_all
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    want = _steps(model, False, kv_dtype)
+    for got, expected in zip(_steps(model, True, kv_dtype), want):
+        assert torch.equal(got, expected)
+    assert calls == [model.num_layers] * 5
+    for got, expected in zip(_steps(model, True, kv_dtype, _LayerHooks()), want):
+        assert torch.equal(got, expected)
 
 
 def test_k_quant_shards_take_their_own_activations_in_c(tmp_path):

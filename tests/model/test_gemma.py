@@ -167,7 +167,7 @@ def test_layers_keep_their_windows_and_rope_tables(family, hf_dir):
         assert isinstance(ours.layers[0].self_attn.q_norm, GemmaRMSNorm)
     assert ours.arch.max_position_embeddings == 512  # the windows narrow layers, not the context
     assert ours.layers[0].self_attn.scale == 16**-0.5
-    assert not ours.decodes_in_c  # post-norms and GeGLU are not decode_layer.c's
+    assert not ours.decodes_in_c  # the torch attention path: no C layers
 
 
 # ----------------------------------------------------------------------------- loaders

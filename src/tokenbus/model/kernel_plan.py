@@ -15,7 +15,8 @@ from outside, `apply_kernels(model, request)` picks, for the model's device, dty
 - on CUDA with the Triton backend, MoE experts stacked for triton_moe.py's grouped GEMMs
   (`_stack_moe_experts`);
 - decode_layer.c over every decoder layer, where each layer can run there (`decode_layers`:
-  not for sliding-window layers, which it does not narrow).
+  pre-norm and sandwich-norm layers, SiLU or GeGLU, dense or MoE, each with its window, rotary
+  table and KV group).
 
 The result is a frozen KernelPlan the model holds; `KernelPlan.run_layers` is the one place a
 step's route is decided: all layers in one C call (a decode-sized step whose attention is all
@@ -41,7 +42,13 @@ from tokenbus.model.attention_backend import (
     TritonAttentionBackend,
     select_attention_backend,
 )
-from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
+from tokenbus.model.decoder import (
+    Attention,
+    DecoderLayer,
+    GatedMLP,
+    GeGLUMLP,
+    SandwichDecoderLayer,
+)
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import TORCH_OPS, FusedCpuOps, Linear, OpsModule, TorchOps
 from tokenbus.model.layers.quantized import (
@@ -153,27 +160,26 @@ class KernelPlan:
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ):
         """decode_layer.c's step arguments when this step runs there: a decode-sized batch
-        whose attention is all the native kernel's decode path, over a pool it writes; else
-        None. (fp32, CPU, tiled weights and the native kernel were settled at load.)"""
-        layers, plan, rows = self.decode_layers, ctx.attn_metadata, x.shape[0]
-        if (
-            layers is None
-            or ctx.kv_groups  # a hybrid KV cache: layers read different block tables
-            or rows > TILE_GEMV_MAX_ROWS
-            or not isinstance(plan, AttentionPlan)
-            or not plan.native_decode_only(rows)
-        ):
+        whose attention, in every KV group (a hybrid cache: one per window), is all the native
+        kernel's decode path, over a pool it writes; else None. (fp32, CPU, tiled weights and
+        the native kernel were settled at load.)"""
+        layers, rows = self.decode_layers, x.shape[0]
+        if layers is None or rows > TILE_GEMV_MAX_ROWS:
+            return None
+        plans = [ctx.attn_metadata, *(group.attn_metadata for group in ctx.kv_groups)]
+        if not all(isinstance(p, AttentionPlan) and p.native_decode_only(rows) for p in plans):
             return None
         kv = ctx.kv_caches[0]
         if kv.dtype not in DECODE_LAYER_KV_DTYPES or not kv.is_contiguous():
             return None
-        native = plan.native
+        slots = [ctx.slot_mapping, *(group.slot_mapping for group in ctx.kv_groups)]
+        native = plans[0].native  # what the groups share: the batch's requests and lengths
         return layers.step_args(
             rows,
             cos,
             sin,
-            ctx.slot_mapping,
-            native.block_tables,
+            [(s, plan.native.block_tables) for s, plan in zip(slots, plans, strict=True)],
+            ctx.layer_groups,
             native.query_start,
             native.seq_lens,
             native.reqs,
@@ -384,37 +390,46 @@ def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | No
 
 
 # The parts decode_layer.c computes, as they are: a subclass may compute something else (another
-# norm, another activation), so only these exact types are taken. Gemma's layers
-# (model/gemma.py: post-norms, GeGLU, fp32 norms, soft-capped scores) are not among them and
-# run op by op.
-_C_PARTS = (DecoderLayer, Attention, GatedMLP)
-_C_MOE_PARTS = (DecoderLayer, Attention, SparseMoeBlock)
+# norm, another activation), so only these exact types are taken, and attention subclasses that
+# keep the shared forward (a family's configuration of it: model/gemma.py's GemmaAttention).
+# A layer's norms are read as weight and eps: an fp32 model's RMSNorm (Gemma's (1 + w) is
+# stored added; gemma.GemmaRMSNorm is then a plain one).
+_C_LAYERS = (DecoderLayer, SandwichDecoderLayer)
+_C_MLPS = (GatedMLP, GeGLUMLP, SparseMoeBlock)
 
 
 def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     """A decoder layer as decode_layer.c reads it, or None where it cannot run there."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    parts = tuple(type(part) for part in (layer, attn, mlp))
-    if parts == _C_MOE_PARTS:
+    if (
+        type(layer) not in _C_LAYERS
+        or not isinstance(attn, Attention)
+        or type(attn).forward is not Attention.forward
+        or attn.logit_softcap is not None
+        or type(mlp) not in _C_MLPS
+    ):
+        return None
+    if isinstance(mlp, SparseMoeBlock):
         moe, gate_up, down = _moe_weights(mlp), None, None
         if moe is None:
             return None
-    elif parts == _C_PARTS:
+    else:
         moe, gate_up, down = None, _tiled_linear(mlp.gate_up_proj), _tiled_linear(mlp.down_proj)
         if gate_up is None or down is None:
             return None
-    else:
-        return None
     qkv, o = _tiled_linear(attn.qkv_proj), _tiled_linear(attn.o_proj)
     if qkv is None or o is None:
         return None
+    sandwich = isinstance(layer, SandwichDecoderLayer)
     return LayerWeights(
         qkv,
         o,
         gate_up,
         down,
         layer.input_layernorm.weight,
-        layer.post_attention_layernorm.weight,
+        layer.pre_feedforward_layernorm.weight
+        if sandwich
+        else layer.post_attention_layernorm.weight,
         layer.input_layernorm.eps,
         attn.scale,
         attn.num_heads,
@@ -424,6 +439,10 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         None if attn.k_norm is None else attn.k_norm.weight,
         moe,
         attn.sliding_window,
+        layer.post_attention_layernorm.weight if sandwich else None,
+        layer.post_feedforward_layernorm.weight if sandwich else None,
+        "silu" if moe is not None else mlp.activation,
+        attn.rope_table or 0,
     )
 
 

@@ -85,7 +85,7 @@ class TorchOps:
 
 class FusedCpuOps(TorchOps):
     """fused_ops.c on CPU in fp32 (one C call each); torch for shapes it does not take, and
-    for the steps fused_ops.c does not have (gelu_tanh_mul, softcap: Gemma's)."""
+    for the step fused_ops.c does not have (softcap: Gemma's)."""
 
     name = "fused"
 
@@ -127,6 +127,11 @@ class FusedCpuOps(TorchOps):
         if gate_up.dim() != 2:
             return super().silu_mul(gate_up)
         return self.fused.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2:
+            return super().gelu_tanh_mul(gate_up)
+        return self.fused.gelu_tanh_mul(gate_up)
 
 
 TORCH_OPS = TorchOps()

@@ -13,12 +13,18 @@
                  kv_quant.h, as model/kv_quant.py rounds them)
      attn        = paged attention of q over the cache (each request's rows; a sliding window's last keys)
      o           = attn @ Wo.T (+ bias)
+     o           = rms_norm(o) * post_attn_norm, where the layer has one (Gemma's sandwich norms)
      h, residual = add_rms_norm(o, residual) * post_norm
-     x_out       = silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T, or a sparse MoE MLP of h (moe_mlp:
-                   the router's top k experts of each token, each expert once over its tokens)
+     x_out       = act(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T (act: SiLU, or GeGLU's tanh gelu), or a
+                   sparse MoE MLP of h (moe_mlp: the router's top k experts of each token, each
+                   expert once over its tokens)
+     x_out       = rms_norm(x_out) * post_mlp_norm, where the layer has one
+
+   Each layer turns q and k by its own rotary table (Gemma 3's local layers: their own base) and
+   reads its own KV group's block tables and slots (a hybrid KV cache: one group per window).
 
    Each linear adds its LoRA side path for rows with an adapter (lora_add). Without adapters,
-   exactly what decoder.DecoderLayer.forward computes on the same kernels (the eager path with
+   exactly what decoder.DecoderLayer.forward (SandwichDecoderLayer.forward) computes on the same kernels (the eager path with
    the native attention backend): the same results, bit for bit (with them, the side path sums
    in another order than torch's GEMMs; an MoE's routing weights differ by float rounding: expf
    here, torch's softmax there). The caller checks the preconditions (fp32, every linear's
@@ -196,46 +202,56 @@ done:
     return status;
 }
 
-/* 0 on success; a kernel's status otherwise (3: out of memory, 4: a KV type it cannot write). */
-int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache, const float *x,
+/* Layer `index` of the model (its KV group: s->layer_groups[index]). 0 on success; a kernel's
+   status otherwise (3: out of memory, 4: a KV type it cannot write). */
+int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s, void *kv_cache, const float *x,
                  const float *residual, float *x_out, float *residual_out) {
     const int64_t T = s->num_tokens, H = w->hidden, D = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads;
     const int64_t qkv_n = (hq + 2 * hkv) * D, I = w->intermediate;
     const int threads = (int)s->num_threads;
-    const int64_t norm_scratch = w->q_norm ? hq * D : 0;
-    float *buf = malloc(sizeof(float) * (size_t)(T * (H + qkv_n + hq * D + H + 3 * I) + norm_scratch));
+    const kv_group *group = &s->groups[s->layer_groups ? s->layer_groups[index] : 0];
+    /* scratch: one token's query heads for the q/k norms, or a [T, H] copy for a sandwich norm
+       (add_rms_norm without a residual writes its input there before it overwrites it) */
+    const int64_t head_scratch = w->q_norm ? hq * D : 0;
+    const int64_t row_scratch = w->post_attn_norm || w->post_mlp_norm ? T * H : 0;
+    const int64_t scratch_n = head_scratch > row_scratch ? head_scratch : row_scratch;
+    float *buf = malloc(sizeof(float) * (size_t)(T * (H + qkv_n + hq * D + H + 3 * I) + scratch_n));
     if (!buf) return 3;
     float *h = buf, *qkv = h + T * H, *attn = qkv + T * qkv_n, *o = attn + T * hq * D, *gate_up = o + T * H,
-          *act = gate_up + T * 2 * I, *heads = act + T * I;
+          *act = gate_up + T * 2 * I, *scratch = act + T * I;
     int status;
     k->add_rms_norm(x, H, residual, H, residual_out, w->input_norm, h, T, H, w->eps, threads);
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
-    if (w->q_norm) head_norms(k, w, qkv, T, qkv_n, heads, threads);
-    k->rope(qkv, qkv_n, T, s->cos, s->sin, hq + hkv, D, s->rotary_dim, threads);
+    if (w->q_norm) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
+    const int64_t table = w->rope_table * s->rope_stride;
+    k->rope(qkv, qkv_n, T, s->cos + table, s->sin + table, hq + hkv, D, s->rotary_dim, threads);
     /* K and V of token t to its slot: [2, NB * bs, Hkv, row], a row D values in slot_bytes / Hkv bytes. */
     const int kv_elem = (int)s->kv_elem;
     const int64_t slot_bytes = hkv * kv_row_bytes(D, kv_elem), v_bytes = s->num_blocks * s->block_size * slot_bytes;
     for (int64_t t = 0; t < T; t++) {
-        uint8_t *slot = (uint8_t *)kv_cache + s->slots[t] * slot_bytes;
+        uint8_t *slot = (uint8_t *)kv_cache + group->slots[t] * slot_bytes;
         if ((status = kv_store_rows(slot, qkv + t * qkv_n + hq * D, hkv, D, kv_elem, 1.f / s->k_scale)) ||
             (status = kv_store_rows(slot + v_bytes, qkv + t * qkv_n + (hq + hkv) * D, hkv, D, kv_elem,
                                     1.f / s->v_scale)))
             goto done;
     }
     memset(attn, 0, sizeof(float) * (size_t)(T * hq * D));
-    if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, s->block_tables,
-                               s->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale,
+    if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, group->block_tables,
+                               group->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale,
                                s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads, w->window)))
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
+    if (w->post_attn_norm) k->add_rms_norm(o, H, NULL, 0, scratch, w->post_attn_norm, o, T, H, w->eps, threads);
     k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);
     if (w->moe) {
         status = moe_mlp(k, w->moe, h, T, H, I, x_out, s);
-        goto done;
+    } else {
+        if ((status = run_linear(k, &w->gate_up, h, T, gate_up, s))) goto done;
+        (w->mlp_act == MLP_GELU_TANH ? k->gelu_tanh_mul : k->silu_mul)(gate_up, T, I, act, threads);
+        status = run_linear(k, &w->down, act, T, x_out, s);
     }
-    if ((status = run_linear(k, &w->gate_up, h, T, gate_up, s))) goto done;
-    k->silu_mul(gate_up, T, I, act, threads);
-    status = run_linear(k, &w->down, act, T, x_out, s);
+    if (!status && w->post_mlp_norm)
+        k->add_rms_norm(x_out, H, NULL, 0, scratch, w->post_mlp_norm, x_out, T, H, w->eps, threads);
 done:
     free(buf);
     return status;
@@ -248,7 +264,7 @@ done:
 int decode_layers(const kernels *k, const layer *const *w, int64_t n, const step *s, void *const *kv_caches,
                   float *x, float *residual) {
     for (int64_t i = 0; i < n; i++) {
-        const int status = decode_layer(k, w[i], s, kv_caches[i], x, i ? residual : NULL, x, residual);
+        const int status = decode_layer(k, w[i], i, s, kv_caches[i], x, i ? residual : NULL, x, residual);
         if (status) return status;
     }
     return 0;

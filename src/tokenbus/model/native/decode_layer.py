@@ -1,5 +1,5 @@
 """A whole decoder layer of a decode-sized step in one C call (decode_layer.c): a Llama-family
-layer, with a dense or a sparse MoE MLP.
+layer, with a dense or a sparse MoE MLP, or Gemma's sandwich-norm layer with GeGLU.
 
 The structs mirror decode_layer.c field for field. `DecodeLayers` holds one `layer` struct per
 decoder layer (pointers into the model's own tensors: the model must outlive it) and runs a
@@ -9,6 +9,7 @@ step over them; `step_args` packs what a step shares (rotary rows, slots, the at
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# The gated MLP activations decode_layer.c computes (kernels.h's MLP_*), by hidden_act.
+MLP_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 # The pool dtypes decode_layer.c writes (kv_quant.h): fp32, and rounded to fp16, fp8 or q8_0.
 DECODE_LAYER_KV_DTYPES = (torch.float32, torch.float16, *kv_quant.QUANTIZED_KV_DTYPES)
 
@@ -41,6 +44,7 @@ class _Kernels(ctypes.Structure):
         ("add_rms_norm", _PTR),
         ("rope", _PTR),
         ("silu_mul", _PTR),
+        ("gelu_tanh_mul", _PTR),
         ("dense_matmul", _PTR),
     ]
 
@@ -82,6 +86,8 @@ class _Layer(ctypes.Structure):
         ("down", _Linear),
         ("input_norm", _PTR),
         ("post_norm", _PTR),
+        ("post_attn_norm", _PTR),
+        ("post_mlp_norm", _PTR),
         ("q_norm", _PTR),
         ("k_norm", _PTR),
         ("eps", _F32),
@@ -92,8 +98,14 @@ class _Layer(ctypes.Structure):
         ("head_dim", _I64),
         ("intermediate", _I64),
         ("window", _I64),
+        ("mlp_act", _I64),
+        ("rope_table", _I64),
         ("moe", ctypes.POINTER(_Moe)),
     ]
+
+
+class _KVGroup(ctypes.Structure):
+    _fields_ = [("slots", _PTR), ("block_tables", _PTR), ("table_stride", _I64)]
 
 
 class _Step(ctypes.Structure):
@@ -102,9 +114,9 @@ class _Step(ctypes.Structure):
         ("cos", _PTR),
         ("sin", _PTR),
         ("rotary_dim", _I64),
-        ("slots", _PTR),
-        ("block_tables", _PTR),
-        ("table_stride", _I64),
+        ("rope_stride", _I64),
+        ("groups", ctypes.POINTER(_KVGroup)),
+        ("layer_groups", _PTR),
         ("query_start", _PTR),
         ("seq_lens", _PTR),
         ("reqs", _PTR),
@@ -212,6 +224,12 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None
     window: int | None = None  # a sliding window (decoder.Attention.sliding_window); None: all
+    # Gemma's sandwich norms (decoder.SandwichDecoderLayer): after attention, after the MLP;
+    # post_norm is then its pre-feedforward norm. None: a pre-norm layer.
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    mlp_activation: str = "silu"  # a key of MLP_ACTIVATIONS
+    rope_table: int = 0  # the row of the step's stacked rotary tables (decoder.Attention's)
 
     def struct(self) -> _Layer:
         if (self.q_norm is None) != (self.k_norm is None):
@@ -226,6 +244,8 @@ class LayerWeights:
             _Linear() if self.down is None else self.down.struct(),
             self.input_norm.data_ptr(),
             self.post_norm.data_ptr(),
+            None if self.post_attn_norm is None else self.post_attn_norm.data_ptr(),
+            None if self.post_mlp_norm is None else self.post_mlp_norm.data_ptr(),
             None if self.q_norm is None else self.q_norm.data_ptr(),
             None if self.k_norm is None else self.k_norm.data_ptr(),
             self.eps,
@@ -236,6 +256,8 @@ class LayerWeights:
             self.head_dim,
             down.cols,
             self.window or 0,
+            MLP_ACTIVATIONS[self.mlp_activation],
+            self.rope_table,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),
         )
 
@@ -261,6 +283,7 @@ class DecodeLayers:
             _address(fused.add_rms_norm_fn),
             _address(fused.rope_fn),
             _address(fused.silu_mul_fn),
+            _address(fused.gelu_tanh_mul_fn),
             None if routers is None else _address(routers.matmul_fn),
         )
         self._weights = layers  # keeps every tensor the structs point into alive
@@ -273,14 +296,18 @@ class DecodeLayers:
             *(ctypes.addressof(layer) for layer in self._layers)
         )
         self.hidden = layers[0].input_norm.numel()
+        self.num_rope_tables = 1 + max(layer.rope_table for layer in layers)
+        # The engine's KV layout, as each step's ForwardContext.layer_groups gives it (fixed for
+        # an engine's life: one tensor per layout seen, built once).
+        self._layer_groups: dict[tuple[int, ...], torch.Tensor] = {}
 
     def step_args(
         self,
         num_tokens: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        slots: torch.Tensor,
-        block_tables: torch.Tensor,
+        groups: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        layer_groups: tuple[int, ...],
         query_start: torch.Tensor,
         seq_lens: torch.Tensor,
         reqs: torch.Tensor,
@@ -290,28 +317,49 @@ class DecodeLayers:
         lora_slots: torch.Tensor | None = None,
     ) -> _Step:
         """What every layer of this step shares. The tensors must live until the step ends
-        (the caller's context holds them); cos/sin [T, 1, D/2] contiguous fp32; the index
-        tensors int64, contiguous (as the attention plan checked them); lora_slots [T] int64,
-        each row's LoRA slot (-1: none), or None."""
-        assert (
-            cos.is_contiguous()
-            and sin.is_contiguous()
-            and slots.is_contiguous()
-            and slots.dtype == torch.int64
-        )
+        (the caller's context holds them); cos/sin [T, 1, D/2], or R tables stacked [R, T, 1,
+        D/2] (LayerWeights.rope_table picks one), contiguous fp32; `groups` each KV group's
+        (slot_mapping [T], block_tables [reqs, width]), and `layer_groups` each layer's group
+        (ForwardContext.layer_groups; empty: all group 0); the index tensors int64, contiguous
+        (as the attention plans checked them); lora_slots [T] int64, each row's LoRA slot (-1:
+        none), or None."""
+        assert cos.is_contiguous() and sin.is_contiguous()
         assert kv_cache.dtype in DECODE_LAYER_KV_DTYPES
+        tables = cos.shape[0] if cos.dim() == 4 else 1
+        if (
+            tables < self.num_rope_tables
+            or len(groups) <= max(layer_groups, default=0)
+            or 0 < len(layer_groups) < len(self._layers)
+        ):
+            raise ValueError(
+                f"decode_layer: the layers read {self.num_rope_tables} rotary tables and KV "
+                f"groups {sorted(set(layer_groups))}; this step has {tables} and {len(groups)}"
+            )
         _, num_blocks, block_size, _, _ = kv_cache.shape
-        written = slots[:num_tokens]
-        if num_tokens and (int(written.min()) < 0 or int(written.max()) >= num_blocks * block_size):
-            raise ValueError(f"slot_mapping outside the KV cache's {num_blocks * block_size} slots")
+        for slots, _ in groups:
+            assert slots.is_contiguous() and slots.dtype == torch.int64
+            written = slots[:num_tokens]
+            if num_tokens and (
+                int(written.min()) < 0 or int(written.max()) >= num_blocks * block_size
+            ):
+                raise ValueError(
+                    f"slot_mapping outside the KV cache's {num_blocks * block_size} slots"
+                )
+        layer_map = None
+        if layer_groups:
+            layer_map = self._layer_groups.get(layer_groups)
+            if layer_map is None:
+                layer_map = torch.tensor(layer_groups, dtype=torch.int64)
+                self._layer_groups[layer_groups] = layer_map
+        views = [_KVGroup(s.data_ptr(), t.data_ptr(), t.stride(0)) for s, t in groups]
         return _Step(
             num_tokens,
             cos.data_ptr(),
             sin.data_ptr(),
             2 * cos.shape[-1],
-            slots.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.stride(0),
+            cos.stride(0) if cos.dim() == 4 else 0,
+            (_KVGroup * len(views))(*views),
+            None if layer_map is None else layer_map.data_ptr(),
             query_start.data_ptr(),
             seq_lens.data_ptr(),
             reqs.data_ptr(),
@@ -342,6 +390,7 @@ class DecodeLayers:
             self._fn(
                 self._kernels_ref,
                 self._layer_refs[index],
+                index,
                 ctypes.byref(step),
                 kv_cache.data_ptr(),
                 x.data_ptr(),

@@ -10,6 +10,8 @@
    rope_inplace:  rotate-half rotary (HF Llama) of the first `num_rot_heads` heads of each row
                   of qkv, in place, by row t of cos / sin [T, head_dim / 2]
    silu_mul:      out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]
+   gelu_tanh_mul: out[t, i] = gelu(gate_up[t, i]) * gate_up[t, I + i], gelu's tanh approximation
+                  (GeGLU: HF's gelu_pytorch_tanh)
 */
 
 #include <math.h>
@@ -60,5 +62,18 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_th
         const float *g = gate_up + t * 2 * I, *u = g + I;
         float *o = out + t * I;
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+void gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads) {
+    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I >= PARALLEL_MIN_VALUES)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float x = g[i];
+            o[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * u[i];
+        }
     }
 }

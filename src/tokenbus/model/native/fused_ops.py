@@ -22,6 +22,7 @@ class FusedOps:
     add_rms_norm_fn: ctypes._CFuncPtr
     rope_fn: ctypes._CFuncPtr
     silu_mul_fn: ctypes._CFuncPtr
+    gelu_tanh_mul_fn: ctypes._CFuncPtr
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -82,16 +83,23 @@ class FusedOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2I] (contiguous) -> [T, I]."""
-        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
-        num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(num_tokens, size, dtype=torch.float32)
-        self.silu_mul_fn(
-            gate_up.data_ptr(), num_tokens, size, out.data_ptr(), torch.get_num_threads()
-        )
-        return out
+        return _gated(self.silu_mul_fn, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, tanh approximation) * up for gate_up [T, 2I] (contiguous) -> [T, I]."""
+        return _gated(self.gelu_tanh_mul_fn, gate_up)
+
+
+def _gated(fn: ctypes._CFuncPtr, gate_up: torch.Tensor) -> torch.Tensor:
+    assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
+    num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(num_tokens, size, dtype=torch.float32)
+    fn(gate_up.data_ptr(), num_tokens, size, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
     """Build (or find in the cache) and load fused_ops.c; NativeBuildError says why not."""
     lib = load_library(_FUSED_SOURCE, cpu)
-    return FusedOps(*(bind(lib, name) for name in ("add_rms_norm", "rope_inplace", "silu_mul")))
+    names = ("add_rms_norm", "rope_inplace", "silu_mul", "gelu_tanh_mul")
+    return FusedOps(*(bind(lib, name) for name in names))

@@ -55,6 +55,7 @@ int tile_dequant_t(int qtype, const uint8_t *tiles, int64_t N, int64_t K, int64_
 void add_rms_norm(const float *x, int64_t ldx, const float *residual, int64_t ldr, float *residual_out, const float *weight, float *out, int64_t T, int64_t H, float eps, int num_threads);
 void rope_inplace(float *qkv, int64_t ld, int64_t T, const float *cos, const float *sin, int64_t num_rot_heads, int64_t head_dim, int64_t rotary_dim, int num_threads);
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads);
+void gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads);
 
 /* ---- dense_rows.c: fp32 weights in row panels, batch-invariant */
 int64_t dense_panel_floats(int64_t N, int64_t K);
@@ -66,7 +67,7 @@ typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const floa
 typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t, float, float, float, void *, int64_t, int, int, int, int64_t);
 typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t, int64_t, float, int);
 typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int64_t, int);
-typedef void (*silu_fn)(const float *, int64_t, int64_t, float *, int);
+typedef void (*gated_act_fn)(const float *, int64_t, int64_t, float *, int);
 typedef int (*dense_matmul_fn)(const float *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t, int);
 
 typedef struct {
@@ -74,7 +75,7 @@ typedef struct {
     attention_fn attention;
     norm_fn add_rms_norm;
     rope_fn rope;
-    silu_fn silu_mul;
+    gated_act_fn silu_mul, gelu_tanh_mul;
     dense_matmul_fn dense_matmul; /* dense_rows.c's: MoE routers; NULL where no layer has one */
 } kernels;
 
@@ -104,23 +105,39 @@ typedef struct {
     int64_t num_experts, top_k, norm_topk_prob;
 } moe;
 
+/* The gated MLP's activation: act(gate) * up. */
+enum { MLP_SILU = 0, MLP_GELU_TANH = 1 };
+
 typedef struct {
     linear qkv, o, gate_up, down; /* gate_up and down unused where moe is set */
-    const float *input_norm, *post_norm;
+    const float *input_norm, *post_norm; /* post_norm: the norm before the MLP */
+    /* Gemma's sandwich norms: the attention's output normed before it joins the residual, the
+       MLP's output normed last; NULL: none (a pre-norm layer) */
+    const float *post_attn_norm, *post_mlp_norm;
     const float *q_norm, *k_norm; /* [head_dim] each: an RMSNorm of every q / k head before the rotary; NULL: none */
     float eps, scale;
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: an expert's, under moe */
     int64_t window; /* a sliding window: each query sees its last `window` keys; 0: all */
+    int64_t mlp_act; /* MLP_* */
+    int64_t rope_table; /* which of the step's stacked rotary tables this layer turns by */
     const moe *moe; /* NULL: the dense MLP */
 } layer;
 
+/* One KV group's view of a step (a hybrid KV cache gives each attention window its own block
+   tables over the same buffers: core/kv/hybrid.py); a plain cache has one. */
 typedef struct {
-    int64_t num_tokens;
-    const float *cos, *sin; /* [T, rotary_dim / 2] */
-    int64_t rotary_dim;     /* the first rotary_dim of each head's D values turn (D: all) */
-    const int64_t *slots;   /* [T] */
+    const int64_t *slots; /* [T] */
     const int64_t *block_tables;
     int64_t table_stride;
+} kv_group;
+
+typedef struct {
+    int64_t num_tokens;
+    const float *cos, *sin; /* [R, T, rotary_dim / 2]: R tables (Gemma 3: global, local) */
+    int64_t rotary_dim;     /* the first rotary_dim of each head's D values turn (D: all) */
+    int64_t rope_stride;    /* values from one table to the next */
+    const kv_group *groups; /* [the step's KV groups] */
+    const int64_t *layer_groups; /* [layers]: the group each layer reads; NULL: all group 0 */
     const int64_t *query_start, *seq_lens, *reqs;
     int64_t num_reqs, num_blocks, block_size, activations, num_threads; /* activations: ACT_* */
     int64_t k_activations;      /* ACT_* of the calls on K-quant shards (Q4_K, Q5_K, Q6_K, IQ4_XS) */
@@ -129,7 +146,7 @@ typedef struct {
     const int64_t *lora_slots;  /* [T]: each row's LoRA slot, -1 for none; NULL: no row has one */
 } step;
 
-int decode_layer(const kernels *k, const layer *w, const step *s, void *kv_cache, const float *x, const float *residual, float *x_out, float *residual_out);
+int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s, void *kv_cache, const float *x, const float *residual, float *x_out, float *residual_out);
 int decode_layers(const kernels *k, const layer *const *w, int64_t n, const step *s, void *const *kv_caches, float *x, float *residual);
 
 #endif

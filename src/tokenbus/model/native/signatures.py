@@ -36,12 +36,13 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "add_rms_norm": ("v", "plplpppllfi"),
     "rope_inplace": ("v", "pllppllli"),
     "silu_mul": ("v", "pllpi"),
+    "gelu_tanh_mul": ("v", "pllpi"),
     # dense_rows.c
     "dense_panel_floats": ("l", "ll"),
     "dense_pack": ("v", "pllp"),
     "dense_matmul": ("i", "pllpllpli"),
     # decode_layer.c
-    "decode_layer": ("i", "pppppppp"),
+    "decode_layer": ("i", "pplpppppp"),
     "decode_layers": ("i", "pplpppp"),
 }
 
