@@ -206,7 +206,7 @@ def speed_record(
     variant += f" --num-threads {args.num_threads}" if args.num_threads else ""
     if model:  # the file first: one row per file in the table
         size = Path(model).stat().st_size / 2**30
-        variant = f"{Path(model).name} ({size:.2f} GiB) {variant}"
+        variant = f"{Path(model).name} ({size:.2f} GiB) {variant.strip()}"
         if load is not None:
             rows["tg128"]["load average"] = round(load, 2)
     units = {"tg128": "tok/s", "pp512": "tok/s", "tokenbus / llama.cpp": "×"}
@@ -222,6 +222,14 @@ def speed_record(
         topic, this_command(), rows, units=units, peers=peers, variant=variant.strip()
     )
     return record
+
+
+def record_name(record: dict, model: Path) -> str:
+    """<date>-<file stem>, then the run's flags (its variant past the file) as a slug: a run
+    with other flags on the same file and day (--enforce-eager, say) keeps its own record."""
+    flags = record["variant"].split(") ", 1)[1] if ") " in record["variant"] else ""
+    slug = "".join(c if c.isalnum() else "-" for c in flags.replace("--", "")).strip("-")
+    return f"{record['date'][:10]}-{model.stem}" + (f"-{slug}" if slug else "")
 
 
 def main() -> None:
@@ -255,7 +263,7 @@ def main() -> None:
     for model in args.model:
         record = measure(args, model)
         if record_dir(args.record):
-            name = None if model is None else f"{record['date'][:10]}-{Path(model).stem}"
+            name = None if model is None else record_name(record, Path(model))
             write_record(record_dir(args.record), record, name=name)
 
 
