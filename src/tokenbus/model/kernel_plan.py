@@ -420,16 +420,17 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     qkv, o = _tiled_linear(attn.qkv_proj), _tiled_linear(attn.o_proj)
     if qkv is None or o is None:
         return None
+    # A sandwich layer's norm before the MLP is its pre-feedforward one; its post-attention norm
+    # is applied to attention's output before the residual add.
     sandwich = isinstance(layer, SandwichDecoderLayer)
+    pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
     return LayerWeights(
         qkv,
         o,
         gate_up,
         down,
         layer.input_layernorm.weight,
-        layer.pre_feedforward_layernorm.weight
-        if sandwich
-        else layer.post_attention_layernorm.weight,
+        pre_mlp.weight,
         layer.input_layernorm.eps,
         attn.scale,
         attn.num_heads,
