@@ -170,20 +170,28 @@ def test_decoder_layer_in_c_equals_the_layer_by_layer_path(
 
 
 @pytest.mark.parametrize(
-    "qtype, activations, kv_dtype",
-    [("Q8_0", "auto", torch.float32), ("Q4_0", "int8", torch.float16)],
+    "family, qtype, activations, kv_dtype",
+    [
+        ("gemma3", "Q8_0", "auto", torch.float32),
+        ("gemma3", "Q4_0", "int8", torch.float16),
+        ("gemma2", "Q8_0", "auto", torch.float32),
+    ],
 )
-def test_gemma3_layers_in_c_equal_the_layer_by_layer_path(tmp_path, qtype, activations, kv_dtype):
-    """Gemma 3's sandwich norms, GeGLU, (1 + w) q/k norms and its local layers' own rotary table
-    and window of 8 (the steps reach 14 tokens) in C: the same logits, bit for bit."""
+def test_gemma_layers_in_c_equal_the_layer_by_layer_path(
+    tmp_path, family, qtype, activations, kv_dtype
+):
+    """Gemma's sandwich norms and GeGLU in C, with Gemma 3's (1 + w) q/k norms and its local
+    layers' own rotary table, Gemma 2's soft-capped scores, and windows of 8 (the steps reach
+    14 tokens): the same logits, bit for bit."""
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
     model = _model(
-        tmp_path, "gemma3", qtype, window=8, quantization="gguf", quant_activations=activations
+        tmp_path, family, qtype, window=8, quantization="gguf", quant_activations=activations
     )
     layers = model.kernels.decode_layers
-    assert layers is not None and layers.num_rope_tables == 2
-    assert [layer.self_attn.sliding_window for layer in model.layers] == [8] * 5 + [None]
+    assert layers is not None and layers.num_rope_tables == (2 if family == "gemma3" else 1)
+    windows = [layer.self_attn.sliding_window for layer in model.layers]
+    assert windows == ([8] * 5 + [None] if family == "gemma3" else [8, None])
     calls = []
     run_all = layers.run_all
     layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))

@@ -72,10 +72,6 @@ def test_prefill_then_decode_matches_hf(hf_dir, gguf_path, family, fmt, backend)
     if backend == "native" and not HAS_CC:
         pytest.skip("no C compiler: the native kernel cannot be built here")
     path = hf_dir if fmt == "safetensors" else gguf_path
-    if backend == "native" and family == "gemma2":  # soft-capped scores: refused, named
-        with pytest.raises(ValueError, match="attn_logit_softcapping"):
-            load(path, backend)
-        return
     ours = load(path, backend)
     assert isinstance(ours, GemmaForCausalLM)
     torch.testing.assert_close(our_logits(ours, IDS), hf_logits(hf_dir, IDS), atol=ATOL, rtol=0)
@@ -277,12 +273,16 @@ def test_gguf_tensors_strictly_mapped(tmp_path):
         load_model(src, load_arch(src), torch.float32, "cpu")
 
 
-def test_softcapped_attention_refuses_other_backends():
-    ours = load(cached_tiny_model("gemma2"), "torch")
-    with pytest.raises(ValueError, match="batch_invariant.*attn_logit_softcapping"):
-        apply_kernels(ours, KernelRequest(batch_invariant=True))
-    with pytest.raises(ValueError, match="'native' has no attention logit soft-capping"):
-        apply_kernels(ours, KernelRequest(attention_backend="native"))
+def test_softcapped_attention_runs_on_the_native_kernel_and_batch_invariant():
+    """Gemma 2's soft-capped scores on the native kernel (it caps them too), and so under
+    --batch-invariant as well: the logits equal HF's."""
+    if not HAS_CC:
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+    path = cached_tiny_model("gemma2")
+    ours = load(path, "torch")
+    apply_kernels(ours, KernelRequest(batch_invariant=True))
+    assert ours.kernels.attention.kernel is not None
+    torch.testing.assert_close(our_logits(ours, IDS), hf_logits(path, IDS), atol=ATOL, rtol=0)
 
 
 def test_make_tiny_gemma_overrides(tmp_path):
@@ -291,23 +291,17 @@ def test_make_tiny_gemma_overrides(tmp_path):
     assert arch.sliding_windows == (64, None, 64, None) and arch.max_position_embeddings == 512
 
 
-def test_engine_resolves_softcapped_attention_to_torch():
-    """The engine's resolved config says what runs: torch for Gemma 2's soft-capped scores
-    (auto), the native kernel for Gemma 3 on CPU where it builds; an explicit native backend
-    for Gemma 2 is refused at start, naming the field."""
+def test_engine_resolves_gemma_attention_to_the_native_kernel():
+    """The engine's resolved config says what runs: the native kernel on CPU where it builds,
+    for Gemma 2's soft-capped scores as for Gemma 3."""
     from tokenbus.engine.setup import resolve_config
     from tokenbus.engine_args import EngineArgs
 
     for family_name in ("gemma2", "gemma3"):
         src = resolve_model(str(cached_tiny_model(family_name)))
         config = EngineArgs(model=str(src.path), device="cpu").to_config(128)
-        resolved = resolve_config(config, src, load_arch(src))
-        expected = "torch" if family_name == "gemma2" or not HAS_CC else "native"
-        assert resolved.model.attention_backend == expected
-    src = resolve_model(str(cached_tiny_model("gemma2")))
-    native = EngineArgs(model=str(src.path), device="cpu", attention_backend="native")
-    with pytest.raises(ValueError, match="'native' has no attention logit soft-capping"):
-        resolve_config(native.to_config(128), src, load_arch(src))
+        resolved = resolve_config(config, src)
+        assert resolved.model.attention_backend == ("native" if HAS_CC else "torch")
 
 
 def test_generation_configs_eos_list_stops_at_each(tmp_path):

@@ -89,6 +89,7 @@ def both_paths(
     kv_dtype=None,
     block_size=BLOCK_SIZE,
     window=None,
+    softcap=None,
 ):
     q, k, v, kv, ctx = make_batch(
         requests, num_heads, num_kv_heads, head_dim, block_size=block_size
@@ -97,11 +98,10 @@ def both_paths(
     kv = kv.to(kv_dtype or dtype)
     ctx.kv_caches = [kv]
     scale = head_dim**-0.5
-    ref = paged_attention(
-        q, k, v, kv.clone(), ctx.slot_mapping, build_attention_plan(ctx, dtype), scale, window
-    )
+    torch_plan = build_attention_plan(ctx, dtype)
+    ref = paged_attention(q, k, v, kv.clone(), ctx.slot_mapping, torch_plan, scale, window, softcap)
     plan = build_attention_plan(ctx, dtype, kernel)
-    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale, window)
+    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale, window, softcap)
     return out, ref, plan
 
 
@@ -447,6 +447,23 @@ def test_sliding_window_matches_torch_path(kernel, heads, kv_dtype, window):
     out, ref, plan = both_paths(kernel, requests, *heads, kv_dtype=kv_dtype, window=window)
     assert plan.native_long is not None
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_soft_capped_scores_match_torch_path(kernel, heads, kv_dtype, window):
+    """Gemma 2's soft-cap (scores -> 1.5 tanh(scores / 1.5), bending the random scores hard) on
+    every path of the kernel: decodes (attend_decode64 at head size 64, else attend), short
+    multi-query requests and the flash path, under a window too."""
+    requests = DECODES + [(5, 30), (16, 40)] + LONG[2:]
+    out, ref, plan = both_paths(
+        kernel, requests, *heads, kv_dtype=kv_dtype, window=window, softcap=1.5
+    )
+    assert plan.native_long is not None
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    uncapped, _, _ = both_paths(kernel, requests, *heads, kv_dtype=kv_dtype, window=window)
+    assert (uncapped - out).abs().max() > 0.05  # the cap changed the output
 
 
 def test_sliding_window_reads_no_block_before_it(kernel):

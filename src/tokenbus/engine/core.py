@@ -69,7 +69,7 @@ class EngineCore:
         any worker starts (setup.resolve_config): self.config holds the facts.
         `extra_eos_token_ids`: the model's other EOS ids (EngineSetup's), which a grammar lets
         end the output as EOS does."""
-        self.config = config = resolve_config(config, source, arch)
+        self.config = config = resolve_config(config, source)
         if executor is None:
             executor = (
                 UniProcExecutor(worker)

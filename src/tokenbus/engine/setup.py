@@ -160,9 +160,7 @@ def sampling_defaults(
     }
 
 
-def resolve_config(
-    config: EngineConfig, source: ModelSource | None, arch: ModelArch | None = None
-) -> EngineConfig:
+def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineConfig:
     """A new config whose RESOLVED_SETTINGS (config.py) are facts: device "cpu"/"cuda[:i]",
     dtype and kv_cache_dtype a dtype name, quantization "gguf"/"none", attention_backend
     "native"/"torch". The workers, the scheduler and the connectors read them as they are.
@@ -170,17 +168,9 @@ def resolve_config(
     Runs once per engine, where the EngineCore is built (engine/core.py): it asks torch
     whether a GPU is there and may build the native kernels to learn whether they run, work
     that stays off the front end's start-up. `source` None (tests' fake engines): no weights.
-    `arch`: what the model computes that some kernels do not (soft-capped attention scores).
     """
     model, cache = config.model, config.cache
     device = resolve_device(model.device)
-    requested_attention = model.attention_backend
-    if arch is not None and arch.attn_logit_softcapping is not None:
-        from tokenbus.model.kernel_plan import attention_backend_for
-
-        requested_attention = attention_backend_for(
-            requested_attention, True, device, model.batch_invariant
-        )
     dtype = resolve_dtype(model.dtype, device)
     load_format = resolve_load_format(model.load_format, source)
     if load_format == "dummy":  # random dense weights: no GGUF blocks to keep
@@ -197,7 +187,7 @@ def resolve_config(
         dtype=dtype,
         quantization=quantization,
         attention_backend=resolve_attention_backend(
-            requested_attention, device, dtype, cache.block_size
+            model.attention_backend, device, dtype, cache.block_size
         ),
         load_format=load_format,
     )

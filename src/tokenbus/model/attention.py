@@ -149,7 +149,14 @@ class NativeBatch:
     long_queries: bool = False
     window: int | None = None  # a sliding window, told to the kernel
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        softcap: float | None = None,
+    ) -> None:
         k_scale, v_scale = kv_quant.tensor_scales(kv_cache.dtype)
         self.kernel(
             q,
@@ -164,6 +171,7 @@ class NativeBatch:
             k_scale,
             v_scale,
             self.window,
+            softcap,
         )
 
 
@@ -220,9 +228,7 @@ class AttentionPlan:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # padding rows stay 0
         for batch in (self.native, self.native_long):
             if batch is not None:
-                if softcap is not None:  # the kernel plan keeps such models on torch
-                    raise ValueError("the native attention kernel has no logit soft-capping")
-                batch.run(q, kv_cache, scale, out)
+                batch.run(q, kv_cache, scale, out, softcap)
         for tile in self.decode_tiles:
             out[tile.start : tile.end] = _decode_attention(
                 q[tile.start : tile.end], kv_cache, tile, scale, softcap
@@ -463,8 +469,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]. `window`: a
     sliding window (each query sees its last `window` keys, itself included); `softcap` (Gemma
-    2's attn_logit_softcapping): scores -> softcap * tanh(scores / softcap), on the torch plans
-    only (the kernel plan chooses them for such a model)."""
+    2's attn_logit_softcapping): scores -> softcap * tanh(scores / softcap) before the softmax,
+    on every plan."""
     if window is not None:
         narrow = getattr(plan, "windowed", None)
         if narrow is None:  # the kernel plan keeps windowed models off such backends

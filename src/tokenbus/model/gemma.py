@@ -19,9 +19,9 @@ Sliding windows: each layer keeps its window as `self_attn.sliding_window` (None
 attention plans narrow to it, and the hybrid KV cache (core/kv/hybrid.py) frees the local
 layers' blocks that fall out of it.
 
-Kernels (model/kernel_plan.py): Gemma 3's layers are decode_layer.c's parts (sandwich norms,
-GeGLU, a rotary table and KV group per layer), so its decode steps on GGUF tiles run there;
-Gemma 2's soft-capped attention runs on the torch path, and so its layers op by op.
+Kernels (model/kernel_plan.py): every backend soft-caps Gemma 2's scores (the native kernel,
+Triton, torch), and both families' layers are decode_layer.c's parts (sandwich norms, GeGLU, a
+soft-cap, rotary table and KV group per layer), so their decode steps on GGUF tiles run there.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def apply_kernels(
     cpu = cpu or CpuFeatures.detect()
     device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
     attention = select_attention_backend(
-        _attention_backend_name(model, request), device, dtype, request.batch_invariant
+        request.attention_backend, device, dtype, request.batch_invariant
     )
     _stack_moe_experts(model, device, attention)
     quant = _finalize_weights(model, request, cpu)
@@ -225,40 +225,6 @@ def attach_lora(model: nn.Module, batch: LoRABatch) -> None:
     if plan.decode_layers is not None:
         plan = dataclasses.replace(plan, decode_layers=build_decode_layers(model, plan))
     _install(model, plan)
-
-
-def _attention_backend_name(model: nn.Module, request: KernelRequest) -> str:
-    softcapped = any(getattr(layer.self_attn, "logit_softcap", None) for layer in model.layers)
-    device = str(model.embed_tokens.device)
-    return attention_backend_for(
-        request.attention_backend, softcapped, device, request.batch_invariant
-    )
-
-
-def attention_backend_for(
-    requested: str, softcapped: bool, device: str, batch_invariant: bool = False
-) -> str:
-    """The requested attention backend, but never paged_attention.c for a model whose
-    attention soft-caps its scores (Gemma 2's attn_logit_softcapping): the native kernel does
-    not compute the cap, the torch path and the Triton kernels do. So auto stays auto on CUDA
-    (Triton, or torch) and takes torch elsewhere, and asking for native (or for
-    batch_invariant, which needs it) is refused, naming why. The engine asks the same when it
-    resolves its config (engine/setup.resolve_config)."""
-    if not softcapped:
-        return requested
-    if batch_invariant:
-        raise ValueError(
-            "batch_invariant needs the native attention kernel, which has no attention logit "
-            "soft-capping (this model's attn_logit_softcapping)"
-        )
-    if requested == "native":
-        raise ValueError(
-            "attention_backend 'native' has no attention logit soft-capping "
-            "(this model's attn_logit_softcapping): use 'torch', 'triton' or 'auto'"
-        )
-    if requested == "auto" and not device.startswith("cuda"):
-        return "torch"
-    return requested
 
 
 def _install(model: nn.Module, plan: KernelPlan) -> None:
@@ -405,7 +371,6 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         type(layer) not in _C_LAYERS
         or not isinstance(attn, Attention)
         or type(attn).forward is not Attention.forward
-        or attn.logit_softcap is not None
         or type(mlp) not in _C_MLPS
     ):
         return None
@@ -439,11 +404,12 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         None if attn.q_norm is None else attn.q_norm.weight,
         None if attn.k_norm is None else attn.k_norm.weight,
         moe,
-        attn.sliding_window,
-        layer.post_attention_layernorm.weight if sandwich else None,
-        layer.post_feedforward_layernorm.weight if sandwich else None,
-        "silu" if moe is not None else mlp.activation,
-        attn.rope_table or 0,
+        window=attn.sliding_window,
+        softcap=attn.logit_softcap,
+        post_attn_norm=layer.post_attention_layernorm.weight if sandwich else None,
+        post_mlp_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
+        mlp_activation="silu" if moe is not None else mlp.activation,
+        rope_table=attn.rope_table or 0,
     )
 
 

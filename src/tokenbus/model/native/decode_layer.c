@@ -238,7 +238,8 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
     memset(attn, 0, sizeof(float) * (size_t)(T * hq * D));
     if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, group->block_tables,
                                group->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale,
-                               s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads, w->window)))
+                               s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads, w->window,
+                               w->softcap)))
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     if (w->post_attn_norm) k->add_rms_norm(o, H, NULL, 0, scratch, w->post_attn_norm, o, T, H, w->eps, threads);

@@ -98,6 +98,7 @@ class _Layer(ctypes.Structure):
         ("head_dim", _I64),
         ("intermediate", _I64),
         ("window", _I64),
+        ("softcap", _F32),
         ("mlp_act", _I64),
         ("rope_table", _I64),
         ("moe", ctypes.POINTER(_Moe)),
@@ -224,6 +225,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None
     window: int | None = None  # a sliding window (decoder.Attention.sliding_window); None: all
+    softcap: float | None = None  # the scores' soft-cap (decoder.Attention.logit_softcap)
     # Gemma's sandwich norms (decoder.SandwichDecoderLayer): after attention, after the MLP;
     # post_norm is then its pre-feedforward norm. None: a pre-norm layer.
     post_attn_norm: torch.Tensor | None = None
@@ -256,6 +258,7 @@ class LayerWeights:
             self.head_dim,
             down.cols,
             self.window or 0,
+            self.softcap or 0.0,
             MLP_ACTIVATIONS[self.mlp_activation],
             self.rope_table,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),

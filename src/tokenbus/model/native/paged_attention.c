@@ -56,9 +56,19 @@ static inline int64_t first_key(int64_t last, int64_t window) {
     return window > 0 && last + 1 > window ? last + 1 - window : 0;
 }
 
+/* Gemma 2's soft-cap of a score (attn_logit_softcapping): softcap * tanh(s / softcap), before
+   the softmax, as HF's eager attention computes it; 0: none. */
+static inline __attribute__((always_inline)) float soft_cap(float s, float softcap) {
+    return softcap > 0.f ? softcap * tanhf(s / softcap) : s;
+}
+
 /* Softmax of row[0 .. n) in place (the scores become probabilities, unnormalised); returns
    1 / their sum. */
-static inline __attribute__((always_inline)) float softmax_row(float *row, int64_t n) {
+static inline __attribute__((always_inline)) float softmax_row(float *row, int64_t n, float softcap) {
+    if (softcap > 0.f) {
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) row[t] = soft_cap(row[t], softcap);
+    }
     float m = row[0], sum = 0.f;
     for (int64_t t = 1; t < n; t++) m = row[t] > m ? row[t] : m;
 #pragma omp simd reduction(+ : sum)
@@ -81,8 +91,8 @@ static inline __attribute__((always_inline)) float softmax_row(float *row, int64
 static inline __attribute__((always_inline)) void attend(
         const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
         int64_t seq_len, int64_t q_len, int64_t window, int64_t h0, int64_t h1, int64_t G, int64_t bs,
-        int64_t hkv, const int64_t D, const int elem, const int kv_elem, float scale, float v_scale, void *out,
-        int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
+        int64_t hkv, const int64_t D, const int elem, const int kv_elem, float scale, float v_scale, float softcap,
+        void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
     const int64_t ctx_len = seq_len - q_len, rows_per_head = q_len * G, R = (h1 - h0) * rows_per_head;
     const int64_t lo = first_key(ctx_len, window);  /* query 0's first key: no query sees one before */
 
@@ -121,7 +131,7 @@ static inline __attribute__((always_inline)) void attend(
     /* Softmax over each row's visible keys; the probabilities overwrite the scores. */
     for (int64_t r = 0; r < R; r++) {
         const int64_t last = ctx_len + (r % rows_per_head) / G, first = first_key(last, window);
-        inv_sum[r] = softmax_row(scores + r * seq_len + first, last + 1 - first) * v_scale;
+        inv_sum[r] = softmax_row(scores + r * seq_len + first, last + 1 - first, softcap) * v_scale;
     }
 
     /* Pass 2: probability-weighted values. */
@@ -158,7 +168,7 @@ static inline __attribute__((always_inline)) void attend(
 
 /* Specialisations for the common head sizes and each element-type pair, and the generic fallback. */
 #define ATTEND_ARGS q, q_tok_stride, kv, v_offset, table, seq_len, q_len, window, h0, h1, G, bs, hkv
-#define ATTEND_TAIL scale, v_scale, out, out_tok_stride, qf, scores, acc, inv_sum
+#define ATTEND_TAIL scale, v_scale, softcap, out, out_tok_stride, qf, scores, acc, inv_sum
 #define ATTEND_D(elem, kv_elem)                                                                  \
     switch (D) {                                                                                  \
         case 64: attend(ATTEND_ARGS, 64, elem, kv_elem, ATTEND_TAIL); break;                     \
@@ -168,8 +178,8 @@ static inline __attribute__((always_inline)) void attend(
 static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t window, int64_t h0,
                        int64_t h1, int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, int kv_elem, float scale,
-                       float v_scale, void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc,
-                       float *inv_sum) {
+                       float v_scale, float softcap, void *out, int64_t out_tok_stride, float *qf, float *scores,
+                       float *acc, float *inv_sum) {
 #if defined(HAVE_DECODE64)
     /* Every query token as a decode of the keys it sees: a row's arithmetic must not depend on
        how many queries its request has this step (a speculative verification's rows must give
@@ -178,7 +188,7 @@ static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int6
         for (int64_t i = 0; i < q_len; i++) {
             const int64_t keys = seq_len - q_len + i + 1;
             attend_decode((const float *)q + i * q_tok_stride, kv, v_offset, table, keys,
-                          first_key(keys - 1, window), h0, h1, G, bs, hkv, kv_elem, scale, v_scale,
+                          first_key(keys - 1, window), h0, h1, G, bs, hkv, kv_elem, scale, v_scale, softcap,
                           (float *)out + i * out_tok_stride, scores, qf);
         }
         return;
@@ -208,7 +218,8 @@ static int takes_types(int elem, int kv_elem, int64_t D) {
 
 /* Returns 0, -1 when scratch memory could not be allocated (out is then incomplete), or -2
    for element types it does not take (takes_types). k_scale and v_scale: fp8 K/V's per-tensor
-   scales (1 for the other types); window: the sliding window (0: none).
+   scales (1 for the other types); window: the sliding window (0: none); softcap: the scores'
+   soft-cap (soft_cap; 0: none).
    heads_per_item KV heads form one work item: all of them (each
    key row read as one contiguous run) when there are enough requests to keep the threads
    busy, else one. */
@@ -216,7 +227,8 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                     int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables,
                     int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
                     const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
-                    void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads, int64_t window) {
+                    void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads, int64_t window,
+                    float softcap) {
     if (!takes_types(elem, kv_elem, D)) return -2;
     scale *= k_scale * kv_unit(kv_elem);  /* q . (k_scale k) = (k_scale q) . k; rows read / kv_unit */
     v_scale *= kv_unit(kv_elem);
@@ -245,7 +257,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                 const size_t elem_size = elem == ELEM_F32 ? 4 : 2;
                 attend_any((const char *)q + start * q_tok_stride * elem_size, q_tok_stride, kv, v_offset,
                            tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, window, h0,
-                           h0 + heads_per_item, G, bs, hkv, D, elem, kv_elem, scale, v_scale,
+                           h0 + heads_per_item, G, bs, hkv, D, elem, kv_elem, scale, v_scale, softcap,
                            (char *)out + start * out_tok_stride * elem_size, out_tok_stride,
                            rows, scores, rows + max_rows * D, rows + 2 * max_rows * D);
             }
@@ -331,8 +343,8 @@ static inline int64_t pf_scratch(int64_t R, int64_t D) { return 2 * R * D + 2 * 
 /* Queries i0 .. i1 of a request (q_len queries, seq_len keys), KV head h. q and out are fp32. */
 static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
                     int64_t seq_len, int64_t q_len, int64_t window, int64_t i0, int64_t i1, int64_t h, int64_t G, int64_t bs,
-                    int64_t hkv, const int64_t D, const int kv_elem, float scale, float v_scale, float *out,
-                    int64_t out_tok_stride, float *scratch) {
+                    int64_t hkv, const int64_t D, const int kv_elem, float scale, float v_scale, float softcap,
+                    float *out, int64_t out_tok_stride, float *scratch) {
     const int64_t ctx_len = seq_len - q_len, R = (i1 - i0) * G, keys = ctx_len + i1;
     float *qf = scratch, *o = qf + R * D, *sc = o + R * D, *l = sc + R * PF_KEYS, *m = l + R * PF_KEYS;
     float *alpha = m + R, *kt = alpha + R, *vb = kt + PF_KEYS * D;
@@ -377,7 +389,7 @@ static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_
             float mx = m[r];
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < PF_KEYS; j++) {
-                s[j] = j < visible && j >= hidden ? s[j] : PF_MASKED;
+                s[j] = j < visible && j >= hidden ? soft_cap(s[j], softcap) : PF_MASKED;
                 mx = s[j] > mx ? s[j] : mx;
             }
             alpha[r] = mx;  /* the new max, until the loop below */
@@ -417,9 +429,9 @@ static void pf_item_any(const float *q, int64_t q_tok_stride, const void *kv, in
                         const int64_t *table, int64_t seq_len, int64_t q_len, int64_t window, int64_t i0, int64_t i1,
                         int64_t h,
                         int64_t G, int64_t bs, int64_t hkv, int64_t D, int kv_elem, float scale, float v_scale,
-                        float *out, int64_t out_tok_stride, float *scratch) {
+                        float softcap, float *out, int64_t out_tok_stride, float *scratch) {
 #define PF_ITEM(d, e) pf_item(q, q_tok_stride, kv, v_offset, table, seq_len, q_len, window, i0, i1, h, G, bs, hkv, d, e, \
-                              scale, v_scale, out, out_tok_stride, scratch)
+                              scale, v_scale, softcap, out, out_tok_stride, scratch)
 #define PF_D(e)                                \
     if (D == 64) PF_ITEM(64, e);               \
     else if (D == 128) PF_ITEM(128, e);        \
@@ -455,7 +467,7 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
                             int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
                             const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
                             void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads,
-                            int64_t window) {
+                            int64_t window, float softcap) {
     if (!paged_prefill_supported(elem, kv_elem, D)) return -2;
 #if defined(HAVE_TILES)
     scale *= k_scale * kv_unit(kv_elem);
@@ -491,7 +503,7 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
             const int64_t i0 = (tiles - 1 - k / hkv) * PF_TOKENS, i1 = min64(i0 + PF_TOKENS, q_len);
             pf_item_any((const float *)q + start * q_tok_stride, q_tok_stride, kv, v_offset,
                         tables + r * table_stride, seq_lens[r], q_len, window, i0, i1, k % hkv, G, bs, hkv, D, kv_elem,
-                        scale, v_scale, (float *)out + start * out_tok_stride, out_tok_stride, scratch);
+                        scale, v_scale, softcap, (float *)out + start * out_tok_stride, out_tok_stride, scratch);
         }
         free(scratch);
     }
@@ -500,7 +512,7 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
 #else
     (void)q, (void)q_tok_stride, (void)kv, (void)num_blocks, (void)bs, (void)hkv, (void)hq, (void)tables;
     (void)table_stride, (void)query_start, (void)seq_lens, (void)reqs, (void)num_reqs, (void)scale, (void)out;
-    (void)k_scale, (void)v_scale, (void)out_tok_stride, (void)num_threads, (void)window;
+    (void)k_scale, (void)v_scale, (void)out_tok_stride, (void)num_threads, (void)window, (void)softcap;
     return -2;
 #endif
 }

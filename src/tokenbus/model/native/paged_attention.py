@@ -53,12 +53,14 @@ class PagedAttentionKernel:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, row]
         (a row: D values in the cache's type, kv_quant.py); by the flash path when
         `long_queries` (then takes_long_queries must hold). k_scale, v_scale: fp8 K/V's
         per-tensor scales. `window`: a sliding window (each query sees its last `window` keys,
-        itself included); None: every earlier key."""
+        itself included); None: every earlier key. `softcap`: scores -> softcap * tanh(scores /
+        softcap) before the softmax (Gemma 2's attn_logit_softcapping); None: none."""
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         assert (
@@ -95,6 +97,7 @@ class PagedAttentionKernel:
             KERNEL_DTYPES[kv_cache.dtype],
             torch.get_num_threads(),
             window or 0,
+            ctypes.c_float(softcap or 0.0),
         )
         if status == -2:
             raise ValueError(
