@@ -4,6 +4,7 @@ or any GGUF files (--model, one run each).
 
     .venv/bin/python benchmarks/cpu_speed.py [--model FILE ...] [--peer] [--reps 3]
         [--quantization auto|gguf|none] [--quant-activations auto|int16|int8|fp32]
+        [--attention-backend auto|native|torch]
         [--enforce-eager] [--num-threads N] [--max-model-len 4096]
 
 tg128: 128 greedy tokens after a 1-token prompt, timed as (time for 129 tokens) - (time for 1),
@@ -127,6 +128,7 @@ def measure(args: argparse.Namespace, model: str | None) -> dict:
             quantization=args.quantization,
             dtype=args.dtype,
             quant_activations=args.quant_activations,
+            attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             num_threads=args.num_threads,
             max_model_len=args.max_model_len,
@@ -200,6 +202,7 @@ def speed_record(
         "quantization": args.quantization,
         "dtype": args.dtype,
         "quant_activations": args.quant_activations,
+        "attention_backend": args.attention_backend,
     }
     variant = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items() if v != "auto")
     variant += " --enforce-eager" * args.enforce_eager
@@ -240,6 +243,9 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quant-activations", default="auto")
+    parser.add_argument(
+        "--attention-backend", default="auto", help="torch: no native kernel, no C decode layers"
+    )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="every layer op by op (no C decode layers)"
     )

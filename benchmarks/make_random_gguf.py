@@ -6,8 +6,9 @@
 Configs (CONFIGS below): llama-3.2-1b, llama-3.2-3b, llama-3.1-8b (Llama 3 rope factors as
 rope_freqs.weight, as llama.cpp's converter writes them; tied embeddings for 3.2), qwen2.5-0.5b
 (Qwen2 with q/k/v biases; 896 wide, so llama.cpp's K-quant recipes fall back to other types for
-some tensors, as in the real files), qwen3-30b-a3b-8l (MoE), gemma-3-1b (sandwich norms, q/k
-norms, five sliding-window layers to one global). Tensor names and metadata are llama.cpp's;
+some tensors, as in the real files), qwen3-30b-a3b-8l (MoE), gemma-2-2b (sandwich norms,
+soft-capped scores and logits, local and global layers alternating), gemma-3-1b (sandwich norms,
+q/k norms, five sliding-window layers to one global). Tensor names and metadata are llama.cpp's;
 matrices are F16, norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02),
 norms 1.
 
@@ -40,6 +41,7 @@ from tokenbus.loader.source import packaged_smollm2_gguf
 
 STD = 0.02  # transformers' initializer_range: activations stay finite through any depth
 CHUNK_ROWS = 4096  # rows drawn at a time: float32 scratch of CHUNK_ROWS * cols values
+GEMMA = ("gemma2", "gemma3")  # sandwich norms: post_attention_norm and post_ffw_norm too
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class ModelShape:
     # and the local RoPE base, 10k); its sandwich norms (post_attention_norm, post_ffw_norm)
     # come with the architecture.
     sliding_window: int = 0
+    # Gemma 2: soft-caps of the attention scores and of the final logits (its pattern: local and
+    # global layers alternate; sandwich norms as Gemma 3's, no q/k norms)
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -102,6 +108,10 @@ CONFIGS = {
     ),
     # Gemma 3 1B: 1152 wide (not a multiple of 256, so K-quant recipes fall back to other types
     # for some tensors, as in the real files), 4/1 heads of 256, a 262k vocabulary, tied.
+    "gemma-2-2b": ModelShape(
+        "gemma2", 2304, 26, 8, 4, 9216, 256000, 10000.0, 8192, 1e-6, True,
+        head_dim_override=256, sliding_window=4096, attn_softcap=50.0, final_softcap=30.0,
+    ),
     "gemma-3-1b": ModelShape(
         "gemma3", 1152, 26, 4, 1, 6912, 262144, 1000000.0, 32768, 1e-6, True,
         head_dim_override=256, qk_norm=True, sliding_window=512,
@@ -153,7 +163,7 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "attn_q_norm.weight", (shape.head_dim,), "norm"
             yield b + "attn_k_norm.weight", (shape.head_dim,), "norm"
         yield b + "attn_output.weight", (h, q), "matrix"
-        if shape.architecture == "gemma3":
+        if shape.architecture in GEMMA:
             yield b + "post_attention_norm.weight", (h,), "norm"
         yield b + "ffn_norm.weight", (h,), "norm"
         if shape.experts:
@@ -166,7 +176,7 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
         yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_down.weight", (h, shape.intermediate), "matrix"
-        if shape.architecture == "gemma3":
+        if shape.architecture in GEMMA:
             yield b + "post_ffw_norm.weight", (h,), "norm"
     yield "output_norm.weight", (h,), "norm"
     if not shape.tied:
@@ -222,6 +232,10 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.attn_softcap:
+        writer.add_attn_logit_softcapping(shape.attn_softcap)
+    if shape.final_softcap:
+        writer.add_final_logit_softcapping(shape.final_softcap)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_quantization_version(2)

@@ -41,7 +41,7 @@ def small(config: str) -> make_random_gguf.ModelShape:
     )
 
 
-@pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen2.5-0.5b", "gemma-3-1b"])
+@pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen2.5-0.5b", "gemma-2-2b", "gemma-3-1b"])
 def written(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
     make_random_gguf.write_random_gguf(request.param, out, shape=small(request.param), quiet=True)
@@ -64,8 +64,11 @@ def test_header_and_tensors_are_llama_cpp_s(written):
     )
     assert arch.rope_theta == shape.rope_theta and arch.tie_word_embeddings == shape.tied
     assert arch.attention_bias == shape.qkv_bias
-    if shape.sliding_window:  # Gemma 3's first five layers are local
+    if shape.architecture == "gemma3":  # its first five layers are local
         assert arch.sliding_windows == (shape.sliding_window,) * 2
+    if shape.architecture == "gemma2":  # local and global alternate; both soft-caps
+        assert arch.sliding_windows == (shape.sliding_window, None)
+        assert (arch.attn_logit_softcapping, arch.final_logit_softcapping) == (50.0, 30.0)
     # The tokenizer's lists are padded to the embedding's rows (llama.cpp's vocab check).
     assert gf.metadata["tokenizer.ggml.tokens"] == SkippedArray(shape.vocab)
     assert gf.metadata["tokenizer.ggml.merges"].length > 0
@@ -102,6 +105,7 @@ def test_the_real_configs_have_the_published_sizes():
     assert 8.02e9 < params["llama-3.1-8b"] < 8.04e9
     assert 0.49e9 < params["qwen2.5-0.5b"] < 0.5e9
     assert 0.99e9 < params["gemma-3-1b"] < 1.01e9
+    assert 2.6e9 < params["gemma-2-2b"] < 2.62e9
 
 
 def test_moe_config_writes_stacked_experts_the_engine_loads(tmp_path):
