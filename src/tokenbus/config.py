@@ -14,7 +14,9 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # 2 GiB: ~45k tokens of SmolLM2-135M in f
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "q8_0", "none")
+# The resolved quantizations whose linears run on GGUF blocks (the native kernels, C layers).
+BLOCK_QUANTIZATIONS = ("gguf", "q8_0")
 QUANT_ACTIVATIONS = ("auto", "int16", "int8", "fp32", "bf16", "q8_k")
 POOLERS = ("last", "mean")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -111,8 +113,9 @@ class ModelConfig:
     # random weights for its config.json (vLLM's flag: real sizes whose weights are not at hand)
     load_format: str = "auto"
     # gguf: GGUF weights stay in their blocks (native kernels; their activations:
-    # quant_activations); none: dequantized to `dtype` at load; auto: gguf for a GGUF model on
-    # CPU, else none.
+    # quant_activations); q8_0: as gguf, and every dense linear weight (a safetensors model's)
+    # rounded to Q8_0 blocks at load, as llama.cpp's converter would; none: dequantized to
+    # `dtype` at load; auto: gguf for a GGUF model on CPU, else none.
     quantization: str = "auto"
     # The activations of decode-sized calls on Q8_0/Q4_0/Q4_1 blocks kept quantized: rounded per
     # 32 values to int16 (integer dot products: greedy answers kept, logprobs close to fp32's)

@@ -95,7 +95,8 @@ class EngineArgs:
     )
     quantization: str = _arg(
         "auto",
-        "gguf: GGUF weights stay quantized (native kernels); none: "
+        "gguf: GGUF weights stay quantized (native kernels); q8_0: as gguf, and "
+        "dense linear weights (safetensors) rounded to Q8_0 blocks at load (CPU); none: "
         "dequantize to --dtype; auto: gguf for GGUF models on CPU",
         choices=QUANTIZATIONS,
     )

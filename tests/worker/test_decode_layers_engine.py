@@ -139,3 +139,25 @@ def test_gemma3_with_hybrid_kv_groups_decodes_in_c_like_eager(tmp_path):
         assert_engine_clean(llm)
     finally:
         llm.shutdown()
+
+
+def test_safetensors_model_rounded_to_q8_0_decodes_in_c_like_eager():
+    """--quantization q8_0 on a safetensors model: its linears (and embedding) on Q8_0 tiles,
+    decode steps in C, the same greedy tokens as op by op."""
+    path = cached_tiny_model("llama", hidden_size=256, intermediate_size=512)
+    requests, params = staggered_batch()
+    eager = make_llm(path, quantization="q8_0", enforce_eager=True, **ENGINE)
+    try:
+        want = token_ids(eager, requests, params)
+    finally:
+        eager.shutdown()
+    llm = make_llm(path, quantization="q8_0", **ENGINE)
+    try:
+        assert llm.engine.config.model.quantization == "q8_0"
+        assert model_of(llm).decodes_in_c and model_of(llm).embed_quantized is not None
+        steps = count_c_steps(llm)
+        assert token_ids(llm, requests, params) == want
+        assert {(n, n) for n in (1, 2, 3, 4)} <= set(steps)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()

@@ -9,7 +9,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenbus.config import QUANTIZED_KV_CACHE_DTYPES, EngineConfig, ModelArch, ModelConfig
+from tokenbus.config import (
+    BLOCK_QUANTIZATIONS,
+    QUANTIZED_KV_CACHE_DTYPES,
+    EngineConfig,
+    ModelArch,
+    ModelConfig,
+)
 from tokenbus.engine_args import EngineArgs
 from tokenbus.loader import (
     ModelSource,
@@ -162,7 +168,7 @@ def sampling_defaults(
 
 def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineConfig:
     """A new config whose RESOLVED_SETTINGS (config.py) are facts: device "cpu"/"cuda[:i]",
-    dtype and kv_cache_dtype a dtype name, quantization "gguf"/"none", attention_backend
+    dtype and kv_cache_dtype a dtype name, quantization "gguf"/"q8_0"/"none", attention_backend
     "native"/"torch". The workers, the scheduler and the connectors read them as they are.
 
     Runs once per engine, where the EngineCore is built (engine/core.py): it asks torch
@@ -174,8 +180,10 @@ def resolve_config(config: EngineConfig, source: ModelSource | None) -> EngineCo
     dtype = resolve_dtype(model.dtype, device)
     load_format = resolve_load_format(model.load_format, source)
     if load_format == "dummy":  # random dense weights: no GGUF blocks to keep
-        if model.quantization == "gguf":
-            raise ValueError("quantization 'gguf' needs real weights, not load_format dummy")
+        if model.quantization in BLOCK_QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {model.quantization!r} needs real weights, not load_format dummy"
+            )
         quantization = "none"
     else:
         quantization = resolve_quantization(
@@ -222,7 +230,7 @@ def resolve_batch_invariant(
             "batch_invariant reads K/V in float32 or float16 (kv_cache_dtype), "
             f"got {kv_cache_dtype!r}"
         )
-    if model.quant_activations == "auto" and model.quantization == "gguf":
+    if model.quant_activations == "auto" and model.quantization in BLOCK_QUANTIZATIONS:
         model = dataclasses.replace(model, quant_activations="int16")
     logger.info(
         "batch invariant: linears on row-independent kernels (GGUF activations: %s), every "
@@ -271,6 +279,11 @@ def quantization_problem(source: ModelSource | None, device: str, tp_size: int) 
     """Why GGUF weights cannot stay quantized here, or None."""
     if source is None or source.kind != "gguf":
         return "the model is not a GGUF file"
+    return blocks_problem(device, tp_size)
+
+
+def blocks_problem(device: str, tp_size: int) -> str | None:
+    """Why linears cannot run on GGUF blocks here (whatever their source), or None."""
     if not device.startswith("cpu"):
         return f"the quantized kernels run on CPU, not {device}"
     if tp_size > 1:
@@ -281,19 +294,18 @@ def quantization_problem(source: ModelSource | None, device: str, tp_size: int) 
 def resolve_quantization(
     requested: str, source: ModelSource | None, device: str | object, tp: int = 1
 ) -> str:
-    """ "gguf" or "none". auto picks gguf where it can run and the kernels build; an explicit
-    gguf that cannot run is a ValueError with the reason. `device`: a name or torch.device."""
+    """ "gguf", "q8_0" or "none". auto picks gguf where it can run and the kernels build; an
+    explicit gguf or q8_0 that cannot run is a ValueError with the reason. `device`: a name or
+    torch.device."""
     if requested == "none":
         return "none"
     device = str(device)
-    problem = quantization_problem(source, device, tp)
-    if problem is None:
-        from tokenbus.model.native import NativeBuildError, load_quant_kernels
-
-        try:
-            load_quant_kernels()
-        except NativeBuildError as exc:
-            problem = f"the quantized kernels cannot be built ({exc})"
+    if requested == "q8_0":  # any source: its dense linears are rounded at load
+        problem = blocks_problem(device, tp) or _kernels_problem()
+        if problem is not None:
+            raise ValueError(f"quantization 'q8_0': {problem}; use --quantization none")
+        return "q8_0"
+    problem = quantization_problem(source, device, tp) or _kernels_problem()
     if problem is None:
         return "gguf"
     if requested == "gguf":
@@ -301,6 +313,16 @@ def resolve_quantization(
     if source is not None and source.kind == "gguf" and device.startswith("cpu"):
         logger.warning("GGUF weights are dequantized: %s", problem)
     return "none"
+
+
+def _kernels_problem() -> str | None:
+    from tokenbus.model.native import NativeBuildError, load_quant_kernels
+
+    try:
+        load_quant_kernels()
+    except NativeBuildError as exc:
+        return f"the quantized kernels cannot be built ({exc})"
+    return None
 
 
 def resolve_attention_backend(requested: str, device: str, dtype: str, block_size: int = 16) -> str:
@@ -351,7 +373,7 @@ def resolve_kv_cache_dtype(
         )
     if requested != "auto":
         return requested
-    if device.startswith("cpu") and dtype == "float32" and quantization == "gguf":
+    if device.startswith("cpu") and dtype == "float32" and quantization in BLOCK_QUANTIZATIONS:
         return "float16"
     return dtype
 

@@ -23,6 +23,7 @@ from tokenbus.model.decoder import Attention, DecoderLayer
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.kernel_plan import KernelPlan
 from tokenbus.model.layers import Linear, RMSNorm, RotaryEmbedding
+from tokenbus.model.layers.linear import q8_0_blocks
 from tokenbus.model.layers.quantized import (
     KernelWeight,
     QuantizedWeight,
@@ -180,6 +181,9 @@ class CausalLM(nn.Module):
         return loaders
 
     def _load_embedding(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+        if self.lm_head.round_to_q8_0 and not is_quantized(tensor):
+            # --quantization q8_0: the embedding too, as a Q8_0 GGUF's (one copy when tied)
+            tensor = q8_0_blocks(tensor)
         if not is_quantized(tensor):
             copy_param(self.embed_tokens, name, tensor)
             return

@@ -13,9 +13,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tokenbus.config import ModelArch
+from tokenbus.config import BLOCK_QUANTIZATIONS, Q8_0_BLOCK_VALUES, ModelArch
 from tokenbus.loader import ModelSource, iter_weights
 from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
+from tokenbus.model.layers import Linear
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
 
@@ -46,15 +47,17 @@ def load_model(
     model_class = get_model_class(arch.architecture)
     if max_model_len is not None:
         arch = dataclasses.replace(arch, max_position_embeddings=max_model_len)
-    keep_quantized = quantization == "gguf"
+    keep_quantized = quantization in BLOCK_QUANTIZATIONS
     if quant_activations in ("int8", "int16", "bf16", "q8_k") and not keep_quantized:
         raise ValueError(
             f"quant_activations {quant_activations!r} needs GGUF weights kept quantized "
-            f"(--quantization gguf)"
+            f"(--quantization gguf or q8_0)"
         )
     with torch.device(device), _default_dtype(dtype):
         model = model_class(arch, tp)  # parameters allocated uninitialised, in place (never
         # written, so never resident, for weights that stay quantized)
+    if quantization == "q8_0":
+        round_linears_to_q8_0(model)
     if load_format == "dummy":
         fill_dummy_weights(model, seed + tp.rank)
     else:
@@ -67,6 +70,16 @@ def load_model(
     )
     apply_kernels(model, request)  # every kernel chosen here, once (model/kernel_plan.py)
     return model.eval()
+
+
+def round_linears_to_q8_0(model: nn.Module) -> None:
+    """--quantization q8_0: every linear whose rows split into Q8_0's 32-value blocks takes its
+    dense weights as Q8_0 blocks (layers/linear.Linear.round_to_q8_0), so it runs on the
+    quantized kernels like a Q8_0 GGUF's. MoE routers stay dense (row-invariant: their logits
+    choose experts), as a GGUF's do."""
+    for module in model.modules():
+        if isinstance(module, Linear) and not module.row_invariant:
+            module.round_to_q8_0 = module.in_features % Q8_0_BLOCK_VALUES == 0
 
 
 def fill_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:

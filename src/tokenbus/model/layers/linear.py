@@ -16,10 +16,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
+from tokenbus.model import kv_quant
 from tokenbus.model.layers.quantized import (
     DequantBuffer,
+    KernelWeight,
     QuantizedLinearKernel,
     QuantizedWeight,
     is_quantized,
@@ -124,6 +127,9 @@ class Linear(nn.Module):
         self._kernel: LinearKernel | None = None
         self.backend = "dense"  # the kernel finalize() chose: "dense", "onednn" or "gguf"
         self.quantized: dict[int, QuantizedWeight] = {}  # shard → GGUF blocks (kept quantized)
+        # --quantization q8_0 (worker/model_builder.round_linears_to_q8_0): dense weights given
+        # to load_shard are rounded to Q8_0 blocks and kept so.
+        self.round_to_q8_0 = False
         # LoRA adapters' side path (model/lora.py LinearLoRA), added to the kernel's output.
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -136,6 +142,8 @@ class Linear(nn.Module):
     ) -> None:
         """Copy one HF tensor ([out_i, in] weight or [out_i] bias) into shard `shard`, or keep
         a quantized weight's GGUF blocks for the quantized kernel."""
+        if self.round_to_q8_0 and not is_bias and not is_quantized(tensor):
+            tensor = q8_0_blocks(tensor)
         if is_quantized(tensor):
             self._keep_quantized(name, tensor, shard, is_bias)
             return
@@ -222,3 +230,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias) if self._kernel is None else self._kernel(x)
         return y if self.lora is None else self.lora(x, y)
+
+
+def q8_0_blocks(weight: torch.Tensor) -> KernelWeight:
+    """A dense [rows, cols] weight (cols a multiple of 32) as GGUF Q8_0 rows, rounded as
+    llama.cpp's quantize_row_q8_0_ref rounds them (model/kv_quant.py's q8_0 rows are exactly
+    these blocks)."""
+    if weight.dim() != 2:
+        raise ValueError(f"Q8_0 blocks need a matrix, got shape {list(weight.shape)}")
+    rows, cols = weight.shape
+    blocks = kv_quant.quantize(weight, torch.uint8)
+    return KernelWeight(int(GGMLQuantizationType.Q8_0), blocks, cols, rows)
