@@ -98,6 +98,8 @@ def _throughput(ns: argparse.Namespace) -> int:
     _write_json(ns.output_json, [r.to_dict() for r in results])
     _plot_results(ns.plot, results, f"offline throughput, {ns.num_prompts} requests")
     variant = f"{ns.num_prompts} requests, {args.dtype}"
+    if args.quantization != "auto":  # runs of one workload with other weights keep their rows
+        variant += f", quantization {args.quantization}"
     _record_results(
         ns, "throughput_hf", results, variant, ["HF transformers"] * ("hf" in ns.compare)
     )
