@@ -117,47 +117,48 @@ def test_explicit_capture_sizes_do_not_compile_over_the_c_layers(gguf_path, capl
         llm.shutdown()
 
 
+def assert_in_c_like_eager(path, check, **kwargs) -> None:
+    """The staggered batch's greedy tokens through the C layers equal --enforce-eager's, with
+    every decode batch size in C and the engine clean after; `check(llm)` looks at the C
+    engine first."""
+    requests, params = staggered_batch()
+    eager = make_llm(path, enforce_eager=True, **kwargs, **ENGINE)
+    try:
+        want = token_ids(eager, requests, params)
+    finally:
+        eager.shutdown()
+    llm = make_llm(path, **kwargs, **ENGINE)
+    try:
+        check(llm)
+        steps = count_c_steps(llm)
+        assert token_ids(llm, requests, params) == want
+        assert {(n, n) for n in (1, 2, 3, 4)} <= set(steps)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_gemma3_with_hybrid_kv_groups_decodes_in_c_like_eager(tmp_path):
     """Gemma 3's local layers (window 32) read their own KV group's block tables, which drop the
     blocks that fell out of the window: the C layers take each layer's group and rotary table,
     and greedy tokens equal --enforce-eager's through prompts well past the window."""
     hf = cached_tiny_model("gemma3", hidden_size=256, intermediate_size=512)
     path = write_gguf(hf, tmp_path / "gemma3-q8_0.gguf", "Q8_0")
-    requests, params = staggered_batch()
-    eager = make_llm(path, enforce_eager=True, **ENGINE)
-    try:
-        want = token_ids(eager, requests, params)
-    finally:
-        eager.shutdown()
-    llm = make_llm(path, **ENGINE)
-    try:
+
+    def check(llm) -> None:
         # groups of equal size (core/kv/hybrid.plan_kv_groups): one of each layer here
         assert sorted(model_runner(llm).buffers.layer_groups) == list(range(6))
-        steps = count_c_steps(llm)
-        assert token_ids(llm, requests, params) == want
-        assert {(n, n) for n in (1, 2, 3, 4)} <= set(steps)
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
+
+    assert_in_c_like_eager(path, check)
 
 
 def test_safetensors_model_rounded_to_q8_0_decodes_in_c_like_eager():
     """--quantization q8_0 on a safetensors model: its linears (and embedding) on Q8_0 tiles,
     decode steps in C, the same greedy tokens as op by op."""
     path = cached_tiny_model("llama", hidden_size=256, intermediate_size=512)
-    requests, params = staggered_batch()
-    eager = make_llm(path, quantization="q8_0", enforce_eager=True, **ENGINE)
-    try:
-        want = token_ids(eager, requests, params)
-    finally:
-        eager.shutdown()
-    llm = make_llm(path, quantization="q8_0", **ENGINE)
-    try:
+
+    def check(llm) -> None:
         assert llm.engine.config.model.quantization == "q8_0"
         assert model_of(llm).decodes_in_c and model_of(llm).embed_quantized is not None
-        steps = count_c_steps(llm)
-        assert token_ids(llm, requests, params) == want
-        assert {(n, n) for n in (1, 2, 3, 4)} <= set(steps)
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
+
+    assert_in_c_like_eager(path, check, quantization="q8_0")
