@@ -95,7 +95,7 @@ def test_cpu_speed_reads_llama_bench(tmp_path):
     assert rates == {"pp512": 362.0, "tg128": 103.0} and commit == "0c1e570"
     args = cpu_speed.argparse.Namespace(
         quantization="auto", dtype="auto", quant_activations="int8", enforce_eager=False,
-        num_threads=None, reps=3,
+        num_threads=None, reps=3, attention_backend="auto",
     )  # fmt: skip
     record = cpu_speed.speed_record(args, None, {"tg128": 143.2, "pp512": 1011.0}, rates, commit)
     assert record["topic"] == "cpu_speed"
@@ -121,11 +121,15 @@ def test_cpu_speed_records_a_refused_file_beside_llama_cpp(tmp_path):
     assert refused == "refused: tensor blk.0.ffn_down.weight has unsupported type IQ4_XS"
     args = cpu_speed.argparse.Namespace(
         quantization="auto", dtype="auto", quant_activations="auto", enforce_eager=False,
-        num_threads=None, reps=3,
+        num_threads=None, reps=3, attention_backend="auto",
     )  # fmt: skip
     record = cpu_speed.speed_record(args, str(gguf), refused, {"tg128": 20.1, "pp512": 150.0})
     assert record["topic"] == "gguf_speed"
     assert record["variant"] == "random-llama-3.2-1b-IQ4_XS.gguf (0.00 GiB)"
+    day = record["date"][:10]
+    assert cpu_speed.record_name(record, gguf) == f"{day}-random-llama-3.2-1b-IQ4_XS"
+    eager = dict(record, variant=record["variant"] + " --enforce-eager --num-threads 1")
+    assert cpu_speed.record_name(eager, gguf).endswith("-IQ4_XS-enforce-eager-num-threads-1")
     assert record["rows"]["tg128"] == {"tokenbus": refused, "llama.cpp": 20.1}
 
 
