@@ -12,8 +12,9 @@ its max_tokens waits for them. A request under a grammar needs its tokens before
 bitmask: while one is unfinished, steps are scheduled one at a time.
 
 Step order: running requests first (in admission order; under the priority policy in
-(priority, arrival) order, so the last is the one preempted), then waiting ones (strict head of
-line, in the same order), then `num_computed_tokens` advances optimistically;
+(priority, arrival) order, so the last is the one preempted: core/sched/queue_order), then
+waiting ones (strict head of line, in the same order), then `num_computed_tokens` advances
+optimistically;
 `update_from_output` appends the sampled tokens, rolls back rejected drafts and checks stop
 conditions.
 
@@ -27,7 +28,6 @@ or fail, per kv_load_failure_policy.
 
 from __future__ import annotations
 
-import bisect
 import enum
 from collections import deque
 from collections.abc import Iterable
@@ -40,6 +40,7 @@ from tokenbus.core.request import Request, RequestStatus
 from tokenbus.core.sched.external_kv import ExternalKV
 from tokenbus.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenbus.core.sched.ports import GrammarManager, KVConnectorScheduler
+from tokenbus.core.sched.queue_order import QueueOrder
 from tokenbus.core.sched.spec_metrics import SpecDecodeMetrics
 from tokenbus.core.sched.stop import check_stop, max_output_tokens
 from tokenbus.protocol import EngineOutput, SchedulerStats
@@ -82,6 +83,7 @@ class Scheduler:
         # Slots reserved past the scheduled tokens for next step's drafts (spec decode).
         self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}
+        self.order = QueueOrder(config.scheduling_policy)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Finished since the last schedule(): the worker must drop their state.
@@ -109,18 +111,6 @@ class Scheduler:
     def connector(self, connector: KVConnectorScheduler | None) -> None:
         self.external_kv.connector = connector
 
-    @property
-    def by_priority(self) -> bool:
-        return self.config.scheduling_policy == "priority"
-
-    @staticmethod
-    def _insert_by_priority(queue: deque[Request] | list[Request], request: Request) -> None:
-        """Keep `queue` ordered by (priority, arrival time); equals keep their insertion order."""
-        position = bisect.bisect_right(
-            queue, (request.priority, request.arrival_time), key=_priority_key
-        )
-        queue.insert(position, request)
-
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         req_id = request.request_id
@@ -132,10 +122,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.first_step_index = self._num_steps_scheduled
         self._num_with_grammar += _has_grammar(request)
-        if self.by_priority:
-            self._insert_by_priority(self.waiting, request)
-        else:
-            self.waiting.append(request)
+        self.order.arrive(self.waiting, request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (abort, stop string found by the front end)."""
@@ -275,10 +262,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # an unread token still appends when it comes back
         request.spec_token_ids = []
-        if self.by_priority:  # back in its place: no later arrival of its priority overtakes it
-            self._insert_by_priority(self.waiting, request)
-        else:
-            self.waiting.appendleft(request)
+        self.order.requeue(self.waiting, request)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
@@ -372,10 +356,7 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_computed
-        if self.by_priority:
-            self._insert_by_priority(self.running, request)
-        else:
-            self.running.append(request)
+        self.order.admit(self.running, request)
         first, *others = self.kv.get_all_block_ids(request.request_id)
         plan.new_reqs.append(
             NewRequestData(
@@ -603,7 +584,3 @@ class Scheduler:
 
 def _has_grammar(request: Request) -> bool:
     return request.sampling_params.structured_outputs is not None
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return request.priority, request.arrival_time
