@@ -83,3 +83,37 @@ def run_to_completion(
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     scheduler.check_integrity()
     return tokens
+
+
+class FakeGrammars:
+    """The GrammarManager port without xgrammar. A request's grammar is compiled once its id is
+    in `ready` (every one when `ready` is None); tokens from `valid_below` on break the grammar
+    (drafts are cut there); accepted tokens are recorded in order."""
+
+    def __init__(self, ready: set[str] | None = None, valid_below: int | None = None) -> None:
+        self.ready = ready
+        self.valid_below = valid_below
+        self.accepted: list[int] = []
+
+    def add_request(self, request: Request) -> None:
+        pass
+
+    def is_ready(self, request: Request) -> bool:
+        return self.ready is None or request.request_id in self.ready
+
+    def fill_bitmask(self, scheduler_output: SchedulerOutput, requests: dict) -> None:
+        pass
+
+    def validate_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        valid = []
+        for token in token_ids:
+            if self.valid_below is not None and token >= self.valid_below:
+                break
+            valid.append(token)
+        return valid
+
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
+        self.accepted.extend(token_ids)
+
+    def remove_request(self, request: Request) -> None:
+        pass

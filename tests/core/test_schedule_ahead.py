@@ -3,7 +3,13 @@ unread token is a placeholder; fake runner outputs, exact block ids, leak check 
 
 from __future__ import annotations
 
-from tests.core.sched_utils import EOS, fake_runner_output, make_request, make_scheduler
+from tests.core.sched_utils import (
+    EOS,
+    FakeGrammars,
+    fake_runner_output,
+    make_request,
+    make_scheduler,
+)
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.request import RequestStatus
 from tokenbus.protocol import FinishReason
@@ -117,15 +123,44 @@ def test_a_preempted_request_whose_unread_token_ends_it_leaves_the_waiting_queue
     sched.check_integrity()
 
 
-def test_a_request_under_a_grammar_stops_scheduling_ahead():
-    sched = make_scheduler()
+def test_a_request_under_a_grammar_stops_scheduling_ahead_once_it_runs():
+    grammars = FakeGrammars(ready=set())
+    sched = make_scheduler(grammar_manager=grammars)
     assert sched.can_schedule_ahead
     grammar = StructuredOutputsParams(regex="[0-9]+")
-    sched.add_request(make_request("a", 5, structured_outputs=grammar))
+    sched.add_request(make_request("g", 5, structured_outputs=grammar))
     sched.add_request(make_request("b", 5, repetition_penalty=1.1, min_tokens=2))
-    assert not sched.can_schedule_ahead
-    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    # While g's grammar compiles it is in no step: b runs ahead.
+    so1, out1 = launch(sched)
+    assert so1.num_scheduled_tokens == {"b": 5}
     assert sched.can_schedule_ahead  # penalties and min_tokens count unread outputs
+    # Compiled: g's first step (its bitmask is the grammar's start) is scheduled ahead of
+    # step 1's tokens; from then on each step waits for the last one's tokens.
+    grammars.ready.add("g")
+    so2, out2 = launch(sched)
+    assert so2.num_scheduled_tokens == {"b": 1, "g": 5}
+    assert not sched.can_schedule_ahead
+    sched.update_from_output(so1, out1)
+    sched.update_from_output(so2, out2)
+    assert sched.requests["g"].output_token_ids == [7]
+    assert not sched.can_schedule_ahead
+    sched.finish_requests(["g"], RequestStatus.FINISHED_ABORTED)
+    assert sched.can_schedule_ahead
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    sched.schedule()
+    sched.check_integrity()
+
+
+def test_a_request_aborted_while_its_grammar_compiles_holds_nobody_back():
+    sched = make_scheduler(grammar_manager=FakeGrammars(ready=set()))
+    grammar = StructuredOutputsParams(regex="[0-9]+")
+    sched.add_request(make_request("g", 5, structured_outputs=grammar))
+    assert sched.schedule().num_scheduled_tokens == {}
+    assert sched.can_schedule_ahead
+    sched.finish_requests(["g"], RequestStatus.FINISHED_ABORTED)
+    assert sched.can_schedule_ahead and not sched.has_unfinished_requests()
+    sched.schedule()
+    sched.check_integrity()
 
 
 def test_an_embedding_request_preempted_while_its_last_chunk_runs_still_finishes():

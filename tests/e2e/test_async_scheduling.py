@@ -18,16 +18,19 @@ MAX_TOKENS = (1, 2, 3, 9, 17, 24)
 
 class LaunchSpy:
     """Counts, at each launch, the steps already in flight, and the decodes fed an unread
-    token on the device."""
+    token on the device; notes whether a grammar is in force."""
 
     def __init__(self, llm, monkeypatch) -> None:
         core = llm.engine.client.engine_core
         self.in_flight_at_launch: list[int] = []
+        # Whether, once this step was scheduled, a request's grammar was in force.
+        self.grammar_in_force_at_launch: list[bool] = []
         self.unread_inputs = 0
         launch = core.executor.launch_model
 
         def counted_launch(so):
             self.in_flight_at_launch.append(core.num_steps_in_flight)
+            self.grammar_in_force_at_launch.append(not core.scheduler.can_schedule_ahead)
             return launch(so)
 
         feed = ModelRunner._feed_unread_inputs
@@ -106,9 +109,10 @@ def test_penalties_and_min_tokens_count_the_unread_token(tiny_llama_dir, monkeyp
     assert_engine_clean(llm)
 
 
-def test_a_request_under_a_grammar_runs_steps_one_at_a_time(tiny_llama_dir, monkeypatch):
-    """Its bitmask for the next step is built from the tokens it accepted: while it runs,
-    every step is read before the next is scheduled."""
+def test_a_grammar_holds_steps_one_at_a_time_only_while_it_runs(tiny_llama_dir, monkeypatch):
+    """A request's bitmask for its next step is built from the tokens it accepted: from its
+    first step until it ends, every step is read before the next is scheduled. While its
+    grammar compiles it is in no step, and the others run ahead."""
     prompts = random_prompts(2, 4, 20, seed=8)
     params = [
         SamplingParams(
@@ -118,17 +122,34 @@ def test_a_request_under_a_grammar_runs_steps_one_at_a_time(tiny_llama_dir, monk
         ),
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
     ]
-    want = outputs_of(make_llm(tiny_llama_dir), prompts, params)
-    llm = make_llm(tiny_llama_dir, async_scheduling=True)
-    # Grammars compile off the step loop: a cold compile (xgrammar's tokenizer info) can outlast
-    # the plain request's steps, which would then all run beside a waiting grammar. Compiled
-    # once here, the grammar comes from the backend's cache, ready within a step.
-    outputs_of(llm, prompts[:1], params[:1])
-    spy = LaunchSpy(llm, monkeypatch)
-    got = outputs_of(llm, prompts, params)
+    compiling_steps = 4  # the grammar is "compiled" once this many steps were launched
+
+    def run(async_scheduling: bool):
+        llm = make_llm(tiny_llama_dir, async_scheduling=async_scheduling)
+        # Compiled once here, the grammar comes from the backend's cache in the timed run.
+        outputs_of(llm, prompts[:1], params[:1])
+        spy = LaunchSpy(llm, monkeypatch)
+        grammars = llm.engine.client.engine_core.scheduler.grammar
+        is_ready = grammars.is_ready
+        monkeypatch.setattr(
+            grammars,
+            "is_ready",
+            lambda r: len(spy.in_flight_at_launch) >= compiling_steps and is_ready(r),
+        )
+        return llm, spy, outputs_of(llm, prompts, params)
+
+    want = run(async_scheduling=False)[2]
+    llm, spy, got = run(async_scheduling=True)
     assert got == want and got[0][3].isdigit()
-    assert spy.in_flight_at_launch[:6] == [0] * 6
-    assert 1 in spy.in_flight_at_launch  # the plain request runs ahead once it is alone
+    in_flight, in_force = spy.in_flight_at_launch, spy.grammar_in_force_at_launch
+    assert 1 in in_flight[1:compiling_steps]  # the plain request runs ahead while it compiles
+    # The grammar is in force over its request's steps, one per token it sampled.
+    first, num_steps = in_force.index(True), len(got[0][0])
+    assert in_force.count(True) == num_steps
+    assert in_force[first : first + num_steps] == [True] * num_steps
+    # Each step after one that ran the grammar was launched once that one had been read.
+    assert all(n == 0 for n, last in zip(in_flight[1:], in_force) if last)
+    assert 1 in in_flight[first + num_steps :]  # and the plain request alone runs ahead again
     assert_engine_clean(llm)
 
 

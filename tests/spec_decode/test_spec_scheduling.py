@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tests.core.sched_utils import (
     BLOCK_SIZE,
+    FakeGrammars,
     fake_runner_output,
     make_request,
     make_scheduler,
@@ -79,41 +80,11 @@ def test_lookahead_slots_reserved_for_draft_model_kv():
     run_to_completion(sched)
 
 
-class _CuttingGrammar:
-    """A grammar manager stand-in that accepts only drafts below 100."""
-
-    def __init__(self):
-        self.accepted: list[int] = []
-
-    def add_request(self, request):
-        pass
-
-    def is_ready(self, request):
-        return True
-
-    def fill_bitmask(self, scheduler_output, requests):
-        pass
-
-    def validate_tokens(self, request, token_ids):
-        valid = []
-        for token in token_ids:
-            if token >= 100:
-                break
-            valid.append(token)
-        return valid
-
-    def accept_tokens(self, request, token_ids):
-        self.accepted.extend(token_ids)
-
-    def remove_request(self, request):
-        pass
-
-
 def test_drafts_cut_to_what_the_grammar_accepts():
     from tokenbus.sampling_params import StructuredOutputsParams
 
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024)
-    grammar = _CuttingGrammar()
+    grammar = FakeGrammars(valid_below=100)
     sched = Scheduler(config, KVCacheManager(50, BLOCK_SIZE, enable_caching=False), grammar)
     request = _decoding(sched, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
     _verify(sched, [1, 2], [1, 2, 3], next_drafts=[4, 5, 150, 6])

@@ -9,7 +9,8 @@ step's output comes back. With async scheduling the engine schedules the next st
 reading the last one's tokens: a decode then feeds its unread token (the worker takes it from
 the last step's sampled ids on the device), and a request whose placeholders already reach
 its max_tokens waits for them. A request under a grammar needs its tokens before its next
-bitmask: while one is unfinished, steps are scheduled one at a time.
+bitmask: from the step that first schedules it until it ends, steps are scheduled one at a time
+(while its grammar compiles it holds nobody back).
 
 Step order: running requests first (in admission order; under the priority policy in
 (priority, arrival) order, so the last is the one preempted: core/sched/queue_order), then
@@ -100,8 +101,8 @@ class Scheduler:
         self._preempted_outside_step: set[str] = set()
         # schedule() calls so far: the next step's SchedulerOutput.step_index.
         self._num_steps_scheduled = 0
-        # Unfinished requests under a grammar (can_schedule_ahead).
-        self._num_with_grammar = 0
+        # Requests whose compiled grammar is in force, until they end (can_schedule_ahead).
+        self._grammars_in_force: set[str] = set()
 
     @property
     def connector(self) -> KVConnectorScheduler | None:
@@ -121,7 +122,6 @@ class Scheduler:
             self.grammar.add_request(request)
         self.requests[request.request_id] = request
         request.first_step_index = self._num_steps_scheduled
-        self._num_with_grammar += _has_grammar(request)
         self.order.arrive(self.waiting, request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -146,9 +146,11 @@ class Scheduler:
     @property
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the last one's tokens are read: no
-        unfinished request is under a grammar, whose bitmask for the next step is built here
-        from the tokens it accepted."""
-        return self._num_with_grammar == 0
+        request's grammar is in force, whose bitmask for the next step is built here from the
+        tokens it accepted. A request whose grammar still compiles is in no step: it holds
+        nobody back. Its first step may be scheduled ahead, since that bitmask is the grammar's
+        start; the steps after it wait for its tokens."""
+        return not self._grammars_in_force
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -287,6 +289,7 @@ class Scheduler:
                     )
                     continue
                 request.status = RequestStatus.WAITING
+                self._grammars_in_force.add(request.request_id)
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(self.waiting.popleft())  # its load is in flight
                 continue
@@ -544,7 +547,7 @@ class Scheduler:
         return failed
 
     def _free_request(self, request: Request, keep_blocks: bool = False) -> None:
-        self._num_with_grammar -= _has_grammar(request)
+        self._grammars_in_force.discard(request.request_id)
         self.external_kv.release(request, keep_blocks)
         if self.grammar is not None:
             self.grammar.remove_request(request)
@@ -580,7 +583,3 @@ class Scheduler:
         self.external_kv.check_integrity()
         assert not self.waiting and not self.running, "queues not empty"
         self.kv.check_integrity()
-
-
-def _has_grammar(request: Request) -> bool:
-    return request.sampling_params.structured_outputs is not None
