@@ -30,15 +30,13 @@ id there, which attention never reads (it lies before the window) and never writ
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenbus.core.kv.block import KVBlock
-from tokenbus.core.kv.block_pool import BlockPool, require
 from tokenbus.core.kv.manager import skips_prefix_cache
-from tokenbus.core.kv.stats import PrefixCacheStats
+from tokenbus.core.kv.tables import BlockTables
 from tokenbus.utils import cdiv
 
 if TYPE_CHECKING:
@@ -127,45 +125,31 @@ def engine_kv_groups(config: EngineConfig, arch: ModelArch) -> KVGroupLayout | N
     return plan_kv_groups(windows, hybrid) if hybrid else None
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(BlockTables):
     """KVCacheManager's contract per KV group: allocate_slots, get_computed_blocks, free and
     the checks take and give one block list per group (GroupBlocks)."""
+
+    req_to_blocks: dict[str, GroupBlocks]
+    num_cached_blocks: dict[str, list[int]]  # per group
 
     def __init__(
         self, num_blocks: int, block_size: int, layout: KVGroupLayout, enable_caching: bool = True
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         for group in layout.groups:
             if group.window is not None and group.window < 1:
                 raise ValueError(f"sliding window must be >= 1, got {group.window}")
-        self.block_size = block_size
+        super().__init__(num_blocks, block_size, enable_caching)
         self.layout = layout
         self.windows = layout.windows
-        self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, GroupBlocks] = {}
-        # request id → per group, how many leading blocks are registered in the hash map.
-        self.num_cached_blocks: dict[str, list[int]] = {}
-        self.prefix_cache_stats = PrefixCacheStats()
-        self.total_prefix_cache_stats = PrefixCacheStats()
+
+    @staticmethod
+    def _tables(entry: GroupBlocks) -> Sequence[list[KVBlock]]:
+        return entry
 
     # ------------------------------------------------------------------ views
     @property
     def num_groups(self) -> int:
         return len(self.windows)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.usage
-
-    @property
-    def null_block(self) -> KVBlock:
-        return self.block_pool.null_block
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Group 0's table (what a single-table reader sees: xray)."""
@@ -189,9 +173,6 @@ class HybridKVCacheManager:
             for g in groups
             for block in tables[g]
         )
-
-    def holds_blocks(self, request_id: str) -> bool:
-        return request_id in self.req_to_blocks
 
     # ------------------------------------------------------------------ prefix cache
     def _key(self, group: int, block_hash: bytes) -> bytes:
@@ -329,10 +310,6 @@ class HybridKVCacheManager:
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return added
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        if self.enable_caching and request.request_id in self.req_to_blocks:
-            self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
-
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         num_full = num_tokens // self.block_size
         cached = self.num_cached_blocks[request.request_id]
@@ -351,56 +328,3 @@ class HybridKVCacheManager:
                 same = self.block_pool.cached_block_hash_to_block.setdefault(block.block_hash, {})
                 same[block.block_id] = block
             cached[group] = max(cached[group], num_full)
-
-    def evict_cached_blocks(self, block_ids: Iterable[int]) -> None:
-        for block_id in block_ids:
-            if 0 < block_id < self.block_pool.num_blocks:
-                self.block_pool.evict_cached_hash(self.block_pool.blocks[block_id])
-
-    def free(self, request: Request) -> None:
-        """Release every group's blocks, each table tail first (as KVCacheManager.free)."""
-        tables = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        for table in tables:
-            self.block_pool.free_blocks(reversed(table))
-
-    def reset_prefix_cache(self) -> bool:
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        self.prefix_cache_stats.reset = True
-        return True
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats
-
-    # ------------------------------------------------------------------ checks
-    def check_consistency(self) -> None:
-        """Ref counts match the table entries of every group; sliding tables hold no block
-        before their window's first needed one but nulls (valid mid-workload)."""
-        self.block_pool.check_consistency()
-        holders = Counter(
-            block.block_id
-            for tables in self.req_to_blocks.values()
-            for table in tables
-            for block in table
-            if not block.is_null
-        )
-        for block in self.block_pool.blocks[1:]:
-            require(
-                block.ref_cnt == holders[block.block_id],
-                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                f"{holders[block.block_id]} block-table entries",
-            )
-
-    def check_integrity(self) -> None:
-        require(
-            not self.req_to_blocks, f"requests still hold KV blocks: {sorted(self.req_to_blocks)}"
-        )
-        self.check_consistency()
-        num_usable = self.block_pool.num_blocks - 1
-        require(
-            self.num_free_blocks == num_usable,
-            f"{num_usable - self.num_free_blocks} KV blocks leaked: "
-            f"{self.num_free_blocks} of {num_usable} are free",
-        )

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tokenbus.core.kv.block import KVBlock
-from tokenbus.core.kv.block_pool import BlockPool, require
-from tokenbus.core.kv.stats import PrefixCacheStats
+from tokenbus.core.kv.block_pool import require
+from tokenbus.core.kv.tables import BlockTables
 from tokenbus.utils import cdiv
 
 if TYPE_CHECKING:
     from tokenbus.core.request import Request
 
 
-class KVCacheManager:
+class KVCacheManager(BlockTables):
     """Hands out blocks to requests, finds prefix-cache hits, takes blocks back.
 
     A request's block table is append-only while it runs: block i holds the KV of tokens
@@ -23,29 +22,12 @@ class KVCacheManager:
     The manager never changes ``request.num_computed_tokens``: the scheduler owns it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
-        # request id → how many leading blocks of its table are registered in the hash map.
-        self.num_cached_blocks: dict[str, int] = {}
-        self.prefix_cache_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
-        self.total_prefix_cache_stats = PrefixCacheStats()  # since start-up
+    req_to_blocks: dict[str, list[KVBlock]]
+    num_cached_blocks: dict[str, int]
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.usage
-
-    @property
-    def null_block(self) -> KVBlock:
-        return self.block_pool.null_block
+    @staticmethod
+    def _tables(entry: list[KVBlock]) -> Sequence[list[KVBlock]]:
+        return (entry,)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
@@ -139,57 +121,9 @@ class KVCacheManager:
             self._cache_full_blocks(request, num_tokens_to_cache)
         return hit_blocks + new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the request's blocks full up to ``num_tokens`` (e.g. after a KV load)."""
-        if self.enable_caching and request.request_id in self.req_to_blocks:
-            self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
-
-    def holds_blocks(self, request_id: str) -> bool:
-        return request_id in self.req_to_blocks
-
-    def evict_cached_blocks(self, block_ids: Iterable[int]) -> None:
-        """Forget the hashes of blocks whose KV is wrong (a failed load): nobody may hit them.
-        Requests holding them must be freed (preempted or failed) before the next step."""
-        for block_id in block_ids:
-            if 0 < block_id < self.block_pool.num_blocks:
-                self.block_pool.evict_cached_hash(self.block_pool.blocks[block_id])
-
-    def free(self, request: Request) -> None:
-        """Release the request's blocks (finished, aborted or preempted) and forget it."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        # Tail first: hashed blocks are appended to the LRU queue in this order, so the last
-        # block is evicted before the first and a cached block keeps its ancestors (a chained
-        # hash can only be hit through its whole prefix).
-        self.block_pool.free_blocks(reversed(blocks))
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash (e.g. after a weight update); False while blocks are in use."""
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        self.prefix_cache_stats.reset = True
-        return True
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """The counters since the last call; starts a new interval."""
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats
-
     def check_consistency(self) -> None:
-        """Raise AssertionError unless ref counts match the block tables (valid mid-workload)."""
-        self.block_pool.check_consistency()
-        num_holders = Counter(
-            block.block_id
-            for blocks in self.req_to_blocks.values()
-            for block in blocks
-            if not block.is_null
-        )
-        for block in self.block_pool.blocks[1:]:
-            require(
-                block.ref_cnt == num_holders[block.block_id],
-                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                f"{num_holders[block.block_id]} block-table entries",
-            )
+        """BlockTables' checks, and every block a request counts as cached is hashed."""
+        super().check_consistency()
         for request_id, num_cached in self.num_cached_blocks.items():
             blocks = self.req_to_blocks.get(request_id, [])
             require(
@@ -199,23 +133,6 @@ class KVCacheManager:
                 ),
                 f"request {request_id!r}: {num_cached} cached blocks claimed, not all hashed",
             )
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless the cache is idle and whole: the check after a workload.
-
-        No request holds blocks, every block but the null block is in the free queue exactly
-        once, every ref count is 0.
-        """
-        require(
-            not self.req_to_blocks, f"requests still hold KV blocks: {sorted(self.req_to_blocks)}"
-        )
-        self.check_consistency()
-        num_usable = self.block_pool.num_blocks - 1
-        require(
-            self.num_free_blocks == num_usable,
-            f"{num_usable - self.num_free_blocks} KV blocks leaked: "
-            f"{self.num_free_blocks} of {num_usable} are free",
-        )
 
     def _cache_full_blocks(self, request: Request, num_tokens_to_cache: int) -> None:
         """Register the request's blocks that are full up to ``num_tokens_to_cache``."""
