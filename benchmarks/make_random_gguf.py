@@ -6,7 +6,8 @@
 Configs (CONFIGS below): llama-3.2-1b, llama-3.2-3b, llama-3.1-8b (Llama 3 rope factors as
 rope_freqs.weight, as llama.cpp's converter writes them; tied embeddings for 3.2), qwen2.5-0.5b
 (Qwen2 with q/k/v biases; 896 wide, so llama.cpp's K-quant recipes fall back to other types for
-some tensors, as in the real files), qwen3-30b-a3b-8l (MoE), gemma-2-2b (sandwich norms,
+some tensors, as in the real files), smollm3-3b (Llama's tensors, tied; llama.cpp turns no
+rotary in every fourth layer), qwen3-30b-a3b-8l (MoE), gemma-2-2b (sandwich norms,
 soft-capped scores and logits, local and global layers alternating), gemma-3-1b (sandwich norms,
 q/k norms, five sliding-window layers to one global). Tensor names and metadata are llama.cpp's;
 matrices are F16, norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02),
@@ -93,6 +94,9 @@ CONFIGS = {
     "llama-3.1-8b": ModelShape(
         "llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, 131072, 1e-5, False,
         llama3_rope=(8.0, 1.0, 4.0, 8192),
+    ),
+    "smollm3-3b": ModelShape(
+        "smollm3", 2048, 36, 16, 4, 11008, 128256, 5000000.0, 65536, 1e-6, True,
     ),
     "qwen2.5-0.5b": ModelShape(
         "qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, 32768, 1e-6, True, qkv_bias=True

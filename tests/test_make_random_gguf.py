@@ -41,7 +41,10 @@ def small(config: str) -> make_random_gguf.ModelShape:
     )
 
 
-@pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen2.5-0.5b", "gemma-2-2b", "gemma-3-1b"])
+@pytest.fixture(
+    scope="module",
+    params=["llama-3.1-8b", "qwen2.5-0.5b", "smollm3-3b", "gemma-2-2b", "gemma-3-1b"],
+)
 def written(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
     make_random_gguf.write_random_gguf(request.param, out, shape=small(request.param), quiet=True)
@@ -104,6 +107,7 @@ def test_the_real_configs_have_the_published_sizes():
     assert 3.19e9 < params["llama-3.2-3b"] < 3.22e9
     assert 8.02e9 < params["llama-3.1-8b"] < 8.04e9
     assert 0.49e9 < params["qwen2.5-0.5b"] < 0.5e9
+    assert 3.07e9 < params["smollm3-3b"] < 3.09e9
     assert 0.99e9 < params["gemma-3-1b"] < 1.01e9
     assert 2.6e9 < params["gemma-2-2b"] < 2.62e9
 

@@ -55,7 +55,7 @@ def kv_row_bytes(kv_cache_dtype: str, head_dim: int) -> int:
 class ModelArch:
     """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
 
-    architecture: str  # llama, mistral, qwen2, qwen3, gemma2, gemma3 or phi3 (model/registry.py)
+    architecture: str  # our family name: llama, qwen3, smollm3, gemma3, ... (model/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -84,6 +84,9 @@ class ModelArch:
     # Dims of each head the rotary turns (the first ones; Phi-4-mini's partial_rotary_factor
     # 0.75); None: the whole head.
     rotary_dim: int | None = None
+    # Layers whose queries and keys take no rotary at all (NoPE: SmolLM3's every fourth);
+    # (): every layer turns.
+    nope_layers: tuple[int, ...] = ()
     # Sparse MoE (model/moe.py); 0 experts: a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0

@@ -16,6 +16,7 @@ from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import ForwardContext, LlamaForCausalLM, attention, get_model_class
 from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
+from tokenbus.model.smollm3 import NO_ROPE, ROPE, SmolLM3ForCausalLM
 from tokenbus.worker.model_builder import load_model
 
 ATOL = 1e-4
@@ -38,7 +39,7 @@ def load_pair(path, attention_backend: str = "auto") -> tuple[LlamaForCausalLM, 
     scope="module",
     params=[
         (arch, backend)
-        for arch in ("llama", "qwen2", "mistral", "qwen3")
+        for arch in ("llama", "qwen2", "mistral", "qwen3", "smollm3")
         for backend in ("torch", "native")
     ],
     ids="-".join,
@@ -179,7 +180,7 @@ def test_first_n_layers_is_the_truncated_model(pair):
     torch.testing.assert_close(draft, ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(draft_kv.kv_caches[0], full_kv.kv_caches[0], atol=0, rtol=0)
     with pytest.raises(ValueError, match="num_layers"):
-        run(ours, PagedKV.for_model(ours), [("d", ids)], num_layers=3)
+        run(ours, PagedKV.for_model(ours), [("d", ids)], num_layers=ours.num_layers + 1)
 
 
 @pytest.mark.parametrize(
@@ -234,6 +235,46 @@ def test_qwen3_variants_match_hf(overrides):
     torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "overrides,nope",
+    [
+        (dict(), (3,)),  # SmolLM3's default: every fourth layer
+        (dict(no_rope_layers=[0, 1, 0, 1]), (0, 2)),
+        (dict(num_hidden_layers=8, no_rope_layer_interval=2), (1, 3, 5, 7)),
+        # Its NoPE layers slide (SmolLM3Config's layer_types): window 4, prompts of 14 tokens
+        (dict(use_sliding_window=True, sliding_window=4), (3,)),
+    ],
+    ids=["every-fourth", "listed", "interval-2", "sliding-nope-layers"],
+)
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_smollm3_nope_layers_match_hf(overrides, nope, backend):
+    """NoPE layers read the identity table (cos 1, sin 0): HF's logits, prefill then decode;
+    turning them as the others would is far off (the rotary matters at these positions)."""
+    if backend == "native" and shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+    ours, hf = load_pair(cached_tiny_model("smollm3", **overrides), backend)
+    assert isinstance(ours, SmolLM3ForCausalLM) and ours.arch.nope_layers == nope
+    tables = [layer.self_attn.rope_table for layer in ours.layers]
+    assert tables == [NO_ROPE if i in nope else ROPE for i in range(len(tables))]
+    windows = [layer.self_attn.sliding_window for layer in ours.layers]
+    assert windows == [
+        4 if overrides.get("use_sliding_window") and i in nope else None
+        for i in range(len(windows))
+    ]
+
+    def logits() -> torch.Tensor:
+        ids, kv = SEQS["c"], PagedKV.for_model(ours)
+        return torch.cat(
+            [run(ours, kv, [("c", ids[:10])])] + [run(ours, kv, [("c", [t])]) for t in ids[10:]]
+        )
+
+    want = hf_logits(hf, SEQS["c"])
+    torch.testing.assert_close(logits(), want, atol=ATOL, rtol=0)
+    for layer in ours.layers:
+        layer.self_attn.rope_table = ROPE
+    assert (logits() - want).abs().max() > 100 * ATOL
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 0.25), (torch.float16, 0.05)])
 def test_half_precision_runs_close_to_fp32(dtype, atol):
     path = cached_tiny_model("qwen2")
@@ -271,5 +312,6 @@ def test_registry_maps_names_and_rejects_unknown():
     ):
         assert get_model_class(name) is LlamaForCausalLM
     assert get_model_class("qwen3") is get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
+    assert get_model_class("smollm3") is get_model_class("SmolLM3ForCausalLM")
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         get_model_class("GPT2LMHeadModel")

@@ -168,7 +168,7 @@ def test_rope_types_understood_by_loader_are_built_by_model():
 # ----------------------------------------------------------------------------- weights
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3", "smollm3"])
 def test_f32_gguf_and_safetensors_give_identical_logits(tmp_path, arch_name):
     hf_dir = cached_tiny_model(arch_name)
     gguf_src = resolve_model(
@@ -443,6 +443,13 @@ def _windowed_config(model_type: str, **fields) -> dict:
             (8, None, 8, None),
         ),
         (_windowed_config("llama"), ()),  # Llama has no window
+        # SmolLM3: with use_sliding_window, its NoPE layers slide (SmolLM3Config's layer_types)
+        (_windowed_config("smollm3"), ()),
+        (_windowed_config("smollm3", use_sliding_window=True), (None, None, None, 8)),
+        (
+            _windowed_config("smollm3", use_sliding_window=True, no_rope_layers=[0, 1, 1, 1]),
+            (8, None, None, None),
+        ),
     ],
 )
 def test_sliding_windows_per_layer(config, windows):
@@ -470,3 +477,21 @@ def test_bad_sliding_window_is_refused(fields, message):
     config = _windowed_config("qwen2", use_sliding_window=True, **fields)
     with pytest.raises(ValueError, match=message):
         arch_from_hf_config(config, Path("cfg"))
+
+
+def test_smollm3_nope_layers_from_config_and_gguf(tmp_path):
+    """config.json's no_rope_layers (1: rotary), or every no_rope_layer_interval-th layer; a
+    GGUF carries no such metadata and llama.cpp takes every fourth, as SmolLM3's default."""
+    from tokenbus.loader.hf_loader import arch_from_hf_config
+
+    hf_dir = cached_tiny_model("smollm3", num_hidden_layers=8)
+    assert load_arch(resolve_model(str(hf_dir))).nope_layers == (3, 7)
+    gguf = write_gguf(hf_dir, tmp_path / "smollm3.gguf", with_tokenizer=False)
+    gguf_arch = load_arch(resolve_model(str(gguf)))
+    assert (gguf_arch.architecture, gguf_arch.nope_layers) == ("smollm3", (3, 7))
+    config = _windowed_config("smollm3", no_rope_layer_interval=2)
+    assert arch_from_hf_config(config, Path("cfg")).nope_layers == (1, 3)
+    assert arch_from_hf_config(_windowed_config("llama"), Path("cfg")).nope_layers == ()
+    for bad in ([1, 1, 0], [1, 2, 1, 0]):
+        with pytest.raises(ValueError, match="no_rope_layers must hold"):
+            arch_from_hf_config(_windowed_config("smollm3", no_rope_layers=bad), Path("cfg"))

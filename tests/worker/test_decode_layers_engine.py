@@ -152,6 +152,19 @@ def test_gemma3_with_hybrid_kv_groups_decodes_in_c_like_eager(tmp_path):
     assert_in_c_like_eager(path, check)
 
 
+def test_smollm3_nope_layers_decode_in_c_like_eager(tmp_path):
+    """SmolLM3's NoPE layer (the last of four) reads the identity rotary table in C as well."""
+    hf = cached_tiny_model("smollm3", hidden_size=256, intermediate_size=512)
+    path = write_gguf(hf, tmp_path / "smollm3-q8_0.gguf", "Q8_0")
+
+    def check(llm) -> None:
+        model = model_of(llm)
+        assert [layer.self_attn.rope_table for layer in model.layers] == [0, 0, 0, 1]
+        assert model.kernels.decode_layers.num_rope_tables == 2
+
+    assert_in_c_like_eager(path, check)
+
+
 def test_safetensors_model_rounded_to_q8_0_decodes_in_c_like_eager():
     """--quantization q8_0 on a safetensors model: its linears (and embedding) on Q8_0 tiles,
     decode steps in C, the same greedy tokens as op by op."""

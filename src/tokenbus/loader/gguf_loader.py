@@ -8,6 +8,9 @@ Gemma 3's, whose norm weights llama.cpp stores as (1 + w): they are given back a
 Mistral is written as architecture "llama". A tensor name this table does not know is refused,
 naming it.
 
+SmolLM3 ("smollm3"): llama's tensors, permuted as llama's; llama.cpp writes no metadata for its
+NoPE layers and takes every fourth (`n_no_rope_layer_step` 4, SmolLM3's own default), as we do.
+
 Phi-3 ("phi3"): q/k/v fused in `attn_qkv` (or separate attn_q/k/v), gate and up fused in
 `ffn_up` [2*I, hidden] (HF's gate_up_proj), unpermuted; LongRoPE as two tensors,
 `rope_factors_long` / `rope_factors_short`, with `rope.scaling.original_context_length` and
@@ -36,7 +39,14 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
     import torch  # metadata through this module, and its start-up is shorter without torch
 
 # general.architecture values we load
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", *GEMMA_GGUF_ARCHITECTURES)
+GGUF_ARCHITECTURES = (
+    *("llama", "qwen2", "qwen3", "smollm3", "phi3", "qwen3moe"),
+    *GEMMA_GGUF_ARCHITECTURES,
+)
+# Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mixtral", "smollm3")
+# llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
+_SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
 _PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
 # llama.cpp's MoE names: experts stacked per layer ([E, rows, cols]), split here into HF's
@@ -146,6 +156,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     window = meta.get(f"{arch}.attention.sliding_window", 0)
     if arch == "phi3" and window:  # every layer's (0: none), as config.json's
         family["sliding_windows"] = (window,) * need("block_count")
+    if arch == "smollm3":
+        step = _SMOLLM3_NO_ROPE_LAYER_STEP
+        family["nope_layers"] = tuple(i for i in range(need("block_count")) if (i + 1) % step == 0)
     moe = _moe_fields(gf, arch, need("block_count"))
     return ModelArch(
         architecture=_our_architecture(arch, moe),
@@ -334,7 +347,7 @@ def iter_gguf_weights(
             tensor = torch.from_numpy(gf.tensor_bytes(info, writable=True))
         else:
             tensor = torch.from_numpy(_dequantize(gf, info))
-        permuted = arch.architecture in ("llama", "mixtral")
+        permuted = arch.architecture in _PERMUTED_QK_ARCHITECTURES
         if permuted and ".self_attn.q_proj." in name:
             tensor = unpermute_qk(tensor, arch.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:

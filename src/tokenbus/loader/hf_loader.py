@@ -27,6 +27,7 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
@@ -107,6 +108,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         rotary_dim=rotary_dim,
         sliding_windows=sliding_windows,
+        nope_layers=_nope_layers(config, architecture, path),
         **_moe_fields(config, architecture, path),
     )
     return dataclasses.replace(arch, **family) if family else arch
@@ -214,20 +216,37 @@ def _extended_context(
     }
 
 
+def _nope_layers(config: dict[str, Any], architecture: str, path: Path) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary: where `no_rope_layers` says 0, or (absent) every
+    `no_rope_layer_interval`-th layer (default 4: layers 3, 7, ...), as SmolLM3Config fills it."""
+    if architecture != "smollm3":
+        return ()
+    num_layers = int(config["num_hidden_layers"])
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = int(config.get("no_rope_layer_interval") or 4)
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if len(flags) != num_layers or set(flags) - {0, 1}:
+        raise ValueError(
+            f"{path}: no_rope_layers must hold 1 (rotary) or 0 (none) for each of the "
+            f"{num_layers} layers, got {flags!r}"
+        )
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
+
+
 def _sliding_windows(
     config: dict[str, Any], architecture: str, path: Path
 ) -> tuple[int | None, ...]:
     """Each layer's window as transformers builds them: Mistral's, Mixtral's and Phi-3's
     `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's /
-    Qwen3's only with `use_sliding_window`, on the layers of `layer_types` (or, in a 4.x config,
-    from `max_window_layers` on); () where no layer has one."""
+    Qwen3's / SmolLM3's only with `use_sliding_window`, on the layers of `layer_types` (or, in a
+    config without them, from `max_window_layers` on; SmolLM3: its NoPE layers); () where no
+    layer has one."""
     window = config.get("sliding_window")
-    if architecture in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
+    gated = ("qwen2", "qwen3", "qwen3_moe", "smollm3")  # windows only with use_sliding_window
+    if architecture in gated and not config.get("use_sliding_window"):
         window = None
-    if (
-        architecture not in ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
-        or not window
-    ):
+    if architecture not in ("mistral", "mixtral", "phi3", *gated) or not window:
         return ()
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
@@ -235,6 +254,9 @@ def _sliding_windows(
     if architecture in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return (window,) * num_layers
     types = config.get("layer_types")
+    if types is None and architecture == "smollm3":
+        nope = _nope_layers(config, architecture, path)
+        types = ["sliding_attention" if i in nope else "full_attention" for i in range(num_layers)]
     if types is None:
         first = config.get("max_window_layers", num_layers)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]

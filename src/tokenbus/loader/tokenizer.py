@@ -89,16 +89,32 @@ def _from_cache_entry(directory: Path):
     return _from_pretrained(directory, None)
 
 
+# GGUF architectures whose config transformers cannot rebuild, which AutoTokenizer needs first.
+# Their tokenizer comes from the file's tokenizer.ggml.* alone (TokenizersBackend, the class
+# AutoTokenizer picks for a GGUF's BPE vocabulary as well: SmolLM3's is Llama 3's).
+GGUF_TOKENIZER_WITHOUT_CONFIG = ("smollm3",)
+
+
 def _from_pretrained(directory: Path, gguf_file: str | None):
-    from transformers import AutoTokenizer  # lazy: importing transformers takes seconds
+    import transformers  # lazy: importing transformers takes seconds
 
     where = directory / gguf_file if gguf_file else directory
+    loader = transformers.AutoTokenizer
+    if gguf_file and _gguf_architecture(where) in GGUF_TOKENIZER_WITHOUT_CONFIG:
+        loader = transformers.TokenizersBackend
     try:
-        return AutoTokenizer.from_pretrained(
-            str(directory), gguf_file=gguf_file, local_files_only=True
-        )
+        return loader.from_pretrained(str(directory), gguf_file=gguf_file, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"tokenizer: cannot load from {where}: {e}") from e
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    from tokenbus.loader.gguf_file import read_gguf  # lazy: numpy and gguf
+
+    try:
+        return read_gguf(path).metadata.get("general.architecture")
+    except ValueError:
+        return None  # not a readable GGUF: AutoTokenizer says why
 
 
 def load_generation_config(src: ModelSource) -> dict[str, Any]:

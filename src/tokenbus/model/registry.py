@@ -10,6 +10,7 @@ from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
 from tokenbus.model.qwen3_moe import Qwen3MoeForCausalLM
+from tokenbus.model.smollm3 import SmolLM3ForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -17,10 +18,12 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "smollm3": SmolLM3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
