@@ -87,6 +87,13 @@ class ModelArch:
     # Layers whose queries and keys take no rotary at all (NoPE: SmolLM3's every fourth);
     # (): every layer turns.
     nope_layers: tuple[int, ...] = ()
+    # Granite's multipliers (model/granite.py), 1 / None elsewhere: the embedding scaled, each
+    # sublayer's output scaled before it joins the residual, the attention scale itself (None:
+    # head_dim ** -0.5), the logits divided.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # Sparse MoE (model/moe.py); 0 experts: a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0

@@ -39,7 +39,7 @@ def load_pair(path, attention_backend: str = "auto") -> tuple[LlamaForCausalLM, 
     scope="module",
     params=[
         (arch, backend)
-        for arch in ("llama", "qwen2", "mistral", "qwen3", "smollm3")
+        for arch in ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite")
         for backend in ("torch", "native")
     ],
     ids="-".join,
@@ -176,7 +176,8 @@ def test_first_n_layers_is_the_truncated_model(pair):
         hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[
             1
         ]  # after layer 0
-        ref = hf.lm_head(hf.model.norm(hidden))[0]
+        # (Granite's logits are divided by its logits_scaling)
+        ref = hf.lm_head(hf.model.norm(hidden))[0] / getattr(hf.config, "logits_scaling", 1.0)
     torch.testing.assert_close(draft, ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(draft_kv.kv_caches[0], full_kv.kv_caches[0], atol=0, rtol=0)
     with pytest.raises(ValueError, match="num_layers"):
@@ -313,5 +314,6 @@ def test_registry_maps_names_and_rejects_unknown():
         assert get_model_class(name) is LlamaForCausalLM
     assert get_model_class("qwen3") is get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert get_model_class("smollm3") is get_model_class("SmolLM3ForCausalLM")
+    assert get_model_class("granite") is get_model_class("GraniteForCausalLM")
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         get_model_class("GPT2LMHeadModel")

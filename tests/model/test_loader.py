@@ -168,7 +168,7 @@ def test_rope_types_understood_by_loader_are_built_by_model():
 # ----------------------------------------------------------------------------- weights
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3", "smollm3"])
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3", "smollm3", "granite"])
 def test_f32_gguf_and_safetensors_give_identical_logits(tmp_path, arch_name):
     hf_dir = cached_tiny_model(arch_name)
     gguf_src = resolve_model(
@@ -495,3 +495,22 @@ def test_smollm3_nope_layers_from_config_and_gguf(tmp_path):
     for bad in ([1, 1, 0], [1, 2, 1, 0]):
         with pytest.raises(ValueError, match="no_rope_layers must hold"):
             arch_from_hf_config(_windowed_config("smollm3", no_rope_layers=bad), Path("cfg"))
+
+
+def test_granite_multipliers_from_config_and_gguf(tmp_path):
+    """GraniteConfig's four multipliers; llama.cpp writes them as *_scale keys (an absent
+    attention scale is llama.cpp's 1 / sqrt(head_dim))."""
+    hf_dir = cached_tiny_model("granite")
+    want = (12.0, 0.22, 1 / 16, 8.0)
+    for path in (hf_dir, write_gguf(hf_dir, tmp_path / "granite.gguf", with_tokenizer=False)):
+        arch = load_arch(resolve_model(str(path)))
+        got = (
+            arch.embedding_multiplier,
+            arch.residual_multiplier,
+            arch.attention_multiplier,
+            arch.logits_scaling,
+        )
+        assert arch.architecture == "granite" and got == pytest.approx(want)
+    llama = load_arch(resolve_model(str(cached_tiny_model("llama"))))
+    assert (llama.embedding_multiplier, llama.residual_multiplier) == (1.0, 1.0)
+    assert (llama.attention_multiplier, llama.logits_scaling) == (None, 1.0)

@@ -165,6 +165,24 @@ def test_smollm3_nope_layers_decode_in_c_like_eager(tmp_path):
     assert_in_c_like_eager(path, check)
 
 
+def test_granite_residual_scale_decodes_in_c_like_eager(tmp_path):
+    """Granite's residual_multiplier scales each sublayer's output in C as in torch (here a
+    large one, with unscaled embeddings: the layers then steer the tokens)."""
+    hf = cached_tiny_model(
+        "granite",
+        hidden_size=256,
+        intermediate_size=512,
+        embedding_multiplier=1.0,
+        residual_multiplier=2.5,
+    )
+    path = write_gguf(hf, tmp_path / "granite-q8_0.gguf", "Q8_0")
+
+    def check(llm) -> None:
+        assert [layer.residual_scale for layer in model_of(llm).layers] == [2.5] * 2
+
+    assert_in_c_like_eager(path, check)
+
+
 def test_safetensors_model_rounded_to_q8_0_decodes_in_c_like_eager():
     """--quantization q8_0 on a safetensors model: its linears (and embedding) on Q8_0 tiles,
     decode steps in C, the same greedy tokens as op by op."""

@@ -10,6 +10,9 @@ naming it.
 
 SmolLM3 ("smollm3"): llama's tensors, permuted as llama's; llama.cpp writes no metadata for its
 NoPE layers and takes every fourth (`n_no_rope_layer_step` 4, SmolLM3's own default), as we do.
+Granite ("granite"): llama's tensors, permuted as llama's, and its multipliers as
+`embedding_scale`, `residual_scale`, `attention.scale` and `logit_scale` (absent: 1, and for
+the attention scale llama.cpp's 1 / sqrt(head_dim)).
 
 Phi-3 ("phi3"): q/k/v fused in `attn_qkv` (or separate attn_q/k/v), gate and up fused in
 `ffn_up` [2*I, hidden] (HF's gate_up_proj), unpermuted; LongRoPE as two tensors,
@@ -40,11 +43,11 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
 
 # general.architecture values we load
 GGUF_ARCHITECTURES = (
-    *("llama", "qwen2", "qwen3", "smollm3", "phi3", "qwen3moe"),
+    *("llama", "qwen2", "qwen3", "smollm3", "granite", "phi3", "qwen3moe"),
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
-_PERMUTED_QK_ARCHITECTURES = ("llama", "mixtral", "smollm3")
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite")
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
@@ -159,6 +162,14 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == "smollm3":
         step = _SMOLLM3_NO_ROPE_LAYER_STEP
         family["nope_layers"] = tuple(i for i in range(need("block_count")) if (i + 1) % step == 0)
+    if arch == "granite":  # llama.cpp writes each multiplier only when the config has one
+        family.update(
+            embedding_multiplier=float(meta.get(f"{arch}.embedding_scale", 1.0)),
+            residual_multiplier=float(meta.get(f"{arch}.residual_scale", 1.0)),
+            # absent: llama.cpp's 1 / sqrt(head_dim)
+            attention_multiplier=meta.get(f"{arch}.attention.scale"),
+            logits_scaling=float(meta.get(f"{arch}.logit_scale", 1.0)),
+        )
     moe = _moe_fields(gf, arch, need("block_count"))
     return ModelArch(
         architecture=_our_architecture(arch, moe),

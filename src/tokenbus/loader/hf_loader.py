@@ -28,6 +28,7 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
@@ -109,6 +110,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         rotary_dim=rotary_dim,
         sliding_windows=sliding_windows,
         nope_layers=_nope_layers(config, architecture, path),
+        **_granite_fields(config, architecture),
         **_moe_fields(config, architecture, path),
     )
     return dataclasses.replace(arch, **family) if family else arch
@@ -214,6 +216,18 @@ def _extended_context(
         "original_max_position_embeddings": int(original),
         "factor": float(factor) if factor is not None else max_positions / original,
     }
+
+
+def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Granite's four multipliers (GraniteConfig's defaults: 1); {} for the other families."""
+    if architecture != "granite":
+        return {}
+    return dict(
+        embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(config.get("residual_multiplier", 1.0)),
+        attention_multiplier=float(config.get("attention_multiplier", 1.0)),
+        logits_scaling=float(config.get("logits_scaling", 1.0)),
+    )
 
 
 def _nope_layers(config: dict[str, Any], architecture: str, path: Path) -> tuple[int, ...]:

@@ -131,7 +131,9 @@ class GeGLUMLP(GatedMLP):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), the residual carried apart."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), the residual carried apart.
+    `residual_scale` (Granite's residual_multiplier; 1 elsewhere) scales each sublayer's output
+    before it joins the residual."""
 
     def __init__(self, arch: ModelArch, self_attn: Attention, mlp: GatedMLP) -> None:
         super().__init__()
@@ -139,6 +141,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
+        self.residual_scale = arch.residual_multiplier
 
     def forward(
         self,
@@ -152,9 +155,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` is the previous block's output, not yet added to `residual`."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan)
+        h = self._scaled(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan))
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        return self._scaled(self.mlp(h)), residual
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_scale == 1.0 else h * self.residual_scale
 
 
 class SandwichDecoderLayer(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenbus.model.gemma import GemmaForCausalLM
+from tokenbus.model.granite import GraniteForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
@@ -19,11 +20,13 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
+    "granite": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,

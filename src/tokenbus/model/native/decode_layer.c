@@ -14,11 +14,13 @@
      attn        = paged attention of q over the cache (each request's rows; a sliding window's last keys)
      o           = attn @ Wo.T (+ bias)
      o           = rms_norm(o) * post_attn_norm, where the layer has one (Gemma's sandwich norms)
+     o           = o * residual_scale, where it is not 1 (Granite's residual_multiplier)
      h, residual = add_rms_norm(o, residual) * post_norm
      x_out       = act(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T (act: SiLU, or GeGLU's tanh gelu), or a
                    sparse MoE MLP of h (moe_mlp: the router's top k experts of each token, each
                    expert once over its tokens)
      x_out       = rms_norm(x_out) * post_mlp_norm, where the layer has one
+     x_out       = x_out * residual_scale, where it is not 1
 
    Each layer turns q and k by its own rotary table (Gemma 3's local layers: their own base) and
    reads its own KV group's block tables and slots (a hybrid KV cache: one group per window).
@@ -202,6 +204,12 @@ done:
     return status;
 }
 
+/* x[i] *= by, one rounding each (torch's `h * residual_multiplier`); nothing when by is 1. */
+static void scale_rows(float *x, int64_t n, float by) {
+    if (by == 1.f) return;
+    for (int64_t i = 0; i < n; i++) x[i] *= by;
+}
+
 /* Layer `index` of the model (its KV group: s->layer_groups[index]). 0 on success; a kernel's
    status otherwise (3: out of memory, 4: a KV type it cannot write). */
 int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s, void *kv_cache, const float *x,
@@ -243,6 +251,7 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     if (w->post_attn_norm) k->add_rms_norm(o, H, NULL, 0, scratch, w->post_attn_norm, o, T, H, w->eps, threads);
+    scale_rows(o, T * H, w->residual_scale);
     k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);
     if (w->moe) {
         status = moe_mlp(k, w->moe, h, T, H, I, x_out, s);
@@ -253,6 +262,7 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
     }
     if (!status && w->post_mlp_norm)
         k->add_rms_norm(x_out, H, NULL, 0, scratch, w->post_mlp_norm, x_out, T, H, w->eps, threads);
+    if (!status) scale_rows(x_out, T * H, w->residual_scale);
 done:
     free(buf);
     return status;

@@ -99,6 +99,7 @@ class _Layer(ctypes.Structure):
         ("intermediate", _I64),
         ("window", _I64),
         ("softcap", _F32),
+        ("residual_scale", _F32),
         ("mlp_act", _I64),
         ("rope_table", _I64),
         ("moe", ctypes.POINTER(_Moe)),
@@ -226,6 +227,8 @@ class LayerWeights:
     moe: MoeWeights | None = None
     window: int | None = None  # a sliding window (decoder.Attention.sliding_window); None: all
     softcap: float | None = None  # the scores' soft-cap (decoder.Attention.logit_softcap)
+    # each sublayer's output scaled before it joins the residual (decoder.DecoderLayer's)
+    residual_scale: float = 1.0
     # Gemma's sandwich norms (decoder.SandwichDecoderLayer): after attention, after the MLP;
     # post_norm is then its pre-feedforward norm. None: a pre-norm layer.
     post_attn_norm: torch.Tensor | None = None
@@ -259,6 +262,7 @@ class LayerWeights:
             down.cols,
             self.window or 0,
             self.softcap or 0.0,
+            self.residual_scale,
             MLP_ACTIVATIONS[self.mlp_activation],
             self.rope_table,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),

@@ -119,6 +119,7 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: an expert's, under moe */
     int64_t window; /* a sliding window: each query sees its last `window` keys; 0: all */
     float softcap; /* the attention scores' soft-cap (Gemma 2's); 0: none */
+    float residual_scale; /* each sublayer's output times this before it joins the residual (Granite's); 1: none */
     int64_t mlp_act; /* MLP_* */
     int64_t rope_table; /* which of the step's stacked rotary tables this layer turns by */
     const moe *moe; /* NULL: the dense MLP */
