@@ -31,6 +31,19 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt_token_ids) :].cpu().tolist()
 
 
+def hf_greedy_logprobs(
+    model, prompt_token_ids: list[int], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """HF's greedy continuation and the logprob HF gives each of its tokens (one forward over
+    the prompt and the continuation)."""
+    tokens = hf_greedy(model, prompt_token_ids, max_new_tokens)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_token_ids + tokens], device=model.device)
+        logits = model(ids).logits[0].float().cpu()
+    rows = logits[len(prompt_token_ids) - 1 : -1].log_softmax(-1)  # the positions that chose them
+    return tokens, rows[torch.arange(len(tokens)), tokens].tolist()
+
+
 def assert_same_or_near_tie(got: list[int], want: list[int], logprobs, gap: float = 0.1) -> None:
     """Greedy tokens equal, or (different summation orders: oneDNN vs HF's matmuls, an
     all-reduce, quantized blocks) equal up to a first difference where `want`'s token is in our

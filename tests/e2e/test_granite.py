@@ -6,9 +6,8 @@ config) gives HF's greedy tokens and logprobs for a batch through prefix-cache h
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.e2e.oracle import hf_greedy, load_hf
+from tests.e2e.oracle import hf_greedy_logprobs, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tokenbus import SamplingParams
@@ -29,14 +28,7 @@ def reference(hf_dir):
     prefix = random_prompts(1, 40, 40, seed=41)[0]
     prompts = random_prompts(3, 1, 50, seed=42) + [prefix + t for t in random_prompts(3, 1, 9, 43)]
     hf = load_hf(str(hf_dir))
-    result = []
-    for prompt in prompts:
-        tokens = hf_greedy(hf, prompt, MAX_TOKENS)
-        with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
-        rows = logits[len(prompt) - 1 : -1].log_softmax(-1)
-        result.append((prompt, tokens, rows[torch.arange(len(tokens)), tokens].tolist()))
-    return result
+    return [(prompt, *hf_greedy_logprobs(hf, prompt, MAX_TOKENS)) for prompt in prompts]
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])

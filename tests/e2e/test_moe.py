@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy, load_hf
+from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy_logprobs, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tests.fixtures.triton_device import needs_triton_on_cpu, stack_moe_blocks
@@ -62,14 +62,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def hf_reference(hf_dir, prompts):
     hf = load_hf(str(hf_dir))
-    result = []
-    for prompt in prompts:
-        tokens = hf_greedy(hf, prompt, MAX_TOKENS)
-        with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
-        rows = logits[len(prompt) - 1 : -1].log_softmax(-1)
-        result.append((tokens, rows[torch.arange(len(tokens)), tokens].tolist()))
-    return result
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
 
 
 def generate(llm, prompts, logprobs=1):

@@ -10,9 +10,8 @@ import os
 import shutil
 
 import pytest
-import torch
 
-from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy, load_hf
+from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy_logprobs, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tokenbus import SamplingParams
@@ -49,14 +48,7 @@ def prompts():
 def hf_reference(hf_dir, prompts):
     """HF's greedy tokens and the logprob HF gives each of them, per prompt."""
     hf = load_hf(str(hf_dir))
-    result = []
-    for prompt in prompts:
-        tokens = hf_greedy(hf, prompt, MAX_TOKENS)
-        with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
-        rows = logits[len(prompt) - 1 : -1].log_softmax(-1)  # the positions that chose them
-        result.append((tokens, rows[torch.arange(len(tokens)), tokens].tolist()))
-    return result
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
 
 
 def generate(llm, prompts):
