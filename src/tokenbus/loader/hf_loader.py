@@ -84,7 +84,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
-    sliding_windows = _sliding_windows(config, architecture, path)
+    nope_layers = _nope_layers(config, architecture, path)
+    sliding_windows = _sliding_windows(config, architecture, path, nope_layers)
     eos = config.get("eos_token_id")
     arch = ModelArch(
         architecture=architecture,
@@ -109,7 +110,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         rotary_dim=rotary_dim,
         sliding_windows=sliding_windows,
-        nope_layers=_nope_layers(config, architecture, path),
+        nope_layers=nope_layers,
         **_granite_fields(config, architecture),
         **_moe_fields(config, architecture, path),
     )
@@ -249,12 +250,12 @@ def _nope_layers(config: dict[str, Any], architecture: str, path: Path) -> tuple
 
 
 def _sliding_windows(
-    config: dict[str, Any], architecture: str, path: Path
+    config: dict[str, Any], architecture: str, path: Path, nope_layers: tuple[int, ...] = ()
 ) -> tuple[int | None, ...]:
     """Each layer's window as transformers builds them: Mistral's, Mixtral's and Phi-3's
     `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's /
     Qwen3's / SmolLM3's only with `use_sliding_window`, on the layers of `layer_types` (or, in a
-    config without them, from `max_window_layers` on; SmolLM3: its NoPE layers); () where no
+    config without them, from `max_window_layers` on; SmolLM3: its `nope_layers`); () where no
     layer has one."""
     window = config.get("sliding_window")
     gated = ("qwen2", "qwen3", "qwen3_moe", "smollm3")  # windows only with use_sliding_window
@@ -269,8 +270,9 @@ def _sliding_windows(
         return (window,) * num_layers
     types = config.get("layer_types")
     if types is None and architecture == "smollm3":
-        nope = _nope_layers(config, architecture, path)
-        types = ["sliding_attention" if i in nope else "full_attention" for i in range(num_layers)]
+        types = [
+            "sliding_attention" if i in nope_layers else "full_attention" for i in range(num_layers)
+        ]
     if types is None:
         first = config.get("max_window_layers", num_layers)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]

@@ -9,8 +9,8 @@ step's output comes back. With async scheduling the engine schedules the next st
 reading the last one's tokens: a decode then feeds its unread token (the worker takes it from
 the last step's sampled ids on the device), and a request whose placeholders already reach
 its max_tokens waits for them. A request under a grammar needs its tokens before its next
-bitmask: from the step that first schedules it until it ends, steps are scheduled one at a time
-(while its grammar compiles it holds nobody back).
+bitmask: from the schedule() that finds its grammar compiled until it ends, steps are scheduled
+one at a time (while its grammar compiles it holds nobody back).
 
 Step order: running requests first (in admission order; under the priority policy in
 (priority, arrival) order, so the last is the one preempted: core/sched/queue_order), then
