@@ -20,8 +20,9 @@ from tests.fixtures.triton_device import needs_triton_on_cpu
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model import get_model_class
-from tokenbus.model.gemma import GemmaForCausalLM, GemmaRMSNorm
+from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
+from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.worker.model_builder import load_model
 
 ATOL = 1e-4
@@ -160,7 +161,7 @@ def test_layers_keep_their_windows_and_rope_tables(family, hf_dir):
         assert ours.layers[0].self_attn.q_norm is None
     else:
         assert windows == [32] * 5 + [None] and tables == [1] * 5 + [0]
-        assert isinstance(ours.layers[0].self_attn.q_norm, GemmaRMSNorm)
+        assert isinstance(ours.layers[0].self_attn.q_norm, Fp32RMSNorm)
     assert ours.arch.max_position_embeddings == 512  # the windows narrow layers, not the context
     assert ours.layers[0].self_attn.scale == 16**-0.5
     assert not ours.decodes_in_c  # the torch attention path: no C layers

@@ -2,9 +2,9 @@
 layer) configured as Gemma's.
 
 - RMSNorm scales by (1 + w), computed in fp32 whatever the activations' dtype, then cast back
-  (HF's Gemma2RMSNorm / Gemma3RMSNorm). The parameter holds (1 + w), made in fp32 at load from
-  HF's w (a GGUF's norms come back as w too: loader/gguf_loader.py), so in an fp32 model the norm
-  is a plain RMSNorm and the fused C op runs it.
+  (HF's Gemma2RMSNorm / Gemma3RMSNorm: layers.Fp32RMSNorm). The parameter holds (1 + w), made
+  in fp32 at load from HF's w (a GGUF's norms come back as w too: loader/gguf_loader.py), so in
+  an fp32 model the norm is a plain RMSNorm and the fused C op runs it.
 - Each layer norms before and after attention and before and after the MLP
   (decoder.SandwichDecoderLayer), and its MLP is GeGLU (decoder.GeGLUMLP).
 - The embedding is scaled by sqrt(hidden_size), that factor cast to the activations' dtype first.
@@ -26,37 +26,16 @@ soft-cap, rotary table and KV group per layer), so their decode steps on GGUF ti
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-from torch import nn
 
 from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, GeGLUMLP, SandwichDecoderLayer
-from tokenbus.model.layers import RMSNorm, RotaryEmbedding
+from tokenbus.model.layers import Fp32RMSNorm, RotaryEmbedding
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.weights import WeightLoader, copy_param
+from tokenbus.model.weights import WeightLoader
 
 GLOBAL_ROPE, LOCAL_ROPE = 0, 1  # rows of the stacked cos/sin tables (GemmaForCausalLM)
-
-
-class GemmaRMSNorm(RMSNorm):
-    """x / rms(x) * weight in fp32, cast back to x's dtype; weight = (1 + HF's w), fp32."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__(hidden_size, eps)
-        self.weight = nn.Parameter(
-            torch.empty(hidden_size, dtype=torch.float32), requires_grad=False
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.add_rms_norm_fp32(x, None, self.weight, self.eps)[0]
-
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.add_rms_norm_fp32(x, residual, self.weight, self.eps)
 
 
 class GemmaAttention(Attention):
@@ -67,8 +46,8 @@ class GemmaAttention(Attention):
         bias = arch.attention_bias
         super().__init__(arch, tp, qkv_bias=bias, o_bias=bias)
         if arch.architecture == "gemma3":
-            self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.q_norm = Fp32RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = Fp32RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
         self.logit_softcap = arch.attn_logit_softcapping
         self.rope_table = GLOBAL_ROPE
@@ -83,7 +62,7 @@ class GemmaAttention(Attention):
 class GemmaForCausalLM(CausalLM):
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__(arch, tp)
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.local_rotary = None
         if arch.rope_local_theta is not None:  # Gemma 3's local layers: their base, unscaled
             self.local_rotary = RotaryEmbedding(
@@ -94,7 +73,7 @@ class GemmaForCausalLM(CausalLM):
 
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> SandwichDecoderLayer:
         attn, mlp = GemmaAttention(arch, tp), GeGLUMLP(arch, tp)
-        return SandwichDecoderLayer(arch, attn, mlp, GemmaRMSNorm)
+        return SandwichDecoderLayer(arch, attn, mlp, Fp32RMSNorm)
 
     def rotary_lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -118,11 +97,7 @@ class GemmaForCausalLM(CausalLM):
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
         loaders = super()._weight_loaders()
-        for idx, layer in enumerate(self.layers):
-            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-                param = getattr(layer, name).weight
-                loaders[f"model.layers.{idx}.{name}.weight"] = partial(copy_param, param)
-        # Every norm of Gemma's is a GemmaRMSNorm: HF's w in, (1 + w) held.
+        # Every norm of Gemma's is a Fp32RMSNorm: HF's w in, (1 + w) held.
         return {
             name: _plus_one(loader) if name.endswith("norm.weight") else loader
             for name, loader in loaders.items()

@@ -359,7 +359,7 @@ def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | No
 # norm, another activation), so only these exact types are taken, and attention subclasses that
 # keep the shared forward (a family's configuration of it: model/gemma.py's GemmaAttention).
 # A layer's norms are read as weight and eps: an fp32 model's RMSNorm (Gemma's (1 + w) is
-# stored added; gemma.GemmaRMSNorm is then a plain one).
+# stored added; layers.Fp32RMSNorm is then a plain one).
 _C_LAYERS = (DecoderLayer, SandwichDecoderLayer)
 _C_MLPS = (GatedMLP, GeGLUMLP, SparseMoeBlock)
 

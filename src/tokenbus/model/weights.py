@@ -55,6 +55,16 @@ def load_strictly(
         raise ValueError(f"missing weights: {shown}")
 
 
+# A decoder layer's norms, by HF's names: a layer has those its kind uses (decoder.py: a pre-norm
+# layer the first two, Gemma's sandwich all four).
+LAYER_NORM_NAMES = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
 def layer_loaders(
     prefix: str, layer: DecoderLayer, tp: TensorParallel, arch: ModelArch
 ) -> dict[str, WeightLoader]:
@@ -63,8 +73,9 @@ def layer_loaders(
     mlp is not a GatedMLP (a sparse MoE block) gets its MLP's names from its family."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = [
-        ("input_layernorm", layer.input_layernorm),
-        ("post_attention_layernorm", layer.post_attention_layernorm),
+        (name, getattr(layer, name))
+        for name in LAYER_NORM_NAMES
+        if getattr(layer, name, None) is not None
     ]
     if attn.q_norm is not None:  # per head, the same on every rank
         norms += [("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]

@@ -1,4 +1,5 @@
-"""RMSNorm with an optional fused residual add (the pre-norm decoder's pattern)."""
+"""RMSNorm with an optional fused residual add (the pre-norm decoder's pattern), and the one
+whose weight stays fp32 (Gemma's and OLMo 2's)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,23 @@ class RMSNorm(OpsModule):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x (the running stream), then return (norm(residual), residual)."""
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Fp32RMSNorm(RMSNorm):
+    """x / rms(x) * weight computed in fp32, cast back to x's dtype; the weight held in fp32
+    (HF's Gemma2RMSNorm / Gemma3RMSNorm / Olmo2RMSNorm: (x * w).to(dtype), where Llama's is
+    x.to(dtype) * w). In an fp32 model it is a plain RMSNorm, and the fused C op runs it."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=torch.float32), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.add_rms_norm_fp32(x, None, self.weight, self.eps)[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm_fp32(x, residual, self.weight, self.eps)
