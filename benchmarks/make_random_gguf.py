@@ -9,7 +9,8 @@ rope_freqs.weight, as llama.cpp's converter writes them; tied embeddings for 3.2
 some tensors, as in the real files), smollm3-3b (Llama's tensors, tied; llama.cpp turns no
 rotary in every fourth layer), qwen3-30b-a3b-8l (MoE), gemma-2-2b (sandwich norms,
 soft-capped scores and logits, local and global layers alternating), gemma-3-1b (sandwich norms,
-q/k norms, five sliding-window layers to one global). Tensor names and metadata are llama.cpp's;
+q/k norms, five sliding-window layers to one global), olmo-2-1b (post-norms only, q/k norms
+over the whole projection). Tensor names and metadata are llama.cpp's;
 matrices are F16, norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02),
 norms 1.
 
@@ -43,6 +44,7 @@ from tokenbus.loader.source import packaged_smollm2_gguf
 STD = 0.02  # transformers' initializer_range: activations stay finite through any depth
 CHUNK_ROWS = 4096  # rows drawn at a time: float32 scratch of CHUNK_ROWS * cols values
 GEMMA = ("gemma2", "gemma3")  # sandwich norms: post_attention_norm and post_ffw_norm too
+POST_NORM_ONLY = ("olmo2",)  # post_attention_norm and post_ffw_norm, no attn_norm / ffn_norm
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,11 @@ CONFIGS = {
     ),
     # Gemma 3 1B: 1152 wide (not a multiple of 256, so K-quant recipes fall back to other types
     # for some tensors, as in the real files), 4/1 heads of 256, a 262k vocabulary, tied.
+    # OLMo 2 1B (OLMo-2-0425-1B): 16 heads of 128 without GQA, q/k norms over the whole
+    # projection ([2048] each), post-norms only, untied.
+    "olmo-2-1b": ModelShape(
+        "olmo2", 2048, 16, 16, 16, 8192, 100352, 500000.0, 4096, 1e-6, False, qk_norm=True,
+    ),
     "gemma-2-2b": ModelShape(
         "gemma2", 2304, 26, 8, 4, 9216, 256000, 10000.0, 8192, 1e-6, True,
         head_dim_override=256, sliding_window=4096, attn_softcap=50.0, final_softcap=30.0,
@@ -158,18 +165,23 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
         yield "rope_freqs.weight", (shape.head_dim // 2,), "rope"
     for i in range(shape.layers):
         b = f"blk.{i}."
-        yield b + "attn_norm.weight", (h,), "norm"
+        post_norms = shape.architecture in (*GEMMA, *POST_NORM_ONLY)
+        pre_norms = shape.architecture not in POST_NORM_ONLY
+        if pre_norms:
+            yield b + "attn_norm.weight", (h,), "norm"
         for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
             yield b + name + ".weight", (rows, h), "matrix"
             if shape.qkv_bias:
                 yield b + name + ".bias", (rows,), "bias"
-        if shape.qk_norm:
-            yield b + "attn_q_norm.weight", (shape.head_dim,), "norm"
-            yield b + "attn_k_norm.weight", (shape.head_dim,), "norm"
+        if shape.qk_norm:  # OLMo 2's over the whole projection, the others' over a head
+            whole = shape.architecture == "olmo2"
+            yield b + "attn_q_norm.weight", (q if whole else shape.head_dim,), "norm"
+            yield b + "attn_k_norm.weight", (kv if whole else shape.head_dim,), "norm"
         yield b + "attn_output.weight", (h, q), "matrix"
-        if shape.architecture in GEMMA:
+        if post_norms:
             yield b + "post_attention_norm.weight", (h,), "norm"
-        yield b + "ffn_norm.weight", (h,), "norm"
+        if pre_norms:
+            yield b + "ffn_norm.weight", (h,), "norm"
         if shape.experts:
             e, inter = shape.experts, shape.expert_intermediate
             yield b + "ffn_gate_inp.weight", (e, h), "router"
@@ -180,7 +192,7 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
         yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_down.weight", (h, shape.intermediate), "matrix"
-        if shape.architecture in GEMMA:
+        if post_norms:
             yield b + "post_ffw_norm.weight", (h,), "norm"
     yield "output_norm.weight", (h,), "norm"
     if not shape.tied:

@@ -43,7 +43,7 @@ def small(config: str) -> make_random_gguf.ModelShape:
 
 @pytest.fixture(
     scope="module",
-    params=["llama-3.1-8b", "qwen2.5-0.5b", "smollm3-3b", "gemma-2-2b", "gemma-3-1b"],
+    params=["llama-3.1-8b", "qwen2.5-0.5b", "smollm3-3b", "gemma-2-2b", "gemma-3-1b", "olmo-2-1b"],
 )
 def written(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
@@ -79,7 +79,11 @@ def test_header_and_tensors_are_llama_cpp_s(written):
     types = {name: info.qtype for name, info in gf.tensors.items()}
     assert types["token_embd.weight"] == GGMLQuantizationType.F16
     assert types["blk.1.ffn_down.weight"] == GGMLQuantizationType.F16
-    assert types["blk.0.attn_norm.weight"] == GGMLQuantizationType.F32
+    first_norm = "post_attention_norm" if shape.architecture == "olmo2" else "attn_norm"
+    assert types[f"blk.0.{first_norm}.weight"] == GGMLQuantizationType.F32
+    if shape.architecture == "olmo2":  # q/k norms over the whole projection: 4 and 2 heads of 32
+        assert gf.tensors["blk.0.attn_q_norm.weight"].shape[0] == 128
+        assert gf.tensors["blk.0.attn_k_norm.weight"].shape[0] == 64
     assert ("output.weight" in types) == (not shape.tied)
     assert ("rope_freqs.weight" in types) == (shape.llama3_rope is not None)
     if shape.llama3_rope:  # Llama 3's rope: factors from 1 (high frequencies) to the factor
@@ -110,6 +114,7 @@ def test_the_real_configs_have_the_published_sizes():
     assert 3.07e9 < params["smollm3-3b"] < 3.09e9
     assert 0.99e9 < params["gemma-3-1b"] < 1.01e9
     assert 2.6e9 < params["gemma-2-2b"] < 2.62e9
+    assert 1.48e9 < params["olmo-2-1b"] < 1.49e9
 
 
 def test_moe_config_writes_stacked_experts_the_engine_loads(tmp_path):

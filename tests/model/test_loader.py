@@ -32,7 +32,7 @@ from tokenbus.loader import (
     resolve_model,
 )
 from tokenbus.loader.gguf_loader import permute_qk, unpermute_qk
-from tokenbus.loader.hf_loader import HF_ROPE_TYPES
+from tokenbus.loader.hf_loader import HF_ROPE_TYPES, arch_from_hf_config
 from tokenbus.model.layers.rotary import ROPE_TYPES
 from tokenbus.worker.model_builder import load_model
 
@@ -168,7 +168,7 @@ def test_rope_types_understood_by_loader_are_built_by_model():
 # ----------------------------------------------------------------------------- weights
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3", "smollm3", "granite"])
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3", "smollm3", "granite", "olmo2"])
 def test_f32_gguf_and_safetensors_give_identical_logits(tmp_path, arch_name):
     hf_dir = cached_tiny_model(arch_name)
     gguf_src = resolve_model(
@@ -514,3 +514,29 @@ def test_granite_multipliers_from_config_and_gguf(tmp_path):
     llama = load_arch(resolve_model(str(cached_tiny_model("llama"))))
     assert (llama.embedding_multiplier, llama.residual_multiplier) == (1.0, 1.0)
     assert (llama.attention_multiplier, llama.logits_scaling) == (None, 1.0)
+
+
+def test_olmo2_from_config_and_gguf_and_olmo3_refused(tmp_path):
+    """OLMo 2 loads from both formats with no window; OLMo 3 (sliding-window layers) is refused
+    by name from config.json and from llama.cpp's GGUF, which writes it as olmo2 with a window,
+    rather than run with full attention."""
+    hf_dir = cached_tiny_model("olmo2")
+    for path in (hf_dir, write_gguf(hf_dir, tmp_path / "olmo2.gguf", with_tokenizer=False)):
+        arch = load_arch(resolve_model(str(path)))
+        assert arch.architecture == "olmo2" and arch.sliding_windows == ()
+    olmo3 = tmp_path / "olmo3.gguf"
+    writer = gguf.GGUFWriter(str(olmo3), "olmo2")
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_sliding_window(4096)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="sliding_window 4096: OLMo 3"):
+        load_arch(resolve_model(str(olmo3)))
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.update(model_type="olmo3", architectures=["Olmo3ForCausalLM"])
+    with pytest.raises(ValueError, match="unsupported model architecture 'olmo3'"):
+        arch_from_hf_config(config, Path("cfg"))

@@ -183,6 +183,22 @@ def test_granite_residual_scale_decodes_in_c_like_eager(tmp_path):
     assert_in_c_like_eager(path, check)
 
 
+def test_olmo2_post_norm_layers_decode_in_c_like_eager(tmp_path):
+    """OLMo 2's layers (no norm before either sublayer, q and k normed over each token's whole
+    projection) run in C as op by op."""
+    hf = cached_tiny_model("olmo2", hidden_size=256, intermediate_size=512)
+    path = write_gguf(hf, tmp_path / "olmo2-q8_0.gguf", "Q8_0")
+
+    def check(llm) -> None:
+        model = model_of(llm)
+        assert model.decodes_in_c
+        for layer in model.layers:
+            assert layer.input_layernorm is None and layer.pre_feedforward_layernorm is None
+            assert layer.self_attn.q_norm.weight.shape == (256,)  # 4 heads of 64
+
+    assert_in_c_like_eager(path, check)
+
+
 def test_safetensors_model_rounded_to_q8_0_decodes_in_c_like_eager():
     """--quantization q8_0 on a safetensors model: its linears (and embedding) on Q8_0 tiles,
     decode steps in C, the same greedy tokens as op by op."""

@@ -14,6 +14,10 @@ Granite ("granite"): llama's tensors, permuted as llama's, and its multipliers a
 `embedding_scale`, `residual_scale`, `attention.scale` and `logit_scale` (absent: 1, and for
 the attention scale llama.cpp's 1 / sqrt(head_dim)).
 
+OLMo 2 ("olmo2"): unpermuted (llama.cpp turns it NeoX-style); its norms after attention and after
+the MLP as `post_attention_norm` and `post_ffw_norm`, none before; q/k norms over the whole
+projection as `attn_q_norm` / `attn_k_norm` [H * D].
+
 Phi-3 ("phi3"): q/k/v fused in `attn_qkv` (or separate attn_q/k/v), gate and up fused in
 `ffn_up` [2*I, hidden] (HF's gate_up_proj), unpermuted; LongRoPE as two tensors,
 `rope_factors_long` / `rope_factors_short`, with `rope.scaling.original_context_length` and
@@ -43,7 +47,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
 
 # general.architecture values we load
 GGUF_ARCHITECTURES = (
-    *("llama", "qwen2", "qwen3", "smollm3", "granite", "phi3", "qwen3moe"),
+    *("llama", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3", "qwen3moe"),
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -114,6 +118,10 @@ _GEMMA_BLOCK_NAMES = {
 }
 _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something else
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "olmo2": {  # post-norms only: no attn_norm / ffn_norm
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
     **{arch: _GEMMA_BLOCK_NAMES for arch in GEMMA_GGUF_ARCHITECTURES},
 }
 _ROPE_FREQS = (
@@ -159,6 +167,11 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     window = meta.get(f"{arch}.attention.sliding_window", 0)
     if arch == "phi3" and window:  # every layer's (0: none), as config.json's
         family["sliding_windows"] = (window,) * need("block_count")
+    if arch == "olmo2" and window:  # llama.cpp writes OLMo 3 as olmo2 with a window
+        raise ValueError(
+            f"{gf.path}: {arch}.attention.sliding_window {window}: OLMo 3's sliding-window "
+            "layers are not supported (OLMo 2 is)"
+        )
     if arch == "smollm3":
         step = _SMOLLM3_NO_ROPE_LAYER_STEP
         family["nope_layers"] = tuple(i for i in range(need("block_count")) if (i + 1) % step == 0)

@@ -14,6 +14,8 @@ and one after down_proj.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch import nn
 
@@ -23,12 +25,22 @@ from tokenbus.model.layers import Linear, OpsModule, RMSNorm
 from tokenbus.model.parallel import SINGLE, TensorParallel
 
 
-class Attention(OpsModule):
-    """qkv_proj -> (per-head q/k RMSNorm) -> rotary -> paged attention -> o_proj.
+class QKNorm(enum.Enum):
+    """Which RMSNorm q and k take before the rotary."""
 
-    `qkv_bias` / `o_bias`: which projections carry a bias; `qk_norm`: an RMSNorm over each
-    query and key head's D values before the rotary (Qwen3's q_norm / k_norm, one weight [D]
-    each, whole on every rank). `sliding_window`: each query sees only its last `sliding_window`
+    NONE = "none"
+    HEADS = "heads"  # each head over its D values, one weight [D] (Qwen3's, Gemma 3's)
+    WHOLE = "whole"  # each token's projection at once, a weight [H * D] (OLMo 2's)
+
+
+class Attention(OpsModule):
+    """qkv_proj -> (q/k RMSNorm) -> rotary -> paged attention -> o_proj.
+
+    `qkv_bias` / `o_bias`: which projections carry a bias; `qk_norm`: q_norm / k_norm before
+    the rotary, over each head (QKNorm.HEADS: a weight [D] each, whole on every rank) or over
+    all of a token's query (key) heads at once (QKNorm.WHOLE: a weight [Hq * D] / [Hkv * D],
+    this rank's heads' part of it; the mean square is summed over the ranks), each a `norm`
+    (the family's RMSNorm). `sliding_window`: each query sees only its last `sliding_window`
     keys (itself included); None: all. CausalLM gives each layer ModelArch.sliding_windows'.
     `rope_table`: a family with a RoPE table per kind of layer (Gemma 3's local layers: their own
     base) hands its layers the tables stacked [R, T, 1, D/2], and this layer reads row
@@ -44,11 +56,13 @@ class Attention(OpsModule):
         tp: TensorParallel = SINGLE,
         qkv_bias: bool = False,
         o_bias: bool = False,
-        qk_norm: bool = False,
+        qk_norm: QKNorm = QKNorm.NONE,
         sliding_window: int | None = None,
+        norm: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.qk_norm = qk_norm
         self.sliding_window = sliding_window
         local = tp.shard_arch(arch)
         self.num_heads = local.num_attention_heads
@@ -58,8 +72,11 @@ class Attention(OpsModule):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias)
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.q_norm = self.k_norm = None
+        if qk_norm is not QKNorm.NONE:
+            whole = qk_norm is QKNorm.WHOLE
+            self.q_norm = norm(q_size if whole else arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = norm(kv_size if whole else arch.head_dim, arch.rms_norm_eps)
         self.logit_softcap: float | None = None  # a family's scores soft-cap (model/gemma.py)
         self.rope_table: int | None = None
 
@@ -76,11 +93,15 @@ class Attention(OpsModule):
         if self.rope_table is not None:
             cos, sin = cos[self.rope_table], sin[self.rope_table]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
-        if self.q_norm is not None:
+        if self.qk_norm is QKNorm.HEADS:
             self.ops.head_rms_norm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
             self.ops.head_rms_norm_(
                 qkv, self.num_heads, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps
             )
+        elif self.qk_norm is QKNorm.WHOLE:
+            flat, q_size = qkv.view(num_tokens, -1), self.num_heads * self.head_dim
+            self._whole_norm_(flat, 0, q_size, self.q_norm)
+            self._whole_norm_(flat, q_size, self.num_kv_heads * self.head_dim, self.k_norm)
         q, k, v = self.ops.rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         out = paged_attention(
             q,
@@ -95,6 +116,19 @@ class Attention(OpsModule):
         )  # [T, Hq, D]
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
+
+    def _whole_norm_(self, flat: torch.Tensor, start: int, width: int, norm: RMSNorm) -> None:
+        """RMSNorm of columns [start, start + width) of flat [T, N], in place, over the whole
+        projection: under TP this rank holds `width` of its columns, and every rank the same
+        number (KV heads replicated evenly), so the mean square is the ranks' summed squares
+        over size * width."""
+        if not self.tp.enabled:
+            self.ops.rms_norm_columns_(flat, start, width, norm.weight, norm.eps)
+            return
+        columns = flat[:, start : start + width]
+        x = columns.to(norm.weight.dtype)
+        mean_square = self.tp.all_reduce(x.pow(2).sum(-1, keepdim=True)) / (width * self.tp.size)
+        columns.copy_(x * torch.rsqrt(mean_square + norm.eps) * norm.weight)
 
 
 class GatedMLP(OpsModule):
@@ -166,19 +200,26 @@ class DecoderLayer(nn.Module):
 class SandwichDecoderLayer(nn.Module):
     """Gemma 2/3's block: each sublayer's output normed again before it joins the residual,
     x + post_attention_norm(attn(input_norm(x))), then + post_ffw_norm(mlp(pre_ffw_norm(.))).
-    `norm` builds its four norms (the family's RMSNorm). Like DecoderLayer, it returns its
-    output not yet added to the residual stream (the next layer's input norm, or the final
-    norm, adds it)."""
+    `norm` builds its norms (the family's RMSNorm). Without `pre_norms` (OLMo 2's block) the
+    sublayers take the residual stream itself: x + post_attention_norm(attn(x)), then
+    + post_ffw_norm(mlp(.)); input_layernorm and pre_feedforward_layernorm are then None. Like
+    DecoderLayer, it returns its output not yet added to the residual stream (the next layer,
+    or the final norm, adds it)."""
 
     def __init__(
-        self, arch: ModelArch, self_attn: Attention, mlp: GatedMLP, norm: type[RMSNorm] = RMSNorm
+        self,
+        arch: ModelArch,
+        self_attn: Attention,
+        mlp: GatedMLP,
+        norm: type[RMSNorm] = RMSNorm,
+        pre_norms: bool = True,
     ) -> None:
         super().__init__()
         size, eps = arch.hidden_size, arch.rms_norm_eps
-        self.input_layernorm = norm(size, eps)
+        self.input_layernorm = norm(size, eps) if pre_norms else None
         self.self_attn = self_attn
         self.post_attention_layernorm = norm(size, eps)
-        self.pre_feedforward_layernorm = norm(size, eps)
+        self.pre_feedforward_layernorm = norm(size, eps) if pre_norms else None
         self.mlp = mlp
         self.post_feedforward_layernorm = norm(size, eps)
 
@@ -192,7 +233,18 @@ class SandwichDecoderLayer(nn.Module):
         slot_mapping: torch.Tensor,
         plan: Plan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = _add_and_norm(self.input_layernorm, x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan))
-        h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
+        h, residual = _add_and_norm(self.pre_feedforward_layernorm, h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+def _add_and_norm(
+    norm: RMSNorm | None, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x); no norm: the sum twice (decode_layer.c adds in the
+    same order: x + residual)."""
+    if norm is not None:
+        return norm.add_and_norm(x, residual)
+    residual = x if residual is None else x + residual
+    return residual, residual

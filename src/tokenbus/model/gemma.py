@@ -30,7 +30,7 @@ import torch
 
 from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
-from tokenbus.model.decoder import Attention, GeGLUMLP, SandwichDecoderLayer
+from tokenbus.model.decoder import Attention, GeGLUMLP, QKNorm, SandwichDecoderLayer
 from tokenbus.model.layers import Fp32RMSNorm, RotaryEmbedding
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader
@@ -44,10 +44,8 @@ class GemmaAttention(Attention):
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         bias = arch.attention_bias
-        super().__init__(arch, tp, qkv_bias=bias, o_bias=bias)
-        if arch.architecture == "gemma3":
-            self.q_norm = Fp32RMSNorm(arch.head_dim, arch.rms_norm_eps)
-            self.k_norm = Fp32RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        qk_norm = QKNorm.HEADS if arch.architecture == "gemma3" else QKNorm.NONE
+        super().__init__(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, norm=Fp32RMSNorm)
         self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
         self.logit_softcap = arch.attn_logit_softcapping
         self.rope_table = GLOBAL_ROPE

@@ -47,10 +47,11 @@ from tokenbus.model.decoder import (
     DecoderLayer,
     GatedMLP,
     GeGLUMLP,
+    QKNorm,
     SandwichDecoderLayer,
 )
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.layers import TORCH_OPS, FusedCpuOps, Linear, OpsModule, TorchOps
+from tokenbus.model.layers import TORCH_OPS, FusedCpuOps, Linear, OpsModule, RMSNorm, TorchOps
 from tokenbus.model.layers.quantized import (
     BF16_AUTO_MIN_ROWS,
     GEMM_FROM_ROWS,
@@ -385,8 +386,8 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     qkv, o = _tiled_linear(attn.qkv_proj), _tiled_linear(attn.o_proj)
     if qkv is None or o is None:
         return None
-    # A sandwich layer's norm before the MLP is its pre-feedforward one; its post-attention norm
-    # is applied to attention's output before the residual add.
+    # A sandwich layer's norm before the MLP is its pre-feedforward one (None in OLMo 2's); its
+    # post-attention norm is applied to attention's output before the residual add.
     sandwich = isinstance(layer, SandwichDecoderLayer)
     pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
     return LayerWeights(
@@ -394,16 +395,17 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         o,
         gate_up,
         down,
-        layer.input_layernorm.weight,
-        pre_mlp.weight,
-        layer.input_layernorm.eps,
+        _norm_weight(layer.input_layernorm),
+        _norm_weight(pre_mlp),
+        layer.post_attention_layernorm.eps,
         attn.scale,
         attn.num_heads,
         attn.num_kv_heads,
         attn.head_dim,
-        None if attn.q_norm is None else attn.q_norm.weight,
-        None if attn.k_norm is None else attn.k_norm.weight,
-        moe,
+        _norm_weight(attn.q_norm),
+        _norm_weight(attn.k_norm),
+        qk_norm_whole=attn.qk_norm is QKNorm.WHOLE,
+        moe=moe,
         window=attn.sliding_window,
         softcap=attn.logit_softcap,
         residual_scale=1.0 if sandwich else layer.residual_scale,
@@ -412,6 +414,10 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         mlp_activation="silu" if moe is not None else mlp.activation,
         rope_table=attn.rope_table or 0,
     )
+
+
+def _norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
-from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.parallel import TensorParallel
 
 
 class Qwen3ForCausalLM(CausalLM):
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
         bias = arch.attention_bias
-        attention = Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        attention = Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=QKNorm.HEADS)
         return DecoderLayer(arch, attention, GatedMLP(arch, tp))

@@ -6,7 +6,7 @@ all experts, top k, renormalised iff `norm_topk_prob`. No shared experts in this
 from __future__ import annotations
 
 from tokenbus.config import ModelArch
-from tokenbus.model.decoder import Attention
+from tokenbus.model.decoder import Attention, QKNorm
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
 
@@ -17,4 +17,4 @@ class Qwen3MoeForCausalLM(MoECausalLM):
 
     def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
         bias = arch.attention_bias
-        return Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=QKNorm.HEADS)

@@ -8,6 +8,7 @@ from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.granite import GraniteForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
+from tokenbus.model.olmo2 import Olmo2ForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
 from tokenbus.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -21,12 +22,14 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phi3": Phi3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
     "granite": GraniteForCausalLM,
+    "olmo2": Olmo2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,

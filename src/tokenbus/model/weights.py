@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from tokenbus.config import ModelArch
-from tokenbus.model.decoder import DecoderLayer, GatedMLP
+from tokenbus.model.decoder import DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.layers.quantized import is_quantized
 from tokenbus.model.parallel import TensorParallel
 
@@ -77,7 +77,7 @@ def layer_loaders(
         for name in LAYER_NORM_NAMES
         if getattr(layer, name, None) is not None
     ]
-    if attn.q_norm is not None:  # per head, the same on every rank
+    if attn.qk_norm is QKNorm.HEADS:  # per head, the same on every rank
         norms += [("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]
     loaders: dict[str, WeightLoader] = {
         f"{prefix}{name}.weight": partial(copy_param, norm.weight) for name, norm in norms
@@ -85,6 +85,11 @@ def layer_loaders(
     cut = TensorSlicer(tp, arch)
     q_rows = cut.head_rows(attn.num_heads * tp.rank, attn.num_heads)
     kv_rows = cut.head_rows(tp.kv_head_start(arch.num_key_value_heads), attn.num_kv_heads)
+    if attn.qk_norm is QKNorm.WHOLE:  # over the whole projection: this rank's heads' part
+        for name, norm, rows in (("q_norm", attn.q_norm, q_rows), ("k_norm", attn.k_norm, kv_rows)):
+            loaders[f"{prefix}self_attn.{name}.weight"] = sliced(
+                partial(copy_param, norm.weight), rows
+            )
     # (linear, scope, [(HF name, weight slicer, bias slicer)]) per fused linear.
     fused = [
         (

@@ -52,6 +52,15 @@ class TorchOps:
         heads = qkv[:, first : first + count]
         heads.copy_(F.rms_norm(heads.to(weight.dtype), weight.shape, weight, eps))
 
+    def rms_norm_columns_(
+        self, flat: torch.Tensor, start: int, width: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        """RMSNorm over columns [start, start + width) of each row of flat [T, N], in place
+        (OLMo 2's q_norm / k_norm: all of a token's query or key heads at once), in the weight's
+        dtype and stored back in flat's."""
+        columns = flat[:, start : start + width]
+        columns.copy_(F.rms_norm(columns.to(weight.dtype), weight.shape, weight, eps))
+
     def rope(
         self,
         qkv: torch.Tensor,
@@ -107,6 +116,13 @@ class FusedCpuOps(TorchOps):
         heads = qkv[:, first : first + count]
         rows = heads.reshape(-1, qkv.shape[2])  # [T * count, D], a copy
         heads.copy_(self.fused.add_rms_norm(rows, None, weight, eps)[0].view(heads.shape))
+
+    def rms_norm_columns_(
+        self, flat: torch.Tensor, start: int, width: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        # The columns are read in place (rows strided by flat's width), as decode_layer.c does.
+        columns = flat[:, start : start + width]
+        columns.copy_(self.fused.add_rms_norm(columns, None, weight, eps)[0])
 
     def rope(
         self,

@@ -5,9 +5,10 @@
    layer is the same kernels in sequence, called through function pointers to the other native
    objects (quant_tiles.c, paged_attention.c, fused_ops.c), with no Python in between:
 
-     h, residual = add_rms_norm(x, residual) * input_norm
+     h, residual = add_rms_norm(x, residual) * input_norm (no input_norm: h = residual = x + residual)
      qkv         = h @ Wqkv.T (+ bias)                  GGUF tiles, a shard per type; x fp32, int16, int8, bf16
-     q, k        each head RMS-normed over its D values, where the layer has q_norm / k_norm (Qwen3)
+     q, k        each head RMS-normed over its D values, where the layer has q_norm / k_norm (Qwen3),
+                 or each token's q and k normed whole (qk_norm_whole: OLMo 2)
      q, k        rotated in place (rotate-half)
      K, V        written to the cache at the step's slots (fp32, or rounded to fp16, fp8 or q8_0:
                  kv_quant.h, as model/kv_quant.py rounds them)
@@ -15,7 +16,7 @@
      o           = attn @ Wo.T (+ bias)
      o           = rms_norm(o) * post_attn_norm, where the layer has one (Gemma's sandwich norms)
      o           = o * residual_scale, where it is not 1 (Granite's residual_multiplier)
-     h, residual = add_rms_norm(o, residual) * post_norm
+     h, residual = add_rms_norm(o, residual) * post_norm (no post_norm: h = residual = o + residual)
      x_out       = act(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T (act: SiLU, or GeGLU's tanh gelu), or a
                    sparse MoE MLP of h (moe_mlp: the router's top k experts of each token, each
                    expert once over its tokens)
@@ -120,11 +121,24 @@ static int run_linear(const kernels *k, const linear *l, const float *x, int64_t
 
 /* Qwen3's q/k norm, in place: each query head of each token normed by q_norm, each key head by
    k_norm, through add_rms_norm with no residual (the heads of a token are rows of D values), as the
-   layer-by-layer path calls it. `out` may alias `x` there: a row is copied whole into residual_out
+   layer-by-layer path calls it; OLMo 2's (qk_norm_whole) takes each token's q and k as one row. `out` may alias `x` there: a row is copied whole into residual_out
    (here `scratch`, one token's query heads) before it is written. */
 static void head_norms(const kernels *k, const layer *w, float *qkv, int64_t T, int64_t qkv_n, float *scratch,
                        int threads) {
     const int64_t D = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads;
+    if (w->qk_norm_whole) {
+        /* OLMo 2's: row t's q (then k) as one row of Hq * D (Hkv * D) values, read in place
+           (rows qkv_n apart), normed into scratch [T, Hq * D] and copied back */
+        const int64_t widths[2] = {hq * D, hkv * D}, starts[2] = {0, hq * D};
+        const float *weights[2] = {w->q_norm, w->k_norm};
+        for (int part = 0; part < 2; part++) {
+            float *first = qkv + starts[part];
+            k->add_rms_norm(first, qkv_n, NULL, 0, scratch, weights[part], scratch, T, widths[part], w->eps, threads);
+            for (int64_t t = 0; t < T; t++)
+                memcpy(first + t * qkv_n, scratch + t * widths[part], sizeof(float) * (size_t)widths[part]);
+        }
+        return;
+    }
     for (int64_t t = 0; t < T; t++) {
         float *q = qkv + t * qkv_n, *key = q + hq * D;
         k->add_rms_norm(q, D, NULL, 0, scratch, w->q_norm, q, hq, D, w->eps, threads);
@@ -204,6 +218,20 @@ done:
     return status;
 }
 
+/* h, residual_out = add_rms_norm(x, residual) * norm; with no norm, both the sum x + residual (or x)
+   itself, as decoder._add_and_norm adds it. */
+static void add_norm(const kernels *k, const float *x, const float *residual, float *residual_out, const float *norm,
+                     float *h, int64_t T, int64_t H, float eps, int threads) {
+    if (norm) {
+        k->add_rms_norm(x, H, residual, H, residual_out, norm, h, T, H, eps, threads);
+        return;
+    }
+    for (int64_t i = 0; i < T * H; i++) {
+        residual_out[i] = residual ? x[i] + residual[i] : x[i];
+        h[i] = residual_out[i];
+    }
+}
+
 /* x[i] *= by, one rounding each (torch's `h * residual_multiplier`); nothing when by is 1. */
 static void scale_rows(float *x, int64_t n, float by) {
     if (by == 1.f) return;
@@ -218,9 +246,9 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
     const int64_t qkv_n = (hq + 2 * hkv) * D, I = w->intermediate;
     const int threads = (int)s->num_threads;
     const kv_group *group = &s->groups[s->layer_groups ? s->layer_groups[index] : 0];
-    /* scratch: one token's query heads for the q/k norms, or a [T, H] copy for a sandwich norm
+    /* scratch: one token's query heads for the q/k norms (all tokens' for whole ones), or a [T, H] copy for a sandwich norm
        (add_rms_norm without a residual writes its input there before it overwrites it) */
-    const int64_t head_scratch = w->q_norm ? hq * D : 0;
+    const int64_t head_scratch = w->q_norm ? (w->qk_norm_whole ? T : 1) * hq * D : 0;
     const int64_t row_scratch = w->post_attn_norm || w->post_mlp_norm ? T * H : 0;
     const int64_t scratch_n = head_scratch > row_scratch ? head_scratch : row_scratch;
     float *buf = malloc(sizeof(float) * (size_t)(T * (H + qkv_n + hq * D + H + 3 * I) + scratch_n));
@@ -228,7 +256,7 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
     float *h = buf, *qkv = h + T * H, *attn = qkv + T * qkv_n, *o = attn + T * hq * D, *gate_up = o + T * H,
           *act = gate_up + T * 2 * I, *scratch = act + T * I;
     int status;
-    k->add_rms_norm(x, H, residual, H, residual_out, w->input_norm, h, T, H, w->eps, threads);
+    add_norm(k, x, residual, residual_out, w->input_norm, h, T, H, w->eps, threads);
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
     if (w->q_norm) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
     const int64_t table = w->rope_table * s->rope_stride;
@@ -252,7 +280,7 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     if (w->post_attn_norm) k->add_rms_norm(o, H, NULL, 0, scratch, w->post_attn_norm, o, T, H, w->eps, threads);
     scale_rows(o, T * H, w->residual_scale);
-    k->add_rms_norm(o, H, residual_out, H, residual_out, w->post_norm, h, T, H, w->eps, threads);
+    add_norm(k, o, residual_out, residual_out, w->post_norm, h, T, H, w->eps, threads);
     if (w->moe) {
         status = moe_mlp(k, w->moe, h, T, H, I, x_out, s);
     } else {

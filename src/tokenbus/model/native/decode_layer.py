@@ -90,6 +90,7 @@ class _Layer(ctypes.Structure):
         ("post_mlp_norm", _PTR),
         ("q_norm", _PTR),
         ("k_norm", _PTR),
+        ("qk_norm_whole", _I64),
         ("eps", _F32),
         ("scale", _F32),
         ("hidden", _I64),
@@ -214,16 +215,19 @@ class LayerWeights:
     o: LinearWeights
     gate_up: LinearWeights | None
     down: LinearWeights | None
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    # the norms before attention and before the MLP; None: none there (OLMo 2's layers)
+    input_norm: torch.Tensor | None
+    post_norm: torch.Tensor | None
     eps: float
     scale: float
     num_heads: int
     num_kv_heads: int
     head_dim: int
     # Qwen3's RMSNorm of each query / key head before the rotary, [head_dim] each; None: none.
+    # qk_norm_whole: OLMo 2's instead, over each token's query / key heads at once, [H * D].
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    qk_norm_whole: bool = False
     moe: MoeWeights | None = None
     window: int | None = None  # a sliding window (decoder.Attention.sliding_window); None: all
     softcap: float | None = None  # the scores' soft-cap (decoder.Attention.logit_softcap)
@@ -247,15 +251,16 @@ class LayerWeights:
             self.o.struct(),
             _Linear() if self.gate_up is None else self.gate_up.struct(),
             _Linear() if self.down is None else self.down.struct(),
-            self.input_norm.data_ptr(),
-            self.post_norm.data_ptr(),
+            None if self.input_norm is None else self.input_norm.data_ptr(),
+            None if self.post_norm is None else self.post_norm.data_ptr(),
             None if self.post_attn_norm is None else self.post_attn_norm.data_ptr(),
             None if self.post_mlp_norm is None else self.post_mlp_norm.data_ptr(),
             None if self.q_norm is None else self.q_norm.data_ptr(),
             None if self.k_norm is None else self.k_norm.data_ptr(),
+            int(self.qk_norm_whole),
             self.eps,
             self.scale,
-            self.input_norm.numel(),
+            self.qkv.cols,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
@@ -302,7 +307,7 @@ class DecodeLayers:
         self._layer_array = (_PTR * len(self._layers))(
             *(ctypes.addressof(layer) for layer in self._layers)
         )
-        self.hidden = layers[0].input_norm.numel()
+        self.hidden = layers[0].qkv.cols
         self.num_rope_tables = 1 + max(layer.rope_table for layer in layers)
         # The engine's KV layout, as each step's ForwardContext.layer_groups gives it (fixed for
         # an engine's life: one tensor per layout seen, built once).

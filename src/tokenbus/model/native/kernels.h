@@ -110,11 +110,14 @@ enum { MLP_SILU = 0, MLP_GELU_TANH = 1 };
 
 typedef struct {
     linear qkv, o, gate_up, down; /* gate_up and down unused where moe is set */
-    const float *input_norm, *post_norm; /* post_norm: the norm before the MLP */
+    /* post_norm: the norm before the MLP. NULL: none there, the sublayer takes the residual
+       stream itself (OLMo 2's post-norm layers have neither) */
+    const float *input_norm, *post_norm;
     /* Gemma's sandwich norms: the attention's output normed before it joins the residual, the
        MLP's output normed last; NULL: none (a pre-norm layer) */
     const float *post_attn_norm, *post_mlp_norm;
     const float *q_norm, *k_norm; /* [head_dim] each: an RMSNorm of every q / k head before the rotary; NULL: none */
+    int64_t qk_norm_whole; /* 1: q_norm / k_norm are [Hq * D] / [Hkv * D] instead, each token's heads normed at once (OLMo 2's) */
     float eps, scale;
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: an expert's, under moe */
     int64_t window; /* a sliding window: each query sees its last `window` keys; 0: all */
