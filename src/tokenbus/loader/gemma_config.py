@@ -19,10 +19,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tokenbus.loader.layer_kinds import (
+    gguf_local_layers,
+    hf_local_layers,
+    rope_by_layer_type,
+    windows,
+)
+
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 GEMMA_GGUF_ARCHITECTURES = GEMMA_ARCHITECTURES
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"  # HF's tanh-approximated GELU (GeGLU MLP)
-LAYER_TYPES = ("sliding_attention", "full_attention")
 _DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}  # every Nth layer is global, the others local
 _GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales those by hidden / heads
 _GGUF_LOCAL_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
@@ -55,15 +61,8 @@ def gemma3_hf_rope(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], 
     config.json; the local layers' rope must be the default one."""
     params = config.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # transformers 5
-        local = dict(params.get("sliding_attention") or {})
-        local_type = local.get("rope_type") or local.get("type") or "default"
-        if local_type != "default":
-            raise ValueError(
-                f"{path}: rope_parameters.sliding_attention: rope type {local_type!r} "
-                "is not supported (Gemma 3's local layers use the default rope)"
-            )
-        theta = float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0)))
-        return {"rope_parameters": params["full_attention"] or {}}, theta
+        flat, theta = rope_by_layer_type(params, path)
+        return flat, theta or float(config.get("rope_local_base_freq", 10000.0))
     flat = {key: config[key] for key in ("rope_theta", "rope_scaling") if key in config}
     flat.setdefault("rope_theta", 1_000_000.0)  # Gemma3TextConfig's global default
     return flat, float(config.get("rope_local_base_freq", 10000.0))
@@ -75,22 +74,13 @@ def gemma_gguf_fields(meta: dict[str, Any], arch: str, num_layers: int) -> dict[
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
     scalar = hidden // heads if num_layers == _GGUF_27B_LAYERS[arch] else head_dim
     window = meta.get(f"{arch}.attention.sliding_window")
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _DEFAULT_PATTERN[arch])
-    if isinstance(pattern, (list, tuple)):  # llama.cpp's per-layer flags: true = local
-        if len(pattern) != num_layers:
-            raise ValueError(
-                f"{arch}.attention.sliding_window_pattern: {len(pattern)} flags for "
-                f"{num_layers} layers"
-            )
-        is_local = [bool(flag) for flag in pattern]
-    else:
-        is_local = [_is_local(i, int(pattern)) for i in range(num_layers)]
+    local = gguf_local_layers(meta, arch, num_layers, _DEFAULT_PATTERN[arch])
     return dict(
         hidden_act=GEMMA_ACTIVATION,
         query_pre_attn_scalar=float(scalar),
         attn_logit_softcapping=_optional_float(meta.get(f"{arch}.attn_logit_softcapping")),
         final_logit_softcapping=_optional_float(meta.get(f"{arch}.final_logit_softcapping")),
-        sliding_windows=_windows(is_local, window),
+        sliding_windows=windows(local, window),
         rope_local_theta=_GGUF_LOCAL_THETA if arch == "gemma3" else None,
     )
 
@@ -98,35 +88,13 @@ def gemma_gguf_fields(meta: dict[str, Any], arch: str, num_layers: int) -> dict[
 def _hf_windows(
     config: dict[str, Any], path: Path, architecture: str, num_layers: int
 ) -> tuple[int | None, ...]:
-    window = config.get("sliding_window")
-    layer_types = config.get("layer_types")
-    if layer_types is not None:
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown or len(layer_types) != num_layers:
-            raise ValueError(
-                f"{path}: layer_types must name each of the {num_layers} layers as one of "
-                f"{LAYER_TYPES}; got {layer_types!r}"
-            )
-        is_local = [kind == "sliding_attention" for kind in layer_types]
-    else:
-        pattern = int(
-            config.get("sliding_window_pattern")
-            or config.get("_sliding_window_pattern")
-            or _DEFAULT_PATTERN[architecture]
-        )
-        is_local = [_is_local(i, pattern) for i in range(num_layers)]
-    return _windows(is_local, window)
-
-
-def _is_local(layer: int, pattern: int) -> bool:
-    """HF's `bool((i + 1) % pattern)`; llama.cpp's set_swa_pattern agrees."""
-    return bool((layer + 1) % pattern)
-
-
-def _windows(is_local: list[bool], window: int | None) -> tuple[int | None, ...]:
-    if not window or not any(is_local):
-        return ()
-    return tuple(int(window) if local else None for local in is_local)
+    pattern = int(
+        config.get("sliding_window_pattern")
+        or config.get("_sliding_window_pattern")
+        or _DEFAULT_PATTERN[architecture]
+    )
+    local = hf_local_layers(config, path, num_layers, pattern)
+    return windows(local, config.get("sliding_window"))
 
 
 def _optional_float(value: Any) -> float | None:

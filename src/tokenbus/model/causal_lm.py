@@ -41,6 +41,8 @@ from tokenbus.model.weights import (
     sliced,
 )
 
+GLOBAL_ROPE, LOCAL_ROPE = 0, 1  # rows of the stacked cos/sin tables (ModelArch.rope_local_theta)
+
 
 class CausalLM(nn.Module):
     """forward(input_ids [T], ctx) -> final-normed hidden [T, hidden]; compute_logits -> fp32
@@ -62,10 +64,6 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             self.make_layer(arch, tp) for _ in range(arch.num_hidden_layers)
         )
-        if arch.sliding_windows:  # Mistral's sliding_window, Qwen2's max_window_layers
-            for idx, layer in enumerate(self.layers):
-                if isinstance(getattr(layer, "self_attn", None), Attention):
-                    layer.self_attn.sliding_window = arch.sliding_windows[idx]
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             arch.head_dim,
@@ -74,6 +72,25 @@ class CausalLM(nn.Module):
             arch.rope_scaling,
             arch.rotary_dim,
         )
+        # Sliding-window layers with a RoPE of their own (rope_local_theta, unscaled: Gemma 3's
+        # base): the layers read the two tables stacked, each its row (rotary_lookup).
+        self.local_rotary = None
+        if arch.rope_local_theta is not None:
+            self.local_rotary = RotaryEmbedding(
+                arch.head_dim,
+                arch.max_position_embeddings,
+                arch.rope_local_theta,
+                None,
+                arch.rotary_dim,
+            )
+        if arch.sliding_windows:  # Mistral's sliding_window, Qwen2's max_window_layers
+            for idx, layer in enumerate(self.layers):
+                attn = getattr(layer, "self_attn", None)
+                if isinstance(attn, Attention):
+                    attn.sliding_window = arch.sliding_windows[idx]
+                    if self.local_rotary is not None:
+                        local = attn.sliding_window is not None
+                        attn.rope_table = LOCAL_ROPE if local else GLOBAL_ROPE
         self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
         # A GGUF embedding kept in its blocks (then embed_tokens is released).
         self.embed_quantized: QuantizedWeight | KernelWeight | None = None
@@ -109,9 +126,13 @@ class CausalLM(nn.Module):
     def rotary_lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's cos, sin [T, 1, D/2] the layers take (a family with several RoPE tables
-        gives its layers what they pick from: model/gemma.py)."""
-        return self.rotary.lookup(positions, dtype)
+        """The step's cos, sin [T, 1, D/2] the layers take; with a local RoPE, both tables
+        stacked [2, T, 1, D/2] (rows GLOBAL_ROPE, LOCAL_ROPE), each layer reading its row."""
+        cos, sin = self.rotary.lookup(positions, dtype)
+        if self.local_rotary is None:
+            return cos, sin
+        local_cos, local_sin = self.local_rotary.lookup(positions, dtype)
+        return torch.stack((cos, local_cos)), torch.stack((sin, local_sin))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:

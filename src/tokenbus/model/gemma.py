@@ -29,18 +29,16 @@ from __future__ import annotations
 import torch
 
 from tokenbus.config import ModelArch
-from tokenbus.model.causal_lm import CausalLM
+from tokenbus.model.causal_lm import GLOBAL_ROPE, CausalLM
 from tokenbus.model.decoder import Attention, GeGLUMLP, QKNorm, SandwichDecoderLayer
-from tokenbus.model.layers import Fp32RMSNorm, RotaryEmbedding
+from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader
 
-GLOBAL_ROPE, LOCAL_ROPE = 0, 1  # rows of the stacked cos/sin tables (GemmaForCausalLM)
-
 
 class GemmaAttention(Attention):
-    """The shared attention with Gemma's scale, score soft-cap, (Gemma 3) (1 + w) q/k norms,
-    and a window and RoPE table per layer (`set_layer`)."""
+    """The shared attention with Gemma's scale, score soft-cap and (Gemma 3) (1 + w) q/k
+    norms; CausalLM gives each layer its window and RoPE table."""
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         bias = arch.attention_bias
@@ -48,26 +46,13 @@ class GemmaAttention(Attention):
         super().__init__(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, norm=Fp32RMSNorm)
         self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
         self.logit_softcap = arch.attn_logit_softcapping
-        self.rope_table = GLOBAL_ROPE
-
-    def set_layer(self, arch: ModelArch, layer_idx: int) -> None:
-        """This layer's window (None: global) and RoPE table, from the config."""
-        self.sliding_window = arch.sliding_windows[layer_idx] if arch.sliding_windows else None
-        is_local = self.sliding_window is not None and arch.rope_local_theta is not None
-        self.rope_table = LOCAL_ROPE if is_local else GLOBAL_ROPE
+        self.rope_table = GLOBAL_ROPE  # Gemma 2's layers too read row 0 of stacked tables
 
 
 class GemmaForCausalLM(CausalLM):
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__(arch, tp)
         self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.local_rotary = None
-        if arch.rope_local_theta is not None:  # Gemma 3's local layers: their base, unscaled
-            self.local_rotary = RotaryEmbedding(
-                arch.head_dim, arch.max_position_embeddings, arch.rope_local_theta, None
-            )
-        for idx, layer in enumerate(self.layers):
-            layer.self_attn.set_layer(arch, idx)
 
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> SandwichDecoderLayer:
         attn, mlp = GemmaAttention(arch, tp), GeGLUMLP(arch, tp)
@@ -77,11 +62,10 @@ class GemmaForCausalLM(CausalLM):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [R, T, 1, D/2]: row GLOBAL_ROPE, and LOCAL_ROPE where the model has one."""
-        cos, sin = self.rotary.lookup(positions, dtype)
+        cos, sin = super().rotary_lookup(positions, dtype)
         if self.local_rotary is None:
             return cos.unsqueeze(0), sin.unsqueeze(0)
-        local_cos, local_sin = self.local_rotary.lookup(positions, dtype)
-        return torch.stack((cos, local_cos)), torch.stack((sin, local_sin))
+        return cos, sin
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super()._embed(input_ids)
