@@ -39,7 +39,7 @@ def load_pair(path, attention_backend: str = "auto") -> tuple[LlamaForCausalLM, 
     scope="module",
     params=[
         (arch, backend)
-        for arch in ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", "olmo2")
+        for arch in ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", "olmo2", "olmo3")
         for backend in ("torch", "native")
     ],
     ids="-".join,
@@ -316,5 +316,6 @@ def test_registry_maps_names_and_rejects_unknown():
     assert get_model_class("smollm3") is get_model_class("SmolLM3ForCausalLM")
     assert get_model_class("granite") is get_model_class("GraniteForCausalLM")
     assert get_model_class("olmo2") is get_model_class("Olmo2ForCausalLM")
+    assert get_model_class("olmo3") is get_model_class("Olmo3ForCausalLM")
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         get_model_class("GPT2LMHeadModel")

@@ -516,27 +516,32 @@ def test_granite_multipliers_from_config_and_gguf(tmp_path):
     assert (llama.attention_multiplier, llama.logits_scaling) == (None, 1.0)
 
 
-def test_olmo2_from_config_and_gguf_and_olmo3_refused(tmp_path):
-    """OLMo 2 loads from both formats with no window; OLMo 3 (sliding-window layers) is refused
-    by name from config.json and from llama.cpp's GGUF, which writes it as olmo2 with a window,
-    rather than run with full attention."""
-    hf_dir = cached_tiny_model("olmo2")
-    for path in (hf_dir, write_gguf(hf_dir, tmp_path / "olmo2.gguf", with_tokenizer=False)):
+def test_olmo2_and_olmo3_from_config_and_gguf(tmp_path):
+    """OLMo 2 has no window. OLMo 3's local layers have one and, its YaRN being the global
+    layers', their own unscaled table: from config.json in both transformers layouts (the 4.x
+    one with Olmo3Config's default window and pattern) and from llama.cpp's GGUF (olmo2 with
+    a window and local-layer flags)."""
+    olmo2 = cached_tiny_model("olmo2")
+    for path in (olmo2, write_gguf(olmo2, tmp_path / "olmo2.gguf", with_tokenizer=False)):
         arch = load_arch(resolve_model(str(path)))
         assert arch.architecture == "olmo2" and arch.sliding_windows == ()
-    olmo3 = tmp_path / "olmo3.gguf"
-    writer = gguf.GGUFWriter(str(olmo3), "olmo2")
-    writer.add_embedding_length(64)
-    writer.add_head_count(4)
-    writer.add_sliding_window(4096)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="sliding_window 4096: OLMo 3"):
-        load_arch(resolve_model(str(olmo3)))
-    config = json.loads((hf_dir / "config.json").read_text())
-    config.update(model_type="olmo3", architectures=["Olmo3ForCausalLM"])
-    with pytest.raises(ValueError, match="unsupported model architecture 'olmo3'"):
-        arch_from_hf_config(config, Path("cfg"))
+        assert arch.rope_local_theta is None
+    olmo3 = cached_tiny_model("olmo3")
+    for path in (olmo3, write_gguf(olmo3, tmp_path / "olmo3.gguf", with_tokenizer=False)):
+        arch = load_arch(resolve_model(str(path)))
+        assert arch.architecture == "olmo3" and arch.sliding_windows == (32, 32, 32, None)
+        assert (arch.rope_scaling["rope_type"], arch.rope_scaling["factor"]) == ("yarn", 4.0)
+        assert arch.rope_theta == arch.rope_local_theta == 500000.0
+    config = json.loads((olmo3 / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "sliding_window"):
+        config.pop(key)
+    config.update(
+        num_hidden_layers=8,
+        rope_theta=1e6,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+    )
+    arch = arch_from_hf_config(config, Path("cfg"))
+    assert arch.sliding_windows == ((4096,) * 3 + (None,)) * 2
+    assert (arch.rope_theta, arch.rope_local_theta, arch.rope_scaling["factor"]) == (1e6, 1e6, 8.0)
+    del config["rope_scaling"]  # one table serves both kinds
+    assert arch_from_hf_config(config, Path("cfg")).rope_local_theta is None

@@ -183,11 +183,13 @@ def test_granite_residual_scale_decodes_in_c_like_eager(tmp_path):
     assert_in_c_like_eager(path, check)
 
 
-def test_olmo2_post_norm_layers_decode_in_c_like_eager(tmp_path):
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+def test_olmo_post_norm_layers_decode_in_c_like_eager(tmp_path, family):
     """OLMo 2's layers (no norm before either sublayer, q and k normed over each token's whole
-    projection) run in C as op by op."""
-    hf = cached_tiny_model("olmo2", hidden_size=256, intermediate_size=512)
-    path = write_gguf(hf, tmp_path / "olmo2-q8_0.gguf", "Q8_0")
+    projection) run in C as op by op; OLMo 3's local layers with their window, KV group and
+    unscaled rotary table too."""
+    hf = cached_tiny_model(family, hidden_size=256, intermediate_size=512)
+    path = write_gguf(hf, tmp_path / f"{family}-q8_0.gguf", "Q8_0")
 
     def check(llm) -> None:
         model = model_of(llm)
@@ -195,6 +197,8 @@ def test_olmo2_post_norm_layers_decode_in_c_like_eager(tmp_path):
         for layer in model.layers:
             assert layer.input_layernorm is None and layer.pre_feedforward_layernorm is None
             assert layer.self_attn.q_norm.weight.shape == (256,)  # 4 heads of 64
+        if family == "olmo3":
+            assert model.kernels.decode_layers.num_rope_tables == 2
 
     assert_in_c_like_eager(path, check)
 

@@ -16,7 +16,10 @@ the attention scale llama.cpp's 1 / sqrt(head_dim)).
 
 OLMo 2 ("olmo2"): unpermuted (llama.cpp turns it NeoX-style); its norms after attention and after
 the MLP as `post_attention_norm` and `post_ffw_norm`, none before; q/k norms over the whole
-projection as `attn_q_norm` / `attn_k_norm` [H * D].
+projection as `attn_q_norm` / `attn_k_norm` [H * D]. OLMo 3 is written as olmo2 with
+`attention.sliding_window` and its local layers' flags (`sliding_window_pattern`; absent: all but
+every fourth); llama.cpp's local layers turn by `rope.freq_base` unscaled, its global ones with
+the file's YaRN, as transformers' Olmo3 does.
 
 Phi-3 ("phi3"): q/k/v fused in `attn_qkv` (or separate attn_q/k/v), gate and up fused in
 `ffn_up` [2*I, hidden] (HF's gate_up_proj), unpermuted; LongRoPE as two tensors,
@@ -41,6 +44,7 @@ from tokenbus.loader.gemma_config import (
     gemma_gguf_fields,
 )
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
+from tokenbus.loader.layer_kinds import OLMO3_PATTERN, gguf_local_layers, windows
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
@@ -167,11 +171,12 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     window = meta.get(f"{arch}.attention.sliding_window", 0)
     if arch == "phi3" and window:  # every layer's (0: none), as config.json's
         family["sliding_windows"] = (window,) * need("block_count")
-    if arch == "olmo2" and window:  # llama.cpp writes OLMo 3 as olmo2 with a window
-        raise ValueError(
-            f"{gf.path}: {arch}.attention.sliding_window {window}: OLMo 3's sliding-window "
-            "layers are not supported (OLMo 2 is)"
-        )
+    rope_scaling = _rope_scaling(gf, arch)
+    if arch == "olmo2" and window:  # llama.cpp writes OLMo 3 as olmo2 with its window
+        local = gguf_local_layers(meta, arch, need("block_count"), OLMO3_PATTERN)
+        family["sliding_windows"] = windows(local, window)
+        if rope_scaling is not None:  # its YaRN is the global layers' (llama.cpp's olmo2.cpp)
+            family["rope_local_theta"] = rope_theta
     if arch == "smollm3":
         step = _SMOLLM3_NO_ROPE_LAYER_STEP
         family["nope_layers"] = tuple(i for i in range(need("block_count")) if (i + 1) % step == 0)
@@ -185,7 +190,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         )
     moe = _moe_fields(gf, arch, need("block_count"))
     return ModelArch(
-        architecture=_our_architecture(arch, moe),
+        architecture=_our_architecture(arch, moe, bool(window)),
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden_size,
         intermediate_size=need("feed_forward_length"),
@@ -196,7 +201,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         max_position_embeddings=need("context_length"),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(gf, arch),
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in gf.tensors,
         attention_bias="blk.0.attn_q.bias" in gf.tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -207,10 +212,13 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     )
 
 
-def _our_architecture(gguf_arch: str, moe: dict) -> str:
-    """llama.cpp writes Mixtral as "llama" with experts; "qwen3moe" is our "qwen3_moe"."""
+def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
+    """llama.cpp writes Mixtral as "llama" with experts, OLMo 3 as "olmo2" with a window;
+    "qwen3moe" is our "qwen3_moe"."""
     if gguf_arch == "qwen3moe":
         return "qwen3_moe"
+    if gguf_arch == "olmo2" and window:
+        return "olmo3"
     return "mixtral" if gguf_arch == "llama" and moe else gguf_arch
 
 

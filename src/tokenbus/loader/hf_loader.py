@@ -17,6 +17,13 @@ from tokenbus.loader.gemma_config import (
     gemma3_hf_rope,
     gemma_hf_fields,
 )
+from tokenbus.loader.layer_kinds import (
+    OLMO3_PATTERN,
+    OLMO3_ROPE_THETA,
+    OLMO3_WINDOW,
+    hf_local_layers,
+    rope_by_layer_type,
+)
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
@@ -30,6 +37,7 @@ HF_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
@@ -79,11 +87,15 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     family: dict[str, Any] = {}
     if architecture in GEMMA_ARCHITECTURES:
         family = gemma_hf_fields(config, path, architecture)
-    rope_config = config
+    rope_config, local_theta = config, None
     if architecture == "gemma3":  # the global layers' rope; the local ones' base apart
         rope_config, family["rope_local_theta"] = gemma3_hf_rope(config, path)
+    if architecture == "olmo3":
+        rope_config, local_theta = _olmo3_rope(config, path)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
+    if local_theta is not None and (rope_scaling is not None or local_theta != rope_theta):
+        family["rope_local_theta"] = local_theta  # OLMo 3's local layers: its base, unscaled
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
     nope_layers = _nope_layers(config, architecture, path)
     sliding_windows = _sliding_windows(config, architecture, path, nope_layers)
@@ -220,6 +232,19 @@ def _extended_context(
     }
 
 
+def _olmo3_rope(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], float]:
+    """(a flat rope config for OLMo 3's global layers, its local layers' base): its
+    rope_scaling (YaRN in the long-context models) is the global layers' only, the local ones
+    take the default rope on the same rope_theta (Olmo3Config's; default 500k)."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # transformers 5
+        flat, theta = rope_by_layer_type(params, path)
+        full_theta = (params["full_attention"] or {}).get("rope_theta", OLMO3_ROPE_THETA)
+        return flat, float(theta if theta is not None else full_theta)
+    theta = float(config.get("rope_theta", OLMO3_ROPE_THETA))
+    return {**config, "rope_theta": theta}, theta
+
+
 def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """Granite's four multipliers (GraniteConfig's defaults: 1); {} for the other families."""
     if architecture != "granite":
@@ -256,34 +281,30 @@ def _sliding_windows(
     """Each layer's window as transformers builds them: Mistral's, Mixtral's and Phi-3's
     `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's /
     Qwen3's / SmolLM3's only with `use_sliding_window`, on the layers of `layer_types` (or, in a
-    config without them, from `max_window_layers` on; SmolLM3: its `nope_layers`); () where no
-    layer has one."""
+    config without them, from `max_window_layers` on; SmolLM3: its `nope_layers`); OLMo 3's on
+    the layers of `layer_types` (default: all but every fourth); () where no layer has one."""
     window = config.get("sliding_window")
+    if architecture == "olmo3":
+        window = config.get("sliding_window", OLMO3_WINDOW)
     gated = ("qwen2", "qwen3", "qwen3_moe", "smollm3")  # windows only with use_sliding_window
     if architecture in gated and not config.get("use_sliding_window"):
         window = None
-    if architecture not in ("mistral", "mixtral", "phi3", *gated) or not window:
+    if architecture not in ("mistral", "mixtral", "phi3", "olmo3", *gated) or not window:
         return ()
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
     num_layers = config.get("num_hidden_layers", 0)
     if architecture in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return (window,) * num_layers
-    types = config.get("layer_types")
-    if types is None and architecture == "smollm3":
-        types = [
-            "sliding_attention" if i in nope_layers else "full_attention" for i in range(num_layers)
-        ]
-    if types is None:
+    if config.get("layer_types") is not None or architecture == "olmo3":
+        # layer_types where the config has them; else OLMo 3's default, every fourth global
+        local = hf_local_layers(config, path, num_layers, OLMO3_PATTERN)
+    elif architecture == "smollm3":
+        local = [i in nope_layers for i in range(num_layers)]
+    else:
         first = config.get("max_window_layers", num_layers)
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    unknown = set(types) - {"sliding_attention", "full_attention"}
-    if len(types) != num_layers or unknown:
-        raise ValueError(
-            f"{path}: layer_types must name 'sliding_attention' or 'full_attention' for each of "
-            f"the {num_layers} layers, got {types!r}"
-        )
-    return tuple(window if kind == "sliding_attention" else None for kind in types)
+        local = [i >= first for i in range(num_layers)]
+    return tuple(window if is_local else None for is_local in local)
 
 
 def safetensors_files(directory: Path) -> list[Path]:

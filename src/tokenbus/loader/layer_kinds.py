@@ -1,5 +1,5 @@
 """Local (sliding-window) and global layers, as config.json and GGUF metadata say which is
-which, and the RoPE each kind takes (L2; no torch). Gemma 2/3 read them here.
+which, and the RoPE each kind takes (L2; no torch). Gemma 2/3 and OLMo 3 read them here.
 
 - HF: `layer_types` names each layer "sliding_attention" or "full_attention"; without it, a
   family's pattern: every Nth layer global, the others local (HF's `bool((i + 1) % N)`).
@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# OLMo 3 (Olmo3Config's defaults, llama.cpp's too): a window of 4096 on all layers but every
+# fourth; RoPE base 500k.
+OLMO3_WINDOW, OLMO3_PATTERN, OLMO3_ROPE_THETA = 4096, 4, 500000.0
 
 
 def is_local(layer: int, pattern: int) -> bool:

@@ -1,15 +1,17 @@
-"""OLMo 2 end to end against HF transformers, fp32 on CPU: a tiny random OLMo 2 (post-norm
-layers, q/k norms over the whole projection) from its safetensors directory and from a GGUF in
-llama.cpp's naming (post-norms only; a tokenizer transformers builds without a config) gives
-HF's greedy tokens and logprobs for a batch through prefix-cache hits and chunks; two tensor
-parallel ranks, each holding half of every q/k norm, sum the mean square across them."""
+"""OLMo 2 and OLMo 3 end to end against HF transformers, fp32 on CPU. A tiny random OLMo 2
+(post-norm layers, q/k norms over the whole projection) and OLMo 3 (the same layers, three of
+four local with a window of 32 and an unscaled RoPE, the global one with YaRN), each from its
+safetensors directory and from a GGUF in llama.cpp's naming (olmo2, OLMo 3 with its window and
+local-layer flags; a tokenizer transformers builds without a config), give HF's greedy tokens
+and logprobs for a batch through prefix-cache hits, chunks and prompts past the window; two
+tensor parallel ranks, each holding half of every q/k norm, sum the mean square across them."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy_logprobs, load_hf
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.e2e.utils import assert_engine_clean, make_llm, model_runner, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 from tokenbus import SamplingParams
 
@@ -18,18 +20,15 @@ LOGPROB_ATOL = 2e-3
 ENGINE = dict(kv_cache_dtype="float32")  # HF's numbers exactly, from the GGUF too
 
 
-@pytest.fixture(scope="module")
-def hf_dir():
-    return cached_tiny_model("olmo2")
-
-
-@pytest.fixture(scope="module")
-def reference(hf_dir):
-    """Prompts, and HF's greedy tokens with the logprob HF gives each."""
+@pytest.fixture(scope="module", params=["olmo2", "olmo3"])
+def family(request):
+    """(family, its HF directory, prompts with HF's greedy tokens and their logprobs)."""
+    hf_dir = cached_tiny_model(request.param)
     prefix = random_prompts(1, 40, 40, seed=51)[0]
     prompts = random_prompts(3, 1, 50, seed=52) + [prefix + t for t in random_prompts(3, 1, 9, 53)]
     hf = load_hf(str(hf_dir))
-    return [(prompt, *hf_greedy_logprobs(hf, prompt, MAX_TOKENS)) for prompt in prompts]
+    reference = [(prompt, *hf_greedy_logprobs(hf, prompt, MAX_TOKENS)) for prompt in prompts]
+    return request.param, hf_dir, reference
 
 
 def _generate(llm, reference, logprobs: int):
@@ -41,9 +40,15 @@ def _generate(llm, reference, logprobs: int):
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])
-def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, reference, kind, tmp_path):
-    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "olmo2.gguf")
+def test_greedy_tokens_and_logprobs_are_hf_s(family, kind, tmp_path):
+    name, hf_dir, reference = family
+    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / f"{name}.gguf")
     llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=32, **ENGINE)
+    model = model_runner(llm).model
+    if name == "olmo3":  # local layers: the window, their unscaled table and their KV group
+        assert [layer.self_attn.sliding_window for layer in model.layers] == [32, 32, 32, None]
+        assert [layer.self_attn.rope_table for layer in model.layers] == [1, 1, 1, 0]
+        assert len(set(model_runner(llm).buffers.layer_groups)) > 1  # the hybrid KV cache
     for got, (_, tokens, logprobs) in zip(_generate(llm, reference, 1), reference):
         assert got.token_ids == tokens
         ours = [position[token].logprob for position, token in zip(got.logprobs, tokens)]
@@ -52,9 +57,10 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, reference, kind, tmp_path):
     assert_engine_clean(llm)
 
 
-def test_two_tensor_parallel_ranks(hf_dir, reference):
+def test_two_tensor_parallel_ranks(family):
     """Each rank holds 2 query heads and 1 KV head, and their part of q_norm / k_norm; the
     all-reduces reorder sums, so a near tie may flip (HF's token then in our top 5, close)."""
+    _, hf_dir, reference = family
     llm = make_llm(hf_dir, tensor_parallel_size=2, **ENGINE)
     try:
         for got, (_, tokens, _) in zip(_generate(llm, reference, 5), reference):
