@@ -1,5 +1,5 @@
-"""OLMo 2 (AllenAI): Llama's attention and MLP in a post-norm block, with q/k norms over the
-whole projection.
+"""OLMo 2 and OLMo 3 (AllenAI): Llama's attention and MLP in a post-norm block, with q/k norms
+over the whole projection.
 
 - No norm before a sublayer: each one takes the residual stream itself, and its output is
   normed before it joins the stream, x + post_attention_norm(attn(x)), then
@@ -8,6 +8,8 @@ whole projection.
   [Hq * D] and [Hkv * D], applied before the rotary (decoder.QKNorm.WHOLE).
 - Every norm computes in fp32 and multiplies by the weight before casting back (HF's
   Olmo2RMSNorm: layers.Fp32RMSNorm).
+- OLMo 3's local layers slide (ModelArch.sliding_windows) and, where its global layers take
+  YaRN, turn by an unscaled table of their own (CausalLM's local RoPE).
 
 decode_layer.c runs these layers too: a sandwich layer with no norm before its sublayers, and
 q/k norms whose rows are the whole projection.
