@@ -1,5 +1,6 @@
-"""Sparse MoE (Qwen3-MoE, Mixtral) end to end against HF transformers, fp32 on CPU: tiny random
-models (8 and 4 experts, top 2; a Qwen3-MoE dense layer via mlp_only_layers) from safetensors and
+"""Sparse MoE (Qwen3-MoE, Mixtral, OLMoE) end to end against HF transformers, fp32 on CPU: tiny
+random models (8, 4 and 8 experts, top 2; a Qwen3-MoE dense layer via mlp_only_layers; OLMoE's
+top 2 not renormalised, its q/k norms over the whole projection) from safetensors and
 from a GGUF in llama.cpp's naming (experts stacked per layer as ffn_*_exps) give HF's greedy
 tokens, with logprobs within tolerance, through prefix-cache hits, chunked prefill, preemption
 and two expert-parallel ranks; a Q8_0 GGUF whose experts stay quantized gives the tokens of the
@@ -30,6 +31,7 @@ CONFIGS = {
         mlp_only_layers=[1],
     ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
 }
 
 
@@ -87,7 +89,8 @@ def test_arch_reads_the_experts(model_path, family):
     config = CONFIGS[family]
     assert arch.architecture == family
     assert arch.num_experts == config.get("num_experts", config.get("num_local_experts"))
-    assert arch.num_experts_per_tok == 2 and arch.norm_topk_prob
+    assert arch.num_experts_per_tok == 2
+    assert arch.norm_topk_prob == (family != "olmoe")  # OLMoE's default; llama.cpp's too
     assert arch.dense_layers == ((1,) if family == "qwen3_moe" else ())
 
 

@@ -99,6 +99,14 @@ def test_shared_experts_config_is_refused_by_name(tmp_path):
         load_arch(resolve_model(str(hf_dir)))
 
 
+def test_olmoe_clip_qkv_is_refused_by_name(tmp_path):
+    hf_dir = shutil.copytree(cached_tiny_model("olmoe", num_experts=4), tmp_path / "m")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "clip_qkv": 8.0}))
+    with pytest.raises(ValueError, match="clip_qkv"):
+        load_arch(resolve_model(str(hf_dir)))
+
+
 def test_gguf_shared_expert_tensor_and_missing_metadata_are_named(tmp_path):
     from tests.fixtures.tiny_models import _write_metadata
 

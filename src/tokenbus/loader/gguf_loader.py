@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
 
 # general.architecture values we load
 GGUF_ARCHITECTURES = (
-    *("llama", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3", "qwen3moe"),
+    *("llama", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3", "qwen3moe", "olmoe"),
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -229,7 +229,7 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     if not num_experts:
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "olmoe"):
             raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_count")
         return {}
     for name in gf.tensors:
@@ -244,8 +244,9 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
         num_experts=num_experts,
         num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
         moe_intermediate_size=int(meta[f"{arch}.{width_key}"]),
-        # llama.cpp renormalises Mixtral's and Qwen3-MoE's top k unless told otherwise
-        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        # llama.cpp renormalises Mixtral's and Qwen3-MoE's top k unless told otherwise, and
+        # never OLMoE's (its graph passes no weight norm, as OlmoeConfig's default)
+        norm_topk_prob=arch != "olmoe" and bool(meta.get(f"{arch}.expert_weights_norm", True)),
         dense_layers=tuple(
             i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gf.tensors
         ),
@@ -407,6 +408,7 @@ def _moe_scope(name: str, arch: ModelArch) -> str:
 _HF_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 

@@ -43,6 +43,7 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -131,10 +132,13 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
 
 
 def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[str, Any]:
-    """ModelArch's MoE fields (model/moe.py) of a Mixtral or Qwen3-MoE config; {} otherwise.
-    Fields we do not implement (shared experts) are refused, naming them."""
-    if architecture not in ("mixtral", "qwen3_moe"):
+    """ModelArch's MoE fields (model/moe.py) of a Mixtral, Qwen3-MoE or OLMoE config; {}
+    otherwise. Fields we do not implement (shared experts, OLMoE's clip_qkv) are refused,
+    naming them."""
+    if architecture not in ("mixtral", "qwen3_moe", "olmoe"):
         return {}
+    if config.get("clip_qkv") is not None:
+        raise ValueError(f"{path}: clip_qkv is not supported for {architecture}")
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
         if config.get(key):
             raise ValueError(f"{path}: {key} (shared experts) is not supported for {architecture}")

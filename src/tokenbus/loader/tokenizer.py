@@ -92,8 +92,8 @@ def _from_cache_entry(directory: Path):
 # GGUF architectures whose config transformers cannot rebuild, which AutoTokenizer needs first.
 # Their tokenizer comes from the file's tokenizer.ggml.* alone (TokenizersBackend, the class
 # AutoTokenizer picks for a GGUF's BPE vocabulary as well: SmolLM3's is Llama 3's, Granite's a
-# GPT-2 style BPE too, and OLMo 2's).
-GGUF_TOKENIZER_WITHOUT_CONFIG = ("smollm3", "granite", "olmo2")
+# GPT-2 style BPE too, and OLMo 2's and OLMoE's).
+GGUF_TOKENIZER_WITHOUT_CONFIG = ("smollm3", "granite", "olmo2", "olmoe")
 
 
 def _from_pretrained(directory: Path, gguf_file: str | None):

@@ -43,6 +43,7 @@ from tokenbus.model.weights import WeightLoader
 EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+    "olmoe": ("gate_proj", "up_proj", "down_proj"),
 }
 
 

@@ -9,6 +9,7 @@ from tokenbus.model.granite import GraniteForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.olmo2 import Olmo2ForCausalLM
+from tokenbus.model.olmoe import OlmoeForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
 from tokenbus.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -39,8 +40,10 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "olmoe": OlmoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
