@@ -78,8 +78,9 @@ class ModelArch:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     # Each layer's sliding window in tokens (None: a global layer); (): no layer has one.
     sliding_windows: tuple[int | None, ...] = ()
-    # RoPE base of the sliding-window layers where it differs from rope_theta (Gemma 3's
-    # rope_local_base_freq; those layers take no rope_scaling); None: every layer uses rope_theta.
+    # RoPE base of the sliding-window layers where they have a table of their own, unscaled
+    # (Gemma 3's rope_local_base_freq; OLMo 3's rope_theta, its rope_scaling being the global
+    # layers'); None: every layer turns by rope_theta and rope_scaling.
     rope_local_theta: float | None = None
     # Dims of each head the rotary turns (the first ones; Phi-4-mini's partial_rotary_factor
     # 0.75); None: the whole head.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -274,6 +275,21 @@ def test_smollm3_nope_layers_match_hf(overrides, nope, backend):
     for layer in ours.layers:
         layer.self_attn.rope_table = ROPE
     assert (logits() - want).abs().max() > 100 * ATOL
+
+
+def test_a_local_rope_table_is_read_by_every_layer_even_without_windows():
+    """A model with a local RoPE table stacks both tables each step, so every layer picks a
+    row: a sliding layer the local one, any other the global one, windows or not."""
+    path = cached_tiny_model("olmo3")
+    src = resolve_model(str(path))
+    arch = load_arch(src)
+    assert arch.rope_local_theta is not None
+    for windows, tables in ((arch.sliding_windows, [1, 1, 1, 0]), ((), [0, 0, 0, 0])):
+        local_arch = dataclasses.replace(arch, sliding_windows=windows)
+        model = load_model(src, local_arch, torch.float32, "cpu")
+        assert [layer.self_attn.rope_table for layer in model.layers] == tables
+        kv = PagedKV.for_model(model)
+        assert torch.isfinite(run(model, kv, [("c", SEQS["c"][:10])])).all()
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 0.25), (torch.float16, 0.05)])

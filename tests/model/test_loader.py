@@ -543,5 +543,8 @@ def test_olmo2_and_olmo3_from_config_and_gguf(tmp_path):
     arch = arch_from_hf_config(config, Path("cfg"))
     assert arch.sliding_windows == ((4096,) * 3 + (None,)) * 2
     assert (arch.rope_theta, arch.rope_local_theta, arch.rope_scaling["factor"]) == (1e6, 1e6, 8.0)
+    all_global = dict(config, layer_types=["full_attention"] * 8)  # no local layer: one table
+    arch = arch_from_hf_config(all_global, Path("cfg"))
+    assert (arch.sliding_windows, arch.rope_local_theta) == ((), None)
     del config["rope_scaling"]  # one table serves both kinds
     assert arch_from_hf_config(config, Path("cfg")).rope_local_theta is None

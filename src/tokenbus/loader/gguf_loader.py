@@ -122,10 +122,7 @@ _GEMMA_BLOCK_NAMES = {
 }
 _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something else
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
-    "olmo2": {  # post-norms only: no attn_norm / ffn_norm
-        "post_attention_norm": "post_attention_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
     **{arch: _GEMMA_BLOCK_NAMES for arch in GEMMA_GGUF_ARCHITECTURES},
 }
 _ROPE_FREQS = (
@@ -175,7 +172,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == "olmo2" and window:  # llama.cpp writes OLMo 3 as olmo2 with its window
         local = gguf_local_layers(meta, arch, need("block_count"), OLMO3_PATTERN)
         family["sliding_windows"] = windows(local, window)
-        if rope_scaling is not None:  # its YaRN is the global layers' (llama.cpp's olmo2.cpp)
+        if rope_scaling is not None and any(local):  # YaRN is the global layers' (olmo2.cpp)
             family["rope_local_theta"] = rope_theta
     if arch == "smollm3":
         step = _SMOLLM3_NO_ROPE_LAYER_STEP

@@ -23,6 +23,7 @@ from tokenbus.loader.layer_kinds import (
     OLMO3_WINDOW,
     hf_local_layers,
     rope_by_layer_type,
+    windows,
 )
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -95,11 +96,12 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         rope_config, local_theta = _olmo3_rope(config, path)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
-    if local_theta is not None and (rope_scaling is not None or local_theta != rope_theta):
-        family["rope_local_theta"] = local_theta  # OLMo 3's local layers: its base, unscaled
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
     nope_layers = _nope_layers(config, architecture, path)
     sliding_windows = _sliding_windows(config, architecture, path, nope_layers)
+    own_table = rope_scaling is not None or local_theta != rope_theta
+    if local_theta is not None and sliding_windows and own_table:
+        family["rope_local_theta"] = local_theta  # OLMo 3's local layers: its base, unscaled
     eos = config.get("eos_token_id")
     arch = ModelArch(
         architecture=architecture,
@@ -301,14 +303,14 @@ def _sliding_windows(
     if architecture in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return (window,) * num_layers
     if config.get("layer_types") is not None or architecture == "olmo3":
-        # layer_types where the config has them; else OLMo 3's default, every fourth global
+        # layer_types (the pattern only stands in for OLMo 3's absent ones: every fourth global)
         local = hf_local_layers(config, path, num_layers, OLMO3_PATTERN)
     elif architecture == "smollm3":
         local = [i in nope_layers for i in range(num_layers)]
     else:
         first = config.get("max_window_layers", num_layers)
         local = [i >= first for i in range(num_layers)]
-    return tuple(window if is_local else None for is_local in local)
+    return windows(local, window)
 
 
 def safetensors_files(directory: Path) -> list[Path]:

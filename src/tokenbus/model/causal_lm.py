@@ -83,14 +83,15 @@ class CausalLM(nn.Module):
                 None,
                 arch.rotary_dim,
             )
-        if arch.sliding_windows:  # Mistral's sliding_window, Qwen2's max_window_layers
-            for idx, layer in enumerate(self.layers):
-                attn = getattr(layer, "self_attn", None)
-                if isinstance(attn, Attention):
-                    attn.sliding_window = arch.sliding_windows[idx]
-                    if self.local_rotary is not None:
-                        local = attn.sliding_window is not None
-                        attn.rope_table = LOCAL_ROPE if local else GLOBAL_ROPE
+        for idx, layer in enumerate(self.layers):
+            attn = getattr(layer, "self_attn", None)
+            if not isinstance(attn, Attention):
+                continue
+            if arch.sliding_windows:  # Mistral's sliding_window, Qwen2's max_window_layers
+                attn.sliding_window = arch.sliding_windows[idx]
+            if self.local_rotary is not None:  # every layer then reads a row of the stack
+                local = attn.sliding_window is not None
+                attn.rope_table = LOCAL_ROPE if local else GLOBAL_ROPE
         self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
         # A GGUF embedding kept in its blocks (then embed_tokens is released).
         self.embed_quantized: QuantizedWeight | KernelWeight | None = None

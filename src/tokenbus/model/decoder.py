@@ -1,5 +1,6 @@
-"""The parts of a pre-norm decoder layer, shared by every family (L2): attention, a gated MLP
-(SiLU or GeGLU), and the layers that join them (pre-norm, or with Gemma's sandwich norms). Each
+"""The parts of a decoder layer, shared by every family (L2): attention, a gated MLP (SiLU or
+GeGLU), and the layers that join them (pre-norm; Gemma's sandwich norms; OLMo 2's post-norms,
+a sandwich without its pre-norms). Each
 calls one injected op for each step it takes: its linears' kernels (layers/linear.py), the
 elementwise ops (`self.ops`: layers/ops.py) and the step's attention plan (ctx.attn_metadata:
 model/attention.py). Which kernels those are, the kernel plan
@@ -42,12 +43,12 @@ class Attention(OpsModule):
     this rank's heads' part of it; the mean square is summed over the ranks), each a `norm`
     (the family's RMSNorm). `sliding_window`: each query sees only its last `sliding_window`
     keys (itself included); None: all. CausalLM gives each layer ModelArch.sliding_windows'.
-    `rope_table`: a family with a RoPE table per kind of layer (Gemma 3's local layers: their own
-    base) hands its layers the tables stacked [R, T, 1, D/2], and this layer reads row
-    `rope_table`; None: one table [T, 1, D/2].
+    `rope_table`: a model with a RoPE table per kind of layer (Gemma 3's and OLMo 3's local
+    layers: CausalLM's local table; SmolLM3's NoPE ones) hands its layers the tables stacked
+    [R, T, 1, D/2], and this layer reads row `rope_table`; None: one table [T, 1, D/2].
 
-    A family's subclass only configures these (model/gemma.py's: scale, soft-cap, norms,
-    window, table); the computation is this forward, which decode_layer.c mirrors
+    A family's subclass only configures these (model/gemma.py's: scale, soft-cap, norms); the
+    computation is this forward, which decode_layer.c mirrors
     (model/kernel_plan.py takes a subclass there only while it keeps this forward)."""
 
     def __init__(

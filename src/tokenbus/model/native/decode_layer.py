@@ -243,6 +243,7 @@ class LayerWeights:
     def struct(self) -> _Layer:
         if (self.q_norm is None) != (self.k_norm is None):
             raise ValueError("decode_layer: q_norm and k_norm come together")
+        self._check_norm_sizes()
         if (self.moe is None) == (self.down is None):
             raise ValueError("decode_layer: a layer's MLP is gate_up and down, or moe")
         down = self.down if self.moe is None else self.moe.down[0]
@@ -272,6 +273,19 @@ class LayerWeights:
             self.rope_table,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),
         )
+
+    def _check_norm_sizes(self) -> None:
+        """C reads each norm's weight over the width it norms: refuse any other size here."""
+        hidden, d = self.qkv.cols, self.head_dim
+        widths = [(name, hidden) for name in ("input_norm", "post_norm")]
+        widths += [(name, hidden) for name in ("post_attn_norm", "post_mlp_norm")]
+        whole = self.qk_norm_whole
+        widths += [("q_norm", self.num_heads * d if whole else d)]
+        widths += [("k_norm", self.num_kv_heads * d if whole else d)]
+        for name, width in widths:
+            weight = getattr(self, name)
+            if weight is not None and weight.numel() != width:
+                raise ValueError(f"decode_layer: {name} has {weight.numel()} values, not {width}")
 
 
 class DecodeLayers:
