@@ -10,9 +10,9 @@ some tensors, as in the real files), smollm3-3b (Llama's tensors, tied; llama.cp
 rotary in every fourth layer), qwen3-30b-a3b-8l (MoE), gemma-2-2b (sandwich norms,
 soft-capped scores and logits, local and global layers alternating), gemma-3-1b (sandwich norms,
 q/k norms, five sliding-window layers to one global), olmo-2-1b (post-norms only, q/k norms
-over the whole projection). Tensor names and metadata are llama.cpp's;
-matrices are F16, norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02),
-norms 1.
+over the whole projection), olmoe-1b-7b (64 experts, top 8, OLMo's q/k norms). Tensor names
+and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
+types), weights N(0, 0.02), norms 1.
 
 The tokenizer and chat template are the packaged SmolLM2 GGUF's, its vocabulary padded up to
 the model's with `[PAD<i>]` tokens of type UNUSED (as llama.cpp's converter pads a vocabulary
@@ -112,17 +112,23 @@ CONFIGS = {
         experts=128, experts_used=8, expert_intermediate=768, head_dim_override=128,
         qk_norm=True,
     ),
-    # Gemma 3 1B: 1152 wide (not a multiple of 256, so K-quant recipes fall back to other types
-    # for some tensors, as in the real files), 4/1 heads of 256, a 262k vocabulary, tied.
     # OLMo 2 1B (OLMo-2-0425-1B): 16 heads of 128 without GQA, q/k norms over the whole
     # projection ([2048] each), post-norms only, untied.
     "olmo-2-1b": ModelShape(
         "olmo2", 2048, 16, 16, 16, 8192, 100352, 500000.0, 4096, 1e-6, False, qk_norm=True,
     ),
+    # OLMoE-1B-7B (OLMoE-1B-7B-0924): 64 experts of 1024, top 8, in every layer; q/k norms over
+    # the whole projection, pre-norms; llama.cpp reads the experts' width as feed_forward_length.
+    "olmoe-1b-7b": ModelShape(
+        "olmoe", 2048, 16, 16, 16, 1024, 50304, 10000.0, 4096, 1e-5, False,
+        experts=64, experts_used=8, expert_intermediate=1024, qk_norm=True,
+    ),
     "gemma-2-2b": ModelShape(
         "gemma2", 2304, 26, 8, 4, 9216, 256000, 10000.0, 8192, 1e-6, True,
         head_dim_override=256, sliding_window=4096, attn_softcap=50.0, final_softcap=30.0,
     ),
+    # Gemma 3 1B: 1152 wide (not a multiple of 256, so K-quant recipes fall back to other types
+    # for some tensors, as in the real files), 4/1 heads of 256, a 262k vocabulary, tied.
     "gemma-3-1b": ModelShape(
         "gemma3", 1152, 26, 4, 1, 6912, 262144, 1000000.0, 32768, 1e-6, True,
         head_dim_override=256, qk_norm=True, sliding_window=512,
@@ -174,7 +180,7 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             if shape.qkv_bias:
                 yield b + name + ".bias", (rows,), "bias"
         if shape.qk_norm:  # OLMo 2's over the whole projection, the others' over a head
-            whole = shape.architecture == "olmo2"
+            whole = shape.architecture in ("olmo2", "olmoe")
             yield b + "attn_q_norm.weight", (q if whole else shape.head_dim,), "norm"
             yield b + "attn_k_norm.weight", (kv if whole else shape.head_dim,), "norm"
         yield b + "attn_output.weight", (h, q), "matrix"
