@@ -4,15 +4,9 @@ top-k logits, which is the renormalised top k of the full softmax (norm_topk_pro
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
-from tokenbus.model.decoder import Attention
 from tokenbus.model.moe_causal_lm import MoECausalLM
-from tokenbus.model.parallel import TensorParallel
 
 
 class MixtralForCausalLM(MoECausalLM):
     family = "mixtral"
     moe_scope = "block_sparse_moe."
-
-    def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
-        return Attention(arch, tp)

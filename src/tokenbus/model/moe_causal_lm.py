@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
-from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.moe import SparseMoeBlock, skip_weight
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.weights import WeightLoader, load_strictly
@@ -12,13 +12,16 @@ from tokenbus.model.weights import WeightLoader, load_strictly
 
 class MoECausalLM(CausalLM):
     """A decoder whose MLPs are SparseMoeBlocks, except arch.dense_layers (a GatedMLP). A
-    subclass names its family (EXPERT_NAMES), the HF scope of its MoE block and its attention."""
+    subclass names its family (EXPERT_NAMES), the HF scope of its MoE block and its attention's
+    q/k norms; q/k/v and o_proj carry biases where the config says `attention_bias`."""
 
     family = ""
     moe_scope = "mlp."
+    qk_norm = QKNorm.NONE
 
     def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
-        raise NotImplementedError
+        bias = arch.attention_bias
+        return Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=self.qk_norm)
 
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
         idx = self._layers_made = getattr(self, "_layers_made", -1) + 1  # made in order

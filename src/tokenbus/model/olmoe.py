@@ -5,16 +5,11 @@ RMSNorm. `clip_qkv` is refused at load."""
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
-from tokenbus.model.decoder import Attention, QKNorm
+from tokenbus.model.decoder import QKNorm
 from tokenbus.model.moe_causal_lm import MoECausalLM
-from tokenbus.model.parallel import TensorParallel
 
 
 class OlmoeForCausalLM(MoECausalLM):
     family = "olmoe"
     moe_scope = "mlp."
-
-    def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
-        bias = arch.attention_bias
-        return Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=QKNorm.WHOLE)
+    qk_norm = QKNorm.WHOLE

@@ -5,16 +5,11 @@ all experts, top k, renormalised iff `norm_topk_prob`. No shared experts in this
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
-from tokenbus.model.decoder import Attention, QKNorm
+from tokenbus.model.decoder import QKNorm
 from tokenbus.model.moe_causal_lm import MoECausalLM
-from tokenbus.model.parallel import TensorParallel
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
     family = "qwen3_moe"
     moe_scope = "mlp."
-
-    def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
-        bias = arch.attention_bias
-        return Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=QKNorm.HEADS)
+    qk_norm = QKNorm.HEADS
