@@ -1,6 +1,7 @@
-"""Sparse MoE (Qwen3-MoE, Mixtral, OLMoE) end to end against HF transformers, fp32 on CPU: tiny
-random models (8, 4 and 8 experts, top 2; a Qwen3-MoE dense layer via mlp_only_layers; OLMoE's
-top 2 not renormalised, its q/k norms over the whole projection) from safetensors and
+"""Sparse MoE (Qwen3-MoE, Mixtral, OLMoE, GraniteMoE) end to end against HF transformers, fp32
+on CPU: tiny random models (8, 4, 8 and 4 experts, top 2; a Qwen3-MoE dense layer via
+mlp_only_layers; OLMoE's top 2 not renormalised, its q/k norms over the whole projection;
+GraniteMoE's multipliers and stacked HF experts) from safetensors and
 from a GGUF in llama.cpp's naming (experts stacked per layer as ffn_*_exps) give HF's greedy
 tokens, with logprobs within tolerance, through prefix-cache hits, chunked prefill, preemption
 and two expert-parallel ranks; a Q8_0 GGUF whose experts stay quantized gives the tokens of the
@@ -32,6 +33,7 @@ CONFIGS = {
     ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
 }
 
 

@@ -334,5 +334,6 @@ def test_registry_maps_names_and_rejects_unknown():
     assert get_model_class("olmo2") is get_model_class("Olmo2ForCausalLM")
     assert get_model_class("olmo3") is get_model_class("Olmo3ForCausalLM")
     assert get_model_class("olmoe") is get_model_class("OlmoeForCausalLM")
+    assert get_model_class("granitemoe") is get_model_class("GraniteMoeForCausalLM")
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         get_model_class("GPT2LMHeadModel")

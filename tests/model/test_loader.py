@@ -497,12 +497,13 @@ def test_smollm3_nope_layers_from_config_and_gguf(tmp_path):
             arch_from_hf_config(_windowed_config("smollm3", no_rope_layers=bad), Path("cfg"))
 
 
-def test_granite_multipliers_from_config_and_gguf(tmp_path):
-    """GraniteConfig's four multipliers; llama.cpp writes them as *_scale keys (an absent
-    attention scale is llama.cpp's 1 / sqrt(head_dim))."""
-    hf_dir = cached_tiny_model("granite")
+@pytest.mark.parametrize("family", ["granite", "granitemoe"])
+def test_granite_multipliers_from_config_and_gguf(tmp_path, family):
+    """GraniteConfig's (and GraniteMoeConfig's) four multipliers; llama.cpp writes them as
+    *_scale keys (an absent attention scale is llama.cpp's 1 / sqrt(head_dim))."""
+    hf_dir = cached_tiny_model(family)
     want = (12.0, 0.22, 1 / 16, 8.0)
-    for path in (hf_dir, write_gguf(hf_dir, tmp_path / "granite.gguf", with_tokenizer=False)):
+    for path in (hf_dir, write_gguf(hf_dir, tmp_path / f"{family}.gguf", with_tokenizer=False)):
         arch = load_arch(resolve_model(str(path)))
         got = (
             arch.embedding_multiplier,
@@ -510,7 +511,7 @@ def test_granite_multipliers_from_config_and_gguf(tmp_path):
             arch.attention_multiplier,
             arch.logits_scaling,
         )
-        assert arch.architecture == "granite" and got == pytest.approx(want)
+        assert arch.architecture == family and got == pytest.approx(want)
     llama = load_arch(resolve_model(str(cached_tiny_model("llama"))))
     assert (llama.embedding_multiplier, llama.residual_multiplier) == (1.0, 1.0)
     assert (llama.attention_multiplier, llama.logits_scaling) == (None, 1.0)

@@ -12,7 +12,8 @@ SmolLM3 ("smollm3"): llama's tensors, permuted as llama's; llama.cpp writes no m
 NoPE layers and takes every fourth (`n_no_rope_layer_step` 4, SmolLM3's own default), as we do.
 Granite ("granite"): llama's tensors, permuted as llama's, and its multipliers as
 `embedding_scale`, `residual_scale`, `attention.scale` and `logit_scale` (absent: 1, and for
-the attention scale llama.cpp's 1 / sqrt(head_dim)).
+the attention scale llama.cpp's 1 / sqrt(head_dim)). GraniteMoE ("granitemoe") adds experts
+stacked as Mixtral's (ffn_*_exps, the router ffn_gate_inp; feed_forward_length their width).
 
 OLMo 2 ("olmo2"): unpermuted (llama.cpp turns it NeoX-style); its norms after attention and after
 the MLP as `post_attention_norm` and `post_ffw_norm`, none before; q/k norms over the whole
@@ -51,11 +52,12 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
 
 # general.architecture values we load
 GGUF_ARCHITECTURES = (
-    *("llama", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3", "qwen3moe", "olmoe"),
+    *("llama", "qwen2", "qwen3", "smollm3", "granite", "granitemoe", "olmo2", "phi3"),
+    *("qwen3moe", "olmoe"),
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
-_PERMUTED_QK_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite")
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoe")
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
@@ -177,7 +179,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == "smollm3":
         step = _SMOLLM3_NO_ROPE_LAYER_STEP
         family["nope_layers"] = tuple(i for i in range(need("block_count")) if (i + 1) % step == 0)
-    if arch == "granite":  # llama.cpp writes each multiplier only when the config has one
+    if arch in ("granite", "granitemoe"):  # llama.cpp writes a multiplier where a config has one
         family.update(
             embedding_multiplier=float(meta.get(f"{arch}.embedding_scale", 1.0)),
             residual_multiplier=float(meta.get(f"{arch}.residual_scale", 1.0)),
@@ -226,7 +228,7 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     if not num_experts:
-        if arch in ("qwen3moe", "olmoe"):
+        if arch in ("qwen3moe", "olmoe", "granitemoe"):
             raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_count")
         return {}
     for name in gf.tensors:
@@ -396,8 +398,8 @@ def iter_gguf_weights(
 
 
 def _moe_scope(name: str, arch: ModelArch) -> str:
-    """Mixtral's HF names say block_sparse_moe where the dense ones say mlp."""
-    if arch.architecture == "mixtral":
+    """Mixtral's and GraniteMoE's HF names say block_sparse_moe where the dense ones say mlp."""
+    if arch.architecture in ("mixtral", "granitemoe"):
         return name.replace(".mlp.", ".block_sparse_moe.")
     return name
 
@@ -406,6 +408,8 @@ _HF_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    # GraniteMoE's per-expert names (model/granite.py splits HF's stacked tensors into them)
+    "granitemoe": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
 }
 
 

@@ -45,6 +45,7 @@ HF_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "GraniteMoeForCausalLM": "granitemoe",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -134,10 +135,10 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
 
 
 def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[str, Any]:
-    """ModelArch's MoE fields (model/moe.py) of a Mixtral, Qwen3-MoE or OLMoE config; {}
-    otherwise. Fields we do not implement (shared experts, OLMoE's clip_qkv) are refused,
+    """ModelArch's MoE fields (model/moe.py) of a Mixtral, Qwen3-MoE, OLMoE or GraniteMoE
+    config; {} otherwise. Fields we do not implement (shared experts, OLMoE's clip_qkv) are refused,
     naming them."""
-    if architecture not in ("mixtral", "qwen3_moe", "olmoe"):
+    if architecture not in ("mixtral", "qwen3_moe", "olmoe", "granitemoe"):
         return {}
     if config.get("clip_qkv") is not None:
         raise ValueError(f"{path}: clip_qkv is not supported for {architecture}")
@@ -151,7 +152,7 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
             f"{path}: an MoE config needs 'num_local_experts' and 'num_experts_per_tok'"
         )
     num_layers = int(config["num_hidden_layers"])
-    if architecture == "mixtral":
+    if architecture in ("mixtral", "granitemoe"):  # softmax over the top k logits
         return dict(
             num_experts=num_experts,
             num_experts_per_tok=top_k,
@@ -253,7 +254,7 @@ def _olmo3_rope(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], flo
 
 def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """Granite's four multipliers (GraniteConfig's defaults: 1); {} for the other families."""
-    if architecture != "granite":
+    if architecture not in ("granite", "granitemoe"):
         return {}
     return dict(
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),

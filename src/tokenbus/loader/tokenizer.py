@@ -93,7 +93,7 @@ def _from_cache_entry(directory: Path):
 # Their tokenizer comes from the file's tokenizer.ggml.* alone (TokenizersBackend, the class
 # AutoTokenizer picks for a GGUF's BPE vocabulary as well: SmolLM3's is Llama 3's, Granite's a
 # GPT-2 style BPE too, and OLMo 2's and OLMoE's).
-GGUF_TOKENIZER_WITHOUT_CONFIG = ("smollm3", "granite", "olmo2", "olmoe")
+GGUF_TOKENIZER_WITHOUT_CONFIG = ("smollm3", "granite", "granitemoe", "olmo2", "olmoe")
 
 
 def _from_pretrained(directory: Path, gguf_file: str | None):

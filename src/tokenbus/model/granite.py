@@ -1,4 +1,5 @@
-"""Granite (IBM Granite 3.x, dense): Llama's layers with four multipliers (GraniteConfig's).
+"""Granite (IBM Granite 3.x): Llama's layers with four multipliers (GraniteConfig's), dense or
+with a sparse MoE MLP in every layer (GraniteMoE).
 
 - `embedding_multiplier` scales the token embeddings;
 - `residual_multiplier` scales each sublayer's output before it joins the residual
@@ -12,15 +13,23 @@ HF's logits bit for bit where Llama's does.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 from tokenbus.config import ModelArch
 from tokenbus.model.decoder import DecoderLayer
 from tokenbus.model.llama import LlamaForCausalLM
+from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
 
 
-class GraniteForCausalLM(LlamaForCausalLM):
+class GraniteMultipliers:
+    """Granite's multipliers on a CausalLM (mixed in before it): the attention scale, the
+    embeddings' and the logits' factors. The residual one DecoderLayer reads from the arch."""
+
+    arch: ModelArch
+
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
         layer = super().make_layer(arch, tp)
         if arch.attention_multiplier is not None:
@@ -32,3 +41,43 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.arch.logits_scaling
+
+
+class GraniteForCausalLM(GraniteMultipliers, LlamaForCausalLM):
+    pass
+
+
+class GraniteMoeForCausalLM(GraniteMultipliers, MoECausalLM):
+    """GraniteMoE: every MLP a sparse MoE block, the router's top k softmaxed among themselves
+    (Mixtral's rule: norm_topk_prob on). HF stores each layer's experts stacked, gate and up as
+    one `input_linear` [E, 2I, hidden] and down as `output_linear` [E, hidden, I], the router as
+    `router.layer`; they are split into the per-expert names the MoE block loads (a GGUF's
+    stacked ffn_*_exps arrive as those already)."""
+
+    family = "granitemoe"
+    moe_scope = "block_sparse_moe."
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_per_expert(weights))
+
+
+def _per_expert(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF's stacked GraniteMoE tensors as per-expert ones (views, no copy); others as they are."""
+    for name, tensor in weights:
+        scope, _, leaf = name.rpartition("block_sparse_moe.")
+        if not scope:
+            yield name, tensor
+        elif leaf == "router.layer.weight":
+            yield f"{scope}block_sparse_moe.gate.weight", tensor
+        elif leaf == "input_linear.weight":  # [E, 2I, hidden]: gate rows, then up rows
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                yield f"{scope}block_sparse_moe.experts.{e}.gate_proj.weight", gate[e]
+                yield f"{scope}block_sparse_moe.experts.{e}.up_proj.weight", up[e]
+        elif leaf == "output_linear.weight":  # [E, hidden, I]
+            for e in range(tensor.shape[0]):
+                yield f"{scope}block_sparse_moe.experts.{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor

@@ -44,6 +44,7 @@ EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "olmoe": ("gate_proj", "up_proj", "down_proj"),
+    "granitemoe": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
 }
 
 

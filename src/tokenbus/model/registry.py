@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenbus.model.gemma import GemmaForCausalLM
-from tokenbus.model.granite import GraniteForCausalLM
+from tokenbus.model.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.olmo2 import Olmo2ForCausalLM
@@ -41,9 +41,11 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
+    "granitemoe": GraniteMoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
 }
 
 
