@@ -10,7 +10,8 @@ some tensors, as in the real files), smollm3-3b (Llama's tensors, tied; llama.cp
 rotary in every fourth layer), qwen3-30b-a3b-8l (MoE), gemma-2-2b (sandwich norms,
 soft-capped scores and logits, local and global layers alternating), gemma-3-1b (sandwich norms,
 q/k norms, five sliding-window layers to one global), olmo-2-1b (post-norms only, q/k norms
-over the whole projection), olmoe-1b-7b (64 experts, top 8, OLMo's q/k norms). Tensor names
+over the whole projection), olmoe-1b-7b (64 experts, top 8, OLMo's q/k norms),
+granite-3b-a800m (GraniteMoE: 40 experts, top 8). Tensor names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
 
@@ -122,6 +123,13 @@ CONFIGS = {
     "olmoe-1b-7b": ModelShape(
         "olmoe", 2048, 16, 16, 16, 1024, 50304, 10000.0, 4096, 1e-5, False,
         experts=64, experts_used=8, expert_intermediate=1024, qk_norm=True,
+    ),
+    # Granite 3.0 3B-A800M: 1536 wide, 32 layers of 24 / 8 heads, 40 experts of 512 with 8 used
+    # (3.3 B parameters, 0.8 B active), a 49k vocabulary, tied. Its multipliers stay 1 here: they
+    # scale activations, not the work of a token.
+    "granite-3b-a800m": ModelShape(
+        "granitemoe", 1536, 32, 24, 8, 512, 49155, 10000.0, 4096, 1e-6, True,
+        experts=40, experts_used=8, expert_intermediate=512,
     ),
     "gemma-2-2b": ModelShape(
         "gemma2", 2304, 26, 8, 4, 9216, 256000, 10000.0, 8192, 1e-6, True,
@@ -258,6 +266,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.final_softcap:
         writer.add_final_logit_softcapping(shape.final_softcap)
+    if shape.architecture in ("granite", "granitemoe"):
+        writer.add_logit_scale(1.0)  # llama.cpp requires it of Granite (the others are optional)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_quantization_version(2)

@@ -116,6 +116,7 @@ def test_the_real_configs_have_the_published_sizes():
     assert 2.6e9 < params["gemma-2-2b"] < 2.62e9
     assert 1.48e9 < params["olmo-2-1b"] < 1.49e9
     assert 6.91e9 < params["olmoe-1b-7b"] < 6.93e9
+    assert 3.29e9 < params["granite-3b-a800m"] < 3.31e9
 
 
 def test_moe_config_writes_stacked_experts_the_engine_loads(tmp_path):
