@@ -246,7 +246,7 @@ def _stack_moe_experts(model: nn.Module, device: torch.device, attention: Attent
     if device.type != "cuda" or not isinstance(attention, TritonAttentionBackend):
         return
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
+        if isinstance(module, SparseMoeBlock) and module.stackable:
             module.stack_experts()
 
 

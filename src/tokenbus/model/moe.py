@@ -49,18 +49,21 @@ EXPERT_NAMES = {
 
 
 class Expert(nn.Module):
-    """One expert's gated MLP: gate and up as one linear [2I, hidden], down [hidden, I]."""
+    """One expert's gated MLP: gate and up as one linear [2I, hidden], down [hidden, I]; each
+    with a bias where the family has them (gpt-oss)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, (intermediate_size, intermediate_size))
-        self.down_proj = Linear(intermediate_size, (hidden_size,))
+        self.gate_up_proj = Linear(hidden_size, (intermediate_size, intermediate_size), bias=bias)
+        self.down_proj = Linear(intermediate_size, (hidden_size,), bias=bias)
 
 
 class SparseMoeBlock(OpsModule):
-    """x [T, hidden] -> the routed experts' weighted sum [T, hidden]."""
+    """x [T, hidden] -> the routed experts' weighted sum [T, hidden]. `bias`: the router and
+    every expert's linears carry biases (gpt-oss); a subclass may change the activation
+    (`act_mul`), which then runs one expert at a time (stack_experts is the SiLU block's)."""
 
-    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE, bias: bool = False) -> None:
         super().__init__()
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {arch.hidden_act!r}")
@@ -82,9 +85,9 @@ class SparseMoeBlock(OpsModule):
         self.first_expert = tp.rank * per_rank  # this rank's experts: [first, first + per_rank)
         # The router, whole on every rank. Row-invariant: a token's experts never depend on
         # which other tokens share its step (and decode_layer.c reads the same panels).
-        self.gate = Linear(arch.hidden_size, (arch.num_experts,), row_invariant=True)
+        self.gate = Linear(arch.hidden_size, (arch.num_experts,), bias=bias, row_invariant=True)
         self.experts = nn.ModuleList(
-            Expert(arch.hidden_size, arch.moe_intermediate_size) for _ in range(per_rank)
+            Expert(arch.hidden_size, arch.moe_intermediate_size, bias) for _ in range(per_rank)
         )
         # stack_experts: (gate_up [E, 2I, hidden], down [E, hidden, I]), which
         # triton_moe.fused_experts runs; None: experts run one by one.
@@ -126,10 +129,19 @@ class SparseMoeBlock(OpsModule):
                 continue
             run = slice(start, start + count)
             rows = token_of[run]
-            h = expert.down_proj(self.ops.silu_mul(expert.gate_up_proj(x[rows])))  # [n, hidden]
+            h = expert.down_proj(self.act_mul(expert.gate_up_proj(x[rows])))  # [n, hidden]
             out.index_add_(0, rows, h * pair_weights[run].unsqueeze(-1))
             start += count
         return out
+
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """An expert's activation: [n, 2I] (gate, then up) -> [n, I]."""
+        return self.ops.silu_mul(gate_up)
+
+    @property
+    def stackable(self) -> bool:
+        """Whether triton_moe.py's grouped GEMMs compute these experts: SiLU, no biases."""
+        return type(self).act_mul is SparseMoeBlock.act_mul and self.gate.bias is None
 
     def stack_experts(self) -> None:
         """Run the experts through triton_moe.py's grouped GEMMs from now on: their dense
@@ -157,22 +169,29 @@ class SparseMoeBlock(OpsModule):
         """HF names under `prefix` ("model.layers.N.mlp." or "...block_sparse_moe.") of the
         router and this rank's experts (other ranks' experts are skipped: see skipped_names)."""
         gate_name, up_name, down_name = EXPERT_NAMES[family]
-        loaders: dict[str, WeightLoader] = {f"{prefix}gate.weight": self.gate.load_shard}
-        for local, expert in enumerate(self.experts):
-            scope = f"{prefix}experts.{self.first_expert + local}."
-            loaders[f"{scope}{gate_name}.weight"] = partial(expert.gate_up_proj.load_shard, shard=0)
-            loaders[f"{scope}{up_name}.weight"] = partial(expert.gate_up_proj.load_shard, shard=1)
-            loaders[f"{scope}{down_name}.weight"] = expert.down_proj.load_shard
+        kinds = ("weight", "bias") if self.gate.bias is not None else ("weight",)
+        loaders: dict[str, WeightLoader] = {}
+        for kind in kinds:
+            bias = kind == "bias"
+            loaders[f"{prefix}gate.{kind}"] = partial(self.gate.load_shard, is_bias=bias)
+            for local, expert in enumerate(self.experts):
+                scope = f"{prefix}experts.{self.first_expert + local}."
+                gate_up, down = expert.gate_up_proj.load_shard, expert.down_proj.load_shard
+                loaders[f"{scope}{gate_name}.{kind}"] = partial(gate_up, shard=0, is_bias=bias)
+                loaders[f"{scope}{up_name}.{kind}"] = partial(gate_up, shard=1, is_bias=bias)
+                loaders[f"{scope}{down_name}.{kind}"] = partial(down, is_bias=bias)
         return loaders
 
     def skipped_names(self, prefix: str, family: str) -> dict[str, WeightLoader]:
         """Other ranks' experts: known names this rank drops (expert parallel)."""
         mine = range(self.first_expert, self.first_expert + len(self.experts))
+        kinds = ("weight", "bias") if self.gate.bias is not None else ("weight",)
         return {
-            f"{prefix}experts.{e}.{name}.weight": skip_weight
+            f"{prefix}experts.{e}.{name}.{kind}": skip_weight
             for e in range(self.num_experts)
             if e not in mine
             for name in EXPERT_NAMES[family]
+            for kind in kinds
         }
 
 
