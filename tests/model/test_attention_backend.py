@@ -9,7 +9,13 @@ import shutil
 import pytest
 import torch
 from tests.fixtures.triton_device import needs_triton_on_cpu
-from tests.model.test_native_attention import BLOCK_SIZE, make_batch
+from tests.model.test_native_attention import (
+    BLOCK_SIZE,
+    SINK_REQUESTS,
+    dense_reference,
+    make_batch,
+    random_sinks,
+)
 
 from tokenbus.model import ForwardContext
 from tokenbus.model.attention import paged_attention
@@ -79,6 +85,69 @@ def test_static_plan_of_a_padded_batch_matches_eager(backend, q_len):
     written = kv.view(2, -1, 3, 64).ne(before.view(2, -1, 3, 64)).any(-1).any(-1).any(0)  # [slots]
     allowed = set(ctx.slot_mapping.tolist()) | set(range(BLOCK_SIZE))  # own slots + the null block
     assert set(written.nonzero().flatten().tolist()) <= allowed
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("window", [None, 7])
+def test_eager_plans_take_attention_sinks(backend, window):
+    """gpt-oss's sinks through the attention seam on each backend's eager plan (the torch
+    path's decode tiles and prefill spans, the native kernel, Triton's): GQA, decodes at block
+    edges, chunks after a cached prefix, whole prompts; the dense reference's rows."""
+    sinks = random_sinks(8)
+    q, k, v, kv, ctx = make_batch(SINK_REQUESTS, 8, 2, 32)
+    plan = backend.build_metadata(ctx)
+    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, 32**-0.5, window, sinks=sinks)
+    ref = dense_reference(q, kv, ctx, 32**-0.5, window, sinks=sinks)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_static_plans_take_attention_sinks(backend, q_len):
+    """A captured step's static plan with sinks (TorchDecodePlan folds the G heads of a KV head
+    into rows: each row its own head's sink; TritonPlan) gives the reference's rows, under a
+    window too."""
+    sinks = random_sinks(9)
+    requests = [(q_len, c) for c in (0, 5, 16, 40)]
+    q, k, v, kv, ctx = make_batch(requests, 9, 3, 64)
+    padded, pq, pk, pv = pad_uniform(
+        ctx, q, k, v, padded_reqs=6, q_len=q_len, width=ctx.block_tables.shape[1] + 2
+    )
+    backend.prepare_for_capture(padded)
+    plan = backend.prepare_for_replay(padded, padded.num_tokens)
+    for window in (None, 6):
+        out = paged_attention(pq, pk, pv, kv, padded.slot_mapping, plan, 0.125, window, None, sinks)
+        ref = dense_reference(q, kv, ctx, 0.125, window, sinks=sinks)
+        torch.testing.assert_close(out[: ctx.num_tokens].double(), ref, atol=2e-5, rtol=1e-4)
+        assert torch.isfinite(out).all()
+
+
+def test_sdpa_with_sinks_is_hfs_gpt_oss_eager_attention():
+    """attention.sdpa with sinks against HF gpt-oss's eager attention: GQA, a causal mask
+    aligned to the end (a chunk after context) and an additive mask, bf16 too."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from tokenbus.model.attention import sdpa
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 5, 16, generator=g)  # [B, Hq, Lq, D]
+    k, v = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(2))  # [B, Hkv, Lk, D]
+    visible = torch.ones(5, 9, dtype=torch.bool).tril(9 - 5)
+    mask = torch.zeros(5, 9).masked_fill(~visible, float("-inf"))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    module.sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        q, k, v, mask = (t.to(dtype) for t in (q, k, v, mask))
+        ref, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.25)
+        ref = ref.transpose(1, 2)  # HF returns [B, Lq, H, D]
+        sinks = module.sinks.view(-1, 1, 1)  # [Hq, 1, 1]: each head's, for each of its queries
+        ours = sdpa(q, k, v, is_causal=True, scale=0.25, enable_gqa=True, sinks=sinks)
+        torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+        ours = sdpa(q, k, v, mask, scale=0.25, enable_gqa=True, sinks=sinks)
+        torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+    plain = sdpa(q.float(), k.float(), v.float(), is_causal=True, scale=0.25, enable_gqa=True)
+    assert (plain - ref.float()).abs().max() > 0.1  # the sinks take a share of each row
 
 
 def test_replay_needs_the_captured_shape():

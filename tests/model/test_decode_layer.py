@@ -15,6 +15,7 @@ from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 
 from tokenbus.loader import load_arch, resolve_model
+from tokenbus.model.kernel_plan import build_decode_layers
 from tokenbus.model.layers import Linear
 from tokenbus.model.layers.quantized import QuantizedLinearKernel, TileModes
 from tokenbus.model.layers.rotary import apply_rotary
@@ -296,4 +297,29 @@ def test_windowed_layers_in_c_equal_the_layer_by_layer_path(tmp_path, partial_ro
     want = _steps(model, False)
     for got, expected in zip(_steps(model, True), want):
         assert torch.equal(got, expected)
+    assert calls == [model.num_layers] * 5
+
+
+def test_attention_sinks_in_c_equal_the_layer_by_layer_path(tmp_path):
+    """gpt-oss's attention sinks (decoder.Attention.sinks) reach the C layer's attention: the
+    same kernel call as the layer-by-layer path, so the same logits bit for bit; and the sinks
+    change them."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    model = _model(tmp_path, "llama", "Q8_0", quantization="gguf")
+    plain = _steps(model, True)
+    g = torch.Generator().manual_seed(0)
+    for layer in model.layers:
+        layer.self_attn.sinks = torch.randn(layer.self_attn.num_heads, generator=g) * 2 + 1
+    model.kernels = dataclasses.replace(
+        model.kernels, decode_layers=build_decode_layers(model, model.kernels)
+    )
+    layers = model.kernels.decode_layers
+    assert layers is not None
+    calls, run_all = [], layers.run_all
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    want = _steps(model, False)
+    for got, expected, before in zip(_steps(model, True), want, plain):
+        assert torch.equal(got, expected)
+        assert (got - before).abs().max() > 1e-3
     assert calls == [model.num_layers] * 5

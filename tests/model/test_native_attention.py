@@ -482,3 +482,117 @@ def test_sliding_window_reads_no_block_before_it(kernel):
     plan = build_attention_plan(ctx, torch.float32, kernel)
     again = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale, window)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
+
+
+def dense_reference(q, kv, ctx, scale, window=None, sinks=None):
+    """Attention of q [T, Hq, D] over each request's keys gathered from kv (this step's K/V
+    already written), in float64: causal aligned to the end, a `window`, and `sinks` [Hq] as
+    HF's gpt-oss eager attention adds them (a column of the head's sink, unscaled, joined to
+    the scores for the softmax, then dropped)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, block_size = kv.shape[3], kv.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    starts = ctx.query_start_loc
+    for r, seq_len in enumerate(ctx.seq_lens):
+        q_len = starts[r + 1] - starts[r]
+        ids = ctx.block_tables[r, : -(-seq_len // block_size)]
+        keys, values = kv[:, ids].reshape(2, -1, num_kv_heads, head_dim)[:, :seq_len].double()
+        group = num_heads // num_kv_heads
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("lhd,shd->hls", q[starts[r] : starts[r + 1]].double(), keys) * scale
+        query_pos = torch.arange(seq_len - q_len, seq_len)[None, :, None]
+        key_pos = torch.arange(seq_len)[None, None, :]
+        hidden = key_pos > query_pos
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            column = sinks.double()[:, None, None].expand(num_heads, q_len, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[starts[r] : starts[r + 1]] = torch.einsum("hls,shd->lhd", probs, values)
+    return out
+
+
+def random_sinks(num_heads: int, seed: int = 5) -> torch.Tensor:
+    """Sinks of the scores' size (~N(0, 1) here) and up: they take a visible share of a short
+    row's softmax, and nearly all of one key's."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_heads, generator=g) * 2 + 1
+
+
+# Decodes at block edges, a verification, a short chunk, whole prompts and chunks after a cached
+# prefix (the flash path in fp32; SDPA spans in bf16).
+SINK_REQUESTS = [(1, c) for c in (0, 1, 15, 16, 33, 200)] + [(5, 30), (16, 40)]
+SINK_REQUESTS += [(17, 0), (33, 15), (64, 0)]
+
+
+def sink_paths(kernel, heads, dtype=torch.float32, kv_dtype=None, window=None, sinks=None):
+    """SINK_REQUESTS on the kernel's plan and on the torch path's, and the dense reference over
+    the cache as the kernel's step left it: (native, torch, reference, scale, q, kv, ctx,
+    plan)."""
+    q, k, v, kv, ctx = make_batch(SINK_REQUESTS, *heads)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    kv = kv.to(kv_dtype or dtype)
+    ctx.kv_caches = [kv]
+    scale = heads[2] ** -0.5
+    torch_plan = build_attention_plan(ctx, dtype)
+    ref = paged_attention(
+        q, k, v, kv.clone(), ctx.slot_mapping, torch_plan, scale, window, sinks=sinks
+    )
+    plan = build_attention_plan(ctx, dtype, kernel)
+    out = paged_attention(q, k, v, kv, ctx.slot_mapping, plan, scale, window, sinks=sinks)
+    dense = dense_reference(q.float(), kv.float(), ctx, scale, window, sinks=sinks)
+    return out, ref, dense, scale, q.float(), kv.float(), ctx, plan
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_attention_sinks_match_a_dense_reference(kernel, heads, window):
+    """gpt-oss's sinks on every path of the kernel (attend_decode64 at head size 64, attend
+    otherwise, the flash path for the long chunks) and of the torch path (decode tiles,
+    prefill spans with and without a cached prefix): out = sum_j e^(s_j) v_j / (e^sink +
+    sum_j e^(s_j)), the sink neither scaled nor left out."""
+    sinks = random_sinks(heads[0])
+    out, torch_out, ref, scale, q, kv, ctx, plan = sink_paths(
+        kernel, heads, window=window, sinks=sinks
+    )
+    assert plan.native is not None and plan.native_long is not None
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch_out.double(), ref, atol=2e-5, rtol=1e-4)
+    for wrong in (None, sinks * scale):  # a sink left out, or scaled like a score
+        other = dense_reference(q, kv, ctx, scale, window, sinks=wrong)
+        assert (out.double() - other).abs().max() > 0.05
+
+
+def test_attention_sinks_in_bfloat16_and_over_a_float16_cache(kernel):
+    """bf16 queries and cache (the kernel's decode path, SDPA spans for the long chunks), and
+    fp16 K/V under fp32 queries (every path of the kernel): each against the reference over the
+    cache as written."""
+    sinks = random_sinks(8)
+    out, torch_out, ref, *_, plan = sink_paths(kernel, (8, 2, 64), torch.bfloat16, sinks=sinks)
+    assert plan.native_long is None and plan.prefills
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(torch_out.double(), ref, atol=3e-2, rtol=3e-2)
+    out, torch_out, ref, *_, plan = sink_paths(
+        kernel, (8, 2, 64), kv_dtype=torch.float16, window=9, sinks=sinks
+    )
+    assert plan.native_long is not None
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch_out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_sinks_enter_only_the_max_and_the_sum(kernel):
+    """Sinks far below every score add e^(sink - max) = 0 to each sum and never win the max: the
+    kernel's rows then equal, bit for bit, its rows without sinks (the sink changes nothing
+    else on any path). Sinks of the wrong shape or type are refused."""
+    heads = (9, 3, 64)
+    silent = torch.full((heads[0],), -1e4)
+    out, *_ = sink_paths(kernel, heads, sinks=silent)
+    plain, *_ = sink_paths(kernel, heads)
+    assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match=r"sinks must be contiguous float32 \[9\] on cpu"):
+        sink_paths(kernel, heads, sinks=silent.double())
+    with pytest.raises(ValueError, match=r"got torch.float32 \[3\]"):
+        sink_paths(kernel, heads, sinks=silent[:3])

@@ -50,10 +50,11 @@ def _make_step(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, kv_dt
     )
 
 
-def _reference(q, cache, tables, starts, seq_lens, scale, window=None, softcap=None):
+def _reference(q, cache, tables, starts, seq_lens, scale, window=None, softcap=None, sinks=None):
     """Dense causal attention per request over its gathered keys, in float64 (a `window`: each
     query's last `window` keys; `softcap`: scores soft-capped before the mask, as HF's eager
-    attention does)."""
+    attention does; `sinks` [Hq]: a column of each head's sink joined to its scores for the
+    softmax, then dropped, as HF's gpt-oss eager attention does)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     num_heads, num_kv_heads = q.shape[1], cache.shape[3]
     group = num_heads // num_kv_heads
@@ -74,7 +75,12 @@ def _reference(q, cache, tables, starts, seq_lens, scale, window=None, softcap=N
         scores.masked_fill_(key_pos > q_pos[None, :, None], -1e300)
         if window is not None:
             scores.masked_fill_(key_pos <= q_pos[None, :, None] - window, -1e300)
-        out[start:end] = torch.einsum("hls,shd->lhd", scores.softmax(-1), values)
+        if sinks is not None:
+            column = sinks.cpu().double()[:, None, None].expand(*scores.shape[:2], 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:end] = torch.einsum("hls,shd->lhd", probs, values)
     return out
 
 
@@ -87,7 +93,7 @@ def _run(
     dtype,
     split_kv=1,
     kv_dtype=None,
-    **options,  # window, softcap
+    **options,  # window, softcap, sinks
 ):
     q, k, v, cache, tables, starts, lens, slots = _make_step(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, kv_dtype
@@ -187,6 +193,40 @@ def test_softcapped_scores(window):
     torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
     plain, _, _ = _run(q_lens, seq_lens, 4, 1, 64, torch.float32, window=window)
     assert not torch.allclose(out, plain, atol=1e-3)  # the cap changed the output
+
+
+def _sinks(num_heads: int) -> torch.Tensor:
+    """Sinks of the scores' size and up: a visible share of every short row's softmax."""
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(num_heads, generator=g) * 2 + 1).to(DEVICE)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("split_kv", [1, 4])
+def test_attention_sinks(window, split_kv):
+    """gpt-oss's sinks: decodes (one key, a block edge + 1, several blocks: split 0's partial
+    carries the sink), a chunk over a cached prefix, a whole prompt, GQA 4; neither scaled nor
+    left out."""
+    q_lens, seq_lens = [1, 1, 1, 7, 20], [1, 17, 90, 30, 20]
+    sinks = _sinks(8)
+    out, ref, (cache, *_) = _run(
+        q_lens, seq_lens, 8, 2, 64, torch.float32, split_kv, window=window, sinks=sinks
+    )
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+    # the same step's queries and tables (seeded), over the cache as the kernel wrote it
+    q, _, _, _, tables, starts, lens, _ = _make_step(q_lens, seq_lens, 8, 2, 64, torch.float32)
+    for wrong in (None, sinks * 64**-0.5):  # a sink left out, or scaled like a score
+        other = _reference(q, cache, tables, starts, lens, 64**-0.5, window, sinks=wrong)
+        assert (out.cpu().double() - other).abs().max() > 0.05
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_DOT_ON_GPU_ONLY)]
+)
+def test_attention_sinks_in_half_precision(dtype):
+    out, ref, _ = _run([1, 9], [30, 41], 4, 2, 64, dtype, sinks=_sinks(4))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -41,18 +41,20 @@ SCRIPT = textwrap.dedent(
     shapes += [(d, 2, 16, 16, q, False, d) for d in ("fp32", "bf16") for q in (1, 7)]
     shapes += [("fp32", 2, 64, 16, 7, False, c) for c in ("fp16", "bf16", "fp8e4nv")]
     shapes += [("fp16", 2, 64, 16, 1, False, c) for c in ("fp16", "fp8e5")]
-    for dtype, group, head_dim, block_size, max_query_len, softcap, cache in shapes:
+    shapes = [shape + (False,) for shape in shapes]
+    shapes += [("bf16", 8, 64, 16, q, False, "bf16", True) for q in (1, 7)]  # gpt-oss: sinks
+    for dtype, group, head_dim, block_size, max_query_len, softcap, cache, sinks in shapes:
         block_g = triton.next_power_of_2(group)
         signature = {name: f"*{dtype}" for name in pointers}
         signature["cache_ptr"] = f"*{cache}"
         signature |= {"part_ptr": "*fp32", "block_tables_ptr": "*i64",
                       "query_start_ptr": "*i64", "seq_lens_ptr": "*i64", "scale": "fp32",
-                      "cache_half": "i64", "softcap": "fp32"}
+                      "cache_half": "i64", "softcap": "fp32", "sinks_ptr": "*fp32"}
         signature |= {name: "i32" for name in ints}
         constants = dict(NUM_KV_HEADS=8, GROUP=group, BLOCK_G=block_g,
                          BLOCK_M=ta.query_tile(block_g, max_query_len), HEAD_DIM=head_dim,
                          BLOCK_D=head_dim, BLOCK_SIZE=block_size, FP32_DOT=dtype == "fp32",
-                         SOFTCAP=softcap)
+                         SOFTCAP=softcap, SINKS=sinks)
         signature |= {name: "constexpr" for name in constants}
         triton.compile(ASTSource(ta._attention_kernel, signature, constants), target=target)
         compiled += 1
@@ -101,4 +103,4 @@ def test_kernels_compile_for_sm90_in_every_tile_shape():
     if "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("this triton has no ptxas for a CUDA target")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "compiled 47" in result.stdout
+    assert "compiled 49" in result.stdout

@@ -33,6 +33,12 @@ blocks may have been handed back (the null block: core/kv/hybrid.py).
 `AttentionPlan` holds the index tensors and masks derived from a ForwardContext; it is built
 once per step (by the worker, through model/attention_backend.py) and shared by all layers.
 
+Attention sinks (gpt-oss: `sinks`, a logit per query head): each query's softmax takes one more
+logit, its head's sink, in its denominator and no value, as HF's eager attention appends a sink
+column to the scores and drops it after the softmax. The sink is neither scaled nor soft-capped.
+Every plan takes them (the native kernel, its flash path, the torch tiles and spans, the static
+plans); with none, every path computes what it did before.
+
 A captured step (a CUDA graph) reads a static plan instead (`TorchDecodePlan`, or the Triton
 backend's): a uniform batch (every request the same q_len: decodes, or spec-decode
 verifications of k drafts) whose tensor shapes depend only on the padded token count, with
@@ -156,6 +162,7 @@ class NativeBatch:
         scale: float,
         out: torch.Tensor,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         k_scale, v_scale = kv_quant.tensor_scales(kv_cache.dtype)
         self.kernel(
@@ -172,6 +179,7 @@ class NativeBatch:
             v_scale,
             self.window,
             softcap,
+            sinks,
         )
 
 
@@ -222,21 +230,22 @@ class AttentionPlan:
         slot_mapping: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = self.num_tokens
         write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # padding rows stay 0
         for batch in (self.native, self.native_long):
             if batch is not None:
-                batch.run(q, kv_cache, scale, out, softcap)
+                batch.run(q, kv_cache, scale, out, softcap, sinks)
         for tile in self.decode_tiles:
             out[tile.start : tile.end] = _decode_attention(
-                q[tile.start : tile.end], kv_cache, tile, scale, softcap
+                q[tile.start : tile.end], kv_cache, tile, scale, softcap, sinks
             )
         for span in self.prefills:
             rows = slice(span.start, span.end)
             out[rows] = _prefill_attention(
-                q[rows], k[rows], v[rows], kv_cache, span, scale, softcap
+                q[rows], k[rows], v[rows], kv_cache, span, scale, softcap, sinks
             )
         return out
 
@@ -265,6 +274,7 @@ class TorchDecodePlan:
         slot_mapping: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(kv_cache, k, v, slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
@@ -281,7 +291,15 @@ class TorchDecodePlan:
             masked, float("-inf")
         )
         q = q.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [T, Hkv, G, D]
-        out = sdpa(q, kv[0], kv[1], attn_mask=bias[:, None, None, :], scale=scale, softcap=softcap)
+        out = sdpa(
+            q,
+            kv[0],
+            kv[1],
+            attn_mask=bias[:, None, None, :],
+            scale=scale,
+            softcap=softcap,
+            sinks=_folded_sinks(sinks, num_kv_heads),
+        )
         return out.reshape(num_tokens, num_heads, head_dim)
 
 
@@ -466,19 +484,41 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D]. `window`: a
     sliding window (each query sees its last `window` keys, itself included); `softcap` (Gemma
-    2's attn_logit_softcapping): scores -> softcap * tanh(scores / softcap) before the softmax,
-    on every plan."""
+    2's attn_logit_softcapping): scores -> softcap * tanh(scores / softcap) before the softmax;
+    `sinks` (gpt-oss's) [Hq] fp32 on q's device: a logit per query head in its softmax's
+    denominator, with no value. Every plan takes both; each is passed on only when set."""
+    if sinks is not None:
+        _check_sinks(sinks, q)
     if window is not None:
         narrow = getattr(plan, "windowed", None)
         if narrow is None:  # the kernel plan keeps windowed models off such backends
             raise ValueError(f"{type(plan).__name__} does not take a sliding window")
         plan = narrow(window)
-    if softcap is None:
-        return plan.forward(q, k, v, kv_cache, slot_mapping, scale)
-    return plan.forward(q, k, v, kv_cache, slot_mapping, scale, softcap=softcap)
+    options = {}
+    if softcap is not None:
+        options["softcap"] = softcap
+    if sinks is not None:
+        options["sinks"] = sinks
+    return plan.forward(q, k, v, kv_cache, slot_mapping, scale, **options)
+
+
+def _check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:
+    """Every kernel reads sinks as one contiguous fp32 value per query head, on q's device."""
+    num_heads = q.shape[1]
+    if (
+        sinks.dtype != torch.float32
+        or sinks.shape != (num_heads,)
+        or sinks.device != q.device
+        or not sinks.is_contiguous()
+    ):
+        raise ValueError(
+            f"sinks must be contiguous float32 [{num_heads}] on {q.device}, got {sinks.dtype} "
+            f"{list(sinks.shape)} on {sinks.device}"
+        )
 
 
 def sdpa(
@@ -490,11 +530,14 @@ def sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.scaled_dot_product_attention; with `softcap`, the same in explicit ops with the scores
-    soft-capped before the mask, in the order of HF's eager attention (SDPA has no soft-cap).
-    q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D] (Hq a multiple of Hkv only with enable_gqa)."""
-    if softcap is None:
+    """F.scaled_dot_product_attention; with `softcap` or `sinks`, the same in explicit ops in
+    the order of HF's eager attention (SDPA has neither): the scores soft-capped before the mask,
+    and a sink logit per query row joining the softmax (a column appended, then dropped).
+    q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D] (Hq a multiple of Hkv only with enable_gqa);
+    sinks broadcastable to [..., Hq, Lq, 1]."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
@@ -503,15 +546,27 @@ def sdpa(
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, Lq, Lk]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:  # query i sees keys 0 .. Lk - Lq + i
         num_queries, num_keys = scores.shape[-2:]
         visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device)
         scores = scores.masked_fill(~visible.tril(num_keys - num_queries), float("-inf"))
     if attn_mask is not None:
         scores = scores + attn_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # the sink column is neither scaled nor soft-capped, and has no value
+        column = sinks.to(torch.float32).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores.to(torch.float32), column], dim=-1)  # [..., Lq, Lk + 1]
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+def _folded_sinks(sinks: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor | None:
+    """Sinks [Hq] as sdpa reads them for queries folded [.., Hkv, G, D] (GQA decode: the G
+    heads of a KV head as G query rows): [Hkv, G, 1]."""
+    return None if sinks is None else sinks.view(num_kv_heads, -1, 1)
 
 
 def gather_blocks(
@@ -537,6 +592,7 @@ def _decode_attention(
     tile: DecodeTile,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, Hq, D] (one query per request) -> [n, Hq, D]."""
     n, num_heads, head_dim = q.shape
@@ -547,7 +603,15 @@ def _decode_attention(
     kv = kv.transpose(2, 3)  # [2, n, Hkv, L, D]
     # GQA: query head h uses KV head h // G, so view the G heads of a KV head as G query rows.
     q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, Hkv, G, D]
-    out = sdpa(q, kv[0], kv[1], attn_mask=tile.bias, scale=scale, softcap=softcap)
+    out = sdpa(
+        q,
+        kv[0],
+        kv[1],
+        attn_mask=tile.bias,
+        scale=scale,
+        softcap=softcap,
+        sinks=_folded_sinks(sinks, num_kv_heads),
+    )
     return out.reshape(n, num_heads, head_dim)  # [n, Hkv, G, D] -> [n, Hq, D]
 
 
@@ -559,9 +623,12 @@ def _prefill_attention(
     span: PrefillSpan,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [q_len, Hq, D], k/v [q_len, Hkv, D] of this step -> [q_len, Hq, D]."""
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    if sinks is not None:
+        sinks = sinks.view(-1, 1, 1)  # [Hq, 1, 1]: one per head, for each of its queries
     if span.block_ids is None:
         # attend over K/V as the cache holds them, as later steps will
         k, v = kv_quant.as_stored(k, kv_cache.dtype), kv_quant.as_stored(v, kv_cache.dtype)
@@ -575,6 +642,7 @@ def _prefill_attention(
             scale=scale,
             enable_gqa=True,
             softcap=softcap,
+            sinks=sinks,
         )
     else:
         kv = gather_blocks(kv_cache, span.block_ids, q.dtype)[
@@ -582,6 +650,13 @@ def _prefill_attention(
         ]  # [2, seq_len - key_offset, Hkv, D]
         kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, Hkv, seq_len, D]
         out = sdpa(
-            q, kv[0], kv[1], attn_mask=span.bias, scale=scale, enable_gqa=True, softcap=softcap
+            q,
+            kv[0],
+            kv[1],
+            attn_mask=span.bias,
+            scale=scale,
+            enable_gqa=True,
+            softcap=softcap,
+            sinks=sinks,
         )
     return out[0].transpose(0, 1)  # [1, Hq, q_len, D] -> [q_len, Hq, D]

@@ -79,6 +79,9 @@ class Attention(OpsModule):
             self.q_norm = norm(q_size if whole else arch.head_dim, arch.rms_norm_eps)
             self.k_norm = norm(kv_size if whole else arch.head_dim, arch.rms_norm_eps)
         self.logit_softcap: float | None = None  # a family's scores soft-cap (model/gemma.py)
+        # A family's attention sinks (model/gpt_oss.py): [this rank's query heads] fp32, one
+        # logit per head joining its softmax's denominator with no value; None: none.
+        self.sinks: torch.Tensor | None = None
         self.rope_table: int | None = None
 
     def forward(
@@ -114,6 +117,7 @@ class Attention(OpsModule):
             self.scale,
             self.sliding_window,
             self.logit_softcap,
+            self.sinks,
         )  # [T, Hq, D]
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))

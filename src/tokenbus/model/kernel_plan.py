@@ -408,6 +408,7 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         moe=moe,
         window=attn.sliding_window,
         softcap=attn.logit_softcap,
+        sinks=attn.sinks,
         residual_scale=1.0 if sandwich else layer.residual_scale,
         post_attn_norm=layer.post_attention_layernorm.weight if sandwich else None,
         post_mlp_norm=layer.post_feedforward_layernorm.weight if sandwich else None,

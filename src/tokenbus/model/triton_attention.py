@@ -20,10 +20,14 @@ With `split_kv` > 1, requests of one query token (decodes) split their keys into
 segments, each program writes a partial (max, sum, output) and `_merge_splits` combines them:
 FlashAttention's split-K decode, which keeps the GPU busy when a batch has few long requests.
 
-Two per-layer options, as model/attention.py's torch path has them: a sliding `window` (a
+Three per-layer options, as model/attention.py's torch path has them: a sliding `window` (a
 query sees its last `window` keys, itself included; blocks wholly before the earliest query's
-window are never read, so a hybrid KV cache may have freed them), and `softcap` (Gemma 2's
-attn_logit_softcapping: scores -> softcap * tanh(scores / softcap), before the mask).
+window are never read, so a hybrid KV cache may have freed them), `softcap` (Gemma 2's
+attn_logit_softcapping: scores -> softcap * tanh(scores / softcap), before the mask), and
+`sinks` (gpt-oss's: a logit per query head in the softmax's denominator, with no value). A sink
+starts a row's online softmax as a key of no value would: running max m = sink, sum l =
+e^(sink - m) = 1, so each rescale by e^(m_old - m_new) keeps its term exact. Under split_kv only
+split 0 starts from it (the merge then counts it once).
 
 The kernels run on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks them against the torch path).
@@ -103,6 +107,7 @@ def _attention_kernel(
     split_kv,  # key segments per decode (1: none); a runtime value, so no recompile per batch
     window,  # a sliding window in keys (0: none)
     softcap,  # the soft-cap of the scores (read under SOFTCAP only)
+    sinks_ptr,  # [Hq] fp32: each query head's attention sink (read under SINKS only)
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two
@@ -112,6 +117,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     FP32_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -160,6 +166,10 @@ def _attention_kernel(
 
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
+    if SINKS:
+        if split == 0:  # the sink as a first key of no value, counted once (split 0's partial)
+            m_i = tl.load(sinks_ptr + head, mask=row_mask, other=float("-inf"))
+            l_i = tl.where(row_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
     offsets = tl.arange(0, BLOCK_SIZE)
     for j in range(first_block, last_block):
@@ -288,6 +298,7 @@ def paged_attention(
     split_kv: int = 1,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] against the cached keys of each request -> out [T, Hq, D].
 
@@ -295,14 +306,21 @@ def paged_attention(
     [R] (keys in the cache after this step's write, the request's own queries included).
     `max_query_len` (a host int) sizes the grid; `split_kv` > 1 splits each decode's keys.
     `window`: a sliding window (the last `window` keys of each query); `softcap`: scores ->
-    softcap * tanh(scores / softcap). Rows of tokens that belong to no request are left as
-    `out` had them."""
+    softcap * tanh(scores / softcap); `sinks` [Hq] fp32 on q's device: each query head's
+    attention sink. Rows of tokens that belong to no request are left as `out` had them."""
     _check_cache(kv_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if sinks is not None and (
+        sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous()
+    ):
+        raise ValueError(
+            f"sinks must be contiguous float32 of shape ({num_heads},), got {sinks.dtype} "
+            f"{tuple(sinks.shape)}"
+        )
     if out is None:
         out = torch.zeros_like(q)
     if num_reqs == 0 or num_tokens == 0:
@@ -337,6 +355,7 @@ def paged_attention(
         split_kv,
         window or 0,
         softcap or 0.0,
+        q if sinks is None else sinks,  # unused without sinks
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         BLOCK_G=block_g,
@@ -346,6 +365,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         FP32_DOT=q.dtype == torch.float32,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
     )
     if split_kv > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
@@ -398,6 +418,7 @@ class TritonPlan:
         slot_mapping: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = self.num_tokens
         write_kv(kv_cache, k[:n], v[:n], slot_mapping[:n])
@@ -414,6 +435,7 @@ class TritonPlan:
             split_kv=self.split_kv,
             window=self.window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 

@@ -49,7 +49,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const void *p, 
 static inline __attribute__((always_inline)) void attend_decode64(
         const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len, int64_t lo,
         int64_t h0, int64_t h1, const int G, int64_t bs, int64_t hkv, const int kv_elem, float scale, float v_scale,
-        float softcap, float *out, float *scores, float *acc_mem) {
+        float softcap, const float *sinks, float *out, float *scores, float *acc_mem) {
     enum { D = 64 };
     const __m512 zero = _mm512_setzero_ps();
     const int64_t H = h1 - h0;
@@ -88,9 +88,11 @@ static inline __attribute__((always_inline)) void attend_decode64(
         }
     }
 
-    /* Softmax over keys lo .. seq_len - 1 (one query: every one of them is visible). */
+    /* Softmax over keys lo .. seq_len - 1 (one query: every one of them is visible); row r is
+       query head h0 * G + r. */
     for (int64_t r = 0; r < H * G; r++)  /* qs: v_scale / sums now */
-        qs[r] = softmax_row(scores + r * seq_len + lo, seq_len - lo, softcap) * v_scale;
+        qs[r] = softmax_row(scores + r * seq_len + lo, seq_len - lo, softcap, sinks ? sinks + h0 * G + r : NULL) *
+                v_scale;
 
     /* Pass 2: per block and head, that head's G output rows in registers (kept in acc_mem between
        blocks). */
@@ -131,10 +133,11 @@ static inline __attribute__((always_inline)) void attend_decode64(
    floats (attend_any's qf and acc, which lie end to end). */
 static int attend_decode(const float *q, const void *kv, int64_t v_offset, const int64_t *table, int64_t seq_len,
                          int64_t lo, int64_t h0, int64_t h1, int64_t G, int64_t bs, int64_t hkv, int kv_elem, float scale,
-                         float v_scale, float softcap, float *out, float *scores, float *scratch) {
-#define DECODE_E(g, e)                                                                                          \
-    attend_decode64(q, kv, v_offset, table, seq_len, lo, h0, h1, g, bs, hkv, e, scale, v_scale, softcap, out, \
-                    scores, scratch)
+                         float v_scale, float softcap, const float *sinks, float *out, float *scores,
+                         float *scratch) {
+#define DECODE_E(g, e)                                                                                    \
+    attend_decode64(q, kv, v_offset, table, seq_len, lo, h0, h1, g, bs, hkv, e, scale, v_scale, softcap, sinks, \
+                    out, scores, scratch)
 #define DECODE_G(g)                                                             \
     case g:                                                                     \
         switch (kv_elem) {                                                      \

@@ -13,6 +13,7 @@
      K, V        written to the cache at the step's slots (fp32, or rounded to fp16, fp8 or q8_0:
                  kv_quant.h, as model/kv_quant.py rounds them)
      attn        = paged attention of q over the cache (each request's rows; a sliding window's last keys)
+                   with each head's attention sink, where the layer has them (gpt-oss)
      o           = attn @ Wo.T (+ bias)
      o           = rms_norm(o) * post_attn_norm, where the layer has one (Gemma's sandwich norms)
      o           = o * residual_scale, where it is not 1 (Granite's residual_multiplier)
@@ -275,7 +276,7 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
     if ((status = k->attention(qkv, qkv_n, kv_cache, s->num_blocks, s->block_size, hkv, D, hq, group->block_tables,
                                group->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale,
                                s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads, w->window,
-                               w->softcap)))
+                               w->softcap, w->sinks)))
         goto done;
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     if (w->post_attn_norm) k->add_rms_norm(o, H, NULL, 0, scratch, w->post_attn_norm, o, T, H, w->eps, threads);

@@ -100,6 +100,7 @@ class _Layer(ctypes.Structure):
         ("intermediate", _I64),
         ("window", _I64),
         ("softcap", _F32),
+        ("sinks", _PTR),
         ("residual_scale", _F32),
         ("mlp_act", _I64),
         ("rope_table", _I64),
@@ -231,6 +232,8 @@ class LayerWeights:
     moe: MoeWeights | None = None
     window: int | None = None  # a sliding window (decoder.Attention.sliding_window); None: all
     softcap: float | None = None  # the scores' soft-cap (decoder.Attention.logit_softcap)
+    # [num_heads] fp32: each query head's attention sink (decoder.Attention.sinks); None: none
+    sinks: torch.Tensor | None = None
     # each sublayer's output scaled before it joins the residual (decoder.DecoderLayer's)
     residual_scale: float = 1.0
     # Gemma's sandwich norms (decoder.SandwichDecoderLayer): after attention, after the MLP;
@@ -244,6 +247,7 @@ class LayerWeights:
         if (self.q_norm is None) != (self.k_norm is None):
             raise ValueError("decode_layer: q_norm and k_norm come together")
         self._check_norm_sizes()
+        self._check_sinks()
         if (self.moe is None) == (self.down is None):
             raise ValueError("decode_layer: a layer's MLP is gate_up and down, or moe")
         down = self.down if self.moe is None else self.moe.down[0]
@@ -268,11 +272,25 @@ class LayerWeights:
             down.cols,
             self.window or 0,
             self.softcap or 0.0,
+            None if self.sinks is None else self.sinks.data_ptr(),
             self.residual_scale,
             MLP_ACTIVATIONS[self.mlp_activation],
             self.rope_table,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),
         )
+
+    def _check_sinks(self) -> None:
+        """C reads the sinks as num_heads contiguous fp32 values."""
+        sinks = self.sinks
+        if sinks is not None and (
+            sinks.dtype != torch.float32
+            or sinks.shape != (self.num_heads,)
+            or not sinks.is_contiguous()
+        ):
+            raise ValueError(
+                f"decode_layer: sinks must be contiguous float32 of shape ({self.num_heads},), "
+                f"got {sinks.dtype} {tuple(sinks.shape)}"
+            )
 
     def _check_norm_sizes(self) -> None:
         """C reads each norm's weight over the width it norms: refuse any other size here."""

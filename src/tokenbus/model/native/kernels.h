@@ -29,8 +29,8 @@ enum { ACT_FP32 = 0, ACT_INT8 = 1, ACT_INT16 = 2, ACT_BF16 = 3, ACT_Q8_K = 4 };
 enum { BF16_ENGINE_NONE = 0, BF16_ENGINE_AVX512_BF16 = 1, BF16_ENGINE_AMX = 2 };
 
 /* ---- paged_attention.c: attention over K/V read in place through block tables */
-int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables, int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens, const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale, void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads, int64_t window, float softcap);
-int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables, int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens, const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale, void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads, int64_t window, float softcap);
+int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables, int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens, const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale, void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads, int64_t window, float softcap, const float *sinks);
+int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t D, int64_t hq, const int64_t *tables, int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens, const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale, void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads, int64_t window, float softcap, const float *sinks);
 int paged_prefill_supported(int elem, int kv_elem, int64_t D);
 int kv_quantize_rows(void *dst, const float *src, int64_t rows, int64_t D, int kv_elem, float inv_scale);
 int kv_dequantize_rows(const void *src, int64_t rows, int64_t D, int kv_elem, float *dst);
@@ -64,7 +64,7 @@ int dense_matmul(const float *panels, int64_t N, int64_t K, const float *x, int6
 
 /* ---- decode_layer.c: a decoder layer of a decode step in one call, through these pointers */
 typedef int (*tile_matmul_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t, int, int);
-typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t, float, float, float, void *, int64_t, int, int, int, int64_t, float);
+typedef int (*attention_fn)(const void *, int64_t, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, int64_t, const int64_t *, const int64_t *, const int64_t *, int64_t, float, float, float, void *, int64_t, int, int, int, int64_t, float, const float *);
 typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, float *, int64_t, int64_t, float, int);
 typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int64_t, int);
 typedef void (*gated_act_fn)(const float *, int64_t, int64_t, float *, int);
@@ -122,6 +122,7 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: an expert's, under moe */
     int64_t window; /* a sliding window: each query sees its last `window` keys; 0: all */
     float softcap; /* the attention scores' soft-cap (Gemma 2's); 0: none */
+    const float *sinks; /* [num_heads] fp32: each query head's attention sink (gpt-oss's); NULL: none */
     float residual_scale; /* each sublayer's output times this before it joins the residual (Granite's); 1: none */
     int64_t mlp_act; /* MLP_* */
     int64_t rope_table; /* which of the step's stacked rotary tables this layer turns by */

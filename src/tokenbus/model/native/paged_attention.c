@@ -21,6 +21,9 @@
    queries sees keys 0 .. seq_len - q_len + i (causal, aligned to the end); with a sliding
    `window` > 0 only the last `window` of them (HF's sliding_window_overlay: key > query - window),
    and the blocks before the first key it sees are never read (they may be the null block).
+   `sinks` [Hq] fp32 (gpt-oss's attention sinks; NULL: none): query head x's softmax takes one
+   more logit, sinks[x], in its max and its sum, with no value: out = sum_j e^(s_j) v_j /
+   (e^sinks[x] + sum_j e^(s_j)). It is neither scaled nor soft-capped.
 
    paged_prefill_attention (at the end) takes requests of any query count by a flash path;
    attention.py sends it those of more than NATIVE_MAX_QUERY_LEN queries.
@@ -63,14 +66,20 @@ static inline __attribute__((always_inline)) float soft_cap(float s, float softc
 }
 
 /* Softmax of row[0 .. n) in place (the scores become probabilities, unnormalised); returns
-   1 / their sum. */
-static inline __attribute__((always_inline)) float softmax_row(float *row, int64_t n, float softcap) {
+   1 / their sum. `sink` (NULL: none): the row's attention sink (gpt-oss's), a logit that joins
+   the max and the sum but carries no value; it is neither scaled nor soft-capped. */
+static inline __attribute__((always_inline)) float softmax_row(float *row, int64_t n, float softcap,
+                                                               const float *sink) {
     if (softcap > 0.f) {
 #pragma omp simd
         for (int64_t t = 0; t < n; t++) row[t] = soft_cap(row[t], softcap);
     }
     float m = row[0], sum = 0.f;
     for (int64_t t = 1; t < n; t++) m = row[t] > m ? row[t] : m;
+    if (sink) {
+        m = *sink > m ? *sink : m;
+        sum = expf(*sink - m);
+    }
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; t++) {
         row[t] = expf(row[t] - m);
@@ -92,7 +101,7 @@ static inline __attribute__((always_inline)) void attend(
         const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
         int64_t seq_len, int64_t q_len, int64_t window, int64_t h0, int64_t h1, int64_t G, int64_t bs,
         int64_t hkv, const int64_t D, const int elem, const int kv_elem, float scale, float v_scale, float softcap,
-        void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
+        const float *sinks, void *out, int64_t out_tok_stride, float *qf, float *scores, float *acc, float *inv_sum) {
     const int64_t ctx_len = seq_len - q_len, rows_per_head = q_len * G, R = (h1 - h0) * rows_per_head;
     const int64_t lo = first_key(ctx_len, window);  /* query 0's first key: no query sees one before */
 
@@ -131,7 +140,8 @@ static inline __attribute__((always_inline)) void attend(
     /* Softmax over each row's visible keys; the probabilities overwrite the scores. */
     for (int64_t r = 0; r < R; r++) {
         const int64_t last = ctx_len + (r % rows_per_head) / G, first = first_key(last, window);
-        inv_sum[r] = softmax_row(scores + r * seq_len + first, last + 1 - first, softcap) * v_scale;
+        const float *sink = sinks ? sinks + (h0 + r / rows_per_head) * G + r % G : NULL;
+        inv_sum[r] = softmax_row(scores + r * seq_len + first, last + 1 - first, softcap, sink) * v_scale;
     }
 
     /* Pass 2: probability-weighted values. */
@@ -168,7 +178,7 @@ static inline __attribute__((always_inline)) void attend(
 
 /* Specialisations for the common head sizes and each element-type pair, and the generic fallback. */
 #define ATTEND_ARGS q, q_tok_stride, kv, v_offset, table, seq_len, q_len, window, h0, h1, G, bs, hkv
-#define ATTEND_TAIL scale, v_scale, softcap, out, out_tok_stride, qf, scores, acc, inv_sum
+#define ATTEND_TAIL scale, v_scale, softcap, sinks, out, out_tok_stride, qf, scores, acc, inv_sum
 #define ATTEND_D(elem, kv_elem)                                                                  \
     switch (D) {                                                                                  \
         case 64: attend(ATTEND_ARGS, 64, elem, kv_elem, ATTEND_TAIL); break;                     \
@@ -178,8 +188,8 @@ static inline __attribute__((always_inline)) void attend(
 static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int64_t v_offset,
                        const int64_t *table, int64_t seq_len, int64_t q_len, int64_t window, int64_t h0,
                        int64_t h1, int64_t G, int64_t bs, int64_t hkv, int64_t D, int elem, int kv_elem, float scale,
-                       float v_scale, float softcap, void *out, int64_t out_tok_stride, float *qf, float *scores,
-                       float *acc, float *inv_sum) {
+                       float v_scale, float softcap, const float *sinks, void *out, int64_t out_tok_stride,
+                       float *qf, float *scores, float *acc, float *inv_sum) {
 #if defined(HAVE_DECODE64)
     /* Every query token as a decode of the keys it sees: a row's arithmetic must not depend on
        how many queries its request has this step (a speculative verification's rows must give
@@ -189,7 +199,7 @@ static void attend_any(const void *q, int64_t q_tok_stride, const void *kv, int6
             const int64_t keys = seq_len - q_len + i + 1;
             attend_decode((const float *)q + i * q_tok_stride, kv, v_offset, table, keys,
                           first_key(keys - 1, window), h0, h1, G, bs, hkv, kv_elem, scale, v_scale, softcap,
-                          (float *)out + i * out_tok_stride, scores, qf);
+                          sinks, (float *)out + i * out_tok_stride, scores, qf);
         }
         return;
     }
@@ -219,7 +229,8 @@ static int takes_types(int elem, int kv_elem, int64_t D) {
 /* Returns 0, -1 when scratch memory could not be allocated (out is then incomplete), or -2
    for element types it does not take (takes_types). k_scale and v_scale: fp8 K/V's per-tensor
    scales (1 for the other types); window: the sliding window (0: none); softcap: the scores'
-   soft-cap (soft_cap; 0: none).
+   soft-cap (soft_cap; 0: none); sinks: [hq] fp32, each query head's attention sink (softmax_row;
+   NULL: none).
    heads_per_item KV heads form one work item: all of them (each
    key row read as one contiguous run) when there are enough requests to keep the threads
    busy, else one. */
@@ -228,7 +239,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                     int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
                     const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
                     void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads, int64_t window,
-                    float softcap) {
+                    float softcap, const float *sinks) {
     if (!takes_types(elem, kv_elem, D)) return -2;
     scale *= k_scale * kv_unit(kv_elem);  /* q . (k_scale k) = (k_scale q) . k; rows read / kv_unit */
     v_scale *= kv_unit(kv_elem);
@@ -257,7 +268,7 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
                 const size_t elem_size = elem == ELEM_F32 ? 4 : 2;
                 attend_any((const char *)q + start * q_tok_stride * elem_size, q_tok_stride, kv, v_offset,
                            tables + r * table_stride, seq_lens[r], query_start[r + 1] - start, window, h0,
-                           h0 + heads_per_item, G, bs, hkv, D, elem, kv_elem, scale, v_scale, softcap,
+                           h0 + heads_per_item, G, bs, hkv, D, elem, kv_elem, scale, v_scale, softcap, sinks,
                            (char *)out + start * out_tok_stride * elem_size, out_tok_stride,
                            rows, scores, rows + max_rows * D, rows + 2 * max_rows * D);
             }
@@ -279,7 +290,9 @@ int paged_attention(const void *q, int64_t q_tok_stride, const void *kv, int64_t
    scores are D vector FMAs with its query values broadcast; its values (vb [16][D]) are
    then added into o with the 16 probabilities broadcast. PF_ROWS rows share each load of kt
    and vb. Masked keys score PF_MASKED, whose exp() against any row max is 0: no infinity
-   ever appears (the build uses -ffast-math).
+   ever appears (the build uses -ffast-math). A row with an attention sink starts from it as
+   if it were a key of no value: m = sink, l = e^(sink - m) = 1, o = 0; each rescale by
+   e^(m_old - m_new) then keeps its term e^(sink - m) in l exactly as it does the keys'.
    The sums run in another order than attend_decode's, so these rows' bits depend on the
    chunking; queries up to NATIVE_MAX_QUERY_LEN (attention.py) never come here. */
 #if defined(HAVE_TILES)
@@ -344,7 +357,7 @@ static inline int64_t pf_scratch(int64_t R, int64_t D) { return 2 * R * D + 2 * 
 static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_t v_offset, const int64_t *table,
                     int64_t seq_len, int64_t q_len, int64_t window, int64_t i0, int64_t i1, int64_t h, int64_t G, int64_t bs,
                     int64_t hkv, const int64_t D, const int kv_elem, float scale, float v_scale, float softcap,
-                    float *out, int64_t out_tok_stride, float *scratch) {
+                    const float *sinks, float *out, int64_t out_tok_stride, float *scratch) {
     const int64_t ctx_len = seq_len - q_len, R = (i1 - i0) * G, keys = ctx_len + i1;
     float *qf = scratch, *o = qf + R * D, *sc = o + R * D, *l = sc + R * PF_KEYS, *m = l + R * PF_KEYS;
     float *alpha = m + R, *kt = alpha + R, *vb = kt + PF_KEYS * D;
@@ -352,10 +365,13 @@ static void pf_item(const float *q, int64_t q_tok_stride, const void *kv, int64_
         const float *qr = q + (i0 + r / G) * q_tok_stride + (h * G + r % G) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) qf[r * D + d] = qr[d] * scale;
-        m[r] = PF_MASKED;
     }
     memset(o, 0, (size_t)(R * D) * sizeof(float));
     memset(l, 0, (size_t)(R * PF_KEYS) * sizeof(float));
+    for (int64_t r = 0; r < R; r++) {  /* the running max and sum before any key: the sink's */
+        m[r] = sinks ? sinks[h * G + r % G] : PF_MASKED;
+        l[r * PF_KEYS] = sinks ? 1.f : 0.f;
+    }
     /* From query i0's first key (under a window the later queries' first keys come later). */
     for (int64_t t0 = first_key(ctx_len + i0, window); t0 < keys; t0 += PF_KEYS) {
         const int64_t nt = min64(PF_KEYS, keys - t0);
@@ -429,9 +445,9 @@ static void pf_item_any(const float *q, int64_t q_tok_stride, const void *kv, in
                         const int64_t *table, int64_t seq_len, int64_t q_len, int64_t window, int64_t i0, int64_t i1,
                         int64_t h,
                         int64_t G, int64_t bs, int64_t hkv, int64_t D, int kv_elem, float scale, float v_scale,
-                        float softcap, float *out, int64_t out_tok_stride, float *scratch) {
+                        float softcap, const float *sinks, float *out, int64_t out_tok_stride, float *scratch) {
 #define PF_ITEM(d, e) pf_item(q, q_tok_stride, kv, v_offset, table, seq_len, q_len, window, i0, i1, h, G, bs, hkv, d, e, \
-                              scale, v_scale, softcap, out, out_tok_stride, scratch)
+                              scale, v_scale, softcap, sinks, out, out_tok_stride, scratch)
 #define PF_D(e)                                \
     if (D == 64) PF_ITEM(64, e);               \
     else if (D == 128) PF_ITEM(128, e);        \
@@ -467,7 +483,7 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
                             int64_t table_stride, const int64_t *query_start, const int64_t *seq_lens,
                             const int64_t *reqs, int64_t num_reqs, float scale, float k_scale, float v_scale,
                             void *out, int64_t out_tok_stride, int elem, int kv_elem, int num_threads,
-                            int64_t window, float softcap) {
+                            int64_t window, float softcap, const float *sinks) {
     if (!paged_prefill_supported(elem, kv_elem, D)) return -2;
 #if defined(HAVE_TILES)
     scale *= k_scale * kv_unit(kv_elem);
@@ -503,7 +519,8 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
             const int64_t i0 = (tiles - 1 - k / hkv) * PF_TOKENS, i1 = min64(i0 + PF_TOKENS, q_len);
             pf_item_any((const float *)q + start * q_tok_stride, q_tok_stride, kv, v_offset,
                         tables + r * table_stride, seq_lens[r], q_len, window, i0, i1, k % hkv, G, bs, hkv, D, kv_elem,
-                        scale, v_scale, softcap, (float *)out + start * out_tok_stride, out_tok_stride, scratch);
+                        scale, v_scale, softcap, sinks, (float *)out + start * out_tok_stride, out_tok_stride,
+                        scratch);
         }
         free(scratch);
     }
@@ -512,7 +529,7 @@ int paged_prefill_attention(const void *q, int64_t q_tok_stride, const void *kv,
 #else
     (void)q, (void)q_tok_stride, (void)kv, (void)num_blocks, (void)bs, (void)hkv, (void)hq, (void)tables;
     (void)table_stride, (void)query_start, (void)seq_lens, (void)reqs, (void)num_reqs, (void)scale, (void)out;
-    (void)k_scale, (void)v_scale, (void)out_tok_stride, (void)num_threads, (void)window, (void)softcap;
+    (void)k_scale, (void)v_scale, (void)out_tok_stride, (void)num_threads, (void)window, (void)softcap, (void)sinks;
     return -2;
 #endif
 }

@@ -54,13 +54,16 @@ class PagedAttentionKernel:
         v_scale: float = 1.0,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Fill out[rows of reqs] from q [T, Hq, D] (row-strided), kv_cache [2, NB, bs, Hkv, row]
         (a row: D values in the cache's type, kv_quant.py); by the flash path when
         `long_queries` (then takes_long_queries must hold). k_scale, v_scale: fp8 K/V's
         per-tensor scales. `window`: a sliding window (each query sees its last `window` keys,
         itself included); None: every earlier key. `softcap`: scores -> softcap * tanh(scores /
-        softcap) before the softmax (Gemma 2's attn_logit_softcapping); None: none."""
+        softcap) before the softmax (Gemma 2's attn_logit_softcapping); None: none. `sinks`
+        [Hq] fp32 (gpt-oss's attention sinks): a logit per query head that joins its softmax's
+        max and sum with no value, neither scaled nor soft-capped; None: none."""
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         assert (
@@ -72,6 +75,12 @@ class PagedAttentionKernel:
         # the index tensors are checked once per step: check_indices
         assert kv_cache.is_contiguous()
         assert q.dtype == out.dtype and kv_cache.dtype in KERNEL_KV_DTYPES.get(q.dtype, ())
+        assert sinks is None or (
+            sinks.dtype == torch.float32
+            and sinks.device.type == "cpu"
+            and sinks.shape == (num_heads,)
+            and sinks.is_contiguous()
+        )
         fn = self.long_fn if long_queries else self.fn
         status = fn(
             q.data_ptr(),
@@ -98,6 +107,7 @@ class PagedAttentionKernel:
             torch.get_num_threads(),
             window or 0,
             ctypes.c_float(softcap or 0.0),
+            None if sinks is None else sinks.data_ptr(),
         )
         if status == -2:
             raise ValueError(

@@ -13,8 +13,8 @@ _RESTYPES = {**_CTYPES, "v": None}
 # name -> (return letter, argument letters), grouped by the source that defines them.
 SIGNATURES: dict[str, tuple[str, str]] = {
     # paged_attention.c
-    "paged_attention": ("i", "plplllllplppplfffpliiilf"),
-    "paged_prefill_attention": ("i", "plplllllplppplfffpliiilf"),
+    "paged_attention": ("i", "plplllllplppplfffpliiilfp"),
+    "paged_prefill_attention": ("i", "plplllllplppplfffpliiilfp"),
     "paged_prefill_supported": ("i", "iil"),
     "kv_quantize_rows": ("i", "ppllif"),
     "kv_dequantize_rows": ("i", "pllip"),
