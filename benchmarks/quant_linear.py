@@ -85,7 +85,7 @@ SHAPES = [
 
 TYPE_SHAPE = (65536, 2048)
 TILED_TYPES = (
-    *(Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL),
+    *(Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4),
     *(Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS),
 )
 
@@ -93,7 +93,7 @@ TILED_TYPES = (
 def type_blocks(qtype: Q, rows: int, cols: int) -> torch.Tensor:
     """GGUF blocks of `qtype`: quantized random weights where gguf.quants can, else random valid
     blocks (the tests' generator)."""
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4):
         data = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
         return torch.from_numpy(quantize(data, qtype))
     sys.path.insert(0, str(REPO))

@@ -251,6 +251,7 @@ def test_decoder_layer_in_c_only_where_it_applies(tmp_path, case):
         ("mixtral", "Q4_0", dict(num_local_experts=4, num_experts_per_tok=2)),
         ("olmoe", "Q8_0", dict(num_experts=4, num_experts_per_tok=2)),  # whole q/k norms
         ("granitemoe", "Q8_0", dict(num_local_experts=4, num_experts_per_tok=2)),  # multipliers
+        ("qwen3_moe", "MXFP4", dict(num_experts=8, num_experts_per_tok=2, head_dim=64)),  # gpt-oss
     ],
 )
 def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype, config):

@@ -22,7 +22,7 @@ from tests.fixtures.tiny_models import (
     random_k_quant_blocks,
     write_gguf,
 )
-from tests.model.test_quantized import _logits, kernels_for
+from tests.model.test_quantized import _logits, kernels_for, rounded
 
 from tokenbus import SamplingParams
 from tokenbus.loader import iter_weights, load_arch, resolve_model
@@ -42,7 +42,8 @@ SHAPES = {32: ((37, 896), (5, 96)), 256: ((37, 768), (5, 256))}  # block size ->
 
 def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, row bytes]: gguf.quants' own quantization where it has one (Q8_0, Q4_*,
-    Q5_*), else valid random blocks (K-quants, IQ4_NL, IQ4_XS: random quants, sane scales)."""
+    Q5_*, MXFP4), else valid random blocks (K-quants, IQ4_NL, IQ4_XS: random quants, sane
+    scales)."""
     if qtype.name in RANDOM_BLOCK_TYPES:
         return random_k_quant_blocks(qtype.name, rows, cols, seed)
     data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
@@ -83,7 +84,7 @@ def test_kernels_equal_gguf_dequantize(qtype, cap):
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q3_K, Q.Q6_K, Q.IQ4_XS], ids=lambda t: t.name
+    "qtype", [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.Q3_K, Q.Q6_K, Q.IQ4_XS], ids=lambda t: t.name
 )
 def test_shuffle_path_is_row_local_and_thread_count_free(qtype):
     """The types unpacked with byte shuffles (quant_matmul.c's 32-value sub-blocks): each
@@ -104,6 +105,64 @@ def test_shuffle_path_is_row_local_and_thread_count_free(qtype):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0][:3], outs[2])
+
+
+def mxfp4_blocks(rows: int, cols: int, exponents: np.ndarray) -> np.ndarray:
+    """uint8 [rows, row bytes] of MXFP4 blocks: random nibbles, block j of row r with E8M0 byte
+    exponents[(j + r) % len(exponents)]."""
+    num_blocks = cols // 32
+    w = np.random.default_rng(rows).integers(0, 256, size=(rows, num_blocks, 17), dtype=np.uint8)
+    w[:, :, 0] = exponents[
+        (np.arange(num_blocks)[None, :] + np.arange(rows)[:, None]) % len(exponents)
+    ]
+    return w.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("cap", ["native", "avx512", "avx2", "baseline"])
+def test_mxfp4_scales_are_exact_at_every_exponent(cap):
+    """MXFP4's scale 2^(e - 128) for each of the 256 E8M0 bytes e, in GGUF rows and in tiles:
+    the subnormal ones (e = 0, 1, as ggml and gguf make them), those fp16 could not hold (e
+    below 104 or above 143) and the values past fp32's range (inf, as in gguf) all dequantize
+    to gguf's values exactly. Over scales from 2^-68 to 2^68, the matmuls (rows; tiles with
+    fp32, int8 and int16 activations) equal dequantize-then-matmul within 1e-5 of sum |x * w|,
+    on x rounded as each rounds it."""
+    kernels = kernels_for(cap)
+    rows, cols = 17, 256 * 32  # a partial second tile; every e in every row
+    w = mxfp4_blocks(rows, cols, np.arange(256, dtype=np.uint8))
+    with np.errstate(over="ignore"):  # e >= 253: 12 * 2^125 is past fp32's range
+        dense = torch.from_numpy(gguf.quants.dequantize(w, Q.MXFP4).astype(np.float32))
+    assert (
+        dense.isinf().any()
+        and (dense.abs() < torch.finfo(torch.float32).tiny).logical_and(dense != 0).any()
+    )
+    ids = torch.arange(rows)
+    assert torch.equal(kernels.dequant_rows(int(Q.MXFP4), torch.from_numpy(w), cols, ids), dense)
+    tiled = kernels.tiles(int(Q.MXFP4))
+    if tiled:
+        tiles = kernels.repack_tiles(int(Q.MXFP4), torch.from_numpy(w), cols)
+        assert tiles.numel() == 2 * 16 * w.shape[1]  # the file's 17 bytes per 32 values
+        assert torch.equal(kernels.tile_dequant_rows(int(Q.MXFP4), tiles, rows, cols, ids), dense)
+        weight_t = torch.empty(cols, 32)
+        kernels.tile_dequant_t(int(Q.MXFP4), tiles, rows, cols, 0, weight_t)
+        assert torch.equal(weight_t[:, :rows], dense.T)
+
+    cols = 1024
+    w = torch.from_numpy(mxfp4_blocks(rows, cols, np.arange(60, 197, 4, dtype=np.uint8)))
+    dense = torch.from_numpy(gguf.quants.dequantize(w.numpy(), Q.MXFP4).astype(np.float32))
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
+    tiles = kernels.repack_tiles(int(Q.MXFP4), w, cols) if tiled else None
+    for mode, levels in (("rows", 0), ("fp32", 0), ("int8", 127), ("int16", 32767)):
+        if mode != "rows" and not tiled:
+            continue
+        out = torch.empty(5, rows)
+        if mode == "rows":
+            kernels.matmul(int(Q.MXFP4), w, cols, x, out)
+        else:
+            kernels.tile_matmul(int(Q.MXFP4), tiles, rows, cols, x, out, mode)
+        xr = (rounded(x, levels) if levels else x).double()
+        want = xr @ dense.double().T
+        bound = 1e-5 * (xr.abs() @ dense.double().abs().T)
+        assert ((out.double() - want).abs() <= bound).all(), (cap, mode)
 
 
 @pytest.mark.parametrize("qtype", GGUF_QTYPES)
@@ -198,7 +257,7 @@ def test_mixed_type_gguf_greedy_matches_transformers(mixed_gguf, quant_activatio
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.MXFP4],
+    [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.Q8_1],
     ids=lambda t: t.name,
 )
 def test_unsupported_types_are_refused_with_the_tensor_named(tmp_path, qtype):
@@ -218,9 +277,9 @@ def test_unsupported_type_refused_by_llm_before_the_engine_starts(tmp_path):
     path = write_gguf(
         cached_tiny_model("llama"),
         tmp_path / "m.gguf",
-        lambda name: "MXFP4" if name == "blk.0.attn_k.weight" else "Q8_0",
+        lambda name: "Q8_1" if name == "blk.0.attn_k.weight" else "Q8_0",
     )
-    with pytest.raises(ValueError, match="tensor blk.0.attn_k.weight has unsupported type MXFP4"):
+    with pytest.raises(ValueError, match="tensor blk.0.attn_k.weight has unsupported type Q8_1"):
         make_llm(path)
 
 

@@ -39,7 +39,7 @@ DETECTED = CpuFeatures.detect()
 
 
 def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    if qtype.name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    if qtype.name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"):
         data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
         return gguf.quants.quantize(data, qtype)
     return random_k_quant_blocks(qtype.name, rows, cols, seed)
@@ -80,7 +80,7 @@ def test_kernel_equals_dequantize_then_matmul(qtype, cap):
 
 
 TILE_TYPES = [
-    *(Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL),
+    *(Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4),
     *(Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS),
 ]
 # Bytes per 256 values of a row, (in the GGUF file, in tiles), where they differ: the K-quants'

@@ -67,11 +67,12 @@ _PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
 _EXPERT_NAMES = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 # Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
 # them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
-# attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants); the float types are dequantized on load.
+# attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants; MXFP4 for gpt-oss's experts); the float types
+# are dequantized on load.
 KERNEL_QTYPES = tuple(
     GGMLQuantizationType[name]
     for name in (
-        *("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"),  # 32-value blocks
+        *("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"),  # 32-value blocks
         *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"),  # 256-value super-blocks
     )
 )
@@ -446,7 +447,7 @@ def _expert_weights(
 
 def check_qtype(gf: GGUFFile, info: GGUFTensorInfo) -> None:
     """A ValueError naming the tensor and its type unless tokenbus runs that type (the IQ1, IQ2
-    and IQ3 families, TQ1_0/TQ2_0, MXFP4 and the like are refused)."""
+    and IQ3 families, TQ1_0/TQ2_0 and the like are refused)."""
     if info.qtype not in SUPPORTED_QTYPES:
         supported = ", ".join(t.name for t in SUPPORTED_QTYPES)
         raise ValueError(

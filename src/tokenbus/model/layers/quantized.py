@@ -1,8 +1,8 @@
 """Linears and embeddings that run on GGUF blocks, through the native kernels of
-model/native: Q8_0/Q4_0/Q4_1 matrices are repacked once into 16-row tiles (quant_tiles.c: the
-same bytes, interleaved so one vector instruction serves 16 outputs) where the CPU has AVX2;
-the other types (Q5_0, Q5_1, IQ4_NL, the K-quants, IQ4_XS), and every type on older CPUs, stay
-in GGUF rows (quant_matmul.c).
+model/native: matrices of every kernel type but Q2_K (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+MXFP4, the other K-quants, IQ4_XS) are repacked once into 16-row tiles (quant_tiles.c: their
+quants interleaved so one vector instruction serves 16 outputs) where the CPU has AVX2; Q2_K,
+and every type on older CPUs, stay in GGUF rows (quant_matmul.c).
 
 A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows, TILE_GEMV_MAX_ROWS on tiles) runs the block
 kernel, which reads each weight block once for all rows: a Q4_1 weight streams 0.625 bytes per

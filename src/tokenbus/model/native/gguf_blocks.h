@@ -7,12 +7,14 @@
 #define TOKENBUS_GGUF_BLOCKS_H
 
 #include <stdint.h>
+#include <string.h>
 
 #define QK_K 256  /* values per K-quant super-block */
 
 /* Bytes of one block of each type. */
 enum {
     Q8_0_BLOCK = 34, Q4_0_BLOCK = 18, Q4_1_BLOCK = 20, Q5_0_BLOCK = 22, Q5_1_BLOCK = 24, IQ4_NL_BLOCK = 18,
+    MXFP4_BLOCK = 17,
     Q2_K_BLOCK = 84, Q3_K_BLOCK = 110, Q4_K_BLOCK = 144, Q5_K_BLOCK = 176, Q6_K_BLOCK = 210, IQ4_XS_BLOCK = 136
 };
 
@@ -20,6 +22,20 @@ enum {
    non-uniform, denser near zero. */
 static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                          1,    13,   25,  38,  53,  69,  89,  113};
+
+/* The sixteen values a 4-bit MXFP4 quant stands for (ggml's kvalues_mxfp4): FP4 E2M1's values
+   doubled, which is why a block's scale is half of its E8M0 exponent's power of two. */
+static const int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* An MXFP4 block's scale from its E8M0 byte e (the block's first): 2^(e - 128), exactly (ggml's
+   ggml_e8m0_to_fp32_half). From e = 2 up an fp32 with exponent field e - 1; e = 0 and 1 give the
+   subnormals 2^-128 and 2^-127, made from their bits as ggml makes them. */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
 
 static inline uint32_t load_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;

@@ -13,7 +13,7 @@
 /* GGML tensor types (gguf's GGMLQuantizationType): the weights' block formats. */
 enum {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9, Q2_K = 10, Q3_K = 11,
-    Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
+    Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39
 };
 /* Tile formats in 256-value super-blocks (the K-quants; Q3_K is repacked as Q6_K): the calls on
    them take their own activation mode (decode_layer.c's step.k_activations; tile_super_block). */

@@ -59,7 +59,7 @@ class QuantKernels:
 
     def tile_format(self, qtype: int) -> int:
         """The GGML type whose tile format holds W of type `qtype` once repacked (its own, or
-        Q8_0 for Q5_0 / IQ4_NL, Q6_K for Q3_K / IQ4_XS): the qtype the tile kernels then take."""
+        Q6_K for Q3_K): the qtype the tile kernels then take."""
         assert self.tiles(qtype)
         return self.tile_fns["format"](qtype)
 

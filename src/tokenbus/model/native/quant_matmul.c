@@ -16,7 +16,7 @@
    reorder the fp32 sums, so results match a dequantize-then-matmul reference to rounding, not
    bit for bit.
 
-   Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (32-value blocks); Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+   Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (32-value blocks); Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
    IQ4_XS (256-value super-blocks), each as ggml defines it (the gguf package's quants.py
    dequantizes every one of them in numpy: the tests' reference). Where the CPU has AVX2 or
    AVX-512, all but Q2_K, Q4_K and Q5_K skip the float buffer (the "SIMD" sections below).
@@ -183,6 +183,15 @@ static void deq_iq4_nl(const uint8_t *b, float *y) {  /* d, qs[16]: d * kvalues[
     }
 }
 
+static void deq_mxfp4(const uint8_t *b, float *y) {  /* e, qs[16]: 2^(e - 128) * kvalues[nibble] */
+    const float d = e8m0_half(b[0]);
+    const uint8_t *q = b + 1;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * kvalues_mxfp4[q[j] & 0xF];
+        y[j + 16] = d * kvalues_mxfp4[q[j] >> 4];
+    }
+}
+
 static void deq_iq4_xs(const uint8_t *b, float *y) {  /* d, scales_h[2], scales_l[4], qs[128] */
     const float d = fp16_to_fp32(b);
     const uint8_t *q = b + 8;
@@ -231,6 +240,7 @@ static int block_info(int qtype, int *qk, int *bytes, dequant_fn *fn) {
     case Q5_0: *qk = 32; *bytes = 22; *fn = deq_q5_0; return 1;
     case Q5_1: *qk = 32; *bytes = 24; *fn = deq_q5_1; return 1;
     case IQ4_NL: *qk = 32; *bytes = 18; *fn = deq_iq4_nl; return 1;
+    case MXFP4: *qk = 32; *bytes = MXFP4_BLOCK; *fn = deq_mxfp4; return 1;
     case Q3_K: *qk = QK_K; *bytes = 110; *fn = deq_q3_k; return 1;
     case IQ4_XS: *qk = QK_K; *bytes = 136; *fn = deq_iq4_xs; return 1;
     default: return 0;

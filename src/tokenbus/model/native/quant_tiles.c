@@ -55,6 +55,7 @@ static int tile_info(int qtype, tile_type *tt) {
     switch (qtype) {
     case Q8_0: *tt = (tile_type){32, TR * 34, 0}; return 1;
     case Q4_0: case IQ4_NL: *tt = (tile_type){16, TR * 18, 0}; return 1;
+    case MXFP4: *tt = (tile_type){16, TR * 17, 0}; return 1;
     case Q4_1: *tt = (tile_type){16, TR * 20, 0}; return 1;
     case Q5_0: *tt = (tile_type){20, TR * 22, 0}; return 1;
     case Q5_1: *tt = (tile_type){20, TR * 24, 0}; return 1;
@@ -80,7 +81,7 @@ static inline int quant_bytes(int qtype) {
    per 16 and a super-block fp16 scale, as Q6_K: its values exactly). -1: not tiled. */
 int tile_format(int qtype) {
     switch (qtype) {
-    case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case IQ4_NL:
+    case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case IQ4_NL: case MXFP4:
     case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return qtype;
     case Q3_K: return Q6_K;
     default: return -1;
@@ -89,12 +90,14 @@ int tile_format(int qtype) {
 
 /* Quants the kernels take as chunks of bytes (q8_chunk), all but Q4_0 / Q4_1 / Q4_K's nibbles
    (which their kernels take as nibbles): Q8_0's bytes, the 5- and 6-bit types' planes, the IQ4
-   types' nibbles through their table. */
+   types' and MXFP4's nibbles through their tables. */
 static inline int q8_chunks(int qtype) { return qtype != Q4_0 && qtype != Q4_1 && qtype != Q4_K; }
 
 /* Signed bytes with one scale per tile-block (under int8 activations: biased by 128 on VNNI,
    their sign moved onto x otherwise). */
-static inline int signed_bytes(int qtype) { return qtype == Q8_0 || qtype == IQ4_NL || qtype == IQ4_XS; }
+static inline int signed_bytes(int qtype) {
+    return qtype == Q8_0 || qtype == IQ4_NL || qtype == IQ4_XS || qtype == MXFP4;
+}
 
 /* Two scales per tile-block, for values 0-15 and 16-31. */
 static inline int split_scales(int qtype) { return qtype == Q6_K; }
@@ -144,6 +147,7 @@ static inline const uint8_t *group_header(int qtype, const uint8_t *tb, int64_t 
      Q8_0               the file's int8 bytes (chunk c: values 4c..4c+3)
      Q4_0, Q4_1, Q4_K   nibbles, 16 bytes a row (byte i: value i low, value 16 + i high)
      IQ4_NL, IQ4_XS     the same nibbles, which index the IQ4 table
+     MXFP4              the same nibbles, which index the MXFP4 table
      Q5_0, Q5_1, Q5_K   those nibbles, then a plane of 4 bytes a row laid out as a Q8_0 chunk:
                         bit c of the byte of value 4c + i is that value's fifth bit
      Q6_K (and Q3_K)    nibbles of q + 32 (0..63), then two such planes of its top 2 bits: value
@@ -151,11 +155,13 @@ static inline const uint8_t *group_header(int qtype, const uint8_t *tb, int64_t 
    and the scales: fp16 d (Q8_0, Q4_0, Q5_0, IQ4_NL) and m (Q4_1, Q5_1); the K-quants' sub-block
    scales as bytes (Q4_K, Q5_K: 6-bit scale and min; Q6_K: int8 scales of values 0-15 and 16-31;
    IQ4_XS: its int8 scale) with the super-block's fp16 d (and dmin) in a header per 8
-   tile-blocks. The K-quants' values are d sc q (- dmin m), multiplied out in fp32 at run time
-   as ggml's dequantization does. Bytes per 256 values and row: the file's for the 32-value
-   types; Q4_K 148 (144), Q5_K 180 (176), Q6_K 210 (210), IQ4_XS 138 (136), Q3_K 210 (110). */
+   tile-blocks. MXFP4 keeps its E8M0 byte e as the file has it, and its scale 2^(e - 128) is made
+   in fp32 at run time (vf_e8m0_half), exactly: fp16 would hold that power of two only for e in
+   104..143, and gguf writes e = 0 for an all-zero block. The K-quants' values are d sc q
+   (- dmin m), multiplied out in fp32 at run time as ggml's dequantization does. Bytes per 256
+   values and row: the file's for the 32-value types (MXFP4's included); Q4_K 148 (144), Q5_K 180 (176), Q6_K 210 (210), IQ4_XS 138 (136), Q3_K 210 (110). */
 
-/* Row r's 32 values q of a tile-block (Q6_K: -32..31; IQ4: table indices 0..15), as the
+/* Row r's 32 values q of a tile-block (Q6_K: -32..31; IQ4, MXFP4: table indices 0..15), as the
    format keeps them. */
 static void put_values(int fmt, uint8_t *tb, int r, const int8_t *q) {
     if (fmt == Q8_0) {
@@ -181,6 +187,7 @@ static int source_block(int qtype, int *values, int *bytes) {
     case Q5_0: *values = 32; *bytes = Q5_0_BLOCK; return 1;
     case Q5_1: *values = 32; *bytes = Q5_1_BLOCK; return 1;
     case IQ4_NL: *values = 32; *bytes = IQ4_NL_BLOCK; return 1;
+    case MXFP4: *values = 32; *bytes = MXFP4_BLOCK; return 1;
     case Q3_K: *values = QK_K; *bytes = Q3_K_BLOCK; return 1;
     case Q4_K: *values = QK_K; *bytes = Q4_K_BLOCK; return 1;
     case Q5_K: *values = QK_K; *bytes = Q5_K_BLOCK; return 1;
@@ -193,6 +200,11 @@ static int source_block(int qtype, int *values, int *bytes) {
 /* Row r of one 32-value GGUF block (src) into tile-block tb (of the same format). */
 static void repack_block32(int qtype, const uint8_t *src, uint8_t *tb, int r) {
     const int qb = quant_bytes(qtype);
+    if (qtype == MXFP4) {  /* e, qs[16]: the file's nibbles, then e as the row's scale byte */
+        for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, src + 1 + 4 * c, 4);
+        tb[qb * TR + r] = src[0];
+        return;
+    }
     if (qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1 || qtype == IQ4_NL) {  /* the file's bytes */
         const int qoff = qtype == Q4_1 ? 4 : 2;
         for (int c = 0; c < qb / 4; c++) memcpy(tb + c * 64 + r * 4, src + qoff + 4 * c, 4);
@@ -300,13 +312,14 @@ static inline void prefetch_ahead(const uint8_t *tb, int64_t tbb) {
 #ifdef HAVE_TILES
 /* Chunk c (< 8) of a q8_chunks tile-block: the 16 rows' values 4c..4c+3, a byte each. Past
    Q8_0's bytes, from the nibbles of chunk c % 4 (low for c < 4, high above): through the IQ4
-   table; with bit 4 from the plane's bit c (Q5); with bits 4-5 from plane c / 4's bits 2 (c % 4),
-   minus 32 (Q6_K). */
+   or MXFP4 table; with bit 4 from the plane's bit c (Q5); with bits 4-5 from plane c / 4's bits
+   2 (c % 4), minus 32 (Q6_K). */
 static inline vi q8_chunk(int qtype, const uint8_t *tb, int c) {
     if (qtype == Q8_0) return vi_load(tb + 64 * c);
     const vi raw = vi_load(tb + 64 * (c % 4)), low4 = vi_set8(0x0F);
     const vi low = c < 4 ? vi_and(raw, low4) : vi_and(vi_srli16(raw, 4), low4);
     if (qtype == IQ4_NL || qtype == IQ4_XS) return vi_lut16(kvalues_iq4nl, low);
+    if (qtype == MXFP4) return vi_lut16(kvalues_mxfp4, low);
     if (qtype == Q6_K) {
         const vi h = vi_load(tb + 256 + 64 * (c / 4));
         const int s = 2 * (c % 4);  /* bits s, s + 1 of h to bits 4, 5 */
@@ -318,9 +331,10 @@ static inline vi q8_chunk(int qtype, const uint8_t *tb, int c) {
 }
 
 /* The scale, second scale and min vectors of tile-block b (at tb): d for its values (values 0-15
-   for Q6_K), d1 = d but for Q6_K's values 16-31, m = -8d for Q4_0, -Q8_BIAS d or 0 for Q8_0 under
-   int8 activations, 0 for Q8_0 under fp32 ones and for Q6_K. K-quants multiply out their
-   super-block scale in fp32, as ggml's dequantization does. */
+   for Q6_K; 2^(e - 128) for MXFP4), d1 = d but for Q6_K's values 16-31, m = -8d for Q4_0,
+   -Q8_BIAS d or 0 for Q8_0 (and the other signed bytes) under int8 activations, 0 for Q8_0
+   under fp32 ones and for Q6_K. K-quants multiply out their super-block scale in fp32, as ggml's
+   dequantization does. */
 static inline void tile_scales(int qtype, const uint8_t *tb, int64_t b, int64_t tbb, float q8_bias, vf *d, vf *d1,
                                vf *m) {
     const uint8_t *sc = tb + quant_bytes(qtype) * TR;  /* the block's scales, after its quants */
@@ -338,7 +352,7 @@ static inline void tile_scales(int qtype, const uint8_t *tb, int64_t b, int64_t 
         *m = qtype == Q6_K ? vf_zero() : vf_mul(*d, vf_set1(-q8_bias));
         return;
     }
-    *d = vf_half(sc);
+    *d = qtype == MXFP4 ? vf_e8m0_half(sc) : vf_half(sc);
     *d1 = *d;
     if (qtype == Q4_1 || qtype == Q5_1) *m = vf_half(sc + 2 * TR);
     else *m = vf_mul(*d, vf_set1(qtype == Q4_0 ? -8.0f : qtype == Q5_0 ? -16.0f : -q8_bias));
@@ -369,6 +383,7 @@ static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
     const uint8_t *plane = tb + 256 + r * 4 + k % 4;
     switch (qtype) {
     case IQ4_NL: case IQ4_XS: return kvalues_iq4nl[nibble];
+    case MXFP4: return kvalues_mxfp4[nibble];
     case Q5_0: case Q5_1: case Q5_K: return nibble | ((plane[0] >> (k / 4)) & 1) << 4;
     case Q6_K: return (nibble | ((plane[64 * (k / 16)] >> (2 * (k / 4 % 4))) & 3) << 4) - 32;
     default: return nibble;

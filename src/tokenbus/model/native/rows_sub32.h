@@ -1,19 +1,19 @@
 /* quant_matmul.c's per-row kernels for the types whose 32 values unpack to int8 with byte
-   shuffles (Q5_0, Q5_1, IQ4_NL; the 32-value sub-blocks of Q3_K, Q6_K, IQ4_XS), on AVX2 or
+   shuffles (Q5_0, Q5_1, IQ4_NL, MXFP4; the 32-value sub-blocks of Q3_K, Q6_K, IQ4_XS), on AVX2 or
    AVX-512. Included by quant_matmul.c only, after its vector layer (vec, HAVE_SIMD). */
 #ifndef TOKENBUS_ROWS_SUB32_H
 #define TOKENBUS_ROWS_SUB32_H
 
 #ifdef HAVE_SIMD
 /* ---------------------------------------------------------------- 32-value sub-blocks, SIMD
-   Q5_0, Q5_1 and IQ4_NL blocks, and the eight 32-value sub-blocks of a Q3_K, Q6_K or IQ4_XS
+   Q5_0, Q5_1, IQ4_NL and MXFP4 blocks, and the eight 32-value sub-blocks of a Q3_K, Q6_K or IQ4_XS
    block, run as Q8_0's blocks do: 32 weights d * q_j + m, q_j unpacked to int8 with byte
    shuffles (SSSE3, which every AVX2 and AVX-512 CPU has) and converted to floats once for all
    M rows of x, with m * (sum of x) for Q5_1's min. The two 16-value halves of a Q3_K or Q6_K
    sub-block have scales of their own: they are applied to the floats (d = 1). */
 static inline int is_sub32_type(int qtype) {
-    return qtype == Q5_0 || qtype == Q5_1 || qtype == IQ4_NL || qtype == Q3_K || qtype == Q6_K ||
-           qtype == IQ4_XS;
+    return qtype == Q5_0 || qtype == Q5_1 || qtype == IQ4_NL || qtype == MXFP4 || qtype == Q3_K ||
+           qtype == Q6_K || qtype == IQ4_XS;
 }
 
 static inline __m128i load16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
@@ -87,6 +87,13 @@ static inline void sub32_quants(int qtype, const uint8_t *b, int ib, vec *qlo, v
         *d = 1.0f;
         return;
     }
+    if (qtype == MXFP4) {  /* e, qs[16]: IQ4_NL's nibbles through its own table */
+        *d = e8m0_half(b[0]);
+        nibbles16(b + 1, &lo, &hi);
+        const __m128i table = load16((const uint8_t *)kvalues_mxfp4);
+        int8_quants32(_mm_shuffle_epi8(table, lo), _mm_shuffle_epi8(table, hi), qlo, qhi);
+        return;
+    }
     *d = fp16_to_fp32(b);
     if (qtype == Q5_0 || qtype == Q5_1) {
         const int q5_1 = qtype == Q5_1;  /* Q5_1: d, m, qh, qs; Q5_0: d, qh, qs and m = -16 d */
@@ -137,6 +144,7 @@ static void matmul_sub32_simd(int qtype, int bytes, const uint8_t *row, int64_t 
     case Q5_0: sub32_row(Q5_0, 32, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
     case Q5_1: sub32_row(Q5_1, 32, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
     case IQ4_NL: sub32_row(IQ4_NL, 32, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
+    case MXFP4: sub32_row(MXFP4, 32, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
     case Q3_K: sub32_row(Q3_K, QK_K, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
     case Q6_K: sub32_row(Q6_K, QK_K, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;
     default: sub32_row(IQ4_XS, QK_K, bytes, row, blocks, x, M, ldx, xsum, y, ldy, n); break;

@@ -163,6 +163,7 @@ static __attribute__((noinline)) void tile_q16a_one(int qtype, int qb, const uin
     case Q6_K: q16a_one(Q6_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case IQ4_XS: q16a_one(IQ4_XS, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case IQ4_NL: q16a_one(IQ4_NL, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
+    case MXFP4: q16a_one(MXFP4, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q5_0: q16a_one(Q5_0, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q5_1: q16a_one(Q5_1, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;
     case Q5_K: q16a_one(Q5_K, qb, tiles, blocks, tbb, qa, da, sa, y, N, t); break;

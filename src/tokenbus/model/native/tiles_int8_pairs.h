@@ -102,7 +102,7 @@ static void tile_q8a_pair(int qtype, const uint8_t *tiles, int64_t blocks, int64
     case type: q8_pair(type, tiles, blocks, tbb, qa, da, sa, M, K, y, ldy, N, t, two); break;
     switch (qtype) {
         Q8P_CASE(Q8_0) Q8P_CASE(Q4_0) Q8P_CASE(Q4_1) Q8P_CASE(Q5_0) Q8P_CASE(Q5_1) Q8P_CASE(IQ4_NL)
-        Q8P_CASE(Q4_K) Q8P_CASE(Q5_K) Q8P_CASE(Q6_K) Q8P_CASE(IQ4_XS)
+        Q8P_CASE(Q4_K) Q8P_CASE(Q5_K) Q8P_CASE(Q6_K) Q8P_CASE(IQ4_XS) Q8P_CASE(MXFP4)
     }
 #undef Q8P_CASE
 }

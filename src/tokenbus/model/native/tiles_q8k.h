@@ -254,7 +254,7 @@ static void q8k_tile_pair_any(int qtype, const uint8_t *tiles, int64_t ntiles, i
     case type: q8k_tile_pair(type, tiles, ntiles, blocks, tbb, N, t, pk, acc, xu, M, K, da, bsum, y, ldy); break;
     switch (qtype) {
         Q8K_CASE(Q8_0) Q8K_CASE(Q4_0) Q8K_CASE(Q4_1) Q8K_CASE(Q5_0) Q8K_CASE(Q5_1) Q8K_CASE(IQ4_NL)
-        Q8K_CASE(Q4_K) Q8K_CASE(Q5_K) Q8K_CASE(Q6_K) Q8K_CASE(IQ4_XS)
+        Q8K_CASE(Q4_K) Q8K_CASE(Q5_K) Q8K_CASE(Q6_K) Q8K_CASE(IQ4_XS) Q8K_CASE(MXFP4)
     }
 #undef Q8K_CASE
 }

@@ -95,6 +95,19 @@ static inline vf vf_s8(const uint8_t *p) {  /* 16 signed bytes */
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
     return r;
 }
+/* 8 E8M0 bytes e as 2^(e - 128), bit for bit gguf_blocks.h's e8m0_half: the exponent field
+   e - 1, or for e < 2 the subnormal 0x00200000 << e. */
+static inline __m256 e8m0_half8(__m128i bytes) {
+    const __m256i e = _mm256_cvtepu8_epi32(bytes);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
+}
+static inline vf vf_e8m0_half(const uint8_t *p) {  /* 16 E8M0 bytes */
+    vf r = {e8m0_half8(_mm_loadl_epi64((const __m128i *)p)), e8m0_half8(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+    return r;
+}
 static inline vf vf_loadf(const float *p) { vf r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
 static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 static inline void vf_store_t(float *p, vf v, int64_t stride) {

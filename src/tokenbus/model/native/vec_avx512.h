@@ -77,6 +77,15 @@ static inline vf vf_u8(const uint8_t *p) {  /* 16 unsigned bytes */
 static inline vf vf_s8(const uint8_t *p) {  /* 16 signed bytes */
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+/* 16 E8M0 bytes e as 2^(e - 128), bit for bit gguf_blocks.h's e8m0_half: the exponent field
+   e - 1, or for e < 2 the subnormal 0x00200000 << e. */
+static inline vf vf_e8m0_half(const uint8_t *p) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny));
+}
 static inline vf vf_loadf(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
 static inline void vf_store_t(float *p, vf v, int64_t stride) {  /* lane r to p[r * stride] */
