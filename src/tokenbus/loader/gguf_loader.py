@@ -45,6 +45,7 @@ from tokenbus.loader.gemma_config import (
     gemma_gguf_fields,
 )
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
+from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE, gpt_oss_gguf_fields
 from tokenbus.loader.layer_kinds import OLMO3_PATTERN, gguf_local_layers, windows
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -53,7 +54,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
 # general.architecture values we load
 GGUF_ARCHITECTURES = (
     *("llama", "qwen2", "qwen3", "smollm3", "granite", "granitemoe", "olmo2", "phi3"),
-    *("qwen3moe", "olmoe"),
+    *("qwen3moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -125,9 +126,16 @@ _GEMMA_BLOCK_NAMES = {
 }
 _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something else
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    # gpt-oss: its pre-MLP norm by Gemma's post-attention name, a sink per query head
+    GPT_OSS_GGUF_ARCHITECTURE: {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_sinks": "self_attn.sinks",
+    },
     "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
     **{arch: _GEMMA_BLOCK_NAMES for arch in GEMMA_GGUF_ARCHITECTURES},
 }
+# HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks).
+_PARAMETER_NAMES = ("self_attn.sinks",)
 _ROPE_FREQS = (
     "rope_freqs.weight"  # per-frequency divisors (Llama 3.1 rope); folded into rope_scaling
 )
@@ -168,10 +176,14 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     family: dict = {"hidden_act": "silu"}
     if arch in GEMMA_GGUF_ARCHITECTURES:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
+    if arch == GPT_OSS_GGUF_ARCHITECTURE:
+        family = gpt_oss_gguf_fields(meta, need("block_count"))
     window = meta.get(f"{arch}.attention.sliding_window", 0)
     if arch == "phi3" and window:  # every layer's (0: none), as config.json's
         family["sliding_windows"] = (window,) * need("block_count")
     rope_scaling = _rope_scaling(gf, arch)
+    if arch == GPT_OSS_GGUF_ARCHITECTURE and rope_scaling is not None:
+        rope_scaling["truncate"] = False  # gpt_oss_config.py: YaRN as the model was trained
     if arch == "olmo2" and window:  # llama.cpp writes OLMo 3 as olmo2 with its window
         local = gguf_local_layers(meta, arch, need("block_count"), OLMO3_PATTERN)
         family["sliding_windows"] = windows(local, window)
@@ -214,9 +226,10 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
 
 def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
     """llama.cpp writes Mixtral as "llama" with experts, OLMo 3 as "olmo2" with a window;
-    "qwen3moe" is our "qwen3_moe"."""
-    if gguf_arch == "qwen3moe":
-        return "qwen3_moe"
+    "qwen3moe" is our "qwen3_moe", "gpt-oss" our "gpt_oss"."""
+    renamed = {"qwen3moe": "qwen3_moe", GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss"}
+    if gguf_arch in renamed:
+        return renamed[gguf_arch]
     if gguf_arch == "olmo2" and window:
         return "olmo3"
     return "mixtral" if gguf_arch == "llama" and moe else gguf_arch
@@ -229,7 +242,7 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     if not num_experts:
-        if arch in ("qwen3moe", "olmoe", "granitemoe"):
+        if arch in ("qwen3moe", "olmoe", "granitemoe", GPT_OSS_GGUF_ARCHITECTURE):
             raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_count")
         return {}
     for name in gf.tensors:
@@ -237,7 +250,8 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
             raise ValueError(f"{gf.path}: tensor {name}: shared experts are not supported")
     if f"{arch}.expert_used_count" not in meta:
         raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_used_count")
-    width_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+    own_width = ("qwen3moe", GPT_OSS_GGUF_ARCHITECTURE)
+    width_key = "expert_feed_forward_length" if arch in own_width else "feed_forward_length"
     if f"{arch}.{width_key}" not in meta:
         raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.{width_key}")
     return dict(
@@ -355,7 +369,8 @@ def hf_weight_name(gf: GGUFFile, name: str) -> str:
         and parts[2] in block_names
         and parts[3] in ("weight", "bias")
     ):
-        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
+        hf_name = f"model.layers.{parts[1]}.{block_names[parts[2]]}"
+        return hf_name if block_names[parts[2]] in _PARAMETER_NAMES else f"{hf_name}.{parts[3]}"
     raise ValueError(f"{gf.path}: unexpected GGUF tensor {name}")
 
 
@@ -411,6 +426,8 @@ _HF_EXPERT_NAMES = {
     "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     # GraniteMoE's per-expert names (model/granite.py splits HF's stacked tensors into them)
     "granitemoe": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
+    # gpt-oss's per-expert names (model/gpt_oss.py splits HF's stacked tensors into them)
+    "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -418,11 +435,13 @@ def _expert_weights(
     gf: GGUFFile, info: GGUFTensorInfo, arch: ModelArch, keep_quantized: bool
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """blk.N.ffn_{gate,up,down}_exps [E, rows, cols] -> E per-expert HF tensors: views of the
-    stacked blocks (each expert's rows are contiguous) or of the dequantized array."""
+    stacked blocks (each expert's rows are contiguous) or of the dequantized array; their
+    biases [E, rows] (gpt-oss's) -> E fp32 bias vectors."""
     import torch
 
     _, layer, kind, suffix = info.name.split(".")
-    if arch.architecture not in _HF_EXPERT_NAMES or suffix != "weight" or len(info.shape) != 3:
+    rank = {"weight": 3, "bias": 2}.get(suffix)
+    if arch.architecture not in _HF_EXPERT_NAMES or len(info.shape) != rank:
         raise ValueError(f"{gf.path}: unexpected GGUF tensor {info.name}")
     if info.shape[0] != arch.num_experts:
         raise ValueError(
@@ -432,7 +451,7 @@ def _expert_weights(
     scope, names = _HF_EXPERT_NAMES[arch.architecture]
     prefix = f"model.layers.{layer}.{scope}.experts."
     hf_name = names[_EXPERT_NAMES[kind]]
-    if keep_quantized and info.qtype in KERNEL_QTYPES:
+    if keep_quantized and info.qtype in KERNEL_QTYPES and suffix == "weight":
         stacked = torch.from_numpy(gf.tensor_bytes(info, writable=True))  # [E, rows, row bytes]
         for e in range(arch.num_experts):
             yield (
@@ -440,9 +459,9 @@ def _expert_weights(
                 QuantizedWeight(int(info.qtype), stacked[e], info.shape[2]),
             )
         return
-    stacked = torch.from_numpy(_dequantize(gf, info))  # [E, rows, cols] fp32
+    stacked = torch.from_numpy(_dequantize(gf, info))  # [E, rows(, cols)] fp32
     for e in range(arch.num_experts):
-        yield f"{prefix}{e}.{hf_name}.weight", stacked[e]
+        yield f"{prefix}{e}.{hf_name}.{suffix}", stacked[e]
 
 
 def check_qtype(gf: GGUFFile, info: GGUFTensorInfo) -> None:

@@ -17,6 +17,7 @@ from tokenbus.loader.gemma_config import (
     gemma3_hf_rope,
     gemma_hf_fields,
 )
+from tokenbus.loader.gpt_oss_config import GPT_OSS_PATTERN, gpt_oss_hf_fields
 from tokenbus.loader.layer_kinds import (
     OLMO3_PATTERN,
     OLMO3_ROPE_THETA,
@@ -46,6 +47,7 @@ HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "GraniteMoeForCausalLM": "granitemoe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -86,6 +88,13 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
 
     if config.get("mlp_bias"):
         raise ValueError(f"{path}: mlp_bias=true is not supported")
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"{path}: quantization_config (quant_method {method!r}) is not supported: "
+            "safetensors are read unquantized; load the model's GGUF for quantized weights"
+        )
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     family: dict[str, Any] = {}
     if architecture in GEMMA_ARCHITECTURES:
@@ -95,6 +104,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         rope_config, family["rope_local_theta"] = gemma3_hf_rope(config, path)
     if architecture == "olmo3":
         rope_config, local_theta = _olmo3_rope(config, path)
+    if architecture == "gpt_oss":
+        family = gpt_oss_hf_fields(config)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
@@ -138,7 +149,7 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
     """ModelArch's MoE fields (model/moe.py) of a Mixtral, Qwen3-MoE, OLMoE or GraniteMoE
     config; {} otherwise. Fields we do not implement (shared experts, OLMoE's clip_qkv) are refused,
     naming them."""
-    if architecture not in ("mixtral", "qwen3_moe", "olmoe", "granitemoe"):
+    if architecture not in ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"):
         return {}
     if config.get("clip_qkv") is not None:
         raise ValueError(f"{path}: clip_qkv is not supported for {architecture}")
@@ -152,7 +163,7 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
             f"{path}: an MoE config needs 'num_local_experts' and 'num_experts_per_tok'"
         )
     num_layers = int(config["num_hidden_layers"])
-    if architecture in ("mixtral", "granitemoe"):  # softmax over the top k logits
+    if architecture in ("mixtral", "granitemoe", "gpt_oss"):  # softmax over the top k logits
         return dict(
             num_experts=num_experts,
             num_experts_per_tok=top_k,
@@ -296,16 +307,18 @@ def _sliding_windows(
     gated = ("qwen2", "qwen3", "qwen3_moe", "smollm3")  # windows only with use_sliding_window
     if architecture in gated and not config.get("use_sliding_window"):
         window = None
-    if architecture not in ("mistral", "mixtral", "phi3", "olmo3", *gated) or not window:
+    if architecture not in ("mistral", "mixtral", "phi3", "olmo3", "gpt_oss", *gated) or not window:
         return ()
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
     num_layers = config.get("num_hidden_layers", 0)
     if architecture in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return (window,) * num_layers
-    if config.get("layer_types") is not None or architecture == "olmo3":
-        # layer_types (the pattern only stands in for OLMo 3's absent ones: every fourth global)
-        local = hf_local_layers(config, path, num_layers, OLMO3_PATTERN)
+    if config.get("layer_types") is not None or architecture in ("olmo3", "gpt_oss"):
+        # layer_types (the pattern stands in for absent ones: OLMo 3's every fourth global,
+        # gpt-oss's every second)
+        pattern = GPT_OSS_PATTERN if architecture == "gpt_oss" else OLMO3_PATTERN
+        local = hf_local_layers(config, path, num_layers, pattern)
     elif architecture == "smollm3":
         local = [i in nope_layers for i in range(num_layers)]
     else:

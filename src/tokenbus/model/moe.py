@@ -45,6 +45,7 @@ EXPERT_NAMES = {
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "olmoe": ("gate_proj", "up_proj", "down_proj"),
     "granitemoe": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
+    "gpt_oss": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
 }
 
 

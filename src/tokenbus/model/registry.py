@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenbus.model.gemma import GemmaForCausalLM
+from tokenbus.model.gpt_oss import GptOssForCausalLM
 from tokenbus.model.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
@@ -42,10 +43,12 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "granitemoe": GraniteMoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -1,0 +1,200 @@
+"""gpt-oss end to end against HF transformers, fp32 on CPU: a tiny random model (4 experts of 32,
+top 2; windows of 32 on the even layers; its released YaRN, unrounded) from safetensors (HF's
+stacked, interleaved experts) and from a GGUF in llama.cpp's naming gives HF's greedy tokens,
+with logprobs within tolerance, through prefix-cache hits, chunked prefill, preemption and two
+expert-parallel ranks. Its sinks are drawn large enough to change HF's tokens, so a path that
+drops them fails; a model whose clamp bites shows the clamped SwiGLU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy_logprobs, load_hf
+from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tokenbus import SamplingParams
+
+MAX_TOKENS = 10
+LOGPROB_ATOL = 2e-3
+ENGINE = dict(kv_cache_dtype="float32")
+WINDOW = 32
+
+
+def _with_weights(src, dst, change) -> str:
+    """A copy of the HF model at `src` with `change(name, tensor)` applied to its tensors."""
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    weights = {name: change(name, tensor) for name, tensor in weights.items()}
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _sinks(value):
+    def change(name, tensor):
+        return value(tensor) if name.endswith("self_attn.sinks") else tensor
+
+    return change
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The tiny model with sinks around 1 (the fixture's are 0.2-scale noise): e^sink then
+    weighs like a key's e^score, so the sinks decide tokens."""
+    generator = torch.Generator().manual_seed(7)
+    bigger = _sinks(lambda t: 1.0 + torch.randn(t.shape, generator=generator))
+    return _with_weights(cached_tiny_model("gpt_oss"), tmp_path_factory.mktemp("oss") / "m", bigger)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(hf_dir, tmp_path_factory):
+    return write_gguf(hf_dir, tmp_path_factory.mktemp("oss-gguf") / "tiny-f32.gguf", "F32")
+
+
+@pytest.fixture(params=["safetensors", "gguf"])
+def model_path(request, hf_dir, gguf_file):
+    return hf_dir if request.param == "safetensors" else gguf_file
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    prefix = random_prompts(1, 40, 40, seed=31)[0]  # 2 full blocks + 8 tokens, past the window
+    return random_prompts(3, 1, 50, seed=32) + [prefix + t for t in random_prompts(3, 1, 20, 33)]
+
+
+def _reference(model_dir, prompts):
+    hf = load_hf(str(model_dir))
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir, prompts):
+    return _reference(hf_dir, prompts)
+
+
+def generate(llm, prompts, logprobs=1):
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=logprobs
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [out.outputs[0] for out in outputs]
+
+
+def assert_matches_hf(outputs, reference) -> None:
+    for out, (tokens, logprobs) in zip(outputs, reference):
+        assert out.token_ids == tokens
+        ours = [position[token].logprob for position, token in zip(out.logprobs, tokens)]
+        assert ours == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+def test_arch_reads_gpt_oss(model_path):
+    from tokenbus.loader import load_arch, resolve_model
+
+    arch = load_arch(resolve_model(str(model_path)))
+    assert arch.architecture == "gpt_oss"
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (4, 2, 32)
+    assert arch.norm_topk_prob  # softmax over the top k logits
+    assert arch.sliding_windows == (WINDOW, None)  # the even layers slide
+    assert (arch.swiglu_limit, arch.swiglu_alpha) == (7.0, 1.702)
+    assert arch.attention_bias
+    assert arch.rope_scaling["rope_type"] == "yarn"
+    assert arch.rope_scaling["truncate"] is False  # the GGUF's too: as the model was trained
+    assert (arch.rope_scaling["factor"], arch.rope_theta) == (32.0, 150000.0)
+
+
+def test_the_sinks_change_hfs_tokens(hf_dir, prompts, hf_reference, tmp_path):
+    """Guards the tests below: without its sinks the model answers otherwise, so a path that
+    ignored them could not give HF's tokens."""
+    sinkless = _with_weights(hf_dir, tmp_path / "m", _sinks(lambda t: torch.full_like(t, -1e4)))
+    assert [tokens for tokens, _ in _reference(sinkless, prompts)] != [
+        tokens for tokens, _ in hf_reference
+    ]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_batch_with_shared_prefixes(model_path, prompts, hf_reference, backend):
+    llm = make_llm(model_path, enable_prefix_caching=True, attention_backend=backend, **ENGINE)
+    assert_matches_hf(generate(llm, prompts), hf_reference)
+    assert llm.engine.stats_totals["prefix_cache_hits"] == 2 * 32
+    assert_engine_clean(llm)
+
+
+def test_tiny_token_budget_forces_chunking(model_path, prompts, hf_reference):
+    llm = make_llm(model_path, max_num_batched_tokens=16, long_prefill_token_threshold=8, **ENGINE)
+    assert_matches_hf(generate(llm, prompts), hf_reference)
+    assert_engine_clean(llm)
+
+
+def test_small_kv_pool_forces_preemptions(model_path, prompts, hf_reference):
+    # two KV groups (a local layer, a global one): 16 blocks hold one request, not six
+    llm = make_llm(model_path, num_kv_blocks=16, max_model_len=96, **ENGINE)
+    assert_matches_hf(generate(llm, prompts), hf_reference)
+    assert llm.engine.stats_totals["num_preemptions"] > 0
+    assert_engine_clean(llm)
+
+
+def test_the_clamp_of_the_experts(prompts, tmp_path):
+    """A limit that clamps most gate and up values: HF's tokens still (a model computing plain
+    SwiGLU, or clamping one side only, answers otherwise)."""
+    hf_dir = cached_tiny_model("gpt_oss", swiglu_limit=0.25)
+    reference = _reference(hf_dir, prompts[:3])
+    llm = make_llm(hf_dir, **ENGINE)
+    assert llm.engine.client.engine_core.executor.worker.model.arch.swiglu_limit == 0.25
+    assert_matches_hf(generate(llm, prompts[:3]), reference)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_experts_match_the_dequantized_file(hf_dir, prompts, tmp_path, qtype):
+    """Experts (and their biases, kept fp32) in GGUF blocks give the tokens of the same file
+    dequantized at load."""
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{qtype}.gguf", qtype)
+    results = {}
+    for quantization in ("gguf", "none"):
+        llm = make_llm(path, quantization=quantization, quant_activations="fp32", **ENGINE)
+        model = llm.engine.client.engine_core.executor.worker.model
+        assert (model.quant_kernels is not None) == (quantization == "gguf")
+        results[quantization] = generate(llm, prompts, logprobs=5)
+        assert_engine_clean(llm)
+    for ours, dense in zip(results["gguf"], results["none"]):
+        assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)
+
+
+@pytest.mark.slow
+def test_two_expert_parallel_ranks(model_path, prompts, hf_reference):
+    """Each rank holds half the experts, half the query heads and their sinks."""
+    llm = make_llm(model_path, tensor_parallel_size=2, **ENGINE)
+    try:
+        outputs = generate(llm, prompts[:3], logprobs=5)
+        for out, (tokens, _) in zip(outputs, hf_reference[:3]):
+            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_experts_with_biases_are_not_stacked_for_triton():
+    """triton_moe.py's grouped GEMMs compute SiLU experts without biases: gpt-oss's run one by
+    one on every device."""
+    from tokenbus.loader import load_arch, resolve_model
+    from tokenbus.model.gpt_oss import GptOssMoeBlock
+
+    arch = load_arch(resolve_model(str(cached_tiny_model("gpt_oss"))))
+    assert not GptOssMoeBlock(arch).stackable
+
+
+def test_mxfp4_safetensors_are_refused_by_name(tmp_path):
+    """OpenAI's released checkpoints keep the experts as MXFP4 blocks (quantization_config):
+    refused at load, pointing at the GGUF."""
+    from tokenbus.loader import load_arch, resolve_model
+
+    model = tmp_path / "m"
+    shutil.copytree(cached_tiny_model("gpt_oss"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantization_config.*mxfp4.*GGUF"):
+        load_arch(resolve_model(str(model)))
