@@ -7,6 +7,7 @@ drops them fails; a model whose clamp bites shows the clamped SwiGLU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -149,14 +150,15 @@ def test_the_clamp_of_the_experts(prompts, tmp_path):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_quantized_experts_match_the_dequantized_file(hf_dir, prompts, tmp_path, qtype):
-    """Experts (and their biases, kept fp32) in GGUF blocks give the tokens of the same file
-    dequantized at load."""
+    """Experts (and their biases, kept fp32) in GGUF blocks, each decode step's layers in C,
+    give the tokens of the same file dequantized at load."""
     path = write_gguf(hf_dir, tmp_path / f"tiny-{qtype}.gguf", qtype)
     results = {}
     for quantization in ("gguf", "none"):
         llm = make_llm(path, quantization=quantization, quant_activations="fp32", **ENGINE)
         model = llm.engine.client.engine_core.executor.worker.model
         assert (model.quant_kernels is not None) == (quantization == "gguf")
+        assert model.decodes_in_c == (quantization == "gguf")  # the whole layer in one C call
         results[quantization] = generate(llm, prompts, logprobs=5)
         assert_engine_clean(llm)
     for ours, dense in zip(results["gguf"], results["none"]):
@@ -180,10 +182,11 @@ def test_experts_with_biases_are_not_stacked_for_triton():
     """triton_moe.py's grouped GEMMs compute SiLU experts without biases: gpt-oss's run one by
     one on every device."""
     from tokenbus.loader import load_arch, resolve_model
-    from tokenbus.model.gpt_oss import GptOssMoeBlock
+    from tokenbus.model.moe import SparseMoeBlock
 
     arch = load_arch(resolve_model(str(cached_tiny_model("gpt_oss"))))
-    assert not GptOssMoeBlock(arch).stackable
+    assert not SparseMoeBlock(arch, bias=True).stackable
+    assert SparseMoeBlock(dataclasses.replace(arch, swiglu_limit=None)).stackable
 
 
 def test_mxfp4_safetensors_are_refused_by_name(tmp_path):

@@ -16,7 +16,7 @@ from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model.kernel_plan import build_decode_layers
-from tokenbus.model.layers import Linear
+from tokenbus.model.layers import TORCH_OPS, Linear
 from tokenbus.model.layers.quantized import QuantizedLinearKernel, TileModes
 from tokenbus.model.layers.rotary import apply_rotary
 from tokenbus.model.native import load_fused_ops, load_quant_kernels
@@ -60,6 +60,16 @@ def test_fused_ops_equal_torch(rows):
     torch.testing.assert_close(
         ops.gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5
     )
+    # gpt-oss's clamped SwiGLU: gate * 3 puts values past the limit on both sides
+    gate_up = gate_up * 3
+    want = TORCH_OPS.clamped_swiglu_mul(gate_up, 7.0, 1.702)
+    torch.testing.assert_close(
+        ops.clamped_swiglu_mul(gate_up, 7.0, 1.702), want, rtol=1e-5, atol=1e-5
+    )
+    gate, up = gate_up.chunk(2, dim=-1)  # HF's GptOssExperts._apply_gate, written out
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    torch.testing.assert_close(want, gate * torch.sigmoid(gate * 1.702) * (up + 1))
+    assert (gate_up.abs() > 7).any()
 
 
 def q4_k_m_mix(name: str) -> str:
@@ -273,6 +283,35 @@ def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype,
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert calls == [model.num_layers] * 5  # every step is decode-sized: all in C
+
+
+@pytest.mark.parametrize("source", ["gguf-mxfp4", "q8_0-tight-clamp"])
+def test_gpt_oss_layers_in_c_match_the_layer_by_layer_path(tmp_path, source):
+    """gpt-oss's layers in C: sinks, biases on attention, router and experts, the clamped
+    SwiGLU, alternating windows (the steps outgrow them). From an MXFP4 GGUF (llama.cpp's
+    limit, 7), and from safetensors rounded to Q8_0 with a limit of 0.5, which clamps most
+    values (the GGUF cannot say it): the same steps to float rounding, the same argmax."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    config = dict(hidden_size=256, intermediate_size=256, head_dim=64, sliding_window=4)
+    if source == "gguf-mxfp4":
+        hf_dir = cached_tiny_model("gpt_oss", **config)
+        src = resolve_model(str(write_gguf(hf_dir, tmp_path / "oss.gguf", "MXFP4", False)))
+        model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
+    else:
+        src = resolve_model(str(cached_tiny_model("gpt_oss", **config, swiglu_limit=0.5)))
+        model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="q8_0")
+        assert model.layers[0].mlp.swiglu == (0.5, 1.702)
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [4, None]
+    layers = model.kernels.decode_layers
+    assert layers is not None and model.decodes_in_c
+    calls, run_all = [], layers.run_all
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    want = _steps(model, False)
+    for got, expected in zip(_steps(model, True), want):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert calls == [model.num_layers] * 5
 
 
 @pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.75])

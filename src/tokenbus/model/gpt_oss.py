@@ -51,22 +51,6 @@ class GptOssAttention(Attention):
         copy_param(self.sinks, name, tensor[first : first + self.num_heads])
 
 
-class GptOssMoeBlock(SparseMoeBlock):
-    """moe.py's block with biases everywhere and gpt-oss's clamped SwiGLU."""
-
-    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(arch, tp, bias=True)
-        if arch.swiglu_limit is None:
-            raise ValueError("gpt-oss needs swiglu_limit (its experts' clamp)")
-        self.limit, self.alpha = arch.swiglu_limit, arch.swiglu_alpha
-
-    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)  # HF's order of operations
-
-
 class GptOssForCausalLM(MoECausalLM):
     family = "gpt_oss"
     moe_scope = "mlp."
@@ -75,7 +59,8 @@ class GptOssForCausalLM(MoECausalLM):
         return GptOssAttention(arch, tp)
 
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
-        return DecoderLayer(arch, self.make_attention(arch, tp), GptOssMoeBlock(arch, tp))
+        mlp = SparseMoeBlock(arch, tp, bias=True)  # its clamped SwiGLU: arch.swiglu_limit
+        return DecoderLayer(arch, self.make_attention(arch, tp), mlp)
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
         loaders = super()._weight_loaders()

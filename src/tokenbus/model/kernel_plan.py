@@ -425,13 +425,24 @@ def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
     """An MoE MLP as decode_layer.c runs it: the router on dense_rows.c's panels, every expert's
     two linears on tiled shards, all experts on this rank (no expert parallelism); or None."""
     router = block.gate.kernel
-    if not isinstance(router, RowInvariantLinear) or router.bias is not None or block.tp.enabled:
+    if not isinstance(router, RowInvariantLinear) or block.tp.enabled:
         return None
     gate_up = [_tiled_linear(expert.gate_up_proj) for expert in block.experts]
     down = [_tiled_linear(expert.down_proj) for expert in block.experts]
     if None in gate_up or None in down:
         return None
-    return MoeWeights(router.panels, gate_up, down, block.top_k, block.norm_topk_prob)
+    limit, alpha = block.swiglu or (0.0, 1.0)
+    return MoeWeights(
+        router.panels,
+        gate_up,
+        down,
+        block.top_k,
+        block.norm_topk_prob,
+        router_bias=router.bias,
+        activation=block.activation,
+        swiglu_limit=limit,
+        swiglu_alpha=alpha,
+    )
 
 
 def _tiled_linear(linear: Linear) -> LinearWeights | None:

@@ -61,8 +61,9 @@ class Expert(nn.Module):
 
 class SparseMoeBlock(OpsModule):
     """x [T, hidden] -> the routed experts' weighted sum [T, hidden]. `bias`: the router and
-    every expert's linears carry biases (gpt-oss); a subclass may change the activation
-    (`act_mul`), which then runs one expert at a time (stack_experts is the SiLU block's)."""
+    every expert's linears carry biases (gpt-oss's); with arch.swiglu_limit set the experts'
+    activation is gpt-oss's clamped SwiGLU instead of SiLU. Only SiLU experts without biases
+    run stacked (stack_experts: triton_moe.py's grouped GEMMs compute those)."""
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE, bias: bool = False) -> None:
         super().__init__()
@@ -82,6 +83,10 @@ class SparseMoeBlock(OpsModule):
         self.num_experts = arch.num_experts
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
+        # (limit, alpha) of gpt-oss's clamped SwiGLU; None: SiLU
+        self.swiglu = None if arch.swiglu_limit is None else (arch.swiglu_limit, arch.swiglu_alpha)
+        # the activation act_mul computes (decode_layer.c's MLP_ACTIVATIONS)
+        self.activation = "silu" if self.swiglu is None else "clamped_swiglu"
         per_rank = arch.num_experts // tp.size
         self.first_expert = tp.rank * per_rank  # this rank's experts: [first, first + per_rank)
         # The router, whole on every rank. Row-invariant: a token's experts never depend on
@@ -137,12 +142,14 @@ class SparseMoeBlock(OpsModule):
 
     def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """An expert's activation: [n, 2I] (gate, then up) -> [n, I]."""
-        return self.ops.silu_mul(gate_up)
+        if self.swiglu is None:
+            return self.ops.silu_mul(gate_up)
+        return self.ops.clamped_swiglu_mul(gate_up, *self.swiglu)
 
     @property
     def stackable(self) -> bool:
         """Whether triton_moe.py's grouped GEMMs compute these experts: SiLU, no biases."""
-        return type(self).act_mul is SparseMoeBlock.act_mul and self.gate.bias is None
+        return self.swiglu is None and self.gate.bias is None
 
     def stack_experts(self) -> None:
         """Run the experts through triton_moe.py's grouped GEMMs from now on: their dense

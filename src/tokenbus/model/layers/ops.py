@@ -87,6 +87,15 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def clamped_swiglu_mul(self, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+        """gpt-oss's experts' activation for gate_up [..., 2I] -> [..., I]: the gate clamped
+        from above at `limit`, up to [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1),
+        in HF's order of operations."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
     def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
         """cap * tanh(x / cap), in HF's order (Gemma's final logit soft-capping)."""
         return torch.tanh(x / cap) * cap
@@ -148,6 +157,11 @@ class FusedCpuOps(TorchOps):
         if gate_up.dim() != 2:
             return super().gelu_tanh_mul(gate_up)
         return self.fused.gelu_tanh_mul(gate_up)
+
+    def clamped_swiglu_mul(self, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+        if gate_up.dim() != 2 or not gate_up.is_contiguous():
+            return super().clamped_swiglu_mul(gate_up, limit, alpha)
+        return self.fused.clamped_swiglu_mul(gate_up, limit, alpha)
 
 
 TORCH_OPS = TorchOps()

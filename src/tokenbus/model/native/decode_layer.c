@@ -187,6 +187,9 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
     int status = 3;
     if (!logits || !weights || !rows || !experts || !order || !first) goto done;
     if ((status = k->dense_matmul(m->router, E, H, h, T, H, logits, E, threads))) goto done;
+    if (m->router_bias) /* after the whole sum, as dense_rows.py's RowInvariantLinear adds it */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t e = 0; e < E; e++) logits[t * E + e] += m->router_bias[e];
     for (int64_t t = 0; t < T; t++) route_token(logits + t * E, E, K, m->norm_topk_prob, experts + t * K, weights + t * K);
     for (int64_t p = 0; p < P; p++) first[experts[p] + 1]++;
     for (int64_t e = 0; e < E; e++) first[e + 1] += first[e];
@@ -200,7 +203,10 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
         if (!n) continue;
         for (int64_t i = 0; i < n; i++) memcpy(xs + i * H, h + pairs[i] / K * H, sizeof(float) * (size_t)H);
         if ((status = run_linear(k, &m->gate_up[e], xs, n, gate_up, s))) goto done;
-        k->silu_mul(gate_up, n, I, act, threads);
+        if (m->activation == MLP_CLAMPED_SWIGLU)
+            k->clamped_swiglu_mul(gate_up, n, I, m->swiglu_limit, m->swiglu_alpha, act, threads);
+        else
+            k->silu_mul(gate_up, n, I, act, threads);
         if ((status = run_linear(k, &m->down[e], act, n, ys, s))) goto done;
         for (int64_t i = 0; i < n; i++) {
             float *o = out + pairs[i] / K * H;

@@ -31,8 +31,9 @@ from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-# The gated MLP activations decode_layer.c computes (kernels.h's MLP_*), by hidden_act.
-MLP_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+# The gated MLP activations decode_layer.c computes (kernels.h's MLP_*), by hidden_act (and
+# gpt-oss's experts' clamped SwiGLU, moe.py's SparseMoeBlock.activation).
+MLP_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "clamped_swiglu": 2}
 # The pool dtypes decode_layer.c writes (kv_quant.h): fp32, and rounded to fp16, fp8 or q8_0.
 DECODE_LAYER_KV_DTYPES = (torch.float32, torch.float16, *kv_quant.QUANTIZED_KV_DTYPES)
 
@@ -46,6 +47,7 @@ class _Kernels(ctypes.Structure):
         ("silu_mul", _PTR),
         ("gelu_tanh_mul", _PTR),
         ("dense_matmul", _PTR),
+        ("clamped_swiglu_mul", _PTR),
     ]
 
 
@@ -70,11 +72,15 @@ class _Linear(ctypes.Structure):
 class _Moe(ctypes.Structure):
     _fields_ = [
         ("router", _PTR),
+        ("router_bias", _PTR),
         ("gate_up", ctypes.POINTER(_Linear)),
         ("down", ctypes.POINTER(_Linear)),
         ("num_experts", _I64),
         ("top_k", _I64),
         ("norm_topk_prob", _I64),
+        ("activation", _I64),
+        ("swiglu_limit", _F32),
+        ("swiglu_alpha", _F32),
     ]
 
 
@@ -187,24 +193,45 @@ class LinearWeights:
 
 @dataclass(frozen=True)
 class MoeWeights:
-    """A sparse MoE MLP as decode_layer.c reads it: the router's dense_rows.c panels, and each
-    expert's gate_up and down (on tiled shards)."""
+    """A sparse MoE MLP as decode_layer.c reads it: the router's dense_rows.c panels (and its
+    bias, fp32 [E]), and each expert's gate_up and down (on tiled shards, with their biases);
+    `activation` a key of MLP_ACTIVATIONS, "silu" or "clamped_swiglu" (with its limit, alpha)."""
 
     router: torch.Tensor
     gate_up: list[LinearWeights]
     down: list[LinearWeights]
     top_k: int
     norm_topk_prob: bool
+    router_bias: torch.Tensor | None = None
+    activation: str = "silu"
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.activation not in ("silu", "clamped_swiglu"):
+            raise ValueError(
+                f"an MoE MLP in C takes silu or clamped_swiglu, not {self.activation!r}"
+            )
+        bias = self.router_bias
+        experts = len(self.gate_up)
+        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (experts,)):
+            raise ValueError(
+                f"router_bias must be fp32 [{experts}], got {bias.dtype} {list(bias.shape)}"
+            )
 
     def struct(self) -> _Moe:
         experts = len(self.gate_up)
         return _Moe(
             self.router.data_ptr(),
+            None if self.router_bias is None else self.router_bias.data_ptr(),
             (_Linear * experts)(*(linear.struct() for linear in self.gate_up)),
             (_Linear * experts)(*(linear.struct() for linear in self.down)),
             experts,
             self.top_k,
             int(self.norm_topk_prob),
+            MLP_ACTIVATIONS[self.activation],
+            self.swiglu_limit,
+            self.swiglu_alpha,
         )
 
 
@@ -329,6 +356,7 @@ class DecodeLayers:
             _address(fused.silu_mul_fn),
             _address(fused.gelu_tanh_mul_fn),
             None if routers is None else _address(routers.matmul_fn),
+            _address(fused.clamped_swiglu_mul_fn),
         )
         self._weights = layers  # keeps every tensor the structs point into alive
         # and the objects behind the function pointers

@@ -12,6 +12,8 @@
    silu_mul:      out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]
    gelu_tanh_mul: out[t, i] = gelu(gate_up[t, i]) * gate_up[t, I + i], gelu's tanh approximation
                   (GeGLU: HF's gelu_pytorch_tanh)
+   clamped_swiglu_mul: gpt-oss's experts, g = min(gate, limit), u = clamp(up, -limit, limit),
+                  out = g * sigmoid(alpha * g) * (u + 1)
 */
 
 #include <math.h>
@@ -62,6 +64,19 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_th
         const float *g = gate_up + t * 2 * I, *u = g + I;
         float *o = out + t * I;
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+void clamped_swiglu_mul(const float *gate_up, int64_t T, int64_t I, float limit, float alpha, float *out,
+                        int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I >= PARALLEL_MIN_VALUES)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float gate = fminf(g[i], limit), up = fminf(fmaxf(u[i], -limit), limit);
+            o[i] = gate / (1.0f + expf(-alpha * gate)) * (up + 1.0f);
+        }
     }
 }
 

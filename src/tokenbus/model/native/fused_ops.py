@@ -23,6 +23,7 @@ class FusedOps:
     rope_fn: ctypes._CFuncPtr
     silu_mul_fn: ctypes._CFuncPtr
     gelu_tanh_mul_fn: ctypes._CFuncPtr
+    clamped_swiglu_mul_fn: ctypes._CFuncPtr
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -89,6 +90,22 @@ class FusedOps:
         """gelu(gate, tanh approximation) * up for gate_up [T, 2I] (contiguous) -> [T, I]."""
         return _gated(self.gelu_tanh_mul_fn, gate_up)
 
+    def clamped_swiglu_mul(self, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU (TorchOps.clamped_swiglu_mul) of gate_up [T, 2I] -> [T, I]."""
+        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
+        num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(num_tokens, size, dtype=torch.float32)
+        self.clamped_swiglu_mul_fn(
+            gate_up.data_ptr(),
+            num_tokens,
+            size,
+            ctypes.c_float(limit),
+            ctypes.c_float(alpha),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
 
 def _gated(fn: ctypes._CFuncPtr, gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
@@ -101,5 +118,5 @@ def _gated(fn: ctypes._CFuncPtr, gate_up: torch.Tensor) -> torch.Tensor:
 def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
     """Build (or find in the cache) and load fused_ops.c; NativeBuildError says why not."""
     lib = load_library(_FUSED_SOURCE, cpu)
-    names = ("add_rms_norm", "rope_inplace", "silu_mul", "gelu_tanh_mul")
+    names = ("add_rms_norm", "rope_inplace", "silu_mul", "gelu_tanh_mul", "clamped_swiglu_mul")
     return FusedOps(*(bind(lib, name) for name in names))

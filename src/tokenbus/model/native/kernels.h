@@ -56,6 +56,7 @@ void add_rms_norm(const float *x, int64_t ldx, const float *residual, int64_t ld
 void rope_inplace(float *qkv, int64_t ld, int64_t T, const float *cos, const float *sin, int64_t num_rot_heads, int64_t head_dim, int64_t rotary_dim, int num_threads);
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads);
 void gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads);
+void clamped_swiglu_mul(const float *gate_up, int64_t T, int64_t I, float limit, float alpha, float *out, int num_threads);
 
 /* ---- dense_rows.c: fp32 weights in row panels, batch-invariant */
 int64_t dense_panel_floats(int64_t N, int64_t K);
@@ -69,6 +70,7 @@ typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, float *,
 typedef void (*rope_fn)(float *, int64_t, int64_t, const float *, const float *, int64_t, int64_t, int64_t, int);
 typedef void (*gated_act_fn)(const float *, int64_t, int64_t, float *, int);
 typedef int (*dense_matmul_fn)(const float *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t, int);
+typedef void (*clamped_act_fn)(const float *, int64_t, int64_t, float, float, float *, int);
 
 typedef struct {
     tile_matmul_fn matmul;
@@ -77,6 +79,7 @@ typedef struct {
     rope_fn rope;
     gated_act_fn silu_mul, gelu_tanh_mul;
     dense_matmul_fn dense_matmul; /* dense_rows.c's: MoE routers; NULL where no layer has one */
+    clamped_act_fn clamped_swiglu_mul;
 } kernels;
 
 /* One tiled GGUF shard of a linear: `rows` of its outputs in one block type. */
@@ -98,15 +101,19 @@ typedef struct {
     int64_t lora_width;
 } linear;
 
-/* A sparse MoE MLP (model/moe.py): the router's packed rows, and expert e's two linears. */
+/* The gated MLP's activation: act(gate) * up; gpt-oss's experts clamp both first (MLP_CLAMPED_SWIGLU:
+   fused_ops.c's clamped_swiglu_mul). */
+enum { MLP_SILU = 0, MLP_GELU_TANH = 1, MLP_CLAMPED_SWIGLU = 2 };
+
+/* A sparse MoE MLP (model/moe.py): the router's packed rows (and bias), and expert e's two linears. */
 typedef struct {
     const float *router;          /* [E, hidden] in dense_pack's panels (dense_rows.c) */
+    const float *router_bias;     /* [E], added to the logits; NULL: none */
     const linear *gate_up, *down; /* [E] each */
     int64_t num_experts, top_k, norm_topk_prob;
+    int64_t activation;           /* MLP_SILU or MLP_CLAMPED_SWIGLU */
+    float swiglu_limit, swiglu_alpha; /* MLP_CLAMPED_SWIGLU's */
 } moe;
-
-/* The gated MLP's activation: act(gate) * up. */
-enum { MLP_SILU = 0, MLP_GELU_TANH = 1 };
 
 typedef struct {
     linear qkv, o, gate_up, down; /* gate_up and down unused where moe is set */

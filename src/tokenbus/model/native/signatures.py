@@ -37,6 +37,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "rope_inplace": ("v", "pllppllli"),
     "silu_mul": ("v", "pllpi"),
     "gelu_tanh_mul": ("v", "pllpi"),
+    "clamped_swiglu_mul": ("v", "pllffpi"),
     # dense_rows.c
     "dense_panel_floats": ("l", "ll"),
     "dense_pack": ("v", "pllp"),
