@@ -11,7 +11,9 @@ rotary in every fourth layer), qwen3-30b-a3b-8l (MoE), gemma-2-2b (sandwich norm
 soft-capped scores and logits, local and global layers alternating), gemma-3-1b (sandwich norms,
 q/k norms, five sliding-window layers to one global), olmo-2-1b (post-norms only, q/k norms
 over the whole projection), olmoe-1b-7b (64 experts, top 8, OLMo's q/k norms),
-granite-3b-a800m (GraniteMoE: 40 experts, top 8). Tensor names
+granite-3b-a800m (GraniteMoE: 40 experts, top 8), gpt-oss-20b-8l (gpt-oss: biases, sinks,
+32 experts of 2880 with biases, top 4, alternating windows, YaRN; 8 of its 24 layers). Tensor
+names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
 
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, RopeScalingType
 from gguf.constants import TokenType
 
 from tokenbus.loader.source import packaged_smollm2_gguf
@@ -46,6 +48,9 @@ STD = 0.02  # transformers' initializer_range: activations stay finite through a
 CHUNK_ROWS = 4096  # rows drawn at a time: float32 scratch of CHUNK_ROWS * cols values
 GEMMA = ("gemma2", "gemma3")  # sandwich norms: post_attention_norm and post_ffw_norm too
 POST_NORM_ONLY = ("olmo2",)  # post_attention_norm and post_ffw_norm, no attn_norm / ffn_norm
+# gpt-oss: biases on q/k/v, attn_output, the router and the experts; a sink per query head; its
+# pre-MLP norm named post_attention_norm
+GPT_OSS = "gpt-oss"
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class ModelShape:
     # global layers alternate; sandwich norms as Gemma 3's, no q/k norms)
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    yarn: tuple[float, int] | None = None  # YaRN's factor and original context
 
     @property
     def head_dim(self) -> int:
@@ -131,6 +137,17 @@ CONFIGS = {
         "granitemoe", 1536, 32, 24, 8, 512, 49155, 10000.0, 4096, 1e-6, True,
         experts=40, experts_used=8, expert_intermediate=512,
     ),
+    # gpt-oss-20b: 2880 wide, 64 / 8 heads of 64, 32 experts of 2880 with 4 used, a 201k
+    # vocabulary, untied, windows of 128 on the even layers, YaRN 32 over 4096. The whole model
+    # is 21 B parameters (42 GB at F16, past this disk's room beside the quantized copy); 8 of
+    # its 24 layers keep every per-token kernel shape and weigh ~16 GB at F16, ~5 GB once
+    # llama.cpp's MXFP4_MOE recipe makes the experts MXFP4 and the rest Q8_0, as the released
+    # GGUF has them.
+    "gpt-oss-20b-8l": ModelShape(
+        GPT_OSS, 2880, 8, 64, 8, 2880, 201088, 150000.0, 131072, 1e-5, False, qkv_bias=True,
+        experts=32, experts_used=4, expert_intermediate=2880, head_dim_override=64,
+        sliding_window=128, yarn=(32.0, 4096),
+    ),
     "gemma-2-2b": ModelShape(
         "gemma2", 2304, 26, 8, 4, 9216, 256000, 10000.0, 8192, 1e-6, True,
         head_dim_override=256, sliding_window=4096, attn_softcap=50.0, final_softcap=30.0,
@@ -177,9 +194,10 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
     yield "token_embd.weight", (shape.vocab, h), "matrix"
     if shape.llama3_rope:
         yield "rope_freqs.weight", (shape.head_dim // 2,), "rope"
+    oss = shape.architecture == GPT_OSS
     for i in range(shape.layers):
         b = f"blk.{i}."
-        post_norms = shape.architecture in (*GEMMA, *POST_NORM_ONLY)
+        post_norms = shape.architecture in (*GEMMA, *POST_NORM_ONLY, GPT_OSS)
         pre_norms = shape.architecture not in POST_NORM_ONLY
         if pre_norms:
             yield b + "attn_norm.weight", (h,), "norm"
@@ -192,16 +210,22 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "attn_q_norm.weight", (q if whole else shape.head_dim,), "norm"
             yield b + "attn_k_norm.weight", (kv if whole else shape.head_dim,), "norm"
         yield b + "attn_output.weight", (h, q), "matrix"
+        if oss:
+            yield b + "attn_output.bias", (h,), "bias"
+            yield b + "attn_sinks.weight", (shape.heads,), "bias"
         if post_norms:
             yield b + "post_attention_norm.weight", (h,), "norm"
-        if pre_norms:
+        if pre_norms and not oss:
             yield b + "ffn_norm.weight", (h,), "norm"
         if shape.experts:
             e, inter = shape.experts, shape.expert_intermediate
             yield b + "ffn_gate_inp.weight", (e, h), "router"
-            yield b + "ffn_gate_exps.weight", (e, inter, h), "matrix"
-            yield b + "ffn_up_exps.weight", (e, inter, h), "matrix"
-            yield b + "ffn_down_exps.weight", (e, h, inter), "matrix"
+            if oss:
+                yield b + "ffn_gate_inp.bias", (e,), "bias"
+            for name, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
+                yield b + f"ffn_{name}_exps.weight", (e, rows, cols), "matrix"
+                if oss:
+                    yield b + f"ffn_{name}_exps.bias", (e, rows), "bias"
             continue
         yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
@@ -262,6 +286,10 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.yarn:
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(shape.yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(shape.yarn[1])
     if shape.attn_softcap:
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.final_softcap:

@@ -117,6 +117,14 @@ def test_the_real_configs_have_the_published_sizes():
     assert 1.48e9 < params["olmo-2-1b"] < 1.49e9
     assert 6.91e9 < params["olmoe-1b-7b"] < 6.93e9
     assert 3.29e9 < params["granite-3b-a800m"] < 3.31e9
+    # gpt-oss-20b: 20.9 B parameters over its 24 layers; the 8-layer file holds a third of them
+    full = dataclasses.replace(make_random_gguf.CONFIGS["gpt-oss-20b-8l"], layers=24)
+    assert (
+        20.8e9
+        < sum(int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(full))
+        < 21.0e9
+    )
+    assert 7.7e9 < params["gpt-oss-20b-8l"] < 7.8e9
 
 
 def test_moe_config_writes_stacked_experts_the_engine_loads(tmp_path):
@@ -136,3 +144,31 @@ def test_moe_config_writes_stacked_experts_the_engine_loads(tmp_path):
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     down = model.layers[1].mlp.experts[7].down_proj.weight
     assert down.shape == (128, 64) and 0.015 < down.std().item() < 0.025
+
+
+def test_gpt_oss_is_written_as_llama_cpps(tmp_path):
+    """Biases on attention, router and experts, sinks, the post-attention norm, the window and
+    YaRN: read back by the loader and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("gpt-oss-20b-8l"),
+        experts=4,
+        experts_used=2,
+        expert_intermediate=64,
+        head_dim_override=32,
+    )
+    path = make_random_gguf.write_random_gguf(
+        "gpt-oss-20b-8l", tmp_path / "oss.gguf", shape=shape, quiet=True
+    )
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.num_experts, arch.num_experts_per_tok) == ("gpt_oss", 4, 2)
+    assert arch.sliding_windows == (128, None) and arch.attention_bias
+    assert arch.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    }
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert torch.isfinite(model.layers[0].self_attn.sinks).all()
+    assert model.layers[1].mlp.experts[3].down_proj.bias.abs().max() > 0
