@@ -62,6 +62,18 @@ CASES = [
 ]
 
 
+# gpt-oss's harmony replies (the prompt ends with "<|start|>assistant"): reasoning, content.
+ANALYSIS, FINAL = "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>"
+HARMONY_CASES = [
+    (f"{ANALYSIS}Think.<|end|>{FINAL}Paris.", ("Think.", "Paris.")),
+    ("<|channel|>final<|message|>Paris.", (None, "Paris.")),  # no analysis
+    (f"{ANALYSIS}cut short", ("cut short", None)),
+    (f"{ANALYSIS}a<|end|>", ("a", None)),
+    ("Paris.", (None, "Paris.")),  # no header at all
+    (f"{ANALYSIS}1 < 2 <|end|>{FINAL}a <|b", ("1 < 2 ", "a <|b")),  # "<|"-like text stays
+]
+
+
 def _stream(plan: ReasoningPlan, pieces: list[tuple[str, list[int]]]) -> tuple[str, str]:
     stream = plan.stream()
     reasoning = content = ""
@@ -208,6 +220,42 @@ def test_reasoning_tokens_counted(think_tokenizer):
 
 def test_unknown_parser_names_the_choices():
     with pytest.raises(
-        ValueError, match=r"reasoning_parser: unknown parser 'r2'.*deepseek_r1, qwen3"
+        ValueError,
+        match=r"reasoning_parser: unknown parser 'r2'.*deepseek_r1, openai_gptoss, qwen3",
     ):
         make_reasoning_parser("r2", CharTokenizer())
+
+
+@pytest.mark.parametrize("text, expected", HARMONY_CASES)
+def test_harmony_split_by_text_whatever_the_deltas(text, expected):
+    plan = ReasoningPlan(make_reasoning_parser("openai_gptoss", CharTokenizer()), Phase.BEFORE)
+    assert plan.parser.needs_special_tokens  # its markers are special tokens of o200k_harmony
+    assert plan.split(text, []) == expected
+    for pieces in _cuts(text, random.Random(text)):
+        assert _as_split(*_stream(plan, [(piece, []) for piece in pieces])) == expected, pieces
+
+
+def test_harmony_through_the_detokenizer_with_special_tokens_kept():
+    """The markers as special tokens (o200k_harmony's): detokenized with them kept, a token at
+    a time, the analysis channel is the reasoning and the final channel the content."""
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.tiny_models import smollm2_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
+    markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    reply = tokenizer.encode(HARMONY_CASES[0][0], add_special_tokens=False)
+    assert len(set(reply) & set(tokenizer.convert_tokens_to_ids(markers))) == 4
+    plan = ReasoningPlan(make_reasoning_parser("openai_gptoss", tokenizer), Phase.BEFORE)
+    prompt = tokenizer.encode("<|start|>user<|message|>Capital of France?<|end|><|start|>assistant")
+    assert plan.parser.first_phase(prompt, None, None) is Phase.BEFORE
+    params = SamplingParams(skip_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, params)
+    stream, reasoning, content = plan.stream(), "", ""
+    for i, token_id in enumerate(reply):
+        detokenizer.update([token_id])
+        last = i == len(reply) - 1
+        delta = stream.feed(detokenizer.get_delta(finished=last), [token_id], final=last)
+        reasoning, content = reasoning + delta.reasoning, content + delta.content
+    assert (reasoning, content) == ("Think.", "Paris.")

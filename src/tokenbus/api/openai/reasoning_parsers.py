@@ -7,14 +7,19 @@
     qwen3        reasoning only once a <think> opens it, in the reply or left open at the end
                  of the prompt (templates that open it for the model); </think> closes it;
                  with chat_template_kwargs {"enable_thinking": false} the reply is all content
+    openai_gptoss  gpt-oss's harmony format: the analysis channel
+                 (<|channel|>analysis<|message|> ... <|end|>) is reasoning, the final channel
+                 content, its header (<|start|>assistant<|channel|>final<|message|>) dropped;
+                 the markers are special tokens, so the text keeps them
 
 Tags are told by token id where the tokenizer has each tag as one token (Qwen3's and R1's do):
 then only those tokens count, not the same characters spelled with other tokens. Otherwise the
 text decides. Either way the split is made in the text: a stream holds back the first characters
 of a tag until a later delta shows whether they are one, so no tag is leaked in part.
 
-After the reasoning ends everything is content, tags included; the first <think> inside the
-reasoning (a model that writes it although the prompt opened one) is dropped.
+After the reasoning ends everything is content, tags included, but for a parser's `dropped`
+markers (harmony's channel headers), which frame the content and never show; the first <think>
+inside the reasoning (a model that writes it although the prompt opened one) is dropped.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class ReasoningParser:
     name: str
     start_tag = "<think>"
     end_tag = "</think>"
+    dropped: tuple[str, ...] = ()  # markers outside the reasoning dropped from the content
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -84,6 +90,27 @@ class ReasoningParser:
         if prompt_text is None:  # truncated: the text sent is that of the tokens kept
             prompt_text = self.tokenizer.decode(list(prompt_token_ids))
         return prompt_text.rfind(self.start_tag) > prompt_text.rfind(self.end_tag)
+
+
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony messages, told by their text: reasoning from the analysis channel's
+    header to its <|end|>, content the rest with the final channel's header dropped (a reply
+    that skips the analysis opens with that header). Every marker is a special token of
+    o200k_harmony, so the reply is detokenized with them kept."""
+
+    name = "openai_gptoss"
+    start_tag = "<|channel|>analysis<|message|>"
+    end_tag = "<|end|>"
+    dropped = ("<|start|>assistant", "<|channel|>final<|message|>")
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self.needs_special_tokens = True
+
+    def first_phase(self, prompt_token_ids, prompt_text, template_kwargs) -> Phase:
+        if self.prompt_opens_reasoning(prompt_token_ids, prompt_text):
+            return Phase.REASONING
+        return Phase.BEFORE
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
@@ -188,9 +215,15 @@ class ReasoningStream:
             tags = [self.parser.start_tag]
         else:
             tags = [self.parser.end_tag] + ([] if self.opened else [self.parser.start_tag])
-        return tags if self.arrived is None else [t for t in tags if self.arrived[t] > 0]
+        if self.arrived is not None:
+            tags = [t for t in tags if self.arrived[t] > 0]
+        if self.phase is not Phase.REASONING:
+            tags += self.parser.dropped  # by their text, whatever the tokenizer
+        return tags
 
     def _consume(self, tag: str) -> None:
+        if tag in self.parser.dropped:
+            return
         if self.arrived is not None:
             self.arrived[tag] -= 1
         if tag == self.parser.start_tag:
@@ -208,7 +241,8 @@ def _single_token_id(tokenizer: Any, vocab: dict[str, int], tag: str) -> int | N
 
 
 PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    cls.name: cls
+    for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, HarmonyReasoningParser)
 }
 
 
