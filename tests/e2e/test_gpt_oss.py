@@ -189,15 +189,104 @@ def test_experts_with_biases_are_not_stacked_for_triton():
     assert SparseMoeBlock(dataclasses.replace(arch, swiglu_limit=None)).stackable
 
 
-def test_mxfp4_safetensors_are_refused_by_name(tmp_path):
-    """OpenAI's released checkpoints keep the experts as MXFP4 blocks (quantization_config):
-    refused at load, pointing at the GGUF."""
+def _openai_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(blocks [..., G, 16], scales [..., G], the values they hold) of fp32 rows [..., cols] in
+    OpenAI's MXFP4 layout: quantized by gguf (ggml's layout), then its bits moved back."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType.MXFP4
+    ggml = torch.from_numpy(gguf.quants.quantize(rows.numpy(), qtype))
+    values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(ggml.numpy(), qtype)))
+    ggml = ggml.view(*rows.shape[:-1], -1, 17)
+    scales, packed = ggml[..., 0], ggml[..., 1:]
+    codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1)  # value j, j < 32, of each block
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), scales.contiguous(), values
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(hf_dir, tmp_path_factory):
+    """(OpenAI's MXFP4 checkpoint of the tiny model, the same model with its experts' weights
+    replaced by the values those blocks hold, dense: HF's reference for it)."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    blocked, rounded = root / "mxfp4", root / "rounded"
+    shutil.copytree(hf_dir, blocked)
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    dense = dict(weights)
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # HF's runtime layout [E, in, out]; the blocks run along `in` for each output row
+        blocks, scales, values = _openai_mxfp4(weights[name].transpose(1, 2).contiguous())
+        del weights[name]
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+        dense[name] = values.transpose(1, 2).contiguous()
+    save_file(weights, str(blocked / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((blocked / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (blocked / "config.json").write_text(json.dumps(config))
+    _with_weights(hf_dir, rounded, lambda name, tensor: dense[name])
+    return blocked, rounded
+
+
+def test_mxfp4_blocks_move_to_ggml_bits_exactly():
+    """loader/mxfp4.py against gguf: OpenAI's blocks turned into ggml's are gguf's own
+    quantization of the same values, and dequantize to gguf's values, at every exponent."""
+    import gguf
+
+    from tokenbus.loader.mxfp4 import dequantize, ggml_blocks
+
+    rows = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
+    rows *= torch.logspace(-30, 30, 6, base=2).unsqueeze(-1)  # exponents far apart
+    blocks, scales, values = _openai_mxfp4(rows)
+    want = gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType.MXFP4)
+    assert torch.equal(ggml_blocks(blocks, scales), torch.from_numpy(want))
+    assert torch.equal(dequantize(blocks, scales), values)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "q8_0"])
+def test_mxfp4_safetensors_run_on_their_blocks(mxfp4_dirs, prompts, quantization):
+    """OpenAI's MXFP4 checkpoint on CPU: its experts stay MXFP4 blocks and give the tokens HF
+    gives the dense model of the same values. With --quantization q8_0 the other linears are
+    rounded to Q8_0 too (another model, so its own op-by-op run is the reference), and every
+    decode step runs in C."""
+    import gguf
+
+    blocked, rounded = mxfp4_dirs
+    outputs = {}
+    for eager in (False, True):
+        llm = make_llm(blocked, quantization=quantization, enforce_eager=eager, **ENGINE)
+        model = llm.engine.client.engine_core.executor.worker.model
+        expert = model.layers[1].mlp.experts[3]
+        for linear in (expert.gate_up_proj, expert.down_proj):
+            qtypes = {w.qtype for w in linear.quantized_weights()}
+            assert qtypes == {gguf.GGMLQuantizationType.MXFP4}
+        assert model.decodes_in_c == (quantization == "q8_0" and not eager)
+        outputs[eager] = generate(llm, prompts, logprobs=5)
+        assert_engine_clean(llm)
+    reference = _reference(rounded, prompts) if quantization == "auto" else None
+    for i, out in enumerate(outputs[False]):
+        tokens = reference[i][0] if reference else outputs[True][i].token_ids
+        assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+
+
+def test_mxfp4_safetensors_dequantized_give_hfs_tokens(mxfp4_dirs, prompts):
+    """--quantization none: the blocks dequantized at load, HF's tokens and logprobs."""
+    blocked, rounded = mxfp4_dirs
+    llm = make_llm(blocked, quantization="none", **ENGINE)
+    assert llm.engine.client.engine_core.executor.worker.model.quant_kernels is None
+    assert_matches_hf(generate(llm, prompts), _reference(rounded, prompts))
+    assert_engine_clean(llm)
+
+
+def test_other_quantized_safetensors_are_refused_by_name(tmp_path):
+    """A quantization_config is refused (GPTQ, say), and MXFP4 outside gpt-oss."""
     from tokenbus.loader import load_arch, resolve_model
 
-    model = tmp_path / "m"
-    shutil.copytree(cached_tiny_model("gpt_oss"), model)
-    config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantization_config.*mxfp4.*GGUF"):
-        load_arch(resolve_model(str(model)))
+    for family, method in (("gpt_oss", "gptq"), ("llama", "mxfp4")):
+        model = tmp_path / f"{family}-{method}"
+        shutil.copytree(cached_tiny_model(family), model)
+        config = json.loads((model / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": method}
+        (model / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=f"quantization_config.*{method}.*GGUF"):
+            load_arch(resolve_model(str(model)))

@@ -25,7 +25,7 @@ from tokenbus.loader import (
     resolve_model,
     tokenizer_path,
 )
-from tokenbus.loader.hf_loader import read_json
+from tokenbus.loader.hf_loader import hf_blocks_quantized, read_json
 from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
 from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS
 from tokenbus.utils.cpu import available_cpus
@@ -276,8 +276,8 @@ def resolve_dtype(name: str, device: str) -> str:
 
 
 def quantization_problem(source: ModelSource | None, device: str, tp_size: int) -> str | None:
-    """Why GGUF weights cannot stay quantized here, or None."""
-    if source is None or source.kind != "gguf":
+    """Why GGUF weights (or gpt-oss's MXFP4 safetensors) cannot stay quantized here, or None."""
+    if source is None or not (source.kind == "gguf" or hf_blocks_quantized(source.path)):
         return "the model is not a GGUF file"
     return blocks_problem(device, tp_size)
 

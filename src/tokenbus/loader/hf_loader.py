@@ -89,11 +89,12 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if config.get("mlp_bias"):
         raise ValueError(f"{path}: mlp_bias=true is not supported")
     quantization = config.get("quantization_config")
-    if quantization:
+    if quantization and not (is_mxfp4(config) and architecture == "gpt_oss"):
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         raise ValueError(
             f"{path}: quantization_config (quant_method {method!r}) is not supported: "
-            "safetensors are read unquantized; load the model's GGUF for quantized weights"
+            "safetensors are read unquantized (but gpt-oss's MXFP4 experts); load the model's "
+            "GGUF for quantized weights"
         )
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     family: dict[str, Any] = {}
@@ -143,6 +144,18 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         **_moe_fields(config, architecture, path),
     )
     return dataclasses.replace(arch, **family) if family else arch
+
+
+def is_mxfp4(config: dict[str, Any]) -> bool:
+    """Whether config.json says its experts are OpenAI's MXFP4 blocks (loader/mxfp4.py)."""
+    quantization = config.get("quantization_config")
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+
+
+def hf_blocks_quantized(directory: Path) -> bool:
+    """Whether an HF checkpoint holds blocks the quantized kernels run (gpt-oss's MXFP4)."""
+    path = directory / "config.json"
+    return path.is_file() and is_mxfp4(read_json(path))
 
 
 def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[str, Any]:

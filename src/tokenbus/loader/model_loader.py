@@ -14,6 +14,7 @@ from tokenbus.loader.hf_loader import (
     read_json,
     safetensors_files,
 )
+from tokenbus.loader.mxfp4 import gpt_oss_experts
 from tokenbus.loader.source import ModelSource
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -32,7 +33,11 @@ def iter_weights(
     src: ModelSource, arch: ModelArch, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
-    fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them."""
+    fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them, and so
+    do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py)."""
     if src.kind == "hf":
-        return iter_safetensors(safetensors_files(src.path))
+        weights = iter_safetensors(safetensors_files(src.path))
+        if arch.architecture == "gpt_oss":
+            return gpt_oss_experts(weights, keep_quantized)
+        return weights
     return iter_gguf_weights(read_gguf(src.path), arch, keep_quantized)

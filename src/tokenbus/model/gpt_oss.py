@@ -17,6 +17,8 @@ HF stores each layer's experts stacked and transposed: gate_up_proj [E, hidden, 
 and up interleaved (column 2i the gate's, 2i + 1 the up's), down_proj [E, I, hidden], their
 biases [E, 2I] and [E, hidden], and the router as `router`. They are split at load into the
 per-expert names the MoE block loads, as llama.cpp's converter splits them into ffn_*_exps.
+OpenAI's released checkpoints hold the experts as MXFP4 blocks; loader/mxfp4.py hands those
+over per expert already (kept in their blocks, or dequantized).
 """
 
 from __future__ import annotations
@@ -99,10 +101,5 @@ def _per_expert(
         elif leaf == "experts.down_proj_bias":  # [E, hidden]
             for e in range(tensor.shape[0]):
                 yield f"{experts}.{e}.down_proj.bias", tensor[e]
-        elif leaf.startswith("experts.") and leaf.endswith(("_blocks", "_scales")):
-            raise ValueError(
-                f"weight {name}: experts stored as MXFP4 blocks (OpenAI's released "
-                "checkpoint) are not read from safetensors; load the model's GGUF instead"
-            )
         else:
             yield name, tensor
