@@ -172,13 +172,19 @@ class GeGLUMLP(GatedMLP):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), the residual carried apart.
     `residual_scale` (Granite's residual_multiplier; 1 elsewhere) scales each sublayer's output
-    before it joins the residual."""
+    before it joins the residual. `norm` builds its norms (the family's RMSNorm)."""
 
-    def __init__(self, arch: ModelArch, self_attn: Attention, mlp: GatedMLP) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        self_attn: Attention,
+        mlp: GatedMLP,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = norm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = norm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
         self.residual_scale = arch.residual_multiplier
 
