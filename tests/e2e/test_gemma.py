@@ -1,5 +1,6 @@
-"""Gemma 2 and Gemma 3 (text) end to end against HF transformers, fp32 on CPU: tiny random models
-(Gemma 2: soft-capped scores and logits, alternating local and global layers; Gemma 3: q/k
+"""Gemma, Gemma 2 and Gemma 3 (text) end to end against HF transformers, fp32 on CPU: tiny random
+models (Gemma: (1 + w) norms in fp32, GeGLU, the scaled embedding in Llama's pre-norm layers;
+Gemma 2: soft-capped scores and logits, alternating local and global layers; Gemma 3: q/k
 norms, five local layers on their own RoPE base and a global one) from their safetensors
 directories and from GGUFs in llama.cpp's naming give HF's greedy tokens, with logprobs within
 tolerance, for a batch through prefix-cache hits, chunked prefill, preemption and two
@@ -21,7 +22,7 @@ LOGPROB_ATOL = 2e-3
 ENGINE = dict(kv_cache_dtype="float32")
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["gemma", "gemma2", "gemma3"])
 def family(request):
     return request.param
 
@@ -92,7 +93,7 @@ def test_tiny_token_budget_forces_chunking(model_path, prompts, hf_reference):
 
 # A pool that holds one request of 96 tokens and no more: with the hybrid KV cache a block is
 # a page of one layer per KV group, and every group (Gemma 2: 2, Gemma 3: 6) takes 6 of them.
-SMALL_POOL = {"gemma2": 16, "gemma3": 40}
+SMALL_POOL = {"gemma": 8, "gemma2": 16, "gemma3": 40}
 
 
 def test_small_kv_pool_forces_preemptions(family, model_path, prompts, hf_reference):

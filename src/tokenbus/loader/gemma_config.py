@@ -1,5 +1,6 @@
-"""Gemma 2 and Gemma 3 (text) shapes: what their config.json or GGUF metadata says beyond a
-Llama decoder's (L2). Each reader returns ModelArch fields; hf_loader / gguf_loader join them.
+"""Gemma, Gemma 2 and Gemma 3 (text) shapes: what their config.json or GGUF metadata says beyond
+a Llama decoder's (L2). Each reader returns ModelArch fields; hf_loader / gguf_loader join them.
+Gemma (1) has no local layers, no soft-caps and Llama's two norms a layer.
 
 - Layer windows: HF's `layer_types` where the config has it, else Gemma 2's alternation (even
   layers local) or Gemma 3's `sliding_window_pattern` (default 6: five local, then a global
@@ -26,10 +27,13 @@ from tokenbus.loader.layer_kinds import (
     windows,
 )
 
-GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 GEMMA_GGUF_ARCHITECTURES = GEMMA_ARCHITECTURES
+# Four norms a layer (before and after attention and MLP), under Gemma 2's GGUF names.
+SANDWICH_GGUF_ARCHITECTURES = ("gemma2", "gemma3")
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"  # HF's tanh-approximated GELU (GeGLU MLP)
-_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}  # every Nth layer is global, the others local
+# every Nth layer is global, the others local (Gemma's 1: every layer global)
+_DEFAULT_PATTERN = {"gemma": 1, "gemma2": 2, "gemma3": 6}
 _GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales those by hidden / heads
 _GGUF_LOCAL_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
 
@@ -72,7 +76,7 @@ def gemma_gguf_fields(meta: dict[str, Any], arch: str, num_layers: int) -> dict[
     """ModelArch fields of a Gemma GGUF (llama.cpp's keys and fixed choices)."""
     hidden, heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
-    scalar = hidden // heads if num_layers == _GGUF_27B_LAYERS[arch] else head_dim
+    scalar = hidden // heads if num_layers == _GGUF_27B_LAYERS.get(arch) else head_dim
     window = meta.get(f"{arch}.attention.sliding_window")
     local = gguf_local_layers(meta, arch, num_layers, _DEFAULT_PATTERN[arch])
     return dict(

@@ -42,6 +42,7 @@ from gguf.quants import dequantize
 from tokenbus.config import ModelArch
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
+    SANDWICH_GGUF_ARCHITECTURES,
     gemma_gguf_fields,
 )
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
@@ -132,7 +133,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
         "attn_sinks": "self_attn.sinks",
     },
     "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
-    **{arch: _GEMMA_BLOCK_NAMES for arch in GEMMA_GGUF_ARCHITECTURES},
+    **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
 }
 # HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks).
 _PARAMETER_NAMES = ("self_attn.sinks",)

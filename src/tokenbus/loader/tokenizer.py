@@ -93,8 +93,11 @@ def _from_cache_entry(directory: Path):
 # Their tokenizer comes from the file's tokenizer.ggml.* alone (TokenizersBackend, the class
 # AutoTokenizer picks for a GGUF's BPE vocabulary as well: SmolLM3's is Llama 3's, Granite's a
 # GPT-2 style BPE too, and OLMo 2's, OLMoE's and gpt-oss's, whose o200k pre-tokenizer
-# transformers builds from `tokenizer.ggml.pre` "gpt-4o").
-GGUF_TOKENIZER_WITHOUT_CONFIG = ("smollm3", "granite", "granitemoe", "olmo2", "olmoe", "gpt-oss")
+# transformers builds from `tokenizer.ggml.pre` "gpt-4o"; Gemma's (1) sentencepiece vocabulary
+# goes through transformers' gemma tokenizer mapping, as Gemma 2's).
+GGUF_TOKENIZER_WITHOUT_CONFIG = (
+    *("smollm3", "granite", "granitemoe", "olmo2", "olmoe", "gpt-oss", "gemma"),
+)
 
 
 def _from_pretrained(directory: Path, gguf_file: str | None):

@@ -1,12 +1,13 @@
-"""Gemma 2 and Gemma 3 (text): model/decoder.py's parts (attention, GeGLU MLP, sandwich-norm
-layer) configured as Gemma's.
+"""Gemma, Gemma 2 and Gemma 3 (text): model/decoder.py's parts (attention, GeGLU MLP, pre-norm
+or sandwich-norm layer) configured as Gemma's.
 
 - RMSNorm scales by (1 + w), computed in fp32 whatever the activations' dtype, then cast back
   (HF's Gemma2RMSNorm / Gemma3RMSNorm: layers.Fp32RMSNorm). The parameter holds (1 + w), made
   in fp32 at load from HF's w (a GGUF's norms come back as w too: loader/gguf_loader.py), so in
   an fp32 model the norm is a plain RMSNorm and the fused C op runs it.
-- Each layer norms before and after attention and before and after the MLP
-  (decoder.SandwichDecoderLayer), and its MLP is GeGLU (decoder.GeGLUMLP).
+- Gemma 2's and Gemma 3's layers norm before and after attention and before and after the MLP
+  (decoder.SandwichDecoderLayer); Gemma's before each only, as Llama's (decoder.DecoderLayer).
+  Every MLP is GeGLU (decoder.GeGLUMLP).
 - The embedding is scaled by sqrt(hidden_size), that factor cast to the activations' dtype first.
 - Attention scale query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps the attention scores
   (attn_logit_softcapping) and both may soft-cap the final logits (final_logit_softcapping).
@@ -30,7 +31,13 @@ import torch
 
 from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import GLOBAL_ROPE, CausalLM
-from tokenbus.model.decoder import Attention, GeGLUMLP, QKNorm, SandwichDecoderLayer
+from tokenbus.model.decoder import (
+    Attention,
+    DecoderLayer,
+    GeGLUMLP,
+    QKNorm,
+    SandwichDecoderLayer,
+)
 from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader
@@ -54,8 +61,12 @@ class GemmaForCausalLM(CausalLM):
         super().__init__(arch, tp)
         self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> SandwichDecoderLayer:
+    def make_layer(
+        self, arch: ModelArch, tp: TensorParallel
+    ) -> DecoderLayer | SandwichDecoderLayer:
         attn, mlp = GemmaAttention(arch, tp), GeGLUMLP(arch, tp)
+        if arch.architecture == "gemma":
+            return DecoderLayer(arch, attn, mlp, Fp32RMSNorm)
         return SandwichDecoderLayer(arch, attn, mlp, Fp32RMSNorm)
 
     def rotary_lookup(
