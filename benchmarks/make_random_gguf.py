@@ -12,7 +12,8 @@ soft-capped scores and logits, local and global layers alternating), gemma-3-1b 
 q/k norms, five sliding-window layers to one global), olmo-2-1b (post-norms only, q/k norms
 over the whole projection), olmoe-1b-7b (64 experts, top 8, OLMo's q/k norms),
 granite-3b-a800m (GraniteMoE: 40 experts, top 8), gpt-oss-20b-8l (gpt-oss: biases, sinks,
-32 experts of 2880 with biases, top 4, alternating windows, YaRN; 8 of its 24 layers). Tensor
+32 experts of 2880 with biases, top 4, alternating windows, YaRN; 8 of its 24 layers), gemma-2b
+(Gemma: Gemma's norms and GeGLU in pre-norm layers, one KV head). Tensor
 names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
@@ -147,6 +148,11 @@ CONFIGS = {
         GPT_OSS, 2880, 8, 64, 8, 2880, 201088, 150000.0, 131072, 1e-5, False, qkv_bias=True,
         experts=32, experts_used=4, expert_intermediate=2880, head_dim_override=64,
         sliding_window=128, yarn=(32.0, 4096),
+    ),
+    # Gemma 2B (gemma-2b): 2048 wide, 18 layers of 8 query heads of 256 over one KV head, GeGLU
+    # of 16384, a 256k vocabulary tied to the LM head; Llama's two norms a layer.
+    "gemma-2b": ModelShape(
+        "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,
     ),
     "gemma-2-2b": ModelShape(
         "gemma2", 2304, 26, 8, 4, 9216, 256000, 10000.0, 8192, 1e-6, True,

@@ -43,7 +43,10 @@ def small(config: str) -> make_random_gguf.ModelShape:
 
 @pytest.fixture(
     scope="module",
-    params=["llama-3.1-8b", "qwen2.5-0.5b", "smollm3-3b", "gemma-2-2b", "gemma-3-1b", "olmo-2-1b"],
+    params=[
+        *("llama-3.1-8b", "qwen2.5-0.5b", "smollm3-3b", "gemma-2b", "gemma-2-2b", "gemma-3-1b"),
+        "olmo-2-1b",
+    ],
 )
 def written(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
@@ -117,6 +120,7 @@ def test_the_real_configs_have_the_published_sizes():
     assert 1.48e9 < params["olmo-2-1b"] < 1.49e9
     assert 6.91e9 < params["olmoe-1b-7b"] < 6.93e9
     assert 3.29e9 < params["granite-3b-a800m"] < 3.31e9
+    assert 2.50e9 < params["gemma-2b"] < 2.52e9
     # gpt-oss-20b: 20.9 B parameters over its 24 layers; the 8-layer file holds a third of them
     full = dataclasses.replace(make_random_gguf.CONFIGS["gpt-oss-20b-8l"], layers=24)
     assert (
