@@ -237,7 +237,8 @@ def test_harmony_split_by_text_whatever_the_deltas(text, expected):
 
 def test_harmony_through_the_detokenizer_with_special_tokens_kept():
     """The markers as special tokens (o200k_harmony's): detokenized with them kept, a token at
-    a time, the analysis channel is the reasoning and the final channel the content."""
+    a time, the analysis channel is the reasoning and the final channel the content; the EOS
+    that ends the reply (<|return|>) is not text."""
     from transformers import AutoTokenizer
 
     from tests.fixtures.tiny_models import smollm2_tokenizer_dir
@@ -245,8 +246,8 @@ def test_harmony_through_the_detokenizer_with_special_tokens_kept():
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
     markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": markers})
-    reply = tokenizer.encode(HARMONY_CASES[0][0], add_special_tokens=False)
-    assert len(set(reply) & set(tokenizer.convert_tokens_to_ids(markers))) == 4
+    reply = tokenizer.encode(HARMONY_CASES[0][0] + "<|return|>", add_special_tokens=False)
+    assert len(set(reply) & set(tokenizer.convert_tokens_to_ids(markers))) == 5
     plan = ReasoningPlan(make_reasoning_parser("openai_gptoss", tokenizer), Phase.BEFORE)
     prompt = tokenizer.encode("<|start|>user<|message|>Capital of France?<|end|><|start|>assistant")
     assert plan.parser.first_phase(prompt, None, None) is Phase.BEFORE
@@ -254,8 +255,8 @@ def test_harmony_through_the_detokenizer_with_special_tokens_kept():
     detokenizer = IncrementalDetokenizer(tokenizer, prompt, params)
     stream, reasoning, content = plan.stream(), "", ""
     for i, token_id in enumerate(reply):
-        detokenizer.update([token_id])
-        last = i == len(reply) - 1
+        last = i == len(reply) - 1  # <|return|>, the EOS that ends the request: not text
+        detokenizer.update([token_id], stop_terminated=last)
         delta = stream.feed(detokenizer.get_delta(finished=last), [token_id], final=last)
         reasoning, content = reasoning + delta.reasoning, content + delta.content
     assert (reasoning, content) == ("Think.", "Paris.")

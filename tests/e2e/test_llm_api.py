@@ -67,6 +67,26 @@ def test_stop_string_not_in_text(llm):
     assert_engine_clean(llm)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_is_not_text(llm, include):
+    """A stop token id (as EOS) ends the request with its id in token_ids and, as vLLM, its
+    text left out unless include_stop_str_in_output, special tokens kept or not."""
+    free = llm.generate(
+        "Once upon", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    stop_id = free.token_ids[5]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, stop_token_ids=[stop_id], skip_special_tokens=False,
+        include_stop_str_in_output=include,
+    )  # fmt: skip
+    out = llm.generate("Once upon", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == free.token_ids[:6]
+    tokenizer = llm.get_tokenizer()
+    assert out.text == tokenizer.decode(free.token_ids[: 6 if include else 5])
+    assert_engine_clean(llm)
+
+
 def test_logprobs(llm):
     out = llm.generate(
         "Hi", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False

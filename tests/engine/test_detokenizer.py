@@ -116,6 +116,21 @@ def test_skip_special_tokens(tokenizer, skip):
     assert detok.output_text.endswith(tokenizer.eos_token) is not skip
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_token_that_ended_the_request_is_not_text(tokenizer, include):
+    """EOS (or a stop token id) ends the request engine-side: with special tokens kept its text
+    ("<|im_end|>") is left out, as vLLM leaves it, unless include_stop_str_in_output; its id
+    stays consumed."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    token_ids = _encode(tokenizer, "Paris.") + [eos]
+    detok = _detokenizer(tokenizer, skip_special_tokens=False, include_stop_str_in_output=include)
+    assert detok.update(token_ids[:-1]) is None
+    assert detok.update(token_ids[-1:], stop_terminated=True) is None
+    assert detok.output_text == ("Paris.<|im_end|>" if include else "Paris.")
+    assert detok.output_token_ids == token_ids
+    assert detok.get_delta(finished=True) == detok.output_text
+
+
 def test_recovers_when_the_decode_stream_reports_an_invalid_prefix(tokenizer):
     token_ids = _encode(tokenizer, TEXTS[2])
     detok = _detokenizer(tokenizer)

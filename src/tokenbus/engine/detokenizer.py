@@ -48,16 +48,22 @@ class IncrementalDetokenizer:
     def is_stopped(self) -> bool:
         return self.stop_reason is not None
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append the text of `new_token_ids`; return the stop string if one matched.
 
         Tokens are checked one at a time, so the stop completed by the earliest token wins and
         the tokens after it are not consumed (they are not in `output_token_ids`).
+        `stop_terminated`: the last token ended the request (EOS or a stop token id); its text
+        is left out unless include_stop_str_in_output, as vLLM does (with special tokens kept,
+        an EOS such as "<|im_end|>" would otherwise end the reply's text).
         """
-        for token_id in new_token_ids:
+        last = len(new_token_ids) - 1
+        for i, token_id in enumerate(new_token_ids):
             if self.is_stopped:
                 break
             self.output_token_ids.append(token_id)
+            if i == last and stop_terminated and not self._include_stop_str:
+                break
             new_text = self._step(token_id)
             if not new_text:
                 continue

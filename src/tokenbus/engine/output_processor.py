@@ -144,7 +144,8 @@ class OutputProcessor:
             for entry in out.new_logprobs:
                 child.logprobs.append(self._convert_logprobs(entry))
                 child.cumulative_logprob += entry.logprobs[0]
-        stop_string = child.detokenizer.update(out.new_token_ids)
+        by_token = out.finish_reason == FinishReason.STOP  # EOS or a stop token id, engine-side
+        stop_string = child.detokenizer.update(out.new_token_ids, stop_terminated=by_token)
         if stop_string is not None:
             return str(FinishReason.STOP), stop_string
         if out.finish_reason is not None:
