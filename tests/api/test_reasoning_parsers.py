@@ -71,6 +71,8 @@ HARMONY_CASES = [
     (f"{ANALYSIS}a<|end|>", ("a", None)),
     ("Paris.", (None, "Paris.")),  # no header at all
     (f"{ANALYSIS}1 < 2 <|end|>{FINAL}a <|b", ("1 < 2 ", "a <|b")),  # "<|"-like text stays
+    # a second analysis message reopens the reasoning
+    (f"{ANALYSIS}A.<|end|><|start|>assistant{ANALYSIS}B.<|end|>{FINAL}Paris.", ("A.B.", "Paris.")),
 ]
 
 

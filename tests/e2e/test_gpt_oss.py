@@ -290,3 +290,14 @@ def test_other_quantized_safetensors_are_refused_by_name(tmp_path):
         (model / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=f"quantization_config.*{method}.*GGUF"):
             load_arch(resolve_model(str(model)))
+
+
+def test_a_gguf_without_its_window_is_refused(tmp_path):
+    """llama.cpp requires gpt-oss.attention.sliding_window: a file without it is refused by
+    name, not read as all-global layers."""
+    from tokenbus.loader.gpt_oss_config import gpt_oss_gguf_fields
+
+    with pytest.raises(ValueError, match="gpt-oss.attention.sliding_window"):
+        gpt_oss_gguf_fields({}, 2)
+    fields = gpt_oss_gguf_fields({"gpt-oss.attention.sliding_window": 128}, 4)
+    assert fields["sliding_windows"] == (128, None, 128, None)

@@ -32,8 +32,11 @@ def gpt_oss_hf_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def gpt_oss_gguf_fields(meta: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """ModelArch fields of a gpt-oss GGUF beyond the shared ones (llama.cpp's fixed choices)."""
+    """ModelArch fields of a gpt-oss GGUF beyond the shared ones (llama.cpp's fixed choices).
+    The window is required, as llama.cpp requires it."""
     arch = GPT_OSS_GGUF_ARCHITECTURE
+    if not meta.get(f"{arch}.attention.sliding_window"):
+        raise ValueError(f"missing GGUF metadata {arch}.attention.sliding_window")
     local = gguf_local_layers(meta, arch, num_layers, GPT_OSS_PATTERN)
     return dict(
         hidden_act="silu",

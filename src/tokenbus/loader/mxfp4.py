@@ -93,19 +93,26 @@ def gpt_oss_experts(
 def _split(
     base: str, blocks: torch.Tensor, scales: torch.Tensor, keep_quantized: bool
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    import torch
+
     scope, _, kind = base.rpartition(".")  # model.layers.N.mlp.experts, gate_up_proj | down_proj
-    if kind not in ("gate_up_proj", "down_proj") or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"weight {base}_blocks: unexpected MXFP4 tensor {list(blocks.shape)}")
+    uint8 = blocks.dtype == scales.dtype == torch.uint8
+    if kind not in ("gate_up_proj", "down_proj") or not uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"weight {base}_blocks: unexpected MXFP4 tensors {blocks.dtype} "
+            f"{list(blocks.shape)}, scales {scales.dtype} {list(scales.shape)}"
+        )
     cols = blocks.shape[-2] * 32
-    rows = ggml_blocks(blocks, scales) if keep_quantized else dequantize(blocks, scales)
     parts = (
         (("gate_proj", 0, 2), ("up_proj", 1, 2))
         if kind == "gate_up_proj"
         else (("down_proj", 0, 1),)
     )
-    for e in range(rows.shape[0]):
+    convert = ggml_blocks if keep_quantized else dequantize
+    for e in range(blocks.shape[0]):  # an expert at a time: a whole layer's fp32 runs to GBs
+        rows = convert(blocks[e], scales[e])  # [out, cols / 32 * 17] blocks or [out, cols] fp32
         for name, first, step in parts:
-            matrix = rows[e, first::step].contiguous()  # [out, cols] or [out, cols / 32 * 17]
+            matrix = rows[first::step].contiguous()
             if keep_quantized:
                 matrix = QuantizedWeight(int(GGMLQuantizationType.MXFP4), matrix, cols)
             yield f"{scope}.{e}.{name}.weight", matrix

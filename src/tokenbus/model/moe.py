@@ -173,13 +173,17 @@ class SparseMoeBlock(OpsModule):
             self.stack_experts()
         return result
 
+    @property
+    def _tensor_kinds(self) -> tuple[str, ...]:
+        """The checkpoint tensors of each linear: its weight, and its bias where it has one."""
+        return ("weight", "bias") if self.gate.bias is not None else ("weight",)
+
     def weight_loaders(self, prefix: str, family: str) -> dict[str, WeightLoader]:
         """HF names under `prefix` ("model.layers.N.mlp." or "...block_sparse_moe.") of the
         router and this rank's experts (other ranks' experts are skipped: see skipped_names)."""
         gate_name, up_name, down_name = EXPERT_NAMES[family]
-        kinds = ("weight", "bias") if self.gate.bias is not None else ("weight",)
         loaders: dict[str, WeightLoader] = {}
-        for kind in kinds:
+        for kind in self._tensor_kinds:
             bias = kind == "bias"
             loaders[f"{prefix}gate.{kind}"] = partial(self.gate.load_shard, is_bias=bias)
             for local, expert in enumerate(self.experts):
@@ -193,13 +197,12 @@ class SparseMoeBlock(OpsModule):
     def skipped_names(self, prefix: str, family: str) -> dict[str, WeightLoader]:
         """Other ranks' experts: known names this rank drops (expert parallel)."""
         mine = range(self.first_expert, self.first_expert + len(self.experts))
-        kinds = ("weight", "bias") if self.gate.bias is not None else ("weight",)
         return {
             f"{prefix}experts.{e}.{name}.{kind}": skip_weight
             for e in range(self.num_experts)
             if e not in mine
             for name in EXPERT_NAMES[family]
-            for kind in kinds
+            for kind in self._tensor_kinds
         }
 
 

@@ -7,10 +7,10 @@
     qwen3        reasoning only once a <think> opens it, in the reply or left open at the end
                  of the prompt (templates that open it for the model); </think> closes it;
                  with chat_template_kwargs {"enable_thinking": false} the reply is all content
-    openai_gptoss  gpt-oss's harmony format: the analysis channel
-                 (<|channel|>analysis<|message|> ... <|end|>) is reasoning, the final channel
-                 content, its header (<|start|>assistant<|channel|>final<|message|>) dropped;
-                 the markers are special tokens, so the text keeps them
+    openai_gptoss  gpt-oss's harmony format: each analysis message
+                 (<|channel|>analysis<|message|> ... <|end|>) is reasoning, joined as they come,
+                 the final channel content, its header (<|start|>assistant<|channel|>final
+                 <|message|>) dropped; the markers are special tokens, so the text keeps them
 
 Tags are told by token id where the tokenizer has each tag as one token (Qwen3's and R1's do):
 then only those tokens count, not the same characters spelled with other tokens. Otherwise the
@@ -49,6 +49,7 @@ class ReasoningParser:
     start_tag = "<think>"
     end_tag = "</think>"
     dropped: tuple[str, ...] = ()  # markers outside the reasoning dropped from the content
+    reopens = False  # a start tag after the reasoning ended opens it again (harmony's messages)
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -74,8 +75,11 @@ class ReasoningParser:
         prompt_text: str | None,
         template_kwargs: dict[str, Any] | None,
     ) -> Phase:
-        """The phase a reply to this prompt opens in."""
-        raise NotImplementedError
+        """The phase a reply to this prompt opens in: inside the reasoning when the prompt left
+        a start tag open (templates that open it for the model), else before it."""
+        if self.prompt_opens_reasoning(prompt_token_ids, prompt_text):
+            return Phase.REASONING
+        return Phase.BEFORE
 
     def prompt_opens_reasoning(
         self, prompt_token_ids: Sequence[int], prompt_text: str | None
@@ -93,24 +97,20 @@ class ReasoningParser:
 
 
 class HarmonyReasoningParser(ReasoningParser):
-    """gpt-oss's harmony messages, told by their text: reasoning from the analysis channel's
-    header to its <|end|>, content the rest with the final channel's header dropped (a reply
-    that skips the analysis opens with that header). Every marker is a special token of
-    o200k_harmony, so the reply is detokenized with them kept."""
+    """gpt-oss's harmony messages, told by their text: reasoning from each analysis channel
+    header to its <|end|> (a reply may hold several), content the rest with the final channel's
+    header dropped (a reply that skips the analysis opens with that header). Every marker is a
+    special token of o200k_harmony, so the reply is detokenized with them kept."""
 
     name = "openai_gptoss"
     start_tag = "<|channel|>analysis<|message|>"
     end_tag = "<|end|>"
     dropped = ("<|start|>assistant", "<|channel|>final<|message|>")
+    reopens = True
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self.needs_special_tokens = True
-
-    def first_phase(self, prompt_token_ids, prompt_text, template_kwargs) -> Phase:
-        if self.prompt_opens_reasoning(prompt_token_ids, prompt_text):
-            return Phase.REASONING
-        return Phase.BEFORE
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
@@ -127,9 +127,7 @@ class Qwen3ReasoningParser(ReasoningParser):
         # `is False`, as the template's own test (`enable_thinking is false`) reads it.
         if (template_kwargs or {}).get("enable_thinking") is False:
             return Phase.CONTENT
-        if self.prompt_opens_reasoning(prompt_token_ids, prompt_text):
-            return Phase.REASONING
-        return Phase.BEFORE
+        return super().first_phase(prompt_token_ids, prompt_text, template_kwargs)
 
 
 @dataclass(frozen=True)
@@ -210,7 +208,7 @@ class ReasoningStream:
     def _expected(self) -> list[str]:
         """The tags that would change the phase now (by token id: those whose token came)."""
         if self.phase is Phase.CONTENT:
-            tags = []
+            tags = [self.parser.start_tag] if self.parser.reopens else []
         elif self.phase is Phase.BEFORE:
             tags = [self.parser.start_tag]
         else:

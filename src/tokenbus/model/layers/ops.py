@@ -159,7 +159,7 @@ class FusedCpuOps(TorchOps):
         return self.fused.gelu_tanh_mul(gate_up)
 
     def clamped_swiglu_mul(self, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-        if gate_up.dim() != 2 or not gate_up.is_contiguous():
+        if gate_up.dim() != 2:
             return super().clamped_swiglu_mul(gate_up, limit, alpha)
         return self.fused.clamped_swiglu_mul(gate_up, limit, alpha)
 

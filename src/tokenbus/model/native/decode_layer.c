@@ -174,7 +174,8 @@ static void route_token(const float *logits, int64_t E, int64_t K, int64_t norm,
    logits by dense_rows.c on the same panels (the same sums as the op-by-op path), each token's
    routing, then the T*k (token, expert) pairs counting-sorted by expert (stable: tokens
    ascending), and each active expert in ascending order once on its gathered rows, gate_up ->
-   silu*up -> down, its rows scaled by their weights and added to their tokens' outputs. 0, 3 when
+   silu*up (or gpt-oss's clamped SwiGLU) -> down, its rows scaled by their weights and added to
+   their tokens' outputs; a router bias joins the logits first. 0, 3 when
    out of memory, or a kernel's status. */
 static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, int64_t H, int64_t I, float *out,
                    const step *s) {

@@ -214,9 +214,14 @@ class MoeWeights:
             )
         bias = self.router_bias
         experts = len(self.gate_up)
-        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (experts,)):
+        if bias is not None and (
+            bias.dtype != torch.float32
+            or tuple(bias.shape) != (experts,)
+            or not bias.is_contiguous()
+        ):
             raise ValueError(
-                f"router_bias must be fp32 [{experts}], got {bias.dtype} {list(bias.shape)}"
+                f"router_bias must be contiguous fp32 [{experts}], "
+                f"got {bias.dtype} {list(bias.shape)}"
             )
 
     def struct(self) -> _Moe:

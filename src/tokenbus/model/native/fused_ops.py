@@ -92,26 +92,17 @@ class FusedOps:
 
     def clamped_swiglu_mul(self, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
         """gpt-oss's clamped SwiGLU (TorchOps.clamped_swiglu_mul) of gate_up [T, 2I] -> [T, I]."""
-        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
-        num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(num_tokens, size, dtype=torch.float32)
-        self.clamped_swiglu_mul_fn(
-            gate_up.data_ptr(),
-            num_tokens,
-            size,
-            ctypes.c_float(limit),
-            ctypes.c_float(alpha),
-            out.data_ptr(),
-            torch.get_num_threads(),
+        return _gated(
+            self.clamped_swiglu_mul_fn, gate_up, ctypes.c_float(limit), ctypes.c_float(alpha)
         )
-        return out
 
 
-def _gated(fn: ctypes._CFuncPtr, gate_up: torch.Tensor) -> torch.Tensor:
+def _gated(fn: ctypes._CFuncPtr, gate_up: torch.Tensor, *params: ctypes.c_float) -> torch.Tensor:
+    """fn(gate_up, T, I, *params, out, threads): a gated activation's one C call."""
     assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and gate_up.dim() == 2
     num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, size, dtype=torch.float32)
-    fn(gate_up.data_ptr(), num_tokens, size, out.data_ptr(), torch.get_num_threads())
+    fn(gate_up.data_ptr(), num_tokens, size, *params, out.data_ptr(), torch.get_num_threads())
     return out
 
 
