@@ -5,9 +5,14 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import pytest
 import torch
 
+from tokenbus import SamplingParams
 from tokenbus.bench.hf_peer import load_hf_model
+
+# Logprobs of an fp32 engine against HF's: equal up to summation order.
+LOGPROB_ATOL = 2e-3
 
 
 @functools.lru_cache(maxsize=4)
@@ -42,6 +47,25 @@ def hf_greedy_logprobs(
         logits = model(ids).logits[0].float().cpu()
     rows = logits[len(prompt_token_ids) - 1 : -1].log_softmax(-1)  # the positions that chose them
     return tokens, rows[torch.arange(len(tokens)), tokens].tolist()
+
+
+def greedy_outputs(llm, prompts: list[list[int]], max_tokens: int, logprobs: int = 1) -> list:
+    """Each token-id prompt's greedy completion (CompletionOutput) of exactly `max_tokens`
+    tokens, with the top `logprobs` logprobs at each position."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=logprobs
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [out.outputs[0] for out in outputs]
+
+
+def assert_matches_hf(outputs, reference, atol: float = LOGPROB_ATOL) -> None:
+    """Our greedy completions carry HF's tokens, and the logprob HF gives each (reference:
+    hf_greedy_logprobs per prompt) within `atol`."""
+    for out, (tokens, logprobs) in zip(outputs, reference):
+        assert out.token_ids == tokens
+        ours = [position[token].logprob for position, token in zip(out.logprobs, tokens)]
+        assert ours == pytest.approx(logprobs, abs=atol)
 
 
 def assert_same_or_near_tie(got: list[int], want: list[int], logprobs, gap: float = 0.1) -> None:

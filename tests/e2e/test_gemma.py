@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy_logprobs, load_hf
+from tests.e2e.oracle import (
+    assert_matches_hf,
+    assert_same_or_near_tie,
+    greedy_outputs,
+    hf_greedy_logprobs,
+    load_hf,
+)
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-from tokenbus import SamplingParams
 
 MAX_TOKENS = 12
-LOGPROB_ATOL = 2e-3
 # fp32 K/V for the GGUF too (a GGUF on CPU defaults to a float16 cache): HF's numbers exactly.
 ENGINE = dict(kv_cache_dtype="float32")
 
@@ -55,19 +59,8 @@ def hf_reference(hf_dir, prompts):
     return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
 
 
-def generate(llm, prompts, logprobs: int = 1):
-    params = SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=logprobs
-    )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [out.outputs[0] for out in outputs]
-
-
-def assert_matches_hf(outputs, reference) -> None:
-    for out, (tokens, logprobs) in zip(outputs, reference):
-        assert out.token_ids == tokens
-        ours = [position[token].logprob for position, token in zip(out.logprobs, tokens)]
-        assert ours == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+def generate(llm, prompts, logprobs=1):
+    return greedy_outputs(llm, prompts, MAX_TOKENS, logprobs)
 
 
 @pytest.mark.parametrize("caching", [True, False])

@@ -15,13 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy_logprobs, load_hf
+from tests.e2e.oracle import (
+    assert_matches_hf,
+    assert_same_or_near_tie,
+    greedy_outputs,
+    hf_greedy_logprobs,
+    load_hf,
+)
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
-from tokenbus import SamplingParams
 
 MAX_TOKENS = 10
-LOGPROB_ATOL = 2e-3
 ENGINE = dict(kv_cache_dtype="float32")
 WINDOW = 32
 
@@ -78,18 +82,7 @@ def hf_reference(hf_dir, prompts):
 
 
 def generate(llm, prompts, logprobs=1):
-    params = SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=logprobs
-    )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [out.outputs[0] for out in outputs]
-
-
-def assert_matches_hf(outputs, reference) -> None:
-    for out, (tokens, logprobs) in zip(outputs, reference):
-        assert out.token_ids == tokens
-        ours = [position[token].logprob for position, token in zip(out.logprobs, tokens)]
-        assert ours == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+    return greedy_outputs(llm, prompts, MAX_TOKENS, logprobs)
 
 
 def test_arch_reads_gpt_oss(model_path):

@@ -10,13 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.oracle import load_hf
+from tests.e2e.oracle import assert_matches_hf, greedy_outputs, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_models import cached_tiny_model
-from tokenbus import SamplingParams
 
 MAX_TOKENS = 10
-LOGPROB_ATOL = 2e-3
 WINDOW = 16
 ENGINE = dict(kv_cache_dtype="float32", enable_prefix_caching=False)
 
@@ -64,19 +62,8 @@ def mistral_reference(mistral_dir, prompts):
     return hf_reference(mistral_dir, prompts)
 
 
-def generate(llm, prompts):
-    params = SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=1
-    )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [out.outputs[0] for out in outputs]
-
-
-def assert_matches_hf(outputs, reference) -> None:
-    for out, (tokens, logprobs) in zip(outputs, reference):
-        assert out.token_ids == tokens
-        ours = [position[token].logprob for position, token in zip(out.logprobs, tokens)]
-        assert ours == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+def generate(llm, prompts, logprobs=1):
+    return greedy_outputs(llm, prompts, MAX_TOKENS, logprobs)
 
 
 def test_window_is_read_from_the_config(mistral_dir, qwen2_dir):
