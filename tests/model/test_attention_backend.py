@@ -127,7 +127,7 @@ def test_sdpa_with_sinks_is_hfs_gpt_oss_eager_attention():
     aligned to the end (a chunk after context) and an additive mask, bf16 too."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from tokenbus.model.attention import sdpa
+    from tokenbus.model.sdpa import sdpa
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 5, 16, generator=g)  # [B, Hq, Lq, D]

@@ -363,7 +363,7 @@ def test_softcapped_sdpa_is_hfs_eager_attention():
     mask aligned to the end (a chunk after context), and an additive mask."""
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-    from tokenbus.model.attention import sdpa
+    from tokenbus.model.sdpa import sdpa
 
     g = torch.Generator().manual_seed(3)
     q = 3 * torch.randn(1, 4, 5, 16, generator=g)  # [B, Hq, Lq, D], scores past the cap

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from tokenbus.model import kv_quant
+from tokenbus.model.sdpa import check_sinks
 
 # Rows of a program: BLOCK_M query tokens × BLOCK_G heads, at least 16 (tl.dot's minimum).
 MIN_ROWS = 16
@@ -314,13 +315,8 @@ def paged_attention(
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
-    if sinks is not None and (
-        sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous()
-    ):
-        raise ValueError(
-            f"sinks must be contiguous float32 of shape ({num_heads},), got {sinks.dtype} "
-            f"{tuple(sinks.shape)}"
-        )
+    if sinks is not None:
+        check_sinks(sinks, num_heads, q.device)
     if out is None:
         out = torch.zeros_like(q)
     if num_reqs == 0 or num_tokens == 0:

@@ -27,6 +27,7 @@ from tokenbus.model.native import (
 )
 from tokenbus.model.native.dense_rows import load_dense_rows
 from tokenbus.model.native.signatures import bind
+from tokenbus.model.sdpa import check_sinks
 from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("decode_layer.c")
@@ -279,7 +280,8 @@ class LayerWeights:
         if (self.q_norm is None) != (self.k_norm is None):
             raise ValueError("decode_layer: q_norm and k_norm come together")
         self._check_norm_sizes()
-        self._check_sinks()
+        if self.sinks is not None:  # C reads them as num_heads contiguous fp32 values
+            check_sinks(self.sinks, self.num_heads, torch.device("cpu"))
         if (self.moe is None) == (self.down is None):
             raise ValueError("decode_layer: a layer's MLP is gate_up and down, or moe")
         down = self.down if self.moe is None else self.moe.down[0]
@@ -310,19 +312,6 @@ class LayerWeights:
             self.rope_table,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),
         )
-
-    def _check_sinks(self) -> None:
-        """C reads the sinks as num_heads contiguous fp32 values."""
-        sinks = self.sinks
-        if sinks is not None and (
-            sinks.dtype != torch.float32
-            or sinks.shape != (self.num_heads,)
-            or not sinks.is_contiguous()
-        ):
-            raise ValueError(
-                f"decode_layer: sinks must be contiguous float32 of shape ({self.num_heads},), "
-                f"got {sinks.dtype} {tuple(sinks.shape)}"
-            )
 
     def _check_norm_sizes(self) -> None:
         """C reads each norm's weight over the width it norms: refuse any other size here."""

@@ -11,6 +11,7 @@ import torch
 from tokenbus.model.kv_quant import QUANTIZED_KV_DTYPES
 from tokenbus.model.native.build import load_library
 from tokenbus.model.native.signatures import bind
+from tokenbus.model.sdpa import check_sinks
 from tokenbus.utils.cpu import CpuFeatures
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -75,12 +76,8 @@ class PagedAttentionKernel:
         # the index tensors are checked once per step: check_indices
         assert kv_cache.is_contiguous()
         assert q.dtype == out.dtype and kv_cache.dtype in KERNEL_KV_DTYPES.get(q.dtype, ())
-        assert sinks is None or (
-            sinks.dtype == torch.float32
-            and sinks.device.type == "cpu"
-            and sinks.shape == (num_heads,)
-            and sinks.is_contiguous()
-        )
+        if sinks is not None:
+            check_sinks(sinks, num_heads, q.device)
         fn = self.long_fn if long_queries else self.fn
         status = fn(
             q.data_ptr(),
