@@ -97,7 +97,7 @@ def type_blocks(qtype: Q, rows: int, cols: int) -> torch.Tensor:
         data = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
         return torch.from_numpy(quantize(data, qtype))
     sys.path.insert(0, str(REPO))
-    from tests.fixtures.tiny_models import random_k_quant_blocks
+    from tests.fixtures.tiny_gguf import random_k_quant_blocks
 
     return torch.from_numpy(random_k_quant_blocks(qtype.name, rows, cols))
 

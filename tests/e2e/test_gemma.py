@@ -19,7 +19,8 @@ from tests.e2e.oracle import (
     load_hf,
 )
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 12
 # fp32 K/V for the GGUF too (a GGUF on CPU defaults to a float16 cache): HF's numbers exactly.

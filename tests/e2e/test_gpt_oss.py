@@ -23,7 +23,8 @@ from tests.e2e.oracle import (
     load_hf,
 )
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32")

@@ -101,7 +101,7 @@ def test_more_adapters_than_max_loras_take_turns(tiny_llama_dir, adapters):
 
 
 def test_adapters_on_gguf_blocks_match_hf_peft(tiny_llama_dir, adapters, tmp_path):
-    from tests.fixtures.tiny_models import write_gguf
+    from tests.fixtures.tiny_gguf import write_gguf
 
     gguf = write_gguf(tiny_llama_dir, tmp_path / "tiny-q8_0.gguf", qtype="Q8_0")
     prompts = random_prompts(3, 20, 40, seed=11)
@@ -190,7 +190,7 @@ def test_the_engine_fails_a_request_whose_adapter_does_not_fit(tiny_llama_dir, t
 def test_decode_layers_in_c_add_the_same_side_path(tiny_llama_dir, adapters, tmp_path):
     """Decode steps of a GGUF model run each layer in one C call (decode_layer.c's lora_add);
     --enforce-eager runs them op by op through LinearLoRA: the same tokens and logprobs."""
-    from tests.fixtures.tiny_models import write_gguf
+    from tests.fixtures.tiny_gguf import write_gguf
 
     gguf = write_gguf(tiny_llama_dir, tmp_path / "tiny-q8_0.gguf", qtype="Q8_0")
     prompts = random_prompts(5, 10, 30, seed=13)

@@ -20,7 +20,8 @@ from tests.e2e.oracle import (
     load_hf,
 )
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from tests.fixtures.triton_device import needs_triton_on_cpu, stack_moe_blocks
 
 MAX_TOKENS = 10

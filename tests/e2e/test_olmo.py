@@ -12,7 +12,8 @@ import pytest
 
 from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy_logprobs, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, model_runner, random_prompts
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus import SamplingParams
 
 MAX_TOKENS = 10

@@ -101,7 +101,8 @@ def test_smollm2_tracks_float16_kv(float16_run, kv_cache_dtype):
 
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
-    from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+    from tests.fixtures.tiny_gguf import write_gguf
+    from tests.fixtures.tiny_models import cached_tiny_model
 
     # 4 heads of 32: whole q8_0 blocks
     model = cached_tiny_model("llama", hidden_size=128, intermediate_size=256)

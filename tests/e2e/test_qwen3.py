@@ -19,7 +19,8 @@ from tests.e2e.oracle import (
     load_hf,
 )
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus import SamplingParams
 from tokenbus.utils.cpu import CpuFeatures
 

@@ -10,7 +10,8 @@ import pytest
 
 from tests.e2e.oracle import hf_greedy, load_hf
 from tests.e2e.utils import assert_engine_clean, generate_greedy, make_llm, random_prompts
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus.core.kv.hybrid import HybridKVCacheManager
 from tokenbus.loader import load_tokenizer, resolve_model
 

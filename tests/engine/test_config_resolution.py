@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus.config import RESOLVED_SETTINGS, EngineConfig
 from tokenbus.engine.setup import resolve_config
 from tokenbus.engine_args import EngineArgs

@@ -18,7 +18,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
-from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks, write_gguf
+from tests.fixtures.tiny_gguf import random_k_quant_blocks, write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 
 from tokenbus.model.attention_backend import NativeAttentionBackend, select_attention_backend
 from tokenbus.model.forward_context import ForwardContext

@@ -13,7 +13,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from tests.model.test_quantized import (
     DETECTED,
     SUPER_BLOCK_TYPES,

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tests.fixtures.paged import PagedKV
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 
 from tokenbus.loader import load_arch, resolve_model
 from tokenbus.model.kernel_plan import build_decode_layers

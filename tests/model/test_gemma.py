@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 from tests.e2e.oracle import load_hf
 from tests.fixtures.paged import PagedKV
-from tests.fixtures.tiny_models import cached_tiny_model, make_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model, make_tiny_model
 from tests.fixtures.triton_device import needs_triton_on_cpu
 
 from tokenbus.loader import load_arch, resolve_model

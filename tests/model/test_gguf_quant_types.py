@@ -15,13 +15,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from tests.e2e.oracle import assert_same_or_near_tie, hf_greedy, load_hf
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
-from tests.fixtures.tiny_models import (
+from tests.fixtures.tiny_gguf import (
     GGUF_QTYPES,
     RANDOM_BLOCK_TYPES,
-    cached_tiny_model,
     random_k_quant_blocks,
     write_gguf,
 )
+from tests.fixtures.tiny_models import cached_tiny_model
 from tests.model.test_quantized import _logits, kernels_for, rounded
 
 from tokenbus import SamplingParams

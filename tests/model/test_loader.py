@@ -14,13 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tests.fixtures.paged import PagedKV
-from tests.fixtures.tiny_models import (
-    cached_tiny_model,
-    llama_cpp_permute,
-    make_tiny_model,
-    smollm2_tokenizer_dir,
-    write_gguf,
-)
+from tests.fixtures.tiny_gguf import llama_cpp_permute, write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model, make_tiny_model, smollm2_tokenizer_dir
 
 from tokenbus.config import ModelArch
 from tokenbus.loader import (

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model, stack_experts, write_gguf
+from tests.fixtures.tiny_gguf import stack_experts, write_gguf
+from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model
 
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
@@ -108,7 +109,7 @@ def test_olmoe_clip_qkv_is_refused_by_name(tmp_path):
 
 
 def test_gguf_shared_expert_tensor_and_missing_metadata_are_named(tmp_path):
-    from tests.fixtures.tiny_models import _write_metadata
+    from tests.fixtures.tiny_gguf import _write_metadata
 
     config = json.loads(
         (cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE) / "config.json").read_text()

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tests.fixtures.paged import PagedKV
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from transformers import AutoModelForCausalLM
 
 from tokenbus.loader import load_arch, resolve_model

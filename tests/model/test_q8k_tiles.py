@@ -12,7 +12,8 @@ import shutil
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from tests.model.test_quantized import DETECTED, SUPER_BLOCK_TYPES, TILE_TYPES, _logits, blocks
 
 from tokenbus.loader import resolve_model

@@ -13,7 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from tests.fixtures.native_sources import copied_source
-from tests.fixtures.tiny_models import cached_tiny_model, random_k_quant_blocks, write_gguf
+from tests.fixtures.tiny_gguf import random_k_quant_blocks, write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 
 from tokenbus.engine.setup import resolve_quantization
 from tokenbus.loader import iter_weights, load_arch, resolve_model

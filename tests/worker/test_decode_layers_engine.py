@@ -19,7 +19,8 @@ from tests.fixtures.mode_equality import (
     staggered_batch,
     token_ids,
 )
-from tests.fixtures.tiny_models import cached_tiny_model, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus.utils.cpu import CpuFeatures
 
 pytestmark = pytest.mark.skipif(
