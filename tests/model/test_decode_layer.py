@@ -254,6 +254,21 @@ def test_decoder_layer_in_c_only_where_it_applies(tmp_path, case):
     assert not model.decodes_in_c
 
 
+def _assert_c_steps_match_layer_by_layer(model) -> None:
+    """Every decode step of `model` runs all its layers in C and gives the layer-by-layer
+    path's logits to float rounding (an MoE's routing weights: C's expf against torch's
+    softmax), with the same argmax."""
+    layers = model.kernels.decode_layers
+    assert layers is not None and model.decodes_in_c
+    calls, run_all = [], layers.run_all
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    want = _steps(model, False)
+    for got, expected in zip(_steps(model, True), want):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert calls == [model.num_layers] * 5  # every step is decode-sized: all in C
+
+
 @pytest.mark.parametrize(
     "family, qtype, config",
     [
@@ -275,15 +290,7 @@ def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype,
     path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", qtype, with_tokenizer=False)
     src = resolve_model(str(path))
     model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
-    layers = model.kernels.decode_layers
-    assert layers is not None and model.decodes_in_c
-    calls, run_all = [], layers.run_all
-    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
-    want = _steps(model, False)
-    for got, expected in zip(_steps(model, True), want):
-        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    assert calls == [model.num_layers] * 5  # every step is decode-sized: all in C
+    _assert_c_steps_match_layer_by_layer(model)
 
 
 @pytest.mark.parametrize("source", ["gguf-mxfp4", "q8_0-tight-clamp"])
@@ -304,15 +311,7 @@ def test_gpt_oss_layers_in_c_match_the_layer_by_layer_path(tmp_path, source):
         model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="q8_0")
         assert model.layers[0].mlp.swiglu == (0.5, 1.702)
     assert [layer.self_attn.sliding_window for layer in model.layers] == [4, None]
-    layers = model.kernels.decode_layers
-    assert layers is not None and model.decodes_in_c
-    calls, run_all = [], layers.run_all
-    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
-    want = _steps(model, False)
-    for got, expected in zip(_steps(model, True), want):
-        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    assert calls == [model.num_layers] * 5
+    _assert_c_steps_match_layer_by_layer(model)
 
 
 @pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.75])
