@@ -542,3 +542,27 @@ def test_olmo2_and_olmo3_from_config_and_gguf(tmp_path):
     assert (arch.sliding_windows, arch.rope_local_theta) == ((), None)
     del config["rope_scaling"]  # one table serves both kinds
     assert arch_from_hf_config(config, Path("cfg")).rope_local_theta is None
+
+
+def test_gpt_oss_gguf_ends_at_call_as_well_as_return(tmp_path):
+    """A harmony turn ends at <|return|> (the GGUF's EOS) or <|call|> (a tool call): both stop,
+    as in generation_config.json and llama.cpp; they are found in the file's token strings."""
+    from tokenbus.loader.gguf_file import read_gguf, string_ids
+    from tokenbus.loader.gguf_loader import _eos_token_ids
+
+    tokens = ["a", "<|return|>", "é", "<|end|>", "<|call|>"] + [f"t{i}" for i in range(2000)]
+    for arch, want in (("gpt-oss", (1, 4)), ("llama", (1,))):
+        path = tmp_path / f"{arch}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_token_list(tokens)
+        writer.add_eos_token_id(1)
+        writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        gf = read_gguf(path)
+        assert _eos_token_ids(gf) == want
+    wanted = ("é", "<|call|>", "t1999", "absent")
+    assert string_ids(gf, "tokenizer.ggml.tokens", wanted) == {"é": 2, "<|call|>": 4, "t1999": 2004}
+    assert string_ids(gf, "general.architecture", wanted) == {}  # not a skipped string array

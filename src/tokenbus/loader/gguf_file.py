@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,11 @@ class _FormatError(Exception):
 
 @dataclass(frozen=True)
 class SkippedArray:
-    """An array left unread (tokenizer vocabulary, merges, token types); only its length is kept."""
+    """An array left unread (tokenizer vocabulary, merges, token types): its length, and where
+    its items begin in the file for the rare reader that needs a few of them (`string_ids`)."""
 
     length: int
+    offset: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,10 @@ class _Cursor:
     def _read_array(self) -> list | SkippedArray:
         item_type, length = self.read("<I"), self.read("<Q")
         if item_type == GGUFValueType.STRING:  # skip: only the lengths need reading
+            offset = self.pos
             for _ in range(length):
                 self.pos += 8 + struct.unpack_from("<Q", self.buffer, self.pos)[0]
-            return SkippedArray(length)
+            return SkippedArray(length, offset)
         if (
             item_type in _SCALAR_FORMATS and length > _MAX_ARRAY_LENGTH
         ):  # e.g. tokenizer token types
@@ -140,6 +143,25 @@ def read_gguf(path: Path) -> GGUFFile:
                 return _parse(path, buffer)
     except (_FormatError, OSError, EOFError, struct.error, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupted?): {e}") from e
+
+
+def string_ids(gf: GGUFFile, key: str, wanted: tuple[str, ...]) -> dict[str, int]:
+    """The index of each of `wanted` found in the skipped string array `key` (a tokenizer's
+    tokens), read from the file now: the header parse leaves string arrays unread."""
+    skipped = gf.metadata.get(key)
+    if not isinstance(skipped, SkippedArray) or not skipped.offset:
+        return {}
+    targets = {text.encode("utf-8"): text for text in wanted}
+    found: dict[str, int] = {}
+    with open(gf.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+        pos = skipped.offset
+        for index in range(skipped.length):
+            (length,) = struct.unpack_from("<Q", buffer, pos)
+            text = targets.get(buffer[pos + 8 : pos + 8 + length])
+            if text is not None:
+                found[text] = index
+            pos += 8 + length
+    return found
 
 
 def _parse(path: Path, buffer: mmap.mmap) -> GGUFFile:

@@ -45,8 +45,12 @@ from tokenbus.loader.gemma_config import (
     SANDWICH_GGUF_ARCHITECTURES,
     gemma_gguf_fields,
 )
-from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo
-from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE, gpt_oss_gguf_fields
+from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo, string_ids
+from tokenbus.loader.gpt_oss_config import (
+    GPT_OSS_GGUF_ARCHITECTURE,
+    GPT_OSS_STOP_TOKENS,
+    gpt_oss_gguf_fields,
+)
 from tokenbus.loader.layer_kinds import OLMO3_PATTERN, gguf_local_layers, windows
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -218,7 +222,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         tie_word_embeddings="output.weight" not in gf.tensors,
         attention_bias="blk.0.attn_q.bias" in gf.tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_token_ids(meta),
+        eos_token_ids=_eos_token_ids(gf),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         **family,
         **moe,
@@ -345,13 +349,17 @@ def _longrope(gf: GGUFFile, arch: str, kind: str) -> dict:
     return scaling
 
 
-def _eos_token_ids(meta: dict) -> tuple[int, ...]:
+def _eos_token_ids(gf: GGUFFile) -> tuple[int, ...]:
+    meta = gf.metadata
     keys = (
         "tokenizer.ggml.eos_token_id",
         "tokenizer.ggml.eot_token_id",
         "tokenizer.ggml.eom_token_id",
     )
     ids = [meta[key] for key in keys if key in meta]
+    if meta.get("general.architecture") == GPT_OSS_GGUF_ARCHITECTURE:  # <|call|> too
+        stops = string_ids(gf, "tokenizer.ggml.tokens", GPT_OSS_STOP_TOKENS)
+        ids += [stops[token] for token in GPT_OSS_STOP_TOKENS if token in stops]
     return tuple(dict.fromkeys(ids))  # unique, in order
 
 

@@ -10,6 +10,9 @@ torch). hf_loader / gguf_loader join these ModelArch fields to the rest.
 - YaRN: OpenAI's reference (and transformers') keeps the correction range unrounded
   (`truncate: false`). llama.cpp rounds it to whole dimensions for every model; a GGUF's YaRN is
   read as the model was trained, unrounded.
+- Stops: a harmony turn ends at `<|return|>` (the answer) or `<|call|>` (a tool call), as
+  generation_config.json lists them; a GGUF names only the first as EOS. llama.cpp ends
+  generation at both (its o200k_harmony end-of-generation set), and so do we.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tokenbus.loader.layer_kinds import gguf_local_layers, windows
 GPT_OSS_PATTERN = 2  # every second layer global
 GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA = 7.0, 1.702
 GPT_OSS_GGUF_ARCHITECTURE = "gpt-oss"  # llama.cpp's name; ours is "gpt_oss"
+GPT_OSS_STOP_TOKENS = ("<|return|>", "<|call|>")
 
 
 def gpt_oss_hf_fields(config: dict[str, Any]) -> dict[str, Any]:
