@@ -151,6 +151,41 @@ def test_tool_calls_are_parsed_from_the_content_alone():
         assert choice["message"]["content"] == "It is sunny."
 
 
+def test_gpt_oss_harmony_reasoning_and_tool_call():
+    """vLLM's pair for gpt-oss: the analysis message is the reasoning, a commentary message to
+    functions.get_weather the call (its <|call|> is the stop token, not text), streamed too."""
+    harmony = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+    )
+    config = dict(
+        reasoning_parser="openai_gptoss", enable_auto_tool_choice=True, tool_call_parser="openai"
+    )
+    _, client = _client(harmony, **config)
+    with client:
+        choice = _chat(client, tools=[WEATHER])
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["reasoning_content"] == "Need the weather."
+        assert choice["message"]["content"] is None
+        [parsed] = choice["message"]["tool_calls"]
+        assert parsed["function"]["name"] == "get_weather"
+        assert json.loads(parsed["function"]["arguments"]) == {"city": "Paris"}
+        reasoning, content, finish, deltas = _streamed(client, tools=[WEATHER])
+        assert (reasoning, content, finish) == ("Need the weather.", "", "tool_calls")
+        [streamed_call] = [c for d in deltas for c in d.get("tool_calls") or []]
+        assert streamed_call["function"]["name"] == "get_weather"
+    # The final channel is plain content, streamed as it comes.
+    answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+    _, client = _client(answer + "<|message|>It is sunny in Paris.", **config)
+    with client:
+        choice = _chat(client, tools=[WEATHER])
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == "It is sunny in Paris."
+        reasoning, content, finish, deltas = _streamed(client, tools=[WEATHER])
+        assert (reasoning, content, finish) == ("Easy.", "It is sunny in Paris.", "stop")
+        assert sum(bool(d.get("content")) for d in deltas) > 1  # not held to the end
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -75,6 +75,43 @@ ASK = [{"role": "user", "content": "Weather?"}]
             "[__import__('os').system('x')]",
             [],
         ),  # never evaluated
+        # gpt-oss's harmony, as the content after --reasoning-parser openai_gptoss: the
+        # recipient after the channel, or before it (in the header <|start|>assistant opened)
+        (
+            "openai",
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city": "Paris"}',
+            None,
+            [("get_weather", {"city": "Paris"})],
+        ),
+        (
+            "openai",
+            ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}',
+            None,
+            [("get_weather", {"city": "Oslo"})],
+        ),
+        (  # a preamble to the user is content; the analysis (no reasoning parser) is not
+            "openai",
+            "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>"
+            "commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+            "to=functions.get_time<|message|>{}<|call|><|start|>assistant to=functions."
+            'get_weather<|channel|>commentary json<|message|>{"city": "Rome"}',
+            "Checking.",
+            [("get_time", {}), ("get_weather", {"city": "Rome"})],
+        ),
+        ("openai", "Paris.", "Paris.", []),
+        (  # bad JSON, or a built-in tool's call only: not a call of the request's functions
+            "openai",
+            "<|channel|>commentary to=functions.f<|message|>{bad",
+            "<|channel|>commentary to=functions.f<|message|>{bad",
+            [],
+        ),
+        (
+            "openai",
+            '<|channel|>analysis to=browser.search<|message|>{"q": 1}',
+            '<|channel|>analysis to=browser.search<|message|>{"q": 1}',
+            [],
+        ),
     ],
 )
 def test_parsers_on_canned_outputs(parser, text, content, calls):
@@ -296,6 +333,7 @@ def test_bad_tools_are_400(body, param):
         ("pythonic", "[f(x={[1]: 2})]"),
         ("hermes", "<tool_call>" + "[" * 100_000 + "</tool_call>"),
         ("llama3_json", "{" * 100_000),
+        ("openai", "<|channel|>commentary to=functions.f<|message|>" + "[" * 100_000),
     ],
 )
 def test_parsers_never_raise(parser, text):

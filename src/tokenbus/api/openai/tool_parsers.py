@@ -5,6 +5,9 @@
     llama3_json  {"name": …, "parameters": {…}}, one per line or separated by ";" (Llama 3.x)
     mistral      [TOOL_CALLS][{"name": …, "arguments": {…}}, …] (Mistral)
     pythonic     [get_weather(city="Paris"), …] (Llama 4, ToolACE)
+    openai       gpt-oss's harmony messages addressed to a function:
+                 <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{…}
+                 (with --reasoning-parser openai_gptoss, as vLLM pairs them)
 
 Each parser returns the text before the calls (None when empty) and the calls, arguments as
 JSON text. Text that only looks like a call (bad JSON, no name) stays content: a model's prose
@@ -53,6 +56,7 @@ class ToolCallParser:
     name: str
     # How a call begins; streamed text is held back while it could still be the start of one.
     marker: str
+    markers: tuple[str, ...] = ()  # where a call may begin several ways: all of them
     calls_after_text = False  # whether calls may follow prose (else they open the output)
     needs_special_tokens = False  # the marker is a special token: detokenize with it kept
 
@@ -67,10 +71,21 @@ class ToolCallParser:
     def _parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
 
+    def all_markers(self) -> tuple[str, ...]:
+        return self.markers or (self.marker,)
+
     def may_start_call(self, text: str) -> bool:
         """Whether `text` (the output so far) begins a tool call or could still become one."""
         stripped = text.lstrip()
-        return stripped.startswith(self.marker) or self.marker.startswith(stripped)
+        return any(
+            stripped.startswith(marker) or marker.startswith(stripped)
+            for marker in self.all_markers()
+        )
+
+    def find_marker(self, text: str, start: int) -> int:
+        """Where the first marker at or after `start` begins in `text`, or -1."""
+        found = [i for marker in self.all_markers() if (i := text.find(marker, start)) >= 0]
+        return min(found, default=-1)
 
 
 class HermesParser(ToolCallParser):
@@ -159,8 +174,58 @@ class PythonicParser(ToolCallParser):
         return ParsedOutput(None, calls)
 
 
+class HarmonyParser(ToolCallParser):
+    """gpt-oss's harmony format: a message whose recipient is `functions.NAME` is a call, its
+    body the arguments; the recipient may stand before the channel or after it. Other messages
+    without a recipient (commentary preambles, the final answer) are content; analysis messages
+    are reasoning, which --reasoning-parser openai_gptoss takes out first. `<|call|>`, which
+    ends a call's turn, is a stop token and not text."""
+
+    name, calls_after_text, needs_special_tokens = "openai", True, True
+    marker = "<|channel|>commentary"
+    markers = (marker, "to=functions.")
+    # [<|start|>role][ to=recipient]<|channel|>channel[ to=recipient][ <|constrain|>]type<|message|>
+    _HEADER = re.compile(
+        r"(?:<\|start\|>\w*)?(?P<before>\s*to=[^\s<]+\s*)?<\|channel\|>(?P<channel>[^<]*)"
+        r"(?:<\|constrain\|>[^<]*)?<\|message\|>"
+    )
+    _END = re.compile(r"<\|(?:end|call|return)\|>|(?=<\|start\|>)|(?=<\|channel\|>)")
+    _RECIPIENT = re.compile(r"\bto=(\S+)")
+
+    def _parse(self, text: str) -> ParsedOutput:
+        content, calls, position = [], [], 0
+        while (header := self._HEADER.search(text, position)) is not None:
+            content.append(text[position : header.start()])
+            end = self._END.search(text, header.end())
+            body_end = end.start() if end is not None else len(text)
+            body = text[header.end() : body_end]
+            position = end.end() if end is not None else len(text)
+            channel = header["channel"].split()[0] if header["channel"].split() else ""
+            recipient = self._RECIPIENT.search(f"{header['before'] or ''} {header['channel']}")
+            if recipient is None:
+                if channel != "analysis":
+                    content.append(body)
+                continue
+            if not recipient[1].startswith("functions."):
+                continue  # a built-in tool's call (browser, python): not one of the request's
+            try:
+                call = _call_from_json(
+                    {"name": recipient[1].removeprefix("functions."), "arguments": json.loads(body)}
+                )
+            except (ValueError, RecursionError):
+                call = None
+            if call is None:
+                return ParsedOutput(text, [])
+            calls.append(call)
+        if not calls:
+            return ParsedOutput(text, [])
+        content.append(text[position:])
+        return ParsedOutput(_content("".join(content)), calls)
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+    cls.name: cls
+    for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, HarmonyParser)
 }
 
 

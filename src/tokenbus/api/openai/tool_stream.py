@@ -84,8 +84,9 @@ class ToolStream:
         if not parser.calls_after_text:
             end = len(self.text)  # calls only ever open the output: the rest is prose
         else:
-            marker = self.text.find(parser.marker, self.num_sent)
-            end = marker if marker >= 0 else len(self.text) - held_back(self.text, parser.marker)
+            marker = parser.find_marker(self.text, self.num_sent)
+            keep = max(held_back(self.text, m) for m in parser.all_markers())
+            end = marker if marker >= 0 else len(self.text) - keep
         if end <= self.num_sent:
             return []
         piece, self.num_sent = self.text[self.num_sent : end], end
