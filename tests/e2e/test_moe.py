@@ -1,6 +1,7 @@
-"""Sparse MoE (Qwen3-MoE, Mixtral, OLMoE, GraniteMoE) end to end against HF transformers, fp32
-on CPU: tiny random models (8, 4, 8 and 4 experts, top 2; a Qwen3-MoE dense layer via
-mlp_only_layers; OLMoE's top 2 not renormalised, its q/k norms over the whole projection;
+"""Sparse MoE (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GraniteMoE) end to end against HF
+transformers, fp32 on CPU: tiny random models (8, 4, 4, 8 and 4 experts, top 2; a Qwen3-MoE dense
+layer via mlp_only_layers; Qwen2-MoE's shared expert and q/k/v biases, its top 2 not
+renormalised; OLMoE's top 2 not renormalised, its q/k norms over the whole projection;
 GraniteMoE's multipliers and stacked HF experts) from safetensors and
 from a GGUF in llama.cpp's naming (experts stacked per layer as ffn_*_exps) give HF's greedy
 tokens, with logprobs within tolerance, through prefix-cache hits, chunked prefill, preemption
@@ -35,6 +36,14 @@ CONFIGS = {
         head_dim=32,
         num_hidden_layers=3,
         mlp_only_layers=[1],
+    ),
+    # Qwen2-MoE: a shared expert (wider than the routed ones), top k not renormalised
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        intermediate_size=64,
     ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
@@ -86,8 +95,10 @@ def test_arch_reads_the_experts(model_path, family):
     assert arch.architecture == family
     assert arch.num_experts == config.get("num_experts", config.get("num_local_experts"))
     assert arch.num_experts_per_tok == 2
-    assert arch.norm_topk_prob == (family != "olmoe")  # OLMoE's default; llama.cpp's too
+    # OLMoE's and Qwen2-MoE's defaults; llama.cpp's too
+    assert arch.norm_topk_prob == (family not in ("olmoe", "qwen2_moe"))
     assert arch.dense_layers == ((1,) if family == "qwen3_moe" else ())
+    assert arch.shared_expert_intermediate_size == (64 if family == "qwen2_moe" else 0)
 
 
 @pytest.mark.parametrize("caching", [True, False])

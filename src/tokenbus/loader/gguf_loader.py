@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
 # general.architecture values we load
 GGUF_ARCHITECTURES = (
     *("llama", "qwen2", "qwen3", "smollm3", "granite", "granitemoe", "olmo2", "phi3"),
-    *("qwen3moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
+    *("qwen3moe", "qwen2moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -117,6 +117,11 @@ _BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # the MoE router
+    # Qwen2-MoE's shared expert and its gate (a [hidden] vector in the file: [1, hidden] here)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_qkv": "self_attn.qkv_proj",  # phi3
@@ -231,8 +236,12 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
 
 def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
     """llama.cpp writes Mixtral as "llama" with experts, OLMo 3 as "olmo2" with a window;
-    "qwen3moe" is our "qwen3_moe", "gpt-oss" our "gpt_oss"."""
-    renamed = {"qwen3moe": "qwen3_moe", GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss"}
+    "qwen3moe" is our "qwen3_moe", "qwen2moe" our "qwen2_moe", "gpt-oss" our "gpt_oss"."""
+    renamed = {
+        "qwen3moe": "qwen3_moe",
+        "qwen2moe": "qwen2_moe",
+        GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss",
+    }
     if gguf_arch in renamed:
         return renamed[gguf_arch]
     if gguf_arch == "olmo2" and window:
@@ -243,19 +252,23 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
 def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     """ModelArch's MoE fields from `{arch}.expert_*` metadata ({} for a dense model). Layers
     without a router tensor (ffn_gate_inp) are dense (Qwen3-MoE's mlp_only_layers); shared
-    experts (ffn_*_shexp) are refused, naming the tensor."""
+    experts (ffn_*_shexp) are Qwen2-MoE's, refused elsewhere, naming the tensor."""
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     if not num_experts:
-        if arch in ("qwen3moe", "olmoe", "granitemoe", GPT_OSS_GGUF_ARCHITECTURE):
+        if arch in ("qwen3moe", "qwen2moe", "olmoe", "granitemoe", GPT_OSS_GGUF_ARCHITECTURE):
             raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_count")
         return {}
+    shared = 0
+    if arch == "qwen2moe":  # llama.cpp: the dense width when the shared one is not given
+        shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
+        shared = shared or int(meta.get(f"{arch}.feed_forward_length", 0))
     for name in gf.tensors:
-        if "_shexp" in name:
+        if "_shexp" in name and arch != "qwen2moe":
             raise ValueError(f"{gf.path}: tensor {name}: shared experts are not supported")
     if f"{arch}.expert_used_count" not in meta:
         raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_used_count")
-    own_width = ("qwen3moe", GPT_OSS_GGUF_ARCHITECTURE)
+    own_width = ("qwen3moe", "qwen2moe", GPT_OSS_GGUF_ARCHITECTURE)
     width_key = "expert_feed_forward_length" if arch in own_width else "feed_forward_length"
     if f"{arch}.{width_key}" not in meta:
         raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.{width_key}")
@@ -264,11 +277,13 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
         num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
         moe_intermediate_size=int(meta[f"{arch}.{width_key}"]),
         # llama.cpp renormalises Mixtral's and Qwen3-MoE's top k unless told otherwise, and
-        # never OLMoE's (its graph passes no weight norm, as OlmoeConfig's default)
-        norm_topk_prob=arch != "olmoe" and bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        # never OLMoE's or Qwen2-MoE's (their graphs pass no weight norm, as their configs')
+        norm_topk_prob=arch not in ("olmoe", "qwen2moe")
+        and bool(meta.get(f"{arch}.expert_weights_norm", True)),
         dense_layers=tuple(
             i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gf.tensors
         ),
+        shared_expert_intermediate_size=shared,
     )
 
 
@@ -411,6 +426,8 @@ def iter_gguf_weights(
             tensor = unpermute_qk(tensor, arch.num_key_value_heads)
         elif arch.architecture in GEMMA_GGUF_ARCHITECTURES and name.endswith("norm.weight"):
             tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF's w
+        elif name.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:
+            tensor = tensor.unsqueeze(0)  # llama.cpp's [hidden] vector is HF's [1, hidden]
         # The permutation moves whole rows, so it applies to rows of blocks unchanged.
         yield (
             name,
@@ -432,6 +449,7 @@ def _moe_scope(name: str, arch: ModelArch) -> str:
 _HF_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     # GraniteMoE's per-expert names (model/granite.py splits HF's stacked tensors into them)
     "granitemoe": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),

@@ -46,6 +46,7 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "OlmoeForCausalLM": "olmoe",
     "GraniteMoeForCausalLM": "granitemoe",
     "GptOssForCausalLM": "gpt_oss",
@@ -134,7 +135,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         tie_word_embeddings=bool(
             config.get("tie_word_embeddings", architecture in GEMMA_ARCHITECTURES)
         ),
-        attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
+        attention_bias=_attention_bias(config, architecture),
         hidden_act=config.get("hidden_act", "silu"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
@@ -159,15 +160,28 @@ def hf_blocks_quantized(directory: Path) -> bool:
     return path.is_file() and is_mxfp4(read_json(path))
 
 
+def _attention_bias(config: dict[str, Any], architecture: str) -> bool:
+    """Qwen2 always has q/k/v biases; Qwen2-MoE's `qkv_bias` says (True before the key
+    existed); the others' `attention_bias`."""
+    if architecture == "qwen2":
+        return True
+    if architecture == "qwen2_moe":
+        return bool(config.get("qkv_bias", True))
+    return bool(config.get("attention_bias", False))
+
+
 def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[str, Any]:
-    """ModelArch's MoE fields (model/moe.py) of a Mixtral, Qwen3-MoE, OLMoE or GraniteMoE
-    config; {} otherwise. Fields we do not implement (shared experts, OLMoE's clip_qkv) are refused,
-    naming them."""
-    if architecture not in ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"):
+    """ModelArch's MoE fields (model/moe.py) of a Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE,
+    GraniteMoE or gpt-oss config; {} otherwise. Fields we do not implement (shared experts outside
+    Qwen2-MoE, OLMoE's clip_qkv) are refused, naming them."""
+    if architecture not in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss"):
         return {}
     if config.get("clip_qkv") is not None:
         raise ValueError(f"{path}: clip_qkv is not supported for {architecture}")
-    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+    shared_keys = ("n_shared_experts",)
+    if architecture != "qwen2_moe":
+        shared_keys += ("shared_expert_intermediate_size",)
+    for key in shared_keys:
         if config.get(key):
             raise ValueError(f"{path}: {key} (shared experts) is not supported for {architecture}")
     num_experts = config.get("num_local_experts") or config.get("num_experts")
@@ -192,6 +206,7 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
         moe_intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         dense_layers=tuple(i for i in range(num_layers) if i in only or (i + 1) % step),
+        shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
     )
 
 
@@ -312,13 +327,14 @@ def _sliding_windows(
 ) -> tuple[int | None, ...]:
     """Each layer's window as transformers builds them: Mistral's, Mixtral's and Phi-3's
     `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's /
-    Qwen3's / SmolLM3's only with `use_sliding_window`, on the layers of `layer_types` (or, in a
+    Qwen2-MoE's / Qwen3's / SmolLM3's only with `use_sliding_window`, on the layers of
+    `layer_types` (or, in a
     config without them, from `max_window_layers` on; SmolLM3: its `nope_layers`); OLMo 3's on
     the layers of `layer_types` (default: all but every fourth); () where no layer has one."""
     window = config.get("sliding_window")
     if architecture == "olmo3":
         window = config.get("sliding_window", OLMO3_WINDOW)
-    gated = ("qwen2", "qwen3", "qwen3_moe", "smollm3")  # windows only with use_sliding_window
+    gated = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")  # only with use_sliding_window
     if architecture in gated and not config.get("use_sliding_window"):
         window = None
     if architecture not in ("mistral", "mixtral", "phi3", "olmo3", "gpt_oss", *gated) or not window:

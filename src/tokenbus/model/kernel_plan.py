@@ -423,9 +423,10 @@ def _norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
 
 def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
     """An MoE MLP as decode_layer.c runs it: the router on dense_rows.c's panels, every expert's
-    two linears on tiled shards, all experts on this rank (no expert parallelism); or None."""
+    two linears on tiled shards, all experts on this rank (no expert parallelism); or None (a
+    shared expert, too: decode_layer.c has none)."""
     router = block.gate.kernel
-    if not isinstance(router, RowInvariantLinear) or block.tp.enabled:
+    if not isinstance(router, RowInvariantLinear) or block.tp.enabled or block.has_shared_expert:
         return None
     gate_up = [_tiled_linear(expert.gate_up_proj) for expert in block.experts]
     down = [_tiled_linear(expert.down_proj) for expert in block.experts]

@@ -1,4 +1,5 @@
-"""A sparse mixture-of-experts MLP (L2): Mixtral's and Qwen3-MoE's.
+"""A sparse mixture-of-experts MLP (L2): Mixtral's and Qwen3-MoE's, and Qwen2-MoE's with a
+shared expert.
 
 Routing: a router linear (`gate`, [E, hidden]) gives each token E logits; softmax over all E
 in fp32, the top k kept, and (norm_topk_prob) renormalised to sum to 1. Mixtral's "softmax of
@@ -25,6 +26,10 @@ and the router whole; every rank routes every token, runs only its own experts, 
 all-reduce sums the ranks' partial outputs (the same single all-reduce a dense MLP has).
 Whole experts keep each kernel call at the expert's full width (a slice of I/size columns would
 halve every call's work while keeping its fixed cost) and need no slicing of quantized blocks.
+
+A shared expert (Qwen2-MoE's) runs on every token beside the routed ones, its output scaled by
+sigmoid(shared_expert_gate(x)) and added after them, as HF adds it. It is one whole expert too:
+rank 0 holds and runs it, so the same one all-reduce sums it in.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from tokenbus.model.weights import WeightLoader
 EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
     "olmoe": ("gate_proj", "up_proj", "down_proj"),
     "granitemoe": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
     "gpt_oss": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
@@ -95,6 +101,15 @@ class SparseMoeBlock(OpsModule):
         self.experts = nn.ModuleList(
             Expert(arch.hidden_size, arch.moe_intermediate_size, bias) for _ in range(per_rank)
         )
+        # The shared expert and its gate [1, hidden] (arch.shared_expert_intermediate_size),
+        # on rank 0 only; None without one, and on the other ranks.
+        self.has_shared_expert = arch.shared_expert_intermediate_size > 0
+        self.shared_expert: Expert | None = None
+        self.shared_expert_gate: Linear | None = None
+        if self.has_shared_expert and tp.rank == 0:
+            self.shared_expert = Expert(arch.hidden_size, arch.shared_expert_intermediate_size)
+            # row-invariant as the router: decode_layer.c reads the same panels
+            self.shared_expert_gate = Linear(arch.hidden_size, (1,), row_invariant=True)
         # stack_experts: (gate_up [E, 2I, hidden], down [E, hidden, I]), which
         # triton_moe.fused_experts runs; None: experts run one by one.
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -116,8 +131,13 @@ class SparseMoeBlock(OpsModule):
                 x, *self.stacked, weights, expert_ids, self.ops.silu_mul,
                 first_expert=self.first_expert, some_experts_elsewhere=self.tp.size > 1,
             )  # fmt: skip
-            return self.tp.all_reduce(out)
-        return self.tp.all_reduce(self._experts_one_by_one(x, weights, expert_ids))
+        else:
+            out = self._experts_one_by_one(x, weights, expert_ids)
+        if self.shared_expert is not None:  # after the routed sum, as HF adds it
+            shared = self.shared_expert
+            gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+            out = out + gate * shared.down_proj(self.act_mul(shared.gate_up_proj(x)))
+        return self.tp.all_reduce(out)
 
     def _experts_one_by_one(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
@@ -192,18 +212,39 @@ class SparseMoeBlock(OpsModule):
                 loaders[f"{scope}{gate_name}.{kind}"] = partial(gate_up, shard=0, is_bias=bias)
                 loaders[f"{scope}{up_name}.{kind}"] = partial(gate_up, shard=1, is_bias=bias)
                 loaders[f"{scope}{down_name}.{kind}"] = partial(down, is_bias=bias)
+        if self.shared_expert is not None:
+            shared = self.shared_expert
+            loaders[f"{prefix}shared_expert_gate.weight"] = self.shared_expert_gate.load_shard
+            for name, load in self._shared_loaders(shared).items():
+                loaders[f"{prefix}shared_expert.{name}.weight"] = load
         return loaders
 
-    def skipped_names(self, prefix: str, family: str) -> dict[str, WeightLoader]:
-        """Other ranks' experts: known names this rank drops (expert parallel)."""
-        mine = range(self.first_expert, self.first_expert + len(self.experts))
+    @staticmethod
+    def _shared_loaders(shared: Expert | None) -> dict[str, WeightLoader]:
+        """The shared expert's HF names under `shared_expert.` (Qwen2MoeMLP's)."""
+        if shared is None:
+            return dict.fromkeys(("gate_proj", "up_proj", "down_proj"), skip_weight)
         return {
+            "gate_proj": partial(shared.gate_up_proj.load_shard, shard=0),
+            "up_proj": partial(shared.gate_up_proj.load_shard, shard=1),
+            "down_proj": shared.down_proj.load_shard,
+        }
+
+    def skipped_names(self, prefix: str, family: str) -> dict[str, WeightLoader]:
+        """Other ranks' experts (and rank 0's shared expert): known names this rank drops."""
+        mine = range(self.first_expert, self.first_expert + len(self.experts))
+        skipped = {
             f"{prefix}experts.{e}.{name}.{kind}": skip_weight
             for e in range(self.num_experts)
             if e not in mine
             for name in EXPERT_NAMES[family]
             for kind in self._tensor_kinds
         }
+        if self.has_shared_expert and self.shared_expert is None:  # rank 0's
+            skipped[f"{prefix}shared_expert_gate.weight"] = skip_weight
+            for name in self._shared_loaders(None):
+                skipped[f"{prefix}shared_expert.{name}.weight"] = skip_weight
+        return skipped
 
 
 def skip_weight(name: str, tensor: object) -> None:

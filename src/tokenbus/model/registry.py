@@ -12,6 +12,7 @@ from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.olmo2 import Olmo2ForCausalLM
 from tokenbus.model.olmoe import OlmoeForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
+from tokenbus.model.qwen2_moe import Qwen2MoeForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
 from tokenbus.model.qwen3_moe import Qwen3MoeForCausalLM
 from tokenbus.model.smollm3 import SmolLM3ForCausalLM
@@ -43,11 +44,13 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "granitemoe": GraniteMoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
