@@ -278,6 +278,8 @@ def _assert_c_steps_match_layer_by_layer(model) -> None:
         ("olmoe", "Q8_0", dict(num_experts=4, num_experts_per_tok=2)),  # whole q/k norms
         ("granitemoe", "Q8_0", dict(num_local_experts=4, num_experts_per_tok=2)),  # multipliers
         ("qwen3_moe", "MXFP4", dict(num_experts=8, num_experts_per_tok=2, head_dim=64)),  # gpt-oss
+        # a shared expert beside the routed ones, q/k/v biases
+        ("qwen2_moe", "Q8_0", dict(num_experts=4, num_experts_per_tok=2, head_dim=64)),
     ],
 )
 def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype, config):
@@ -286,6 +288,8 @@ def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype,
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
     sizes = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256)
+    if family == "qwen2_moe":
+        sizes["shared_expert_intermediate_size"] = 384
     hf_dir = cached_tiny_model(family, **sizes, **config)
     path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", qtype, with_tokenizer=False)
     src = resolve_model(str(path))

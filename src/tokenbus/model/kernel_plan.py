@@ -423,11 +423,18 @@ def _norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
 
 def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
     """An MoE MLP as decode_layer.c runs it: the router on dense_rows.c's panels, every expert's
-    two linears on tiled shards, all experts on this rank (no expert parallelism); or None (a
-    shared expert, too: decode_layer.c has none)."""
+    two linears on tiled shards, all experts on this rank (no expert parallelism), and a shared
+    expert's two tiled linears with its gate on dense_rows.c's panels; or None."""
     router = block.gate.kernel
-    if not isinstance(router, RowInvariantLinear) or block.tp.enabled or block.has_shared_expert:
+    if not isinstance(router, RowInvariantLinear) or block.tp.enabled:
         return None
+    shared = None
+    if block.shared_expert is not None:
+        expert, gate = block.shared_expert, block.shared_expert_gate.kernel
+        shared_linears = (_tiled_linear(expert.gate_up_proj), _tiled_linear(expert.down_proj))
+        if None in shared_linears or not isinstance(gate, RowInvariantLinear):
+            return None
+        shared = (*shared_linears, gate.panels)
     gate_up = [_tiled_linear(expert.gate_up_proj) for expert in block.experts]
     down = [_tiled_linear(expert.down_proj) for expert in block.experts]
     if None in gate_up or None in down:
@@ -443,6 +450,7 @@ def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
         activation=block.activation,
         swiglu_limit=limit,
         swiglu_alpha=alpha,
+        shared=shared,
     )
 
 

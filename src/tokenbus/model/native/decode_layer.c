@@ -170,13 +170,40 @@ static void route_token(const float *logits, int64_t E, int64_t K, int64_t norm,
         for (int64_t j = 0; j < K; j++) weights[j] /= kept;
 }
 
+/* out [T, H] += sigmoid(h . gate) * down(silu(gate_up(h))): the shared expert of every token, after
+   the routed ones (SparseMoeBlock.forward). The gate's logit by dense_rows.c on the same panels
+   as the op-by-op path's. 0, 3 when out of memory, or a kernel's status. */
+static int shared_expert(const kernels *k, const moe *m, const float *h, int64_t T, int64_t H, float *out,
+                         const step *s) {
+    const int64_t S = m->shared_intermediate;
+    const int threads = (int)s->num_threads;
+    float *buf = malloc(sizeof(float) * (size_t)(T * (3 * S + H + 1)));
+    if (!buf) return 3;
+    float *gate_up = buf, *act = gate_up + T * 2 * S, *ys = act + T * S, *logit = ys + T * H;
+    int status;
+    if ((status = run_linear(k, m->shared_gate_up, h, T, gate_up, s))) goto done;
+    k->silu_mul(gate_up, T, S, act, threads);
+    if ((status = run_linear(k, m->shared_down, act, T, ys, s))) goto done;
+    if ((status = k->dense_matmul(m->shared_gate, 1, H, h, T, H, logit, 1, threads))) goto done;
+    for (int64_t t = 0; t < T; t++) {
+        const float gate = 1.f / (1.f + expf(-logit[t]));
+        float *o = out + t * H;
+        const float *y = ys + t * H;
+        for (int64_t c = 0; c < H; c++) o[c] += gate * y[c];
+    }
+done:
+    free(buf);
+    return status;
+}
+
 /* out [T, H] = the MoE MLP of h [T, H] (model/moe.py's SparseMoeBlock.forward): the router's
    logits by dense_rows.c on the same panels (the same sums as the op-by-op path), each token's
    routing, then the T*k (token, expert) pairs counting-sorted by expert (stable: tokens
    ascending), and each active expert in ascending order once on its gathered rows, gate_up ->
    silu*up (or gpt-oss's clamped SwiGLU) -> down, its rows scaled by their weights and added to
-   their tokens' outputs; a router bias joins the logits first. 0, 3 when
-   out of memory, or a kernel's status. */
+   their tokens' outputs; a router bias joins the logits first. A shared expert then runs on every
+   token and joins the sum scaled by sigmoid(its gate's logit) (shared_expert), as moe.py adds it.
+   0, 3 when out of memory, or a kernel's status. */
 static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, int64_t H, int64_t I, float *out,
                    const step *s) {
     const int64_t E = m->num_experts, K = m->top_k, P = T * K;
@@ -215,7 +242,7 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
             for (int64_t c = 0; c < H; c++) o[c] += y[c] * w;
         }
     }
-    status = 0;
+    status = m->shared_gate_up ? shared_expert(k, m, h, T, H, out, s) : 0;
 done:
     free(logits);
     free(weights);

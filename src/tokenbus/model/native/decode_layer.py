@@ -82,6 +82,10 @@ class _Moe(ctypes.Structure):
         ("activation", _I64),
         ("swiglu_limit", _F32),
         ("swiglu_alpha", _F32),
+        ("shared_gate_up", ctypes.POINTER(_Linear)),
+        ("shared_down", ctypes.POINTER(_Linear)),
+        ("shared_gate", _PTR),
+        ("shared_intermediate", _I64),
     ]
 
 
@@ -196,7 +200,9 @@ class LinearWeights:
 class MoeWeights:
     """A sparse MoE MLP as decode_layer.c reads it: the router's dense_rows.c panels (and its
     bias, fp32 [E]), and each expert's gate_up and down (on tiled shards, with their biases);
-    `activation` a key of MLP_ACTIVATIONS, "silu" or "clamped_swiglu" (with its limit, alpha)."""
+    `activation` a key of MLP_ACTIVATIONS, "silu" or "clamped_swiglu" (with its limit, alpha).
+    `shared`: a shared expert's gate_up and down and its gate's dense_rows.c panels [1, hidden]
+    (Qwen2-MoE's); None: none."""
 
     router: torch.Tensor
     gate_up: list[LinearWeights]
@@ -207,6 +213,7 @@ class MoeWeights:
     activation: str = "silu"
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    shared: tuple[LinearWeights, LinearWeights, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.activation not in ("silu", "clamped_swiglu"):
@@ -227,6 +234,7 @@ class MoeWeights:
 
     def struct(self) -> _Moe:
         experts = len(self.gate_up)
+        shared_gate_up, shared_down, shared_gate = self.shared or (None, None, None)
         return _Moe(
             self.router.data_ptr(),
             None if self.router_bias is None else self.router_bias.data_ptr(),
@@ -238,6 +246,10 @@ class MoeWeights:
             MLP_ACTIVATIONS[self.activation],
             self.swiglu_limit,
             self.swiglu_alpha,
+            None if shared_gate_up is None else (_Linear * 1)(shared_gate_up.struct()),
+            None if shared_down is None else (_Linear * 1)(shared_down.struct()),
+            None if shared_gate is None else shared_gate.data_ptr(),
+            0 if shared_down is None else shared_down.cols,
         )
 
 

@@ -105,7 +105,8 @@ typedef struct {
    fused_ops.c's clamped_swiglu_mul). */
 enum { MLP_SILU = 0, MLP_GELU_TANH = 1, MLP_CLAMPED_SWIGLU = 2 };
 
-/* A sparse MoE MLP (model/moe.py): the router's packed rows (and bias), and expert e's two linears. */
+/* A sparse MoE MLP (model/moe.py): the router's packed rows (and bias), and expert e's two linears;
+   a shared expert every token runs, scaled by the sigmoid of its gate (Qwen2-MoE's). */
 typedef struct {
     const float *router;          /* [E, hidden] in dense_pack's panels (dense_rows.c) */
     const float *router_bias;     /* [E], added to the logits; NULL: none */
@@ -113,6 +114,9 @@ typedef struct {
     int64_t num_experts, top_k, norm_topk_prob;
     int64_t activation;           /* MLP_SILU or MLP_CLAMPED_SWIGLU */
     float swiglu_limit, swiglu_alpha; /* MLP_CLAMPED_SWIGLU's */
+    const linear *shared_gate_up, *shared_down; /* the shared expert (SiLU); NULL: none */
+    const float *shared_gate;     /* [1, hidden] in dense_pack's panels: its gate's logit */
+    int64_t shared_intermediate;
 } moe;
 
 typedef struct {
