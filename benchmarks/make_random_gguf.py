@@ -13,7 +13,8 @@ q/k norms, five sliding-window layers to one global), olmo-2-1b (post-norms only
 over the whole projection), olmoe-1b-7b (64 experts, top 8, OLMo's q/k norms),
 granite-3b-a800m (GraniteMoE: 40 experts, top 8), gpt-oss-20b-8l (gpt-oss: biases, sinks,
 32 experts of 2880 with biases, top 4, alternating windows, YaRN; 8 of its 24 layers), gemma-2b
-(Gemma: Gemma's norms and GeGLU in pre-norm layers, one KV head). Tensor
+(Gemma: Gemma's norms and GeGLU in pre-norm layers, one KV head), qwen1.5-moe-a2.7b-8l
+(Qwen2-MoE: 60 experts of 1408, top 4, and a shared expert of 5632; 8 of its 24 layers). Tensor
 names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
@@ -74,6 +75,7 @@ class ModelShape:
     experts: int = 0
     experts_used: int = 0
     expert_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (ffn_*_shexp), 0: none
     head_dim_override: int = 0  # Qwen3's head_dim != hidden / heads
     qk_norm: bool = False  # Qwen3's attn_q_norm / attn_k_norm
     # Gemma 3: the local layers' window (llama.cpp fixes the pattern, five local then a global,
@@ -148,6 +150,14 @@ CONFIGS = {
         GPT_OSS, 2880, 8, 64, 8, 2880, 201088, 150000.0, 131072, 1e-5, False, qkv_bias=True,
         experts=32, experts_used=4, expert_intermediate=2880, head_dim_override=64,
         sliding_window=128, yarn=(32.0, 4096),
+    ),
+    # Qwen1.5-MoE-A2.7B: 2048 wide, 16 heads of 128 without GQA, q/k/v biases, 60 experts of
+    # 1408 with 4 used beside a shared expert of 5632, a 152k vocabulary, untied. The whole
+    # model is 14.3 B parameters (29 GB at F16, past this disk's room beside its quantized copy);
+    # 8 of its 24 layers keep every per-token kernel shape.
+    "qwen1.5-moe-a2.7b-8l": ModelShape(
+        "qwen2moe", 2048, 8, 16, 16, 5632, 151936, 1000000.0, 8192, 1e-6, False, qkv_bias=True,
+        experts=60, experts_used=4, expert_intermediate=1408, shared_intermediate=5632,
     ),
     # Gemma 2B (gemma-2b): 2048 wide, 18 layers of 8 query heads of 256 over one KV head, GeGLU
     # of 16384, a 256k vocabulary tied to the LM head; Llama's two norms a layer.
@@ -232,6 +242,12 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
                 yield b + f"ffn_{name}_exps.weight", (e, rows, cols), "matrix"
                 if oss:
                     yield b + f"ffn_{name}_exps.bias", (e, rows), "bias"
+            if shape.shared_intermediate:  # llama.cpp's qwen2moe: the gate a [hidden] vector
+                s = shape.shared_intermediate
+                yield b + "ffn_gate_inp_shexp.weight", (h,), "bias"
+                yield b + "ffn_gate_shexp.weight", (s, h), "matrix"
+                yield b + "ffn_up_shexp.weight", (s, h), "matrix"
+                yield b + "ffn_down_shexp.weight", (h, s), "matrix"
             continue
         yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
         yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
@@ -290,6 +306,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
+    if shape.shared_intermediate:
+        writer.add_expert_shared_feed_forward_length(shape.shared_intermediate)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
     if shape.yarn:

@@ -129,6 +129,34 @@ def test_the_real_configs_have_the_published_sizes():
         < 21.0e9
     )
     assert 7.7e9 < params["gpt-oss-20b-8l"] < 7.8e9
+    # Qwen1.5-MoE-A2.7B: 14.3 B parameters over its 24 layers
+    full = dataclasses.replace(make_random_gguf.CONFIGS["qwen1.5-moe-a2.7b-8l"], layers=24)
+    assert (
+        14.3e9
+        < sum(int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(full))
+        < 14.4e9
+    )
+
+
+def test_qwen2_moe_is_written_as_llama_cpps(tmp_path):
+    """The shared expert (its gate a [hidden] vector) beside stacked experts: read back by the
+    loader and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("qwen1.5-moe-a2.7b-8l"),
+        experts=4,
+        experts_used=2,
+        expert_intermediate=64,
+        shared_intermediate=96,
+    )
+    path = make_random_gguf.write_random_gguf("qmoe", tmp_path / "q.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.shared_expert_intermediate_size) == ("qwen2_moe", 96)
+    assert not arch.norm_topk_prob and arch.attention_bias
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    mlp = model.layers[0].mlp
+    assert mlp.shared_expert_gate.weight.shape == (1, shape.hidden)
+    assert mlp.shared_expert.down_proj.weight.shape == (shape.hidden, 96)
 
 
 def test_moe_config_writes_stacked_experts_the_engine_loads(tmp_path):
