@@ -1,7 +1,10 @@
 """Granite end to end against HF transformers, fp32 on CPU: a tiny random Granite (its four
-multipliers at Granite 3.x's values) from its safetensors directory and from a GGUF in
-llama.cpp's naming (multipliers as *_scale keys; a tokenizer transformers builds without a
-config) gives HF's greedy tokens and logprobs for a batch through prefix-cache hits and chunks."""
+multipliers at Granite 3.x's values) and a Granite 4.0 attention-only dense model
+(GraniteMoeHybrid: the MLP as `shared_mlp`), each from its safetensors directory and from a
+GGUF in llama.cpp's naming (multipliers as *_scale keys; Granite 4.0 written as "granite"; a
+tokenizer transformers builds without a config) give HF's greedy tokens and logprobs for a
+batch through prefix-cache hits and chunks; Granite 4.0's Mamba2 layers and experts are
+refused by name."""
 
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ LOGPROB_ATOL = 2e-3
 ENGINE = dict(kv_cache_dtype="float32")  # HF's numbers exactly, from the GGUF too
 
 
-@pytest.fixture(scope="module")
-def hf_dir():
-    return cached_tiny_model("granite")
+@pytest.fixture(scope="module", params=["granite", "granitemoehybrid"])
+def hf_dir(request):
+    return cached_tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +52,33 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, reference, kind, tmp_path):
         assert ours == pytest.approx(logprobs, abs=LOGPROB_ATOL)
     assert llm.engine.stats_totals["prefix_cache_hits"] > 0
     assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (dict(layer_types=["mamba", "attention"]), "Mamba2 layers"),
+        (dict(num_local_experts=4), "num_local_experts=4"),
+    ],
+)
+def test_granite_4_hybrid_parts_are_refused_by_name(tmp_path, edit, message):
+    import json
+    import shutil
+
+    from tokenbus.loader import load_arch, resolve_model
+
+    hf_dir = shutil.copytree(cached_tiny_model("granitemoehybrid"), tmp_path / "m")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=message):
+        load_arch(resolve_model(str(hf_dir)))
+
+
+def test_granite_4_without_rope_has_no_rotary_layers(tmp_path):
+    """position_embedding_type other than "rope" (the 4.0-H models' "nope"): no rotary at all,
+    as GraniteMoeHybridModel builds none."""
+    from tokenbus.loader import load_arch, resolve_model
+
+    hf_dir = cached_tiny_model("granitemoehybrid", position_embedding_type="nope")
+    arch = load_arch(resolve_model(str(hf_dir)))
+    assert arch.nope_layers == (0, 1) and arch.intermediate_size == 96

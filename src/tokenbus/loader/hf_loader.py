@@ -49,6 +49,7 @@ HF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "OlmoeForCausalLM": "olmoe",
     "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: its attention-only models
     "GptOssForCausalLM": "gpt_oss",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
@@ -99,6 +100,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
             "GGUF for quantized weights"
         )
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
+    if architecture == "granitemoehybrid":
+        _check_granite_hybrid(config, path)
     family: dict[str, Any] = {}
     if architecture in GEMMA_ARCHITECTURES:
         family = gemma_hf_fields(config, path, architecture)
@@ -122,7 +125,12 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         architecture=architecture,
         vocab_size=need("vocab_size"),
         hidden_size=hidden_size,
-        intermediate_size=need("intermediate_size"),
+        # Granite 4.0's MLP is its shared_mlp (check_granite_hybrid: no experts beside it)
+        intermediate_size=int(
+            need("shared_intermediate_size")
+            if architecture == "granitemoehybrid"
+            else need("intermediate_size")
+        ),
         num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=config.get("num_key_value_heads") or num_heads,
@@ -292,9 +300,27 @@ def _olmo3_rope(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], flo
     return {**config, "rope_theta": theta}, theta
 
 
+def _check_granite_hybrid(config: dict[str, Any], path: Path) -> None:
+    """GraniteMoeHybrid as Granite 4.0's attention-only dense models use it (granite-4.0-micro):
+    every layer attention and the shared MLP alone. Mamba2 layers (the 4.0-H models) and
+    experts beside the shared MLP are refused by name."""
+    kinds = config.get("layer_types") or config.get("layers_block_type")
+    # "attention" in the released configs, "full_attention" as transformers 5 saves them
+    if kinds is None or any(kind not in ("attention", "full_attention") for kind in kinds):
+        raise ValueError(
+            f"{path}: GraniteMoeHybrid with Mamba2 layers (layer_types {kinds!r}; Granite "
+            "4.0-H) is not supported; its attention-only models (granite-4.0-micro) are"
+        )
+    if config.get("num_local_experts"):
+        raise ValueError(
+            f"{path}: num_local_experts={config['num_local_experts']} (experts beside Granite "
+            "4.0's shared MLP) is not supported"
+        )
+
+
 def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """Granite's four multipliers (GraniteConfig's defaults: 1); {} for the other families."""
-    if architecture not in ("granite", "granitemoe"):
+    if architecture not in ("granite", "granitemoe", "granitemoehybrid"):
         return {}
     return dict(
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
@@ -306,10 +332,14 @@ def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]
 
 def _nope_layers(config: dict[str, Any], architecture: str, path: Path) -> tuple[int, ...]:
     """SmolLM3's layers without rotary: where `no_rope_layers` says 0, or (absent) every
-    `no_rope_layer_interval`-th layer (default 4: layers 3, 7, ...), as SmolLM3Config fills it."""
+    `no_rope_layer_interval`-th layer (default 4: layers 3, 7, ...), as SmolLM3Config fills it.
+    Granite 4.0's: all of them unless `position_embedding_type` is "rope" (its model's test)."""
+    num_layers = int(config["num_hidden_layers"])
+    if architecture == "granitemoehybrid":
+        rope = config.get("position_embedding_type") == "rope"
+        return () if rope else tuple(range(num_layers))
     if architecture != "smollm3":
         return ()
-    num_layers = int(config["num_hidden_layers"])
     flags = config.get("no_rope_layers")
     if flags is None:
         interval = int(config.get("no_rope_layer_interval") or 4)

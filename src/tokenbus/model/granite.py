@@ -1,5 +1,7 @@
 """Granite (IBM Granite 3.x): Llama's layers with four multipliers (GraniteConfig's), dense or
-with a sparse MoE MLP in every layer (GraniteMoE).
+with a sparse MoE MLP in every layer (GraniteMoE); Granite 4.0's attention-only dense models
+(GraniteMoeHybrid with no Mamba2 layers and no experts: Granite's layers, the MLP stored as
+`shared_mlp`, rotary only with position_embedding_type "rope").
 
 - `embedding_multiplier` scales the token embeddings;
 - `residual_multiplier` scales each sublayer's output before it joins the residual
@@ -45,6 +47,32 @@ class GraniteMultipliers:
 
 class GraniteForCausalLM(GraniteMultipliers, LlamaForCausalLM):
     pass
+
+
+class GraniteHybridForCausalLM(GraniteForCausalLM):
+    """Granite 4.0 (GraniteMoeHybrid) attention-only and dense: Granite's layers, the MLP's
+    gate and up stored as one `shared_mlp.input_linear` [2I, hidden] (gate rows, then up rows,
+    as its forward chunks them) and down as `shared_mlp.output_linear`. A GGUF of it is a
+    "granite" one (llama.cpp's converter writes it so)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_shared_mlp_as_mlp(weights))
+
+
+def _shared_mlp_as_mlp(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """shared_mlp.input_linear / output_linear as the dense MLP's gate, up and down (views)."""
+    for name, tensor in weights:
+        scope, _, leaf = name.rpartition("shared_mlp.")
+        if leaf == "input_linear.weight":
+            gate, up = tensor.chunk(2, dim=0)
+            yield f"{scope}mlp.gate_proj.weight", gate
+            yield f"{scope}mlp.up_proj.weight", up
+        elif leaf == "output_linear.weight":
+            yield f"{scope}mlp.down_proj.weight", tensor
+        else:
+            yield name, tensor
 
 
 class GraniteMoeForCausalLM(GraniteMultipliers, MoECausalLM):

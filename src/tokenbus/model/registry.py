@@ -6,7 +6,11 @@ from torch import nn
 
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.gpt_oss import GptOssForCausalLM
-from tokenbus.model.granite import GraniteForCausalLM, GraniteMoeForCausalLM
+from tokenbus.model.granite import (
+    GraniteForCausalLM,
+    GraniteHybridForCausalLM,
+    GraniteMoeForCausalLM,
+)
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.olmo2 import Olmo2ForCausalLM
@@ -47,12 +51,14 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "granitemoe": GraniteMoeForCausalLM,
+    "granitemoehybrid": GraniteHybridForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
 }
 
