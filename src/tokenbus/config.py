@@ -101,8 +101,13 @@ class ModelArch:
     moe_intermediate_size: int = 0  # each expert's gate/up width
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead
-    # Qwen2-MoE's shared expert beside the routed ones (its gate/up width; 0: none)
+    # A shared expert beside the routed ones (its gate/up width; 0: none): behind a sigmoid gate
+    # (Qwen2-MoE's) or added as it is (ERNIE 4.5's shared_experts)
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
+    # ERNIE 4.5's per-expert bias (moe_statics.e_score_correction_bias) added to the routing
+    # probabilities to choose the top k, their weights the probabilities themselves
+    moe_selection_bias: bool = False
     # gpt-oss's clamped SwiGLU in its experts (model/gpt_oss.py): the gate clamped from above and
     # up to +-swiglu_limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1); None elsewhere.
     swiglu_limit: float | None = None

@@ -430,11 +430,13 @@ def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
         return None
     shared = None
     if block.shared_expert is not None:
-        expert, gate = block.shared_expert, block.shared_expert_gate.kernel
+        expert, gate = block.shared_expert, block.shared_expert_gate
         shared_linears = (_tiled_linear(expert.gate_up_proj), _tiled_linear(expert.down_proj))
-        if None in shared_linears or not isinstance(gate, RowInvariantLinear):
+        if None in shared_linears:
             return None
-        shared = (*shared_linears, gate.panels)
+        if gate is not None and not isinstance(gate.kernel, RowInvariantLinear):
+            return None
+        shared = (*shared_linears, None if gate is None else gate.kernel.panels)
     gate_up = [_tiled_linear(expert.gate_up_proj) for expert in block.experts]
     down = [_tiled_linear(expert.down_proj) for expert in block.experts]
     if None in gate_up or None in down:
@@ -451,6 +453,7 @@ def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
         swiglu_limit=limit,
         swiglu_alpha=alpha,
         shared=shared,
+        selection_bias=None if block.selection_bias is None else block.selection_bias.data,
     )
 
 

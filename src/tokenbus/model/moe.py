@@ -1,10 +1,12 @@
-"""A sparse mixture-of-experts MLP (L2): Mixtral's and Qwen3-MoE's, and Qwen2-MoE's with a
-shared expert.
+"""A sparse mixture-of-experts MLP (L2): Mixtral's and Qwen3-MoE's, and Qwen2-MoE's and
+ERNIE 4.5's with a shared expert.
 
 Routing: a router linear (`gate`, [E, hidden]) gives each token E logits; softmax over all E
 in fp32, the top k kept, and (norm_topk_prob) renormalised to sum to 1. Mixtral's "softmax of
 the top-k logits" is the same numbers (the renormalised top-k of a softmax), so both families
-share this one rule, with norm_topk_prob always on for Mixtral.
+share this one rule, with norm_topk_prob always on for Mixtral. ERNIE 4.5 chooses its top k
+by the probabilities plus a per-expert bias (`selection_bias`, its e_score_correction_bias),
+the weights still the chosen experts' probabilities.
 
 The expert step is fused over the batch: the T*k (token, expert) pairs are sorted by expert
 (a stable argsort), so each expert's tokens are one contiguous run; each active expert runs
@@ -27,9 +29,9 @@ all-reduce sums the ranks' partial outputs (the same single all-reduce a dense M
 Whole experts keep each kernel call at the expert's full width (a slice of I/size columns would
 halve every call's work while keeping its fixed cost) and need no slicing of quantized blocks.
 
-A shared expert (Qwen2-MoE's) runs on every token beside the routed ones, its output scaled by
-sigmoid(shared_expert_gate(x)) and added after them, as HF adds it. It is one whole expert too:
-rank 0 holds and runs it, so the same one all-reduce sums it in.
+A shared expert runs on every token beside the routed ones and is added after them, as HF adds
+it: scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE's) or as it is (ERNIE 4.5's). It is one
+whole expert too: rank 0 holds and runs it, so the same one all-reduce sums it in.
 """
 
 from __future__ import annotations
@@ -49,10 +51,20 @@ EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "ernie4_5_moe": ("gate_proj", "up_proj", "down_proj"),
     "olmoe": ("gate_proj", "up_proj", "down_proj"),
     "granitemoe": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
     "gpt_oss": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
 }
+
+
+# A family's shared expert's HF names under the MoE block: (expert, its gate or None).
+SHARED_EXPERT_NAMES = {
+    "qwen2_moe": ("shared_expert", "shared_expert_gate"),
+    "ernie4_5_moe": ("shared_experts", None),
+}
+# ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints)
+SELECTION_BIAS_NAME = "moe_statics.e_score_correction_bias"
 
 
 class Expert(nn.Module):
@@ -98,6 +110,11 @@ class SparseMoeBlock(OpsModule):
         # The router, whole on every rank. Row-invariant: a token's experts never depend on
         # which other tokens share its step (and decode_layer.c reads the same panels).
         self.gate = Linear(arch.hidden_size, (arch.num_experts,), bias=bias, row_invariant=True)
+        # fp32 [E], added to the probabilities to choose the top k only; None: none
+        self.selection_bias: nn.Parameter | None = None
+        if arch.moe_selection_bias:
+            zeros = torch.zeros(arch.num_experts, dtype=torch.float32)
+            self.selection_bias = nn.Parameter(zeros, requires_grad=False)
         self.experts = nn.ModuleList(
             Expert(arch.hidden_size, arch.moe_intermediate_size, bias) for _ in range(per_rank)
         )
@@ -108,6 +125,7 @@ class SparseMoeBlock(OpsModule):
         self.shared_expert_gate: Linear | None = None
         if self.has_shared_expert and tp.rank == 0:
             self.shared_expert = Expert(arch.hidden_size, arch.shared_expert_intermediate_size)
+        if self.shared_expert is not None and arch.shared_expert_gated:
             # row-invariant as the router: decode_layer.c reads the same panels
             self.shared_expert_gate = Linear(arch.hidden_size, (1,), row_invariant=True)
         # stack_experts: (gate_up [E, 2I, hidden], down [E, hidden, I]), which
@@ -117,7 +135,11 @@ class SparseMoeBlock(OpsModule):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of each token."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.selection_bias is None:
+            weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        else:  # chosen by the biased probabilities, weighed by the probabilities
+            _, expert_ids = torch.topk(probs + self.selection_bias.float(), self.top_k, dim=-1)
+            weights = probs.gather(-1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), expert_ids
@@ -135,8 +157,10 @@ class SparseMoeBlock(OpsModule):
             out = self._experts_one_by_one(x, weights, expert_ids)
         if self.shared_expert is not None:  # after the routed sum, as HF adds it
             shared = self.shared_expert
-            gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
-            out = out + gate * shared.down_proj(self.act_mul(shared.gate_up_proj(x)))
+            y = shared.down_proj(self.act_mul(shared.gate_up_proj(x)))
+            if self.shared_expert_gate is not None:
+                y = torch.sigmoid(self.shared_expert_gate(x)) * y  # gate [T, 1]
+            out = out + y
         return self.tp.all_reduce(out)
 
     def _experts_one_by_one(
@@ -212,23 +236,38 @@ class SparseMoeBlock(OpsModule):
                 loaders[f"{scope}{gate_name}.{kind}"] = partial(gate_up, shard=0, is_bias=bias)
                 loaders[f"{scope}{up_name}.{kind}"] = partial(gate_up, shard=1, is_bias=bias)
                 loaders[f"{scope}{down_name}.{kind}"] = partial(down, is_bias=bias)
-        if self.shared_expert is not None:
-            shared = self.shared_expert
-            loaders[f"{prefix}shared_expert_gate.weight"] = self.shared_expert_gate.load_shard
-            for name, load in self._shared_loaders(shared).items():
-                loaders[f"{prefix}shared_expert.{name}.weight"] = load
+        if self.selection_bias is not None:
+            loaders[prefix + SELECTION_BIAS_NAME] = self._load_selection_bias
+        if self.has_shared_expert:
+            loaders.update(self._shared_loaders(prefix, family))
         return loaders
 
-    @staticmethod
-    def _shared_loaders(shared: Expert | None) -> dict[str, WeightLoader]:
-        """The shared expert's HF names under `shared_expert.` (Qwen2MoeMLP's)."""
-        if shared is None:
-            return dict.fromkeys(("gate_proj", "up_proj", "down_proj"), skip_weight)
-        return {
-            "gate_proj": partial(shared.gate_up_proj.load_shard, shard=0),
-            "up_proj": partial(shared.gate_up_proj.load_shard, shard=1),
-            "down_proj": shared.down_proj.load_shard,
-        }
+    def _load_selection_bias(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.numel() != self.num_experts:
+            raise ValueError(f"{name}: expected {self.num_experts} values, got {tensor.shape}")
+        with torch.no_grad():
+            self.selection_bias.copy_(tensor.reshape(-1))
+
+    def _shared_loaders(self, prefix: str, family: str) -> dict[str, WeightLoader]:
+        """The shared expert's HF names (a gated MLP's, under the family's name) and its gate's;
+        skipped on the ranks that do not hold it."""
+        expert_name, gate_name = SHARED_EXPERT_NAMES[family]
+        names = [
+            f"{prefix}{expert_name}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")
+        ]
+        if gate_name is not None:
+            names.append(f"{prefix}{gate_name}.weight")
+        shared = self.shared_expert
+        if shared is None:  # rank 0's
+            return dict.fromkeys(names, skip_weight)
+        loads = [
+            partial(shared.gate_up_proj.load_shard, shard=0),
+            partial(shared.gate_up_proj.load_shard, shard=1),
+            shared.down_proj.load_shard,
+        ]
+        if gate_name is not None:
+            loads.append(self.shared_expert_gate.load_shard)
+        return dict(zip(names, loads))
 
     def skipped_names(self, prefix: str, family: str) -> dict[str, WeightLoader]:
         """Other ranks' experts (and rank 0's shared expert): known names this rank drops."""
@@ -241,9 +280,7 @@ class SparseMoeBlock(OpsModule):
             for kind in self._tensor_kinds
         }
         if self.has_shared_expert and self.shared_expert is None:  # rank 0's
-            skipped[f"{prefix}shared_expert_gate.weight"] = skip_weight
-            for name in self._shared_loaders(None):
-                skipped[f"{prefix}shared_expert.{name}.weight"] = skip_weight
+            skipped.update(self._shared_loaders(prefix, family))
         return skipped
 
 

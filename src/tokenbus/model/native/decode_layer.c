@@ -149,18 +149,22 @@ static void head_norms(const kernels *k, const layer *w, float *qkv, int64_t T, 
 
 /* Token t's routing from its E logits: its top k experts, most probable first (ties to the lower
    index), and their weights: the softmax over all E, then (norm_topk_prob) each divided by the k
-   kept ones' sum, as SparseMoeBlock.route computes them. */
-static void route_token(const float *logits, int64_t E, int64_t K, int64_t norm, int64_t *experts,
-                        float *weights) {
+   kept ones' sum, as SparseMoeBlock.route computes them. With a selection bias the experts are
+   chosen by probability + bias instead (`scores`, E floats of scratch), weighed the same. */
+static void route_token(const float *logits, const float *bias, float *scores, int64_t E, int64_t K, int64_t norm,
+                        int64_t *experts, float *weights) {
     float max = logits[0], sum = 0.f, kept = 0.f;
     for (int64_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
     for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - max);
+    if (bias) /* softmax order: no logit order stands in for the biased probabilities */
+        for (int64_t e = 0; e < E; e++) scores[e] = expf(logits[e] - max) / sum + bias[e];
+    const float *by = bias ? scores : logits;
     for (int64_t j = 0; j < K; j++) {
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++) {
             int taken = 0;
             for (int64_t i = 0; i < j && !taken; i++) taken = experts[i] == e;
-            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+            if (!taken && (best < 0 || by[e] > by[best])) best = e;
         }
         experts[j] = best;
         weights[j] = expf(logits[best] - max) / sum;
@@ -171,8 +175,9 @@ static void route_token(const float *logits, int64_t E, int64_t K, int64_t norm,
 }
 
 /* out [T, H] += sigmoid(h . gate) * down(silu(gate_up(h))): the shared expert of every token, after
-   the routed ones (SparseMoeBlock.forward). The gate's logit by dense_rows.c on the same panels
-   as the op-by-op path's. 0, 3 when out of memory, or a kernel's status. */
+   the routed ones (SparseMoeBlock.forward); without a gate, its output as it is. The gate's logit
+   by dense_rows.c on the same panels as the op-by-op path's. 0, 3 when out of memory, or a
+   kernel's status. */
 static int shared_expert(const kernels *k, const moe *m, const float *h, int64_t T, int64_t H, float *out,
                          const step *s) {
     const int64_t S = m->shared_intermediate;
@@ -184,6 +189,10 @@ static int shared_expert(const kernels *k, const moe *m, const float *h, int64_t
     if ((status = run_linear(k, m->shared_gate_up, h, T, gate_up, s))) goto done;
     k->silu_mul(gate_up, T, S, act, threads);
     if ((status = run_linear(k, m->shared_down, act, T, ys, s))) goto done;
+    if (!m->shared_gate) {
+        for (int64_t i = 0; i < T * H; i++) out[i] += ys[i];
+        goto done;
+    }
     if ((status = k->dense_matmul(m->shared_gate, 1, H, h, T, H, logit, 1, threads))) goto done;
     for (int64_t t = 0; t < T; t++) {
         const float gate = 1.f / (1.f + expf(-logit[t]));
@@ -208,7 +217,7 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
                    const step *s) {
     const int64_t E = m->num_experts, K = m->top_k, P = T * K;
     const int threads = (int)s->num_threads;
-    float *logits = malloc(sizeof(float) * (size_t)(T * E)), *weights = malloc(sizeof(float) * (size_t)P);
+    float *logits = malloc(sizeof(float) * (size_t)(T * E + E)), *weights = malloc(sizeof(float) * (size_t)P);
     float *rows = malloc(sizeof(float) * (size_t)(T * (H + 3 * I + H)));
     int64_t *experts = malloc(sizeof(int64_t) * (size_t)P), *order = malloc(sizeof(int64_t) * (size_t)P);
     int64_t *first = calloc((size_t)(E + 1), sizeof(int64_t));
@@ -218,7 +227,9 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
     if (m->router_bias) /* after the whole sum, as dense_rows.py's RowInvariantLinear adds it */
         for (int64_t t = 0; t < T; t++)
             for (int64_t e = 0; e < E; e++) logits[t * E + e] += m->router_bias[e];
-    for (int64_t t = 0; t < T; t++) route_token(logits + t * E, E, K, m->norm_topk_prob, experts + t * K, weights + t * K);
+    float *scores = logits + T * E; /* route_token's scratch */
+    for (int64_t t = 0; t < T; t++)
+        route_token(logits + t * E, m->selection_bias, scores, E, K, m->norm_topk_prob, experts + t * K, weights + t * K);
     for (int64_t p = 0; p < P; p++) first[experts[p] + 1]++;
     for (int64_t e = 0; e < E; e++) first[e + 1] += first[e];
     for (int64_t p = 0, *next = first; p < P; p++) order[next[experts[p]]++] = p; /* pair p is token p / K */

@@ -74,6 +74,7 @@ class _Moe(ctypes.Structure):
     _fields_ = [
         ("router", _PTR),
         ("router_bias", _PTR),
+        ("selection_bias", _PTR),
         ("gate_up", ctypes.POINTER(_Linear)),
         ("down", ctypes.POINTER(_Linear)),
         ("num_experts", _I64),
@@ -202,7 +203,8 @@ class MoeWeights:
     bias, fp32 [E]), and each expert's gate_up and down (on tiled shards, with their biases);
     `activation` a key of MLP_ACTIVATIONS, "silu" or "clamped_swiglu" (with its limit, alpha).
     `shared`: a shared expert's gate_up and down and its gate's dense_rows.c panels [1, hidden]
-    (Qwen2-MoE's); None: none."""
+    (Qwen2-MoE's; None: ungated, ERNIE's); None: none. `selection_bias`: fp32 [E] added to the
+    probabilities to choose the top k (ERNIE's); None: none."""
 
     router: torch.Tensor
     gate_up: list[LinearWeights]
@@ -213,24 +215,26 @@ class MoeWeights:
     activation: str = "silu"
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
-    shared: tuple[LinearWeights, LinearWeights, torch.Tensor] | None = None
+    shared: tuple[LinearWeights, LinearWeights, torch.Tensor | None] | None = None
+    selection_bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.activation not in ("silu", "clamped_swiglu"):
             raise ValueError(
                 f"an MoE MLP in C takes silu or clamped_swiglu, not {self.activation!r}"
             )
-        bias = self.router_bias
         experts = len(self.gate_up)
-        if bias is not None and (
-            bias.dtype != torch.float32
-            or tuple(bias.shape) != (experts,)
-            or not bias.is_contiguous()
-        ):
-            raise ValueError(
-                f"router_bias must be contiguous fp32 [{experts}], "
-                f"got {bias.dtype} {list(bias.shape)}"
-            )
+        for name in ("router_bias", "selection_bias"):
+            bias = getattr(self, name)
+            if bias is not None and (
+                bias.dtype != torch.float32
+                or tuple(bias.shape) != (experts,)
+                or not bias.is_contiguous()
+            ):
+                raise ValueError(
+                    f"{name} must be contiguous fp32 [{experts}], "
+                    f"got {bias.dtype} {list(bias.shape)}"
+                )
 
     def struct(self) -> _Moe:
         experts = len(self.gate_up)
@@ -238,6 +242,7 @@ class MoeWeights:
         return _Moe(
             self.router.data_ptr(),
             None if self.router_bias is None else self.router_bias.data_ptr(),
+            None if self.selection_bias is None else self.selection_bias.data_ptr(),
             (_Linear * experts)(*(linear.struct() for linear in self.gate_up)),
             (_Linear * experts)(*(linear.struct() for linear in self.down)),
             experts,

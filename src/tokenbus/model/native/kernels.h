@@ -110,12 +110,13 @@ enum { MLP_SILU = 0, MLP_GELU_TANH = 1, MLP_CLAMPED_SWIGLU = 2 };
 typedef struct {
     const float *router;          /* [E, hidden] in dense_pack's panels (dense_rows.c) */
     const float *router_bias;     /* [E], added to the logits; NULL: none */
+    const float *selection_bias;  /* [E], added to the probabilities to choose the top k (ERNIE's); NULL: none */
     const linear *gate_up, *down; /* [E] each */
     int64_t num_experts, top_k, norm_topk_prob;
     int64_t activation;           /* MLP_SILU or MLP_CLAMPED_SWIGLU */
     float swiglu_limit, swiglu_alpha; /* MLP_CLAMPED_SWIGLU's */
     const linear *shared_gate_up, *shared_down; /* the shared expert (SiLU); NULL: none */
-    const float *shared_gate;     /* [1, hidden] in dense_pack's panels: its gate's logit */
+    const float *shared_gate;     /* [1, hidden] in dense_pack's panels: its gate's logit; NULL: ungated */
     int64_t shared_intermediate;
 } moe;
 
