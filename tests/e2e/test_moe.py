@@ -1,7 +1,8 @@
-"""Sparse MoE (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GraniteMoE) end to end against HF
-transformers, fp32 on CPU: tiny random models (8, 4, 4, 8 and 4 experts, top 2; a Qwen3-MoE dense
-layer via mlp_only_layers; Qwen2-MoE's shared expert and q/k/v biases, its top 2 not
-renormalised; OLMoE's top 2 not renormalised, its q/k norms over the whole projection;
+"""Sparse MoE (Qwen3-MoE, Qwen2-MoE, ERNIE 4.5, Mixtral, OLMoE, GraniteMoE) end to end against
+HF transformers, fp32 on CPU: tiny random models (8, 4, 4, 4, 8 and 4 experts, top 2; a Qwen3-MoE
+dense layer via mlp_only_layers; Qwen2-MoE's gated shared expert and q/k/v biases, its top 2 not
+renormalised; ERNIE's dense first layer, biased expert choice, ungated shared MLP and interleaved
+rotary pairs; OLMoE's top 2 not renormalised, its q/k norms over the whole projection;
 GraniteMoE's multipliers and stacked HF experts) from safetensors and
 from a GGUF in llama.cpp's naming (experts stacked per layer as ffn_*_exps) give HF's greedy
 tokens, with logprobs within tolerance, through prefix-cache hits, chunked prefill, preemption
@@ -44,6 +45,17 @@ CONFIGS = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
         intermediate_size=64,
+    ),
+    # ERNIE 4.5: a dense first layer, experts chosen by probability + a bias, an ungated shared
+    # MLP of two experts' width, interleaved rotary pairs
+    "ernie4_5_moe": dict(
+        moe_num_experts=4,
+        moe_k=2,
+        moe_intermediate_size=32,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        moe_layer_end_index=2,
+        num_hidden_layers=3,
     ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
@@ -93,12 +105,17 @@ def test_arch_reads_the_experts(model_path, family):
     arch = load_arch(resolve_model(str(model_path)))
     config = CONFIGS[family]
     assert arch.architecture == family
-    assert arch.num_experts == config.get("num_experts", config.get("num_local_experts"))
+    experts = ("num_experts", "num_local_experts", "moe_num_experts")
+    assert arch.num_experts == next(config[key] for key in experts if key in config)
     assert arch.num_experts_per_tok == 2
     # OLMoE's and Qwen2-MoE's defaults; llama.cpp's too
     assert arch.norm_topk_prob == (family not in ("olmoe", "qwen2_moe"))
-    assert arch.dense_layers == ((1,) if family == "qwen3_moe" else ())
-    assert arch.shared_expert_intermediate_size == (64 if family == "qwen2_moe" else 0)
+    dense = {"qwen3_moe": (1,), "ernie4_5_moe": (0,)}
+    assert arch.dense_layers == dense.get(family, ())
+    shared = {"qwen2_moe": 64, "ernie4_5_moe": 64}
+    assert arch.shared_expert_intermediate_size == shared.get(family, 0)
+    assert arch.shared_expert_gated == (family != "ernie4_5_moe")
+    assert arch.moe_selection_bias == (family == "ernie4_5_moe")
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -203,3 +220,28 @@ def test_moe_on_a_gpu_runs_stacked_experts_in_graphs(hf_dir, prompts, hf_referen
             assert_engine_clean(llm)
         finally:
             llm.shutdown()
+
+
+def test_ernie_selection_bias_changes_hfs_tokens(tmp_path):
+    """The tiny ERNIE's selection bias matters: HF's tokens without it differ, so the suite's
+    equality above checks the biased choice."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.e2e.oracle import hf_greedy
+
+    hf_dir = cached_tiny_model("ernie4_5_moe", **CONFIGS["ernie4_5_moe"])
+    unbiased = shutil.copytree(hf_dir, tmp_path / "unbiased")
+    weights = load_file(str(unbiased / "model.safetensors"))
+    biases = [name for name in weights if name.endswith("e_score_correction_bias")]
+    assert biases
+    for name in biases:
+        weights[name] = torch.zeros_like(weights[name])
+    save_file(weights, str(unbiased / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts(4, 5, 30, seed=34)
+    tokens = {
+        path: [hf_greedy(load_hf(str(path)), p, MAX_TOKENS) for p in prompts]
+        for path in (hf_dir, unbiased)
+    }
+    assert tokens[hf_dir] != tokens[unbiased]

@@ -280,6 +280,12 @@ def _assert_c_steps_match_layer_by_layer(model) -> None:
         ("qwen3_moe", "MXFP4", dict(num_experts=8, num_experts_per_tok=2, head_dim=64)),  # gpt-oss
         # a shared expert beside the routed ones, q/k/v biases
         ("qwen2_moe", "Q8_0", dict(num_experts=4, num_experts_per_tok=2, head_dim=64)),
+        # ERNIE 4.5: experts chosen by probability + bias, an ungated shared MLP, a dense layer
+        (
+            "ernie4_5_moe",
+            "Q8_0",
+            dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1),
+        ),
     ],
 )
 def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype, config):

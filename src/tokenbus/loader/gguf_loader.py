@@ -40,6 +40,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenbus.config import ModelArch
+from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
     SANDWICH_GGUF_ARCHITECTURES,
@@ -60,10 +61,15 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
 GGUF_ARCHITECTURES = (
     *("llama", "qwen2", "qwen3", "smollm3", "granite", "granitemoe", "olmo2", "phi3"),
     *("qwen3moe", "qwen2moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
+    *ERNIE_GGUF_ARCHITECTURES,
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
-_PERMUTED_QK_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoe")
+# ERNIE's too: its HF rows are interleaved already and its converter writes them as they are.
+_PERMUTED_QK_ARCHITECTURES = (
+    *("llama", "mixtral", "smollm3", "granite", "granitemoe"),
+    *ERNIE_ARCHITECTURES,
+)
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
@@ -142,10 +148,18 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
         "attn_sinks": "self_attn.sinks",
     },
     "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
+    # ERNIE 4.5's shared MLP (several experts' width, ungated) and its selection bias
+    "ernie4_5-moe": {
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        "exp_probs_b": "mlp.moe_statics.e_score_correction_bias",
+    },
     **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
 }
-# HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks).
-_PARAMETER_NAMES = ("self_attn.sinks",)
+# HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks, ERNIE's
+# selection bias).
+_PARAMETER_NAMES = ("self_attn.sinks", "mlp.moe_statics.e_score_correction_bias")
 _ROPE_FREQS = (
     "rope_freqs.weight"  # per-frequency divisors (Llama 3.1 rope); folded into rope_scaling
 )
@@ -241,6 +255,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         "qwen3moe": "qwen3_moe",
         "qwen2moe": "qwen2_moe",
         GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss",
+        **ERNIE_GGUF_ARCHITECTURES,
     }
     if gguf_arch in renamed:
         return renamed[gguf_arch]
@@ -252,23 +267,26 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
 def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     """ModelArch's MoE fields from `{arch}.expert_*` metadata ({} for a dense model). Layers
     without a router tensor (ffn_gate_inp) are dense (Qwen3-MoE's mlp_only_layers); shared
-    experts (ffn_*_shexp) are Qwen2-MoE's, refused elsewhere, naming the tensor."""
+    experts (ffn_*_shexp) are Qwen2-MoE's and ERNIE 4.5's, refused elsewhere, naming the tensor;
+    ERNIE's selection bias is its exp_probs_b."""
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
+    own_width = ("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE)
     if not num_experts:
-        if arch in ("qwen3moe", "qwen2moe", "olmoe", "granitemoe", GPT_OSS_GGUF_ARCHITECTURE):
+        if arch in (*own_width, "olmoe", "granitemoe"):
             raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_count")
         return {}
     shared = 0
     if arch == "qwen2moe":  # llama.cpp: the dense width when the shared one is not given
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
         shared = shared or int(meta.get(f"{arch}.feed_forward_length", 0))
-    for name in gf.tensors:
-        if "_shexp" in name and arch != "qwen2moe":
+    for name, info in gf.tensors.items():
+        if "_shexp" in name and arch not in ("qwen2moe", "ernie4_5-moe"):
             raise ValueError(f"{gf.path}: tensor {name}: shared experts are not supported")
+        if name.endswith(".ffn_gate_shexp.weight") and arch == "ernie4_5-moe":
+            shared = info.shape[0]  # its width, from the tensor (the converter's key is not it)
     if f"{arch}.expert_used_count" not in meta:
         raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_used_count")
-    own_width = ("qwen3moe", "qwen2moe", GPT_OSS_GGUF_ARCHITECTURE)
     width_key = "expert_feed_forward_length" if arch in own_width else "feed_forward_length"
     if f"{arch}.{width_key}" not in meta:
         raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.{width_key}")
@@ -284,6 +302,8 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
             i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gf.tensors
         ),
         shared_expert_intermediate_size=shared,
+        shared_expert_gated=arch != "ernie4_5-moe",
+        moe_selection_bias=any(name.endswith(".exp_probs_b.bias") for name in gf.tensors),
     )
 
 
@@ -450,6 +470,7 @@ _HF_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "ernie4_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     # GraniteMoE's per-expert names (model/granite.py splits HF's stacked tensors into them)
     "granitemoe": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),

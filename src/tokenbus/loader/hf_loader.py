@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from tokenbus.config import ModelArch
+from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, check_ernie, ernie_hf_moe_fields
 from tokenbus.loader.gemma_config import (
     GEMMA_ARCHITECTURES,
     gemma3_hf_rope,
@@ -51,6 +52,8 @@ HF_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: its attention-only models
     "GptOssForCausalLM": "gpt_oss",
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -102,6 +105,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     if architecture == "granitemoehybrid":
         _check_granite_hybrid(config, path)
+    if architecture in ERNIE_ARCHITECTURES:
+        check_ernie(config, path)
     family: dict[str, Any] = {}
     if architecture in GEMMA_ARCHITECTURES:
         family = gemma_hf_fields(config, path, architecture)
@@ -181,7 +186,9 @@ def _attention_bias(config: dict[str, Any], architecture: str) -> bool:
 def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[str, Any]:
     """ModelArch's MoE fields (model/moe.py) of a Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE,
     GraniteMoE or gpt-oss config; {} otherwise. Fields we do not implement (shared experts outside
-    Qwen2-MoE, OLMoE's clip_qkv) are refused, naming them."""
+    Qwen2-MoE, OLMoE's clip_qkv) are refused, naming them. ERNIE 4.5's: ernie_config.py."""
+    if architecture == "ernie4_5_moe":
+        return ernie_hf_moe_fields(config, path)
     if architecture not in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss"):
         return {}
     if config.get("clip_qkv") is not None:

@@ -6,8 +6,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tokenbus.config import ModelArch
+from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES
 from tokenbus.loader.gguf_file import read_gguf
-from tokenbus.loader.gguf_loader import QuantizedWeight, arch_from_gguf, iter_gguf_weights
+from tokenbus.loader.gguf_loader import (
+    QuantizedWeight,
+    arch_from_gguf,
+    iter_gguf_weights,
+    unpermute_qk,
+)
 from tokenbus.loader.hf_loader import (
     arch_from_hf_config,
     iter_safetensors,
@@ -34,10 +40,27 @@ def iter_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
     fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them, and so
-    do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py)."""
+    do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py); ERNIE's q/k rows from
+    interleaved pairs to halves (ernie_config.py)."""
     if src.kind == "hf":
         weights = iter_safetensors(safetensors_files(src.path))
         if arch.architecture == "gpt_oss":
             return gpt_oss_experts(weights, keep_quantized)
+        if arch.architecture in ERNIE_ARCHITECTURES:
+            return _rotary_pairs_as_halves(weights, arch)
         return weights
     return iter_gguf_weights(read_gguf(src.path), arch, keep_quantized)
+
+
+def _rotary_pairs_as_halves(
+    weights: Iterator[tuple[str, torch.Tensor]], arch: ModelArch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """q/k projections whose rotary turns adjacent pairs (GPT-J's layout), their rows reordered
+    so each pair's two dims stand half a head apart, as NeoX's rotary turns them: the inverse
+    of llama.cpp's permute. q·k is unchanged; the rest passes as it is."""
+    heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
+    for name, tensor in weights:
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in heads and parts[-3:-2] == ["self_attn"]:
+            tensor = unpermute_qk(tensor, heads[parts[-2]])
+        yield name, tensor

@@ -1,4 +1,5 @@
-"""The Llama family (Llama/SmolLM2, Mistral, Qwen2): model/decoder.py's parts as they are.
+"""The Llama family (Llama/SmolLM2, Mistral, Qwen2, dense ERNIE 4.5): model/decoder.py's parts
+as they are.
 
 Llama's and Mistral's `attention_bias` adds a bias to q/k/v and o_proj; Qwen2 has q/k/v biases
 (ModelArch.attention_bias is set for it) and none on o_proj.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenbus.model.ernie import Ernie45MoeForCausalLM
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.gpt_oss import GptOssForCausalLM
 from tokenbus.model.granite import (
@@ -53,6 +54,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "granitemoe": GraniteMoeForCausalLM,
     "granitemoehybrid": GraniteHybridForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "ernie4_5": LlamaForCausalLM,
+    "ernie4_5_moe": Ernie45MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
@@ -60,6 +63,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Ernie4_5ForCausalLM": LlamaForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
 }
 
 

@@ -1,0 +1,59 @@
+"""ERNIE 4.5 (dense) end to end against HF transformers, fp32 on CPU: a tiny random
+Ernie4_5ForCausalLM, whose rotary turns adjacent pairs of each head's dims (its q/k rows are
+reordered at load so ours turns them), from safetensors and from a GGUF in llama.cpp's naming
+(rows as they are, read as a Llama GGUF's), gives HF's greedy tokens and logprobs through
+prefix-cache hits and chunked prefill. The MoE model runs in tests/e2e/test_moe.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.oracle import assert_matches_hf, greedy_outputs, hf_greedy_logprobs, load_hf
+from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
+
+MAX_TOKENS = 10
+ENGINE = dict(kv_cache_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_dir():
+    return cached_tiny_model("ernie4_5", tie_word_embeddings=True)  # as ERNIE-4.5-0.3B
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    prefix = random_prompts(1, 40, 40, seed=51)[0]
+    return random_prompts(3, 1, 50, seed=52) + [prefix + t for t in random_prompts(3, 1, 20, 53)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir, prompts):
+    hf = load_hf(str(hf_dir))
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind, tmp_path):
+    from tokenbus.loader import load_arch, resolve_model
+
+    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "ernie.gguf")
+    assert load_arch(resolve_model(str(path))).architecture == "ernie4_5"
+    llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=32, **ENGINE)
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS, 1), hf_reference)
+    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
+    assert_engine_clean(llm)
+
+
+def test_use_bias_is_refused_by_name(tmp_path):
+    import json
+    import shutil
+
+    from tokenbus.loader import load_arch, resolve_model
+
+    model = shutil.copytree(cached_tiny_model("ernie4_5", tie_word_embeddings=True), tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "use_bias": True}))
+    with pytest.raises(ValueError, match="use_bias"):
+        load_arch(resolve_model(str(model)))
