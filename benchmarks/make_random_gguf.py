@@ -14,7 +14,9 @@ over the whole projection), olmoe-1b-7b (64 experts, top 8, OLMo's q/k norms),
 granite-3b-a800m (GraniteMoE: 40 experts, top 8), gpt-oss-20b-8l (gpt-oss: biases, sinks,
 32 experts of 2880 with biases, top 4, alternating windows, YaRN; 8 of its 24 layers), gemma-2b
 (Gemma: Gemma's norms and GeGLU in pre-norm layers, one KV head), qwen1.5-moe-a2.7b-8l
-(Qwen2-MoE: 60 experts of 1408, top 4, and a shared expert of 5632; 8 of its 24 layers). Tensor
+(Qwen2-MoE: 60 experts of 1408, top 4, and a shared expert of 5632; 8 of its 24 layers),
+ernie-4.5-21b-a3b-8l (ERNIE 4.5 MoE: a dense first layer, 64 experts of 1536, top 6 chosen with a
+bias, an ungated shared MLP of 3072; 8 of its 28 layers). Tensor
 names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
@@ -53,6 +55,7 @@ POST_NORM_ONLY = ("olmo2",)  # post_attention_norm and post_ffw_norm, no attn_no
 # gpt-oss: biases on q/k/v, attn_output, the router and the experts; a sink per query head; its
 # pre-MLP norm named post_attention_norm
 GPT_OSS = "gpt-oss"
+ERNIE_MOE = "ernie4_5-moe"
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ class ModelShape:
     experts: int = 0
     experts_used: int = 0
     expert_intermediate: int = 0
-    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (ffn_*_shexp), 0: none
+    shared_intermediate: int = 0  # a shared expert (ffn_*_shexp), 0: none
+    dense_lead: int = 0  # ERNIE's leading dense layers before the MoE ones
     head_dim_override: int = 0  # Qwen3's head_dim != hidden / heads
     qk_norm: bool = False  # Qwen3's attn_q_norm / attn_k_norm
     # Gemma 3: the local layers' window (llama.cpp fixes the pattern, five local then a global,
@@ -159,6 +163,15 @@ CONFIGS = {
         "qwen2moe", 2048, 8, 16, 16, 5632, 151936, 1000000.0, 8192, 1e-6, False, qkv_bias=True,
         experts=60, experts_used=4, expert_intermediate=1408, shared_intermediate=5632,
     ),
+    # ERNIE-4.5-21B-A3B: 2560 wide, 20 / 4 heads of 128, a dense first layer (12288), then 64
+    # experts of 1536 with 6 used (chosen with a per-expert bias) beside an ungated shared MLP
+    # of two experts' width, a 103k vocabulary, tied. The whole model is 21.8 B parameters (44
+    # GB at F16); 8 of its 28 layers keep every per-token kernel shape.
+    "ernie-4.5-21b-a3b-8l": ModelShape(
+        "ernie4_5-moe", 2560, 8, 20, 4, 12288, 103424, 500000.0, 131072, 1e-5, True,
+        experts=64, experts_used=6, expert_intermediate=1536, shared_intermediate=3072,
+        head_dim_override=128, dense_lead=1,
+    ),
     # Gemma 2B (gemma-2b): 2048 wide, 18 layers of 8 query heads of 256 over one KV head, GeGLU
     # of 16384, a 256k vocabulary tied to the LM head; Llama's two norms a layer.
     "gemma-2b": ModelShape(
@@ -233,18 +246,21 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "post_attention_norm.weight", (h,), "norm"
         if pre_norms and not oss:
             yield b + "ffn_norm.weight", (h,), "norm"
-        if shape.experts:
+        if shape.experts and i >= shape.dense_lead:
             e, inter = shape.experts, shape.expert_intermediate
             yield b + "ffn_gate_inp.weight", (e, h), "router"
             if oss:
                 yield b + "ffn_gate_inp.bias", (e,), "bias"
+            if shape.architecture == ERNIE_MOE:  # its selection bias
+                yield b + "exp_probs_b.bias", (e,), "bias"
             for name, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
                 yield b + f"ffn_{name}_exps.weight", (e, rows, cols), "matrix"
                 if oss:
                     yield b + f"ffn_{name}_exps.bias", (e, rows), "bias"
             if shape.shared_intermediate:  # llama.cpp's qwen2moe: the gate a [hidden] vector
                 s = shape.shared_intermediate
-                yield b + "ffn_gate_inp_shexp.weight", (h,), "bias"
+                if shape.architecture != ERNIE_MOE:  # ERNIE's shared MLP has no gate
+                    yield b + "ffn_gate_inp_shexp.weight", (h,), "bias"
                 yield b + "ffn_gate_shexp.weight", (s, h), "matrix"
                 yield b + "ffn_up_shexp.weight", (s, h), "matrix"
                 yield b + "ffn_down_shexp.weight", (h, s), "matrix"
@@ -308,6 +324,10 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
     if shape.shared_intermediate:
         writer.add_expert_shared_feed_forward_length(shape.shared_intermediate)
+    if shape.architecture == ERNIE_MOE:  # llama.cpp's Ernie4_5MoeModel
+        writer.add_leading_dense_block_count(shape.dense_lead)
+        writer.add_interleave_moe_layer_step(1)
+        writer.add_expert_shared_count(shape.shared_intermediate // shape.expert_intermediate)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
     if shape.yarn:

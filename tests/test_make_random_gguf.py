@@ -136,6 +136,34 @@ def test_the_real_configs_have_the_published_sizes():
         < sum(int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(full))
         < 14.4e9
     )
+    # ERNIE-4.5-21B-A3B: 21.8 B parameters over its 28 layers
+    full = dataclasses.replace(make_random_gguf.CONFIGS["ernie-4.5-21b-a3b-8l"], layers=28)
+    assert (
+        21.7e9
+        < sum(int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(full))
+        < 21.9e9
+    )
+
+
+def test_ernie_moe_is_written_as_llama_cpps(tmp_path):
+    """A dense first layer, the selection bias, the ungated shared MLP: read back by the loader
+    and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("ernie-4.5-21b-a3b-8l"),
+        experts=4,
+        experts_used=2,
+        expert_intermediate=64,
+        shared_intermediate=128,
+        head_dim_override=0,
+    )
+    path = make_random_gguf.write_random_gguf("ernie", tmp_path / "e.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.dense_layers) == ("ernie4_5_moe", (0,))
+    assert arch.moe_selection_bias and not arch.shared_expert_gated
+    assert arch.shared_expert_intermediate_size == 128
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[1].mlp.selection_bias.abs().sum() > 0
 
 
 def test_qwen2_moe_is_written_as_llama_cpps(tmp_path):
