@@ -232,7 +232,7 @@ def test_registry_and_architecture_names():
         (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
         (
             dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
-            "model_type 'gemma3': Gemma3ForConditionalGeneration",
+            "model_type 'gemma3': Gemma3ForConditionalGeneration needs its text_config",
         ),
         (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
         (

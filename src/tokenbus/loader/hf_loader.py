@@ -57,11 +57,21 @@ HF_ARCHITECTURES = {
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
-# model_types refused with a reason (their names would otherwise match a family above).
-REFUSED_MODEL_TYPES = {
-    "gemma3": "Gemma3ForConditionalGeneration (image and text) is not supported; its text "
-    "model is (Gemma3ForCausalLM, model_type gemma3_text)",
+# Image-and-text checkpoints whose text model is served: its `text_config`, and its weights
+# under `language_model` (the vision tower and the projector are left unread). model_type ->
+# the HF class that names it.
+MULTIMODAL_MODEL_TYPES = {
+    "gemma3": "Gemma3ForConditionalGeneration",  # Gemma 3 4B, 12B, 27B
+    "mistral3": "Mistral3ForConditionalGeneration",  # Mistral Small 3.1 / 3.2
 }
+# A multimodal checkpoint's text weights, by prefix: transformers' original layout and its
+# newer one (model.language_model), and the LM head of each.
+_TEXT_WEIGHT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
 # Rope types we pass on to the model (model/layers/rotary.py ROPE_TYPES; a test keeps them in sync).
 HF_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ROPE_REQUIRED_KEYS = {
@@ -83,8 +93,55 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def is_multimodal(config: dict[str, Any]) -> bool:
+    """An image-and-text checkpoint whose text model is served (MULTIMODAL_MODEL_TYPES)."""
+    return config.get("model_type") in MULTIMODAL_MODEL_TYPES
+
+
+def text_config(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The text model's config: config.json itself, or an image-and-text checkpoint's
+    `text_config`, filled with its config class's defaults as transformers fills them (the
+    released files leave most fields to those)."""
+    if not is_multimodal(config):
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict) or not text.get("model_type"):
+        name = MULTIMODAL_MODEL_TYPES[config["model_type"]]
+        raise ValueError(
+            f"{path}: model_type {config['model_type']!r}: {name} needs its text_config "
+            "(with its model_type): its text model is served"
+        )
+    from transformers import AutoConfig  # lazy: only image-and-text checkpoints need it
+
+    try:
+        fields = {key: value for key, value in text.items() if key != "model_type"}
+        filled = AutoConfig.for_model(text["model_type"], **fields).to_dict()
+    except ValueError as exc:  # a text model_type transformers does not know
+        raise ValueError(f"{path}: text_config: {exc}") from None
+    # the checkpoint's own: its quantization, and whether its LM head is the embedding (the
+    # outer model ties them, as transformers does, where the outer config says)
+    for key in ("quantization_config", "tie_word_embeddings"):
+        if key in config:
+            filled[key] = config[key]
+    return filled
+
+
+def text_model_weights(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An image-and-text checkpoint's text weights under the text model's own names; the vision
+    tower's and the projector's are skipped."""
+    for name, tensor in weights:
+        for prefix, ours in _TEXT_WEIGHT_PREFIXES:
+            if name.startswith(prefix):
+                yield ours + name.removeprefix(prefix), tensor
+                break
+
+
 def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
-    """Resolve a config.json (transformers 4.x or 5.x layout) into a ModelArch."""
+    """Resolve a config.json (transformers 4.x or 5.x layout) into a ModelArch; an
+    image-and-text checkpoint's from its text_config."""
+    config = text_config(config, path)
     architecture = _architecture(config, path)
 
     def need(key: str) -> Any:
@@ -227,8 +284,6 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
 
 def _architecture(config: dict[str, Any], path: Path) -> str:
     model_type = config.get("model_type")
-    if model_type in REFUSED_MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
     if model_type in HF_MODEL_TYPES:
         return HF_MODEL_TYPES[model_type]
     if model_type in HF_ARCHITECTURES.values():

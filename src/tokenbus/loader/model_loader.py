@@ -16,9 +16,11 @@ from tokenbus.loader.gguf_loader import (
 )
 from tokenbus.loader.hf_loader import (
     arch_from_hf_config,
+    is_multimodal,
     iter_safetensors,
     read_json,
     safetensors_files,
+    text_model_weights,
 )
 from tokenbus.loader.mxfp4 import gpt_oss_experts
 from tokenbus.loader.source import ModelSource
@@ -41,9 +43,11 @@ def iter_weights(
     """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
     fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them, and so
     do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py); ERNIE's q/k rows from
-    interleaved pairs to halves (ernie_config.py)."""
+    interleaved pairs to halves (ernie_config.py); an image-and-text checkpoint's text model's."""
     if src.kind == "hf":
         weights = iter_safetensors(safetensors_files(src.path))
+        if is_multimodal(read_json(src.path / "config.json")):
+            weights = text_model_weights(weights)
         if arch.architecture == "gpt_oss":
             return gpt_oss_experts(weights, keep_quantized)
         if arch.architecture in ERNIE_ARCHITECTURES:
