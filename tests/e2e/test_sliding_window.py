@@ -3,7 +3,8 @@ sliding_window=16 on prompts of 60+ tokens (every query past the 16th sees only 
 gives HF's greedy tokens, with logprobs within tolerance, on the torch path and on the native
 kernel (its decode path, its short-query path and its flash path for long chunks), through
 whole prefills, small chunks and decodes; and a Qwen2 whose upper layers alone are windowed
-(use_sliding_window + max_window_layers) likewise."""
+(use_sliding_window + max_window_layers) likewise, and a Ministral whose layer_types
+alternate windowed and full layers."""
 
 from __future__ import annotations
 
@@ -101,4 +102,25 @@ def test_mistral_window_matches_hf(mistral_dir, prompts, mistral_reference, back
 def test_qwen2_mixing_window_and_full_layers(qwen2_dir, prompts, backend):
     llm = make_llm(qwen2_dir, attention_backend=backend, max_num_batched_tokens=32, **ENGINE)
     assert_matches_hf(generate(llm, prompts), hf_reference(qwen2_dir, prompts))
+    assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"] * 2])
+def test_ministral_windows_by_layer_types(prompts, layer_types):
+    """Ministral (8B-2410): Mistral whose windowed layers its layer_types name (all of them
+    without)."""
+    from tokenbus.loader import load_arch, resolve_model
+
+    model_dir = cached_tiny_model(
+        "ministral",
+        num_hidden_layers=4,
+        head_dim=16,  # MinistralConfig leaves it None, which its attention cannot take
+        sliding_window=WINDOW,
+        layer_types=layer_types,
+    )
+    arch = load_arch(resolve_model(str(model_dir)))
+    want = (WINDOW,) * 4 if layer_types is None else (WINDOW, None, WINDOW, None)
+    assert (arch.architecture, arch.sliding_windows) == ("ministral", want)
+    llm = make_llm(model_dir, max_num_batched_tokens=32, **ENGINE)
+    assert_matches_hf(generate(llm, prompts), hf_reference(model_dir, prompts))
     assert_engine_clean(llm)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the API server re
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "ministral",  # Ministral-8B-2410: Mistral with layer_types
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
@@ -422,19 +423,22 @@ def _sliding_windows(
     Qwen2-MoE's / Qwen3's / SmolLM3's only with `use_sliding_window`, on the layers of
     `layer_types` (or, in a
     config without them, from `max_window_layers` on; SmolLM3: its `nope_layers`); OLMo 3's on
-    the layers of `layer_types` (default: all but every fourth); () where no layer has one."""
+    the layers of `layer_types` (default: all but every fourth); Ministral's on those of
+    `layer_types` (default: all); () where no layer has one."""
     window = config.get("sliding_window")
     if architecture == "olmo3":
         window = config.get("sliding_window", OLMO3_WINDOW)
     gated = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")  # only with use_sliding_window
     if architecture in gated and not config.get("use_sliding_window"):
         window = None
-    if architecture not in ("mistral", "mixtral", "phi3", "olmo3", "gpt_oss", *gated) or not window:
+    windowed = ("mistral", "ministral", "mixtral", "phi3", "olmo3", "gpt_oss", *gated)
+    if architecture not in windowed or not window:
         return ()
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
     num_layers = config.get("num_hidden_layers", 0)
-    if architecture in ("mistral", "mixtral", "phi3", "qwen3_moe"):
+    every_layer = architecture in ("mistral", "mixtral", "phi3", "qwen3_moe")
+    if every_layer or (architecture == "ministral" and not config.get("layer_types")):
         return (window,) * num_layers
     if config.get("layer_types") is not None or architecture in ("olmo3", "gpt_oss"):
         # layer_types (the pattern stands in for absent ones: OLMo 3's every fourth global,

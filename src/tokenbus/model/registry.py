@@ -25,6 +25,7 @@ from tokenbus.model.smollm3 import SmolLM3ForCausalLM
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "ministral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
@@ -34,6 +35,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "olmo3": Olmo2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MinistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
