@@ -13,16 +13,11 @@ LongRoPE and partial rotary (Phi-4-mini) live in model/layers/rotary.py; Phi-3's
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
-
 from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
-from tokenbus.model.layers.quantized import is_quantized
 from tokenbus.model.parallel import TensorParallel
-from tokenbus.model.weights import WeightLoader
+from tokenbus.model.weights import WeightLoader, fused_rows_loader
 
 
 class Phi3ForCausalLM(CausalLM):
@@ -43,30 +38,5 @@ class Phi3ForCausalLM(CausalLM):
             for name, (parts, sizes) in fused.items():
                 scope = name.split(".")[0]
                 part_loaders = [loaders.pop(f"{prefix}{scope}.{part}.weight") for part in parts]
-                loaders[f"{prefix}{name}.weight"] = _fused_loader(part_loaders, sizes)
+                loaders[f"{prefix}{name}.weight"] = fused_rows_loader(part_loaders, sizes)
         return loaders
-
-
-def _fused_loader(parts: list[WeightLoader], sizes: tuple[int, ...]) -> WeightLoader:
-    """A loader for one checkpoint tensor stacking `parts` along its rows (`sizes` each)."""
-
-    def load(name: str, tensor) -> None:
-        rows = tensor.rows if is_quantized(tensor) else tensor.shape[0]
-        if rows != sum(sizes):
-            shape = [tensor.rows, tensor.cols] if is_quantized(tensor) else list(tensor.shape)
-            raise ValueError(
-                f"weight {name}: expected {sum(sizes)} rows {list(sizes)}, got {shape}"
-            )
-        start = 0
-        for loader, size in zip(parts, sizes):
-            loader(name, _rows(tensor, start, size))
-            start += size
-
-    return load
-
-
-def _rows(tensor, start: int, count: int):
-    """Rows [start, start + count) of a dense tensor or of a GGUF matrix's blocks (a view)."""
-    if is_quantized(tensor):
-        return dataclasses.replace(tensor, data=tensor.data[start : start + count])
-    return torch.narrow(tensor, 0, start, count)

@@ -8,6 +8,7 @@ the tensor into its parameter (`Slicer`s cut the slice: model/parallel.py says w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -183,3 +184,28 @@ def copy_param(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
         )
     with torch.no_grad():
         param.copy_(tensor)
+
+
+def fused_rows_loader(parts: list[WeightLoader], sizes: tuple[int, ...]) -> WeightLoader:
+    """A loader for one checkpoint tensor stacking `parts` along its rows (`sizes` each)."""
+
+    def load(name: str, tensor) -> None:
+        rows = tensor.rows if is_quantized(tensor) else tensor.shape[0]
+        if rows != sum(sizes):
+            shape = [tensor.rows, tensor.cols] if is_quantized(tensor) else list(tensor.shape)
+            raise ValueError(
+                f"weight {name}: expected {sum(sizes)} rows {list(sizes)}, got {shape}"
+            )
+        start = 0
+        for loader, size in zip(parts, sizes):
+            loader(name, _rows(tensor, start, size))
+            start += size
+
+    return load
+
+
+def _rows(tensor, start: int, count: int):
+    """Rows [start, start + count) of a dense tensor or of a GGUF matrix's blocks (a view)."""
+    if is_quantized(tensor):
+        return dataclasses.replace(tensor, data=tensor.data[start : start + count])
+    return torch.narrow(tensor, 0, start, count)
