@@ -62,18 +62,21 @@ GGUF_ARCHITECTURES = (
     *("llama", "qwen2", "qwen3", "smollm3", "granite", "granitemoe", "olmo2", "phi3"),
     *("qwen3moe", "qwen2moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
     *ERNIE_GGUF_ARCHITECTURES,
+    "glm4",
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
-# ERNIE's too: its HF rows are interleaved already and its converter writes them as they are.
+# ERNIE's and GLM-4's too: their HF rows are interleaved already (GLM-4's in each head's rotary
+# half) and their converters write them as they are.
 _PERMUTED_QK_ARCHITECTURES = (
     *("llama", "mixtral", "smollm3", "granite", "granitemoe"),
     *ERNIE_ARCHITECTURES,
+    "glm4",
 )
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
-_PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
+_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4")
 # llama.cpp's MoE names: experts stacked per layer ([E, rows, cols]), split here into HF's
 # per-expert names (quantized experts stay blocks: each expert's rows are contiguous).
 _EXPERT_NAMES = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
@@ -142,6 +145,8 @@ _GEMMA_BLOCK_NAMES = {
 }
 _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something else
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    # GLM-4: Gemma 2's sandwich norms, gate and up as one ffn_up (as Phi-3's)
+    "glm4": {**_GEMMA_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj"},
     # gpt-oss: its pre-MLP norm by Gemma's post-attention name, a sink per query head
     GPT_OSS_GGUF_ARCHITECTURE: {
         "post_attention_norm": "post_attention_layernorm",
@@ -441,9 +446,9 @@ def iter_gguf_weights(
             tensor = torch.from_numpy(_dequantize(gf, info))
         permuted = arch.architecture in _PERMUTED_QK_ARCHITECTURES
         if permuted and ".self_attn.q_proj." in name:
-            tensor = unpermute_qk(tensor, arch.num_attention_heads)
+            tensor = unpermute_qk(tensor, arch.num_attention_heads, arch.rotary_dim)
         elif permuted and ".self_attn.k_proj." in name:
-            tensor = unpermute_qk(tensor, arch.num_key_value_heads)
+            tensor = unpermute_qk(tensor, arch.num_key_value_heads, arch.rotary_dim)
         elif arch.architecture in GEMMA_GGUF_ARCHITECTURES and name.endswith("norm.weight"):
             tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF's w
         elif name.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:
@@ -530,20 +535,28 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
     return weights if weights.flags.writeable else weights.copy()
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_qk(
+    weight: torch.Tensor, num_heads: int, rotary_dim: int | None = None
+) -> torch.Tensor:
     """Undo llama.cpp's `permute`: per head, rows (pairs interleaved) -> (first halves, second
-    halves).
+    halves); with `rotary_dim` (a partial rotary: GLM-4's), only each head's first rotary_dim
+    rows, the rest as they are.
 
     llama.cpp: w.reshape(H, 2, D/2, ...).swapaxes(1, 2); the inverse is the same with (D/2, 2).
     Works for weights [H*D, in] and biases [H*D].
     """
-    rows = weight.shape[0]
-    half_dim = rows // num_heads // 2
-    return (
-        weight.reshape(num_heads, half_dim, 2, *weight.shape[1:])
+    import torch
+
+    head_dim = weight.shape[0] // num_heads
+    rotary_dim = rotary_dim or head_dim
+    heads = weight.reshape(num_heads, head_dim, *weight.shape[1:])
+    turned = (
+        heads[:, :rotary_dim]
+        .reshape(num_heads, rotary_dim // 2, 2, *weight.shape[1:])
         .transpose(1, 2)
-        .reshape(weight.shape)
+        .reshape(num_heads, rotary_dim, *weight.shape[1:])
     )
+    return torch.cat((turned, heads[:, rotary_dim:]), dim=1).reshape(weight.shape)
 
 
 def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

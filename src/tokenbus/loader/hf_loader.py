@@ -55,6 +55,17 @@ HF_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "Glm4ForCausalLM": "glm4",
+}
+# Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
+# q/k rows are reordered at load, pairs to halves, so our rotary turns them (model_loader.py).
+INTERLEAVED_ROTARY_ARCHITECTURES = (*ERNIE_ARCHITECTURES, "glm4")
+# GLM-4's norms by the names of Gemma 2's sandwich block (decoder.SandwichDecoderLayer), which
+# a GGUF of it uses too: after attention, before the MLP, after the MLP.
+_GLM4_NORMS = {
+    "post_self_attn_layernorm": "post_attention_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_mlp_layernorm": "post_feedforward_layernorm",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -80,8 +91,9 @@ _ROPE_REQUIRED_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor"),
 }
-# Families whose HF model turns only the first partial_rotary_factor of each head (Phi-4-mini).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
+# Families whose HF model turns only the first partial_rotary_factor of each head (Phi-4-mini,
+# GLM-4).
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -125,6 +137,18 @@ def text_config(config: dict[str, Any], path: Path) -> dict[str, Any]:
         if key in config:
             filled[key] = config[key]
     return filled
+
+
+def glm4_norm_names(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """GLM-4's layer norms under the sandwich block's names; the rest as they are."""
+    for name, tensor in weights:
+        scope, _, leaf = name.rpartition(".")  # model.layers.N.<norm>, weight
+        prefix, _, norm = scope.rpartition(".")
+        if norm in _GLM4_NORMS:
+            name = f"{prefix}.{_GLM4_NORMS[norm]}.{leaf}"
+        yield name, tensor
 
 
 def text_model_weights(

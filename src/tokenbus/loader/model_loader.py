@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tokenbus.config import ModelArch
-from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES
 from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.gguf_loader import (
     QuantizedWeight,
@@ -15,7 +14,9 @@ from tokenbus.loader.gguf_loader import (
     unpermute_qk,
 )
 from tokenbus.loader.hf_loader import (
+    INTERLEAVED_ROTARY_ARCHITECTURES,
     arch_from_hf_config,
+    glm4_norm_names,
     is_multimodal,
     iter_safetensors,
     read_json,
@@ -43,14 +44,16 @@ def iter_weights(
     """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
     fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them, and so
     do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py); ERNIE's q/k rows from
-    interleaved pairs to halves (ernie_config.py); an image-and-text checkpoint's text model's."""
+    interleaved pairs to halves (ERNIE's, GLM-4's); an image-and-text checkpoint's text model's."""
     if src.kind == "hf":
         weights = iter_safetensors(safetensors_files(src.path))
         if is_multimodal(read_json(src.path / "config.json")):
             weights = text_model_weights(weights)
         if arch.architecture == "gpt_oss":
             return gpt_oss_experts(weights, keep_quantized)
-        if arch.architecture in ERNIE_ARCHITECTURES:
+        if arch.architecture == "glm4":
+            weights = glm4_norm_names(weights)
+        if arch.architecture in INTERLEAVED_ROTARY_ARCHITECTURES:
             return _rotary_pairs_as_halves(weights, arch)
         return weights
     return iter_gguf_weights(read_gguf(src.path), arch, keep_quantized)
@@ -60,11 +63,12 @@ def _rotary_pairs_as_halves(
     weights: Iterator[tuple[str, torch.Tensor]], arch: ModelArch
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """q/k projections whose rotary turns adjacent pairs (GPT-J's layout), their rows reordered
-    so each pair's two dims stand half a head apart, as NeoX's rotary turns them: the inverse
-    of llama.cpp's permute. q·k is unchanged; the rest passes as it is."""
+    so each pair's two dims stand half the rotary width apart, as NeoX's rotary turns them: the
+    inverse of llama.cpp's permute (within the rotary dims of a partial one). q·k is unchanged;
+    the rest passes as it is."""
     heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
     for name, tensor in weights:
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in heads and parts[-3:-2] == ["self_attn"]:
-            tensor = unpermute_qk(tensor, heads[parts[-2]])
+            tensor = unpermute_qk(tensor, heads[parts[-2]], arch.rotary_dim)
         yield name, tensor

@@ -6,6 +6,7 @@ from torch import nn
 
 from tokenbus.model.ernie import Ernie45MoeForCausalLM
 from tokenbus.model.gemma import GemmaForCausalLM
+from tokenbus.model.glm4 import Glm4ForCausalLM
 from tokenbus.model.gpt_oss import GptOssForCausalLM
 from tokenbus.model.granite import (
     GraniteForCausalLM,
@@ -57,6 +58,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "granitemoehybrid": GraniteHybridForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "ernie4_5": LlamaForCausalLM,
+    "glm4": Glm4ForCausalLM,
     "ernie4_5_moe": Ernie45MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -66,6 +68,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
 }
 

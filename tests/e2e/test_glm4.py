@@ -1,0 +1,76 @@
+"""GLM-4 (Glm4ForCausalLM) end to end against HF transformers, fp32 on CPU: a tiny random GLM-4
+(Gemma 2's sandwich norms under its own names, q/k/v biases, gate and up fused, a rotary over
+the first half of each head in adjacent pairs) from safetensors and from a GGUF in llama.cpp's
+naming gives HF's greedy tokens and logprobs through prefix-cache hits and chunked prefill, on
+the torch and native attention paths; and a Q8_0 GGUF decodes each layer in one C call with the
+dequantized file's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.oracle import (
+    assert_matches_hf,
+    assert_same_or_near_tie,
+    greedy_outputs,
+    hf_greedy_logprobs,
+    load_hf,
+)
+from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
+
+MAX_TOKENS = 10
+ENGINE = dict(kv_cache_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_dir():
+    return cached_tiny_model("glm4")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    prefix = random_prompts(1, 40, 40, seed=71)[0]
+    return random_prompts(3, 1, 50, seed=72) + [prefix + t for t in random_prompts(3, 1, 20, 73)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir, prompts):
+    hf = load_hf(str(hf_dir))
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_greedy_tokens_and_logprobs_are_hf_s(
+    hf_dir, prompts, hf_reference, kind, backend, tmp_path
+):
+    from tokenbus.loader import load_arch, resolve_model
+
+    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "glm4.gguf")
+    arch = load_arch(resolve_model(str(path)))
+    assert (arch.architecture, arch.rotary_dim, arch.head_dim) == ("glm4", 8, 16)
+    llm = make_llm(
+        path,
+        attention_backend=backend,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=32,
+        **ENGINE,
+    )
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS, 1), hf_reference)
+    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
+    assert_engine_clean(llm)
+
+
+def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):
+    path = write_gguf(hf_dir, tmp_path / "glm4-q8.gguf", "Q8_0")
+    results = {}
+    for quantization in ("gguf", "none"):
+        llm = make_llm(path, quantization=quantization, quant_activations="fp32", **ENGINE)
+        model = llm.engine.client.engine_core.executor.worker.model
+        assert model.decodes_in_c == (quantization == "gguf")
+        results[quantization] = greedy_outputs(llm, prompts, MAX_TOKENS, 5)
+        assert_engine_clean(llm)
+    for ours, dense in zip(results["gguf"], results["none"]):
+        assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)
