@@ -112,6 +112,9 @@ class ModelArch:
     # up to +-swiglu_limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1); None elsewhere.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    # Llama 4's attention temperature (Ministral 3): (beta, length), each query scaled by
+    # 1 + beta * ln(1 + floor(position / length)) after the rotary; None: none
+    attn_temperature: tuple[float, int] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:

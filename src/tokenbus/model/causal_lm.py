@@ -121,8 +121,20 @@ class CausalLM(nn.Module):
             )
         x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary_lookup(ctx.positions, x.dtype)
-        x, residual = self.kernels.run_layers(self.layers, num_layers, x, cos, sin, ctx)
+        q_scale = self.query_scale(ctx.positions, x.dtype)
+        x, residual = self.kernels.run_layers(self.layers, num_layers, x, cos, sin, ctx, q_scale)
         return self.norm.add_and_norm(x, residual)[0]
+
+    def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Llama 4's attention temperature (arch.attn_temperature: Ministral 3's): each token's
+        query scale [T, 1, 1], 1 + beta * ln(1 + floor(position / length)), in HF's ops (exactly
+        1 before `length`); None for the other families. Tensor ops only: a captured step
+        computes it from its positions too."""
+        if self.arch.attn_temperature is None:
+            return None
+        beta, length = self.arch.attn_temperature
+        scale = 1 + beta * torch.log(1 + torch.floor(positions / length))
+        return scale.to(dtype).view(-1, 1, 1)
 
     def rotary_lookup(
         self, positions: torch.Tensor, dtype: torch.dtype

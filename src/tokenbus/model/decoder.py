@@ -92,7 +92,10 @@ class Attention(OpsModule):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         plan: Plan,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`q_scale` [T, 1, 1]: each token's query scale after the rotary (CausalLM.query_scale);
+        None: none."""
         num_tokens = x.shape[0]
         if self.rope_table is not None:
             cos, sin = cos[self.rope_table], sin[self.rope_table]
@@ -107,6 +110,8 @@ class Attention(OpsModule):
             self._whole_norm_(flat, 0, q_size, self.q_norm)
             self._whole_norm_(flat, q_size, self.num_kv_heads * self.head_dim, self.k_norm)
         q, k, v = self.ops.rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        if q_scale is not None:
+            q.mul_(q_scale)  # q is a view of this call's fresh qkv
         out = paged_attention(
             q,
             k,
@@ -197,10 +202,11 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         plan: Plan,
+        q_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` is the previous block's output, not yet added to `residual`."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self._scaled(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan))
+        h = self._scaled(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan, q_scale))
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self._scaled(self.mlp(h)), residual
 
@@ -243,9 +249,11 @@ class SandwichDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         plan: Plan,
+        q_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = _add_and_norm(self.input_layernorm, x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan))
+        h = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan, q_scale)
+        h = self.post_attention_layernorm(h)
         h, residual = _add_and_norm(self.pre_feedforward_layernorm, h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 

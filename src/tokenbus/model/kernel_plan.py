@@ -129,10 +129,12 @@ class KernelPlan:
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
+        q_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """layers[:num_layers] over x [T, hidden]: (the last layer's output, the residual
-        stream), for the model's final add-and-norm."""
-        step = self._decode_step(x, cos, sin, ctx)
+        stream), for the model's final add-and-norm; `q_scale` each token's query scale
+        (CausalLM.query_scale) or None."""
+        step = self._decode_step(x, cos, sin, ctx, q_scale)
         connector = ctx.kv_connector
         if step is not None and connector is None:  # every layer in one C call
             residual = torch.empty_like(x)
@@ -151,14 +153,26 @@ class KernelPlan:
             else:
                 slot_mapping, attn_metadata = ctx.layer_inputs(layer_idx)  # its KV group's
                 x, residual = layers[layer_idx](
-                    x, residual, cos, sin, ctx.kv_caches[layer_idx], slot_mapping, attn_metadata
+                    x,
+                    residual,
+                    cos,
+                    sin,
+                    ctx.kv_caches[layer_idx],
+                    slot_mapping,
+                    attn_metadata,
+                    q_scale,
                 )
             if connector is not None:
                 connector.save_kv_layer(layer_idx, ctx.kv_caches[layer_idx])
         return x, residual
 
     def _decode_step(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+        q_scale: torch.Tensor | None = None,
     ):
         """decode_layer.c's step arguments when this step runs there: a decode-sized batch
         whose attention, in every KV group (a hybrid cache: one per window), is all the native
@@ -188,6 +202,7 @@ class KernelPlan:
             self.tile_modes.mode(rows),
             self.tile_modes.mode(rows, k_quant=True),
             self.lora.slots if self.lora is not None else None,
+            q_scale,
         )
 
 

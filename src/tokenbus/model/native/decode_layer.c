@@ -307,6 +307,9 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
     if (w->q_norm) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
     const int64_t table = w->rope_table * s->rope_stride;
     k->rope(qkv, qkv_n, T, s->cos + table, s->sin + table, hq + hkv, D, s->rotary_dim, threads);
+    if (s->q_scale) /* after the rotary, as CausalLM.query_scale's multiply */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < hq * D; i++) qkv[t * qkv_n + i] *= s->q_scale[t];
     /* K and V of token t to its slot: [2, NB * bs, Hkv, row], a row D values in slot_bytes / Hkv bytes. */
     const int kv_elem = (int)s->kv_elem;
     const int64_t slot_bytes = hkv * kv_row_bytes(D, kv_elem), v_bytes = s->num_blocks * s->block_size * slot_bytes;

@@ -146,6 +146,7 @@ class _Step(ctypes.Structure):
         ("k_scale", _F32),
         ("v_scale", _F32),
         ("lora_slots", _PTR),
+        ("q_scale", _PTR),
     ]
 
 
@@ -398,6 +399,7 @@ class DecodeLayers:
         activations: str,
         k_activations: str,
         lora_slots: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
     ) -> _Step:
         """What every layer of this step shares. The tensors must live until the step ends
         (the caller's context holds them); cos/sin [T, 1, D/2], or R tables stacked [R, T, 1,
@@ -405,7 +407,9 @@ class DecodeLayers:
         (slot_mapping [T], block_tables [reqs, width]), and `layer_groups` each layer's group
         (ForwardContext.layer_groups; empty: all group 0); the index tensors int64, contiguous
         (as the attention plans checked them); lora_slots [T] int64, each row's LoRA slot (-1:
-        none), or None."""
+        none), or None; q_scale [T] fp32 (any shape of T values, contiguous), each token's query
+        scale after the rotary, or None."""
+        assert q_scale is None or (q_scale.is_contiguous() and q_scale.dtype == torch.float32)
         assert cos.is_contiguous() and sin.is_contiguous()
         assert kv_cache.dtype in DECODE_LAYER_KV_DTYPES
         tables = cos.shape[0] if cos.dim() == 4 else 1
@@ -455,6 +459,7 @@ class DecodeLayers:
             KERNEL_DTYPES[kv_cache.dtype],
             *kv_quant.tensor_scales(kv_cache.dtype),
             None if lora_slots is None else lora_slots.data_ptr(),
+            None if q_scale is None else q_scale.data_ptr(),
         )
 
     def run(

@@ -162,6 +162,7 @@ typedef struct {
     int64_t kv_elem;            /* the cache's element type (ELEM_*): fp32, fp16, fp8 or q8_0 */
     float k_scale, v_scale;     /* fp8 K/V's per-tensor scales (1 for the other types) */
     const int64_t *lora_slots;  /* [T]: each row's LoRA slot, -1 for none; NULL: no row has one */
+    const float *q_scale;       /* [T]: each token's query scale after the rotary (Llama 4's temperature); NULL: none */
 } step;
 
 int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s, void *kv_cache, const float *x, const float *residual, float *x_out, float *residual_out);
