@@ -1,8 +1,8 @@
-"""The text model of image-and-text checkpoints (Gemma3ForConditionalGeneration,
-Mistral3ForConditionalGeneration), end to end against HF transformers, fp32 on CPU: tiny random
-checkpoints with a vision tower give the HF model's greedy tokens and logprobs for text prompts
-(the tower and projector left unread), and a released-style sparse text_config takes its
-config class's defaults."""
+"""The text model of image-and-text checkpoints (Gemma3ForConditionalGeneration, and
+Mistral3ForConditionalGeneration with a Mistral or a Ministral 3 text model), end to end against
+HF transformers, fp32 on CPU: tiny random checkpoints with a vision tower give the HF model's
+greedy tokens and logprobs for text prompts (the tower and projector left unread), and a
+released-style sparse text_config takes its config class's defaults."""
 
 from __future__ import annotations
 
@@ -50,10 +50,12 @@ def _gemma3(path):
     return _save(Gemma3ForConditionalGeneration(config), path)
 
 
-def _mistral3(path):
+def _mistral3(path, text_type: str = "mistral"):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    text = {**TEXT, "model_type": "mistral", "sliding_window": None}
+    text = {**TEXT, "model_type": text_type, "sliding_window": None}
+    if text_type == "ministral3":  # Ministral 3: YaRN and its query temperature
+        text.update(ARCH_DEFAULTS["ministral3"])
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         image_size=28, patch_size=14, head_dim=16,
@@ -62,9 +64,13 @@ def _mistral3(path):
     return _save(Mistral3ForConditionalGeneration(config), path)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral3"])
+@pytest.fixture(scope="module", params=["gemma3", "mistral3", "mistral3-ministral3"])
 def checkpoint(request, tmp_path_factory):
-    make = {"gemma3": _gemma3, "mistral3": _mistral3}[request.param]
+    make = {
+        "gemma3": _gemma3,
+        "mistral3": _mistral3,
+        "mistral3-ministral3": lambda path: _mistral3(path, "ministral3"),
+    }[request.param]
     return make(tmp_path_factory.mktemp(request.param))
 
 

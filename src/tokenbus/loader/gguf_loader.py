@@ -63,6 +63,7 @@ GGUF_ARCHITECTURES = (
     *("qwen3moe", "qwen2moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
     *ERNIE_GGUF_ARCHITECTURES,
     "glm4",
+    "mistral3",
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -72,6 +73,7 @@ _PERMUTED_QK_ARCHITECTURES = (
     *("llama", "mixtral", "smollm3", "granite", "granitemoe"),
     *ERNIE_ARCHITECTURES,
     "glm4",
+    "ministral3",  # llama.cpp's "mistral3"
 )
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
@@ -211,6 +213,8 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == "phi3" and window:  # every layer's (0: none), as config.json's
         family["sliding_windows"] = (window,) * need("block_count")
     rope_scaling = _rope_scaling(gf, arch)
+    if arch == "mistral3" and meta.get(f"{arch}.attention.temperature_scale"):
+        family["attn_temperature"] = _attn_temperature(gf, arch)
     if arch == GPT_OSS_GGUF_ARCHITECTURE and rope_scaling is not None:
         rope_scaling["truncate"] = False  # gpt_oss_config.py: YaRN as the model was trained
     if arch == "olmo2" and window:  # llama.cpp writes OLMo 3 as olmo2 with its window
@@ -259,6 +263,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
     renamed = {
         "qwen3moe": "qwen3_moe",
         "qwen2moe": "qwen2_moe",
+        "mistral3": "ministral3",
         GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss",
         **ERNIE_GGUF_ARCHITECTURES,
     }
@@ -332,16 +337,28 @@ def _rope_scaling(gf: GGUFFile, arch: str) -> dict | None:
     )
 
 
+def _attn_temperature(gf: GGUFFile, arch: str) -> tuple[float, int]:
+    """llama.cpp's Llama 4 temperature (Ministral 3): its scale, over the YaRN's original
+    context, as llama.cpp floors the positions by it."""
+    length = gf.metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if not length:
+        raise ValueError(
+            f"{gf.path}: {arch}.attention.temperature_scale needs "
+            f"{arch}.rope.scaling.original_context_length"
+        )
+    return float(gf.metadata[f"{arch}.attention.temperature_scale"]), int(length)
+
+
 def _yarn(gf: GGUFFile, arch: str) -> dict:
     """llama.cpp's YaRN keys as transformers' rope_parameters (convert_hf_to_gguf writes the
     config's attention_factor as yarn_attn_factor). Keys with no transformers counterpart are
     refused unless they hold llama.cpp's neutral value."""
     meta, key = gf.metadata, f"{arch}.rope.scaling."
-    for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
-        if float(meta.get(key + name, neutral)) != neutral:
-            raise ValueError(
-                f"{gf.path}: {key}{name}={meta[key + name]} is not supported (only {neutral})"
-            )
+    if float(meta.get(key + "yarn_ext_factor", 1.0)) != 1.0:
+        raise ValueError(
+            f"{gf.path}: {key}yarn_ext_factor={meta[key + 'yarn_ext_factor']} is not supported "
+            "(only 1.0)"
+        )
     for name in ("factor", "original_context_length"):
         if key + name not in meta:
             raise ValueError(f"{gf.path}: rope scaling type 'yarn' needs {key}{name}")
@@ -357,6 +374,10 @@ def _yarn(gf: GGUFFile, arch: str) -> dict:
     ):
         if key + name in meta:
             scaling[hf_name] = float(meta[key + name])
+    log_mul = float(meta.get(key + "yarn_log_multiplier", 0.0))
+    if log_mul:  # llama.cpp: mscale 1 and mscale_all_dim this; it replaces an attention factor
+        scaling.pop("attention_factor", None)
+        scaling.update(mscale=1.0, mscale_all_dim=log_mul)
     return scaling
 
 

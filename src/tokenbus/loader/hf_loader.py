@@ -36,6 +36,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "ministral",  # Ministral-8B-2410: Mistral with layer_types
+    "Ministral3ForCausalLM": "ministral3",  # Ministral 3: Mistral, YaRN, a query temperature
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
@@ -199,6 +200,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         rope_config, local_theta = _olmo3_rope(config, path)
     if architecture == "gpt_oss":
         family = gpt_oss_hf_fields(config)
+    if architecture == "ministral3":
+        rope_config, family["attn_temperature"] = _ministral3_temperature(config, path)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
@@ -405,6 +408,24 @@ def _check_granite_hybrid(config: dict[str, Any], path: Path) -> None:
         )
 
 
+def _ministral3_temperature(
+    config: dict[str, Any], path: Path
+) -> tuple[dict[str, Any], tuple[float, int] | None]:
+    """Ministral 3's rope_parameters without its `llama_4_scaling_beta` (and the copy of
+    max_position_embeddings kept there), and that query temperature: (beta, the YaRN's
+    original context), as Ministral3Attention reads them; None without a beta."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    beta = params.pop("llama_4_scaling_beta", None)
+    params.pop("max_position_embeddings", None)
+    rope_config = {**config, "rope_parameters": params, "rope_scaling": None}
+    if not beta:
+        return rope_config, None
+    length = params.get("original_max_position_embeddings")
+    if not length:
+        raise ValueError(f"{path}: llama_4_scaling_beta needs original_max_position_embeddings")
+    return rope_config, (float(beta), int(length))
+
+
 def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """Granite's four multipliers (GraniteConfig's defaults: 1); {} for the other families."""
     if architecture not in ("granite", "granitemoe", "granitemoehybrid"):
@@ -455,13 +476,13 @@ def _sliding_windows(
     gated = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")  # only with use_sliding_window
     if architecture in gated and not config.get("use_sliding_window"):
         window = None
-    windowed = ("mistral", "ministral", "mixtral", "phi3", "olmo3", "gpt_oss", *gated)
+    windowed = ("mistral", "ministral", "ministral3", "mixtral", "phi3", "olmo3", "gpt_oss", *gated)
     if architecture not in windowed or not window:
         return ()
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
     num_layers = config.get("num_hidden_layers", 0)
-    every_layer = architecture in ("mistral", "mixtral", "phi3", "qwen3_moe")
+    every_layer = architecture in ("mistral", "ministral3", "mixtral", "phi3", "qwen3_moe")
     if every_layer or (architecture == "ministral" and not config.get("layer_types")):
         return (window,) * num_layers
     if config.get("layer_types") is not None or architecture in ("olmo3", "gpt_oss"):

@@ -1,0 +1,90 @@
+"""Ministral 3 (Ministral3ForCausalLM) end to end against HF transformers, fp32 on CPU: Mistral's
+layers with YaRN (its released parameters, mscale and mscale_all_dim) and Llama 4's query
+temperature, 1 + beta * ln(1 + floor(position / original context)), with an original context of
+16 so the prompts run through several of its steps. From safetensors and from a GGUF in llama.cpp's
+"mistral3" naming (the temperature as attention.temperature_scale, mscale_all_dim as
+yarn_log_multiplier) it gives HF's tokens and logprobs through prefix hits and chunks; a Q8_0
+GGUF decodes every layer in one C call, the temperature included, with the dequantized file's
+tokens; and without the temperature HF's own logprobs move past the tolerance (so the test sees
+it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.e2e.oracle import (
+    LOGPROB_ATOL,
+    assert_matches_hf,
+    assert_same_or_near_tie,
+    greedy_outputs,
+    hf_greedy_logprobs,
+    load_hf,
+)
+from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
+
+MAX_TOKENS = 10
+ENGINE = dict(kv_cache_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_dir():
+    return cached_tiny_model("ministral3")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    prefix = random_prompts(1, 40, 40, seed=81)[0]
+    return random_prompts(3, 20, 60, seed=82) + [prefix + t for t in random_prompts(3, 1, 20, 83)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir, prompts):
+    hf = load_hf(str(hf_dir))
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind, tmp_path):
+    from tokenbus.loader import load_arch, resolve_model
+
+    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "m3.gguf")
+    arch = load_arch(resolve_model(str(path)))
+    assert arch.architecture == "ministral3"
+    assert arch.attn_temperature == (pytest.approx(0.1), 16)  # a GGUF's is float32
+    assert arch.rope_scaling["rope_type"] == "yarn"
+    llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=32, **ENGINE)
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS, 1), hf_reference)
+    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
+    assert_engine_clean(llm)
+
+
+def test_quantized_layers_decode_in_c_with_the_temperature(hf_dir, prompts, tmp_path):
+    path = write_gguf(hf_dir, tmp_path / "m3-q8.gguf", "Q8_0")
+    results = {}
+    for quantization in ("gguf", "none"):
+        llm = make_llm(path, quantization=quantization, quant_activations="fp32", **ENGINE)
+        model = llm.engine.client.engine_core.executor.worker.model
+        assert model.decodes_in_c == (quantization == "gguf")
+        results[quantization] = greedy_outputs(llm, prompts, MAX_TOKENS, 5)
+        assert_engine_clean(llm)
+    for ours, dense in zip(results["gguf"], results["none"]):
+        assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)
+
+
+def test_the_temperature_moves_hfs_logprobs(hf_dir, prompts, hf_reference, tmp_path):
+    plain = shutil.copytree(hf_dir, tmp_path / "plain")
+    config = json.loads((plain / "config.json").read_text())
+    config["rope_parameters"].pop("llama_4_scaling_beta")
+    config["rope_parameters"]["llama_4_scaling_beta"] = 0.0
+    (plain / "config.json").write_text(json.dumps(config))
+    hf = load_hf(str(plain))
+    moved = 0.0
+    for prompt, (_, logprobs) in zip(prompts, hf_reference):
+        _, plain_logprobs = hf_greedy_logprobs(hf, prompt, MAX_TOKENS)
+        moved = max(moved, max(abs(a - b) for a, b in zip(logprobs, plain_logprobs)))
+    assert moved > 10 * LOGPROB_ATOL
