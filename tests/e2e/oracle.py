@@ -108,3 +108,22 @@ def assert_smollm2_chat_matches_hf(llm, questions: list[str], max_tokens: int) -
             out.outputs[0].token_ids, hf_greedy(hf, prompt, max_tokens), out.outputs[0].logprobs
         )
     assert_engine_clean(llm)
+
+
+def assert_c_layers_match_dequantized(path, prompts: list[list[int]], max_tokens: int) -> None:
+    """A quantized GGUF at `path` decodes every layer in one C call (blocks kept, fp32
+    activations), with the tokens of the same file dequantized at load and run layer by layer,
+    up to near ties."""
+    from tests.e2e.utils import assert_engine_clean, make_llm
+
+    results = {}
+    for quantization in ("gguf", "none"):
+        llm = make_llm(
+            path, quantization=quantization, quant_activations="fp32", kv_cache_dtype="float32"
+        )
+        model = llm.engine.client.engine_core.executor.worker.model
+        assert model.decodes_in_c == (quantization == "gguf")
+        results[quantization] = greedy_outputs(llm, prompts, max_tokens, 5)
+        assert_engine_clean(llm)
+    for ours, dense in zip(results["gguf"], results["none"]):
+        assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)

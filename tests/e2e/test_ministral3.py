@@ -17,8 +17,8 @@ import pytest
 
 from tests.e2e.oracle import (
     LOGPROB_ATOL,
+    assert_c_layers_match_dequantized,
     assert_matches_hf,
-    assert_same_or_near_tie,
     greedy_outputs,
     hf_greedy_logprobs,
     load_hf,
@@ -64,16 +64,9 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
 
 
 def test_quantized_layers_decode_in_c_with_the_temperature(hf_dir, prompts, tmp_path):
-    path = write_gguf(hf_dir, tmp_path / "m3-q8.gguf", "Q8_0")
-    results = {}
-    for quantization in ("gguf", "none"):
-        llm = make_llm(path, quantization=quantization, quant_activations="fp32", **ENGINE)
-        model = llm.engine.client.engine_core.executor.worker.model
-        assert model.decodes_in_c == (quantization == "gguf")
-        results[quantization] = greedy_outputs(llm, prompts, MAX_TOKENS, 5)
-        assert_engine_clean(llm)
-    for ours, dense in zip(results["gguf"], results["none"]):
-        assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)
+    assert_c_layers_match_dequantized(
+        write_gguf(hf_dir, tmp_path / "m3-q8.gguf", "Q8_0"), prompts, MAX_TOKENS
+    )
 
 
 def test_the_temperature_moves_hfs_logprobs(hf_dir, prompts, hf_reference, tmp_path):
