@@ -57,3 +57,25 @@ def test_use_bias_is_refused_by_name(tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "use_bias": True}))
     with pytest.raises(ValueError, match="use_bias"):
         load_arch(resolve_model(str(model)))
+
+
+def test_the_multi_token_prediction_head_is_not_read(tmp_path):
+    """The released checkpoints carry an MTP head (model.mtp_*) for training: left unread."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tokenbus.loader import iter_weights, load_arch, resolve_model
+
+    model = shutil.copytree(cached_tiny_model("ernie4_5", tie_word_embeddings=True), tmp_path / "m")
+    weights = load_file(str(model / "model.safetensors"))
+    weights["model.mtp_linear_proj.0.weight"] = torch.zeros(4, 4)
+    weights["model.mtp_block.0.mlp.up_proj.weight"] = torch.zeros(4, 4)
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    src = resolve_model(str(model))
+    names = {name for name, _ in iter_weights(src, load_arch(src))}
+    assert names and not any(name.startswith("model.mtp_") for name in names)
+    llm = make_llm(model, **ENGINE)
+    assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)[0].outputs[0].token_ids
+    assert_engine_clean(llm)

@@ -13,10 +13,13 @@ torch). hf_loader / gguf_loader join these ModelArch fields to the rest.
   `moe_layer_end_index` on the `moe_layer_interval` are MoE, the others dense. A shared MLP of
   `moe_num_shared_experts` experts' width is added ungated.
 - `use_bias` (biases on every linear) is refused: the released models have none.
+- Its multi-token-prediction head (`model.mtp_*`, for training) is not read, as transformers and
+  llama.cpp's converter leave it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +56,8 @@ def ernie_hf_moe_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
             i for i in range(num_layers) if not ((i + 1) % interval == 0 and start <= i <= end)
         ),
     )
+
+
+def without_mtp(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors but its multi-token-prediction head's (model.mtp_*)."""
+    return ((name, tensor) for name, tensor in weights if not name.startswith("model.mtp_"))

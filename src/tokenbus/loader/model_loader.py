@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tokenbus.config import ModelArch
+from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, without_mtp
 from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.gguf_loader import (
     QuantizedWeight,
@@ -53,6 +54,8 @@ def iter_weights(
             return gpt_oss_experts(weights, keep_quantized)
         if arch.architecture == "glm4":
             weights = glm4_norm_names(weights)
+        if arch.architecture in ERNIE_ARCHITECTURES:
+            weights = without_mtp(weights)
         if arch.architecture in INTERLEAVED_ROTARY_ARCHITECTURES:
             return _rotary_pairs_as_halves(weights, arch)
         return weights
