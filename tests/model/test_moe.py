@@ -147,3 +147,20 @@ def test_expert_parallel_split_must_divide_the_experts():
     assert (half.first_expert, len(half.experts)) == (4, 4)
     assert "mlp.experts.4.up_proj.weight" in half.weight_loaders("mlp.", "qwen3_moe")
     assert "mlp.experts.0.up_proj.weight" in half.skipped_names("mlp.", "qwen3_moe")
+
+
+def test_selection_bias_chooses_and_stays_fp32():
+    """ERNIE's bias moves the choice, not the weights (the chosen experts' probabilities), and
+    a bf16 model keeps it fp32, as HF does."""
+    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE))))
+    block = SparseMoeBlock(dataclasses.replace(arch, moe_selection_bias=True, norm_topk_prob=False))
+    x = torch.randn(5, arch.hidden_size)
+    probs = torch.softmax(block.gate(x).float(), dim=-1)
+    with torch.no_grad():
+        block.selection_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 4.0]))
+    weights, expert_ids = block.route(x)
+    assert sorted(expert_ids[0].tolist()) == [3, 7]  # the biased ones, whatever their logits
+    torch.testing.assert_close(weights, probs.gather(-1, expert_ids))
+    block.to(torch.bfloat16)
+    assert block.selection_bias.dtype == torch.float32
+    assert block.gate.weight.dtype == torch.bfloat16

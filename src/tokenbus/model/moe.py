@@ -215,6 +215,10 @@ class SparseMoeBlock(OpsModule):
         if self.stacked is not None:
             self.stacked = None
             self.stack_experts()
+        # The selection bias stays fp32 in a bf16 / fp16 model, as HF keeps it: probabilities
+        # near each other are told apart by it.
+        if self.selection_bias is not None and self.selection_bias.dtype != torch.float32:
+            self.selection_bias.data = self.selection_bias.data.float()
         return result
 
     @property
