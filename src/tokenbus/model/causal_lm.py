@@ -41,7 +41,10 @@ from tokenbus.model.weights import (
     sliced,
 )
 
-GLOBAL_ROPE, LOCAL_ROPE = 0, 1  # rows of the stacked cos/sin tables (ModelArch.rope_local_theta)
+# Rows of the stacked cos/sin tables: a model with a local RoPE (ModelArch.rope_local_theta)
+# reads GLOBAL_ROPE and LOCAL_ROPE; one with NoPE layers (ModelArch.nope_layers) GLOBAL_ROPE and
+# NO_ROPE, the identity turn. No family has both.
+GLOBAL_ROPE, LOCAL_ROPE, NO_ROPE = 0, 1, 1
 
 
 class CausalLM(nn.Module):
@@ -83,6 +86,8 @@ class CausalLM(nn.Module):
                 None,
                 arch.rotary_dim,
             )
+        if self.local_rotary is not None and arch.nope_layers:
+            raise ValueError("a local RoPE and NoPE layers together are not supported")
         for idx, layer in enumerate(self.layers):
             attn = getattr(layer, "self_attn", None)
             if not isinstance(attn, Attention):
@@ -92,6 +97,8 @@ class CausalLM(nn.Module):
             if self.local_rotary is not None:  # every layer then reads a row of the stack
                 local = attn.sliding_window is not None
                 attn.rope_table = LOCAL_ROPE if local else GLOBAL_ROPE
+            if arch.nope_layers:  # likewise: its NoPE layers the identity turn
+                attn.rope_table = NO_ROPE if idx in arch.nope_layers else GLOBAL_ROPE
         self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
         # A GGUF embedding kept in its blocks (then embed_tokens is released).
         self.embed_quantized: QuantizedWeight | KernelWeight | None = None
@@ -140,8 +147,15 @@ class CausalLM(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's cos, sin [T, 1, D/2] the layers take; with a local RoPE, both tables
-        stacked [2, T, 1, D/2] (rows GLOBAL_ROPE, LOCAL_ROPE), each layer reading its row."""
+        stacked [2, T, 1, D/2] (rows GLOBAL_ROPE, LOCAL_ROPE), each layer reading its row. With
+        NoPE layers the second row is the identity turn, cos 1 and sin 0, which gives every
+        value back exactly (x * 1 - y * 0 = x): those layers run the shared attention (and
+        decode_layer.c's per-layer table) unchanged, bit for bit HF's unturned q and k."""
         cos, sin = self.rotary.lookup(positions, dtype)
+        if self.arch.nope_layers:
+            return torch.stack((cos, torch.ones_like(cos))), torch.stack(
+                (sin, torch.zeros_like(sin))
+            )
         if self.local_rotary is None:
             return cos, sin
         local_cos, local_sin = self.local_rotary.lookup(positions, dtype)
