@@ -1,12 +1,14 @@
 """Granite end to end against HF transformers, fp32 on CPU: a tiny random Granite (its four
 multipliers at Granite 3.x's values) and a Granite 4.0 attention-only dense model
-(GraniteMoeHybrid: the MLP as `shared_mlp`), each from its safetensors directory and from a
-GGUF in llama.cpp's naming (multipliers as *_scale keys; Granite 4.0 written as "granite"; a
-tokenizer transformers builds without a config) give HF's greedy tokens and logprobs for a
-batch through prefix-cache hits and chunks; Granite 4.0's Mamba2 layers and experts are
-refused by name."""
+(GraniteMoeHybrid: the MLP as `shared_mlp`; with a rotary, and without one), each from its
+safetensors directory and from a GGUF in llama.cpp's naming (multipliers as *_scale keys;
+Granite 4.0 written as "granite"; a tokenizer transformers builds without a config) give HF's
+greedy tokens and logprobs for a batch through prefix-cache hits and chunks; Granite 4.0's
+Mamba2 layers and experts are refused by name."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -21,8 +23,13 @@ LOGPROB_ATOL = 2e-3
 ENGINE = dict(kv_cache_dtype="float32")  # HF's numbers exactly, from the GGUF too
 
 
-@pytest.fixture(scope="module", params=["granite", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["granite", "granitemoehybrid", "granitemoehybrid-nope"])
 def hf_dir(request):
+    if request.param == "granitemoehybrid-nope":  # the 4.0-H models' setting: no rotary at all
+        # scores scaled up (Granite's 1/16 keeps them so small a rotary hardly moves them)
+        return cached_tiny_model(
+            "granitemoehybrid", position_embedding_type="nope", attention_multiplier=1.0
+        )
     return cached_tiny_model(request.param)
 
 
@@ -37,6 +44,9 @@ def reference(hf_dir):
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])
 def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, reference, kind, tmp_path):
+    config = json.loads((hf_dir / "config.json").read_text())
+    if kind == "gguf" and config.get("position_embedding_type") == "nope":
+        pytest.skip("llama.cpp writes it as a granite GGUF, which records no NoPE")
     path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "granite.gguf")
     llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=32, **ENGINE)
     params = SamplingParams(
@@ -62,7 +72,6 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, reference, kind, tmp_path):
     ],
 )
 def test_granite_4_hybrid_parts_are_refused_by_name(tmp_path, edit, message):
-    import json
     import shutil
 
     from tokenbus.loader import load_arch, resolve_model
