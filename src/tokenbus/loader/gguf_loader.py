@@ -40,6 +40,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenbus.config import ModelArch
+from tokenbus.loader.cohere2_config import COHERE2_GGUF_EPS_KEY, cohere2_gguf_fields
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
@@ -64,6 +65,7 @@ GGUF_ARCHITECTURES = (
     *ERNIE_GGUF_ARCHITECTURES,
     "glm4",
     "mistral3",
+    "cohere2",
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -74,6 +76,7 @@ _PERMUTED_QK_ARCHITECTURES = (
     *ERNIE_ARCHITECTURES,
     "glm4",
     "ministral3",  # llama.cpp's "mistral3"
+    "cohere2",
 )
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
@@ -209,6 +212,8 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
     if arch == GPT_OSS_GGUF_ARCHITECTURE:
         family = gpt_oss_gguf_fields(meta, need("block_count"))
+    if arch == "cohere2":
+        family = cohere2_gguf_fields(meta, need("block_count"))
     window = meta.get(f"{arch}.attention.sliding_window", 0)
     if arch == "phi3" and window:  # every layer's (0: none), as config.json's
         family["sliding_windows"] = (window,) * need("block_count")
@@ -244,7 +249,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
         max_position_embeddings=need("context_length"),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=float(
+            need(COHERE2_GGUF_EPS_KEY if arch == "cohere2" else "attention.layer_norm_rms_epsilon")
+        ),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in gf.tensors,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from tokenbus.config import ModelArch
+from tokenbus.loader.cohere2_config import COHERE2_PATTERN
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, check_ernie, ernie_hf_moe_fields
 from tokenbus.loader.gemma_config import (
     GEMMA_ARCHITECTURES,
@@ -57,10 +58,12 @@ HF_ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4ForCausalLM": "glm4",
+    "Cohere2ForCausalLM": "cohere2",
 }
 # Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
 # q/k rows are reordered at load, pairs to halves, so our rotary turns them (model_loader.py).
-INTERLEAVED_ROTARY_ARCHITECTURES = (*ERNIE_ARCHITECTURES, "glm4")
+INTERLEAVED_ROTARY_ARCHITECTURES = (*ERNIE_ARCHITECTURES, "glm4", "cohere2")
+
 # GLM-4's norms by the names of Gemma 2's sandwich block (decoder.SandwichDecoderLayer), which
 # a GGUF of it uses too: after attention, before the MLP, after the MLP.
 _GLM4_NORMS = {
@@ -226,7 +229,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         num_key_value_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        # Cohere's LayerNorm names it layer_norm_eps
+        rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_eps", 1e-6))),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         # Gemma ties its head unless the config says otherwise (transformers' default there)
@@ -427,7 +431,10 @@ def _ministral3_temperature(
 
 
 def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """Granite's four multipliers (GraniteConfig's defaults: 1); {} for the other families."""
+    """Granite's four multipliers (GraniteConfig's defaults: 1), Cohere2's logit_scale (as the
+    divisor's inverse); {} for the other families."""
+    if architecture == "cohere2":
+        return dict(logits_scaling=1.0 / float(config.get("logit_scale", 0.0625)))
     if architecture not in ("granite", "granitemoe", "granitemoehybrid"):
         return {}
     return dict(
@@ -441,8 +448,12 @@ def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]
 def _nope_layers(config: dict[str, Any], architecture: str, path: Path) -> tuple[int, ...]:
     """SmolLM3's layers without rotary: where `no_rope_layers` says 0, or (absent) every
     `no_rope_layer_interval`-th layer (default 4: layers 3, 7, ...), as SmolLM3Config fills it.
-    Granite 4.0's: all of them unless `position_embedding_type` is "rope" (its model's test)."""
+    Granite 4.0's: all of them unless `position_embedding_type` is "rope" (its model's test).
+    Cohere2's: its global layers."""
     num_layers = int(config["num_hidden_layers"])
+    if architecture == "cohere2":  # its global layers turn no rotary (Cohere2Attention)
+        local = hf_local_layers(config, path, num_layers, COHERE2_PATTERN)
+        return tuple(i for i, is_local in enumerate(local) if not is_local)
     if architecture == "granitemoehybrid":
         rope = config.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(num_layers))
@@ -476,7 +487,10 @@ def _sliding_windows(
     gated = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")  # only with use_sliding_window
     if architecture in gated and not config.get("use_sliding_window"):
         window = None
-    windowed = ("mistral", "ministral", "ministral3", "mixtral", "phi3", "olmo3", "gpt_oss", *gated)
+    windowed = (
+        *("mistral", "ministral", "ministral3", "mixtral", "phi3", "olmo3", "gpt_oss", "cohere2"),
+        *gated,
+    )
     if architecture not in windowed or not window:
         return ()
     if not isinstance(window, int) or window < 1:
@@ -485,9 +499,9 @@ def _sliding_windows(
     every_layer = architecture in ("mistral", "ministral3", "mixtral", "phi3", "qwen3_moe")
     if every_layer or (architecture == "ministral" and not config.get("layer_types")):
         return (window,) * num_layers
-    if config.get("layer_types") is not None or architecture in ("olmo3", "gpt_oss"):
-        # layer_types (the pattern stands in for absent ones: OLMo 3's every fourth global,
-        # gpt-oss's every second)
+    if config.get("layer_types") is not None or architecture in ("olmo3", "gpt_oss", "cohere2"):
+        # layer_types (the pattern stands in for absent ones: OLMo 3's and Cohere2's every
+        # fourth global, gpt-oss's every second)
         pattern = GPT_OSS_PATTERN if architecture == "gpt_oss" else OLMO3_PATTERN
         local = hf_local_layers(config, path, num_layers, pattern)
     elif architecture == "smollm3":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenbus.model.cohere2 import Cohere2ForCausalLM
 from tokenbus.model.ernie import Ernie45MoeForCausalLM
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.glm4 import Glm4ForCausalLM
@@ -61,6 +62,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "ernie4_5": LlamaForCausalLM,
     "glm4": Glm4ForCausalLM,
+    "cohere2": Cohere2ForCausalLM,
     "ernie4_5_moe": Ernie45MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -71,6 +73,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
 }
 

@@ -1,5 +1,5 @@
-"""RMSNorm with an optional fused residual add (the pre-norm decoder's pattern), and the one
-whose weight stays fp32 (Gemma's and OLMo 2's)."""
+"""RMSNorm with an optional fused residual add (the pre-norm decoder's pattern), the one whose
+weight stays fp32 (Gemma's and OLMo 2's), and Cohere's LayerNorm without a bias."""
 
 from __future__ import annotations
 
@@ -47,3 +47,29 @@ class Fp32RMSNorm(RMSNorm):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.add_rms_norm_fp32(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(OpsModule):
+    """(x - mean) / sqrt(var + eps) * weight over the last dim, no bias, computed in fp32 and
+    cast back: HF's CohereLayerNorm / Cohere2LayerNorm op for op (the variance taken around the
+    mean, then rsqrt), so an fp32 model gives its values bit for bit. The same interface as
+    RMSNorm (forward, add_and_norm); the C ops take only RMSNorms."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        mean = h.mean(-1, keepdim=True)
+        variance = (h - mean).pow(2).mean(-1, keepdim=True)
+        h = (h - mean) * torch.rsqrt(variance + self.eps)
+        return (self.weight.to(torch.float32) * h).to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual + x (the running stream), then (norm(stream), stream)."""
+        residual = x if residual is None else residual + x
+        return self.forward(residual), residual

@@ -1,0 +1,28 @@
+"""Cohere2 (Command R7B) shapes from GGUF metadata beyond the shared ones (L2; no torch); the
+config.json side lives in hf_loader beside the other families' windows and NoPE layers.
+
+llama.cpp's `cohere2` graph fixes its pattern (every fourth layer global, load_swa_pattern 4),
+turns no rotary on the global layers, and multiplies the logits by `cohere2.logit_scale`; its
+LayerNorm's epsilon is `attention.layer_norm_epsilon` (not the RMS one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenbus.loader.layer_kinds import gguf_local_layers, windows
+
+COHERE2_PATTERN = 4  # every fourth layer global (and without a rotary)
+COHERE2_GGUF_EPS_KEY = "attention.layer_norm_epsilon"
+
+
+def cohere2_gguf_fields(meta: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """ModelArch fields of a cohere2 GGUF: windows on the local layers, NoPE on the global
+    ones, the logits' scale as Granite's divisor."""
+    local = gguf_local_layers(meta, "cohere2", num_layers, COHERE2_PATTERN)
+    return dict(
+        hidden_act="silu",
+        sliding_windows=windows(local, meta.get("cohere2.attention.sliding_window")),
+        nope_layers=tuple(i for i, is_local in enumerate(local) if not is_local),
+        logits_scaling=1.0 / float(meta.get("cohere2.logit_scale", 1.0)),
+    )

@@ -1,0 +1,65 @@
+"""Cohere2 (Cohere2ForCausalLM: Command R7B): a parallel block, x + attn(norm(x)) + mlp(norm(x))
+with one LayerNorm (no bias, layers.LayerNorm) before both, and that norm last too.
+
+- Every fourth layer (`layer_types`' full_attention) attends to all keys without a rotary; the
+  others slide over `sliding_window` keys with one (ModelArch.sliding_windows, nope_layers).
+- Its rotary turns adjacent pairs; the loader reorders its q/k rows, pairs to halves
+  (loader/model_loader.py), as for ERNIE 4.5 and GLM-4.
+- The logits are multiplied by `logit_scale` (ModelArch.logits_scaling holds its inverse, as
+  Granite's divisor).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenbus.config import ModelArch
+from tokenbus.model.attention import Plan
+from tokenbus.model.causal_lm import CausalLM
+from tokenbus.model.decoder import Attention, GatedMLP
+from tokenbus.model.layers import LayerNorm
+from tokenbus.model.parallel import SINGLE, TensorParallel
+
+
+class ParallelDecoderLayer(nn.Module):
+    """attn and mlp of the same normed input, both joining the residual stream. Like
+    DecoderLayer it returns its output not yet added: the MLP's, with the attention's already in
+    the stream, so the next add gives (residual + attn) + mlp, HF's order."""
+
+    def __init__(
+        self, arch: ModelArch, self_attn: Attention, mlp: GatedMLP, norm: type[nn.Module]
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = norm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = self_attn
+        self.mlp = mlp
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+        q_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan, q_scale)
+        return self.mlp(h), residual + attn
+
+
+class Cohere2ForCausalLM(CausalLM):
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(arch, tp)
+        self.norm = LayerNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> ParallelDecoderLayer:
+        bias = arch.attention_bias
+        attention = Attention(arch, tp, qkv_bias=bias, o_bias=bias)
+        return ParallelDecoderLayer(arch, attention, GatedMLP(arch, tp), LayerNorm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) / self.arch.logits_scaling
