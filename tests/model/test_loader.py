@@ -26,8 +26,8 @@ from tokenbus.loader import (
     load_tokenizer,
     resolve_model,
 )
-from tokenbus.loader.gguf_loader import permute_qk, unpermute_qk
 from tokenbus.loader.hf_loader import HF_ROPE_TYPES, arch_from_hf_config
+from tokenbus.loader.qk_rows import permute_qk, unpermute_qk
 from tokenbus.model.layers.rotary import ROPE_TYPES
 from tokenbus.worker.model_builder import load_model
 

@@ -54,6 +54,7 @@ from tokenbus.loader.gpt_oss_config import (
     gpt_oss_gguf_fields,
 )
 from tokenbus.loader.layer_kinds import OLMO3_PATTERN, gguf_local_layers, windows
+from tokenbus.loader.qk_rows import unpermute_qk
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
@@ -561,38 +562,3 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
     check_qtype(gf, info)
     weights = dequantize(gf.tensor_bytes(info), info.qtype)
     return weights if weights.flags.writeable else weights.copy()
-
-
-def unpermute_qk(
-    weight: torch.Tensor, num_heads: int, rotary_dim: int | None = None
-) -> torch.Tensor:
-    """Undo llama.cpp's `permute`: per head, rows (pairs interleaved) -> (first halves, second
-    halves); with `rotary_dim` (a partial rotary: GLM-4's), only each head's first rotary_dim
-    rows, the rest as they are.
-
-    llama.cpp: w.reshape(H, 2, D/2, ...).swapaxes(1, 2); the inverse is the same with (D/2, 2).
-    Works for weights [H*D, in] and biases [H*D].
-    """
-    import torch
-
-    head_dim = weight.shape[0] // num_heads
-    rotary_dim = rotary_dim or head_dim
-    heads = weight.reshape(num_heads, head_dim, *weight.shape[1:])
-    turned = (
-        heads[:, :rotary_dim]
-        .reshape(num_heads, rotary_dim // 2, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(num_heads, rotary_dim, *weight.shape[1:])
-    )
-    return torch.cat((turned, heads[:, rotary_dim:]), dim=1).reshape(weight.shape)
-
-
-def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp's convert_hf_to_gguf permutation (HF rotate-half rows -> interleaved pairs)."""
-    rows = weight.shape[0]
-    half_dim = rows // num_heads // 2
-    return (
-        weight.reshape(num_heads, 2, half_dim, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-    )

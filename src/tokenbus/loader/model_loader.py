@@ -12,7 +12,6 @@ from tokenbus.loader.gguf_loader import (
     QuantizedWeight,
     arch_from_gguf,
     iter_gguf_weights,
-    unpermute_qk,
 )
 from tokenbus.loader.hf_loader import (
     INTERLEAVED_ROTARY_ARCHITECTURES,
@@ -25,6 +24,7 @@ from tokenbus.loader.hf_loader import (
     text_model_weights,
 )
 from tokenbus.loader.mxfp4 import gpt_oss_experts
+from tokenbus.loader.qk_rows import unpermute_qk
 from tokenbus.loader.source import ModelSource
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
