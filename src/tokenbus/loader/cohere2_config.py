@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenbus.loader.layer_kinds import gguf_local_layers, windows
+from tokenbus.loader.layer_kinds import gguf_local_layers, global_nope_layers, windows
 
 COHERE2_PATTERN = 4  # every fourth layer global (and without a rotary)
 COHERE2_GGUF_EPS_KEY = "attention.layer_norm_epsilon"
@@ -23,6 +23,6 @@ def cohere2_gguf_fields(meta: dict[str, Any], num_layers: int) -> dict[str, Any]
     return dict(
         hidden_act="silu",
         sliding_windows=windows(local, meta.get("cohere2.attention.sliding_window")),
-        nope_layers=tuple(i for i, is_local in enumerate(local) if not is_local),
+        nope_layers=global_nope_layers(local),
         logits_scaling=1.0 / float(meta.get("cohere2.logit_scale", 1.0)),
     )

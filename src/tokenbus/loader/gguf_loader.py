@@ -40,7 +40,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenbus.config import ModelArch
-from tokenbus.loader.cohere2_config import COHERE2_GGUF_EPS_KEY, cohere2_gguf_fields
+from tokenbus.loader.cohere2_config import (
+    COHERE2_GGUF_EPS_KEY,
+    COHERE2_PATTERN,
+    cohere2_gguf_fields,
+)
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
@@ -53,7 +57,12 @@ from tokenbus.loader.gpt_oss_config import (
     GPT_OSS_STOP_TOKENS,
     gpt_oss_gguf_fields,
 )
-from tokenbus.loader.layer_kinds import OLMO3_PATTERN, gguf_local_layers, windows
+from tokenbus.loader.layer_kinds import (
+    OLMO3_PATTERN,
+    gguf_local_layers,
+    global_nope_layers,
+    windows,
+)
 from tokenbus.loader.qk_rows import unpermute_qk
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -67,11 +76,12 @@ GGUF_ARCHITECTURES = (
     "glm4",
     "mistral3",
     "cohere2",
+    "exaone4",
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
-# ERNIE's and GLM-4's too: their HF rows are interleaved already (GLM-4's in each head's rotary
-# half) and their converters write them as they are.
+# ERNIE's, GLM-4's and Cohere2's too: their HF rows are interleaved already (GLM-4's in each
+# head's rotary half) and their converters write them as they are.
 _PERMUTED_QK_ARCHITECTURES = (
     *("llama", "mixtral", "smollm3", "granite", "granitemoe"),
     *ERNIE_ARCHITECTURES,
@@ -159,6 +169,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
         "attn_sinks": "self_attn.sinks",
     },
     "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
+    "exaone4": _GEMMA_BLOCK_NAMES,  # likewise
     # ERNIE 4.5's shared MLP (several experts' width, ungated) and its selection bias
     "ernie4_5-moe": {
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
@@ -215,6 +226,10 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family = gpt_oss_gguf_fields(meta, need("block_count"))
     if arch == "cohere2":
         family = cohere2_gguf_fields(meta, need("block_count"))
+    if arch == "exaone4" and meta.get(f"{arch}.attention.sliding_window"):
+        local = gguf_local_layers(meta, arch, need("block_count"), COHERE2_PATTERN)
+        family["sliding_windows"] = windows(local, meta[f"{arch}.attention.sliding_window"])
+        family["nope_layers"] = global_nope_layers(local)  # as Cohere2's
     window = meta.get(f"{arch}.attention.sliding_window", 0)
     if arch == "phi3" and window:  # every layer's (0: none), as config.json's
         family["sliding_windows"] = (window,) * need("block_count")

@@ -24,6 +24,7 @@ from tokenbus.loader.layer_kinds import (
     OLMO3_PATTERN,
     OLMO3_ROPE_THETA,
     OLMO3_WINDOW,
+    global_nope_layers,
     hf_local_layers,
     rope_by_layer_type,
     windows,
@@ -59,6 +60,7 @@ HF_ARCHITECTURES = {
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4ForCausalLM": "glm4",
     "Cohere2ForCausalLM": "cohere2",
+    "Exaone4ForCausalLM": "exaone4",
 }
 # Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
 # q/k rows are reordered at load, pairs to halves, so our rotary turns them (model_loader.py).
@@ -449,11 +451,14 @@ def _nope_layers(config: dict[str, Any], architecture: str, path: Path) -> tuple
     """SmolLM3's layers without rotary: where `no_rope_layers` says 0, or (absent) every
     `no_rope_layer_interval`-th layer (default 4: layers 3, 7, ...), as SmolLM3Config fills it.
     Granite 4.0's: all of them unless `position_embedding_type` is "rope" (its model's test).
-    Cohere2's: its global layers."""
+    Cohere2's and (with windows) EXAONE 4's: their global layers."""
     num_layers = int(config["num_hidden_layers"])
     if architecture == "cohere2":  # its global layers turn no rotary (Cohere2Attention)
-        local = hf_local_layers(config, path, num_layers, COHERE2_PATTERN)
-        return tuple(i for i, is_local in enumerate(local) if not is_local)
+        return global_nope_layers(hf_local_layers(config, path, num_layers, COHERE2_PATTERN))
+    if architecture == "exaone4":  # likewise where it has windows (Exaone4Attention)
+        if not config.get("sliding_window"):
+            return ()
+        return global_nope_layers(hf_local_layers(config, path, num_layers, COHERE2_PATTERN))
     if architecture == "granitemoehybrid":
         rope = config.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(num_layers))
@@ -488,7 +493,8 @@ def _sliding_windows(
     if architecture in gated and not config.get("use_sliding_window"):
         window = None
     windowed = (
-        *("mistral", "ministral", "ministral3", "mixtral", "phi3", "olmo3", "gpt_oss", "cohere2"),
+        *("mistral", "ministral", "ministral3", "mixtral", "phi3", "olmo3", "gpt_oss"),
+        *("cohere2", "exaone4"),
         *gated,
     )
     if architecture not in windowed or not window:
@@ -499,7 +505,8 @@ def _sliding_windows(
     every_layer = architecture in ("mistral", "ministral3", "mixtral", "phi3", "qwen3_moe")
     if every_layer or (architecture == "ministral" and not config.get("layer_types")):
         return (window,) * num_layers
-    if config.get("layer_types") is not None or architecture in ("olmo3", "gpt_oss", "cohere2"):
+    patterned = ("olmo3", "gpt_oss", "cohere2", "exaone4")
+    if config.get("layer_types") is not None or architecture in patterned:
         # layer_types (the pattern stands in for absent ones: OLMo 3's and Cohere2's every
         # fourth global, gpt-oss's every second)
         pattern = GPT_OSS_PATTERN if architecture == "gpt_oss" else OLMO3_PATTERN

@@ -76,3 +76,11 @@ def rope_by_layer_type(params: dict[str, Any], path: Path) -> tuple[dict[str, An
     return {"rope_parameters": params["full_attention"] or {}}, (
         None if theta is None else float(theta)
     )
+
+
+def global_nope_layers(local: list[bool]) -> tuple[int, ...]:
+    """ModelArch.nope_layers of a family whose global layers turn no rotary where its local ones
+    slide (Cohere2's, EXAONE 4's); () where no layer slides."""
+    if not any(local):
+        return ()
+    return tuple(i for i, is_local in enumerate(local) if not is_local)

@@ -6,6 +6,7 @@ from torch import nn
 
 from tokenbus.model.cohere2 import Cohere2ForCausalLM
 from tokenbus.model.ernie import Ernie45MoeForCausalLM
+from tokenbus.model.exaone4 import Exaone4ForCausalLM
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.glm4 import Glm4ForCausalLM
 from tokenbus.model.gpt_oss import GptOssForCausalLM
@@ -63,6 +64,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "ernie4_5": LlamaForCausalLM,
     "glm4": Glm4ForCausalLM,
     "cohere2": Cohere2ForCausalLM,
+    "exaone4": Exaone4ForCausalLM,
     "ernie4_5_moe": Ernie45MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -74,6 +76,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
 }
 
