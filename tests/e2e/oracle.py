@@ -127,3 +127,31 @@ def assert_c_layers_match_dequantized(path, prompts: list[list[int]], max_tokens
         assert_engine_clean(llm)
     for ours, dense in zip(results["gguf"], results["none"]):
         assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)
+
+
+def prompts_with_a_shared_prefix(seed: int, lengths: tuple[int, int] = (1, 50)) -> list[list[int]]:
+    """Three prompts of `lengths` tokens, and three that share a 40-token prefix (two full
+    blocks and 8 tokens: a batch's prefix-cache hits)."""
+    from tests.e2e.utils import random_prompts
+
+    prefix = random_prompts(1, 40, 40, seed=seed)[0]
+    tails = random_prompts(3, 1, 20, seed + 2)
+    return random_prompts(3, *lengths, seed=seed + 1) + [prefix + tail for tail in tails]
+
+
+def assert_family_matches_hf(path, prompts, reference, max_tokens: int, **engine) -> None:
+    """The model at `path` (safetensors or GGUF), fp32 with prefix caching and 32-token chunks,
+    gives HF's greedy tokens and logprobs (`reference`: hf_greedy_logprobs per prompt), hits the
+    prefix cache, and ends with every KV block free."""
+    from tests.e2e.utils import assert_engine_clean, make_llm
+
+    llm = make_llm(
+        path,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=32,
+        kv_cache_dtype="float32",
+        **engine,
+    )
+    assert_matches_hf(greedy_outputs(llm, prompts, max_tokens, 1), reference)
+    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
+    assert_engine_clean(llm)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.oracle import assert_matches_hf, greedy_outputs, hf_greedy_logprobs, load_hf
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.e2e.oracle import (
+    assert_family_matches_hf,
+    hf_greedy_logprobs,
+    load_hf,
+    prompts_with_a_shared_prefix,
+)
 from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
-ENGINE = dict(kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,7 @@ def hf_dir():
 
 @pytest.fixture(scope="module")
 def prompts():
-    prefix = random_prompts(1, 40, 40, seed=91)[0]
-    return random_prompts(3, 20, 60, seed=92) + [prefix + t for t in random_prompts(3, 1, 20, 93)]
+    return prompts_with_a_shared_prefix(91, (20, 60))
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +49,4 @@ def test_greedy_tokens_and_logprobs_are_hf_s(
     assert arch.architecture == "cohere2"
     assert (arch.sliding_windows, arch.nope_layers) == ((16, 16, 16, None), (3,))
     assert arch.logits_scaling == pytest.approx(4.0) and arch.tie_word_embeddings
-    llm = make_llm(
-        path,
-        attention_backend=backend,
-        enable_prefix_caching=True,
-        max_num_batched_tokens=32,
-        **ENGINE,
-    )
-    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS, 1), hf_reference)
-    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
-    assert_engine_clean(llm)
+    assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS, attention_backend=backend)

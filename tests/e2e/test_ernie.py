@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.oracle import assert_matches_hf, greedy_outputs, hf_greedy_logprobs, load_hf
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.e2e.oracle import (
+    assert_family_matches_hf,
+    hf_greedy_logprobs,
+    load_hf,
+    prompts_with_a_shared_prefix,
+)
+from tests.e2e.utils import assert_engine_clean, make_llm
 from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
@@ -24,8 +29,7 @@ def hf_dir():
 
 @pytest.fixture(scope="module")
 def prompts():
-    prefix = random_prompts(1, 40, 40, seed=51)[0]
-    return random_prompts(3, 1, 50, seed=52) + [prefix + t for t in random_prompts(3, 1, 20, 53)]
+    return prompts_with_a_shared_prefix(51)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +44,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
 
     path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "ernie.gguf")
     assert load_arch(resolve_model(str(path))).architecture == "ernie4_5"
-    llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=32, **ENGINE)
-    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS, 1), hf_reference)
-    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
-    assert_engine_clean(llm)
+    assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS)
 
 
 def test_use_bias_is_refused_by_name(tmp_path):

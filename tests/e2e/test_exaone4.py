@@ -11,17 +11,15 @@ import pytest
 
 from tests.e2e.oracle import (
     assert_c_layers_match_dequantized,
-    assert_matches_hf,
-    greedy_outputs,
+    assert_family_matches_hf,
     hf_greedy_logprobs,
     load_hf,
+    prompts_with_a_shared_prefix,
 )
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
-ENGINE = dict(kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module", params=["hybrid", "global"])
@@ -33,8 +31,7 @@ def hf_dir(request):
 
 @pytest.fixture(scope="module")
 def prompts():
-    prefix = random_prompts(1, 40, 40, seed=101)[0]
-    return random_prompts(3, 20, 60, seed=102) + [prefix + t for t in random_prompts(3, 1, 20, 103)]
+    return prompts_with_a_shared_prefix(101, (20, 60))
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +50,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
     want = ((16, 16, 16, None), (3,)) if hf_config.sliding_window else ((), ())
     assert arch.architecture == "exaone4"
     assert (arch.sliding_windows, arch.nope_layers) == want
-    llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=32, **ENGINE)
-    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS, 1), hf_reference)
-    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
-    assert_engine_clean(llm)
+    assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS)
 
 
 def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):

@@ -11,17 +11,15 @@ import pytest
 
 from tests.e2e.oracle import (
     assert_c_layers_match_dequantized,
-    assert_matches_hf,
-    greedy_outputs,
+    assert_family_matches_hf,
     hf_greedy_logprobs,
     load_hf,
+    prompts_with_a_shared_prefix,
 )
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
-ENGINE = dict(kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +29,7 @@ def hf_dir():
 
 @pytest.fixture(scope="module")
 def prompts():
-    prefix = random_prompts(1, 40, 40, seed=71)[0]
-    return random_prompts(3, 1, 50, seed=72) + [prefix + t for t in random_prompts(3, 1, 20, 73)]
+    return prompts_with_a_shared_prefix(71)
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +48,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(
     path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "glm4.gguf")
     arch = load_arch(resolve_model(str(path)))
     assert (arch.architecture, arch.rotary_dim, arch.head_dim) == ("glm4", 8, 16)
-    llm = make_llm(
-        path,
-        attention_backend=backend,
-        enable_prefix_caching=True,
-        max_num_batched_tokens=32,
-        **ENGINE,
-    )
-    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS, 1), hf_reference)
-    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
-    assert_engine_clean(llm)
+    assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS, attention_backend=backend)
 
 
 def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):

@@ -18,17 +18,15 @@ import pytest
 from tests.e2e.oracle import (
     LOGPROB_ATOL,
     assert_c_layers_match_dequantized,
-    assert_matches_hf,
-    greedy_outputs,
+    assert_family_matches_hf,
     hf_greedy_logprobs,
     load_hf,
+    prompts_with_a_shared_prefix,
 )
-from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
 from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
-ENGINE = dict(kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +36,7 @@ def hf_dir():
 
 @pytest.fixture(scope="module")
 def prompts():
-    prefix = random_prompts(1, 40, 40, seed=81)[0]
-    return random_prompts(3, 20, 60, seed=82) + [prefix + t for t in random_prompts(3, 1, 20, 83)]
+    return prompts_with_a_shared_prefix(81, (20, 60))
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +54,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
     assert arch.architecture == "ministral3"
     assert arch.attn_temperature == (pytest.approx(0.1), 16)  # a GGUF's is float32
     assert arch.rope_scaling["rope_type"] == "yarn"
-    llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=32, **ENGINE)
-    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS, 1), hf_reference)
-    assert llm.engine.stats_totals["prefix_cache_hits"] > 0
-    assert_engine_clean(llm)
+    assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS)
 
 
 def test_quantized_layers_decode_in_c_with_the_temperature(hf_dir, prompts, tmp_path):
