@@ -104,12 +104,12 @@ def test_the_engine_loads_every_tensor(written):
     assert 0.015 < model.layers[0].mlp.down_proj.weight.std().item() < 0.025
 
 
+def _num_params(shape: make_random_gguf.ModelShape) -> int:
+    return sum(int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(shape))
+
+
 def test_the_real_configs_have_the_published_sizes():
-    params = {}
-    for name, shape in make_random_gguf.CONFIGS.items():
-        params[name] = sum(
-            int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(shape)
-        )
+    params = {name: _num_params(shape) for name, shape in make_random_gguf.CONFIGS.items()}
     assert 1.22e9 < params["llama-3.2-1b"] < 1.25e9
     assert 3.19e9 < params["llama-3.2-3b"] < 3.22e9
     assert 8.02e9 < params["llama-3.1-8b"] < 8.04e9
@@ -123,26 +123,14 @@ def test_the_real_configs_have_the_published_sizes():
     assert 2.50e9 < params["gemma-2b"] < 2.52e9
     # gpt-oss-20b: 20.9 B parameters over its 24 layers; the 8-layer file holds a third of them
     full = dataclasses.replace(make_random_gguf.CONFIGS["gpt-oss-20b-8l"], layers=24)
-    assert (
-        20.8e9
-        < sum(int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(full))
-        < 21.0e9
-    )
+    assert 20.8e9 < _num_params(full) < 21.0e9
     assert 7.7e9 < params["gpt-oss-20b-8l"] < 7.8e9
     # Qwen1.5-MoE-A2.7B: 14.3 B parameters over its 24 layers
     full = dataclasses.replace(make_random_gguf.CONFIGS["qwen1.5-moe-a2.7b-8l"], layers=24)
-    assert (
-        14.3e9
-        < sum(int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(full))
-        < 14.4e9
-    )
+    assert 14.3e9 < _num_params(full) < 14.4e9
     # ERNIE-4.5-21B-A3B: 21.8 B parameters over its 28 layers
     full = dataclasses.replace(make_random_gguf.CONFIGS["ernie-4.5-21b-a3b-8l"], layers=28)
-    assert (
-        21.7e9
-        < sum(int(torch.tensor(s).prod()) for _, s, _ in make_random_gguf.tensor_plan(full))
-        < 21.9e9
-    )
+    assert 21.7e9 < _num_params(full) < 21.9e9
 
 
 def test_ernie_moe_is_written_as_llama_cpps(tmp_path):

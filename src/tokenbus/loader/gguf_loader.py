@@ -40,11 +40,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenbus.config import ModelArch
-from tokenbus.loader.cohere2_config import (
-    COHERE2_GGUF_EPS_KEY,
-    COHERE2_PATTERN,
-    cohere2_gguf_fields,
-)
+from tokenbus.loader.cohere2_config import COHERE2_GGUF_EPS_KEY, cohere2_gguf_fields
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
@@ -58,6 +54,7 @@ from tokenbus.loader.gpt_oss_config import (
     gpt_oss_gguf_fields,
 )
 from tokenbus.loader.layer_kinds import (
+    EXAONE4_PATTERN,
     OLMO3_PATTERN,
     gguf_local_layers,
     global_nope_layers,
@@ -227,7 +224,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == "cohere2":
         family = cohere2_gguf_fields(meta, need("block_count"))
     if arch == "exaone4" and meta.get(f"{arch}.attention.sliding_window"):
-        local = gguf_local_layers(meta, arch, need("block_count"), COHERE2_PATTERN)
+        local = gguf_local_layers(meta, arch, need("block_count"), EXAONE4_PATTERN)
         family["sliding_windows"] = windows(local, meta[f"{arch}.attention.sliding_window"])
         family["nope_layers"] = global_nope_layers(local)  # as Cohere2's
     window = meta.get(f"{arch}.attention.sliding_window", 0)

@@ -21,6 +21,7 @@ from tokenbus.loader.gemma_config import (
 )
 from tokenbus.loader.gpt_oss_config import GPT_OSS_PATTERN, gpt_oss_hf_fields
 from tokenbus.loader.layer_kinds import (
+    EXAONE4_PATTERN,
     OLMO3_PATTERN,
     OLMO3_ROPE_THETA,
     OLMO3_WINDOW,
@@ -458,7 +459,7 @@ def _nope_layers(config: dict[str, Any], architecture: str, path: Path) -> tuple
     if architecture == "exaone4":  # likewise where it has windows (Exaone4Attention)
         if not config.get("sliding_window"):
             return ()
-        return global_nope_layers(hf_local_layers(config, path, num_layers, COHERE2_PATTERN))
+        return global_nope_layers(hf_local_layers(config, path, num_layers, EXAONE4_PATTERN))
     if architecture == "granitemoehybrid":
         rope = config.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(num_layers))

@@ -18,6 +18,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 # OLMo 3 (Olmo3Config's defaults, llama.cpp's too): a window of 4096 on all layers but every
 # fourth; RoPE base 500k.
 OLMO3_WINDOW, OLMO3_PATTERN, OLMO3_ROPE_THETA = 4096, 4, 500000.0
+EXAONE4_PATTERN = 4  # Exaone4Config's default sliding_window_pattern: every fourth layer global
 
 
 def is_local(layer: int, pattern: int) -> bool:
