@@ -242,7 +242,7 @@ class SparseMoeBlock(OpsModule):
                 loaders[f"{scope}{down_name}.{kind}"] = partial(down, is_bias=bias)
         if self.selection_bias is not None:
             loaders[prefix + SELECTION_BIAS_NAME] = self._load_selection_bias
-        if self.has_shared_expert:
+        if self.shared_expert is not None:  # the other ranks skip its names (skipped_names)
             loaders.update(self._shared_loaders(prefix, family))
         return loaders
 
