@@ -15,7 +15,8 @@ from functools import partial
 import torch
 
 from tokenbus.config import ModelArch
-from tokenbus.model.decoder import DecoderLayer, GatedMLP, QKNorm
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
+from tokenbus.model.layers import Linear
 from tokenbus.model.layers.quantized import is_quantized
 from tokenbus.model.parallel import TensorParallel
 
@@ -71,49 +72,21 @@ def layer_loaders(
 ) -> dict[str, WeightLoader]:
     """HF names of one decoder layer (`prefix` = "model.layers.N.") -> loaders: separate
     q/k/v and gate/up tensors into the fused linears, this rank's slice of each. A layer whose
-    mlp is not a GatedMLP (a sparse MoE block) gets its MLP's names from its family."""
-    attn, mlp = layer.self_attn, layer.mlp
+    mlp is not a GatedMLP (a sparse MoE block), or without attention (a short convolution:
+    model/short_conv.py), gets those names from its family."""
+    attn, mlp = getattr(layer, "self_attn", None), layer.mlp
     norms = [
         (name, getattr(layer, name))
         for name in LAYER_NORM_NAMES
         if getattr(layer, name, None) is not None
     ]
-    if attn.qk_norm is QKNorm.HEADS:  # per head, the same on every rank
-        norms += [("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]
     loaders: dict[str, WeightLoader] = {
         f"{prefix}{name}.weight": partial(copy_param, norm.weight) for name, norm in norms
     }
     cut = TensorSlicer(tp, arch)
-    q_rows = cut.head_rows(attn.num_heads * tp.rank, attn.num_heads)
-    kv_rows = cut.head_rows(tp.kv_head_start(arch.num_key_value_heads), attn.num_kv_heads)
-    if attn.qk_norm is QKNorm.WHOLE:  # over the whole projection: this rank's heads' part
-        for name, norm, rows in (("q_norm", attn.q_norm, q_rows), ("k_norm", attn.k_norm, kv_rows)):
-            loaders[f"{prefix}self_attn.{name}.weight"] = sliced(
-                partial(copy_param, norm.weight), rows
-            )
-    # (linear, scope, [(HF name, weight slicer, bias slicer)]) per fused linear.
-    fused = [
-        (
-            attn.qkv_proj,
-            "self_attn.",
-            [
-                ("q_proj", q_rows, q_rows),
-                ("k_proj", kv_rows, kv_rows),
-                ("v_proj", kv_rows, kv_rows),
-            ],
-        ),
-        (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),
-    ]
-    if isinstance(mlp, GatedMLP):
-        mlp_rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)
-        fused += [
-            (
-                mlp.gate_up_proj,
-                "mlp.",
-                [("gate_proj", mlp_rows, None), ("up_proj", mlp_rows, None)],
-            ),
-            (mlp.down_proj, "mlp.", [("down_proj", cut.columns(mlp_rows), None)]),
-        ]
+    fused = _mlp_shards(mlp, cut, tp)
+    if attn is not None:
+        fused += _attention_shards(prefix, attn, cut, tp, arch, loaders)
     for linear, scope, shards in fused:
         for shard, (name, weight_slice, bias_slice) in enumerate(shards):
             loaders[f"{prefix}{scope}{name}.weight"] = sliced(
@@ -124,6 +97,47 @@ def layer_loaders(
                     partial(linear.load_shard, shard=shard, is_bias=True), bias_slice
                 )
     return loaders
+
+
+# (linear, scope, [(HF name, weight slicer, bias slicer)]) per fused linear.
+_Shards = list[tuple[Linear, str, list[tuple[str, Slicer | None, Slicer | None]]]]
+
+
+def _mlp_shards(mlp, cut: TensorSlicer, tp: TensorParallel) -> _Shards:
+    """A GatedMLP's gate/up (fused) and down projections; [] for another MLP."""
+    if not isinstance(mlp, GatedMLP):
+        return []
+    rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)
+    return [
+        (mlp.gate_up_proj, "mlp.", [("gate_proj", rows, None), ("up_proj", rows, None)]),
+        (mlp.down_proj, "mlp.", [("down_proj", cut.columns(rows), None)]),
+    ]
+
+
+def _attention_shards(
+    prefix: str,
+    attn: Attention,
+    cut: TensorSlicer,
+    tp: TensorParallel,
+    arch: ModelArch,
+    loaders: dict[str, WeightLoader],
+) -> _Shards:
+    """Attention's q/k/v (fused) and o projections; its q/k norms' loaders go to `loaders`."""
+    if attn.qk_norm is QKNorm.HEADS:  # per head, the same on every rank
+        for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+            loaders[f"{prefix}self_attn.{name}.weight"] = partial(copy_param, norm.weight)
+    q_rows = cut.head_rows(attn.num_heads * tp.rank, attn.num_heads)
+    kv_rows = cut.head_rows(tp.kv_head_start(arch.num_key_value_heads), attn.num_kv_heads)
+    if attn.qk_norm is QKNorm.WHOLE:  # over the whole projection: this rank's heads' part
+        for name, norm, rows in (("q_norm", attn.q_norm, q_rows), ("k_norm", attn.k_norm, kv_rows)):
+            loaders[f"{prefix}self_attn.{name}.weight"] = sliced(
+                partial(copy_param, norm.weight), rows
+            )
+    qkv = [("q_proj", q_rows, q_rows), ("k_proj", kv_rows, kv_rows), ("v_proj", kv_rows, kv_rows)]
+    return [
+        (attn.qkv_proj, "self_attn.", qkv),
+        (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),
+    ]
 
 
 class TensorSlicer:
