@@ -64,9 +64,10 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(self.vocab_per_rank, arch.hidden_size), requires_grad=False
         )
-        self.layers = nn.ModuleList(
-            self.make_layer(arch, tp) for _ in range(arch.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList()
+        for idx in range(arch.num_hidden_layers):
+            self.making_layer = idx  # make_layer's layer, for families whose layers differ
+            self.layers.append(self.make_layer(arch, tp))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             arch.head_dim,
@@ -107,7 +108,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens  # one tensor, two layouts after the kernels
 
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
-        """One decoder layer of this family (a subclass chooses the parts)."""
+        """One decoder layer of this family (a subclass chooses the parts), the
+        `making_layer`-th."""
         raise NotImplementedError
 
     def forward(

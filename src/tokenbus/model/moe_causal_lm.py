@@ -24,8 +24,11 @@ class MoECausalLM(CausalLM):
         return Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=self.qk_norm)
 
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
-        idx = self._layers_made = getattr(self, "_layers_made", -1) + 1  # made in order
-        mlp = GatedMLP(arch, tp) if idx in arch.dense_layers else SparseMoeBlock(arch, tp)
+        mlp = (
+            GatedMLP(arch, tp)
+            if self.making_layer in arch.dense_layers
+            else SparseMoeBlock(arch, tp)
+        )
         return DecoderLayer(arch, self.make_attention(arch, tp), mlp)
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
