@@ -110,6 +110,7 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
     source = resolve_model(args.model)
     arch = load_arch(source)
     config = args.to_config(resolve_max_model_len(args.max_model_len, arch))
+    config = resolve_recurrent_layers(config, arch)
     check_parallel_layout(config, arch)
     if config.model.tokenizer is not None:
         tokenizer_path(config.model.tokenizer)
@@ -120,6 +121,34 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
         args.generation_config, args.override_generation_config, source, generation_config
     )
     return EngineSetup(config, source, arch, eos, generation_config, defaults, eos_ids[1:])
+
+
+def resolve_recurrent_layers(config: EngineConfig, arch: ModelArch) -> EngineConfig:
+    """A model with recurrent layers (LFM2's short convolutions: worker/state_pool.py) builds
+    each request's state from its first token, in one stream: prefix caching is turned off (a
+    hit would skip the tokens the state is made of), and what reuses or rolls back computed
+    tokens is refused by its flag: speculative decoding (its drafts would enter the state
+    before they are verified) and KV transfer (a state does not travel with the blocks)."""
+    if not arch.conv_layers:
+        return config
+    for flag, setting in (
+        ("speculative_config", config.speculative),
+        ("kv_transfer_config", config.kv_transfer),
+    ):
+        if setting is not None:
+            raise ValueError(
+                f"{flag} is not supported for {arch.architecture}: its short-convolution "
+                "layers keep a recurrent state per request"
+            )
+    if not config.cache.enable_prefix_caching:
+        return config
+    logger.info(
+        "prefix caching off: %s's short-convolution layers keep a recurrent state that a "
+        "cache hit would skip",
+        arch.architecture,
+    )
+    cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
+    return dataclasses.replace(config, cache=cache)
 
 
 def _eos_token_ids(value) -> tuple[int, ...]:

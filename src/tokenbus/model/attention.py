@@ -336,8 +336,8 @@ def build_attention_plan(
     ctx: ForwardContext, dtype: torch.dtype, native_kernel: PagedAttentionKernel | None = None
 ) -> AttentionPlan:
     """Derive per-step index tensors and masks (in the activation `dtype`) from `ctx`."""
-    _, _, block_size, num_kv_heads, _ = ctx.kv_caches[0].shape
-    kv = ctx.kv_caches[0]
+    kv = ctx.first_kv_cache
+    _, _, block_size, num_kv_heads, _ = kv.shape
     head_dim = kv_quant.head_dim_of(kv)
     if (
         native_kernel is not None

@@ -158,7 +158,7 @@ class TritonAttentionBackend(AttentionBackend):
         # the partials ([tokens, heads, splits, D + 2] fp32) would be sized by every token.
         decode_only = ctx.num_decodes == ctx.num_reqs
         if decode_only and max(ctx.seq_lens, default=0) > self.MIN_SPLIT_CONTEXT:
-            split = decode_splits(ctx.num_reqs, ctx.kv_caches[0].shape[3], device)
+            split = decode_splits(ctx.num_reqs, ctx.first_kv_cache.shape[3], device)
         return TritonPlan(
             ctx.num_tokens,
             self._query_start(ctx),
@@ -171,7 +171,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _static_plan(self, ctx: ForwardContext, q_len: int):
         from tokenbus.model.triton_attention import TritonPlan, decode_splits
 
-        split = decode_splits(ctx.num_reqs, ctx.kv_caches[0].shape[3], ctx.block_tables.device)
+        split = decode_splits(ctx.num_reqs, ctx.first_kv_cache.shape[3], ctx.block_tables.device)
         return TritonPlan(
             ctx.num_tokens, self._query_start(ctx), ctx.seq_lens_t, ctx.block_tables, q_len, split
         )

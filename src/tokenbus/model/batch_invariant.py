@@ -33,7 +33,7 @@ def row_invariant_plan(
     ctx: ForwardContext, kernel: PagedAttentionKernel, dtype: torch.dtype
 ) -> AttentionPlan:
     """Every request of the step on the native kernel's decode path, long ones in pieces."""
-    kv = ctx.kv_caches[0]
+    kv = ctx.first_kv_cache
     if kv.device.type != "cpu" or kv.dtype not in KERNEL_KV_DTYPES.get(dtype, ()):
         raise ValueError(
             f"batch_invariant: the native attention kernel does not read {kv.dtype} K/V under "

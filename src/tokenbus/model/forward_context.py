@@ -34,7 +34,9 @@ class ForwardContext:
     positions: torch.Tensor  # [num_tokens] int64: position of each token in its sequence
     # [num_tokens] int64: block_id * block_size + offset, K/V write target
     slot_mapping: torch.Tensor
-    kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; a recurrent layer's: its
+    # state pool (see recurrent_layers)
+    kv_caches: list[torch.Tensor]
     block_size: int
     query_start_loc: list[int]  # [num_reqs + 1], host ints
     seq_lens: list[
@@ -55,9 +57,18 @@ class ForwardContext:
     # group 0's) and each layer's group; empty: every layer in group 0.
     kv_groups: list[KVGroupInputs] = field(default_factory=list)
     layer_groups: tuple[int, ...] = ()
+    # Recurrent layers (LFM2's short convolutions: model/short_conv.py) hold a state per
+    # request, not K/V: their kv_caches entry is their state pool, state_rows [num_reqs] int64
+    # each request's row of it, recurrent_plan what they read this step (the model builds it).
+    recurrent_layers: frozenset[int] = frozenset()
+    state_rows: torch.Tensor | None = None
+    recurrent_plan: Any = None
 
     def layer_inputs(self, layer: int) -> tuple[torch.Tensor, Any]:
-        """(slot_mapping, attn_metadata) of decoder layer `layer`'s KV group."""
+        """(slot_mapping, attn_metadata) of decoder layer `layer`'s KV group; a recurrent
+        layer's (its requests' state rows, the step's recurrent plan)."""
+        if layer in self.recurrent_layers:
+            return self.recurrent_plan.rows, self.recurrent_plan
         group = self.layer_groups[layer] if self.layer_groups else 0
         if group == 0:
             return self.slot_mapping, self.attn_metadata
@@ -82,6 +93,14 @@ class ForwardContext:
             attn_metadata=None,
             kv_groups=[],
             layer_groups=(),
+        )
+
+    @property
+    def first_kv_cache(self) -> torch.Tensor:
+        """The first attention layer's K/V pool: every layer's has its shape, dtype and
+        device (the plans read the pool's layout from it)."""
+        return next(
+            cache for i, cache in enumerate(self.kv_caches) if i not in self.recurrent_layers
         )
 
     @property

@@ -184,7 +184,7 @@ class KernelPlan:
         plans = [ctx.attn_metadata, *(group.attn_metadata for group in ctx.kv_groups)]
         if not all(isinstance(p, AttentionPlan) and p.native_decode_only(rows) for p in plans):
             return None
-        kv = ctx.kv_caches[0]
+        kv = ctx.first_kv_cache
         if kv.dtype not in DECODE_LAYER_KV_DTYPES or not kv.is_contiguous():
             return None
         slots = [ctx.slot_mapping, *(group.slot_mapping for group in ctx.kv_groups)]

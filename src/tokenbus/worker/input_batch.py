@@ -108,7 +108,8 @@ class InputBuffers:
 
     Host-side writes go to the numpy views (`input_ids`, `positions`, `slot_mapping`,
     `logits_indices` [max_num_tokens]; `block_table` [max_num_reqs, max_blocks_per_req];
-    `seq_lens` [max_num_reqs]; `query_start_loc` [max_num_reqs + 1]); `device_view` returns the
+    `seq_lens`, `state_rows` [max_num_reqs]; `query_start_loc` [max_num_reqs + 1]);
+    `device_view` returns the
     device tensor of the rows a step uses. On CUDA the host copies are pinned and copied
     asynchronously; `wait_for_copies` (called before the host buffers are written again) makes
     sure the last step's copies have read them.
@@ -124,8 +125,10 @@ class InputBuffers:
         max_blocks_per_req: int,
         device: torch.device,
         kv_groups: KVGroupLayout | None = None,
+        recurrent_layers: tuple[int, ...] = (),
     ) -> None:
         self.device = device
+        self.recurrent_layers = frozenset(recurrent_layers)
         num_groups = 1 if kv_groups is None else len(kv_groups.groups)
         self.num_groups = num_groups
         self.layer_groups: tuple[int, ...] = ()
@@ -144,6 +147,8 @@ class InputBuffers:
         # Unread input tokens (PreparedBatch.unread_inputs): rows of input_ids, then the rows
         # of the last step's sampled ids they come from.
         self.staged["unread_inputs"] = StagedBuffer((2, max_num_reqs), device)
+        # Each request's row of the recurrent layers' state pools (worker/state_pool.py).
+        self.staged["state_rows"] = StagedBuffer((max_num_reqs,), device)
         for group in range(1, num_groups):
             self.staged[self.group_name("slot_mapping", group)] = StagedBuffer(
                 (max_num_tokens,), device
@@ -158,6 +163,7 @@ class InputBuffers:
         self.block_table = self.staged["block_table"].np
         self.seq_lens = self.staged["seq_lens"].np
         self.query_start_loc = self.staged["query_start_loc"].np
+        self.state_rows = self.staged["state_rows"].np
         # Recorded after each copy (the last record is the one waited for); one event, reused.
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
         self._copies_pending = False
@@ -221,6 +227,8 @@ def prepare_batch(
             _null_rows(buffers, slice(stop, end))  # its dummy rows, after its own tokens
         query_start_loc.append(end)
         seq_lens.append(req.state.num_computed_tokens + end - start)
+        if buffers.recurrent_layers:
+            buffers.state_rows[i] = req.state.state_row
         for group, block_ids in enumerate(_tables(req.state)):
             max_blocks[group] = max(max_blocks[group], len(block_ids))
         if req.samples:
@@ -261,6 +269,8 @@ def prepare_batch(
             for group in range(1, buffers.num_groups)
         ],
         layer_groups=buffers.layer_groups,
+        recurrent_layers=buffers.recurrent_layers,
+        state_rows=view("state_rows", num_reqs) if buffers.recurrent_layers else None,
     )
     return PreparedBatch(
         requests=requests,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ def bytes_per_block(
     group only: a block is a page of the shared buffers."""
     element_size = torch.empty((), dtype=dtype).element_size()
     row_bytes = row_width(dtype, arch.head_dim) * element_size
-    layers = arch.num_hidden_layers if groups is None else groups.num_buffers
+    layers = arch.num_kv_layers if groups is None else groups.num_buffers
     return 2 * layers * arch.num_key_value_heads * row_bytes * block_size
 
 
@@ -91,10 +92,29 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     groups: KVGroupLayout | None = None,
+    state_pools: Mapping[int, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, row] (row:
     head_dim elements, or a q8_0 row's bytes: model/kv_quant.py). Under a hybrid KV cache
-    (`groups`) one per buffer, shared: layer j of every group gets buffer j."""
+    (`groups`) one per buffer, shared: layer j of every group gets buffer j. A recurrent layer
+    (arch.conv_layers) holds no K/V: its entry is its pool from `state_pools`
+    (worker/state_pool.py)."""
+    if arch.conv_layers:
+        if state_pools is None or set(state_pools) != set(arch.conv_layers):
+            raise ValueError(f"recurrent layers {arch.conv_layers} need their state pools")
+        kv = iter(
+            allocate_kv_caches(
+                dataclasses.replace(arch, num_hidden_layers=arch.num_kv_layers, conv_layers=()),
+                num_blocks,
+                block_size,
+                dtype,
+                device,
+                groups,
+            )
+        )
+        return [
+            state_pools[i] if i in state_pools else next(kv) for i in range(arch.num_hidden_layers)
+        ]
     if groups is not None:
         buffers = allocate_kv_caches(
             dataclasses.replace(arch, num_hidden_layers=groups.num_buffers),

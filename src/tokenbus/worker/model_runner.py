@@ -48,6 +48,7 @@ from tokenbus.worker.spec_decode import (
     make_proposer,
 )
 from tokenbus.worker.spec_decode.draft_model import DraftModel
+from tokenbus.worker.state_pool import RequestStates
 
 
 class ModelRunner:
@@ -77,6 +78,11 @@ class ModelRunner:
             max_blocks_per_req=max_blocks_per_req(config),
             device=device,
             kv_groups=engine_kv_groups(config, arch),
+            recurrent_layers=arch.conv_layers,
+        )
+        # Recurrent layers' state rows (worker/state_pool.py); None: every layer attends.
+        self.request_states = (
+            RequestStates(kv_caches[i] for i in arch.conv_layers) if arch.conv_layers else None
         )
         # Unseeded rows share one generator seeded from the engine seed: runs are repeatable.
         default_generator = torch.Generator(device=device)
@@ -110,6 +116,9 @@ class ModelRunner:
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+        if self.request_states is not None:  # rows back before new requests take them
+            for req_id in so.finished_req_ids | so.preempted_req_ids:
+                self.request_states.release(req_id)
         # Preempted requests keep their state (and their generator, so a seeded request
         # samples the same stream after it resumes); their blocks come anew on resume.
         for new in so.scheduled_new_reqs:
@@ -128,6 +137,7 @@ class ModelRunner:
                 lora_id=new.lora_id,
                 lora_path=new.lora_path,
                 group_block_ids=[list(ids) for ids in new.group_block_ids],
+                state_row=self._start_state(new.req_id, new.num_computed_tokens),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -135,6 +145,19 @@ class ModelRunner:
             for table, new_ids in zip(state.group_block_ids, cached.new_group_block_ids):
                 table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _start_state(self, req_id: str, num_computed_tokens: int) -> int:
+        """A new request's zeroed row of the recurrent states (-1 without recurrent layers).
+        Its state is made of every token before the step's: it must start from token 0."""
+        if self.request_states is None:
+            return -1
+        if num_computed_tokens:
+            raise ValueError(
+                f"request {req_id!r} starts at token {num_computed_tokens}: a recurrent "
+                "layer's state is built from the first token (prefix caching and KV "
+                "transfer cannot serve this model)"
+            )
+        return self.request_states.start(req_id)
 
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:

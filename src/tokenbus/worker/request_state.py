@@ -25,6 +25,8 @@ class CachedRequestState:
     lora_path: str | None = None
     # KV groups 1.. of a hybrid KV cache: their block tables (block_ids: group 0's)
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # Its row of the recurrent layers' state pools (worker/state_pool.py); -1: none
+    state_row: int = -1
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids

@@ -27,6 +27,7 @@ from tokenbus.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from tokenbus.worker.model_builder import load_model
 from tokenbus.worker.model_runner import ModelRunner
 from tokenbus.worker.spec_decode.draft_model import DraftModel, load_draft_model
+from tokenbus.worker.state_pool import allocate_state_pools, state_pool_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +141,14 @@ class Worker:
             self.device,
             self.config.scheduler.max_model_len,
             self.config.scheduler.max_num_seqs,
-            reserved_bytes=self._graph_memory_bytes(),
+            reserved_bytes=self._graph_memory_bytes() + self._state_pool_bytes(),
             groups=self.kv_groups,
             draft_arch=None if self.draft is None else self.tp.shard_arch(self.draft.arch),
         )
+
+    def _state_pool_bytes(self) -> int:
+        """Recurrent layers' state pools: a row for each request max_num_seqs lets run."""
+        return state_pool_bytes(self.model, self.config.scheduler.max_num_seqs, self.dtype)
 
     @property
     def kv_groups(self) -> KVGroupLayout | None:
@@ -211,6 +216,9 @@ class Worker:
         return graph_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        state_pools = allocate_state_pools(
+            self.model, self.config.scheduler.max_num_seqs, self.dtype, self.device
+        )
         kv_caches = allocate_kv_caches(
             self.rank_arch,
             num_blocks,
@@ -218,8 +226,10 @@ class Worker:
             self.kv_dtype,
             self.device,
             self.kv_groups,
+            state_pools,
         )
-        buffers = {id(t): t for t in kv_caches}.values()  # hybrid: layers share buffers
+        # hybrid: layers share buffers; recurrent layers' state pools counted apart
+        buffers = {id(t): t for i, t in enumerate(kv_caches) if i not in state_pools}.values()
         kv_bytes = sum(t.numel() * t.element_size() for t in buffers)
         logger.info(
             "KV cache: %d blocks of %d tokens (%s, %s)",
@@ -236,6 +246,13 @@ class Worker:
             kv_bytes / 2**20,
             peak_rss_bytes() / 2**20,
         )
+        if state_pools:
+            logger.info(
+                "recurrent states: %d layers' pools of %d rows, %.1f MiB",
+                len(state_pools),
+                self.config.scheduler.max_num_seqs,
+                self._state_pool_bytes() / 2**20,
+            )
         self.kv_connector = None
         if self.config.kv_transfer is not None:
             ctx = connector_context(
