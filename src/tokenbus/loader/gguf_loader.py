@@ -60,6 +60,11 @@ from tokenbus.loader.layer_kinds import (
     global_nope_layers,
     windows,
 )
+from tokenbus.loader.lfm2_config import (
+    LFM2_GGUF_BLOCK_NAMES,
+    LFM2_GGUF_GLOBAL_NAMES,
+    lfm2_gguf_fields,
+)
 from tokenbus.loader.qk_rows import unpermute_qk
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -74,6 +79,7 @@ GGUF_ARCHITECTURES = (
     "mistral3",
     "cohere2",
     "exaone4",
+    "lfm2",
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -167,6 +173,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     },
     "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
     "exaone4": _GEMMA_BLOCK_NAMES,  # likewise
+    "lfm2": LFM2_GGUF_BLOCK_NAMES,  # its short convolutions' tensors
     # ERNIE 4.5's shared MLP (several experts' width, ungated) and its selection bias
     "ernie4_5-moe": {
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
@@ -251,6 +258,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
             attention_multiplier=meta.get(f"{arch}.attention.scale"),
             logits_scaling=float(meta.get(f"{arch}.logit_scale", 1.0)),
         )
+    if arch == "lfm2":
+        family.update(lfm2_gguf_fields(meta, need("block_count"), gf.path))
+    kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     moe = _moe_fields(gf, arch, need("block_count"))
     return ModelArch(
         architecture=_our_architecture(arch, moe, bool(window)),
@@ -259,7 +269,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         intermediate_size=need("feed_forward_length"),
         num_hidden_layers=need("block_count"),
         num_attention_heads=num_heads,
-        num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
+        num_key_value_heads=kv_heads or num_heads,
         head_dim=head_dim,
         max_position_embeddings=need("context_length"),
         rms_norm_eps=float(
@@ -445,22 +455,22 @@ def _eos_token_ids(gf: GGUFFile) -> tuple[int, ...]:
 
 
 def hf_weight_name(gf: GGUFFile, name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    block_names = {
-        **_BLOCK_NAMES,
-        **_ARCH_BLOCK_NAMES.get(gf.metadata.get("general.architecture"), {}),
-    }
-    parts = name.split(".")  # blk.<layer>.<tensor>.<weight|bias>
+    arch = gf.metadata.get("general.architecture")
+    global_names = {**_GLOBAL_NAMES, **(LFM2_GGUF_GLOBAL_NAMES if arch == "lfm2" else {})}
+    if name in global_names:
+        return global_names[name]
+    block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+    parts = name.split(".")  # blk.<layer>.<tensor>.<weight|bias>; a tensor may hold dots
+    tensor = ".".join(parts[2:-1])
     if (
-        len(parts) == 4
+        len(parts) >= 4
         and parts[0] == "blk"
         and parts[1].isdigit()
-        and parts[2] in block_names
-        and parts[3] in ("weight", "bias")
+        and tensor in block_names
+        and parts[-1] in ("weight", "bias")
     ):
-        hf_name = f"model.layers.{parts[1]}.{block_names[parts[2]]}"
-        return hf_name if block_names[parts[2]] in _PARAMETER_NAMES else f"{hf_name}.{parts[3]}"
+        hf_name = f"model.layers.{parts[1]}.{block_names[tensor]}"
+        return hf_name if block_names[tensor] in _PARAMETER_NAMES else f"{hf_name}.{parts[-1]}"
     raise ValueError(f"{gf.path}: unexpected GGUF tensor {name}")
 
 

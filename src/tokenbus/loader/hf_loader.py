@@ -30,6 +30,7 @@ from tokenbus.loader.layer_kinds import (
     rope_by_layer_type,
     windows,
 )
+from tokenbus.loader.lfm2_config import lfm2_hf_fields
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
@@ -62,6 +63,7 @@ HF_ARCHITECTURES = {
     "Glm4ForCausalLM": "glm4",
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
+    "Lfm2ForCausalLM": "lfm2",  # LFM2 / LFM2.5: short convolutions and attention
 }
 # Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
 # q/k rows are reordered at load, pairs to halves, so our rotary turns them (model_loader.py).
@@ -208,6 +210,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = gpt_oss_hf_fields(config)
     if architecture == "ministral3":
         rope_config, family["attn_temperature"] = _ministral3_temperature(config, path)
+    if architecture == "lfm2":
+        family = lfm2_hf_fields(config, path)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
@@ -221,11 +225,12 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         architecture=architecture,
         vocab_size=need("vocab_size"),
         hidden_size=hidden_size,
-        # Granite 4.0's MLP is its shared_mlp (check_granite_hybrid: no experts beside it)
+        # Granite 4.0's MLP is its shared_mlp (check_granite_hybrid: no experts beside it);
+        # LFM2's width is its family field (from block_ff_dim, its intermediate_size)
         intermediate_size=int(
             need("shared_intermediate_size")
             if architecture == "granitemoehybrid"
-            else need("intermediate_size")
+            else config.get("block_ff_dim") or need("intermediate_size")
         ),
         num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=num_heads,

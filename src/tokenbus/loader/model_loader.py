@@ -23,6 +23,7 @@ from tokenbus.loader.hf_loader import (
     safetensors_files,
     text_model_weights,
 )
+from tokenbus.loader.lfm2_config import lfm2_names
 from tokenbus.loader.mxfp4 import gpt_oss_experts
 from tokenbus.loader.qk_rows import unpermute_qk
 from tokenbus.loader.source import ModelSource
@@ -54,6 +55,8 @@ def iter_weights(
             return gpt_oss_experts(weights, keep_quantized)
         if arch.architecture == "glm4":
             weights = glm4_norm_names(weights)
+        if arch.architecture == "lfm2":
+            weights = lfm2_names(weights)
         if arch.architecture in ERNIE_ARCHITECTURES:
             weights = without_mtp(weights)
         if arch.architecture in INTERLEAVED_ROTARY_ARCHITECTURES:

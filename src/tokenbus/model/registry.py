@@ -15,6 +15,7 @@ from tokenbus.model.granite import (
     GraniteHybridForCausalLM,
     GraniteMoeForCausalLM,
 )
+from tokenbus.model.lfm2 import Lfm2ForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.olmo2 import Olmo2ForCausalLM
@@ -78,6 +79,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
+    "lfm2": Lfm2ForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 
 

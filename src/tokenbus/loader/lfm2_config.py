@@ -1,0 +1,110 @@
+"""LFM2 shapes and names (L2; no torch): what its config.json and llama.cpp's `lfm2` GGUF say
+beyond a Llama's. hf_loader / gguf_loader join these ModelArch fields to the rest.
+
+- Layers: `layer_types` ("conv" or "full_attention"; older configs list `full_attn_idxs`) make
+  ModelArch.conv_layers, gated short convolutions of `conv_L_cache` taps (model/short_conv.py).
+  A GGUF marks them with a head_count_kv of 0 and gives the taps as `shortconv.l_cache`.
+- The MLP's width: with `block_auto_adjust_ff_dim`, 2/3 of `block_ff_dim` (the config's
+  intermediate_size), times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`, as
+  Lfm2MLP computes it; a GGUF's feed_forward_length is that width already.
+- Names: HF's operator_norm / ffn_norm / feed_forward.w1, w3, w2 / out_proj / q_layernorm /
+  k_layernorm / embedding_norm are the shared parts' input_layernorm / post_attention_layernorm
+  / mlp.gate_proj, up_proj, down_proj / o_proj / q_norm / k_norm / model.norm; the conv's
+  (conv.in_proj, conv.conv, conv.out_proj) stay. llama.cpp names the final norm
+  token_embd_norm and the conv's tensors shortconv.*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+LFM2_GGUF_GLOBAL_NAMES = {"token_embd_norm.weight": "model.norm.weight"}
+LFM2_GGUF_BLOCK_NAMES = {
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+}
+_HF_LAYER_NAMES = {
+    "operator_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "self_attn.out_proj": "self_attn.o_proj",
+    "self_attn.q_layernorm": "self_attn.q_norm",
+    "self_attn.k_layernorm": "self_attn.k_norm",
+}
+
+
+def lfm2_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelArch fields of an Lfm2ForCausalLM config beyond the shared ones."""
+    num_layers = int(config["num_hidden_layers"])
+    kinds = config.get("layer_types")
+    if kinds is None:
+        attention = set(config.get("full_attn_idxs") or range(num_layers))
+        kinds = ["full_attention" if i in attention else "conv" for i in range(num_layers)]
+    if len(kinds) != num_layers or set(kinds) - {"conv", "full_attention"}:
+        raise ValueError(
+            f"{path}: layer_types must name 'conv' or 'full_attention' for each of the "
+            f"{num_layers} layers, got {kinds!r}"
+        )
+    width = int(config.get("block_ff_dim") or config["intermediate_size"])
+    if config.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:  # Lfm2MLP rounds only here
+            multiple = int(config.get("block_multiple_of", 256))
+            width = int(multiplier * width)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return dict(
+        intermediate_size=width,
+        rms_norm_eps=float(config.get("norm_eps", 1e-5)),
+        tie_word_embeddings=bool(
+            config.get("tie_embedding", config.get("tie_word_embeddings", True))
+        ),
+        **_conv_fields(
+            [i for i, kind in enumerate(kinds) if kind == "conv"],
+            int(config.get("conv_L_cache", 3)),
+            bool(config.get("conv_bias", False)),
+            path,
+        ),
+    )
+
+
+def lfm2_gguf_fields(meta: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
+    """ModelArch fields of an lfm2 GGUF: its conv layers (head_count_kv 0) and their taps,
+    the attention layers' KV heads."""
+    kv_heads = meta.get("lfm2.attention.head_count_kv")
+    if not isinstance(kv_heads, list) or len(kv_heads) != num_layers:
+        raise ValueError(f"{path}: lfm2.attention.head_count_kv must list each layer's heads")
+    attention = {int(n) for n in kv_heads if n}
+    if len(attention) != 1:
+        raise ValueError(f"{path}: lfm2 attention layers with KV heads {sorted(attention)}")
+    if "lfm2.shortconv.l_cache" not in meta:
+        raise ValueError(f"{path}: missing GGUF metadata lfm2.shortconv.l_cache")
+    conv = [i for i, n in enumerate(kv_heads) if not n]
+    return dict(
+        num_key_value_heads=attention.pop(),
+        **_conv_fields(conv, int(meta["lfm2.shortconv.l_cache"]), False, path),
+    )
+
+
+def _conv_fields(conv: list[int], kernel: int, bias: bool, path: Path) -> dict[str, Any]:
+    if kernel < 2:
+        raise ValueError(f"{path}: a short convolution needs conv_L_cache >= 2, got {kernel}")
+    return dict(conv_layers=tuple(conv), conv_kernel=kernel, conv_bias=bias)
+
+
+def lfm2_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """An LFM2 checkpoint's tensors under the shared parts' names."""
+    for name, tensor in weights:
+        if name == "model.embedding_norm.weight":
+            name = "model.norm.weight"
+        elif name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, _, leaf = rest.rpartition(".")
+            module = _HF_LAYER_NAMES.get(module, module)
+            name = f"model.layers.{layer}.{module}.{leaf}"
+        yield name, tensor

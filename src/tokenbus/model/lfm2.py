@@ -1,0 +1,27 @@
+"""LFM2 (Lfm2ForCausalLM: LFM2 / LFM2.5 350M-2.6B): a hybrid of gated short convolutions and
+attention layers, each followed by a SwiGLU MLP in a pre-norm block.
+
+- `layer_types` says which layers are "conv" (model/short_conv.py: a recurrent state per
+  request, no K/V) and which attend: Qwen3's attention, per-head q/k RMSNorms, no biases.
+- The final norm is HF's `embedding_norm`; the LM head is tied.
+- HF's names differ from the shared parts' (operator_norm, ffn_norm, feed_forward.w1/w3/w2,
+  out_proj, q/k_layernorm): loader/lfm2_config.py renames them at load.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenbus.config import ModelArch
+from tokenbus.model.causal_lm import CausalLM
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
+from tokenbus.model.parallel import TensorParallel
+from tokenbus.model.short_conv import ConvDecoderLayer, ShortConv
+
+
+class Lfm2ForCausalLM(CausalLM):
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
+        if self.making_layer in arch.conv_layers:
+            return ConvDecoderLayer(arch, ShortConv(arch, tp), GatedMLP(arch, tp))
+        attention = Attention(arch, tp, qk_norm=QKNorm.HEADS)
+        return DecoderLayer(arch, attention, GatedMLP(arch, tp))
