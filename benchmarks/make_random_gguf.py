@@ -16,7 +16,8 @@ granite-3b-a800m (GraniteMoE: 40 experts, top 8), gpt-oss-20b-8l (gpt-oss: biase
 (Gemma: Gemma's norms and GeGLU in pre-norm layers, one KV head), qwen1.5-moe-a2.7b-8l
 (Qwen2-MoE: 60 experts of 1408, top 4, and a shared expert of 5632; 8 of its 24 layers),
 ernie-4.5-21b-a3b-8l (ERNIE 4.5 MoE: a dense first layer, 64 experts of 1536, top 6 chosen with a
-bias, an ungated shared MLP of 3072; 8 of its 28 layers). Tensor
+bias, an ungated shared MLP of 3072; 8 of its 28 layers), lfm2-1.2b (LFM2: ten gated short
+convolutions among six attention layers). Tensor
 names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
@@ -91,6 +92,10 @@ class ModelShape:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     yarn: tuple[float, int] | None = None  # YaRN's factor and original context
+    # LFM2: its gated short convolutions' layers (shortconv.*, no attention, head_count_kv 0
+    # there) and their taps; the final norm named token_embd_norm
+    conv_layers: tuple[int, ...] = ()
+    conv_kernel: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -174,6 +179,13 @@ CONFIGS = {
     ),
     # Gemma 2B (gemma-2b): 2048 wide, 18 layers of 8 query heads of 256 over one KV head, GeGLU
     # of 16384, a 256k vocabulary tied to the LM head; Llama's two norms a layer.
+    # LFM2-1.2B: 2048 wide, 16 layers, ten gated short convolutions of 3 taps and six
+    # attention layers (32 / 8 heads of 64, per-head q/k norms), an MLP of 8192, a 65k
+    # vocabulary, tied.
+    "lfm2-1.2b": ModelShape(
+        "lfm2", 2048, 16, 32, 8, 8192, 65536, 1000000.0, 128000, 1e-5, True, qk_norm=True,
+        conv_layers=(0, 1, 3, 4, 6, 7, 9, 11, 13, 15), conv_kernel=3,
+    ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,
     ),
@@ -230,6 +242,13 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
         pre_norms = shape.architecture not in POST_NORM_ONLY
         if pre_norms:
             yield b + "attn_norm.weight", (h,), "norm"
+        if i in shape.conv_layers:  # llama.cpp's lfm2: the conv [H, K] stays F32
+            yield b + "shortconv.conv.weight", (h, shape.conv_kernel), "bias"
+            yield b + "shortconv.in_proj.weight", (3 * h, h), "matrix"
+            yield b + "shortconv.out_proj.weight", (h, h), "matrix"
+            yield b + "ffn_norm.weight", (h,), "norm"
+            yield from _mlp(b, shape, h, post_norms)
+            continue
         for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
             yield b + name + ".weight", (rows, h), "matrix"
             if shape.qkv_bias:
@@ -265,14 +284,22 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
                 yield b + "ffn_up_shexp.weight", (s, h), "matrix"
                 yield b + "ffn_down_shexp.weight", (h, s), "matrix"
             continue
-        yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
-        yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
-        yield b + "ffn_down.weight", (h, shape.intermediate), "matrix"
-        if post_norms:
-            yield b + "post_ffw_norm.weight", (h,), "norm"
-    yield "output_norm.weight", (h,), "norm"
+        yield from _mlp(b, shape, h, post_norms)
+    final_norm = "token_embd_norm" if shape.conv_layers else "output_norm"
+    yield final_norm + ".weight", (h,), "norm"
     if not shape.tied:
         yield "output.weight", (shape.vocab, h), "matrix"
+
+
+def _mlp(
+    b: str, shape: ModelShape, h: int, post_norms: bool
+) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """A dense layer's MLP tensors (its ffn_norm comes before them)."""
+    yield b + "ffn_gate.weight", (shape.intermediate, h), "matrix"
+    yield b + "ffn_up.weight", (shape.intermediate, h), "matrix"
+    yield b + "ffn_down.weight", (h, shape.intermediate), "matrix"
+    if post_norms:
+        yield b + "post_ffw_norm.weight", (h,), "norm"
 
 
 @functools.cache
@@ -313,7 +340,12 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     writer.add_block_count(shape.layers)
     writer.add_feed_forward_length(shape.intermediate)
     writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
+    if shape.conv_layers:  # llama.cpp's LFM2Model: 0 KV heads marks a conv layer
+        kv_heads = [0 if i in shape.conv_layers else shape.kv_heads for i in range(shape.layers)]
+        writer.add_head_count_kv(kv_heads)
+        writer.add_shortconv_l_cache(shape.conv_kernel)
+    else:
+        writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_dimension_count(shape.head_dim)
     if shape.head_dim_override:
         writer.add_key_length(shape.head_dim)

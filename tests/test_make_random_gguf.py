@@ -131,6 +131,22 @@ def test_the_real_configs_have_the_published_sizes():
     # ERNIE-4.5-21B-A3B: 21.8 B parameters over its 28 layers
     full = dataclasses.replace(make_random_gguf.CONFIGS["ernie-4.5-21b-a3b-8l"], layers=28)
     assert 21.7e9 < _num_params(full) < 21.9e9
+    assert 1.16e9 < params["lfm2-1.2b"] < 1.18e9  # LFM2-1.2B: 1.17 B
+
+
+def test_lfm2_is_written_as_llama_cpps(tmp_path):
+    """Short convolutions (head_count_kv 0 there, their taps, shortconv.* tensors) among
+    attention layers, the final norm as token_embd_norm: read back by the loader and loaded
+    whole by the engine."""
+    shape = dataclasses.replace(small("lfm2-1.2b"), layers=3, conv_layers=(0, 2))
+    path = make_random_gguf.write_random_gguf("lfm2", tmp_path / "l.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.conv_layers, arch.conv_kernel) == ("lfm2", (0, 2), 3)
+    assert (arch.num_key_value_heads, arch.num_kv_layers) == (2, 1)
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[2].conv.weight.shape == (shape.hidden, 3)
+    assert model.norm.weight.eq(1).all()
 
 
 def test_ernie_moe_is_written_as_llama_cpps(tmp_path):
