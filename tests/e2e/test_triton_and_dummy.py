@@ -126,9 +126,9 @@ def test_load_format_resolves_to_the_files_format_and_refuses_another(tiny_llama
 
 
 def test_triton_needs_blocks_of_16_tokens_and_dummy_weights_key_their_own_kv():
-    from tokenbus.config import ModelArch
     from tokenbus.engine_args import EngineArgs
     from tokenbus.kv_transfer.layout import kv_layout
+    from tokenbus.model_arch import ModelArch
 
     assert "--block-size 16 or more" in (triton_problem(DEVICE, block_size=8) or "")
     arch = ModelArch("llama", 100, 8, 16, 1, 1, 1, 8, 1024)

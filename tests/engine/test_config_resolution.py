@@ -95,7 +95,8 @@ def test_the_scheduler_side_names_a_kv_layout_without_the_worker(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys
-        from tokenbus.config import KVTransferConfig, ModelArch
+        from tokenbus.config import KVTransferConfig
+        from tokenbus.model_arch import ModelArch
         from tokenbus.engine_args import EngineArgs
         from tokenbus.kv_transfer.layout import kv_layout
 

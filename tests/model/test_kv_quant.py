@@ -15,10 +15,10 @@ import pytest
 import torch
 from tests.model.test_native_attention import DECODES, make_batch
 
-from tokenbus.config import ModelArch
 from tokenbus.model import kv_quant
 from tokenbus.model.attention import build_attention_plan, paged_attention
 from tokenbus.model.native import KERNEL_DTYPES, load_paged_attention
+from tokenbus.model_arch import ModelArch
 from tokenbus.utils.cpu import CpuFeatures, _capped
 from tokenbus.worker.kv_cache import allocate_kv_caches, bytes_per_block
 

@@ -17,7 +17,6 @@ from tests.fixtures.paged import PagedKV
 from tests.fixtures.tiny_gguf import llama_cpp_permute, write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model, make_tiny_model, smollm2_tokenizer_dir
 
-from tokenbus.config import ModelArch
 from tokenbus.loader import (
     ModelSource,
     iter_weights,
@@ -29,6 +28,7 @@ from tokenbus.loader import (
 from tokenbus.loader.hf_loader import HF_ROPE_TYPES, arch_from_hf_config
 from tokenbus.loader.qk_rows import permute_qk, unpermute_qk
 from tokenbus.model.layers.rotary import ROPE_TYPES
+from tokenbus.model_arch import ModelArch
 from tokenbus.worker.model_builder import load_model
 
 IDS = [101, 202, 303, 404, 505, 606, 707, 808, 909, 1010, 1111]

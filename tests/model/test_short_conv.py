@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenbus.config import ModelArch
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.short_conv import ConvPlan, ShortConv
+from tokenbus.model_arch import ModelArch
 from tokenbus.worker.state_pool import RequestStates
 
 HIDDEN = 8

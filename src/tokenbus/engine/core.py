@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
 from tokenbus.core.kv import KVCacheManager, make_block_hasher
 from tokenbus.core.kv.hybrid import HybridKVCacheManager, engine_kv_groups
 from tokenbus.core.outputs import PendingOutput
@@ -33,6 +33,7 @@ from tokenbus.engine.executor import Executor, UniProcExecutor, WorkerBase, make
 from tokenbus.engine.lora_registry import LoRARegistry
 from tokenbus.engine.setup import resolve_config
 from tokenbus.kv_transfer.layout import kv_layout
+from tokenbus.model_arch import ModelArch
 from tokenbus.protocol import (
     EngineOutput,
     EngineOutputs,

@@ -14,8 +14,9 @@ from typing import Any
 
 import jinja2
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
 from tokenbus.engine.lora_registry import LoRARegistry
+from tokenbus.model_arch import ModelArch
 from tokenbus.protocol import EngineRequest, LoRARequest
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.validator import StructuredOutputValidator

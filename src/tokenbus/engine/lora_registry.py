@@ -10,8 +10,9 @@ adapter is never confused with a later one of the same name.
 
 from __future__ import annotations
 
-from tokenbus.config import LoRAConfig, ModelArch
+from tokenbus.config import LoRAConfig
 from tokenbus.loader.lora import check_adapter
+from tokenbus.model_arch import ModelArch
 from tokenbus.protocol import LoRARequest
 
 

@@ -13,7 +13,6 @@ from tokenbus.config import (
     BLOCK_QUANTIZATIONS,
     QUANTIZED_KV_CACHE_DTYPES,
     EngineConfig,
-    ModelArch,
     ModelConfig,
 )
 from tokenbus.engine_args import EngineArgs
@@ -27,6 +26,7 @@ from tokenbus.loader import (
 )
 from tokenbus.loader.hf_loader import hf_blocks_quantized, read_json
 from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
+from tokenbus.model_arch import ModelArch
 from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS
 from tokenbus.utils.cpu import available_cpus
 

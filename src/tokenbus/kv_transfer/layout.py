@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenbus.config import EngineConfig, ModelArch, kv_row_bytes
+from tokenbus.config import EngineConfig, kv_row_bytes
+from tokenbus.model_arch import ModelArch
 
 # The pool tensor's torch dtype (its name) for each K/V dtype a resolved config may name, where
 # the two differ (model/kv_quant.py: fp8 as torch's fp8 types, q8_0 rows as bytes).

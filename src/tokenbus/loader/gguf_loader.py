@@ -39,7 +39,6 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tokenbus.config import ModelArch
 from tokenbus.loader.cohere2_config import COHERE2_GGUF_EPS_KEY, cohere2_gguf_fields
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
 from tokenbus.loader.gemma_config import (
@@ -66,6 +65,7 @@ from tokenbus.loader.lfm2_config import (
     lfm2_gguf_fields,
 )
 from tokenbus.loader.qk_rows import unpermute_qk
+from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
-from tokenbus.config import ModelArch
 from tokenbus.loader.cohere2_config import COHERE2_PATTERN
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, check_ernie, ernie_hf_moe_fields
 from tokenbus.loader.gemma_config import (
@@ -31,6 +30,7 @@ from tokenbus.loader.layer_kinds import (
     windows,
 )
 from tokenbus.loader.lfm2_config import lfm2_hf_fields
+from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
-from tokenbus.config import ModelArch
 from tokenbus.loader.hf_loader import read_json
+from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:
     import torch

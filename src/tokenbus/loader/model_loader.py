@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from tokenbus.config import ModelArch
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, without_mtp
 from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.gguf_loader import (
@@ -27,6 +26,7 @@ from tokenbus.loader.lfm2_config import lfm2_names
 from tokenbus.loader.mxfp4 import gpt_oss_experts
 from tokenbus.loader.qk_rows import unpermute_qk
 from tokenbus.loader.source import ModelSource
+from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch

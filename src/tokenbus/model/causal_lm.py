@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenbus.config import ModelArch
 from tokenbus.model.attention_backend import AttentionBackend
 from tokenbus.model.decoder import Attention, DecoderLayer
 from tokenbus.model.forward_context import ForwardContext
@@ -41,6 +40,7 @@ from tokenbus.model.weights import (
     load_strictly,
     sliced,
 )
+from tokenbus.model_arch import ModelArch
 
 # Rows of the stacked cos/sin tables: a model with a local RoPE (ModelArch.rope_local_theta)
 # reads GLOBAL_ROPE and LOCAL_ROPE; one with NoPE layers (ModelArch.nope_layers) GLOBAL_ROPE and

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenbus.config import ModelArch
 from tokenbus.model.attention import Plan
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, GatedMLP
 from tokenbus.model.layers import LayerNorm
 from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.model_arch import ModelArch
 
 
 class ParallelDecoderLayer(nn.Module):

@@ -20,10 +20,10 @@ import enum
 import torch
 from torch import nn
 
-from tokenbus.config import ModelArch
 from tokenbus.model.attention import Plan, paged_attention
 from tokenbus.model.layers import Linear, OpsModule, RMSNorm
 from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.model_arch import ModelArch
 
 
 class QKNorm(enum.Enum):

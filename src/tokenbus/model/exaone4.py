@@ -7,10 +7,10 @@ global layers turn no rotary (ModelArch.nope_layers).
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, GatedMLP, QKNorm, SandwichDecoderLayer
 from tokenbus.model.parallel import TensorParallel
+from tokenbus.model_arch import ModelArch
 
 
 class Exaone4ForCausalLM(CausalLM):

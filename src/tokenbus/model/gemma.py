@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import GLOBAL_ROPE, CausalLM
 from tokenbus.model.decoder import (
     Attention,
@@ -41,6 +40,7 @@ from tokenbus.model.decoder import (
 from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader
+from tokenbus.model_arch import ModelArch
 
 
 class GemmaAttention(Attention):

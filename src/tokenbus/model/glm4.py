@@ -12,11 +12,11 @@ their own names, which the loader maps onto the block's).
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, GatedMLP, SandwichDecoderLayer
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.weights import WeightLoader, fused_rows_loader
+from tokenbus.model_arch import ModelArch
 
 
 class Glm4ForCausalLM(CausalLM):

@@ -28,12 +28,12 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from tokenbus.config import ModelArch
 from tokenbus.model.decoder import Attention, DecoderLayer
 from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader, copy_param
+from tokenbus.model_arch import ModelArch
 
 
 class GptOssAttention(Attention):

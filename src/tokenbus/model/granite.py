@@ -19,11 +19,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from tokenbus.config import ModelArch
 from tokenbus.model.decoder import DecoderLayer
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
+from tokenbus.model_arch import ModelArch
 
 
 class GraniteMultipliers:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.short_conv import ConvDecoderLayer, ShortConv
+from tokenbus.model_arch import ModelArch
 
 
 class Lfm2ForCausalLM(CausalLM):

@@ -7,10 +7,10 @@ Llama's and Mistral's `attention_bias` adds a bias to q/k/v and o_proj; Qwen2 ha
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
 from tokenbus.model.parallel import TensorParallel
+from tokenbus.model_arch import ModelArch
 
 
 class LlamaForCausalLM(CausalLM):

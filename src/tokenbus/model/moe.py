@@ -41,10 +41,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from tokenbus.config import ModelArch
 from tokenbus.model.layers import Linear, OpsModule
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader
+from tokenbus.model_arch import ModelArch
 
 # An expert's HF tensor names per family: (gate, up, down).
 EXPERT_NAMES = {

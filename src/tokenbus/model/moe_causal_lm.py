@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.moe import SparseMoeBlock, skip_weight
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.weights import WeightLoader, load_strictly
+from tokenbus.model_arch import ModelArch
 
 
 class MoECausalLM(CausalLM):

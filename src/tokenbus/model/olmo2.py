@@ -17,11 +17,11 @@ q/k norms whose rows are the whole projection.
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, GatedMLP, QKNorm, SandwichDecoderLayer
 from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.model_arch import ModelArch
 
 
 class Olmo2ForCausalLM(CausalLM):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tokenbus.config import ModelArch
+from tokenbus.model_arch import ModelArch
 from tokenbus.utils import cdiv
 
 

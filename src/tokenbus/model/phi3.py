@@ -13,11 +13,11 @@ LongRoPE and partial rotary (Phi-4-mini) live in model/layers/rotary.py; Phi-3's
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.weights import WeightLoader, fused_rows_loader
+from tokenbus.model_arch import ModelArch
 
 
 class Phi3ForCausalLM(CausalLM):

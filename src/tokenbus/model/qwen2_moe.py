@@ -6,10 +6,10 @@ renormalised iff `norm_topk_prob` (off in the released configs); `mlp_only_layer
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
 from tokenbus.model.decoder import Attention
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
+from tokenbus.model_arch import ModelArch
 
 
 class Qwen2MoeForCausalLM(MoECausalLM):

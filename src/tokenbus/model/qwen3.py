@@ -9,10 +9,10 @@ their window (ModelArch.sliding_windows), as Qwen2's.
 
 from __future__ import annotations
 
-from tokenbus.config import ModelArch
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.parallel import TensorParallel
+from tokenbus.model_arch import ModelArch
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenbus.config import ModelArch
 from tokenbus.model.attention import Plan
 from tokenbus.model.decoder import GatedMLP
 from tokenbus.model.forward_context import ForwardContext
@@ -41,6 +40,7 @@ from tokenbus.model.weights import (
     fused_rows_loader,
     sliced,
 )
+from tokenbus.model_arch import ModelArch
 
 
 @dataclass(frozen=True)

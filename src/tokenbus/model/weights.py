@@ -14,11 +14,11 @@ from functools import partial
 
 import torch
 
-from tokenbus.config import ModelArch
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.layers import Linear
 from tokenbus.model.layers.quantized import is_quantized
 from tokenbus.model.parallel import TensorParallel
+from tokenbus.model_arch import ModelArch
 
 WeightLoader = Callable[[str, torch.Tensor], None]
 Slicer = Callable[[torch.Tensor], torch.Tensor]

@@ -9,9 +9,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from tokenbus.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, ModelArch
+from tokenbus.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig
 from tokenbus.core.kv.hybrid import KVGroupLayout
 from tokenbus.model.kv_quant import row_width
+from tokenbus.model_arch import ModelArch
 from tokenbus.utils import cdiv
 
 

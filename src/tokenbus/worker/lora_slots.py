@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenbus.config import LoRAConfig, ModelArch
+from tokenbus.config import LoRAConfig
 from tokenbus.loader.lora import load_adapter
 from tokenbus.model.kernel_plan import attach_lora
 from tokenbus.model.layers import Linear
 from tokenbus.model.lora import LORA_TARGETS, LinearLoRA, LoRABatch, LoRAPair
+from tokenbus.model_arch import ModelArch
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tokenbus.config import BLOCK_QUANTIZATIONS, Q8_0_BLOCK_VALUES, ModelArch
+from tokenbus.config import BLOCK_QUANTIZATIONS, Q8_0_BLOCK_VALUES
 from tokenbus.loader import ModelSource, iter_weights
 from tokenbus.model.kernel_plan import KernelRequest, apply_kernels
 from tokenbus.model.layers import Linear
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.registry import get_model_class
+from tokenbus.model_arch import ModelArch
 
 
 def load_model(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
 from tokenbus.core.kv.hybrid import engine_kv_groups
 from tokenbus.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -17,6 +17,7 @@ from tokenbus.core.outputs import (
 )
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.kv_transfer.base import KVConnectorWorker
+from tokenbus.model_arch import ModelArch
 from tokenbus.protocol import TokenLogprobs
 from tokenbus.sampling_params import SamplingParams
 from tokenbus.structured.manager import bitmask_rows, pad_bitmask_rows

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
 from tokenbus.core.kv.hybrid import KVGroupLayout, engine_kv_groups, layer_windows
 from tokenbus.core.outputs import ModelRunnerOutput, PendingOutput
 from tokenbus.core.sched.output import SchedulerOutput
@@ -15,6 +15,7 @@ from tokenbus.kv_transfer.layout import kv_layout
 from tokenbus.loader import ModelSource
 from tokenbus.model.kv_quant import kv_storage_dtype
 from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.model_arch import ModelArch
 from tokenbus.utils.cpu import BF16_DOT_FLAGS, CpuFeatures, available_cpus
 from tokenbus.worker.captured_step import (
     CaptureDispatcher,

@@ -40,8 +40,9 @@ from tokenbus.core.kv.tables import BlockTables
 from tokenbus.utils import cdiv
 
 if TYPE_CHECKING:
-    from tokenbus.config import EngineConfig, ModelArch
+    from tokenbus.config import EngineConfig
     from tokenbus.core.request import Request
+    from tokenbus.model_arch import ModelArch
 
 # Per KV group: a request's blocks (one list per group, in KVGroupLayout.groups order).
 GroupBlocks = list[list[KVBlock]]

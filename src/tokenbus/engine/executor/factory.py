@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
 from tokenbus.engine.executor.abstract import Executor
+from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:
     from tokenbus.loader import ModelSource

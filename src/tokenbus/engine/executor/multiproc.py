@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor
+from tokenbus.model_arch import ModelArch
 from tokenbus.utils.ipc_dir import make_ipc_dir
 from tokenbus.utils.parent_watch import start_parent_watch
 from tokenbus.utils.spawn import start_process

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
 from tokenbus.core.outputs import ModelRunnerOutput
 from tokenbus.core.sched.output import SchedulerOutput
 from tokenbus.engine.executor.abstract import Executor
@@ -49,6 +49,7 @@ from tokenbus.engine.executor.multiproc import (
     encode_reply,
     reply_error,
 )
+from tokenbus.model_arch import ModelArch
 from tokenbus.utils.cpu import available_cpus
 
 if TYPE_CHECKING:

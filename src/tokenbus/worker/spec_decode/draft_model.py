@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.parallel import TensorParallel
+from tokenbus.model_arch import ModelArch
 from tokenbus.worker.captured_step import CapturedSteps, make_captured_steps
 from tokenbus.worker.input_batch import (
     InputBuffers,

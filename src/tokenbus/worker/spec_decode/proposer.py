@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tokenbus.config import EngineConfig, ModelArch
+from tokenbus.config import EngineConfig
+from tokenbus.model_arch import ModelArch
 from tokenbus.worker.request_state import CachedRequestState
 
 if TYPE_CHECKING:

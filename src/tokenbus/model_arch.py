@@ -1,0 +1,88 @@
+"""The shape of a decoder (L0): what config.json or a GGUF's metadata says the model is. The
+loaders build it (loader/), the model and the worker read it; a rank's share of it under tensor
+parallelism is a new one (model/parallel.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
+
+    architecture: str  # our family name: llama, qwen3, smollm3, gemma3, ... (model/registry.py)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2 / Gemma 3 (model/gemma.py); the other families leave them at their defaults.
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Each layer's sliding window in tokens (None: a global layer); (): no layer has one.
+    sliding_windows: tuple[int | None, ...] = ()
+    # RoPE base of the sliding-window layers where they have a table of their own, unscaled
+    # (Gemma 3's rope_local_base_freq; OLMo 3's rope_theta, its rope_scaling being the global
+    # layers'); None: every layer turns by rope_theta and rope_scaling.
+    rope_local_theta: float | None = None
+    # Dims of each head the rotary turns (the first ones; Phi-4-mini's partial_rotary_factor
+    # 0.75); None: the whole head.
+    rotary_dim: int | None = None
+    # Layers whose queries and keys take no rotary at all (NoPE: SmolLM3's every fourth);
+    # (): every layer turns.
+    nope_layers: tuple[int, ...] = ()
+    # Granite's multipliers (model/granite.py), 1 / None elsewhere: the embedding scaled, each
+    # sublayer's output scaled before it joins the residual, the attention scale itself (None:
+    # head_dim ** -0.5), the logits divided.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # Sparse MoE (model/moe.py); 0 experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's gate/up width
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead
+    # A shared expert beside the routed ones (its gate/up width; 0: none): behind a sigmoid gate
+    # (Qwen2-MoE's) or added as it is (ERNIE 4.5's shared_experts)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
+    # ERNIE 4.5's per-expert bias (moe_statics.e_score_correction_bias) added to the routing
+    # probabilities to choose the top k, their weights the probabilities themselves
+    moe_selection_bias: bool = False
+    # gpt-oss's clamped SwiGLU in its experts (model/gpt_oss.py): the gate clamped from above and
+    # up to +-swiglu_limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1); None elsewhere.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    # Llama 4's attention temperature (Ministral 3): (beta, length), each query scaled by
+    # 1 + beta * ln(1 + floor(position / length)) after the rotary; None: none
+    attn_temperature: tuple[float, int] | None = None
+    # LFM2's gated short convolutions (model/short_conv.py): layers that hold each request's
+    # last conv_kernel - 1 inputs (a recurrent state) instead of K/V; (): every layer attends.
+    conv_layers: tuple[int, ...] = ()
+    conv_kernel: int = 0
+    conv_bias: bool = False
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that hold K/V (all but the recurrent ones)."""
+        return self.num_hidden_layers - len(self.conv_layers)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, in elements (multiply by the dtype size)."""
+        return 2 * self.num_kv_layers * self.num_key_value_heads * self.head_dim
