@@ -142,10 +142,10 @@ def test_lfm2_is_written_as_llama_cpps(tmp_path):
     path = make_random_gguf.write_random_gguf("lfm2", tmp_path / "l.gguf", shape=shape, quiet=True)
     src = ModelSource("gguf", path)
     arch = load_arch(src)
-    assert (arch.architecture, arch.conv_layers, arch.conv_kernel) == ("lfm2", (0, 2), 3)
+    assert (arch.architecture, arch.recurrent_layers, arch.conv_kernel) == ("lfm2", (0, 2), 3)
     assert (arch.num_key_value_heads, arch.num_kv_layers) == (2, 1)
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
-    assert model.layers[2].conv.weight.shape == (shape.hidden, 3)
+    assert model.layers[2].mixer.weight.shape == (shape.hidden, 3)
     assert model.norm.weight.eq(1).all()
 
 

@@ -71,16 +71,18 @@ class ModelArch:
     # Llama 4's attention temperature (Ministral 3): (beta, length), each query scaled by
     # 1 + beta * ln(1 + floor(position / length)) after the rotary; None: none
     attn_temperature: tuple[float, int] | None = None
-    # LFM2's gated short convolutions (model/short_conv.py): layers that hold each request's
-    # last conv_kernel - 1 inputs (a recurrent state) instead of K/V; (): every layer attends.
-    conv_layers: tuple[int, ...] = ()
+    # Recurrent layers (model/recurrent.py), which keep a state per request instead of K/V:
+    # LFM2's gated short convolutions (model/short_conv.py); (): every layer attends. Their
+    # causal convolution's taps (conv_L_cache), and its bias (LFM2's conv_bias also biases its
+    # projections).
+    recurrent_layers: tuple[int, ...] = ()
     conv_kernel: int = 0
     conv_bias: bool = False
 
     @property
     def num_kv_layers(self) -> int:
         """The layers that hold K/V (all but the recurrent ones)."""
-        return self.num_hidden_layers - len(self.conv_layers)
+        return self.num_hidden_layers - len(self.recurrent_layers)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -59,7 +59,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
         pytest.skip("llama.cpp's lfm2 has no conv biases (the released models have none)")
     path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "lfm2.gguf")
     arch = load_arch(resolve_model(str(path)))
-    assert (arch.architecture, arch.conv_layers, arch.conv_kernel) == ("lfm2", (0, 1, 3), 3)
+    assert (arch.architecture, arch.recurrent_layers, arch.conv_kernel) == ("lfm2", (0, 1, 3), 3)
     assert (arch.intermediate_size, arch.num_key_value_heads, arch.num_kv_layers) == (96, 2, 1)
     llm = make_llm(path, enable_prefix_caching=True, **ENGINE)
     # asked for, turned off: a hit would skip the tokens a state is made of

@@ -1,5 +1,5 @@
-"""LFM2's short convolution (model/short_conv.py) on mixed steps against one causal Conv1d over
-each request's whole sequence, and its state rows (worker/state_pool.py)."""
+"""LFM2's short convolution (model/short_conv.py, model/recurrent.py) on mixed steps against one
+causal Conv1d over each request's whole sequence, and its state rows (worker/state_pool.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.short_conv import ConvPlan, ShortConv
+from tokenbus.model.recurrent import RecurrentPlan
+from tokenbus.model.short_conv import ShortConv
 from tokenbus.model_arch import ModelArch
 from tokenbus.worker.state_pool import RequestStates
 
@@ -26,7 +27,7 @@ def _conv(kernel: int, bias: bool) -> ShortConv:
         num_key_value_heads=1,
         head_dim=4,
         max_position_embeddings=64,
-        conv_layers=(0,),
+        recurrent_layers=(0,),
         conv_kernel=kernel,
         conv_bias=bias,
     )
@@ -67,7 +68,7 @@ def _step(conv, state, rows, chunks):
         recurrent_layers=frozenset({0}),
         state_rows=torch.tensor(rows, dtype=torch.int64),
     )
-    plan = ConvPlan.build(ctx, conv.kernel)
+    plan = RecurrentPlan.build(ctx, conv.kernel)
     return conv(torch.cat(chunks), None, None, state, plan.rows, plan)
 
 

@@ -129,7 +129,7 @@ def resolve_recurrent_layers(config: EngineConfig, arch: ModelArch) -> EngineCon
     hit would skip the tokens the state is made of), and what reuses or rolls back computed
     tokens is refused by its flag: speculative decoding (its drafts would enter the state
     before they are verified) and KV transfer (a state does not travel with the blocks)."""
-    if not arch.conv_layers:
+    if not arch.recurrent_layers:
         return config
     for flag, setting in (
         ("speculative_config", config.speculative),

@@ -2,8 +2,9 @@
 beyond a Llama's. hf_loader / gguf_loader join these ModelArch fields to the rest.
 
 - Layers: `layer_types` ("conv" or "full_attention"; older configs list `full_attn_idxs`) make
-  ModelArch.conv_layers, gated short convolutions of `conv_L_cache` taps (model/short_conv.py).
-  A GGUF marks them with a head_count_kv of 0 and gives the taps as `shortconv.l_cache`.
+  ModelArch.recurrent_layers: gated short convolutions of `conv_L_cache` taps
+  (model/short_conv.py). A GGUF marks them with a head_count_kv of 0 and gives the taps as
+  `shortconv.l_cache`.
 - The MLP's width: with `block_auto_adjust_ff_dim`, 2/3 of `block_ff_dim` (the config's
   intermediate_size), times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`, as
   Lfm2MLP computes it; a GGUF's feed_forward_length is that width already.
@@ -94,7 +95,7 @@ def lfm2_gguf_fields(meta: dict[str, Any], num_layers: int, path: Path) -> dict[
 def _conv_fields(conv: list[int], kernel: int, bias: bool, path: Path) -> dict[str, Any]:
     if kernel < 2:
         raise ValueError(f"{path}: a short convolution needs conv_L_cache >= 2, got {kernel}")
-    return dict(conv_layers=tuple(conv), conv_kernel=kernel, conv_bias=bias)
+    return dict(recurrent_layers=tuple(conv), conv_kernel=kernel, conv_bias=bias)
 
 
 def lfm2_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -31,7 +31,7 @@ from tokenbus.model.layers.quantized import (
 )
 from tokenbus.model.native import PagedAttentionKernel, QuantKernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.short_conv import ConvDecoderLayer, ConvPlan
+from tokenbus.model.recurrent import RecurrentDecoderLayer, RecurrentPlan
 from tokenbus.model.weights import (
     TensorSlicer,
     WeightLoader,
@@ -129,8 +129,8 @@ class CausalLM(nn.Module):
                 "ForwardContext.attn_metadata is not set: build it with the model's "
                 "attention_backend before the forward"
             )
-        if ctx.recurrent_layers:  # one plan for every short convolution of the step
-            ctx.recurrent_plan = ConvPlan.build(ctx, self.arch.conv_kernel)
+        if ctx.recurrent_layers:  # one plan for every recurrent layer of the step
+            ctx.recurrent_plan = RecurrentPlan.build(ctx, self.arch.conv_kernel)
         x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary_lookup(ctx.positions, x.dtype)
         q_scale = self.query_scale(ctx.positions, x.dtype)
@@ -139,11 +139,11 @@ class CausalLM(nn.Module):
 
     def state_shapes(self) -> dict[int, tuple[int, ...]]:
         """Each recurrent layer's state for one request (worker/state_pool.py sizes its pool
-        from it): {} but for LFM2's short convolutions (model/short_conv.py)."""
+        from it): {} but for recurrent layers (model/recurrent.py)."""
         return {
-            idx: layer.conv.state_shape()
+            idx: layer.mixer.state_shape()
             for idx, layer in enumerate(self.layers)
-            if isinstance(layer, ConvDecoderLayer)
+            if isinstance(layer, RecurrentDecoderLayer)
         }
 
     def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -240,8 +240,9 @@ class CausalLM(nn.Module):
             loaders["lm_head.weight"] = sliced(self.lm_head.load_shard, vocab)
         for idx, layer in enumerate(self.layers):
             loaders.update(layer_loaders(f"model.layers.{idx}.", layer, self.tp, self.arch))
-            if isinstance(layer, ConvDecoderLayer):
-                loaders.update(layer.conv.weight_loaders(f"model.layers.{idx}.conv.", self.arch))
+            if isinstance(layer, RecurrentDecoderLayer):
+                scope = f"model.layers.{idx}.{layer.mixer.hf_scope}"
+                loaders.update(layer.mixer.weight_loaders(scope, self.arch))
         return loaders
 
     def _load_embedding(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:

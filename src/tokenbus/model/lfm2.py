@@ -15,13 +15,14 @@ from torch import nn
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.parallel import TensorParallel
-from tokenbus.model.short_conv import ConvDecoderLayer, ShortConv
+from tokenbus.model.recurrent import RecurrentDecoderLayer
+from tokenbus.model.short_conv import ShortConv
 from tokenbus.model_arch import ModelArch
 
 
 class Lfm2ForCausalLM(CausalLM):
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
-        if self.making_layer in arch.conv_layers:
-            return ConvDecoderLayer(arch, ShortConv(arch, tp), GatedMLP(arch, tp))
+        if self.making_layer in arch.recurrent_layers:
+            return RecurrentDecoderLayer(arch, ShortConv(arch, tp), GatedMLP(arch, tp))
         attention = Attention(arch, tp, qk_norm=QKNorm.HEADS)
         return DecoderLayer(arch, attention, GatedMLP(arch, tp))

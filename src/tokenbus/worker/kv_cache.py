@@ -98,14 +98,16 @@ def allocate_kv_caches(
     """One zeroed tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, row] (row:
     head_dim elements, or a q8_0 row's bytes: model/kv_quant.py). Under a hybrid KV cache
     (`groups`) one per buffer, shared: layer j of every group gets buffer j. A recurrent layer
-    (arch.conv_layers) holds no K/V: its entry is its pool from `state_pools`
+    (arch.recurrent_layers) holds no K/V: its entry is its pool from `state_pools`
     (worker/state_pool.py)."""
-    if arch.conv_layers:
-        if state_pools is None or set(state_pools) != set(arch.conv_layers):
-            raise ValueError(f"recurrent layers {arch.conv_layers} need their state pools")
+    if arch.recurrent_layers:
+        if state_pools is None or set(state_pools) != set(arch.recurrent_layers):
+            raise ValueError(f"recurrent layers {arch.recurrent_layers} need their state pools")
         kv = iter(
             allocate_kv_caches(
-                dataclasses.replace(arch, num_hidden_layers=arch.num_kv_layers, conv_layers=()),
+                dataclasses.replace(
+                    arch, num_hidden_layers=arch.num_kv_layers, recurrent_layers=()
+                ),
                 num_blocks,
                 block_size,
                 dtype,

@@ -79,11 +79,13 @@ class ModelRunner:
             max_blocks_per_req=max_blocks_per_req(config),
             device=device,
             kv_groups=engine_kv_groups(config, arch),
-            recurrent_layers=arch.conv_layers,
+            recurrent_layers=arch.recurrent_layers,
         )
         # Recurrent layers' state rows (worker/state_pool.py); None: every layer attends.
         self.request_states = (
-            RequestStates(kv_caches[i] for i in arch.conv_layers) if arch.conv_layers else None
+            RequestStates(kv_caches[i] for i in arch.recurrent_layers)
+            if arch.recurrent_layers
+            else None
         )
         # Unseeded rows share one generator seeded from the engine seed: runs are repeatable.
         default_generator = torch.Generator(device=device)

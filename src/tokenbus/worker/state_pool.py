@@ -1,6 +1,6 @@
 """Recurrent layers' state pools, and the row each running request holds in them (L3).
 
-A recurrent layer (LFM2's short convolution: model/short_conv.py) keeps, for each request, what
+A recurrent layer (model/recurrent.py: LFM2's short convolution) keeps, for each request, what
 the next step of that request needs from the tokens before it, in a fixed size: one row of the
 layer's pool [num_rows, ...]. The pools sit in the step's per-layer caches (ForwardContext's
 kv_caches) where an attention layer has its K/V.
