@@ -43,10 +43,10 @@ from tokenbus.loader.cohere2_config import COHERE2_GGUF_EPS_KEY, cohere2_gguf_fi
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
-    SANDWICH_GGUF_ARCHITECTURES,
     gemma_gguf_fields,
 )
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo, string_ids
+from tokenbus.loader.gguf_names import hf_weight_name
 from tokenbus.loader.gpt_oss_config import (
     GPT_OSS_GGUF_ARCHITECTURE,
     GPT_OSS_STOP_TOKENS,
@@ -60,8 +60,6 @@ from tokenbus.loader.layer_kinds import (
     windows,
 )
 from tokenbus.loader.lfm2_config import (
-    LFM2_GGUF_BLOCK_NAMES,
-    LFM2_GGUF_GLOBAL_NAMES,
     lfm2_gguf_fields,
 )
 from tokenbus.loader.qk_rows import unpermute_qk
@@ -129,63 +127,6 @@ class QuantizedWeight:
         return self.data.shape[0]
 
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",  # the MoE router
-    # Qwen2-MoE's shared expert and its gate (a [hidden] vector in the file: [1, hidden] here)
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_qkv": "self_attn.qkv_proj",  # phi3
-}
-# Gemma's norms around attention and MLP: attn_norm is input_layernorm as above, but ffn_norm
-# is the pre-MLP norm and the post-norms have their own names (gguf's ATTN_POST_NORM,
-# FFN_PRE_NORM, FFN_POST_NORM).
-_GEMMA_BLOCK_NAMES = {
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something else
-    "phi3": {"ffn_up": "mlp.gate_up_proj"},
-    # GLM-4: Gemma 2's sandwich norms, gate and up as one ffn_up (as Phi-3's)
-    "glm4": {**_GEMMA_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj"},
-    # gpt-oss: its pre-MLP norm by Gemma's post-attention name, a sink per query head
-    GPT_OSS_GGUF_ARCHITECTURE: {
-        "post_attention_norm": "post_attention_layernorm",
-        "attn_sinks": "self_attn.sinks",
-    },
-    "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
-    "exaone4": _GEMMA_BLOCK_NAMES,  # likewise
-    "lfm2": LFM2_GGUF_BLOCK_NAMES,  # its short convolutions' tensors
-    # ERNIE 4.5's shared MLP (several experts' width, ungated) and its selection bias
-    "ernie4_5-moe": {
-        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-        "ffn_up_shexp": "mlp.shared_experts.up_proj",
-        "ffn_down_shexp": "mlp.shared_experts.down_proj",
-        "exp_probs_b": "mlp.moe_statics.e_score_correction_bias",
-    },
-    **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
-}
-# HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks, ERNIE's
-# selection bias).
-_PARAMETER_NAMES = ("self_attn.sinks", "mlp.moe_statics.e_score_correction_bias")
 _ROPE_FREQS = (
     "rope_freqs.weight"  # per-frequency divisors (Llama 3.1 rope); folded into rope_scaling
 )
@@ -452,26 +393,6 @@ def _eos_token_ids(gf: GGUFFile) -> tuple[int, ...]:
         stops = string_ids(gf, "tokenizer.ggml.tokens", GPT_OSS_STOP_TOKENS)
         ids += [stops[token] for token in GPT_OSS_STOP_TOKENS if token in stops]
     return tuple(dict.fromkeys(ids))  # unique, in order
-
-
-def hf_weight_name(gf: GGUFFile, name: str) -> str:
-    arch = gf.metadata.get("general.architecture")
-    global_names = {**_GLOBAL_NAMES, **(LFM2_GGUF_GLOBAL_NAMES if arch == "lfm2" else {})}
-    if name in global_names:
-        return global_names[name]
-    block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
-    parts = name.split(".")  # blk.<layer>.<tensor>.<weight|bias>; a tensor may hold dots
-    tensor = ".".join(parts[2:-1])
-    if (
-        len(parts) >= 4
-        and parts[0] == "blk"
-        and parts[1].isdigit()
-        and tensor in block_names
-        and parts[-1] in ("weight", "bias")
-    ):
-        hf_name = f"model.layers.{parts[1]}.{block_names[tensor]}"
-        return hf_name if block_names[tensor] in _PARAMETER_NAMES else f"{hf_name}.{parts[-1]}"
-    raise ValueError(f"{gf.path}: unexpected GGUF tensor {name}")
 
 
 def iter_gguf_weights(
