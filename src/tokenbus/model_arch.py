@@ -72,12 +72,22 @@ class ModelArch:
     # 1 + beta * ln(1 + floor(position / length)) after the rotary; None: none
     attn_temperature: tuple[float, int] | None = None
     # Recurrent layers (model/recurrent.py), which keep a state per request instead of K/V:
-    # LFM2's gated short convolutions (model/short_conv.py); (): every layer attends. Their
-    # causal convolution's taps (conv_L_cache), and its bias (LFM2's conv_bias also biases its
-    # projections).
+    # LFM2's gated short convolutions (model/short_conv.py), or Mamba2 mixers where mamba_heads
+    # is set; (): every layer attends. Their causal convolution's taps (conv_L_cache,
+    # mamba_d_conv), and its bias (LFM2's conv_bias also biases its projections).
     recurrent_layers: tuple[int, ...] = ()
     conv_kernel: int = 0
     conv_bias: bool = False
+    # Mamba2 (model/mamba2.py): heads of mamba_head_dim channels, each with a state of
+    # mamba_state per channel, B and C shared in mamba_groups groups of heads, scanned in
+    # chunks of mamba_chunk tokens; the time step clamped to mamba_dt_limit.
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 1
+    mamba_chunk: int = 256
+    mamba_proj_bias: bool = False
+    mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
 
     @property
     def num_kv_layers(self) -> int:

@@ -4,7 +4,7 @@ multipliers at Granite 3.x's values) and a Granite 4.0 attention-only dense mode
 safetensors directory and from a GGUF in llama.cpp's naming (multipliers as *_scale keys;
 Granite 4.0 written as "granite"; a tokenizer transformers builds without a config) give HF's
 greedy tokens and logprobs for a batch through prefix-cache hits and chunks; Granite 4.0's
-Mamba2 layers and experts are refused by name."""
+experts and unknown layer kinds are refused by name (its Mamba2 layers: test_granite_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, reference, kind, tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (dict(layer_types=["mamba", "attention"]), "Mamba2 layers"),
+        (dict(layer_types=["mamba", "cross_attention"]), "must name 'mamba' or 'attention'"),
         (dict(num_local_experts=4), "num_local_experts=4"),
     ],
 )

@@ -124,27 +124,33 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
 
 
 def resolve_recurrent_layers(config: EngineConfig, arch: ModelArch) -> EngineConfig:
-    """A model with recurrent layers (LFM2's short convolutions: worker/state_pool.py) builds
-    each request's state from its first token, in one stream: prefix caching is turned off (a
-    hit would skip the tokens the state is made of), and what reuses or rolls back computed
-    tokens is refused by its flag: speculative decoding (its drafts would enter the state
-    before they are verified) and KV transfer (a state does not travel with the blocks)."""
+    """A model with recurrent layers (model/recurrent.py: LFM2's short convolutions, Mamba2
+    mixers) builds each request's state from its first token, in one stream: prefix caching is
+    turned off (a hit would skip the tokens the state is made of), and what reuses or rolls
+    back computed tokens is refused by its flag: speculative decoding (its drafts would enter
+    the state before they are verified) and KV transfer (a state does not travel with the
+    blocks). Mamba2 layers run on one rank: tensor parallelism is refused for them."""
     if not arch.recurrent_layers:
         return config
+    if arch.mamba_heads and config.parallel.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size {config.parallel.tensor_parallel_size} is not supported for "
+            f"{arch.architecture}: its Mamba2 layers run on one rank"
+        )
     for flag, setting in (
         ("speculative_config", config.speculative),
         ("kv_transfer_config", config.kv_transfer),
     ):
         if setting is not None:
             raise ValueError(
-                f"{flag} is not supported for {arch.architecture}: its short-convolution "
-                "layers keep a recurrent state per request"
+                f"{flag} is not supported for {arch.architecture}: its recurrent layers "
+                "keep a state per request"
             )
     if not config.cache.enable_prefix_caching:
         return config
     logger.info(
-        "prefix caching off: %s's short-convolution layers keep a recurrent state that a "
-        "cache hit would skip",
+        "prefix caching off: %s's recurrent layers keep a state per request that a cache "
+        "hit would skip",
         arch.architecture,
     )
     cache = dataclasses.replace(config.cache, enable_prefix_caching=False)

@@ -52,6 +52,11 @@ from tokenbus.loader.gpt_oss_config import (
     GPT_OSS_STOP_TOKENS,
     gpt_oss_gguf_fields,
 )
+from tokenbus.loader.granite_hybrid_config import (
+    GRANITE_HYBRID_GGUF,
+    granite_hybrid_gguf_fields,
+    mamba_gguf_tensor,
+)
 from tokenbus.loader.layer_kinds import (
     EXAONE4_PATTERN,
     OLMO3_PATTERN,
@@ -78,13 +83,14 @@ GGUF_ARCHITECTURES = (
     "cohere2",
     "exaone4",
     "lfm2",
+    GRANITE_HYBRID_GGUF,
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
 # ERNIE's, GLM-4's and Cohere2's too: their HF rows are interleaved already (GLM-4's in each
 # head's rotary half) and their converters write them as they are.
 _PERMUTED_QK_ARCHITECTURES = (
-    *("llama", "mixtral", "smollm3", "granite", "granitemoe"),
+    *("llama", "mixtral", "smollm3", "granite", "granitemoe", "granitemoehybrid"),
     *ERNIE_ARCHITECTURES,
     "glm4",
     "ministral3",  # llama.cpp's "mistral3"
@@ -191,7 +197,10 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == "smollm3":
         step = _SMOLLM3_NO_ROPE_LAYER_STEP
         family["nope_layers"] = tuple(i for i in range(need("block_count")) if (i + 1) % step == 0)
-    if arch in ("granite", "granitemoe"):  # llama.cpp writes a multiplier where a config has one
+    if arch == GRANITE_HYBRID_GGUF:
+        family.update(granite_hybrid_gguf_fields(meta, need("block_count"), gf.tensors, gf.path))
+    if arch in ("granite", "granitemoe", GRANITE_HYBRID_GGUF):
+        # llama.cpp writes a multiplier where a config has one
         family.update(
             embedding_multiplier=float(meta.get(f"{arch}.embedding_scale", 1.0)),
             residual_multiplier=float(meta.get(f"{arch}.residual_scale", 1.0)),
@@ -236,6 +245,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         "qwen2moe": "qwen2_moe",
         "mistral3": "ministral3",
         GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss",
+        GRANITE_HYBRID_GGUF: "granitemoehybrid",
         **ERNIE_GGUF_ARCHITECTURES,
     }
     if gguf_arch in renamed:
@@ -425,6 +435,8 @@ def iter_gguf_weights(
             tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF's w
         elif name.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:
             tensor = tensor.unsqueeze(0)  # llama.cpp's [hidden] vector is HF's [1, hidden]
+        elif ".mamba." in name:
+            tensor = mamba_gguf_tensor(name, tensor)
         # The permutation moves whole rows, so it applies to rows of blocks unchanged.
         yield (
             name,

@@ -11,6 +11,11 @@ from __future__ import annotations
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
+from tokenbus.loader.granite_hybrid_config import (
+    GRANITE_HYBRID_GGUF,
+    GRANITE_HYBRID_GGUF_BLOCK_NAMES,
+    MAMBA_PARAMETER_NAMES,
+)
 from tokenbus.loader.lfm2_config import LFM2_GGUF_BLOCK_NAMES, LFM2_GGUF_GLOBAL_NAMES
 
 _GLOBAL_NAMES = {
@@ -58,6 +63,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
     "exaone4": _GEMMA_BLOCK_NAMES,  # likewise
     "lfm2": LFM2_GGUF_BLOCK_NAMES,  # its short convolutions' tensors
+    GRANITE_HYBRID_GGUF: GRANITE_HYBRID_GGUF_BLOCK_NAMES,  # its Mamba2 mixers' tensors
     # ERNIE 4.5's shared MLP (several experts' width, ungated) and its selection bias
     "ernie4_5-moe": {
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
@@ -69,7 +75,11 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
 }
 # HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks, ERNIE's
 # selection bias).
-_PARAMETER_NAMES = ("self_attn.sinks", "mlp.moe_statics.e_score_correction_bias")
+_PARAMETER_NAMES = (
+    "self_attn.sinks",
+    "mlp.moe_statics.e_score_correction_bias",
+    *MAMBA_PARAMETER_NAMES,
+)
 
 
 def hf_weight_name(gf: GGUFFile, name: str) -> str:
@@ -80,15 +90,15 @@ def hf_weight_name(gf: GGUFFile, name: str) -> str:
     if name in global_names:
         return global_names[name]
     block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
-    parts = name.split(".")  # blk.<layer>.<tensor>.<weight|bias>; a tensor may hold dots
-    tensor = ".".join(parts[2:-1])
-    if (
-        len(parts) >= 4
-        and parts[0] == "blk"
-        and parts[1].isdigit()
-        and tensor in block_names
-        and parts[-1] in ("weight", "bias")
-    ):
+    # blk.<layer>.<tensor>.<weight|bias>; a tensor may hold dots; a parameter (Mamba2's A and
+    # D) may come without the suffix
+    parts = name.split(".")
+    suffixed = parts[-1] in ("weight", "bias")
+    tensor = ".".join(parts[2:-1] if suffixed else parts[2:])
+    if len(parts) >= 3 and parts[0] == "blk" and parts[1].isdigit() and tensor in block_names:
         hf_name = f"model.layers.{parts[1]}.{block_names[tensor]}"
-        return hf_name if block_names[tensor] in _PARAMETER_NAMES else f"{hf_name}.{parts[-1]}"
+        if block_names[tensor] in _PARAMETER_NAMES:
+            return hf_name
+        if suffixed:
+            return f"{hf_name}.{parts[-1]}"
     raise ValueError(f"{gf.path}: unexpected GGUF tensor {name}")

@@ -19,6 +19,7 @@ from tokenbus.loader.gemma_config import (
     gemma_hf_fields,
 )
 from tokenbus.loader.gpt_oss_config import GPT_OSS_PATTERN, gpt_oss_hf_fields
+from tokenbus.loader.granite_hybrid_config import granite_hybrid_hf_fields
 from tokenbus.loader.layer_kinds import (
     EXAONE4_PATTERN,
     OLMO3_PATTERN,
@@ -56,7 +57,7 @@ HF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "OlmoeForCausalLM": "olmoe",
     "GraniteMoeForCausalLM": "granitemoe",
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: its attention-only models
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0 (-H: Mamba2 layers too)
     "GptOssForCausalLM": "gpt_oss",
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
@@ -194,8 +195,6 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
             "GGUF for quantized weights"
         )
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
-    if architecture == "granitemoehybrid":
-        _check_granite_hybrid(config, path)
     if architecture in ERNIE_ARCHITECTURES:
         check_ernie(config, path)
     family: dict[str, Any] = {}
@@ -212,6 +211,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         rope_config, family["attn_temperature"] = _ministral3_temperature(config, path)
     if architecture == "lfm2":
         family = lfm2_hf_fields(config, path)
+    if architecture == "granitemoehybrid":  # its Mamba2 layers, where it has some
+        family = granite_hybrid_hf_fields(config, path)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
@@ -400,24 +401,6 @@ def _olmo3_rope(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], flo
         return flat, float(theta if theta is not None else full_theta)
     theta = float(config.get("rope_theta", OLMO3_ROPE_THETA))
     return {**config, "rope_theta": theta}, theta
-
-
-def _check_granite_hybrid(config: dict[str, Any], path: Path) -> None:
-    """GraniteMoeHybrid as Granite 4.0's attention-only dense models use it (granite-4.0-micro):
-    every layer attention and the shared MLP alone. Mamba2 layers (the 4.0-H models) and
-    experts beside the shared MLP are refused by name."""
-    kinds = config.get("layer_types") or config.get("layers_block_type")
-    # "attention" in the released configs, "full_attention" as transformers 5 saves them
-    if kinds is None or any(kind not in ("attention", "full_attention") for kind in kinds):
-        raise ValueError(
-            f"{path}: GraniteMoeHybrid with Mamba2 layers (layer_types {kinds!r}; Granite "
-            "4.0-H) is not supported; its attention-only models (granite-4.0-micro) are"
-        )
-    if config.get("num_local_experts"):
-        raise ValueError(
-            f"{path}: num_local_experts={config['num_local_experts']} (experts beside Granite "
-            "4.0's shared MLP) is not supported"
-        )
 
 
 def _ministral3_temperature(

@@ -97,7 +97,7 @@ def _from_cache_entry(directory: Path):
 # goes through transformers' gemma tokenizer mapping, as Gemma 2's).
 GGUF_TOKENIZER_WITHOUT_CONFIG = (
     *("smollm3", "granite", "granitemoe", "olmo2", "olmoe", "gpt-oss", "gemma"),
-    *("ernie4_5", "ernie4_5-moe", "glm4", "mistral3", "cohere2", "exaone4"),
+    *("ernie4_5", "ernie4_5-moe", "glm4", "mistral3", "cohere2", "exaone4", "granitehybrid"),
 )
 
 

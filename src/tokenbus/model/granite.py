@@ -1,7 +1,7 @@
 """Granite (IBM Granite 3.x): Llama's layers with four multipliers (GraniteConfig's), dense or
-with a sparse MoE MLP in every layer (GraniteMoE); Granite 4.0's attention-only dense models
-(GraniteMoeHybrid with no Mamba2 layers and no experts: Granite's layers, the MLP stored as
-`shared_mlp`, rotary only with position_embedding_type "rope").
+with a sparse MoE MLP in every layer (GraniteMoE); Granite 4.0's dense models (GraniteMoeHybrid
+without experts: Granite's layers, the MLP stored as `shared_mlp`, rotary only with
+position_embedding_type "rope"; the 4.0-H models' Mamba2 layers among them).
 
 - `embedding_multiplier` scales the token embeddings;
 - `residual_multiplier` scales each sublayer's output before it joins the residual
@@ -18,11 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
-from tokenbus.model.decoder import DecoderLayer
+from tokenbus.model.decoder import DecoderLayer, GatedMLP
 from tokenbus.model.llama import LlamaForCausalLM
+from tokenbus.model.mamba2 import Mamba2Mixer
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
+from tokenbus.model.recurrent import RecurrentDecoderLayer
 from tokenbus.model_arch import ModelArch
 
 
@@ -50,10 +53,17 @@ class GraniteForCausalLM(GraniteMultipliers, LlamaForCausalLM):
 
 
 class GraniteHybridForCausalLM(GraniteForCausalLM):
-    """Granite 4.0 (GraniteMoeHybrid) attention-only and dense: Granite's layers, the MLP's
-    gate and up stored as one `shared_mlp.input_linear` [2I, hidden] (gate rows, then up rows,
-    as its forward chunks them) and down as `shared_mlp.output_linear`. A GGUF of it is a
-    "granite" one (llama.cpp's converter writes it so)."""
+    """Granite 4.0 (GraniteMoeHybrid), dense: Granite's layers, the MLP's gate and up stored as
+    one `shared_mlp.input_linear` [2I, hidden] (gate rows, then up rows, as its forward chunks
+    them) and down as `shared_mlp.output_linear`. The 4.0-H models' Mamba2 layers
+    (arch.recurrent_layers) are Mamba2 mixers in the same block, Granite's residual multiplier
+    on their output too (model/mamba2.py). An attention-only GGUF of it is a "granite" one
+    (llama.cpp's converter writes it so)."""
+
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
+        if self.making_layer in arch.recurrent_layers:
+            return RecurrentDecoderLayer(arch, Mamba2Mixer(arch, tp), GatedMLP(arch, tp))
+        return super().make_layer(arch, tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_shared_mlp_as_mlp(weights))
