@@ -17,7 +17,8 @@ granite-3b-a800m (GraniteMoE: 40 experts, top 8), gpt-oss-20b-8l (gpt-oss: biase
 (Qwen2-MoE: 60 experts of 1408, top 4, and a shared expert of 5632; 8 of its 24 layers),
 ernie-4.5-21b-a3b-8l (ERNIE 4.5 MoE: a dense first layer, 64 experts of 1536, top 6 chosen with a
 bias, an ungated shared MLP of 3072; 8 of its 28 layers), lfm2-1.2b (LFM2: ten gated short
-convolutions among six attention layers). Tensor
+convolutions among six attention layers), granite-4.0-h-1b (Granite 4.0-H: 36 Mamba2 mixers
+and four attention layers without a rotary). Tensor
 names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
@@ -96,6 +97,13 @@ class ModelShape:
     # there) and their taps; the final norm named token_embd_norm
     conv_layers: tuple[int, ...] = ()
     conv_kernel: int = 0
+    # Granite 4.0-H (granitehybrid): its Mamba2 layers (ssm_* tensors, head_count_kv 0 there),
+    # their heads of ssm_head_dim, state size and B/C groups; conv_kernel is their conv's taps
+    ssm_layers: tuple[int, ...] = ()
+    ssm_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -186,6 +194,14 @@ CONFIGS = {
         "lfm2", 2048, 16, 32, 8, 8192, 65536, 1000000.0, 128000, 1e-5, True, qk_norm=True,
         conv_layers=(0, 1, 3, 4, 6, 7, 9, 11, 13, 15), conv_kernel=3,
     ),
+    # Granite-4.0-H-1B: 1536 wide, 40 layers, 36 Mamba2 mixers (48 heads of 64, a state of 128,
+    # one B/C group, 4 taps) and four attention layers (12 / 4 heads of 128, no rotary), a
+    # shared MLP of 4096, a 100k vocabulary, tied.
+    "granite-4.0-h-1b": ModelShape(
+        "granitehybrid", 1536, 40, 12, 4, 4096, 100352, 10000.0, 131072, 1e-5, True,
+        ssm_layers=tuple(i for i in range(40) if i not in (5, 15, 25, 35)), ssm_heads=48,
+        ssm_head_dim=64, ssm_state=128, conv_kernel=4,
+    ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,
     ),
@@ -229,7 +245,7 @@ def llama3_rope_factors(shape: ModelShape) -> np.ndarray:
 def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """(llama.cpp name, numpy shape [out, in], kind) in llama.cpp's converter's order; kind:
     matrix (F16, random), norm (F32 ones: Gemma's stored 1 + w, so w = 0 there too), bias (F32
-    random), rope (F32 factors)."""
+    random), rope (F32 factors), decay (Mamba2's A)."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     q = shape.heads * shape.head_dim
     yield "token_embd.weight", (shape.vocab, h), "matrix"
@@ -242,6 +258,11 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
         pre_norms = shape.architecture not in POST_NORM_ONLY
         if pre_norms:
             yield b + "attn_norm.weight", (h,), "norm"
+        if i in shape.ssm_layers:
+            yield from _mamba2(b, shape)
+            yield b + "ffn_norm.weight", (h,), "norm"
+            yield from _mlp(b, shape, h, post_norms)
+            continue
         if i in shape.conv_layers:  # llama.cpp's lfm2: the conv [H, K] stays F32
             yield b + "shortconv.conv.weight", (h, shape.conv_kernel), "bias"
             yield b + "shortconv.in_proj.weight", (3 * h, h), "matrix"
@@ -289,6 +310,22 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
     yield final_norm + ".weight", (h,), "norm"
     if not shape.tied:
         yield "output.weight", (shape.vocab, h), "matrix"
+
+
+def _mamba2(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """A Mamba2 mixer's tensors as llama.cpp's GraniteHybridModel writes them: in_proj (gate,
+    xBC, dt), the conv [conv_dim, K] and its bias, dt's bias, A (negative: -1 .. -H, as HF
+    initialises A_log) and D as [H, 1] (no .weight suffix), the gated norm [G, I / G], out_proj."""
+    inner = shape.ssm_heads * shape.ssm_head_dim
+    conv_dim = inner + 2 * shape.ssm_groups * shape.ssm_state
+    yield b + "ssm_in.weight", (inner + conv_dim + shape.ssm_heads, shape.hidden), "matrix"
+    yield b + "ssm_conv1d.weight", (conv_dim, shape.conv_kernel), "bias"
+    yield b + "ssm_conv1d.bias", (conv_dim,), "bias"
+    yield b + "ssm_dt.bias", (shape.ssm_heads,), "bias"
+    yield b + "ssm_a", (shape.ssm_heads, 1), "decay"
+    yield b + "ssm_d", (shape.ssm_heads, 1), "norm"
+    yield b + "ssm_norm.weight", (shape.ssm_groups, inner // shape.ssm_groups), "norm"
+    yield b + "ssm_out.weight", (shape.hidden, inner), "matrix"
 
 
 def _mlp(
@@ -340,12 +377,21 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     writer.add_block_count(shape.layers)
     writer.add_feed_forward_length(shape.intermediate)
     writer.add_head_count(shape.heads)
-    if shape.conv_layers:  # llama.cpp's LFM2Model: 0 KV heads marks a conv layer
-        kv_heads = [0 if i in shape.conv_layers else shape.kv_heads for i in range(shape.layers)]
+    recurrent = (*shape.conv_layers, *shape.ssm_layers)
+    if recurrent:  # llama.cpp's LFM2Model, GraniteHybridModel: 0 KV heads marks such a layer
+        kv_heads = [0 if i in recurrent else shape.kv_heads for i in range(shape.layers)]
         writer.add_head_count_kv(kv_heads)
-        writer.add_shortconv_l_cache(shape.conv_kernel)
     else:
         writer.add_head_count_kv(shape.kv_heads)
+    if shape.conv_layers:
+        writer.add_shortconv_l_cache(shape.conv_kernel)
+    if shape.ssm_layers:
+        writer.add_ssm_conv_kernel(shape.conv_kernel)
+        writer.add_ssm_state_size(shape.ssm_state)
+        writer.add_ssm_group_count(shape.ssm_groups)
+        writer.add_ssm_inner_size(shape.ssm_heads * shape.ssm_head_dim)
+        writer.add_ssm_time_step_rank(shape.ssm_heads)
+        writer.add_rope_scaling_finetuned(False)  # Granite 4.0-H: no layer turns a rotary
     writer.add_rope_dimension_count(shape.head_dim)
     if shape.head_dim_override:
         writer.add_key_length(shape.head_dim)
@@ -370,7 +416,7 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.final_softcap:
         writer.add_final_logit_softcapping(shape.final_softcap)
-    if shape.architecture in ("granite", "granitemoe"):
+    if shape.architecture in ("granite", "granitemoe", "granitehybrid"):
         writer.add_logit_scale(1.0)  # llama.cpp requires it of Granite (the others are optional)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
@@ -384,6 +430,8 @@ def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndar
     [E * out, in]."""
     if kind == "norm":
         return np.ones(shape, dtype=np.float32)
+    if kind == "decay":  # Mamba2's A: -1 .. -H, one a head (as HF initialises A_log)
+        return -np.arange(1, shape[0] + 1, dtype=np.float32).reshape(shape)
     if len(shape) == 3:
         return draw(rng, (shape[0] * shape[1], shape[2]), kind).reshape(shape)
     if kind in ("bias", "router"):

@@ -132,6 +132,7 @@ def test_the_real_configs_have_the_published_sizes():
     full = dataclasses.replace(make_random_gguf.CONFIGS["ernie-4.5-21b-a3b-8l"], layers=28)
     assert 21.7e9 < _num_params(full) < 21.9e9
     assert 1.16e9 < params["lfm2-1.2b"] < 1.18e9  # LFM2-1.2B: 1.17 B
+    assert 1.45e9 < params["granite-4.0-h-1b"] < 1.48e9  # Granite-4.0-H-1B: 1.46 B
 
 
 def test_lfm2_is_written_as_llama_cpps(tmp_path):
@@ -236,3 +237,27 @@ def test_gpt_oss_is_written_as_llama_cpps(tmp_path):
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     assert torch.isfinite(model.layers[0].self_attn.sinks).all()
     assert model.layers[1].mlp.experts[3].down_proj.bias.abs().max() > 0
+
+
+def test_granite_hybrid_is_written_as_llama_cpps(tmp_path):
+    """Mamba2 mixers (head_count_kv 0 there, ssm.* keys, ssm_a / ssm_d without a suffix) around
+    an attention layer without a rotary: read back by the loader and loaded whole by the
+    engine, A negative as HF's -exp(A_log)."""
+    shape = dataclasses.replace(
+        small("granite-4.0-h-1b"),
+        layers=3,
+        ssm_layers=(0, 2),
+        ssm_heads=8,
+        ssm_head_dim=32,
+        ssm_state=16,
+    )
+    path = make_random_gguf.write_random_gguf("gh", tmp_path / "g.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.recurrent_layers) == ("granitemoehybrid", (0, 2))
+    assert (arch.mamba_heads, arch.mamba_head_dim, arch.mamba_state) == (8, 32, 16)
+    assert (arch.num_key_value_heads, arch.nope_layers) == (2, (0, 1, 2))
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    mixer = model.layers[2].mixer
+    torch.testing.assert_close(mixer.A, -torch.arange(1.0, 9.0))
+    assert mixer.conv_weight.shape == (8 * 32 + 2 * 16, 4)
