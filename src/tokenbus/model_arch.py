@@ -90,6 +90,18 @@ class ModelArch:
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
 
     @property
+    def state_size_per_request(self) -> int:
+        """Elements of one request's recurrent state over all recurrent layers (multiply by the
+        dtype size): a conv's held inputs, and Mamba2's S of every head."""
+        if self.mamba_heads:
+            inner = self.mamba_heads * self.mamba_head_dim
+            conv_dim = inner + 2 * self.mamba_groups * self.mamba_state
+            per_layer = (self.conv_kernel - 1) * conv_dim + inner * self.mamba_state
+        else:
+            per_layer = (self.conv_kernel - 1) * self.hidden_size
+        return len(self.recurrent_layers) * per_layer
+
+    @property
     def num_kv_layers(self) -> int:
         """The layers that hold K/V (all but the recurrent ones)."""
         return self.num_hidden_layers - len(self.recurrent_layers)

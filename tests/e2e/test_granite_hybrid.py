@@ -90,6 +90,24 @@ def test_small_kv_pool_forces_preemptions(hf_dir, prompts, hf_reference):
     assert_engine_clean(llm)
 
 
+def test_running_requests_are_capped_to_what_their_states_take(hf_dir, prompts, hf_reference):
+    """Each request's state (three mixers' held inputs and S, fp32: 31.5 KB) takes a pool row
+    up front: within 1 MiB of KV budget, half of it for states, 16 run at once, not 128; the
+    arch's count of a state is the pools' own."""
+    import math
+
+    llm = make_llm(hf_dir, kv_cache_memory=1 << 20, **ENGINE)
+    core = llm.engine.client.engine_core
+    arch = core.executor.worker.arch
+    shapes = core.executor.worker.model.state_shapes()
+    assert arch.state_size_per_request == sum(math.prod(shape) for shape in shapes.values())
+    assert arch.state_size_per_request * 4 == 3 * (3 * 192 + 128 * 16) * 4
+    assert core.config.scheduler.max_num_seqs == (1 << 19) // (arch.state_size_per_request * 4)
+    assert core.config.scheduler.max_num_seqs == 16
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert_engine_clean(llm)
+
+
 def test_tensor_parallelism_is_refused_by_name():
     hf_dir = cached_tiny_model("granitemoehybrid", **HYBRID, position_embedding_type="nope")
     with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported"):

@@ -63,7 +63,11 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
     assert (arch.intermediate_size, arch.num_key_value_heads, arch.num_kv_layers) == (96, 2, 1)
     llm = make_llm(path, enable_prefix_caching=True, **ENGINE)
     # asked for, turned off: a hit would skip the tokens a state is made of
-    assert not llm.engine.client.engine_core.config.cache.enable_prefix_caching
+    core = llm.engine.client.engine_core
+    assert not core.config.cache.enable_prefix_caching
+    shapes = core.executor.worker.model.state_shapes()  # the arch counts what the pools hold
+    assert shapes == {0: (2, 64), 1: (2, 64), 3: (2, 64)}
+    assert arch.state_size_per_request == 3 * 2 * 64
     assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
     assert llm.engine.stats_totals["prefix_cache_hits"] == 0
     assert_rows_follow_requests(llm)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tokenbus.config import (
     BLOCK_QUANTIZATIONS,
+    DEFAULT_CPU_KV_CACHE_MEMORY,
     QUANTIZED_KV_CACHE_DTYPES,
     EngineConfig,
     ModelConfig,
@@ -146,6 +147,7 @@ def resolve_recurrent_layers(config: EngineConfig, arch: ModelArch) -> EngineCon
                 f"{flag} is not supported for {arch.architecture}: its recurrent layers "
                 "keep a state per request"
             )
+    config = _cap_running_states(config, arch)
     if not config.cache.enable_prefix_caching:
         return config
     logger.info(
@@ -155,6 +157,29 @@ def resolve_recurrent_layers(config: EngineConfig, arch: ModelArch) -> EngineCon
     )
     cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
     return dataclasses.replace(config, cache=cache)
+
+
+def _cap_running_states(config: EngineConfig, arch: ModelArch) -> EngineConfig:
+    """max_num_seqs lowered so that the running requests' states (a pool row each, allocated
+    up front: worker/state_pool.py) take at most half the KV budget, counted at 4 bytes a value
+    (fp32, the CPU's; half that in bf16). A Mamba2 state is large: Granite-4.0-H-1B's is 58 MB a
+    request in fp32. On CUDA without --kv-cache-memory the budget is profiled later: no cap."""
+    budget = config.cache.kv_cache_memory
+    if budget is None and config.model.device.startswith("cuda"):
+        return config
+    per_request = 4 * arch.state_size_per_request
+    rows = max(1, (budget or DEFAULT_CPU_KV_CACHE_MEMORY) // 2 // max(per_request, 1))
+    scheduler = config.scheduler
+    if rows >= scheduler.max_num_seqs:
+        return config
+    logger.warning(
+        "max_num_seqs %d lowered to %d: each running request's recurrent state takes %.1f MiB "
+        "(raise --kv-cache-memory for more)",
+        scheduler.max_num_seqs,
+        rows,
+        per_request / 2**20,
+    )
+    return dataclasses.replace(config, scheduler=dataclasses.replace(scheduler, max_num_seqs=rows))
 
 
 def _eos_token_ids(value) -> tuple[int, ...]:
