@@ -1,5 +1,5 @@
 """Mamba2's selective state-space mixer (L2), a recurrent layer (model/recurrent.py): Granite
-4.0-H's, Bamba's and Nemotron-H's.
+4.0-H's.
 
     z, xBC, dt = in_proj(x)                       gate [I], xBC [I + 2GN], one dt per head
     x, B, C = silu(conv(xBC))                     the causal conv with the request's held inputs
@@ -11,7 +11,8 @@
 B and C come in G groups, each shared by H / G consecutive heads. A request's state is its conv's
 last K - 1 inputs and its S for every head, one flat row of the layer's pool.
 
-A decode step's S is one update per request, all decodes at once. A chunk runs the scan in the
+A decode step's S is one update per request, all decodes at once, in place in the pool (the
+layer's ops: fused_ops.c's ssm_decode_step on CPU in fp32). A chunk runs the scan in the
 state-space-dual form, in pieces of mamba_chunk tokens (as HF's torch path): within a piece,
 token t takes token u's input (u <= t) decayed by exp(a_{u+1} + ... + a_t) (a = dt A, the cumsum
 below), plus the piece's starting state decayed to t; the piece's end state carries to the next.
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenbus.model.layers import Linear
+from tokenbus.model.layers import Linear, OpsModule
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.recurrent import RecurrentPlan, causal_conv
 from tokenbus.model.short_conv import load_conv_weight
@@ -34,7 +35,7 @@ from tokenbus.model.weights import WeightLoader, copy_param, fused_rows_loader
 from tokenbus.model_arch import ModelArch
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(OpsModule):
     hf_scope = "mamba."  # its weights' names in a decoder layer (model.layers.N.mamba.*)
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
@@ -106,17 +107,19 @@ class Mamba2Mixer(nn.Module):
         tokens = inputs.shape[0]
         x = inputs.float().view(tokens, self.heads, self.head_dim)
         dt = F.softplus((dt + self.dt_bias).float()).clamp(*self.dt_limit)  # [T, H]
-        b = b.float().view(tokens, self.groups, self.state_size)
+        b = b.float().view(tokens, self.groups, self.state_size)  # views of the conv's output
         c = c.float().view(tokens, self.groups, self.state_size)
-        a = self.A.float()
-        y = torch.empty_like(x)
+        a, d = self.A.float(), self.D.float()
         decodes = plan.num_decodes  # the first requests, one token each (their rows: tokens)
+        if decodes == len(plan.query_start_loc) - 1:  # all decodes: each S read and written once
+            y = self.ops.ssm_decode_step_(ssm, plan.rows, x, dt, a, b, c, d)
+            return y.view(tokens, self.inner)
+        y = torch.empty_like(x)
         if decodes:
-            rows = plan.rows[:decodes]
-            y[:decodes], s = self._step(
-                x[:decodes], dt[:decodes], a, b[:decodes], c[:decodes], ssm[rows].float()
+            mine = slice(0, decodes)
+            y[mine] = self.ops.ssm_decode_step_(
+                ssm, plan.rows[mine], x[mine], dt[mine], a, b[mine], c[mine], d
             )
-            ssm[rows] = s.to(ssm.dtype)
         starts = plan.query_start_loc
         for r in range(decodes, len(starts) - 1):
             piece = slice(starts[r], starts[r + 1])
@@ -124,20 +127,13 @@ class Mamba2Mixer(nn.Module):
             y[piece], s = self._chunked(
                 x[piece], dt[piece], a, b[piece], c[piece], ssm[row].float()
             )
+            y[piece] += d[:, None] * x[piece]
             ssm[row] = s.to(ssm.dtype)
-        y = y + self.D.float()[:, None] * x
         return y.view(tokens, self.inner)
 
     def _heads(self, groups: torch.Tensor) -> torch.Tensor:
         """[..., G, N] -> [..., H, N]: each group's B or C for each of its heads."""
         return groups.repeat_interleave(self.heads // self.groups, dim=-2)
-
-    def _step(self, x, dt, a, b, c, s):
-        """One token of each of n requests: x [n, H, P], dt [n, H], b/c [n, G, N], s [n, H, P,
-        N] -> (y [n, H, P], s after the token)."""
-        decay = torch.exp(dt * a)[..., None, None]  # [n, H, 1, 1]
-        s = s * decay + (x * dt[..., None])[..., None] * self._heads(b)[:, :, None, :]
-        return torch.einsum("nhpk,nhk->nhp", s, self._heads(c)), s
 
     def _chunked(self, x, dt, a, b, c, s):
         """One request's tokens: x [L, H, P], dt [L, H], b/c [L, G, N], s [H, P, N] (its state

@@ -100,6 +100,28 @@ class TorchOps:
         """cap * tanh(x / cap), in HF's order (Gemma's final logit soft-capping)."""
         return torch.tanh(x / cap) * cap
 
+    def ssm_decode_step_(
+        self,
+        states: torch.Tensor,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        d: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token of each of n requests through Mamba2's recurrence (model/mamba2.py): their
+        states S, rows `rows` of `states` [num_rows, H, P, N], advanced in place, for each head
+        S = S exp(dt A) + dt x B^T (B, C [n, G, N]: a group for each H / G heads), and
+        y [n, H, P] = S C + D x returned, in x's dtype (fp32: dt [n, H] after its softplus)."""
+        per_group = x.shape[1] // b.shape[1]
+        b, c = (t.to(x.dtype).repeat_interleave(per_group, dim=1) for t in (b, c))  # [n, H, N]
+        s = states[rows].to(x.dtype)
+        s = s * torch.exp(dt * a)[..., None, None] + (x * dt[..., None])[..., None] * b[:, :, None]
+        states[rows] = s.to(states.dtype)
+        return torch.einsum("nhpk,nhk->nhp", s, c) + d[:, None] * x
+
 
 class FusedCpuOps(TorchOps):
     """fused_ops.c on CPU in fp32 (one C call each); torch for shapes it does not take, and
@@ -162,6 +184,11 @@ class FusedCpuOps(TorchOps):
         if gate_up.dim() != 2:
             return super().clamped_swiglu_mul(gate_up, limit, alpha)
         return self.fused.clamped_swiglu_mul(gate_up, limit, alpha)
+
+    def ssm_decode_step_(self, states, rows, x, dt, a, b, c, d) -> torch.Tensor:
+        if states.dtype != torch.float32:  # an fp32 model's pools are fp32
+            return super().ssm_decode_step_(states, rows, x, dt, a, b, c, d)
+        return self.fused.ssm_decode_step_(states, rows, x, dt, a, b, c, d)
 
 
 TORCH_OPS = TorchOps()

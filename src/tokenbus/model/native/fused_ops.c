@@ -14,6 +14,10 @@
                   (GeGLU: HF's gelu_pytorch_tanh)
    clamped_swiglu_mul: gpt-oss's experts, g = min(gate, limit), u = clamp(up, -limit, limit),
                   out = g * sigmoid(alpha * g) * (u + 1)
+   ssm_decode_step: one token of each of n requests through Mamba2's recurrence (model/mamba2.py),
+                  each request's state S [H, P, N] updated in place in its row of the pool, read
+                  and written once: per head h (B, C of group h / (H / G)) and channel p,
+                  S[p, :] = S[p, :] * exp(dt A[h]) + dt x[p] B[:], y[p] = S[p, :] . C + D[h] x[p]
 */
 
 #include <math.h>
@@ -89,6 +93,31 @@ void gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int n
         for (int64_t i = 0; i < I; i++) {
             const float x = g[i];
             o[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * u[i];
+        }
+    }
+}
+
+void ssm_decode_step(float *states, int64_t row_stride, const int64_t *rows, int64_t n, const float *x, int64_t ldx,
+                     const float *dt, const float *A, const float *B, const float *C, int64_t ldbc, const float *D,
+                     float *y, int64_t H, int64_t G, int64_t P, int64_t N, int num_threads) {
+    const int64_t heads_per_group = H / G;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads) if (n * H * P * N >= PARALLEL_MIN_VALUES)
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t g = h / heads_per_group;
+            const float step = dt[r * H + h], decay = expf(step * A[h]);
+            const float *b = B + r * ldbc + g * N, *c = C + r * ldbc + g * N;
+            const float *xr = x + r * ldx + h * P;
+            float *s = states + rows[r] * row_stride + h * P * N, *out = y + (r * H + h) * P;
+            for (int64_t p = 0; p < P; p++, s += N) {
+                const float u = step * xr[p];
+                float acc = 0.0f;
+                for (int64_t k = 0; k < N; k++) {
+                    s[k] = s[k] * decay + u * b[k];
+                    acc += s[k] * c[k];
+                }
+                out[p] = acc + D[h] * xr[p];
+            }
         }
     }
 }

@@ -24,6 +24,7 @@ class FusedOps:
     silu_mul_fn: ctypes._CFuncPtr
     gelu_tanh_mul_fn: ctypes._CFuncPtr
     clamped_swiglu_mul_fn: ctypes._CFuncPtr
+    ssm_decode_step_fn: ctypes._CFuncPtr
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -96,6 +97,49 @@ class FusedOps:
             self.clamped_swiglu_mul_fn, gate_up, ctypes.c_float(limit), ctypes.c_float(alpha)
         )
 
+    def ssm_decode_step_(
+        self,
+        states: torch.Tensor,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        d: torch.Tensor,
+    ) -> torch.Tensor:
+        """TorchOps.ssm_decode_step_ in one C call: states [rows, H, P, N] (each row's S
+        contiguous; rows strided), x [n, H, P] and b / c [n, G, N] with contiguous rows of any
+        stride (views of the conv's output), dt [n, H], a and d [H]; all fp32 -> y [n, H, P]."""
+        n, heads, dim = x.shape
+        groups, size = b.shape[1:]
+        assert states.dtype == x.dtype == torch.float32 and states[0].is_contiguous()
+        assert x[0].is_contiguous() and b[0].is_contiguous() and b.stride(0) == c.stride(0)
+        dt, a, d = dt.contiguous(), a.contiguous(), d.contiguous()
+        rows = rows.contiguous()
+        y = torch.empty(n, heads, dim, dtype=torch.float32)
+        self.ssm_decode_step_fn(
+            states.data_ptr(),
+            states.stride(0),
+            rows.data_ptr(),
+            n,
+            x.data_ptr(),
+            x.stride(0),
+            dt.data_ptr(),
+            a.data_ptr(),
+            b.data_ptr(),
+            c.data_ptr(),
+            b.stride(0),
+            d.data_ptr(),
+            y.data_ptr(),
+            heads,
+            groups,
+            dim,
+            size,
+            torch.get_num_threads(),
+        )
+        return y
+
 
 def _gated(fn: ctypes._CFuncPtr, gate_up: torch.Tensor, *params: ctypes.c_float) -> torch.Tensor:
     """fn(gate_up, T, I, *params, out, threads): a gated activation's one C call."""
@@ -109,5 +153,8 @@ def _gated(fn: ctypes._CFuncPtr, gate_up: torch.Tensor, *params: ctypes.c_float)
 def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
     """Build (or find in the cache) and load fused_ops.c; NativeBuildError says why not."""
     lib = load_library(_FUSED_SOURCE, cpu)
-    names = ("add_rms_norm", "rope_inplace", "silu_mul", "gelu_tanh_mul", "clamped_swiglu_mul")
+    names = (
+        *("add_rms_norm", "rope_inplace", "silu_mul", "gelu_tanh_mul", "clamped_swiglu_mul"),
+        "ssm_decode_step",
+    )
     return FusedOps(*(bind(lib, name) for name in names))

@@ -38,6 +38,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "silu_mul": ("v", "pllpi"),
     "gelu_tanh_mul": ("v", "pllpi"),
     "clamped_swiglu_mul": ("v", "pllffpi"),
+    "ssm_decode_step": ("v", "plplplpppplpplllli"),
     # dense_rows.c
     "dense_panel_floats": ("l", "ll"),
     "dense_pack": ("v", "pllp"),
