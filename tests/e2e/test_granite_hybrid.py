@@ -1,10 +1,11 @@
 """Granite 4.0-H (GraniteMoeHybrid with Mamba2 layers) end to end against HF transformers, fp32 on
 CPU: a tiny random model of three Mamba2 mixers around an attention layer (heads in two groups,
 a 4-tap conv, scans in pieces of 16 tokens), without a rotary (the 4.0-H models') and with one,
-from safetensors and from a GGUF in llama.cpp's granitehybrid naming, gives HF's greedy tokens
-and logprobs through chunks that cut prompts anywhere, mixed batches of decodes and chunks, and
-preemptions (a state rebuilt from token 0). Its multipliers are 1 here: Granite 3's values make
-this tiny model's greedy output one token repeated, which a broken mixer gives too."""
+dense and with experts beside the shared MLP (4.0-H Tiny's kind), from safetensors and from a
+GGUF in llama.cpp's granitehybrid naming, gives HF's greedy tokens and logprobs through chunks
+that cut prompts anywhere, mixed batches of decodes and chunks, and preemptions (a state rebuilt
+from token 0). Its multipliers are 1 here: Granite 3's values make this tiny model's greedy
+output one token repeated, which a broken mixer gives too."""
 
 from __future__ import annotations
 
@@ -39,8 +40,16 @@ HYBRID = dict(
 )
 
 
-@pytest.fixture(scope="module", params=["nope", "rope"])
+# 4.0-H Tiny's kind: experts (4 of 32, 2 a token) beside the shared MLP
+EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+
+
+@pytest.fixture(scope="module", params=["nope", "rope", "experts"])
 def hf_dir(request):
+    if request.param == "experts":
+        return cached_tiny_model(
+            "granitemoehybrid", **HYBRID, **EXPERTS, position_embedding_type="nope"
+        )
     return cached_tiny_model("granitemoehybrid", **HYBRID, position_embedding_type=request.param)
 
 
@@ -64,8 +73,15 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
     assert (arch.architecture, arch.recurrent_layers) == ("granitemoehybrid", (0, 2, 3))
     assert (arch.mamba_heads, arch.mamba_head_dim, arch.mamba_state) == (8, 16, 16)
     assert (arch.mamba_groups, arch.conv_kernel, arch.conv_bias) == (2, 4, True)
-    rope = load_hf(str(hf_dir)).config.position_embedding_type == "rope"
-    assert arch.nope_layers == (() if rope else (0, 1, 2, 3))
+    config = load_hf(str(hf_dir)).config
+    assert arch.nope_layers == (() if config.position_embedding_type == "rope" else (0, 1, 2, 3))
+    if config.num_local_experts:  # the shared MLP as the experts' ungated shared expert
+        assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (
+            4,
+            2,
+            32,
+        )
+        assert (arch.shared_expert_intermediate_size, arch.shared_expert_gated) == (96, False)
     llm = make_llm(path, **ENGINE)
     assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
     runner = model_runner(llm)  # rows held by the requests the worker still knows only

@@ -271,8 +271,10 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     if arch == "qwen2moe":  # llama.cpp: the dense width when the shared one is not given
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
         shared = shared or int(meta.get(f"{arch}.feed_forward_length", 0))
+    if arch == GRANITE_HYBRID_GGUF:  # Granite 4.0-H's shared MLP beside its experts, ungated
+        shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
     for name, info in gf.tensors.items():
-        if "_shexp" in name and arch not in ("qwen2moe", "ernie4_5-moe"):
+        if "_shexp" in name and arch not in ("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF):
             raise ValueError(f"{gf.path}: tensor {name}: shared experts are not supported")
         if name.endswith(".ffn_gate_shexp.weight") and arch == "ernie4_5-moe":
             shared = info.shape[0]  # its width, from the tensor (the converter's key is not it)
@@ -293,7 +295,7 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
             i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gf.tensors
         ),
         shared_expert_intermediate_size=shared,
-        shared_expert_gated=arch != "ernie4_5-moe",
+        shared_expert_gated=arch not in ("ernie4_5-moe", GRANITE_HYBRID_GGUF),
         moe_selection_bias=any(name.endswith(".exp_probs_b.bias") for name in gf.tensors),
     )
 
@@ -465,6 +467,8 @@ _HF_EXPERT_NAMES = {
     "granitemoe": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
     # gpt-oss's per-expert names (model/gpt_oss.py splits HF's stacked tensors into them)
     "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    # Granite 4.0-H's, likewise (model/granite.py)
+    "granitemoehybrid": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 

@@ -9,7 +9,9 @@ rest.
   / heads), a state of `mamba_d_state` per channel, B and C in `mamba_n_groups` groups, a conv
   of `mamba_d_conv` taps (with a bias: `mamba_conv_bias`), projections with a bias where
   `mamba_proj_bias`, and scans in chunks of `mamba_chunk_size`; `time_step_limit` clamps dt.
-- Experts beside the shared MLP (the 4.0-H Tiny and Small models) are refused by name.
+- Experts (the 4.0-H Tiny and Small models: `num_local_experts` of `intermediate_size`, top
+  `num_experts_per_tok` softmaxed among themselves) run beside the shared MLP, which is added
+  to every token's routed sum ungated (model/moe.py's shared expert).
 """
 
 from __future__ import annotations
@@ -23,14 +25,10 @@ ATTENTION_KINDS = ("attention", "full_attention")
 
 
 def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """ModelArch's recurrent fields of a GraniteMoeHybrid config ({} when every layer
-    attends)."""
-    if config.get("num_local_experts"):
-        raise ValueError(
-            f"{path}: num_local_experts={config['num_local_experts']} (experts beside Granite "
-            "4.0's shared MLP) is not supported"
-        )
+    """ModelArch's recurrent and MoE fields of a GraniteMoeHybrid config ({} for a dense
+    model whose every layer attends)."""
     num_layers = int(config["num_hidden_layers"])
+    experts = _experts(config)
     kinds = config.get("layer_types") or config.get("layers_block_type")
     if kinds is None or len(kinds) != num_layers or set(kinds) - {*MAMBA_KINDS, *ATTENTION_KINDS}:
         raise ValueError(
@@ -39,7 +37,7 @@ def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, An
         )
     mamba = tuple(i for i, kind in enumerate(kinds) if kind in MAMBA_KINDS)
     if not mamba:
-        return {}
+        return experts
     hidden, heads = int(config["hidden_size"]), int(config.get("mamba_n_heads", 128))
     head_dim = config.get("mamba_d_head", "auto")
     inner = int(config.get("mamba_expand", 2)) * hidden
@@ -51,6 +49,7 @@ def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, An
         )
     limit = [_number(bound) for bound in config.get("time_step_limit") or (0.0, "inf")]
     return dict(
+        experts,
         recurrent_layers=mamba,
         conv_kernel=int(config.get("mamba_d_conv", 4)),
         conv_bias=bool(config.get("mamba_conv_bias", True)),
@@ -61,6 +60,22 @@ def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, An
         mamba_chunk=int(config.get("mamba_chunk_size", 256)),
         mamba_proj_bias=bool(config.get("mamba_proj_bias", False)),
         mamba_dt_limit=(float(limit[0]), float(limit[1])),
+    )
+
+
+def _experts(config: dict[str, Any]) -> dict[str, Any]:
+    """ModelArch's MoE fields: its experts, the shared MLP as their ungated shared expert; {}
+    without experts (the shared MLP is then the dense MLP)."""
+    num_experts = int(config.get("num_local_experts") or 0)
+    if not num_experts:
+        return {}
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["intermediate_size"]),
+        norm_topk_prob=True,  # softmax over the top k logits
+        shared_expert_intermediate_size=int(config["shared_intermediate_size"]),
+        shared_expert_gated=False,
     )
 
 
@@ -77,6 +92,10 @@ def _number(value: Any) -> float:
 # weight as [G, I / G].
 GRANITE_HYBRID_GGUF = "granitehybrid"
 GRANITE_HYBRID_GGUF_BLOCK_NAMES = {
+    # the shared MLP beside experts (dense models write it as ffn_gate / ffn_up / ffn_down)
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
     "ssm_in": "mamba.in_proj",
     "ssm_conv1d": "mamba.conv1d",
     "ssm_dt": "mamba.dt_bias",

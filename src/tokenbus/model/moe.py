@@ -55,6 +55,7 @@ EXPERT_NAMES = {
     "olmoe": ("gate_proj", "up_proj", "down_proj"),
     "granitemoe": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
     "gpt_oss": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
+    "granitemoehybrid": ("gate_proj", "up_proj", "down_proj"),  # likewise
 }
 
 
@@ -62,6 +63,7 @@ EXPERT_NAMES = {
 SHARED_EXPERT_NAMES = {
     "qwen2_moe": ("shared_expert", "shared_expert_gate"),
     "ernie4_5_moe": ("shared_experts", None),
+    "granitemoehybrid": ("shared_experts", None),  # Granite 4.0-H's shared_mlp
 }
 # ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints)
 SELECTION_BIAS_NAME = "moe_statics.e_score_correction_bias"
