@@ -92,6 +92,16 @@ def test_small_kv_pool_forces_preemptions(hf_dir, prompts, hf_reference):
     assert_engine_clean(llm)
 
 
+def test_scheduling_ahead_and_a_small_pool(hf_dir, prompts, hf_reference):
+    """--async-scheduling: the worker takes step n + 1's new requests (and preemptions) while
+    step n's outputs are unread; rows change hands only as the steps say."""
+    llm = make_llm(hf_dir, async_scheduling=True, num_kv_blocks=6, max_model_len=80, **ENGINE)
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert llm.engine.stats_totals["num_preemptions"] > 0
+    assert_rows_follow_requests(llm)
+    assert_engine_clean(llm)
+
+
 def test_two_tensor_parallel_ranks(hf_dir, prompts, hf_reference):
     """Each rank holds half the conv channels (and their state), half the heads."""
     llm = make_llm(hf_dir, tensor_parallel_size=2, **ENGINE)
