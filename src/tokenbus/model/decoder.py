@@ -182,13 +182,13 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         arch: ModelArch,
-        self_attn: Attention,
+        self_attn: Attention | None,
         mlp: GatedMLP,
         norm: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
         self.input_layernorm = norm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = self_attn
+        self.self_attn = self_attn  # None: another mixer (RecurrentDecoderLayer's)
         self.post_attention_layernorm = norm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
         self.residual_scale = arch.residual_multiplier
@@ -206,9 +206,14 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` is the previous block's output, not yet added to `residual`."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self._scaled(self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan, q_scale))
+        h = self._scaled(self.mix(h, cos, sin, kv_cache, slot_mapping, plan, q_scale))
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self._scaled(self.mlp(h)), residual
+
+    def mix(self, h: torch.Tensor, *step) -> torch.Tensor:
+        """The block's token mixer on its normed input: attention (a recurrent layer's mixer
+        takes the same step arguments: model/recurrent.py)."""
+        return self.self_attn(h, *step)
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         return h if self.residual_scale == 1.0 else h * self.residual_scale

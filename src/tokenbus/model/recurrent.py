@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenbus.model.attention import Plan
+from tokenbus.model.decoder import DecoderLayer
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import RMSNorm
 from tokenbus.model_arch import ModelArch
@@ -100,38 +100,17 @@ def causal_conv(
     return out if bias is None else out + bias
 
 
-class RecurrentDecoderLayer(nn.Module):
-    """decoder.DecoderLayer's pre-norm block with a recurrent mixer where attention was:
-    x + mixer(norm(x)), then + mlp(norm(.)), the residual carried apart, each sublayer's output
-    scaled by `residual_scale` (Granite's residual_multiplier; 1 elsewhere). The mixer takes an
-    attention layer's arguments: its state pool where the K/V cache was, the step's state rows
-    where the slots were, the recurrent plan where the attention plan was."""
+class RecurrentDecoderLayer(DecoderLayer):
+    """DecoderLayer's pre-norm block with a recurrent mixer where attention was (no
+    self_attn): x + mixer(norm(x)), then + mlp(norm(.)), Granite's residual scale on both. The
+    mixer takes an attention layer's arguments: its state pool where the K/V cache was, the
+    step's state rows where the slots were, the recurrent plan where the attention plan was."""
 
     def __init__(
         self, arch: ModelArch, mixer: nn.Module, mlp: nn.Module, norm: type[RMSNorm] = RMSNorm
     ) -> None:
-        super().__init__()
-        self.input_layernorm = norm(arch.hidden_size, arch.rms_norm_eps)
+        super().__init__(arch, None, mlp, norm)
         self.mixer = mixer
-        self.post_attention_layernorm = norm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = mlp
-        self.residual_scale = arch.residual_multiplier
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        state: torch.Tensor,
-        rows: torch.Tensor,
-        plan: Plan | RecurrentPlan,
-        q_scale: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self._scaled(self.mixer(h, cos, sin, state, rows, plan, q_scale))
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self._scaled(self.mlp(h)), residual
-
-    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
-        return h if self.residual_scale == 1.0 else h * self.residual_scale
+    def mix(self, h: torch.Tensor, *step) -> torch.Tensor:
+        return self.mixer(h, *step)
