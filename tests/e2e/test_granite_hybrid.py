@@ -18,7 +18,7 @@ from tests.e2e.oracle import (
     load_hf,
     prompts_with_a_shared_prefix,
 )
-from tests.e2e.utils import assert_engine_clean, make_llm, model_runner
+from tests.e2e.utils import assert_engine_clean, assert_rows_follow_requests, make_llm
 from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
@@ -84,9 +84,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
         assert (arch.shared_expert_intermediate_size, arch.shared_expert_gated) == (96, False)
     llm = make_llm(path, **ENGINE)
     assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
-    runner = model_runner(llm)  # rows held by the requests the worker still knows only
-    held = runner.request_states.held_rows
-    assert held == {req_id: state.state_row for req_id, state in runner.requests.items()}
+    assert_rows_follow_requests(llm)
     assert_engine_clean(llm)
 
 

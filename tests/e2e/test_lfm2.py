@@ -17,7 +17,7 @@ from tests.e2e.oracle import (
     load_hf,
     prompts_with_a_shared_prefix,
 )
-from tests.e2e.utils import assert_engine_clean, make_llm, model_runner
+from tests.e2e.utils import assert_engine_clean, assert_rows_follow_requests, make_llm
 from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
@@ -41,14 +41,6 @@ def prompts():
 def hf_reference(hf_dir, prompts):
     hf = load_hf(str(hf_dir))
     return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
-
-
-def assert_rows_follow_requests(llm) -> None:
-    """State rows are held by the requests the worker still knows, and only by them: the
-    last step's finished ones, which it is told of with the next step."""
-    runner = model_runner(llm)
-    held = runner.request_states.held_rows
-    assert held == {req_id: state.state_row for req_id, state in runner.requests.items()}
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])

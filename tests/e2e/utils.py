@@ -44,6 +44,14 @@ def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def assert_rows_follow_requests(llm: LLM) -> None:
+    """A model with recurrent layers: state rows are held by the requests the worker still
+    knows, and only by them (the last step's finished ones too: it is told with the next)."""
+    runner = model_runner(llm)
+    held = runner.request_states.held_rows
+    assert held == {req_id: state.state_row for req_id, state in runner.requests.items()}
+
+
 def assert_engine_clean(llm: LLM) -> None:
     """No request left anywhere, every KV block free (docs/architecture.md, "Invariants")."""
     assert not llm.engine.has_unfinished_requests()
