@@ -88,6 +88,9 @@ class ModelArch:
     mamba_chunk: int = 256
     mamba_proj_bias: bool = False
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # Layers that are an MLP alone, with neither attention nor a state (Nemotron-H's "-"
+    # blocks: model/nemotron_h.py); (): none
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def state_size_per_request(self) -> int:
@@ -103,8 +106,8 @@ class ModelArch:
 
     @property
     def num_kv_layers(self) -> int:
-        """The layers that hold K/V (all but the recurrent ones)."""
-        return self.num_hidden_layers - len(self.recurrent_layers)
+        """The layers that hold K/V (all but the recurrent and MLP-only ones)."""
+        return self.num_hidden_layers - len(self.recurrent_layers) - len(self.mlp_only_layers)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -52,11 +52,6 @@ from tokenbus.loader.gpt_oss_config import (
     GPT_OSS_STOP_TOKENS,
     gpt_oss_gguf_fields,
 )
-from tokenbus.loader.granite_hybrid_config import (
-    GRANITE_HYBRID_GGUF,
-    granite_hybrid_gguf_fields,
-    mamba_gguf_tensor,
-)
 from tokenbus.loader.layer_kinds import (
     EXAONE4_PATTERN,
     OLMO3_PATTERN,
@@ -66,6 +61,12 @@ from tokenbus.loader.layer_kinds import (
 )
 from tokenbus.loader.lfm2_config import (
     lfm2_gguf_fields,
+)
+from tokenbus.loader.mamba_config import (
+    GRANITE_HYBRID_GGUF,
+    NEMOTRON_H_GGUF,
+    mamba_gguf_tensor,
+    mamba_hybrid_gguf_fields,
 )
 from tokenbus.loader.qk_rows import unpermute_qk
 from tokenbus.model_arch import ModelArch
@@ -84,13 +85,14 @@ GGUF_ARCHITECTURES = (
     "exaone4",
     "lfm2",
     GRANITE_HYBRID_GGUF,
+    NEMOTRON_H_GGUF,
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
 # ERNIE's, GLM-4's and Cohere2's too: their HF rows are interleaved already (GLM-4's in each
 # head's rotary half) and their converters write them as they are.
 _PERMUTED_QK_ARCHITECTURES = (
-    *("llama", "mixtral", "smollm3", "granite", "granitemoe", "granitemoehybrid"),
+    *("llama", "mixtral", "smollm3", "granite", "granitemoe", "granitemoehybrid", "nemotron_h"),
     *ERNIE_ARCHITECTURES,
     "glm4",
     "ministral3",  # llama.cpp's "mistral3"
@@ -197,8 +199,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == "smollm3":
         step = _SMOLLM3_NO_ROPE_LAYER_STEP
         family["nope_layers"] = tuple(i for i in range(need("block_count")) if (i + 1) % step == 0)
-    if arch == GRANITE_HYBRID_GGUF:
-        family.update(granite_hybrid_gguf_fields(meta, need("block_count"), gf.tensors, gf.path))
+    if arch in (GRANITE_HYBRID_GGUF, NEMOTRON_H_GGUF):
+        num_layers = need("block_count")
+        family.update(mamba_hybrid_gguf_fields(meta, arch, num_layers, gf.tensors, gf.path))
     if arch in ("granite", "granitemoe", GRANITE_HYBRID_GGUF):
         # llama.cpp writes a multiplier where a config has one
         family.update(
@@ -211,12 +214,13 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == "lfm2":
         family.update(lfm2_gguf_fields(meta, need("block_count"), gf.path))
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
+    width = family.pop("intermediate_size", None) or need("feed_forward_length")
     moe = _moe_fields(gf, arch, need("block_count"))
     return ModelArch(
         architecture=_our_architecture(arch, moe, bool(window)),
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden_size,
-        intermediate_size=need("feed_forward_length"),
+        intermediate_size=width,
         num_hidden_layers=need("block_count"),
         num_attention_heads=num_heads,
         num_key_value_heads=kv_heads or num_heads,

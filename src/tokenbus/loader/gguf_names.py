@@ -11,12 +11,13 @@ from __future__ import annotations
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
-from tokenbus.loader.granite_hybrid_config import (
+from tokenbus.loader.lfm2_config import LFM2_GGUF_BLOCK_NAMES, LFM2_GGUF_GLOBAL_NAMES
+from tokenbus.loader.mamba_config import (
     GRANITE_HYBRID_GGUF,
     GRANITE_HYBRID_GGUF_BLOCK_NAMES,
     MAMBA_PARAMETER_NAMES,
+    NEMOTRON_H_GGUF,
 )
-from tokenbus.loader.lfm2_config import LFM2_GGUF_BLOCK_NAMES, LFM2_GGUF_GLOBAL_NAMES
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -64,6 +65,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     "exaone4": _GEMMA_BLOCK_NAMES,  # likewise
     "lfm2": LFM2_GGUF_BLOCK_NAMES,  # its short convolutions' tensors
     GRANITE_HYBRID_GGUF: GRANITE_HYBRID_GGUF_BLOCK_NAMES,  # its Mamba2 mixers' tensors
+    NEMOTRON_H_GGUF: GRANITE_HYBRID_GGUF_BLOCK_NAMES,  # likewise
     # ERNIE 4.5's shared MLP (several experts' width, ungated) and its selection bias
     "ernie4_5-moe": {
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",

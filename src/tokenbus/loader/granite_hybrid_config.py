@@ -1,6 +1,6 @@
 """Granite 4.0 (GraniteMoeHybrid) shapes beyond Granite 3's (L2; no torch): which layers are
 Mamba2 mixers (model/mamba2.py) and their sizes. hf_loader joins these ModelArch fields to the
-rest.
+rest; a granitehybrid GGUF's are read in loader/mamba_config.py.
 
 - `layer_types` (or `layers_block_type`) names each layer "mamba" (transformers 5 saves
   "linear_attention") or "attention" ("full_attention"). The 4.0-H models mix them; the
@@ -16,9 +16,10 @@ rest.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from tokenbus.loader.mamba_config import dt_limit
 
 MAMBA_KINDS = ("mamba", "linear_attention")
 ATTENTION_KINDS = ("attention", "full_attention")
@@ -47,7 +48,6 @@ def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, An
             f"{path}: mamba_n_heads × mamba_d_head ({heads} × {head_dim}) must be "
             f"mamba_expand × hidden_size ({inner})"
         )
-    limit = [_number(bound) for bound in config.get("time_step_limit") or (0.0, "inf")]
     return dict(
         experts,
         recurrent_layers=mamba,
@@ -59,7 +59,7 @@ def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, An
         mamba_groups=int(config.get("mamba_n_groups", 1)),
         mamba_chunk=int(config.get("mamba_chunk_size", 256)),
         mamba_proj_bias=bool(config.get("mamba_proj_bias", False)),
-        mamba_dt_limit=(float(limit[0]), float(limit[1])),
+        mamba_dt_limit=dt_limit(config.get("time_step_limit")),
     )
 
 
@@ -77,75 +77,3 @@ def _experts(config: dict[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=int(config["shared_intermediate_size"]),
         shared_expert_gated=False,
     )
-
-
-def _number(value: Any) -> float:
-    """A JSON number, or transformers 5's encoding of a float JSON has none for
-    ({"__float__": "Infinity"})."""
-    return float(value["__float__"] if isinstance(value, dict) else value)
-
-
-# llama.cpp's `granitehybrid` GGUF (its GraniteHybridModel): a layer is a Mamba2 mixer where its
-# head_count_kv is 0; ssm.* keys give the mixers' sizes (time_step_rank: the heads, inner_size:
-# heads × head_dim); rope.scaling.finetuned false means no layer turns a rotary (the 4.0-H
-# models). A is stored as -exp(A_log) (read back as A_log here), A and D as [H, 1], the norm's
-# weight as [G, I / G].
-GRANITE_HYBRID_GGUF = "granitehybrid"
-GRANITE_HYBRID_GGUF_BLOCK_NAMES = {
-    # the shared MLP beside experts (dense models write it as ffn_gate / ffn_up / ffn_down)
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
-    "ssm_in": "mamba.in_proj",
-    "ssm_conv1d": "mamba.conv1d",
-    "ssm_dt": "mamba.dt_bias",
-    "ssm_a": "mamba.A_log",
-    "ssm_d": "mamba.D",
-    "ssm_norm": "mamba.norm",
-    "ssm_out": "mamba.out_proj",
-}
-# HF names that are a parameter themselves, not a module's weight or bias.
-MAMBA_PARAMETER_NAMES = ("mamba.dt_bias", "mamba.A_log", "mamba.D")
-
-
-def granite_hybrid_gguf_fields(
-    meta: dict[str, Any], num_layers: int, tensors: Iterable[str], path: Path
-) -> dict[str, Any]:
-    """ModelArch fields of a granitehybrid GGUF beyond Granite's: its Mamba2 layers and their
-    sizes, the attention layers' KV heads, NoPE where it says so."""
-    arch = GRANITE_HYBRID_GGUF
-
-    def need(key: str) -> Any:
-        if f"{arch}.{key}" not in meta:
-            raise ValueError(f"{path}: missing GGUF metadata {arch}.{key}")
-        return meta[f"{arch}.{key}"]
-
-    kv_heads = need("attention.head_count_kv")
-    if not isinstance(kv_heads, list) or len(kv_heads) != num_layers:
-        kv_heads = [kv_heads] * num_layers  # one count: every layer attends
-    mamba = tuple(i for i, n in enumerate(kv_heads) if not n)
-    fields: dict[str, Any] = {"num_key_value_heads": max(kv_heads)}
-    if not meta.get(f"{arch}.rope.scaling.finetuned", True):
-        fields["nope_layers"] = tuple(range(num_layers))
-    if not mamba:
-        return fields
-    heads = int(need("ssm.time_step_rank"))
-    return dict(
-        fields,
-        recurrent_layers=mamba,
-        conv_kernel=int(need("ssm.conv_kernel")),
-        conv_bias=f"blk.{mamba[0]}.ssm_conv1d.bias" in set(tensors),
-        mamba_heads=heads,
-        mamba_head_dim=int(need("ssm.inner_size")) // heads,
-        mamba_state=int(need("ssm.state_size")),
-        mamba_groups=int(need("ssm.group_count")),
-    )
-
-
-def mamba_gguf_tensor(name: str, tensor):
-    """A GGUF mixer tensor as HF holds it: A back to A_log, A / D / the norm flat."""
-    if name.endswith(".mamba.A_log"):
-        return (-tensor).log().reshape(-1)
-    if name.endswith((".mamba.D", ".mamba.norm.weight")):
-        return tensor.reshape(-1)
-    return tensor

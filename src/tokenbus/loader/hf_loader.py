@@ -31,6 +31,7 @@ from tokenbus.loader.layer_kinds import (
     windows,
 )
 from tokenbus.loader.lfm2_config import lfm2_hf_fields
+from tokenbus.loader.nemotron_h_config import nemotron_h_hf_fields, nemotron_h_kinds
 from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -65,6 +66,7 @@ HF_ARCHITECTURES = {
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
     "Lfm2ForCausalLM": "lfm2",  # LFM2 / LFM2.5: short convolutions and attention
+    "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention and MLP blocks
 }
 # Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
 # q/k rows are reordered at load, pairs to halves, so our rotary turns them (model_loader.py).
@@ -178,6 +180,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     image-and-text checkpoint's from its text_config."""
     config = text_config(config, path)
     architecture = _architecture(config, path)
+    if architecture == "nemotron_h":  # its layer count is its block list's (transformers')
+        config = {**config, "num_hidden_layers": len(nemotron_h_kinds(config, path))}
 
     def need(key: str) -> Any:
         if config.get(key) is None:
@@ -213,6 +217,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = lfm2_hf_fields(config, path)
     if architecture == "granitemoehybrid":  # its Mamba2 layers, where it has some
         family = granite_hybrid_hf_fields(config, path)
+    if architecture == "nemotron_h":
+        family = nemotron_h_hf_fields(config, path)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)

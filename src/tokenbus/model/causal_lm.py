@@ -31,7 +31,7 @@ from tokenbus.model.layers.quantized import (
 )
 from tokenbus.model.native import PagedAttentionKernel, QuantKernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.recurrent import RecurrentDecoderLayer, RecurrentPlan
+from tokenbus.model.recurrent import RecurrentPlan
 from tokenbus.model.weights import (
     TensorSlicer,
     WeightLoader,
@@ -143,7 +143,7 @@ class CausalLM(nn.Module):
         return {
             idx: layer.mixer.state_shape()
             for idx, layer in enumerate(self.layers)
-            if isinstance(layer, RecurrentDecoderLayer)
+            if getattr(layer, "mixer", None) is not None
         }
 
     def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -240,7 +240,7 @@ class CausalLM(nn.Module):
             loaders["lm_head.weight"] = sliced(self.lm_head.load_shard, vocab)
         for idx, layer in enumerate(self.layers):
             loaders.update(layer_loaders(f"model.layers.{idx}.", layer, self.tp, self.arch))
-            if isinstance(layer, RecurrentDecoderLayer):
+            if getattr(layer, "mixer", None) is not None:  # a recurrent layer's mixer
                 scope = f"model.layers.{idx}.{layer.mixer.hf_scope}"
                 loaders.update(layer.mixer.weight_loaders(scope, self.arch))
         return loaders

@@ -174,6 +174,20 @@ class GeGLUMLP(GatedMLP):
         return self.ops.gelu_tanh_mul(gate_up)
 
 
+class ReluSquaredMLP(OpsModule):
+    """down_proj(relu(up_proj(x)) ** 2), no gate (Nemotron-H's)."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        size = tp.shard_arch(arch).intermediate_size
+        self.up_proj = Linear(arch.hidden_size, (size,))
+        self.down_proj = Linear(size, (arch.hidden_size,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(torch.relu(self.up_proj(x)).square()))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), the residual carried apart.
     `residual_scale` (Granite's residual_multiplier; 1 elsewhere) scales each sublayer's output

@@ -97,10 +97,13 @@ class ForwardContext:
 
     @property
     def first_kv_cache(self) -> torch.Tensor:
-        """The first attention layer's K/V pool: every layer's has its shape, dtype and
-        device (the plans read the pool's layout from it)."""
+        """The first attention layer's K/V pool [2, blocks, ...]: every layer's has its shape,
+        dtype and device (the plans read the pool's layout from it). A recurrent layer's entry
+        is its state pool, an MLP-only layer's empty."""
         return next(
-            cache for i, cache in enumerate(self.kv_caches) if i not in self.recurrent_layers
+            cache
+            for i, cache in enumerate(self.kv_caches)
+            if i not in self.recurrent_layers and cache.dim() == 5
         )
 
     @property

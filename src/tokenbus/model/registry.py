@@ -18,6 +18,7 @@ from tokenbus.model.granite import (
 from tokenbus.model.lfm2 import Lfm2ForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
+from tokenbus.model.nemotron_h import NemotronHForCausalLM
 from tokenbus.model.olmo2 import Olmo2ForCausalLM
 from tokenbus.model.olmoe import OlmoeForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
@@ -81,6 +82,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
     "lfm2": Lfm2ForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm, ReluSquaredMLP
 from tokenbus.model.layers import Linear
 from tokenbus.model.layers.quantized import is_quantized
 from tokenbus.model.parallel import TensorParallel
@@ -74,7 +74,7 @@ def layer_loaders(
     q/k/v and gate/up tensors into the fused linears, this rank's slice of each. A layer whose
     mlp is not a GatedMLP (a sparse MoE block), or without attention (a short convolution:
     model/short_conv.py), gets those names from its family."""
-    attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = [
         (name, getattr(layer, name))
         for name in LAYER_NORM_NAMES
@@ -104,7 +104,14 @@ _Shards = list[tuple[Linear, str, list[tuple[str, Slicer | None, Slicer | None]]
 
 
 def _mlp_shards(mlp, cut: TensorSlicer, tp: TensorParallel) -> _Shards:
-    """A GatedMLP's gate/up (fused) and down projections; [] for another MLP."""
+    """A GatedMLP's gate/up (fused) and down projections, a ReluSquaredMLP's up and down; []
+    for another MLP (or none)."""
+    if isinstance(mlp, ReluSquaredMLP):
+        rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)
+        return [
+            (mlp.up_proj, "mlp.", [("up_proj", rows, None)]),
+            (mlp.down_proj, "mlp.", [("down_proj", cut.columns(rows), None)]),
+        ]
     if not isinstance(mlp, GatedMLP):
         return []
     rows = cut.rows(tp.rank * mlp.down_proj.in_features, mlp.down_proj.in_features)

@@ -99,24 +99,20 @@ def allocate_kv_caches(
     head_dim elements, or a q8_0 row's bytes: model/kv_quant.py). Under a hybrid KV cache
     (`groups`) one per buffer, shared: layer j of every group gets buffer j. A recurrent layer
     (arch.recurrent_layers) holds no K/V: its entry is its pool from `state_pools`
-    (worker/state_pool.py)."""
-    if arch.recurrent_layers:
-        if state_pools is None or set(state_pools) != set(arch.recurrent_layers):
+    (worker/state_pool.py); an MLP-only layer's (arch.mlp_only_layers) is an empty tensor."""
+    no_kv = (*arch.recurrent_layers, *arch.mlp_only_layers)
+    if no_kv:
+        state_pools = state_pools or {}
+        if set(state_pools) != set(arch.recurrent_layers):
             raise ValueError(f"recurrent layers {arch.recurrent_layers} need their state pools")
-        kv = iter(
-            allocate_kv_caches(
-                dataclasses.replace(
-                    arch, num_hidden_layers=arch.num_kv_layers, recurrent_layers=()
-                ),
-                num_blocks,
-                block_size,
-                dtype,
-                device,
-                groups,
-            )
+        attention = dataclasses.replace(
+            arch, num_hidden_layers=arch.num_kv_layers, recurrent_layers=(), mlp_only_layers=()
         )
+        kv = iter(allocate_kv_caches(attention, num_blocks, block_size, dtype, device, groups))
+        empty = torch.empty(0, dtype=dtype, device=device)
         return [
-            state_pools[i] if i in state_pools else next(kv) for i in range(arch.num_hidden_layers)
+            state_pools.get(i, empty) if i in no_kv else next(kv)
+            for i in range(arch.num_hidden_layers)
         ]
     if groups is not None:
         buffers = allocate_kv_caches(
