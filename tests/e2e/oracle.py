@@ -114,15 +114,30 @@ def assert_c_layers_match_dequantized(path, prompts: list[list[int]], max_tokens
     """A quantized GGUF at `path` decodes every layer in one C call (blocks kept, fp32
     activations), with the tokens of the same file dequantized at load and run layer by layer,
     up to near ties."""
+    assert_blocks_match_dequantized(path, prompts, max_tokens, in_c=True)
+
+
+def assert_blocks_match_dequantized(
+    path, prompts: list[list[int]], max_tokens: int, in_c: bool = False, **engine
+) -> None:
+    """A quantized GGUF at `path` run on its blocks (fp32 activations) gives the tokens of the
+    same file dequantized at load, up to near ties; with `in_c`, its decode steps run every
+    layer in one C call (and the dequantized file's do not)."""
     from tests.e2e.utils import assert_engine_clean, make_llm
 
     results = {}
     for quantization in ("gguf", "none"):
         llm = make_llm(
-            path, quantization=quantization, quant_activations="fp32", kv_cache_dtype="float32"
+            path,
+            quantization=quantization,
+            quant_activations="fp32",
+            kv_cache_dtype="float32",
+            **engine,
         )
         model = llm.engine.client.engine_core.executor.worker.model
-        assert model.decodes_in_c == (quantization == "gguf")
+        assert (model.quant_kernels is not None) == (quantization == "gguf")
+        if in_c:
+            assert model.decodes_in_c == (quantization == "gguf")
         results[quantization] = greedy_outputs(llm, prompts, max_tokens, 5)
         assert_engine_clean(llm)
     for ours, dense in zip(results["gguf"], results["none"]):
