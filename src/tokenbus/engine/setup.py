@@ -162,8 +162,8 @@ def resolve_recurrent_layers(config: EngineConfig, arch: ModelArch) -> EngineCon
 def _cap_running_states(config: EngineConfig, arch: ModelArch) -> EngineConfig:
     """max_num_seqs lowered so that the running requests' states (a pool row each, allocated
     up front: worker/state_pool.py) take at most half the KV budget, counted at 4 bytes a value
-    (fp32, the CPU's; half that in bf16). A Mamba2 state is large: Granite-4.0-H-1B's is 58 MB a
-    request in fp32. On CUDA without --kv-cache-memory the budget is profiled later: no cap."""
+    (fp32, the CPU's; half that in bf16). A Mamba2 state is large: Granite-4.0-H-1B's is 55 MiB
+    a request in fp32. On CUDA without --kv-cache-memory the budget is profiled later: no cap."""
     budget = config.cache.kv_cache_memory
     if budget is None and config.model.device.startswith("cuda"):
         return config

@@ -109,10 +109,9 @@ class InputBuffers:
     Host-side writes go to the numpy views (`input_ids`, `positions`, `slot_mapping`,
     `logits_indices` [max_num_tokens]; `block_table` [max_num_reqs, max_blocks_per_req];
     `seq_lens`, `state_rows` [max_num_reqs]; `query_start_loc` [max_num_reqs + 1]);
-    `device_view` returns the
-    device tensor of the rows a step uses. On CUDA the host copies are pinned and copied
-    asynchronously; `wait_for_copies` (called before the host buffers are written again) makes
-    sure the last step's copies have read them.
+    `device_view` returns the device tensor of the rows a step uses. On CUDA the host copies are
+    pinned and copied asynchronously; `wait_for_copies` (called before the host buffers are
+    written again) makes sure the last step's copies have read them.
 
     A hybrid KV cache (`kv_groups`, core/kv/hybrid.py) adds `block_table_<g>` and
     `slot_mapping_<g>` for each group g >= 1 (group 0 uses the plain ones).
