@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tests.fixtures.gguf_names import llama_cpp_permute
 from tests.fixtures.paged import PagedKV
-from tests.fixtures.tiny_gguf import llama_cpp_permute, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model, make_tiny_model, smollm2_tokenizer_dir
 
 from tokenbus.loader import (
