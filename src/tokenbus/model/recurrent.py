@@ -43,15 +43,7 @@ class RecurrentPlan:
     window_src: torch.Tensor  # [T, K] int64: rows of `seq` in each token's window, oldest first
     state_src: torch.Tensor  # [R, K - 1] int64: rows of `seq` that are each request's new state
     query_start_loc: tuple[int, ...]  # [R + 1], host ints: request r's tokens, as the step's
-
-    @property
-    def num_decodes(self) -> int:
-        """The leading requests of one token each (the batch puts decodes first)."""
-        starts = self.query_start_loc
-        return next(
-            (r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] != 1),
-            len(starts) - 1,
-        )
+    num_decodes: int  # the leading requests of one token each (the batch puts decodes first)
 
     @classmethod
     def build(cls, ctx: ForwardContext, kernel: int) -> RecurrentPlan:
@@ -75,11 +67,13 @@ class RecurrentPlan:
         window = seq_rows(request[:, None], local[:, None] + np.arange(kernel))
         state = seq_rows(np.arange(num_reqs)[:, None], lens[:, None] + np.arange(held))
         device = ctx.state_rows.device
+        longer = np.flatnonzero(lens != 1)
         return cls(
             ctx.state_rows[:num_reqs],
             torch.from_numpy(window).to(device),
             torch.from_numpy(state).to(device),
             tuple(int(s) for s in starts),
+            int(longer[0]) if len(longer) else num_reqs,
         )
 
 
