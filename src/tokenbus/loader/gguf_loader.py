@@ -212,7 +212,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
             logits_scaling=float(meta.get(f"{arch}.logit_scale", 1.0)),
         )
     if arch == "lfm2":
-        family.update(lfm2_gguf_fields(meta, need("block_count"), gf.path))
+        family.update(lfm2_gguf_fields(meta, arch, need("block_count"), gf.path))
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
     moe = _moe_fields(gf, arch, need("block_count"))

@@ -30,13 +30,12 @@ LFM2_GGUF_BLOCK_NAMES = {
 _HF_LAYER_NAMES = {
     "operator_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
     "self_attn.out_proj": "self_attn.o_proj",
     "self_attn.q_layernorm": "self_attn.q_norm",
     "self_attn.k_layernorm": "self_attn.k_norm",
 }
+# A gated MLP's linears, under feed_forward
+_HF_MLP_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def lfm2_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -74,21 +73,23 @@ def lfm2_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     )
 
 
-def lfm2_gguf_fields(meta: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
-    """ModelArch fields of an lfm2 GGUF: its conv layers (head_count_kv 0) and their taps,
-    the attention layers' KV heads."""
-    kv_heads = meta.get("lfm2.attention.head_count_kv")
+def lfm2_gguf_fields(
+    meta: dict[str, Any], arch: str, num_layers: int, path: Path
+) -> dict[str, Any]:
+    """ModelArch fields of an lfm2 GGUF (`arch`: its general.architecture): its conv layers
+    (head_count_kv 0) and their taps, the attention layers' KV heads."""
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv")
     if not isinstance(kv_heads, list) or len(kv_heads) != num_layers:
-        raise ValueError(f"{path}: lfm2.attention.head_count_kv must list each layer's heads")
+        raise ValueError(f"{path}: {arch}.attention.head_count_kv must list each layer's heads")
     attention = {int(n) for n in kv_heads if n}
     if len(attention) != 1:
-        raise ValueError(f"{path}: lfm2 attention layers with KV heads {sorted(attention)}")
-    if "lfm2.shortconv.l_cache" not in meta:
-        raise ValueError(f"{path}: missing GGUF metadata lfm2.shortconv.l_cache")
+        raise ValueError(f"{path}: {arch} attention layers with KV heads {sorted(attention)}")
+    if f"{arch}.shortconv.l_cache" not in meta:
+        raise ValueError(f"{path}: missing GGUF metadata {arch}.shortconv.l_cache")
     conv = [i for i, n in enumerate(kv_heads) if not n]
     return dict(
         num_key_value_heads=attention.pop(),
-        **_conv_fields(conv, int(meta["lfm2.shortconv.l_cache"]), False, path),
+        **_conv_fields(conv, int(meta[f"{arch}.shortconv.l_cache"]), False, path),
     )
 
 
@@ -107,5 +108,8 @@ def lfm2_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
             _, _, layer, rest = name.split(".", 3)
             module, _, leaf = rest.rpartition(".")
             module = _HF_LAYER_NAMES.get(module, module)
+            if module.startswith("feed_forward."):  # the MLP's linears (an expert's)
+                scope, _, linear = module.replace("feed_forward", "mlp", 1).rpartition(".")
+                module = f"{scope}.{_HF_MLP_NAMES.get(linear, linear)}"
             name = f"model.layers.{layer}.{module}.{leaf}"
         yield name, tensor

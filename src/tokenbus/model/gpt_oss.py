@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from tokenbus.model.decoder import Attention, DecoderLayer
+from tokenbus.model.decoder import Attention
 from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import SINGLE, TensorParallel
@@ -60,9 +60,8 @@ class GptOssForCausalLM(MoECausalLM):
     def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
         return GptOssAttention(arch, tp)
 
-    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
-        mlp = SparseMoeBlock(arch, tp, bias=True)  # its clamped SwiGLU: arch.swiglu_limit
-        return DecoderLayer(arch, self.make_attention(arch, tp), mlp)
+    def make_mlp(self, arch: ModelArch, tp: TensorParallel) -> SparseMoeBlock:
+        return SparseMoeBlock(arch, tp, bias=True)  # its clamped SwiGLU: arch.swiglu_limit
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
         loaders = super()._weight_loaders()

@@ -23,6 +23,9 @@ from tokenbus.model_arch import ModelArch
 class Lfm2ForCausalLM(CausalLM):
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
         if self.making_layer in arch.recurrent_layers:
-            return RecurrentDecoderLayer(arch, ShortConv(arch, tp), GatedMLP(arch, tp))
+            return RecurrentDecoderLayer(arch, ShortConv(arch, tp), self.make_mlp(arch, tp))
         attention = Attention(arch, tp, qk_norm=QKNorm.HEADS)
-        return DecoderLayer(arch, attention, GatedMLP(arch, tp))
+        return DecoderLayer(arch, attention, self.make_mlp(arch, tp))
+
+    def make_mlp(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
+        return GatedMLP(arch, tp)

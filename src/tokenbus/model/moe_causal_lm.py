@@ -24,12 +24,13 @@ class MoECausalLM(CausalLM):
         return Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=self.qk_norm)
 
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
-        mlp = (
-            GatedMLP(arch, tp)
-            if self.making_layer in arch.dense_layers
-            else SparseMoeBlock(arch, tp)
-        )
-        return DecoderLayer(arch, self.make_attention(arch, tp), mlp)
+        return DecoderLayer(arch, self.make_attention(arch, tp), self.make_mlp(arch, tp))
+
+    def make_mlp(self, arch: ModelArch, tp: TensorParallel) -> GatedMLP | SparseMoeBlock:
+        """The MLP of the layer being made: dense in arch.dense_layers, sparse elsewhere."""
+        if self.making_layer in arch.dense_layers:
+            return GatedMLP(arch, tp)
+        return SparseMoeBlock(arch, tp)
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
         loaders = super()._weight_loaders()
