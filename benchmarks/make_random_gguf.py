@@ -17,9 +17,9 @@ granite-3b-a800m (GraniteMoE: 40 experts, top 8), gpt-oss-20b-8l (gpt-oss: biase
 (Qwen2-MoE: 60 experts of 1408, top 4, and a shared expert of 5632; 8 of its 24 layers),
 ernie-4.5-21b-a3b-8l (ERNIE 4.5 MoE: a dense first layer, 64 experts of 1536, top 6 chosen with a
 bias, an ungated shared MLP of 3072; 8 of its 28 layers), lfm2-1.2b (LFM2: ten gated short
-convolutions among six attention layers), granite-4.0-h-1b (Granite 4.0-H: 36 Mamba2 mixers
-and four attention layers without a rotary). Tensor
-names
+convolutions among six attention layers), lfm2-8b-a1b-8l (LFM2-MoE: LFM2's layers, two dense
+MLPs, then 32 experts of 1792, top 4, sigmoid-scored; 8 of its 24 layers), granite-4.0-h-1b
+(Granite 4.0-H: 36 Mamba2 mixers and four attention layers without a rotary). Tensor names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
 
@@ -45,7 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, RopeScalingType
+from gguf import (
+    ExpertGatingFuncType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+    RopeScalingType,
+)
 from gguf.constants import TokenType
 
 from tokenbus.loader.source import packaged_smollm2_gguf
@@ -58,6 +65,7 @@ POST_NORM_ONLY = ("olmo2",)  # post_attention_norm and post_ffw_norm, no attn_no
 # pre-MLP norm named post_attention_norm
 GPT_OSS = "gpt-oss"
 ERNIE_MOE = "ernie4_5-moe"
+LFM2_MOE = "lfm2moe"  # LFM2's layers, sigmoid-scored experts chosen with a bias
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,15 @@ CONFIGS = {
         "lfm2", 2048, 16, 32, 8, 8192, 65536, 1000000.0, 128000, 1e-5, True, qk_norm=True,
         conv_layers=(0, 1, 3, 4, 6, 7, 9, 11, 13, 15), conv_kernel=3,
     ),
+    # LFM2-8B-A1B: LFM2's layers 2048 wide (attention, 32 / 8 heads of 64, in 6 of its 24:
+    # 2, 6, 10, 14, 18, 21), dense MLPs of 7168 in the first two, then 32 experts of 1792, top 4
+    # (sigmoid scores, chosen with a bias), a 65k vocabulary, tied; 8.3 B parameters, 1.5 B
+    # active. Its first 8 layers here (attention in 2 and 6).
+    "lfm2-8b-a1b-8l": ModelShape(
+        "lfm2moe", 2048, 8, 32, 8, 7168, 65536, 1000000.0, 128000, 1e-5, True, qk_norm=True,
+        conv_layers=(0, 1, 3, 4, 5, 7), conv_kernel=3, experts=32, experts_used=4,
+        expert_intermediate=1792, dense_lead=2,
+    ),
     # Granite-4.0-H-1B: 1536 wide, 40 layers, 36 Mamba2 mixers (48 heads of 64, a state of 128,
     # one B/C group, 4 taps) and four attention layers (12 / 4 heads of 128, no rotary), a
     # shared MLP of 4096, a 100k vocabulary, tied.
@@ -268,7 +285,7 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "shortconv.in_proj.weight", (3 * h, h), "matrix"
             yield b + "shortconv.out_proj.weight", (h, h), "matrix"
             yield b + "ffn_norm.weight", (h,), "norm"
-            yield from _mlp(b, shape, h, post_norms)
+            yield from _ffn(b, i, shape, h, post_norms)
             continue
         for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
             yield b + name + ".weight", (rows, h), "matrix"
@@ -286,26 +303,7 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "post_attention_norm.weight", (h,), "norm"
         if pre_norms and not oss:
             yield b + "ffn_norm.weight", (h,), "norm"
-        if shape.experts and i >= shape.dense_lead:
-            e, inter = shape.experts, shape.expert_intermediate
-            yield b + "ffn_gate_inp.weight", (e, h), "router"
-            if oss:
-                yield b + "ffn_gate_inp.bias", (e,), "bias"
-            if shape.architecture == ERNIE_MOE:  # its selection bias
-                yield b + "exp_probs_b.bias", (e,), "bias"
-            for name, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
-                yield b + f"ffn_{name}_exps.weight", (e, rows, cols), "matrix"
-                if oss:
-                    yield b + f"ffn_{name}_exps.bias", (e, rows), "bias"
-            if shape.shared_intermediate:  # llama.cpp's qwen2moe: the gate a [hidden] vector
-                s = shape.shared_intermediate
-                if shape.architecture != ERNIE_MOE:  # ERNIE's shared MLP has no gate
-                    yield b + "ffn_gate_inp_shexp.weight", (h,), "bias"
-                yield b + "ffn_gate_shexp.weight", (s, h), "matrix"
-                yield b + "ffn_up_shexp.weight", (s, h), "matrix"
-                yield b + "ffn_down_shexp.weight", (h, s), "matrix"
-            continue
-        yield from _mlp(b, shape, h, post_norms)
+        yield from _ffn(b, i, shape, h, post_norms)
     final_norm = "token_embd_norm" if shape.conv_layers else "output_norm"
     yield final_norm + ".weight", (h,), "norm"
     if not shape.tied:
@@ -326,6 +324,38 @@ def _mamba2(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], s
     yield b + "ssm_d", (shape.ssm_heads, 1), "norm"
     yield b + "ssm_norm.weight", (shape.ssm_groups, inner // shape.ssm_groups), "norm"
     yield b + "ssm_out.weight", (shape.hidden, inner), "matrix"
+
+
+def _ffn(
+    b: str, i: int, shape: ModelShape, h: int, post_norms: bool
+) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """Layer i's MLP tensors: its experts' past the leading dense layers, else a dense MLP's."""
+    if shape.experts and i >= shape.dense_lead:
+        return _moe(b, shape, h)
+    return _mlp(b, shape, h, post_norms)
+
+
+def _moe(b: str, shape: ModelShape, h: int) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """A sparse MoE layer's tensors: the router, a selection bias (ERNIE's, LFM2-MoE's), the
+    experts stacked, a shared expert."""
+    oss = shape.architecture == GPT_OSS
+    e, inter = shape.experts, shape.expert_intermediate
+    yield b + "ffn_gate_inp.weight", (e, h), "router"
+    if oss:
+        yield b + "ffn_gate_inp.bias", (e,), "bias"
+    if shape.architecture in (ERNIE_MOE, LFM2_MOE):  # its selection bias
+        yield b + "exp_probs_b.bias", (e,), "bias"
+    for name, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
+        yield b + f"ffn_{name}_exps.weight", (e, rows, cols), "matrix"
+        if oss:
+            yield b + f"ffn_{name}_exps.bias", (e, rows), "bias"
+    if shape.shared_intermediate:  # llama.cpp's qwen2moe: the gate a [hidden] vector
+        s = shape.shared_intermediate
+        if shape.architecture != ERNIE_MOE:  # ERNIE's shared MLP has no gate
+            yield b + "ffn_gate_inp_shexp.weight", (h,), "bias"
+        yield b + "ffn_gate_shexp.weight", (s, h), "matrix"
+        yield b + "ffn_up_shexp.weight", (s, h), "matrix"
+        yield b + "ffn_down_shexp.weight", (h, s), "matrix"
 
 
 def _mlp(
@@ -402,6 +432,9 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
     if shape.shared_intermediate:
         writer.add_expert_shared_feed_forward_length(shape.shared_intermediate)
+    if shape.architecture == LFM2_MOE:  # llama.cpp's LFM2MoeModel
+        writer.add_leading_dense_block_count(shape.dense_lead)
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if shape.architecture == ERNIE_MOE:  # llama.cpp's Ernie4_5MoeModel
         writer.add_leading_dense_block_count(shape.dense_lead)
         writer.add_interleave_moe_layer_step(1)

@@ -132,6 +132,14 @@ def test_the_real_configs_have_the_published_sizes():
     full = dataclasses.replace(make_random_gguf.CONFIGS["ernie-4.5-21b-a3b-8l"], layers=28)
     assert 21.7e9 < _num_params(full) < 21.9e9
     assert 1.16e9 < params["lfm2-1.2b"] < 1.18e9  # LFM2-1.2B: 1.17 B
+    # LFM2-8B-A1B: 8.3 B parameters over its 24 layers (attention in 2, 6, 10, 14, 18, 21)
+    attention = (2, 6, 10, 14, 18, 21)
+    full = dataclasses.replace(
+        make_random_gguf.CONFIGS["lfm2-8b-a1b-8l"],
+        layers=24,
+        conv_layers=tuple(i for i in range(24) if i not in attention),
+    )
+    assert 8.3e9 < _num_params(full) < 8.4e9
     assert 1.45e9 < params["granite-4.0-h-1b"] < 1.48e9  # Granite-4.0-H-1B: 1.46 B
 
 
@@ -148,6 +156,33 @@ def test_lfm2_is_written_as_llama_cpps(tmp_path):
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     assert model.layers[2].mixer.weight.shape == (shape.hidden, 3)
     assert model.norm.weight.eq(1).all()
+
+
+def test_lfm2_moe_is_written_as_llama_cpps(tmp_path):
+    """LFM2's layers, a dense first MLP, then experts with the selection bias and sigmoid
+    scores (expert_gating_func): read back by the loader and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("lfm2-8b-a1b-8l"),
+        layers=3,
+        conv_layers=(0, 2),
+        experts=4,
+        experts_used=2,
+        expert_intermediate=64,
+        dense_lead=1,
+    )
+    path = make_random_gguf.write_random_gguf(
+        "lfm2moe", tmp_path / "m.gguf", shape=shape, quiet=True
+    )
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.recurrent_layers, arch.dense_layers) == (
+        "lfm2_moe",
+        (0, 2),
+        (0,),
+    )
+    assert (arch.moe_scoring, arch.moe_selection_bias, arch.num_experts) == ("sigmoid", True, 4)
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[2].mlp.selection_bias.abs().sum() > 0
 
 
 def test_ernie_moe_is_written_as_llama_cpps(tmp_path):

@@ -64,6 +64,11 @@ class ModelArch:
     # ERNIE 4.5's per-expert bias (moe_statics.e_score_correction_bias) added to the routing
     # probabilities to choose the top k, their weights the probabilities themselves
     moe_selection_bias: bool = False
+    # How the router's logits become the experts' probabilities: a "softmax" over all of them,
+    # or each its own "sigmoid" (LFM2-MoE's); the chosen weights, renormalised or not, are then
+    # scaled by routed_scaling_factor.
+    moe_scoring: str = "softmax"
+    routed_scaling_factor: float = 1.0
     # gpt-oss's clamped SwiGLU in its experts (model/gpt_oss.py): the gate clamped from above and
     # up to +-swiglu_limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1); None elsewhere.
     swiglu_limit: float | None = None

@@ -1,5 +1,6 @@
-"""Sparse MoE: routing against HF's block, llama.cpp's stacked expert tensors mapped to HF's
-per-expert names (blocks kept as views), and refusals that name the field or tensor."""
+"""Sparse MoE: routing against HF's blocks (softmax, and LFM2-MoE's sigmoid scores), llama.cpp's
+stacked expert tensors mapped to HF's per-expert names (blocks kept as views), and refusals that
+name the field or tensor."""
 
 from __future__ import annotations
 
@@ -164,3 +165,69 @@ def test_selection_bias_chooses_and_stays_fp32():
     block.to(torch.bfloat16)
     assert block.selection_bias.dtype == torch.float32
     assert block.gate.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("bias", "norm_topk_prob", "scale"), [(True, True, 1.0), (False, False, 2.5)]
+)
+def test_sigmoid_routing_matches_hf_lfm2_moe_block(bias, norm_topk_prob, scale):
+    """LFM2-MoE's routing (each expert's sigmoid, the top k by score + expert bias, weighed by
+    the scores, renormalised or not, scaled) and expert step equal HF's Lfm2MoeSparseMoeBlock on
+    the same weights, in fp32."""
+    from transformers import Lfm2MoeConfig
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeSparseMoeBlock
+
+    from tokenbus.model.moe import SELECTION_BIAS_NAME
+
+    config = Lfm2MoeConfig(
+        hidden_size=64, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        use_expert_bias=bias, norm_topk_prob=norm_topk_prob, routed_scaling_factor=scale,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Lfm2MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape) / param.shape[-1] ** 0.5)
+        if bias:
+            hf.expert_bias.copy_(0.3 * torch.randn(8))
+    arch = dataclasses.replace(
+        load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE)))),
+        num_experts_per_tok=3,
+        norm_topk_prob=norm_topk_prob,
+        moe_selection_bias=bias,
+        moe_scoring="sigmoid",
+        routed_scaling_factor=scale,
+    )
+    ours = SparseMoeBlock(arch)
+    named = {"mlp.gate.weight": hf.gate.weight}
+    if bias:
+        named[f"mlp.{SELECTION_BIAS_NAME}"] = hf.expert_bias
+    for e in range(8):
+        gate_up, down = hf.experts.gate_up_proj[e], hf.experts.down_proj[e]
+        named[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[:32]
+        named[f"mlp.experts.{e}.up_proj.weight"] = gate_up[32:]
+        named[f"mlp.experts.{e}.down_proj.weight"] = down
+    loaders = ours.weight_loaders("mlp.", "lfm2_moe")
+    assert set(loaders) == set(named)
+    for name, tensor in named.items():
+        loaders[name](name, tensor.detach())
+    x = torch.randn(37, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x.unsqueeze(0))[0], atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_scoring_is_refused_by_name(tmp_path):
+    from tokenbus.loader.lfm2_config import lfm2_gguf_fields
+
+    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE))))
+    with pytest.raises(ValueError, match="moe_scoring: 'sqrtsoftplus' is not supported"):
+        SparseMoeBlock(dataclasses.replace(arch, moe_scoring="sqrtsoftplus"))
+    meta = {
+        "lfm2moe.attention.head_count_kv": [0, 2],
+        "lfm2moe.shortconv.l_cache": 3,
+        "lfm2moe.expert_gating_func": 4,  # llama.cpp's sqrt-softplus
+    }
+    with pytest.raises(ValueError, match="lfm2moe.expert_gating_func must be 1"):
+        lfm2_gguf_fields(meta, "lfm2moe", 2, tmp_path / "m.gguf")
+    meta["lfm2moe.expert_gating_func"] = 2
+    assert lfm2_gguf_fields(meta, "lfm2moe", 2, tmp_path / "m.gguf")["moe_scoring"] == "sigmoid"

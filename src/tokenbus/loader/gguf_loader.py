@@ -59,9 +59,7 @@ from tokenbus.loader.layer_kinds import (
     global_nope_layers,
     windows,
 )
-from tokenbus.loader.lfm2_config import (
-    lfm2_gguf_fields,
-)
+from tokenbus.loader.lfm2_config import LFM2_GGUF_ARCHITECTURES, lfm2_gguf_fields
 from tokenbus.loader.mamba_config import (
     GRANITE_HYBRID_GGUF,
     NEMOTRON_H_GGUF,
@@ -83,7 +81,7 @@ GGUF_ARCHITECTURES = (
     "mistral3",
     "cohere2",
     "exaone4",
-    "lfm2",
+    *LFM2_GGUF_ARCHITECTURES,
     GRANITE_HYBRID_GGUF,
     NEMOTRON_H_GGUF,
     *GEMMA_GGUF_ARCHITECTURES,
@@ -211,7 +209,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
             attention_multiplier=meta.get(f"{arch}.attention.scale"),
             logits_scaling=float(meta.get(f"{arch}.logit_scale", 1.0)),
         )
-    if arch == "lfm2":
+    if arch in LFM2_GGUF_ARCHITECTURES:
         family.update(lfm2_gguf_fields(meta, arch, need("block_count"), gf.path))
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
@@ -250,6 +248,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         "mistral3": "ministral3",
         GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss",
         GRANITE_HYBRID_GGUF: "granitemoehybrid",
+        "lfm2moe": "lfm2_moe",
         **ERNIE_GGUF_ARCHITECTURES,
     }
     if gguf_arch in renamed:
@@ -266,7 +265,7 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     ERNIE's selection bias is its exp_probs_b."""
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
-    own_width = ("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE)
+    own_width = ("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE, "lfm2moe")
     if not num_experts:
         if arch in (*own_width, "olmoe", "granitemoe"):
             raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_count")
@@ -473,6 +472,7 @@ _HF_EXPERT_NAMES = {
     "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     # Granite 4.0-H's, likewise (model/granite.py)
     "granitemoehybrid": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "lfm2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 

@@ -11,7 +11,11 @@ from __future__ import annotations
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
-from tokenbus.loader.lfm2_config import LFM2_GGUF_BLOCK_NAMES, LFM2_GGUF_GLOBAL_NAMES
+from tokenbus.loader.lfm2_config import (
+    LFM2_GGUF_ARCHITECTURES,
+    LFM2_GGUF_BLOCK_NAMES,
+    LFM2_GGUF_GLOBAL_NAMES,
+)
 from tokenbus.loader.mamba_config import (
     GRANITE_HYBRID_GGUF,
     GRANITE_HYBRID_GGUF_BLOCK_NAMES,
@@ -63,7 +67,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     },
     "olmo2": _GEMMA_BLOCK_NAMES,  # its post-norms by Gemma's names (and no attn_norm / ffn_norm)
     "exaone4": _GEMMA_BLOCK_NAMES,  # likewise
-    "lfm2": LFM2_GGUF_BLOCK_NAMES,  # its short convolutions' tensors
+    **{arch: LFM2_GGUF_BLOCK_NAMES for arch in LFM2_GGUF_ARCHITECTURES},  # short convolutions
     GRANITE_HYBRID_GGUF: GRANITE_HYBRID_GGUF_BLOCK_NAMES,  # its Mamba2 mixers' tensors
     NEMOTRON_H_GGUF: GRANITE_HYBRID_GGUF_BLOCK_NAMES,  # likewise
     # ERNIE 4.5's shared MLP (several experts' width, ungated) and its selection bias
@@ -88,7 +92,8 @@ def hf_weight_name(gf: GGUFFile, name: str) -> str:
     """The HF name of GGUF tensor `name` (blk.N.<tensor>.<weight|bias>, or a global one) in
     the file's architecture."""
     arch = gf.metadata.get("general.architecture")
-    global_names = {**_GLOBAL_NAMES, **(LFM2_GGUF_GLOBAL_NAMES if arch == "lfm2" else {})}
+    lfm2 = arch in LFM2_GGUF_ARCHITECTURES
+    global_names = {**_GLOBAL_NAMES, **(LFM2_GGUF_GLOBAL_NAMES if lfm2 else {})}
     if name in global_names:
         return global_names[name]
     block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}

@@ -30,7 +30,7 @@ from tokenbus.loader.layer_kinds import (
     rope_by_layer_type,
     windows,
 )
-from tokenbus.loader.lfm2_config import lfm2_hf_fields
+from tokenbus.loader.lfm2_config import lfm2_hf_fields, lfm2_moe_hf_fields
 from tokenbus.loader.nemotron_h_config import nemotron_h_hf_fields, nemotron_h_kinds
 from tokenbus.model_arch import ModelArch
 
@@ -66,6 +66,7 @@ HF_ARCHITECTURES = {
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
     "Lfm2ForCausalLM": "lfm2",  # LFM2 / LFM2.5: short convolutions and attention
+    "Lfm2MoeForCausalLM": "lfm2_moe",  # LFM2's layers with sigmoid-routed experts
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention and MLP blocks
 }
 # Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
@@ -215,6 +216,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         rope_config, family["attn_temperature"] = _ministral3_temperature(config, path)
     if architecture == "lfm2":
         family = lfm2_hf_fields(config, path)
+    if architecture == "lfm2_moe":
+        family = lfm2_moe_hf_fields(config, path)
     if architecture == "granitemoehybrid":  # its Mamba2 layers, where it has some
         family = granite_hybrid_hf_fields(config, path)
     if architecture == "nemotron_h":

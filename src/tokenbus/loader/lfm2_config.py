@@ -1,5 +1,6 @@
-"""LFM2 shapes and names (L2; no torch): what its config.json and llama.cpp's `lfm2` GGUF say
-beyond a Llama's. hf_loader / gguf_loader join these ModelArch fields to the rest.
+"""LFM2 and LFM2-MoE shapes and names (L2; no torch): what their config.json and llama.cpp's
+`lfm2` / `lfm2moe` GGUFs say beyond a Llama's. hf_loader / gguf_loader join these ModelArch
+fields to the rest.
 
 - Layers: `layer_types` ("conv" or "full_attention"; older configs list `full_attn_idxs`) make
   ModelArch.recurrent_layers: gated short convolutions of `conv_L_cache` taps
@@ -13,6 +14,10 @@ beyond a Llama's. hf_loader / gguf_loader join these ModelArch fields to the res
   / mlp.gate_proj, up_proj, down_proj / o_proj / q_norm / k_norm / model.norm; the conv's
   (conv.in_proj, conv.conv, conv.out_proj) stay. llama.cpp names the final norm
   token_embd_norm and the conv's tensors shortconv.*.
+- LFM2-MoE: its experts' feed_forward.experts.N.w1, w3, w2 go by the same names under
+  mlp.experts.N, the router feed_forward.gate is mlp.gate and feed_forward.expert_bias the
+  selection bias model/moe.py loads (mlp.moe_statics.e_score_correction_bias, ERNIE's name;
+  llama.cpp's exp_probs_b). An lfm2moe GGUF says its sigmoid scores by expert_gating_func 2.
 """
 
 from __future__ import annotations
@@ -21,12 +26,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+LFM2_GGUF_ARCHITECTURES = ("lfm2", "lfm2moe")
 LFM2_GGUF_GLOBAL_NAMES = {"token_embd_norm.weight": "model.norm.weight"}
 LFM2_GGUF_BLOCK_NAMES = {
     "shortconv.conv": "conv.conv",
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
+    # LFM2-MoE's expert bias, by the name of the selection bias model/moe.py loads
+    "exp_probs_b": "mlp.moe_statics.e_score_correction_bias",
 }
+# llama.cpp's expert_gating_func values: how a router's logits become probabilities
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}
 _HF_LAYER_NAMES = {
     "operator_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -40,6 +50,43 @@ _HF_MLP_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 def lfm2_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """ModelArch fields of an Lfm2ForCausalLM config beyond the shared ones."""
+    width = int(config.get("block_ff_dim") or config["intermediate_size"])
+    if config.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:  # Lfm2MLP rounds only here
+            multiple = int(config.get("block_multiple_of", 256))
+            width = int(multiplier * width)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return dict(intermediate_size=width, **_hf_layer_fields(config, path))
+
+
+def lfm2_moe_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelArch fields of an Lfm2MoeForCausalLM config (LFM2-8B-A1B, LFM2-24B-A2B): LFM2's
+    layers, the first `num_dense_layers` with a dense MLP of intermediate_size (as it is), the
+    others sparse: each expert scored by its sigmoid, the top k chosen by score + expert_bias
+    (use_expert_bias), renormalised (norm_topk_prob), scaled by routed_scaling_factor."""
+    num_layers = int(config["num_hidden_layers"])
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not config.get(key):
+            raise ValueError(f"{path}: an Lfm2MoeForCausalLM config needs {key!r}")
+    return dict(
+        intermediate_size=int(config["intermediate_size"]),
+        num_experts=int(config["num_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        dense_layers=tuple(range(min(int(config.get("num_dense_layers", 2)), num_layers))),
+        moe_selection_bias=bool(config.get("use_expert_bias", True)),
+        moe_scoring="sigmoid",
+        routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        **_hf_layer_fields(config, path),
+    )
+
+
+def _hf_layer_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What LFM2's configs say of their layers: which are convolutions, their taps and
+    biases, the norms' epsilon, the tied head."""
     num_layers = int(config["num_hidden_layers"])
     kinds = config.get("layer_types")
     if kinds is None:
@@ -50,16 +97,7 @@ def lfm2_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
             f"{path}: layer_types must name 'conv' or 'full_attention' for each of the "
             f"{num_layers} layers, got {kinds!r}"
         )
-    width = int(config.get("block_ff_dim") or config["intermediate_size"])
-    if config.get("block_auto_adjust_ff_dim", True):
-        width = int(2 * width / 3)
-        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
-        if multiplier is not None:  # Lfm2MLP rounds only here
-            multiple = int(config.get("block_multiple_of", 256))
-            width = int(multiplier * width)
-            width = multiple * ((width + multiple - 1) // multiple)
     return dict(
-        intermediate_size=width,
         rms_norm_eps=float(config.get("norm_eps", 1e-5)),
         tie_word_embeddings=bool(
             config.get("tie_embedding", config.get("tie_word_embeddings", True))
@@ -87,10 +125,19 @@ def lfm2_gguf_fields(
     if f"{arch}.shortconv.l_cache" not in meta:
         raise ValueError(f"{path}: missing GGUF metadata {arch}.shortconv.l_cache")
     conv = [i for i, n in enumerate(kv_heads) if not n]
-    return dict(
+    fields = dict(
         num_key_value_heads=attention.pop(),
         **_conv_fields(conv, int(meta[f"{arch}.shortconv.l_cache"]), False, path),
     )
+    if arch == "lfm2moe":  # llama.cpp requires the key there (and reads no weights scale)
+        gating = meta.get(f"{arch}.expert_gating_func")
+        if gating not in _GGUF_GATING:
+            raise ValueError(
+                f"{path}: {arch}.expert_gating_func must be 1 (softmax) or 2 (sigmoid), "
+                f"got {gating!r}"
+            )
+        fields["moe_scoring"] = _GGUF_GATING[gating]
+    return fields
 
 
 def _conv_fields(conv: list[int], kernel: int, bias: bool, path: Path) -> dict[str, Any]:
@@ -104,6 +151,10 @@ def lfm2_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
         if name == "model.embedding_norm.weight":
             name = "model.norm.weight"
+        elif name.endswith(".feed_forward.expert_bias"):
+            name = name.replace(
+                "feed_forward.expert_bias", "mlp.moe_statics.e_score_correction_bias"
+            )
         elif name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, _, leaf = rest.rpartition(".")

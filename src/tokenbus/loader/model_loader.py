@@ -55,7 +55,7 @@ def iter_weights(
             return gpt_oss_experts(weights, keep_quantized)
         if arch.architecture == "glm4":
             weights = glm4_norm_names(weights)
-        if arch.architecture == "lfm2":
+        if arch.architecture in ("lfm2", "lfm2_moe"):
             weights = lfm2_names(weights)
         if arch.architecture in ERNIE_ARCHITECTURES:
             weights = without_mtp(weights)

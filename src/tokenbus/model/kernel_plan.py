@@ -443,6 +443,10 @@ def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
     router = block.gate.kernel
     if not isinstance(router, RowInvariantLinear) or block.tp.enabled:
         return None
+    if block.sigmoid_scores or block.routed_scaling_factor != 1.0:
+        # decode_layer.c routes by softmax alone: the one family routing otherwise (LFM2-MoE)
+        # has short convolutions, which run op by op anyway
+        return None
     shared = None
     if block.shared_expert is not None:
         expert, gate = block.shared_expert, block.shared_expert_gate

@@ -6,6 +6,10 @@ attention layers, each followed by a SwiGLU MLP in a pre-norm block.
 - The final norm is HF's `embedding_norm`; the LM head is tied.
 - HF's names differ from the shared parts' (operator_norm, ffn_norm, feed_forward.w1/w3/w2,
   out_proj, q/k_layernorm): loader/lfm2_config.py renames them at load.
+
+LFM2-MoE (Lfm2MoeForCausalLM: LFM2-8B-A1B, LFM2-24B-A2B) keeps these layers and makes every
+MLP after the first `num_dense_layers` a sparse MoE block (model/moe.py) whose router scores
+each expert by its sigmoid and chooses by score + a per-expert bias.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from torch import nn
 
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
+from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.recurrent import RecurrentDecoderLayer
 from tokenbus.model.short_conv import ShortConv
@@ -29,3 +34,10 @@ class Lfm2ForCausalLM(CausalLM):
 
     def make_mlp(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
         return GatedMLP(arch, tp)
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM, MoECausalLM):
+    """LFM2's layers (make_layer) with MoECausalLM's MLPs and expert loading."""
+
+    family = "lfm2_moe"
+    make_mlp = MoECausalLM.make_mlp

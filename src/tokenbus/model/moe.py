@@ -6,7 +6,9 @@ in fp32, the top k kept, and (norm_topk_prob) renormalised to sum to 1. Mixtral'
 the top-k logits" is the same numbers (the renormalised top-k of a softmax), so both families
 share this one rule, with norm_topk_prob always on for Mixtral. ERNIE 4.5 chooses its top k
 by the probabilities plus a per-expert bias (`selection_bias`, its e_score_correction_bias),
-the weights still the chosen experts' probabilities.
+the weights still the chosen experts' probabilities. LFM2-MoE's router scores each expert by
+its own sigmoid instead of a softmax (arch.moe_scoring), chooses by score + bias as ERNIE does,
+renormalises with HF's 1e-6 in the sum, and scales the weights by routed_scaling_factor.
 
 The expert step is fused over the batch: the T*k (token, expert) pairs are sorted by expert
 (a stable argsort), so each expert's tokens are one contiguous run; each active expert runs
@@ -56,6 +58,7 @@ EXPERT_NAMES = {
     "granitemoe": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
     "gpt_oss": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
     "granitemoehybrid": ("gate_proj", "up_proj", "down_proj"),  # likewise
+    "lfm2_moe": ("gate_proj", "up_proj", "down_proj"),  # renamed from w1, w3, w2 at load
 }
 
 
@@ -65,6 +68,8 @@ SHARED_EXPERT_NAMES = {
     "ernie4_5_moe": ("shared_experts", None),
     "granitemoehybrid": ("shared_experts", None),  # Granite 4.0-H's shared_mlp
 }
+# How a router's logits become probabilities (ModelArch.moe_scoring)
+MOE_SCORINGS = ("softmax", "sigmoid")
 # ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints)
 SELECTION_BIAS_NAME = "moe_statics.e_score_correction_bias"
 
@@ -102,7 +107,14 @@ class SparseMoeBlock(OpsModule):
         self.tp = tp
         self.num_experts = arch.num_experts
         self.top_k = arch.num_experts_per_tok
+        if arch.moe_scoring not in MOE_SCORINGS:
+            raise ValueError(
+                f"moe_scoring: {arch.moe_scoring!r} is not supported "
+                f"(supported: {', '.join(MOE_SCORINGS)})"
+            )
         self.norm_topk_prob = arch.norm_topk_prob
+        self.sigmoid_scores = arch.moe_scoring == "sigmoid"
+        self.routed_scaling_factor = arch.routed_scaling_factor
         # (limit, alpha) of gpt-oss's clamped SwiGLU; None: SiLU
         self.swiglu = None if arch.swiglu_limit is None else (arch.swiglu_limit, arch.swiglu_alpha)
         # the activation act_mul computes (decode_layer.c's MLP_ACTIVATIONS)
@@ -136,14 +148,19 @@ class SparseMoeBlock(OpsModule):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of each token."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        logits = self.gate(x).float()  # [T, E]
+        probs = torch.sigmoid(logits) if self.sigmoid_scores else torch.softmax(logits, dim=-1)
         if self.selection_bias is None:
             weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         else:  # chosen by the biased probabilities, weighed by the probabilities
             _, expert_ids = torch.topk(probs + self.selection_bias.float(), self.top_k, dim=-1)
             weights = probs.gather(-1, expert_ids)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # sigmoid scores need not sum to anything: HF's LFM2-MoE keeps the sum off 0
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-6 if self.sigmoid_scores else total)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return weights.to(x.dtype), expert_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

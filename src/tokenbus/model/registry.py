@@ -15,7 +15,7 @@ from tokenbus.model.granite import (
     GraniteHybridForCausalLM,
     GraniteMoeForCausalLM,
 )
-from tokenbus.model.lfm2 import Lfm2ForCausalLM
+from tokenbus.model.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.nemotron_h import NemotronHForCausalLM
@@ -82,6 +82,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
     "lfm2": Lfm2ForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "lfm2_moe": Lfm2MoeForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
 }
