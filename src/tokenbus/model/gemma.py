@@ -39,7 +39,7 @@ from tokenbus.model.decoder import (
 )
 from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.weights import WeightLoader
+from tokenbus.model.weights import WeightLoader, plus_one
 from tokenbus.model_arch import ModelArch
 
 
@@ -92,15 +92,6 @@ class GemmaForCausalLM(CausalLM):
         loaders = super()._weight_loaders()
         # Every norm of Gemma's is a Fp32RMSNorm: HF's w in, (1 + w) held.
         return {
-            name: _plus_one(loader) if name.endswith("norm.weight") else loader
+            name: plus_one(loader) if name.endswith("norm.weight") else loader
             for name, loader in loaders.items()
         }
-
-
-def _plus_one(loader: WeightLoader) -> WeightLoader:
-    """A norm loader taking HF's w and storing 1 + w, added in fp32 as HF's forward does."""
-
-    def load(name: str, tensor: torch.Tensor) -> None:
-        loader(name, 1.0 + tensor.float())
-
-    return load

@@ -207,6 +207,16 @@ def copy_param(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
         param.copy_(tensor)
 
 
+def plus_one(loader: WeightLoader) -> WeightLoader:
+    """A norm loader taking HF's w and storing 1 + w, added in fp32 as HF's forward does (the
+    (1 + w) RMSNorms of Gemma's and Qwen3.5's, held as a plain weight)."""
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        loader(name, 1.0 + tensor.float())
+
+    return load
+
+
 def fused_rows_loader(parts: list[WeightLoader], sizes: tuple[int, ...]) -> WeightLoader:
     """A loader for one checkpoint tensor stacking `parts` along its rows (`sizes` each)."""
 
