@@ -19,7 +19,9 @@ ernie-4.5-21b-a3b-8l (ERNIE 4.5 MoE: a dense first layer, 64 experts of 1536, to
 bias, an ungated shared MLP of 3072; 8 of its 28 layers), lfm2-1.2b (LFM2: ten gated short
 convolutions among six attention layers), lfm2-8b-a1b-8l (LFM2-MoE: LFM2's layers, two dense
 MLPs, then 32 experts of 1792, top 4, sigmoid-scored; 8 of its 24 layers), granite-4.0-h-1b
-(Granite 4.0-H: 36 Mamba2 mixers and four attention layers without a rotary). Tensor names
+(Granite 4.0-H: 36 Mamba2 mixers and four attention layers without a rotary), qwen3.5-9b-8l
+(Qwen3.5: three Gated DeltaNet layers to one gated attention layer; 8 of its 32 layers). Tensor
+names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
 
@@ -66,6 +68,9 @@ POST_NORM_ONLY = ("olmo2",)  # post_attention_norm and post_ffw_norm, no attn_no
 GPT_OSS = "gpt-oss"
 ERNIE_MOE = "ernie4_5-moe"
 LFM2_MOE = "lfm2moe"  # LFM2's layers, sigmoid-scored experts chosen with a bias
+# Qwen3.5: Gated DeltaNet layers (attn_qkv, attn_gate, ssm_*) among gated attention layers
+# (attn_q holds each head's queries and gate), post_attention_norm before each MLP
+QWEN35 = "qwen35"
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,11 @@ class ModelShape:
     ssm_head_dim: int = 0
     ssm_state: int = 0
     ssm_groups: int = 1
+    # Qwen3.5's Gated DeltaNet layers: key and value heads of delta_dim (conv_kernel taps)
+    delta_layers: tuple[int, ...] = ()
+    delta_k_heads: int = 0
+    delta_v_heads: int = 0
+    delta_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -219,6 +229,15 @@ CONFIGS = {
         ssm_layers=tuple(i for i in range(40) if i not in (5, 15, 25, 35)), ssm_heads=48,
         ssm_head_dim=64, ssm_state=128, conv_kernel=4,
     ),
+    # Qwen3.5-9B (transformers' Qwen3_5TextConfig defaults): 4096 wide, 32 layers, three Gated
+    # DeltaNet layers (16 key and 32 value heads of 128, 4 taps) to one gated attention layer
+    # (16 / 4 heads of 256, a quarter of each turning), an MLP of 12288, a 248k vocabulary,
+    # untied. Its first 8 layers here (attention in the fourth and eighth).
+    "qwen3.5-9b-8l": ModelShape(
+        QWEN35, 4096, 8, 16, 4, 12288, 248320, 10000000.0, 262144, 1e-6, False,
+        head_dim_override=256, delta_layers=(0, 1, 2, 4, 5, 6), delta_k_heads=16,
+        delta_v_heads=32, delta_dim=128, conv_kernel=4,
+    ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,
     ),
@@ -280,6 +299,13 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "ffn_norm.weight", (h,), "norm"
             yield from _mlp(b, shape, h, post_norms)
             continue
+        if shape.architecture == QWEN35:
+            yield from (
+                _gated_delta_net(b, shape) if i in shape.delta_layers else _gated_attn(b, shape)
+            )
+            yield b + "post_attention_norm.weight", (h,), "norm"
+            yield from _mlp(b, shape, h, post_norms)
+            continue
         if i in shape.conv_layers:  # llama.cpp's lfm2: the conv [H, K] stays F32
             yield b + "shortconv.conv.weight", (h, shape.conv_kernel), "bias"
             yield b + "shortconv.in_proj.weight", (3 * h, h), "matrix"
@@ -324,6 +350,35 @@ def _mamba2(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], s
     yield b + "ssm_d", (shape.ssm_heads, 1), "norm"
     yield b + "ssm_norm.weight", (shape.ssm_groups, inner // shape.ssm_groups), "norm"
     yield b + "ssm_out.weight", (shape.hidden, inner), "matrix"
+
+
+def _gated_delta_net(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """A Gated DeltaNet layer's tensors as llama.cpp's Qwen3_5TextModel writes them: q, k, v
+    fused (attn_qkv), the gate z (attn_gate), b and a (ssm_beta, ssm_alpha), the conv [C, K],
+    dt's bias, A (negative, no suffix), the output norm [dv], ssm_out."""
+    keys, values = shape.delta_k_heads * shape.delta_dim, shape.delta_v_heads * shape.delta_dim
+    heads, h = shape.delta_v_heads, shape.hidden
+    yield b + "attn_qkv.weight", (2 * keys + values, h), "matrix"
+    yield b + "attn_gate.weight", (values, h), "matrix"
+    yield b + "ssm_conv1d.weight", (2 * keys + values, shape.conv_kernel), "bias"
+    yield b + "ssm_dt.bias", (heads,), "bias"
+    yield b + "ssm_a", (heads,), "decay"
+    yield b + "ssm_beta.weight", (heads, h), "matrix"
+    yield b + "ssm_alpha.weight", (heads, h), "matrix"
+    yield b + "ssm_norm.weight", (shape.delta_dim,), "norm"
+    yield b + "ssm_out.weight", (h, values), "matrix"
+
+
+def _gated_attn(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """Qwen3.5's attention: attn_q holds each head's queries then its gate; per-head q/k
+    norms."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    yield b + "attn_q.weight", (2 * q, shape.hidden), "matrix"
+    yield b + "attn_k.weight", (kv, shape.hidden), "matrix"
+    yield b + "attn_v.weight", (kv, shape.hidden), "matrix"
+    yield b + "attn_q_norm.weight", (shape.head_dim,), "norm"
+    yield b + "attn_k_norm.weight", (shape.head_dim,), "norm"
+    yield b + "attn_output.weight", (shape.hidden, q), "matrix"
 
 
 def _ffn(
@@ -422,7 +477,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_ssm_inner_size(shape.ssm_heads * shape.ssm_head_dim)
         writer.add_ssm_time_step_rank(shape.ssm_heads)
         writer.add_rope_scaling_finetuned(False)  # Granite 4.0-H: no layer turns a rotary
-    writer.add_rope_dimension_count(shape.head_dim)
+    # Qwen3.5's rotary turns the first quarter of each head
+    writer.add_rope_dimension_count(shape.head_dim // (4 if shape.architecture == QWEN35 else 1))
     if shape.head_dim_override:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
@@ -432,6 +488,14 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
     if shape.shared_intermediate:
         writer.add_expert_shared_feed_forward_length(shape.shared_intermediate)
+    if shape.architecture == QWEN35:  # llama.cpp's Qwen3_5TextModel
+        writer.add_ssm_conv_kernel(shape.conv_kernel)
+        writer.add_ssm_state_size(shape.delta_dim)
+        writer.add_ssm_group_count(shape.delta_k_heads)
+        writer.add_ssm_time_step_rank(shape.delta_v_heads)
+        writer.add_ssm_inner_size(shape.delta_v_heads * shape.delta_dim)
+        writer.add_full_attention_interval(4)
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     if shape.architecture == LFM2_MOE:  # llama.cpp's LFM2MoeModel
         writer.add_leading_dense_block_count(shape.dense_lead)
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)

@@ -140,6 +140,13 @@ def test_the_real_configs_have_the_published_sizes():
         conv_layers=tuple(i for i in range(24) if i not in attention),
     )
     assert 8.3e9 < _num_params(full) < 8.4e9
+    # Qwen3.5-9B: 9.0 B parameters over its 32 layers (attention in every fourth)
+    full = dataclasses.replace(
+        make_random_gguf.CONFIGS["qwen3.5-9b-8l"],
+        layers=32,
+        delta_layers=tuple(i for i in range(32) if (i + 1) % 4),
+    )
+    assert 8.9e9 < _num_params(full) < 9.0e9
     assert 1.45e9 < params["granite-4.0-h-1b"] < 1.48e9  # Granite-4.0-H-1B: 1.46 B
 
 
@@ -183,6 +190,31 @@ def test_lfm2_moe_is_written_as_llama_cpps(tmp_path):
     assert (arch.moe_scoring, arch.moe_selection_bias, arch.num_experts) == ("sigmoid", True, 4)
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     assert model.layers[2].mlp.selection_bias.abs().sum() > 0
+
+
+def test_qwen3_5_is_written_as_llama_cpps(tmp_path):
+    """Gated DeltaNet layers (ssm.* keys, attn_qkv / attn_gate / ssm_* tensors) and a gated
+    attention layer (attn_q twice the queries), post_attention_norm: read back by the loader
+    and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("qwen3.5-9b-8l"),
+        layers=4,
+        delta_layers=(0, 1, 2),
+        delta_k_heads=2,
+        delta_v_heads=4,
+        delta_dim=32,
+        head_dim_override=32,
+    )
+    path = make_random_gguf.write_random_gguf(
+        "qwen35", tmp_path / "q.gguf", shape=shape, quiet=True
+    )
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.recurrent_layers, arch.rotary_dim) == ("qwen3_5", (0, 1, 2), 8)
+    assert (arch.delta_k_heads, arch.delta_v_heads, arch.delta_v_dim) == (2, 4, 32)
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[0].mixer.A.tolist() == [-1.0, -2.0, -3.0, -4.0]
+    assert model.norm.weight.eq(1).all()  # stored as 1 + w, read as w, held as 1 + w
 
 
 def test_ernie_moe_is_written_as_llama_cpps(tmp_path):

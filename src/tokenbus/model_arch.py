@@ -93,6 +93,19 @@ class ModelArch:
     mamba_chunk: int = 256
     mamba_proj_bias: bool = False
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # Gated DeltaNet (model/gated_delta_net.py, Qwen3.5's linear attention): key heads of
+    # delta_k_dim and value heads of delta_v_dim, each value head's state [delta_k_dim,
+    # delta_v_dim]; conv_kernel is their conv's taps. Value heads share key heads in groups
+    # (HF's order: value head j reads key head j // (V / K)) or tiled (llama.cpp's reordered
+    # GGUF: key head j % K).
+    delta_k_heads: int = 0
+    delta_v_heads: int = 0
+    delta_k_dim: int = 0
+    delta_v_dim: int = 0
+    delta_v_tiled: bool = False
+    # Attention whose output is gated per channel by sigmoid(gate), the gate projected with the
+    # queries (Qwen3.5's, Qwen3-Next's)
+    attn_output_gate: bool = False
     # Layers that are an MLP alone, with neither attention nor a state (Nemotron-H's "-"
     # blocks: model/nemotron_h.py); (): none
     mlp_only_layers: tuple[int, ...] = ()
@@ -100,11 +113,15 @@ class ModelArch:
     @property
     def state_size_per_request(self) -> int:
         """Elements of one request's recurrent state over all recurrent layers (multiply by the
-        dtype size): a conv's held inputs, and Mamba2's S of every head."""
+        dtype size): a conv's held inputs, and Mamba2's or Gated DeltaNet's S of every head."""
         if self.mamba_heads:
             inner = self.mamba_heads * self.mamba_head_dim
             conv_dim = inner + 2 * self.mamba_groups * self.mamba_state
             per_layer = (self.conv_kernel - 1) * conv_dim + inner * self.mamba_state
+        elif self.delta_v_heads:
+            values = self.delta_v_heads * self.delta_v_dim
+            conv_dim = 2 * self.delta_k_heads * self.delta_k_dim + values
+            per_layer = (self.conv_kernel - 1) * conv_dim + values * self.delta_k_dim
         else:
             per_layer = (self.conv_kernel - 1) * self.hidden_size
         return len(self.recurrent_layers) * per_layer

@@ -1,5 +1,6 @@
-"""The text model of image-and-text checkpoints (Gemma3ForConditionalGeneration, and
-Mistral3ForConditionalGeneration with a Mistral or a Ministral 3 text model), end to end against
+"""The text model of image-and-text checkpoints (Gemma3ForConditionalGeneration,
+Mistral3ForConditionalGeneration with a Mistral or a Ministral 3 text model, and
+Qwen3_5ForConditionalGeneration), end to end against
 HF transformers, fp32 on CPU: tiny random checkpoints with a vision tower give the HF model's
 greedy tokens and logprobs for text prompts (the tower and projector left unread), and a
 released-style sparse text_config takes its config class's defaults."""
@@ -64,12 +65,25 @@ def _mistral3(path, text_type: str = "mistral"):
     return _save(Mistral3ForConditionalGeneration(config), path)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral3", "mistral3-ministral3"])
+def _qwen3_5(path):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = {**TEXT, **ARCH_DEFAULTS["qwen3_5"], "model_type": "qwen3_5_text"}
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=4, spatial_merge_size=2, num_position_embeddings=16,
+    )  # fmt: skip
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    return _save(Qwen3_5ForConditionalGeneration(config), path)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "mistral3", "mistral3-ministral3", "qwen3_5"])
 def checkpoint(request, tmp_path_factory):
     make = {
         "gemma3": _gemma3,
         "mistral3": _mistral3,
         "mistral3-ministral3": lambda path: _mistral3(path, "ministral3"),
+        "qwen3_5": _qwen3_5,
     }[request.param]
     return make(tmp_path_factory.mktemp(request.param))
 
@@ -78,7 +92,8 @@ def test_text_model_gives_hfs_tokens(checkpoint):
     from safetensors import safe_open
 
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as handle:
-        assert any("vision_tower" in name for name in handle.keys())  # a real multimodal file
+        # a real multimodal file
+        assert any("vision_tower" in name or ".visual." in name for name in handle.keys())
     prompts = random_prompts(3, 5, 40, seed=61)
     if json.loads((checkpoint / "config.json").read_text())["model_type"] == "mistral3":
         # not an AutoModelForCausalLM: its own class

@@ -130,13 +130,15 @@ def resolve_recurrent_layers(config: EngineConfig, arch: ModelArch) -> EngineCon
     turned off (a hit would skip the tokens the state is made of), and what reuses or rolls
     back computed tokens is refused by its flag: speculative decoding (its drafts would enter
     the state before they are verified) and KV transfer (a state does not travel with the
-    blocks). Mamba2 layers run on one rank: tensor parallelism is refused for them."""
+    blocks). Mamba2 and Gated DeltaNet layers run on one rank: tensor parallelism is refused
+    for them."""
     if not arch.recurrent_layers:
         return config
-    if arch.mamba_heads and config.parallel.tensor_parallel_size > 1:
+    one_rank = "Mamba2" if arch.mamba_heads else "Gated DeltaNet" if arch.delta_v_heads else None
+    if one_rank and config.parallel.tensor_parallel_size > 1:
         raise ValueError(
             f"tensor_parallel_size {config.parallel.tensor_parallel_size} is not supported for "
-            f"{arch.architecture}: its Mamba2 layers run on one rank"
+            f"{arch.architecture}: its {one_rank} layers run on one rank"
         )
     for flag, setting in (
         ("speculative_config", config.speculative),

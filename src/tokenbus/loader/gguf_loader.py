@@ -67,6 +67,7 @@ from tokenbus.loader.mamba_config import (
     mamba_hybrid_gguf_fields,
 )
 from tokenbus.loader.qk_rows import unpermute_qk
+from tokenbus.loader.qwen3_5_config import QWEN3_5_GGUF, qwen3_5_gguf_fields, qwen3_5_gguf_tensor
 from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -84,6 +85,7 @@ GGUF_ARCHITECTURES = (
     *LFM2_GGUF_ARCHITECTURES,
     GRANITE_HYBRID_GGUF,
     NEMOTRON_H_GGUF,
+    QWEN3_5_GGUF,
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -99,7 +101,7 @@ _PERMUTED_QK_ARCHITECTURES = (
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
-_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4")
+_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", QWEN3_5_GGUF)
 # llama.cpp's MoE names: experts stacked per layer ([E, rows, cols]), split here into HF's
 # per-expert names (quantized experts stay blocks: each expert's rows are contiguous).
 _EXPERT_NAMES = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
@@ -211,15 +213,19 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         )
     if arch in LFM2_GGUF_ARCHITECTURES:
         family.update(lfm2_gguf_fields(meta, arch, need("block_count"), gf.path))
+    if arch == QWEN3_5_GGUF:
+        family.update(qwen3_5_gguf_fields(meta, arch, gf.path))
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
-    moe = _moe_fields(gf, arch, need("block_count"))
+    # qwen35's block_count counts its multi-token-prediction blocks too
+    num_layers = family.pop("num_hidden_layers", None) or need("block_count")
+    moe = _moe_fields(gf, arch, num_layers)
     return ModelArch(
         architecture=_our_architecture(arch, moe, bool(window)),
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden_size,
         intermediate_size=width,
-        num_hidden_layers=need("block_count"),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=kv_heads or num_heads,
         head_dim=head_dim,
@@ -249,6 +255,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss",
         GRANITE_HYBRID_GGUF: "granitemoehybrid",
         "lfm2moe": "lfm2_moe",
+        QWEN3_5_GGUF: "qwen3_5",
         **ERNIE_GGUF_ARCHITECTURES,
     }
     if gguf_arch in renamed:
@@ -420,7 +427,11 @@ def iter_gguf_weights(
     for info in gf.tensors.values():
         if info.name in _ROPE_TENSORS:
             continue
-        if info.name.split(".")[2:3] and info.name.split(".")[2] in _EXPERT_NAMES:
+        parts = info.name.split(".")
+        if arch.architecture == "qwen3_5" and parts[0] == "blk":
+            if int(parts[1]) >= arch.num_hidden_layers:
+                continue  # a multi-token-prediction block after the model's: not served
+        if parts[2:3] and parts[2] in _EXPERT_NAMES:
             yield from _expert_weights(gf, info, arch, keep_quantized)
             continue
         name = _moe_scope(hf_weight_name(gf, info.name), arch)
@@ -442,6 +453,8 @@ def iter_gguf_weights(
             tensor = tensor.unsqueeze(0)  # llama.cpp's [hidden] vector is HF's [1, hidden]
         elif ".mamba." in name:
             tensor = mamba_gguf_tensor(name, tensor)
+        elif arch.architecture == "qwen3_5":
+            tensor = qwen3_5_gguf_tensor(name, tensor)
         # The permutation moves whole rows, so it applies to rows of blocks unchanged.
         yield (
             name,

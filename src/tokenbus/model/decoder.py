@@ -46,6 +46,9 @@ class Attention(OpsModule):
     `rope_table`: a model with a RoPE table per kind of layer (Gemma 3's and OLMo 3's local
     layers: CausalLM's local table; SmolLM3's NoPE ones) hands its layers the tables stacked
     [R, T, 1, D/2], and this layer reads row `rope_table`; None: one table [T, 1, D/2].
+    `output_gate` (arch.attn_output_gate, Qwen3.5's): qkv_proj projects a gate per query
+    channel too (a fourth shard, `gate_proj`), and the heads' output is scaled by its sigmoid
+    before o_proj.
 
     A family's subclass only configures these (model/gemma.py's: scale, soft-cap, norms); the
     computation is this forward, which decode_layer.c mirrors
@@ -64,6 +67,7 @@ class Attention(OpsModule):
         super().__init__()
         self.tp = tp
         self.qk_norm = qk_norm
+        self.output_gate = arch.attn_output_gate
         self.sliding_window = sliding_window
         local = tp.shard_arch(arch)
         self.num_heads = local.num_attention_heads
@@ -71,7 +75,8 @@ class Attention(OpsModule):
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias)
+        gate = (q_size,) if self.output_gate else ()
+        self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size, *gate), bias=qkv_bias)
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
         self.q_norm = self.k_norm = None
         if qk_norm is not QKNorm.NONE:
@@ -99,7 +104,11 @@ class Attention(OpsModule):
         num_tokens = x.shape[0]
         if self.rope_table is not None:
             cos, sin = cos[self.rope_table], sin[self.rope_table]
-        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
+        qkv, gate = self.qkv_proj(x), None
+        if self.output_gate:  # [q, k, v | gate]: q, k and v go on as one fresh tensor
+            width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            qkv, gate = qkv[:, :width].contiguous(), qkv[:, width:]
+        qkv = qkv.view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
         if self.qk_norm is QKNorm.HEADS:
             self.ops.head_rms_norm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
             self.ops.head_rms_norm_(
@@ -124,8 +133,11 @@ class Attention(OpsModule):
             self.logit_softcap,
             self.sinks,
         )  # [T, Hq, D]
+        out = out.view(num_tokens, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
-        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
+        return self.tp.all_reduce(self.o_proj(out))
 
     def _whole_norm_(self, flat: torch.Tensor, start: int, width: int, norm: RMSNorm) -> None:
         """RMSNorm of columns [start, start + width) of flat [T, N], in place, over the whole

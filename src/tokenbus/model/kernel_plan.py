@@ -387,6 +387,7 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         type(layer) not in _C_LAYERS
         or not isinstance(attn, Attention)
         or type(attn).forward is not Attention.forward
+        or attn.output_gate
         or type(mlp) not in _C_MLPS
     ):
         return None

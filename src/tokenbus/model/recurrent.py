@@ -40,6 +40,7 @@ class RecurrentPlan:
     """One step's indices for every recurrent layer (see the module docstring)."""
 
     rows: torch.Tensor  # [R] int64: each request's row of the state pools
+    token_rows: torch.Tensor  # [T] int64: each token's request's row
     window_src: torch.Tensor  # [T, K] int64: rows of `seq` in each token's window, oldest first
     state_src: torch.Tensor  # [R, K - 1] int64: rows of `seq` that are each request's new state
     query_start_loc: tuple[int, ...]  # [R + 1], host ints: request r's tokens, as the step's
@@ -68,8 +69,10 @@ class RecurrentPlan:
         state = seq_rows(np.arange(num_reqs)[:, None], lens[:, None] + np.arange(held))
         device = ctx.state_rows.device
         longer = np.flatnonzero(lens != 1)
+        rows = ctx.state_rows[:num_reqs]
         return cls(
-            ctx.state_rows[:num_reqs],
+            rows,
+            rows[torch.from_numpy(request).to(device)],
             torch.from_numpy(window).to(device),
             torch.from_numpy(state).to(device),
             tuple(int(s) for s in starts),

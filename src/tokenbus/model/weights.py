@@ -141,6 +141,8 @@ def _attention_shards(
                 partial(copy_param, norm.weight), rows
             )
     qkv = [("q_proj", q_rows, q_rows), ("k_proj", kv_rows, kv_rows), ("v_proj", kv_rows, kv_rows)]
+    if attn.output_gate:  # its gate's rows follow the queries' (the family names them)
+        qkv.append(("gate_proj", q_rows, q_rows))
     return [
         (attn.qkv_proj, "self_attn.", qkv),
         (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),

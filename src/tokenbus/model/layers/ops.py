@@ -122,6 +122,50 @@ class TorchOps:
         states[rows] = s.to(states.dtype)
         return torch.einsum("nhpk,nhk->nhp", s, c) + d[:, None] * x
 
+    def gated_delta_rule_(
+        self,
+        states: torch.Tensor,
+        token_rows: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        tiled: bool,
+    ) -> torch.Tensor:
+        """T tokens through Gated DeltaNet's recurrence (model/gated_delta_net.py), in order,
+        token t's states in row token_rows[t] of `states` [num_rows, Hv, dk, dv], advanced in
+        place: per value head, S = S exp(g); S += k (beta (v - S^T k))^T; out = S^T q, with q / k
+        [T, Hk, dk] of the value head's key head (grouped, or `tiled`), v [T, Hv, dv], g / beta
+        [T, Hv] -> out [T, Hv, dv] in q's dtype. Tokens of different rows run together: a wave
+        takes each row's next token."""
+        per_key = v.shape[1] // q.shape[1]
+        if tiled:  # [T, Hv, dk]: each value head's key head
+            q, k = q.repeat(1, per_key, 1), k.repeat(1, per_key, 1)
+        else:
+            q, k = q.repeat_interleave(per_key, dim=1), k.repeat_interleave(per_key, dim=1)
+        out = torch.empty_like(v)
+        rows = token_rows.tolist()
+        position = {}  # each token's place among its row's tokens: its wave
+        waves: list[list[int]] = []
+        for t, row in enumerate(rows):
+            wave = position.get(row, 0)
+            position[row] = wave + 1
+            if wave == len(waves):
+                waves.append([])
+            waves[wave].append(t)
+        for wave in waves:
+            index = torch.tensor(wave, device=v.device)
+            mine = token_rows[index]
+            s = states[mine].to(q.dtype) * torch.exp(g[index])[..., None, None]
+            kt, qt = k[index], q[index]
+            remembered = torch.einsum("nhij,nhi->nhj", s, kt)
+            delta = (v[index] - remembered) * beta[index][..., None]
+            s = s + kt[..., None] * delta[..., None, :]
+            out[index] = torch.einsum("nhij,nhi->nhj", s, qt)
+            states[mine] = s.to(states.dtype)
+        return out
+
 
 class FusedCpuOps(TorchOps):
     """fused_ops.c on CPU in fp32 (one C call each); torch for shapes it does not take, and
@@ -189,6 +233,11 @@ class FusedCpuOps(TorchOps):
         if states.dtype != torch.float32:  # an fp32 model's pools are fp32
             return super().ssm_decode_step_(states, rows, x, dt, a, b, c, d)
         return self.fused.ssm_decode_step_(states, rows, x, dt, a, b, c, d)
+
+    def gated_delta_rule_(self, states, token_rows, q, k, v, g, beta, tiled) -> torch.Tensor:
+        if states.dtype != torch.float32:  # an fp32 model's pools are fp32
+            return super().gated_delta_rule_(states, token_rows, q, k, v, g, beta, tiled)
+        return self.fused.gated_delta_rule_(states, token_rows, q, k, v, g, beta, tiled)
 
 
 TORCH_OPS = TorchOps()

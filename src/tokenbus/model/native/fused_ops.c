@@ -18,6 +18,9 @@
                   each request's state S [H, P, N] updated in place in its row of the pool, read
                   and written once: per head h (B, C of group h / (H / G)) and channel p,
                   S[p, :] = S[p, :] * exp(dt A[h]) + dt x[p] B[:], y[p] = S[p, :] . C + D[h] x[p]
+   gated_delta_rule: T tokens through Gated DeltaNet's recurrence (model/gated_delta_net.py), in
+                  order, token t's state S [dk, dv] of value head h in row rows[t] of the pool:
+                  S *= exp(g), S += k (beta (v - S^T k))^T, out = S^T q; S read twice a token
 */
 
 #include <math.h>
@@ -117,6 +120,38 @@ void ssm_decode_step(float *states, int64_t row_stride, const int64_t *rows, int
                     acc += s[k] * c[k];
                 }
                 out[p] = acc + D[h] * xr[p];
+            }
+        }
+    }
+}
+
+void gated_delta_rule(float *states, int64_t row_stride, const int64_t *rows, int64_t T, const float *q,
+                      const float *k, const float *v, const float *g, const float *beta, float *out, int64_t Hk,
+                      int64_t Hv, int64_t dk, int64_t dv, int64_t tiled, int num_threads) {
+    const int64_t per_key = Hv / Hk;
+    /* Heads are independent; a head's tokens run in order (a request's tokens are consecutive,
+       so each sees the state its predecessor left). */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * Hv * dk * dv >= PARALLEL_MIN_VALUES)
+    for (int64_t h = 0; h < Hv; h++) {
+        const int64_t kh = tiled ? h % Hk : h / per_key;
+        float delta[dv];
+        for (int64_t t = 0; t < T; t++) {
+            float *S = states + rows[t] * row_stride + h * dk * dv;
+            const float *qt = q + (t * Hk + kh) * dk, *kt = k + (t * Hk + kh) * dk;
+            const float *vt = v + (t * Hv + h) * dv;
+            float *o = out + (t * Hv + h) * dv;
+            const float decay = expf(g[t * Hv + h]), b = beta[t * Hv + h];
+            for (int64_t j = 0; j < dv; j++) delta[j] = 0.0f;
+            for (int64_t i = 0; i < dk; i++) { /* decay, and S^T k into delta */
+                float *s = S + i * dv;
+                const float ki = kt[i];
+                for (int64_t j = 0; j < dv; j++) { s[j] *= decay; delta[j] += s[j] * ki; }
+            }
+            for (int64_t j = 0; j < dv; j++) { delta[j] = (vt[j] - delta[j]) * b; o[j] = 0.0f; }
+            for (int64_t i = 0; i < dk; i++) { /* the rank-one update, and S^T q */
+                float *s = S + i * dv;
+                const float ki = kt[i], qi = qt[i];
+                for (int64_t j = 0; j < dv; j++) { s[j] += ki * delta[j]; o[j] += s[j] * qi; }
             }
         }
     }

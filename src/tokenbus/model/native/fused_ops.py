@@ -25,6 +25,7 @@ class FusedOps:
     gelu_tanh_mul_fn: ctypes._CFuncPtr
     clamped_swiglu_mul_fn: ctypes._CFuncPtr
     ssm_decode_step_fn: ctypes._CFuncPtr
+    gated_delta_rule_fn: ctypes._CFuncPtr
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -140,6 +141,46 @@ class FusedOps:
         )
         return y
 
+    def gated_delta_rule_(
+        self,
+        states: torch.Tensor,
+        token_rows: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        tiled: bool,
+    ) -> torch.Tensor:
+        """TorchOps.gated_delta_rule_ in one C call, the tokens in order (each token's row:
+        token_rows [T]): states [rows, Hv, dk, dv] (each row contiguous), q / k [T, Hk, dk],
+        v [T, Hv, dv], g / beta [T, Hv]; all fp32 -> out [T, Hv, dv]."""
+        tokens, k_heads, k_dim = q.shape
+        v_heads, v_dim = v.shape[1:]
+        assert states.dtype == q.dtype == torch.float32 and states[0].is_contiguous()
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        token_rows = token_rows.contiguous()
+        out = torch.empty(tokens, v_heads, v_dim, dtype=torch.float32)
+        self.gated_delta_rule_fn(
+            states.data_ptr(),
+            states.stride(0),
+            token_rows.data_ptr(),
+            tokens,
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            g.data_ptr(),
+            beta.data_ptr(),
+            out.data_ptr(),
+            k_heads,
+            v_heads,
+            k_dim,
+            v_dim,
+            int(tiled),
+            torch.get_num_threads(),
+        )
+        return out
+
 
 def _gated(fn: ctypes._CFuncPtr, gate_up: torch.Tensor, *params: ctypes.c_float) -> torch.Tensor:
     """fn(gate_up, T, I, *params, out, threads): a gated activation's one C call."""
@@ -155,6 +196,6 @@ def load_fused_ops(cpu: CpuFeatures | None = None) -> FusedOps:
     lib = load_library(_FUSED_SOURCE, cpu)
     names = (
         *("add_rms_norm", "rope_inplace", "silu_mul", "gelu_tanh_mul", "clamped_swiglu_mul"),
-        "ssm_decode_step",
+        *("ssm_decode_step", "gated_delta_rule"),
     )
     return FusedOps(*(bind(lib, name) for name in names))

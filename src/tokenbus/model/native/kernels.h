@@ -58,6 +58,7 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_th
 void gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int num_threads);
 void clamped_swiglu_mul(const float *gate_up, int64_t T, int64_t I, float limit, float alpha, float *out, int num_threads);
 void ssm_decode_step(float *states, int64_t row_stride, const int64_t *rows, int64_t n, const float *x, int64_t ldx, const float *dt, const float *A, const float *B, const float *C, int64_t ldbc, const float *D, float *y, int64_t H, int64_t G, int64_t P, int64_t N, int num_threads);
+void gated_delta_rule(float *states, int64_t row_stride, const int64_t *rows, int64_t T, const float *q, const float *k, const float *v, const float *g, const float *beta, float *out, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t tiled, int num_threads);
 
 /* ---- dense_rows.c: fp32 weights in row panels, batch-invariant */
 int64_t dense_panel_floats(int64_t N, int64_t K);

@@ -39,6 +39,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "gelu_tanh_mul": ("v", "pllpi"),
     "clamped_swiglu_mul": ("v", "pllffpi"),
     "ssm_decode_step": ("v", "plplplpppplpplllli"),
+    "gated_delta_rule": ("v", "plplppppppllllli"),
     # dense_rows.c
     "dense_panel_floats": ("l", "ll"),
     "dense_pack": ("v", "pllp"),

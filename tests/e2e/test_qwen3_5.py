@@ -1,0 +1,110 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM) end to end against HF transformers, fp32 on CPU: a tiny random
+Qwen3.5 (two Gated DeltaNet layers, gated attention with a partial rotary, another Gated
+DeltaNet: its 3:1 order) gives HF's greedy tokens and logprobs through chunks that cut prompts
+anywhere, mixed batches of decodes and chunks, preemptions (a state rebuilt from token 0) and
+scheduling ahead, from safetensors and from a GGUF in llama.cpp's qwen35 naming (value heads
+reordered to tiled, A as -exp(A_log), norms as 1 + w); its Q8_0 file runs on its blocks; prefix
+caching is off for it, and tensor parallelism is refused by name.
+(Its image-and-text checkpoint: tests/e2e/test_multimodal_text.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.oracle import (
+    assert_blocks_match_dequantized,
+    assert_matches_hf,
+    greedy_outputs,
+    hf_greedy_logprobs,
+    load_hf,
+    prompts_with_a_shared_prefix,
+)
+from tests.e2e.utils import assert_engine_clean, assert_rows_follow_requests, make_llm
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
+
+MAX_TOKENS = 10
+ENGINE = dict(kv_cache_dtype="float32", max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def hf_dir():
+    return cached_tiny_model("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return prompts_with_a_shared_prefix(229, (1, 60))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir, prompts):
+    hf = load_hf(str(hf_dir))
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind, tmp_path):
+    from tokenbus.loader import load_arch, resolve_model
+
+    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "qwen35.gguf")
+    arch = load_arch(resolve_model(str(path)))
+    assert (arch.architecture, arch.recurrent_layers, arch.conv_kernel) == ("qwen3_5", (0, 1, 3), 4)
+    assert (arch.delta_k_heads, arch.delta_v_heads, arch.delta_k_dim, arch.delta_v_dim) == (
+        2,
+        4,
+        16,
+        16,
+    )
+    assert (arch.rotary_dim, arch.attn_output_gate, arch.num_kv_layers) == (4, True, 1)
+    # llama.cpp's converter puts the value heads in tiled order
+    assert arch.delta_v_tiled == (kind == "gguf")
+    llm = make_llm(path, enable_prefix_caching=True, **ENGINE)
+    core = llm.engine.client.engine_core
+    assert not core.config.cache.enable_prefix_caching  # a hit would skip a state's tokens
+    # held conv inputs [3, 2 * 32 + 64], then S [4, 16, 16]
+    shapes = core.executor.worker.model.state_shapes()
+    assert shapes == {layer: (3 * 128 + 4 * 16 * 16,) for layer in (0, 1, 3)}
+    assert arch.state_size_per_request == 3 * (3 * 128 + 4 * 16 * 16)
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert llm.engine.stats_totals["prefix_cache_hits"] == 0
+    assert_rows_follow_requests(llm)
+    assert_engine_clean(llm)
+
+
+def test_tiny_token_budget_cuts_prompts_anywhere(hf_dir, prompts, hf_reference):
+    """Chunks of 1 to 8 tokens: a conv window straddles steps, S carries across them."""
+    llm = make_llm(
+        hf_dir, kv_cache_dtype="float32", max_num_batched_tokens=16, long_prefill_token_threshold=7
+    )
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert_engine_clean(llm)
+
+
+def test_small_kv_pool_forces_preemptions(hf_dir, prompts, hf_reference):
+    """Recomputed requests start again from a zeroed state row."""
+    llm = make_llm(hf_dir, num_kv_blocks=6, max_model_len=80, **ENGINE)
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert llm.engine.stats_totals["num_preemptions"] > 0
+    assert_rows_follow_requests(llm)
+    assert_engine_clean(llm)
+
+
+def test_scheduling_ahead_and_a_small_pool(hf_dir, prompts, hf_reference):
+    llm = make_llm(hf_dir, async_scheduling=True, num_kv_blocks=6, max_model_len=80, **ENGINE)
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert llm.engine.stats_totals["num_preemptions"] > 0
+    assert_rows_follow_requests(llm)
+    assert_engine_clean(llm)
+
+
+def test_tensor_parallelism_is_refused_by_name(hf_dir):
+    with pytest.raises(ValueError, match="its Gated DeltaNet layers run on one rank"):
+        make_llm(hf_dir, tensor_parallel_size=2)
+
+
+def test_quantized_gguf_runs_on_its_blocks(hf_dir, prompts, tmp_path):
+    """Q8_0 blocks kept (q_proj's rows split into queries and gates as blocks): the
+    dequantized file's tokens, up to near ties."""
+    path = write_gguf(hf_dir, tmp_path / "qwen35-q8_0.gguf", "Q8_0")
+    assert_blocks_match_dequantized(path, prompts, MAX_TOKENS, max_num_batched_tokens=32)
