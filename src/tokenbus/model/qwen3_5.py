@@ -36,11 +36,14 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
-        mlp = GatedMLP(arch, tp)
+        mlp = self.make_mlp(arch, tp)
         if self.making_layer in arch.recurrent_layers:
             return RecurrentDecoderLayer(arch, GatedDeltaNet(arch, tp), mlp, Fp32RMSNorm)
         attention = Attention(arch, tp, qk_norm=QKNorm.HEADS, norm=Fp32RMSNorm)
         return DecoderLayer(arch, attention, mlp, Fp32RMSNorm)
+
+    def make_mlp(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
+        return GatedMLP(arch, tp)
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
         loaders = super()._weight_loaders()
