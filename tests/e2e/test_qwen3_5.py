@@ -1,10 +1,12 @@
-"""Qwen3.5 (Qwen3_5ForCausalLM) end to end against HF transformers, fp32 on CPU: a tiny random
-Qwen3.5 (two Gated DeltaNet layers, gated attention with a partial rotary, another Gated
-DeltaNet: its 3:1 order) gives HF's greedy tokens and logprobs through chunks that cut prompts
-anywhere, mixed batches of decodes and chunks, preemptions (a state rebuilt from token 0) and
-scheduling ahead, from safetensors and from a GGUF in llama.cpp's qwen35 naming (value heads
-reordered to tiled, A as -exp(A_log), norms as 1 + w); its Q8_0 file runs on its blocks; prefix
-caching is off for it, and tensor parallelism is refused by name.
+"""Qwen3.5 and Qwen3.5-MoE (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) end to end against HF
+transformers, fp32 on CPU: a tiny random Qwen3.5 (two Gated DeltaNet layers, gated attention
+with a partial rotary, another Gated DeltaNet: its 3:1 order), dense or with 8 experts and a
+gated shared expert in every layer, gives HF's greedy tokens and logprobs through chunks that
+cut prompts anywhere, mixed batches of decodes and chunks, preemptions (a state rebuilt from
+token 0) and scheduling ahead, from safetensors and from a GGUF in llama.cpp's qwen35 naming
+(value heads reordered to tiled, A as -exp(A_log), norms as 1 + w; qwen35moe's stacked
+experts), and with the experts stacked as transformers 5 holds them; its Q8_0 file runs on its
+blocks; prefix caching is off for it, and tensor parallelism is refused by name.
 (Its image-and-text checkpoint: tests/e2e/test_multimodal_text.py.)"""
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32", max_num_batched_tokens=32)
 
 
-@pytest.fixture(scope="module")
-def hf_dir():
-    return cached_tiny_model("qwen3_5")
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def hf_dir(request):
+    return cached_tiny_model(request.param)
+
+
+def has_experts(hf_dir) -> bool:
+    return load_hf(str(hf_dir)).config.model_type == "qwen3_5_moe_text"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +55,8 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
 
     path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "qwen35.gguf")
     arch = load_arch(resolve_model(str(path)))
-    assert (arch.architecture, arch.recurrent_layers, arch.conv_kernel) == ("qwen3_5", (0, 1, 3), 4)
+    name = "qwen3_5_moe" if has_experts(hf_dir) else "qwen3_5"
+    assert (arch.architecture, arch.recurrent_layers, arch.conv_kernel) == (name, (0, 1, 3), 4)
     assert (arch.delta_k_heads, arch.delta_v_heads, arch.delta_k_dim, arch.delta_v_dim) == (
         2,
         4,
@@ -59,6 +66,10 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
     assert (arch.rotary_dim, arch.attn_output_gate, arch.num_kv_layers) == (4, True, 1)
     # llama.cpp's converter puts the value heads in tiled order
     assert arch.delta_v_tiled == (kind == "gguf")
+    if has_experts(hf_dir):
+        experts = (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size)
+        assert experts == (8, 2, 32)
+        assert (arch.shared_expert_intermediate_size, arch.dense_layers) == (64, ())
     llm = make_llm(path, enable_prefix_caching=True, **ENGINE)
     core = llm.engine.client.engine_core
     assert not core.config.cache.enable_prefix_caching  # a hit would skip a state's tokens
@@ -108,3 +119,57 @@ def test_quantized_gguf_runs_on_its_blocks(hf_dir, prompts, tmp_path):
     dequantized file's tokens, up to near ties."""
     path = write_gguf(hf_dir, tmp_path / "qwen35-q8_0.gguf", "Q8_0")
     assert_blocks_match_dequantized(path, prompts, MAX_TOKENS, max_num_batched_tokens=32)
+
+
+def test_stacked_experts_are_read_per_expert(prompts, tmp_path):
+    """Qwen3.5-MoE's experts stacked as transformers 5 holds them (gate_up_proj [E, 2I,
+    hidden], down_proj [E, hidden, I]) give the per-expert checkpoint's tokens."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = cached_tiny_model("qwen3_5_moe")
+    stacked = shutil.copytree(source, tmp_path / "stacked")
+    weights = load_file(str(stacked / "model.safetensors"))
+    for layer in range(4):
+        scope = f"model.layers.{layer}.mlp.experts"
+        experts = [
+            {w: weights.pop(f"{scope}.{e}.{w}_proj.weight") for w in ("gate", "up", "down")}
+            for e in range(8)
+        ]
+        weights[f"{scope}.gate_up_proj"] = torch.stack(
+            [torch.cat([e["gate"], e["up"]]) for e in experts]
+        )
+        weights[f"{scope}.down_proj"] = torch.stack([e["down"] for e in experts])
+    save_file(weights, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    outputs = {}
+    for path in (source, stacked):
+        llm = make_llm(path, **ENGINE)
+        outputs[path] = [out.token_ids for out in greedy_outputs(llm, prompts, MAX_TOKENS)]
+        assert_engine_clean(llm)
+    assert outputs[stacked] == outputs[source]
+
+
+def test_a_qwen35moe_gguf_without_a_dense_width_takes_the_shared_experts(tmp_path):
+    from tokenbus.loader.qwen3_5_config import qwen3_5_gguf_fields
+
+    meta = {
+        f"qwen35moe.{key}": value
+        for key, value in {
+            "block_count": 5,
+            "nextn_predict_layers": 1,
+            "full_attention_interval": 4,
+            "ssm.conv_kernel": 4,
+            "ssm.state_size": 128,
+            "ssm.group_count": 16,
+            "ssm.time_step_rank": 32,
+            "ssm.inner_size": 4096,
+            "expert_feed_forward_length": 512,
+            "expert_shared_feed_forward_length": 512,
+        }.items()
+    }
+    fields = qwen3_5_gguf_fields(meta, "qwen35moe", tmp_path / "m.gguf")
+    # the fifth block is the multi-token-prediction head's; every fourth layer attends
+    assert (fields["num_hidden_layers"], fields["recurrent_layers"]) == (4, (0, 1, 2))
+    assert (fields["intermediate_size"], fields["delta_v_dim"]) == (512, 128)

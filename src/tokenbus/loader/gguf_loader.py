@@ -67,7 +67,12 @@ from tokenbus.loader.mamba_config import (
     mamba_hybrid_gguf_fields,
 )
 from tokenbus.loader.qk_rows import unpermute_qk
-from tokenbus.loader.qwen3_5_config import QWEN3_5_GGUF, qwen3_5_gguf_fields, qwen3_5_gguf_tensor
+from tokenbus.loader.qwen3_5_config import (
+    QWEN3_5_ARCHITECTURES,
+    QWEN3_5_GGUF_ARCHITECTURES,
+    qwen3_5_gguf_fields,
+    qwen3_5_gguf_tensor,
+)
 from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -85,7 +90,7 @@ GGUF_ARCHITECTURES = (
     *LFM2_GGUF_ARCHITECTURES,
     GRANITE_HYBRID_GGUF,
     NEMOTRON_H_GGUF,
-    QWEN3_5_GGUF,
+    *QWEN3_5_GGUF_ARCHITECTURES,
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
@@ -101,7 +106,7 @@ _PERMUTED_QK_ARCHITECTURES = (
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
-_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", QWEN3_5_GGUF)
+_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", *QWEN3_5_GGUF_ARCHITECTURES)
 # llama.cpp's MoE names: experts stacked per layer ([E, rows, cols]), split here into HF's
 # per-expert names (quantized experts stay blocks: each expert's rows are contiguous).
 _EXPERT_NAMES = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
@@ -213,7 +218,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         )
     if arch in LFM2_GGUF_ARCHITECTURES:
         family.update(lfm2_gguf_fields(meta, arch, need("block_count"), gf.path))
-    if arch == QWEN3_5_GGUF:
+    if arch in QWEN3_5_GGUF_ARCHITECTURES:
         family.update(qwen3_5_gguf_fields(meta, arch, gf.path))
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
@@ -255,7 +260,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss",
         GRANITE_HYBRID_GGUF: "granitemoehybrid",
         "lfm2moe": "lfm2_moe",
-        QWEN3_5_GGUF: "qwen3_5",
+        **dict(zip(QWEN3_5_GGUF_ARCHITECTURES, QWEN3_5_ARCHITECTURES, strict=True)),
         **ERNIE_GGUF_ARCHITECTURES,
     }
     if gguf_arch in renamed:
@@ -272,7 +277,10 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     ERNIE's selection bias is its exp_probs_b."""
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
-    own_width = ("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE, "lfm2moe")
+    own_width = (
+        *("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE, "lfm2moe"),
+        "qwen35moe",
+    )
     if not num_experts:
         if arch in (*own_width, "olmoe", "granitemoe"):
             raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_count")
@@ -281,10 +289,11 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     if arch == "qwen2moe":  # llama.cpp: the dense width when the shared one is not given
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
         shared = shared or int(meta.get(f"{arch}.feed_forward_length", 0))
-    if arch == GRANITE_HYBRID_GGUF:  # Granite 4.0-H's shared MLP beside its experts, ungated
+    if arch in (GRANITE_HYBRID_GGUF, "qwen35moe"):  # Granite 4.0-H's ungated, Qwen3.5's gated
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
+    shexp = ("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF, "qwen35moe")
     for name, info in gf.tensors.items():
-        if "_shexp" in name and arch not in ("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF):
+        if "_shexp" in name and arch not in shexp:
             raise ValueError(f"{gf.path}: tensor {name}: shared experts are not supported")
         if name.endswith(".ffn_gate_shexp.weight") and arch == "ernie4_5-moe":
             shared = info.shape[0]  # its width, from the tensor (the converter's key is not it)
@@ -428,7 +437,7 @@ def iter_gguf_weights(
         if info.name in _ROPE_TENSORS:
             continue
         parts = info.name.split(".")
-        if arch.architecture == "qwen3_5" and parts[0] == "blk":
+        if arch.architecture in QWEN3_5_ARCHITECTURES and parts[0] == "blk":
             if int(parts[1]) >= arch.num_hidden_layers:
                 continue  # a multi-token-prediction block after the model's: not served
         if parts[2:3] and parts[2] in _EXPERT_NAMES:
@@ -453,7 +462,7 @@ def iter_gguf_weights(
             tensor = tensor.unsqueeze(0)  # llama.cpp's [hidden] vector is HF's [1, hidden]
         elif ".mamba." in name:
             tensor = mamba_gguf_tensor(name, tensor)
-        elif arch.architecture == "qwen3_5":
+        elif arch.architecture in QWEN3_5_ARCHITECTURES:
             tensor = qwen3_5_gguf_tensor(name, tensor)
         # The permutation moves whole rows, so it applies to rows of blocks unchanged.
         yield (
@@ -486,6 +495,7 @@ _HF_EXPERT_NAMES = {
     # Granite 4.0-H's, likewise (model/granite.py)
     "granitemoehybrid": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "lfm2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 

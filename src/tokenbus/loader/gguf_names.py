@@ -23,7 +23,7 @@ from tokenbus.loader.mamba_config import (
     NEMOTRON_H_GGUF,
 )
 from tokenbus.loader.qwen3_5_config import (
-    QWEN3_5_GGUF,
+    QWEN3_5_GGUF_ARCHITECTURES,
     QWEN3_5_GGUF_BLOCK_NAMES,
     QWEN3_5_PARAMETER_NAMES,
 )
@@ -75,7 +75,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     **{arch: LFM2_GGUF_BLOCK_NAMES for arch in LFM2_GGUF_ARCHITECTURES},  # short convolutions
     GRANITE_HYBRID_GGUF: GRANITE_HYBRID_GGUF_BLOCK_NAMES,  # its Mamba2 mixers' tensors
     NEMOTRON_H_GGUF: GRANITE_HYBRID_GGUF_BLOCK_NAMES,  # likewise
-    QWEN3_5_GGUF: QWEN3_5_GGUF_BLOCK_NAMES,  # its Gated DeltaNet's tensors
+    **{arch: QWEN3_5_GGUF_BLOCK_NAMES for arch in QWEN3_5_GGUF_ARCHITECTURES},  # Gated DeltaNet
     # ERNIE 4.5's shared MLP (several experts' width, ungated) and its selection bias
     "ernie4_5-moe": {
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",

@@ -32,7 +32,7 @@ from tokenbus.loader.layer_kinds import (
 )
 from tokenbus.loader.lfm2_config import lfm2_hf_fields, lfm2_moe_hf_fields
 from tokenbus.loader.nemotron_h_config import nemotron_h_hf_fields, nemotron_h_kinds
-from tokenbus.loader.qwen3_5_config import qwen3_5_hf_fields
+from tokenbus.loader.qwen3_5_config import qwen3_5_hf_fields, qwen3_5_moe_hf_fields
 from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -70,6 +70,7 @@ HF_ARCHITECTURES = {
     "Lfm2MoeForCausalLM": "lfm2_moe",  # LFM2's layers with sigmoid-routed experts
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention and MLP blocks
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet and gated attention layers
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # Qwen3.5's layers with experts
 }
 # Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
 # q/k rows are reordered at load, pairs to halves, so our rotary turns them (model_loader.py).
@@ -83,7 +84,11 @@ _GLM4_NORMS = {
     "post_mlp_layernorm": "post_feedforward_layernorm",
 }
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
-HF_MODEL_TYPES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}
+HF_MODEL_TYPES = {
+    "gemma3_text": "gemma3",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+}
 # Image-and-text checkpoints whose text model is served: its `text_config`, and its weights
 # under `language_model` (the vision tower and the projector are left unread). model_type ->
 # the HF class that names it.
@@ -91,6 +96,7 @@ MULTIMODAL_MODEL_TYPES = {
     "gemma3": "Gemma3ForConditionalGeneration",  # Gemma 3 4B, 12B, 27B
     "mistral3": "Mistral3ForConditionalGeneration",  # Mistral Small 3.1 / 3.2
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # Qwen3.5 0.8B-27B
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # Qwen3.5 35B-A3B, 122B-A10B, ...
 }
 # A multimodal checkpoint's text weights, by prefix: transformers' original layout and its
 # newer one (model.language_model), and the LM head of each.
@@ -109,7 +115,7 @@ _ROPE_REQUIRED_KEYS = {
 }
 # Families whose HF model turns only the first partial_rotary_factor of each head (Phi-4-mini,
 # GLM-4).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "qwen3_5")
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "qwen3_5", "qwen3_5_moe")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -227,6 +233,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = nemotron_h_hf_fields(config, path)
     if architecture == "qwen3_5":
         family = qwen3_5_hf_fields(config, path)
+    if architecture == "qwen3_5_moe":
+        family = qwen3_5_moe_hf_fields(config, path)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)

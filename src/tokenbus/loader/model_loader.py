@@ -25,6 +25,7 @@ from tokenbus.loader.hf_loader import (
 from tokenbus.loader.lfm2_config import lfm2_names
 from tokenbus.loader.mxfp4 import gpt_oss_experts
 from tokenbus.loader.qk_rows import unpermute_qk
+from tokenbus.loader.qwen3_5_config import QWEN3_5_ARCHITECTURES
 from tokenbus.loader.qwen3_5_config import without_mtp as qwen3_5_without_mtp
 from tokenbus.loader.source import ModelSource
 from tokenbus.model_arch import ModelArch
@@ -60,7 +61,7 @@ def iter_weights(
             weights = lfm2_names(weights)
         if arch.architecture in ERNIE_ARCHITECTURES:
             weights = without_mtp(weights)
-        if arch.architecture == "qwen3_5":
+        if arch.architecture in QWEN3_5_ARCHITECTURES:
             weights = qwen3_5_without_mtp(weights)
         if arch.architecture in INTERLEAVED_ROTARY_ARCHITECTURES:
             return _rotary_pairs_as_halves(weights, arch)

@@ -1,5 +1,5 @@
-"""Qwen3.5 shapes and names (L2; no torch): what its config.json says beyond a Qwen3's.
-hf_loader joins these ModelArch fields to the rest.
+"""Qwen3.5 and Qwen3.5-MoE shapes and names (L2; no torch): what their config.json says beyond
+a Qwen3's. hf_loader joins these ModelArch fields to the rest.
 
 - Layers: `layer_types` ("linear_attention" or "full_attention"; older configs give
   `full_attention_interval`, every n-th layer attending) make ModelArch.recurrent_layers: Gated
@@ -11,6 +11,10 @@ hf_loader joins these ModelArch fields to the rest.
   (`partial_rotary_factor`, 0.25). Its interleaved multimodal rotary (`mrope_section`) turns a
   text token's dims by one position in all three sections: a plain rotary.
 - Norms scale by (1 + w) (model/qwen3_5.py stores 1 + w), but the Gated DeltaNet's output norm.
+- Qwen3.5-MoE: every MLP a sparse MoE block (model/moe.py) of `num_experts` experts, softmax
+  routing with the top k renormalised, and a shared expert behind a sigmoid gate (Qwen2-MoE's).
+  Its experts come per expert, or stacked as transformers 5 holds them
+  (experts.gate_up_proj [E, 2I, hidden], experts.down_proj [E, hidden, I]).
 
 llama.cpp's `qwen35` GGUF: ssm.* keys give the Gated DeltaNet's sizes (group_count: key heads,
 time_step_rank: value heads, state_size: a key head's dims, inner_size: all value dims),
@@ -57,6 +61,8 @@ def qwen3_5_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 QWEN3_5_GGUF = "qwen35"
+QWEN3_5_GGUF_ARCHITECTURES = (QWEN3_5_GGUF, "qwen35moe")
+QWEN3_5_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe")  # ours
 QWEN3_5_GGUF_BLOCK_NAMES = {
     "attn_qkv": "linear_attn.in_proj_qkv",
     "attn_gate": "linear_attn.in_proj_z",
@@ -71,6 +77,25 @@ QWEN3_5_GGUF_BLOCK_NAMES = {
 }
 # HF names that are a parameter themselves, not a module's weight or bias.
 QWEN3_5_PARAMETER_NAMES = ("linear_attn.dt_bias", "linear_attn.A_log")
+
+
+def qwen3_5_moe_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelArch fields of a Qwen3.5-MoE text config beyond the shared ones: Qwen3.5's layers,
+    its experts."""
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not config.get(key):
+            raise ValueError(f"{path}: a Qwen3.5-MoE config needs {key!r}")
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    return dict(
+        # no dense MLP: the width a dense one would have is the shared expert's
+        intermediate_size=shared or int(config["moe_intermediate_size"]),
+        num_experts=int(config["num_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=True,  # its router always renormalises the top k
+        shared_expert_intermediate_size=shared,
+        **qwen3_5_hf_fields(config, path),
+    )
 
 
 def qwen3_5_gguf_fields(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
@@ -88,7 +113,12 @@ def qwen3_5_gguf_fields(meta: dict[str, Any], arch: str, path: Path) -> dict[str
         interval = int(meta.get(f"{arch}.full_attention_interval", 4))
         recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]
     v_heads = int(need("ssm.time_step_rank"))
+    fields: dict[str, Any] = {}
+    if f"{arch}.feed_forward_length" not in meta:  # qwen35moe: no dense MLP
+        shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+        fields["intermediate_size"] = int(shared or need("expert_feed_forward_length"))
     return dict(
+        **fields,
         num_hidden_layers=num_layers,
         recurrent_layers=tuple(i for i in range(num_layers) if recurrent[i]),
         conv_kernel=int(need("ssm.conv_kernel")),

@@ -59,12 +59,14 @@ EXPERT_NAMES = {
     "gpt_oss": ("gate_proj", "up_proj", "down_proj"),  # split from HF's stacked tensors
     "granitemoehybrid": ("gate_proj", "up_proj", "down_proj"),  # likewise
     "lfm2_moe": ("gate_proj", "up_proj", "down_proj"),  # renamed from w1, w3, w2 at load
+    "qwen3_5_moe": ("gate_proj", "up_proj", "down_proj"),
 }
 
 
 # A family's shared expert's HF names under the MoE block: (expert, its gate or None).
 SHARED_EXPERT_NAMES = {
     "qwen2_moe": ("shared_expert", "shared_expert_gate"),
+    "qwen3_5_moe": ("shared_expert", "shared_expert_gate"),
     "ernie4_5_moe": ("shared_experts", None),
     "granitemoehybrid": ("shared_experts", None),  # Granite 4.0-H's shared_mlp
 }

@@ -9,6 +9,11 @@ attention layer, each followed by a SwiGLU MLP in a pre-norm block.
 - Every RMSNorm but the Gated DeltaNet's output norm scales by (1 + w), computed in fp32
   (layers.Fp32RMSNorm holding 1 + w, as Gemma's).
 - The LM head is tied in the small models (tie_word_embeddings).
+
+Qwen3.5-MoE (Qwen3_5MoeForCausalLM) keeps these layers and makes every MLP a sparse MoE block
+(model/moe.py): softmax routing, the top k renormalised, and a shared expert behind a sigmoid
+gate, Qwen2-MoE's. Its experts come per expert or stacked (transformers 5's gate_up_proj [E, 2I,
+hidden] and down_proj [E, hidden, I]), read as per-expert views.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.gated_delta_net import GatedDeltaNet
 from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.model.layers.quantized import is_quantized
+from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.recurrent import RecurrentDecoderLayer
 from tokenbus.model.weights import WeightLoader, plus_one
@@ -75,3 +81,32 @@ def _queries_and_gates(
         for part, which in ((name, 0), (name.replace(".q_proj.", ".gate_proj."), 1)):
             half = per_head[:, which].reshape(heads * dim, -1)
             yield part, dataclasses.replace(tensor, data=half) if is_quantized(tensor) else half
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, MoECausalLM):
+    """Qwen3.5's layers (make_layer, its norms and gated queries) with MoECausalLM's MLPs and
+    expert loading."""
+
+    family = "qwen3_5_moe"
+    make_mlp = MoECausalLM.make_mlp
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_per_expert(weights))
+
+
+def _per_expert(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stacked experts (mlp.experts.gate_up_proj [E, 2I, hidden]: each expert's gate rows, then
+    its up rows; mlp.experts.down_proj [E, hidden, I]) as per-expert views; others as they are."""
+    for name, tensor in weights:
+        scope, _, leaf = name.rpartition(".mlp.experts.")
+        if leaf == "gate_up_proj":
+            for e, (gate, up) in enumerate(t.chunk(2) for t in tensor):
+                yield f"{scope}.mlp.experts.{e}.gate_proj.weight", gate
+                yield f"{scope}.mlp.experts.{e}.up_proj.weight", up
+        elif leaf == "down_proj":
+            for e in range(tensor.shape[0]):
+                yield f"{scope}.mlp.experts.{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor
