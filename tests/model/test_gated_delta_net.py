@@ -1,6 +1,7 @@
-"""Gated DeltaNet's recurrence (model/gated_delta_net.py): the torch ops' waves and fused_ops.c's
-token loop, in place in a pool, equal HF's token-by-token reference and its chunked form for
-any mix of decodes and chunks; value heads read their key heads grouped (HF's order) or tiled
+"""Gated DeltaNet's recurrence (model/gated_delta_net.py): the torch path (decodes batched,
+chunks in the chunked form, piece after piece: layers/delta_rule.py) and fused_ops.c's token
+loop, in place in a pool, equal HF's token-by-token reference and its chunked form for any mix
+of decodes and chunks; value heads read their key heads grouped (HF's order) or tiled
 (llama.cpp's reordered GGUF), the same computation with the heads permuted."""
 
 from __future__ import annotations
@@ -74,3 +75,18 @@ def test_tiled_heads_are_the_grouped_ones_permuted(ops):
     )
     torch.testing.assert_close(got, want[:, tiled], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(tiled_pool, grouped_pool[:, tiled], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("length", [63, 64, 65, 150])
+def test_chunked_pieces_carry_the_state_across(length):
+    """A run longer than a piece (layers/delta_rule.py's CHUNK tokens) carries S from piece to
+    piece; a decode after it (another row) joins no piece. The torch path equals the C loop."""
+    q, k, v, g, beta, s0 = _inputs(length + 1, seed=length)
+    rows = torch.tensor([2] * length + [4])
+    pools = {ops: s0.clone() for ops in ("torch", "c")}
+    outs = {
+        ops: run.gated_delta_rule_(pools[ops], rows, q, k, v, g, beta, False)
+        for ops, run in (("torch", TORCH_OPS), ("c", _fused_ops()))
+    }
+    torch.testing.assert_close(outs["torch"], outs["c"], atol=5e-5, rtol=5e-5)
+    torch.testing.assert_close(pools["torch"], pools["c"], atol=5e-5, rtol=5e-5)

@@ -12,8 +12,9 @@
 
 A request's state is its conv's last K - 1 inputs and its S for every value head, one flat row
 of the layer's pool. The recurrence runs the step's tokens in order (layer ops: fused_ops.c's
-gated_delta_rule on CPU in fp32, one call for decodes and chunks alike; torch elsewhere, a wave
-of one token per request at a time), in fp32, its state stored in the pool's dtype.
+gated_delta_rule on CPU in fp32, one call for decodes and chunks alike; torch elsewhere, the
+decodes batched and each chunk in the chunked form: layers/delta_rule.py), in fp32, its state
+stored in the pool's dtype.
 """
 
 from __future__ import annotations

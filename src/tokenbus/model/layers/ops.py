@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenbus.model.layers.delta_rule import delta_rule
 from tokenbus.model.layers.rotary import apply_rotary
 from tokenbus.model.native import FusedOps
 
@@ -137,34 +138,14 @@ class TorchOps:
         token t's states in row token_rows[t] of `states` [num_rows, Hv, dk, dv], advanced in
         place: per value head, S = S exp(g); S += k (beta (v - S^T k))^T; out = S^T q, with q / k
         [T, Hk, dk] of the value head's key head (grouped, or `tiled`), v [T, Hv, dv], g / beta
-        [T, Hv] -> out [T, Hv, dv] in q's dtype. Tokens of different rows run together: a wave
-        takes each row's next token."""
+        [T, Hv] -> out [T, Hv, dv] in q's dtype (layers/delta_rule.py: decodes batched, chunks
+        in the chunked form)."""
         per_key = v.shape[1] // q.shape[1]
         if tiled:  # [T, Hv, dk]: each value head's key head
             q, k = q.repeat(1, per_key, 1), k.repeat(1, per_key, 1)
         else:
             q, k = q.repeat_interleave(per_key, dim=1), k.repeat_interleave(per_key, dim=1)
-        out = torch.empty_like(v)
-        rows = token_rows.tolist()
-        position = {}  # each token's place among its row's tokens: its wave
-        waves: list[list[int]] = []
-        for t, row in enumerate(rows):
-            wave = position.get(row, 0)
-            position[row] = wave + 1
-            if wave == len(waves):
-                waves.append([])
-            waves[wave].append(t)
-        for wave in waves:
-            index = torch.tensor(wave, device=v.device)
-            mine = token_rows[index]
-            s = states[mine].to(q.dtype) * torch.exp(g[index])[..., None, None]
-            kt, qt = k[index], q[index]
-            remembered = torch.einsum("nhij,nhi->nhj", s, kt)
-            delta = (v[index] - remembered) * beta[index][..., None]
-            s = s + kt[..., None] * delta[..., None, :]
-            out[index] = torch.einsum("nhij,nhi->nhj", s, qt)
-            states[mine] = s.to(states.dtype)
-        return out
+        return delta_rule(states, token_rows, q, k, v, g, beta)
 
 
 class FusedCpuOps(TorchOps):
