@@ -1,6 +1,7 @@
 """A model with recurrent layers behind the OpenAI server: a tiny random LFM2 (short
-convolutions keeping a state per request) served by a real `tokenbus serve` (its engine in its
-own process) and read by the official openai client. A greedy answer is the same alone, streamed,
+convolutions keeping a state per request) and a Qwen3.5 (Gated DeltaNet layers: a conv window
+and a state matrix per head) served by a real `tokenbus serve` (its engine in its own process)
+and read by the official openai client. A greedy answer is the same alone, streamed,
 and after other requests ran beside it and reused their state rows."""
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from tests.fixtures.tiny_models import cached_tiny_model
 PROMPT = "The bus left the depot at dawn and"
 
 
-@pytest.fixture(scope="module")
-def client():
-    with ServerProcess(str(cached_tiny_model("lfm2")), "--max-model-len", "256") as server:
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+def client(request):
+    with ServerProcess(str(cached_tiny_model(request.param)), "--max-model-len", "256") as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
