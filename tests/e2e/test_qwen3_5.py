@@ -29,13 +29,21 @@ MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32", max_num_batched_tokens=32)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def hf_dir(request):
     return cached_tiny_model(request.param)
 
 
+def family(hf_dir) -> str:
+    """Our architecture name of the tiny model at hf_dir."""
+    model_type = load_hf(str(hf_dir)).config.model_type
+    return {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}.get(
+        model_type, model_type
+    )
+
+
 def has_experts(hf_dir) -> bool:
-    return load_hf(str(hf_dir)).config.model_type == "qwen3_5_moe_text"
+    return family(hf_dir) != "qwen3_5"
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +63,11 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
 
     path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "qwen35.gguf")
     arch = load_arch(resolve_model(str(path)))
-    name = "qwen3_5_moe" if has_experts(hf_dir) else "qwen3_5"
-    assert (arch.architecture, arch.recurrent_layers, arch.conv_kernel) == (name, (0, 1, 3), 4)
+    assert (arch.architecture, arch.recurrent_layers, arch.conv_kernel) == (
+        family(hf_dir),
+        (0, 1, 3),
+        4,
+    )
     assert (arch.delta_k_heads, arch.delta_v_heads, arch.delta_k_dim, arch.delta_v_dim) == (
         2,
         4,
@@ -64,12 +75,13 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference, kind
         16,
     )
     assert (arch.rotary_dim, arch.attn_output_gate, arch.num_kv_layers) == (4, True, 1)
-    # llama.cpp's converter puts the value heads in tiled order
-    assert arch.delta_v_tiled == (kind == "gguf")
+    # llama.cpp's Qwen3.5 converter puts the value heads in tiled order (not Qwen3-Next's)
+    assert arch.delta_v_tiled == (kind == "gguf" and family(hf_dir) != "qwen3_next")
     if has_experts(hf_dir):
         experts = (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size)
         assert experts == (8, 2, 32)
-        assert (arch.shared_expert_intermediate_size, arch.dense_layers) == (64, ())
+        dense = (1,) if family(hf_dir) == "qwen3_next" else ()  # its mlp_only_layers
+        assert (arch.shared_expert_intermediate_size, arch.dense_layers) == (64, dense)
     llm = make_llm(path, enable_prefix_caching=True, **ENGINE)
     core = llm.engine.client.engine_core
     assert not core.config.cache.enable_prefix_caching  # a hit would skip a state's tokens

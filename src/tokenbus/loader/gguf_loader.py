@@ -279,7 +279,7 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     own_width = (
         *("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE, "lfm2moe"),
-        "qwen35moe",
+        *("qwen35moe", "qwen3next"),
     )
     if not num_experts:
         if arch in (*own_width, "olmoe", "granitemoe"):
@@ -289,9 +289,9 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     if arch == "qwen2moe":  # llama.cpp: the dense width when the shared one is not given
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
         shared = shared or int(meta.get(f"{arch}.feed_forward_length", 0))
-    if arch in (GRANITE_HYBRID_GGUF, "qwen35moe"):  # Granite 4.0-H's ungated, Qwen3.5's gated
+    if arch in (GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next"):  # Granite 4.0-H's ungated
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
-    shexp = ("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF, "qwen35moe")
+    shexp = ("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next")
     for name, info in gf.tensors.items():
         if "_shexp" in name and arch not in shexp:
             raise ValueError(f"{gf.path}: tensor {name}: shared experts are not supported")
@@ -496,6 +496,7 @@ _HF_EXPERT_NAMES = {
     "granitemoehybrid": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "lfm2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 

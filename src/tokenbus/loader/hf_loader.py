@@ -71,6 +71,7 @@ HF_ARCHITECTURES = {
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention and MLP blocks
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet and gated attention layers
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # Qwen3.5's layers with experts
+    "Qwen3NextForCausalLM": "qwen3_next",  # Qwen3.5-MoE's layers, projections fused
 }
 # Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
 # q/k rows are reordered at load, pairs to halves, so our rotary turns them (model_loader.py).
@@ -115,7 +116,7 @@ _ROPE_REQUIRED_KEYS = {
 }
 # Families whose HF model turns only the first partial_rotary_factor of each head (Phi-4-mini,
 # GLM-4).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "qwen3_5", "qwen3_5_moe")
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -231,7 +232,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = granite_hybrid_hf_fields(config, path)
     if architecture == "nemotron_h":
         family = nemotron_h_hf_fields(config, path)
-    if architecture == "qwen3_5":
+    if architecture in ("qwen3_5", "qwen3_next"):  # Qwen3-Next's experts: _moe_fields
         family = qwen3_5_hf_fields(config, path)
     if architecture == "qwen3_5_moe":
         family = qwen3_5_moe_hf_fields(config, path)
@@ -309,12 +310,13 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
     Qwen2-MoE, OLMoE's clip_qkv) are refused, naming them. ERNIE 4.5's: ernie_config.py."""
     if architecture == "ernie4_5_moe":
         return ernie_hf_moe_fields(config, path)
-    if architecture not in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss"):
+    moe = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_next")
+    if architecture not in moe:
         return {}
     if config.get("clip_qkv") is not None:
         raise ValueError(f"{path}: clip_qkv is not supported for {architecture}")
     shared_keys = ("n_shared_experts",)
-    if architecture != "qwen2_moe":
+    if architecture not in ("qwen2_moe", "qwen3_next"):
         shared_keys += ("shared_expert_intermediate_size",)
     for key in shared_keys:
         if config.get(key):

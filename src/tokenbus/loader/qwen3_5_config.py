@@ -1,5 +1,5 @@
-"""Qwen3.5 and Qwen3.5-MoE shapes and names (L2; no torch): what their config.json says beyond
-a Qwen3's. hf_loader joins these ModelArch fields to the rest.
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next shapes and names (L2; no torch): what their config.json
+says beyond a Qwen3's. hf_loader joins these ModelArch fields to the rest.
 
 - Layers: `layer_types` ("linear_attention" or "full_attention"; older configs give
   `full_attention_interval`, every n-th layer attending) make ModelArch.recurrent_layers: Gated
@@ -15,6 +15,10 @@ a Qwen3's. hf_loader joins these ModelArch fields to the rest.
   routing with the top k renormalised, and a shared expert behind a sigmoid gate (Qwen2-MoE's).
   Its experts come per expert, or stacked as transformers 5 holds them
   (experts.gate_up_proj [E, 2I, hidden], experts.down_proj [E, hidden, I]).
+- Qwen3-Next (80B-A3B): Qwen3.5-MoE's layers (its MoE fields Qwen3-MoE's: mlp_only_layers and
+  decoder_sparse_step keep dense MLPs), the Gated DeltaNet's projections fused per key head:
+  in_proj_qkvz (each key head's q, k, its value heads' v, then their z) and in_proj_ba (its
+  value heads' b, then their a), split into Qwen3.5's at load (model/qwen3_5.py).
 
 llama.cpp's `qwen35` GGUF: ssm.* keys give the Gated DeltaNet's sizes (group_count: key heads,
 time_step_rank: value heads, state_size: a key head's dims, inner_size: all value dims),
@@ -61,13 +65,14 @@ def qwen3_5_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 QWEN3_5_GGUF = "qwen35"
-QWEN3_5_GGUF_ARCHITECTURES = (QWEN3_5_GGUF, "qwen35moe")
-QWEN3_5_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe")  # ours
+QWEN3_5_GGUF_ARCHITECTURES = (QWEN3_5_GGUF, "qwen35moe", "qwen3next")
+QWEN3_5_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # ours, in the same order
 QWEN3_5_GGUF_BLOCK_NAMES = {
     "attn_qkv": "linear_attn.in_proj_qkv",
     "attn_gate": "linear_attn.in_proj_z",
     "ssm_beta": "linear_attn.in_proj_b",
     "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_ba": "linear_attn.in_proj_ba",  # qwen3next's b and a, fused per key head
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_dt": "linear_attn.dt_bias",
     "ssm_a": "linear_attn.A_log",
@@ -126,7 +131,7 @@ def qwen3_5_gguf_fields(meta: dict[str, Any], arch: str, path: Path) -> dict[str
         delta_v_heads=v_heads,
         delta_k_dim=int(need("ssm.state_size")),
         delta_v_dim=int(need("ssm.inner_size")) // v_heads,
-        delta_v_tiled=True,
+        delta_v_tiled=arch != "qwen3next",  # qwen3next's converter keeps HF's order
         attn_output_gate=True,
     )
 

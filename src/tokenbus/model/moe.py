@@ -60,6 +60,7 @@ EXPERT_NAMES = {
     "granitemoehybrid": ("gate_proj", "up_proj", "down_proj"),  # likewise
     "lfm2_moe": ("gate_proj", "up_proj", "down_proj"),  # renamed from w1, w3, w2 at load
     "qwen3_5_moe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen3_next": ("gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -67,6 +68,7 @@ EXPERT_NAMES = {
 SHARED_EXPERT_NAMES = {
     "qwen2_moe": ("shared_expert", "shared_expert_gate"),
     "qwen3_5_moe": ("shared_expert", "shared_expert_gate"),
+    "qwen3_next": ("shared_expert", "shared_expert_gate"),
     "ernie4_5_moe": ("shared_experts", None),
     "granitemoehybrid": ("shared_experts", None),  # Granite 4.0-H's shared_mlp
 }

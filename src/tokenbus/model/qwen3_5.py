@@ -14,6 +14,10 @@ Qwen3.5-MoE (Qwen3_5MoeForCausalLM) keeps these layers and makes every MLP a spa
 (model/moe.py): softmax routing, the top k renormalised, and a shared expert behind a sigmoid
 gate, Qwen2-MoE's. Its experts come per expert or stacked (transformers 5's gate_up_proj [E, 2I,
 hidden] and down_proj [E, hidden, I]), read as per-expert views.
+
+Qwen3-Next (Qwen3NextForCausalLM, 80B-A3B) is Qwen3.5-MoE's layers (dense MLPs in the layers
+arch.dense_layers names) with the Gated DeltaNet's projections fused per key head, in_proj_qkvz
+and in_proj_ba: split here into Qwen3.5's in_proj_qkv / z / b / a rows.
 """
 
 from __future__ import annotations
@@ -92,6 +96,45 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, MoECausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_per_expert(weights))
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    family = "qwen3_next"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_unfused_projections(weights, self.arch))
+
+
+def _unfused_projections(
+    weights: Iterable[tuple[str, torch.Tensor]], arch: ModelArch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's in_proj_qkvz (per key head: its q and k rows, its value heads' v rows, then
+    their z rows) and in_proj_ba (per key head: its value heads' b rows, then their a rows) as
+    Qwen3.5's in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b and in_proj_a; a GGUF's
+    quantized rows the same way, a row being its blocks."""
+    k_heads, k_dim, v_dim = arch.delta_k_heads, arch.delta_k_dim, arch.delta_v_dim
+    per_key = arch.delta_v_heads // k_heads  # value heads a key head serves
+    for name, tensor in weights:
+        scope, _, leaf = name.rpartition(".linear_attn.")
+        if leaf not in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
+            yield name, tensor
+            continue
+        quantized = is_quantized(tensor)
+        rows = tensor.data if quantized else tensor
+
+        def rows_of(parts: list[torch.Tensor]) -> torch.Tensor:
+            joined = torch.cat([part.reshape(-1, rows.shape[-1]) for part in parts])
+            return dataclasses.replace(tensor, data=joined) if quantized else joined
+
+        if leaf == "in_proj_qkvz.weight":
+            sizes = [k_dim, k_dim, per_key * v_dim, per_key * v_dim]
+            q, k, v, z = rows.view(k_heads, sum(sizes), -1).split(sizes, dim=1)
+            yield f"{scope}.linear_attn.in_proj_qkv.weight", rows_of([q, k, v])
+            yield f"{scope}.linear_attn.in_proj_z.weight", rows_of([z])
+        else:
+            b, a = rows.view(k_heads, 2 * per_key, -1).split([per_key, per_key], dim=1)
+            yield f"{scope}.linear_attn.in_proj_b.weight", rows_of([b])
+            yield f"{scope}.linear_attn.in_proj_a.weight", rows_of([a])
 
 
 def _per_expert(

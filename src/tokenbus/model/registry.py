@@ -24,7 +24,11 @@ from tokenbus.model.olmoe import OlmoeForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
 from tokenbus.model.qwen2_moe import Qwen2MoeForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
-from tokenbus.model.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from tokenbus.model.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
+)
 from tokenbus.model.qwen3_moe import Qwen3MoeForCausalLM
 from tokenbus.model.smollm3 import SmolLM3ForCausalLM
 
@@ -91,6 +95,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "qwen3_5_moe": Qwen3_5MoeForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 
