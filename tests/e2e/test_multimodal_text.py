@@ -124,3 +124,30 @@ def test_a_sparse_text_config_takes_its_class_defaults(tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
     with pytest.raises(ValueError, match="needs its text_config"):
         load_arch(resolve_model(str(model)))
+
+
+def test_a_qwen3_5_moe_text_config_without_a_dense_width(tmp_path):
+    """Qwen3.5-35B-A3B's text_config names no intermediate_size (it has no dense MLP): the
+    width a dense MLP would have is its shared expert's."""
+    from tokenbus.loader import load_arch, resolve_model
+
+    model = tmp_path / "m"
+    model.mkdir()
+    text = {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    }
+    config = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]}
+    (model / "config.json").write_text(json.dumps({**config, "text_config": text}))
+    arch = load_arch(resolve_model(str(model)))
+    assert (arch.architecture, arch.intermediate_size, arch.num_experts) == (
+        "qwen3_5_moe",
+        512,
+        256,
+    )
+    assert len(arch.recurrent_layers) == 30 and arch.rotary_dim == arch.head_dim // 4

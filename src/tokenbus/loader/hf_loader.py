@@ -250,11 +250,14 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         vocab_size=need("vocab_size"),
         hidden_size=hidden_size,
         # Granite 4.0's MLP is its shared_mlp (check_granite_hybrid: no experts beside it);
-        # LFM2's width is its family field (from block_ff_dim, its intermediate_size)
+        # LFM2's width and Qwen3.5-MoE's (it has no dense MLP) are their family fields
         intermediate_size=int(
-            need("shared_intermediate_size")
-            if architecture == "granitemoehybrid"
-            else config.get("block_ff_dim") or need("intermediate_size")
+            family.get("intermediate_size")
+            or (
+                need("shared_intermediate_size")
+                if architecture == "granitemoehybrid"
+                else config.get("block_ff_dim") or need("intermediate_size")
+            )
         ),
         num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=num_heads,
