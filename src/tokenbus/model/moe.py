@@ -38,6 +38,7 @@ whole expert too: rank 0 holds and runs it, so the same one all-reduce sums it i
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import torch
@@ -313,3 +314,22 @@ class SparseMoeBlock(OpsModule):
 
 def skip_weight(name: str, tensor: object) -> None:
     del name, tensor
+
+
+def stacked_experts_split(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Experts stacked as transformers 5 holds them (mlp.experts.gate_up_proj [E, 2I, hidden]:
+    each expert's gate rows, then its up rows; mlp.experts.down_proj [E, hidden, I]) under the
+    per-expert names SparseMoeBlock loads, as views; other tensors as they are."""
+    for name, tensor in weights:
+        scope, _, leaf = name.rpartition(".mlp.experts.")
+        if leaf == "gate_up_proj":
+            for e, (gate, up) in enumerate(t.chunk(2) for t in tensor):
+                yield f"{scope}.mlp.experts.{e}.gate_proj.weight", gate
+                yield f"{scope}.mlp.experts.{e}.up_proj.weight", up
+        elif leaf == "down_proj":
+            for e in range(tensor.shape[0]):
+                yield f"{scope}.mlp.experts.{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor

@@ -33,6 +33,7 @@ from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.gated_delta_net import GatedDeltaNet
 from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.model.layers.quantized import is_quantized
+from tokenbus.model.moe import stacked_experts_split
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.recurrent import RecurrentDecoderLayer
@@ -95,7 +96,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, MoECausalLM):
     make_mlp = MoECausalLM.make_mlp
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_per_expert(weights))
+        super().load_weights(stacked_experts_split(weights))
 
 
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
@@ -135,21 +136,3 @@ def _unfused_projections(
             b, a = rows.view(k_heads, 2 * per_key, -1).split([per_key, per_key], dim=1)
             yield f"{scope}.linear_attn.in_proj_b.weight", rows_of([b])
             yield f"{scope}.linear_attn.in_proj_a.weight", rows_of([a])
-
-
-def _per_expert(
-    weights: Iterable[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stacked experts (mlp.experts.gate_up_proj [E, 2I, hidden]: each expert's gate rows, then
-    its up rows; mlp.experts.down_proj [E, hidden, I]) as per-expert views; others as they are."""
-    for name, tensor in weights:
-        scope, _, leaf = name.rpartition(".mlp.experts.")
-        if leaf == "gate_up_proj":
-            for e, (gate, up) in enumerate(t.chunk(2) for t in tensor):
-                yield f"{scope}.mlp.experts.{e}.gate_proj.weight", gate
-                yield f"{scope}.mlp.experts.{e}.up_proj.weight", up
-        elif leaf == "down_proj":
-            for e in range(tensor.shape[0]):
-                yield f"{scope}.mlp.experts.{e}.down_proj.weight", tensor[e]
-        else:
-            yield name, tensor
