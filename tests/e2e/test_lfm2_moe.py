@@ -132,3 +132,31 @@ def test_quantized_gguf_runs_on_its_blocks(prompts, tmp_path):
     tokens, up to near ties."""
     path = write_gguf(cached_tiny_model("lfm2_moe"), tmp_path / "lfm2moe-q8_0.gguf", "Q8_0")
     assert_blocks_match_dequantized(path, prompts, MAX_TOKENS, max_num_batched_tokens=32)
+
+
+def test_stacked_experts_are_read_per_expert(prompts, tmp_path):
+    """Experts stacked as transformers 5 saves them (feed_forward.experts.gate_up_proj [E, 2I,
+    hidden]: w1 rows, then w3 rows; down_proj [E, hidden, I]) give the per-expert file's tokens."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = cached_tiny_model("lfm2_moe")
+    stacked = shutil.copytree(source, tmp_path / "stacked")
+    weights = load_file(str(stacked / "model.safetensors"))
+    for layer in (1, 2, 3):  # the MoE layers
+        scope = f"model.layers.{layer}.feed_forward.experts"
+        experts = [{w: weights.pop(f"{scope}.{e}.{w}.weight") for w in ("w1", "w3", "w2")}
+                   for e in range(8)]  # fmt: skip
+        weights[f"{scope}.gate_up_proj"] = torch.stack(
+            [torch.cat([e["w1"], e["w3"]]) for e in experts]
+        )
+        weights[f"{scope}.down_proj"] = torch.stack([e["w2"] for e in experts])
+    save_file(weights, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    outputs = {}
+    for path in (source, stacked):
+        llm = make_llm(path, **ENGINE)
+        outputs[path] = [out.token_ids for out in greedy_outputs(llm, prompts, MAX_TOKENS)]
+        assert_engine_clean(llm)
+    assert outputs[stacked] == outputs[source]
