@@ -16,6 +16,7 @@ import pytest
 from tests.e2e.oracle import (
     assert_blocks_match_dequantized,
     assert_matches_hf,
+    assert_same_or_near_tie,
     greedy_outputs,
     hf_greedy_logprobs,
     load_hf,
@@ -185,3 +186,22 @@ def test_a_qwen35moe_gguf_without_a_dense_width_takes_the_shared_experts(tmp_pat
     # the fifth block is the multi-token-prediction head's; every fourth layer attends
     assert (fields["num_hidden_layers"], fields["recurrent_layers"]) == (4, (0, 1, 2))
     assert (fields["intermediate_size"], fields["delta_v_dim"]) == (512, 128)
+
+
+def test_bf16_keeps_the_states_and_decay_rates_in_fp32(prompts):
+    """A bf16 model (the torch path: decodes batched, chunks in the chunked form) keeps every
+    Gated DeltaNet state and A in fp32, as HF does, and gives the fp32 model's greedy tokens up
+    to near ties."""
+    import torch
+
+    hf_dir = cached_tiny_model("qwen3_5")
+    outputs = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = make_llm(hf_dir, dtype=dtype, max_num_batched_tokens=32)
+        worker = llm.engine.client.engine_core.executor.worker
+        assert {pool.dtype for pool in worker.runner.request_states.pools} == {torch.float32}
+        assert worker.model.layers[0].mixer.A.dtype == torch.float32
+        outputs[dtype] = greedy_outputs(llm, prompts, MAX_TOKENS, logprobs=5)
+        assert_engine_clean(llm)
+    for ours, reference in zip(outputs["bfloat16"], outputs["float32"]):
+        assert_same_or_near_tie(ours.token_ids, reference.token_ids, ours.logprobs, gap=0.5)

@@ -13,8 +13,8 @@
 A request's state is its conv's last K - 1 inputs and its S for every value head, one flat row
 of the layer's pool. The recurrence runs the step's tokens in order (layer ops: fused_ops.c's
 gated_delta_rule on CPU in fp32, one call for decodes and chunks alike; torch elsewhere, the
-decodes batched and each chunk in the chunked form: layers/delta_rule.py), in fp32, its state
-stored in the pool's dtype.
+decodes batched and each chunk in the chunked form: layers/delta_rule.py), in fp32; the pool
+keeps the state in fp32 in any model (fp32_state: worker/state_pool.py), A too.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ L2_EPS = 1e-6  # HF's l2norm (FLA's)
 
 class GatedDeltaNet(OpsModule):
     hf_scope = "linear_attn."  # its weights' names in a decoder layer
+    fp32_state = True  # its pool's dtype (worker/state_pool.py): S stays fp32, as HF's does
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -61,7 +62,8 @@ class GatedDeltaNet(OpsModule):
 
         self.conv_weight = param(self.conv_dim, self.kernel)
         self.dt_bias = param(self.v_heads)
-        self.A = param(self.v_heads)  # -exp(A_log): each value head's (negative) decay rate
+        # -exp(A_log): each value head's (negative) decay rate, fp32 in any model (_apply)
+        self.A = nn.Parameter(torch.empty(self.v_heads, dtype=torch.float32), requires_grad=False)
         self.norm_weight = param(self.v_dim)
 
     def state_shape(self) -> tuple[int]:
@@ -127,6 +129,12 @@ class GatedDeltaNet(OpsModule):
 
     def _load_a_log(self, name: str, tensor: torch.Tensor) -> None:
         copy_param(self.A, name, -torch.exp(tensor.float()))
+
+    def _apply(self, fn, *args, **kwargs):
+        # A stays fp32 in a bf16 / fp16 model: HF takes -exp(A_log) in fp32 each step
+        result = super()._apply(fn, *args, **kwargs)
+        self.A.data = self.A.data.float()
+        return result
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

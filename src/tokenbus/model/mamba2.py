@@ -16,7 +16,8 @@ layer's ops: fused_ops.c's ssm_decode_step on CPU in fp32). A chunk runs the sca
 state-space-dual form, in pieces of mamba_chunk tokens (as HF's torch path): within a piece,
 token t takes token u's input (u <= t) decayed by exp(a_{u+1} + ... + a_t) (a = dt A, the cumsum
 below), plus the piece's starting state decayed to t; the piece's end state carries to the next.
-The scan runs in fp32 (HF's too), its state stored in the pool's dtype.
+The scan runs in fp32 (HF's too), and the pool keeps the state in fp32 in any model
+(fp32_state: worker/state_pool.py), A too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tokenbus.model_arch import ModelArch
 
 class Mamba2Mixer(OpsModule):
     hf_scope = "mamba."  # its weights' names in a decoder layer (model.layers.N.mamba.*)
+    fp32_state = True  # its pool's dtype (worker/state_pool.py): S stays fp32, as HF's does
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -60,7 +62,8 @@ class Mamba2Mixer(OpsModule):
         self.conv_weight = param(self.conv_dim, self.kernel)
         self.conv_bias = param(self.conv_dim) if arch.conv_bias else None
         self.dt_bias = param(self.heads)
-        self.A = param(self.heads)  # -exp(A_log): each head's (negative) decay rate
+        # -exp(A_log): each head's (negative) decay rate, fp32 in any model (_apply)
+        self.A = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
         self.D = param(self.heads)
         self.norm_weight = param(self.inner)
 
@@ -194,3 +197,9 @@ class Mamba2Mixer(OpsModule):
 
     def _load_a_log(self, name: str, tensor: torch.Tensor) -> None:
         copy_param(self.A, name, -torch.exp(tensor.float()))
+
+    def _apply(self, fn, *args, **kwargs):
+        # A stays fp32 in a bf16 / fp16 model: HF takes -exp(A_log) in fp32 each step
+        result = super()._apply(fn, *args, **kwargs)
+        self.A.data = self.A.data.float()
+        return result

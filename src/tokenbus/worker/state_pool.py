@@ -27,19 +27,32 @@ def state_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
     return shapes() if shapes is not None else {}
 
 
+def state_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.dtype]:
+    """Each recurrent layer's state dtype: fp32 where its mixer keeps its state so (a
+    state-space or delta-rule S, which HF keeps in fp32 too), else the activations' `dtype`."""
+    layers = getattr(model, "layers", ())
+    return {
+        layer: torch.float32 if getattr(layers[layer].mixer, "fp32_state", False) else dtype
+        for layer in state_shapes(model)
+    }
+
+
 def state_pool_bytes(model: nn.Module, num_rows: int, dtype: torch.dtype) -> int:
     """The bytes allocate_state_pools takes (kept out of the KV budget)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    per_row = sum(torch.Size(shape).numel() for shape in state_shapes(model).values())
-    return num_rows * per_row * element_size
+    dtypes = state_dtypes(model, dtype)
+    return num_rows * sum(
+        torch.Size(shape).numel() * torch.empty((), dtype=dtypes[layer]).element_size()
+        for layer, shape in state_shapes(model).items()
+    )
 
 
 def allocate_state_pools(
     model: nn.Module, num_rows: int, dtype: torch.dtype, device: torch.device
 ) -> dict[int, torch.Tensor]:
-    """layer -> its pool [num_rows, *state], zeroed, in the activations' dtype."""
+    """layer -> its pool [num_rows, *state], zeroed, in its state dtype (state_dtypes)."""
+    dtypes = state_dtypes(model, dtype)
     return {
-        layer: torch.zeros((num_rows, *shape), dtype=dtype, device=device)
+        layer: torch.zeros((num_rows, *shape), dtype=dtypes[layer], device=device)
         for layer, shape in state_shapes(model).items()
     }
 
