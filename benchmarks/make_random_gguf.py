@@ -20,8 +20,9 @@ bias, an ungated shared MLP of 3072; 8 of its 28 layers), lfm2-1.2b (LFM2: ten g
 convolutions among six attention layers), lfm2-8b-a1b-8l (LFM2-MoE: LFM2's layers, two dense
 MLPs, then 32 experts of 1792, top 4, sigmoid-scored; 8 of its 24 layers), granite-4.0-h-1b
 (Granite 4.0-H: 36 Mamba2 mixers and four attention layers without a rotary), qwen3.5-9b-8l
-(Qwen3.5: three Gated DeltaNet layers to one gated attention layer; 8 of its 32 layers). Tensor
-names
+(Qwen3.5: three Gated DeltaNet layers to one gated attention layer; 8 of its 32 layers),
+qwen3.5-35b-a3b-8l (Qwen3.5-MoE: those layers, 256 experts of 512, top 8, and a gated shared
+expert; 8 of its 40 layers). Tensor names
 and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
 types), weights N(0, 0.02), norms 1.
 
@@ -71,6 +72,8 @@ LFM2_MOE = "lfm2moe"  # LFM2's layers, sigmoid-scored experts chosen with a bias
 # Qwen3.5: Gated DeltaNet layers (attn_qkv, attn_gate, ssm_*) among gated attention layers
 # (attn_q holds each head's queries and gate), post_attention_norm before each MLP
 QWEN35 = "qwen35"
+QWEN35_MOE = "qwen35moe"  # Qwen3.5's layers, every MLP experts and a gated shared expert
+QWEN35_ARCHS = (QWEN35, QWEN35_MOE)
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,16 @@ CONFIGS = {
         head_dim_override=256, delta_layers=(0, 1, 2, 4, 5, 6), delta_k_heads=16,
         delta_v_heads=32, delta_dim=128, conv_kernel=4,
     ),
+    # Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults): 2048 wide, 40 layers, Qwen3.5's
+    # three Gated DeltaNet layers (16 key and 32 value heads of 128) to one gated attention layer
+    # (16 / 2 heads of 256), every MLP 256 experts of 512 (8 a token) and a gated shared expert of
+    # 512, a 248k vocabulary, untied: 34.7 B parameters. Its first 8 layers here.
+    "qwen3.5-35b-a3b-8l": ModelShape(
+        QWEN35_MOE, 2048, 8, 16, 2, 0, 248320, 10000000.0, 262144, 1e-6, False,
+        head_dim_override=256, delta_layers=(0, 1, 2, 4, 5, 6), delta_k_heads=16,
+        delta_v_heads=32, delta_dim=128, conv_kernel=4, experts=256, experts_used=8,
+        expert_intermediate=512, shared_intermediate=512,
+    ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,
     ),
@@ -299,12 +312,12 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "ffn_norm.weight", (h,), "norm"
             yield from _mlp(b, shape, h, post_norms)
             continue
-        if shape.architecture == QWEN35:
+        if shape.architecture in QWEN35_ARCHS:
             yield from (
                 _gated_delta_net(b, shape) if i in shape.delta_layers else _gated_attn(b, shape)
             )
             yield b + "post_attention_norm.weight", (h,), "norm"
-            yield from _mlp(b, shape, h, post_norms)
+            yield from _ffn(b, i, shape, h, post_norms)
             continue
         if i in shape.conv_layers:  # llama.cpp's lfm2: the conv [H, K] stays F32
             yield b + "shortconv.conv.weight", (h, shape.conv_kernel), "bias"
@@ -460,7 +473,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.intermediate)
+    if shape.intermediate:  # a model with experts alone writes none (qwen35moe)
+        writer.add_feed_forward_length(shape.intermediate)
     writer.add_head_count(shape.heads)
     recurrent = (*shape.conv_layers, *shape.ssm_layers)
     if recurrent:  # llama.cpp's LFM2Model, GraniteHybridModel: 0 KV heads marks such a layer
@@ -478,7 +492,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_ssm_time_step_rank(shape.ssm_heads)
         writer.add_rope_scaling_finetuned(False)  # Granite 4.0-H: no layer turns a rotary
     # Qwen3.5's rotary turns the first quarter of each head
-    writer.add_rope_dimension_count(shape.head_dim // (4 if shape.architecture == QWEN35 else 1))
+    quarter = shape.architecture in QWEN35_ARCHS
+    writer.add_rope_dimension_count(shape.head_dim // (4 if quarter else 1))
     if shape.head_dim_override:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
@@ -488,7 +503,7 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
     if shape.shared_intermediate:
         writer.add_expert_shared_feed_forward_length(shape.shared_intermediate)
-    if shape.architecture == QWEN35:  # llama.cpp's Qwen3_5TextModel
+    if shape.architecture in QWEN35_ARCHS:  # llama.cpp's Qwen3_5TextModel
         writer.add_ssm_conv_kernel(shape.conv_kernel)
         writer.add_ssm_state_size(shape.delta_dim)
         writer.add_ssm_group_count(shape.delta_k_heads)

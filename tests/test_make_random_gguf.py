@@ -147,6 +147,13 @@ def test_the_real_configs_have_the_published_sizes():
         delta_layers=tuple(i for i in range(32) if (i + 1) % 4),
     )
     assert 8.9e9 < _num_params(full) < 9.0e9
+    # Qwen3.5-35B-A3B: 34.7 B parameters over its 40 layers
+    full = dataclasses.replace(
+        make_random_gguf.CONFIGS["qwen3.5-35b-a3b-8l"],
+        layers=40,
+        delta_layers=tuple(i for i in range(40) if (i + 1) % 4),
+    )
+    assert 34.6e9 < _num_params(full) < 34.8e9
     assert 1.45e9 < params["granite-4.0-h-1b"] < 1.48e9  # Granite-4.0-H-1B: 1.46 B
 
 
@@ -215,6 +222,32 @@ def test_qwen3_5_is_written_as_llama_cpps(tmp_path):
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     assert model.layers[0].mixer.A.tolist() == [-1.0, -2.0, -3.0, -4.0]
     assert model.norm.weight.eq(1).all()  # stored as 1 + w, read as w, held as 1 + w
+
+
+def test_qwen3_5_moe_is_written_as_llama_cpps(tmp_path):
+    """Qwen3.5's layers with experts in every one and a gated shared expert, no dense width
+    (feed_forward_length absent): read back by the loader and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("qwen3.5-35b-a3b-8l"),
+        layers=4,
+        intermediate=0,
+        delta_layers=(0, 1, 2),
+        delta_k_heads=2,
+        delta_v_heads=4,
+        delta_dim=32,
+        head_dim_override=32,
+        experts=4,
+        experts_used=2,
+        expert_intermediate=64,
+        shared_intermediate=64,
+    )
+    path = make_random_gguf.write_random_gguf("q35m", tmp_path / "q.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.intermediate_size, arch.num_experts) == ("qwen3_5_moe", 64, 4)
+    assert arch.shared_expert_gated and arch.dense_layers == ()
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[3].mlp.shared_expert_gate is not None
 
 
 def test_ernie_moe_is_written_as_llama_cpps(tmp_path):
