@@ -84,6 +84,25 @@ def test_stacked_gguf_experts_map_to_hf_names(tmp_path, family):
     assert b.data.data_ptr() == a.data.data_ptr() + a.data.numel()
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_fused_gate_up_experts_map_to_the_same_names(tmp_path, qtype):
+    """A GGUF written with --fuse-gate-up-exps (ffn_gate_up_exps [E, 2I, hidden]) gives each
+    expert's gate and up as the unfused file does, blocks kept as blocks."""
+    hf_dir = cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE)
+    weights = {}
+    for fused in (False, True):
+        path = write_gguf(hf_dir, tmp_path / f"{fused}.gguf", qtype, False, fused)
+        src = resolve_model(str(path))
+        weights[fused] = dict(iter_weights(src, load_arch(src), keep_quantized=True))
+    assert set(weights[True]) == set(weights[False])
+    for name, tensor in weights[False].items():
+        fused = weights[True][name]
+        if isinstance(tensor, QuantizedWeight):
+            assert (fused.qtype, fused.cols) == (tensor.qtype, tensor.cols)
+            fused, tensor = fused.data, tensor.data
+        torch.testing.assert_close(fused, tensor, atol=0, rtol=0)
+
+
 def test_stack_experts_is_llama_cpps_layout():
     hf = load_file(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE) / "model.safetensors"))
     stacked = stack_experts(hf)["model.layers.0.ffn_down_exps.weight"]
@@ -155,6 +174,8 @@ def test_selection_bias_chooses_and_stays_fp32():
     a bf16 model keeps it fp32, as HF does."""
     arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE))))
     block = SparseMoeBlock(dataclasses.replace(arch, moe_selection_bias=True, norm_topk_prob=False))
+    with torch.no_grad():  # the router is made empty: whatever memory held, NaN included
+        block.gate.weight.normal_()
     x = torch.randn(5, arch.hidden_size)
     probs = torch.softmax(block.gate(x).float(), dim=-1)
     with torch.no_grad():

@@ -109,7 +109,10 @@ _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 _PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", *QWEN3_5_GGUF_ARCHITECTURES)
 # llama.cpp's MoE names: experts stacked per layer ([E, rows, cols]), split here into HF's
 # per-expert names (quantized experts stay blocks: each expert's rows are contiguous).
-_EXPERT_NAMES = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+# (convert_hf_to_gguf's --fuse-gate-up-exps writes gate and up as one ffn_gate_up_exps [E, 2I,
+# cols]: each expert's gate rows, then its up rows)
+_EXPERT_NAMES = {"ffn_gate_exps": (0,), "ffn_up_exps": (1,), "ffn_down_exps": (2,)}
+_EXPERT_NAMES["ffn_gate_up_exps"] = (0, 1)
 # Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
 # them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
 # attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants; MXFP4 for gpt-oss's experts); the float types
@@ -505,7 +508,8 @@ def _expert_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """blk.N.ffn_{gate,up,down}_exps [E, rows, cols] -> E per-expert HF tensors: views of the
     stacked blocks (each expert's rows are contiguous) or of the dequantized array; their
-    biases [E, rows] (gpt-oss's) -> E fp32 bias vectors."""
+    biases [E, rows] (gpt-oss's) -> E fp32 bias vectors. A fused ffn_gate_up_exps gives each
+    expert's gate (its first half of rows) and up (the second)."""
     import torch
 
     _, layer, kind, suffix = info.name.split(".")
@@ -519,18 +523,18 @@ def _expert_weights(
         )
     scope, names = _HF_EXPERT_NAMES[arch.architecture]
     prefix = f"model.layers.{layer}.{scope}.experts."
-    hf_name = names[_EXPERT_NAMES[kind]]
-    if keep_quantized and info.qtype in KERNEL_QTYPES and suffix == "weight":
-        stacked = torch.from_numpy(gf.tensor_bytes(info, writable=True))  # [E, rows, row bytes]
-        for e in range(arch.num_experts):
-            yield (
-                f"{prefix}{e}.{hf_name}.weight",
-                QuantizedWeight(int(info.qtype), stacked[e], info.shape[2]),
-            )
-        return
-    stacked = torch.from_numpy(_dequantize(gf, info))  # [E, rows(, cols)] fp32
+    parts = _EXPERT_NAMES[kind]
+    rows = info.shape[1] // len(parts)  # each part's rows of an expert
+    quantized = keep_quantized and info.qtype in KERNEL_QTYPES and suffix == "weight"
+    if quantized:  # [E, rows, row bytes]
+        stacked = torch.from_numpy(gf.tensor_bytes(info, writable=True))
+    else:  # [E, rows(, cols)] fp32
+        stacked = torch.from_numpy(_dequantize(gf, info))
     for e in range(arch.num_experts):
-        yield f"{prefix}{e}.{hf_name}.{suffix}", stacked[e]
+        for i, part in enumerate(parts):
+            mine = stacked[e, i * rows : (i + 1) * rows]
+            name = f"{prefix}{e}.{names[part]}.{suffix}"
+            yield name, QuantizedWeight(int(info.qtype), mine, info.shape[2]) if quantized else mine
 
 
 def check_qtype(gf: GGUFFile, info: GGUFTensorInfo) -> None:
