@@ -126,12 +126,12 @@ def create_engine_setup(args: EngineArgs) -> EngineSetup:
 
 def resolve_recurrent_layers(config: EngineConfig, arch: ModelArch) -> EngineConfig:
     """A model with recurrent layers (model/recurrent.py: LFM2's short convolutions, Mamba2
-    mixers) builds each request's state from its first token, in one stream: prefix caching is
-    turned off (a hit would skip the tokens the state is made of), and what reuses or rolls
-    back computed tokens is refused by its flag: speculative decoding (its drafts would enter
-    the state before they are verified) and KV transfer (a state does not travel with the
-    blocks). Mamba2 and Gated DeltaNet layers run on one rank: tensor parallelism is refused
-    for them."""
+    mixers, Gated DeltaNet) builds each request's state from its first token, in one stream:
+    prefix caching is turned off (a hit would skip the tokens the state is made of), and what
+    reuses or rolls back computed tokens is refused by its flag: speculative decoding (its
+    drafts would enter the state before they are verified) and KV transfer (a state does not
+    travel with the blocks). Mamba2 and Gated DeltaNet layers run on one rank: tensor
+    parallelism is refused for them."""
     if not arch.recurrent_layers:
         return config
     one_rank = "Mamba2" if arch.mamba_heads else "Gated DeltaNet" if arch.delta_v_heads else None

@@ -27,11 +27,14 @@ counts the multi-token-prediction blocks after the model's (nextn_predict_layers
 tensors are left unread. Its converter reorders the value heads from grouped to tiled (value
 head j reads key head j % K: ModelArch.delta_v_tiled) in every tensor that holds them, names
 the linear attention's tensors attn_qkv / attn_gate / ssm_beta / ssm_alpha / ssm_*, stores A
-as -exp(A_log) and every norm but ssm_norm as 1 + w (both given back as HF's here).
+as -exp(A_log) and every norm but ssm_norm as 1 + w (both given back as HF's here). `qwen35moe`
+adds the experts (no feed_forward_length: the shared expert's width stands in); `qwen3next`
+keeps HF's grouped value heads, and b and a fused per key head as ssm_ba.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +148,6 @@ def qwen3_5_gguf_tensor(name: str, tensor):
     return tensor
 
 
-def without_mtp(weights):
+def without_mtp(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """A Qwen3.5 checkpoint's tensors but its multi-token-prediction head's (mtp.*)."""
     return ((name, tensor) for name, tensor in weights if not name.startswith("mtp."))

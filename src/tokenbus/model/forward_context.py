@@ -57,9 +57,10 @@ class ForwardContext:
     # group 0's) and each layer's group; empty: every layer in group 0.
     kv_groups: list[KVGroupInputs] = field(default_factory=list)
     layer_groups: tuple[int, ...] = ()
-    # Recurrent layers (LFM2's short convolutions: model/recurrent.py) hold a state per
-    # request, not K/V: their kv_caches entry is their state pool, state_rows [num_reqs] int64
-    # each request's row of it, recurrent_plan what they read this step (the model builds it).
+    # Recurrent layers (short convolutions, Mamba2, Gated DeltaNet: model/recurrent.py) hold a
+    # state per request, not K/V: their kv_caches entry is their state pool, state_rows
+    # [num_reqs] int64 each request's row of it, recurrent_plan what they read this step (the
+    # model builds it).
     recurrent_layers: frozenset[int] = frozenset()
     state_rows: torch.Tensor | None = None
     recurrent_plan: Any = None

@@ -1,7 +1,8 @@
 """What recurrent layers share (L2). Such a layer keeps a state per request instead of K/V: LFM2's
-gated short convolutions (model/short_conv.py) and Mamba2's selective state spaces
-(model/mamba2.py). This module holds the step's plan over their state rows, the causal depthwise
-convolution both run over their state, and the pre-norm block around them.
+gated short convolutions (model/short_conv.py), Mamba2's selective state spaces
+(model/mamba2.py) and Qwen3.5's Gated DeltaNet (model/gated_delta_net.py). This module holds the
+step's plan over their state rows, the causal depthwise convolution all run over their state,
+and the pre-norm block around them.
 
 A request's state lives in one row of its layer's pool (worker/state_pool.py allocates the
 pools, one per recurrent layer, and gives each running request a row, zeroed when it starts from

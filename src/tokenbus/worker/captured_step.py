@@ -167,7 +167,7 @@ def capture_disabled_reason(
     if config.kv_transfer is not None:
         return "a KV connector is configured (its per-layer hooks run in Python)"
     if model is not None and getattr(model, "state_shapes", dict)():
-        return "recurrent layers (short convolutions) build their plan on the host each step"
+        return "recurrent layers build their plan on the host each step"
     if model is not None and any(
         isinstance(m, SparseMoeBlock) and m.stacked is None for m in model.modules()
     ):

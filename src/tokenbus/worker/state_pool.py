@@ -1,9 +1,9 @@
 """Recurrent layers' state pools, and the row each running request holds in them (L3).
 
-A recurrent layer (model/recurrent.py: LFM2's short convolution) keeps, for each request, what
-the next step of that request needs from the tokens before it, in a fixed size: one row of the
-layer's pool [num_rows, ...]. The pools sit in the step's per-layer caches (ForwardContext's
-kv_caches) where an attention layer has its K/V.
+A recurrent layer (model/recurrent.py: a short convolution, Mamba2, Gated DeltaNet) keeps, for
+each request, what the next step of that request needs from the tokens before it, in a fixed
+size: one row of the layer's pool [num_rows, ...]. The pools sit in the step's per-layer caches
+(ForwardContext's kv_caches) where an attention layer has its K/V.
 
 Rows follow the scheduler's running set, which max_num_seqs bounds: a request takes a row when
 it is (re)scheduled from its first token — the worker sees it as a new request, first or after a
