@@ -3,28 +3,13 @@
     .venv/bin/python benchmarks/make_random_gguf.py llama-3.2-1b [--out FILE] [--seed 0]
     benchmarks/peers/llama_cpp.sh quantize FILE.gguf FILE-Q4_K_M.gguf Q4_K_M   # then quantize
 
-Configs (CONFIGS below): llama-3.2-1b, llama-3.2-3b, llama-3.1-8b (Llama 3 rope factors as
-rope_freqs.weight, as llama.cpp's converter writes them; tied embeddings for 3.2), qwen2.5-0.5b
-(Qwen2 with q/k/v biases; 896 wide, so llama.cpp's K-quant recipes fall back to other types for
-some tensors, as in the real files), smollm3-3b (Llama's tensors, tied; llama.cpp turns no
-rotary in every fourth layer), qwen3-30b-a3b-8l (MoE), gemma-2-2b (sandwich norms,
-soft-capped scores and logits, local and global layers alternating), gemma-3-1b (sandwich norms,
-q/k norms, five sliding-window layers to one global), olmo-2-1b (post-norms only, q/k norms
-over the whole projection), olmoe-1b-7b (64 experts, top 8, OLMo's q/k norms),
-granite-3b-a800m (GraniteMoE: 40 experts, top 8), gpt-oss-20b-8l (gpt-oss: biases, sinks,
-32 experts of 2880 with biases, top 4, alternating windows, YaRN; 8 of its 24 layers), gemma-2b
-(Gemma: Gemma's norms and GeGLU in pre-norm layers, one KV head), qwen1.5-moe-a2.7b-8l
-(Qwen2-MoE: 60 experts of 1408, top 4, and a shared expert of 5632; 8 of its 24 layers),
-ernie-4.5-21b-a3b-8l (ERNIE 4.5 MoE: a dense first layer, 64 experts of 1536, top 6 chosen with a
-bias, an ungated shared MLP of 3072; 8 of its 28 layers), lfm2-1.2b (LFM2: ten gated short
-convolutions among six attention layers), lfm2-8b-a1b-8l (LFM2-MoE: LFM2's layers, two dense
-MLPs, then 32 experts of 1792, top 4, sigmoid-scored; 8 of its 24 layers), granite-4.0-h-1b
-(Granite 4.0-H: 36 Mamba2 mixers and four attention layers without a rotary), qwen3.5-9b-8l
-(Qwen3.5: three Gated DeltaNet layers to one gated attention layer; 8 of its 32 layers),
-qwen3.5-35b-a3b-8l (Qwen3.5-MoE: those layers, 256 experts of 512, top 8, and a gated shared
-expert; 8 of its 40 layers). Tensor names
-and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's converter's
-types), weights N(0, 0.02), norms 1.
+Configs (CONFIGS below, most with a comment giving the real model's shape; "-8l": its first 8
+layers): Llama 3.x (rope factors as rope_freqs.weight, as llama.cpp's converter writes them),
+Qwen2.5 (q/k/v biases; 896 wide, so K-quant recipes fall back to other types for some tensors,
+as in the real files), SmolLM3, Qwen3-MoE, Gemma 1/2/3, OLMo 2, OLMoE, GraniteMoE, gpt-oss,
+Qwen1.5-MoE, ERNIE 4.5 MoE, LFM2 and LFM2-MoE, Granite 4.0-H, Qwen3.5 and Qwen3.5-MoE. Tensor
+names and metadata are llama.cpp's; matrices are F16, norms and biases F32 (llama.cpp's
+converter's types), weights N(0, 0.02), norms 1.
 
 The tokenizer and chat template are the packaged SmolLM2 GGUF's, its vocabulary padded up to
 the model's with `[PAD<i>]` tokens of type UNUSED (as llama.cpp's converter pads a vocabulary
