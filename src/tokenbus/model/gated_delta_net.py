@@ -23,21 +23,18 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from tokenbus.model.layers import Linear, OpsModule
+from tokenbus.model.layers import Linear
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.recurrent import RecurrentPlan, causal_conv
-from tokenbus.model.short_conv import load_conv_weight
+from tokenbus.model.recurrent import DecayingStateMixer, RecurrentPlan, causal_conv, frozen_param
 from tokenbus.model.weights import WeightLoader, copy_param
 from tokenbus.model_arch import ModelArch
 
 L2_EPS = 1e-6  # HF's l2norm (FLA's)
 
 
-class GatedDeltaNet(OpsModule):
+class GatedDeltaNet(DecayingStateMixer):
     hf_scope = "linear_attn."  # its weights' names in a decoder layer
-    fp32_state = True  # its pool's dtype (worker/state_pool.py): S stays fp32, as HF's does
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -50,27 +47,15 @@ class GatedDeltaNet(OpsModule):
                 f"linear_num_key_heads {self.k_heads} must divide "
                 f"linear_num_value_heads {self.v_heads}"
             )
-        self.tiled, self.kernel, self.eps = arch.delta_v_tiled, arch.conv_kernel, arch.rms_norm_eps
+        self.tiled, self.eps = arch.delta_v_tiled, arch.rms_norm_eps
         self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
-        self.conv_dim = 2 * self.key_size + self.value_size
+        conv_dim = 2 * self.key_size + self.value_size
+        s_shape = (self.v_heads, self.k_dim, self.v_dim)  # S per request
+        self.make_state(arch.conv_kernel, conv_dim, s_shape, self.v_heads)
         self.sizes = (self.conv_dim, self.value_size, self.v_heads, self.v_heads)  # qkv, z, b, a
         self.in_proj = Linear(arch.hidden_size, self.sizes)
         self.out_proj = Linear(self.value_size, (arch.hidden_size,))
-
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-        self.conv_weight = param(self.conv_dim, self.kernel)
-        self.dt_bias = param(self.v_heads)
-        # -exp(A_log): each value head's (negative) decay rate, fp32 in any model (_apply)
-        self.A = nn.Parameter(torch.empty(self.v_heads, dtype=torch.float32), requires_grad=False)
-        self.norm_weight = param(self.v_dim)
-
-    def state_shape(self) -> tuple[int]:
-        """One request's state, flat: its conv's held inputs [K - 1, conv_dim], then S
-        [Hv, dk, dv]."""
-        held = (self.kernel - 1) * self.conv_dim
-        return (held + self.value_size * self.k_dim,)
+        self.norm_weight = frozen_param(self.v_dim)
 
     def forward(
         self,
@@ -86,9 +71,7 @@ class GatedDeltaNet(OpsModule):
         layer's pool [num_rows, state_shape] (the step's `rows` of it: plan.rows); the rotary
         tables and q_scale are unused."""
         tokens = x.shape[0]
-        held_size = (self.kernel - 1) * self.conv_dim
-        held = state[:, :held_size].view(-1, self.kernel - 1, self.conv_dim)
-        s = state[:, held_size:].view(-1, self.v_heads, self.k_dim, self.v_dim)
+        held, s = self.state_views(state)
         qkv, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
         qkv = F.silu(causal_conv(qkv, held, plan, self.conv_weight, None)).float()
         q, k, v = qkv.split((self.key_size, self.key_size, self.value_size), dim=-1)
@@ -116,25 +99,10 @@ class GatedDeltaNet(OpsModule):
             f"{prefix}in_proj_{part}.weight": partial(self.in_proj.load_shard, shard=shard)
             for shard, part in enumerate(("qkv", "z", "b", "a"))
         }
-        loaders.update(
-            {
-                f"{prefix}conv1d.weight": partial(load_conv_weight, self.conv_weight),
-                f"{prefix}dt_bias": partial(copy_param, self.dt_bias),
-                f"{prefix}A_log": self._load_a_log,
-                f"{prefix}norm.weight": partial(copy_param, self.norm_weight),
-                f"{prefix}out_proj.weight": self.out_proj.load_shard,
-            }
-        )
+        loaders.update(self.state_loaders(prefix))
+        loaders[f"{prefix}norm.weight"] = partial(copy_param, self.norm_weight)
+        loaders[f"{prefix}out_proj.weight"] = self.out_proj.load_shard
         return loaders
-
-    def _load_a_log(self, name: str, tensor: torch.Tensor) -> None:
-        copy_param(self.A, name, -torch.exp(tensor.float()))
-
-    def _apply(self, fn, *args, **kwargs):
-        # A stays fp32 in a bf16 / fp16 model: HF takes -exp(A_log) in fp32 each step
-        result = super()._apply(fn, *args, **kwargs)
-        self.A.data = self.A.data.float()
-        return result
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

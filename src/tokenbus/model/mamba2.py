@@ -26,19 +26,16 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from tokenbus.model.layers import Linear, OpsModule
+from tokenbus.model.layers import Linear
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.recurrent import RecurrentPlan, causal_conv
-from tokenbus.model.short_conv import load_conv_weight
+from tokenbus.model.recurrent import DecayingStateMixer, RecurrentPlan, causal_conv, frozen_param
 from tokenbus.model.weights import WeightLoader, copy_param, fused_rows_loader
 from tokenbus.model_arch import ModelArch
 
 
-class Mamba2Mixer(OpsModule):
+class Mamba2Mixer(DecayingStateMixer):
     hf_scope = "mamba."  # its weights' names in a decoder layer (model.layers.N.mamba.*)
-    fp32_state = True  # its pool's dtype (worker/state_pool.py): S stays fp32, as HF's does
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -46,32 +43,21 @@ class Mamba2Mixer(OpsModule):
             raise ValueError("Mamba2 layers do not run under tensor parallelism yet")
         self.heads, self.head_dim = arch.mamba_heads, arch.mamba_head_dim
         self.state_size, self.groups = arch.mamba_state, arch.mamba_groups
-        self.kernel, self.chunk = arch.conv_kernel, arch.mamba_chunk
+        self.chunk = arch.mamba_chunk
         self.dt_limit, self.eps = arch.mamba_dt_limit, arch.rms_norm_eps
         if self.heads % self.groups:
             raise ValueError(f"mamba_n_groups {self.groups} must divide mamba_n_heads {self.heads}")
         self.inner = self.heads * self.head_dim  # I
-        self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        conv_dim = self.inner + 2 * self.groups * self.state_size
+        # S [H, P, N] per request
+        s_shape = (self.heads, self.head_dim, self.state_size)
+        self.make_state(arch.conv_kernel, conv_dim, s_shape, self.heads)
         bias = arch.mamba_proj_bias
         self.in_proj = Linear(arch.hidden_size, (self.inner, self.conv_dim, self.heads), bias=bias)
         self.out_proj = Linear(self.inner, (arch.hidden_size,), bias=bias)
-
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-        self.conv_weight = param(self.conv_dim, self.kernel)
-        self.conv_bias = param(self.conv_dim) if arch.conv_bias else None
-        self.dt_bias = param(self.heads)
-        # -exp(A_log): each head's (negative) decay rate, fp32 in any model (_apply)
-        self.A = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
-        self.D = param(self.heads)
-        self.norm_weight = param(self.inner)
-
-    def state_shape(self) -> tuple[int]:
-        """One request's state, flat: its conv's held inputs [K - 1, conv_dim], then S
-        [H, P, N]."""
-        held = (self.kernel - 1) * self.conv_dim
-        return (held + self.heads * self.head_dim * self.state_size,)
+        self.conv_bias = frozen_param(self.conv_dim) if arch.conv_bias else None
+        self.D = frozen_param(self.heads)
+        self.norm_weight = frozen_param(self.inner)
 
     def forward(
         self,
@@ -86,9 +72,7 @@ class Mamba2Mixer(OpsModule):
         """An attention layer's arguments (recurrent.RecurrentDecoderLayer): `state` is this
         layer's pool [num_rows, state_shape] (the step's `rows` of it: plan.rows); the rotary
         tables and q_scale are unused."""
-        held_size = (self.kernel - 1) * self.conv_dim
-        held = state[:, :held_size].view(-1, self.kernel - 1, self.conv_dim)
-        ssm = state[:, held_size:].view(-1, self.heads, self.head_dim, self.state_size)
+        held, ssm = self.state_views(state)
         gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
         xbc = F.silu(causal_conv(xbc, held, plan, self.conv_weight, self.conv_bias))
         size = self.groups * self.state_size
@@ -177,9 +161,7 @@ class Mamba2Mixer(OpsModule):
         A_log (kept as A = -exp(A_log)); dt_bias, D, the norm's weight and out_proj."""
         sizes = (self.inner, self.conv_dim, self.heads)
         loaders: dict[str, WeightLoader] = {
-            f"{prefix}conv1d.weight": partial(load_conv_weight, self.conv_weight),
-            f"{prefix}dt_bias": partial(copy_param, self.dt_bias),
-            f"{prefix}A_log": self._load_a_log,
+            **self.state_loaders(prefix),
             f"{prefix}D": partial(copy_param, self.D),
             f"{prefix}norm.weight": partial(copy_param, self.norm_weight),
             f"{prefix}out_proj.weight": self.out_proj.load_shard,
@@ -194,12 +176,3 @@ class Mamba2Mixer(OpsModule):
         if self.conv_bias is not None:
             loaders[f"{prefix}conv1d.bias"] = partial(copy_param, self.conv_bias)
         return loaders
-
-    def _load_a_log(self, name: str, tensor: torch.Tensor) -> None:
-        copy_param(self.A, name, -torch.exp(tensor.float()))
-
-    def _apply(self, fn, *args, **kwargs):
-        # A stays fp32 in a bf16 / fp16 model: HF takes -exp(A_log) in fp32 each step
-        result = super()._apply(fn, *args, **kwargs)
-        self.A.data = self.A.data.float()
-        return result

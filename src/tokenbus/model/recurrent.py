@@ -24,7 +24,9 @@ and chunks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -32,7 +34,8 @@ from torch import nn
 
 from tokenbus.model.decoder import DecoderLayer
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.layers import RMSNorm
+from tokenbus.model.layers import OpsModule, RMSNorm
+from tokenbus.model.weights import WeightLoader, copy_param
 from tokenbus.model_arch import ModelArch
 
 
@@ -96,6 +99,64 @@ def causal_conv(
     out = (seq[plan.window_src] * weight.t()).sum(dim=1)  # [T, C]
     held[plan.rows] = seq[plan.state_src].to(held.dtype)
     return out if bias is None else out + bias
+
+
+def frozen_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """An empty inference-only parameter (its loader fills it)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def load_conv_weight(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    """A depthwise Conv1d's weight: HF's [C, 1, K], or GGUF's [C, K], into `param` [C, K]."""
+    if tensor.dim() == 3 and tensor.shape[1] == 1:
+        tensor = tensor[:, 0]
+    copy_param(param, name, tensor)
+
+
+class DecayingStateMixer(OpsModule):
+    """What Mamba2 (model/mamba2.py) and Gated DeltaNet (model/gated_delta_net.py) share. A
+    request's state row holds its causal conv's K - 1 held inputs [K - 1, conv_dim], then a state
+    S of `s_shape` that decays by each head's rate A = -exp(A_log) and a softplus of dt + a
+    bias. The pool keeps the row in fp32 in any model (fp32_state: worker/state_pool.py), and A
+    is fp32 too: HF keeps S in fp32 and takes -exp(A_log) in fp32 each step."""
+
+    fp32_state = True
+
+    def make_state(self, kernel: int, conv_dim: int, s_shape: tuple[int, ...], heads: int) -> None:
+        """The conv's taps [conv_dim, kernel], dt's bias and A [heads]; the row's layout."""
+        self.kernel, self.conv_dim, self.s_shape = kernel, conv_dim, s_shape
+        self.conv_weight = frozen_param(conv_dim, kernel)
+        self.dt_bias = frozen_param(heads)
+        self.A = frozen_param(heads, dtype=torch.float32)
+
+    def state_shape(self) -> tuple[int]:
+        """One request's state, flat: the conv's held inputs, then S."""
+        return ((self.kernel - 1) * self.conv_dim + math.prod(self.s_shape),)
+
+    def state_views(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool [num_rows, state_shape] as (held inputs [num_rows, K - 1, conv_dim], S
+        [num_rows, *s_shape]): views, updated in place."""
+        held_size = (self.kernel - 1) * self.conv_dim
+        held = state[:, :held_size].view(-1, self.kernel - 1, self.conv_dim)
+        return held, state[:, held_size:].view(-1, *self.s_shape)
+
+    def state_loaders(self, prefix: str) -> dict[str, WeightLoader]:
+        """HF names under `prefix` of the conv's weight ([conv_dim, 1, K], or a GGUF's
+        [conv_dim, K]), dt_bias, and A_log (kept as A = -exp(A_log))."""
+        return {
+            f"{prefix}conv1d.weight": partial(load_conv_weight, self.conv_weight),
+            f"{prefix}dt_bias": partial(copy_param, self.dt_bias),
+            f"{prefix}A_log": self._load_a_log,
+        }
+
+    def _load_a_log(self, name: str, tensor: torch.Tensor) -> None:
+        copy_param(self.A, name, -torch.exp(tensor.float()))
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(bfloat16) & co convert every parameter: A goes back to fp32
+        result = super()._apply(fn, *args, **kwargs)
+        self.A.data = self.A.data.float()
+        return result
 
 
 class RecurrentDecoderLayer(DecoderLayer):

@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenbus.model.layers import Linear
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.recurrent import RecurrentPlan, causal_conv
+from tokenbus.model.recurrent import RecurrentPlan, causal_conv, frozen_param, load_conv_weight
 from tokenbus.model.weights import (
     TensorSlicer,
     WeightLoader,
@@ -48,8 +48,8 @@ class ShortConv(nn.Module):
         self.in_proj = Linear(arch.hidden_size, (channels, channels, channels), bias=bias)
         self.out_proj = Linear(channels, (arch.hidden_size,), bias=bias)
         # [H, K]: HF's Conv1d weight [H, 1, K] without its group dim, as llama.cpp stores it
-        self.weight = nn.Parameter(torch.empty(channels, self.kernel), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+        self.weight = frozen_param(channels, self.kernel)
+        self.bias = frozen_param(channels) if bias else None
 
     def state_shape(self) -> tuple[int, int]:
         """One request's state: its last K - 1 inputs to the conv, [K - 1, H / size]."""
@@ -94,10 +94,3 @@ class ShortConv(nn.Module):
             )
             loaders[f"{prefix}conv.bias"] = sliced(partial(copy_param, self.bias), channels)
         return loaders
-
-
-def load_conv_weight(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
-    """A depthwise Conv1d's weight: HF's [C, 1, K], or GGUF's [C, K], into `param` [C, K]."""
-    if tensor.dim() == 3 and tensor.shape[1] == 1:
-        tensor = tensor[:, 0]
-    copy_param(param, name, tensor)

@@ -41,7 +41,7 @@ def state_pool_bytes(model: nn.Module, num_rows: int, dtype: torch.dtype) -> int
     """The bytes allocate_state_pools takes (kept out of the KV budget)."""
     dtypes = state_dtypes(model, dtype)
     return num_rows * sum(
-        torch.Size(shape).numel() * torch.empty((), dtype=dtypes[layer]).element_size()
+        torch.Size(shape).numel() * dtypes[layer].itemsize
         for layer, shape in state_shapes(model).items()
     )
 
