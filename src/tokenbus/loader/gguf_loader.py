@@ -111,8 +111,12 @@ _PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", *QWEN3_5_GGUF_ARCHITECTURES)
 # per-expert names (quantized experts stay blocks: each expert's rows are contiguous).
 # (convert_hf_to_gguf's --fuse-gate-up-exps writes gate and up as one ffn_gate_up_exps [E, 2I,
 # cols]: each expert's gate rows, then its up rows)
-_EXPERT_NAMES = {"ffn_gate_exps": (0,), "ffn_up_exps": (1,), "ffn_down_exps": (2,)}
-_EXPERT_NAMES["ffn_gate_up_exps"] = (0, 1)
+_EXPERT_NAMES = {
+    "ffn_gate_exps": (0,),
+    "ffn_up_exps": (1,),
+    "ffn_down_exps": (2,),
+    "ffn_gate_up_exps": (0, 1),
+}
 # Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
 # them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
 # attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants; MXFP4 for gpt-oss's experts); the float types

@@ -26,10 +26,13 @@ ATTENTION_KINDS = ("attention", "full_attention")
 
 
 def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """ModelArch's recurrent and MoE fields of a GraniteMoeHybrid config ({} for a dense
-    model whose every layer attends)."""
+    """ModelArch's MLP width (its shared MLP's), recurrent and MoE fields of a
+    GraniteMoeHybrid config (the width alone for a dense model whose every layer attends)."""
     num_layers = int(config["num_hidden_layers"])
-    experts = _experts(config)
+    if config.get("shared_intermediate_size") is None:
+        raise ValueError(f"{path}: missing 'shared_intermediate_size'")
+    # its MLP is the shared MLP (beside experts, their shared expert of that width)
+    mlp = dict(_experts(config), intermediate_size=int(config["shared_intermediate_size"]))
     kinds = config.get("layer_types") or config.get("layers_block_type")
     if kinds is None or len(kinds) != num_layers or set(kinds) - {*MAMBA_KINDS, *ATTENTION_KINDS}:
         raise ValueError(
@@ -38,7 +41,7 @@ def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, An
         )
     mamba = tuple(i for i, kind in enumerate(kinds) if kind in MAMBA_KINDS)
     if not mamba:
-        return experts
+        return mlp
     hidden, heads = int(config["hidden_size"]), int(config.get("mamba_n_heads", 128))
     head_dim = config.get("mamba_d_head", "auto")
     inner = int(config.get("mamba_expand", 2)) * hidden
@@ -49,7 +52,7 @@ def granite_hybrid_hf_fields(config: dict[str, Any], path: Path) -> dict[str, An
             f"mamba_expand × hidden_size ({inner})"
         )
     return dict(
-        experts,
+        mlp,
         recurrent_layers=mamba,
         conv_kernel=int(config.get("mamba_d_conv", 4)),
         conv_bias=bool(config.get("mamba_conv_bias", True)),

@@ -249,16 +249,9 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         architecture=architecture,
         vocab_size=need("vocab_size"),
         hidden_size=hidden_size,
-        # Granite 4.0's MLP is its shared_mlp (check_granite_hybrid: no experts beside it);
-        # LFM2's width and Qwen3.5-MoE's (it has no dense MLP) are their family fields
-        intermediate_size=int(
-            family.get("intermediate_size")
-            or (
-                need("shared_intermediate_size")
-                if architecture == "granitemoehybrid"
-                else config.get("block_ff_dim") or need("intermediate_size")
-            )
-        ),
+        # a family's own width where it says one (Granite 4.0's shared MLP, LFM2's adjusted
+        # one, Qwen3.5-MoE's shared expert: it has no dense MLP)
+        intermediate_size=int(family.get("intermediate_size") or need("intermediate_size")),
         num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=config.get("num_key_value_heads") or num_heads,

@@ -210,14 +210,12 @@ class FusedCpuOps(TorchOps):
             return super().clamped_swiglu_mul(gate_up, limit, alpha)
         return self.fused.clamped_swiglu_mul(gate_up, limit, alpha)
 
+    # The mixers keep their states and run their recurrences in fp32 (fp32_state), so these
+    # take every call of an fp32 model (the only one these ops serve).
     def ssm_decode_step_(self, states, rows, x, dt, a, b, c, d) -> torch.Tensor:
-        if states.dtype != torch.float32:  # an fp32 model's pools are fp32
-            return super().ssm_decode_step_(states, rows, x, dt, a, b, c, d)
         return self.fused.ssm_decode_step_(states, rows, x, dt, a, b, c, d)
 
     def gated_delta_rule_(self, states, token_rows, q, k, v, g, beta, tiled) -> torch.Tensor:
-        if states.dtype != torch.float32:  # an fp32 model's pools are fp32
-            return super().gated_delta_rule_(states, token_rows, q, k, v, g, beta, tiled)
         return self.fused.gated_delta_rule_(states, token_rows, q, k, v, g, beta, tiled)
 
 
