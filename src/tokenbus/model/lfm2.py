@@ -14,14 +14,10 @@ each expert by its sigmoid and chooses by score + a per-expert bias.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
 from torch import nn
 
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
-from tokenbus.model.moe import stacked_experts_split
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.recurrent import RecurrentDecoderLayer
@@ -46,6 +42,3 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM, MoECausalLM):
 
     family = "lfm2_moe"
     make_mlp = MoECausalLM.make_mlp
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(stacked_experts_split(weights))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenbus.model.causal_lm import CausalLM
 from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
-from tokenbus.model.moe import SparseMoeBlock, skip_weight
+from tokenbus.model.moe import SparseMoeBlock, skip_weight, stacked_experts_split
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.weights import WeightLoader, load_strictly
 from tokenbus.model_arch import ModelArch
@@ -42,7 +42,8 @@ class MoECausalLM(CausalLM):
         return loaders
 
     def load_weights(self, weights) -> None:
-        # Other ranks' experts are known names: fed to a no-op, and not required.
+        # Other ranks' experts are known names: fed to a no-op, and not required. Experts
+        # stacked as transformers 5 saves them are read per expert.
         loaders = self._weight_loaders()
         skipped = {name for name, loader in loaders.items() if loader is skip_weight}
-        load_strictly(loaders, weights, self.arch, optional=skipped)
+        load_strictly(loaders, stacked_experts_split(weights), self.arch, optional=skipped)

@@ -33,7 +33,6 @@ from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
 from tokenbus.model.gated_delta_net import GatedDeltaNet
 from tokenbus.model.layers import Fp32RMSNorm
 from tokenbus.model.layers.quantized import is_quantized
-from tokenbus.model.moe import stacked_experts_split
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.recurrent import RecurrentDecoderLayer
@@ -94,9 +93,6 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, MoECausalLM):
 
     family = "qwen3_5_moe"
     make_mlp = MoECausalLM.make_mlp
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(stacked_experts_split(weights))
 
 
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
