@@ -65,9 +65,11 @@ class ModelArch:
     # probabilities to choose the top k, their weights the probabilities themselves
     moe_selection_bias: bool = False
     # How the router's logits become the experts' probabilities: a "softmax" over all of them,
-    # or each its own "sigmoid" (LFM2-MoE's); the chosen weights, renormalised or not, are then
-    # scaled by routed_scaling_factor.
+    # or each its own "sigmoid" (LFM2-MoE's); the chosen weights, renormalised (their sum +
+    # moe_norm_eps the divisor: HF's LFM2-MoE 1e-6) or not, are then scaled by
+    # routed_scaling_factor.
     moe_scoring: str = "softmax"
+    moe_norm_eps: float = 0.0
     routed_scaling_factor: float = 1.0
     # gpt-oss's clamped SwiGLU in its experts (model/gpt_oss.py): the gate clamped from above and
     # up to +-swiglu_limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1); None elsewhere.

@@ -217,6 +217,7 @@ def test_sigmoid_routing_matches_hf_lfm2_moe_block(bias, norm_topk_prob, scale):
         norm_topk_prob=norm_topk_prob,
         moe_selection_bias=bias,
         moe_scoring="sigmoid",
+        moe_norm_eps=1e-6,
         routed_scaling_factor=scale,
     )
     ours = SparseMoeBlock(arch)

@@ -79,6 +79,7 @@ def lfm2_moe_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
         dense_layers=tuple(range(min(int(config.get("num_dense_layers", 2)), num_layers))),
         moe_selection_bias=bool(config.get("use_expert_bias", True)),
         moe_scoring="sigmoid",
+        moe_norm_eps=1e-6,  # Lfm2MoeSparseMoeBlock's, in the renormalising sum
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
         **_hf_layer_fields(config, path),
     )
@@ -137,6 +138,7 @@ def lfm2_gguf_fields(
                 f"got {gating!r}"
             )
         fields["moe_scoring"] = _GGUF_GATING[gating]
+        fields["moe_norm_eps"] = 1e-6  # as the HF model's (lfm2_moe_hf_fields)
     return fields
 
 

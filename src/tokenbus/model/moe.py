@@ -8,7 +8,8 @@ share this one rule, with norm_topk_prob always on for Mixtral. ERNIE 4.5 choose
 by the probabilities plus a per-expert bias (`selection_bias`, its e_score_correction_bias),
 the weights still the chosen experts' probabilities. LFM2-MoE's router scores each expert by
 its own sigmoid instead of a softmax (arch.moe_scoring), chooses by score + bias as ERNIE does,
-renormalises with HF's 1e-6 in the sum, and scales the weights by routed_scaling_factor.
+renormalises with HF's 1e-6 in the sum (arch.moe_norm_eps), and scales the weights by
+routed_scaling_factor.
 
 The expert step is fused over the batch: the T*k (token, expert) pairs are sorted by expert
 (a stable argsort), so each expert's tokens are one contiguous run; each active expert runs
@@ -118,6 +119,7 @@ class SparseMoeBlock(OpsModule):
                 f"(supported: {', '.join(MOE_SCORINGS)})"
             )
         self.norm_topk_prob = arch.norm_topk_prob
+        self.norm_eps = arch.moe_norm_eps
         self.sigmoid_scores = arch.moe_scoring == "sigmoid"
         self.routed_scaling_factor = arch.routed_scaling_factor
         # (limit, alpha) of gpt-oss's clamped SwiGLU; None: SiLU
@@ -162,8 +164,7 @@ class SparseMoeBlock(OpsModule):
             weights = probs.gather(-1, expert_ids)
         if self.norm_topk_prob:
             # sigmoid scores need not sum to anything: HF's LFM2-MoE keeps the sum off 0
-            total = weights.sum(dim=-1, keepdim=True)
-            weights = weights / (total + 1e-6 if self.sigmoid_scores else total)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         return weights.to(x.dtype), expert_ids
