@@ -65,12 +65,17 @@ class ModelArch:
     # probabilities to choose the top k, their weights the probabilities themselves
     moe_selection_bias: bool = False
     # How the router's logits become the experts' probabilities: a "softmax" over all of them,
-    # or each its own "sigmoid" (LFM2-MoE's); the chosen weights, renormalised (their sum +
-    # moe_norm_eps the divisor: HF's LFM2-MoE 1e-6) or not, are then scaled by
-    # routed_scaling_factor.
+    # or each its own "sigmoid" (LFM2-MoE's, GLM-4.5's); the chosen weights, renormalised (their
+    # sum + moe_norm_eps the divisor: HF's LFM2-MoE 1e-6, GLM-4.5's 1e-20) or not, are then
+    # scaled by routed_scaling_factor.
     moe_scoring: str = "softmax"
     moe_norm_eps: float = 0.0
     routed_scaling_factor: float = 1.0
+    # DeepSeek-V3's group-limited choice (GLM-4.5's n_group, topk_group): the experts in
+    # moe_groups equal groups, each group scored by the sum of its two best choice scores, the
+    # top k taken from the best moe_topk_groups groups only; 1 group: no limit.
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
     # gpt-oss's clamped SwiGLU in its experts (model/gpt_oss.py): the gate clamped from above and
     # up to +-swiglu_limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1); None elsewhere.
     swiglu_limit: float | None = None
@@ -108,6 +113,9 @@ class ModelArch:
     # Attention whose output is gated per channel by sigmoid(gate), the gate projected with the
     # queries (Qwen3.5's, Qwen3-Next's)
     attn_output_gate: bool = False
+    # q and k RMSNormed per head before the rotary where the config says so (GLM-4.5's
+    # use_qk_norm); a family that always has them (Qwen3) says so in its model class
+    attn_qk_norm: bool = False
     # Layers that are an MLP alone, with neither attention nor a state (Nemotron-H's "-"
     # blocks: model/nemotron_h.py); (): none
     mlp_only_layers: tuple[int, ...] = ()

@@ -253,3 +253,68 @@ def test_unknown_scoring_is_refused_by_name(tmp_path):
         lfm2_gguf_fields(meta, "lfm2moe", 2, tmp_path / "m.gguf")
     meta["lfm2moe.expert_gating_func"] = 2
     assert lfm2_gguf_fields(meta, "lfm2moe", 2, tmp_path / "m.gguf")["moe_scoring"] == "sigmoid"
+
+
+@pytest.mark.parametrize(("groups", "kept"), [(1, 1), (4, 2)])
+def test_grouped_sigmoid_routing_matches_hf_glm4_moe_block(groups, kept):
+    """GLM-4.5's MoE block (DeepSeek-V3's router: each expert's sigmoid, the top k by score +
+    bias within the best groups, renormalised with 1e-20, scaled; an ungated shared MLP) equals
+    HF's Glm4MoeMoE on the same weights, in fp32."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    config = Glm4MoeConfig(
+        hidden_size=64, n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=32,
+        n_shared_experts=2, n_group=groups, topk_group=kept, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Glm4MoeMoE(config)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape) / param.shape[-1] ** 0.5)
+        hf.gate.e_score_correction_bias.copy_(0.3 * torch.randn(16))
+    arch = dataclasses.replace(
+        load_arch(resolve_model(str(cached_tiny_model("glm4_moe")))),
+        num_experts=16,
+        num_experts_per_tok=3,
+        shared_expert_intermediate_size=64,
+        moe_groups=groups,
+        moe_topk_groups=kept,
+    )
+    ours = SparseMoeBlock(arch)
+    named = {
+        "mlp.gate.weight": hf.gate.weight,
+        "mlp.gate.e_score_correction_bias": hf.gate.e_score_correction_bias,
+        **{f"mlp.shared_experts.{n}": w for n, w in hf.shared_experts.named_parameters()},
+    }
+    for e in range(16):
+        gate_up, down = hf.experts.gate_up_proj[e], hf.experts.down_proj[e]
+        named[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[:32]
+        named[f"mlp.experts.{e}.up_proj.weight"] = gate_up[32:]
+        named[f"mlp.experts.{e}.down_proj.weight"] = down
+    loaders = ours.weight_loaders("mlp.", "glm4_moe")
+    assert set(loaders) == set(named)
+    for name, tensor in named.items():
+        loaders[name](name, tensor.detach())
+    x = torch.randn(37, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x.unsqueeze(0))[0], atol=1e-5, rtol=1e-5)
+        if groups > 1:  # the limit matters: without it some token takes another expert
+            ours.groups = 1
+            _, unlimited = ours.route(x)
+            ours.groups = groups
+            _, limited = ours.route(x)
+            assert not torch.equal(limited.sort().values, unlimited.sort().values)
+
+
+def test_bad_expert_groups_are_refused_by_name():
+    arch = load_arch(resolve_model(str(cached_tiny_model("glm4_moe"))))  # 8 experts, 2 a token
+    for groups in (3, 8):  # 8 / 3 is not whole; groups of one expert have no two best
+        with pytest.raises(ValueError, match=f"n_group: {groups} must split the 8 experts"):
+            SparseMoeBlock(dataclasses.replace(arch, moe_groups=groups, moe_topk_groups=1))
+    for kept in (0, 5):
+        with pytest.raises(ValueError, match=f"topk_group: {kept} must be in"):
+            SparseMoeBlock(dataclasses.replace(arch, moe_groups=4, moe_topk_groups=kept))
+    arch = dataclasses.replace(arch, num_experts_per_tok=3, moe_groups=4, moe_topk_groups=1)
+    with pytest.raises(ValueError, match="must hold the 3 experts a token takes"):
+        SparseMoeBlock(arch)

@@ -47,6 +47,7 @@ from tokenbus.loader.gemma_config import (
 )
 from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo, string_ids
 from tokenbus.loader.gguf_names import hf_weight_name
+from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF, glm4_moe_gguf_fields
 from tokenbus.loader.gpt_oss_config import (
     GPT_OSS_GGUF_ARCHITECTURE,
     GPT_OSS_STOP_TOKENS,
@@ -84,6 +85,7 @@ GGUF_ARCHITECTURES = (
     *("qwen3moe", "qwen2moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
     *ERNIE_GGUF_ARCHITECTURES,
     "glm4",
+    GLM4_MOE_GGUF,
     "mistral3",
     "cohere2",
     "exaone4",
@@ -106,7 +108,10 @@ _PERMUTED_QK_ARCHITECTURES = (
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
-_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", *QWEN3_5_GGUF_ARCHITECTURES)
+_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", GLM4_MOE_GGUF, *QWEN3_5_GGUF_ARCHITECTURES)
+# Architectures whose block_count counts multi-token-prediction blocks after the model's: those
+# blocks are not served (ModelArch.num_hidden_layers excludes them)
+_MTP_BLOCK_ARCHITECTURES = (*QWEN3_5_ARCHITECTURES, "glm4_moe")
 # llama.cpp's MoE names: experts stacked per layer ([E, rows, cols]), split here into HF's
 # per-expert names (quantized experts stay blocks: each expert's rows are contiguous).
 # (convert_hf_to_gguf's --fuse-gate-up-exps writes gate and up as one ffn_gate_up_exps [E, 2I,
@@ -227,9 +232,11 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family.update(lfm2_gguf_fields(meta, arch, need("block_count"), gf.path))
     if arch in QWEN3_5_GGUF_ARCHITECTURES:
         family.update(qwen3_5_gguf_fields(meta, arch, gf.path))
+    if arch == GLM4_MOE_GGUF:
+        family.update(glm4_moe_gguf_fields(meta, gf.tensors, gf.path))
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
-    # qwen35's block_count counts its multi-token-prediction blocks too
+    # qwen35's and glm4moe's block_count count their multi-token-prediction blocks too
     num_layers = family.pop("num_hidden_layers", None) or need("block_count")
     moe = _moe_fields(gf, arch, num_layers)
     return ModelArch(
@@ -267,6 +274,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         GPT_OSS_GGUF_ARCHITECTURE: "gpt_oss",
         GRANITE_HYBRID_GGUF: "granitemoehybrid",
         "lfm2moe": "lfm2_moe",
+        GLM4_MOE_GGUF: "glm4_moe",
         **dict(zip(QWEN3_5_GGUF_ARCHITECTURES, QWEN3_5_ARCHITECTURES, strict=True)),
         **ERNIE_GGUF_ARCHITECTURES,
     }
@@ -280,13 +288,14 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
 def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     """ModelArch's MoE fields from `{arch}.expert_*` metadata ({} for a dense model). Layers
     without a router tensor (ffn_gate_inp) are dense (Qwen3-MoE's mlp_only_layers); shared
-    experts (ffn_*_shexp) are Qwen2-MoE's and ERNIE 4.5's, refused elsewhere, naming the tensor;
-    ERNIE's selection bias is its exp_probs_b."""
+    experts (ffn_*_shexp) are Qwen2-MoE's, ERNIE 4.5's, GLM-4.5's and the hybrids', refused
+    elsewhere, naming the tensor; a selection bias (ERNIE's, LFM2-MoE's, GLM-4.5's) is its
+    exp_probs_b."""
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     own_width = (
         *("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE, "lfm2moe"),
-        *("qwen35moe", "qwen3next"),
+        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF),
     )
     if not num_experts:
         if arch in (*own_width, "olmoe", "granitemoe"):
@@ -298,7 +307,13 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
         shared = shared or int(meta.get(f"{arch}.feed_forward_length", 0))
     if arch in (GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next"):  # Granite 4.0-H's ungated
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
-    shexp = ("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next")
+    if arch == GLM4_MOE_GGUF:  # expert_shared_count experts' width (llama.cpp's n_ff_shexp)
+        width = int(meta.get(f"{arch}.expert_feed_forward_length", 0))
+        shared = width * int(meta.get(f"{arch}.expert_shared_count", 0))
+    shexp = (
+        *("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next"),
+        GLM4_MOE_GGUF,
+    )
     for name, info in gf.tensors.items():
         if "_shexp" in name and arch not in shexp:
             raise ValueError(f"{gf.path}: tensor {name}: shared experts are not supported")
@@ -314,14 +329,15 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
         num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
         moe_intermediate_size=int(meta[f"{arch}.{width_key}"]),
         # llama.cpp renormalises Mixtral's and Qwen3-MoE's top k unless told otherwise, and
-        # never OLMoE's or Qwen2-MoE's (their graphs pass no weight norm, as their configs')
+        # never OLMoE's or Qwen2-MoE's (their graphs pass no weight norm, as their configs');
+        # GLM-4.5's only where told
         norm_topk_prob=arch not in ("olmoe", "qwen2moe")
-        and bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        and bool(meta.get(f"{arch}.expert_weights_norm", arch != GLM4_MOE_GGUF)),
         dense_layers=tuple(
             i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gf.tensors
         ),
         shared_expert_intermediate_size=shared,
-        shared_expert_gated=arch not in ("ernie4_5-moe", GRANITE_HYBRID_GGUF),
+        shared_expert_gated=arch not in ("ernie4_5-moe", GRANITE_HYBRID_GGUF, GLM4_MOE_GGUF),
         moe_selection_bias=any(name.endswith(".exp_probs_b.bias") for name in gf.tensors),
     )
 
@@ -444,7 +460,7 @@ def iter_gguf_weights(
         if info.name in _ROPE_TENSORS:
             continue
         parts = info.name.split(".")
-        if arch.architecture in QWEN3_5_ARCHITECTURES and parts[0] == "blk":
+        if arch.architecture in _MTP_BLOCK_ARCHITECTURES and parts[0] == "blk":
             if int(parts[1]) >= arch.num_hidden_layers:
                 continue  # a multi-token-prediction block after the model's: not served
         if parts[2:3] and parts[2] in _EXPERT_NAMES:
@@ -504,6 +520,7 @@ _HF_EXPERT_NAMES = {
     "lfm2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
+from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
 from tokenbus.loader.lfm2_config import (
     LFM2_GGUF_ARCHITECTURES,
@@ -84,12 +85,22 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
         "exp_probs_b": "mlp.moe_statics.e_score_correction_bias",
     },
     **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
+    # GLM-4.5: its pre-MLP norm by Gemma's post-attention name (as gpt-oss's), an ungated
+    # shared MLP (as ERNIE's), the router's bias
+    GLM4_MOE_GGUF: {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        "exp_probs_b": "mlp.gate.e_score_correction_bias",
+    },
 }
 # HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks, ERNIE's
 # selection bias).
 _PARAMETER_NAMES = (
     "self_attn.sinks",
     "mlp.moe_statics.e_score_correction_bias",
+    "mlp.gate.e_score_correction_bias",
     *MAMBA_PARAMETER_NAMES,
     *QWEN3_5_PARAMETER_NAMES,
 )

@@ -18,6 +18,7 @@ from tokenbus.loader.gemma_config import (
     gemma3_hf_rope,
     gemma_hf_fields,
 )
+from tokenbus.loader.glm4_moe_config import glm4_moe_hf_fields
 from tokenbus.loader.gpt_oss_config import GPT_OSS_PATTERN, gpt_oss_hf_fields
 from tokenbus.loader.granite_hybrid_config import granite_hybrid_hf_fields
 from tokenbus.loader.layer_kinds import (
@@ -64,6 +65,7 @@ HF_ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4ForCausalLM": "glm4",
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
     "Lfm2ForCausalLM": "lfm2",  # LFM2 / LFM2.5: short convolutions and attention
@@ -116,7 +118,7 @@ _ROPE_REQUIRED_KEYS = {
 }
 # Families whose HF model turns only the first partial_rotary_factor of each head (Phi-4-mini,
 # GLM-4).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -228,6 +230,9 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = lfm2_hf_fields(config, path)
     if architecture == "lfm2_moe":
         family = lfm2_moe_hf_fields(config, path)
+    if architecture == "glm4_moe":  # half of each head turns unless the config says otherwise
+        rope_config = {"partial_rotary_factor": 0.5, **config}
+        family = glm4_moe_hf_fields(config, path)
     if architecture == "granitemoehybrid":  # its Mamba2 layers, where it has some
         family = granite_hybrid_hf_fields(config, path)
     if architecture == "nemotron_h":

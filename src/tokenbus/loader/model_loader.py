@@ -12,6 +12,7 @@ from tokenbus.loader.gguf_loader import (
     arch_from_gguf,
     iter_gguf_weights,
 )
+from tokenbus.loader.glm4_moe_config import without_mtp_layers
 from tokenbus.loader.hf_loader import (
     INTERLEAVED_ROTARY_ARCHITECTURES,
     arch_from_hf_config,
@@ -63,6 +64,8 @@ def iter_weights(
             weights = without_mtp(weights)
         if arch.architecture in QWEN3_5_ARCHITECTURES:
             weights = qwen3_5_without_mtp(weights)
+        if arch.architecture == "glm4_moe":
+            weights = without_mtp_layers(weights, arch.num_hidden_layers)
         if arch.architecture in INTERLEAVED_ROTARY_ARCHITECTURES:
             return _rotary_pairs_as_halves(weights, arch)
         return weights

@@ -9,7 +9,9 @@ by the probabilities plus a per-expert bias (`selection_bias`, its e_score_corre
 the weights still the chosen experts' probabilities. LFM2-MoE's router scores each expert by
 its own sigmoid instead of a softmax (arch.moe_scoring), chooses by score + bias as ERNIE does,
 renormalises with HF's 1e-6 in the sum (arch.moe_norm_eps), and scales the weights by
-routed_scaling_factor.
+routed_scaling_factor. GLM-4.5's (DeepSeek-V3's) router is LFM2-MoE's with 1e-20 for the 1e-6,
+and may limit the choice to the best groups of experts (arch.moe_groups, moe_topk_groups):
+each group scored by its two best biased scores, the other groups' experts masked off.
 
 The expert step is fused over the batch: the T*k (token, expert) pairs are sorted by expert
 (a stable argsort), so each expert's tokens are one contiguous run; each active expert runs
@@ -63,6 +65,7 @@ EXPERT_NAMES = {
     "lfm2_moe": ("gate_proj", "up_proj", "down_proj"),  # renamed from w1, w3, w2 at load
     "qwen3_5_moe": ("gate_proj", "up_proj", "down_proj"),
     "qwen3_next": ("gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -73,11 +76,14 @@ SHARED_EXPERT_NAMES = {
     "qwen3_next": ("shared_expert", "shared_expert_gate"),
     "ernie4_5_moe": ("shared_experts", None),
     "granitemoehybrid": ("shared_experts", None),  # Granite 4.0-H's shared_mlp
+    "glm4_moe": ("shared_experts", None),
 }
 # How a router's logits become probabilities (ModelArch.moe_scoring)
 MOE_SCORINGS = ("softmax", "sigmoid")
-# ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints)
+# ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints); the families
+# that name it otherwise (GLM-4.5's router holds it)
 SELECTION_BIAS_NAME = "moe_statics.e_score_correction_bias"
+SELECTION_BIAS_NAMES = {"glm4_moe": "gate.e_score_correction_bias"}
 
 
 class Expert(nn.Module):
@@ -120,6 +126,7 @@ class SparseMoeBlock(OpsModule):
             )
         self.norm_topk_prob = arch.norm_topk_prob
         self.norm_eps = arch.moe_norm_eps
+        self.groups, self.topk_groups = _check_groups(arch)
         self.sigmoid_scores = arch.moe_scoring == "sigmoid"
         self.routed_scaling_factor = arch.routed_scaling_factor
         # (limit, alpha) of gpt-oss's clamped SwiGLU; None: SiLU
@@ -157,10 +164,13 @@ class SparseMoeBlock(OpsModule):
         """(weights [T, k] in x's dtype, expert ids [T, k]) of each token."""
         logits = self.gate(x).float()  # [T, E]
         probs = torch.sigmoid(logits) if self.sigmoid_scores else torch.softmax(logits, dim=-1)
-        if self.selection_bias is None:
+        if self.selection_bias is None and self.groups == 1:
             weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         else:  # chosen by the biased probabilities, weighed by the probabilities
-            _, expert_ids = torch.topk(probs + self.selection_bias.float(), self.top_k, dim=-1)
+            choice = probs if self.selection_bias is None else probs + self.selection_bias.float()
+            if self.groups > 1:
+                choice = self._best_groups_only(choice)
+            _, expert_ids = torch.topk(choice, self.top_k, dim=-1)
             weights = probs.gather(-1, expert_ids)
         if self.norm_topk_prob:
             # sigmoid scores need not sum to anything: HF's LFM2-MoE keeps the sum off 0
@@ -168,6 +178,15 @@ class SparseMoeBlock(OpsModule):
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         return weights.to(x.dtype), expert_ids
+
+    def _best_groups_only(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with the experts outside each token's moe_topk_groups best groups
+        at -inf; a group's score is the sum of its two best choice scores (DeepSeek-V3's)."""
+        grouped = choice.view(choice.shape[0], self.groups, -1)  # [T, G, E / G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        best = group_scores.topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(x)
@@ -266,7 +285,8 @@ class SparseMoeBlock(OpsModule):
                 loaders[f"{scope}{up_name}.{kind}"] = partial(gate_up, shard=1, is_bias=bias)
                 loaders[f"{scope}{down_name}.{kind}"] = partial(down, is_bias=bias)
         if self.selection_bias is not None:
-            loaders[prefix + SELECTION_BIAS_NAME] = self._load_selection_bias
+            bias_name = SELECTION_BIAS_NAMES.get(family, SELECTION_BIAS_NAME)
+            loaders[prefix + bias_name] = self._load_selection_bias
         if self.shared_expert is not None:  # the other ranks skip its names (skipped_names)
             loaders.update(self._shared_loaders(prefix, family))
         return loaders
@@ -311,6 +331,25 @@ class SparseMoeBlock(OpsModule):
         if self.has_shared_expert and self.shared_expert is None:  # rank 0's
             skipped.update(self._shared_loaders(prefix, family))
         return skipped
+
+
+def _check_groups(arch: ModelArch) -> tuple[int, int]:
+    """(moe_groups, moe_topk_groups) where the experts split into groups of two or more and
+    the kept groups hold at least the top k; a ValueError naming the field otherwise."""
+    groups, kept = arch.moe_groups, arch.moe_topk_groups
+    if groups < 1 or arch.num_experts % groups or (groups > 1 and arch.num_experts // groups < 2):
+        raise ValueError(
+            f"n_group: {groups} must split the {arch.num_experts} experts into equal groups "
+            "of two or more"
+        )
+    if groups > 1 and not (
+        0 < kept <= groups and kept * (arch.num_experts // groups) >= arch.num_experts_per_tok
+    ):
+        raise ValueError(
+            f"topk_group: {kept} must be in [1, n_group={groups}] and its groups must hold "
+            f"the {arch.num_experts_per_tok} experts a token takes"
+        )
+    return groups, kept
 
 
 def skip_weight(name: str, tensor: object) -> None:

@@ -9,6 +9,7 @@ from tokenbus.model.ernie import Ernie45MoeForCausalLM
 from tokenbus.model.exaone4 import Exaone4ForCausalLM
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.glm4 import Glm4ForCausalLM
+from tokenbus.model.glm4_moe import Glm4MoeForCausalLM
 from tokenbus.model.gpt_oss import GptOssForCausalLM
 from tokenbus.model.granite import (
     GraniteForCausalLM,
@@ -70,6 +71,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "ernie4_5": LlamaForCausalLM,
     "glm4": Glm4ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
     "cohere2": Cohere2ForCausalLM,
     "exaone4": Exaone4ForCausalLM,
     "ernie4_5_moe": Ernie45MoeForCausalLM,
@@ -82,6 +84,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,

@@ -1,0 +1,95 @@
+"""GLM-4.5 shapes (Glm4MoeForCausalLM: GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7; L2, no torch):
+what its config.json and llama.cpp's `glm4moe` GGUF say beyond a Llama's. hf_loader /
+gguf_loader join these ModelArch fields to the rest.
+
+- Attention: q/k/v with biases (`attention_bias`), o_proj without; a per-head q/k RMSNorm where
+  `use_qk_norm` says (GLM-4.5's 355B model); the rotary turns the first half of each head
+  (`partial_rotary_factor`, 0.5 where the config names none) in NeoX's layout, so no rows are
+  reordered (unlike GLM-4's).
+- MLP: the first `first_k_dense_replace` layers dense, the others `n_routed_experts` experts of
+  `moe_intermediate_size`, `num_experts_per_tok` a token, and an ungated shared MLP of
+  `n_shared_experts` experts' width. The router is DeepSeek-V3's: each expert's sigmoid, the top
+  k chosen by score + `e_score_correction_bias` within the best `topk_group` of `n_group`
+  groups, weighed by the scores renormalised (`norm_topk_prob`, 1e-20 in the sum) and scaled by
+  `routed_scaling_factor` (model/moe.py).
+- Its multi-token-prediction layers (`num_nextn_predict_layers` of them, numbered after the
+  model's layers: model.layers.46.* in GLM-4.5-Air) are not read, as transformers leaves them.
+  llama.cpp's converter counts them in block_count and says how many in nextn_predict_layers;
+  their blocks are skipped too.
+- A glm4moe GGUF: expert_shared_count experts' width for the shared MLP, expert_weights_scale
+  and expert_weights_norm (off where absent, as llama.cpp reads it), expert_gating_func 2
+  (sigmoid; absent means the same to llama.cpp), the router's bias as exp_probs_b. llama.cpp
+  routes GLM-4.5 without groups (its released models have one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+GLM4_MOE_GGUF = "glm4moe"
+# llama.cpp's expert_gating_func for a sigmoid (gguf.ExpertGatingFuncType.SIGMOID)
+_GGUF_SIGMOID = 2
+# DeepSeek-V3's router keeps the renormalising sum off 0 by this much (Glm4MoeTopkRouter)
+_NORM_EPS = 1e-20
+_ROUTER = dict(moe_scoring="sigmoid", moe_norm_eps=_NORM_EPS)
+
+
+def glm4_moe_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelArch fields of a Glm4MoeForCausalLM config beyond the shared ones."""
+    for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not config.get(key):
+            raise ValueError(f"{path}: a Glm4MoeForCausalLM config needs {key!r}")
+    num_layers = int(config["num_hidden_layers"])
+    width = int(config["moe_intermediate_size"])
+    return dict(
+        num_experts=int(config["n_routed_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=width,
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        dense_layers=tuple(range(min(int(config.get("first_k_dense_replace", 1)), num_layers))),
+        shared_expert_intermediate_size=width * int(config.get("n_shared_experts") or 0),
+        shared_expert_gated=False,
+        moe_selection_bias=True,  # e_score_correction_bias: in every checkpoint
+        moe_groups=int(config.get("n_group") or 1),
+        moe_topk_groups=int(config.get("topk_group") or 1),
+        attn_qk_norm=bool(config.get("use_qk_norm", False)),
+        **_ROUTER,
+        routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+    )
+
+
+def glm4_moe_gguf_fields(
+    meta: dict[str, Any], tensors: dict[str, Any], path: Path
+) -> dict[str, Any]:
+    """ModelArch fields of a glm4moe GGUF beyond the shared MoE ones (gguf_loader._moe_fields):
+    its layers without the multi-token-prediction blocks, its router, its q/k norms."""
+    arch = GLM4_MOE_GGUF
+    gating = meta.get(f"{arch}.expert_gating_func", _GGUF_SIGMOID)
+    if gating != _GGUF_SIGMOID:
+        raise ValueError(f"{path}: {arch}.expert_gating_func must be 2 (sigmoid), got {gating!r}")
+    blocks = meta.get(f"{arch}.block_count")
+    if blocks is None:
+        raise ValueError(f"{path}: missing GGUF metadata {arch}.block_count")
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))
+    if not 0 <= nextn < blocks:
+        raise ValueError(f"{path}: {arch}.nextn_predict_layers {nextn} of {blocks} blocks")
+    return dict(
+        num_hidden_layers=int(blocks) - nextn,
+        attn_qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        **_ROUTER,
+        routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale", 1.0)),
+    )
+
+
+def without_mtp_layers(
+    weights: Iterator[tuple[str, Any]], num_layers: int
+) -> Iterator[tuple[str, Any]]:
+    """A GLM-4.5 checkpoint's tensors but its multi-token-prediction layers' (model.layers.N.*
+    for N >= num_layers)."""
+    for name, tensor in weights:
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
+            continue
+        yield name, tensor
