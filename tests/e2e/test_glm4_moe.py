@@ -5,15 +5,15 @@ weighed x2.5, and a shared expert) from safetensors and from a GGUF in llama.cpp
 naming gives HF's greedy tokens and logprobs through prefix-cache hits and 32-token chunks, on
 both attention backends, and on two expert-parallel ranks; so does one whose router limits the
 choice to the best 2 of 4 groups and does not renormalise (from safetensors: llama.cpp routes
-GLM-4.5 without groups). Its multi-token-prediction layer is not read, and its Q8_0 file runs
-on its blocks."""
+GLM-4.5 without groups). Its multi-token-prediction layer is not read, and its Q8_0 file decodes
+every layer in C."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.e2e.oracle import (
-    assert_blocks_match_dequantized,
+    assert_c_layers_match_dequantized,
     assert_family_matches_hf,
     assert_same_or_near_tie,
     greedy_outputs,
@@ -121,10 +121,10 @@ def test_the_multi_token_prediction_layer_is_not_read(hf_dir, prompts, hf_refere
     assert_engine_clean(llm)
 
 
-def test_quantized_gguf_runs_on_its_blocks(hf_dir, prompts, tmp_path):
-    """Q8_0 blocks kept (each expert's rows of the stacked tensors too): the dequantized
-    file's tokens, up to near ties."""
+def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):
+    """Q8_0 blocks kept (each expert's rows of the stacked tensors too): every decode step in
+    one C call, routing included, with the dequantized file's tokens up to near ties."""
     if grouped(hf_dir):
         pytest.skip("llama.cpp's glm4moe carries no expert groups")
     path = write_gguf(hf_dir, tmp_path / "glm4moe-q8_0.gguf", "Q8_0")
-    assert_blocks_match_dequantized(path, prompts, MAX_TOKENS)
+    assert_c_layers_match_dequantized(path, prompts, MAX_TOKENS)

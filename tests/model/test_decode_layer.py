@@ -257,7 +257,7 @@ def test_decoder_layer_in_c_only_where_it_applies(tmp_path, case):
 def _assert_c_steps_match_layer_by_layer(model) -> None:
     """Every decode step of `model` runs all its layers in C and gives the layer-by-layer
     path's logits to float rounding (an MoE's routing weights: C's expf against torch's
-    softmax), with the same argmax."""
+    softmax or sigmoid), with the same argmax."""
     layers = model.kernels.decode_layers
     assert layers is not None and model.decodes_in_c
     calls, run_all = [], layers.run_all
@@ -286,20 +286,33 @@ def _assert_c_steps_match_layer_by_layer(model) -> None:
             "Q8_0",
             dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1),
         ),
+        # GLM-4.5: sigmoid scores + bias, renormalised with 1e-20, scaled, an ungated shared
+        # expert, q/k norms; from safetensors (Q8_0 at load) the choice within the best 2 of 4
+        # groups too (llama.cpp's glm4moe carries no groups)
+        ("glm4_moe", "Q4_K", dict(head_dim=64)),
+        ("glm4_moe", "q8_0", dict(n_group=4, topk_group=2, num_experts_per_tok=3)),
     ],
 )
 def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype, config):
     """An MoE layer in C: the router on the same dense_rows.c panels (so the same experts), the
-    routing weights by C's expf instead of torch's softmax (so equal to float rounding)."""
+    routing weights by C's expf instead of torch's softmax or sigmoid (so equal to float
+    rounding). A lower-case qtype: the safetensors model rounded to it at load."""
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
     sizes = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256)
     if family == "qwen2_moe":
         sizes["shared_expert_intermediate_size"] = 384
     hf_dir = cached_tiny_model(family, **sizes, **config)
-    path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", qtype, with_tokenizer=False)
-    src = resolve_model(str(path))
-    model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
+    if qtype.islower():
+        src = resolve_model(str(hf_dir))
+        model = load_model(src, load_arch(src), torch.float32, "cpu", quantization=qtype)
+    else:
+        path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", qtype, with_tokenizer=False)
+        src = resolve_model(str(path))
+        model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
+    assert (model.arch.moe_groups, model.arch.moe_topk_groups) == (
+        (config["n_group"], config["topk_group"]) if "n_group" in config else (1, 1)
+    )
     _assert_c_steps_match_layer_by_layer(model)
 
 

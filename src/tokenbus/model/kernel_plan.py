@@ -444,10 +444,6 @@ def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
     router = block.gate.kernel
     if not isinstance(router, RowInvariantLinear) or block.tp.enabled:
         return None
-    if block.sigmoid_scores or block.routed_scaling_factor != 1.0:
-        # decode_layer.c routes by softmax alone: the one family routing otherwise (LFM2-MoE)
-        # has short convolutions, which run op by op anyway
-        return None
     shared = None
     if block.shared_expert is not None:
         expert, gate = block.shared_expert, block.shared_expert_gate
@@ -474,6 +470,11 @@ def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
         swiglu_alpha=alpha,
         shared=shared,
         selection_bias=None if block.selection_bias is None else block.selection_bias.data,
+        sigmoid_scores=block.sigmoid_scores,
+        groups=block.groups,
+        topk_groups=block.topk_groups,
+        norm_eps=block.norm_eps,
+        scale=block.routed_scaling_factor,
     )
 
 

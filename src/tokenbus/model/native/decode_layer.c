@@ -147,18 +147,59 @@ static void head_norms(const kernels *k, const layer *w, float *qkv, int64_t T, 
     }
 }
 
-/* Token t's routing from its E logits: its top k experts, most probable first (ties to the lower
-   index), and their weights: the softmax over all E, then (norm_topk_prob) each divided by the k
-   kept ones' sum, as SparseMoeBlock.route computes them. With a selection bias the experts are
-   chosen by probability + bias instead (`scores`, E floats of scratch), weighed the same. */
-static void route_token(const float *logits, const float *bias, float *scores, int64_t E, int64_t K, int64_t norm,
-                        int64_t *experts, float *weights) {
-    float max = logits[0], sum = 0.f, kept = 0.f;
-    for (int64_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
-    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - max);
-    if (bias) /* softmax order: no logit order stands in for the biased probabilities */
-        for (int64_t e = 0; e < E; e++) scores[e] = expf(logits[e] - max) / sum + bias[e];
-    const float *by = bias ? scores : logits;
+/* Experts outside the best `kept` of `groups` equal groups set to -inf in choice [E] (DeepSeek-V3's
+   group limit, SparseMoeBlock._best_groups_only): a group scores the sum of its two best choices;
+   the best groups first, ties to the lower index. `scratch`: 2 * groups floats. */
+static void keep_best_groups(float *choice, int64_t E, int64_t groups, int64_t kept, float *scratch) {
+    const int64_t n = E / groups;
+    float *score = scratch, *keep = scratch + groups;
+    for (int64_t g = 0; g < groups; g++) {
+        const float *c = choice + g * n;
+        float first = c[0] > c[1] ? c[0] : c[1], second = c[0] > c[1] ? c[1] : c[0];
+        for (int64_t i = 2; i < n; i++) {
+            if (c[i] > first) {
+                second = first;
+                first = c[i];
+            } else if (c[i] > second) {
+                second = c[i];
+            }
+        }
+        score[g] = first + second;
+        keep[g] = 0.f;
+    }
+    for (int64_t j = 0; j < kept; j++) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < groups; g++)
+            if (keep[g] == 0.f && (best < 0 || score[g] > score[best])) best = g;
+        keep[best] = 1.f;
+    }
+    for (int64_t g = 0; g < groups; g++)
+        if (keep[g] == 0.f)
+            for (int64_t i = 0; i < n; i++) choice[g * n + i] = -INFINITY;
+}
+
+/* Token t's routing from its E logits, as SparseMoeBlock.route computes it: each expert's
+   probability (the softmax over all E, or its own sigmoid); its top k experts, best first (ties to
+   the lower index), chosen by probability, or by probability + the selection bias where there is
+   one, within the best groups where there are several; their weights the chosen probabilities,
+   (norm_topk_prob) divided by their sum + norm_eps, then times scale. `scratch`: 3E floats. */
+static void route_token(const float *logits, const moe *m, float *scratch, int64_t *experts, float *weights) {
+    const int64_t E = m->num_experts, K = m->top_k;
+    float *probs = scratch, *choice = scratch + E, kept = 0.f;
+    if (m->sigmoid_scores) {
+        for (int64_t e = 0; e < E; e++) probs[e] = 1.f / (1.f + expf(-logits[e]));
+    } else {
+        float max = logits[0], sum = 0.f;
+        for (int64_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
+        for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - max);
+        for (int64_t e = 0; e < E; e++) probs[e] = expf(logits[e] - max) / sum;
+    }
+    const float *by = probs;
+    if (m->selection_bias || m->groups > 1) {
+        for (int64_t e = 0; e < E; e++) choice[e] = m->selection_bias ? probs[e] + m->selection_bias[e] : probs[e];
+        if (m->groups > 1) keep_best_groups(choice, E, m->groups, m->topk_groups, scratch + 2 * E);
+        by = choice;
+    }
     for (int64_t j = 0; j < K; j++) {
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++) {
@@ -167,11 +208,13 @@ static void route_token(const float *logits, const float *bias, float *scores, i
             if (!taken && (best < 0 || by[e] > by[best])) best = e;
         }
         experts[j] = best;
-        weights[j] = expf(logits[best] - max) / sum;
+        weights[j] = probs[best];
         kept += weights[j];
     }
-    if (norm)
-        for (int64_t j = 0; j < K; j++) weights[j] /= kept;
+    if (m->norm_topk_prob)
+        for (int64_t j = 0; j < K; j++) weights[j] /= kept + m->norm_eps;
+    if (m->scale != 1.f)
+        for (int64_t j = 0; j < K; j++) weights[j] *= m->scale;
 }
 
 /* out [T, H] += sigmoid(h . gate) * down(silu(gate_up(h))): the shared expert of every token, after
@@ -217,7 +260,7 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
                    const step *s) {
     const int64_t E = m->num_experts, K = m->top_k, P = T * K;
     const int threads = (int)s->num_threads;
-    float *logits = malloc(sizeof(float) * (size_t)(T * E + E)), *weights = malloc(sizeof(float) * (size_t)P);
+    float *logits = malloc(sizeof(float) * (size_t)(T * E + 3 * E)), *weights = malloc(sizeof(float) * (size_t)P);
     float *rows = malloc(sizeof(float) * (size_t)(T * (H + 3 * I + H)));
     int64_t *experts = malloc(sizeof(int64_t) * (size_t)P), *order = malloc(sizeof(int64_t) * (size_t)P);
     int64_t *first = calloc((size_t)(E + 1), sizeof(int64_t));
@@ -229,7 +272,7 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
             for (int64_t e = 0; e < E; e++) logits[t * E + e] += m->router_bias[e];
     float *scores = logits + T * E; /* route_token's scratch */
     for (int64_t t = 0; t < T; t++)
-        route_token(logits + t * E, m->selection_bias, scores, E, K, m->norm_topk_prob, experts + t * K, weights + t * K);
+        route_token(logits + t * E, m, scores, experts + t * K, weights + t * K);
     for (int64_t p = 0; p < P; p++) first[experts[p] + 1]++;
     for (int64_t e = 0; e < E; e++) first[e + 1] += first[e];
     for (int64_t p = 0, *next = first; p < P; p++) order[next[experts[p]]++] = p; /* pair p is token p / K */

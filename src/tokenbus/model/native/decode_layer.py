@@ -87,6 +87,11 @@ class _Moe(ctypes.Structure):
         ("shared_down", ctypes.POINTER(_Linear)),
         ("shared_gate", _PTR),
         ("shared_intermediate", _I64),
+        ("sigmoid_scores", _I64),
+        ("groups", _I64),
+        ("topk_groups", _I64),
+        ("norm_eps", _F32),
+        ("scale", _F32),
     ]
 
 
@@ -205,7 +210,9 @@ class MoeWeights:
     `activation` a key of MLP_ACTIVATIONS, "silu" or "clamped_swiglu" (with its limit, alpha).
     `shared`: a shared expert's gate_up and down and its gate's dense_rows.c panels [1, hidden]
     (Qwen2-MoE's; None: ungated, ERNIE's); None: none. `selection_bias`: fp32 [E] added to the
-    probabilities to choose the top k (ERNIE's); None: none."""
+    probabilities to choose the top k (ERNIE's); None: none. The routing rule's other parts as
+    SparseMoeBlock has them: sigmoid scores instead of a softmax, the choice within the best
+    `topk_groups` of `groups` groups, the renormalising sum's epsilon and the weights' scale."""
 
     router: torch.Tensor
     gate_up: list[LinearWeights]
@@ -218,6 +225,11 @@ class MoeWeights:
     swiglu_alpha: float = 1.0
     shared: tuple[LinearWeights, LinearWeights, torch.Tensor | None] | None = None
     selection_bias: torch.Tensor | None = None
+    sigmoid_scores: bool = False
+    groups: int = 1
+    topk_groups: int = 1
+    norm_eps: float = 0.0
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.activation not in ("silu", "clamped_swiglu"):
@@ -256,6 +268,11 @@ class MoeWeights:
             None if shared_down is None else (_Linear * 1)(shared_down.struct()),
             None if shared_gate is None else shared_gate.data_ptr(),
             0 if shared_down is None else shared_down.cols,
+            int(self.sigmoid_scores),
+            self.groups,
+            self.topk_groups,
+            self.norm_eps,
+            self.scale,
         )
 
 

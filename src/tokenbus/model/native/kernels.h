@@ -108,7 +108,9 @@ typedef struct {
 enum { MLP_SILU = 0, MLP_GELU_TANH = 1, MLP_CLAMPED_SWIGLU = 2 };
 
 /* A sparse MoE MLP (model/moe.py): the router's packed rows (and bias), and expert e's two linears;
-   a shared expert every token runs, scaled by the sigmoid of its gate (Qwen2-MoE's). */
+   a shared expert every token runs, scaled by the sigmoid of its gate (Qwen2-MoE's). The routing
+   rule's parts as SparseMoeBlock.route has them: the scores, the groups, the weights' epsilon and
+   scale. */
 typedef struct {
     const float *router;          /* [E, hidden] in dense_pack's panels (dense_rows.c) */
     const float *router_bias;     /* [E], added to the logits; NULL: none */
@@ -120,6 +122,9 @@ typedef struct {
     const linear *shared_gate_up, *shared_down; /* the shared expert (SiLU); NULL: none */
     const float *shared_gate;     /* [1, hidden] in dense_pack's panels: its gate's logit; NULL: ungated */
     int64_t shared_intermediate;
+    int64_t sigmoid_scores;       /* 1: each expert's sigmoid (LFM2-MoE's, GLM-4.5's); 0: the softmax over all */
+    int64_t groups, topk_groups;  /* the choice within the best topk_groups of `groups` groups; 1 group: no limit */
+    float norm_eps, scale;        /* weights / (their sum + norm_eps) where renormalised, then * scale */
 } moe;
 
 typedef struct {
