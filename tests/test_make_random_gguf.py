@@ -17,6 +17,7 @@ from tokenbus.loader.source import ModelSource
 from tokenbus.worker.model_builder import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # as when run as a script: its shapes module
 _spec = importlib.util.spec_from_file_location(
     "make_random_gguf", ROOT / "benchmarks" / "make_random_gguf.py"
 )
