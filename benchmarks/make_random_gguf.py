@@ -8,8 +8,8 @@ Configs (CONFIGS in random_gguf_shapes.py, most with a comment giving the real m
 converter writes them), Qwen2.5 (q/k/v biases; 896 wide, so K-quant recipes fall back to other
 types for some tensors, as in the real files), SmolLM3, Qwen3-MoE, Gemma 1/2/3, OLMo 2, OLMoE,
 GraniteMoE, gpt-oss, Qwen1.5-MoE, ERNIE 4.5 MoE, LFM2 and LFM2-MoE, Granite 4.0-H, Qwen3.5 and
-Qwen3.5-MoE. Tensor names and metadata are llama.cpp's; matrices are F16, norms and biases F32
-(llama.cpp's converter's types), weights N(0, 0.02), norms 1.
+Qwen3.5-MoE, GLM-4.5. Tensor names and metadata are llama.cpp's; matrices are F16, norms and
+biases F32 (llama.cpp's converter's types), weights N(0, 0.02), norms 1.
 
 The tokenizer and chat template are the packaged SmolLM2 GGUF's, its vocabulary padded up to
 the model's with `[PAD<i>]` tokens of type UNUSED (as llama.cpp's converter pads a vocabulary
@@ -46,6 +46,7 @@ from random_gguf_shapes import (  # benchmarks/ is sys.path[0] when run as a scr
     CONFIGS,
     ERNIE_MOE,
     GEMMA,
+    GLM4_MOE,
     GPT_OSS,
     LFM2_MOE,
     POST_NORM_ONLY,
@@ -95,6 +96,8 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
     for i in range(shape.layers):
         b = f"blk.{i}."
         post_norms = shape.architecture in (*GEMMA, *POST_NORM_ONLY, GPT_OSS)
+        # gpt-oss and GLM-4.5 name their pre-MLP norm post_attention_norm
+        renamed_ffn_norm = shape.architecture in (GPT_OSS, GLM4_MOE)
         pre_norms = shape.architecture not in POST_NORM_ONLY
         if pre_norms:
             yield b + "attn_norm.weight", (h,), "norm"
@@ -129,9 +132,9 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
         if oss:
             yield b + "attn_output.bias", (h,), "bias"
             yield b + "attn_sinks.weight", (shape.heads,), "bias"
-        if post_norms:
+        if post_norms or renamed_ffn_norm:
             yield b + "post_attention_norm.weight", (h,), "norm"
-        if pre_norms and not oss:
+        if pre_norms and not renamed_ffn_norm:
             yield b + "ffn_norm.weight", (h,), "norm"
         yield from _ffn(b, i, shape, h, post_norms)
     final_norm = "token_embd_norm" if shape.conv_layers else "output_norm"
@@ -195,14 +198,14 @@ def _ffn(
 
 
 def _moe(b: str, shape: ModelShape, h: int) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """A sparse MoE layer's tensors: the router, a selection bias (ERNIE's, LFM2-MoE's), the
-    experts stacked, a shared expert."""
+    """A sparse MoE layer's tensors: the router, a selection bias (ERNIE's, LFM2-MoE's,
+    GLM-4.5's), the experts stacked, a shared expert."""
     oss = shape.architecture == GPT_OSS
     e, inter = shape.experts, shape.expert_intermediate
     yield b + "ffn_gate_inp.weight", (e, h), "router"
     if oss:
         yield b + "ffn_gate_inp.bias", (e,), "bias"
-    if shape.architecture in (ERNIE_MOE, LFM2_MOE):  # its selection bias
+    if shape.architecture in (ERNIE_MOE, LFM2_MOE, GLM4_MOE):  # its selection bias
         yield b + "exp_probs_b.bias", (e,), "bias"
     for name, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
         yield b + f"ffn_{name}_exps.weight", (e, rows, cols), "matrix"
@@ -210,7 +213,7 @@ def _moe(b: str, shape: ModelShape, h: int) -> Iterator[tuple[str, tuple[int, ..
             yield b + f"ffn_{name}_exps.bias", (e, rows), "bias"
     if shape.shared_intermediate:  # llama.cpp's qwen2moe: the gate a [hidden] vector
         s = shape.shared_intermediate
-        if shape.architecture != ERNIE_MOE:  # ERNIE's shared MLP has no gate
+        if shape.architecture not in (ERNIE_MOE, GLM4_MOE):  # their shared MLP has no gate
             yield b + "ffn_gate_inp_shexp.weight", (h,), "bias"
         yield b + "ffn_gate_shexp.weight", (s, h), "matrix"
         yield b + "ffn_up_shexp.weight", (s, h), "matrix"
@@ -282,9 +285,9 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_ssm_inner_size(shape.ssm_heads * shape.ssm_head_dim)
         writer.add_ssm_time_step_rank(shape.ssm_heads)
         writer.add_rope_scaling_finetuned(False)  # Granite 4.0-H: no layer turns a rotary
-    # Qwen3.5's rotary turns the first quarter of each head
-    quarter = shape.architecture in QWEN35_ARCHS
-    writer.add_rope_dimension_count(shape.head_dim // (4 if quarter else 1))
+    # Qwen3.5's rotary turns the first quarter of each head, GLM-4.5's the first half
+    turning = {**dict.fromkeys(QWEN35_ARCHS, 4), GLM4_MOE: 2}.get(shape.architecture, 1)
+    writer.add_rope_dimension_count(shape.head_dim // turning)
     if shape.head_dim_override:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
@@ -292,7 +295,7 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
-    if shape.shared_intermediate:
+    if shape.shared_intermediate and shape.architecture != GLM4_MOE:
         writer.add_expert_shared_feed_forward_length(shape.shared_intermediate)
     if shape.architecture in QWEN35_ARCHS:  # llama.cpp's Qwen3_5TextModel
         writer.add_ssm_conv_kernel(shape.conv_kernel)
@@ -305,6 +308,12 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     if shape.architecture == LFM2_MOE:  # llama.cpp's LFM2MoeModel
         writer.add_leading_dense_block_count(shape.dense_lead)
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if shape.architecture == GLM4_MOE:  # llama.cpp's Glm4MoeModel (no MTP layer here)
+        writer.add_expert_shared_count(shape.shared_intermediate // shape.expert_intermediate)
+        writer.add_leading_dense_block_count(shape.dense_lead)
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(1.0)
+        writer.add_expert_weights_norm(True)
     if shape.architecture == ERNIE_MOE:  # llama.cpp's Ernie4_5MoeModel
         writer.add_leading_dense_block_count(shape.dense_lead)
         writer.add_interleave_moe_layer_step(1)

@@ -18,6 +18,10 @@ LFM2_MOE = "lfm2moe"  # LFM2's layers, sigmoid-scored experts chosen with a bias
 QWEN35 = "qwen35"
 QWEN35_MOE = "qwen35moe"  # Qwen3.5's layers, every MLP experts and a gated shared expert
 QWEN35_ARCHS = (QWEN35, QWEN35_MOE)
+# GLM-4.5: q/k/v biases, half of each head turning, leading dense layers, then experts chosen
+# by sigmoid score + bias (exp_probs_b) beside an ungated shared expert; its pre-MLP norm named
+# post_attention_norm
+GLM4_MOE = "glm4moe"
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,16 @@ CONFIGS = {
         head_dim_override=256, delta_layers=(0, 1, 2, 4, 5, 6), delta_k_heads=16,
         delta_v_heads=32, delta_dim=128, conv_kernel=4, experts=256, experts_used=8,
         expert_intermediate=512, shared_intermediate=512,
+    ),
+    # GLM-4.5-Air (transformers' Glm4MoeConfig defaults): 4096 wide, 46 layers of 96 / 8 heads
+    # of 128 (q/k/v biases, half of each head turning), a dense first layer (10944), then 128
+    # experts of 1408 (8 a token, sigmoid scores chosen with a bias) beside a shared expert of
+    # 1408, a 152k vocabulary, untied: 106.9 B parameters. Its first 4 layers here (the dense one
+    # and three with experts): 8.5 B parameters, 17 GB at F16.
+    "glm-4.5-air-4l": ModelShape(
+        GLM4_MOE, 4096, 4, 96, 8, 10944, 151552, 1000000.0, 131072, 1e-5, False, qkv_bias=True,
+        experts=128, experts_used=8, expert_intermediate=1408, shared_intermediate=1408,
+        head_dim_override=128, dense_lead=1,
     ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,

@@ -156,6 +156,9 @@ def test_the_real_configs_have_the_published_sizes():
     )
     assert 34.6e9 < _num_params(full) < 34.8e9
     assert 1.45e9 < params["granite-4.0-h-1b"] < 1.48e9  # Granite-4.0-H-1B: 1.46 B
+    # GLM-4.5-Air: 106.9 B parameters over its 46 layers (without its MTP layer)
+    full = dataclasses.replace(make_random_gguf.CONFIGS["glm-4.5-air-4l"], layers=46)
+    assert 106.8e9 < _num_params(full) < 106.9e9
 
 
 def test_lfm2_is_written_as_llama_cpps(tmp_path):
@@ -362,3 +365,27 @@ def test_granite_hybrid_is_written_as_llama_cpps(tmp_path):
     mixer = model.layers[2].mixer
     torch.testing.assert_close(mixer.A, -torch.arange(1.0, 9.0))
     assert mixer.conv_weight.shape == (8 * 32 + 2 * 16, 4)
+
+
+def test_glm4_moe_is_written_as_llama_cpps(tmp_path):
+    """q/k/v biases, half of each head turning, a dense first layer, then experts chosen with a
+    bias beside an ungated shared expert, the pre-MLP norm as post_attention_norm: read back by
+    the loader and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("glm-4.5-air-4l"),
+        layers=3,
+        head_dim_override=32,
+        experts=4,
+        experts_used=2,
+        expert_intermediate=64,
+        shared_intermediate=64,
+    )
+    path = make_random_gguf.write_random_gguf("glm", tmp_path / "g.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.dense_layers, arch.rotary_dim) == ("glm4_moe", (0,), 16)
+    assert (arch.moe_scoring, arch.moe_selection_bias, arch.num_experts) == ("sigmoid", True, 4)
+    assert (arch.shared_expert_intermediate_size, arch.shared_expert_gated) == (64, False)
+    assert arch.attention_bias and arch.norm_topk_prob and not arch.attn_qk_norm
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[2].mlp.selection_bias.abs().sum() > 0
