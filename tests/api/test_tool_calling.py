@@ -100,6 +100,40 @@ ASK = [{"role": "user", "content": "Weather?"}]
             [("get_time", {}), ("get_weather", {"city": "Rome"})],
         ),
         ("openai", "Paris.", "Paris.", []),
+        # GLM-4.5's: the name on its line, string values bare, others JSON; GLM-4.7's name runs
+        # on into the first key; a call cut by its stop token ends the text
+        (
+            "glm45",
+            "Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+            "<arg_value>Paris</arg_value>\n</tool_call>",
+            "Let me check.",
+            [("get_weather", {"city": "Paris"})],
+        ),
+        (
+            "glm47",
+            "<tool_call>f<arg_key>n</arg_key><arg_value>3</arg_value><arg_key>o</arg_key>"
+            '<arg_value>{"a": [1]}</arg_value><arg_key>s</arg_key><arg_value>not json</arg_value>'
+            "</tool_call><tool_call>get_time</tool_call><tool_call>g\n<arg_key>x</arg_key>"
+            "<arg_value>null</arg_value>",
+            None,
+            [
+                ("f", {"n": 3, "o": {"a": [1]}, "s": "not json"}),
+                ("get_time", {}),
+                ("g", {"x": None}),
+            ],
+        ),
+        (  # not a name, or text where a key should be: content
+            "glm45",
+            "<tool_call>two words</tool_call>",
+            "<tool_call>two words</tool_call>",
+            [],
+        ),
+        (
+            "glm45",
+            "<tool_call>f<arg_key>x</arg_key>junk</tool_call>",
+            "<tool_call>f<arg_key>x</arg_key>junk</tool_call>",
+            [],
+        ),
         (  # bad JSON, or a built-in tool's call only: not a call of the request's functions
             "openai",
             "<|channel|>commentary to=functions.f<|message|>{bad",
@@ -142,13 +176,18 @@ def _reassemble(events: list) -> tuple[str, list[dict], str | None]:
     return content, [calls[i] for i in sorted(calls)], finish
 
 
+CALL_SCRIPTS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+    "</tool_call>",
+}
+
+
+@pytest.mark.parametrize("parser", sorted(CALL_SCRIPTS))
 @pytest.mark.parametrize("stream_first", [False, True])
-def test_auto_with_hermes_parser_streamed_and_not(stream_first):
-    script = (
-        "Let me check.<tool_call>\n"
-        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    )
-    engine, client = _client(script, enable_auto_tool_choice=True, tool_call_parser="hermes")
+def test_auto_with_a_parser_streamed_and_not(stream_first, parser):
+    script = "Let me check." + CALL_SCRIPTS[parser]
+    engine, client = _client(script, enable_auto_tool_choice=True, tool_call_parser=parser)
     with client:
         body = {"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 200}
         full = client.post("/v1/chat/completions", json=body).json()
@@ -339,6 +378,13 @@ def test_bad_tools_are_400(body, param):
 def test_parsers_never_raise(parser, text):
     parsed = make_parser(parser).parse(text)
     assert parsed.calls == [] and parsed.content == text
+
+
+def test_glm45_value_nested_past_the_json_parser_is_its_text():
+    value = "[" * 100_000
+    text = f"<tool_call>f<arg_key>x</arg_key><arg_value>{value}</arg_value></tool_call>"
+    parsed = make_parser("glm45").parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("f", {"x": value})]
 
 
 def test_tools_count_against_the_caps():

@@ -5,6 +5,9 @@
     llama3_json  {"name": …, "parameters": {…}}, one per line or separated by ";" (Llama 3.x)
     mistral      [TOOL_CALLS][{"name": …, "arguments": {…}}, …] (Mistral)
     pythonic     [get_weather(city="Paris"), …] (Llama 4, ToolACE)
+    glm45        <tool_call>get_weather
+                 <arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>
+                 (GLM-4.5, GLM-4.6, GLM-4.7: glm47 too, whose name runs on into the first key)
     openai       gpt-oss's harmony messages addressed to a function:
                  <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{…}
                  (with --reasoning-parser openai_gptoss, as vLLM pairs them)
@@ -223,9 +226,52 @@ class HarmonyParser(ToolCallParser):
         return ParsedOutput(_content("".join(content)), calls)
 
 
+class Glm45Parser(ToolCallParser):
+    """GLM-4.5's calls (its chat template's format; GLM-4.6's and GLM-4.7's too):
+    <tool_call>NAME, then <arg_key>KEY</arg_key><arg_value>VALUE</arg_value> per argument, then
+    </tool_call>; the name ends at a newline (GLM-4.5, 4.6) or at the first key (GLM-4.7). The
+    template writes a string value bare and any other as JSON, so a value that parses as JSON is
+    that JSON, and any other value its text."""
+
+    name, marker, calls_after_text = "glm45", "<tool_call>", True
+    needs_special_tokens = True  # the markers are added tokens of GLM's vocabulary
+    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def _parse(self, text: str) -> ParsedOutput:
+        start = text.find(self.marker)
+        if start < 0:
+            return ParsedOutput(text, [])
+        calls = []
+        for body in self._CALL.findall(text[start:]):
+            name = body.partition("<arg_key>")[0]
+            arguments = body[len(name) :]
+            name = name.strip()
+            # a name is one word, and nothing but key/value pairs follows it
+            if not name or len(name.split()) != 1 or self._ARG.sub("", arguments).strip():
+                return ParsedOutput(text, [])
+            values = {key.strip(): _glm_value(value) for key, value in self._ARG.findall(arguments)}
+            calls.append(ParsedCall(name, json.dumps(values, ensure_ascii=False)))
+        return ParsedOutput(_content(text[:start]), calls)
+
+
+class Glm47Parser(Glm45Parser):
+    name = "glm47"  # vLLM's name for GLM-4.7's (the same parser here)
+
+
+def _glm_value(text: str) -> object:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
     cls.name: cls
-    for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, HarmonyParser)
+    for cls in (
+        *(HermesParser, Llama3JsonParser, MistralParser, PythonicParser, HarmonyParser),
+        *(Glm45Parser, Glm47Parser),
+    )
 }
 
 
