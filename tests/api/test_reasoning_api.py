@@ -89,8 +89,9 @@ def test_deepseek_r1_without_an_end_tag_is_all_reasoning():
         ({"enable_thinking": False}, (None, "<think>Hmm.</think>Hi!")),
     ],
 )
-def test_qwen3_reasons_only_inside_think_tags(template_kwargs, expected):
-    _, client = _client("<think>Hmm.</think>Hi!", reasoning_parser="qwen3")
+@pytest.mark.parametrize("parser", ["qwen3", "glm45"])
+def test_qwen3_reasons_only_inside_think_tags(template_kwargs, expected, parser):
+    _, client = _client("<think>Hmm.</think>Hi!", reasoning_parser=parser)
     with client:
         body = {"chat_template_kwargs": template_kwargs} if template_kwargs else {}
         message = _chat(client, **body)["message"]

@@ -7,6 +7,7 @@
     qwen3        reasoning only once a <think> opens it, in the reply or left open at the end
                  of the prompt (templates that open it for the model); </think> closes it;
                  with chat_template_kwargs {"enable_thinking": false} the reply is all content
+    glm45        GLM-4.5's (4.6's, 4.7's): qwen3's rule, which its template shares
     openai_gptoss  gpt-oss's harmony format: each analysis message
                  (<|channel|>analysis<|message|> ... <|end|>) is reasoning, joined as they come,
                  the final channel content, its header (<|start|>assistant<|channel|>final
@@ -130,6 +131,13 @@ class Qwen3ReasoningParser(ReasoningParser):
         return super().first_phase(prompt_token_ids, prompt_text, template_kwargs)
 
 
+class Glm45ReasoningParser(Qwen3ReasoningParser):
+    """GLM-4.5's template opens and closes <think> as Qwen3's does, and keys on the same
+    enable_thinking: vLLM's name for it."""
+
+    name = "glm45"
+
+
 @dataclass(frozen=True)
 class ReasoningPlan:
     """How the replies to one request split: the server's parser and the phase they open in."""
@@ -240,7 +248,10 @@ def _single_token_id(tokenizer: Any, vocab: dict[str, int], tag: str) -> int | N
 
 PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls
-    for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, HarmonyReasoningParser)
+    for cls in (
+        *(DeepSeekR1ReasoningParser, Qwen3ReasoningParser, Glm45ReasoningParser),
+        HarmonyReasoningParser,
+    )
 }
 
 
