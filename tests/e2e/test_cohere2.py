@@ -1,9 +1,10 @@
-"""Cohere2 (Command R7B) end to end against HF transformers, fp32 on CPU: a tiny random
-Cohere2ForCausalLM (a parallel attention and MLP block after one bias-free LayerNorm, three
-sliding-window layers with a rotary in adjacent pairs and a global one without, its logits
-scaled, tied) from safetensors and from a GGUF in llama.cpp's naming gives HF's greedy tokens and
-logprobs through prefix hits and chunked prefill, past its window, on the torch and native
-attention paths."""
+"""Cohere2 (Command R7B) and Cohere (Command R, Aya) end to end against HF transformers, fp32 on
+CPU: a tiny random Cohere2ForCausalLM (a parallel attention and MLP block after one bias-free
+LayerNorm, three sliding-window layers with a rotary in adjacent pairs and a global one without,
+its logits scaled, tied) and a CohereForCausalLM (the same block, every layer global with its
+rotary), each from safetensors and from a GGUF in llama.cpp's naming (cohere2, command-r), give
+HF's greedy tokens and logprobs through prefix hits and chunked prefill, past the window, on the
+torch and native attention paths. Command R+'s per-head q/k LayerNorms are refused by name."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from tests.fixtures.tiny_models import cached_tiny_model
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def hf_dir():
-    return cached_tiny_model("cohere2")
+@pytest.fixture(scope="module", params=["cohere2", "cohere"])
+def hf_dir(request):
+    return cached_tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +45,24 @@ def test_greedy_tokens_and_logprobs_are_hf_s(
 ):
     from tokenbus.loader import load_arch, resolve_model
 
-    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "cohere2.gguf")
+    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "cohere.gguf")
     arch = load_arch(resolve_model(str(path)))
-    assert arch.architecture == "cohere2"
-    assert (arch.sliding_windows, arch.nope_layers) == ((16, 16, 16, None), (3,))
+    if arch.architecture == "cohere2":
+        assert (arch.sliding_windows, arch.nope_layers) == ((16, 16, 16, None), (3,))
+    else:
+        assert (arch.architecture, arch.sliding_windows, arch.nope_layers) == ("cohere", (), ())
     assert arch.logits_scaling == pytest.approx(4.0) and arch.tie_word_embeddings
     assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS, attention_backend=backend)
+
+
+def test_command_r_plus_qk_norms_are_refused_by_name(tmp_path):
+    import json
+    import shutil
+
+    from tokenbus.loader import load_arch, resolve_model
+
+    model = shutil.copytree(cached_tiny_model("cohere"), tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "use_qk_norm": True}))
+    with pytest.raises(ValueError, match="use_qk_norm=true .* is not supported for cohere"):
+        load_arch(resolve_model(str(model)))

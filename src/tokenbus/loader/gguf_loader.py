@@ -39,7 +39,12 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tokenbus.loader.cohere2_config import COHERE2_GGUF_EPS_KEY, cohere2_gguf_fields
+from tokenbus.loader.cohere2_config import (
+    COHERE2_GGUF_EPS_KEY,
+    COHERE_GGUF,
+    COHERE_GGUF_ARCHITECTURES,
+    cohere2_gguf_fields,
+)
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
@@ -87,7 +92,7 @@ GGUF_ARCHITECTURES = (
     "glm4",
     GLM4_MOE_GGUF,
     "mistral3",
-    "cohere2",
+    *COHERE_GGUF_ARCHITECTURES,
     "exaone4",
     *LFM2_GGUF_ARCHITECTURES,
     GRANITE_HYBRID_GGUF,
@@ -96,13 +101,14 @@ GGUF_ARCHITECTURES = (
     *GEMMA_GGUF_ARCHITECTURES,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
-# ERNIE's, GLM-4's and Cohere2's too: their HF rows are interleaved already (GLM-4's in each
-# head's rotary half) and their converters write them as they are.
+# ERNIE's, GLM-4's, Cohere's and Cohere2's too: their HF rows are interleaved already (GLM-4's in
+# each head's rotary half) and their converters write them as they are.
 _PERMUTED_QK_ARCHITECTURES = (
     *("llama", "mixtral", "smollm3", "granite", "granitemoe", "granitemoehybrid", "nemotron_h"),
     *ERNIE_ARCHITECTURES,
     "glm4",
     "ministral3",  # llama.cpp's "mistral3"
+    "cohere",  # llama.cpp's "command-r"
     "cohere2",
 )
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
@@ -194,8 +200,8 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
     if arch == GPT_OSS_GGUF_ARCHITECTURE:
         family = gpt_oss_gguf_fields(meta, need("block_count"))
-    if arch == "cohere2":
-        family = cohere2_gguf_fields(meta, need("block_count"))
+    if arch in COHERE_GGUF_ARCHITECTURES:
+        family = cohere2_gguf_fields(meta, arch, need("block_count"))
     if arch == "exaone4" and meta.get(f"{arch}.attention.sliding_window"):
         local = gguf_local_layers(meta, arch, need("block_count"), EXAONE4_PATTERN)
         family["sliding_windows"] = windows(local, meta[f"{arch}.attention.sliding_window"])
@@ -250,7 +256,11 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         head_dim=head_dim,
         max_position_embeddings=need("context_length"),
         rms_norm_eps=float(
-            need(COHERE2_GGUF_EPS_KEY if arch == "cohere2" else "attention.layer_norm_rms_epsilon")
+            need(
+                COHERE2_GGUF_EPS_KEY
+                if arch in COHERE_GGUF_ARCHITECTURES
+                else "attention.layer_norm_rms_epsilon"
+            )
         ),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -275,6 +285,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         GRANITE_HYBRID_GGUF: "granitemoehybrid",
         "lfm2moe": "lfm2_moe",
         GLM4_MOE_GGUF: "glm4_moe",
+        COHERE_GGUF: "cohere",
         **dict(zip(QWEN3_5_GGUF_ARCHITECTURES, QWEN3_5_ARCHITECTURES, strict=True)),
         **ERNIE_GGUF_ARCHITECTURES,
     }

@@ -66,6 +66,7 @@ HF_ARCHITECTURES = {
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
+    "CohereForCausalLM": "cohere",  # Command R, Aya 23, Aya Expanse: Cohere2's block, global
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
     "Lfm2ForCausalLM": "lfm2",  # LFM2 / LFM2.5: short convolutions and attention
@@ -77,7 +78,7 @@ HF_ARCHITECTURES = {
 }
 # Families whose rotary turns adjacent pairs of each head's (rotary) dims, GPT-J's layout: their
 # q/k rows are reordered at load, pairs to halves, so our rotary turns them (model_loader.py).
-INTERLEAVED_ROTARY_ARCHITECTURES = (*ERNIE_ARCHITECTURES, "glm4", "cohere2")
+INTERLEAVED_ROTARY_ARCHITECTURES = (*ERNIE_ARCHITECTURES, "glm4", "cohere", "cohere2")
 
 # GLM-4's norms by the names of Gemma 2's sandwich block (decoder.SandwichDecoderLayer), which
 # a GGUF of it uses too: after attention, before the MLP, after the MLP.
@@ -214,6 +215,11 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     if architecture in ERNIE_ARCHITECTURES:
         check_ernie(config, path)
+    if architecture == "cohere" and config.get("use_qk_norm"):
+        raise ValueError(
+            f"{path}: use_qk_norm=true (Command R+'s per-head LayerNorms of q and k) is not "
+            "supported for cohere"
+        )
     family: dict[str, Any] = {}
     if architecture in GEMMA_ARCHITECTURES:
         family = gemma_hf_fields(config, path, architecture)
@@ -447,9 +453,9 @@ def _ministral3_temperature(
 
 
 def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """Granite's four multipliers (GraniteConfig's defaults: 1), Cohere2's logit_scale (as the
-    divisor's inverse); {} for the other families."""
-    if architecture == "cohere2":
+    """Granite's four multipliers (GraniteConfig's defaults: 1), Cohere's and Cohere2's
+    logit_scale (as the divisor's inverse); {} for the other families."""
+    if architecture in ("cohere", "cohere2"):
         return dict(logits_scaling=1.0 / float(config.get("logit_scale", 0.0625)))
     if architecture not in ("granite", "granitemoe", "granitemoehybrid"):
         return {}

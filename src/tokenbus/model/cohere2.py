@@ -1,8 +1,11 @@
-"""Cohere2 (Cohere2ForCausalLM: Command R7B): a parallel block, x + attn(norm(x)) + mlp(norm(x))
-with one LayerNorm (no bias, layers.LayerNorm) before both, and that norm last too.
+"""Cohere2 (Cohere2ForCausalLM: Command R7B) and Cohere (CohereForCausalLM: Command R, Aya 23,
+Aya Expanse): a parallel block, x + attn(norm(x)) + mlp(norm(x)) with one LayerNorm (no bias,
+layers.LayerNorm) before both, and that norm last too.
 
-- Every fourth layer (`layer_types`' full_attention) attends to all keys without a rotary; the
-  others slide over `sliding_window` keys with one (ModelArch.sliding_windows, nope_layers).
+- Cohere2: every fourth layer (`layer_types`' full_attention) attends to all keys without a
+  rotary; the others slide over `sliding_window` keys with one (ModelArch.sliding_windows,
+  nope_layers). Cohere's layers are all global, each with its rotary. (Command R+'s per-head
+  q/k LayerNorms, `use_qk_norm`, are refused at load.)
 - Its rotary turns adjacent pairs; the loader reorders its q/k rows, pairs to halves
   (loader/model_loader.py), as for ERNIE 4.5 and GLM-4.
 - The logits are multiplied by `logit_scale` (ModelArch.logits_scaling holds its inverse, as

@@ -72,6 +72,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "ernie4_5": LlamaForCausalLM,
     "glm4": Glm4ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "cohere": Cohere2ForCausalLM,  # Cohere2's block, every layer global with a rotary
     "cohere2": Cohere2ForCausalLM,
     "exaone4": Exaone4ForCausalLM,
     "ernie4_5_moe": Ernie45MoeForCausalLM,
@@ -85,6 +86,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "CohereForCausalLM": Cohere2ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
