@@ -4,9 +4,8 @@ dense, then 8 experts, 2 a token, scored by their sigmoids, chosen by score + a 
 weighed x2.5, and a shared expert) from safetensors and from a GGUF in llama.cpp's glm4moe
 naming gives HF's greedy tokens and logprobs through prefix-cache hits and 32-token chunks, on
 both attention backends, and on two expert-parallel ranks; so does one whose router limits the
-choice to the best 2 of 4 groups and does not renormalise (from safetensors: llama.cpp routes
-GLM-4.5 without groups). Its multi-token-prediction layer is not read, and its Q8_0 file decodes
-every layer in C."""
+choice to the best 2 of 4 groups and does not renormalise. Its multi-token-prediction layer is
+not read, and its Q8_0 file decodes every layer in C."""
 
 from __future__ import annotations
 
@@ -58,8 +57,6 @@ def test_greedy_tokens_and_logprobs_are_hf_s(
 ):
     from tokenbus.loader import load_arch, resolve_model
 
-    if kind == "gguf" and grouped(hf_dir):
-        pytest.skip("llama.cpp's glm4moe carries no expert groups")
     path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "glm4moe.gguf")
     arch = load_arch(resolve_model(str(path)))
     assert (arch.architecture, arch.num_hidden_layers, arch.dense_layers) == ("glm4_moe", 3, (0,))
@@ -124,7 +121,5 @@ def test_the_multi_token_prediction_layer_is_not_read(hf_dir, prompts, hf_refere
 def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):
     """Q8_0 blocks kept (each expert's rows of the stacked tensors too): every decode step in
     one C call, routing included, with the dequantized file's tokens up to near ties."""
-    if grouped(hf_dir):
-        pytest.skip("llama.cpp's glm4moe carries no expert groups")
     path = write_gguf(hf_dir, tmp_path / "glm4moe-q8_0.gguf", "Q8_0")
     assert_c_layers_match_dequantized(path, prompts, MAX_TOKENS)

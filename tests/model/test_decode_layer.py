@@ -287,9 +287,10 @@ def _assert_c_steps_match_layer_by_layer(model) -> None:
             dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1),
         ),
         # GLM-4.5: sigmoid scores + bias, renormalised with 1e-20, scaled, an ungated shared
-        # expert, q/k norms; from safetensors (Q8_0 at load) the choice within the best 2 of 4
-        # groups too (llama.cpp's glm4moe carries no groups)
+        # expert, q/k norms; the choice within the best 2 of 4 groups too, from a GGUF and from
+        # safetensors rounded to Q8_0 at load
         ("glm4_moe", "Q4_K", dict(head_dim=64)),
+        ("glm4_moe", "Q8_0", dict(n_group=4, topk_group=2, num_experts_per_tok=3)),
         ("glm4_moe", "q8_0", dict(n_group=4, topk_group=2, num_experts_per_tok=3)),
     ],
 )

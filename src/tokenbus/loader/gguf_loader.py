@@ -350,6 +350,10 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
         shared_expert_intermediate_size=shared,
         shared_expert_gated=arch not in ("ernie4_5-moe", GRANITE_HYBRID_GGUF, GLM4_MOE_GGUF),
         moe_selection_bias=any(name.endswith(".exp_probs_b.bias") for name in gf.tensors),
+        # DeepSeek-V3's group limit, where the converter wrote the config's n_group / topk_group
+        # (llama.cpp's graph applies it to any architecture)
+        moe_groups=int(meta.get(f"{arch}.expert_group_count") or 1),
+        moe_topk_groups=int(meta.get(f"{arch}.expert_group_used_count") or 1),
     )
 
 

@@ -18,8 +18,9 @@ gguf_loader join these ModelArch fields to the rest.
   their blocks are skipped too.
 - A glm4moe GGUF: expert_shared_count experts' width for the shared MLP, expert_weights_scale
   and expert_weights_norm (off where absent, as llama.cpp reads it), expert_gating_func 2
-  (sigmoid; absent means the same to llama.cpp), the router's bias as exp_probs_b. llama.cpp
-  routes GLM-4.5 without groups (its released models have one).
+  (sigmoid; absent means the same to llama.cpp), the router's bias as exp_probs_b; the groups
+  as expert_group_count and expert_group_used_count (gguf_loader reads them for any
+  architecture, as llama.cpp's graph applies them to any).
 """
 
 from __future__ import annotations
