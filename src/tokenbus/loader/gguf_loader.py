@@ -72,6 +72,7 @@ from tokenbus.loader.mamba_config import (
     mamba_gguf_tensor,
     mamba_hybrid_gguf_fields,
 )
+from tokenbus.loader.minimax_m2_config import MINIMAX_M2_GGUF, minimax_m2_gguf_fields
 from tokenbus.loader.qk_rows import unpermute_qk
 from tokenbus.loader.qwen3_5_config import (
     QWEN3_5_ARCHITECTURES,
@@ -91,6 +92,7 @@ GGUF_ARCHITECTURES = (
     *ERNIE_GGUF_ARCHITECTURES,
     "glm4",
     GLM4_MOE_GGUF,
+    MINIMAX_M2_GGUF,
     "mistral3",
     *COHERE_GGUF_ARCHITECTURES,
     "exaone4",
@@ -114,7 +116,10 @@ _PERMUTED_QK_ARCHITECTURES = (
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
-_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", GLM4_MOE_GGUF, *QWEN3_5_GGUF_ARCHITECTURES)
+_PARTIAL_ROTARY_ARCHITECTURES = (
+    *("phi3", "glm4", GLM4_MOE_GGUF, MINIMAX_M2_GGUF),
+    *QWEN3_5_GGUF_ARCHITECTURES,
+)
 # Architectures whose block_count counts multi-token-prediction blocks after the model's: those
 # blocks are not served (ModelArch.num_hidden_layers excludes them)
 _MTP_BLOCK_ARCHITECTURES = (*QWEN3_5_ARCHITECTURES, "glm4_moe")
@@ -240,6 +245,8 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family.update(qwen3_5_gguf_fields(meta, arch, gf.path))
     if arch == GLM4_MOE_GGUF:
         family.update(glm4_moe_gguf_fields(meta, gf.tensors, gf.path))
+    if arch == MINIMAX_M2_GGUF:
+        family.update(minimax_m2_gguf_fields(meta, gf.path))
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
     # qwen35's and glm4moe's block_count count their multi-token-prediction blocks too
@@ -285,6 +292,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         GRANITE_HYBRID_GGUF: "granitemoehybrid",
         "lfm2moe": "lfm2_moe",
         GLM4_MOE_GGUF: "glm4_moe",
+        MINIMAX_M2_GGUF: "minimax_m2",
         COHERE_GGUF: "cohere",
         **dict(zip(QWEN3_5_GGUF_ARCHITECTURES, QWEN3_5_ARCHITECTURES, strict=True)),
         **ERNIE_GGUF_ARCHITECTURES,
@@ -306,7 +314,7 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     own_width = (
         *("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE, "lfm2moe"),
-        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF),
+        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF, MINIMAX_M2_GGUF),
     )
     if not num_experts:
         if arch in (*own_width, "olmoe", "granitemoe"):
@@ -515,7 +523,7 @@ def iter_gguf_weights(
 
 def _moe_scope(name: str, arch: ModelArch) -> str:
     """Mixtral's and GraniteMoE's HF names say block_sparse_moe where the dense ones say mlp."""
-    if arch.architecture in ("mixtral", "granitemoe"):
+    if arch.architecture in ("mixtral", "granitemoe", "minimax_m2"):
         return name.replace(".mlp.", ".block_sparse_moe.")
     return name
 
@@ -536,6 +544,7 @@ _HF_EXPERT_NAMES = {
     "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
 
 

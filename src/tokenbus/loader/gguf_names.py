@@ -23,6 +23,7 @@ from tokenbus.loader.mamba_config import (
     MAMBA_PARAMETER_NAMES,
     NEMOTRON_H_GGUF,
 )
+from tokenbus.loader.minimax_m2_config import MINIMAX_M2_GGUF
 from tokenbus.loader.qwen3_5_config import (
     QWEN3_5_GGUF_ARCHITECTURES,
     QWEN3_5_GGUF_BLOCK_NAMES,
@@ -87,6 +88,8 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
     # GLM-4.5: its pre-MLP norm by Gemma's post-attention name (as gpt-oss's), an ungated
     # shared MLP (as ERNIE's), the router's bias
+    # MiniMax-M2: its router's bias under the MoE block (mlp. here, block_sparse_moe. at load)
+    MINIMAX_M2_GGUF: {"exp_probs_b": "mlp.e_score_correction_bias"},
     GLM4_MOE_GGUF: {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
@@ -101,6 +104,7 @@ _PARAMETER_NAMES = (
     "self_attn.sinks",
     "mlp.moe_statics.e_score_correction_bias",
     "mlp.gate.e_score_correction_bias",
+    "mlp.e_score_correction_bias",
     *MAMBA_PARAMETER_NAMES,
     *QWEN3_5_PARAMETER_NAMES,
 )

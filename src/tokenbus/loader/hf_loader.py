@@ -32,6 +32,7 @@ from tokenbus.loader.layer_kinds import (
     windows,
 )
 from tokenbus.loader.lfm2_config import lfm2_hf_fields, lfm2_moe_hf_fields
+from tokenbus.loader.minimax_m2_config import minimax_m2_hf_fields, minimax_m2_partial_rotary
 from tokenbus.loader.nemotron_h_config import nemotron_h_hf_fields, nemotron_h_kinds
 from tokenbus.loader.qwen3_5_config import qwen3_5_hf_fields, qwen3_5_moe_hf_fields
 from tokenbus.model_arch import ModelArch
@@ -66,6 +67,7 @@ HF_ARCHITECTURES = {
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
+    "MiniMaxM2ForCausalLM": "minimax_m2",  # OLMo 2's q/k norms, sigmoid-routed experts
     "CohereForCausalLM": "cohere",  # Command R, Aya 23, Aya Expanse: Cohere2's block, global
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
@@ -118,8 +120,11 @@ _ROPE_REQUIRED_KEYS = {
     "longrope": ("short_factor", "long_factor"),
 }
 # Families whose HF model turns only the first partial_rotary_factor of each head (Phi-4-mini,
-# GLM-4).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+# GLM-4, GLM-4.5, Qwen3.5, MiniMax-M2).
+PARTIAL_ROTARY_ARCHITECTURES = (
+    *("phi3", "glm4", "glm4_moe", "minimax_m2"),
+    *("qwen3_5", "qwen3_5_moe", "qwen3_next"),
+)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -239,6 +244,9 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if architecture == "glm4_moe":  # half of each head turns unless the config says otherwise
         rope_config = {"partial_rotary_factor": 0.5, **config}
         family = glm4_moe_hf_fields(config, path)
+    if architecture == "minimax_m2":
+        rope_config = minimax_m2_partial_rotary(config)
+        family = minimax_m2_hf_fields(config, path)
     if architecture == "granitemoehybrid":  # its Mamba2 layers, where it has some
         family = granite_hybrid_hf_fields(config, path)
     if architecture == "nemotron_h":

@@ -66,6 +66,7 @@ EXPERT_NAMES = {
     "qwen3_5_moe": ("gate_proj", "up_proj", "down_proj"),
     "qwen3_next": ("gate_proj", "up_proj", "down_proj"),
     "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
+    "minimax_m2": ("w1", "w3", "w2"),
 }
 
 
@@ -83,7 +84,10 @@ MOE_SCORINGS = ("softmax", "sigmoid")
 # ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints); the families
 # that name it otherwise (GLM-4.5's router holds it)
 SELECTION_BIAS_NAME = "moe_statics.e_score_correction_bias"
-SELECTION_BIAS_NAMES = {"glm4_moe": "gate.e_score_correction_bias"}
+SELECTION_BIAS_NAMES = {
+    "glm4_moe": "gate.e_score_correction_bias",
+    "minimax_m2": "e_score_correction_bias",
+}
 
 
 class Expert(nn.Module):

@@ -18,6 +18,7 @@ from tokenbus.model.granite import (
 )
 from tokenbus.model.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
+from tokenbus.model.minimax_m2 import MiniMaxM2ForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.nemotron_h import NemotronHForCausalLM
 from tokenbus.model.olmo2 import Olmo2ForCausalLM
@@ -72,6 +73,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "ernie4_5": LlamaForCausalLM,
     "glm4": Glm4ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
     "cohere": Cohere2ForCausalLM,  # Cohere2's block, every layer global with a rotary
     "cohere2": Cohere2ForCausalLM,
     "exaone4": Exaone4ForCausalLM,
@@ -86,6 +88,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "CohereForCausalLM": Cohere2ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
