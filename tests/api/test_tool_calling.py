@@ -122,6 +122,31 @@ ASK = [{"role": "user", "content": "Weather?"}]
                 ("g", {"x": None}),
             ],
         ),
+        # MiniMax-M2's: invokes in one block, a value's newline at either end not its own
+        (
+            "minimax_m2",
+            'Checking.<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+            'Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name='
+            '"note">\n<parameter name="text">\nline one\nline two\n</parameter>\n</invoke>\n'
+            "</minimax:tool_call>",
+            "Checking.",
+            [
+                ("get_weather", {"city": "Paris", "days": 3}),
+                ("note", {"text": "line one\nline two"}),
+            ],
+        ),
+        (  # text in the block or in an invoke: content
+            "minimax_m2",
+            "<minimax:tool_call>hello</minimax:tool_call>",
+            "<minimax:tool_call>hello</minimax:tool_call>",
+            [],
+        ),
+        (
+            "minimax_m2",
+            '<minimax:tool_call><invoke name="f">junk</invoke></minimax:tool_call>',
+            '<minimax:tool_call><invoke name="f">junk</invoke></minimax:tool_call>',
+            [],
+        ),
         (  # not a name, or text where a key should be: content
             "glm45",
             "<tool_call>two words</tool_call>",
@@ -178,6 +203,8 @@ def _reassemble(events: list) -> tuple[str, list[dict], str | None]:
 
 CALL_SCRIPTS = {
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "minimax_m2": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+    "</parameter>\n</invoke>\n</minimax:tool_call>",
     "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
     "</tool_call>",
 }

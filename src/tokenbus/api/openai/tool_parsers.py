@@ -8,6 +8,8 @@
     glm45        <tool_call>get_weather
                  <arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>
                  (GLM-4.5, GLM-4.6, GLM-4.7: glm47 too, whose name runs on into the first key)
+    minimax_m2   <minimax:tool_call><invoke name="get_weather">
+                 <parameter name="city">Paris</parameter></invoke></minimax:tool_call> (MiniMax-M2)
     openai       gpt-oss's harmony messages addressed to a function:
                  <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{…}
                  (with --reasoning-parser openai_gptoss, as vLLM pairs them)
@@ -250,7 +252,7 @@ class Glm45Parser(ToolCallParser):
             # a name is one word, and nothing but key/value pairs follows it
             if not name or len(name.split()) != 1 or self._ARG.sub("", arguments).strip():
                 return ParsedOutput(text, [])
-            values = {key.strip(): _glm_value(value) for key, value in self._ARG.findall(arguments)}
+            values = {key.strip(): _json_or_text(v) for key, v in self._ARG.findall(arguments)}
             calls.append(ParsedCall(name, json.dumps(values, ensure_ascii=False)))
         return ParsedOutput(_content(text[:start]), calls)
 
@@ -259,7 +261,42 @@ class Glm47Parser(Glm45Parser):
     name = "glm47"  # vLLM's name for GLM-4.7's (the same parser here)
 
 
-def _glm_value(text: str) -> object:
+class MiniMaxM2Parser(ToolCallParser):
+    """MiniMax-M2's calls: one <minimax:tool_call> block of <invoke name="NAME"> elements, each
+    a <parameter name="KEY">VALUE</parameter> per argument. A value's text loses one newline at
+    either end (the template's layout); then, as GLM-4.5's, it is JSON where it parses as JSON,
+    its text otherwise. Anything but invokes in the block, or but parameters in an invoke,
+    leaves the output as content."""
+
+    name, marker, calls_after_text = "minimax_m2", "<minimax:tool_call>", True
+    needs_special_tokens = True  # the block's tags are added tokens of its vocabulary
+    _BLOCK = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
+    _INVOKE = re.compile(r'<invoke name="([^"<>]+)">(.*?)(?:</invoke>|$)', re.DOTALL)
+    _PARAMETER = re.compile(r'<parameter name="([^"<>]+)">(.*?)</parameter>', re.DOTALL)
+
+    def _parse(self, text: str) -> ParsedOutput:
+        start = text.find(self.marker)
+        if start < 0:
+            return ParsedOutput(text, [])
+        calls = []
+        for block in self._BLOCK.findall(text[start:]):
+            if self._INVOKE.sub("", block).strip():
+                return ParsedOutput(text, [])
+            for name, body in self._INVOKE.findall(block):
+                if self._PARAMETER.sub("", body).strip():
+                    return ParsedOutput(text, [])
+                values = {
+                    key: _json_or_text(value.removeprefix("\n").removesuffix("\n"))
+                    for key, value in self._PARAMETER.findall(body)
+                }
+                calls.append(ParsedCall(name, json.dumps(values, ensure_ascii=False)))
+        if not calls:
+            return ParsedOutput(text, [])
+        return ParsedOutput(_content(text[:start]), calls)
+
+
+def _json_or_text(text: str) -> object:
+    """A call's argument written as its template writes them: JSON unless it is a string."""
     try:
         return json.loads(text)
     except (ValueError, RecursionError):
@@ -270,7 +307,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     cls.name: cls
     for cls in (
         *(HermesParser, Llama3JsonParser, MistralParser, PythonicParser, HarmonyParser),
-        *(Glm45Parser, Glm47Parser),
+        *(Glm45Parser, Glm47Parser, MiniMaxM2Parser),
     )
 }
 
