@@ -8,8 +8,8 @@ Configs (CONFIGS in random_gguf_shapes.py, most with a comment giving the real m
 converter writes them), Qwen2.5 (q/k/v biases; 896 wide, so K-quant recipes fall back to other
 types for some tensors, as in the real files), SmolLM3, Qwen3-MoE, Gemma 1/2/3, OLMo 2, OLMoE,
 GraniteMoE, gpt-oss, Qwen1.5-MoE, ERNIE 4.5 MoE, LFM2 and LFM2-MoE, Granite 4.0-H, Qwen3.5 and
-Qwen3.5-MoE, GLM-4.5. Tensor names and metadata are llama.cpp's; matrices are F16, norms and
-biases F32 (llama.cpp's converter's types), weights N(0, 0.02), norms 1.
+Qwen3.5-MoE, GLM-4.5, MiniMax-M2. Tensor names and metadata are llama.cpp's; matrices are F16,
+norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02), norms 1.
 
 The tokenizer and chat template are the packaged SmolLM2 GGUF's, its vocabulary padded up to
 the model's with `[PAD<i>]` tokens of type UNUSED (as llama.cpp's converter pads a vocabulary
@@ -49,6 +49,7 @@ from random_gguf_shapes import (  # benchmarks/ is sys.path[0] when run as a scr
     GLM4_MOE,
     GPT_OSS,
     LFM2_MOE,
+    MINIMAX_M2,
     POST_NORM_ONLY,
     QWEN35_ARCHS,
     ModelShape,
@@ -125,7 +126,7 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             if shape.qkv_bias:
                 yield b + name + ".bias", (rows,), "bias"
         if shape.qk_norm:  # OLMo 2's over the whole projection, the others' over a head
-            whole = shape.architecture in ("olmo2", "olmoe")
+            whole = shape.architecture in ("olmo2", "olmoe", MINIMAX_M2)
             yield b + "attn_q_norm.weight", (q if whole else shape.head_dim,), "norm"
             yield b + "attn_k_norm.weight", (kv if whole else shape.head_dim,), "norm"
         yield b + "attn_output.weight", (h, q), "matrix"
@@ -199,13 +200,13 @@ def _ffn(
 
 def _moe(b: str, shape: ModelShape, h: int) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """A sparse MoE layer's tensors: the router, a selection bias (ERNIE's, LFM2-MoE's,
-    GLM-4.5's), the experts stacked, a shared expert."""
+    GLM-4.5's, MiniMax-M2's), the experts stacked, a shared expert."""
     oss = shape.architecture == GPT_OSS
     e, inter = shape.experts, shape.expert_intermediate
     yield b + "ffn_gate_inp.weight", (e, h), "router"
     if oss:
         yield b + "ffn_gate_inp.bias", (e,), "bias"
-    if shape.architecture in (ERNIE_MOE, LFM2_MOE, GLM4_MOE):  # its selection bias
+    if shape.architecture in (ERNIE_MOE, LFM2_MOE, GLM4_MOE, MINIMAX_M2):  # its selection bias
         yield b + "exp_probs_b.bias", (e,), "bias"
     for name, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
         yield b + f"ffn_{name}_exps.weight", (e, rows, cols), "matrix"
@@ -285,8 +286,11 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_ssm_inner_size(shape.ssm_heads * shape.ssm_head_dim)
         writer.add_ssm_time_step_rank(shape.ssm_heads)
         writer.add_rope_scaling_finetuned(False)  # Granite 4.0-H: no layer turns a rotary
-    # Qwen3.5's rotary turns the first quarter of each head, GLM-4.5's the first half
-    turning = {**dict.fromkeys(QWEN35_ARCHS, 4), GLM4_MOE: 2}.get(shape.architecture, 1)
+    # Qwen3.5's rotary turns the first quarter of each head, GLM-4.5's and MiniMax-M2's the
+    # first half
+    turning = {**dict.fromkeys(QWEN35_ARCHS, 4), GLM4_MOE: 2, MINIMAX_M2: 2}.get(
+        shape.architecture, 1
+    )
     writer.add_rope_dimension_count(shape.head_dim // turning)
     if shape.head_dim_override:
         writer.add_key_length(shape.head_dim)
@@ -307,6 +311,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_rope_dimension_sections([11, 11, 10, 0])
     if shape.architecture == LFM2_MOE:  # llama.cpp's LFM2MoeModel
         writer.add_leading_dense_block_count(shape.dense_lead)
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if shape.architecture == MINIMAX_M2:  # llama.cpp's MiniMaxM2Model
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if shape.architecture == GLM4_MOE:  # llama.cpp's Glm4MoeModel (no MTP layer here)
         writer.add_expert_shared_count(shape.shared_intermediate // shape.expert_intermediate)

@@ -22,6 +22,9 @@ QWEN35_ARCHS = (QWEN35, QWEN35_MOE)
 # by sigmoid score + bias (exp_probs_b) beside an ungated shared expert; its pre-MLP norm named
 # post_attention_norm
 GLM4_MOE = "glm4moe"
+# MiniMax-M2: q/k norms over the whole projection, half of each head turning, every MLP experts
+# chosen by sigmoid score + bias (exp_probs_b), no shared expert
+MINIMAX_M2 = "minimax-m2"
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,16 @@ CONFIGS = {
         GLM4_MOE, 4096, 4, 96, 8, 10944, 151552, 1000000.0, 131072, 1e-5, False, qkv_bias=True,
         experts=128, experts_used=8, expert_intermediate=1408, shared_intermediate=1408,
         head_dim_override=128, dense_lead=1,
+    ),
+    # MiniMax-M2 (transformers' MiniMaxM2Config defaults): 3072 wide, 62 layers of 48 / 8 heads
+    # of 128 (q/k norms over the whole projection, 64 of each head's dims turning), every MLP 256
+    # experts of 1536 (8 a token, sigmoid scores chosen with a bias), a 200k vocabulary, untied:
+    # 228.7 B parameters. Its first 8 layers here with 32 of the 256 experts each: a token's work
+    # (attention, 8 experts a layer, the LM head) is the real model's layer for layer; only the
+    # router's rows and the file shrink (5.2 B parameters, 10 GB at F16).
+    "minimax-m2-8l-32e": ModelShape(
+        MINIMAX_M2, 3072, 8, 48, 8, 1536, 200064, 5000000.0, 196608, 1e-6, False, qk_norm=True,
+        experts=32, experts_used=8, expert_intermediate=1536, head_dim_override=128,
     ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,

@@ -156,6 +156,11 @@ def test_the_real_configs_have_the_published_sizes():
     )
     assert 34.6e9 < _num_params(full) < 34.8e9
     assert 1.45e9 < params["granite-4.0-h-1b"] < 1.48e9  # Granite-4.0-H-1B: 1.46 B
+    # MiniMax-M2: 228.7 B parameters over its 62 layers of 256 experts
+    full = dataclasses.replace(
+        make_random_gguf.CONFIGS["minimax-m2-8l-32e"], layers=62, experts=256
+    )
+    assert 228.6e9 < _num_params(full) < 228.8e9
     # GLM-4.5-Air: 106.9 B parameters over its 46 layers (without its MTP layer)
     full = dataclasses.replace(make_random_gguf.CONFIGS["glm-4.5-air-4l"], layers=46)
     assert 106.8e9 < _num_params(full) < 106.9e9
@@ -389,3 +394,22 @@ def test_glm4_moe_is_written_as_llama_cpps(tmp_path):
     assert arch.attention_bias and arch.norm_topk_prob and not arch.attn_qk_norm
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     assert model.layers[2].mlp.selection_bias.abs().sum() > 0
+
+
+def test_minimax_m2_is_written_as_llama_cpps(tmp_path):
+    """Whole-projection q/k norms, half of each head turning, experts chosen with a bias in every
+    layer (sigmoid gating): read back by the loader and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("minimax-m2-8l-32e"),
+        head_dim_override=32,
+        experts=4,
+        experts_used=2,
+        expert_intermediate=64,
+    )
+    path = make_random_gguf.write_random_gguf("mm", tmp_path / "m.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.dense_layers, arch.rotary_dim) == ("minimax_m2", (), 16)
+    assert (arch.moe_scoring, arch.moe_selection_bias, arch.num_experts) == ("sigmoid", True, 4)
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[0].self_attn.q_norm.weight.shape == (4 * 32,)
