@@ -93,24 +93,44 @@ class ToolCallParser:
         return min(found, default=-1)
 
 
-class HermesParser(ToolCallParser):
-    name, marker, calls_after_text = "hermes", "<tool_call>", True
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+class TaggedCallsParser(ToolCallParser):
+    """Calls in tagged blocks after the content (Hermes's, GLM-4.5's, MiniMax-M2's): the text
+    before the first block is content, and each block (`_BLOCK`'s group, closed or cut off by
+    the end of the text) holds calls. A block that does not parse, or no call at all, leaves
+    the whole output as content."""
+
+    calls_after_text = True
+    _BLOCK: re.Pattern[str]
 
     def _parse(self, text: str) -> ParsedOutput:
         start = text.find(self.marker)
         if start < 0:
             return ParsedOutput(text, [])
-        calls = []
-        for body in self._CALL.findall(text[start:]):
-            try:
-                call = _call_from_json(json.loads(body))
-            except (ValueError, RecursionError):
-                call = None
-            if call is None:
+        calls: list[ParsedCall] = []
+        for body in self._BLOCK.findall(text[start:]):
+            found = self._block_calls(body)
+            if found is None:
                 return ParsedOutput(text, [])
-            calls.append(call)
+            calls.extend(found)
+        if not calls:
+            return ParsedOutput(text, [])
         return ParsedOutput(_content(text[:start]), calls)
+
+    def _block_calls(self, body: str) -> list[ParsedCall] | None:
+        """The calls one block holds, or None where it does not parse."""
+        raise NotImplementedError
+
+
+class HermesParser(TaggedCallsParser):
+    name, marker = "hermes", "<tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def _block_calls(self, body: str) -> list[ParsedCall] | None:
+        try:
+            call = _call_from_json(json.loads(body))
+        except (ValueError, RecursionError):
+            return None
+        return None if call is None else [call]
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -228,71 +248,59 @@ class HarmonyParser(ToolCallParser):
         return ParsedOutput(_content("".join(content)), calls)
 
 
-class Glm45Parser(ToolCallParser):
+class Glm45Parser(TaggedCallsParser):
     """GLM-4.5's calls (its chat template's format; GLM-4.6's and GLM-4.7's too):
     <tool_call>NAME, then <arg_key>KEY</arg_key><arg_value>VALUE</arg_value> per argument, then
     </tool_call>; the name ends at a newline (GLM-4.5, 4.6) or at the first key (GLM-4.7). The
     template writes a string value bare and any other as JSON, so a value that parses as JSON is
     that JSON, and any other value its text."""
 
-    name, marker, calls_after_text = "glm45", "<tool_call>", True
+    name, marker = "glm45", "<tool_call>"
     needs_special_tokens = True  # the markers are added tokens of GLM's vocabulary
-    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
     _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
-    def _parse(self, text: str) -> ParsedOutput:
-        start = text.find(self.marker)
-        if start < 0:
-            return ParsedOutput(text, [])
-        calls = []
-        for body in self._CALL.findall(text[start:]):
-            name = body.partition("<arg_key>")[0]
-            arguments = body[len(name) :]
-            name = name.strip()
-            # a name is one word, and nothing but key/value pairs follows it
-            if not name or len(name.split()) != 1 or self._ARG.sub("", arguments).strip():
-                return ParsedOutput(text, [])
-            values = {key.strip(): _json_or_text(v) for key, v in self._ARG.findall(arguments)}
-            calls.append(ParsedCall(name, json.dumps(values, ensure_ascii=False)))
-        return ParsedOutput(_content(text[:start]), calls)
+    def _block_calls(self, body: str) -> list[ParsedCall] | None:
+        name = body.partition("<arg_key>")[0]
+        arguments = body[len(name) :]
+        name = name.strip()
+        # a name is one word, and nothing but key/value pairs follows it
+        if not name or len(name.split()) != 1 or self._ARG.sub("", arguments).strip():
+            return None
+        values = {key.strip(): _json_or_text(v) for key, v in self._ARG.findall(arguments)}
+        return [ParsedCall(name, json.dumps(values, ensure_ascii=False))]
 
 
 class Glm47Parser(Glm45Parser):
     name = "glm47"  # vLLM's name for GLM-4.7's (the same parser here)
 
 
-class MiniMaxM2Parser(ToolCallParser):
+class MiniMaxM2Parser(TaggedCallsParser):
     """MiniMax-M2's calls: one <minimax:tool_call> block of <invoke name="NAME"> elements, each
     a <parameter name="KEY">VALUE</parameter> per argument. A value's text loses one newline at
     either end (the template's layout); then, as GLM-4.5's, it is JSON where it parses as JSON,
     its text otherwise. Anything but invokes in the block, or but parameters in an invoke,
     leaves the output as content."""
 
-    name, marker, calls_after_text = "minimax_m2", "<minimax:tool_call>", True
+    name, marker = "minimax_m2", "<minimax:tool_call>"
     needs_special_tokens = True  # the block's tags are added tokens of its vocabulary
     _BLOCK = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
     _INVOKE = re.compile(r'<invoke name="([^"<>]+)">(.*?)(?:</invoke>|$)', re.DOTALL)
     _PARAMETER = re.compile(r'<parameter name="([^"<>]+)">(.*?)</parameter>', re.DOTALL)
 
-    def _parse(self, text: str) -> ParsedOutput:
-        start = text.find(self.marker)
-        if start < 0:
-            return ParsedOutput(text, [])
+    def _block_calls(self, body: str) -> list[ParsedCall] | None:
+        if self._INVOKE.sub("", body).strip():
+            return None
         calls = []
-        for block in self._BLOCK.findall(text[start:]):
-            if self._INVOKE.sub("", block).strip():
-                return ParsedOutput(text, [])
-            for name, body in self._INVOKE.findall(block):
-                if self._PARAMETER.sub("", body).strip():
-                    return ParsedOutput(text, [])
-                values = {
-                    key: _json_or_text(value.removeprefix("\n").removesuffix("\n"))
-                    for key, value in self._PARAMETER.findall(body)
-                }
-                calls.append(ParsedCall(name, json.dumps(values, ensure_ascii=False)))
-        if not calls:
-            return ParsedOutput(text, [])
-        return ParsedOutput(_content(text[:start]), calls)
+        for name, invoke in self._INVOKE.findall(body):
+            if self._PARAMETER.sub("", invoke).strip():
+                return None
+            values = {
+                key: _json_or_text(value.removeprefix("\n").removesuffix("\n"))
+                for key, value in self._PARAMETER.findall(invoke)
+            }
+            calls.append(ParsedCall(name, json.dumps(values, ensure_ascii=False)))
+        return calls
 
 
 def _json_or_text(text: str) -> object:
