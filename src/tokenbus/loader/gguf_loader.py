@@ -308,8 +308,8 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     """ModelArch's MoE fields from `{arch}.expert_*` metadata ({} for a dense model). Layers
     without a router tensor (ffn_gate_inp) are dense (Qwen3-MoE's mlp_only_layers); shared
     experts (ffn_*_shexp) are Qwen2-MoE's, ERNIE 4.5's, GLM-4.5's and the hybrids', refused
-    elsewhere, naming the tensor; a selection bias (ERNIE's, LFM2-MoE's, GLM-4.5's) is its
-    exp_probs_b."""
+    elsewhere, naming the tensor; a selection bias (ERNIE's, LFM2-MoE's, GLM-4.5's,
+    MiniMax-M2's) is its exp_probs_b."""
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     own_width = (
@@ -522,7 +522,8 @@ def iter_gguf_weights(
 
 
 def _moe_scope(name: str, arch: ModelArch) -> str:
-    """Mixtral's and GraniteMoE's HF names say block_sparse_moe where the dense ones say mlp."""
+    """Mixtral's, GraniteMoE's and MiniMax-M2's HF names say block_sparse_moe where the dense
+    ones say mlp."""
     if arch.architecture in ("mixtral", "granitemoe", "minimax_m2"):
         return name.replace(".mlp.", ".block_sparse_moe.")
     return name

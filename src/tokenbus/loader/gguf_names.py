@@ -86,10 +86,10 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
         "exp_probs_b": "mlp.moe_statics.e_score_correction_bias",
     },
     **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
-    # GLM-4.5: its pre-MLP norm by Gemma's post-attention name (as gpt-oss's), an ungated
-    # shared MLP (as ERNIE's), the router's bias
     # MiniMax-M2: its router's bias under the MoE block (mlp. here, block_sparse_moe. at load)
     MINIMAX_M2_GGUF: {"exp_probs_b": "mlp.e_score_correction_bias"},
+    # GLM-4.5: its pre-MLP norm by Gemma's post-attention name (as gpt-oss's), an ungated
+    # shared MLP (as ERNIE's), the router's bias
     GLM4_MOE_GGUF: {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
@@ -98,8 +98,8 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
         "exp_probs_b": "mlp.gate.e_score_correction_bias",
     },
 }
-# HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks, ERNIE's
-# selection bias).
+# HF names that are a parameter themselves, not a module's `.weight` (gpt-oss's sinks, the
+# selection biases of ERNIE, GLM-4.5 and MiniMax-M2).
 _PARAMETER_NAMES = (
     "self_attn.sinks",
     "mlp.moe_statics.e_score_correction_bias",

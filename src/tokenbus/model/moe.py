@@ -82,7 +82,7 @@ SHARED_EXPERT_NAMES = {
 # How a router's logits become probabilities (ModelArch.moe_scoring)
 MOE_SCORINGS = ("softmax", "sigmoid")
 # ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints); the families
-# that name it otherwise (GLM-4.5's router holds it)
+# that name it otherwise (GLM-4.5's router holds it, MiniMax-M2's MoE block)
 SELECTION_BIAS_NAME = "moe_statics.e_score_correction_bias"
 SELECTION_BIAS_NAMES = {
     "glm4_moe": "gate.e_score_correction_bias",

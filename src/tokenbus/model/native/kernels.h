@@ -122,7 +122,7 @@ typedef struct {
     const linear *shared_gate_up, *shared_down; /* the shared expert (SiLU); NULL: none */
     const float *shared_gate;     /* [1, hidden] in dense_pack's panels: its gate's logit; NULL: ungated */
     int64_t shared_intermediate;
-    int64_t sigmoid_scores;       /* 1: each expert's sigmoid (LFM2-MoE's, GLM-4.5's); 0: the softmax over all */
+    int64_t sigmoid_scores;       /* 1: each expert's sigmoid (GLM-4.5's, MiniMax-M2's); 0: the softmax over all */
     int64_t groups, topk_groups;  /* the choice within the best topk_groups of `groups` groups; 1 group: no limit */
     float norm_eps, scale;        /* weights / (their sum + norm_eps) where renormalised, then * scale */
 } moe;
