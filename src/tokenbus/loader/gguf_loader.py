@@ -91,6 +91,7 @@ GGUF_ARCHITECTURES = (
     *("qwen3moe", "qwen2moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
     *ERNIE_GGUF_ARCHITECTURES,
     "glm4",
+    "seed_oss",
     GLM4_MOE_GGUF,
     MINIMAX_M2_GGUF,
     "mistral3",

@@ -86,6 +86,8 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
         "exp_probs_b": "mlp.moe_statics.e_score_correction_bias",
     },
     **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
+    # Seed-OSS: its pre-MLP norm by Gemma's post-attention name
+    "seed_oss": {"post_attention_norm": "post_attention_layernorm"},
     # MiniMax-M2: its router's bias under the MoE block (mlp. here, block_sparse_moe. at load)
     MINIMAX_M2_GGUF: {"exp_probs_b": "mlp.e_score_correction_bias"},
     # GLM-4.5: its pre-MLP norm by Gemma's post-attention name (as gpt-oss's), an ungated

@@ -66,6 +66,7 @@ HF_ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4ForCausalLM": "glm4",
+    "SeedOssForCausalLM": "seed_oss",  # Seed-OSS: Llama's layers, q/k/v biases
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
     "MiniMaxM2ForCausalLM": "minimax_m2",  # OLMo 2's q/k norms, sigmoid-routed experts
     "CohereForCausalLM": "cohere",  # Command R, Aya 23, Aya Expanse: Cohere2's block, global
@@ -199,6 +200,10 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     image-and-text checkpoint's from its text_config."""
     config = text_config(config, path)
     architecture = _architecture(config, path)
+    if architecture == "seed_oss":  # SeedOssConfig's defaults where the file names none
+        config = {"head_dim": 128, "attention_bias": True, **config}
+        if config.get("attention_out_bias"):
+            raise ValueError(f"{path}: attention_out_bias=true is not supported for seed_oss")
     if architecture == "nemotron_h":  # its layer count is its block list's (transformers')
         config = {**config, "num_hidden_layers": len(nemotron_h_kinds(config, path))}
 

@@ -72,6 +72,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "ernie4_5": LlamaForCausalLM,
     "glm4": Glm4ForCausalLM,
+    "seed_oss": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
     "cohere": Cohere2ForCausalLM,  # Cohere2's block, every layer global with a rotary
@@ -87,6 +88,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "SeedOssForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "CohereForCausalLM": Cohere2ForCausalLM,
