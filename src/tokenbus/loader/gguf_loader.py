@@ -92,6 +92,7 @@ GGUF_ARCHITECTURES = (
     *ERNIE_GGUF_ARCHITECTURES,
     "glm4",
     "seed_oss",
+    "arcee",
     GLM4_MOE_GGUF,
     MINIMAX_M2_GGUF,
     "mistral3",
@@ -108,6 +109,7 @@ GGUF_ARCHITECTURES = (
 # each head's rotary half) and their converters write them as they are.
 _PERMUTED_QK_ARCHITECTURES = (
     *("llama", "mixtral", "smollm3", "granite", "granitemoe", "granitemoehybrid", "nemotron_h"),
+    "arcee",
     *ERNIE_ARCHITECTURES,
     "glm4",
     "ministral3",  # llama.cpp's "mistral3"
@@ -201,7 +203,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     for info in gf.tensors.values():  # refused here, before any weight is read
         check_qtype(gf, info)
     rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    family: dict = {"hidden_act": "silu"}
+    # llama.cpp's arcee graph squares a ReLU (LLM_FFN_RELU_SQR); every other family here gates
+    # by SiLU but Gemma's (gemma_gguf_fields)
+    family: dict = {"hidden_act": "relu2" if arch == "arcee" else "silu"}
     if arch in GEMMA_GGUF_ARCHITECTURES:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
     if arch == GPT_OSS_GGUF_ARCHITECTURE:

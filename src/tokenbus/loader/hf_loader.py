@@ -67,6 +67,7 @@ HF_ARCHITECTURES = {
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4ForCausalLM": "glm4",
     "SeedOssForCausalLM": "seed_oss",  # Seed-OSS: Llama's layers, q/k/v biases
+    "ArceeForCausalLM": "arcee",  # AFM-4.5B: Llama's layers, ReLU² MLPs without a gate
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
     "MiniMaxM2ForCausalLM": "minimax_m2",  # OLMo 2's q/k norms, sigmoid-routed experts
     "CohereForCausalLM": "cohere",  # Command R, Aya 23, Aya Expanse: Cohere2's block, global
@@ -204,6 +205,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         config = {"head_dim": 128, "attention_bias": True, **config}
         if config.get("attention_out_bias"):
             raise ValueError(f"{path}: attention_out_bias=true is not supported for seed_oss")
+    if architecture == "arcee":  # ArceeConfig's default
+        config = {"hidden_act": "relu2", **config}
     if architecture == "nemotron_h":  # its layer count is its block list's (transformers')
         config = {**config, "num_hidden_layers": len(nemotron_h_kinds(config, path))}
 

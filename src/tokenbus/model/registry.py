@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenbus.model.arcee import ArceeForCausalLM
 from tokenbus.model.cohere2 import Cohere2ForCausalLM
 from tokenbus.model.ernie import Ernie45MoeForCausalLM
 from tokenbus.model.exaone4 import Exaone4ForCausalLM
@@ -73,6 +74,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "ernie4_5": LlamaForCausalLM,
     "glm4": Glm4ForCausalLM,
     "seed_oss": LlamaForCausalLM,
+    "arcee": ArceeForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
     "cohere": Cohere2ForCausalLM,  # Cohere2's block, every layer global with a rotary
@@ -89,6 +91,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "SeedOssForCausalLM": LlamaForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "CohereForCausalLM": Cohere2ForCausalLM,
