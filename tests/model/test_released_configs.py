@@ -1,0 +1,193 @@
+"""The config.json files of released checkpoints (their fields as published, in the layout of the
+transformers version that wrote them) resolve to the shapes the models have: the families whose
+tiny test models transformers 5 writes in its own layout (tests/e2e/) read the older files too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenbus.loader.hf_loader import arch_from_hf_config
+
+PATH = Path("config.json")
+
+GLM_4_5_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "eos_token_id": [151329, 151336, 151338],
+    "first_k_dense_replace": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 10944,
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1408,
+    "n_group": 1,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 46,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "use_qk_norm": False,
+    "vocab_size": 151552,
+}
+# GLM-4.5 (355B-A32B): wider, q/k norms, three dense layers, weights x2.5
+GLM_4_5 = {
+    **GLM_4_5_AIR,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "n_routed_experts": 160,
+    "first_k_dense_replace": 3,
+    "num_hidden_layers": 92,
+    "routed_scaling_factor": 2.5,
+    "use_qk_norm": True,
+}
+MINIMAX_M2 = {
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 196608,
+    "num_attention_heads": 48,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 62,
+    "num_key_value_heads": 8,
+    "num_local_experts": 256,
+    "qk_norm_type": "per_layer",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 5000000,
+    "rotary_dim": 64,
+    "scoring_func": "sigmoid",
+    "shared_intermediate_size": 0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_qk_norm": True,
+    "use_routing_bias": True,
+    "vocab_size": 200064,
+}
+SEED_OSS_36B = {
+    "architectures": ["SeedOssForCausalLM"],
+    "model_type": "seed_oss",
+    "attention_bias": True,
+    "attention_out_bias": False,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "max_position_embeddings": 524288,
+    "mlp_bias": False,
+    "num_attention_heads": 80,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"rope_type": "default"},
+    "rope_theta": 10000000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 155136,
+}
+COMMAND_R = {
+    "architectures": ["CohereForCausalLM"],
+    "model_type": "cohere",
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "hidden_size": 8192,
+    "intermediate_size": 22528,
+    "layer_norm_eps": 1e-05,
+    "logit_scale": 0.0625,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 64,
+    "rope_theta": 8000000.0,
+    "tie_word_embeddings": True,
+    "use_qk_norm": False,
+    "vocab_size": 256000,
+}
+AFM_4_5B = {
+    "architectures": ["ArceeForCausalLM"],
+    "model_type": "arcee",
+    "head_dim": 128,
+    "hidden_act": "relu2",
+    "hidden_size": 2560,
+    "intermediate_size": 18432,
+    "max_position_embeddings": 65536,
+    "num_attention_heads": 20,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"rope_type": "yarn", "factor": 20.0, "original_max_position_embeddings": 4096},
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 128004,
+}
+
+
+@pytest.mark.parametrize(
+    "config, dense, shared, scale, qk_norm",
+    [(GLM_4_5_AIR, (0,), 1408, 1.0, False), (GLM_4_5, (0, 1, 2), 1536, 2.5, True)],
+)
+def test_glm_4_5(config, dense, shared, scale, qk_norm):
+    arch = arch_from_hf_config(config, PATH)
+    assert (arch.architecture, arch.head_dim, arch.rotary_dim) == ("glm4_moe", 128, 64)
+    assert (arch.num_hidden_layers, arch.dense_layers) == (config["num_hidden_layers"], dense)
+    assert (arch.num_experts, arch.num_experts_per_tok) == (config["n_routed_experts"], 8)
+    assert (arch.shared_expert_intermediate_size, arch.shared_expert_gated) == (shared, False)
+    routing = (arch.moe_scoring, arch.moe_norm_eps, arch.routed_scaling_factor, arch.moe_groups)
+    assert routing == ("sigmoid", 1e-20, scale, 1)
+    assert arch.attention_bias and arch.attn_qk_norm == qk_norm
+    assert arch.eos_token_ids == (151329, 151336, 151338) and arch.rope_theta == 1e6
+
+
+def test_minimax_m2():
+    arch = arch_from_hf_config(MINIMAX_M2, PATH)
+    assert (arch.architecture, arch.head_dim, arch.rotary_dim, arch.rope_theta) == (
+        "minimax_m2",
+        128,
+        64,
+        5e6,
+    )
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (
+        256,
+        8,
+        1536,
+    )
+    assert (arch.moe_scoring, arch.moe_selection_bias, arch.dense_layers) == ("sigmoid", True, ())
+    assert arch.sliding_windows == ()
+    # the released safetensors hold FP8 blocks: refused, naming the method
+    fp8 = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
+        arch_from_hf_config({**MINIMAX_M2, "quantization_config": fp8}, PATH)
+
+
+def test_seed_oss_36b():
+    arch = arch_from_hf_config(SEED_OSS_36B, PATH)
+    assert (arch.architecture, arch.head_dim, arch.num_key_value_heads) == ("seed_oss", 128, 8)
+    assert arch.attention_bias and arch.rope_scaling is None and arch.rope_theta == 1e7
+
+
+def test_command_r():
+    arch = arch_from_hf_config(COMMAND_R, PATH)
+    assert (arch.architecture, arch.head_dim, arch.rms_norm_eps) == ("cohere", 128, 1e-05)
+    assert arch.logits_scaling == 16.0 and arch.tie_word_embeddings
+    assert (arch.sliding_windows, arch.nope_layers, arch.rotary_dim) == ((), (), None)
+
+
+def test_afm_4_5b():
+    arch = arch_from_hf_config(AFM_4_5B, PATH)
+    assert (arch.architecture, arch.hidden_act, arch.head_dim) == ("arcee", "relu2", 128)
+    assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_scaling["factor"] == 20.0
