@@ -1,8 +1,10 @@
 """The text model of image-and-text checkpoints (Gemma3ForConditionalGeneration,
-Mistral3ForConditionalGeneration with a Mistral or a Ministral 3 text model, and
-Qwen3_5ForConditionalGeneration), end to end against
-HF transformers, fp32 on CPU: tiny random checkpoints with a vision tower give the HF model's
-greedy tokens and logprobs for text prompts (the tower and projector left unread), and a
+Mistral3ForConditionalGeneration with a Mistral or a Ministral 3 text model,
+Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration and
+Qwen2_5_VLForConditionalGeneration), end to end against HF transformers, fp32 on CPU: tiny random
+checkpoints with a vision tower give the HF model's greedy tokens and logprobs for text prompts
+(the tower and projector left unread; the Qwen-VL models' multimodal rotary turns text tokens by
+their positions alone), a Qwen2.5-VL file in its released flat layout does too, and a
 released-style sparse text_config takes its config class's defaults."""
 
 from __future__ import annotations
@@ -77,13 +79,42 @@ def _qwen3_5(path):
     return _save(Qwen3_5ForConditionalGeneration(config), path)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral3", "mistral3-ministral3", "qwen3_5"])
+# The Qwen-VL vision towers, tiny
+_QWEN_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+
+
+def _qwen3_vl(path):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    rope = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    text = {**TEXT, "model_type": "qwen3_vl_text", "head_dim": 16, "rope_parameters": rope}
+    vision = {**_QWEN_VL_VISION, "out_hidden_size": 64, "deepstack_visual_indexes": [0]}
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    return _save(Qwen3VLForConditionalGeneration(config), path)
+
+
+def _qwen2_5_vl(path):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+    text = {**TEXT, "model_type": "qwen2_5_vl_text", "rope_parameters": rope}
+    vision = {**_QWEN_VL_VISION, "out_hidden_size": 64, "fullatt_block_indexes": [0]}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    return _save(Qwen2_5_VLForConditionalGeneration(config), path)
+
+
+@pytest.fixture(
+    scope="module",
+    params=["gemma3", "mistral3", "mistral3-ministral3", "qwen3_5", "qwen3_vl", "qwen2_5_vl"],
+)
 def checkpoint(request, tmp_path_factory):
     make = {
         "gemma3": _gemma3,
         "mistral3": _mistral3,
         "mistral3-ministral3": lambda path: _mistral3(path, "ministral3"),
         "qwen3_5": _qwen3_5,
+        "qwen3_vl": _qwen3_vl,
+        "qwen2_5_vl": _qwen2_5_vl,
     }[request.param]
     return make(tmp_path_factory.mktemp(request.param))
 
@@ -93,13 +124,14 @@ def test_text_model_gives_hfs_tokens(checkpoint):
 
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as handle:
         # a real multimodal file
-        assert any("vision_tower" in name or ".visual." in name for name in handle.keys())
+        assert any("vision_tower" in name or "visual." in name for name in handle.keys())
     prompts = random_prompts(3, 5, 40, seed=61)
-    if json.loads((checkpoint / "config.json").read_text())["model_type"] == "mistral3":
-        # not an AutoModelForCausalLM: its own class
-        from transformers import Mistral3ForConditionalGeneration
+    model_type = json.loads((checkpoint / "config.json").read_text())["model_type"]
+    if model_type in ("mistral3", "qwen3_vl", "qwen2_5_vl"):
+        # not an AutoModelForCausalLM: an image-text-to-text class
+        from transformers import AutoModelForImageTextToText
 
-        hf = Mistral3ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32)
+        hf = AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch.float32)
     else:
         hf = load_hf(str(checkpoint))
     reference = [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
@@ -151,3 +183,64 @@ def test_a_qwen3_5_moe_text_config_without_a_dense_width(tmp_path):
         256,
     )
     assert len(arch.recurrent_layers) == 30 and arch.rotary_dim == arch.head_dim // 4
+
+
+def test_a_flat_qwen2_5_vl_checkpoint(tmp_path):
+    """Qwen2.5-VL's released files: the text model's fields at the top of config.json (the
+    rotary as rope_scaling type "mrope"), its weights as model.layers.* beside visual.*."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenbus.loader import load_arch, resolve_model
+
+    source = _qwen2_5_vl(tmp_path / "new")
+    flat = shutil.copytree(source, tmp_path / "flat")
+    config = json.loads((flat / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.pop("model_type")
+    mrope = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    config.update(text, rope_theta=rope["rope_theta"], rope_scaling=mrope)
+    (flat / "config.json").write_text(json.dumps(config))
+    # (transformers writes these names too; a newer layout's are mapped back to them)
+    weights = {
+        name.replace("model.language_model.", "model.").replace("model.visual.", "visual."): w
+        for name, w in load_file(str(flat / "model.safetensors")).items()
+    }
+    assert (
+        "model.layers.0.self_attn.q_proj.bias" in weights
+        and "visual.merger.mlp.0.weight" in weights
+    )
+    save_file(weights, str(flat / "model.safetensors"), metadata={"format": "pt"})
+    arch = load_arch(resolve_model(str(flat)))
+    assert (arch.architecture, arch.attention_bias, arch.rope_scaling) == ("qwen2", True, None)
+    prompts = random_prompts(3, 5, 40, seed=63)
+    outputs = {}
+    for path in (source, flat):
+        llm = make_llm(path, **ENGINE)
+        outputs[path] = [out.token_ids for out in greedy_outputs(llm, prompts, MAX_TOKENS)]
+        assert_engine_clean(llm)
+    assert outputs[flat] == outputs[source]
+
+
+@pytest.mark.parametrize(
+    ("family", "vl_arch"), [("qwen3", "qwen3vl"), ("qwen2", "qwen2vl"), ("qwen3_moe", "qwen3vlmoe")]
+)
+def test_a_qwen_vl_gguf_is_its_text_model(family, vl_arch, tmp_path):
+    """llama.cpp's qwen3vl / qwen2vl / qwen3vlmoe GGUF (a Qwen-VL text model, its vision part in
+    an mmproj file) is Qwen3's / Qwen2's / Qwen3-MoE's tensors with rotary sections: read as that
+    family, with the plain file's tokens."""
+    from tests.fixtures.tiny_gguf import write_gguf
+    from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model
+    from tokenbus.loader import load_arch, resolve_model
+
+    hf_dir = cached_tiny_model(family, **(TINY_QWEN3_MOE if family == "qwen3_moe" else {}))
+    paths = [write_gguf(hf_dir, tmp_path / "plain.gguf")]
+    paths.append(write_gguf(hf_dir, tmp_path / f"{vl_arch}.gguf", gguf_arch=vl_arch))
+    assert load_arch(resolve_model(str(paths[1]))).architecture == family
+    prompts = random_prompts(3, 5, 40, seed=65)
+    outputs = []
+    for path in paths:
+        llm = make_llm(path, **ENGINE)
+        outputs.append([out.token_ids for out in greedy_outputs(llm, prompts, MAX_TOKENS)])
+        assert_engine_clean(llm)
+    assert outputs[0] == outputs[1]

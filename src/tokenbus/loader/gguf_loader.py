@@ -85,10 +85,15 @@ from tokenbus.model_arch import ModelArch
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
     import torch  # metadata through this module, and its start-up is shorter without torch
 
+# The Qwen-VL text models llama.cpp writes (their vision part in an mmproj file): Qwen2's,
+# Qwen3's and Qwen3-MoE's layers with a multimodal rotary, which turns a text token by its
+# position alone (every section the same position) and so is theirs for text.
+_QWEN_VL_TEXT_GGUF = {"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_moe"}
 # general.architecture values we load
 GGUF_ARCHITECTURES = (
     *("llama", "qwen2", "qwen3", "smollm3", "granite", "granitemoe", "olmo2", "phi3"),
     *("qwen3moe", "qwen2moe", "olmoe", GPT_OSS_GGUF_ARCHITECTURE),
+    *_QWEN_VL_TEXT_GGUF,
     *ERNIE_GGUF_ARCHITECTURES,
     "glm4",
     "seed_oss",
@@ -299,6 +304,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         GLM4_MOE_GGUF: "glm4_moe",
         MINIMAX_M2_GGUF: "minimax_m2",
         COHERE_GGUF: "cohere",
+        **_QWEN_VL_TEXT_GGUF,
         **dict(zip(QWEN3_5_GGUF_ARCHITECTURES, QWEN3_5_ARCHITECTURES, strict=True)),
         **ERNIE_GGUF_ARCHITECTURES,
     }
@@ -318,7 +324,8 @@ def _moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     meta = gf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count", 0))
     own_width = (
-        *("qwen3moe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE, "lfm2moe"),
+        *("qwen3moe", "qwen3vlmoe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE),
+        "lfm2moe",
         *("qwen35moe", "qwen3next", GLM4_MOE_GGUF, MINIMAX_M2_GGUF),
     )
     if not num_experts:

@@ -96,6 +96,11 @@ HF_MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    # the Qwen-VL text models: Qwen2's and Qwen3's layers, whose multimodal rotary (MRoPE) turns
+    # a text token by its position alone, as theirs does
+    "qwen2_vl_text": "qwen2",
+    "qwen2_5_vl_text": "qwen2",
+    "qwen3_vl_text": "qwen3",
 }
 # Image-and-text checkpoints whose text model is served: its `text_config`, and its weights
 # under `language_model` (the vision tower and the projector are left unread). model_type ->
@@ -105,7 +110,13 @@ MULTIMODAL_MODEL_TYPES = {
     "mistral3": "Mistral3ForConditionalGeneration",  # Mistral Small 3.1 / 3.2
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # Qwen3.5 0.8B-27B
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # Qwen3.5 35B-A3B, 122B-A10B, ...
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",  # Qwen2-VL 2B, 7B
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",  # Qwen2.5-VL 3B, 7B, 32B, 72B
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",  # Qwen3-VL 2B, 4B, 8B, 32B
 }
+# Image-and-text checkpoints whose released config.json is flat (the text model's fields at the
+# top, beside vision_config): transformers builds their text_config from those fields.
+_FLAT_MULTIMODAL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # A multimodal checkpoint's text weights, by prefix: transformers' original layout and its
 # newer one (model.language_model), and the LM head of each.
 _TEXT_WEIGHT_PREFIXES = (
@@ -113,6 +124,9 @@ _TEXT_WEIGHT_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
     ("lm_head.", "lm_head."),
+    # Qwen2-VL's and Qwen2.5-VL's released files: the text model's own names at the top,
+    # beside visual.*
+    *((f"model.{part}", f"model.{part}") for part in ("layers.", "embed_tokens.", "norm.")),
 )
 # Rope types we pass on to the model (model/layers/rotary.py ROPE_TYPES; a test keeps them in sync).
 HF_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -151,6 +165,8 @@ def text_config(config: dict[str, Any], path: Path) -> dict[str, Any]:
     if not is_multimodal(config):
         return config
     text = config.get("text_config")
+    if text is None and config["model_type"] in _FLAT_MULTIMODAL_MODEL_TYPES:
+        text = _flat_text_config(config, path)
     if not isinstance(text, dict) or not text.get("model_type"):
         name = MULTIMODAL_MODEL_TYPES[config["model_type"]]
         raise ValueError(
@@ -170,6 +186,17 @@ def text_config(config: dict[str, Any], path: Path) -> dict[str, Any]:
         if key in config:
             filled[key] = config[key]
     return filled
+
+
+def _flat_text_config(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The text_config transformers builds from a flat image-and-text config.json."""
+    from transformers import AutoConfig  # lazy: only image-and-text checkpoints need it
+
+    fields = {key: value for key, value in config.items() if key != "model_type"}
+    try:
+        return AutoConfig.for_model(config["model_type"], **fields).get_text_config().to_dict()
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {config['model_type']}: {exc}") from None
 
 
 def glm4_norm_names(
