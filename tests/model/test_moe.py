@@ -22,6 +22,23 @@ from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.model.parallel import TensorParallel
 
 
+def _load_hf_block(ours: SparseMoeBlock, hf, family: str, named: dict) -> None:
+    """HF's MoE block's weights into ours: `named` (its router's and the rest but the experts,
+    under our names) and each expert's halves of HF's stacked gate_up_proj and its down_proj;
+    our loaders take exactly those names."""
+    inter = hf.experts.gate_up_proj.shape[1] // 2
+    named = dict(named)
+    for e in range(hf.experts.gate_up_proj.shape[0]):
+        gate_up, down = hf.experts.gate_up_proj[e], hf.experts.down_proj[e]
+        named[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[:inter]
+        named[f"mlp.experts.{e}.up_proj.weight"] = gate_up[inter:]
+        named[f"mlp.experts.{e}.down_proj.weight"] = down
+    loaders = ours.weight_loaders("mlp.", family)
+    assert set(loaders) == set(named)
+    for name, tensor in named.items():
+        loaders[name](name, tensor.detach())
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_block_matches_hf_sparse_moe_block(norm_topk_prob):
     """Our routing (softmax, top k, optional renormalisation) and grouped expert step equal
@@ -43,17 +60,7 @@ def test_block_matches_hf_sparse_moe_block(norm_topk_prob):
         load_arch(resolve_model(str(hf_dir))), num_experts_per_tok=3, norm_topk_prob=norm_topk_prob
     )
     ours = SparseMoeBlock(arch)
-    inter = config.moe_intermediate_size
-    named = {"mlp.gate.weight": hf.gate.weight}
-    for e in range(8):
-        gate_up, down = hf.experts.gate_up_proj[e], hf.experts.down_proj[e]
-        named[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[:inter]
-        named[f"mlp.experts.{e}.up_proj.weight"] = gate_up[inter:]
-        named[f"mlp.experts.{e}.down_proj.weight"] = down
-    loaders = ours.weight_loaders("mlp.", "qwen3_moe")
-    assert set(loaders) == set(named)
-    for name, tensor in named.items():
-        loaders[name](name, tensor.detach())
+    _load_hf_block(ours, hf, "qwen3_moe", {"mlp.gate.weight": hf.gate.weight})
     x = torch.randn(37, 64)
     with torch.no_grad():
         want = hf(x.unsqueeze(0))[0]
@@ -224,15 +231,7 @@ def test_sigmoid_routing_matches_hf_lfm2_moe_block(bias, norm_topk_prob, scale):
     named = {"mlp.gate.weight": hf.gate.weight}
     if bias:
         named[f"mlp.{SELECTION_BIAS_NAME}"] = hf.expert_bias
-    for e in range(8):
-        gate_up, down = hf.experts.gate_up_proj[e], hf.experts.down_proj[e]
-        named[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[:32]
-        named[f"mlp.experts.{e}.up_proj.weight"] = gate_up[32:]
-        named[f"mlp.experts.{e}.down_proj.weight"] = down
-    loaders = ours.weight_loaders("mlp.", "lfm2_moe")
-    assert set(loaders) == set(named)
-    for name, tensor in named.items():
-        loaders[name](name, tensor.detach())
+    _load_hf_block(ours, hf, "lfm2_moe", named)
     x = torch.randn(37, 64)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(x.unsqueeze(0))[0], atol=1e-5, rtol=1e-5)
@@ -287,15 +286,7 @@ def test_grouped_sigmoid_routing_matches_hf_glm4_moe_block(groups, kept):
         "mlp.gate.e_score_correction_bias": hf.gate.e_score_correction_bias,
         **{f"mlp.shared_experts.{n}": w for n, w in hf.shared_experts.named_parameters()},
     }
-    for e in range(16):
-        gate_up, down = hf.experts.gate_up_proj[e], hf.experts.down_proj[e]
-        named[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[:32]
-        named[f"mlp.experts.{e}.up_proj.weight"] = gate_up[32:]
-        named[f"mlp.experts.{e}.down_proj.weight"] = down
-    loaders = ours.weight_loaders("mlp.", "glm4_moe")
-    assert set(loaders) == set(named)
-    for name, tensor in named.items():
-        loaders[name](name, tensor.detach())
+    _load_hf_block(ours, hf, "glm4_moe", named)
     x = torch.randn(37, 64)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(x.unsqueeze(0))[0], atol=1e-5, rtol=1e-5)
