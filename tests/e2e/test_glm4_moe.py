@@ -123,3 +123,26 @@ def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):
     one C call, routing included, with the dequantized file's tokens up to near ties."""
     path = write_gguf(hf_dir, tmp_path / "glm4moe-q8_0.gguf", "Q8_0")
     assert_c_layers_match_dequantized(path, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_solar_open_is_glm_4_5s_moe_under_llamas_attention(kind, tmp_path):
+    """Solar Open (SolarOpenForCausalLM): GLM-4.5's MoE in every layer, attention without
+    biases or q/k norms turning the whole head; llama.cpp writes it as glm4moe."""
+    from tokenbus.loader import load_arch, resolve_model
+
+    hf_dir = cached_tiny_model("solar_open")
+    prompts = prompts_with_a_shared_prefix(47)
+    hf = load_hf(str(hf_dir))
+    reference = [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "solar.gguf")
+    arch = load_arch(resolve_model(str(path)))
+    assert arch.architecture == ("solar_open" if kind == "safetensors" else "glm4_moe")
+    assert (arch.dense_layers, arch.rotary_dim, arch.attn_qk_norm, arch.attention_bias) == (
+        (),
+        None,
+        False,
+        False,
+    )
+    assert (arch.moe_scoring, arch.shared_expert_intermediate_size) == ("sigmoid", 32)
+    assert_family_matches_hf(path, prompts, reference, MAX_TOKENS)

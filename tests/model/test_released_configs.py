@@ -55,6 +55,22 @@ GLM_4_5 = {
     "routed_scaling_factor": 2.5,
     "use_qk_norm": True,
 }
+# Solar Open (102B-A12B): GLM-4.5's MoE in every layer under Llama's attention; no dense width
+SOLAR_OPEN = {
+    "architectures": ["SolarOpenForCausalLM"],
+    "model_type": "solar_open",
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "moe_intermediate_size": 1280,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 8,
+    "rope_theta": 1000000.0,
+    "vocab_size": 196608,
+}
 MINIMAX_M2 = {
     "architectures": ["MiniMaxM2ForCausalLM"],
     "model_type": "minimax_m2",
@@ -191,3 +207,10 @@ def test_afm_4_5b():
     arch = arch_from_hf_config(AFM_4_5B, PATH)
     assert (arch.architecture, arch.hidden_act, arch.head_dim) == ("arcee", "relu2", 128)
     assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_scaling["factor"] == 20.0
+
+
+def test_solar_open():
+    arch = arch_from_hf_config(SOLAR_OPEN, PATH)
+    assert (arch.architecture, arch.dense_layers, arch.rotary_dim) == ("solar_open", (), None)
+    assert (arch.intermediate_size, arch.shared_expert_intermediate_size) == (1280, 1280)
+    assert (arch.num_experts, arch.moe_scoring, arch.attn_qk_norm) == (128, "sigmoid", False)

@@ -16,6 +16,9 @@ gguf_loader join these ModelArch fields to the rest.
   model's layers: model.layers.46.* in GLM-4.5-Air) are not read, as transformers leaves them.
   llama.cpp's converter counts them in block_count and says how many in nextn_predict_layers;
   their blocks are skipped too.
+- Solar Open (SolarOpenForCausalLM, Upstage's 102B-A12B) is GLM-4.5's MoE in every layer under
+  Llama's attention (no biases, no q/k norms, the whole head turning), without MTP layers or a
+  dense width; llama.cpp writes it as glm4moe.
 - A glm4moe GGUF: expert_shared_count experts' width for the shared MLP, expert_weights_scale
   and expert_weights_norm (off where absent, as llama.cpp reads it), expert_gating_func 2
   (sigmoid; absent means the same to llama.cpp), the router's bias as exp_probs_b; the groups
@@ -35,27 +38,33 @@ _GGUF_SIGMOID = 2
 # DeepSeek-V3's router keeps the renormalising sum off 0 by this much (Glm4MoeTopkRouter)
 _NORM_EPS = 1e-20
 _ROUTER = dict(moe_scoring="sigmoid", moe_norm_eps=_NORM_EPS)
+_CLASSES = {False: "Glm4MoeForCausalLM", True: "SolarOpenForCausalLM"}
 
 
-def glm4_moe_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """ModelArch fields of a Glm4MoeForCausalLM config beyond the shared ones."""
+def glm4_moe_hf_fields(config: dict[str, Any], path: Path, solar: bool = False) -> dict[str, Any]:
+    """ModelArch fields of a Glm4MoeForCausalLM config (`solar`: a SolarOpenForCausalLM one)
+    beyond the shared ones."""
     for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
         if not config.get(key):
-            raise ValueError(f"{path}: a Glm4MoeForCausalLM config needs {key!r}")
+            raise ValueError(f"{path}: a {_CLASSES[solar]} config needs {key!r}")
     num_layers = int(config["num_hidden_layers"])
     width = int(config["moe_intermediate_size"])
+    shared = width * int(config.get("n_shared_experts") or 0)
+    dense = 0 if solar else int(config.get("first_k_dense_replace", 1))
     return dict(
+        # Solar Open has no dense MLP: the shared expert's width stands in (Qwen3.5-MoE's way)
+        intermediate_size=int(config.get("intermediate_size") or shared or width),
         num_experts=int(config["n_routed_experts"]),
         num_experts_per_tok=int(config["num_experts_per_tok"]),
         moe_intermediate_size=width,
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        dense_layers=tuple(range(min(int(config.get("first_k_dense_replace", 1)), num_layers))),
-        shared_expert_intermediate_size=width * int(config.get("n_shared_experts") or 0),
+        dense_layers=tuple(range(min(dense, num_layers))),
+        shared_expert_intermediate_size=shared,
         shared_expert_gated=False,
         moe_selection_bias=True,  # e_score_correction_bias: in every checkpoint
         moe_groups=int(config.get("n_group") or 1),
         moe_topk_groups=int(config.get("topk_group") or 1),
-        attn_qk_norm=bool(config.get("use_qk_norm", False)),
+        attn_qk_norm=not solar and bool(config.get("use_qk_norm", False)),
         **_ROUTER,
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
     )
@@ -76,7 +85,12 @@ def glm4_moe_gguf_fields(
     nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))
     if not 0 <= nextn < blocks:
         raise ValueError(f"{path}: {arch}.nextn_predict_layers {nextn} of {blocks} blocks")
+    fields: dict[str, Any] = {}
+    if f"{arch}.feed_forward_length" not in meta:  # Solar Open's: no dense MLP
+        width = int(meta.get(f"{arch}.expert_feed_forward_length", 0))
+        fields["intermediate_size"] = width * int(meta.get(f"{arch}.expert_shared_count", 1) or 1)
     return dict(
+        **fields,
         num_hidden_layers=int(blocks) - nextn,
         attn_qk_norm="blk.0.attn_q_norm.weight" in tensors,
         **_ROUTER,

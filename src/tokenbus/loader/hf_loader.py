@@ -69,6 +69,7 @@ HF_ARCHITECTURES = {
     "SeedOssForCausalLM": "seed_oss",  # Seed-OSS: Llama's layers, q/k/v biases
     "ArceeForCausalLM": "arcee",  # AFM-4.5B: Llama's layers, ReLU² MLPs without a gate
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
+    "SolarOpenForCausalLM": "solar_open",  # GLM-4.5's MoE under Llama's attention
     "MiniMaxM2ForCausalLM": "minimax_m2",  # OLMo 2's q/k norms, sigmoid-routed experts
     "CohereForCausalLM": "cohere",  # Command R, Aya 23, Aya Expanse: Cohere2's block, global
     "Cohere2ForCausalLM": "cohere2",
@@ -279,6 +280,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if architecture == "glm4_moe":  # half of each head turns unless the config says otherwise
         rope_config = {"partial_rotary_factor": 0.5, **config}
         family = glm4_moe_hf_fields(config, path)
+    if architecture == "solar_open":
+        family = glm4_moe_hf_fields(config, path, solar=True)
     if architecture == "minimax_m2":
         rope_config = minimax_m2_partial_rotary(config)
         family = minimax_m2_hf_fields(config, path)

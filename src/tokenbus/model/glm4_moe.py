@@ -8,6 +8,9 @@ layers.
   (within the best groups where `n_group` > 1), weighed by the scores renormalised and scaled
   by `routed_scaling_factor`; an ungated shared MLP (`shared_experts`) added to every token.
 - The multi-token-prediction layers after the model's are not read (loader/glm4_moe_config.py).
+
+Solar Open (SolarOpenForCausalLM) is served here too: every layer GLM-4.5's MoE, its attention
+without biases or q/k norms, the whole head turning (its config says so; the class is the same).
 """
 
 from __future__ import annotations

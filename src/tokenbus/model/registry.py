@@ -76,6 +76,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "seed_oss": LlamaForCausalLM,
     "arcee": ArceeForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "solar_open": Glm4MoeForCausalLM,  # its layers are GLM-4.5's without the extras
     "minimax_m2": MiniMaxM2ForCausalLM,
     "cohere": Cohere2ForCausalLM,  # Cohere2's block, every layer global with a rotary
     "cohere2": Cohere2ForCausalLM,
@@ -93,6 +94,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "SeedOssForCausalLM": LlamaForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "SolarOpenForCausalLM": Glm4MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "CohereForCausalLM": Cohere2ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
