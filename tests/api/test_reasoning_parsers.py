@@ -223,7 +223,7 @@ def test_reasoning_tokens_counted(think_tokenizer):
 def test_unknown_parser_names_the_choices():
     with pytest.raises(
         ValueError,
-        match=r"reasoning_parser: unknown parser 'r2'.*deepseek_r1, openai_gptoss, qwen3",
+        match=r"reasoning_parser: unknown parser 'r2'.*deepseek_r1, glm45, openai_gptoss, qwen3",
     ):
         make_reasoning_parser("r2", CharTokenizer())
 
