@@ -73,7 +73,7 @@ def glm4_moe_hf_fields(config: dict[str, Any], path: Path, solar: bool = False) 
 def glm4_moe_gguf_fields(
     meta: dict[str, Any], tensors: dict[str, Any], path: Path
 ) -> dict[str, Any]:
-    """ModelArch fields of a glm4moe GGUF beyond the shared MoE ones (gguf_loader._moe_fields):
+    """ModelArch fields of a glm4moe GGUF beyond the shared MoE ones (gguf_moe_fields.py):
     its layers without the multi-token-prediction blocks, its router, its q/k norms."""
     arch = GLM4_MOE_GGUF
     gating = meta.get(f"{arch}.expert_gating_func", _GGUF_SIGMOID)

@@ -33,6 +33,7 @@ from tokenbus.loader.layer_kinds import (
 )
 from tokenbus.loader.lfm2_config import lfm2_hf_fields, lfm2_moe_hf_fields
 from tokenbus.loader.minimax_m2_config import minimax_m2_hf_fields, minimax_m2_partial_rotary
+from tokenbus.loader.multimodal_config import text_config
 from tokenbus.loader.nemotron_h_config import nemotron_h_hf_fields, nemotron_h_kinds
 from tokenbus.loader.qwen3_5_config import qwen3_5_hf_fields, qwen3_5_moe_hf_fields
 from tokenbus.model_arch import ModelArch
@@ -103,32 +104,6 @@ HF_MODEL_TYPES = {
     "qwen2_5_vl_text": "qwen2",
     "qwen3_vl_text": "qwen3",
 }
-# Image-and-text checkpoints whose text model is served: its `text_config`, and its weights
-# under `language_model` (the vision tower and the projector are left unread). model_type ->
-# the HF class that names it.
-MULTIMODAL_MODEL_TYPES = {
-    "gemma3": "Gemma3ForConditionalGeneration",  # Gemma 3 4B, 12B, 27B
-    "mistral3": "Mistral3ForConditionalGeneration",  # Mistral Small 3.1 / 3.2
-    "qwen3_5": "Qwen3_5ForConditionalGeneration",  # Qwen3.5 0.8B-27B
-    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # Qwen3.5 35B-A3B, 122B-A10B, ...
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",  # Qwen2-VL 2B, 7B
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",  # Qwen2.5-VL 3B, 7B, 32B, 72B
-    "qwen3_vl": "Qwen3VLForConditionalGeneration",  # Qwen3-VL 2B, 4B, 8B, 32B
-}
-# Image-and-text checkpoints whose released config.json is flat (the text model's fields at the
-# top, beside vision_config): transformers builds their text_config from those fields.
-_FLAT_MULTIMODAL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-# A multimodal checkpoint's text weights, by prefix: transformers' original layout and its
-# newer one (model.language_model), and the LM head of each.
-_TEXT_WEIGHT_PREFIXES = (
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.language_model.", "model."),
-    ("lm_head.", "lm_head."),
-    # Qwen2-VL's and Qwen2.5-VL's released files: the text model's own names at the top,
-    # beside visual.*
-    *((f"model.{part}", f"model.{part}") for part in ("layers.", "embed_tokens.", "norm.")),
-)
 # Rope types we pass on to the model (model/layers/rotary.py ROPE_TYPES; a test keeps them in sync).
 HF_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ROPE_REQUIRED_KEYS = {
@@ -154,52 +129,6 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def is_multimodal(config: dict[str, Any]) -> bool:
-    """An image-and-text checkpoint whose text model is served (MULTIMODAL_MODEL_TYPES)."""
-    return config.get("model_type") in MULTIMODAL_MODEL_TYPES
-
-
-def text_config(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The text model's config: config.json itself, or an image-and-text checkpoint's
-    `text_config`, filled with its config class's defaults as transformers fills them (the
-    released files leave most fields to those)."""
-    if not is_multimodal(config):
-        return config
-    text = config.get("text_config")
-    if text is None and config["model_type"] in _FLAT_MULTIMODAL_MODEL_TYPES:
-        text = _flat_text_config(config, path)
-    if not isinstance(text, dict) or not text.get("model_type"):
-        name = MULTIMODAL_MODEL_TYPES[config["model_type"]]
-        raise ValueError(
-            f"{path}: model_type {config['model_type']!r}: {name} needs its text_config "
-            "(with its model_type): its text model is served"
-        )
-    from transformers import AutoConfig  # lazy: only image-and-text checkpoints need it
-
-    try:
-        fields = {key: value for key, value in text.items() if key != "model_type"}
-        filled = AutoConfig.for_model(text["model_type"], **fields).to_dict()
-    except ValueError as exc:  # a text model_type transformers does not know
-        raise ValueError(f"{path}: text_config: {exc}") from None
-    # the checkpoint's own: its quantization, and whether its LM head is the embedding (the
-    # outer model ties them, as transformers does, where the outer config says)
-    for key in ("quantization_config", "tie_word_embeddings"):
-        if key in config:
-            filled[key] = config[key]
-    return filled
-
-
-def _flat_text_config(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The text_config transformers builds from a flat image-and-text config.json."""
-    from transformers import AutoConfig  # lazy: only image-and-text checkpoints need it
-
-    fields = {key: value for key, value in config.items() if key != "model_type"}
-    try:
-        return AutoConfig.for_model(config["model_type"], **fields).get_text_config().to_dict()
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path}: {config['model_type']}: {exc}") from None
-
-
 def glm4_norm_names(
     weights: Iterator[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -210,18 +139,6 @@ def glm4_norm_names(
         if norm in _GLM4_NORMS:
             name = f"{prefix}.{_GLM4_NORMS[norm]}.{leaf}"
         yield name, tensor
-
-
-def text_model_weights(
-    weights: Iterator[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """An image-and-text checkpoint's text weights under the text model's own names; the vision
-    tower's and the projector's are skipped."""
-    for name, tensor in weights:
-        for prefix, ours in _TEXT_WEIGHT_PREFIXES:
-            if name.startswith(prefix):
-                yield ours + name.removeprefix(prefix), tensor
-                break
 
 
 def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:

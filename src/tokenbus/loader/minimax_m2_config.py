@@ -52,7 +52,7 @@ def minimax_m2_partial_rotary(config: dict[str, Any]) -> dict[str, Any]:
 
 def minimax_m2_gguf_fields(meta: dict[str, Any], path: Path) -> dict[str, Any]:
     """ModelArch fields of a minimax-m2 GGUF beyond the shared MoE ones (its experts' width,
-    bias and renormalising: gguf_loader._moe_fields)."""
+    bias and renormalising: gguf_moe_fields.py)."""
     gating = meta.get(f"{MINIMAX_M2_GGUF}.expert_gating_func", 2)
     if gating != 2:
         raise ValueError(

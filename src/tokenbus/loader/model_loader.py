@@ -17,13 +17,12 @@ from tokenbus.loader.hf_loader import (
     INTERLEAVED_ROTARY_ARCHITECTURES,
     arch_from_hf_config,
     glm4_norm_names,
-    is_multimodal,
     iter_safetensors,
     read_json,
     safetensors_files,
-    text_model_weights,
 )
 from tokenbus.loader.lfm2_config import lfm2_names
+from tokenbus.loader.multimodal_config import is_multimodal, text_model_weights
 from tokenbus.loader.mxfp4 import gpt_oss_experts
 from tokenbus.loader.qk_rows import unpermute_qk
 from tokenbus.loader.qwen3_5_config import QWEN3_5_ARCHITECTURES
