@@ -404,6 +404,44 @@ def test_gguf_tokenizer_is_converted_once_and_cached(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "tokenizers").iterdir()) == [entry]  # nothing left behind
 
 
+def test_the_tokenizer_cache_keeps_the_most_recently_used_conversions(tmp_path, monkeypatch):
+    """Each GGUF written anew (a new path or mtime) is a new entry: the cache keeps the most
+    recently used ones, a hit counting as a use, and converts a pruned one again."""
+    import tokenbus.loader.tokenizer as tokenizer_module
+
+    conversions = []
+
+    class Converted:
+        def save_pretrained(self, directory):
+            (Path(directory) / "tokenizer_config.json").write_text(json.dumps({}))
+
+    def from_pretrained(directory, gguf_file):
+        if gguf_file is not None:  # a conversion; else a cached entry loading
+            conversions.append(gguf_file)
+        return Converted()
+
+    monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_module, "_from_pretrained", from_pretrained)
+    monkeypatch.setattr(tokenizer_module, "TOKENIZER_CACHE_ENTRIES", 2)
+    files = {}
+    for name in "abc":
+        files[name] = tmp_path / f"{name}.gguf"
+        files[name].write_bytes(b"")
+
+    def load(name):
+        tokenizer_module._from_gguf_cached(files[name])
+
+    def cached():
+        return sorted(entry.name[0] for entry in (tmp_path / "cache" / "tokenizers").iterdir())
+
+    load("a"), load("b"), load("a")  # the second "a" is a hit, and the most recent use
+    assert conversions == ["a.gguf", "b.gguf"] and cached() == ["a", "b"]
+    load("c")  # "b" is the least recently used
+    assert conversions[-1] == "c.gguf" and cached() == ["a", "c"]
+    load("b")  # converted again
+    assert conversions == ["a.gguf", "b.gguf", "c.gguf", "b.gguf"] and cached() == ["b", "c"]
+
+
 def _windowed_config(model_type: str, **fields) -> dict:
     base = dict(
         model_type=model_type,

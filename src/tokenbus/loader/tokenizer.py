@@ -55,9 +55,12 @@ def _from_gguf_cached(path: Path):
     cached = cache_dir() / "tokenizers" / f"{path.stem}-{key}"
     if cached.exists():
         try:
-            return _from_cache_entry(cached)
+            tokenizer = _from_cache_entry(cached)
         except Exception:  # noqa: BLE001 - a damaged entry, whatever the error: convert again
             shutil.rmtree(cached, ignore_errors=True)
+        else:
+            _touch(cached)
+            return tokenizer
     tokenizer = _from_pretrained(path.parent, path.name)
     tmp = None
     try:  # save to a private dir, then rename: a concurrent start never reads half a tokenizer
@@ -68,7 +71,41 @@ def _from_gguf_cached(path: Path):
     except OSError:  # that, or an unwritable cache (then the next start converts again)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    _keep_most_recent(cached.parent, TOKENIZER_CACHE_ENTRIES)
     return tokenizer
+
+
+# Conversions the cache keeps, the most recently used. An entry is keyed by its file's path and
+# mtime, so a GGUF written again and again (quantizing, test fixtures) leaves one behind each
+# time (a few MB for a 49k vocabulary): without a bound the cache only grows.
+TOKENIZER_CACHE_ENTRIES = 16
+
+
+def _touch(entry: Path) -> None:
+    """Mark an entry used now (its mtime orders _keep_most_recent), where the cache is writable."""
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+
+
+def _keep_most_recent(directory: Path, keep: int) -> None:
+    """Remove all but the `keep` most recently used entries (a private dir another start is
+    still saving into is among the newest)."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    entries.sort(key=_mtime_ns, reverse=True)
+    for entry in entries[keep:]:
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _mtime_ns(entry: Path) -> int:
+    try:
+        return entry.stat().st_mtime_ns
+    except OSError:  # removed meanwhile by another start
+        return 0
 
 
 # The classes AutoTokenizer resolves a tokenizer_config.json naming them to, as themselves.
