@@ -116,6 +116,17 @@ class ModelArch:
     # q and k RMSNormed per head before the rotary where the config says so (GLM-4.5's
     # use_qk_norm); a family that always has them (Qwen3) says so in its model class
     attn_qk_norm: bool = False
+    # Multi-head latent attention (model/mla.py: DeepSeek-V2's and its heirs'), where
+    # kv_lora_rank is set: the queries through a rank-q_lora_rank bottleneck (0: one q_proj),
+    # keys and values from one latent of kv_lora_rank values a token, each query/key head
+    # qk_nope_head_dim unturned dims then rotary_dim turned ones, each value head v_head_dim.
+    # The cache holds the latent and the turned shared key: head_dim is kv_lora_rank +
+    # rotary_dim, in one KV head. Its rotary turns adjacent pairs (GPT-J's layout) or halves.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_rope_interleaved: bool = True
     # Layers that are an MLP alone, with neither attention nor a state (Nemotron-H's "-"
     # blocks: model/nemotron_h.py); (): none
     mlp_only_layers: tuple[int, ...] = ()

@@ -4,6 +4,7 @@ tiny test models transformers 5 writes in its own layout (tests/e2e/) read the o
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,106 @@ def test_solar_open():
     assert (arch.architecture, arch.dense_layers, arch.rotary_dim) == ("solar_open", (), None)
     assert (arch.intermediate_size, arch.shared_expert_intermediate_size) == (1280, 1280)
     assert (arch.num_experts, arch.moe_scoring, arch.attn_qk_norm) == (128, "sigmoid", False)
+
+
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "v_head_dim": 128,
+    "vocab_size": 102400,
+}
+# DeepSeek-V3 (671B-A37B) as a bf16 conversion (the released files hold FP8 blocks: refused)
+DEEPSEEK_V3 = {
+    **DEEPSEEK_V2_LITE,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "first_k_dense_replace": 3,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "rope_scaling": {**DEEPSEEK_V2_LITE["rope_scaling"], "mscale": 1.0, "mscale_all_dim": 1.0},
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "vocab_size": 129280,
+}
+
+
+def test_deepseek_v2_lite():
+    """Latent attention without a query bottleneck, YaRN x40 whose mscale_all_dim scales the
+    softmax; 64 experts by softmax, 6 a token, not renormalised, a shared MLP two wide."""
+    from tokenbus.model.mla import softmax_scale
+
+    arch = arch_from_hf_config(DEEPSEEK_V2_LITE, PATH)
+    assert (arch.architecture, arch.num_key_value_heads, arch.head_dim) == ("deepseek_v2", 1, 576)
+    assert (arch.q_lora_rank, arch.kv_lora_rank, arch.rotary_dim) == (0, 512, 64)
+    assert (arch.qk_nope_head_dim, arch.v_head_dim, arch.mla_rope_interleaved) == (128, 128, True)
+    assert arch.kv_bytes_per_token == 2 * 27 * 576  # one latent a token and layer (K and V)
+    mscale = 0.1 * 0.707 * math.log(40) + 1
+    assert softmax_scale(arch) == pytest.approx(192**-0.5 * mscale**2)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.dense_layers) == (64, 6, (0,))
+    assert (arch.moe_scoring, arch.norm_topk_prob, arch.shared_expert_intermediate_size) == (
+        "softmax",
+        False,
+        2816,
+    )
+
+
+def test_deepseek_v3():
+    arch = arch_from_hf_config(DEEPSEEK_V3, PATH)
+    assert (arch.architecture, arch.q_lora_rank, arch.head_dim) == ("deepseek_v3", 1536, 576)
+    assert (arch.num_hidden_layers, arch.dense_layers) == (61, (0, 1, 2))
+    routing = (arch.moe_scoring, arch.moe_selection_bias, arch.moe_groups, arch.moe_topk_groups)
+    assert routing == ("sigmoid", True, 8, 4)
+    assert (arch.norm_topk_prob, arch.routed_scaling_factor) == (True, 2.5)
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
+        arch_from_hf_config({**DEEPSEEK_V3, "quantization_config": fp8}, PATH)

@@ -45,6 +45,13 @@ from tokenbus.loader.cohere2_config import (
     COHERE_GGUF_ARCHITECTURES,
     cohere2_gguf_fields,
 )
+from tokenbus.loader.deepseek_config import (
+    DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_GGUF,
+    deepseek_gguf_fields,
+    deepseek_gguf_yarn,
+    joined_kv_b,
+)
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
@@ -101,6 +108,7 @@ GGUF_ARCHITECTURES = (
     "arcee",
     GLM4_MOE_GGUF,
     MINIMAX_M2_GGUF,
+    DEEPSEEK_GGUF,
     "mistral3",
     *COHERE_GGUF_ARCHITECTURES,
     "exaone4",
@@ -126,12 +134,12 @@ _PERMUTED_QK_ARCHITECTURES = (
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
 _PARTIAL_ROTARY_ARCHITECTURES = (
-    *("phi3", "glm4", GLM4_MOE_GGUF, MINIMAX_M2_GGUF),
+    *("phi3", "glm4", GLM4_MOE_GGUF, MINIMAX_M2_GGUF, DEEPSEEK_GGUF),
     *QWEN3_5_GGUF_ARCHITECTURES,
 )
 # Architectures whose block_count counts multi-token-prediction blocks after the model's: those
 # blocks are not served (ModelArch.num_hidden_layers excludes them)
-_MTP_BLOCK_ARCHITECTURES = (*QWEN3_5_ARCHITECTURES, "glm4_moe")
+_MTP_BLOCK_ARCHITECTURES = (*QWEN3_5_ARCHITECTURES, "glm4_moe", *DEEPSEEK_ARCHITECTURES)
 # llama.cpp's MoE names: experts stacked per layer ([E, rows, cols]), split here into HF's
 # per-expert names (quantized experts stay blocks: each expert's rows are contiguous).
 # (convert_hf_to_gguf's --fuse-gate-up-exps writes gate and up as one ffn_gate_up_exps [E, 2I,
@@ -258,13 +266,16 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family.update(glm4_moe_gguf_fields(meta, gf.tensors, gf.path))
     if arch == MINIMAX_M2_GGUF:
         family.update(minimax_m2_gguf_fields(meta, gf.path))
+    if arch == DEEPSEEK_GGUF:
+        family.update(deepseek_gguf_fields(meta, gf.tensors, gf.path))
+        rope_scaling = deepseek_gguf_yarn(rope_scaling, meta)
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
     # qwen35's and glm4moe's block_count count their multi-token-prediction blocks too
     num_layers = family.pop("num_hidden_layers", None) or need("block_count")
     moe = gguf_moe_fields(gf, arch, num_layers)
     return ModelArch(
-        architecture=_our_architecture(arch, moe, bool(window)),
+        architecture=family.pop("architecture", None) or _our_architecture(arch, moe, bool(window)),
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden_size,
         intermediate_size=width,
@@ -283,7 +294,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in gf.tensors,
-        attention_bias="blk.0.attn_q.bias" in gf.tensors,
+        attention_bias=family.pop("attention_bias", "blk.0.attn_q.bias" in gf.tensors),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(gf),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
@@ -434,6 +445,13 @@ def iter_gguf_weights(
         if info.name in _ROPE_TENSORS:
             continue
         parts = info.name.split(".")
+        if parts[2:3] == ["attn_v_b"]:
+            continue  # joined with its attn_k_b
+        if parts[2:3] == ["attn_k_b"]:  # llama.cpp's split of kv_b_proj, joined back
+            v_b = gf.tensors[info.name.replace("attn_k_b", "attn_v_b")]
+            kv_b = joined_kv_b(_dequantize(gf, info), _dequantize(gf, v_b))
+            yield hf_weight_name(gf, info.name), torch.from_numpy(kv_b)
+            continue
         if arch.architecture in _MTP_BLOCK_ARCHITECTURES and parts[0] == "blk":
             if int(parts[1]) >= arch.num_hidden_layers:
                 continue  # a multi-token-prediction block after the model's: not served
@@ -497,6 +515,7 @@ _HF_EXPERT_NAMES = {
     "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
+    **{name: ("mlp", ("gate_proj", "up_proj", "down_proj")) for name in DEEPSEEK_ARCHITECTURES},
 }
 
 

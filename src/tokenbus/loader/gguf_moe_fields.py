@@ -4,11 +4,16 @@ router's renormalising, selection bias and groups."""
 
 from __future__ import annotations
 
+from tokenbus.loader.deepseek_config import DEEPSEEK_GGUF
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
 from tokenbus.loader.mamba_config import GRANITE_HYBRID_GGUF
 from tokenbus.loader.minimax_m2_config import MINIMAX_M2_GGUF
+
+# Architectures whose router renormalises only where expert_weights_norm says (and whose
+# shared MLP is ungated)
+_NORM_WHERE_TOLD = (GLM4_MOE_GGUF, DEEPSEEK_GGUF)
 
 
 def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
@@ -22,7 +27,7 @@ def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     own_width = (
         *("qwen3moe", "qwen3vlmoe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE),
         "lfm2moe",
-        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF, MINIMAX_M2_GGUF),
+        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF, MINIMAX_M2_GGUF, DEEPSEEK_GGUF),
     )
     if not num_experts:
         if arch in (*own_width, "olmoe", "granitemoe"):
@@ -34,12 +39,13 @@ def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
         shared = shared or int(meta.get(f"{arch}.feed_forward_length", 0))
     if arch in (GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next"):  # Granite 4.0-H's ungated
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
-    if arch == GLM4_MOE_GGUF:  # expert_shared_count experts' width (llama.cpp's n_ff_shexp)
+    if arch in (GLM4_MOE_GGUF, DEEPSEEK_GGUF):  # expert_shared_count experts' width (n_ff_shexp)
         width = int(meta.get(f"{arch}.expert_feed_forward_length", 0))
         shared = width * int(meta.get(f"{arch}.expert_shared_count", 0))
     shexp = (
         *("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next"),
         GLM4_MOE_GGUF,
+        DEEPSEEK_GGUF,
     )
     for name, info in gf.tensors.items():
         if "_shexp" in name and arch not in shexp:
@@ -57,14 +63,14 @@ def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
         moe_intermediate_size=int(meta[f"{arch}.{width_key}"]),
         # llama.cpp renormalises Mixtral's and Qwen3-MoE's top k unless told otherwise, and
         # never OLMoE's or Qwen2-MoE's (their graphs pass no weight norm, as their configs');
-        # GLM-4.5's only where told
+        # GLM-4.5's and DeepSeek's only where told
         norm_topk_prob=arch not in ("olmoe", "qwen2moe")
-        and bool(meta.get(f"{arch}.expert_weights_norm", arch != GLM4_MOE_GGUF)),
+        and bool(meta.get(f"{arch}.expert_weights_norm", arch not in _NORM_WHERE_TOLD)),
         dense_layers=tuple(
             i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gf.tensors
         ),
         shared_expert_intermediate_size=shared,
-        shared_expert_gated=arch not in ("ernie4_5-moe", GRANITE_HYBRID_GGUF, GLM4_MOE_GGUF),
+        shared_expert_gated=arch not in ("ernie4_5-moe", GRANITE_HYBRID_GGUF, *_NORM_WHERE_TOLD),
         moe_selection_bias=any(name.endswith(".exp_probs_b.bias") for name in gf.tensors),
         # DeepSeek-V3's group limit, where the converter wrote the config's n_group / topk_group
         # (llama.cpp's graph applies it to any architecture)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from tokenbus.loader.cohere2_config import COHERE2_PATTERN
+from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES, deepseek_hf_fields
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, check_ernie, ernie_hf_moe_fields
 from tokenbus.loader.gemma_config import (
     GEMMA_ARCHITECTURES,
@@ -72,6 +73,9 @@ HF_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
     "SolarOpenForCausalLM": "solar_open",  # GLM-4.5's MoE under Llama's attention
     "MiniMaxM2ForCausalLM": "minimax_m2",  # OLMo 2's q/k norms, sigmoid-routed experts
+    "DeepseekV2ForCausalLM": "deepseek_v2",  # latent attention, softmax-routed experts
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # V2's attention, GLM-4.5's router
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's layers
     "CohereForCausalLM": "cohere",  # Command R, Aya 23, Aya Expanse: Cohere2's block, global
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
@@ -202,6 +206,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if architecture == "minimax_m2":
         rope_config = minimax_m2_partial_rotary(config)
         family = minimax_m2_hf_fields(config, path)
+    if architecture in DEEPSEEK_ARCHITECTURES:
+        family = deepseek_hf_fields(config, path, architecture)
     if architecture == "granitemoehybrid":  # its Mamba2 layers, where it has some
         family = granite_hybrid_hf_fields(config, path)
     if architecture == "nemotron_h":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, without_mtp
 from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.gguf_loader import (
@@ -63,7 +64,7 @@ def iter_weights(
             weights = without_mtp(weights)
         if arch.architecture in QWEN3_5_ARCHITECTURES:
             weights = qwen3_5_without_mtp(weights)
-        if arch.architecture == "glm4_moe":
+        if arch.architecture in ("glm4_moe", *DEEPSEEK_ARCHITECTURES):
             weights = without_mtp_layers(weights, arch.num_hidden_layers)
         if arch.architecture in INTERLEAVED_ROTARY_ARCHITECTURES:
             return _rotary_pairs_as_halves(weights, arch)

@@ -67,6 +67,7 @@ EXPERT_NAMES = {
     "qwen3_next": ("gate_proj", "up_proj", "down_proj"),
     "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
     "minimax_m2": ("w1", "w3", "w2"),
+    "deepseek": ("gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -78,6 +79,7 @@ SHARED_EXPERT_NAMES = {
     "ernie4_5_moe": ("shared_experts", None),
     "granitemoehybrid": ("shared_experts", None),  # Granite 4.0-H's shared_mlp
     "glm4_moe": ("shared_experts", None),
+    "deepseek": ("shared_experts", None),
 }
 # How a router's logits become probabilities (ModelArch.moe_scoring)
 MOE_SCORINGS = ("softmax", "sigmoid")
@@ -87,6 +89,7 @@ SELECTION_BIAS_NAME = "moe_statics.e_score_correction_bias"
 SELECTION_BIAS_NAMES = {
     "glm4_moe": "gate.e_score_correction_bias",
     "minimax_m2": "e_score_correction_bias",
+    "deepseek": "gate.e_score_correction_bias",  # DeepSeek-V3's
 }
 
 

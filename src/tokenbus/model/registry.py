@@ -6,6 +6,7 @@ from torch import nn
 
 from tokenbus.model.arcee import ArceeForCausalLM
 from tokenbus.model.cohere2 import Cohere2ForCausalLM
+from tokenbus.model.deepseek import DeepseekForCausalLM
 from tokenbus.model.ernie import Ernie45MoeForCausalLM
 from tokenbus.model.exaone4 import Exaone4ForCausalLM
 from tokenbus.model.gemma import GemmaForCausalLM
@@ -78,6 +79,9 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "solar_open": Glm4MoeForCausalLM,  # its layers are GLM-4.5's without the extras
     "minimax_m2": MiniMaxM2ForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,  # V2's attention, GLM-4.5's router
+    "glm4_moe_lite": DeepseekForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's layers
     "cohere": Cohere2ForCausalLM,  # Cohere2's block, every layer global with a rotary
     "cohere2": Cohere2ForCausalLM,
     "exaone4": Exaone4ForCausalLM,
@@ -96,6 +100,9 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "SolarOpenForCausalLM": Glm4MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
     "CohereForCausalLM": Cohere2ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,

@@ -72,8 +72,9 @@ def layer_loaders(
 ) -> dict[str, WeightLoader]:
     """HF names of one decoder layer (`prefix` = "model.layers.N.") -> loaders: separate
     q/k/v and gate/up tensors into the fused linears, this rank's slice of each. A layer whose
-    mlp is not a GatedMLP (a sparse MoE block), or without attention (a short convolution:
-    model/short_conv.py), gets those names from its family."""
+    mlp is not a GatedMLP (a sparse MoE block), or whose mixer is not decoder.Attention (a
+    short convolution: model/short_conv.py; latent attention: model/mla.py), gets those names
+    from its family."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = [
         (name, getattr(layer, name))
@@ -85,7 +86,7 @@ def layer_loaders(
     }
     cut = TensorSlicer(tp, arch)
     fused = _mlp_shards(mlp, cut, tp)
-    if attn is not None:
+    if isinstance(attn, Attention):  # another attention (model/mla.py) names its own
         fused += _attention_shards(prefix, attn, cut, tp, arch, loaders)
     for linear, scope, shards in fused:
         for shard, (name, weight_slice, bias_slice) in enumerate(shards):
