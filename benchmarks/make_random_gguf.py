@@ -8,8 +8,9 @@ Configs (CONFIGS in random_gguf_shapes.py, most with a comment giving the real m
 converter writes them), Qwen2.5 (q/k/v biases; 896 wide, so K-quant recipes fall back to other
 types for some tensors, as in the real files), SmolLM3, Qwen3-MoE, Gemma 1/2/3, OLMo 2, OLMoE,
 GraniteMoE, gpt-oss, Qwen1.5-MoE, ERNIE 4.5 MoE, LFM2 and LFM2-MoE, Granite 4.0-H, Qwen3.5 and
-Qwen3.5-MoE, GLM-4.5, MiniMax-M2. Tensor names and metadata are llama.cpp's; matrices are F16,
-norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02), norms 1.
+Qwen3.5-MoE, GLM-4.5, MiniMax-M2, DeepSeek-V2. Tensor names and metadata are llama.cpp's;
+matrices are F16, norms and biases F32 (llama.cpp's converter's types), weights N(0, 0.02),
+norms 1.
 
 The tokenizer and chat template are the packaged SmolLM2 GGUF's, its vocabulary padded up to
 the model's with `[PAD<i>]` tokens of type UNUSED (as llama.cpp's converter pads a vocabulary
@@ -44,6 +45,7 @@ from gguf.constants import TokenType
 
 from random_gguf_shapes import (  # benchmarks/ is sys.path[0] when run as a script
     CONFIGS,
+    DEEPSEEK2,
     ERNIE_MOE,
     GEMMA,
     GLM4_MOE,
@@ -121,6 +123,11 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
             yield b + "ffn_norm.weight", (h,), "norm"
             yield from _ffn(b, i, shape, h, post_norms)
             continue
+        if shape.kv_lora_rank:
+            yield from _latent_attention(b, shape)
+            yield b + "ffn_norm.weight", (h,), "norm"
+            yield from _ffn(b, i, shape, h, post_norms)
+            continue
         for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
             yield b + name + ".weight", (rows, h), "matrix"
             if shape.qkv_bias:
@@ -189,6 +196,25 @@ def _gated_attn(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...
     yield b + "attn_output.weight", (shape.hidden, q), "matrix"
 
 
+def _latent_attention(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """DeepseekV2Model's attention tensors: the queries (through a bottleneck where q_lora_rank
+    is set), the latent and the shared turned key, kv_b_proj split per head into attn_k_b
+    [H, c, nope] and attn_v_b [H, v, c], the output."""
+    h, heads, c = shape.hidden, shape.heads, shape.kv_lora_rank
+    q = heads * (shape.qk_nope_dim + shape.qk_rope_dim)
+    if shape.q_lora_rank:
+        yield b + "attn_q_a.weight", (shape.q_lora_rank, h), "matrix"
+        yield b + "attn_q_a_norm.weight", (shape.q_lora_rank,), "norm"
+        yield b + "attn_q_b.weight", (q, shape.q_lora_rank), "matrix"
+    else:
+        yield b + "attn_q.weight", (q, h), "matrix"
+    yield b + "attn_kv_a_mqa.weight", (c + shape.qk_rope_dim, h), "matrix"
+    yield b + "attn_kv_a_norm.weight", (c,), "norm"
+    yield b + "attn_k_b.weight", (heads, c, shape.qk_nope_dim), "matrix"
+    yield b + "attn_v_b.weight", (heads, shape.v_head_dim, c), "matrix"
+    yield b + "attn_output.weight", (h, heads * shape.v_head_dim), "matrix"
+
+
 def _ffn(
     b: str, i: int, shape: ModelShape, h: int, post_norms: bool
 ) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -214,7 +240,7 @@ def _moe(b: str, shape: ModelShape, h: int) -> Iterator[tuple[str, tuple[int, ..
             yield b + f"ffn_{name}_exps.bias", (e, rows), "bias"
     if shape.shared_intermediate:  # llama.cpp's qwen2moe: the gate a [hidden] vector
         s = shape.shared_intermediate
-        if shape.architecture not in (ERNIE_MOE, GLM4_MOE):  # their shared MLP has no gate
+        if shape.architecture not in (ERNIE_MOE, GLM4_MOE, DEEPSEEK2):  # ungated shared MLPs
             yield b + "ffn_gate_inp_shexp.weight", (h,), "bias"
         yield b + "ffn_gate_shexp.weight", (s, h), "matrix"
         yield b + "ffn_up_shexp.weight", (s, h), "matrix"
@@ -291,15 +317,15 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     turning = {**dict.fromkeys(QWEN35_ARCHS, 4), GLM4_MOE: 2, MINIMAX_M2: 2}.get(
         shape.architecture, 1
     )
-    writer.add_rope_dimension_count(shape.head_dim // turning)
+    writer.add_rope_dimension_count(shape.qk_rope_dim or shape.head_dim // turning)
     if shape.head_dim_override:
         writer.add_key_length(shape.head_dim)
-        writer.add_value_length(shape.head_dim)
+        writer.add_value_length(shape.kv_lora_rank or shape.head_dim)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
-    if shape.shared_intermediate and shape.architecture != GLM4_MOE:
+    if shape.shared_intermediate and shape.architecture not in (GLM4_MOE, DEEPSEEK2):
         writer.add_expert_shared_feed_forward_length(shape.shared_intermediate)
     if shape.architecture in QWEN35_ARCHS:  # llama.cpp's Qwen3_5TextModel
         writer.add_ssm_conv_kernel(shape.conv_kernel)
@@ -320,6 +346,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         writer.add_expert_weights_scale(1.0)
         writer.add_expert_weights_norm(True)
+    if shape.architecture == DEEPSEEK2:  # llama.cpp's DeepseekV2Model (V2's softmax router)
+        _write_latent_attention_header(writer, shape)
     if shape.architecture == ERNIE_MOE:  # llama.cpp's Ernie4_5MoeModel
         writer.add_leading_dense_block_count(shape.dense_lead)
         writer.add_interleave_moe_layer_step(1)
@@ -340,6 +368,20 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_quantization_version(2)
     copy_tokenizer(writer, tokenizer, shape.vocab)
+
+
+def _write_latent_attention_header(writer: GGUFWriter, shape: ModelShape) -> None:
+    """DeepseekV2Model.set_gguf_parameters' keys beyond the shared ones (a V2 router)."""
+    writer.add_key_length_mla(shape.qk_nope_dim + shape.qk_rope_dim)
+    writer.add_value_length_mla(shape.v_head_dim)
+    if shape.q_lora_rank:
+        writer.add_q_lora_rank(shape.q_lora_rank)
+    writer.add_kv_lora_rank(shape.kv_lora_rank)
+    writer.add_leading_dense_block_count(shape.dense_lead)
+    writer.add_expert_shared_count(shape.shared_intermediate // shape.expert_intermediate)
+    writer.add_expert_weights_scale(1.0)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
+    writer.add_rope_scaling_yarn_log_mul(0.1 * 0.707)  # 0.1 x mscale_all_dim
 
 
 def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:

@@ -25,6 +25,9 @@ GLM4_MOE = "glm4moe"
 # MiniMax-M2: q/k norms over the whole projection, half of each head turning, every MLP experts
 # chosen by sigmoid score + bias (exp_probs_b), no shared expert
 MINIMAX_M2 = "minimax-m2"
+# DeepSeek-V2/V3: latent attention (attn_q or attn_q_a/_norm/_b, attn_kv_a_mqa, attn_kv_a_norm,
+# attn_k_b, attn_v_b), leading dense layers, then experts beside an ungated shared MLP
+DEEPSEEK2 = "deepseek2"
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,14 @@ class ModelShape:
     delta_k_heads: int = 0
     delta_v_heads: int = 0
     delta_dim: int = 0
+    # Latent attention (deepseek2): the latent's and the queries' ranks (0: attn_q), each head's
+    # unturned and turned dims, its value's; head_dim_override is the cache's kv_lora_rank +
+    # qk_rope_head_dim and kv_heads 1, as the converter writes them
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -221,6 +232,16 @@ CONFIGS = {
     "minimax-m2-8l-32e": ModelShape(
         MINIMAX_M2, 3072, 8, 48, 8, 1536, 200064, 5000000.0, 196608, 1e-6, False, qk_norm=True,
         experts=32, experts_used=8, expert_intermediate=1536, head_dim_override=128,
+    ),
+    # DeepSeek-V2-Lite: 2048 wide, 27 layers of 16 query heads over a latent of 512 (heads of
+    # 128 + 64 turned, values of 128; no query bottleneck), YaRN x40 over 4096 (mscale 0.707),
+    # the first layer dense (10944), then 64 experts of 1408 (6 a token, softmax) and a shared
+    # MLP two experts wide; a 102k vocabulary, untied: 15.7 B parameters. Its first 8 layers.
+    "deepseek-v2-lite-8l": ModelShape(
+        DEEPSEEK2, 2048, 8, 16, 1, 10944, 102400, 10000.0, 163840, 1e-6, False,
+        experts=64, experts_used=6, expert_intermediate=1408, shared_intermediate=2816,
+        dense_lead=1, head_dim_override=576, yarn=(40.0, 4096), kv_lora_rank=512,
+        qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
     ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,

@@ -164,6 +164,9 @@ def test_the_real_configs_have_the_published_sizes():
     # GLM-4.5-Air: 106.9 B parameters over its 46 layers (without its MTP layer)
     full = dataclasses.replace(make_random_gguf.CONFIGS["glm-4.5-air-4l"], layers=46)
     assert 106.8e9 < _num_params(full) < 106.9e9
+    # DeepSeek-V2-Lite: 15.7 B parameters over its 27 layers
+    full = dataclasses.replace(make_random_gguf.CONFIGS["deepseek-v2-lite-8l"], layers=27)
+    assert 15.7e9 < _num_params(full) < 15.71e9
 
 
 def test_lfm2_is_written_as_llama_cpps(tmp_path):
@@ -413,3 +416,41 @@ def test_minimax_m2_is_written_as_llama_cpps(tmp_path):
     assert (arch.moe_scoring, arch.moe_selection_bias, arch.num_experts) == ("sigmoid", True, 4)
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     assert model.layers[0].self_attn.q_norm.weight.shape == (4 * 32,)
+
+
+def test_deepseek_v2_is_written_as_llama_cpps(tmp_path):
+    """Latent attention (one KV head of the latent and the turned key, kv_b_proj split per head
+    into attn_k_b and attn_v_b), YaRN with its log multiplier, a dense first layer, then
+    softmax-routed experts beside an ungated shared MLP: read back by the loader and loaded
+    whole by the engine."""
+    shape = dataclasses.replace(
+        small("deepseek-v2-lite-8l"),
+        layers=3,
+        kv_heads=1,
+        head_dim_override=64 + 32,
+        kv_lora_rank=64,
+        qk_nope_dim=32,
+        qk_rope_dim=32,
+        v_head_dim=32,
+        experts=4,
+        experts_used=2,
+        expert_intermediate=64,
+        shared_intermediate=128,
+    )
+    path = make_random_gguf.write_random_gguf("ds", tmp_path / "d.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.dense_layers, arch.num_key_value_heads) == (
+        "deepseek_v2",
+        (0,),
+        1,
+    )
+    assert (arch.head_dim, arch.rotary_dim, arch.kv_lora_rank, arch.v_head_dim) == (96, 32, 64, 32)
+    assert (arch.moe_scoring, arch.norm_topk_prob, arch.shared_expert_intermediate_size) == (
+        "softmax",
+        False,
+        128,
+    )
+    assert arch.rope_scaling["mscale_all_dim"] == pytest.approx(0.707)
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[1].self_attn.w_uk.shape == (4, 32, 64)
