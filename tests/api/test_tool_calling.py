@@ -147,6 +147,46 @@ ASK = [{"role": "user", "content": "Weather?"}]
             '<minimax:tool_call><invoke name="f">junk</invoke></minimax:tool_call>',
             [],
         ),
+        # DeepSeek-V3's: a call's type, then its name and fenced JSON; V3.1's name and bare
+        # JSON (either parser reads both); anything else in the section: content
+        (
+            "deepseek_v3",
+            "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+            'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>'
+            "function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "Let me check.",
+            [("get_weather", {"city": "Paris"}), ("get_time", {})],
+        ),
+        (
+            "deepseek_v31",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+            '{"city": "Oslo", "days": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+            None,
+            [("get_weather", {"city": "Oslo", "days": 2})],
+        ),
+        (
+            "deepseek_v3",
+            "<｜tool▁calls▁begin｜>junk<｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁begin｜>junk<｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+            [],
+        ),
+        (  # Kimi K2's: functions.NAME:INDEX, then its JSON; bad JSON: content
+            "kimi_k2",
+            "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|><|tool_call_begin|>'
+            "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+            "<|tool_calls_section_end|>",
+            "Sure.",
+            [("get_weather", {"city": "Rome"}), ("get_time", {})],
+        ),
+        (
+            "kimi_k2",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+            "<|tool_call_argument_begin|>{bad<|tool_call_end|>",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+            "<|tool_call_argument_begin|>{bad<|tool_call_end|>",
+            [],
+        ),
         (  # not a name, or text where a key should be: content
             "glm45",
             "<tool_call>two words</tool_call>",
@@ -207,6 +247,10 @@ CALL_SCRIPTS = {
     "</parameter>\n</invoke>\n</minimax:tool_call>",
     "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
     "</tool_call>",
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
 }
 
 

@@ -10,6 +10,12 @@
                  (GLM-4.5, GLM-4.6, GLM-4.7: glm47 too, whose name runs on into the first key)
     minimax_m2   <minimax:tool_call><invoke name="get_weather">
                  <parameter name="city">Paris</parameter></invoke></minimax:tool_call> (MiniMax-M2)
+    deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+                 ```json {…} ```<｜tool▁call▁end｜><｜tool▁calls▁end｜> (DeepSeek-V3, R1-0528;
+                 deepseek_v31 too, and V3.1's form:
+                 <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{…}<｜tool▁call▁end｜>)
+    kimi_k2      <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
+                 <|tool_call_argument_begin|>{…}<|tool_call_end|><|tool_calls_section_end|>
     openai       gpt-oss's harmony messages addressed to a function:
                  <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{…}
                  (with --reasoning-parser openai_gptoss, as vLLM pairs them)
@@ -303,6 +309,66 @@ class MiniMaxM2Parser(TaggedCallsParser):
         return calls
 
 
+class DeepSeekV3Parser(TaggedCallsParser):
+    """DeepSeek-V3's calls (R1-0528's too): in a <｜tool▁calls▁begin｜> section, each call
+    <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME, a fenced JSON block of its arguments, then
+    <｜tool▁call▁end｜>; V3.1's write NAME<｜tool▁sep｜>ARGUMENTS, the JSON bare. Either form is
+    read. Anything else in the section leaves the output as content."""
+
+    name, marker = "deepseek_v3", "<｜tool▁calls▁begin｜>"
+    needs_special_tokens = True  # the markers are added tokens of DeepSeek's vocabulary
+    _BLOCK = re.compile(r"<｜tool▁calls▁begin｜>(.*?)(?:<｜tool▁calls▁end｜>|$)", re.DOTALL)
+    _CALL = re.compile(
+        r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.DOTALL
+    )
+    _FENCED = re.compile(r"([^\s`]+)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+
+    def _block_calls(self, body: str) -> list[ParsedCall] | None:
+        if self._CALL.sub("", body).strip():
+            return None
+        calls = []
+        for head, rest in self._CALL.findall(body):
+            fenced = self._FENCED.fullmatch(rest) if head.strip() == "function" else None
+            name, arguments = fenced.groups() if fenced else (head.strip(), rest)
+            call = _call_from_json({"name": name, "arguments": arguments.strip()})
+            if call is None or len(name.split()) != 1:
+                return None
+            calls.append(call)
+        return calls
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    name = "deepseek_v31"  # vLLM's name for V3.1's form (the same parser here)
+
+
+class KimiK2Parser(TaggedCallsParser):
+    """Kimi K2's calls: in a <|tool_calls_section_begin|> section, each call
+    <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS (JSON)
+    <|tool_call_end|>. Anything else in the section leaves the output as content."""
+
+    name, marker = "kimi_k2", "<|tool_calls_section_begin|>"
+    needs_special_tokens = True
+    _BLOCK = re.compile(
+        r"<\|tool_calls_section_begin\|>(.*?)(?:<\|tool_calls_section_end\|>|$)", re.DOTALL
+    )
+    _CALL = re.compile(
+        r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.-]+):\d+\s*"
+        r"<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)",
+        re.DOTALL,
+    )
+
+    def _block_calls(self, body: str) -> list[ParsedCall] | None:
+        if self._CALL.sub("", body).strip():
+            return None
+        calls = []
+        for name, arguments in self._CALL.findall(body):
+            call = _call_from_json({"name": name, "arguments": arguments.strip()})
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+
 def _json_or_text(text: str) -> object:
     """A call's argument written as its template writes them: JSON unless it is a string."""
     try:
@@ -316,6 +382,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     for cls in (
         *(HermesParser, Llama3JsonParser, MistralParser, PythonicParser, HarmonyParser),
         *(Glm45Parser, Glm47Parser, MiniMaxM2Parser),
+        *(DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser),
     )
 }
 
