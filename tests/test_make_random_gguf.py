@@ -164,8 +164,8 @@ def test_the_real_configs_have_the_published_sizes():
     # GLM-4.5-Air: 106.9 B parameters over its 46 layers (without its MTP layer)
     full = dataclasses.replace(make_random_gguf.CONFIGS["glm-4.5-air-4l"], layers=46)
     assert 106.8e9 < _num_params(full) < 106.9e9
-    # DeepSeek-V2-Lite: 15.7 B parameters over its 27 layers
-    full = dataclasses.replace(make_random_gguf.CONFIGS["deepseek-v2-lite-8l"], layers=27)
+    # DeepSeek-V2-Lite: 15.7 B parameters over its 27 layers of 64 experts
+    full = dataclasses.replace(make_random_gguf.CONFIGS["deepseek-v2-lite-16e"], experts=64)
     assert 15.7e9 < _num_params(full) < 15.71e9
 
 
@@ -424,7 +424,7 @@ def test_deepseek_v2_is_written_as_llama_cpps(tmp_path):
     softmax-routed experts beside an ungated shared MLP: read back by the loader and loaded
     whole by the engine."""
     shape = dataclasses.replace(
-        small("deepseek-v2-lite-8l"),
+        small("deepseek-v2-lite-16e"),
         layers=3,
         kv_heads=1,
         head_dim_override=64 + 32,
