@@ -6,9 +6,11 @@ score + a bias (V3: within the best 2 of 4 groups), and a shared MLP. From safet
 GGUFs written as llama.cpp's deepseek2 converter writes them (kv_b_proj split in two), they give
 HF's greedy tokens and logprobs through prefix-cache hits and 32-token chunks, on both attention
 backends, on two tensor-parallel ranks, and on Q8_0 blocks; the cache holds one latent a token,
-and V3's multi-token-prediction layer is not read."""
+and the multi-token-prediction layers are not read."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -23,7 +25,7 @@ from tests.e2e.oracle import (
 )
 from tests.e2e.utils import assert_engine_clean, make_llm
 from tests.fixtures.tiny_gguf import write_gguf
-from tests.fixtures.tiny_models import cached_tiny_model
+from tests.fixtures.tiny_models import cached_tiny_model, with_an_mtp_layer
 
 MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32")
@@ -108,39 +110,36 @@ def test_q8_0_blocks_give_the_dequantized_files_tokens(hf_dir, prompts, tmp_path
     assert_blocks_match_dequantized(path, prompts[:4], MAX_TOKENS)
 
 
-def test_the_multi_token_prediction_layer_is_not_read(prompts, tmp_path):
-    """DeepSeek-V3's checkpoints carry an MTP layer after the model's (model.layers.L.*): left
-    unread, as transformers leaves it."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+def test_the_multi_token_prediction_layer_is_not_read(name, prompts, tmp_path):
+    """DeepSeek-V3's and GLM-4.7-Flash's checkpoints carry an MTP layer after the model's
+    (model.layers.L.*): left unread, as transformers leaves it; from GLM-4.7-Flash's GGUF too,
+    whose converter counts it in block_count and says so in nextn_predict_layers."""
     from tokenbus.loader import iter_weights, load_arch, resolve_model
 
-    hf_dir = cached_tiny_model("deepseek_v3")
+    hf_dir = cached_tiny_model(name)
     hf = load_hf(str(hf_dir))
     reference = [hf_greedy_logprobs(hf, prompt, MAX_TOKENS)[0] for prompt in prompts[:4]]
-    model = shutil.copytree(hf_dir, tmp_path / "mtp")
-    weights = load_file(str(model / "model.safetensors"))
-    for name in [n for n in weights if n.startswith("model.layers.2.")]:
-        weights[name.replace(".layers.2.", ".layers.3.")] = weights[name].clone()
-    hidden = weights["model.norm.weight"]
-    weights["model.layers.3.eh_proj.weight"] = hidden.new_zeros(64, 128)
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        weights[f"model.layers.3.{name}.weight"] = hidden.clone()
-    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
-    src = resolve_model(str(model))
-    names = {name for name, _ in iter_weights(src, load_arch(src))}
-    assert names and not any(name.startswith("model.layers.3.") for name in names)
-    llm = make_llm(model, **ENGINE)
-    outputs = greedy_outputs(llm, prompts[:4], MAX_TOKENS)
-    assert [out.token_ids for out in outputs] == reference
-    assert_engine_clean(llm)
+    model = with_an_mtp_layer(hf_dir, tmp_path / "mtp")
+    paths = [model]
+    if name == "glm4_moe_lite":
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+        paths.append(write_gguf(model, tmp_path / "mtp.gguf"))
+    for path in paths:
+        src = resolve_model(str(path))
+        arch = load_arch(src)
+        names = {name for name, _ in iter_weights(src, arch)}
+        assert arch.num_hidden_layers == 3 and names
+        assert not any(name.startswith("model.layers.3.") for name in names)
+        llm = make_llm(path, **ENGINE)
+        outputs = greedy_outputs(llm, prompts[:4], MAX_TOKENS)
+        assert [out.token_ids for out in outputs] == reference
+        assert_engine_clean(llm)
 
 
 def test_unsupported_routing_is_refused_by_name(tmp_path):
     """DeepSeek-V2's group_limited_greedy (each group scored by its best expert) is refused."""
-    import json
     import shutil
 
     from tokenbus.loader import load_arch, resolve_model

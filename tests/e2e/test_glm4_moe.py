@@ -22,7 +22,7 @@ from tests.e2e.oracle import (
 )
 from tests.e2e.utils import assert_engine_clean, make_llm
 from tests.fixtures.tiny_gguf import write_gguf
-from tests.fixtures.tiny_models import cached_tiny_model
+from tests.fixtures.tiny_models import cached_tiny_model, with_an_mtp_layer
 
 MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32")
@@ -88,23 +88,11 @@ def test_the_multi_token_prediction_layer_is_not_read(hf_dir, prompts, hf_refere
     """The released checkpoints carry an MTP layer after the model's (model.layers.L.*: a
     decoder layer with eh_proj, enorm, hnorm, shared_head.norm): left unread from safetensors,
     and from the GGUF the converter writes of it (block_count L + 1, nextn_predict_layers 1)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from tokenbus.loader import iter_weights, load_arch, resolve_model
 
     if grouped(hf_dir):
         pytest.skip("the released shape only")
-    model = shutil.copytree(hf_dir, tmp_path / "mtp")
-    weights = load_file(str(model / "model.safetensors"))
-    for name in [n for n in weights if n.startswith("model.layers.2.")]:
-        weights[name.replace(".layers.2.", ".layers.3.")] = weights[name].clone()
-    hidden = weights["model.norm.weight"]
-    weights["model.layers.3.eh_proj.weight"] = hidden.new_zeros(64, 128)
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        weights[f"model.layers.3.{name}.weight"] = hidden.clone()
-    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    model = with_an_mtp_layer(hf_dir, tmp_path / "mtp")
     gguf_path = write_gguf(model, tmp_path / "mtp.gguf")
     for path in (model, gguf_path):
         src = resolve_model(str(path))

@@ -445,6 +445,9 @@ def iter_gguf_weights(
         if info.name in _ROPE_TENSORS:
             continue
         parts = info.name.split(".")
+        if arch.architecture in _MTP_BLOCK_ARCHITECTURES and parts[0] == "blk":
+            if int(parts[1]) >= arch.num_hidden_layers:
+                continue  # a multi-token-prediction block after the model's: not served
         if parts[2:3] == ["attn_v_b"]:
             continue  # joined with its attn_k_b
         if parts[2:3] == ["attn_k_b"]:  # llama.cpp's split of kv_b_proj, joined back
@@ -452,9 +455,6 @@ def iter_gguf_weights(
             kv_b = joined_kv_b(_dequantize(gf, info), _dequantize(gf, v_b))
             yield hf_weight_name(gf, info.name), torch.from_numpy(kv_b)
             continue
-        if arch.architecture in _MTP_BLOCK_ARCHITECTURES and parts[0] == "blk":
-            if int(parts[1]) >= arch.num_hidden_layers:
-                continue  # a multi-token-prediction block after the model's: not served
         if parts[2:3] and parts[2] in _EXPERT_NAMES:
             yield from _expert_weights(gf, info, arch, keep_quantized)
             continue
