@@ -318,3 +318,36 @@ def test_deepseek_v3():
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     with pytest.raises(ValueError, match="quant_method 'fp8'"):
         arch_from_hf_config({**DEEPSEEK_V3, "quantization_config": fp8}, PATH)
+
+
+# MiniCPM3-4B (MiniCPM3Config's defaults are its values)
+MINICPM3_4B = {
+    "architectures": ["MiniCPM3ForCausalLM"],
+    "model_type": "minicpm3",
+    "hidden_size": 2560,
+    "intermediate_size": 6400,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 40,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-05,
+    "vocab_size": 73448,
+    "kv_lora_rank": 256,
+    "q_lora_rank": 768,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "scale_emb": 12,
+    "scale_depth": 1.4,
+    "dim_model_base": 256,
+}
+
+
+def test_minicpm3_4b():
+    """Latent attention (a cache of 256 + 32 a token and layer) with values of hidden / heads,
+    the rotary in halves; muP's scales as Granite's multipliers."""
+    arch = arch_from_hf_config(MINICPM3_4B, PATH)
+    assert (arch.architecture, arch.num_key_value_heads, arch.head_dim) == ("minicpm3", 1, 288)
+    assert (arch.q_lora_rank, arch.qk_nope_head_dim, arch.v_head_dim) == (768, 64, 64)
+    assert (arch.rotary_dim, arch.mla_rope_interleaved) == (32, False)
+    assert (arch.embedding_multiplier, arch.logits_scaling) == (12.0, 10.0)
+    assert arch.residual_multiplier == pytest.approx(1.4 / math.sqrt(62))

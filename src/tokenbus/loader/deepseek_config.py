@@ -33,13 +33,16 @@ DEEPSEEK_GGUF = "deepseek2"
 DEEPSEEK_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 # llama.cpp's deepseek2 tensor names (blk.N.<gguf>) as HF's under model.layers.N (attn_k_b and
 # attn_v_b, its split of kv_b_proj, are joined back at load: joined_kv_b)
-DEEPSEEK_GGUF_BLOCK_NAMES = {
+MLA_GGUF_BLOCK_NAMES = {  # the latent attention's (MiniCPM3's too)
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
     "attn_q_b": "self_attn.q_b_proj",
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
+}
+DEEPSEEK_GGUF_BLOCK_NAMES = {
+    **MLA_GGUF_BLOCK_NAMES,
     "attn_k_b": "self_attn.kv_b_proj",
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
@@ -90,7 +93,7 @@ def deepseek_hf_fields(config: dict[str, Any], path: Path, architecture: str) ->
         kv_lora_rank=int(config["kv_lora_rank"]),
         qk_nope_head_dim=int(config["qk_nope_head_dim"]),
         v_head_dim=int(config["v_head_dim"]),
-        **_latent_cache(int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])),
+        **latent_cache_fields(int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])),
         mla_rope_interleaved=v2 or bool(config.get("rope_interleave", True)),
         intermediate_size=int(config.get("intermediate_size") or width),
         num_experts=int(config["n_routed_experts"]),
@@ -164,6 +167,6 @@ def joined_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     return np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).reshape(-1, kv_lora_rank)
 
 
-def _latent_cache(kv_lora_rank: int, rope: int) -> dict[str, int]:
+def latent_cache_fields(kv_lora_rank: int, rope: int) -> dict[str, int]:
     """The cache's shape: one KV head of the latent and the shared turned key."""
     return dict(head_dim=kv_lora_rank + rope, num_key_value_heads=1, rotary_dim=rope)

@@ -80,6 +80,7 @@ from tokenbus.loader.mamba_config import (
     mamba_gguf_tensor,
     mamba_hybrid_gguf_fields,
 )
+from tokenbus.loader.minicpm3_config import MINICPM3_GGUF, minicpm3_gguf_fields
 from tokenbus.loader.minimax_m2_config import MINIMAX_M2_GGUF, minimax_m2_gguf_fields
 from tokenbus.loader.qk_rows import unpermute_qk
 from tokenbus.loader.qwen3_5_config import (
@@ -109,6 +110,7 @@ GGUF_ARCHITECTURES = (
     GLM4_MOE_GGUF,
     MINIMAX_M2_GGUF,
     DEEPSEEK_GGUF,
+    MINICPM3_GGUF,
     "mistral3",
     *COHERE_GGUF_ARCHITECTURES,
     "exaone4",
@@ -134,7 +136,7 @@ _PERMUTED_QK_ARCHITECTURES = (
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
 _PARTIAL_ROTARY_ARCHITECTURES = (
-    *("phi3", "glm4", GLM4_MOE_GGUF, MINIMAX_M2_GGUF, DEEPSEEK_GGUF),
+    *("phi3", "glm4", GLM4_MOE_GGUF, MINIMAX_M2_GGUF, DEEPSEEK_GGUF, MINICPM3_GGUF),
     *QWEN3_5_GGUF_ARCHITECTURES,
 )
 # Architectures whose block_count counts multi-token-prediction blocks after the model's: those
@@ -269,6 +271,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     if arch == DEEPSEEK_GGUF:
         family.update(deepseek_gguf_fields(meta, gf.tensors, gf.path))
         rope_scaling = deepseek_gguf_yarn(rope_scaling, meta)
+    if arch == MINICPM3_GGUF:  # the latent cache's shape in place of the heads'
+        family.update(minicpm3_gguf_fields(meta, gf.path))
+        head_dim, rotary_dim = family.pop("head_dim"), family.pop("rotary_dim")
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
     # qwen35's and glm4moe's block_count count their multi-token-prediction blocks too
@@ -403,9 +408,12 @@ def _longrope(gf: GGUFFile, arch: str, kind: str) -> dict:
             f"{gf.path}: LongRoPE needs both {' and '.join(_ROPE_FACTORS.values())} (and no "
             f"{_ROPE_FREQS}); found {', '.join(present)}"
         )
-    if key + "original_context_length" not in meta:
+    # MiniCPM3's converter writes none: llama.cpp's training context stands in
+    trained = meta[f"{arch}.context_length"] if arch == MINICPM3_GGUF else None
+    original = meta.get(key + "original_context_length", trained)
+    if original is None:
         raise ValueError(f"{gf.path}: LongRoPE needs {key}original_context_length")
-    original = int(meta[key + "original_context_length"])
+    original = int(original)
     scaling = {
         "rope_type": "longrope",
         "original_max_position_embeddings": original,

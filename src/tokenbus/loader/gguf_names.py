@@ -8,7 +8,11 @@ own.
 
 from __future__ import annotations
 
-from tokenbus.loader.deepseek_config import DEEPSEEK_GGUF, DEEPSEEK_GGUF_BLOCK_NAMES
+from tokenbus.loader.deepseek_config import (
+    DEEPSEEK_GGUF,
+    DEEPSEEK_GGUF_BLOCK_NAMES,
+    MLA_GGUF_BLOCK_NAMES,
+)
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF
@@ -24,6 +28,7 @@ from tokenbus.loader.mamba_config import (
     MAMBA_PARAMETER_NAMES,
     NEMOTRON_H_GGUF,
 )
+from tokenbus.loader.minicpm3_config import MINICPM3_GGUF
 from tokenbus.loader.minimax_m2_config import MINIMAX_M2_GGUF
 from tokenbus.loader.qwen3_5_config import (
     QWEN3_5_GGUF_ARCHITECTURES,
@@ -92,6 +97,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     # MiniMax-M2: its router's bias under the MoE block (mlp. here, block_sparse_moe. at load)
     MINIMAX_M2_GGUF: {"exp_probs_b": "mlp.e_score_correction_bias"},
     DEEPSEEK_GGUF: DEEPSEEK_GGUF_BLOCK_NAMES,  # latent attention, GLM-4.5's MoE
+    MINICPM3_GGUF: MLA_GGUF_BLOCK_NAMES,  # latent attention, a dense MLP
     # GLM-4.5: its pre-MLP norm by Gemma's post-attention name (as gpt-oss's), an ungated
     # shared MLP (as ERNIE's), the router's bias
     GLM4_MOE_GGUF: {

@@ -33,6 +33,7 @@ from tokenbus.loader.layer_kinds import (
     windows,
 )
 from tokenbus.loader.lfm2_config import lfm2_hf_fields, lfm2_moe_hf_fields
+from tokenbus.loader.minicpm3_config import minicpm3_hf_fields
 from tokenbus.loader.minimax_m2_config import minimax_m2_hf_fields, minimax_m2_partial_rotary
 from tokenbus.loader.multimodal_config import text_config
 from tokenbus.loader.nemotron_h_config import nemotron_h_hf_fields, nemotron_h_kinds
@@ -76,6 +77,7 @@ HF_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",  # latent attention, softmax-routed experts
     "DeepseekV3ForCausalLM": "deepseek_v3",  # V2's attention, GLM-4.5's router
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's layers
+    "MiniCPM3ForCausalLM": "minicpm3",  # latent attention, muP's scales
     "CohereForCausalLM": "cohere",  # Command R, Aya 23, Aya Expanse: Cohere2's block, global
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
@@ -208,6 +210,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = minimax_m2_hf_fields(config, path)
     if architecture in DEEPSEEK_ARCHITECTURES:
         family = deepseek_hf_fields(config, path, architecture)
+    if architecture == "minicpm3":
+        family = minicpm3_hf_fields(config, path)
     if architecture == "granitemoehybrid":  # its Mamba2 layers, where it has some
         family = granite_hybrid_hf_fields(config, path)
     if architecture == "nemotron_h":

@@ -12,7 +12,7 @@ sparse MoE blocks (model/moe.py) with an ungated shared MLP.
 
 from __future__ import annotations
 
-from tokenbus.model.mla import LatentAttention
+from tokenbus.model.mla import LatentAttention, latent_attention_loaders
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
 from tokenbus.model.weights import WeightLoader
@@ -27,7 +27,4 @@ class DeepseekForCausalLM(MoECausalLM):
         return LatentAttention(arch, tp)
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
-        loaders = super()._weight_loaders()
-        for idx, layer in enumerate(self.layers):
-            loaders.update(layer.self_attn.weight_loaders(f"model.layers.{idx}.self_attn."))
-        return loaders
+        return {**super()._weight_loaders(), **latent_attention_loaders(self.layers)}

@@ -186,6 +186,16 @@ class LatentAttention(OpsModule):
         copy_param(self.w_uv, name, mine[:, self.nope_dim :])
 
 
+def latent_attention_loaders(layers) -> dict[str, WeightLoader]:
+    """The HF-named loaders of every layer's LatentAttention (a family whose layers hold one
+    adds them to the rest: decoder layers name only decoder.Attention's)."""
+    loaders: dict[str, WeightLoader] = {}
+    for idx, layer in enumerate(layers):
+        if isinstance(layer.self_attn, LatentAttention):
+            loaders.update(layer.self_attn.weight_loaders(f"model.layers.{idx}.self_attn."))
+    return loaders
+
+
 def softmax_scale(arch: ModelArch) -> float:
     """(qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times YaRN's mscale(factor,
     mscale_all_dim) squared under a YaRN rotary that names mscale_all_dim (transformers'

@@ -20,6 +20,7 @@ from tokenbus.model.granite import (
 )
 from tokenbus.model.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
+from tokenbus.model.minicpm3 import MiniCPM3ForCausalLM
 from tokenbus.model.minimax_m2 import MiniMaxM2ForCausalLM
 from tokenbus.model.mixtral import MixtralForCausalLM
 from tokenbus.model.nemotron_h import NemotronHForCausalLM
@@ -82,6 +83,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,  # V2's attention, GLM-4.5's router
     "glm4_moe_lite": DeepseekForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's layers
+    "minicpm3": MiniCPM3ForCausalLM,
     "cohere": Cohere2ForCausalLM,  # Cohere2's block, every layer global with a rotary
     "cohere2": Cohere2ForCausalLM,
     "exaone4": Exaone4ForCausalLM,
@@ -103,6 +105,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
+    "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "CohereForCausalLM": Cohere2ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,

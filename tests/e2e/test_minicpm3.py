@@ -1,0 +1,79 @@
+"""MiniCPM3 (MiniCPM3ForCausalLM) end to end against HF transformers, fp32 on CPU: a tiny random
+model with DeepSeek-V2's latent attention (queries through a bottleneck, its rotary turning
+halves by LongRoPE's short factors) and muP's scales (embeddings x12, each sublayer x1.4 /
+sqrt(layers), the logits divided by hidden / 256) gives HF's greedy tokens and logprobs from
+safetensors and from a GGUF in llama.cpp's minicpm3 naming (kv_b_proj whole, the scales fixed
+by the graph), through prefix-cache hits and 32-token chunks, on both attention backends, on
+two tensor-parallel ranks, and on Q8_0 blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.e2e.oracle import (
+    assert_blocks_match_dequantized,
+    assert_family_matches_hf,
+    assert_same_or_near_tie,
+    greedy_outputs,
+    hf_greedy_logprobs,
+    load_hf,
+    prompts_with_a_shared_prefix,
+)
+from tests.e2e.utils import assert_engine_clean, make_llm
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_models import cached_tiny_model
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def hf_dir():
+    return cached_tiny_model("minicpm3")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return prompts_with_a_shared_prefix(48)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir, prompts):
+    hf = load_hf(str(hf_dir))
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_greedy_tokens_and_logprobs_are_hf_s(
+    hf_dir, prompts, hf_reference, kind, backend, tmp_path
+):
+    from tokenbus.loader import load_arch, resolve_model
+
+    path = hf_dir if kind == "safetensors" else write_gguf(hf_dir, tmp_path / "minicpm3.gguf")
+    arch = load_arch(resolve_model(str(path)))
+    assert (arch.architecture, arch.num_key_value_heads, arch.head_dim) == ("minicpm3", 1, 40)
+    assert (arch.q_lora_rank, arch.kv_lora_rank, arch.rotary_dim) == (32, 32, 8)
+    assert (arch.qk_nope_head_dim, arch.v_head_dim, arch.mla_rope_interleaved) == (16, 16, False)
+    assert (arch.embedding_multiplier, arch.logits_scaling) == (12.0, 0.25)
+    assert arch.residual_multiplier == pytest.approx(1.4 / math.sqrt(2))
+    assert arch.rope_scaling["rope_type"] == "longrope"
+    assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS, attention_backend=backend)
+
+
+def test_two_tensor_parallel_ranks(hf_dir, prompts, hf_reference):
+    """Each rank holds two of the four query heads over the whole latent, and half the MLP."""
+    llm = make_llm(hf_dir, tensor_parallel_size=2, kv_cache_dtype="float32")
+    try:
+        outputs = greedy_outputs(llm, prompts[:4], MAX_TOKENS, logprobs=5)
+        for out, (tokens, _) in zip(outputs, hf_reference[:4]):
+            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_q8_0_blocks_give_the_dequantized_files_tokens(hf_dir, prompts, tmp_path):
+    path = write_gguf(hf_dir, tmp_path / "minicpm3-q8_0.gguf", "Q8_0")
+    assert_blocks_match_dequantized(path, prompts[:4], MAX_TOKENS)
