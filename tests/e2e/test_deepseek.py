@@ -5,8 +5,8 @@ GLM-4.7-Flash's with one), a dense first layer, then experts routed by softmax (
 score + a bias (V3: within the best 2 of 4 groups), and a shared MLP. From safetensors and from
 GGUFs written as llama.cpp's deepseek2 converter writes them (kv_b_proj split in two), they give
 HF's greedy tokens and logprobs through prefix-cache hits and 32-token chunks, on both attention
-backends, on two tensor-parallel ranks, and on Q8_0 blocks; the cache holds one latent a token,
-and the multi-token-prediction layers are not read."""
+backends, on two tensor-parallel ranks, and on Q8_0 blocks with every decode step in C; the
+cache holds one latent a token, and the multi-token-prediction layers are not read."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tests.e2e.oracle import (
-    assert_blocks_match_dequantized,
+    assert_c_layers_match_dequantized,
     assert_family_matches_hf,
     assert_same_or_near_tie,
     greedy_outputs,
@@ -103,11 +103,12 @@ def test_two_tensor_parallel_ranks(hf_dir, prompts, hf_reference):
         llm.shutdown()
 
 
-def test_q8_0_blocks_give_the_dequantized_files_tokens(hf_dir, prompts, tmp_path):
-    """The projections kept in Q8_0 blocks (kv_b_proj dequantized at load: the absorbed
-    products are dense), with the tokens of the same file dequantized."""
+def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):
+    """Q8_0 blocks kept: every decode step in one C call, the latent attention (its absorbed
+    products on W_UK and W_UV, the one KV head of the cache) included, with the dequantized
+    file's tokens (run layer by layer) up to near ties."""
     path = write_gguf(hf_dir, tmp_path / "deepseek2-q8_0.gguf", "Q8_0")
-    assert_blocks_match_dequantized(path, prompts[:4], MAX_TOKENS)
+    assert_c_layers_match_dequantized(path, prompts[:4], MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])

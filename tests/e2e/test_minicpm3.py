@@ -4,7 +4,7 @@ halves by LongRoPE's short factors) and muP's scales (embeddings x12, each subla
 sqrt(layers), the logits divided by hidden / 256) gives HF's greedy tokens and logprobs from
 safetensors and from a GGUF in llama.cpp's minicpm3 naming (kv_b_proj whole, the scales fixed
 by the graph), through prefix-cache hits and 32-token chunks, on both attention backends, on
-two tensor-parallel ranks, and on Q8_0 blocks."""
+two tensor-parallel ranks, and on Q8_0 blocks with every decode step in C."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 import pytest
 
 from tests.e2e.oracle import (
-    assert_blocks_match_dequantized,
+    assert_c_layers_match_dequantized,
     assert_family_matches_hf,
     assert_same_or_near_tie,
     greedy_outputs,
@@ -74,6 +74,9 @@ def test_two_tensor_parallel_ranks(hf_dir, prompts, hf_reference):
         llm.shutdown()
 
 
-def test_q8_0_blocks_give_the_dequantized_files_tokens(hf_dir, prompts, tmp_path):
+def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):
+    """Q8_0 blocks kept: every decode step in one C call, the latent attention (its absorbed
+    products on W_UK and W_UV, the one KV head of the cache) included, with the dequantized
+    file's tokens (run layer by layer) up to near ties."""
     path = write_gguf(hf_dir, tmp_path / "minicpm3-q8_0.gguf", "Q8_0")
-    assert_blocks_match_dequantized(path, prompts[:4], MAX_TOKENS)
+    assert_c_layers_match_dequantized(path, prompts[:4], MAX_TOKENS)

@@ -317,6 +317,33 @@ def test_moe_layer_in_c_matches_the_layer_by_layer_path(tmp_path, family, qtype,
     _assert_c_steps_match_layer_by_layer(model)
 
 
+@pytest.mark.parametrize(
+    "family, qtype",
+    [
+        ("deepseek_v2", "Q8_0"),  # no query bottleneck, YaRN, pairs turning, softmax routing
+        ("deepseek_v3", "Q8_0"),  # a query bottleneck, sigmoid routing in groups
+        ("minicpm3", "Q8_0"),  # halves turning, a dense MLP, muP's scales
+        ("deepseek_v3", "q8_0"),  # from safetensors rounded to Q8_0 at load
+    ],
+)
+def test_latent_attention_layers_in_c_match_the_layer_by_layer_path(tmp_path, family, qtype):
+    """Multi-head latent attention in C: the query, the latent and its norm, the turned dims,
+    each head absorbed through W_UK, one KV head written and read, W_UV after; the layer's
+    logits to float rounding, the same argmax. A lower-case qtype: rounded at load."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    hf_dir = cached_tiny_model(family)
+    if qtype.islower():
+        src = resolve_model(str(hf_dir))
+        model = load_model(src, load_arch(src), torch.float32, "cpu", quantization=qtype)
+    else:
+        path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", qtype, with_tokenizer=False)
+        src = resolve_model(str(path))
+        model = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
+    assert model.arch.kv_lora_rank and model.kernels.decode_layers._layers[0].mla
+    _assert_c_steps_match_layer_by_layer(model)
+
+
 @pytest.mark.parametrize("source", ["gguf-mxfp4", "q8_0-tight-clamp"])
 def test_gpt_oss_layers_in_c_match_the_layer_by_layer_path(tmp_path, source):
     """gpt-oss's layers in C: sinks, biases on attention, router and experts, the clamped

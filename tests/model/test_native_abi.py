@@ -61,7 +61,7 @@ def _structs() -> dict[str, list[tuple[str, str]]]:
 
 def test_header_is_parsed():
     """The parser sees what the header holds (a guard against a regex that matches nothing)."""
-    structs = {"kernels", "shard", "linear", "moe", "layer", "kv_group", "step"}
+    structs = {"kernels", "shard", "linear", "moe", "mla", "layer", "kv_group", "step"}
     assert len(_prototypes()) >= 20 and set(_structs()) == structs
 
 
@@ -86,6 +86,7 @@ _STRUCTS = {
     "shard": decode_layer._Shard,
     "linear": decode_layer._Linear,
     "moe": decode_layer._Moe,
+    "mla": decode_layer._Mla,
     "layer": decode_layer._Layer,
     "kv_group": decode_layer._KVGroup,
     "step": decode_layer._Step,

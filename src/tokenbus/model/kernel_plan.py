@@ -63,6 +63,7 @@ from tokenbus.model.layers.quantized import (
     kernel_weight,
 )
 from tokenbus.model.lora import LoRABatch
+from tokenbus.model.mla import LatentAttention
 from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.model.native import (
     TILE_GEMV_MAX_ROWS,
@@ -76,6 +77,7 @@ from tokenbus.model.native.decode_layer import (
     DecodeLayers,
     LayerWeights,
     LinearWeights,
+    MlaWeights,
     MoeWeights,
     ShardWeights,
 )
@@ -383,13 +385,13 @@ _C_MLPS = (GatedMLP, GeGLUMLP, SparseMoeBlock)
 def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     """A decoder layer as decode_layer.c reads it, or None where it cannot run there."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if (
-        type(layer) not in _C_LAYERS
-        or not isinstance(attn, Attention)
-        or type(attn).forward is not Attention.forward
-        or attn.output_gate
-        or type(mlp) not in _C_MLPS
-    ):
+    latent = type(attn) is LatentAttention
+    shared_attention = (
+        isinstance(attn, Attention)
+        and type(attn).forward is Attention.forward
+        and not attn.output_gate
+    )
+    if type(layer) not in _C_LAYERS or type(mlp) not in _C_MLPS or not (latent or shared_attention):
         return None
     if isinstance(mlp, SparseMoeBlock):
         moe, gate_up, down = _moe_weights(mlp), None, None
@@ -399,6 +401,8 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         moe, gate_up, down = None, _tiled_linear(mlp.gate_up_proj), _tiled_linear(mlp.down_proj)
         if gate_up is None or down is None:
             return None
+    if latent:
+        return _latent_layer_weights(layer, moe, gate_up, down)
     qkv, o = _tiled_linear(attn.qkv_proj), _tiled_linear(attn.o_proj)
     if qkv is None or o is None:
         return None
@@ -430,6 +434,52 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         post_mlp_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
         mlp_activation="silu" if moe is not None else mlp.activation,
         rope_table=attn.rope_table or 0,
+    )
+
+
+def _latent_layer_weights(
+    layer: DecoderLayer,
+    moe: MoeWeights | None,
+    gate_up: LinearWeights | None,
+    down: LinearWeights | None,
+) -> LayerWeights | None:
+    """A pre-norm layer with latent attention (model/mla.py) as decode_layer.c reads it: its
+    projections on tiled shards, W_UK and W_UV fp32; or None."""
+    attn: LatentAttention = layer.self_attn
+    q_a = _tiled_linear(attn.q_a_proj) if attn.q_lora_rank else None
+    q_b = _tiled_linear(attn.q_b_proj if attn.q_lora_rank else attn.q_proj)
+    kv_a, o = _tiled_linear(attn.kv_a_proj_with_mqa), _tiled_linear(attn.o_proj)
+    if None in (q_b, kv_a, o) or (attn.q_lora_rank and q_a is None):
+        return None
+    if attn.w_uk.dtype != torch.float32 or attn.tp.enabled:
+        return None
+    mla = MlaWeights(
+        q_a,
+        q_b,
+        kv_a,
+        attn.q_a_layernorm.weight if attn.q_lora_rank else None,
+        attn.kv_a_layernorm.weight,
+        attn.w_uk.data,
+        attn.w_uv.data,
+        attn.rope_dim,
+        attn.interleaved,
+        attn.kv_a_layernorm.eps,
+    )
+    return LayerWeights(
+        LinearWeights([], kv_a.cols, None),  # no qkv: the latent's projections stand in
+        o,
+        gate_up,
+        down,
+        _norm_weight(layer.input_layernorm),
+        _norm_weight(layer.post_attention_layernorm),
+        layer.post_attention_layernorm.eps,
+        attn.scale,
+        attn.num_heads,
+        1,
+        attn.kv_lora_rank + attn.rope_dim,
+        moe=moe,
+        residual_scale=layer.residual_scale,
+        mla=mla,
     )
 
 

@@ -14,6 +14,10 @@
                  kv_quant.h, as model/kv_quant.py rounds them)
      attn        = paged attention of q over the cache (each request's rows; a sliding window's last keys)
                    with each head's attention sink, where the layer has them (gpt-oss)
+                   (multi-head latent attention in place of the steps from qkv to here, where the layer has
+                   it: latent_attention, model/mla.py's forward: q through its bottleneck, the latent and
+                   its turned key as the one KV head, each head's query absorbed through W_UK, each head's
+                   value through W_UV after the attention)
      o           = attn @ Wo.T (+ bias)
      o           = rms_norm(o) * post_attn_norm, where the layer has one (Gemma's sandwich norms)
      o           = o * residual_scale, where it is not 1 (Granite's residual_multiplier)
@@ -322,6 +326,94 @@ static void add_norm(const kernels *k, const float *x, const float *residual, fl
 }
 
 /* x[i] *= by, one rounding each (torch's `h * residual_multiplier`); nothing when by is 1. */
+/* Turn x's `rope` values by one row of cos/sin (rope / 2 each): pair i is (x[2i], x[2i + 1]) when
+   interleaved, else (x[i], x[i + rope / 2]); each pair (a, b) -> (a cos - b sin, b cos + a sin). */
+static void turn(float *x, const float *cos, const float *sin, int64_t rope, int64_t interleaved) {
+    const int64_t half = rope / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float *a = interleaved ? x + 2 * i : x + i, *b = interleaved ? x + 2 * i + 1 : x + i + half;
+        const float x0 = *a, x1 = *b;
+        *a = x0 * cos[i] - x1 * sin[i];
+        *b = x1 * cos[i] + x0 * sin[i];
+    }
+}
+
+/* Multi-head latent attention of a decode step (mla; model/mla.py's LatentAttention.forward):
+   from h [T, hidden], each head's value [T, H * v] in out, and each token's latent and turned key
+   written to the cache as its K and its V. 0, or a kernel's status (3: out of memory). */
+static int latent_attention(const kernels *k, const layer *w, const step *s, const kv_group *group, void *kv_cache,
+                            const float *h, int64_t T, float *out) {
+    const mla *m = w->mla;
+    const int64_t H = w->num_heads, c = m->kv_lora_rank, rope = m->rope_dim, nope = m->nope_dim, v = m->v_head_dim;
+    const int64_t D = c + rope, qd = nope + rope, qa_n = m->q_lora_rank;
+    const int threads = (int)s->num_threads;
+    const int64_t norm_n = (qa_n > c ? qa_n : c) * T;
+    float *buf = malloc(sizeof(float) * (size_t)(T * (qa_n + H * qd + D + c + 2 * H * D) + norm_n));
+    if (!buf) return 3;
+    float *qa = buf, *q = qa + T * qa_n, *latent = q + T * H * qd, *key = latent + T * D, *query = key + T * c,
+          *attn = query + T * H * D, *scratch = attn + T * H * D;
+    int status = 0;
+    if (m->q_a.num_shards) {
+        if ((status = run_linear(k, &m->q_a, h, T, qa, s))) goto done;
+        k->add_rms_norm(qa, qa_n, NULL, 0, scratch, m->q_a_norm, qa, T, qa_n, m->latent_eps, threads);
+        if ((status = run_linear(k, &m->q_b, qa, T, q, s))) goto done;
+    } else if ((status = run_linear(k, &m->q_b, h, T, q, s))) {
+        goto done;
+    }
+    if ((status = run_linear(k, &m->kv_a, h, T, latent, s))) goto done;
+    /* each token's row of latent becomes its key (the one KV head): [kv_a_layernorm(c), turned k_pe] */
+    k->add_rms_norm(latent, D, NULL, 0, scratch, m->kv_a_norm, key, T, c, m->latent_eps, threads);
+    const float *cos = s->cos + w->rope_table * s->rope_stride, *sin = s->sin + w->rope_table * s->rope_stride;
+    const int64_t half = s->rotary_dim / 2;
+    for (int64_t t = 0; t < T; t++) {
+        turn(latent + t * D + c, cos + t * half, sin + t * half, rope, m->interleaved);
+        memcpy(latent + t * D, key + t * c, sizeof(float) * (size_t)c);
+    }
+    /* each head's query: W_UK_h^T q_nope (c values), then its turned q_pe (rope) */
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t hh = 0; hh < H; hh++) {
+            float *qh = q + (t * H + hh) * qd, *dst = query + (t * H + hh) * D;
+            turn(qh + nope, cos + t * half, sin + t * half, rope, m->interleaved);
+            memset(dst, 0, sizeof(float) * (size_t)c);
+            const float *wk = m->w_uk + hh * nope * c;
+            for (int64_t i = 0; i < nope; i++) {
+                const float a = qh[i];
+                for (int64_t j = 0; j < c; j++) dst[j] += a * wk[i * c + j];
+            }
+            memcpy(dst + c, qh + nope, sizeof(float) * (size_t)rope);
+            if (s->q_scale)
+                for (int64_t j = 0; j < D; j++) dst[j] *= s->q_scale[t];
+        }
+    const int kv_elem = (int)s->kv_elem;
+    const int64_t slot_bytes = kv_row_bytes(D, kv_elem), v_bytes = s->num_blocks * s->block_size * slot_bytes;
+    for (int64_t t = 0; t < T; t++) {
+        uint8_t *slot = (uint8_t *)kv_cache + group->slots[t] * slot_bytes;
+        if ((status = kv_store_rows(slot, latent + t * D, 1, D, kv_elem, 1.f / s->k_scale)) ||
+            (status = kv_store_rows(slot + v_bytes, latent + t * D, 1, D, kv_elem, 1.f / s->v_scale)))
+            goto done;
+    }
+    memset(attn, 0, sizeof(float) * (size_t)(T * H * D));
+    if ((status = k->attention(query, H * D, kv_cache, s->num_blocks, s->block_size, 1, D, H, group->block_tables,
+                               group->table_stride, s->query_start, s->seq_lens, s->reqs, s->num_reqs, w->scale,
+                               s->k_scale, s->v_scale, attn, H * D, ELEM_F32, kv_elem, threads, 0, 0.f, NULL)))
+        goto done;
+    /* each head's value: W_UV_h (its attention's sum of latents, the first c values) */
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t hh = 0; hh < H; hh++) {
+            const float *sum = attn + (t * H + hh) * D, *wv = m->w_uv + hh * v * c;
+            for (int64_t j = 0; j < v; j++) {
+                float acc = 0.f;
+                for (int64_t i = 0; i < c; i++) acc += wv[j * c + i] * sum[i];
+                out[t * H * v + hh * v + j] = acc;
+            }
+        }
+done:
+    free(buf);
+    return status;
+}
+
 static void scale_rows(float *x, int64_t n, float by) {
     if (by == 1.f) return;
     for (int64_t i = 0; i < n; i++) x[i] *= by;
@@ -346,6 +438,10 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
           *act = gate_up + T * 2 * I, *scratch = act + T * I;
     int status;
     add_norm(k, x, residual, residual_out, w->input_norm, h, T, H, w->eps, threads);
+    if (w->mla) { /* attn: each head's value, [T, hq * v] */
+        if ((status = latent_attention(k, w, s, group, kv_cache, h, T, attn))) goto done;
+        goto attended;
+    }
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
     if (w->q_norm) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
     const int64_t table = w->rope_table * s->rope_stride;
@@ -369,6 +465,7 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
                                s->k_scale, s->v_scale, attn, hq * D, ELEM_F32, kv_elem, threads, w->window,
                                w->softcap, w->sinks)))
         goto done;
+attended:
     if ((status = run_linear(k, &w->o, attn, T, o, s))) goto done;
     if (w->post_attn_norm) k->add_rms_norm(o, H, NULL, 0, scratch, w->post_attn_norm, o, T, H, w->eps, threads);
     scale_rows(o, T * H, w->residual_scale);

@@ -95,6 +95,25 @@ class _Moe(ctypes.Structure):
     ]
 
 
+class _Mla(ctypes.Structure):
+    _fields_ = [
+        ("q_a", _Linear),
+        ("q_b", _Linear),
+        ("kv_a", _Linear),
+        ("q_a_norm", _PTR),
+        ("kv_a_norm", _PTR),
+        ("w_uk", _PTR),
+        ("w_uv", _PTR),
+        ("q_lora_rank", _I64),
+        ("kv_lora_rank", _I64),
+        ("nope_dim", _I64),
+        ("rope_dim", _I64),
+        ("v_head_dim", _I64),
+        ("interleaved", _I64),
+        ("latent_eps", _F32),
+    ]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("qkv", _Linear),
@@ -122,6 +141,7 @@ class _Layer(ctypes.Structure):
         ("mlp_act", _I64),
         ("rope_table", _I64),
         ("moe", ctypes.POINTER(_Moe)),
+        ("mla", ctypes.POINTER(_Mla)),
     ]
 
 
@@ -277,6 +297,47 @@ class MoeWeights:
 
 
 @dataclass(frozen=True)
+class MlaWeights:
+    """Multi-head latent attention as decode_layer.c reads it (model/mla.py's LatentAttention):
+    q_a (None: no bottleneck) and q_b (then the whole q projection), kv_a, each on tiled shards;
+    the latents' norm weights; W_UK [H, nope, c] and W_UV [H, v, c], contiguous fp32."""
+
+    q_a: LinearWeights | None
+    q_b: LinearWeights
+    kv_a: LinearWeights
+    q_a_norm: torch.Tensor | None
+    kv_a_norm: torch.Tensor
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    rope_dim: int
+    interleaved: bool
+    latent_eps: float
+
+    def struct(self) -> _Mla:
+        for name in ("w_uk", "w_uv"):
+            weight = getattr(self, name)
+            if weight.dtype != torch.float32 or not weight.is_contiguous():
+                raise ValueError(f"decode_layer: {name} must be contiguous fp32")
+        heads, nope, latent = self.w_uk.shape
+        return _Mla(
+            _Linear() if self.q_a is None else self.q_a.struct(),
+            self.q_b.struct(),
+            self.kv_a.struct(),
+            None if self.q_a_norm is None else self.q_a_norm.data_ptr(),
+            self.kv_a_norm.data_ptr(),
+            self.w_uk.data_ptr(),
+            self.w_uv.data_ptr(),
+            0 if self.q_a is None else self.q_a.rows,
+            latent,
+            nope,
+            self.rope_dim,
+            self.w_uv.shape[1],
+            int(self.interleaved),
+            self.latent_eps,
+        )
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer as decode_layer.c reads it: its MLP is gate_up and down, or moe."""
 
@@ -310,6 +371,8 @@ class LayerWeights:
     post_mlp_norm: torch.Tensor | None = None
     mlp_activation: str = "silu"  # a key of MLP_ACTIVATIONS
     rope_table: int = 0  # the row of the step's stacked rotary tables (decoder.Attention's)
+    # latent attention in place of qkv's (then without shards; head_dim the latent cache's)
+    mla: MlaWeights | None = None
 
     def struct(self) -> _Layer:
         if (self.q_norm is None) != (self.k_norm is None):
@@ -346,6 +409,7 @@ class LayerWeights:
             MLP_ACTIVATIONS[self.mlp_activation],
             self.rope_table,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),
+            None if self.mla is None else ctypes.pointer(self.mla.struct()),
         )
 
     def _check_norm_sizes(self) -> None:

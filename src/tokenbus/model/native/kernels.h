@@ -127,6 +127,21 @@ typedef struct {
     float norm_eps, scale;        /* weights / (their sum + norm_eps) where renormalised, then * scale */
 } moe;
 
+/* Multi-head latent attention (model/mla.py): the queries through q_a (a bottleneck, RMS-normed by
+   q_a_norm) then q_b, or q_b alone (q_a without shards: the q projection); kv_a gives each token's
+   latent (kv_lora_rank values, RMS-normed by kv_a_norm) and its shared key's rope_dim turned dims.
+   w_uk [H, nope, c] and w_uv [H, v, c] (fp32) turn each head's query into the latent and its
+   attention's latent sum into its value. The cache holds one KV head of c + rope_dim values (the
+   layer's head_dim), the values being the keys; the layer's qkv is unused, its o the output. */
+typedef struct {
+    linear q_a, q_b, kv_a;
+    const float *q_a_norm, *kv_a_norm;
+    const float *w_uk, *w_uv;
+    int64_t q_lora_rank, kv_lora_rank, nope_dim, rope_dim, v_head_dim;
+    int64_t interleaved; /* 1: the rotary turns adjacent pairs (DeepSeek's); 0: halves */
+    float latent_eps;
+} mla;
+
 typedef struct {
     linear qkv, o, gate_up, down; /* gate_up and down unused where moe is set */
     /* post_norm: the norm before the MLP. NULL: none there, the sublayer takes the residual
@@ -146,6 +161,7 @@ typedef struct {
     int64_t mlp_act; /* MLP_* */
     int64_t rope_table; /* which of the step's stacked rotary tables this layer turns by */
     const moe *moe; /* NULL: the dense MLP */
+    const mla *mla; /* NULL: the attention above (qkv, the q/k norms, sinks) */
 } layer;
 
 /* One KV group's view of a step (a hybrid KV cache gives each attention window its own block
