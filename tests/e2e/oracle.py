@@ -144,6 +144,22 @@ def assert_blocks_match_dequantized(
         assert_same_or_near_tie(ours.token_ids, dense.token_ids, ours.logprobs)
 
 
+def assert_ranks_match_hf(path, prompts, reference, max_tokens: int, ranks: int = 2) -> None:
+    """The model at `path` on `ranks` tensor-parallel ranks, fp32, gives HF's greedy tokens
+    (`reference`: hf_greedy_logprobs per prompt) up to near ties, and ends with every KV block
+    free."""
+    from tests.e2e.utils import assert_engine_clean, make_llm
+
+    llm = make_llm(path, tensor_parallel_size=ranks, kv_cache_dtype="float32")
+    try:
+        outputs = greedy_outputs(llm, prompts, max_tokens, logprobs=5)
+        for out, (tokens, _) in zip(outputs, reference, strict=True):
+            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
 def prompts_with_a_shared_prefix(seed: int, lengths: tuple[int, int] = (1, 50)) -> list[list[int]]:
     """Three prompts of `lengths` tokens, and three that share a 40-token prefix (two full
     blocks and 8 tokens: a batch's prefix-cache hits)."""

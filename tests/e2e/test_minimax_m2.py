@@ -12,13 +12,11 @@ import pytest
 from tests.e2e.oracle import (
     assert_c_layers_match_dequantized,
     assert_family_matches_hf,
-    assert_same_or_near_tie,
-    greedy_outputs,
+    assert_ranks_match_hf,
     hf_greedy_logprobs,
     load_hf,
     prompts_with_a_shared_prefix,
 )
-from tests.e2e.utils import assert_engine_clean, make_llm
 from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
@@ -61,14 +59,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(
 def test_two_expert_parallel_ranks(hf_dir, prompts, hf_reference):
     """Each rank routes every token and runs its 4 experts; q/k norms over the whole
     projection across the ranks' heads."""
-    llm = make_llm(hf_dir, tensor_parallel_size=2, kv_cache_dtype="float32")
-    try:
-        outputs = greedy_outputs(llm, prompts[:4], MAX_TOKENS, logprobs=5)
-        for out, (tokens, _) in zip(outputs, hf_reference[:4]):
-            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
+    assert_ranks_match_hf(hf_dir, prompts[:4], hf_reference[:4], MAX_TOKENS)
 
 
 def test_quantized_layers_decode_in_c(hf_dir, prompts, tmp_path):
