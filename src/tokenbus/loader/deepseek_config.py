@@ -49,6 +49,8 @@ DEEPSEEK_GGUF_BLOCK_NAMES = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
     "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
+# The leading dense layers where a config names none (transformers' defaults)
+_FIRST_DENSE = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe_lite": 1}
 # transformers' DeepseekV3TopkRouter keeps the renormalising sum off 0 by this much
 _NORM_EPS = 1e-20
 # llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType)
@@ -74,7 +76,7 @@ def deepseek_hf_fields(config: dict[str, Any], path: Path, architecture: str) ->
     if "mlp_layer_types" in config:  # GLM-4.7-Flash's
         dense = tuple(i for i, kind in enumerate(config["mlp_layer_types"]) if kind == "dense")
     else:
-        first = config.get("first_k_dense_replace", 0 if v2 else 1)
+        first = config.get("first_k_dense_replace", _FIRST_DENSE[architecture])
         dense = tuple(range(min(int(first), num_layers)))
     router = (
         dict(moe_scoring="softmax", norm_topk_prob=False)
