@@ -276,7 +276,7 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         head_dim, rotary_dim = family.pop("head_dim"), family.pop("rotary_dim")
     kv_heads = family.pop("num_key_value_heads", meta.get(f"{arch}.attention.head_count_kv"))
     width = family.pop("intermediate_size", None) or need("feed_forward_length")
-    # qwen35's and glm4moe's block_count count their multi-token-prediction blocks too
+    # qwen35's, glm4moe's and deepseek2's block_count count their multi-token-prediction blocks
     num_layers = family.pop("num_hidden_layers", None) or need("block_count")
     moe = gguf_moe_fields(gf, arch, num_layers)
     return ModelArch(
