@@ -41,7 +41,7 @@ from tokenbus.model.layers import Linear, OpsModule, RMSNorm
 from tokenbus.model.layers.quantized import is_quantized
 from tokenbus.model.layers.rotary import apply_rotary, yarn_mscale
 from tokenbus.model.parallel import SINGLE, TensorParallel
-from tokenbus.model.weights import WeightLoader, copy_param, sliced
+from tokenbus.model.weights import TensorSlicer, WeightLoader, copy_param, sliced
 from tokenbus.model_arch import ModelArch
 
 # The latents' RMSNorms (q_a_layernorm, kv_a_layernorm) take their class's default epsilon in
@@ -55,6 +55,7 @@ class LatentAttention(OpsModule):
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.tp = tp
+        self.cut = TensorSlicer(tp, arch)  # this rank's slices of the checkpoint's tensors
         self.num_heads = tp.shard_arch(arch).num_attention_heads
         self.nope_dim = arch.qk_nope_head_dim
         self.rope_dim = arch.rotary_dim  # arch.head_dim is kv_lora_rank + rotary_dim
@@ -140,8 +141,8 @@ class LatentAttention(OpsModule):
         }
         # (linear, HF name, weight slicer, bias slicer): the latent's projections whole on
         # every rank, o_proj row-parallel (its bias added once, on rank 0)
-        o_columns = _columns(self._head_slicer(self.v_head_dim))
-        o_bias = None if not self.tp.enabled else (lambda t: t if self.tp.rank == 0 else 0 * t)
+        o_columns = self.cut.columns(self._head_slicer(self.v_head_dim))
+        o_bias = self.cut.rank0_only()
         linears = [
             (self.kv_a_proj_with_mqa, "kv_a_proj_with_mqa", None, None),
             (self.o_proj, "o_proj", o_columns, o_bias),
@@ -165,10 +166,8 @@ class LatentAttention(OpsModule):
 
     def _head_slicer(self, rows_per_head: int):
         """This rank's heads' rows of a tensor of `rows_per_head` rows a head (None: all)."""
-        if not self.tp.enabled:
-            return None
-        start, count = self.tp.rank * self.num_heads * rows_per_head, self.num_heads * rows_per_head
-        return lambda t: t[start : start + count]
+        count = self.num_heads * rows_per_head
+        return self.cut.rows(self.tp.rank * count, count)
 
     def _load_kv_b(self, name: str, tensor) -> None:
         """kv_b_proj [H * (nope + v), c]: each head's W_UK rows, then its W_UV rows."""
@@ -205,11 +204,6 @@ def softmax_scale(arch: ModelArch) -> float:
     if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
         scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     return scale
-
-
-def _columns(rows):
-    """The same range along the input dim (o_proj is [out, in])."""
-    return None if rows is None else (lambda t: rows(t.T).T)
 
 
 def dense(tensor) -> torch.Tensor:
