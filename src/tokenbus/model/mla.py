@@ -32,13 +32,12 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import torch
 from torch import nn
 
 from tokenbus.model.attention import Plan, paged_attention
 from tokenbus.model.layers import Linear, OpsModule, RMSNorm
-from tokenbus.model.layers.quantized import is_quantized
+from tokenbus.model.layers.quantized import dense
 from tokenbus.model.layers.rotary import apply_rotary, yarn_mscale
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import TensorSlicer, WeightLoader, copy_param, sliced
@@ -204,16 +203,3 @@ def softmax_scale(arch: ModelArch) -> float:
     if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
         scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     return scale
-
-
-def dense(tensor) -> torch.Tensor:
-    """An fp32 tensor of a checkpoint tensor, or of a GGUF matrix's blocks."""
-    if not is_quantized(tensor):
-        return tensor
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    blocks = tensor.data.numpy()
-    return torch.from_numpy(
-        np.ascontiguousarray(dequantize(blocks, GGMLQuantizationType(tensor.qtype)))
-    )

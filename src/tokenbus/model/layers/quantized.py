@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tokenbus.model.native import (
@@ -160,6 +161,19 @@ def kernel_weight(
 
 def is_quantized(tensor: object) -> bool:
     return not isinstance(tensor, torch.Tensor)
+
+
+def dense(tensor) -> torch.Tensor:
+    """An fp32 tensor of a checkpoint tensor, or of a GGUF matrix's blocks."""
+    if not is_quantized(tensor):
+        return tensor
+    from gguf import GGMLQuantizationType  # lazy: only GGUF models read it
+    from gguf.quants import dequantize
+
+    blocks = tensor.data.numpy()
+    return torch.from_numpy(
+        np.ascontiguousarray(dequantize(blocks, GGMLQuantizationType(tensor.qtype)))
+    )
 
 
 def group_shards(shards: Sequence[QuantizedWeight]) -> list[list[QuantizedWeight]]:
