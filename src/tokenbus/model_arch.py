@@ -130,6 +130,27 @@ class ModelArch:
     # Layers that are an MLP alone, with neither attention nor a state (Nemotron-H's "-"
     # blocks: model/nemotron_h.py); (): none
     mlp_only_layers: tuple[int, ...] = ()
+    # Layers that attend an earlier layer's K/V instead of computing their own (Gemma 3n's last
+    # num_kv_shared_layers): (layer, the layer whose K/V it reads) pairs, the owner of the same
+    # window; such a layer holds no K/V (worker/kv_cache.py hands it its owner's tensor).
+    # (): every attention layer its own.
+    kv_shared_layers: tuple[tuple[int, int], ...] = ()
+    # Gemma 3n (model/gemma3n.py): each layer also takes per_layer_input_size values of a
+    # per-layer input (its own embedding of the first per_layer_vocab_size ids, joined with a
+    # projection of the token's embedding); the hidden state is altup_inputs streams (AltUp),
+    # the layer computing on stream 0 and predicting and correcting the others; a low-rank
+    # residual of laurel_rank beside attention (LAuReL); each layer's MLP gate sparsified to
+    # the values above mean + std * activation_sparsity_std[layer] (None: kept whole).
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    altup_inputs: int = 0
+    altup_correct_scale: bool = True
+    laurel_rank: int = 0
+    activation_sparsity_std: tuple[float | None, ...] = ()
+
+    def kv_owner(self, layer: int) -> int:
+        """The layer whose K/V decoder layer `layer` attends (itself but for kv_shared_layers)."""
+        return dict(self.kv_shared_layers).get(layer, layer)
 
     @property
     def state_size_per_request(self) -> int:
@@ -149,8 +170,9 @@ class ModelArch:
 
     @property
     def num_kv_layers(self) -> int:
-        """The layers that hold K/V (all but the recurrent and MLP-only ones)."""
-        return self.num_hidden_layers - len(self.recurrent_layers) - len(self.mlp_only_layers)
+        """The layers that hold K/V (all but the recurrent, MLP-only and KV-sharing ones)."""
+        no_kv = len(self.recurrent_layers) + len(self.mlp_only_layers) + len(self.kv_shared_layers)
+        return self.num_hidden_layers - no_kv
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -66,6 +66,25 @@ def test_groups_of_equal_size_per_window():
     assert plan_kv_groups([16] * 2).groups == (KVGroup(16, (0, 1)),)  # Mistral: one group
 
 
+def test_layers_reading_another_s_kv_join_no_group():
+    """Gemma 3n's E2B pattern: the last layers read an earlier layer's K/V; they hold no buffer
+    and are placed where their owner is."""
+    windows = ([512] * 4 + [None]) * 3  # 15 layers; 10..14 read 8 (local) and 9 (global)
+    shared = tuple((layer, 9 if windows[layer] is None else 8) for layer in range(10, 15))
+    layout = plan_kv_groups(windows, shared=shared)
+    assert layout.groups == (
+        KVGroup(512, (0, 1)),
+        KVGroup(512, (2, 3)),
+        KVGroup(512, (5, 6)),
+        KVGroup(512, (7, 8)),
+        KVGroup(None, (4, 9)),
+    )
+    assert layout.num_buffers == 2
+    assert [layout.place(layer) for layer in (8, 10, 13, 9, 14)] == [(3, 1)] * 3 + [(4, 1)] * 2
+    one = plan_kv_groups([None] * 4, shared=((3, 2),))
+    assert one.groups == (KVGroup(None, (0, 1, 2)),) and one.place(3) == (0, 2)
+
+
 def test_sliding_group_frees_out_of_window_blocks():
     kv = manager()
     req = request("r", 10)

@@ -99,7 +99,17 @@ def allocate_kv_caches(
     head_dim elements, or a q8_0 row's bytes: model/kv_quant.py). Under a hybrid KV cache
     (`groups`) one per buffer, shared: layer j of every group gets buffer j. A recurrent layer
     (arch.recurrent_layers) holds no K/V: its entry is its pool from `state_pools`
-    (worker/state_pool.py); an MLP-only layer's (arch.mlp_only_layers) is an empty tensor."""
+    (worker/state_pool.py); an MLP-only layer's (arch.mlp_only_layers) is an empty tensor; a
+    layer reading another's K/V (arch.kv_shared_layers) gets its owner's tensor."""
+    if arch.kv_shared_layers and groups is None:  # under groups, place() finds the owner's
+        owners = [i for i in range(arch.num_hidden_layers) if arch.kv_owner(i) == i]
+        owned = dataclasses.replace(arch, num_hidden_layers=len(owners), kv_shared_layers=())
+        if arch.recurrent_layers or arch.mlp_only_layers:
+            raise ValueError("layers sharing K/V beside recurrent or MLP-only layers")
+        tensors = dict(
+            zip(owners, allocate_kv_caches(owned, num_blocks, block_size, dtype, device))
+        )
+        return [tensors[arch.kv_owner(i)] for i in range(arch.num_hidden_layers)]
     no_kv = (*arch.recurrent_layers, *arch.mlp_only_layers)
     if no_kv:
         state_pools = state_pools or {}

@@ -59,9 +59,12 @@ class KVGroup:
 @dataclass(frozen=True)
 class KVGroupLayout:
     """How a model's layers map onto KV groups and shared K/V buffers: layer `groups[g].layers[j]`
-    uses buffer j (num_buffers of them, one per layer of the largest group)."""
+    uses buffer j (num_buffers of them, one per layer of the largest group). A layer that reads
+    another's K/V (`shared`: (layer, owner) pairs, ModelArch.kv_shared_layers) is in no group:
+    it is placed where its owner is."""
 
     groups: tuple[KVGroup, ...]
+    shared: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_buffers(self) -> int:
@@ -72,15 +75,21 @@ class KVGroupLayout:
         return tuple(group.window for group in self.groups)
 
     def place(self, layer: int) -> tuple[int, int]:
-        """(group, buffer) of decoder layer `layer`."""
+        """(group, buffer) of decoder layer `layer` (its owner's, for a layer sharing K/V)."""
+        layer = dict(self.shared).get(layer, layer)
         for g, group in enumerate(self.groups):
             if layer in group.layers:
                 return g, group.layers.index(layer)
         raise ValueError(f"layer {layer} is in no KV group")
 
 
-def plan_kv_groups(windows: Sequence[int | None], hybrid: bool = True) -> KVGroupLayout:
-    """KV groups for layers of these sliding windows (None: full attention).
+def plan_kv_groups(
+    windows: Sequence[int | None],
+    hybrid: bool = True,
+    shared: tuple[tuple[int, int], ...] = (),
+) -> KVGroupLayout:
+    """KV groups for layers of these sliding windows (None: full attention); the layers of
+    `shared` ((layer, owner) pairs) read their owners' K/V and join no group.
 
     One group of every layer when all windows agree, or with `hybrid` False (vLLM's
     --disable-hybrid-kv-cache-manager: every layer allocated as a global one, windows still
@@ -90,18 +99,20 @@ def plan_kv_groups(windows: Sequence[int | None], hybrid: bool = True) -> KVGrou
     group short (its unused buffer pages are the price of one page size)."""
     if not windows:
         raise ValueError("a model needs at least one layer")
-    distinct = list(dict.fromkeys(windows))  # first-appearance order
+    readers = {layer for layer, _ in shared}
+    own = {i: window for i, window in enumerate(windows) if i not in readers}
+    distinct = list(dict.fromkeys(own.values()))  # first-appearance order
     if len(distinct) == 1 or not hybrid:
         window = distinct[0] if len(distinct) == 1 else None
-        return KVGroupLayout((KVGroup(window, tuple(range(len(windows)))),))
-    by_window = {w: tuple(i for i, x in enumerate(windows) if x == w) for w in distinct}
+        return KVGroupLayout((KVGroup(window, tuple(own)),), shared)
+    by_window = {w: tuple(i for i, x in own.items() if x == w) for w in distinct}
     size = min(len(layers) for layers in by_window.values())
     groups = [
         KVGroup(window, layers[start : start + size])
         for window, layers in by_window.items()
         for start in range(0, len(layers), size)
     ]
-    return KVGroupLayout(tuple(groups))
+    return KVGroupLayout(tuple(groups), shared)
 
 
 def layer_windows(arch: ModelArch) -> list[int | None]:
@@ -123,7 +134,7 @@ def engine_kv_groups(config: EngineConfig, arch: ModelArch) -> KVGroupLayout | N
         or config.kv_transfer is not None
         or config.speculative is not None
     )
-    return plan_kv_groups(windows, hybrid) if hybrid else None
+    return plan_kv_groups(windows, hybrid, arch.kv_shared_layers) if hybrid else None
 
 
 class HybridKVCacheManager(BlockTables):
