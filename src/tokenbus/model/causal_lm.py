@@ -27,6 +27,7 @@ from tokenbus.model.layers.quantized import (
     KernelWeight,
     QuantizedWeight,
     is_quantized,
+    kernel_weight,
     quantized_embedding,
 )
 from tokenbus.model.native import PagedAttentionKernel, QuantKernels
@@ -121,6 +122,15 @@ class CausalLM(nn.Module):
         With num_layers=N this is the self-speculative draft model; it writes K/V only into
         ctx.kv_caches[:N], and those entries equal the full model's (same weights and inputs).
         """
+        num_layers = self.start_step(ctx, num_layers)
+        x = self._embed(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_lookup(ctx.positions, x.dtype)
+        q_scale = self.query_scale(ctx.positions, x.dtype)
+        x, residual = self.kernels.run_layers(self.layers, num_layers, x, cos, sin, ctx, q_scale)
+        return self.norm.add_and_norm(x, residual)[0]
+
+    def start_step(self, ctx: ForwardContext, num_layers: int | None) -> int:
+        """The layers a forward runs (all where None), checked, with the step's plans ready."""
         num_layers = self.num_layers if num_layers is None else num_layers
         if not 1 <= num_layers <= self.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
@@ -131,11 +141,7 @@ class CausalLM(nn.Module):
             )
         if ctx.recurrent_layers:  # one plan for every recurrent layer of the step
             ctx.recurrent_plan = RecurrentPlan.build(ctx, self.arch.conv_kernel)
-        x = self._embed(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_lookup(ctx.positions, x.dtype)
-        q_scale = self.query_scale(ctx.positions, x.dtype)
-        x, residual = self.kernels.run_layers(self.layers, num_layers, x, cos, sin, ctx, q_scale)
-        return self.norm.add_and_norm(x, residual)[0]
+        return num_layers
 
     def state_shapes(self) -> dict[int, tuple[int, ...]]:
         """Each recurrent layer's state for one request (worker/state_pool.py sizes its pool
@@ -244,6 +250,24 @@ class CausalLM(nn.Module):
                 scope = f"model.layers.{idx}.{layer.mixer.hf_scope}"
                 loaders.update(layer.mixer.weight_loaders(scope, self.arch))
         return loaders
+
+    def quantized_tables(self) -> list[QuantizedWeight | KernelWeight]:
+        """The lookup tables kept in GGUF blocks (the embedding's; a family's own too)."""
+        return [] if self.embed_quantized is None else [self.embed_quantized]
+
+    def finalize_tables(self, quant: QuantKernels | None) -> None:
+        """Put the tables kept in GGUF blocks in the kernels' layout, once the linears are
+        (kernel_plan.apply_kernels): lookups then read the blocks, no dense table is kept."""
+        if self.embed_quantized is None:
+            return
+        head = self.lm_head.quantized_weights()
+        if self.arch.tie_word_embeddings and len(head) == 1:
+            self.embed_quantized = head[0]  # the LM head's (maybe tiled) copy: one in memory
+        else:
+            self.embed_quantized = kernel_weight(quant, self.embed_quantized)
+        self.embed_tokens = nn.Parameter(
+            self.embed_tokens.new_empty(0, self.arch.hidden_size), requires_grad=False
+        )
 
     def _load_embedding(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         if self.lm_head.round_to_q8_0 and not is_quantized(tensor):

@@ -60,7 +60,6 @@ from tokenbus.model.layers.quantized import (
     DequantBuffer,
     QuantizedLinearKernel,
     TileModes,
-    kernel_weight,
 )
 from tokenbus.model.lora import LoRABatch
 from tokenbus.model.mla import LatentAttention
@@ -286,7 +285,7 @@ def _finalize_weights(
     for the device and CPU, or dense_rows.c under batch invariance, whose rows never depend on
     each other), and the embedding's blocks; the quantized kernels, where weights use them."""
     linears = [module for module in model.modules() if isinstance(module, Linear)]
-    on_blocks = model.embed_quantized is not None or any(
+    on_blocks = bool(model.quantized_tables()) or any(
         linear.quantized or linear.backend == "gguf" for linear in linears
     )
     quant = load_quant_kernels(cpu) if on_blocks else None
@@ -294,15 +293,7 @@ def _finalize_weights(
     buffer = DequantBuffer()  # one scratch for all linears: they run one at a time
     for linear in linears:
         linear.finalize(backend, cpu, quant, buffer)
-    if model.embed_quantized is not None:  # lookups read the blocks: no dense table
-        head = model.lm_head.quantized_weights()
-        if model.arch.tie_word_embeddings and len(head) == 1:
-            model.embed_quantized = head[0]  # the LM head's (maybe tiled) copy: one in memory
-        else:
-            model.embed_quantized = kernel_weight(quant, model.embed_quantized)
-        model.embed_tokens = nn.Parameter(
-            model.embed_tokens.new_empty(0, model.arch.hidden_size), requires_grad=False
-        )
+    model.finalize_tables(quant)
     return quant
 
 

@@ -327,8 +327,8 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
         seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
     for module in model.modules():
         quantized = module.quantized_weights() if hasattr(module, "quantized_weights") else []
-        if getattr(module, "embed_quantized", None) is not None:
-            quantized.append(module.embed_quantized)
+        if hasattr(module, "quantized_tables"):  # embeddings kept in GGUF blocks
+            quantized += module.quantized_tables()
         for weight in quantized:
             seen[weight.data.data_ptr()] = weight.data.numel()
     return sum(seen.values())
