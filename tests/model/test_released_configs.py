@@ -351,3 +351,90 @@ def test_minicpm3_4b():
     assert (arch.rotary_dim, arch.mla_rope_interleaved) == (32, False)
     assert (arch.embedding_multiplier, arch.logits_scaling) == (12.0, 10.0)
     assert arch.residual_multiplier == pytest.approx(1.4 / math.sqrt(62))
+
+
+def _gemma3n(layers: int, width: int, shared: int) -> dict:
+    """Gemma 3n's released file (transformers 4.53's layout): the text model's config under
+    Gemma3nForConditionalGeneration, beside its vision and audio towers'."""
+    text = {
+        "model_type": "gemma3n_text",
+        "activation_sparsity_pattern": [0.95] * 10 + [0.0] * (layers - 10),
+        "altup_active_idx": 0,
+        "altup_coef_clip": 120.0,
+        "altup_correct_scale": True,
+        "altup_num_inputs": 4,
+        "final_logit_softcapping": 30.0,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2048,
+        "hidden_size_per_layer_input": 256,
+        "intermediate_size": [width] * layers,
+        "laurel_rank": 64,
+        "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 8,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": 2,
+        "num_kv_shared_layers": shared,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": 512,
+        "vocab_size": 262400,
+        "vocab_size_per_layer_input": 262144,
+    }
+    text["layer_types"] = text["layer_types"] * (layers // 5)
+    return {
+        "architectures": ["Gemma3nForConditionalGeneration"],
+        "model_type": "gemma3n",
+        "text_config": text,
+        "vision_config": {"model_type": "gemma3n_vision"},
+        "audio_config": {"model_type": "gemma3n_audio"},
+    }
+
+
+@pytest.mark.parametrize(
+    "layers, width, shared", [(30, 8192, 10), (35, 16384, 15)], ids=["E2B", "E4B"]
+)
+def test_gemma3n(layers, width, shared):
+    """Gemma 3n E2B and E4B: twenty layers hold K/V (as llama.cpp's n_layer_kv_from_start),
+    the rest read layer 18's (local) and 19's (global); the first ten MLPs sparse at 0.95."""
+    arch = arch_from_hf_config(_gemma3n(layers, width, shared), PATH)
+    assert (arch.architecture, arch.intermediate_size, arch.num_kv_layers) == ("gemma3n", width, 20)
+    globals_ = {i for i in range(layers) if i % 5 == 4}
+    assert dict(arch.kv_shared_layers) == {
+        i: 19 if i in globals_ else 18 for i in range(20, layers)
+    }
+    assert arch.sliding_windows == tuple(None if i in globals_ else 512 for i in range(layers))
+    assert (arch.rope_theta, arch.rope_local_theta, arch.final_logit_softcapping) == (
+        1e6,
+        1e4,
+        30.0,
+    )
+    assert (arch.per_layer_input_size, arch.per_layer_vocab_size, arch.laurel_rank) == (
+        256,
+        262144,
+        64,
+    )
+    assert arch.activation_sparsity_std == (pytest.approx(1.6448536),) * 10 + (None,) * (
+        layers - 10
+    )
+    assert arch.tie_word_embeddings and arch.vocab_size == 262400
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (dict(intermediate_size=[8192] * 15 + [4096] * 15), "an MLP width per layer"),
+        (dict(altup_active_idx=1), "altup_active_idx must be 0"),
+        (dict(activation_sparsity_pattern=[0.95] * 3), "activation_sparsity_pattern"),
+        (dict(num_kv_shared_layers=29), "no earlier global layer"),
+    ],
+)
+def test_gemma3n_shapes_not_supported_are_named(edit, message):
+    config = _gemma3n(30, 8192, 10)
+    config["text_config"].update(edit)
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf_config(config, PATH)

@@ -53,6 +53,11 @@ from tokenbus.loader.deepseek_config import (
     joined_kv_b,
 )
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, ERNIE_GGUF_ARCHITECTURES
+from tokenbus.loader.gemma3n_config import (
+    GEMMA3N_GGUF,
+    GEMMA3N_GGUF_STACKED,
+    gemma3n_gguf_fields,
+)
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
     gemma_gguf_fields,
@@ -119,6 +124,7 @@ GGUF_ARCHITECTURES = (
     NEMOTRON_H_GGUF,
     *QWEN3_5_GGUF_ARCHITECTURES,
     *GEMMA_GGUF_ARCHITECTURES,
+    GEMMA3N_GGUF,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
 # ERNIE's, GLM-4's, Cohere's and Cohere2's too: their HF rows are interleaved already (GLM-4's in
@@ -224,6 +230,8 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     family: dict = {"hidden_act": "relu2" if arch == "arcee" else "silu"}
     if arch in GEMMA_GGUF_ARCHITECTURES:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
+    if arch == GEMMA3N_GGUF:
+        family = gemma3n_gguf_fields(meta, gf.tensors, gf.path)
     if arch == GPT_OSS_GGUF_ARCHITECTURE:
         family = gpt_oss_gguf_fields(meta, need("block_count"))
     if arch in COHERE_GGUF_ARCHITECTURES:
@@ -462,6 +470,11 @@ def iter_gguf_weights(
             v_b = gf.tensors[info.name.replace("attn_k_b", "attn_v_b")]
             kv_b = joined_kv_b(_dequantize(gf, info), _dequantize(gf, v_b))
             yield hf_weight_name(gf, info.name), torch.from_numpy(kv_b)
+            continue
+        if info.name in GEMMA3N_GGUF_STACKED:  # Gemma 3n's [3, H, H]: one HF linear each
+            stacked = torch.from_numpy(_dequantize(gf, info))
+            for i, matrix in enumerate(stacked):
+                yield f"{GEMMA3N_GGUF_STACKED[info.name]}.{i}.weight", matrix.contiguous()
             continue
         if parts[2:3] and parts[2] in _EXPERT_NAMES:
             yield from _expert_weights(gf, info, arch, keep_quantized)

@@ -13,6 +13,12 @@ from tokenbus.loader.deepseek_config import (
     DEEPSEEK_GGUF_BLOCK_NAMES,
     MLA_GGUF_BLOCK_NAMES,
 )
+from tokenbus.loader.gemma3n_config import (
+    GEMMA3N_GGUF,
+    GEMMA3N_GGUF_BLOCK_NAMES,
+    GEMMA3N_GGUF_GLOBAL_NAMES,
+    GEMMA3N_PARAMETER_NAMES,
+)
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF
@@ -92,6 +98,8 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
         "exp_probs_b": "mlp.moe_statics.e_score_correction_bias",
     },
     **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
+    # Gemma 3n: Gemma's norms, its AltUp, LAuReL and per-layer-input tensors
+    GEMMA3N_GGUF: {**_GEMMA_BLOCK_NAMES, **GEMMA3N_GGUF_BLOCK_NAMES},
     # Seed-OSS: its pre-MLP norm by Gemma's post-attention name
     "seed_oss": {"post_attention_norm": "post_attention_layernorm"},
     # MiniMax-M2: its router's bias under the MoE block (mlp. here, block_sparse_moe. at load)
@@ -117,6 +125,7 @@ _PARAMETER_NAMES = (
     "mlp.e_score_correction_bias",
     *MAMBA_PARAMETER_NAMES,
     *QWEN3_5_PARAMETER_NAMES,
+    *GEMMA3N_PARAMETER_NAMES,
 )
 
 
@@ -126,6 +135,8 @@ def hf_weight_name(gf: GGUFFile, name: str) -> str:
     arch = gf.metadata.get("general.architecture")
     lfm2 = arch in LFM2_GGUF_ARCHITECTURES
     global_names = {**_GLOBAL_NAMES, **(LFM2_GGUF_GLOBAL_NAMES if lfm2 else {})}
+    if arch == GEMMA3N_GGUF:
+        global_names.update(GEMMA3N_GGUF_GLOBAL_NAMES)
     if name in global_names:
         return global_names[name]
     block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}

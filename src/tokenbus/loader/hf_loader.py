@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from tokenbus.loader.cohere2_config import COHERE2_PATTERN
 from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES, deepseek_hf_fields
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, check_ernie, ernie_hf_moe_fields
+from tokenbus.loader.gemma3n_config import gemma3n_hf_fields
 from tokenbus.loader.gemma_config import (
     GEMMA_ARCHITECTURES,
     gemma3_hf_rope,
@@ -58,6 +59,7 @@ HF_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3nForCausalLM": "gemma3n",  # AltUp, per-layer inputs, LAuReL, shared K/V
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -102,6 +104,7 @@ _GLM4_NORMS = {
 # model_type -> ModelArch.architecture where they differ (Gemma 3's text model).
 HF_MODEL_TYPES = {
     "gemma3_text": "gemma3",
+    "gemma3n_text": "gemma3n",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5_moe",
     # the Qwen-VL text models: Qwen2's and Qwen3's layers, whose multimodal rotary (MRoPE) turns
@@ -190,6 +193,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     rope_config, local_theta = config, None
     if architecture == "gemma3":  # the global layers' rope; the local ones' base apart
         rope_config, family["rope_local_theta"] = gemma3_hf_rope(config, path)
+    if architecture == "gemma3n":  # the global layers' rope; the local ones' base in family
+        family, rope_config = gemma3n_hf_fields(config, path)
     if architecture == "olmo3":
         rope_config, local_theta = _olmo3_rope(config, path)
     if architecture == "gpt_oss":

@@ -131,17 +131,21 @@ class KernelPlan:
         sin: torch.Tensor,
         ctx: ForwardContext,
         q_scale: torch.Tensor | None = None,
+        carry: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """layers[:num_layers] over x [T, hidden]: (the last layer's output, the residual
         stream), for the model's final add-and-norm; `q_scale` each token's query scale
-        (CausalLM.query_scale) or None."""
-        step = self._decode_step(x, cos, sin, ctx, q_scale)
+        (CausalLM.query_scale) or None. Each layer takes and gives back two tensors: x and
+        the residual stream, None before the first layer; a family whose layers pass another
+        tensor along in the residual's place (Gemma 3n: its per-layer inputs) hands the first
+        layer that as `carry` (such layers never run in C)."""
+        step = None if carry is not None else self._decode_step(x, cos, sin, ctx, q_scale)
         connector = ctx.kv_connector
         if step is not None and connector is None:  # every layer in one C call
             residual = torch.empty_like(x)
             self.decode_layers.run_all(num_layers, step, ctx.kv_caches, x, residual)
             return x, residual
-        residual = None
+        residual = carry
         for layer_idx in range(num_layers):
             if connector is not None:
                 connector.wait_for_layer_load(layer_idx)

@@ -10,6 +10,7 @@ from tokenbus.model.deepseek import DeepseekForCausalLM
 from tokenbus.model.ernie import Ernie45MoeForCausalLM
 from tokenbus.model.exaone4 import Exaone4ForCausalLM
 from tokenbus.model.gemma import GemmaForCausalLM
+from tokenbus.model.gemma3n import Gemma3nForCausalLM
 from tokenbus.model.glm4 import Glm4ForCausalLM
 from tokenbus.model.glm4_moe import Glm4MoeForCausalLM
 from tokenbus.model.gpt_oss import GptOssForCausalLM
@@ -65,6 +66,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "gemma3n": Gemma3nForCausalLM,
+    "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,

@@ -133,7 +133,8 @@ def _attention_shards(
     """Attention's q/k/v (fused) and o projections; its q/k norms' loaders go to `loaders`."""
     if attn.qk_norm is QKNorm.HEADS:  # per head, the same on every rank
         for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
-            loaders[f"{prefix}self_attn.{name}.weight"] = partial(copy_param, norm.weight)
+            if norm is not None:  # a layer reading another's K/V has no k_norm (Gemma 3n's)
+                loaders[f"{prefix}self_attn.{name}.weight"] = partial(copy_param, norm.weight)
     q_rows = cut.head_rows(attn.num_heads * tp.rank, attn.num_heads)
     kv_rows = cut.head_rows(tp.kv_head_start(arch.num_key_value_heads), attn.num_kv_heads)
     if attn.qk_norm is QKNorm.WHOLE:  # over the whole projection: this rank's heads' part

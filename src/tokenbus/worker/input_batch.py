@@ -132,8 +132,8 @@ class InputBuffers:
         self.num_groups = num_groups
         self.layer_groups: tuple[int, ...] = ()
         if kv_groups is not None:
-            num_layers = sum(len(group.layers) for group in kv_groups.groups)
-            self.layer_groups = tuple(kv_groups.place(i)[0] for i in range(num_layers))
+            layers = range(kv_groups.num_layers)
+            self.layer_groups = tuple(kv_groups.place(i)[0] for i in layers)
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.staged = {

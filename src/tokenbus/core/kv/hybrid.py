@@ -71,6 +71,11 @@ class KVGroupLayout:
         return max(len(group.layers) for group in self.groups)
 
     @property
+    def num_layers(self) -> int:
+        """The decoder layers placed: the groups' and those reading another's K/V."""
+        return sum(len(group.layers) for group in self.groups) + len(self.shared)
+
+    @property
     def windows(self) -> tuple[int | None, ...]:
         return tuple(group.window for group in self.groups)
 
