@@ -48,6 +48,9 @@ from random_gguf_shapes import (  # benchmarks/ is sys.path[0] when run as a scr
     DEEPSEEK2,
     ERNIE_MOE,
     GEMMA,
+    GEMMA3N,
+    GEMMA3N_ALTUP,
+    GEMMA3N_LAUREL,
     GLM4_MOE,
     GPT_OSS,
     LFM2_MOE,
@@ -92,6 +95,9 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
     random), rope (F32 factors), decay (Mamba2's A)."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     q = shape.heads * shape.head_dim
+    if shape.architecture == GEMMA3N:
+        yield from _gemma3n(shape)
+        return
     yield "token_embd.weight", (shape.vocab, h), "matrix"
     if shape.llama3_rope:
         yield "rope_freqs.weight", (shape.head_dim // 2,), "rope"
@@ -149,6 +155,44 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
     yield final_norm + ".weight", (h,), "norm"
     if not shape.tied:
         yield "output.weight", (shape.vocab, h), "matrix"
+
+
+def _gemma3n(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """llama.cpp's Gemma3NModel's tensors: the per-layer table and projection, the AltUp
+    projections stacked [3, H, H], and each layer's attention (q/k norms), sandwich norms, MLP,
+    per-layer gate and projection, AltUp coefficients and router (F32, as the converter's small
+    tensors), LAuReL."""
+    h, p, n = shape.hidden, shape.per_layer_input, GEMMA3N_ALTUP
+    q, kv, d = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.head_dim
+    yield "token_embd.weight", (shape.vocab, h), "matrix"
+    yield "per_layer_token_embd.weight", (shape.vocab, shape.layers * p), "matrix"
+    yield "per_layer_model_proj.weight", (shape.layers * p, h), "matrix"
+    yield "per_layer_proj_norm.weight", (p,), "norm"
+    yield "altup_proj.weight", (n - 1, h, h), "matrix"
+    yield "altup_unembd_proj.weight", (n - 1, h, h), "matrix"
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", (h,), "norm"
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            yield b + name + ".weight", (rows, h), "matrix"
+        yield b + "attn_q_norm.weight", (d,), "norm"
+        yield b + "attn_k_norm.weight", (d,), "norm"
+        yield b + "attn_output.weight", (h, q), "matrix"
+        yield b + "post_attention_norm.weight", (h,), "norm"
+        yield b + "ffn_norm.weight", (h,), "norm"
+        yield from _mlp(b, shape, h, post_norms=True)
+        yield b + "inp_gate.weight", (p, h), "matrix"
+        yield b + "proj.weight", (h, p), "matrix"
+        yield b + "post_norm.weight", (h,), "norm"
+        yield b + "altup_correct_coef.weight", (n, n), "router"
+        yield b + "altup_correct_scale.weight", (h,), "norm"
+        yield b + "altup_predict_coef.weight", (n * n, n), "router"
+        yield b + "altup_router.weight", (n, h), "router"
+        yield b + "altup_router_norm.weight", (h,), "norm"
+        yield b + "laurel_l.weight", (GEMMA3N_LAUREL, h), "matrix"
+        yield b + "laurel_r.weight", (h, GEMMA3N_LAUREL), "matrix"
+        yield b + "laurel_post_norm.weight", (h,), "norm"
+    yield "output_norm.weight", (h,), "norm"
 
 
 def _mamba2(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -348,6 +392,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         writer.add_expert_weights_norm(True)
     if shape.architecture == DEEPSEEK2:  # llama.cpp's DeepseekV2Model (V2's softmax router)
         _write_latent_attention_header(writer, shape)
+    if shape.architecture == GEMMA3N:
+        _write_gemma3n_header(writer, shape)
     if shape.architecture == ERNIE_MOE:  # llama.cpp's Ernie4_5MoeModel
         writer.add_leading_dense_block_count(shape.dense_lead)
         writer.add_interleave_moe_layer_step(1)
@@ -382,6 +428,20 @@ def _write_latent_attention_header(writer: GGUFWriter, shape: ModelShape) -> Non
     writer.add_expert_weights_scale(1.0)
     writer.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
     writer.add_rope_scaling_yarn_log_mul(0.1 * 0.707)  # 0.1 x mscale_all_dim
+
+
+def _write_gemma3n_header(writer: GGUFWriter, shape: ModelShape) -> None:
+    """Gemma3NModel.set_gguf_parameters' keys beyond the shared ones."""
+    local = [i % 5 != 4 for i in range(shape.layers)]  # four local layers, then a global one
+    sparse = 1.6448536  # the 0.95 quantile of a normal
+    writer.add_sliding_window_pattern(local)
+    writer.add_rope_freq_base_swa(10000.0)
+    writer.add_altup_active_idx(0)
+    writer.add_altup_num_inputs(GEMMA3N_ALTUP)
+    writer.add_embedding_length_per_layer_input(shape.per_layer_input)
+    writer.add_shared_kv_layers(shape.kv_shared)
+    scales = [sparse] * shape.sparse_layers + [-math.inf] * (shape.layers - shape.sparse_layers)
+    writer.add_activation_sparsity_scale(scales)
 
 
 def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:

@@ -28,6 +28,11 @@ MINIMAX_M2 = "minimax-m2"
 # DeepSeek-V2/V3: latent attention (attn_q or attn_q_a/_norm/_b, attn_kv_a_mqa, attn_kv_a_norm,
 # attn_k_b, attn_v_b), leading dense layers, then experts beside an ungated shared MLP
 DEEPSEEK2 = "deepseek2"
+# Gemma 3n: Gemma 3's attention (q/k norms; four local layers, then a global) and sandwich norms,
+# four AltUp streams, LAuReL of rank 64, per-layer inputs (per_layer_token_embd), the last
+# kv_shared layers without K/V of their own
+GEMMA3N = "gemma3n"
+GEMMA3N_ALTUP, GEMMA3N_LAUREL = 4, 64
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,11 @@ class ModelShape:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    # Gemma 3n: per-layer inputs of per_layer_input values a layer; the last kv_shared layers
+    # read earlier layers' K/V; the first sparse_layers MLPs sparse at 0.95
+    per_layer_input: int = 0
+    kv_shared: int = 0
+    sparse_layers: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -245,6 +255,16 @@ CONFIGS = {
         experts=16, experts_used=6, expert_intermediate=1408, shared_intermediate=2816,
         dense_lead=1, head_dim_override=576, yarn=(40.0, 4096), kv_lora_rank=512,
         qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+    ),
+    # Gemma 3n E2B: 2048 wide, 30 layers of 8 / 2 heads of 256 (four local layers of 512, then
+    # a global one), GeGLU of 8192, a 262k vocabulary, tied; per-layer inputs of 256 from a
+    # 262k x 30 x 256 table, four AltUp streams, LAuReL of 64, the first ten MLPs sparse, the
+    # last ten layers reading layers 18's and 19's K/V: 4.4 B parameters stored (2 B of them
+    # the per-layer table, read a row per token), 2 B read per token.
+    "gemma-3n-e2b": ModelShape(
+        GEMMA3N, 2048, 30, 8, 2, 8192, 262400, 1000000.0, 32768, 1e-6, True,
+        head_dim_override=256, qk_norm=True, sliding_window=512, final_softcap=30.0,
+        per_layer_input=256, kv_shared=10, sparse_layers=10,
     ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,

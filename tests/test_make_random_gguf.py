@@ -167,6 +167,7 @@ def test_the_real_configs_have_the_published_sizes():
     # DeepSeek-V2-Lite: 15.7 B parameters over its 27 layers of 64 experts
     full = dataclasses.replace(make_random_gguf.CONFIGS["deepseek-v2-lite-16e"], experts=64)
     assert 15.7e9 < _num_params(full) < 15.71e9
+    assert 4.4e9 < params["gemma-3n-e2b"] < 4.5e9  # 2 B of them the per-layer table
 
 
 def test_lfm2_is_written_as_llama_cpps(tmp_path):
@@ -454,3 +455,30 @@ def test_deepseek_v2_is_written_as_llama_cpps(tmp_path):
     assert arch.rope_scaling["mscale_all_dim"] == pytest.approx(0.707)
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     assert model.layers[1].self_attn.w_uk.shape == (4, 32, 64)
+
+
+def test_gemma3n_is_written_as_llama_cpps(tmp_path):
+    """Per-layer inputs (their table and projection), the AltUp projections stacked, each
+    layer's AltUp, LAuReL and per-layer tensors, the last layers reading earlier layers' K/V,
+    the first MLPs sparse: read back by the loader and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("gemma-3n-e2b"),
+        layers=10,
+        head_dim_override=32,
+        per_layer_input=16,
+        kv_shared=5,
+        sparse_layers=2,
+    )
+    path = make_random_gguf.write_random_gguf("g", tmp_path / "g.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert (arch.architecture, arch.num_kv_layers, arch.per_layer_input_size) == ("gemma3n", 5, 16)
+    assert dict(arch.kv_shared_layers) == {5: 3, 6: 3, 7: 3, 8: 3, 9: 4}
+    assert arch.activation_sparsity_std == (pytest.approx(1.6448536),) * 2 + (None,) * 8
+    assert (arch.rope_local_theta, arch.final_logit_softcapping, arch.laurel_rank) == (
+        10000.0,
+        30.0,
+        64,
+    )
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.embed_tokens_per_layer.shape == (SMOLLM2_VOCAB + 64, 10 * 16)
