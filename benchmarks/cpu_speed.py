@@ -86,19 +86,21 @@ def read_rate(gib: int = 1, repeats: int = 3, seconds: float = 4.0) -> tuple[flo
 
 
 def streamed_bytes(gguf: Path) -> float:
-    """Bytes of weights a decoded token reads: every tensor but token_embd (a row of it), which
-    is read whole where it is also the LM head (no output tensor); of an MoE layer's expert
-    tensors (*_exps), the share its top-k experts hold."""
+    """Bytes of weights a decoded token reads: every tensor but the lookup tables it reads a
+    row of, token_embd (read whole where it is also the LM head: no output tensor) and Gemma
+    3n's per-layer table; of an MoE layer's expert tensors (*_exps), the share its top-k
+    experts hold."""
     file = read_gguf(gguf)
     arch = file.metadata.get("general.architecture", "")
     experts = file.metadata.get(f"{arch}.expert_count")
     used = file.metadata.get(f"{arch}.expert_used_count")
     share = used / experts if experts and used else 1.0
     tied = "output.weight" not in file.tensors
+    lookups = {"per_layer_token_embd.weight", *(() if tied else ("token_embd.weight",))}
     return sum(
         t.nbytes * (share if "_exps." in name else 1.0)
         for name, t in file.tensors.items()
-        if tied or name != "token_embd.weight"
+        if name not in lookups
     )
 
 
