@@ -1,8 +1,10 @@
-"""DeepSeek-V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM) and GLM-4.7-Flash
-(Glm4MoeLiteForCausalLM) end to end against HF transformers, fp32 on CPU: tiny random models
-with multi-head latent attention (V2-Lite's shape under YaRN without a query bottleneck; V3's and
-GLM-4.7-Flash's with one), a dense first layer, then experts routed by softmax (V2) or by sigmoid
-score + a bias (V3: within the best 2 of 4 groups), and a shared MLP. From safetensors and from
+"""DeepSeek-V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM), GLM-4.7-Flash
+(Glm4MoeLiteForCausalLM) and Mistral Small 4 (Mistral4ForCausalLM) end to end against HF
+transformers, fp32 on CPU: tiny random models with multi-head latent attention (V2-Lite's shape
+under YaRN without a query bottleneck; the others' with one), a dense first layer, then experts
+routed by softmax (V2; Mistral 4's within the best 2 of 4 groups) or by sigmoid score + a bias
+(V3: within the best 2 of 4 groups), and a shared MLP; Mistral 4's queries scaled by Llama 4's
+temperature past every 16th position. From safetensors and from
 GGUFs written as llama.cpp's deepseek2 converter writes them (kv_b_proj split in two), they give
 HF's greedy tokens and logprobs through prefix-cache hits and 32-token chunks, on both attention
 backends, on two tensor-parallel ranks, and on Q8_0 blocks with every decode step in C; the
@@ -29,12 +31,13 @@ from tests.fixtures.tiny_models import cached_tiny_model, with_an_mtp_layer
 
 MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32")
-FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
 # (scoring, renormalised, routed scale, groups, kept groups, query bottleneck) per family
 ROUTERS = {
     "deepseek_v2": ("softmax", False, 1.5, 1, 1, 0),
     "deepseek_v3": ("sigmoid", True, 2.5, 4, 2, 32),
     "glm4_moe_lite": ("sigmoid", True, 1.8, 1, 1, 32),
+    "mistral4": ("softmax", True, 1.5, 4, 2, 32),
 }
 
 
@@ -84,9 +87,11 @@ def test_greedy_tokens_and_logprobs_are_hf_s(
     )
     assert arch.routed_scaling_factor == pytest.approx(scale)
     assert (arch.q_lora_rank, arch.moe_selection_bias) == (q_lora_rank, scoring == "sigmoid")
-    assert (arch.rope_scaling or {}).get("mscale_all_dim") == (
-        pytest.approx(0.707) if family == "deepseek_v2" else None
-    )
+    mscale = {"deepseek_v2": pytest.approx(0.707), "mistral4": pytest.approx(1.0)}.get(family)
+    assert (arch.rope_scaling or {}).get("mscale_all_dim") == mscale
+    # Mistral 4's query temperature: beta 0.1 over the YaRN's original context (a GGUF's keys)
+    temperature = (pytest.approx(0.1), 16) if family == "mistral4" else None
+    assert arch.attn_temperature == temperature
     assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS, attention_backend=backend)
 
 

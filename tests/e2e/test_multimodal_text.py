@@ -1,5 +1,5 @@
 """The text model of image-and-text checkpoints (Gemma3ForConditionalGeneration,
-Mistral3ForConditionalGeneration with a Mistral or a Ministral 3 text model,
+Mistral3ForConditionalGeneration with a Mistral, a Ministral 3 or a Mistral 4 text model,
 Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration and
 Qwen2_5_VLForConditionalGeneration), end to end against HF transformers, fp32 on CPU: tiny random
 checkpoints with a vision tower give the HF model's greedy tokens and logprobs for text prompts
@@ -57,8 +57,10 @@ def _mistral3(path, text_type: str = "mistral"):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     text = {**TEXT, "model_type": text_type, "sliding_window": None}
-    if text_type == "ministral3":  # Ministral 3: YaRN and its query temperature
-        text.update(ARCH_DEFAULTS["ministral3"])
+    if text_type in ("ministral3", "mistral4"):  # YaRN and a query temperature; Mistral 4's
+        text.update(ARCH_DEFAULTS[text_type])  # latent attention and experts
+    if text_type == "mistral4":
+        del text["sliding_window"]
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         image_size=28, patch_size=14, head_dim=16,
@@ -105,13 +107,17 @@ def _qwen2_5_vl(path):
 
 @pytest.fixture(
     scope="module",
-    params=["gemma3", "mistral3", "mistral3-ministral3", "qwen3_5", "qwen3_vl", "qwen2_5_vl"],
+    params=[
+        *("gemma3", "mistral3", "mistral3-ministral3", "mistral3-mistral4"),
+        *("qwen3_5", "qwen3_vl", "qwen2_5_vl"),
+    ],
 )
 def checkpoint(request, tmp_path_factory):
     make = {
         "gemma3": _gemma3,
         "mistral3": _mistral3,
         "mistral3-ministral3": lambda path: _mistral3(path, "ministral3"),
+        "mistral3-mistral4": lambda path: _mistral3(path, "mistral4"),
         "qwen3_5": _qwen3_5,
         "qwen3_vl": _qwen3_vl,
         "qwen2_5_vl": _qwen2_5_vl,

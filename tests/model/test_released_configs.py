@@ -438,3 +438,29 @@ def test_gemma3n_shapes_not_supported_are_named(edit, message):
     config["text_config"].update(edit)
     with pytest.raises(ValueError, match=message):
         arch_from_hf_config(config, PATH)
+
+
+def test_mistral_small_4():
+    """Mistral Small 4 (119B-2603): Mistral3ForConditionalGeneration around a mistral4 text
+    model whose config class's defaults are the released values: DeepSeek-V3's latent attention
+    (a cache of 256 + 64 a token and layer), 128 experts of 2048 (4 a token, by softmax) and a
+    shared one, YaRN x128 over 8192, and Llama 4's query temperature (beta 0.1 over 8192)."""
+    config = {
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "model_type": "mistral3",
+        "text_config": {"model_type": "mistral4"},
+        "vision_config": {"model_type": "pixtral"},
+    }
+    arch = arch_from_hf_config(config, PATH)
+    assert (arch.architecture, arch.num_hidden_layers, arch.hidden_size) == ("mistral4", 36, 4096)
+    assert (arch.num_key_value_heads, arch.head_dim, arch.rotary_dim) == (1, 320, 64)
+    assert (arch.q_lora_rank, arch.qk_nope_head_dim, arch.v_head_dim) == (1024, 64, 128)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (
+        128,
+        4,
+        2048,
+    )
+    assert (arch.moe_scoring, arch.moe_selection_bias, arch.dense_layers) == ("softmax", False, ())
+    assert arch.shared_expert_intermediate_size == 2048
+    assert arch.attn_temperature == (0.1, 8192)
+    assert (arch.rope_scaling["rope_type"], arch.rope_scaling["factor"]) == ("yarn", 128.0)

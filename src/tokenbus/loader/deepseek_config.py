@@ -1,6 +1,7 @@
-"""DeepSeek-V2/V3 shapes (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM;
-L2, no torch): what their config.json and llama.cpp's `deepseek2` GGUF say beyond a Llama's.
-hf_loader / gguf_loader join these ModelArch fields to the rest.
+"""DeepSeek-V2/V3 shapes (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM,
+Mistral4ForCausalLM; L2, no torch): what their config.json and llama.cpp's `deepseek2` (and
+`mistral4`) GGUF say beyond a Llama's. hf_loader / gguf_loader join these ModelArch fields to
+the rest.
 
 - Attention: multi-head latent attention (model/mla.py). The cache holds one KV head of
   kv_lora_rank + qk_rope_head_dim values a token (head_dim here; llama.cpp's key_length, with
@@ -17,6 +18,9 @@ hf_loader / gguf_loader join these ModelArch fields to the rest.
   k never renormalised (transformers drops `norm_topk_prob`), scaled by routed_scaling_factor;
   its `group_limited_greedy` (each group scored by its best expert) is refused. DeepSeek-V3 and
   GLM-4.7-Flash route as GLM-4.5 (loader/glm4_moe_config.py): sigmoid, bias, groups.
+- Mistral Small 4 (`mistral4`): DeepSeek-V3's layers, routed by a softmax within the best
+  groups (no bias), renormalised, and Llama 4's query temperature (hf_loader reads its
+  `llama_4_scaling_beta`); llama.cpp writes it as `mistral4`, deepseek2's tensors and keys.
 - Multi-token-prediction layers after the model's are not read (V3's layer 61,
   GLM-4.7-Flash's 47; a deepseek2 GGUF counts them in block_count where nextn_predict_layers
   says so).
@@ -30,7 +34,9 @@ from typing import Any
 import numpy as np
 
 DEEPSEEK_GGUF = "deepseek2"
-DEEPSEEK_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+MISTRAL4_GGUF = "mistral4"  # deepseek2's tensors and keys under its own name
+DEEPSEEK_GGUF_ARCHITECTURES = (DEEPSEEK_GGUF, MISTRAL4_GGUF)
+DEEPSEEK_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
 # llama.cpp's deepseek2 tensor names (blk.N.<gguf>) as HF's under model.layers.N (attn_k_b and
 # attn_v_b, its split of kv_b_proj, are joined back at load: joined_kv_b)
 MLA_GGUF_BLOCK_NAMES = {  # the latent attention's (MiniCPM3's too)
@@ -50,7 +56,7 @@ DEEPSEEK_GGUF_BLOCK_NAMES = {
     "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
 # The leading dense layers where a config names none (transformers' defaults)
-_FIRST_DENSE = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe_lite": 1}
+_FIRST_DENSE = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe_lite": 1, "mistral4": 0}
 # transformers' DeepseekV3TopkRouter keeps the renormalising sum off 0 by this much
 _NORM_EPS = 1e-20
 # llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType)
@@ -82,10 +88,11 @@ def deepseek_hf_fields(config: dict[str, Any], path: Path, architecture: str) ->
         dict(moe_scoring="softmax", norm_topk_prob=False)
         if v2
         else dict(
-            moe_scoring="sigmoid",
+            # Mistral 4's: a softmax, no bias (its Mistral4TopkRouter)
+            moe_scoring="softmax" if architecture == "mistral4" else "sigmoid",
             moe_norm_eps=_NORM_EPS,
             norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-            moe_selection_bias=True,  # e_score_correction_bias: in every checkpoint
+            moe_selection_bias=architecture != "mistral4",  # V3's e_score_correction_bias
             moe_groups=int(config.get("n_group") or 1),
             moe_topk_groups=int(config.get("topk_group") or 1),
         )
@@ -110,12 +117,12 @@ def deepseek_hf_fields(config: dict[str, Any], path: Path, architecture: str) ->
 
 
 def deepseek_gguf_fields(
-    meta: dict[str, Any], tensors: dict[str, Any], path: Path
+    meta: dict[str, Any], tensors: dict[str, Any], path: Path, arch: str = DEEPSEEK_GGUF
 ) -> dict[str, Any]:
-    """ModelArch fields of a deepseek2 GGUF beyond the shared ones and the MoE ones
-    (gguf_moe_fields.py): its attention's shapes and its router; our architecture by the
-    router (DeepSeek-V2's softmax, V3's sigmoid: llama.cpp writes both as deepseek2)."""
-    arch = DEEPSEEK_GGUF
+    """ModelArch fields of a deepseek2 (or mistral4) GGUF beyond the shared ones and the MoE
+    ones (gguf_moe_fields.py): its attention's shapes and its router; a deepseek2's
+    architecture by the router (DeepSeek-V2's softmax, V3's sigmoid: llama.cpp writes both as
+    deepseek2)."""
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in meta:
@@ -136,25 +143,28 @@ def deepseek_gguf_fields(
     blocks, nextn = int(need("block_count")), int(meta.get(f"{arch}.nextn_predict_layers", 0))
     if not 0 <= nextn < blocks:
         raise ValueError(f"{path}: {arch}.nextn_predict_layers {nextn} of {blocks} blocks")
+    ours = "deepseek_v3" if gating == 2 else "deepseek_v2"
     return dict(
         q_lora_rank=int(meta.get(f"{arch}.attention.q_lora_rank", 0)),
         kv_lora_rank=kv_lora_rank,
         qk_nope_head_dim=qk_head_dim - rope,
         v_head_dim=int(need("attention.value_length_mla")),
-        architecture="deepseek_v3" if gating == 2 else "deepseek_v2",
+        architecture="mistral4" if arch == MISTRAL4_GGUF else ours,
         attention_bias="blk.0.attn_kv_a_mqa.bias" in tensors,
         num_hidden_layers=blocks - nextn,
         mla_rope_interleaved=True,  # llama.cpp's NORM rope, on the checkpoint's layout
         moe_scoring=_GGUF_SCORINGS[gating],
-        moe_norm_eps=_NORM_EPS if gating == 2 else 0.0,
+        moe_norm_eps=_NORM_EPS if gating == 2 or arch == MISTRAL4_GGUF else 0.0,
         routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale") or 1.0),
     )
 
 
-def deepseek_gguf_yarn(scaling: dict[str, Any] | None, meta: dict[str, Any]) -> dict | None:
-    """A deepseek2 GGUF's YaRN: llama.cpp reads its yarn_log_multiplier as 0.1 * the config's
-    mscale_all_dim, and takes mscale equal to it (so cos/sin are unscaled)."""
-    log_multiplier = float(meta.get(f"{DEEPSEEK_GGUF}.rope.scaling.yarn_log_multiplier", 0.0))
+def deepseek_gguf_yarn(
+    scaling: dict[str, Any] | None, meta: dict[str, Any], arch: str = DEEPSEEK_GGUF
+) -> dict | None:
+    """A deepseek2 (mistral4) GGUF's YaRN: llama.cpp reads its yarn_log_multiplier as 0.1 *
+    the config's mscale_all_dim, and takes mscale equal to it (so cos/sin are unscaled)."""
+    log_multiplier = float(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0))
     if scaling is None or scaling.get("rope_type") != "yarn" or not log_multiplier:
         return scaling
     mscale = log_multiplier / _GGUF_LOG_MULTIPLIER_SCALE

@@ -47,7 +47,8 @@ from tokenbus.loader.cohere2_config import (
 )
 from tokenbus.loader.deepseek_config import (
     DEEPSEEK_ARCHITECTURES,
-    DEEPSEEK_GGUF,
+    DEEPSEEK_GGUF_ARCHITECTURES,
+    MISTRAL4_GGUF,
     deepseek_gguf_fields,
     deepseek_gguf_yarn,
     joined_kv_b,
@@ -114,7 +115,7 @@ GGUF_ARCHITECTURES = (
     "arcee",
     GLM4_MOE_GGUF,
     MINIMAX_M2_GGUF,
-    DEEPSEEK_GGUF,
+    *DEEPSEEK_GGUF_ARCHITECTURES,
     MINICPM3_GGUF,
     "mistral3",
     *COHERE_GGUF_ARCHITECTURES,
@@ -142,7 +143,8 @@ _PERMUTED_QK_ARCHITECTURES = (
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
 _PARTIAL_ROTARY_ARCHITECTURES = (
-    *("phi3", "glm4", GLM4_MOE_GGUF, MINIMAX_M2_GGUF, DEEPSEEK_GGUF, MINICPM3_GGUF),
+    *("phi3", "glm4", GLM4_MOE_GGUF, MINIMAX_M2_GGUF, MINICPM3_GGUF),
+    *DEEPSEEK_GGUF_ARCHITECTURES,
     *QWEN3_5_GGUF_ARCHITECTURES,
 )
 # Architectures whose block_count counts multi-token-prediction blocks after the model's: those
@@ -276,9 +278,11 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family.update(glm4_moe_gguf_fields(meta, gf.tensors, gf.path))
     if arch == MINIMAX_M2_GGUF:
         family.update(minimax_m2_gguf_fields(meta, gf.path))
-    if arch == DEEPSEEK_GGUF:
-        family.update(deepseek_gguf_fields(meta, gf.tensors, gf.path))
-        rope_scaling = deepseek_gguf_yarn(rope_scaling, meta)
+    if arch in DEEPSEEK_GGUF_ARCHITECTURES:
+        family.update(deepseek_gguf_fields(meta, gf.tensors, gf.path, arch))
+        rope_scaling = deepseek_gguf_yarn(rope_scaling, meta, arch)
+    if arch == MISTRAL4_GGUF and meta.get(f"{arch}.attention.temperature_scale"):
+        family["attn_temperature"] = _attn_temperature(gf, arch)
     if arch == MINICPM3_GGUF:  # the latent cache's shape in place of the heads'
         family.update(minicpm3_gguf_fields(meta, gf.path))
         head_dim, rotary_dim = family.pop("head_dim"), family.pop("rotary_dim")
@@ -361,9 +365,12 @@ def _rope_scaling(gf: GGUFFile, arch: str) -> dict | None:
 
 
 def _attn_temperature(gf: GGUFFile, arch: str) -> tuple[float, int]:
-    """llama.cpp's Llama 4 temperature (Ministral 3): its scale, over the YaRN's original
-    context, as llama.cpp floors the positions by it."""
-    length = gf.metadata.get(f"{arch}.rope.scaling.original_context_length")
+    """llama.cpp's Llama 4 temperature (Ministral 3, Mistral 4): its scale, over the length it
+    floors the positions by (`attention.temperature_length` where the file has one, as
+    deepseek2's graph reads; else the YaRN's original context)."""
+    length = gf.metadata.get(f"{arch}.attention.temperature_length") or gf.metadata.get(
+        f"{arch}.rope.scaling.original_context_length"
+    )
     if not length:
         raise ValueError(
             f"{gf.path}: {arch}.attention.temperature_scale needs "

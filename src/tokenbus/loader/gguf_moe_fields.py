@@ -4,7 +4,7 @@ router's renormalising, selection bias and groups."""
 
 from __future__ import annotations
 
-from tokenbus.loader.deepseek_config import DEEPSEEK_GGUF
+from tokenbus.loader.deepseek_config import DEEPSEEK_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
@@ -13,7 +13,7 @@ from tokenbus.loader.minimax_m2_config import MINIMAX_M2_GGUF
 
 # Architectures whose router renormalises only where expert_weights_norm says (and whose
 # shared MLP is ungated)
-_NORM_WHERE_TOLD = (GLM4_MOE_GGUF, DEEPSEEK_GGUF)
+_NORM_WHERE_TOLD = (GLM4_MOE_GGUF, *DEEPSEEK_GGUF_ARCHITECTURES)
 
 
 def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
@@ -27,7 +27,8 @@ def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     own_width = (
         *("qwen3moe", "qwen3vlmoe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE),
         "lfm2moe",
-        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF, MINIMAX_M2_GGUF, DEEPSEEK_GGUF),
+        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF, MINIMAX_M2_GGUF),
+        *DEEPSEEK_GGUF_ARCHITECTURES,
     )
     if not num_experts:
         if arch in (*own_width, "olmoe", "granitemoe"):
@@ -39,13 +40,13 @@ def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
         shared = shared or int(meta.get(f"{arch}.feed_forward_length", 0))
     if arch in (GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next"):  # Granite 4.0-H's ungated
         shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
-    if arch in (GLM4_MOE_GGUF, DEEPSEEK_GGUF):  # expert_shared_count experts' width (n_ff_shexp)
+    if arch in _NORM_WHERE_TOLD:  # expert_shared_count experts' width (n_ff_shexp)
         width = int(meta.get(f"{arch}.expert_feed_forward_length", 0))
         shared = width * int(meta.get(f"{arch}.expert_shared_count", 0))
     shexp = (
         *("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next"),
         GLM4_MOE_GGUF,
-        DEEPSEEK_GGUF,
+        *DEEPSEEK_GGUF_ARCHITECTURES,
     )
     for name, info in gf.tensors.items():
         if "_shexp" in name and arch not in shexp:

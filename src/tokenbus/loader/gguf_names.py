@@ -9,7 +9,7 @@ own.
 from __future__ import annotations
 
 from tokenbus.loader.deepseek_config import (
-    DEEPSEEK_GGUF,
+    DEEPSEEK_GGUF_ARCHITECTURES,
     DEEPSEEK_GGUF_BLOCK_NAMES,
     MLA_GGUF_BLOCK_NAMES,
 )
@@ -104,7 +104,8 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     "seed_oss": {"post_attention_norm": "post_attention_layernorm"},
     # MiniMax-M2: its router's bias under the MoE block (mlp. here, block_sparse_moe. at load)
     MINIMAX_M2_GGUF: {"exp_probs_b": "mlp.e_score_correction_bias"},
-    DEEPSEEK_GGUF: DEEPSEEK_GGUF_BLOCK_NAMES,  # latent attention, GLM-4.5's MoE
+    # latent attention, GLM-4.5's MoE (Mistral 4's too)
+    **{arch: DEEPSEEK_GGUF_BLOCK_NAMES for arch in DEEPSEEK_GGUF_ARCHITECTURES},
     MINICPM3_GGUF: MLA_GGUF_BLOCK_NAMES,  # latent attention, a dense MLP
     # GLM-4.5: its pre-MLP norm by Gemma's post-attention name (as gpt-oss's), an ungated
     # shared MLP (as ERNIE's), the router's bias

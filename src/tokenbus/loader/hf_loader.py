@@ -78,6 +78,7 @@ HF_ARCHITECTURES = {
     "MiniMaxM2ForCausalLM": "minimax_m2",  # OLMo 2's q/k norms, sigmoid-routed experts
     "DeepseekV2ForCausalLM": "deepseek_v2",  # latent attention, softmax-routed experts
     "DeepseekV3ForCausalLM": "deepseek_v3",  # V2's attention, GLM-4.5's router
+    "Mistral4ForCausalLM": "mistral4",  # V3's layers, a softmax router, a query temperature
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's layers
     "MiniCPM3ForCausalLM": "minicpm3",  # latent attention, muP's scales
     "CohereForCausalLM": "cohere",  # Command R, Aya 23, Aya Expanse: Cohere2's block, global
@@ -199,8 +200,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         rope_config, local_theta = _olmo3_rope(config, path)
     if architecture == "gpt_oss":
         family = gpt_oss_hf_fields(config)
-    if architecture == "ministral3":
-        rope_config, family["attn_temperature"] = _ministral3_temperature(config, path)
+    if architecture in ("ministral3", "mistral4"):
+        rope_config, family["attn_temperature"] = _llama4_temperature(config, path)
     if architecture == "lfm2":
         family = lfm2_hf_fields(config, path)
     if architecture == "lfm2_moe":
@@ -213,8 +214,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if architecture == "minimax_m2":
         rope_config = minimax_m2_partial_rotary(config)
         family = minimax_m2_hf_fields(config, path)
-    if architecture in DEEPSEEK_ARCHITECTURES:
-        family = deepseek_hf_fields(config, path, architecture)
+    if architecture in DEEPSEEK_ARCHITECTURES:  # Mistral 4's temperature kept
+        family.update(deepseek_hf_fields(config, path, architecture))
     if architecture == "minicpm3":
         family = minicpm3_hf_fields(config, path)
     if architecture == "granitemoehybrid":  # its Mamba2 layers, where it has some
@@ -412,15 +413,18 @@ def _olmo3_rope(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], flo
     return {**config, "rope_theta": theta}, theta
 
 
-def _ministral3_temperature(
+def _llama4_temperature(
     config: dict[str, Any], path: Path
 ) -> tuple[dict[str, Any], tuple[float, int] | None]:
-    """Ministral 3's rope_parameters without its `llama_4_scaling_beta` (and the copy of
-    max_position_embeddings kept there), and that query temperature: (beta, the YaRN's
-    original context), as Ministral3Attention reads them; None without a beta."""
+    """Ministral 3's and Mistral 4's rope_parameters without their `llama_4_scaling_beta` (and
+    the copy of max_position_embeddings kept there; Mistral 4's latent attention turns its
+    qk_rope_head_dim, which its partial_rotary_factor restates), and that query temperature:
+    (beta, the YaRN's original context), as their attention reads them; None without a beta."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     beta = params.pop("llama_4_scaling_beta", None)
     params.pop("max_position_embeddings", None)
+    if _architecture(config, path) == "mistral4":
+        params.pop("partial_rotary_factor", None)
     rope_config = {**config, "rope_parameters": params, "rope_scaling": None}
     if not beta:
         return rope_config, None

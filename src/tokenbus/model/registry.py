@@ -86,6 +86,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,  # V2's attention, GLM-4.5's router
     "glm4_moe_lite": DeepseekForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's layers
+    "mistral4": DeepseekForCausalLM,  # Mistral Small 4: V3's layers, a query temperature
     "minicpm3": MiniCPM3ForCausalLM,
     "cohere": Cohere2ForCausalLM,  # Cohere2's block, every layer global with a rotary
     "cohere2": Cohere2ForCausalLM,
@@ -108,6 +109,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
+    "Mistral4ForCausalLM": DeepseekForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "CohereForCausalLM": Cohere2ForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
