@@ -148,6 +148,7 @@ def _steps(
         ("llama", "Q6_K", "int8", torch.float32),
         ("qwen3", "Q8_0", "auto", torch.float32),  # qwen3: q/k norms in C, head_dim 128
         ("qwen3", "Q4_0", "int8", torch.uint8),
+        ("hunyuan_v1_dense", "Q8_0", "auto", torch.float32),  # q/k norms after the rotary
         # a mix as Q4_K_M's: q/k/v and gate/up each shards of two types (Q4_K, Q6_K)
         ("llama", q4_k_m_mix, "auto", torch.float32),
         ("llama", q4_k_m_mix, "q8_k", torch.float32),  # AVX-512 VNNI only

@@ -464,3 +464,26 @@ def test_mistral_small_4():
     assert arch.shared_expert_intermediate_size == 2048
     assert arch.attn_temperature == (0.1, 8192)
     assert (arch.rope_scaling["rope_type"], arch.rope_scaling["factor"]) == ("yarn", 128.0)
+
+
+def test_hunyuan_7b():
+    """Hunyuan-7B's kind in transformers 4's layout: its rope labelled "dynamic" with an NTK
+    alpha of 1000 is a fixed base, 10000 * 1000 ** (128 / 126), unscaled from then on."""
+    config = {
+        "architectures": ["HunYuanDenseV1ForCausalLM"],
+        "model_type": "hunyuan_v1_dense",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128167,
+        "max_position_embeddings": 32768,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"},
+        "rms_norm_eps": 1e-05,
+    }
+    arch = arch_from_hf_config(config, PATH)
+    assert (arch.architecture, arch.head_dim, arch.rope_scaling) == ("hunyuan_v1_dense", 128, None)
+    assert arch.rope_theta == pytest.approx(10000.0 * 1000.0 ** (128 / 126))

@@ -72,6 +72,7 @@ from tokenbus.loader.gpt_oss_config import (
     GPT_OSS_STOP_TOKENS,
     gpt_oss_gguf_fields,
 )
+from tokenbus.loader.hunyuan_config import HUNYUAN_GGUF
 from tokenbus.loader.layer_kinds import (
     EXAONE4_PATTERN,
     OLMO3_PATTERN,
@@ -126,6 +127,7 @@ GGUF_ARCHITECTURES = (
     *QWEN3_5_GGUF_ARCHITECTURES,
     *GEMMA_GGUF_ARCHITECTURES,
     GEMMA3N_GGUF,
+    HUNYUAN_GGUF,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
 # ERNIE's, GLM-4's, Cohere's and Cohere2's too: their HF rows are interleaved already (GLM-4's in
@@ -331,6 +333,7 @@ def _our_architecture(gguf_arch: str, moe: dict, window: bool) -> str:
         GRANITE_HYBRID_GGUF: "granitemoehybrid",
         "lfm2moe": "lfm2_moe",
         GLM4_MOE_GGUF: "glm4_moe",
+        HUNYUAN_GGUF: "hunyuan_v1_dense",
         MINIMAX_M2_GGUF: "minimax_m2",
         COHERE_GGUF: "cohere",
         **_QWEN_VL_TEXT_GGUF,

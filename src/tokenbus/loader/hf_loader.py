@@ -23,6 +23,7 @@ from tokenbus.loader.gemma_config import (
 from tokenbus.loader.glm4_moe_config import glm4_moe_hf_fields
 from tokenbus.loader.gpt_oss_config import GPT_OSS_PATTERN, gpt_oss_hf_fields
 from tokenbus.loader.granite_hybrid_config import granite_hybrid_hf_fields
+from tokenbus.loader.hunyuan_config import hunyuan_rope
 from tokenbus.loader.layer_kinds import (
     EXAONE4_PATTERN,
     OLMO3_PATTERN,
@@ -52,6 +53,7 @@ HF_ARCHITECTURES = {
     "Ministral3ForCausalLM": "ministral3",  # Ministral 3: Mistral, YaRN, a query temperature
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",  # Qwen3's layers, q/k normed after the rotary
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
@@ -198,6 +200,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family, rope_config = gemma3n_hf_fields(config, path)
     if architecture == "olmo3":
         rope_config, local_theta = _olmo3_rope(config, path)
+    if architecture == "hunyuan_v1_dense":  # its NTK alpha: a fixed, stretched base
+        rope_config = hunyuan_rope(config, path)
     if architecture == "gpt_oss":
         family = gpt_oss_hf_fields(config)
     if architecture in ("ministral3", "mistral4"):

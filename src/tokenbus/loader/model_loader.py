@@ -22,6 +22,7 @@ from tokenbus.loader.hf_loader import (
     read_json,
     safetensors_files,
 )
+from tokenbus.loader.hunyuan_config import hunyuan_norm_names
 from tokenbus.loader.lfm2_config import lfm2_names
 from tokenbus.loader.multimodal_config import is_multimodal, text_model_weights
 from tokenbus.loader.mxfp4 import gpt_oss_experts
@@ -60,6 +61,8 @@ def iter_weights(
             weights = glm4_norm_names(weights)
         if arch.architecture in ("lfm2", "lfm2_moe"):
             weights = lfm2_names(weights)
+        if arch.architecture == "hunyuan_v1_dense":
+            weights = hunyuan_norm_names(weights)
         if arch.architecture in ERNIE_ARCHITECTURES:
             weights = without_mtp(weights)
         if arch.architecture in QWEN3_5_ARCHITECTURES:

@@ -48,7 +48,8 @@ class Attention(OpsModule):
     [R, T, 1, D/2], and this layer reads row `rope_table`; None: one table [T, 1, D/2].
     `output_gate` (arch.attn_output_gate, Qwen3.5's): qkv_proj projects a gate per query
     channel too (a fourth shard, `gate_proj`), and the heads' output is scaled by its sigmoid
-    before o_proj.
+    before o_proj. `qk_norm_after_rope` (a family sets it: HunYuan's): the QKNorm.HEADS norms
+    come after the rotary instead of before it.
 
     A family's subclass only configures these (model/gemma.py's: scale, soft-cap, norms); the
     computation is this forward, which decode_layer.c mirrors
@@ -83,6 +84,7 @@ class Attention(OpsModule):
             whole = qk_norm is QKNorm.WHOLE
             self.q_norm = norm(q_size if whole else arch.head_dim, arch.rms_norm_eps)
             self.k_norm = norm(kv_size if whole else arch.head_dim, arch.rms_norm_eps)
+        self.qk_norm_after_rope = False
         self.logit_softcap: float | None = None  # a family's scores soft-cap (model/gemma.py)
         # A family's attention sinks (model/gpt_oss.py): [this rank's query heads] fp32, one
         # logit per head joining its softmax's denominator with no value; None: none.
@@ -109,16 +111,16 @@ class Attention(OpsModule):
             width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             qkv, gate = qkv[:, :width].contiguous(), qkv[:, width:]
         qkv = qkv.view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
-        if self.qk_norm is QKNorm.HEADS:
-            self.ops.head_rms_norm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
-            self.ops.head_rms_norm_(
-                qkv, self.num_heads, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps
-            )
+        heads_normed = self.qk_norm is QKNorm.HEADS
+        if heads_normed and not self.qk_norm_after_rope:
+            self._head_norms_(qkv, qkv[:, self.num_heads :])
         elif self.qk_norm is QKNorm.WHOLE:
             flat, q_size = qkv.view(num_tokens, -1), self.num_heads * self.head_dim
             self._whole_norm_(flat, 0, q_size, self.q_norm)
             self._whole_norm_(flat, q_size, self.num_kv_heads * self.head_dim, self.k_norm)
         q, k, v = self.ops.rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        if heads_normed and self.qk_norm_after_rope:
+            self._head_norms_(q, k)
         if q_scale is not None:
             q.mul_(q_scale)  # q is a view of this call's fresh qkv
         out = paged_attention(
@@ -138,6 +140,12 @@ class Attention(OpsModule):
             out = out * torch.sigmoid(gate)
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
         return self.tp.all_reduce(self.o_proj(out))
+
+    def _head_norms_(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """q_norm over each of q's first num_heads heads and k_norm over each of k's first
+        num_kv_heads, in place ([T, H, D] each: views of the step's qkv, or the rotary's)."""
+        self.ops.head_rms_norm_(q, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
+        self.ops.head_rms_norm_(k, 0, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps)
 
     def _whole_norm_(self, flat: torch.Tensor, start: int, width: int, norm: RMSNorm) -> None:
         """RMSNorm of columns [start, start + width) of flat [T, N], in place, over the whole

@@ -420,6 +420,7 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         _norm_weight(attn.q_norm),
         _norm_weight(attn.k_norm),
         qk_norm_whole=attn.qk_norm is QKNorm.WHOLE,
+        qk_norm_after_rope=attn.qk_norm_after_rope,
         moe=moe,
         window=attn.sliding_window,
         softcap=attn.logit_softcap,

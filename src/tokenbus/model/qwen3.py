@@ -5,6 +5,10 @@ differ from hidden_size / num_attention_heads.
 
 Its sliding-window layers (`use_sliding_window`, on the layers of `layer_types`) attend within
 their window (ModelArch.sliding_windows), as Qwen2's.
+
+HunYuan dense (`hunyuan_v1_dense`) is these layers with the q/k norms after the rotary
+(Attention.qk_norm_after_rope; decode_layer.c too), its rope base stretched by NTK alpha at load
+(loader/hunyuan_config.py).
 """
 
 from __future__ import annotations
@@ -19,4 +23,5 @@ class Qwen3ForCausalLM(CausalLM):
     def make_layer(self, arch: ModelArch, tp: TensorParallel) -> DecoderLayer:
         bias = arch.attention_bias
         attention = Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=QKNorm.HEADS)
+        attention.qk_norm_after_rope = arch.architecture == "hunyuan_v1_dense"
         return DecoderLayer(arch, attention, GatedMLP(arch, tp))

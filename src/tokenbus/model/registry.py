@@ -45,6 +45,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "ministral3": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "hunyuan_v1_dense": Qwen3ForCausalLM,  # Qwen3's layers, q/k normed after the rotary
+    "HunYuanDenseV1ForCausalLM": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
     "granite": GraniteForCausalLM,

@@ -443,9 +443,10 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
         goto attended;
     }
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
-    if (w->q_norm) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
+    if (w->q_norm && !w->qk_norm_after_rope) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
     const int64_t table = w->rope_table * s->rope_stride;
     k->rope(qkv, qkv_n, T, s->cos + table, s->sin + table, hq + hkv, D, s->rotary_dim, threads);
+    if (w->q_norm && w->qk_norm_after_rope) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
     if (s->q_scale) /* after the rotary, as CausalLM.query_scale's multiply */
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < hq * D; i++) qkv[t * qkv_n + i] *= s->q_scale[t];

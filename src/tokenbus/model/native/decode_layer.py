@@ -127,6 +127,7 @@ class _Layer(ctypes.Structure):
         ("q_norm", _PTR),
         ("k_norm", _PTR),
         ("qk_norm_whole", _I64),
+        ("qk_norm_after_rope", _I64),
         ("eps", _F32),
         ("scale", _F32),
         ("hidden", _I64),
@@ -358,6 +359,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     qk_norm_whole: bool = False
+    qk_norm_after_rope: bool = False  # HunYuan's: the heads normed after the rotary
     moe: MoeWeights | None = None
     window: int | None = None  # a sliding window (decoder.Attention.sliding_window); None: all
     softcap: float | None = None  # the scores' soft-cap (decoder.Attention.logit_softcap)
@@ -395,6 +397,7 @@ class LayerWeights:
             None if self.q_norm is None else self.q_norm.data_ptr(),
             None if self.k_norm is None else self.k_norm.data_ptr(),
             int(self.qk_norm_whole),
+            int(self.qk_norm_after_rope),
             self.eps,
             self.scale,
             self.qkv.cols,

@@ -152,6 +152,7 @@ typedef struct {
     const float *post_attn_norm, *post_mlp_norm;
     const float *q_norm, *k_norm; /* [head_dim] each: an RMSNorm of every q / k head before the rotary; NULL: none */
     int64_t qk_norm_whole; /* 1: q_norm / k_norm are [Hq * D] / [Hkv * D] instead, each token's heads normed at once (OLMo 2's) */
+    int64_t qk_norm_after_rope; /* 1: the q / k heads are normed after the rotary instead (HunYuan's) */
     float eps, scale;
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: an expert's, under moe */
     int64_t window; /* a sliding window: each query sees its last `window` keys; 0: all */
