@@ -39,6 +39,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tokenbus.loader.apertus_config import APERTUS_GGUF, apertus_gguf_xielu
 from tokenbus.loader.cohere2_config import (
     COHERE2_GGUF_EPS_KEY,
     COHERE_GGUF,
@@ -128,6 +129,7 @@ GGUF_ARCHITECTURES = (
     *GEMMA_GGUF_ARCHITECTURES,
     GEMMA3N_GGUF,
     HUNYUAN_GGUF,
+    APERTUS_GGUF,
 )
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel's `permute`).
 # ERNIE's, GLM-4's, Cohere's and Cohere2's too: their HF rows are interleaved already (GLM-4's in
@@ -229,9 +231,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     for info in gf.tensors.values():  # refused here, before any weight is read
         check_qtype(gf, info)
     rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    # llama.cpp's arcee graph squares a ReLU (LLM_FFN_RELU_SQR); every other family here gates
-    # by SiLU but Gemma's (gemma_gguf_fields)
-    family: dict = {"hidden_act": "relu2" if arch == "arcee" else "silu"}
+    # llama.cpp's arcee graph squares a ReLU (LLM_FFN_RELU_SQR), apertus's takes xIELU; every
+    # other family here gates by SiLU but Gemma's (gemma_gguf_fields)
+    family: dict = {"hidden_act": {"arcee": "relu2", APERTUS_GGUF: "xielu"}.get(arch, "silu")}
     if arch in GEMMA_GGUF_ARCHITECTURES:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
     if arch == GEMMA3N_GGUF:
@@ -464,9 +466,12 @@ def iter_gguf_weights(
     gf: GGUFFile, arch: ModelArch, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (HF name, weight) for every tensor with q/k un-permuted: an fp32 tensor, or with
-    keep_quantized a QuantizedWeight for each matrix of a KERNEL_QTYPES type."""
+    keep_quantized a QuantizedWeight for each matrix of a KERNEL_QTYPES type; Apertus's xIELU
+    parameters, from metadata, as its tensors."""
     import torch
 
+    if arch.architecture == "apertus":
+        yield from apertus_gguf_xielu(gf.metadata, arch.num_hidden_layers)
     for info in gf.tensors.values():
         if info.name in _ROPE_TENSORS:
             continue

@@ -75,6 +75,7 @@ HF_ARCHITECTURES = {
     "Glm4ForCausalLM": "glm4",
     "SeedOssForCausalLM": "seed_oss",  # Seed-OSS: Llama's layers, q/k/v biases
     "ArceeForCausalLM": "arcee",  # AFM-4.5B: Llama's layers, ReLU² MLPs without a gate
+    "ApertusForCausalLM": "apertus",  # Qwen3's q/k norms, xIELU MLPs without a gate
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
     "SolarOpenForCausalLM": "solar_open",  # GLM-4.5's MoE under Llama's attention
     "MiniMaxM2ForCausalLM": "minimax_m2",  # OLMo 2's q/k norms, sigmoid-routed experts
@@ -164,6 +165,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
             raise ValueError(f"{path}: attention_out_bias=true is not supported for seed_oss")
     if architecture == "arcee":  # ArceeConfig's default
         config = {"hidden_act": "relu2", **config}
+    if architecture == "apertus":  # ApertusConfig's default
+        config = {"hidden_act": "xielu", **config}
     if architecture == "nemotron_h":  # its layer count is its block list's (transformers')
         config = {**config, "num_hidden_layers": len(nemotron_h_kinds(config, path))}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from tokenbus.loader.apertus_config import apertus_norm_names
 from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, without_mtp
 from tokenbus.loader.gguf_file import read_gguf
@@ -63,6 +64,8 @@ def iter_weights(
             weights = lfm2_names(weights)
         if arch.architecture == "hunyuan_v1_dense":
             weights = hunyuan_norm_names(weights)
+        if arch.architecture == "apertus":
+            weights = apertus_norm_names(weights)
         if arch.architecture in ERNIE_ARCHITECTURES:
             weights = without_mtp(weights)
         if arch.architecture in QWEN3_5_ARCHITECTURES:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenbus.model.apertus import ApertusForCausalLM
 from tokenbus.model.arcee import ArceeForCausalLM
 from tokenbus.model.cohere2 import Cohere2ForCausalLM
 from tokenbus.model.deepseek import DeepseekForCausalLM
@@ -82,6 +83,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "glm4": Glm4ForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "arcee": ArceeForCausalLM,
+    "apertus": ApertusForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "solar_open": Glm4MoeForCausalLM,  # its layers are GLM-4.5's without the extras
     "minimax_m2": MiniMaxM2ForCausalLM,
@@ -105,6 +107,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "SeedOssForCausalLM": LlamaForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
+    "ApertusForCausalLM": ApertusForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "SolarOpenForCausalLM": Glm4MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
