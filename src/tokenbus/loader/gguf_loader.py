@@ -68,7 +68,12 @@ from tokenbus.loader.gguf_file import GGUFFile, GGUFTensorInfo, string_ids
 from tokenbus.loader.gguf_moe_fields import gguf_moe_fields
 from tokenbus.loader.gguf_names import hf_weight_name
 from tokenbus.loader.gguf_rope import ROPE_TENSORS, attn_temperature, gguf_rope_scaling
-from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF, glm4_moe_gguf_fields
+from tokenbus.loader.glm4_moe_config import (
+    DOTS1_GGUF,
+    GLM4_MOE_GGUF,
+    dots1_gguf_fields,
+    glm4_moe_gguf_fields,
+)
 from tokenbus.loader.gpt_oss_config import (
     GPT_OSS_GGUF_ARCHITECTURE,
     GPT_OSS_STOP_TOKENS,
@@ -117,6 +122,7 @@ GGUF_ARCHITECTURES = (
     "seed_oss",
     "arcee",
     GLM4_MOE_GGUF,
+    DOTS1_GGUF,
     MINIMAX_M2_GGUF,
     *DEEPSEEK_GGUF_ARCHITECTURES,
     MINICPM3_GGUF,
@@ -271,6 +277,8 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family.update(qwen3_5_gguf_fields(meta, arch, gf.path))
     if arch == GLM4_MOE_GGUF:
         family.update(glm4_moe_gguf_fields(meta, gf.tensors, gf.path))
+    if arch == DOTS1_GGUF:
+        family.update(dots1_gguf_fields(meta, gf.path))
     if arch == MINIMAX_M2_GGUF:
         family.update(minimax_m2_gguf_fields(meta, gf.path))
     if arch in DEEPSEEK_GGUF_ARCHITECTURES:
@@ -441,7 +449,7 @@ _HF_EXPERT_NAMES = {
     "lfm2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    **{name: ("mlp", ("gate_proj", "up_proj", "down_proj")) for name in ("glm4_moe", "dots1")},
     "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
     **{name: ("mlp", ("gate_proj", "up_proj", "down_proj")) for name in DEEPSEEK_ARCHITECTURES},
 }

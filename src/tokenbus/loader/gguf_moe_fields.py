@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from tokenbus.loader.deepseek_config import DEEPSEEK_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
-from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF
+from tokenbus.loader.glm4_moe_config import DOTS1_GGUF, GLM4_MOE_GGUF
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
 from tokenbus.loader.mamba_config import GRANITE_HYBRID_GGUF
 from tokenbus.loader.minimax_m2_config import MINIMAX_M2_GGUF
 
 # Architectures whose router renormalises only where expert_weights_norm says (and whose
 # shared MLP is ungated)
-_NORM_WHERE_TOLD = (GLM4_MOE_GGUF, *DEEPSEEK_GGUF_ARCHITECTURES)
+_NORM_WHERE_TOLD = (GLM4_MOE_GGUF, DOTS1_GGUF, *DEEPSEEK_GGUF_ARCHITECTURES)
 
 
 def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
@@ -27,7 +27,7 @@ def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     own_width = (
         *("qwen3moe", "qwen3vlmoe", "qwen2moe", "ernie4_5-moe", GPT_OSS_GGUF_ARCHITECTURE),
         "lfm2moe",
-        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF, MINIMAX_M2_GGUF),
+        *("qwen35moe", "qwen3next", GLM4_MOE_GGUF, MINIMAX_M2_GGUF, DOTS1_GGUF),
         *DEEPSEEK_GGUF_ARCHITECTURES,
     )
     if not num_experts:
@@ -46,6 +46,7 @@ def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
     shexp = (
         *("qwen2moe", "ernie4_5-moe", GRANITE_HYBRID_GGUF, "qwen35moe", "qwen3next"),
         GLM4_MOE_GGUF,
+        DOTS1_GGUF,
         *DEEPSEEK_GGUF_ARCHITECTURES,
     )
     for name, info in gf.tensors.items():

@@ -21,7 +21,7 @@ from tokenbus.loader.gemma3n_config import (
 )
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
-from tokenbus.loader.glm4_moe_config import GLM4_MOE_GGUF
+from tokenbus.loader.glm4_moe_config import DOTS1_GGUF, DOTS1_GGUF_BLOCK_NAMES, GLM4_MOE_GGUF
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
 from tokenbus.loader.lfm2_config import (
     LFM2_GGUF_ARCHITECTURES,
@@ -102,6 +102,7 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     GEMMA3N_GGUF: {**_GEMMA_BLOCK_NAMES, **GEMMA3N_GGUF_BLOCK_NAMES},
     # Seed-OSS: its pre-MLP norm by Gemma's post-attention name
     "seed_oss": {"post_attention_norm": "post_attention_layernorm"},
+    DOTS1_GGUF: DOTS1_GGUF_BLOCK_NAMES,  # GLM-4.5's shared MLP and router bias, Llama's norms
     # MiniMax-M2: its router's bias under the MoE block (mlp. here, block_sparse_moe. at load)
     MINIMAX_M2_GGUF: {"exp_probs_b": "mlp.e_score_correction_bias"},
     # latent attention, GLM-4.5's MoE (Mistral 4's too)

@@ -19,6 +19,10 @@ gguf_loader join these ModelArch fields to the rest.
 - Solar Open (SolarOpenForCausalLM, Upstage's 102B-A12B) is GLM-4.5's MoE in every layer under
   Llama's attention (no biases, no q/k norms, the whole head turning), without MTP layers or a
   dense width; llama.cpp writes it as glm4moe.
+- dots.llm1 (Dots1ForCausalLM, rednote's 142B-A14B) is GLM-4.5's MoE under Qwen3's attention
+  (per-head q/k norms always, the whole head turning; its windows as Qwen2's `max_window_layers`
+  or `layer_types` say), its transformers defaults no dense layer and no renormalising; llama.cpp
+  writes it as `dots1` (Qwen2-MoE's keys, the pre-MLP norm as ffn_norm).
 - A glm4moe GGUF: expert_shared_count experts' width for the shared MLP, expert_weights_scale
   and expert_weights_norm (off where absent, as llama.cpp reads it), expert_gating_func 2
   (sigmoid; absent means the same to llama.cpp), the router's bias as exp_probs_b; the groups
@@ -38,33 +42,50 @@ _GGUF_SIGMOID = 2
 # DeepSeek-V3's router keeps the renormalising sum off 0 by this much (Glm4MoeTopkRouter)
 _NORM_EPS = 1e-20
 _ROUTER = dict(moe_scoring="sigmoid", moe_norm_eps=_NORM_EPS)
-_CLASSES = {False: "Glm4MoeForCausalLM", True: "SolarOpenForCausalLM"}
+DOTS1_GGUF = "dots1"
+# (HF class, the leading dense layers' and norm_topk_prob's transformers defaults) by family
+_FAMILIES = {
+    "glm4_moe": ("Glm4MoeForCausalLM", 1, True),
+    "solar_open": ("SolarOpenForCausalLM", 0, True),
+    "dots1": ("Dots1ForCausalLM", 0, False),
+}
+# dots.llm1's GGUF: the shared MLP and the router's bias under GLM-4.5's HF names
+DOTS1_GGUF_BLOCK_NAMES = {
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
+}
 
 
-def glm4_moe_hf_fields(config: dict[str, Any], path: Path, solar: bool = False) -> dict[str, Any]:
-    """ModelArch fields of a Glm4MoeForCausalLM config (`solar`: a SolarOpenForCausalLM one)
-    beyond the shared ones."""
+def glm4_moe_hf_fields(
+    config: dict[str, Any], path: Path, family: str = "glm4_moe"
+) -> dict[str, Any]:
+    """ModelArch fields of a Glm4MoeForCausalLM config (a SolarOpenForCausalLM or
+    Dots1ForCausalLM one: `family`) beyond the shared ones."""
+    name, first_dense, renormalised = _FAMILIES[family]
     for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
         if not config.get(key):
-            raise ValueError(f"{path}: a {_CLASSES[solar]} config needs {key!r}")
+            raise ValueError(f"{path}: a {name} config needs {key!r}")
     num_layers = int(config["num_hidden_layers"])
     width = int(config["moe_intermediate_size"])
     shared = width * int(config.get("n_shared_experts") or 0)
-    dense = 0 if solar else int(config.get("first_k_dense_replace", 1))
+    solar = family == "solar_open"
+    dense = 0 if solar else int(config.get("first_k_dense_replace", first_dense))
     return dict(
         # Solar Open has no dense MLP: the shared expert's width stands in (Qwen3.5-MoE's way)
         intermediate_size=int(config.get("intermediate_size") or shared or width),
         num_experts=int(config["n_routed_experts"]),
         num_experts_per_tok=int(config["num_experts_per_tok"]),
         moe_intermediate_size=width,
-        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        norm_topk_prob=bool(config.get("norm_topk_prob", renormalised)),
         dense_layers=tuple(range(min(dense, num_layers))),
         shared_expert_intermediate_size=shared,
         shared_expert_gated=False,
         moe_selection_bias=True,  # e_score_correction_bias: in every checkpoint
         moe_groups=int(config.get("n_group") or 1),
         moe_topk_groups=int(config.get("topk_group") or 1),
-        attn_qk_norm=not solar and bool(config.get("use_qk_norm", False)),
+        attn_qk_norm=family == "dots1" or (not solar and bool(config.get("use_qk_norm", False))),
         **_ROUTER,
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
     )
@@ -95,6 +116,21 @@ def glm4_moe_gguf_fields(
         attn_qk_norm="blk.0.attn_q_norm.weight" in tensors,
         **_ROUTER,
         routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale", 1.0)),
+    )
+
+
+def dots1_gguf_fields(meta: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelArch fields of a dots1 GGUF beyond the shared MoE ones: its router (DeepSeek-V3's
+    sigmoid, whatever else the file says is refused), its q/k norms."""
+    gating = meta.get(f"{DOTS1_GGUF}.expert_gating_func", _GGUF_SIGMOID)
+    if gating != _GGUF_SIGMOID:
+        raise ValueError(
+            f"{path}: {DOTS1_GGUF}.expert_gating_func must be 2 (sigmoid), got {gating!r}"
+        )
+    return dict(
+        attn_qk_norm=True,
+        **_ROUTER,
+        routed_scaling_factor=float(meta.get(f"{DOTS1_GGUF}.expert_weights_scale", 1.0)),
     )
 
 

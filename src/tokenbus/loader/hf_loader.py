@@ -78,6 +78,7 @@ HF_ARCHITECTURES = {
     "ApertusForCausalLM": "apertus",  # Qwen3's q/k norms, xIELU MLPs without a gate
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: DeepSeek-V3's router, NeoX's rotary
     "SolarOpenForCausalLM": "solar_open",  # GLM-4.5's MoE under Llama's attention
+    "Dots1ForCausalLM": "dots1",  # GLM-4.5's MoE under Qwen3's attention
     "MiniMaxM2ForCausalLM": "minimax_m2",  # OLMo 2's q/k norms, sigmoid-routed experts
     "DeepseekV2ForCausalLM": "deepseek_v2",  # latent attention, softmax-routed experts
     "DeepseekV3ForCausalLM": "deepseek_v3",  # V2's attention, GLM-4.5's router
@@ -216,8 +217,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if architecture == "glm4_moe":  # half of each head turns unless the config says otherwise
         rope_config = {"partial_rotary_factor": 0.5, **config}
         family = glm4_moe_hf_fields(config, path)
-    if architecture == "solar_open":
-        family = glm4_moe_hf_fields(config, path, solar=True)
+    if architecture in ("solar_open", "dots1"):
+        family = glm4_moe_hf_fields(config, path, architecture)
     if architecture == "minimax_m2":
         rope_config = minimax_m2_partial_rotary(config)
         family = minimax_m2_hf_fields(config, path)
@@ -503,7 +504,7 @@ def _sliding_windows(
         window = None
     windowed = (
         *("mistral", "ministral", "ministral3", "mixtral", "phi3", "olmo3", "gpt_oss"),
-        *("cohere2", "exaone4"),
+        *("cohere2", "exaone4", "dots1"),
         *gated,
     )
     if architecture not in windowed or not window:

@@ -10,7 +10,9 @@ layers.
 - The multi-token-prediction layers after the model's are not read (loader/glm4_moe_config.py).
 
 Solar Open (SolarOpenForCausalLM) is served here too: every layer GLM-4.5's MoE, its attention
-without biases or q/k norms, the whole head turning (its config says so; the class is the same).
+without biases or q/k norms, the whole head turning (its config says so; the class is the same);
+and dots.llm1 (Dots1ForCausalLM): GLM-4.5's MoE under Qwen3's attention (q/k norms, the whole
+head turning; an attention bias, where its config asks, on o_proj too).
 """
 
 from __future__ import annotations
@@ -27,4 +29,5 @@ class Glm4MoeForCausalLM(MoECausalLM):
 
     def make_attention(self, arch: ModelArch, tp: TensorParallel) -> Attention:
         qk_norm = QKNorm.HEADS if arch.attn_qk_norm else QKNorm.NONE
-        return Attention(arch, tp, qkv_bias=arch.attention_bias, o_bias=False, qk_norm=qk_norm)
+        o_bias = arch.attention_bias and arch.architecture == "dots1"  # Qwen3's
+        return Attention(arch, tp, qkv_bias=arch.attention_bias, o_bias=o_bias, qk_norm=qk_norm)

@@ -86,6 +86,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "apertus": ApertusForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "solar_open": Glm4MoeForCausalLM,  # its layers are GLM-4.5's without the extras
+    "dots1": Glm4MoeForCausalLM,  # GLM-4.5's MoE under Qwen3's attention
     "minimax_m2": MiniMaxM2ForCausalLM,
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,  # V2's attention, GLM-4.5's router
@@ -110,6 +111,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "ApertusForCausalLM": ApertusForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "SolarOpenForCausalLM": Glm4MoeForCausalLM,
+    "Dots1ForCausalLM": Glm4MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
