@@ -180,6 +180,33 @@ def prompts_with_a_shared_prefix(seed: int, lengths: tuple[int, int] = (1, 50)) 
     return random_prompts(3, *lengths, seed=seed + 1) + [prefix + tail for tail in tails]
 
 
+def family_fixtures(
+    arch: str, prompt_seed: int, max_tokens: int, lengths: tuple[int, int] = (1, 50), **overrides
+):
+    """A family's three module-scoped fixtures: its tiny model (`hf_dir`: cached_tiny_model of
+    `arch` with `overrides`), prompts_with_a_shared_prefix(prompt_seed, lengths) (`prompts`)
+    and HF's greedy tokens and logprobs for them (`hf_reference`). A test module binds them:
+
+        hf_dir, prompts, hf_reference = family_fixtures("arcee", 79, MAX_TOKENS)
+    """
+    from tests.fixtures.tiny_models import cached_tiny_model
+
+    @pytest.fixture(scope="module", name="hf_dir")
+    def hf_dir_fixture():
+        return cached_tiny_model(arch, **overrides)
+
+    @pytest.fixture(scope="module", name="prompts")
+    def prompts_fixture():
+        return prompts_with_a_shared_prefix(prompt_seed, lengths)
+
+    @pytest.fixture(scope="module", name="hf_reference")
+    def hf_reference_fixture(hf_dir, prompts):
+        hf = load_hf(str(hf_dir))
+        return [hf_greedy_logprobs(hf, prompt, max_tokens) for prompt in prompts]
+
+    return hf_dir_fixture, prompts_fixture, hf_reference_fixture
+
+
 def assert_family_matches_hf(path, prompts, reference, max_tokens: int, **engine) -> None:
     """The model at `path` (safetensors or GGUF), fp32 with prefix caching and 32-token chunks,
     gives HF's greedy tokens and logprobs (`reference`: hf_greedy_logprobs per prompt), hits the

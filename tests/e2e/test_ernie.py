@@ -10,9 +10,7 @@ import pytest
 
 from tests.e2e.oracle import (
     assert_family_matches_hf,
-    hf_greedy_logprobs,
-    load_hf,
-    prompts_with_a_shared_prefix,
+    family_fixtures,
 )
 from tests.e2e.utils import assert_engine_clean, make_llm
 from tests.fixtures.tiny_gguf import write_gguf
@@ -20,22 +18,10 @@ from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def hf_dir():
-    return cached_tiny_model("ernie4_5", tie_word_embeddings=True)  # as ERNIE-4.5-0.3B
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return prompts_with_a_shared_prefix(51)
-
-
-@pytest.fixture(scope="module")
-def hf_reference(hf_dir, prompts):
-    hf = load_hf(str(hf_dir))
-    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+# tied, as ERNIE-4.5-0.3B
+hf_dir, prompts, hf_reference = family_fixtures(
+    "ernie4_5", 51, MAX_TOKENS, tie_word_embeddings=True
+)
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])

@@ -12,30 +12,12 @@ import pytest
 from tests.e2e.oracle import (
     assert_c_layers_match_dequantized,
     assert_family_matches_hf,
-    hf_greedy_logprobs,
-    load_hf,
-    prompts_with_a_shared_prefix,
+    family_fixtures,
 )
 from tests.fixtures.tiny_gguf import write_gguf
-from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def hf_dir():
-    return cached_tiny_model("glm4")
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return prompts_with_a_shared_prefix(71)
-
-
-@pytest.fixture(scope="module")
-def hf_reference(hf_dir, prompts):
-    hf = load_hf(str(hf_dir))
-    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+hf_dir, prompts, hf_reference = family_fixtures("glm4", 71, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])

@@ -19,30 +19,14 @@ from tests.e2e.oracle import (
     LOGPROB_ATOL,
     assert_c_layers_match_dequantized,
     assert_family_matches_hf,
+    family_fixtures,
     hf_greedy_logprobs,
     load_hf,
-    prompts_with_a_shared_prefix,
 )
 from tests.fixtures.tiny_gguf import write_gguf
-from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def hf_dir():
-    return cached_tiny_model("ministral3")
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return prompts_with_a_shared_prefix(81, (20, 60))
-
-
-@pytest.fixture(scope="module")
-def hf_reference(hf_dir, prompts):
-    hf = load_hf(str(hf_dir))
-    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+hf_dir, prompts, hf_reference = family_fixtures("ministral3", 81, MAX_TOKENS, (20, 60))
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])

@@ -11,10 +11,8 @@ import pytest
 from tests.e2e.oracle import (
     assert_blocks_match_dequantized,
     assert_matches_hf,
+    family_fixtures,
     greedy_outputs,
-    hf_greedy_logprobs,
-    load_hf,
-    prompts_with_a_shared_prefix,
 )
 from tests.e2e.utils import assert_engine_clean, assert_rows_follow_requests, make_llm
 from tests.fixtures.tiny_gguf import write_gguf
@@ -22,22 +20,7 @@ from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32", max_num_batched_tokens=32)
-
-
-@pytest.fixture(scope="module")
-def hf_dir():
-    return cached_tiny_model("nemotron_h")
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return prompts_with_a_shared_prefix(401, (1, 60))
-
-
-@pytest.fixture(scope="module")
-def hf_reference(hf_dir, prompts):
-    hf = load_hf(str(hf_dir))
-    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+hf_dir, prompts, hf_reference = family_fixtures("nemotron_h", 401, MAX_TOKENS, (1, 60))
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])
