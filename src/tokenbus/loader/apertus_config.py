@@ -18,21 +18,12 @@ if TYPE_CHECKING:
     import torch
 
 APERTUS_GGUF = "apertus"
-_NORM_NAMES = {
+# its layer norms under the pre-norm layer's names
+APERTUS_NORM_NAMES = {
     "attention_layernorm": "input_layernorm",
     "feedforward_layernorm": "post_attention_layernorm",
 }
 _XIELU = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}  # HF's shapes
-
-
-def apertus_norm_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """Apertus's layer norms under the pre-norm layer's names."""
-    for name, tensor in weights:
-        scope, _, leaf = name.rpartition(".")  # model.layers.N.<norm>, weight
-        prefix, _, norm = scope.rpartition(".")
-        if norm in _NORM_NAMES:
-            name = f"{prefix}.{_NORM_NAMES[norm]}.{leaf}"
-        yield name, tensor
 
 
 def apertus_gguf_xielu(meta: dict[str, Any], num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:

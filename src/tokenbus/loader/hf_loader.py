@@ -101,7 +101,7 @@ INTERLEAVED_ROTARY_ARCHITECTURES = (*ERNIE_ARCHITECTURES, "glm4", "cohere", "coh
 
 # GLM-4's norms by the names of Gemma 2's sandwich block (decoder.SandwichDecoderLayer), which
 # a GGUF of it uses too: after attention, before the MLP, after the MLP.
-_GLM4_NORMS = {
+GLM4_NORM_NAMES = {
     "post_self_attn_layernorm": "post_attention_layernorm",
     "post_attention_layernorm": "pre_feedforward_layernorm",
     "post_mlp_layernorm": "post_feedforward_layernorm",
@@ -141,18 +141,6 @@ def read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def glm4_norm_names(
-    weights: Iterator[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """GLM-4's layer norms under the sandwich block's names; the rest as they are."""
-    for name, tensor in weights:
-        scope, _, leaf = name.rpartition(".")  # model.layers.N.<norm>, weight
-        prefix, _, norm = scope.rpartition(".")
-        if norm in _GLM4_NORMS:
-            name = f"{prefix}.{_GLM4_NORMS[norm]}.{leaf}"
-        yield name, tensor
 
 
 def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:

@@ -10,12 +10,12 @@ what its config.json and llama.cpp's `hunyuan-dense` GGUF say beyond Qwen3's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 HUNYUAN_GGUF = "hunyuan-dense"
-_NORM_NAMES = {"query_layernorm": "q_norm", "key_layernorm": "k_norm"}
+# its q/k norms under the names the model (and a GGUF) use
+HUNYUAN_NORM_NAMES = {"query_layernorm": "q_norm", "key_layernorm": "k_norm"}
 
 
 def hunyuan_rope(config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -29,13 +29,3 @@ def hunyuan_rope(config: dict[str, Any], path: Path) -> dict[str, Any]:
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     base = theta * float(params["alpha"]) ** (dim / (dim - 2))
     return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": base}}
-
-
-def hunyuan_norm_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """HunYuan's q/k norms under the names the model (and a GGUF) use."""
-    for name, tensor in weights:
-        scope, _, leaf = name.rpartition(".")  # model.layers.N.self_attn.<norm>, weight
-        prefix, _, norm = scope.rpartition(".")
-        if norm in _NORM_NAMES:
-            name = f"{prefix}.{_NORM_NAMES[norm]}.{leaf}"
-        yield name, tensor

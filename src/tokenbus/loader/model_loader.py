@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from tokenbus.loader.apertus_config import apertus_norm_names
+from tokenbus.loader.apertus_config import APERTUS_NORM_NAMES
 from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, without_mtp
 from tokenbus.loader.gguf_file import read_gguf
@@ -16,14 +16,14 @@ from tokenbus.loader.gguf_loader import (
 )
 from tokenbus.loader.glm4_moe_config import without_mtp_layers
 from tokenbus.loader.hf_loader import (
+    GLM4_NORM_NAMES,
     INTERLEAVED_ROTARY_ARCHITECTURES,
     arch_from_hf_config,
-    glm4_norm_names,
     iter_safetensors,
     read_json,
     safetensors_files,
 )
-from tokenbus.loader.hunyuan_config import hunyuan_norm_names
+from tokenbus.loader.hunyuan_config import HUNYUAN_NORM_NAMES
 from tokenbus.loader.lfm2_config import lfm2_names
 from tokenbus.loader.multimodal_config import is_multimodal, text_model_weights
 from tokenbus.loader.mxfp4 import gpt_oss_experts
@@ -31,6 +31,7 @@ from tokenbus.loader.qk_rows import unpermute_qk
 from tokenbus.loader.qwen3_5_config import QWEN3_5_ARCHITECTURES
 from tokenbus.loader.qwen3_5_config import without_mtp as qwen3_5_without_mtp
 from tokenbus.loader.source import ModelSource
+from tokenbus.loader.weight_names import renamed_modules
 from tokenbus.model_arch import ModelArch
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the API server reads model
@@ -59,13 +60,13 @@ def iter_weights(
         if arch.architecture == "gpt_oss":
             return gpt_oss_experts(weights, keep_quantized)
         if arch.architecture == "glm4":
-            weights = glm4_norm_names(weights)
+            weights = renamed_modules(weights, GLM4_NORM_NAMES)
         if arch.architecture in ("lfm2", "lfm2_moe"):
             weights = lfm2_names(weights)
         if arch.architecture == "hunyuan_v1_dense":
-            weights = hunyuan_norm_names(weights)
+            weights = renamed_modules(weights, HUNYUAN_NORM_NAMES)
         if arch.architecture == "apertus":
-            weights = apertus_norm_names(weights)
+            weights = renamed_modules(weights, APERTUS_NORM_NAMES)
         if arch.architecture in ERNIE_ARCHITECTURES:
             weights = without_mtp(weights)
         if arch.architecture in QWEN3_5_ARCHITECTURES:
