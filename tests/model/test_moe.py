@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.fixtures.tiny_gguf import stack_experts, write_gguf
+from tests.fixtures.tiny_gguf import write_gguf
+from tests.fixtures.tiny_gguf_moe import stack_experts
 from tests.fixtures.tiny_models import TINY_QWEN3_MOE, cached_tiny_model
 
 from tokenbus.loader import iter_weights, load_arch, resolve_model
