@@ -197,7 +197,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if architecture == "gpt_oss":
         family = gpt_oss_hf_fields(config)
     if architecture in ("ministral3", "mistral4"):
-        rope_config, family["attn_temperature"] = _llama4_temperature(config, path)
+        rope_config, family["attn_temperature"] = _llama4_temperature(config, path, architecture)
     if architecture == "lfm2":
         family = lfm2_hf_fields(config, path)
     if architecture == "lfm2_moe":
@@ -410,7 +410,7 @@ def _olmo3_rope(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], flo
 
 
 def _llama4_temperature(
-    config: dict[str, Any], path: Path
+    config: dict[str, Any], path: Path, architecture: str
 ) -> tuple[dict[str, Any], tuple[float, int] | None]:
     """Ministral 3's and Mistral 4's rope_parameters without their `llama_4_scaling_beta` (and
     the copy of max_position_embeddings kept there; Mistral 4's latent attention turns its
@@ -419,7 +419,7 @@ def _llama4_temperature(
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     beta = params.pop("llama_4_scaling_beta", None)
     params.pop("max_position_embeddings", None)
-    if _architecture(config, path) == "mistral4":
+    if architecture == "mistral4":
         params.pop("partial_rotary_factor", None)
     rope_config = {**config, "rope_parameters": params, "rope_scaling": None}
     if not beta:
