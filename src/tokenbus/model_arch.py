@@ -135,6 +135,10 @@ class ModelArch:
     # window; such a layer holds no K/V (worker/kv_cache.py hands it its owner's tensor).
     # (): every attention layer its own.
     kv_shared_layers: tuple[tuple[int, int], ...] = ()
+    # Each layer's (KV heads, head size) where layers differ (Gemma 4's global layers: wider
+    # heads, fewer of them); (): every layer num_key_value_heads x head_dim. The paged cache
+    # holds each layer's K/V in its own shape (worker/kv_cache.py).
+    layer_kv_shapes: tuple[tuple[int, int], ...] = ()
     # Gemma 3n (model/gemma3n.py): each layer also takes per_layer_input_size values of a
     # per-layer input (its own embedding of the first per_layer_vocab_size ids, joined with a
     # projection of the token's embedding); the hidden state is altup_inputs streams (AltUp),
@@ -147,6 +151,19 @@ class ModelArch:
     altup_correct_scale: bool = True
     laurel_rank: int = 0
     activation_sparsity_std: tuple[float | None, ...] = ()
+
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of decoder layer `layer`'s K/V."""
+        if self.layer_kv_shapes:
+            return self.layer_kv_shapes[layer]
+        return self.num_key_value_heads, self.head_dim
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that hold K/V (all but the recurrent, MLP-only and KV-sharing ones)."""
+        no_kv = {*self.recurrent_layers, *self.mlp_only_layers}
+        no_kv.update(layer for layer, _ in self.kv_shared_layers)
+        return tuple(i for i in range(self.num_hidden_layers) if i not in no_kv)
 
     def kv_owner(self, layer: int) -> int:
         """The layer whose K/V decoder layer `layer` attends (itself but for kv_shared_layers)."""
@@ -177,4 +194,4 @@ class ModelArch:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers, in elements (multiply by the dtype size)."""
-        return 2 * self.num_kv_layers * self.num_key_value_heads * self.head_dim
+        return sum(2 * heads * dim for heads, dim in map(self.kv_shape, self.kv_layers))

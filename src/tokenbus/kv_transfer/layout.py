@@ -77,6 +77,12 @@ class KVLayout:
 
 def kv_layout(config: EngineConfig, arch: ModelArch) -> KVLayout:
     """The layout of a resolved config's pool; `arch`: the shape this rank's pool holds."""
+    if len(set(map(arch.kv_shape, range(arch.num_hidden_layers)))) > 1:
+        raise ValueError(
+            f"kv_transfer_config: {arch.architecture}'s layers hold K/V of different shapes "
+            f"{sorted(set(arch.layer_kv_shapes))} (KV heads, head size); moving or storing "
+            "their blocks is not supported"
+        )
     if unresolved := config.unresolved_settings():
         raise ValueError(f"a KV layout needs a resolved config; still auto: {unresolved}")
     return KVLayout(

@@ -56,12 +56,14 @@ class TensorParallel:
         n = self.size
         if n == 1:
             return
-        q, kv, inter = arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size
+        q, inter = arch.num_attention_heads, arch.intermediate_size
+        kv_heads = sorted({arch.num_key_value_heads, *(h for h, _ in arch.layer_kv_shapes)})
+        uneven = [kv for kv in kv_heads if ((kv % n) if n <= kv else (n % kv))]
         problem = None
         if q % n:
             problem = f"the {q} attention heads"
-        elif (kv % n) if n <= kv else (n % kv):
-            problem = f"the {kv} KV heads (need size | KV heads, or KV heads | size)"
+        elif uneven:
+            problem = f"the {uneven[0]} KV heads (need size | KV heads, or KV heads | size)"
         elif inter % n:
             problem = f"the intermediate size {inter}"
         if problem:
@@ -76,6 +78,9 @@ class TensorParallel:
             num_attention_heads=arch.num_attention_heads // self.size,
             num_key_value_heads=max(1, arch.num_key_value_heads // self.size),
             intermediate_size=arch.intermediate_size // self.size,
+            layer_kv_shapes=tuple(
+                (max(1, heads // self.size), dim) for heads, dim in arch.layer_kv_shapes
+            ),
         )
 
     def kv_head_start(self, num_kv_heads: int) -> int:

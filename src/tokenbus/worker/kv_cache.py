@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -20,12 +19,14 @@ def bytes_per_block(
     arch: ModelArch, block_size: int, dtype: torch.dtype, groups: KVGroupLayout | None = None
 ) -> int:
     """A block's K and V over all layers in a pool of `dtype` (its real bytes: q8_0 rows hold
-    their scales, model/kv_quant.py); under a hybrid KV cache (`groups`) over the layers of one
-    group only: a block is a page of the shared buffers."""
+    their scales, model/kv_quant.py); under a hybrid KV cache (`groups`) over its buffers only
+    (a layer of each group of one K/V shape): a block is a page of the shared buffers."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    row_bytes = row_width(dtype, arch.head_dim) * element_size
-    layers = arch.num_kv_layers if groups is None else groups.num_buffers
-    return 2 * layers * arch.num_key_value_heads * row_bytes * block_size
+    layers = arch.kv_layers if groups is None else groups.buffer_layers
+    return sum(
+        2 * heads * row_width(dtype, dim) * element_size * block_size
+        for heads, dim in map(arch.kv_shape, layers)
+    )
 
 
 def determine_num_blocks(
@@ -96,53 +97,39 @@ def allocate_kv_caches(
     state_pools: Mapping[int, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, row] (row:
-    head_dim elements, or a q8_0 row's bytes: model/kv_quant.py). Under a hybrid KV cache
-    (`groups`) one per buffer, shared: layer j of every group gets buffer j. A recurrent layer
-    (arch.recurrent_layers) holds no K/V: its entry is its pool from `state_pools`
-    (worker/state_pool.py); an MLP-only layer's (arch.mlp_only_layers) is an empty tensor; a
-    layer reading another's K/V (arch.kv_shared_layers) gets its owner's tensor."""
-    if arch.kv_shared_layers and groups is None:  # under groups, place() finds the owner's
-        owners = [i for i in range(arch.num_hidden_layers) if arch.kv_owner(i) == i]
-        owned = dataclasses.replace(arch, num_hidden_layers=len(owners), kv_shared_layers=())
-        if arch.recurrent_layers or arch.mlp_only_layers:
-            raise ValueError("layers sharing K/V beside recurrent or MLP-only layers")
-        tensors = dict(
-            zip(owners, allocate_kv_caches(owned, num_blocks, block_size, dtype, device))
-        )
-        return [tensors[arch.kv_owner(i)] for i in range(arch.num_hidden_layers)]
-    no_kv = (*arch.recurrent_layers, *arch.mlp_only_layers)
-    if no_kv:
-        state_pools = state_pools or {}
-        if set(state_pools) != set(arch.recurrent_layers):
-            raise ValueError(f"recurrent layers {arch.recurrent_layers} need their state pools")
-        attention = dataclasses.replace(
-            arch, num_hidden_layers=arch.num_kv_layers, recurrent_layers=(), mlp_only_layers=()
-        )
-        kv = iter(allocate_kv_caches(attention, num_blocks, block_size, dtype, device, groups))
-        empty = torch.empty(0, dtype=dtype, device=device)
-        return [
-            state_pools.get(i, empty) if i in no_kv else next(kv)
-            for i in range(arch.num_hidden_layers)
-        ]
-    if groups is not None:
-        buffers = allocate_kv_caches(
-            dataclasses.replace(arch, num_hidden_layers=groups.num_buffers),
-            num_blocks,
-            block_size,
-            dtype,
-            device,
-        )
-        return [buffers[groups.place(i)[1]] for i in range(arch.num_hidden_layers)]
-    shape = (
-        2,
-        num_blocks,
-        block_size,
-        arch.num_key_value_heads,
-        row_width(dtype, arch.head_dim),
-    )
-    if device.type == "cpu":
-        return [_lazy_zeros(shape, dtype) for _ in range(arch.num_hidden_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
+    head_dim elements, or a q8_0 row's bytes: model/kv_quant.py), of that layer's K/V shape
+    (ModelArch.kv_shape). Under a hybrid KV cache (`groups`) one per buffer, shared: a layer
+    gets the buffer groups.place names. A recurrent layer (arch.recurrent_layers) holds no K/V:
+    its entry is its pool from `state_pools` (worker/state_pool.py); an MLP-only layer's
+    (arch.mlp_only_layers) is an empty tensor; a layer reading another's K/V
+    (arch.kv_shared_layers) gets its owner's tensor."""
+    state_pools = state_pools or {}
+    if set(state_pools) != set(arch.recurrent_layers):
+        raise ValueError(f"recurrent layers {arch.recurrent_layers} need their state pools")
+    if arch.kv_shared_layers and (arch.recurrent_layers or arch.mlp_only_layers):
+        raise ValueError("layers sharing K/V beside recurrent or MLP-only layers")
+
+    def pool(layer: int) -> torch.Tensor:
+        heads, dim = arch.kv_shape(layer)
+        shape = (2, num_blocks, block_size, heads, row_width(dtype, dim))
+        if device.type == "cpu":
+            return _lazy_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    if groups is None:
+        tensors = {layer: pool(layer) for layer in arch.kv_layers}
+    else:  # a buffer takes the K/V shape of the layers it holds
+        buffers = [pool(layer) for layer in groups.buffer_layers]
+        tensors = {layer: buffers[groups.place(layer)[1]] for layer in arch.kv_layers}
+    empty = torch.empty(0, dtype=dtype, device=device)
+    return [
+        state_pools[i]
+        if i in state_pools
+        else empty
+        if i in arch.mlp_only_layers
+        else tensors[arch.kv_owner(i)]
+        for i in range(arch.num_hidden_layers)
+    ]
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,7 @@ id there, which attention never reads (it lies before the window) and never writ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,16 +59,31 @@ class KVGroup:
 @dataclass(frozen=True)
 class KVGroupLayout:
     """How a model's layers map onto KV groups and shared K/V buffers: layer `groups[g].layers[j]`
-    uses buffer j (num_buffers of them, one per layer of the largest group). A layer that reads
-    another's K/V (`shared`: (layer, owner) pairs, ModelArch.kv_shared_layers) is in no group:
-    it is placed where its owner is."""
+    uses buffer offsets[g] + j. Groups whose layers hold K/V of one shape share buffers from
+    offset 0 of their own range (num_buffers in all); a model whose layers differ in KV heads or
+    head size (Gemma 4's global layers) has a range per shape (`offsets`; (): every group at 0).
+    A layer that reads another's K/V (`shared`: (layer, owner) pairs,
+    ModelArch.kv_shared_layers) is in no group: it is placed where its owner is."""
 
     groups: tuple[KVGroup, ...]
     shared: tuple[tuple[int, int], ...] = ()
+    offsets: tuple[int, ...] = ()
+
+    def offset(self, group: int) -> int:
+        return self.offsets[group] if self.offsets else 0
 
     @property
     def num_buffers(self) -> int:
-        return max(len(group.layers) for group in self.groups)
+        return max(self.offset(g) + len(group.layers) for g, group in enumerate(self.groups))
+
+    @property
+    def buffer_layers(self) -> tuple[int, ...]:
+        """A layer of each buffer (whose K/V shape the buffer takes), in buffer order."""
+        layers: dict[int, int] = {}
+        for g, group in enumerate(self.groups):
+            for j, layer in enumerate(group.layers):
+                layers.setdefault(self.offset(g) + j, layer)
+        return tuple(layers[b] for b in range(self.num_buffers))
 
     @property
     def num_layers(self) -> int:
@@ -84,7 +99,7 @@ class KVGroupLayout:
         layer = dict(self.shared).get(layer, layer)
         for g, group in enumerate(self.groups):
             if layer in group.layers:
-                return g, group.layers.index(layer)
+                return g, self.offset(g) + group.layers.index(layer)
         raise ValueError(f"layer {layer} is in no KV group")
 
 
@@ -92,32 +107,45 @@ def plan_kv_groups(
     windows: Sequence[int | None],
     hybrid: bool = True,
     shared: tuple[tuple[int, int], ...] = (),
+    shapes: Sequence[Hashable] = (),
 ) -> KVGroupLayout:
     """KV groups for layers of these sliding windows (None: full attention); the layers of
-    `shared` ((layer, owner) pairs) read their owners' K/V and join no group.
+    `shared` ((layer, owner) pairs) read their owners' K/V and join no group; `shapes`: each
+    layer's K/V shape where layers differ ((): one shape).
 
-    One group of every layer when all windows agree, or with `hybrid` False (vLLM's
+    One group of every layer when all windows and shapes agree, or with `hybrid` False (vLLM's
     --disable-hybrid-kv-cache-manager: every layer allocated as a global one, windows still
-    masked). Otherwise each window's layers are cut into groups of the size of the smallest
-    window's layer count (Gemma 3's 5 local : 1 global: groups of the global layers' count), so
-    the groups share that many buffers; a window whose count is not a multiple leaves its last
-    group short (its unused buffer pages are the price of one page size)."""
+    masked). Otherwise the layers of each (window, shape) are cut into groups of the size of
+    the smallest such set's layer count (Gemma 3's 5 local : 1 global: groups of the global
+    layers' count), so the groups of one shape share that many buffers; a set whose count is
+    not a multiple leaves its last group short (its unused buffer pages are the price of one
+    page size). Groups of another shape take buffers of their own: a block a group holds
+    leaves those pages unused in the other shapes' buffers."""
     if not windows:
         raise ValueError("a model needs at least one layer")
     readers = {layer for layer, _ in shared}
-    own = {i: window for i, window in enumerate(windows) if i not in readers}
+    shape_of = list(shapes) or [None] * len(windows)
+    own = {i: (window, shape_of[i]) for i, window in enumerate(windows) if i not in readers}
     distinct = list(dict.fromkeys(own.values()))  # first-appearance order
     if len(distinct) == 1 or not hybrid:
-        window = distinct[0] if len(distinct) == 1 else None
+        window = distinct[0][0] if len(distinct) == 1 else None
         return KVGroupLayout((KVGroup(window, tuple(own)),), shared)
-    by_window = {w: tuple(i for i, x in own.items() if x == w) for w in distinct}
-    size = min(len(layers) for layers in by_window.values())
-    groups = [
-        KVGroup(window, layers[start : start + size])
-        for window, layers in by_window.items()
-        for start in range(0, len(layers), size)
-    ]
-    return KVGroupLayout(tuple(groups), shared)
+    by_key = {key: tuple(i for i, x in own.items() if x == key) for key in distinct}
+    size = min(len(layers) for layers in by_key.values())
+    groups, group_shapes = [], []
+    for (window, shape), layers in by_key.items():
+        for start in range(0, len(layers), size):
+            groups.append(KVGroup(window, layers[start : start + size]))
+            group_shapes.append(shape)
+    # each shape's buffers follow the previous shape's: as many as its largest group's layers
+    ranges: dict[Hashable, int] = {}
+    for group, shape in zip(groups, group_shapes):
+        ranges[shape] = max(ranges.get(shape, 0), len(group.layers))
+    starts, total = {}, 0
+    for shape, count in ranges.items():
+        starts[shape], total = total, total + count
+    offsets = tuple(starts[shape] for shape in group_shapes) if len(ranges) > 1 else ()
+    return KVGroupLayout(tuple(groups), shared, offsets)
 
 
 def layer_windows(arch: ModelArch) -> list[int | None]:
@@ -139,7 +167,10 @@ def engine_kv_groups(config: EngineConfig, arch: ModelArch) -> KVGroupLayout | N
         or config.kv_transfer is not None
         or config.speculative is not None
     )
-    return plan_kv_groups(windows, hybrid, arch.kv_shared_layers) if hybrid else None
+    if not hybrid:
+        return None
+    shapes = [arch.kv_shape(i) for i in range(arch.num_hidden_layers)]
+    return plan_kv_groups(windows, hybrid, arch.kv_shared_layers, shapes)
 
 
 class HybridKVCacheManager(BlockTables):
