@@ -77,7 +77,7 @@ def gemma3n_hf_fields(config: dict[str, Any], path: Path) -> tuple[dict[str, Any
         sliding_windows=windows(local, config.get("sliding_window")),
         rope_local_theta=local_theta,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-        kv_shared_layers=_kv_shared_layers(local, int(config.get("num_kv_shared_layers", 0))),
+        kv_shared_layers=kv_shared_layers(local, int(config.get("num_kv_shared_layers", 0))),
         activation_sparsity_std=tuple(_std_multiplier(float(s)) for s in sparsity),
         **_stream_fields(config),
     )
@@ -101,7 +101,7 @@ def gemma3n_gguf_fields(
         final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"),
         sliding_windows=windows(local, meta.get(f"{arch}.attention.sliding_window")),
         rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", _GGUF_LOCAL_THETA)),
-        kv_shared_layers=_kv_shared_layers(
+        kv_shared_layers=kv_shared_layers(
             local, int(meta.get(f"{arch}.attention.shared_kv_layers", 0))
         ),
         activation_sparsity_std=tuple(None if math.isinf(s) else float(s) for s in scales),
@@ -122,7 +122,7 @@ def _stream_fields(config: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _kv_shared_layers(local: list[bool], count: int) -> tuple[tuple[int, int], ...]:
+def kv_shared_layers(local: list[bool], count: int) -> tuple[tuple[int, int], ...]:
     """(layer, owner) for the last `count` layers: each reads the last earlier layer of its kind
     (local or global) before them (HF's kv_sharing_modes)."""
     first = len(local) - count

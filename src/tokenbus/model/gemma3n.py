@@ -79,6 +79,10 @@ class Gemma3nAttention(Attention):
     def owner(self) -> Gemma3nAttention | None:
         return self._owner[0]
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The step's heads [T, Hq (+ 2 Hkv), D], a fresh tensor the norms and rotary change."""
+        return self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -92,7 +96,7 @@ class Gemma3nAttention(Attention):
         num_tokens, heads, eps = x.shape[0], self.num_heads, self.q_norm.eps
         if self.rope_table is not None:
             cos, sin = cos[self.rope_table], sin[self.rope_table]
-        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, Hq (+ 2 Hkv), D]
+        qkv = self.project(x)
         self.ops.head_rms_norm_(qkv, 0, heads, self.q_norm.weight, eps)
         if self.owner is None:
             kv_heads = self.num_kv_heads
