@@ -139,6 +139,11 @@ class ModelArch:
     # heads, fewer of them); (): every layer num_key_value_heads x head_dim. The paged cache
     # holds each layer's K/V in its own shape (worker/kv_cache.py).
     layer_kv_shapes: tuple[tuple[int, int], ...] = ()
+    # Gemma 4 (model/gemma4.py): its global layers' values are their keys' projection (no
+    # v_proj: attention_k_eq_v); each layer's MLP width where they differ (its double-wide MLP
+    # on the layers reading another's K/V), (): every layer intermediate_size.
+    attn_k_eq_v: bool = False
+    layer_intermediate_sizes: tuple[int, ...] = ()
     # Gemma 3n (model/gemma3n.py): each layer also takes per_layer_input_size values of a
     # per-layer input (its own embedding of the first per_layer_vocab_size ids, joined with a
     # projection of the token's embedding); the hidden state is altup_inputs streams (AltUp),
@@ -157,6 +162,14 @@ class ModelArch:
         if self.layer_kv_shapes:
             return self.layer_kv_shapes[layer]
         return self.num_key_value_heads, self.head_dim
+
+    @property
+    def global_head_dim(self) -> int:
+        """Head size of the global (full-attention) layers, which rope_theta and rope_scaling
+        turn: head_dim, but where layer_kv_shapes gives them another (Gemma 4's)."""
+        windows = self.sliding_windows or (None,) * self.num_hidden_layers
+        first = next((i for i, window in enumerate(windows) if window is None), 0)
+        return self.kv_shape(first)[1]
 
     @property
     def kv_layers(self) -> tuple[int, ...]:

@@ -108,3 +108,26 @@ def test_partial_rotary_turns_the_first_dims_as_hf_phi3():
     want, _ = apply_rotary_pos_emb(heads_first, heads_first, full_cos[None], full_sin[None])
     assert torch.equal(got, want[0].transpose(0, 1))
     assert torch.equal(got[..., 12:], x[..., 12:])
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.5])
+def test_proportional_matches_transformers(factor):
+    """Gemma 4's global layers: the first `factor` of the angles turn, over the whole head's
+    exponents, the others stand still (frequency 0)."""
+    from transformers import Gemma4TextConfig
+
+    params = {"rope_type": "proportional", "partial_rotary_factor": factor, "rope_theta": 1e6}
+    config = Gemma4TextConfig(
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        head_dim=16,
+        global_head_dim=64,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": params,
+        },
+    )
+    want, _ = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu", layer_type="full_attention")
+    got, attention_factor = compute_rope(64, 1e6, params, 128)
+    assert torch.equal(got, want) and attention_factor == 1.0
+    assert (got[: int(32 * factor)] > 0).all() and (got[int(32 * factor) :] == 0).all()

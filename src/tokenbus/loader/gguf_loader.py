@@ -60,6 +60,7 @@ from tokenbus.loader.gemma3n_config import (
     GEMMA3N_GGUF_STACKED,
     gemma3n_gguf_fields,
 )
+from tokenbus.loader.gemma4_config import GEMMA4_GGUF, gemma4_gguf_fields
 from tokenbus.loader.gemma_config import (
     GEMMA_GGUF_ARCHITECTURES,
     gemma_gguf_fields,
@@ -135,6 +136,7 @@ GGUF_ARCHITECTURES = (
     *QWEN3_5_GGUF_ARCHITECTURES,
     *GEMMA_GGUF_ARCHITECTURES,
     GEMMA3N_GGUF,
+    GEMMA4_GGUF,
     HUNYUAN_GGUF,
     APERTUS_GGUF,
 )
@@ -235,6 +237,9 @@ def arch_from_gguf(gf: GGUFFile) -> ModelArch:
         family = gemma_gguf_fields(meta, arch, need("block_count"))
     if arch == GEMMA3N_GGUF:
         family = gemma3n_gguf_fields(meta, gf.tensors, gf.path)
+    if arch == GEMMA4_GGUF:  # key_length is the global layers' (512); head_dim the local ones'
+        family = gemma4_gguf_fields(meta, gf.tensors, gf.path)
+        head_dim = rotary_dim = family.pop("head_dim")
     if arch == GPT_OSS_GGUF_ARCHITECTURE:
         family = gpt_oss_gguf_fields(meta, need("block_count"))
     if arch in COHERE_GGUF_ARCHITECTURES:

@@ -19,6 +19,7 @@ from tokenbus.loader.gemma3n_config import (
     GEMMA3N_GGUF_GLOBAL_NAMES,
     GEMMA3N_PARAMETER_NAMES,
 )
+from tokenbus.loader.gemma4_config import GEMMA4_GGUF, GEMMA4_GGUF_BLOCK_NAMES
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.glm4_moe_config import DOTS1_GGUF, DOTS1_GGUF_BLOCK_NAMES, GLM4_MOE_GGUF
@@ -100,6 +101,8 @@ _ARCH_BLOCK_NAMES = {  # where an architecture's blk.N.<gguf> means something el
     **{arch: _GEMMA_BLOCK_NAMES for arch in SANDWICH_GGUF_ARCHITECTURES},
     # Gemma 3n: Gemma's norms, its AltUp, LAuReL and per-layer-input tensors
     GEMMA3N_GGUF: {**_GEMMA_BLOCK_NAMES, **GEMMA3N_GGUF_BLOCK_NAMES},
+    # Gemma 4: Gemma's norms, its per-layer-input tensors and each layer's output scale
+    GEMMA4_GGUF: {**_GEMMA_BLOCK_NAMES, **GEMMA4_GGUF_BLOCK_NAMES},
     # Seed-OSS: its pre-MLP norm by Gemma's post-attention name
     "seed_oss": {"post_attention_norm": "post_attention_layernorm"},
     DOTS1_GGUF: DOTS1_GGUF_BLOCK_NAMES,  # GLM-4.5's shared MLP and router bias, Llama's norms
@@ -128,6 +131,7 @@ _PARAMETER_NAMES = (
     *MAMBA_PARAMETER_NAMES,
     *QWEN3_5_PARAMETER_NAMES,
     *GEMMA3N_PARAMETER_NAMES,
+    GEMMA4_GGUF_BLOCK_NAMES["layer_output_scale"],
 )
 
 
@@ -137,7 +141,7 @@ def hf_weight_name(gf: GGUFFile, name: str) -> str:
     arch = gf.metadata.get("general.architecture")
     lfm2 = arch in LFM2_GGUF_ARCHITECTURES
     global_names = {**_GLOBAL_NAMES, **(LFM2_GGUF_GLOBAL_NAMES if lfm2 else {})}
-    if arch == GEMMA3N_GGUF:
+    if arch in (GEMMA3N_GGUF, GEMMA4_GGUF):  # the per-layer inputs' tables
         global_names.update(GEMMA3N_GGUF_GLOBAL_NAMES)
     if name in global_names:
         return global_names[name]

@@ -15,6 +15,7 @@ from tokenbus.loader.cohere2_config import COHERE2_PATTERN
 from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES, deepseek_hf_fields
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, check_ernie, ernie_hf_moe_fields
 from tokenbus.loader.gemma3n_config import gemma3n_hf_fields
+from tokenbus.loader.gemma4_config import gemma4_hf_fields
 from tokenbus.loader.gemma_config import (
     GEMMA_ARCHITECTURES,
     gemma3_hf_rope,
@@ -62,6 +63,7 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3nForCausalLM": "gemma3n",  # AltUp, per-layer inputs, LAuReL, shared K/V
+    "Gemma4ForCausalLM": "gemma4",  # per-layer K/V shapes, per-layer inputs, shared K/V
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -110,6 +112,7 @@ GLM4_NORM_NAMES = {
 HF_MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "gemma3n_text": "gemma3n",
+    "gemma4_text": "gemma4",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5_moe",
     # the Qwen-VL text models: Qwen2's and Qwen3's layers, whose multimodal rotary (MRoPE) turns
@@ -190,6 +193,9 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         rope_config, family["rope_local_theta"] = gemma3_hf_rope(config, path)
     if architecture == "gemma3n":  # the global layers' rope; the local ones' base in family
         family, rope_config = gemma3n_hf_fields(config, path)
+    if architecture == "gemma4":  # both kinds' rope and head sizes in family
+        family = gemma4_hf_fields(config, path)
+        rope_config = {"rope_theta": family["rope_theta"]}
     if architecture == "olmo3":
         rope_config, local_theta = _olmo3_rope(config, path)
     if architecture == "hunyuan_v1_dense":  # its NTK alpha: a fixed, stretched base

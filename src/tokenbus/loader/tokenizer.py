@@ -137,7 +137,7 @@ GGUF_TOKENIZER_WITHOUT_CONFIG = (
     *("ernie4_5", "ernie4_5-moe", "glm4", "mistral3", "cohere2", "exaone4", "granitehybrid"),
     *("nemotron_h", "lfm2moe", "qwen35", "qwen35moe", "qwen3next", "glm4moe", "command-r"),
     *("minimax-m2", "seed_oss", "arcee", "qwen2vl", "qwen3vl", "qwen3vlmoe", "deepseek2"),
-    *("minicpm3", "gemma3n", "mistral4", "hunyuan-dense", "apertus", "dots1"),
+    *("minicpm3", "gemma3n", "gemma4", "mistral4", "hunyuan-dense", "apertus", "dots1"),
 )
 
 

@@ -72,7 +72,7 @@ class CausalLM(nn.Module):
             self.layers.append(self.make_layer(arch, tp))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(
-            arch.head_dim,
+            arch.global_head_dim,
             arch.max_position_embeddings,
             arch.rope_theta,
             arch.rope_scaling,

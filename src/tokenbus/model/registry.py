@@ -12,6 +12,7 @@ from tokenbus.model.ernie import Ernie45MoeForCausalLM
 from tokenbus.model.exaone4 import Exaone4ForCausalLM
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.gemma3n import Gemma3nForCausalLM
+from tokenbus.model.gemma4 import Gemma4ForCausalLM
 from tokenbus.model.glm4 import Glm4ForCausalLM
 from tokenbus.model.glm4_moe import Glm4MoeForCausalLM
 from tokenbus.model.gpt_oss import GptOssForCausalLM
@@ -70,6 +71,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "gemma3n": Gemma3nForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,

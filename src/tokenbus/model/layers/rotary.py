@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "proportional", "yarn", "longrope")
 
 
 def rope_type_of(scaling: dict | None) -> str:
@@ -138,6 +138,13 @@ def compute_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "proportional":
+        # Gemma 4's global layers: only the first partial_rotary_factor of the angles turn (the
+        # others' frequency 0: cos 1, sin 0), their exponents over the WHOLE head, and every
+        # dim stays in the rotate-half pairs (i, i + D/2), unlike a partial rotary_dim
+        turned = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turned:] = 0.0
+        return inv_freq / scaling.get("factor", 1.0)
     if rope_type == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} (supported: {ROPE_TYPES})")

@@ -1,0 +1,217 @@
+"""Gemma 4 (text: E2B, E4B, 31B): Gemma 3n's attention, per-layer inputs and K/V sharing without
+its AltUp streams, LAuReL or sparse gates, each part from HF's Gemma4TextModel op for op.
+
+- Two kinds of layer: local ones (a sliding window, heads of head_dim, the default RoPE of
+  their own base) and global ones with wider heads (512 in the released models) and, where
+  attention_k_eq_v, fewer KV heads whose values are their keys' projection (no v_proj; the
+  value takes v's norm, not k's, and no rotary). Each layer is built from its own shape
+  (ModelArch.layer_kv_shapes) and the paged cache holds each layer's K/V in it
+  (worker/kv_cache.py). The global layers' RoPE is "proportional": only the first quarter of
+  the angles turn, as rotate-half pairs over the whole head (model/layers/rotary.py).
+- q and k RMSNormed per head, v without a weight; attention scale 1.
+- Gemma 3's sandwich norms around attention and the GeGLU MLP; the layers reading another's
+  K/V may have an MLP twice as wide (use_double_wide_mlp: ModelArch.layer_intermediate_sizes).
+- Per-layer inputs (E2B, E4B): Gemma 3n's, joined after the MLP (model/gemma3n.py).
+- Each layer's output is scaled by its own trained scalar (`layer_scalar`).
+- Norms are plain RMSNorms in fp32 (w, not Gemma's 1 + w); the embedding is scaled by
+  sqrt(hidden); the final logits are soft-capped.
+
+The 26B-A4B's experts beside the MLP (enable_moe_block) are not built: its config is refused
+(loader/gemma4_config.py). Decoder layers run op by op, with GGUF blocks in the linears.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenbus.model.attention import Plan
+from tokenbus.model.causal_lm import GLOBAL_ROPE, LOCAL_ROPE
+from tokenbus.model.decoder import GeGLUMLP
+from tokenbus.model.forward_context import ForwardContext
+from tokenbus.model.gemma import GemmaForCausalLM
+from tokenbus.model.gemma3n import Gemma3nAttention, Gemma3nForCausalLM, _drop
+from tokenbus.model.layers import Fp32RMSNorm, Linear
+from tokenbus.model.parallel import SINGLE, TensorParallel
+from tokenbus.model.weights import WeightLoader, copy_param, layer_loaders, load_strictly
+from tokenbus.model_arch import ModelArch
+
+
+def layer_arch(arch: ModelArch, layer: int) -> ModelArch:
+    """The shape decoder layer `layer` is built from: its KV heads, head size and MLP width."""
+    heads, head_dim = arch.kv_shape(layer)
+    widths = arch.layer_intermediate_sizes
+    return dataclasses.replace(
+        arch,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        intermediate_size=widths[layer] if widths else arch.intermediate_size,
+        layer_kv_shapes=(),
+        layer_intermediate_sizes=(),
+    )
+
+
+class Gemma4Attention(Gemma3nAttention):
+    """Gemma 3n's attention; with `k_eq_v` the values are the keys' projection (qkv_proj
+    projects q and k only)."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TensorParallel,
+        owner: Gemma4Attention | None = None,
+        k_eq_v: bool = False,
+    ) -> None:
+        super().__init__(arch, tp, owner)
+        self.k_eq_v = k_eq_v and owner is None
+        if self.k_eq_v:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = super().project(x)
+        if not self.k_eq_v:
+            return qkv
+        # v: the keys as projected, before k's norm and rotary change them in place
+        return torch.cat((qkv, qkv[:, self.num_heads :]), dim=1)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """Gemma 3's sandwich block, then the per-layer input joined (where the model has them),
+    the output scaled by `layer_scalar`. It takes and gives back (x [T, H], per-layer inputs
+    [T, L, P] or an empty tensor): the second tensor KernelPlan.run_layers carries."""
+
+    def __init__(self, arch: ModelArch, index: int, self_attn: Gemma4Attention, mlp: GeGLUMLP):
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.index = index
+        self.input_layernorm = Fp32RMSNorm(hidden, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = Fp32RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = Fp32RMSNorm(hidden, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = Fp32RMSNorm(hidden, eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.per_layer_input_gate = self.per_layer_projection = None
+        self.post_per_layer_input_norm = None
+        if arch.per_layer_input_size:
+            self.per_layer_input_gate = Linear(hidden, (arch.per_layer_input_size,))
+            self.per_layer_projection = Linear(arch.per_layer_input_size, (hidden,))
+            self.post_per_layer_input_norm = Fp32RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        per_layer_inputs: torch.Tensor,
+        cos: tuple[torch.Tensor, torch.Tensor],
+        sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: Plan,
+        q_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.self_attn(
+            self.input_layernorm(x), cos, sin, kv_cache, slot_mapping, plan, q_scale
+        )
+        x = x + self.post_attention_layernorm(attn)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.per_layer_input_gate is not None:
+            gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")
+            joined = self.per_layer_projection(gate * per_layer_inputs[:, self.index])
+            x = x + self.post_per_layer_input_norm(joined)
+        return x * self.layer_scalar, per_layer_inputs
+
+
+class Gemma4ForCausalLM(Gemma3nForCausalLM):
+    """Gemma 3n's model (embedding, per-layer inputs, K/V sharing) with one stream: no AltUp
+    projections (altup_inputs is 0), and without per-layer inputs where the model has none
+    (31B). Its global and local layers read RoPE tables of their own head sizes (CausalLM's
+    rotary over arch.global_head_dim, its local_rotary over head_dim)."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(arch, tp)
+        for layer in self.layers:  # CausalLM gave the local layers LOCAL_ROPE
+            if layer.self_attn.sliding_window is None:
+                layer.self_attn.rope_table = GLOBAL_ROPE
+        if not arch.per_layer_input_size:
+            self.embed_tokens_per_layer = self.per_layer_model_projection = None
+            self.per_layer_projection_norm = None
+
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> Gemma4DecoderLayer:
+        index = self.making_layer
+        own, owner = layer_arch(arch, index), arch.kv_owner(index)
+        local = bool(arch.sliding_windows) and arch.sliding_windows[index] is not None
+        attn = Gemma4Attention(
+            own,
+            tp,
+            None if owner == index else self.layers[owner].self_attn,
+            k_eq_v=arch.attn_k_eq_v and not local,
+        )
+        return Gemma4DecoderLayer(arch, index, attn, GeGLUMLP(own, tp))
+
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
+        num_layers = self.start_step(ctx, num_layers)
+        x = self._embed(input_ids)  # [T, hidden], scaled by sqrt(hidden)
+        if self.arch.per_layer_input_size:
+            per_layer_inputs = self._per_layer_inputs(input_ids, x)
+        else:
+            per_layer_inputs = x.new_empty(0)
+        cos, sin = self.rotary_lookup(ctx.positions, x.dtype)
+        x, _ = self.kernels.run_layers(
+            self.layers, num_layers, x, cos, sin, ctx, carry=per_layer_inputs
+        )
+        return self.norm(x)
+
+    def rotary_lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(global, local) cos and sin, each [T, 1, D/2] of its own head size: a layer reads
+        its row (GLOBAL_ROPE, LOCAL_ROPE) of the pair."""
+        tables = (self.rotary.lookup(positions, dtype), self.local_rotary.lookup(positions, dtype))
+        assert (GLOBAL_ROPE, LOCAL_ROPE) == (0, 1)
+        return tuple(cos for cos, _ in tables), tuple(sin for _, sin in tables)
+
+    # ------------------------------------------------------------------ weights
+    def _gemma3n_loaders(self) -> tuple[dict[str, WeightLoader], set[str]]:
+        """HF names -> loaders, and the names a checkpoint may leave out (a layer reading
+        another's K/V has no k_proj, v_proj, k_norm of its own; released checkpoints may carry
+        them: read and dropped)."""
+        # CausalLM's (its norms are w, not Gemma's 1 + w), each layer's then from its own shape
+        loaders = super(GemmaForCausalLM, self)._weight_loaders()
+        ignored: set[str] = set()
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            attn = layer.self_attn
+            loaders.update(layer_loaders(prefix, layer, self.tp, layer_arch(self.arch, index)))
+            if attn.k_eq_v:
+                del loaders[f"{prefix}self_attn.v_proj.weight"]
+            if attn.owner is not None:
+                for leaf in ("k_proj", "v_proj", "k_norm"):
+                    name = f"{prefix}self_attn.{leaf}.weight"
+                    loaders[name] = _drop
+                    ignored.add(name)
+            loaders[f"{prefix}layer_scalar"] = partial(copy_param, layer.layer_scalar)
+            if layer.per_layer_input_gate is not None:
+                for name in ("per_layer_input_gate", "per_layer_projection"):
+                    linear = getattr(layer, name)
+                    loaders[f"{prefix}{name}.weight"] = partial(linear.load_shard, shard=0)
+                loaders[f"{prefix}post_per_layer_input_norm.weight"] = partial(
+                    copy_param, layer.post_per_layer_input_norm.weight
+                )
+        if self.arch.per_layer_input_size:
+            loaders["model.per_layer_model_projection.weight"] = partial(
+                self.per_layer_model_projection.load_shard, shard=0
+            )
+            loaders["model.per_layer_projection_norm.weight"] = partial(
+                copy_param, self.per_layer_projection_norm.weight
+            )
+            loaders["model.embed_tokens_per_layer.weight"] = self._load_per_layer_table
+        return loaders, ignored
+
+    def load_weights(self, weights) -> None:
+        loaders, ignored = self._gemma3n_loaders()
+        load_strictly(loaders, weights, self.arch, optional=ignored)
