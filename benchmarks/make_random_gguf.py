@@ -51,6 +51,7 @@ from random_gguf_shapes import (  # benchmarks/ is sys.path[0] when run as a scr
     GEMMA3N,
     GEMMA3N_ALTUP,
     GEMMA3N_LAUREL,
+    GEMMA4,
     GLM4_MOE,
     GPT_OSS,
     LFM2_MOE,
@@ -68,6 +69,15 @@ CHUNK_ROWS = 4096  # rows drawn at a time: float32 scratch of CHUNK_ROWS * cols 
 def default_out(config: str) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return base / "tokenbus" / "models" / f"random-{config}-F16.gguf"
+
+
+def rope_factors(shape: ModelShape) -> np.ndarray:
+    """The rope_freqs tensor: Gemma 4's proportional rope (1 on the quarter of the global
+    layers' angles that turn, 1e30 on the others, as its converter writes), else Llama 3's."""
+    if shape.architecture != GEMMA4:
+        return llama3_rope_factors(shape)
+    half = shape.global_head_dim // 2
+    return np.array([1.0] * (half // 4) + [1e30] * (half - half // 4), dtype=np.float32)
 
 
 def llama3_rope_factors(shape: ModelShape) -> np.ndarray:
@@ -97,6 +107,9 @@ def tensor_plan(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]
     q = shape.heads * shape.head_dim
     if shape.architecture == GEMMA3N:
         yield from _gemma3n(shape)
+        return
+    if shape.architecture == GEMMA4:
+        yield from _gemma4(shape)
         return
     yield "token_embd.weight", (shape.vocab, h), "matrix"
     if shape.llama3_rope:
@@ -193,6 +206,40 @@ def _gemma3n(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
         yield b + "laurel_r.weight", (h, GEMMA3N_LAUREL), "matrix"
         yield b + "laurel_post_norm.weight", (h,), "norm"
     yield "output_norm.weight", (h,), "norm"
+
+
+def _gemma4(shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """llama.cpp's Gemma4Model's tensors: the per-layer table and projection, the global
+    layers' rope_freqs, and each layer's attention of its kind's shape (q/k norms), sandwich
+    norms, MLP, per-layer gate and projection, output scale."""
+    h, p = shape.hidden, shape.per_layer_input
+    yield "token_embd.weight", (shape.vocab, h), "matrix"
+    yield "per_layer_token_embd.weight", (shape.vocab, shape.layers * p), "matrix"
+    yield "per_layer_model_proj.weight", (shape.layers * p, h), "matrix"
+    yield "per_layer_proj_norm.weight", (p,), "norm"
+    yield "rope_freqs.weight", (shape.global_head_dim // 2,), "rope"
+    for i in range(shape.layers):
+        b, local = f"blk.{i}.", _gemma4_local(i)
+        d = shape.head_dim if local else shape.global_head_dim
+        kv = (shape.kv_heads if local else shape.global_kv_heads) * d
+        yield b + "attn_norm.weight", (h,), "norm"
+        for name, rows in (("attn_q", shape.heads * d), ("attn_k", kv), ("attn_v", kv)):
+            yield b + name + ".weight", (rows, h), "matrix"
+        yield b + "attn_q_norm.weight", (d,), "norm"
+        yield b + "attn_k_norm.weight", (d,), "norm"
+        yield b + "attn_output.weight", (h, shape.heads * d), "matrix"
+        yield b + "post_attention_norm.weight", (h,), "norm"
+        yield b + "ffn_norm.weight", (h,), "norm"
+        yield from _mlp(b, shape, h, post_norms=True)
+        yield b + "inp_gate.weight", (p, h), "matrix"
+        yield b + "proj.weight", (h, p), "matrix"
+        yield b + "post_norm.weight", (h,), "norm"
+        yield b + "layer_output_scale.weight", (1,), "norm"
+    yield "output_norm.weight", (h,), "norm"
+
+
+def _gemma4_local(layer: int) -> bool:
+    return (layer + 1) % 6 != 0  # five local layers, then a global one
 
 
 def _mamba2(b: str, shape: ModelShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -345,6 +392,11 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     if recurrent:  # llama.cpp's LFM2Model, GraniteHybridModel: 0 KV heads marks such a layer
         kv_heads = [0 if i in recurrent else shape.kv_heads for i in range(shape.layers)]
         writer.add_head_count_kv(kv_heads)
+    elif shape.architecture == GEMMA4 and shape.global_kv_heads != shape.kv_heads:
+        local = map(_gemma4_local, range(shape.layers))
+        writer.add_head_count_kv(
+            [shape.kv_heads if is_local else shape.global_kv_heads for is_local in local]
+        )
     else:
         writer.add_head_count_kv(shape.kv_heads)
     if shape.conv_layers:
@@ -361,8 +413,9 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
     turning = {**dict.fromkeys(QWEN35_ARCHS, 4), GLM4_MOE: 2, MINIMAX_M2: 2}.get(
         shape.architecture, 1
     )
-    writer.add_rope_dimension_count(shape.qk_rope_dim or shape.head_dim // turning)
-    if shape.head_dim_override:
+    turned = shape.global_head_dim or shape.qk_rope_dim or shape.head_dim // turning
+    writer.add_rope_dimension_count(turned)
+    if shape.head_dim_override and shape.architecture != GEMMA4:  # its own: per kind
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.kv_lora_rank or shape.head_dim)
     if shape.experts:
@@ -394,6 +447,8 @@ def write_header(writer: GGUFWriter, name: str, shape: ModelShape, tokenizer: Pa
         _write_latent_attention_header(writer, shape)
     if shape.architecture == GEMMA3N:
         _write_gemma3n_header(writer, shape)
+    if shape.architecture == GEMMA4:
+        _write_gemma4_header(writer, shape)
     if shape.architecture == ERNIE_MOE:  # llama.cpp's Ernie4_5MoeModel
         writer.add_leading_dense_block_count(shape.dense_lead)
         writer.add_interleave_moe_layer_step(1)
@@ -444,6 +499,20 @@ def _write_gemma3n_header(writer: GGUFWriter, shape: ModelShape) -> None:
     writer.add_activation_sparsity_scale(scales)
 
 
+def _write_gemma4_header(writer: GGUFWriter, shape: ModelShape) -> None:
+    """Gemma4Model.set_gguf_parameters' keys beyond the shared ones: each kind's head size."""
+    local = [_gemma4_local(i) for i in range(shape.layers)]
+    writer.add_sliding_window_pattern(local)
+    writer.add_rope_freq_base_swa(10000.0)
+    writer.add_embedding_length_per_layer_input(shape.per_layer_input)
+    writer.add_shared_kv_layers(shape.kv_shared)
+    writer.add_key_length(shape.global_head_dim)
+    writer.add_value_length(shape.global_head_dim)
+    writer.add_key_length_swa(shape.head_dim)
+    writer.add_value_length_swa(shape.head_dim)
+    writer.add_rope_dimension_count_swa(shape.head_dim)
+
+
 def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
     """A matrix (F16) or bias or router (F32: llama.cpp keeps routers F32) of N(0, STD)
     values, or a norm's ones (F32). A stacked expert tensor [E, out, in] is drawn as
@@ -488,9 +557,7 @@ def write_random_gguf(
     start = time.perf_counter()
     for i, (_, tensor_shape, kind) in enumerate(plan):
         rope = kind == "rope"
-        writer.write_tensor_data(
-            llama3_rope_factors(shape) if rope else draw(rng, tensor_shape, kind)
-        )
+        writer.write_tensor_data(rope_factors(shape) if rope else draw(rng, tensor_shape, kind))
         if not quiet and (i % 50 == 0 or i == len(plan) - 1):
             print(f"  {i + 1}/{len(plan)} tensors, {time.perf_counter() - start:.0f} s", flush=True)
     writer.close()

@@ -33,6 +33,10 @@ DEEPSEEK2 = "deepseek2"
 # kv_shared layers without K/V of their own
 GEMMA3N = "gemma3n"
 GEMMA3N_ALTUP, GEMMA3N_LAUREL = 4, 64
+# Gemma 4: Gemma 3n's attention (q/k norms, five local layers then a global one), sandwich norms
+# and per-layer inputs without AltUp or LAuReL; the global layers' heads of global_head_dim over
+# global_kv_heads, their proportional rope as rope_freqs; each layer's layer_output_scale
+GEMMA4 = "gemma4"
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ class ModelShape:
     per_layer_input: int = 0
     kv_shared: int = 0
     sparse_layers: int = 0
+    # Gemma 4: the global layers' head size and KV heads
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -265,6 +272,16 @@ CONFIGS = {
         GEMMA3N, 2048, 30, 8, 2, 8192, 262400, 1000000.0, 32768, 1e-6, True,
         head_dim_override=256, qk_norm=True, sliding_window=512, final_softcap=30.0,
         per_layer_input=256, kv_shared=10, sparse_layers=10,
+    ),
+    # Gemma 4 as transformers' Gemma4TextConfig() defaults make it: 2304 wide, 30 layers of 8
+    # query heads, five local layers (4 KV heads of 256, window 512) then a global one (4 KV
+    # heads of 512, a quarter of its angles turning), GeGLU of 9216, a 262k vocabulary, tied;
+    # per-layer inputs of 256 from a 262k x 30 x 256 table: 5.1 B parameters stored (2 B of
+    # them the per-layer table, read a row per token).
+    "gemma-4-config-defaults": ModelShape(
+        GEMMA4, 2304, 30, 8, 4, 9216, 262144, 1000000.0, 131072, 1e-6, True,
+        head_dim_override=256, qk_norm=True, sliding_window=512, per_layer_input=256,
+        global_head_dim=512, global_kv_heads=4,
     ),
     "gemma-2b": ModelShape(
         "gemma", 2048, 18, 8, 1, 16384, 256000, 10000.0, 8192, 1e-6, True, head_dim_override=256,

@@ -482,3 +482,30 @@ def test_gemma3n_is_written_as_llama_cpps(tmp_path):
     )
     model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
     assert model.embed_tokens_per_layer.shape == (SMOLLM2_VOCAB + 64, 10 * 16)
+
+
+def test_gemma4_is_written_as_llama_cpps(tmp_path):
+    """Each kind of layer in its own shape (the global ones' wider heads, fewer KV heads), the
+    global layers' proportional rope as rope_freqs, per-layer inputs, each layer's output
+    scale: read back by the loader and loaded whole by the engine."""
+    shape = dataclasses.replace(
+        small("gemma-4-config-defaults"),
+        layers=6,
+        head_dim_override=32,
+        global_head_dim=64,
+        global_kv_heads=1,
+        per_layer_input=16,
+    )
+    path = make_random_gguf.write_random_gguf("g", tmp_path / "g.gguf", shape=shape, quiet=True)
+    src = ModelSource("gguf", path)
+    arch = load_arch(src)
+    assert arch.architecture == "gemma4" and arch.sliding_windows == (512,) * 5 + (None,)
+    assert arch.layer_kv_shapes == ((2, 32),) * 5 + ((1, 64),)
+    assert (arch.head_dim, arch.global_head_dim, arch.per_layer_input_size) == (32, 64, 16)
+    factors = arch.rope_scaling["factors"]  # a quarter of the 32 angles turn
+    assert factors[:8] == (1.0,) * 8 and min(factors[8:]) > 1e29 and len(factors) == 32
+    model = load_model(src, arch, torch.float32, "cpu")  # strict: all names known
+    assert model.layers[5].self_attn.qkv_proj.weight.shape == ((4 + 2) * 64, 128)
+    # transformers builds 5,077,177,856 parameters of that config (+ 30 layer scalars, 256 rope
+    # factors here)
+    assert 5.0771e9 < _num_params(make_random_gguf.CONFIGS["gemma-4-config-defaults"]) < 5.0772e9
