@@ -5,8 +5,8 @@ rope, per-layer inputs, trained layer scalars, and its last two layers attending
 2's K/V with MLPs twice as wide, gives HF's greedy tokens and logprobs from safetensors and from
 a GGUF in llama.cpp's gemma4 naming, through prefix-cache hits and 32-token chunks, on both
 attention backends, with and without the hybrid KV cache, on two tensor-parallel ranks, on Q8_0
-blocks, as an image-and-text checkpoint's text model, and as the 31B's kind (no per-layer
-inputs, no shared K/V)."""
+blocks, as an image-and-text checkpoint's text model, as the 31B's kind (no per-layer inputs,
+no shared K/V) and as the 26B-A4B's (experts beside every MLP)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ MAX_TOKENS = 10
 SHAPES = ((2, 16), (2, 16), (1, 32), (2, 16), (2, 16), (1, 32))  # (KV heads, head size)
 # the 31B's kind: every layer its own K/V, no per-layer inputs
 DENSE = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False)
+# the 26B-A4B's kind: the 31B's with 4 experts of 32 (2 a token) beside every layer's MLP
+MOE = dict(DENSE, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 
 hf_dir, prompts, hf_reference = family_fixtures("gemma4", prompt_seed=48, max_tokens=MAX_TOKENS)
 
@@ -155,3 +157,40 @@ def test_the_31b_kind_without_per_layer_inputs(prompts):
     hf = load_hf(str(path))
     reference = [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
     assert_family_matches_hf(path, prompts, reference, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(prompts):
+    from tests.e2e.oracle import hf_greedy_logprobs, load_hf
+
+    hf = load_hf(str(cached_tiny_model("gemma4", **MOE)))
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_the_26b_a4b_kind_with_experts_beside_the_mlp(prompts, moe_reference, source, tmp_path):
+    """Tanh-GELU experts beside each layer's MLP, routed from the residual stream (normed,
+    scaled per channel, softmax, top 2 renormalised, each weight by its expert's scale); from a
+    GGUF with the experts' gate and up fused (ffn_gate_up_exps) and the router's scales as
+    llama.cpp's .scale tensors."""
+    from tokenbus.loader import load_arch, resolve_model
+
+    path = cached_tiny_model("gemma4", **MOE)
+    if source == "gguf":
+        path = write_gguf(path, tmp_path / "gemma4-moe.gguf")
+    arch = load_arch(resolve_model(str(path)))
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (4, 2, 32)
+    backend = "native" if source == "gguf" else "torch"
+    assert_family_matches_hf(path, prompts, moe_reference, MAX_TOKENS, attention_backend=backend)
+
+
+def test_experts_on_two_ranks(prompts, moe_reference):
+    """Expert parallel: each rank two whole experts, the router whole on both."""
+    path = cached_tiny_model("gemma4", **MOE)
+    assert_ranks_match_hf(path, prompts[:4], moe_reference[:4], MAX_TOKENS)
+
+
+def test_q8_0_experts_match_the_dequantized_file(prompts, tmp_path):
+    """The experts kept in Q8_0 blocks (gate and up fused), run by the quantized kernels."""
+    path = write_gguf(cached_tiny_model("gemma4", **MOE), tmp_path / "moe-q8_0.gguf", "Q8_0")
+    assert_blocks_match_dequantized(path, prompts[:4], MAX_TOKENS)

@@ -79,7 +79,7 @@ def test_a_sparse_image_and_text_config_with_shared_kv():
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (dict(enable_moe_block=True, num_experts=8, top_k_experts=2), "enable_moe_block"),
+        (dict(enable_moe_block=True, num_experts=8, top_k_experts=2), "moe_intermediate_size"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
         (dict(hidden_activation="silu"), "hidden_activation"),
     ],
@@ -87,6 +87,16 @@ def test_a_sparse_image_and_text_config_with_shared_kv():
 def test_settings_not_supported_are_named(edit, message):
     with pytest.raises(ValueError, match=message):
         arch_from_hf_config(_class_defaults(**edit), PATH)
+
+
+def test_experts_beside_the_mlp():
+    """enable_moe_block: num_experts, top_k_experts and moe_intermediate_size."""
+    config = _class_defaults(
+        enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704
+    )
+    arch = arch_from_hf_config(config, PATH)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (128, 8, 704)
+    assert arch.intermediate_size == 9216  # the dense MLP beside them keeps its width
 
 
 def test_a_global_rope_type_not_supported_is_named():

@@ -13,7 +13,8 @@ decoder's (L2). Each reader returns ModelArch fields; hf_loader / gguf_loader jo
 - llama.cpp's converter writes the head sizes as `key_length` (global) and `key_length_swa`,
   the KV heads per layer as an array, the MLP widths per layer where they differ, the global
   layers' proportional rope as a `rope_freqs` tensor (factor 1e30 on the still angles) and the
-  norms as they are (w).
+  norms as they are (w); the 26B-A4B's router scales as `ffn_gate_inp.scale` and
+  `ffn_down_exps.scale`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,16 @@ GEMMA4_GGUF_BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
     "layer_output_scale": "layer_scalar",
+    # the 26B-A4B's experts: the router, its per-channel and per-expert scales, their norms
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
 }
+# HF names that are a parameter themselves, not a module's `.weight`
+GEMMA4_PARAMETER_NAMES = ("layer_scalar", "router.scale", "router.per_expert_scale")
 
 
 def gemma4_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -51,11 +61,6 @@ def gemma4_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     activation = config.get("hidden_activation") or config.get("hidden_act") or GEMMA_ACTIVATION
     if activation != GEMMA_ACTIVATION:
         raise ValueError(f"{path}: hidden_activation {activation!r} is not supported for gemma4")
-    if config.get("enable_moe_block"):
-        raise ValueError(
-            f"{path}: enable_moe_block=true (Gemma 4 26B-A4B's experts beside the MLP) is not "
-            "supported"
-        )
     if config.get("use_bidirectional_attention") == "all":
         raise ValueError(f"{path}: use_bidirectional_attention='all' is not supported")
     num_layers = int(config["num_hidden_layers"])
@@ -98,6 +103,7 @@ def gemma4_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
         **_width_fields(width, num_layers, shared, bool(config.get("use_double_wide_mlp"))),
         per_layer_input_size=per_layer,
         per_layer_vocab_size=int(config.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
+        **_hf_expert_fields(config, path),
     )
 
 
@@ -137,6 +143,20 @@ def gemma4_gguf_fields(meta: dict[str, Any], tensors: dict[str, Any], path: Path
         per_layer_input_size=per_layer,
         per_layer_vocab_size=table.shape[0] if per_layer and table is not None else 0,
     )
+
+
+def _hf_expert_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The 26B-A4B's experts beside every layer's MLP (enable_moe_block), {} without."""
+    if not config.get("enable_moe_block"):
+        return {}
+    num_experts, top_k = config.get("num_experts"), config.get("top_k_experts")
+    width = config.get("moe_intermediate_size")
+    if not (num_experts and top_k and width):
+        raise ValueError(
+            f"{path}: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
+        )
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+                moe_intermediate_size=int(width))  # fmt: skip
 
 
 def _hf_global_shape(

@@ -396,7 +396,7 @@ def iter_gguf_weights(
             for i, matrix in enumerate(stacked):
                 yield f"{GEMMA3N_GGUF_STACKED[info.name]}.{i}.weight", matrix.contiguous()
             continue
-        if parts[2:3] and parts[2] in _EXPERT_NAMES:
+        if parts[2:3] and parts[2] in _EXPERT_NAMES and parts[-1] in ("weight", "bias"):
             yield from _expert_weights(gf, info, arch, keep_quantized)
             continue
         name = _moe_scope(hf_weight_name(gf, info.name), arch)
@@ -457,6 +457,7 @@ _HF_EXPERT_NAMES = {
     **{name: ("mlp", ("gate_proj", "up_proj", "down_proj")) for name in ("glm4_moe", "dots1")},
     "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
     **{name: ("mlp", ("gate_proj", "up_proj", "down_proj")) for name in DEEPSEEK_ARCHITECTURES},
+    "gemma4": ("mlp", ("gate_proj", "up_proj", "down_proj")),  # Gemma4Experts.split_*
 }
 
 

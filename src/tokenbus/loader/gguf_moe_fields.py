@@ -5,6 +5,7 @@ router's renormalising, selection bias and groups."""
 from __future__ import annotations
 
 from tokenbus.loader.deepseek_config import DEEPSEEK_GGUF_ARCHITECTURES
+from tokenbus.loader.gemma4_config import GEMMA4_GGUF
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.glm4_moe_config import DOTS1_GGUF, GLM4_MOE_GGUF
 from tokenbus.loader.gpt_oss_config import GPT_OSS_GGUF_ARCHITECTURE
@@ -56,7 +57,9 @@ def gguf_moe_fields(gf: GGUFFile, arch: str, num_layers: int) -> dict:
             shared = info.shape[0]  # its width, from the tensor (the converter's key is not it)
     if f"{arch}.expert_used_count" not in meta:
         raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.expert_used_count")
-    width_key = "expert_feed_forward_length" if arch in own_width else "feed_forward_length"
+    # Gemma 4's: its experts beside the dense MLP (the 26B-A4B; the others have none)
+    own = arch in (*own_width, GEMMA4_GGUF)
+    width_key = "expert_feed_forward_length" if own else "feed_forward_length"
     if f"{arch}.{width_key}" not in meta:
         raise ValueError(f"{gf.path}: missing GGUF metadata {arch}.{width_key}")
     return dict(

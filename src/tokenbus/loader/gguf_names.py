@@ -19,7 +19,11 @@ from tokenbus.loader.gemma3n_config import (
     GEMMA3N_GGUF_GLOBAL_NAMES,
     GEMMA3N_PARAMETER_NAMES,
 )
-from tokenbus.loader.gemma4_config import GEMMA4_GGUF, GEMMA4_GGUF_BLOCK_NAMES
+from tokenbus.loader.gemma4_config import (
+    GEMMA4_GGUF,
+    GEMMA4_GGUF_BLOCK_NAMES,
+    GEMMA4_PARAMETER_NAMES,
+)
 from tokenbus.loader.gemma_config import SANDWICH_GGUF_ARCHITECTURES
 from tokenbus.loader.gguf_file import GGUFFile
 from tokenbus.loader.glm4_moe_config import DOTS1_GGUF, DOTS1_GGUF_BLOCK_NAMES, GLM4_MOE_GGUF
@@ -131,7 +135,7 @@ _PARAMETER_NAMES = (
     *MAMBA_PARAMETER_NAMES,
     *QWEN3_5_PARAMETER_NAMES,
     *GEMMA3N_PARAMETER_NAMES,
-    GEMMA4_GGUF_BLOCK_NAMES["layer_output_scale"],
+    *GEMMA4_PARAMETER_NAMES,
 )
 
 

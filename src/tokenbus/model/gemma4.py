@@ -1,5 +1,6 @@
-"""Gemma 4 (text: E2B, E4B, 31B): Gemma 3n's attention, per-layer inputs and K/V sharing without
-its AltUp streams, LAuReL or sparse gates, each part from HF's Gemma4TextModel op for op.
+"""Gemma 4 (text: E2B, E4B, 26B-A4B, 31B): Gemma 3n's attention, per-layer inputs and K/V
+sharing without its AltUp streams, LAuReL or sparse gates, each part from HF's Gemma4TextModel
+op for op.
 
 - Two kinds of layer: local ones (a sliding window, heads of head_dim, the default RoPE of
   their own base) and global ones with wider heads (512 in the released models) and, where
@@ -16,8 +17,11 @@ its AltUp streams, LAuReL or sparse gates, each part from HF's Gemma4TextModel o
 - Norms are plain RMSNorms in fp32 (w, not Gemma's 1 + w); the embedding is scaled by
   sqrt(hidden); the final logits are soft-capped.
 
-The 26B-A4B's experts beside the MLP (enable_moe_block) are not built: its config is refused
-(loader/gemma4_config.py). Decoder layers run op by op, with GGUF blocks in the linears.
+- The 26B-A4B (enable_moe_block): tanh-GELU experts beside every layer's MLP, each with norms
+  of its own, the two outputs summed before the post-MLP norm; the router reads the residual
+  stream (Gemma4Experts), the experts its own pre-norm.
+
+Decoder layers run op by op, with GGUF blocks in the linears and experts.
 """
 
 from __future__ import annotations
@@ -36,9 +40,17 @@ from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.gemma import GemmaForCausalLM
 from tokenbus.model.gemma3n import Gemma3nAttention, Gemma3nForCausalLM, _drop
 from tokenbus.model.layers import Fp32RMSNorm, Linear
+from tokenbus.model.moe import SparseMoeBlock, stacked_experts_split
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader, copy_param, layer_loaders, load_strictly
 from tokenbus.model_arch import ModelArch
+
+# the norms around a layer's experts (beside its MLP's)
+_EXPERT_NORMS = (
+    "post_feedforward_layernorm_1",
+    "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm_2",
+)
 
 
 def layer_arch(arch: ModelArch, layer: int) -> ModelArch:
@@ -80,12 +92,55 @@ class Gemma4Attention(Gemma3nAttention):
         return torch.cat((qkv, qkv[:, self.num_heads :]), dim=1)
 
 
+class Gemma4Experts(SparseMoeBlock):
+    """The 26B-A4B's experts beside each layer's MLP (tanh-GELU experts): its router reads the
+    residual stream RMSNormed without a weight, scaled per channel (`router_scale`) and by
+    1 / sqrt(hidden); softmax, the top k renormalised, each weight then scaled by its expert's
+    `per_expert_scale` (HF's Gemma4TextRouter)."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
+        super().__init__(arch, tp)
+        self.eps = arch.rms_norm_eps
+        self.router_scale = nn.Parameter(torch.ones(arch.hidden_size), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(arch.num_experts), requires_grad=False)
+        self.root_size = arch.hidden_size**-0.5
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = x.float()  # as HF's norm: pow(mean square + eps, -0.5), in fp32
+        normed = (normed * torch.pow(normed.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(
+            x.dtype
+        )
+        probs = torch.softmax(self.gate(normed * self.router_scale * self.root_size).float(), -1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.per_expert_scale[expert_ids]).to(x.dtype), expert_ids
+
+    def gemma4_loaders(self, prefix: str) -> dict[str, WeightLoader]:
+        """HF's names under the layer (`prefix`: "model.layers.N."): router.*, and each expert's
+        gate, up and down under mlp.experts.E (load_weights splits HF's stacked experts so, as
+        the GGUF loader splits llama.cpp's); other ranks' experts are read and dropped."""
+        loaders = self.weight_loaders(f"{prefix}mlp.", "gemma4")
+        loaders.update(self.skipped_names(f"{prefix}mlp.", "gemma4"))
+        del loaders[f"{prefix}mlp.gate.weight"]  # the router is router.proj
+        loaders[f"{prefix}router.proj.weight"] = self.gate.load_shard
+        loaders[f"{prefix}router.scale"] = partial(copy_param, self.router_scale)
+        loaders[f"{prefix}router.per_expert_scale"] = partial(copy_param, self.per_expert_scale)
+        return loaders
+
+
 class Gemma4DecoderLayer(nn.Module):
     """Gemma 3's sandwich block, then the per-layer input joined (where the model has them),
     the output scaled by `layer_scalar`. It takes and gives back (x [T, H], per-layer inputs
     [T, L, P] or an empty tensor): the second tensor KernelPlan.run_layers carries."""
 
-    def __init__(self, arch: ModelArch, index: int, self_attn: Gemma4Attention, mlp: GeGLUMLP):
+    def __init__(
+        self,
+        arch: ModelArch,
+        index: int,
+        self_attn: Gemma4Attention,
+        mlp: GeGLUMLP,
+        experts: Gemma4Experts | None = None,
+    ) -> None:
         super().__init__()
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.index = index
@@ -95,6 +150,11 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = Fp32RMSNorm(hidden, eps)
         self.mlp = mlp
         self.post_feedforward_layernorm = Fp32RMSNorm(hidden, eps)
+        self.experts = experts  # beside the MLP, each with norms of its own
+        if experts is not None:
+            self.post_feedforward_layernorm_1 = Fp32RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = Fp32RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = Fp32RMSNorm(hidden, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.per_layer_input_gate = self.per_layer_projection = None
         self.post_per_layer_input_norm = None
@@ -118,7 +178,11 @@ class Gemma4DecoderLayer(nn.Module):
             self.input_layernorm(x), cos, sin, kv_cache, slot_mapping, plan, q_scale
         )
         x = x + self.post_attention_layernorm(attn)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.experts is not None:
+            routed = self.experts(self.pre_feedforward_layernorm_2(x), routed_by=x)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(h)
         if self.per_layer_input_gate is not None:
             gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")
             joined = self.per_layer_projection(gate * per_layer_inputs[:, self.index])
@@ -151,7 +215,8 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
             None if owner == index else self.layers[owner].self_attn,
             k_eq_v=arch.attn_k_eq_v and not local,
         )
-        return Gemma4DecoderLayer(arch, index, attn, GeGLUMLP(own, tp))
+        experts = Gemma4Experts(arch, tp) if arch.num_experts else None
+        return Gemma4DecoderLayer(arch, index, attn, GeGLUMLP(own, tp), experts)
 
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
@@ -195,6 +260,11 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
                     loaders[name] = _drop
                     ignored.add(name)
             loaders[f"{prefix}layer_scalar"] = partial(copy_param, layer.layer_scalar)
+            if layer.experts is not None:
+                loaders.update(layer.experts.gemma4_loaders(prefix))
+                for name in _EXPERT_NORMS:
+                    norm = getattr(layer, name)
+                    loaders[f"{prefix}{name}.weight"] = partial(copy_param, norm.weight)
             if layer.per_layer_input_gate is not None:
                 for name in ("per_layer_input_gate", "per_layer_projection"):
                     linear = getattr(layer, name)
@@ -214,4 +284,15 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
 
     def load_weights(self, weights) -> None:
         loaders, ignored = self._gemma3n_loaders()
-        load_strictly(loaders, weights, self.arch, optional=ignored)
+        load_strictly(loaders, stacked_experts_split(_experts_under_mlp(weights)), self.arch,
+                      optional=ignored)  # fmt: skip
+
+
+def _experts_under_mlp(weights):
+    """HF's stacked experts (model.layers.N.experts.*) under the MLP's scope, where
+    stacked_experts_split takes them apart."""
+    for name, tensor in weights:
+        scope, _, leaf = name.rpartition(".experts.")
+        if leaf in ("gate_up_proj", "down_proj") and not scope.endswith(".mlp"):
+            name = f"{scope}.mlp.experts.{leaf}"
+        yield name, tensor

@@ -68,6 +68,7 @@ EXPERT_NAMES = {
     "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
     "minimax_m2": ("w1", "w3", "w2"),
     "deepseek": ("gate_proj", "up_proj", "down_proj"),
+    "gemma4": ("gate_proj", "up_proj", "down_proj"),  # a GGUF's, split at load
 }
 
 
@@ -81,6 +82,8 @@ SHARED_EXPERT_NAMES = {
     "glm4_moe": ("shared_experts", None),
     "deepseek": ("shared_experts", None),
 }
+# The experts' gate activations (ModelArch.hidden_act): SiLU, Gemma 4's tanh GELU
+EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # How a router's logits become probabilities (ModelArch.moe_scoring)
 MOE_SCORINGS = ("softmax", "sigmoid")
 # ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints); the families
@@ -111,8 +114,11 @@ class SparseMoeBlock(OpsModule):
 
     def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE, bias: bool = False) -> None:
         super().__init__()
-        if arch.hidden_act != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {arch.hidden_act!r}")
+        if arch.hidden_act not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act: experts take {' or '.join(EXPERT_ACTIVATIONS)}, "
+                f"got {arch.hidden_act!r}"
+            )
         if not 0 < arch.num_experts_per_tok <= arch.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in [1, num_experts={arch.num_experts}], "
@@ -138,8 +144,9 @@ class SparseMoeBlock(OpsModule):
         self.routed_scaling_factor = arch.routed_scaling_factor
         # (limit, alpha) of gpt-oss's clamped SwiGLU; None: SiLU
         self.swiglu = None if arch.swiglu_limit is None else (arch.swiglu_limit, arch.swiglu_alpha)
-        # the activation act_mul computes (decode_layer.c's MLP_ACTIVATIONS)
-        self.activation = "silu" if self.swiglu is None else "clamped_swiglu"
+        # the activation act_mul computes (decode_layer.c's MLP_ACTIVATIONS): SiLU, gpt-oss's
+        # clamped SwiGLU, or Gemma 4's tanh GELU
+        self.activation = arch.hidden_act if self.swiglu is None else "clamped_swiglu"
         per_rank = arch.num_experts // tp.size
         self.first_expert = tp.rank * per_rank  # this rank's experts: [first, first + per_rank)
         # The router, whole on every rank. Row-invariant: a token's experts never depend on
@@ -195,8 +202,10 @@ class SparseMoeBlock(OpsModule):
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = self.route(x)
+    def forward(self, x: torch.Tensor, routed_by: torch.Tensor | None = None) -> torch.Tensor:
+        """`routed_by`: what the router reads where it is not x (Gemma 4's: the residual
+        stream, its experts the normed one)."""
+        weights, expert_ids = self.route(x if routed_by is None else routed_by)
         if self.stacked is not None:
             from tokenbus.model.triton_moe import fused_experts  # imports triton: CUDA only
 
@@ -237,14 +246,16 @@ class SparseMoeBlock(OpsModule):
 
     def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """An expert's activation: [n, 2I] (gate, then up) -> [n, I]."""
-        if self.swiglu is None:
-            return self.ops.silu_mul(gate_up)
-        return self.ops.clamped_swiglu_mul(gate_up, *self.swiglu)
+        if self.swiglu is not None:
+            return self.ops.clamped_swiglu_mul(gate_up, *self.swiglu)
+        if self.activation == "gelu_pytorch_tanh":
+            return self.ops.gelu_tanh_mul(gate_up)
+        return self.ops.silu_mul(gate_up)
 
     @property
     def stackable(self) -> bool:
         """Whether triton_moe.py's grouped GEMMs compute these experts: SiLU, no biases."""
-        return self.swiglu is None and self.gate.bias is None
+        return self.activation == "silu" and self.gate.bias is None
 
     def stack_experts(self) -> None:
         """Run the experts through triton_moe.py's grouped GEMMs from now on: their dense
