@@ -61,8 +61,9 @@ CASES = {
 }
 
 
-# fp32: the matmuls of a few rows may round unlike those of all of them, by an ulp or so
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+# fp32: the matmuls of a few rows may round unlike those of all of them, by a few ulps of
+# outputs up to about 2 (an AVX-512 EPYC's oneDNN kernels: 1.07e-6 apart, 9 ulps at 1.45)
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("case", CASES)
 def test_chunked_is_whole(monkeypatch, case, dtype, atol):
     options = dict(CASES[case])
