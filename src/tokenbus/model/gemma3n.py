@@ -47,6 +47,7 @@ from tokenbus.model.layers.quantized import (
     kernel_weight,
     quantized_embedding,
 )
+from tokenbus.model.moe import skip_weight
 from tokenbus.model.native import QuantKernels
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader, copy_param, layer_loaders, load_strictly
@@ -309,13 +310,13 @@ class Gemma3nForCausalLM(GemmaForCausalLM):
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights) -> None:
-        loaders, ignored = self._gemma3n_loaders()
+        loaders, ignored = self._loaders()
         load_strictly(loaders, weights, self.arch, optional=ignored)
 
     def _weight_loaders(self) -> dict[str, WeightLoader]:
-        return self._gemma3n_loaders()[0]
+        return self._loaders()[0]
 
-    def _gemma3n_loaders(self) -> tuple[dict[str, WeightLoader], set[str]]:
+    def _loaders(self) -> tuple[dict[str, WeightLoader], set[str]]:
         """HF names -> loaders, and the names a checkpoint may leave out: a layer reading
         another's K/V has no k_proj, v_proj or k_norm of its own (released checkpoints still
         carry them; they are read and dropped)."""
@@ -327,7 +328,7 @@ class Gemma3nForCausalLM(GemmaForCausalLM):
             if layer.self_attn.owner is not None:
                 for leaf in ("k_proj", "v_proj", "k_norm"):
                     name = f"{prefix}self_attn.{leaf}.weight"
-                    loaders[name] = _drop
+                    loaders[name] = skip_weight
                     ignored.add(name)
             loaders.update(self._extra_layer_loaders(prefix, layer))
         model = {
@@ -391,10 +392,6 @@ class Gemma3nForCausalLM(GemmaForCausalLM):
         self.embed_tokens_per_layer = nn.Parameter(
             self.embed_tokens_per_layer.new_empty(0, expected[1]), requires_grad=False
         )
-
-
-def _drop(name: str, tensor) -> None:
-    """A checkpoint tensor this model does not use (read, not kept)."""
 
 
 def _dense_loader(param: torch.Tensor) -> WeightLoader:

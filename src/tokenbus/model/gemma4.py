@@ -3,7 +3,7 @@ sharing without its AltUp streams, LAuReL or sparse gates, each part from HF's G
 op for op.
 
 - Two kinds of layer: local ones (a sliding window, heads of head_dim, the default RoPE of
-  their own base) and global ones with wider heads (512 in the released models) and, where
+  their own base) and global ones with wider heads (global_head_dim, 512 by default) and, where
   attention_k_eq_v, fewer KV heads whose values are their keys' projection (no v_proj; the
   value takes v's norm, not k's, and no rotary). Each layer is built from its own shape
   (ModelArch.layer_kv_shapes) and the paged cache holds each layer's K/V in it
@@ -16,7 +16,6 @@ op for op.
 - Each layer's output is scaled by its own trained scalar (`layer_scalar`).
 - Norms are plain RMSNorms in fp32 (w, not Gemma's 1 + w); the embedding is scaled by
   sqrt(hidden); the final logits are soft-capped.
-
 - The 26B-A4B (enable_moe_block): tanh-GELU experts beside every layer's MLP, each with norms
   of its own, the two outputs summed before the post-MLP norm; the router reads the residual
   stream (Gemma4Experts), the experts its own pre-norm.
@@ -38,9 +37,9 @@ from tokenbus.model.causal_lm import GLOBAL_ROPE, LOCAL_ROPE
 from tokenbus.model.decoder import GeGLUMLP
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.gemma import GemmaForCausalLM
-from tokenbus.model.gemma3n import Gemma3nAttention, Gemma3nForCausalLM, _drop
+from tokenbus.model.gemma3n import Gemma3nAttention, Gemma3nForCausalLM
 from tokenbus.model.layers import Fp32RMSNorm, Linear
-from tokenbus.model.moe import SparseMoeBlock, stacked_experts_split
+from tokenbus.model.moe import SparseMoeBlock, skip_weight, stacked_experts_split
 from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader, copy_param, layer_loaders, load_strictly
 from tokenbus.model_arch import ModelArch
@@ -106,11 +105,9 @@ class Gemma4Experts(SparseMoeBlock):
         self.root_size = arch.hidden_size**-0.5
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = x.float()  # as HF's norm: pow(mean square + eps, -0.5), in fp32
-        normed = (normed * torch.pow(normed.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(
-            x.dtype
-        )
-        probs = torch.softmax(self.gate(normed * self.router_scale * self.root_size).float(), -1)
+        h = x.float()  # HF's weightless norm, in fp32: times (mean square + eps) ** -0.5
+        h = (h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        probs = torch.softmax(self.gate(h * self.router_scale * self.root_size).float(), dim=-1)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights * self.per_expert_scale[expert_ids]).to(x.dtype), expert_ids
@@ -236,12 +233,15 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
     def rotary_lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         """(global, local) cos and sin, each [T, 1, D/2] of its own head size: a layer reads
         its row (GLOBAL_ROPE, LOCAL_ROPE) of the pair."""
-        tables = (self.rotary.lookup(positions, dtype), self.local_rotary.lookup(positions, dtype))
-        assert (GLOBAL_ROPE, LOCAL_ROPE) == (0, 1)
-        return tuple(cos for cos, _ in tables), tuple(sin for _, sin in tables)
+        global_cos, global_sin = self.rotary.lookup(positions, dtype)
+        local_cos, local_sin = self.local_rotary.lookup(positions, dtype)
+        cos, sin = [None, None], [None, None]
+        cos[GLOBAL_ROPE], sin[GLOBAL_ROPE] = global_cos, global_sin
+        cos[LOCAL_ROPE], sin[LOCAL_ROPE] = local_cos, local_sin
+        return tuple(cos), tuple(sin)
 
     # ------------------------------------------------------------------ weights
-    def _gemma3n_loaders(self) -> tuple[dict[str, WeightLoader], set[str]]:
+    def _loaders(self) -> tuple[dict[str, WeightLoader], set[str]]:
         """HF names -> loaders, and the names a checkpoint may leave out (a layer reading
         another's K/V has no k_proj, v_proj, k_norm of its own; released checkpoints may carry
         them: read and dropped)."""
@@ -257,7 +257,7 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
             if attn.owner is not None:
                 for leaf in ("k_proj", "v_proj", "k_norm"):
                     name = f"{prefix}self_attn.{leaf}.weight"
-                    loaders[name] = _drop
+                    loaders[name] = skip_weight
                     ignored.add(name)
             loaders[f"{prefix}layer_scalar"] = partial(copy_param, layer.layer_scalar)
             if layer.experts is not None:
@@ -283,9 +283,9 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
         return loaders, ignored
 
     def load_weights(self, weights) -> None:
-        loaders, ignored = self._gemma3n_loaders()
-        load_strictly(loaders, stacked_experts_split(_experts_under_mlp(weights)), self.arch,
-                      optional=ignored)  # fmt: skip
+        loaders, ignored = self._loaders()
+        weights = stacked_experts_split(_experts_under_mlp(weights))
+        load_strictly(loaders, weights, self.arch, optional=ignored)
 
 
 def _experts_under_mlp(weights):
