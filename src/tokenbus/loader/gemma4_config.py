@@ -155,8 +155,11 @@ def _hf_expert_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
         raise ValueError(
             f"{path}: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
         )
-    return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
-                moe_intermediate_size=int(width))  # fmt: skip
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(top_k),
+        moe_intermediate_size=int(width),
+    )
 
 
 def _hf_global_shape(
