@@ -194,3 +194,14 @@ def test_q8_0_experts_match_the_dequantized_file(prompts, tmp_path):
     """The experts kept in Q8_0 blocks (gate and up fused), run by the quantized kernels."""
     path = write_gguf(cached_tiny_model("gemma4", **MOE), tmp_path / "moe-q8_0.gguf", "Q8_0")
     assert_blocks_match_dequantized(path, prompts[:4], MAX_TOKENS)
+
+
+def test_global_heads_wider_than_the_flash_path_takes(prompts):
+    """Global heads of 512 (the config class's default), past the native flash path's 256: a step's
+    one plan sends every layer's prompt chunks to SDPA, the local layers' too."""
+    from tests.e2e.oracle import hf_greedy_logprobs, load_hf
+
+    path = cached_tiny_model("gemma4", global_head_dim=512)
+    hf = load_hf(str(path))
+    reference = [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+    assert_family_matches_hf(path, prompts, reference, MAX_TOKENS, attention_backend="native")

@@ -338,7 +338,9 @@ def build_attention_plan(
     """Derive per-step index tensors and masks (in the activation `dtype`) from `ctx`."""
     kv = ctx.first_kv_cache
     _, _, block_size, num_kv_heads, _ = kv.shape
-    head_dim = kv_quant.head_dim_of(kv)
+    # One plan serves every layer: where their heads differ (Gemma 4's), its choices (the
+    # flash path's head sizes, the tiles' bytes) are the widest head's.
+    head_dim = max(kv_quant.head_dim_of(cache) for cache in ctx.attention_kv_caches)
     if (
         native_kernel is not None
         and kv.dtype in KERNEL_KV_DTYPES.get(dtype, ())

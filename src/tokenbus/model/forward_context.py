@@ -97,15 +97,21 @@ class ForwardContext:
         )
 
     @property
-    def first_kv_cache(self) -> torch.Tensor:
-        """The first attention layer's K/V pool [2, blocks, ...]: every layer's has its shape,
-        dtype and device (the plans read the pool's layout from it). A recurrent layer's entry
-        is its state pool, an MLP-only layer's empty."""
-        return next(
+    def attention_kv_caches(self) -> list[torch.Tensor]:
+        """The attention layers' K/V pools [2, blocks, block_size, Hkv, row] (a recurrent
+        layer's entry is its state pool, an MLP-only layer's empty: both left out)."""
+        return [
             cache
             for i, cache in enumerate(self.kv_caches)
             if i not in self.recurrent_layers and cache.dim() == 5
-        )
+        ]
+
+    @property
+    def first_kv_cache(self) -> torch.Tensor:
+        """The first attention layer's K/V pool: every layer's has its block size, dtype and
+        device (the plans read the pool's layout from it), and its KV heads and head size but
+        where a model's layers differ in them (ModelArch.layer_kv_shapes)."""
+        return self.attention_kv_caches[0]
 
     @property
     def num_reqs(self) -> int:
