@@ -1,6 +1,6 @@
 """Greedy tokens on a GPU against HF transformers (tiny random Llama and Qwen2 models, and in
-fp32 a DeepSeek-V3 and a Gemma 3n): exact in fp32; in bf16 equal up to a first near tie.
-Skipped without a GPU (benchmarks/gpu_check.sh runs them where there is one), with the default
+fp32 a DeepSeek-V3, a Gemma 3n and a Gemma 4): exact in fp32; in bf16 equal up to a first near
+tie. Skipped without a GPU (benchmarks/gpu_check.sh runs them where there is one), with the default
 CUDA attention backend (Triton) and CUDA graphs."""
 
 from __future__ import annotations
@@ -26,9 +26,14 @@ ENGINE = dict(device="cuda", max_num_seqs=16, max_model_len=256, kv_cache_memory
 
 # DeepSeek-V3's: latent attention (one KV head of 40, 4 query heads over it) and grouped
 # sigmoid routing, through Triton attention and Triton MoE; Gemma 3n's: sliding windows, the
-# last layers attending earlier layers' K/V, AltUp, captured in CUDA graphs
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "deepseek_v3", "gemma3n"])
+# last layers attending earlier layers' K/V, AltUp, captured in CUDA graphs; Gemma 4's: layers
+# of two head sizes and KV head counts in one step's plan and graphs
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "deepseek_v3", "gemma3n", "gemma4"])
 def test_fp32_greedy_equals_hf(arch):
+    import transformers
+
+    if arch == "gemma4" and not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
     path = cached_tiny_model(arch)
     prompts = random_prompts(12, 1, 90, seed=2)
     hf = load_hf(str(path))
