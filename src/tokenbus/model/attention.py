@@ -337,18 +337,20 @@ def build_attention_plan(
 ) -> AttentionPlan:
     """Derive per-step index tensors and masks (in the activation `dtype`) from `ctx`."""
     kv = ctx.first_kv_cache
-    _, _, block_size, num_kv_heads, _ = kv.shape
-    # One plan serves every layer: where their heads differ (Gemma 4's), its choices (the
-    # flash path's head sizes, the tiles' bytes) are the widest head's.
-    head_dim = max(kv_quant.head_dim_of(cache) for cache in ctx.attention_kv_caches)
+    block_size = kv.shape[2]
+    # One plan serves every layer: where their K/V differ in shape (Gemma 4's), the flash
+    # path must take the widest head, and a decode tile holds the largest layer's keys.
+    shapes = {(cache.shape[3], kv_quant.head_dim_of(cache)) for cache in ctx.attention_kv_caches}
+    head_dim = max(dim for _, dim in shapes)
     if (
         native_kernel is not None
         and kv.dtype in KERNEL_KV_DTYPES.get(dtype, ())
         and kv.device.type == "cpu"
     ):
         return _plan_native(ctx, native_kernel, block_size, dtype, kv.dtype, head_dim)
-    # K and V, as gathered
-    bytes_per_key = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    # K and V, as gathered, of the layer whose keys are largest
+    key_values = max(heads * dim for heads, dim in shapes)
+    bytes_per_key = 2 * key_values * torch.finfo(dtype).bits // 8
     decode_tiles = _plan_decode_tiles(ctx, block_size, bytes_per_key, dtype)
     prefills = [
         _plan_prefill(ctx, r, block_size, dtype) for r in range(ctx.num_decodes, ctx.num_reqs)
