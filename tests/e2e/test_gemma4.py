@@ -205,3 +205,41 @@ def test_global_heads_wider_than_the_flash_path_takes(prompts):
     hf = load_hf(str(path))
     reference = [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
     assert_family_matches_hf(path, prompts, reference, MAX_TOKENS, attention_backend="native")
+
+
+def test_a_lora_adapter_matches_hf_peft(hf_dir, prompts, tmp_path):
+    """An adapter on every projection PEFT finds (the readers have no k or v, the global
+    layers no v): each layer's side path in its own shape, as HF + PEFT's greedy tokens."""
+    from tests.e2e.utils import assert_engine_clean, make_llm
+    from tests.fixtures.lora import hf_lora_greedy, hf_lora_model, make_adapter
+    from tokenbus import LoRARequest, SamplingParams
+
+    adapter = make_adapter(hf_dir, tmp_path / "adapter", seed=1, r=4)
+    hf = hf_lora_model(str(hf_dir), adapter)
+    expected = [hf_lora_greedy(hf, prompt, MAX_TOKENS) for prompt in prompts[:4]]
+    base = hf_lora_model(str(hf_dir), None)
+    assert expected != [hf_lora_greedy(base, prompt, MAX_TOKENS) for prompt in prompts[:4]]
+    llm = make_llm(hf_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:4]],
+        params,
+        use_tqdm=False,
+        lora_request=LoRARequest("a", str(adapter)),
+    )
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert_engine_clean(llm)
+
+
+def test_lora_on_a_projection_a_layer_lacks_is_refused():
+    from tokenbus.loader import load_arch, resolve_model
+    from tokenbus.loader.lora import module_shape
+
+    arch = load_arch(resolve_model(str(cached_tiny_model("gemma4"))))
+    assert module_shape(arch, "model.layers.2.self_attn.q_proj") == (64, 4 * 32)
+    assert module_shape(arch, "model.layers.2.self_attn.k_proj") == (64, 32)
+    assert module_shape(arch, "model.layers.5.mlp.down_proj") == (256, 64)
+    with pytest.raises(ValueError, match="values are its keys"):
+        module_shape(arch, "model.layers.2.self_attn.v_proj")
+    with pytest.raises(ValueError, match="attends layer 3's K/V"):
+        module_shape(arch, "model.layers.4.self_attn.k_proj")

@@ -104,3 +104,20 @@ def test_a_global_rope_type_not_supported_is_named():
     config["rope_parameters"]["full_attention"] = {"rope_type": "yarn", "factor": 2.0}
     with pytest.raises(ValueError, match="full_attention: rope type 'yarn'"):
         arch_from_hf_config(config, PATH)
+
+
+def test_the_last_layer_is_global_whatever_layer_types_says():
+    """As Gemma4TextConfig forces it (35 layers of the default pattern end on a local one)."""
+    arch = arch_from_hf_config(_class_defaults(num_hidden_layers=35), PATH)
+    assert arch.sliding_windows[-1] is None and arch.sliding_windows[-2] == 512
+    config = _class_defaults(num_hidden_layers=6)
+    config["layer_types"] = ["sliding_attention"] * 6
+    assert arch_from_hf_config(config, PATH).sliding_windows == (512,) * 5 + (None,)
+
+
+def test_a_gguf_without_its_window_is_refused():
+    from tokenbus.loader.gemma4_config import gemma4_gguf_fields
+
+    meta = {"gemma4.block_count": 6, "gemma4.attention.head_count": 4}
+    with pytest.raises(ValueError, match="gemma4.attention.sliding_window"):
+        gemma4_gguf_fields(meta, {}, PATH)

@@ -2,7 +2,8 @@
 decoder's (L2). Each reader returns ModelArch fields; hf_loader / gguf_loader join them
 (model/gemma4.py says what each does).
 
-- Layer kinds: `layer_types` (default: five local, then a global one); the local layers' heads
+- Layer kinds: `layer_types` (default: five local, then a global one; the last layer global
+  whatever it says, as Gemma4TextConfig forces it); the local layers' heads
   are `head_dim` over `num_key_value_heads` KV heads, the global ones' `global_head_dim` (512)
   over `num_global_key_value_heads` where attention_k_eq_v (else the local count). transformers
   writes both into `per_layer_config`, keyed by the global layers' indices.
@@ -65,6 +66,7 @@ def gemma4_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: use_bidirectional_attention='all' is not supported")
     num_layers = int(config["num_hidden_layers"])
     local = hf_local_layers(config, path, num_layers, _PATTERN)
+    local[-1] = False  # Gemma4TextConfig forces the last layer global (with a warning)
     head_dim = int(config.get("head_dim") or 256)
     kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
     k_eq_v = bool(config.get("attention_k_eq_v", False))
@@ -112,6 +114,8 @@ def gemma4_gguf_fields(meta: dict[str, Any], tensors: dict[str, Any], path: Path
     rope_freqs tensor: loader/gguf_rope.py)."""
     arch = GEMMA4_GGUF
     num_layers = int(meta[f"{arch}.block_count"])
+    if not meta.get(f"{arch}.attention.sliding_window"):  # llama.cpp requires it too
+        raise ValueError(f"{path}: missing GGUF metadata {arch}.attention.sliding_window")
     local = gguf_local_layers(meta, arch, num_layers, _PATTERN)
     heads = int(meta[f"{arch}.attention.head_count"])
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
@@ -134,7 +138,7 @@ def gemma4_gguf_fields(meta: dict[str, Any], tensors: dict[str, Any], path: Path
         head_dim=local_dim,
         num_key_value_heads=shapes[0][0],
         final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"),
-        sliding_windows=windows(local, meta.get(f"{arch}.attention.sliding_window")),
+        sliding_windows=windows(local, meta[f"{arch}.attention.sliding_window"]),
         rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", _LOCAL_THETA)),
         kv_shared_layers=kv_shared_layers(local, shared),
         **_shape_fields(shapes, k_eq_v),

@@ -112,9 +112,15 @@ def module_shape(arch: ModelArch, module: str) -> tuple[int, int]:
     layer, target = int(module.split(".")[2]), module.rsplit(".", 1)[1]
     if layer >= arch.num_hidden_layers:
         raise ValueError(f"{module}: the model has {arch.num_hidden_layers} layers")
-    q_size = arch.num_attention_heads * arch.head_dim
-    kv_size = arch.num_key_value_heads * arch.head_dim
+    # the layer's own shape where layers differ (Gemma 4's global heads, double-wide MLPs)
+    kv_heads, head_dim = arch.kv_shape(layer)
+    q_size, kv_size = arch.num_attention_heads * head_dim, kv_heads * head_dim
     hidden, inter = arch.hidden_size, arch.intermediate_size
+    if arch.layer_intermediate_sizes:
+        inter = arch.layer_intermediate_sizes[layer]
+    missing = _missing_projections(arch, layer)
+    if target in missing:
+        raise ValueError(f"{module}: layer {layer} has no {target} ({missing[target]})")
     return {
         "q_proj": (hidden, q_size),
         "k_proj": (hidden, kv_size),
@@ -124,6 +130,18 @@ def module_shape(arch: ModelArch, module: str) -> tuple[int, int]:
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }[target]
+
+
+def _missing_projections(arch: ModelArch, layer: int) -> dict[str, str]:
+    """The projections a layer lacks, and why: a layer reading another's K/V has no k or v
+    (Gemma 3n's, Gemma 4's); a Gemma 4 global layer whose values are its keys has no v."""
+    if arch.kv_owner(layer) != layer:
+        reason = f"it attends layer {arch.kv_owner(layer)}'s K/V"
+        return {"k_proj": reason, "v_proj": reason}
+    global_layer = not arch.sliding_windows or arch.sliding_windows[layer] is None
+    if arch.attn_k_eq_v and global_layer:
+        return {"v_proj": "its values are its keys' projection"}
+    return {}
 
 
 def check_adapter(path: str | Path, max_rank: int, arch: ModelArch) -> None:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 MULTIMODAL_MODEL_TYPES = {
     "gemma3": "Gemma3ForConditionalGeneration",  # Gemma 3 4B, 12B, 27B
     "gemma3n": "Gemma3nForConditionalGeneration",  # Gemma 3n E2B, E4B
-    "gemma4": "Gemma4ForConditionalGeneration",  # Gemma 4 E2B, E4B, 31B
+    "gemma4": "Gemma4ForConditionalGeneration",  # Gemma 4 E2B, E4B, 26B-A4B, 31B
     "mistral3": "Mistral3ForConditionalGeneration",  # Mistral Small 3.1 / 3.2
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # Qwen3.5 0.8B-27B
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # Qwen3.5 35B-A3B, 122B-A10B, ...

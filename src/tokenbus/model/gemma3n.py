@@ -283,9 +283,16 @@ class Gemma3nForCausalLM(GemmaForCausalLM):
         else:
             own = F.embedding(ids, self.embed_tokens_per_layer)
         own = own * _scale(arch.per_layer_input_size**0.5, dtype)
-        projected = self.per_layer_model_projection(x) * _scale(arch.hidden_size**-0.5, dtype)
+        projected = self.per_layer_model_projection(x) * self.input_scale(
+            arch.hidden_size**-0.5, dtype
+        )
         projected = self.per_layer_projection_norm(projected.view(shape))
-        return (projected + own.view(shape)) * _scale(_SQRT_HALF, dtype)
+        return (projected + own.view(shape)) * self.input_scale(_SQRT_HALF, dtype)
+
+    def input_scale(self, value: float, dtype: torch.dtype) -> torch.Tensor | float:
+        """The projection's and the sum's scale as HF applies them: Gemma 3n's an fp32 tensor
+        cast to the activations' dtype (rounded there in bf16)."""
+        return _scale(value, dtype)
 
     def _spread(self, x: torch.Tensor) -> torch.Tensor:
         """The AltUp streams [n, T, H]: x, then each projection of x at x's magnitude."""

@@ -240,6 +240,10 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
         cos[LOCAL_ROPE], sin[LOCAL_ROPE] = local_cos, local_sin
         return tuple(cos), tuple(sin)
 
+    def input_scale(self, value: float, dtype: torch.dtype) -> float:
+        """HF's Gemma 4 multiplies by Python floats: computed in fp32, rounded once."""
+        return value
+
     # ------------------------------------------------------------------ weights
     def _loaders(self) -> tuple[dict[str, WeightLoader], set[str]]:
         """HF names -> loaders, and the names a checkpoint may leave out (a layer reading

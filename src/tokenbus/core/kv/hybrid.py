@@ -15,7 +15,9 @@ has its own block table per request over the shared pool:
 
 Memory shrinks because groups share K/V tensors (the worker's side of `KVGroupLayout`): layer j of
 every group reads and writes buffer j, so a pool block is one page of the j-th layer of all
-groups, and a block a sliding group frees is a page any group may take next.
+groups, and a block a sliding group frees is a page any group may take next. Where layers differ
+in K/V shape (Gemma 4's), groups of each shape share a buffer range of their own: a block is a
+page of every range, and the group holding it uses its own shape's page.
 
 Prefix caching stays correct across groups: a block's hash key carries its group (a sliding
 group's block and a full group's block of the same tokens hold different layers), and a hit of n
