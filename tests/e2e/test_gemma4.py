@@ -196,15 +196,25 @@ def test_q8_0_experts_match_the_dequantized_file(prompts, tmp_path):
     assert_blocks_match_dequantized(path, prompts[:4], MAX_TOKENS)
 
 
-def test_global_heads_wider_than_the_flash_path_takes(prompts):
-    """Global heads of 512 (the config class's default), past the native flash path's 256: a step's
-    one plan sends every layer's prompt chunks to SDPA, the local layers' too."""
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "one group"])
+def test_global_heads_wider_than_the_flash_path_takes(prompts, hybrid):
+    """Global heads of 512 (the config class's default), past the native flash path's 256.
+    Under the hybrid cache each KV group plans for its own layers' shape: the global layers'
+    prompt chunks go to SDPA, the local ones' to the flash path; with one group for all layers
+    the one plan takes the widest head, and every chunk goes to SDPA."""
     from tests.e2e.oracle import hf_greedy_logprobs, load_hf
 
     path = cached_tiny_model("gemma4", global_head_dim=512)
     hf = load_hf(str(path))
     reference = [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
-    assert_family_matches_hf(path, prompts, reference, MAX_TOKENS, attention_backend="native")
+    assert_family_matches_hf(
+        path,
+        prompts,
+        reference,
+        MAX_TOKENS,
+        attention_backend="native",
+        disable_hybrid_kv_cache_manager=not hybrid,
+    )
 
 
 def test_a_lora_adapter_matches_hf_peft(hf_dir, prompts, tmp_path):

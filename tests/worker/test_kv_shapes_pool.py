@@ -89,3 +89,42 @@ def test_tensor_parallel_must_split_every_shape_s_kv_heads():
     arch = dataclasses.replace(ARCH, num_key_value_heads=4, layer_kv_shapes=((4, 16), (3, 32)) * 3)
     with pytest.raises(ValueError, match="the 3 KV heads"):
         TensorParallel(0, 2).check_divides(arch)
+
+
+def test_each_kv_group_plans_from_its_own_layers_pools():
+    """A step's plan per KV group reads only its layers' pools: the local groups' prompt
+    chunks go to the native flash path, the global group's (heads of 512, past the 256 it
+    takes) to SDPA."""
+    from tokenbus.model.attention import build_attention_plan
+    from tokenbus.model.forward_context import ForwardContext, KVGroupInputs
+    from tokenbus.model.native import NativeBuildError, load_paged_attention
+
+    try:
+        kernel = load_paged_attention()
+    except NativeBuildError as exc:
+        pytest.skip(f"no native attention kernel here: {exc}")
+    shapes = tuple(LOCAL if window else (1, 512) for window in WINDOWS)
+    arch = dataclasses.replace(ARCH, layer_kv_shapes=shapes)
+    groups = plan_kv_groups(WINDOWS, shapes=shapes)
+    caches = allocate_kv_caches(arch, 5, 16, torch.float32, CPU, groups)
+    tables = torch.tensor([[1, 2]])
+    ctx = ForwardContext(
+        positions=torch.arange(20),
+        slot_mapping=torch.arange(16, 36),
+        kv_caches=caches,
+        block_size=16,
+        query_start_loc=[0, 20],
+        seq_lens=[20],
+        seq_lens_t=torch.tensor([20]),
+        block_tables=tables,
+        num_decodes=0,
+        kv_groups=[KVGroupInputs(torch.arange(16, 36), tables) for _ in range(2)],
+        layer_groups=tuple(groups.place(i)[0] for i in range(6)),
+    )
+    for group in range(3):
+        own = {id(caches[i]) for i in range(6) if groups.place(i)[0] == group}
+        view = ctx.group_context(group)
+        assert {id(cache) for cache in view.attention_kv_caches} == own
+        plan = build_attention_plan(view, torch.float32, kernel)
+        is_global = groups.groups[group].window is None
+        assert (plan.native_long is None) == is_global and bool(plan.prefills) == is_global

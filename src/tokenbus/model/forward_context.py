@@ -80,17 +80,28 @@ class ForwardContext:
         """Set this step's attention plans: `build` (an attention backend's entry point) of
         group 0's view into attn_metadata, and of each further KV group's view into its
         inputs."""
-        self.attn_metadata = build(self)
+        self.attn_metadata = build(self.group_context(0) if self.layer_groups else self)
         for group, inputs in enumerate(self.kv_groups, start=1):
             inputs.attn_metadata = build(self.group_context(group))
 
     def group_context(self, group: int) -> ForwardContext:
-        """This step as KV group `group` (>= 1) sees it: its slots and tables."""
-        inputs = self.kv_groups[group - 1]
+        """This step as KV group `group` sees it: its slots and tables, and its layers' pools
+        alone (the others' entries empty), so its plan fits its layers' K/V shape (Gemma 4's
+        local and global layers differ)."""
+        slot_mapping, block_tables = self.slot_mapping, self.block_tables
+        if group > 0:
+            inputs = self.kv_groups[group - 1]
+            slot_mapping, block_tables = inputs.slot_mapping, inputs.block_tables
+        empty = self.kv_caches[0].new_empty(0)
+        kv_caches = [
+            cache if i in self.recurrent_layers or self.layer_groups[i] == group else empty
+            for i, cache in enumerate(self.kv_caches)
+        ]
         return dataclasses.replace(
             self,
-            slot_mapping=inputs.slot_mapping,
-            block_tables=inputs.block_tables,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            kv_caches=kv_caches,
             attn_metadata=None,
             kv_groups=[],
             layer_groups=(),
