@@ -12,7 +12,8 @@ import torch
 from tests.fixtures.native_sources import copied_source
 
 from tokenbus.model import ForwardContext, attention
-from tokenbus.model.attention import build_attention_plan, paged_attention, select_attention_kernel
+from tokenbus.model.attention import build_attention_plan, paged_attention
+from tokenbus.model.attention_backend import select_attention_kernel
 from tokenbus.model.native import NativeBuildError, build_shared_object, load_paged_attention
 
 BLOCK_SIZE = 16

@@ -389,7 +389,7 @@ def _kernels_problem() -> str | None:
 
 def resolve_attention_backend(requested: str, device: str, dtype: str, block_size: int = 16) -> str:
     """ "native", "triton" or "torch": auto is Triton on CUDA where triton imports, else what
-    model/attention.select_attention_kernel picks (the native kernel on CPU in
+    model/attention_backend.select_attention_kernel picks (the native kernel on CPU in
     float32/bfloat16 when it builds). An explicit backend that cannot run is a ValueError
     with the reason."""
     if requested == "torch":
@@ -406,7 +406,7 @@ def resolve_attention_backend(requested: str, device: str, dtype: str, block_siz
         return "torch"
     import torch
 
-    from tokenbus.model.attention import select_attention_kernel
+    from tokenbus.model.attention_backend import select_attention_kernel
 
     kernel = select_attention_kernel(requested, torch.device(device), getattr(torch, dtype))
     return "torch" if kernel is None else "native"

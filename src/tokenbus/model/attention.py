@@ -48,25 +48,19 @@ padding requests that read and write only the null block (block 0).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from tokenbus.config import ATTENTION_BACKENDS
 from tokenbus.model import kv_quant
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.native import (
     KERNEL_KV_DTYPES,
-    NativeBuildError,
     PagedAttentionKernel,
     check_indices,
-    load_paged_attention,
 )
 from tokenbus.model.sdpa import check_sinks, folded_sinks, sdpa
 from tokenbus.utils import cdiv
-
-logger = logging.getLogger(__name__)
 
 # Gathered K+V bytes per decode tile: big enough to amortise per-op overhead, small enough to
 # stay in cache between the gather and the SDPA that reads it. benchmarks/decode_step.py
@@ -304,32 +298,6 @@ class TorchDecodePlan:
 
 
 Plan = AttentionPlan | TorchDecodePlan  # or a backend's own (triton_attention.TritonPlan)
-
-
-def select_attention_kernel(
-    backend: str, device: torch.device, dtype: torch.dtype
-) -> PagedAttentionKernel | None:
-    """The native kernel for "native", and for "auto" on CPU in fp32/bf16 when it builds; else
-    None (the torch path). "native" where it cannot run is an error naming the reason."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend in ("torch", "triton"):  # triton: attention_backend.TritonAttentionBackend
-        return None
-    supported = device.type == "cpu" and dtype in KERNEL_KV_DTYPES
-    if not supported:
-        if backend == "native":
-            raise ValueError(
-                f"attention_backend 'native' runs on CPU in float32 or bfloat16, "
-                f"not {device.type} {dtype}"
-            )
-        return None
-    try:
-        return load_paged_attention()
-    except NativeBuildError as exc:
-        if backend == "native":
-            raise ValueError(f"attention_backend 'native' is unavailable: {exc}") from exc
-        logger.warning("native paged attention unavailable (%s); using the torch path", exc)
-        return None
 
 
 def build_attention_plan(

@@ -17,20 +17,54 @@ the null block.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from tokenbus.config import ATTENTION_BACKENDS
 from tokenbus.model.attention import (
     NATIVE_MAX_QUERY_LEN,
     AttentionPlan,
     TorchDecodePlan,
     build_attention_plan,
-    select_attention_kernel,
 )
 from tokenbus.model.batch_invariant import row_invariant_plan
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.native import PagedAttentionKernel
+from tokenbus.model.native import (
+    KERNEL_KV_DTYPES,
+    NativeBuildError,
+    PagedAttentionKernel,
+    load_paged_attention,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def select_attention_kernel(
+    backend: str, device: torch.device, dtype: torch.dtype
+) -> PagedAttentionKernel | None:
+    """The native kernel for "native", and for "auto" on CPU in fp32/bf16 when it builds; else
+    None (the torch path). "native" where it cannot run is an error naming the reason."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend in ("torch", "triton"):  # triton: attention_backend.TritonAttentionBackend
+        return None
+    supported = device.type == "cpu" and dtype in KERNEL_KV_DTYPES
+    if not supported:
+        if backend == "native":
+            raise ValueError(
+                f"attention_backend 'native' runs on CPU in float32 or bfloat16, "
+                f"not {device.type} {dtype}"
+            )
+        return None
+    try:
+        return load_paged_attention()
+    except NativeBuildError as exc:
+        if backend == "native":
+            raise ValueError(f"attention_backend 'native' is unavailable: {exc}") from exc
+        logger.warning("native paged attention unavailable (%s); using the torch path", exc)
+        return None
 
 
 class AttentionBackend:
@@ -199,7 +233,7 @@ def triton_problem(device: str | torch.device, block_size: int = 16) -> str | No
 def select_attention_backend(
     name: str, device: torch.device, dtype: torch.dtype, row_invariant: bool = False
 ) -> AttentionBackend:
-    """The backend for --attention-backend `name` (see attention.select_attention_kernel);
+    """The backend for --attention-backend `name` (see select_attention_kernel);
     `row_invariant` (--batch-invariant) needs the native kernel, whose decode path is the only
     one that sums a query's row the same in any step."""
     if row_invariant and name not in ("auto", "native"):
