@@ -185,7 +185,35 @@ class Laurel(nn.Module):
         return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))
 
 
-class Gemma3nDecoderLayer(nn.Module):
+class PerLayerInputLayer(nn.Module):
+    """A decoder layer that joins its slice of the per-layer inputs (Gemma 3n's, Gemma 4's):
+    norm(projection(gelu_tanh(gate(x)) * its inputs)), under HF's module names."""
+
+    index: int  # the decoder layer's, its slice of the per-layer inputs
+
+    def add_per_layer_input(self, arch: ModelArch) -> None:
+        hidden = arch.hidden_size
+        self.per_layer_input_gate = Linear(hidden, (arch.per_layer_input_size,))
+        self.per_layer_projection = Linear(arch.per_layer_input_size, (hidden,))
+        self.post_per_layer_input_norm = Fp32RMSNorm(hidden, arch.rms_norm_eps)
+
+    def per_layer_input(self, x: torch.Tensor, per_layer_inputs: torch.Tensor) -> torch.Tensor:
+        gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")
+        joined = self.per_layer_projection(gate * per_layer_inputs[:, self.index])
+        return self.post_per_layer_input_norm(joined)
+
+    def per_layer_input_loaders(self, prefix: str) -> dict[str, WeightLoader]:
+        """Its three tensors' HF names under `prefix` ("model.layers.N."), whole on every rank."""
+        loaders: dict[str, WeightLoader] = {
+            f"{prefix}{name}.weight": partial(getattr(self, name).load_shard, shard=0)
+            for name in ("per_layer_input_gate", "per_layer_projection")
+        }
+        norm = self.post_per_layer_input_norm
+        loaders[f"{prefix}post_per_layer_input_norm.weight"] = partial(copy_param, norm.weight)
+        return loaders
+
+
+class Gemma3nDecoderLayer(PerLayerInputLayer):
     """One layer over the AltUp streams: predict, Gemma 3's sandwich block with LAuReL on the
     active stream's prediction, correct, then the per-layer input joined into the other
     streams. It takes and gives back (streams [n, T, H], per-layer inputs [T, L, P]): the
@@ -206,9 +234,7 @@ class Gemma3nDecoderLayer(nn.Module):
         self.altup = AltUp(arch)
         self.correct_scale = arch.altup_correct_scale
         self.laurel = Laurel(arch)
-        self.per_layer_input_gate = Linear(hidden, (arch.per_layer_input_size,))
-        self.per_layer_projection = Linear(arch.per_layer_input_size, (hidden,))
-        self.post_per_layer_input_norm = Fp32RMSNorm(hidden, eps)
+        self.add_per_layer_input(arch)
 
     def forward(
         self,
@@ -233,9 +259,7 @@ class Gemma3nDecoderLayer(nn.Module):
         first = corrected[0]
         if self.correct_scale:
             first = first * self.altup.correct_output_scale
-        gate = F.gelu(self.per_layer_input_gate(first), approximate="tanh")
-        first = self.per_layer_projection(gate * per_layer_inputs[:, self.index])
-        corrected[1:] += self.post_per_layer_input_norm(first)
+        corrected[1:] += self.per_layer_input(first, per_layer_inputs)
         return corrected, per_layer_inputs
 
 
@@ -361,8 +385,6 @@ class Gemma3nForCausalLM(GemmaForCausalLM):
         linears = {
             "laurel.linear_left": layer.laurel.linear_left,
             "laurel.linear_right": layer.laurel.linear_right,
-            "per_layer_input_gate": layer.per_layer_input_gate,
-            "per_layer_projection": layer.per_layer_projection,
         }
         loaders: dict[str, WeightLoader] = {
             f"{prefix}{name}.weight": partial(linear.load_shard, shard=0)
@@ -371,10 +393,10 @@ class Gemma3nForCausalLM(GemmaForCausalLM):
         norms = {
             "laurel.post_laurel_norm": layer.laurel.post_laurel_norm,
             "altup.router_norm": layer.altup.router_norm,
-            "post_per_layer_input_norm": layer.post_per_layer_input_norm,
         }
         for name, norm in norms.items():
             loaders[f"{prefix}{name}.weight"] = partial(copy_param, norm.weight)
+        loaders.update(layer.per_layer_input_loaders(prefix))
         altup = layer.altup
         params = {
             "altup.correct_output_scale": altup.correct_output_scale,

@@ -29,7 +29,6 @@ import dataclasses
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenbus.model.attention import Plan
@@ -37,7 +36,7 @@ from tokenbus.model.causal_lm import GLOBAL_ROPE, LOCAL_ROPE
 from tokenbus.model.decoder import GeGLUMLP
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.gemma import GemmaForCausalLM
-from tokenbus.model.gemma3n import Gemma3nAttention, Gemma3nForCausalLM
+from tokenbus.model.gemma3n import Gemma3nAttention, Gemma3nForCausalLM, PerLayerInputLayer
 from tokenbus.model.layers import Fp32RMSNorm, Linear
 from tokenbus.model.moe import SparseMoeBlock, skip_weight, stacked_experts_split
 from tokenbus.model.parallel import SINGLE, TensorParallel
@@ -125,7 +124,7 @@ class Gemma4Experts(SparseMoeBlock):
         return loaders
 
 
-class Gemma4DecoderLayer(nn.Module):
+class Gemma4DecoderLayer(PerLayerInputLayer):
     """Gemma 3's sandwich block, then the per-layer input joined (where the model has them),
     the output scaled by `layer_scalar`. It takes and gives back (x [T, H], per-layer inputs
     [T, L, P] or an empty tensor): the second tensor KernelPlan.run_layers carries."""
@@ -153,12 +152,9 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = Fp32RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = Fp32RMSNorm(hidden, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
-        self.per_layer_input_gate = self.per_layer_projection = None
-        self.post_per_layer_input_norm = None
-        if arch.per_layer_input_size:
-            self.per_layer_input_gate = Linear(hidden, (arch.per_layer_input_size,))
-            self.per_layer_projection = Linear(arch.per_layer_input_size, (hidden,))
-            self.post_per_layer_input_norm = Fp32RMSNorm(hidden, eps)
+        self.joins_per_layer_input = bool(arch.per_layer_input_size)
+        if self.joins_per_layer_input:
+            self.add_per_layer_input(arch)
 
     def forward(
         self,
@@ -180,10 +176,8 @@ class Gemma4DecoderLayer(nn.Module):
             routed = self.experts(self.pre_feedforward_layernorm_2(x), routed_by=x)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         x = x + self.post_feedforward_layernorm(h)
-        if self.per_layer_input_gate is not None:
-            gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")
-            joined = self.per_layer_projection(gate * per_layer_inputs[:, self.index])
-            x = x + self.post_per_layer_input_norm(joined)
+        if self.joins_per_layer_input:
+            x = x + self.per_layer_input(x, per_layer_inputs)
         return x * self.layer_scalar, per_layer_inputs
 
 
@@ -269,13 +263,8 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
                 for name in _EXPERT_NORMS:
                     norm = getattr(layer, name)
                     loaders[f"{prefix}{name}.weight"] = partial(copy_param, norm.weight)
-            if layer.per_layer_input_gate is not None:
-                for name in ("per_layer_input_gate", "per_layer_projection"):
-                    linear = getattr(layer, name)
-                    loaders[f"{prefix}{name}.weight"] = partial(linear.load_shard, shard=0)
-                loaders[f"{prefix}post_per_layer_input_norm.weight"] = partial(
-                    copy_param, layer.post_per_layer_input_norm.weight
-                )
+            if layer.joins_per_layer_input:
+                loaders.update(layer.per_layer_input_loaders(prefix))
         if self.arch.per_layer_input_size:
             loaders["model.per_layer_model_projection.weight"] = partial(
                 self.per_layer_model_projection.load_shard, shard=0
