@@ -16,7 +16,6 @@ from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
 from tokenbus.loader import load_arch, resolve_model
-from tokenbus.model.kernel_plan import build_decode_layers
 from tokenbus.model.layers import TORCH_OPS, Linear
 from tokenbus.model.layers.quantized import QuantizedLinearKernel, TileModes
 from tokenbus.model.layers.rotary import apply_rotary
@@ -403,9 +402,7 @@ def test_attention_sinks_in_c_equal_the_layer_by_layer_path(tmp_path):
     g = torch.Generator().manual_seed(0)
     for layer in model.layers:
         layer.self_attn.sinks = torch.randn(layer.self_attn.num_heads, generator=g) * 2 + 1
-    model.kernels = dataclasses.replace(
-        model.kernels, decode_layers=build_decode_layers(model, model.kernels)
-    )
+    model.kernels = model.kernels.with_decode_layers(model)
     layers = model.kernels.decode_layers
     assert layers is not None
     calls, run_all = [], layers.run_all

@@ -1,6 +1,7 @@
 """The native kernels' C ABI, declared once in kernels.h, against its two other copies: the ctypes
-table in signatures.py (argument by argument) and decode_layer.py's ctypes structs (field by
-field). The compiler checks each .c file's definitions against kernels.h; this checks Python."""
+table in signatures.py (argument by argument) and the ctypes structs of decode_layer.py and
+decode_layer_weights.py (field by field). The compiler checks each .c file's definitions against
+kernels.h; this checks Python."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tokenbus.model import native
-from tokenbus.model.native import decode_layer
+from tokenbus.model.native import decode_layer, decode_layer_weights
 from tokenbus.model.native.signatures import SIGNATURES
 
 NATIVE = Path(native.__file__).parent
@@ -83,11 +84,11 @@ def test_every_exported_function_is_declared():
 _CTYPE_LETTERS = {ctypes.c_void_p: "p", ctypes.c_int64: "l", ctypes.c_float: "f", ctypes.c_int: "i"}
 _STRUCTS = {
     "kernels": decode_layer._Kernels,
-    "shard": decode_layer._Shard,
-    "linear": decode_layer._Linear,
-    "moe": decode_layer._Moe,
-    "mla": decode_layer._Mla,
-    "layer": decode_layer._Layer,
+    "shard": decode_layer_weights._Shard,
+    "linear": decode_layer_weights._Linear,
+    "moe": decode_layer_weights._Moe,
+    "mla": decode_layer_weights._Mla,
+    "layer": decode_layer_weights._Layer,
     "kv_group": decode_layer._KVGroup,
     "step": decode_layer._Step,
 }

@@ -53,7 +53,7 @@ class Attention(OpsModule):
 
     A family's subclass only configures these (model/gemma.py's: scale, soft-cap, norms); the
     computation is this forward, which decode_layer.c mirrors
-    (model/kernel_plan.py takes a subclass there only while it keeps this forward)."""
+    (model/c_layers.py takes a subclass there only while it keeps this forward)."""
 
     def __init__(
         self,

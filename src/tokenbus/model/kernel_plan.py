@@ -42,16 +42,10 @@ from tokenbus.model.attention_backend import (
     TritonAttentionBackend,
     select_attention_backend,
 )
-from tokenbus.model.decoder import (
-    Attention,
-    DecoderLayer,
-    GatedMLP,
-    GeGLUMLP,
-    QKNorm,
-    SandwichDecoderLayer,
-)
+from tokenbus.model.c_layers import build_decode_layers
+from tokenbus.model.decoder import DecoderLayer
 from tokenbus.model.forward_context import ForwardContext
-from tokenbus.model.layers import TORCH_OPS, FusedCpuOps, Linear, OpsModule, RMSNorm, TorchOps
+from tokenbus.model.layers import TORCH_OPS, FusedCpuOps, Linear, OpsModule, TorchOps
 from tokenbus.model.layers.quantized import (
     BF16_AUTO_MIN_ROWS,
     GEMM_FROM_ROWS,
@@ -62,7 +56,6 @@ from tokenbus.model.layers.quantized import (
     TileModes,
 )
 from tokenbus.model.lora import LoRABatch
-from tokenbus.model.mla import LatentAttention
 from tokenbus.model.moe import SparseMoeBlock
 from tokenbus.model.native import (
     TILE_GEMV_MAX_ROWS,
@@ -71,16 +64,7 @@ from tokenbus.model.native import (
     load_fused_ops,
     load_quant_kernels,
 )
-from tokenbus.model.native.decode_layer import (
-    DECODE_LAYER_KV_DTYPES,
-    DecodeLayers,
-    LayerWeights,
-    LinearWeights,
-    MlaWeights,
-    MoeWeights,
-    ShardWeights,
-)
-from tokenbus.model.native.dense_rows import RowInvariantLinear
+from tokenbus.model.native.decode_layer import DECODE_LAYER_KV_DTYPES, DecodeLayers
 from tokenbus.utils.cpu import CpuFeatures
 
 logger = logging.getLogger(__name__)
@@ -121,6 +105,11 @@ class KernelPlan:
 
     def without_decode_layers(self) -> KernelPlan:
         return dataclasses.replace(self, decode_layers=None)
+
+    def with_decode_layers(self, model: nn.Module) -> KernelPlan:
+        """This plan with decode_layer.c over `model`'s layers, where they can run there."""
+        layers = build_decode_layers(model, self.ops, self.attention, self.quant)
+        return dataclasses.replace(self, decode_layers=layers)
 
     def run_layers(
         self,
@@ -234,7 +223,7 @@ def apply_kernels(
         request, _layer_ops(device, dtype, cpu), attention, quant, modes, lora=model.kernels.lora
     )
     if request.decode_layers:
-        plan = dataclasses.replace(plan, decode_layers=build_decode_layers(model, plan))
+        plan = plan.with_decode_layers(model)
     _install(model, plan)
     return plan
 
@@ -244,7 +233,7 @@ def attach_lora(model: nn.Module, batch: LoRABatch) -> None:
     step's rows, and the C layers are rebuilt to read the slots too."""
     plan = dataclasses.replace(model.kernels, lora=batch)
     if plan.decode_layers is not None:
-        plan = dataclasses.replace(plan, decode_layers=build_decode_layers(model, plan))
+        plan = plan.with_decode_layers(model)
     _install(model, plan)
 
 
@@ -343,191 +332,3 @@ def quant_activation_modes(
         )
     int_any_rows = (any_rows and requested in ("int8", "int16")) or (q8_k and requested == "int8")
     return TileModes(requested, 0, 0 if int_any_rows else GEMM_FROM_ROWS)
-
-
-def build_decode_layers(model: nn.Module, plan: KernelPlan) -> DecodeLayers | None:
-    """decode_layer.c over every layer, where each one can run there: fp32 on CPU with the fused
-    ops and the native attention kernel, every linear on tiled GGUF shards, no TP, every layer
-    made of the shared parts alone (a dense or an MoE MLP). A step runs there only while every
-    layer reads one KV group's tables (see _decode_step)."""
-    kernel = plan.attention.kernel
-    if (
-        kernel is None
-        or not isinstance(plan.ops, FusedCpuOps)
-        or plan.quant is None
-        or model.tp.enabled
-    ):
-        return None
-    layers = [_layer_weights(layer) for layer in model.layers]
-    if None in layers:
-        return None
-    try:
-        return DecodeLayers(layers, plan.quant, kernel, plan.ops.fused)
-    except NativeBuildError as exc:
-        logger.warning("decode layers in C unavailable, torch runs them: %s", exc)
-        return None
-
-
-# The parts decode_layer.c computes, as they are: a subclass may compute something else (another
-# norm, another activation), so only these exact types are taken, and attention subclasses that
-# keep the shared forward (a family's configuration of it: model/gemma.py's GemmaAttention).
-# A layer's norms are read as weight and eps: an fp32 model's RMSNorm (Gemma's (1 + w) is
-# stored added; layers.Fp32RMSNorm is then a plain one).
-_C_LAYERS = (DecoderLayer, SandwichDecoderLayer)
-_C_MLPS = (GatedMLP, GeGLUMLP, SparseMoeBlock)
-
-
-def _layer_weights(layer: nn.Module) -> LayerWeights | None:
-    """A decoder layer as decode_layer.c reads it, or None where it cannot run there."""
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    latent = type(attn) is LatentAttention
-    shared_attention = (
-        isinstance(attn, Attention)
-        and type(attn).forward is Attention.forward
-        and not attn.output_gate
-    )
-    if type(layer) not in _C_LAYERS or type(mlp) not in _C_MLPS or not (latent or shared_attention):
-        return None
-    if isinstance(mlp, SparseMoeBlock):
-        moe, gate_up, down = _moe_weights(mlp), None, None
-        if moe is None:
-            return None
-    else:
-        moe, gate_up, down = None, _tiled_linear(mlp.gate_up_proj), _tiled_linear(mlp.down_proj)
-        if gate_up is None or down is None:
-            return None
-    if latent:
-        return _latent_layer_weights(layer, moe, gate_up, down)
-    qkv, o = _tiled_linear(attn.qkv_proj), _tiled_linear(attn.o_proj)
-    if qkv is None or o is None:
-        return None
-    # A sandwich layer's norm before the MLP is its pre-feedforward one (None in OLMo 2's); its
-    # post-attention norm is applied to attention's output before the residual add.
-    sandwich = isinstance(layer, SandwichDecoderLayer)
-    pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-    return LayerWeights(
-        qkv,
-        o,
-        gate_up,
-        down,
-        _norm_weight(layer.input_layernorm),
-        _norm_weight(pre_mlp),
-        layer.post_attention_layernorm.eps,
-        attn.scale,
-        attn.num_heads,
-        attn.num_kv_heads,
-        attn.head_dim,
-        _norm_weight(attn.q_norm),
-        _norm_weight(attn.k_norm),
-        qk_norm_whole=attn.qk_norm is QKNorm.WHOLE,
-        qk_norm_after_rope=attn.qk_norm_after_rope,
-        moe=moe,
-        window=attn.sliding_window,
-        softcap=attn.logit_softcap,
-        sinks=attn.sinks,
-        residual_scale=1.0 if sandwich else layer.residual_scale,
-        post_attn_norm=layer.post_attention_layernorm.weight if sandwich else None,
-        post_mlp_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
-        mlp_activation="silu" if moe is not None else mlp.activation,
-        rope_table=attn.rope_table or 0,
-    )
-
-
-def _latent_layer_weights(
-    layer: DecoderLayer,
-    moe: MoeWeights | None,
-    gate_up: LinearWeights | None,
-    down: LinearWeights | None,
-) -> LayerWeights | None:
-    """A pre-norm layer with latent attention (model/mla.py) as decode_layer.c reads it: its
-    projections on tiled shards, W_UK and W_UV fp32; or None."""
-    attn: LatentAttention = layer.self_attn
-    q_a = _tiled_linear(attn.q_a_proj) if attn.q_lora_rank else None
-    q_b = _tiled_linear(attn.q_b_proj if attn.q_lora_rank else attn.q_proj)
-    kv_a, o = _tiled_linear(attn.kv_a_proj_with_mqa), _tiled_linear(attn.o_proj)
-    if None in (q_b, kv_a, o) or (attn.q_lora_rank and q_a is None):
-        return None
-    if attn.w_uk.dtype != torch.float32 or attn.tp.enabled:
-        return None
-    mla = MlaWeights(
-        q_a,
-        q_b,
-        kv_a,
-        attn.q_a_layernorm.weight if attn.q_lora_rank else None,
-        attn.kv_a_layernorm.weight,
-        attn.w_uk.data,
-        attn.w_uv.data,
-        attn.rope_dim,
-        attn.interleaved,
-        attn.kv_a_layernorm.eps,
-    )
-    return LayerWeights(
-        LinearWeights([], kv_a.cols, None),  # no qkv: the latent's projections stand in
-        o,
-        gate_up,
-        down,
-        _norm_weight(layer.input_layernorm),
-        _norm_weight(layer.post_attention_layernorm),
-        layer.post_attention_layernorm.eps,
-        attn.scale,
-        attn.num_heads,
-        1,
-        attn.kv_lora_rank + attn.rope_dim,
-        moe=moe,
-        residual_scale=layer.residual_scale,
-        mla=mla,
-    )
-
-
-def _norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
-    return None if norm is None else norm.weight
-
-
-def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
-    """An MoE MLP as decode_layer.c runs it: the router on dense_rows.c's panels, every expert's
-    two linears on tiled shards, all experts on this rank (no expert parallelism), and a shared
-    expert's two tiled linears with its gate on dense_rows.c's panels; or None."""
-    router = block.gate.kernel
-    if not isinstance(router, RowInvariantLinear) or block.tp.enabled:
-        return None
-    shared = None
-    if block.shared_expert is not None:
-        expert, gate = block.shared_expert, block.shared_expert_gate
-        shared_linears = (_tiled_linear(expert.gate_up_proj), _tiled_linear(expert.down_proj))
-        if None in shared_linears:
-            return None
-        if gate is not None and not isinstance(gate.kernel, RowInvariantLinear):
-            return None
-        shared = (*shared_linears, None if gate is None else gate.kernel.panels)
-    gate_up = [_tiled_linear(expert.gate_up_proj) for expert in block.experts]
-    down = [_tiled_linear(expert.down_proj) for expert in block.experts]
-    if None in gate_up or None in down:
-        return None
-    limit, alpha = block.swiglu or (0.0, 1.0)
-    return MoeWeights(
-        router.panels,
-        gate_up,
-        down,
-        block.top_k,
-        block.norm_topk_prob,
-        router_bias=router.bias,
-        activation=block.activation,
-        swiglu_limit=limit,
-        swiglu_alpha=alpha,
-        shared=shared,
-        selection_bias=None if block.selection_bias is None else block.selection_bias.data,
-        sigmoid_scores=block.sigmoid_scores,
-        groups=block.groups,
-        topk_groups=block.topk_groups,
-        norm_eps=block.norm_eps,
-        scale=block.routed_scaling_factor,
-    )
-
-
-def _tiled_linear(linear: Linear) -> LinearWeights | None:
-    """A linear as decode_layer.c runs it (every GGUF shard tiled), or None."""
-    kernel = linear.kernel
-    if not isinstance(kernel, QuantizedLinearKernel) or not all(s.tiled for s in kernel.shards):
-        return None
-    shards = [ShardWeights(s.qtype, s.data, s.rows) for s in kernel.shards]
-    return LinearWeights(shards, kernel.shards[0].cols, linear.bias, linear.lora)
