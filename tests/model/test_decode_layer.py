@@ -81,8 +81,8 @@ def k_quant_and_32_value_mix(name: str) -> str:
     return "Q8_0" if "attn_k" in name or "ffn_gate" in name else q4_k_m_mix(name)
 
 
-def _model(tmp_path, arch: str, qtype: str, window: int | None = None, **kwargs):
-    overrides = dict(hidden_size=256, intermediate_size=512)
+def _model(tmp_path, arch: str, qtype, window: int | None = None, config=None, **kwargs):
+    overrides = dict(hidden_size=256, intermediate_size=512, **(config or {}))
     if window is not None:
         overrides["sliding_window"] = window
     path = write_gguf(
@@ -213,6 +213,54 @@ def test_gemma_layers_in_c_equal_the_layer_by_layer_path(
     assert calls == [model.num_layers] * 5
     for got, expected in zip(_steps(model, True, kv_dtype, _LayerHooks()), want):
         assert torch.equal(got, expected)
+
+
+# Gemma 4's kinds: E2B's (per-layer inputs, the last two layers reading layers 3's and 2's
+# K/V), the 31B's (neither) and the 26B-A4B's (experts beside the MLP: op by op)
+GEMMA4_DENSE = dict(
+    hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False
+)
+GEMMA4_MOE = dict(
+    GEMMA4_DENSE, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=256
+)
+
+
+@pytest.mark.parametrize(
+    "qtype, activations, kv_dtype, config",
+    [
+        ("Q8_0", "auto", torch.float32, {}),
+        ("Q4_0", "int8", torch.float16, {}),
+        ("Q8_0", "int8", torch.float32, GEMMA4_DENSE),
+    ],
+)
+def test_gemma4_layers_in_c_equal_the_layer_by_layer_path(
+    tmp_path, qtype, activations, kv_dtype, config
+):
+    """Gemma 4's layers in C: local layers of 2 KV heads of 16 (windows of 8; the steps reach
+    14 tokens) and global ones of 1 KV head of 32 whose values are their keys, each turning by
+    its own table (the global one proportional), v's weightless norm, the per-layer inputs
+    joined, each layer's scalar, and layers attending another's K/V: the same logits, bit for
+    bit. The 26B-A4B's experts keep its layers op by op."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    sizes = dict(hidden_size_per_layer_input=32, sliding_window=8)
+    options = dict(quantization="gguf", quant_activations=activations)
+    model = _model(tmp_path, "gemma4", qtype, config={**sizes, **config}, **options)
+    layers = model.kernels.decode_layers
+    assert layers is not None and layers.num_rope_tables == 2
+    assert [layer.self_attn.head_dim for layer in model.layers] == [16, 16, 32, 16, 16, 32]
+    shares = [layer.self_attn.owner is not None for layer in model.layers]
+    assert shares == [False] * 4 + [not config] * 2
+    assert layers.per_layer_width == (None if config else 32)
+    calls = []
+    run_all = layers.run_all
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    want = _steps(model, False, kv_dtype)
+    for got, expected in zip(_steps(model, True, kv_dtype), want):
+        assert torch.equal(got, expected)
+    assert calls == [model.num_layers] * 5
+    moe = _model(tmp_path, "gemma4", "Q8_0", quantization="gguf", config=GEMMA4_MOE)
+    assert moe.kernels.decode_layers is None
 
 
 def test_k_quant_shards_take_their_own_activations_in_c(tmp_path):

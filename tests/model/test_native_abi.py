@@ -62,7 +62,8 @@ def _structs() -> dict[str, list[tuple[str, str]]]:
 
 def test_header_is_parsed():
     """The parser sees what the header holds (a guard against a regex that matches nothing)."""
-    structs = {"kernels", "shard", "linear", "moe", "mla", "layer", "kv_group", "step"}
+    structs = {"kernels", "shard", "linear", "moe", "mla", "per_layer_input", "layer"}
+    structs |= {"kv_group", "step"}
     assert len(_prototypes()) >= 20 and set(_structs()) == structs
 
 
@@ -88,6 +89,7 @@ _STRUCTS = {
     "linear": decode_layer_weights._Linear,
     "moe": decode_layer_weights._Moe,
     "mla": decode_layer_weights._Mla,
+    "per_layer_input": decode_layer_weights._PerLayerInput,
     "layer": decode_layer_weights._Layer,
     "kv_group": decode_layer._KVGroup,
     "step": decode_layer._Step,

@@ -153,6 +153,24 @@ def test_gemma3_with_hybrid_kv_groups_decodes_in_c_like_eager(tmp_path):
     assert_in_c_like_eager(path, check)
 
 
+def test_gemma4_layers_of_two_shapes_decode_in_c_like_eager(tmp_path):
+    """Gemma 4's local layers (window 32, KV heads of 16) and global ones (one KV head of 32,
+    values as keys) in KV groups of their own shapes, the last two layers reading layers 3's and
+    2's K/V, per-layer inputs: in C through prompts past the window, as --enforce-eager."""
+    hf = cached_tiny_model(
+        "gemma4", hidden_size=256, intermediate_size=512, hidden_size_per_layer_input=32
+    )
+    path = write_gguf(hf, tmp_path / "gemma4-q8_0.gguf", "Q8_0")
+
+    def check(llm) -> None:
+        layers = model_of(llm).kernels.decode_layers
+        assert layers is not None and layers.per_layer_width == 32
+        groups = model_runner(llm).buffers.layer_groups
+        assert groups[4] == groups[3] and groups[5] == groups[2] and groups[2] != groups[0]
+
+    assert_in_c_like_eager(path, check)
+
+
 def test_smollm3_nope_layers_decode_in_c_like_eager(tmp_path):
     """SmolLM3's NoPE layer (the last of four) reads the identity rotary table in C as well."""
     hf = cached_tiny_model("smollm3", hidden_size=256, intermediate_size=512)

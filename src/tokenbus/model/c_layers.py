@@ -3,7 +3,8 @@ run, and each one's weights as native/decode_layer.py's structs.
 
 A layer runs there when it is made of the parts decode_layer.c computes (model/decoder.py's
 pre-norm and sandwich-norm layers with their attention, a gated or GeGLU MLP or a sparse MoE
-block, or latent attention) and every linear of it is on tiled GGUF shards. kernel_plan.py
+block, or latent attention; Gemma 4's layers without experts) and every linear of it is on
+tiled GGUF shards. kernel_plan.py
 builds the result once per plan.
 """
 
@@ -34,6 +35,7 @@ from tokenbus.model.native.decode_layer_weights import (
     LinearWeights,
     MlaWeights,
     MoeWeights,
+    PerLayerInputWeights,
     ShardWeights,
 )
 from tokenbus.model.native.dense_rows import RowInvariantLinear
@@ -76,7 +78,12 @@ _C_MLPS = (GatedMLP, GeGLUMLP, SparseMoeBlock)
 
 def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     """A decoder layer as decode_layer.c reads it, or None where it cannot run there."""
+    # Imported here: model/gemma4.py imports causal_lm.py, which imports this module's caller.
+    from tokenbus.model.gemma4 import Gemma4Attention, Gemma4DecoderLayer
+
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer) is Gemma4DecoderLayer and type(attn) is Gemma4Attention:
+        return _gemma4_layer_weights(layer)
     latent = type(attn) is LatentAttention
     shared_attention = (
         isinstance(attn, Attention)
@@ -127,6 +134,54 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         post_mlp_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
         mlp_activation="silu" if moe is not None else mlp.activation,
         rope_table=attn.rope_table or 0,
+    )
+
+
+def _gemma4_layer_weights(layer: nn.Module) -> LayerWeights | None:
+    """Gemma 4's layer (model/gemma4.py): a sandwich block whose attention norms its values
+    (or takes them from the keys' projection, or reads another layer's K/V), then the per-layer
+    input joined and the whole output scaled. Not with experts beside the MLP (the 26B-A4B's
+    run op by op)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if layer.experts is not None or type(mlp) is not GeGLUMLP:
+        return None
+    linears = [_tiled_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj)]
+    linears.append(_tiled_linear(mlp.down_proj))
+    joins = None
+    if layer.joins_per_layer_input:
+        gate = _tiled_linear(layer.per_layer_input_gate)
+        proj = _tiled_linear(layer.per_layer_projection)
+        if gate is None or proj is None:
+            return None
+        joins = PerLayerInputWeights(gate, proj, layer.post_per_layer_input_norm.weight)
+    if None in linears:
+        return None
+    qkv, o, gate_up, down = linears
+    reader = attn.owner is not None
+    return LayerWeights(
+        qkv,
+        o,
+        gate_up,
+        down,
+        layer.input_layernorm.weight,
+        layer.pre_feedforward_layernorm.weight,
+        layer.post_attention_layernorm.eps,
+        attn.scale,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        attn.q_norm.weight,
+        None if reader else attn.k_norm.weight,
+        window=attn.sliding_window,
+        post_attn_norm=layer.post_attention_layernorm.weight,
+        post_mlp_norm=layer.post_feedforward_layernorm.weight,
+        mlp_activation=mlp.activation,
+        rope_table=attn.rope_table or 0,
+        v_norm=None if reader else attn.v_norm_weight,
+        k_eq_v=attn.k_eq_v,
+        kv_reader=reader,
+        per_layer_input=joins,
+        layer_scalar=float(layer.layer_scalar),
     )
 
 

@@ -38,7 +38,7 @@ from tokenbus.model.attention import Plan, paged_attention
 from tokenbus.model.decoder import Attention, GeGLUMLP, QKNorm
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.gemma import GemmaForCausalLM
-from tokenbus.model.layers import Fp32RMSNorm, Linear
+from tokenbus.model.layers import Fp32RMSNorm, Linear, OpsModule
 from tokenbus.model.layers.quantized import (
     KernelWeight,
     QuantizedWeight,
@@ -185,9 +185,10 @@ class Laurel(nn.Module):
         return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))
 
 
-class PerLayerInputLayer(nn.Module):
+class PerLayerInputLayer(OpsModule):
     """A decoder layer that joins its slice of the per-layer inputs (Gemma 3n's, Gemma 4's):
-    norm(projection(gelu_tanh(gate(x)) * its inputs)), under HF's module names."""
+    norm(projection(gelu_tanh(gate(x)) * its inputs)), under HF's module names. The gate and
+    the inputs side by side go through the ops' GeGLU (decode_layer.c calls the same)."""
 
     index: int  # the decoder layer's, its slice of the per-layer inputs
 
@@ -198,8 +199,8 @@ class PerLayerInputLayer(nn.Module):
         self.post_per_layer_input_norm = Fp32RMSNorm(hidden, arch.rms_norm_eps)
 
     def per_layer_input(self, x: torch.Tensor, per_layer_inputs: torch.Tensor) -> torch.Tensor:
-        gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")
-        joined = self.per_layer_projection(gate * per_layer_inputs[:, self.index])
+        gate_up = torch.cat((self.per_layer_input_gate(x), per_layer_inputs[:, self.index]), -1)
+        joined = self.per_layer_projection(self.ops.gelu_tanh_mul(gate_up))
         return self.post_per_layer_input_norm(joined)
 
     def per_layer_input_loaders(self, prefix: str) -> dict[str, WeightLoader]:

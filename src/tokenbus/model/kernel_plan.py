@@ -15,8 +15,8 @@ from outside, `apply_kernels(model, request)` picks, for the model's device, dty
 - on CUDA with the Triton backend, MoE experts stacked for triton_moe.py's grouped GEMMs
   (`_stack_moe_experts`);
 - decode_layer.c over every decoder layer, where each layer can run there (`decode_layers`:
-  pre-norm and sandwich-norm layers, SiLU or GeGLU, dense or MoE, each with its window, rotary
-  table and KV group).
+  pre-norm and sandwich-norm layers, SiLU or GeGLU, dense or MoE, Gemma 4's, each with its
+  window, rotary table and KV group: model/c_layers.py).
 
 The result is a frozen KernelPlan the model holds; `KernelPlan.run_layers` is the one place a
 step's route is decided: all layers in one C call (a decode-sized step whose attention is all
@@ -126,15 +126,16 @@ class KernelPlan:
         stream), for the model's final add-and-norm; `q_scale` each token's query scale
         (CausalLM.query_scale) or None. Each layer takes and gives back two tensors: x and
         the residual stream, None before the first layer; a family whose layers pass another
-        tensor along in the residual's place (Gemma 3n: its per-layer inputs) hands the first
-        layer that as `carry` (such layers never run in C)."""
-        step = None if carry is not None else self._decode_step(x, cos, sin, ctx, q_scale)
+        tensor along in the residual's place (Gemma 3n's and Gemma 4's per-layer inputs) hands
+        the first layer that as `carry`. In C such layers (Gemma 4's) read it as their
+        per-layer inputs and give their whole output as x, the residual stream zeros."""
+        step = self._decode_step(x, cos, sin, ctx, q_scale, carry)
         connector = ctx.kv_connector
         if step is not None and connector is None:  # every layer in one C call
             residual = torch.empty_like(x)
             self.decode_layers.run_all(num_layers, step, ctx.kv_caches, x, residual)
             return x, residual
-        residual = carry
+        residual = carry if step is None else None
         for layer_idx in range(num_layers):
             if connector is not None:
                 connector.wait_for_layer_load(layer_idx)
@@ -167,11 +168,13 @@ class KernelPlan:
         sin: torch.Tensor,
         ctx: ForwardContext,
         q_scale: torch.Tensor | None = None,
+        carry: torch.Tensor | None = None,
     ):
         """decode_layer.c's step arguments when this step runs there: a decode-sized batch
         whose attention, in every KV group (a hybrid cache: one per window), is all the native
         kernel's decode path, over a pool it writes; else None. (fp32, CPU, tiled weights and
-        the native kernel were settled at load.)"""
+        the native kernel were settled at load.) `carry`: run_layers'; the layers' per-layer
+        inputs where they join them."""
         layers, rows = self.decode_layers, x.shape[0]
         if layers is None or rows > TILE_GEMV_MAX_ROWS:
             return None
@@ -197,6 +200,7 @@ class KernelPlan:
             self.tile_modes.mode(rows, k_quant=True),
             self.lora.slots if self.lora is not None else None,
             q_scale,
+            carry if layers.per_layer_width is not None else None,
         )
 
 

@@ -7,11 +7,13 @@
 
      h, residual = add_rms_norm(x, residual) * input_norm (no input_norm: h = residual = x + residual)
      qkv         = h @ Wqkv.T (+ bias)                  GGUF tiles, a shard per type; x fp32, int16, int8, bf16
+                   (q and k only where the values are the keys, k_eq_v: v = k as projected; q only where
+                   the layer reads another's K/V, kv_reader: Gemma 4's)
      q, k        each head RMS-normed over its D values, where the layer has q_norm / k_norm (Qwen3),
-                 or each token's q and k normed whole (qk_norm_whole: OLMo 2)
+                 or each token's q and k normed whole (qk_norm_whole: OLMo 2); v's heads by v_norm
      q, k        rotated in place (rotate-half)
      K, V        written to the cache at the step's slots (fp32, or rounded to fp16, fp8 or q8_0:
-                 kv_quant.h, as model/kv_quant.py rounds them)
+                 kv_quant.h, as model/kv_quant.py rounds them); not by a reader
      attn        = paged attention of q over the cache (each request's rows; a sliding window's last keys)
                    with each head's attention sink, where the layer has them (gpt-oss)
                    (multi-head latent attention in place of the steps from qkv to here, where the layer has
@@ -27,9 +29,12 @@
                    expert once over its tokens)
      x_out       = rms_norm(x_out) * post_mlp_norm, where the layer has one
      x_out       = x_out * residual_scale, where it is not 1
+     x_out       = (residual_out + x_out, its per-layer input joined) * layer_scalar, residual_out = 0,
+                   where the layer's output is whole (Gemma 4's: whole_output)
 
-   Each layer turns q and k by its own rotary table (Gemma 3's local layers: their own base) and
-   reads its own KV group's block tables and slots (a hybrid KV cache: one group per window).
+   Each layer turns q and k by its own rotary table (Gemma 3's local layers: their own base; Gemma 4's
+   of their own head size) and reads its own KV group's block tables and slots (a hybrid KV cache: one
+   group per window), with K/V heads of its own count and size.
 
    Each linear adds its LoRA side path for rows with an adapter (lora_add). Without adapters,
    exactly what decoder.DecoderLayer.forward (SandwichDecoderLayer.forward) computes on the same kernels (the eager path with
@@ -147,7 +152,8 @@ static void head_norms(const kernels *k, const layer *w, float *qkv, int64_t T, 
     for (int64_t t = 0; t < T; t++) {
         float *q = qkv + t * qkv_n, *key = q + hq * D;
         k->add_rms_norm(q, D, NULL, 0, scratch, w->q_norm, q, hq, D, w->eps, threads);
-        k->add_rms_norm(key, D, NULL, 0, scratch, w->k_norm, key, hkv, D, w->eps, threads);
+        if (w->k_norm) /* none in a layer reading another's K/V */
+            k->add_rms_norm(key, D, NULL, 0, scratch, w->k_norm, key, hkv, D, w->eps, threads);
     }
 }
 
@@ -419,17 +425,56 @@ static void scale_rows(float *x, int64_t n, float by) {
     for (int64_t i = 0; i < n; i++) x[i] *= by;
 }
 
+/* The end of a layer whose output is whole (Gemma4DecoderLayer.forward's): x_out [T, H] (the MLP's
+   output) becomes x = residual + x_out; then x += norm(proj(gelu_tanh(gate(x)) * its per-layer inputs)),
+   where the layer joins them; then x *= layer_scalar. residual_out is zeroed: the next layer's add
+   (x + 0) takes x as it is. The gate's outputs and the inputs side by side make gelu_tanh_mul's
+   [gate | up] rows, so the activation is the op-by-op path's call. 0, 3 when out of memory, or a
+   kernel's status. */
+static int whole_output(const kernels *k, const layer *w, int64_t index, const step *s, float *x_out,
+                        float *residual_out, int64_t T, int64_t H) {
+    for (int64_t i = 0; i < T * H; i++) x_out[i] = residual_out[i] + x_out[i];
+    const per_layer_input *p = w->per_layer_input;
+    int status = 0;
+    if (p) {
+        const int64_t P = p->gate.rows;
+        const int threads = (int)s->num_threads;
+        float *buf = malloc(sizeof(float) * (size_t)(T * (4 * P + 2 * H)));
+        if (!buf) return 3;
+        float *gate = buf, *gate_up = gate + T * P, *act = gate_up + T * 2 * P, *joined = act + T * P,
+              *scratch = joined + T * H;
+        if ((status = run_linear(k, &p->gate, x_out, T, gate, s))) goto done;
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(gate_up + t * 2 * P, gate + t * P, sizeof(float) * (size_t)P);
+            memcpy(gate_up + t * 2 * P + P, s->per_layer_inputs + t * s->per_layer_stride + index * P,
+                   sizeof(float) * (size_t)P);
+        }
+        k->gelu_tanh_mul(gate_up, T, P, act, threads);
+        if ((status = run_linear(k, &p->proj, act, T, joined, s))) goto done;
+        k->add_rms_norm(joined, H, NULL, 0, scratch, p->norm, joined, T, H, w->eps, threads);
+        for (int64_t i = 0; i < T * H; i++) x_out[i] += joined[i];
+    done:
+        free(buf);
+        if (status) return status;
+    }
+    scale_rows(x_out, T * H, w->layer_scalar);
+    memset(residual_out, 0, sizeof(float) * (size_t)(T * H));
+    return 0;
+}
+
 /* Layer `index` of the model (its KV group: s->layer_groups[index]). 0 on success; a kernel's
    status otherwise (3: out of memory, 4: a KV type it cannot write). */
 int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s, void *kv_cache, const float *x,
                  const float *residual, float *x_out, float *residual_out) {
     const int64_t T = s->num_tokens, H = w->hidden, D = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads;
-    const int64_t qkv_n = (hq + 2 * hkv) * D, I = w->intermediate;
+    /* qkv's rows hold q, k and v (qkv_n values); the projection writes proj_n of them (q and k where the
+       values are the keys, q alone where the layer reads another's K/V) */
+    const int64_t qkv_n = (hq + 2 * hkv) * D, proj_n = w->qkv.rows, I = w->intermediate;
     const int threads = (int)s->num_threads;
     const kv_group *group = &s->groups[s->layer_groups ? s->layer_groups[index] : 0];
     /* scratch: one token's query heads for the q/k norms (all tokens' for whole ones), or a [T, H] copy for a sandwich norm
        (add_rms_norm without a residual writes its input there before it overwrites it) */
-    const int64_t head_scratch = w->q_norm ? (w->qk_norm_whole ? T : 1) * hq * D : 0;
+    const int64_t head_scratch = w->q_norm || w->v_norm ? (w->qk_norm_whole ? T : 1) * hq * D : 0;
     const int64_t row_scratch = w->post_attn_norm || w->post_mlp_norm ? T * H : 0;
     const int64_t scratch_n = head_scratch > row_scratch ? head_scratch : row_scratch;
     float *buf = malloc(sizeof(float) * (size_t)(T * (H + qkv_n + hq * D + H + 3 * I) + scratch_n));
@@ -443,9 +488,21 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
         goto attended;
     }
     if ((status = run_linear(k, &w->qkv, h, T, qkv, s))) goto done;
+    /* rows proj_n apart moved to qkv_n apart, the last first (each moves up, onto rows already moved) */
+    for (int64_t t = proj_n < qkv_n ? T - 1 : 0; t > 0; t--)
+        memmove(qkv + t * qkv_n, qkv + t * proj_n, sizeof(float) * (size_t)proj_n);
+    if (w->k_eq_v) /* v: the keys as projected, before their norm and rotary */
+        for (int64_t t = 0; t < T; t++)
+            memcpy(qkv + t * qkv_n + (hq + hkv) * D, qkv + t * qkv_n + hq * D, sizeof(float) * (size_t)(hkv * D));
     if (w->q_norm && !w->qk_norm_after_rope) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
-    const int64_t table = w->rope_table * s->rope_stride;
-    k->rope(qkv, qkv_n, T, s->cos + table, s->sin + table, hq + hkv, D, s->rotary_dim, threads);
+    if (w->v_norm && !w->kv_reader)
+        for (int64_t t = 0; t < T; t++) {
+            float *v = qkv + t * qkv_n + (hq + hkv) * D;
+            k->add_rms_norm(v, D, NULL, 0, scratch, w->v_norm, v, hkv, D, w->eps, threads);
+        }
+    const int64_t table = s->rope_offsets ? s->rope_offsets[w->rope_table] : w->rope_table * s->rope_stride;
+    const int64_t rotary_dim = s->rope_dims ? s->rope_dims[w->rope_table] : s->rotary_dim;
+    k->rope(qkv, qkv_n, T, s->cos + table, s->sin + table, w->kv_reader ? hq : hq + hkv, D, rotary_dim, threads);
     if (w->q_norm && w->qk_norm_after_rope) head_norms(k, w, qkv, T, qkv_n, scratch, threads);
     if (s->q_scale) /* after the rotary, as CausalLM.query_scale's multiply */
         for (int64_t t = 0; t < T; t++)
@@ -453,7 +510,7 @@ int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s,
     /* K and V of token t to its slot: [2, NB * bs, Hkv, row], a row D values in slot_bytes / Hkv bytes. */
     const int kv_elem = (int)s->kv_elem;
     const int64_t slot_bytes = hkv * kv_row_bytes(D, kv_elem), v_bytes = s->num_blocks * s->block_size * slot_bytes;
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = 0; t < T && !w->kv_reader; t++) { /* a reader's K/V are its owner's, written already */
         uint8_t *slot = (uint8_t *)kv_cache + group->slots[t] * slot_bytes;
         if ((status = kv_store_rows(slot, qkv + t * qkv_n + hq * D, hkv, D, kv_elem, 1.f / s->k_scale)) ||
             (status = kv_store_rows(slot + v_bytes, qkv + t * qkv_n + (hq + hkv) * D, hkv, D, kv_elem,
@@ -481,6 +538,7 @@ attended:
     if (!status && w->post_mlp_norm)
         k->add_rms_norm(x_out, H, NULL, 0, scratch, w->post_mlp_norm, x_out, T, H, w->eps, threads);
     if (!status) scale_rows(x_out, T * H, w->residual_scale);
+    if (!status && w->whole_output) status = whole_output(k, w, index, s, x_out, residual_out, T, H);
 done:
     free(buf);
     return status;

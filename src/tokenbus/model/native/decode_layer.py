@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,6 +60,8 @@ class _Step(ctypes.Structure):
         ("sin", _PTR),
         ("rotary_dim", _I64),
         ("rope_stride", _I64),
+        ("rope_offsets", _PTR),
+        ("rope_dims", _PTR),
         ("groups", ctypes.POINTER(_KVGroup)),
         ("layer_groups", _PTR),
         ("query_start", _PTR),
@@ -75,7 +78,45 @@ class _Step(ctypes.Structure):
         ("v_scale", _F32),
         ("lora_slots", _PTR),
         ("q_scale", _PTR),
+        ("per_layer_inputs", _PTR),
+        ("per_layer_stride", _I64),
     ]
+
+
+@dataclass(frozen=True)
+class _RopeTables:
+    """A step's rotary tables as decode_layer.c reads them: cos and sin, R tables at `stride`
+    values apart, each turning rotary_dim values; or, tables of several sizes, at `offsets`
+    (int64 [R]) turning `dims` (int64 [R])."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    count: int
+    rotary_dim: int
+    stride: int
+    offsets: torch.Tensor | None = None
+    dims: torch.Tensor | None = None
+
+    @classmethod
+    def of(
+        cls, cos: torch.Tensor | Sequence[torch.Tensor], sin: torch.Tensor | Sequence[torch.Tensor]
+    ) -> _RopeTables:
+        if isinstance(cos, torch.Tensor):
+            assert cos.is_contiguous() and sin.is_contiguous()
+            stacked = cos.dim() == 4
+            count, stride = (cos.shape[0], cos.stride(0)) if stacked else (1, 0)
+            return cls(cos, sin, count, 2 * cos.shape[-1], stride)
+        sizes = [table.numel() for table in cos]
+        starts = [sum(sizes[:r]) for r in range(len(sizes))]
+        return cls(
+            torch.cat([table.reshape(-1) for table in cos]),
+            torch.cat([table.reshape(-1) for table in sin]),
+            len(sizes),
+            0,
+            0,
+            torch.tensor(starts, dtype=torch.int64),
+            torch.tensor([2 * table.shape[-1] for table in cos], dtype=torch.int64),
+        )
 
 
 def _check(status: int) -> None:
@@ -123,6 +164,10 @@ class DecodeLayers:
         )
         self.hidden = layers[0].qkv.cols
         self.num_rope_tables = 1 + max(layer.rope_table for layer in layers)
+        joins = {layer.per_layer_input.gate.rows for layer in layers if layer.per_layer_input}
+        if len(joins) > 1:
+            raise ValueError(f"decode_layer: per-layer inputs of several widths {sorted(joins)}")
+        self.per_layer_width = joins.pop() if joins else None
         # The engine's KV layout, as each step's ForwardContext.layer_groups gives it (fixed for
         # an engine's life: one tensor per layout seen, built once).
         self._layer_groups: dict[tuple[int, ...], torch.Tensor] = {}
@@ -130,8 +175,8 @@ class DecodeLayers:
     def step_args(
         self,
         num_tokens: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | Sequence[torch.Tensor],
+        sin: torch.Tensor | Sequence[torch.Tensor],
         groups: Sequence[tuple[torch.Tensor, torch.Tensor]],
         layer_groups: tuple[int, ...],
         query_start: torch.Tensor,
@@ -142,19 +187,23 @@ class DecodeLayers:
         k_activations: str,
         lora_slots: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
+        per_layer_inputs: torch.Tensor | None = None,
     ) -> _Step:
         """What every layer of this step shares. The tensors must live until the step ends
         (the caller's context holds them); cos/sin [T, 1, D/2], or R tables stacked [R, T, 1,
-        D/2] (LayerWeights.rope_table picks one), contiguous fp32; `groups` each KV group's
+        D/2] (LayerWeights.rope_table picks one), contiguous fp32, or a sequence of R tables
+        [T, 1, D_r/2] of their own sizes (Gemma 4's; copied into one buffer the step holds);
+        per_layer_inputs [T, L, P] contiguous fp32 where layers join them; `groups` each KV group's
         (slot_mapping [T], block_tables [reqs, width]), and `layer_groups` each layer's group
         (ForwardContext.layer_groups; empty: all group 0); the index tensors int64, contiguous
         (as the attention plans checked them); lora_slots [T] int64, each row's LoRA slot (-1:
         none), or None; q_scale [T] fp32 (any shape of T values, contiguous), each token's query
         scale after the rotary, or None."""
         assert q_scale is None or (q_scale.is_contiguous() and q_scale.dtype == torch.float32)
-        assert cos.is_contiguous() and sin.is_contiguous()
         assert kv_cache.dtype in DECODE_LAYER_KV_DTYPES
-        tables = cos.shape[0] if cos.dim() == 4 else 1
+        rope = _RopeTables.of(cos, sin)
+        tables = rope.count
+        self._check_per_layer_inputs(num_tokens, per_layer_inputs)
         if (
             tables < self.num_rope_tables
             or len(groups) <= max(layer_groups, default=0)
@@ -181,12 +230,14 @@ class DecodeLayers:
                 layer_map = torch.tensor(layer_groups, dtype=torch.int64)
                 self._layer_groups[layer_groups] = layer_map
         views = [_KVGroup(s.data_ptr(), t.data_ptr(), t.stride(0)) for s, t in groups]
-        return _Step(
+        step = _Step(
             num_tokens,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            2 * cos.shape[-1],
-            cos.stride(0) if cos.dim() == 4 else 0,
+            rope.cos.data_ptr(),
+            rope.sin.data_ptr(),
+            rope.rotary_dim,
+            rope.stride,
+            None if rope.offsets is None else rope.offsets.data_ptr(),
+            None if rope.dims is None else rope.dims.data_ptr(),
             (_KVGroup * len(views))(*views),
             None if layer_map is None else layer_map.data_ptr(),
             query_start.data_ptr(),
@@ -202,7 +253,25 @@ class DecodeLayers:
             *kv_quant.tensor_scales(kv_cache.dtype),
             None if lora_slots is None else lora_slots.data_ptr(),
             None if q_scale is None else q_scale.data_ptr(),
+            None if per_layer_inputs is None else per_layer_inputs.data_ptr(),
+            0 if per_layer_inputs is None else per_layer_inputs[0].numel(),
         )
+        step.rope = rope  # the tables it points into, where they were copied for it
+        return step
+
+    def _check_per_layer_inputs(self, num_tokens: int, inputs: torch.Tensor | None) -> None:
+        """C reads layer i's P inputs of token t from [T, L, P]: refuse another shape."""
+        if self.per_layer_width is None:
+            return
+        want = [num_tokens, len(self._layers), self.per_layer_width]
+        if (
+            inputs is None
+            or inputs.dtype != torch.float32
+            or not inputs.is_contiguous()
+            or list(inputs.shape) != want
+        ):
+            got = None if inputs is None else f"{inputs.dtype} {list(inputs.shape)}"
+            raise ValueError(f"decode_layer: per-layer inputs fp32 {want} needed, got {got}")
 
     def run(
         self,

@@ -80,6 +80,10 @@ class _Mla(ctypes.Structure):
     ]
 
 
+class _PerLayerInput(ctypes.Structure):
+    _fields_ = [("gate", _Linear), ("proj", _Linear), ("norm", _PTR)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("qkv", _Linear),
@@ -109,6 +113,12 @@ class _Layer(ctypes.Structure):
         ("rope_table", _I64),
         ("moe", ctypes.POINTER(_Moe)),
         ("mla", ctypes.POINTER(_Mla)),
+        ("v_norm", _PTR),
+        ("k_eq_v", _I64),
+        ("kv_reader", _I64),
+        ("per_layer_input", ctypes.POINTER(_PerLayerInput)),
+        ("whole_output", _I64),
+        ("layer_scalar", _F32),
     ]
 
 
@@ -266,6 +276,19 @@ class MlaWeights:
 
 
 @dataclass(frozen=True)
+class PerLayerInputWeights:
+    """A per-layer input joined after the MLP (gemma3n.PerLayerInputLayer): its gate [P, hidden]
+    and projection [hidden, P] on tiled shards, the joined input's norm [hidden]."""
+
+    gate: LinearWeights
+    proj: LinearWeights
+    norm: torch.Tensor
+
+    def struct(self) -> _PerLayerInput:
+        return _PerLayerInput(self.gate.struct(), self.proj.struct(), self.norm.data_ptr())
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer as decode_layer.c reads it: its MLP is gate_up and down, or moe."""
 
@@ -302,11 +325,24 @@ class LayerWeights:
     rope_table: int = 0  # the row of the step's stacked rotary tables (decoder.Attention's)
     # latent attention in place of qkv's (then without shards; head_dim the latent cache's)
     mla: MlaWeights | None = None
+    # Gemma 4's: each value head RMS-normed ([head_dim]; None: none); qkv projecting q and k,
+    # the values being the keys (k_eq_v); qkv projecting q only, the layer attending the K/V
+    # another layer wrote to the same cache (kv_reader: no k_norm then)
+    v_norm: torch.Tensor | None = None
+    k_eq_v: bool = False
+    kv_reader: bool = False
+    per_layer_input: PerLayerInputWeights | None = None
+    # a float: the layer's output is whole (the residual stream with the MLP's output and any
+    # per-layer input joined), times this (Gemma 4's layer_scalar); None: the two kept apart
+    layer_scalar: float | None = None
 
     def struct(self) -> _Layer:
-        if (self.q_norm is None) != (self.k_norm is None):
+        if (self.q_norm is None) != (self.k_norm is None) and not self.kv_reader:
             raise ValueError("decode_layer: q_norm and k_norm come together")
         self._check_norm_sizes()
+        self._check_projection()
+        if self.per_layer_input is not None and self.layer_scalar is None:
+            raise ValueError("decode_layer: a per-layer input is joined to a whole output")
         if self.sinks is not None:  # C reads them as num_heads contiguous fp32 values
             check_sinks(self.sinks, self.num_heads, torch.device("cpu"))
         if (self.moe is None) == (self.down is None):
@@ -340,7 +376,27 @@ class LayerWeights:
             self.rope_table,
             None if self.moe is None else ctypes.pointer(self.moe.struct()),
             None if self.mla is None else ctypes.pointer(self.mla.struct()),
+            None if self.v_norm is None else self.v_norm.data_ptr(),
+            int(self.k_eq_v),
+            int(self.kv_reader),
+            None if self.per_layer_input is None else ctypes.pointer(self.per_layer_input.struct()),
+            int(self.layer_scalar is not None),
+            1.0 if self.layer_scalar is None else self.layer_scalar,
         )
+
+    def _check_projection(self) -> None:
+        """C spreads qkv's outputs into q, k and v heads: refuse a projection of another width."""
+        if self.mla is not None:
+            return
+        if self.k_eq_v and self.kv_reader:
+            raise ValueError("decode_layer: a layer reading another's K/V projects no keys")
+        heads = self.num_heads
+        if not self.kv_reader:
+            heads += self.num_kv_heads * (1 if self.k_eq_v else 2)
+        if self.qkv.rows != heads * self.head_dim:
+            raise ValueError(
+                f"decode_layer: qkv projects {self.qkv.rows} values, not {heads * self.head_dim}"
+            )
 
     def _check_norm_sizes(self) -> None:
         """C reads each norm's weight over the width it norms: refuse any other size here."""
@@ -349,7 +405,7 @@ class LayerWeights:
         widths += [(name, hidden) for name in ("post_attn_norm", "post_mlp_norm")]
         whole = self.qk_norm_whole
         widths += [("q_norm", self.num_heads * d if whole else d)]
-        widths += [("k_norm", self.num_kv_heads * d if whole else d)]
+        widths += [("k_norm", self.num_kv_heads * d if whole else d), ("v_norm", d)]
         for name, width in widths:
             weight = getattr(self, name)
             if weight is not None and weight.numel() != width:

@@ -142,6 +142,13 @@ typedef struct {
     float latent_eps;
 } mla;
 
+/* A per-layer input joined after the MLP (Gemma 3n's, Gemma 4's): x += norm(proj(gelu_tanh(gate(x))
+   * the layer's slice of the step's per-layer inputs)). */
+typedef struct {
+    linear gate, proj; /* gate [P, hidden], proj [hidden, P] */
+    const float *norm; /* [hidden] */
+} per_layer_input;
+
 typedef struct {
     linear qkv, o, gate_up, down; /* gate_up and down unused where moe is set */
     /* post_norm: the norm before the MLP. NULL: none there, the sublayer takes the residual
@@ -163,6 +170,14 @@ typedef struct {
     int64_t rope_table; /* which of the step's stacked rotary tables this layer turns by */
     const moe *moe; /* NULL: the dense MLP */
     const mla *mla; /* NULL: the attention above (qkv, the q/k norms, sinks) */
+    const float *v_norm; /* [head_dim]: an RMSNorm of every value head before it is written (Gemma 4's, weightless: ones); NULL: none */
+    int64_t k_eq_v; /* 1: qkv projects q and k only, the values being the keys as projected, before k's norm and rotary (Gemma 4's global layers) */
+    int64_t kv_reader; /* 1: qkv projects q only, and the layer attends the K/V another layer wrote to the same cache this step (Gemma 4's shared K/V) */
+    const per_layer_input *per_layer_input; /* NULL: none */
+    /* 1: x_out is the layer's whole output, residual + the MLP's output with the per-layer input joined, times
+       layer_scalar (Gemma 4's), and residual_out is zeroed; 0: the two apart, the next layer adding them */
+    int64_t whole_output;
+    float layer_scalar;
 } layer;
 
 /* One KV group's view of a step (a hybrid KV cache gives each attention window its own block
@@ -178,6 +193,9 @@ typedef struct {
     const float *cos, *sin; /* [R, T, rotary_dim / 2]: R tables (Gemma 3: global, local) */
     int64_t rotary_dim;     /* the first rotary_dim of each head's D values turn (D: all) */
     int64_t rope_stride;    /* values from one table to the next */
+    /* [R] each: table r at cos + rope_offsets[r], [T, rope_dims[r] / 2] (Gemma 4's, of two head sizes);
+       NULL: at r * rope_stride, each rotary_dim */
+    const int64_t *rope_offsets, *rope_dims;
     const kv_group *groups; /* [the step's KV groups] */
     const int64_t *layer_groups; /* [layers]: the group each layer reads; NULL: all group 0 */
     const int64_t *query_start, *seq_lens, *reqs;
@@ -187,6 +205,8 @@ typedef struct {
     float k_scale, v_scale;     /* fp8 K/V's per-tensor scales (1 for the other types) */
     const int64_t *lora_slots;  /* [T]: each row's LoRA slot, -1 for none; NULL: no row has one */
     const float *q_scale;       /* [T]: each token's query scale after the rotary (Llama 4's temperature); NULL: none */
+    const float *per_layer_inputs; /* [T, L, P]: layer i's of token t at t * per_layer_stride + i * P; NULL: none */
+    int64_t per_layer_stride;
 } step;
 
 int decode_layer(const kernels *k, const layer *w, int64_t index, const step *s, void *kv_cache, const float *x, const float *residual, float *x_out, float *residual_out);
