@@ -216,7 +216,7 @@ def test_gemma_layers_in_c_equal_the_layer_by_layer_path(
 
 
 # Gemma 4's kinds: E2B's (per-layer inputs, the last two layers reading layers 3's and 2's
-# K/V), the 31B's (neither) and the 26B-A4B's (experts beside the MLP: op by op)
+# K/V), the 31B's (neither) and the 26B-A4B's (the 31B's with experts beside the MLP)
 GEMMA4_DENSE = dict(
     hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False
 )
@@ -240,7 +240,7 @@ def test_gemma4_layers_in_c_equal_the_layer_by_layer_path(
     14 tokens) and global ones of 1 KV head of 32 whose values are their keys, each turning by
     its own table (the global one proportional), v's weightless norm, the per-layer inputs
     joined, each layer's scalar, and layers attending another's K/V: the same logits, bit for
-    bit. The 26B-A4B's experts keep its layers op by op."""
+    bit."""
     if not CpuFeatures.detect().has("avx2", "fma"):
         pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
     sizes = dict(hidden_size_per_layer_input=32, sliding_window=8)
@@ -259,8 +259,21 @@ def test_gemma4_layers_in_c_equal_the_layer_by_layer_path(
     for got, expected in zip(_steps(model, True, kv_dtype), want):
         assert torch.equal(got, expected)
     assert calls == [model.num_layers] * 5
-    moe = _model(tmp_path, "gemma4", "Q8_0", quantization="gguf", config=GEMMA4_MOE)
-    assert moe.kernels.decode_layers is None
+
+
+def test_gemma4_experts_in_c_match_the_layer_by_layer_path(tmp_path):
+    """The 26B-A4B's tanh-GELU experts beside each MLP in C: the router reading the residual
+    stream normed without a weight and scaled, the per-expert scales, the experts' own norms: the
+    layer-by-layer path's logits to float rounding (C's norm and expf against torch's)."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    model = _model(tmp_path, "gemma4", "Q8_0", quantization="gguf", config=GEMMA4_MOE)
+    assert all(layer.experts is not None for layer in model.layers)
+    g = torch.Generator().manual_seed(0)
+    for layer in model.layers:  # trained scales, not HF's initial ones
+        for scale in (layer.experts.router_scale, layer.experts.per_expert_scale):
+            scale.copy_(torch.rand(scale.shape, generator=g) + 0.5)
+    _assert_c_steps_match_layer_by_layer(model)
 
 
 def test_k_quant_shards_take_their_own_activations_in_c(tmp_path):

@@ -3,13 +3,14 @@ run, and each one's weights as native/decode_layer.py's structs.
 
 A layer runs there when it is made of the parts decode_layer.c computes (model/decoder.py's
 pre-norm and sandwich-norm layers with their attention, a gated or GeGLU MLP or a sparse MoE
-block, or latent attention; Gemma 4's layers without experts) and every linear of it is on
-tiled GGUF shards. kernel_plan.py
+block, or latent attention; Gemma 4's layers, with or without experts beside the MLP) and
+every linear of it is on tiled GGUF shards. kernel_plan.py
 builds the result once per plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -139,12 +140,19 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
 
 def _gemma4_layer_weights(layer: nn.Module) -> LayerWeights | None:
     """Gemma 4's layer (model/gemma4.py): a sandwich block whose attention norms its values
-    (or takes them from the keys' projection, or reads another layer's K/V), then the per-layer
-    input joined and the whole output scaled. Not with experts beside the MLP (the 26B-A4B's
-    run op by op)."""
+    (or takes them from the keys' projection, or reads another layer's K/V), the 26B-A4B's
+    experts beside its MLP, then the per-layer input joined and the whole output scaled."""
     attn, mlp = layer.self_attn, layer.mlp
-    if layer.experts is not None or type(mlp) is not GeGLUMLP:
+    if type(mlp) is not GeGLUMLP:
         return None
+    moe, experts_norms = None, None
+    if layer.experts is not None:
+        moe = _gemma4_experts(layer.experts)
+        if moe is None:
+            return None
+        names = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2")
+        names += ("post_feedforward_layernorm_2",)
+        experts_norms = tuple(getattr(layer, name).weight for name in names)
     linears = [_tiled_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj)]
     linears.append(_tiled_linear(mlp.down_proj))
     joins = None
@@ -182,6 +190,31 @@ def _gemma4_layer_weights(layer: nn.Module) -> LayerWeights | None:
         kv_reader=reader,
         per_layer_input=joins,
         layer_scalar=float(layer.layer_scalar),
+        moe=moe,
+        experts_norms=experts_norms,
+    )
+
+
+def _gemma4_experts(experts: SparseMoeBlock) -> MoeWeights | None:
+    """Gemma 4's experts (gemma4.Gemma4Experts) as decode_layer.c runs them: tanh-GELU experts;
+    the router's input normed without a weight, scaled per channel and by 1 / sqrt(hidden);
+    softmax, the top k renormalised, each weight times its expert's scale."""
+    moe = _moe_weights(experts)
+    if moe is None:
+        return None
+    return dataclasses.replace(
+        moe,
+        norm_topk_prob=True,
+        norm_eps=0.0,
+        scale=1.0,
+        selection_bias=None,
+        sigmoid_scores=False,
+        groups=1,
+        topk_groups=1,
+        router_in_scale=experts.router_scale.data,
+        router_in_eps=experts.eps,
+        router_in_mult=experts.root_size,
+        expert_scale=experts.per_expert_scale.data,
     )
 
 

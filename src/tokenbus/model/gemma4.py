@@ -20,9 +20,8 @@ op for op.
   of its own, the two outputs summed before the post-MLP norm; the router reads the residual
   stream (Gemma4Experts), the experts its own pre-norm.
 
-A decode step on GGUF tiles runs the layers in one C call (model/c_layers.py: all but the
-26B-A4B's, whose experts run op by op); otherwise they run op by op, with GGUF blocks in the
-linears and experts.
+A decode step on GGUF tiles runs the layers in one C call (model/c_layers.py), experts too;
+otherwise they run op by op, with GGUF blocks in the linears and experts.
 """
 
 from __future__ import annotations

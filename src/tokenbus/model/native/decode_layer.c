@@ -25,8 +25,9 @@
      o           = o * residual_scale, where it is not 1 (Granite's residual_multiplier)
      h, residual = add_rms_norm(o, residual) * post_norm (no post_norm: h = residual = o + residual)
      x_out       = act(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T (act: SiLU, or GeGLU's tanh gelu), or a
-                   sparse MoE MLP of h (moe_mlp: the router's top k experts of each token, each
-                   expert once over its tokens)
+                   sparse MoE MLP of h (moe_mlp, decode_moe.h: the router's top k experts of each
+                   token, each expert once over its tokens), or both, each output normed, summed
+                   (Gemma 4's experts beside the MLP, on their own norm of the residual stream)
      x_out       = rms_norm(x_out) * post_mlp_norm, where the layer has one
      x_out       = x_out * residual_scale, where it is not 1
      x_out       = (residual_out + x_out, its per-layer input joined) * layer_scalar, residual_out = 0,
@@ -261,6 +262,38 @@ done:
     return status;
 }
 
+/* out [T, H] = the dense MLP of h: act(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T (gate_up [T, 2I] and act
+   [T, I] the caller's scratch). 0, or a kernel's status. */
+static int dense_mlp(const kernels *k, const layer *w, const float *h, int64_t T, float *gate_up, float *act,
+                     float *out, const step *s) {
+    int status = run_linear(k, &w->gate_up, h, T, gate_up, s);
+    if (status) return status;
+    (w->mlp_act == MLP_GELU_TANH ? k->gelu_tanh_mul : k->silu_mul)(gate_up, T, w->intermediate, act,
+                                                                    (int)s->num_threads);
+    return run_linear(k, &w->down, act, T, out, s);
+}
+
+/* Gemma 4's MLP with experts beside it (Gemma4DecoderLayer.forward, the 26B-A4B's): out =
+   norm(mlp(h)) + norm(experts(norm(residual))), the experts routed by the residual stream itself.
+   0, 3 when out of memory, or a kernel's status. */
+static int mlp_beside_experts(const kernels *k, const layer *w, const float *h, const float *residual, int64_t T,
+                              int64_t H, float *gate_up, float *act, float *out, const step *s) {
+    const int threads = (int)s->num_threads;
+    float *buf = malloc(sizeof(float) * (size_t)(3 * T * H));
+    if (!buf) return 3;
+    float *h2 = buf, *routed = h2 + T * H, *scratch = routed + T * H;
+    int status = dense_mlp(k, w, h, T, gate_up, act, out, s);
+    if (status) goto done;
+    k->add_rms_norm(out, H, NULL, 0, scratch, w->mlp_out_norm, out, T, H, w->eps, threads);
+    k->add_rms_norm(residual, H, NULL, 0, scratch, w->experts_in_norm, h2, T, H, w->eps, threads);
+    if ((status = moe_mlp(k, w->moe, h2, residual, T, H, routed, s))) goto done;
+    k->add_rms_norm(routed, H, NULL, 0, scratch, w->experts_out_norm, routed, T, H, w->eps, threads);
+    for (int64_t i = 0; i < T * H; i++) out[i] += routed[i];
+done:
+    free(buf);
+    return status;
+}
+
 /* x[i] *= by, one rounding each (torch's `h * residual_multiplier`); nothing when by is 1. */
 static void scale_rows(float *x, int64_t n, float by) {
     if (by == 1.f) return;
@@ -370,13 +403,12 @@ attended:
     if (w->post_attn_norm) k->add_rms_norm(o, H, NULL, 0, scratch, w->post_attn_norm, o, T, H, w->eps, threads);
     scale_rows(o, T * H, w->residual_scale);
     add_norm(k, o, residual_out, residual_out, w->post_norm, h, T, H, w->eps, threads);
-    if (w->moe) {
-        status = moe_mlp(k, w->moe, h, T, H, I, x_out, s);
-    } else {
-        if ((status = run_linear(k, &w->gate_up, h, T, gate_up, s))) goto done;
-        (w->mlp_act == MLP_GELU_TANH ? k->gelu_tanh_mul : k->silu_mul)(gate_up, T, I, act, threads);
-        status = run_linear(k, &w->down, act, T, x_out, s);
-    }
+    if (w->moe && w->experts_in_norm)
+        status = mlp_beside_experts(k, w, h, residual_out, T, H, gate_up, act, x_out, s);
+    else if (w->moe)
+        status = moe_mlp(k, w->moe, h, NULL, T, H, x_out, s);
+    else
+        status = dense_mlp(k, w, h, T, gate_up, act, x_out, s);
     if (!status && w->post_mlp_norm)
         k->add_rms_norm(x_out, H, NULL, 0, scratch, w->post_mlp_norm, x_out, T, H, w->eps, threads);
     if (!status) scale_rows(x_out, T * H, w->residual_scale);

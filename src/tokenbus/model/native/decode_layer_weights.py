@@ -58,6 +58,10 @@ class _Moe(ctypes.Structure):
         ("topk_groups", _I64),
         ("norm_eps", _F32),
         ("scale", _F32),
+        ("router_in_scale", _PTR),
+        ("router_in_eps", _F32),
+        ("router_in_mult", _F32),
+        ("expert_scale", _PTR),
     ]
 
 
@@ -119,6 +123,9 @@ class _Layer(ctypes.Structure):
         ("per_layer_input", ctypes.POINTER(_PerLayerInput)),
         ("whole_output", _I64),
         ("layer_scalar", _F32),
+        ("mlp_out_norm", _PTR),
+        ("experts_in_norm", _PTR),
+        ("experts_out_norm", _PTR),
     ]
 
 
@@ -188,14 +195,22 @@ class MoeWeights:
     topk_groups: int = 1
     norm_eps: float = 0.0
     scale: float = 1.0
+    # Gemma 4's router input: RMS-normed without a weight (eps), times this [hidden] per channel
+    # and router_in_mult; None: the input as it is. expert_scale [E]: each chosen expert's
+    # weight times its own, last; None: none.
+    router_in_scale: torch.Tensor | None = None
+    router_in_eps: float = 0.0
+    router_in_mult: float = 1.0
+    expert_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.activation not in ("silu", "clamped_swiglu"):
+        if self.activation not in ("silu", "clamped_swiglu", "gelu_pytorch_tanh"):
             raise ValueError(
-                f"an MoE MLP in C takes silu or clamped_swiglu, not {self.activation!r}"
+                "an MoE MLP in C takes silu, clamped_swiglu or gelu_pytorch_tanh, "
+                f"not {self.activation!r}"
             )
         experts = len(self.gate_up)
-        for name in ("router_bias", "selection_bias"):
+        for name in ("router_bias", "selection_bias", "expert_scale"):
             bias = getattr(self, name)
             if bias is not None and (
                 bias.dtype != torch.float32
@@ -231,6 +246,10 @@ class MoeWeights:
             self.topk_groups,
             self.norm_eps,
             self.scale,
+            None if self.router_in_scale is None else self.router_in_scale.data_ptr(),
+            self.router_in_eps,
+            self.router_in_mult,
+            None if self.expert_scale is None else self.expert_scale.data_ptr(),
         )
 
 
@@ -335,6 +354,9 @@ class LayerWeights:
     # a float: the layer's output is whole (the residual stream with the MLP's output and any
     # per-layer input joined), times this (Gemma 4's layer_scalar); None: the two kept apart
     layer_scalar: float | None = None
+    # Gemma 4's experts (moe) beside the MLP (gate_up, down): the norms of the MLP's output, of
+    # the experts' input (from the residual stream) and of their output; None: one MLP
+    experts_norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def struct(self) -> _Layer:
         if (self.q_norm is None) != (self.k_norm is None) and not self.kv_reader:
@@ -345,9 +367,14 @@ class LayerWeights:
             raise ValueError("decode_layer: a per-layer input is joined to a whole output")
         if self.sinks is not None:  # C reads them as num_heads contiguous fp32 values
             check_sinks(self.sinks, self.num_heads, torch.device("cpu"))
-        if (self.moe is None) == (self.down is None):
-            raise ValueError("decode_layer: a layer's MLP is gate_up and down, or moe")
-        down = self.down if self.moe is None else self.moe.down[0]
+        both = self.moe is not None and self.down is not None
+        if both != (self.experts_norms is not None) or (self.moe is None and self.down is None):
+            raise ValueError(
+                "decode_layer: a layer's MLP is gate_up and down, or moe, or both with the "
+                "experts' norms"
+            )
+        down = self.down if self.down is not None else self.moe.down[0]
+        mlp_out, experts_in, experts_out = self.experts_norms or (None, None, None)
         return _Layer(
             self.qkv.struct(),
             self.o.struct(),
@@ -382,6 +409,9 @@ class LayerWeights:
             None if self.per_layer_input is None else ctypes.pointer(self.per_layer_input.struct()),
             int(self.layer_scalar is not None),
             1.0 if self.layer_scalar is None else self.layer_scalar,
+            None if mlp_out is None else mlp_out.data_ptr(),
+            None if experts_in is None else experts_in.data_ptr(),
+            None if experts_out is None else experts_out.data_ptr(),
         )
 
     def _check_projection(self) -> None:
@@ -400,13 +430,14 @@ class LayerWeights:
 
     def _check_norm_sizes(self) -> None:
         """C reads each norm's weight over the width it norms: refuse any other size here."""
-        hidden, d = self.qkv.cols, self.head_dim
-        widths = [(name, hidden) for name in ("input_norm", "post_norm")]
-        widths += [(name, hidden) for name in ("post_attn_norm", "post_mlp_norm")]
-        whole = self.qk_norm_whole
-        widths += [("q_norm", self.num_heads * d if whole else d)]
-        widths += [("k_norm", self.num_kv_heads * d if whole else d), ("v_norm", d)]
-        for name, width in widths:
-            weight = getattr(self, name)
+        hidden, d, whole = self.qkv.cols, self.head_dim, self.qk_norm_whole
+        names = ("input_norm", "post_norm", "post_attn_norm", "post_mlp_norm")
+        norms = [(name, getattr(self, name), hidden) for name in names]
+        names = ("mlp_out_norm", "experts_in_norm", "experts_out_norm")
+        norms += [(name, norm, hidden) for name, norm in zip(names, self.experts_norms or ())]
+        norms += [("q_norm", self.q_norm, self.num_heads * d if whole else d)]
+        norms += [("k_norm", self.k_norm, self.num_kv_heads * d if whole else d)]
+        norms += [("v_norm", self.v_norm, d)]
+        for name, weight, width in norms:
             if weight is not None and weight.numel() != width:
                 raise ValueError(f"decode_layer: {name} has {weight.numel()} values, not {width}")

@@ -73,6 +73,8 @@ static void route_token(const float *logits, const moe *m, float *scratch, int64
         for (int64_t j = 0; j < K; j++) weights[j] /= kept + m->norm_eps;
     if (m->scale != 1.f)
         for (int64_t j = 0; j < K; j++) weights[j] *= m->scale;
+    if (m->expert_scale)
+        for (int64_t j = 0; j < K; j++) weights[j] *= m->expert_scale[experts[j]];
 }
 
 /* out [T, H] += sigmoid(h . gate) * down(silu(gate_up(h))): the shared expert of every token, after
@@ -114,9 +116,9 @@ done:
    their tokens' outputs; a router bias joins the logits first. A shared expert then runs on every
    token and joins the sum scaled by sigmoid(its gate's logit) (shared_expert), as moe.py adds it.
    0, 3 when out of memory, or a kernel's status. */
-static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, int64_t H, int64_t I, float *out,
-                   const step *s) {
-    const int64_t E = m->num_experts, K = m->top_k, P = T * K;
+static int moe_mlp(const kernels *k, const moe *m, const float *h, const float *routed_by, int64_t T, int64_t H,
+                   float *out, const step *s) {
+    const int64_t E = m->num_experts, K = m->top_k, P = T * K, I = m->down[0].cols;
     const int threads = (int)s->num_threads;
     float *logits = malloc(sizeof(float) * (size_t)(T * E + 3 * E)), *weights = malloc(sizeof(float) * (size_t)P);
     float *rows = malloc(sizeof(float) * (size_t)(T * (H + 3 * I + H)));
@@ -124,7 +126,18 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
     int64_t *first = calloc((size_t)(E + 1), sizeof(int64_t));
     int status = 3;
     if (!logits || !weights || !rows || !experts || !order || !first) goto done;
-    if ((status = k->dense_matmul(m->router, E, H, h, T, H, logits, E, threads))) goto done;
+    const float *router_in = routed_by ? routed_by : h;
+    if (m->router_in_scale) { /* into rows' first T * H values, which the experts' gathered rows overwrite later */
+        for (int64_t t = 0; t < T; t++) {
+            const float *x = router_in + t * H;
+            float *r = rows + t * H, ss = 0.f;
+            for (int64_t c = 0; c < H; c++) ss += x[c] * x[c];
+            const float inv = powf(ss / (float)H + m->router_in_eps, -0.5f);
+            for (int64_t c = 0; c < H; c++) r[c] = x[c] * inv * m->router_in_scale[c] * m->router_in_mult;
+        }
+        router_in = rows;
+    }
+    if ((status = k->dense_matmul(m->router, E, H, router_in, T, H, logits, E, threads))) goto done;
     if (m->router_bias) /* after the whole sum, as dense_rows.py's RowInvariantLinear adds it */
         for (int64_t t = 0; t < T; t++)
             for (int64_t e = 0; e < E; e++) logits[t * E + e] += m->router_bias[e];
@@ -146,7 +159,7 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, int64_t T, in
         if (m->activation == MLP_CLAMPED_SWIGLU)
             k->clamped_swiglu_mul(gate_up, n, I, m->swiglu_limit, m->swiglu_alpha, act, threads);
         else
-            k->silu_mul(gate_up, n, I, act, threads);
+            (m->activation == MLP_GELU_TANH ? k->gelu_tanh_mul : k->silu_mul)(gate_up, n, I, act, threads);
         if ((status = run_linear(k, &m->down[e], act, n, ys, s))) goto done;
         for (int64_t i = 0; i < n; i++) {
             float *o = out + pairs[i] / K * H;

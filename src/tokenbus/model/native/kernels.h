@@ -125,6 +125,11 @@ typedef struct {
     int64_t sigmoid_scores;       /* 1: each expert's sigmoid (GLM-4.5's, MiniMax-M2's); 0: the softmax over all */
     int64_t groups, topk_groups;  /* the choice within the best topk_groups of `groups` groups; 1 group: no limit */
     float norm_eps, scale;        /* weights / (their sum + norm_eps) where renormalised, then * scale */
+    /* Gemma 4's router reads its input RMS-normed without a weight (router_in_eps), times router_in_scale
+       [hidden] per channel, times router_in_mult; NULL: the input as it is */
+    const float *router_in_scale;
+    float router_in_eps, router_in_mult;
+    const float *expert_scale;    /* [E]: each chosen expert's weight times its own, last (Gemma 4's); NULL: none */
 } moe;
 
 /* Multi-head latent attention (model/mla.py): the queries through q_a (a bottleneck, RMS-normed by
@@ -161,7 +166,7 @@ typedef struct {
     int64_t qk_norm_whole; /* 1: q_norm / k_norm are [Hq * D] / [Hkv * D] instead, each token's heads normed at once (OLMo 2's) */
     int64_t qk_norm_after_rope; /* 1: the q / k heads are normed after the rotary instead (HunYuan's) */
     float eps, scale;
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: an expert's, under moe */
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate; /* intermediate: the dense MLP's, else an expert's */
     int64_t window; /* a sliding window: each query sees its last `window` keys; 0: all */
     float softcap; /* the attention scores' soft-cap (Gemma 2's); 0: none */
     const float *sinks; /* [num_heads] fp32: each query head's attention sink (gpt-oss's); NULL: none */
@@ -178,6 +183,10 @@ typedef struct {
        layer_scalar (Gemma 4's), and residual_out is zeroed; 0: the two apart, the next layer adding them */
     int64_t whole_output;
     float layer_scalar;
+    /* Gemma 4's experts beside the dense MLP (moe and gate_up / down both set): the MLP's output RMS-normed by
+       mlp_out_norm, the experts' input by experts_in_norm from the residual stream (which their router reads),
+       their output by experts_out_norm, the two summed; NULL: the one MLP */
+    const float *mlp_out_norm, *experts_in_norm, *experts_out_norm;
 } layer;
 
 /* One KV group's view of a step (a hybrid KV cache gives each attention window its own block
