@@ -204,13 +204,7 @@ def test_gemma_layers_in_c_equal_the_layer_by_layer_path(
     assert layers is not None and layers.num_rope_tables == (2 if family == "gemma3" else 1)
     windows = [layer.self_attn.sliding_window for layer in model.layers]
     assert windows == ([8] * 5 + [None] if family == "gemma3" else [8, None])
-    calls = []
-    run_all = layers.run_all
-    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
-    want = _steps(model, False, kv_dtype)
-    for got, expected in zip(_steps(model, True, kv_dtype), want):
-        assert torch.equal(got, expected)
-    assert calls == [model.num_layers] * 5
+    want = _assert_c_steps_equal_layer_by_layer(model, kv_dtype)
     for got, expected in zip(_steps(model, True, kv_dtype, _LayerHooks()), want):
         assert torch.equal(got, expected)
 
@@ -252,13 +246,7 @@ def test_gemma4_layers_in_c_equal_the_layer_by_layer_path(
     shares = [layer.self_attn.owner is not None for layer in model.layers]
     assert shares == [False] * 4 + [not config] * 2
     assert layers.per_layer_width == (None if config else 32)
-    calls = []
-    run_all = layers.run_all
-    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
-    want = _steps(model, False, kv_dtype)
-    for got, expected in zip(_steps(model, True, kv_dtype), want):
-        assert torch.equal(got, expected)
-    assert calls == [model.num_layers] * 5
+    _assert_c_steps_equal_layer_by_layer(model, kv_dtype)
 
 
 def test_gemma4_experts_in_c_match_the_layer_by_layer_path(tmp_path):
@@ -313,6 +301,19 @@ def test_decoder_layer_in_c_only_where_it_applies(tmp_path, case):
     else:
         model = _model(tmp_path, "llama", "Q4_1", quantization="gguf", dtype=torch.bfloat16)
     assert not model.decodes_in_c
+
+
+def _assert_c_steps_equal_layer_by_layer(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every step of `model` runs all its layers in one C call and gives the layer-by-layer
+    path's logits bit for bit; those logits."""
+    layers = model.kernels.decode_layers
+    calls, run_all = [], layers.run_all
+    layers.run_all = lambda n, *args: (calls.append(n), run_all(n, *args))
+    want = _steps(model, False, kv_dtype)
+    for got, expected in zip(_steps(model, True, kv_dtype), want):
+        assert torch.equal(got, expected)
+    assert calls == [model.num_layers] * 5
+    return want
 
 
 def _assert_c_steps_match_layer_by_layer(model) -> None:
