@@ -249,6 +249,25 @@ def test_gemma4_layers_in_c_equal_the_layer_by_layer_path(
     _assert_c_steps_equal_layer_by_layer(model, kv_dtype)
 
 
+def test_gemma4_c_layers_refuse_shapes_they_cannot_read(tmp_path):
+    """A rotary table wider than a layer's heads (the global one on a local layer) and a
+    per-layer input's norm of another width are refused before C reads past them."""
+    if not CpuFeatures.detect().has("avx2", "fma"):
+        pytest.skip(f"tiled kernels need AVX2; this CPU is {CpuFeatures.detect().describe()}")
+    config = dict(hidden_size_per_layer_input=32)
+    model = _model(tmp_path, "gemma4", "Q8_0", quantization="gguf", config=config)
+    input_ids, ctx = PagedKV.for_model(model).step([("a", [5])])
+    lookup = model.rotary_lookup
+    model.rotary_lookup = lambda *args: tuple(table[::-1] for table in lookup(*args))
+    with pytest.raises(ValueError, match="layer 0 turns 32 of its heads' 16"):
+        with torch.inference_mode():
+            model(input_ids, ctx)
+    layer = model.kernels.decode_layers._weights[0]
+    joins = dataclasses.replace(layer.per_layer_input, norm=torch.ones(7))
+    with pytest.raises(ValueError, match="do not fit a hidden size of 256"):
+        dataclasses.replace(layer, per_layer_input=joins).struct()
+
+
 def test_gemma4_experts_in_c_match_the_layer_by_layer_path(tmp_path):
     """The 26B-A4B's tanh-GELU experts beside each MLP in C: the router reading the residual
     stream normed without a weight and scaled, the per-expert scales, the experts' own norms: the

@@ -142,6 +142,8 @@ def _gemma4_layer_weights(layer: nn.Module) -> LayerWeights | None:
     """Gemma 4's layer (model/gemma4.py): a sandwich block whose attention norms its values
     (or takes them from the keys' projection, or reads another layer's K/V), the 26B-A4B's
     experts beside its MLP, then the per-layer input joined and the whole output scaled."""
+    from tokenbus.model.gemma4 import EXPERT_NORMS  # here: see _layer_weights
+
     attn, mlp = layer.self_attn, layer.mlp
     if type(mlp) is not GeGLUMLP:
         return None
@@ -150,9 +152,7 @@ def _gemma4_layer_weights(layer: nn.Module) -> LayerWeights | None:
         moe = _gemma4_experts(layer.experts)
         if moe is None:
             return None
-        names = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2")
-        names += ("post_feedforward_layernorm_2",)
-        experts_norms = tuple(getattr(layer, name).weight for name in names)
+        experts_norms = tuple(getattr(layer, name).weight for name in EXPERT_NORMS)
     linears = [_tiled_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj)]
     linears.append(_tiled_linear(mlp.down_proj))
     joins = None

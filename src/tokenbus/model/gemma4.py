@@ -44,8 +44,9 @@ from tokenbus.model.parallel import SINGLE, TensorParallel
 from tokenbus.model.weights import WeightLoader, copy_param, layer_loaders, load_strictly
 from tokenbus.model_arch import ModelArch
 
-# the norms around a layer's experts (beside its MLP's)
-_EXPERT_NORMS = (
+# the norms around a layer's experts (beside its MLP's): of the MLP's output, of the experts'
+# input, of their output
+EXPERT_NORMS = (
     "post_feedforward_layernorm_1",
     "pre_feedforward_layernorm_2",
     "post_feedforward_layernorm_2",
@@ -261,7 +262,7 @@ class Gemma4ForCausalLM(Gemma3nForCausalLM):
             loaders[f"{prefix}layer_scalar"] = partial(copy_param, layer.layer_scalar)
             if layer.experts is not None:
                 loaders.update(layer.experts.gemma4_loaders(prefix))
-                for name in _EXPERT_NORMS:
+                for name in EXPERT_NORMS:
                     norm = getattr(layer, name)
                     loaders[f"{prefix}{name}.weight"] = partial(copy_param, norm.weight)
             if layer.joins_per_layer_input:

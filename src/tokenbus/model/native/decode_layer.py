@@ -1,5 +1,5 @@
 """A whole decoder layer of a decode-sized step in one C call (decode_layer.c): a Llama-family
-layer, with a dense or a sparse MoE MLP, or Gemma's sandwich-norm layer with GeGLU.
+layer, with a dense or a sparse MoE MLP, Gemma's sandwich-norm layer with GeGLU, or Gemma 4's.
 
 `DecodeLayers` holds one `layer` struct per decoder layer (decode_layer_weights.py: pointers
 into the model's own tensors, so the model must outlive it) and runs a step over them;
@@ -87,11 +87,11 @@ class _Step(ctypes.Structure):
 class _RopeTables:
     """A step's rotary tables as decode_layer.c reads them: cos and sin, R tables at `stride`
     values apart, each turning rotary_dim values; or, tables of several sizes, at `offsets`
-    (int64 [R]) turning `dims` (int64 [R])."""
+    (int64 [R]) turning `dims` (int64 [R]). `turns`: each table's turned values."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    count: int
+    turns: tuple[int, ...]
     rotary_dim: int
     stride: int
     offsets: torch.Tensor | None = None
@@ -105,17 +105,19 @@ class _RopeTables:
             assert cos.is_contiguous() and sin.is_contiguous()
             stacked = cos.dim() == 4
             count, stride = (cos.shape[0], cos.stride(0)) if stacked else (1, 0)
-            return cls(cos, sin, count, 2 * cos.shape[-1], stride)
+            return cls(cos, sin, (2 * cos.shape[-1],) * count, 2 * cos.shape[-1], stride)
+        assert all(table.dtype == torch.float32 for table in (*cos, *sin))
         sizes = [table.numel() for table in cos]
         starts = [sum(sizes[:r]) for r in range(len(sizes))]
+        turns = tuple(2 * table.shape[-1] for table in cos)
         return cls(
             torch.cat([table.reshape(-1) for table in cos]),
             torch.cat([table.reshape(-1) for table in sin]),
-            len(sizes),
+            turns,
             0,
             0,
             torch.tensor(starts, dtype=torch.int64),
-            torch.tensor([2 * table.shape[-1] for table in cos], dtype=torch.int64),
+            torch.tensor(turns, dtype=torch.int64),
         )
 
 
@@ -168,6 +170,7 @@ class DecodeLayers:
         if len(joins) > 1:
             raise ValueError(f"decode_layer: per-layer inputs of several widths {sorted(joins)}")
         self.per_layer_width = joins.pop() if joins else None
+        self._checked_turns: set[tuple[int, ...]] = set()  # the rotary sizes _check_turns passed
         # The engine's KV layout, as each step's ForwardContext.layer_groups gives it (fixed for
         # an engine's life: one tensor per layout seen, built once).
         self._layer_groups: dict[tuple[int, ...], torch.Tensor] = {}
@@ -202,7 +205,7 @@ class DecodeLayers:
         assert q_scale is None or (q_scale.is_contiguous() and q_scale.dtype == torch.float32)
         assert kv_cache.dtype in DECODE_LAYER_KV_DTYPES
         rope = _RopeTables.of(cos, sin)
-        tables = rope.count
+        tables = len(rope.turns)
         self._check_per_layer_inputs(num_tokens, per_layer_inputs)
         if (
             tables < self.num_rope_tables
@@ -213,6 +216,7 @@ class DecodeLayers:
                 f"decode_layer: the layers read {self.num_rope_tables} rotary tables and KV "
                 f"groups {sorted(set(layer_groups))}; this step has {tables} and {len(groups)}"
             )
+        self._check_turns(rope.turns)
         _, num_blocks, block_size, _, _ = kv_cache.shape
         for slots, _ in groups:
             assert slots.is_contiguous() and slots.dtype == torch.int64
@@ -259,6 +263,22 @@ class DecodeLayers:
         step.rope = rope  # the tables it points into, where they were copied for it
         return step
 
+    def _check_turns(self, turns: tuple[int, ...]) -> None:
+        """C turns each head of a layer by its table's values (rotate-half pairs): refuse a
+        table wider than a layer's heads, or of an odd count. Checked once per set of sizes."""
+        if turns in self._checked_turns:
+            return
+        for index, layer in enumerate(self._weights):
+            if layer.mla is not None:  # latent attention turns its own rope_dim
+                continue
+            turned = turns[layer.rope_table]
+            if turned > layer.head_dim or turned % 2:
+                raise ValueError(
+                    f"decode_layer: layer {index} turns {turned} of its heads' {layer.head_dim} "
+                    "values"
+                )
+        self._checked_turns.add(turns)
+
     def _check_per_layer_inputs(self, num_tokens: int, inputs: torch.Tensor | None) -> None:
         """C reads layer i's P inputs of token t from [T, L, P]: refuse another shape."""
         if self.per_layer_width is None:
@@ -284,7 +304,9 @@ class DecodeLayers:
         residual_out: torch.Tensor,
     ) -> None:
         """Layer `index` on x [T, hidden] (fp32, contiguous): x_out = its MLP output, residual_out
-        = the residual stream after its attention (x_out may be x, residual_out residual)."""
+        = the residual stream after its attention (x_out may be x, residual_out residual); a
+        layer whose output is whole (LayerWeights.layer_scalar) gives it all in x_out, and
+        zeros in residual_out."""
         _check(
             self._fn(
                 self._kernels_ref,

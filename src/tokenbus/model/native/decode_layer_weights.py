@@ -172,7 +172,8 @@ class LinearWeights:
 class MoeWeights:
     """A sparse MoE MLP as decode_layer.c reads it: the router's dense_rows.c panels (and its
     bias, fp32 [E]), and each expert's gate_up and down (on tiled shards, with their biases);
-    `activation` a key of MLP_ACTIVATIONS, "silu" or "clamped_swiglu" (with its limit, alpha).
+    `activation` a key of MLP_ACTIVATIONS, "silu", "clamped_swiglu" (with its limit, alpha) or
+    "gelu_pytorch_tanh" (Gemma 4's experts).
     `shared`: a shared expert's gate_up and down and its gate's dense_rows.c panels [1, hidden]
     (Qwen2-MoE's; None: ungated, ERNIE's); None: none. `selection_bias`: fp32 [E] added to the
     probabilities to choose the top k (ERNIE's); None: none. The routing rule's other parts as
@@ -309,7 +310,8 @@ class PerLayerInputWeights:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as decode_layer.c reads it: its MLP is gate_up and down, or moe."""
+    """One decoder layer as decode_layer.c reads it: its MLP is gate_up and down, or moe, or
+    both (Gemma 4's experts beside the MLP, with experts_norms)."""
 
     qkv: LinearWeights
     o: LinearWeights
@@ -352,7 +354,8 @@ class LayerWeights:
     kv_reader: bool = False
     per_layer_input: PerLayerInputWeights | None = None
     # a float: the layer's output is whole (the residual stream with the MLP's output and any
-    # per-layer input joined), times this (Gemma 4's layer_scalar); None: the two kept apart
+    # per-layer input joined), times this (Gemma 4's layer_scalar, read as the layers are built,
+    # after the weights load); None: the two kept apart
     layer_scalar: float | None = None
     # Gemma 4's experts (moe) beside the MLP (gate_up, down): the norms of the MLP's output, of
     # the experts' input (from the residual stream) and of their output; None: one MLP
@@ -363,6 +366,7 @@ class LayerWeights:
             raise ValueError("decode_layer: q_norm and k_norm come together")
         self._check_norm_sizes()
         self._check_projection()
+        self._check_gemma4_parts()
         if self.per_layer_input is not None and self.layer_scalar is None:
             raise ValueError("decode_layer: a per-layer input is joined to a whole output")
         if self.sinks is not None:  # C reads them as num_heads contiguous fp32 values
@@ -413,6 +417,27 @@ class LayerWeights:
             None if experts_in is None else experts_in.data_ptr(),
             None if experts_out is None else experts_out.data_ptr(),
         )
+
+    def _check_gemma4_parts(self) -> None:
+        """C reads the per-layer input's linears and norm, and the router's input scale, over
+        the hidden width: refuse any other shape."""
+        hidden, joins = self.qkv.cols, self.per_layer_input
+        if joins is not None and (
+            joins.gate.cols != hidden
+            or joins.proj.rows != hidden
+            or joins.proj.cols != joins.gate.rows
+            or joins.norm.numel() != hidden
+        ):
+            raise ValueError(
+                f"decode_layer: a per-layer input's gate [{joins.gate.rows}, {joins.gate.cols}], "
+                f"projection [{joins.proj.rows}, {joins.proj.cols}] and norm "
+                f"[{joins.norm.numel()}] do not fit a hidden size of {hidden}"
+            )
+        scale = None if self.moe is None else self.moe.router_in_scale
+        if scale is not None and (
+            scale.dtype != torch.float32 or not scale.is_contiguous() or scale.numel() != hidden
+        ):
+            raise ValueError(f"router_in_scale must be contiguous fp32 [{hidden}]")
 
     def _check_projection(self) -> None:
         """C spreads qkv's outputs into q, k and v heads: refuse a projection of another width."""

@@ -109,13 +109,15 @@ done:
 }
 
 /* out [T, H] = the MoE MLP of h [T, H] (model/moe.py's SparseMoeBlock.forward): the router's
-   logits by dense_rows.c on the same panels (the same sums as the op-by-op path), each token's
-   routing, then the T*k (token, expert) pairs counting-sorted by expert (stable: tokens
-   ascending), and each active expert in ascending order once on its gathered rows, gate_up ->
-   silu*up (or gpt-oss's clamped SwiGLU) -> down, its rows scaled by their weights and added to
-   their tokens' outputs; a router bias joins the logits first. A shared expert then runs on every
-   token and joins the sum scaled by sigmoid(its gate's logit) (shared_expert), as moe.py adds it.
-   0, 3 when out of memory, or a kernel's status. */
+   logits by dense_rows.c on the same panels (the same sums as the op-by-op path) over h, or over
+   `routed_by` where it is given (Gemma 4's: the residual stream, normed without a weight and
+   scaled first where the moe has router_in_scale), each token's routing, then the T*k (token,
+   expert) pairs counting-sorted by expert (stable: tokens ascending), and each active expert in
+   ascending order once on its gathered rows, gate_up -> silu*up (or gpt-oss's clamped SwiGLU, or
+   Gemma 4's GeGLU) -> down, its rows scaled by their weights and added to their tokens' outputs;
+   a router bias joins the logits first. A shared expert then runs on every token and joins the
+   sum scaled by sigmoid(its gate's logit) (shared_expert), as moe.py adds it. 0, 3 when out of
+   memory, or a kernel's status. */
 static int moe_mlp(const kernels *k, const moe *m, const float *h, const float *routed_by, int64_t T, int64_t H,
                    float *out, const step *s) {
     const int64_t E = m->num_experts, K = m->top_k, P = T * K, I = m->down[0].cols;

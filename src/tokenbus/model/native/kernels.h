@@ -117,7 +117,7 @@ typedef struct {
     const float *selection_bias;  /* [E], added to the probabilities to choose the top k (ERNIE's); NULL: none */
     const linear *gate_up, *down; /* [E] each */
     int64_t num_experts, top_k, norm_topk_prob;
-    int64_t activation;           /* MLP_SILU or MLP_CLAMPED_SWIGLU */
+    int64_t activation;           /* MLP_SILU, MLP_CLAMPED_SWIGLU or MLP_GELU_TANH (Gemma 4's) */
     float swiglu_limit, swiglu_alpha; /* MLP_CLAMPED_SWIGLU's */
     const linear *shared_gate_up, *shared_down; /* the shared expert (SiLU); NULL: none */
     const float *shared_gate;     /* [1, hidden] in dense_pack's panels: its gate's logit; NULL: ungated */
@@ -155,7 +155,7 @@ typedef struct {
 } per_layer_input;
 
 typedef struct {
-    linear qkv, o, gate_up, down; /* gate_up and down unused where moe is set */
+    linear qkv, o, gate_up, down; /* gate_up and down unused where moe is set (but with experts_in_norm) */
     /* post_norm: the norm before the MLP. NULL: none there, the sublayer takes the residual
        stream itself (OLMo 2's post-norm layers have neither) */
     const float *input_norm, *post_norm;
