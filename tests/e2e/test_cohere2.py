@@ -4,14 +4,22 @@ LayerNorm, three sliding-window layers with a rotary in adjacent pairs and a glo
 its logits scaled, tied) and a CohereForCausalLM (the same block, every layer global with its
 rotary), each from safetensors and from a GGUF in llama.cpp's naming (cohere2, command-r), give
 HF's greedy tokens and logprobs through prefix hits and chunked prefill, past the window, on the
-torch and native attention paths. Command R+'s per-head q/k LayerNorms are refused by name."""
+torch and native attention paths; and so does Command R+'s kind (CohereForCausalLM with
+use_qk_norm: each query and key head LayerNormed with its own weight before the rotary), on two
+tensor-parallel ranks too."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from tests.e2e.oracle import (
     assert_family_matches_hf,
+    assert_ranks_match_hf,
     hf_greedy_logprobs,
     load_hf,
     prompts_with_a_shared_prefix,
@@ -20,11 +28,17 @@ from tests.fixtures.tiny_gguf import write_gguf
 from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
+QK_NORM = {"use_qk_norm": True}
 
 
-@pytest.fixture(scope="module", params=["cohere2", "cohere"])
+# (model_type, overrides): Command R7B's kind, Command R's, Command R+'s
+KINDS = {"cohere2": ("cohere2", {}), "cohere": ("cohere", {}), "plus": ("cohere", QK_NORM)}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
 def hf_dir(request):
-    return cached_tiny_model(request.param)
+    model_type, overrides = KINDS[request.param]
+    return cached_tiny_model(model_type, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +65,30 @@ def test_greedy_tokens_and_logprobs_are_hf_s(
         assert (arch.sliding_windows, arch.nope_layers) == ((16, 16, 16, None), (3,))
     else:
         assert (arch.architecture, arch.sliding_windows, arch.nope_layers) == ("cohere", (), ())
+    assert arch.attn_qk_norm == (hf_dir == cached_tiny_model("cohere", **QK_NORM))
     assert arch.logits_scaling == pytest.approx(4.0) and arch.tie_word_embeddings
     assert_family_matches_hf(path, prompts, hf_reference, MAX_TOKENS, attention_backend=backend)
 
 
-def test_command_r_plus_qk_norms_are_refused_by_name(tmp_path):
-    import json
-    import shutil
+def test_command_r_plus_on_two_tensor_parallel_ranks(prompts, tmp_path):
+    """Each rank LayerNorms its own query and KV heads with their rows of the per-head weights
+    (4 query and 2 KV heads: 2 and 1 a rank), here spread far apart head to head."""
+    hf_dir = _spread_qk_norms(cached_tiny_model("cohere", **QK_NORM), tmp_path / "plus")
+    hf = load_hf(str(hf_dir))
+    assert tuple(hf.model.layers[0].self_attn.q_norm.weight.shape) == (4, 16)
+    reference = [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts[:4]]
+    assert_ranks_match_hf(hf_dir, prompts[:4], reference, MAX_TOKENS)
 
-    from tokenbus.loader import load_arch, resolve_model
 
-    model = shutil.copytree(cached_tiny_model("cohere"), tmp_path / "m")
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "use_qk_norm": True}))
-    with pytest.raises(ValueError, match="use_qk_norm=true .* is not supported for cohere"):
-        load_arch(resolve_model(str(model)))
+def _spread_qk_norms(src: Path, dst: Path) -> Path:
+    """A copy of `src` whose per-head q/k norm weights lie in [0.25, 2.25) (the random init's
+    stay near 1), so that a head normed by another head's weight changes the tokens."""
+    shutil.copytree(src, dst)
+    path = next(dst.glob("*.safetensors"))
+    weights = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    for name, weight in weights.items():
+        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            weights[name] = torch.rand(weight.shape, generator=g) * 2 + 0.25
+    save_file(weights, path, metadata={"format": "pt"})
+    return dst

@@ -10,6 +10,7 @@ is `attention.layer_norm_epsilon` (not the RMS one).
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 from tokenbus.loader.layer_kinds import gguf_local_layers, global_nope_layers, windows
@@ -20,11 +21,16 @@ COHERE_GGUF = "command-r"  # llama.cpp's name of Cohere's (v1) architecture
 COHERE_GGUF_ARCHITECTURES = (COHERE_GGUF, "cohere2")
 
 
-def cohere2_gguf_fields(meta: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+def cohere2_gguf_fields(
+    meta: dict[str, Any], arch: str, num_layers: int, tensors: Container[str] = ()
+) -> dict[str, Any]:
     """ModelArch fields of a cohere2 GGUF (windows on the local layers, NoPE on the global
-    ones) or a command-r one (neither), with the logits' scale as Granite's divisor."""
+    ones) or a command-r one (neither; Command R+'s per-head q/k norms where its tensors hold
+    them), with the logits' scale as Granite's divisor."""
     fields: dict[str, Any] = dict(
-        hidden_act="silu", logits_scaling=1.0 / float(meta.get(f"{arch}.logit_scale", 1.0))
+        hidden_act="silu",
+        logits_scaling=1.0 / float(meta.get(f"{arch}.logit_scale", 1.0)),
+        attn_qk_norm="blk.0.attn_q_norm.weight" in tensors,
     )
     if arch == "cohere2":
         local = gguf_local_layers(meta, "cohere2", num_layers, COHERE2_PATTERN)

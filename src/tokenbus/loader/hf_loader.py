@@ -180,11 +180,6 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     if architecture in ERNIE_ARCHITECTURES:
         check_ernie(config, path)
-    if architecture == "cohere" and config.get("use_qk_norm"):
-        raise ValueError(
-            f"{path}: use_qk_norm=true (Command R+'s per-head LayerNorms of q and k) is not "
-            "supported for cohere"
-        )
     family: dict[str, Any] = {}
     if architecture in GEMMA_ARCHITECTURES:
         family = gemma_hf_fields(config, path, architecture)
@@ -438,9 +433,11 @@ def _llama4_temperature(
 
 def _granite_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """Granite's four multipliers (GraniteConfig's defaults: 1), Cohere's and Cohere2's
-    logit_scale (as the divisor's inverse); {} for the other families."""
+    logit_scale (as the divisor's inverse) and Command R+'s per-head q/k LayerNorms
+    (`use_qk_norm`); {} for the other families."""
     if architecture in ("cohere", "cohere2"):
-        return dict(logits_scaling=1.0 / float(config.get("logit_scale", 0.0625)))
+        scaling = 1.0 / float(config.get("logit_scale", 0.0625))
+        return dict(logits_scaling=scaling, attn_qk_norm=bool(config.get("use_qk_norm", False)))
     if architecture not in ("granite", "granitemoe", "granitemoehybrid"):
         return {}
     return dict(

@@ -36,6 +36,13 @@ def unpermute_qk(
     return torch.cat((turned, heads[:, rotary_dim:]), dim=1).reshape(weight.shape)
 
 
+def unpermute_head_rows(weight: torch.Tensor, rotary_dim: int | None = None) -> torch.Tensor:
+    """unpermute_qk of a weight per head [heads, D] (Command R+'s q/k LayerNorms): each head's
+    D values reordered as its q/k rows are."""
+    heads = weight.shape[0]
+    return unpermute_qk(weight.reshape(-1), heads, rotary_dim).reshape(weight.shape)
+
+
 def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's convert_hf_to_gguf permutation (HF rotate-half rows -> interleaved pairs)."""
     rows = weight.shape[0]

@@ -53,9 +53,11 @@ class LayerNorm(OpsModule):
     """(x - mean) / sqrt(var + eps) * weight over the last dim, no bias, computed in fp32 and
     cast back: HF's CohereLayerNorm / Cohere2LayerNorm op for op (the variance taken around the
     mean, then rsqrt), so an fp32 model gives its values bit for bit. The same interface as
-    RMSNorm (forward, add_and_norm); the C ops take only RMSNorms."""
+    RMSNorm (forward, add_and_norm); the C ops take only RMSNorms. `hidden_size` may be a
+    shape, (heads, D): each head of x [..., heads, D] then takes its own row of the weight
+    (Command R+'s q/k norms: CohereLayerNorm of shape (heads, head_dim))."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int | tuple[int, int], eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
