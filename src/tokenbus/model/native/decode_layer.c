@@ -41,8 +41,8 @@
    exactly what decoder.DecoderLayer.forward (SandwichDecoderLayer.forward, Gemma4DecoderLayer.forward) computes on the
    same kernels (the eager path with the native attention backend): the same results, bit for bit (with them, the side
    path sums in another order than torch's GEMMs; an MoE's routing weights differ by float rounding: expf here, torch's
-   softmax there, and Gemma 4's router input by its weightless norm: a sum in order and powf here, torch's mean and pow
-   there). The caller checks the preconditions (fp32, every linear's
+   softmax there, and Gemma 4's router input by its weightless norm: add_rms_norm's sum in order here, torch's mean and
+   pow there). The caller checks the preconditions (fp32, every linear's
    shards tiled, only the native attention in the plan).
    x_out may alias x, residual_out may alias residual (both are read before they are written,
    element by element). */

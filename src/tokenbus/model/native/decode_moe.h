@@ -129,14 +129,12 @@ static int moe_mlp(const kernels *k, const moe *m, const float *h, const float *
     int status = 3;
     if (!logits || !weights || !rows || !experts || !order || !first) goto done;
     const float *router_in = routed_by ? routed_by : h;
-    if (m->router_in_scale) { /* into rows' first T * H values, which the experts' gathered rows overwrite later */
-        for (int64_t t = 0; t < T; t++) {
-            const float *x = router_in + t * H;
-            float *r = rows + t * H, ss = 0.f;
-            for (int64_t c = 0; c < H; c++) ss += x[c] * x[c];
-            const float inv = powf(ss / (float)H + m->router_in_eps, -0.5f);
-            for (int64_t c = 0; c < H; c++) r[c] = x[c] * inv * m->router_in_scale[c] * m->router_in_mult;
-        }
+    if (m->router_in_scale) {
+        /* normed and scaled per channel into rows' first T * H values (its last T * H the norm's
+           scratch: both overwritten by the experts' rows later), then times router_in_mult */
+        k->add_rms_norm(router_in, H, NULL, 0, rows + T * (H + 3 * I), m->router_in_scale, rows, T, H,
+                        m->router_in_eps, threads);
+        for (int64_t i = 0; i < T * H; i++) rows[i] *= m->router_in_mult;
         router_in = rows;
     }
     if ((status = k->dense_matmul(m->router, E, H, router_in, T, H, logits, E, threads))) goto done;
