@@ -39,6 +39,12 @@ int16 tiles can lead that peer by where both are compute-bound. Where the CPU it
 
     .venv/bin/python benchmarks/quant_linear.py --against-bf16-gemm
 
+--half: F16 and BF16 matrices in tiles (x as fp32, any number of rows) against dequantize + GEMM
+and against oneDNN's fp32 linear on a dense copy (what an F16 file's model held before), in
+GFLOP/s per row count: whether the tiles should take prefill-sized calls too.
+
+    .venv/bin/python benchmarks/quant_linear.py --half --repeats 5
+
 --types: one decode-shaped matmul (1 row, int16 activations, 2 threads) on a 65536 x 2048 matrix
 of each tiled GGUF type (random blocks, ~40-140 MB: past the caches, as a decode step's weights
 are), the types taking turns, each the best of --repeats rounds: the time, and the GGUF file's
@@ -132,6 +138,55 @@ def tile_types(kernels, repeats: int) -> dict[str, dict[str, float]]:
             "per byte vs Q4_0": round(q4_rate / rate, 2),
         }
         print(name, table[name])
+    return table
+
+
+HALF_SHAPE = (8192, 2048)  # Llama-3.2-1B's MLP up projection
+HALF_ROWS = (1, 4, 16, 64, 256, 512)
+
+
+def half_tiles(kernels, repeats: int) -> dict[str, dict[str, float]]:
+    """F16 and BF16 tiles (x as fp32 at any number of rows) against the two other ways to run
+    such a matrix: dequantize + fp32 GEMM per call, and oneDNN's fp32 linear on a dense copy
+    packed once (twice the memory: what the model held before half tiles). GFLOP/s per row
+    count, each cell the best of `repeats` rounds taken in turns."""
+    from tokenbus.model.layers.quantized import DequantBuffer, KernelWeight, shard_matmul
+
+    rows, cols = HALF_SHAPE
+    dense_w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    onednn = make_linear_kernel(dense_w, None, "onednn")
+    buffer = DequantBuffer()
+    table = {}
+    for qtype in (Q.F16, Q.BF16):
+        half = dense_w.to(torch.float16 if qtype == Q.F16 else torch.bfloat16)
+        blocks = half.view(torch.uint8).reshape(rows, -1).contiguous()
+        tiles = kernels.repack_tiles(int(qtype), blocks, cols)
+        weight = KernelWeight(int(qtype), tiles, cols, rows, tiled=True)
+        for m in HALF_ROWS:
+            x, out = torch.randn(m, cols), torch.empty(m, rows)
+
+            def timed(fn) -> float:
+                start = time.perf_counter()
+                fn()
+                return time.perf_counter() - start
+
+            cells = {
+                "tiles": lambda: timed(
+                    lambda: shard_matmul(kernels, weight, x, out, "fp32", buffer)
+                ),
+                "dequantize+GEMM": lambda: timed(
+                    lambda: shard_matmul(kernels, weight, x, out, "gemm", buffer)
+                ),
+                "oneDNN fp32": lambda: timed(lambda: onednn(x)),
+            }
+            for cell in cells.values():  # warm: buffers, oneDNN's primitive
+                cell()
+            best = best_of_rounds(cells, repeats)
+            flops = 2 * m * rows * cols
+            row = {f"{name} GFLOP/s": round(flops / t / 1e9, 1) for name, t in best.items()}
+            row["tiles / oneDNN fp32"] = round(best["oneDNN fp32"] / best["tiles"], 2)
+            table[f"{qtype.name} rows={m}"] = row
+            print(f"{qtype.name} {rows}x{cols} rows={m}: {row}")
     return table
 
 
@@ -438,10 +493,14 @@ def main() -> None:
         "--types", action="store_true", help="a decode matmul per tiled GGUF type, per byte"
     )
     parser.add_argument(
+        "--half", action="store_true", help="F16 and BF16 tiles vs dequantize+GEMM and oneDNN fp32"
+    )
+    parser.add_argument(
         "--record",
         default=None,
         metavar="DIR",
-        help="--peak, --types: write a run record under DIR/int16_peak/ or DIR/tile_types/",
+        help="--peak, --types, --half: write a run record under DIR/int16_peak/, DIR/tile_types/ "
+        "or DIR/half_tiles/",
     )
     args = parser.parse_args()
     if args.baseline and not args.step:
@@ -461,6 +520,16 @@ def main() -> None:
         if record_dir(args.record):
             units = {"ms": "ms", "file GB/s": "GB/s", "per byte vs Q4_0": "×"}
             record = make_record("tile_types", this_command(), rows, units=units)
+            write_record(record_dir(args.record), record)
+        return
+    if args.half:
+        rows = half_tiles(kernels, max(args.repeats, 3))
+        if record_dir(args.record):
+            units = {
+                name: "GFLOP/s" for cells in rows.values() for name in cells if "GFLOP" in name
+            }
+            units |= {name: "×" for cells in rows.values() for name in cells if "/ oneDNN" in name}
+            record = make_record("half_tiles", this_command(), rows, units=units)
             write_record(record_dir(args.record), record)
         return
     if args.peak:

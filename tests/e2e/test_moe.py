@@ -153,10 +153,11 @@ def test_two_expert_parallel_ranks(model_path, prompts, hf_reference):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "F16"])
 def test_quantized_experts_match_the_dequantized_file(hf_dir, prompts, tmp_path, qtype):
     """Experts kept in their GGUF blocks (per-expert views of the stacked tensor, fp32
-    activations) give the tokens of the same file dequantized to fp32 at load."""
+    activations; an F16 file's as its 16-bit floats) give the tokens of the same file
+    dequantized to fp32 at load."""
     path = write_gguf(hf_dir, tmp_path / f"tiny-{qtype}.gguf", qtype)
     results = {}
     for quantization in ("gguf", "none"):

@@ -27,14 +27,16 @@ from tests.model.test_quantized import _logits, kernels_for, rounded
 from tokenbus import SamplingParams
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_file import read_gguf
-from tokenbus.loader.gguf_loader import KERNEL_QTYPES, QuantizedWeight
+from tokenbus.loader.gguf_loader import HALF_QTYPES, KERNEL_QTYPES, QuantizedWeight
+from tokenbus.model import native
 from tokenbus.model.layers import Linear
+from tokenbus.worker.model_builder import load_model
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,
     reason="no C compiler: the quantized kernels cannot be built here",
 )
-BLOCK_TYPES = [Q[name] for name in GGUF_QTYPES if name not in ("F32", "F16", "BF16")]
+BLOCK_TYPES = [Q[name] for name in GGUF_QTYPES if name != "F32"]
 # Shapes where no dimension is a round number of tiles: N not a multiple of 16, K = 896
 # (Qwen2.5-0.5B's hidden size, which llama.cpp stores in 32-value types since 896 % 256 != 0).
 SHAPES = {32: ((37, 896), (5, 96)), 256: ((37, 768), (5, 256))}  # block size -> (N, K)
@@ -42,18 +44,19 @@ SHAPES = {32: ((37, 896), (5, 96)), 256: ((37, 768), (5, 256))}  # block size ->
 
 def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, row bytes]: gguf.quants' own quantization where it has one (Q8_0, Q4_*,
-    Q5_*, MXFP4), else valid random blocks (K-quants, IQ4_NL, IQ4_XS: random quants, sane
-    scales)."""
+    Q5_*, MXFP4; F16 and BF16 rounded), else valid random blocks (K-quants, IQ4_NL, IQ4_XS:
+    random quants, sane scales)."""
     if qtype.name in RANDOM_BLOCK_TYPES:
         return random_k_quant_blocks(qtype.name, rows, cols, seed)
     data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    return gguf.quants.quantize(data, qtype)
+    return np.ascontiguousarray(gguf.quants.quantize(data, qtype)).view(np.uint8).reshape(rows, -1)
 
 
 def test_types_match_the_loader():
     """The kernel types here are the loader's, and gguf.quants quantizes every type the fixture
     does not build from random blocks (so each type has a real reference)."""
     assert set(BLOCK_TYPES) == set(KERNEL_QTYPES)
+    assert set(HALF_QTYPES) == set(native.HALF_QTYPES)  # the model layers' own copy
     for qtype in BLOCK_TYPES:
         if qtype.name not in RANDOM_BLOCK_TYPES:
             gguf.quants.quantize(np.ones((1, 32), np.float32), qtype)
@@ -66,7 +69,7 @@ def test_kernels_equal_gguf_dequantize(qtype, cap):
     quants is exact in fp32); matmul gives dequantize-then-matmul within 1e-5 of the sum of
     |x * w| (fp32 sums in another order: ~sqrt(K) roundings of 6e-8), for M = 1, 3, 17, 64."""
     kernels = kernels_for(cap)
-    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+    block_size = max(32, gguf.GGML_QUANT_SIZES[qtype][0])  # the kernels take F16, BF16 by 32
     for rows, cols in SHAPES[block_size]:
         w = blocks(qtype, rows, cols, seed=rows)
         dense = torch.from_numpy(gguf.quants.dequantize(w, qtype).astype(np.float32))
@@ -105,6 +108,40 @@ def test_shuffle_path_is_row_local_and_thread_count_free(qtype):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0][:3], outs[2])
+
+
+@pytest.mark.parametrize("cap", ["native", "avx512", "avx2"])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_half_tiles_hold_the_file_s_values_and_take_x_as_fp32(qtype, cap):
+    """F16 and BF16 matrices in 16-row tiles: the file's 2 bytes a value, every value back
+    exactly (rows and the prefill GEMM's W^T); in every activation mode a call equals x @ W^T in
+    fp32 (no mode rounds x for these weights), at any number of rows (fp32 too, which takes 64 at
+    most on the block types' tiles), and each row's result is the same bits whatever else shares
+    its call."""
+    kernels = kernels_for(cap)
+    assert kernels.tiles(int(qtype)) and kernels.tile_format(int(qtype)) == int(qtype)
+    rows, cols = 37, 896  # a partial last tile
+    w = torch.from_numpy(blocks(qtype, rows, cols, seed=3))
+    dense = torch.from_numpy(gguf.quants.dequantize(w.numpy(), qtype).astype(np.float32))
+    tiles = kernels.repack_tiles(int(qtype), w, cols)
+    assert tiles.numel() == 3 * 16 * cols * 2
+    ids = torch.tensor([rows - 1, 0, 17, 17])
+    assert torch.equal(kernels.tile_dequant_rows(int(qtype), tiles, rows, cols, ids), dense[ids])
+    weight_t = torch.full((cols, 3 * 16 + 4), float("nan"))[:, 1:-3]  # row-strided
+    kernels.tile_dequant_t(int(qtype), tiles, rows, cols, 0, weight_t)
+    assert torch.equal(weight_t[:, :rows], dense.T) and not weight_t[:, rows:].any()
+    modes = ["fp32", "int8", "int16"] + ["bf16"] * bool(kernels.bf16_engine)
+    x = torch.randn(150, cols, generator=torch.Generator().manual_seed(0))
+    want = x.double() @ dense.double().T
+    bound = 1e-5 * (x.double().abs() @ dense.double().abs().T)
+    first = None
+    for mode in modes + ["q8_k"] * kernels.q8_k:
+        for m in (1, 5, 64, 150):
+            out = torch.full((m, rows + 3), float("nan"))[:, 1 : rows + 1]  # a column slice
+            kernels.tile_matmul(int(qtype), tiles, rows, cols, x[:m], out, mode)
+            assert ((out.double() - want[:m]).abs() <= bound[:m]).all(), (mode, m)
+            first = out if first is None else first
+            assert torch.equal(out[:1], first[:1]), (mode, m)
 
 
 def mxfp4_blocks(rows: int, cols: int, exponents: np.ndarray) -> np.ndarray:
@@ -167,8 +204,8 @@ def test_mxfp4_scales_are_exact_at_every_exponent(cap):
 
 @pytest.mark.parametrize("qtype", GGUF_QTYPES)
 def test_each_type_loads_and_runs_as_its_dequantized_model(tmp_path, qtype):
-    """A model whose matrices are all of one type (embedding and LM head too): block types are
-    kept in their blocks and run by the kernels, float types dequantized; either way the
+    """A model whose matrices are all of one type (embedding and LM head too): block and half
+    types are kept as the file holds them and run by the kernels, F32 copied; either way the
     logits equal those of the model dequantized by gguf.quants on load."""
     hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512, vocab_size=2048)
     src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
@@ -182,6 +219,25 @@ def test_each_type_loads_and_runs_as_its_dequantized_model(tmp_path, qtype):
     dequantized, _ = _logits(src, "none")
     error = ((quantized - dequantized).norm() / dequantized.norm()).item()
     assert error < 1e-4  # int16 activations on tiled types (Q8_0, Q4_*), fp32 on the rest
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_a_half_file_runs_on_its_16_bit_floats_or_rounds_to_q8_0(tmp_path, qtype):
+    """An F16 or BF16 file's matrices stay as the file holds them, 2 bytes a weight (in tiles
+    where the CPU has them, a decode step's layers in C), not an fp32 copy of 4; --quantization
+    q8_0 rounds them to Q8_0, as it does a safetensors file's."""
+    hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512, vocab_size=2048)
+    src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
+    half = load_model(src, load_arch(src), torch.float32, "cpu", quantization="gguf")
+    weights = [w for m in gguf_linears(half) for w in m.quantized_weights()]
+    weights.append(half.embed_quantized)
+    assert {w.qtype for w in weights} == {int(Q[qtype])}
+    assert sum(w.data.numel() for w in weights) == 2 * sum(w.rows * w.cols for w in weights)
+    assert all(m.weight.numel() == 0 for m in gguf_linears(half))
+    assert half.decodes_in_c == half.quant_kernels.tiles(int(Q[qtype]))
+    q8_0 = load_model(src, load_arch(src), torch.float32, "cpu", quantization="q8_0")
+    rounded_ = [w for m in gguf_linears(q8_0) for w in m.quantized_weights()]
+    assert {w.qtype for w in [*rounded_, q8_0.embed_quantized]} == {int(Q.Q8_0)}
 
 
 # llama.cpp's Q4_K_M recipe on a model whose rows fit K-quants: Q4_K, with Q6_K for the output

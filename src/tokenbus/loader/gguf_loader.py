@@ -175,20 +175,22 @@ _EXPERT_NAMES = {
     "ffn_down_exps": (2,),
     "ffn_gate_up_exps": (0, 1),
 }
-# Types model/native/quant_matmul.c runs on their blocks (the llama.cpp _S/_M/_L recipes mix
-# them per tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some
-# attn_v/ffn_down, IQ4_NL/IQ4_XS in imatrix quants; MXFP4 for gpt-oss's experts); the float types
-# are dequantized on load.
-KERNEL_QTYPES = tuple(
+# The 16-bit float types: F16 and BF16 files, and the F16 matrices a quantized file keeps (Gemma
+# 4's per-layer projection). The kernels take their values 32 at a time, as the file holds them.
+HALF_QTYPES = (GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+# The block types model/native/quant_matmul.c runs (the llama.cpp _S/_M/_L recipes mix them per
+# tensor: Q5_0/Q8_0 where a row is not a multiple of 256, Q6_K for output and some attn_v/ffn_down,
+# IQ4_NL/IQ4_XS in imatrix quants; MXFP4 for gpt-oss's experts).
+BLOCK_QTYPES = tuple(
     GGMLQuantizationType[name]
     for name in (
         *("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"),  # 32-value blocks
         *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"),  # 256-value super-blocks
     )
 )
-SUPPORTED_QTYPES = (
-    tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16")) + KERNEL_QTYPES
-)
+# Types the kernels run as the file holds them; F32 is copied on load.
+KERNEL_QTYPES = (*BLOCK_QTYPES, *HALF_QTYPES)
+SUPPORTED_QTYPES = (GGMLQuantizationType.F32, *HALF_QTYPES, *BLOCK_QTYPES)
 
 
 @dataclass(frozen=True)
@@ -402,7 +404,7 @@ def iter_gguf_weights(
             yield from _expert_weights(gf, info, arch, keep_quantized)
             continue
         name = _moe_scope(hf_weight_name(gf, info.name), arch)
-        if keep_quantized and info.qtype in KERNEL_QTYPES and len(info.shape) == 2:
+        if keep_quantized and len(info.shape) == 2 and in_blocks(info, name):
             # [rows, row bytes], a view of the file: its pages are read when a kernel repacks
             # them (then unmapped with the view) or runs on them, never copied at load, so peak
             # memory is the tiles plus one linear's blocks, not the file twice.
@@ -433,6 +435,15 @@ def iter_gguf_weights(
                 else tensor
             ),
         )
+
+
+def in_blocks(info: GGUFTensorInfo, name: str) -> bool:
+    """Whether a matrix (or stack of experts' matrices) is kept as the file holds it for the
+    kernels: every block type's; a half type's where its rows split into 32-value runs and it is
+    no norm's weight (Command R+ keeps one per head as a matrix, read by no kernel)."""
+    if info.qtype in HALF_QTYPES:
+        return info.shape[-1] % 32 == 0 and "norm" not in name
+    return info.qtype in KERNEL_QTYPES
 
 
 def _moe_scope(name: str, arch: ModelArch) -> str:
@@ -487,7 +498,7 @@ def _expert_weights(
     prefix = f"model.layers.{layer}.{scope}.experts."
     parts = _EXPERT_NAMES[kind]
     rows = info.shape[1] // len(parts)  # each part's rows of an expert
-    quantized = keep_quantized and info.qtype in KERNEL_QTYPES and suffix == "weight"
+    quantized = keep_quantized and suffix == "weight" and in_blocks(info, info.name)
     if quantized:  # [E, rows, row bytes]
         stacked = torch.from_numpy(gf.tensor_bytes(info, writable=True))
     else:  # [E, rows(, cols)] fp32

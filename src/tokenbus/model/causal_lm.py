@@ -26,6 +26,8 @@ from tokenbus.model.layers.linear import q8_0_blocks
 from tokenbus.model.layers.quantized import (
     KernelWeight,
     QuantizedWeight,
+    dense,
+    holds_floats,
     is_quantized,
     kernel_weight,
     quantized_embedding,
@@ -270,9 +272,9 @@ class CausalLM(nn.Module):
         )
 
     def _load_embedding(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
-        if self.lm_head.round_to_q8_0 and not is_quantized(tensor):
+        if self.lm_head.round_to_q8_0 and holds_floats(tensor):
             # --quantization q8_0: the embedding too, as a Q8_0 GGUF's (one copy when tied)
-            tensor = q8_0_blocks(tensor)
+            tensor = q8_0_blocks(dense(tensor))
         if not is_quantized(tensor):
             copy_param(self.embed_tokens, name, tensor)
             return

@@ -25,6 +25,8 @@ from tokenbus.model.layers.quantized import (
     KernelWeight,
     QuantizedLinearKernel,
     QuantizedWeight,
+    dense,
+    holds_floats,
     is_quantized,
 )
 from tokenbus.model.native import QuantKernels
@@ -142,8 +144,8 @@ class Linear(nn.Module):
     ) -> None:
         """Copy one HF tensor ([out_i, in] weight or [out_i] bias) into shard `shard`, or keep
         a quantized weight's GGUF blocks for the quantized kernel."""
-        if self.round_to_q8_0 and not is_bias and not is_quantized(tensor):
-            tensor = q8_0_blocks(tensor)
+        if self.round_to_q8_0 and not is_bias and holds_floats(tensor):
+            tensor = q8_0_blocks(dense(tensor))
         if is_quantized(tensor):
             self._keep_quantized(name, tensor, shard, is_bias)
             return

@@ -1,8 +1,9 @@
 """Linears and embeddings that run on GGUF blocks, through the native kernels of
 model/native: matrices of every kernel type but Q2_K (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
-MXFP4, the other K-quants, IQ4_XS) are repacked once into 16-row tiles (quant_tiles.c: their
-quants interleaved so one vector instruction serves 16 outputs) where the CPU has AVX2; Q2_K,
-and every type on older CPUs, stay in GGUF rows (quant_matmul.c).
+MXFP4, the other K-quants, IQ4_XS; F16 and BF16, whose values are the file's floats) are repacked
+once into 16-row tiles (quant_tiles.c: their quants interleaved so one vector instruction serves
+16 outputs) where the CPU has AVX2; Q2_K, and every type on older CPUs, stay in GGUF rows
+(quant_matmul.c).
 
 A decode-sized batch (<= QUANT_GEMV_MAX_ROWS rows, TILE_GEMV_MAX_ROWS on tiles) runs the block
 kernel, which reads each weight block once for all rows: a Q4_1 weight streams 0.625 bytes per
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from tokenbus.model.native import (
+    HALF_QTYPES,
     QUANT_GEMV_MAX_ROWS,
     QUANT_MAX_ROWS,
     TILE_GEMV_MAX_ROWS,
@@ -163,6 +165,12 @@ def is_quantized(tensor: object) -> bool:
     return not isinstance(tensor, torch.Tensor)
 
 
+def holds_floats(tensor: object) -> bool:
+    """Whether a checkpoint tensor is floats: a dense tensor, or a GGUF matrix of a half type
+    (what --quantization q8_0 rounds to Q8_0, as it does a safetensors file's)."""
+    return not is_quantized(tensor) or tensor.qtype in HALF_QTYPES
+
+
 def dense(tensor) -> torch.Tensor:
     """An fp32 tensor of a checkpoint tensor, or of a GGUF matrix's blocks."""
     if not is_quantized(tensor):
@@ -264,10 +272,16 @@ def shard_matmul(
     row_invariant: bool = False,
 ) -> None:
     """out [M, rows] (a column slice) = flat [M, K] @ shard.T: on tiles the block kernel in
-    `mode` (TileModes.mode; fp32 up to TILE_GEMV_MAX_ROWS rows), in GGUF rows the block kernel up
-    to QUANT_GEMV_MAX_ROWS; otherwise a GEMM per chunk of dequantized rows (of W^T, whole tiles,
-    when tiled). `row_invariant`: the block kernels at any size (TileModes.row_invariant)."""
+    `mode` (TileModes.mode; fp32 up to TILE_GEMV_MAX_ROWS rows; F16 and BF16 tiles at any size,
+    x as fp32), in GGUF rows the block kernel up to QUANT_GEMV_MAX_ROWS; otherwise a GEMM per
+    chunk of dequantized rows (of W^T, whole tiles, when tiled). `row_invariant`: the block
+    kernels at any size (TileModes.row_invariant)."""
     tiled, num_rows = shard.tiled, flat.shape[0]
+    if tiled and shard.qtype in HALF_QTYPES:
+        # F16 / BF16 tiles: x as fp32 in every mode, any number of rows, each row on its own;
+        # ahead of the GEMM on W^T even at prefill sizes (benchmarks/quant_linear.py).
+        kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, "fp32")
+        return
     if row_invariant and (not tiled or mode == "fp32") and num_rows > QUANT_MAX_ROWS:
         for first in range(0, num_rows, QUANT_MAX_ROWS):  # the most these kernels take
             rows = slice(first, first + QUANT_MAX_ROWS)

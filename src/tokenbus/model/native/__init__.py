@@ -27,6 +27,7 @@ from tokenbus.model.native.paged_attention import (
 )
 from tokenbus.model.native.quant_kernels import (
     BF16_ENGINES,
+    HALF_QTYPES,
     QUANT_GEMV_MAX_ROWS,
     QUANT_MAX_ROWS,
     TILE_ACTIVATIONS,
@@ -38,6 +39,7 @@ from tokenbus.model.native.quant_kernels import (
 
 __all__ = [
     "BF16_ENGINES",
+    "HALF_QTYPES",
     "KERNEL_DTYPES",
     "KERNEL_KV_DTYPES",
     "LINK_FLAGS",

@@ -9,14 +9,29 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define QK_K 256  /* values per K-quant super-block */
 
 /* Bytes of one block of each type. */
 enum {
     Q8_0_BLOCK = 34, Q4_0_BLOCK = 18, Q4_1_BLOCK = 20, Q5_0_BLOCK = 22, Q5_1_BLOCK = 24, IQ4_NL_BLOCK = 18,
     MXFP4_BLOCK = 17,
-    Q2_K_BLOCK = 84, Q3_K_BLOCK = 110, Q4_K_BLOCK = 144, Q5_K_BLOCK = 176, Q6_K_BLOCK = 210, IQ4_XS_BLOCK = 136
+    Q2_K_BLOCK = 84, Q3_K_BLOCK = 110, Q4_K_BLOCK = 144, Q5_K_BLOCK = 176, Q6_K_BLOCK = 210, IQ4_XS_BLOCK = 136,
+    HALF_BLOCK = 64 /* F16, BF16: no blocks in the file; the kernels take 32 values (64 bytes) as one */
 };
+
+/* The 16-bit float types (F16, BF16): plain values, no scales; the kernels run them as blocks of
+   32 so that they fit the block types' loops. */
+static inline int half_type(int qtype) { return qtype == F16 || qtype == BF16; }
+
+/* A BF16 value (2 little-endian bytes) as fp32: its bits are an fp32's top 16, exactly. */
+static inline float bf16_value(const uint8_t *p) {
+    const uint32_t bits = (uint32_t)(p[0] | p[1] << 8) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* The sixteen values a 4-bit IQ4_NL / IQ4_XS quant stands for (ggml's kvalues_iq4nl):
    non-uniform, denser near zero. */

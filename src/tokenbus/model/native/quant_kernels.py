@@ -25,6 +25,9 @@ QUANT_GEMV_MAX_ROWS = min(16, QUANT_MAX_ROWS)
 TILE_GEMV_MAX_ROWS = QUANT_MAX_ROWS
 
 
+# gguf's GGMLQuantizationType F16 and BF16: matrices the kernels take as the file's 16-bit floats,
+# whose tiles take x as fp32 at any number of rows (quant_tiles.c's tiles_half.h).
+HALF_QTYPES = (1, 30)
 # Rows per tile of quant_tiles.c (which GGML types it repacks, and into which format: its
 # tile_format).
 TILE_ROWS = 16
@@ -109,7 +112,7 @@ class QuantKernels:
         (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (any M), q8_k rounds x
         to int8 per 256 values (any M; where `q8_k`), bf16 rounds x and W to bf16 (any M; where
         `bf16_engine`: AMX tiles or AVX512-BF16 dot products), fp32 takes up to QUANT_MAX_ROWS
-        rows (quant_tiles.c)."""
+        rows (quant_tiles.c); F16 and BF16 tiles take x as fp32 in every mode, at any M."""
         assert (
             tiles.dtype == torch.uint8
             and tiles.is_contiguous()
@@ -118,7 +121,7 @@ class QuantKernels:
         assert (
             x.stride(1) == 1
             and out.stride(1) == 1
-            and (x.shape[0] <= QUANT_MAX_ROWS or activations != "fp32")
+            and (x.shape[0] <= QUANT_MAX_ROWS or activations != "fp32" or qtype in HALF_QTYPES)
         )
         assert x.shape[1] == num_cols and out.shape == (x.shape[0], num_rows)
         assert tiles.numel() == self.tile_fns["nbytes"](qtype, num_rows, num_cols), (

@@ -18,8 +18,9 @@
 
    Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (32-value blocks); Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
    IQ4_XS (256-value super-blocks), each as ggml defines it (the gguf package's quants.py
-   dequantizes every one of them in numpy: the tests' reference). Where the CPU has AVX2 or
-   AVX-512, all but Q2_K, Q4_K and Q5_K skip the float buffer (the "SIMD" sections below).
+   dequantizes every one of them in numpy: the tests' reference); F16 and BF16 taken 32 values at
+   a time. Where the CPU has AVX2 or AVX-512, all but Q2_K, Q4_K, Q5_K, F16 and BF16 skip the float
+   buffer (the "SIMD" sections below).
 
    Also quant_dequant_rows: rows of W as fp32 (embedding lookups, GEMM tiles).
 */
@@ -225,6 +226,14 @@ static void deq_q3_k(const uint8_t *b, float *y) {  /* hmask[32], qs[64], scales
         }
 }
 
+static void deq_f16(const uint8_t *b, float *y) {  /* 32 fp16 values */
+    for (int j = 0; j < 32; j++) y[j] = fp16_to_fp32(b + 2 * j);
+}
+
+static void deq_bf16(const uint8_t *b, float *y) {  /* 32 bf16 values */
+    for (int j = 0; j < 32; j++) y[j] = bf16_value(b + 2 * j);
+}
+
 typedef void (*dequant_fn)(const uint8_t *, float *);
 
 /* Block size in values and bytes, and the dequantizer, of a type; 0 if unsupported. */
@@ -243,6 +252,8 @@ static int block_info(int qtype, int *qk, int *bytes, dequant_fn *fn) {
     case MXFP4: *qk = 32; *bytes = MXFP4_BLOCK; *fn = deq_mxfp4; return 1;
     case Q3_K: *qk = QK_K; *bytes = 110; *fn = deq_q3_k; return 1;
     case IQ4_XS: *qk = QK_K; *bytes = 136; *fn = deq_iq4_xs; return 1;
+    case F16: *qk = 32; *bytes = HALF_BLOCK; *fn = deq_f16; return 1;
+    case BF16: *qk = 32; *bytes = HALF_BLOCK; *fn = deq_bf16; return 1;
     default: return 0;
     }
 }
@@ -399,7 +410,7 @@ int quant_matmul(int qtype, const uint8_t *w, int64_t N, int64_t K, const float 
     const int64_t blocks = K / qk, row_bytes = blocks * bytes;
 #ifdef HAVE_SIMD
     if (is_sub32_type(qtype)) return quant_matmul_sub32(qtype, qk, bytes, w, N, K, x, M, ldx, y, ldy, num_threads);
-    if (qk == 32 && qtype != Q2_K) {
+    if (qk == 32 && !half_type(qtype)) {
         float *xsum = malloc(sizeof(float) * (size_t)(M * blocks));
         if (!xsum) return 3;
         for (int64_t m = 0; m < M; m++)
@@ -437,7 +448,7 @@ int quant_dequant_rows(int qtype, const uint8_t *w, int64_t K, const int64_t *ro
         }
         return 0;
     }
-    if (qk == 32) {
+    if (qk == 32 && !half_type(qtype)) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * K > 65536)
         for (int64_t i = 0; i < num_rows; i++) {
             const uint8_t *row = w + rows[i] * row_bytes;

@@ -1,5 +1,5 @@
-/* Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights repacked in tiles of 16 rows, for decode-shaped
-   matmuls (tokenbus, model/native).
+/* GGUF weights (the 32-value types, the K-quants but Q2_K, F16 and BF16) repacked in tiles of 16
+   rows, for decode-shaped matmuls (tokenbus, model/native).
 
    GGUF stores a matrix row by row, block by block. Dotting one row at a time leaves a GEMV
    latency-bound: one accumulator chain per row, a horizontal sum per output, a scalar scale per
@@ -63,6 +63,7 @@ static int tile_info(int qtype, tile_type *tt) {
     case Q5_K: *tt = (tile_type){20, TR * 22, 2 * TR * 2}; return 1;
     case Q6_K: *tt = (tile_type){24, TR * 26, TR * 2}; return 1;
     case IQ4_XS: *tt = (tile_type){16, TR * 17, TR * 2}; return 1;
+    case F16: case BF16: *tt = (tile_type){HALF_BLOCK, TR * HALF_BLOCK, 0}; return 1;
     default: return 0;
     }
 }
@@ -73,6 +74,7 @@ static inline int quant_bytes(int qtype) {
     case Q8_0: return 32;
     case Q5_0: case Q5_1: case Q5_K: return 20;
     case Q6_K: return 24;
+    case F16: case BF16: return HALF_BLOCK;
     default: return 16;
     }
 }
@@ -82,7 +84,7 @@ static inline int quant_bytes(int qtype) {
 int tile_format(int qtype) {
     switch (qtype) {
     case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case IQ4_NL: case MXFP4:
-    case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return qtype;
+    case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: case F16: case BF16: return qtype;
     case Q3_K: return Q6_K;
     default: return -1;
     }
@@ -193,6 +195,7 @@ static int source_block(int qtype, int *values, int *bytes) {
     case Q5_K: *values = QK_K; *bytes = Q5_K_BLOCK; return 1;
     case Q6_K: *values = QK_K; *bytes = Q6_K_BLOCK; return 1;
     case IQ4_XS: *values = QK_K; *bytes = IQ4_XS_BLOCK; return 1;
+    case F16: case BF16: *values = 32; *bytes = HALF_BLOCK; return 1;
     default: return 0;
     }
 }
@@ -200,6 +203,10 @@ static int source_block(int qtype, int *values, int *bytes) {
 /* Row r of one 32-value GGUF block (src) into tile-block tb (of the same format). */
 static void repack_block32(int qtype, const uint8_t *src, uint8_t *tb, int r) {
     const int qb = quant_bytes(qtype);
+    if (half_type(qtype)) {  /* value k of the 16 rows side by side (tiles_half.h) */
+        for (int k = 0; k < 32; k++) memcpy(tb + 2 * (TR * k + r), src + 2 * k, 2);
+        return;
+    }
     if (qtype == MXFP4) {  /* e, qs[16]: the file's nibbles, then e as the row's scale byte */
         for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, src + 1 + 4 * c, 4);
         tb[qb * TR + r] = src[0];
@@ -395,6 +402,7 @@ static int tile_quant(int qtype, const uint8_t *tb, int r, int k) {
 #include "tiles_q8k.h"
 #include "tiles_int16.h"
 #include "tiles_fp32.h"
+#include "tiles_half.h"
 #endif
 
 /* ---- bf16 activations: one file per engine (tiles_bf16.h: AVX512-BF16 dot products;
@@ -471,6 +479,10 @@ int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, con
         const int r = (int)(rows[i] % TR);
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
+            if (half_type(qtype)) {
+                for (int k = 0; k < 32; k++) out[i * K + b * 32 + k] = half_value(qtype, tb, r, k);
+                continue;
+            }
             vf dv, d1v, mv;
             float d[TR], d1[TR], m[TR];
             tile_scales(qtype, tb, b, tbb, 0.0f, &dv, &d1v, &mv);
@@ -491,15 +503,17 @@ int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, con
 
 /* y[M, N] = x[M, K] @ W.T on tiles, x as fp32 (M <= MAX_M), or quantized per block to int8 or
    int16 first (any M: MAX_M rows at a time per tile), or (any M, where tile_bf16_engine() is not
-   0) W and x rounded to bf16 (act: ACT_*). 0 on success; 1: not tiled here (or an unknown act);
+   0) W and x rounded to bf16 (act: ACT_*). F16 and BF16 tiles take x as fp32 in every mode, at
+   any M (tiles_half.h). 0 on success; 1: not tiled here (or an unknown act);
    2: fp32 with M > MAX_M; 3: out of memory. */
 int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx,
                 float *y, int64_t ldy, int act, int num_threads) {
     if (act != ACT_FP32 && act != ACT_INT8 && act != ACT_INT16 && act != ACT_BF16 && act != ACT_Q8_K) return 1;
     int64_t blocks, tbb, tile_bytes, ntiles = tile_geometry(qtype, N, K, &blocks, &tbb, &tile_bytes);
     if (!ntiles || !tile_supported()) return 1;
-    if (M > MAX_M && act == ACT_FP32) return 2;
+    if (M > MAX_M && act == ACT_FP32 && !half_type(qtype)) return 2;
 #ifdef HAVE_TILES
+    if (half_type(qtype)) return half_matmul(qtype, tiles, ntiles, blocks, tbb, N, x, M, ldx, y, ldy, num_threads);
     tile_type tt = {0};
     tile_info(qtype, &tt);
     const int qb = tt.qb;
@@ -605,7 +619,10 @@ int tile_dequant_t(int qtype, const uint8_t *tiles, int64_t N, int64_t K, int64_
     tile_info(qtype, &tt);
     const int qb = tt.qb;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t i = 0; i < count; i++) tile_dequant_t_one(qtype, qb, tiles, blocks, tbb, first + i, out + i * TR, ldo);
+    for (int64_t i = 0; i < count; i++) {
+        if (half_type(qtype)) tile_dequant_t_half(qtype, tiles, blocks, tbb, first + i, out + i * TR, ldo);
+        else tile_dequant_t_one(qtype, qb, tiles, blocks, tbb, first + i, out + i * TR, ldo);
+    }
     return 0;
 #else
     (void)tiles; (void)out; (void)num_threads;

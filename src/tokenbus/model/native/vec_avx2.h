@@ -85,6 +85,13 @@ static inline vf vf_half(const uint8_t *p) {
     vf r = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
     return r;
 }
+static inline __m256 bf16x8(const uint8_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vf_bf16(const uint8_t *p) {  /* 16 bf16 values: each an fp32's top 16 bits */
+    vf r = {bf16x8(p), bf16x8(p + 16)};
+    return r;
+}
 static inline vf vf_u8(const uint8_t *p) {  /* 16 unsigned bytes */
     vf r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};

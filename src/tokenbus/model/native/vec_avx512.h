@@ -71,6 +71,9 @@ static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vf_bf16(const uint8_t *p) {  /* 16 bf16 values: each an fp32's top 16 bits */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 static inline vf vf_u8(const uint8_t *p) {  /* 16 unsigned bytes */
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
