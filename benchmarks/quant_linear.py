@@ -162,6 +162,12 @@ def half_tiles(kernels, repeats: int) -> dict[str, dict[str, float]]:
         blocks = half.view(torch.uint8).reshape(rows, -1).contiguous()
         tiles = kernels.repack_tiles(int(qtype), blocks, cols)
         weight = KernelWeight(int(qtype), tiles, cols, rows, tiled=True)
+
+        def dequantized_gemm(x, out, qtype=qtype, tiles=tiles) -> None:
+            weight_t = buffer.take(cols, tiles.shape[0] * 16)  # W^T, whole tiles
+            kernels.tile_dequant_t(int(qtype), tiles, rows, cols, 0, weight_t)
+            torch.mm(x, weight_t[:, :rows], out=out)
+
         for m in HALF_ROWS:
             x, out = torch.randn(m, cols), torch.empty(m, rows)
 
@@ -174,9 +180,7 @@ def half_tiles(kernels, repeats: int) -> dict[str, dict[str, float]]:
                 "tiles": lambda: timed(
                     lambda: shard_matmul(kernels, weight, x, out, "fp32", buffer)
                 ),
-                "dequantize+GEMM": lambda: timed(
-                    lambda: shard_matmul(kernels, weight, x, out, "gemm", buffer)
-                ),
+                "dequantize+GEMM": lambda: timed(lambda: dequantized_gemm(x, out)),
                 "oneDNN fp32": lambda: timed(lambda: onednn(x)),
             }
             for cell in cells.values():  # warm: buffers, oneDNN's primitive

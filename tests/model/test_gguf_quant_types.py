@@ -114,9 +114,10 @@ def test_shuffle_path_is_row_local_and_thread_count_free(qtype):
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda t: t.name)
 def test_half_tiles_hold_the_file_s_values_and_take_x_as_fp32(qtype, cap):
     """F16 and BF16 matrices in 16-row tiles: the file's 2 bytes a value, every value back
-    exactly (rows and the prefill GEMM's W^T); in every activation mode a call equals x @ W^T in
-    fp32 (no mode rounds x for these weights), at any number of rows (fp32 too, which takes 64 at
-    most on the block types' tiles), and each row's result is the same bits whatever else shares
+    exactly (rows and the prefill GEMM's W^T); in the fp32 and integer modes a call equals
+    x @ W^T in fp32 (none rounds x for these weights), at any number of rows (fp32 too, which
+    takes 64 at most on the block types' tiles), and in bf16 mode (where a bf16 engine runs it)
+    x @ W^T with both rounded to bf16; each row's result is the same bits whatever else shares
     its call."""
     kernels = kernels_for(cap)
     assert kernels.tiles(int(qtype)) and kernels.tile_format(int(qtype)) == int(qtype)
@@ -130,18 +131,22 @@ def test_half_tiles_hold_the_file_s_values_and_take_x_as_fp32(qtype, cap):
     weight_t = torch.full((cols, 3 * 16 + 4), float("nan"))[:, 1:-3]  # row-strided
     kernels.tile_dequant_t(int(qtype), tiles, rows, cols, 0, weight_t)
     assert torch.equal(weight_t[:, :rows], dense.T) and not weight_t[:, rows:].any()
-    modes = ["fp32", "int8", "int16"] + ["bf16"] * bool(kernels.bf16_engine)
     x = torch.randn(150, cols, generator=torch.Generator().manual_seed(0))
-    want = x.double() @ dense.double().T
-    bound = 1e-5 * (x.double().abs() @ dense.double().abs().T)
-    first = None
-    for mode in modes + ["q8_k"] * kernels.q8_k:
+    bf16 = x.bfloat16().double(), dense.bfloat16().double()
+    references = {"fp32": (x.double(), dense.double()), "bf16": bf16}
+    first = {}
+    for mode in (
+        ["fp32", "int8", "int16"] + ["q8_k"] * kernels.q8_k + ["bf16"] * bool(kernels.bf16_engine)
+    ):
+        xr, wr = references.get(mode, references["fp32"])
+        want, bound = xr @ wr.T, 1e-5 * (xr.abs() @ wr.abs().T)
         for m in (1, 5, 64, 150):
             out = torch.full((m, rows + 3), float("nan"))[:, 1 : rows + 1]  # a column slice
             kernels.tile_matmul(int(qtype), tiles, rows, cols, x[:m], out, mode)
             assert ((out.double() - want[:m]).abs() <= bound[:m]).all(), (mode, m)
-            first = out if first is None else first
-            assert torch.equal(out[:1], first[:1]), (mode, m)
+            kind = "bf16" if mode == "bf16" else "fp32"  # every other mode is fp32's
+            first.setdefault(kind, out)
+            assert torch.equal(out[:1], first[kind][:1]), (mode, m)
 
 
 def mxfp4_blocks(rows: int, cols: int, exponents: np.ndarray) -> np.ndarray:

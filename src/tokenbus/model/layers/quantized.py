@@ -273,14 +273,16 @@ def shard_matmul(
 ) -> None:
     """out [M, rows] (a column slice) = flat [M, K] @ shard.T: on tiles the block kernel in
     `mode` (TileModes.mode; fp32 up to TILE_GEMV_MAX_ROWS rows; F16 and BF16 tiles at any size,
-    x as fp32), in GGUF rows the block kernel up to QUANT_GEMV_MAX_ROWS; otherwise a GEMM per
-    chunk of dequantized rows (of W^T, whole tiles, when tiled). `row_invariant`: the block
-    kernels at any size (TileModes.row_invariant)."""
+    x as fp32 but in bf16 mode), in GGUF rows the block kernel up to QUANT_GEMV_MAX_ROWS;
+    otherwise a GEMM per chunk of dequantized rows (of W^T, whole tiles, when tiled).
+    `row_invariant`: the block kernels at any size (TileModes.row_invariant)."""
     tiled, num_rows = shard.tiled, flat.shape[0]
     if tiled and shard.qtype in HALF_QTYPES:
-        # F16 / BF16 tiles: x as fp32 in every mode, any number of rows, each row on its own;
-        # ahead of the GEMM on W^T even at prefill sizes (benchmarks/quant_linear.py).
-        kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, "fp32")
+        # F16 / BF16 tiles: x as fp32 at any number of rows, each row on its own, ahead of the
+        # GEMM on W^T at prefill sizes too (benchmarks/quant_linear.py --half); or, in bf16
+        # mode, the bf16 engine's products of W and x rounded to bf16 (twice the FMA's rate).
+        mode = "bf16" if mode == "bf16" else "fp32"
+        kernels.tile_matmul(shard.qtype, shard.data, shard.rows, shard.cols, flat, out, mode)
         return
     if row_invariant and (not tiled or mode == "fp32") and num_rows > QUANT_MAX_ROWS:
         for first in range(0, num_rows, QUANT_MAX_ROWS):  # the most these kernels take

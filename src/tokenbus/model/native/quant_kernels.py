@@ -112,7 +112,8 @@ class QuantKernels:
         (TILE_ACTIVATIONS) int8 / int16 round x per 32-value block first (any M), q8_k rounds x
         to int8 per 256 values (any M; where `q8_k`), bf16 rounds x and W to bf16 (any M; where
         `bf16_engine`: AMX tiles or AVX512-BF16 dot products), fp32 takes up to QUANT_MAX_ROWS
-        rows (quant_tiles.c); F16 and BF16 tiles take x as fp32 in every mode, at any M."""
+        rows (quant_tiles.c); F16 and BF16 tiles take x as fp32 in every mode but bf16, at any
+        M."""
         assert (
             tiles.dtype == torch.uint8
             and tiles.is_contiguous()

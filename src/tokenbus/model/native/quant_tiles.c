@@ -503,8 +503,8 @@ int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, con
 
 /* y[M, N] = x[M, K] @ W.T on tiles, x as fp32 (M <= MAX_M), or quantized per block to int8 or
    int16 first (any M: MAX_M rows at a time per tile), or (any M, where tile_bf16_engine() is not
-   0) W and x rounded to bf16 (act: ACT_*). F16 and BF16 tiles take x as fp32 in every mode, at
-   any M (tiles_half.h). 0 on success; 1: not tiled here (or an unknown act);
+   0) W and x rounded to bf16 (act: ACT_*). F16 and BF16 tiles take x as fp32 in every other
+   mode, at any M (tiles_half.h). 0 on success; 1: not tiled here (or an unknown act);
    2: fp32 with M > MAX_M; 3: out of memory. */
 int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t M, int64_t ldx,
                 float *y, int64_t ldy, int act, int num_threads) {
@@ -513,7 +513,8 @@ int tile_matmul(int qtype, const uint8_t *tiles, int64_t N, int64_t K, const flo
     if (!ntiles || !tile_supported()) return 1;
     if (M > MAX_M && act == ACT_FP32 && !half_type(qtype)) return 2;
 #ifdef HAVE_TILES
-    if (half_type(qtype)) return half_matmul(qtype, tiles, ntiles, blocks, tbb, N, x, M, ldx, y, ldy, num_threads);
+    if (half_type(qtype) && (act != ACT_BF16 || !bf16_engine_here()->matmul))
+        return half_matmul(qtype, tiles, ntiles, blocks, tbb, N, x, M, ldx, y, ldy, num_threads);
     tile_type tt = {0};
     tile_info(qtype, &tt);
     const int qb = tt.qb;

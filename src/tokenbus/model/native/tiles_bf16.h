@@ -19,8 +19,14 @@ static inline void bf16_pack_block(int qtype, const uint8_t *tiles, int64_t t, i
                                    int64_t tbb, __m512i interleave, uint16_t *bt) {
     const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
     vf q[32], d, d1, mn;
-    tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
-    unpack_fp32(qtype, tb, q);
+    if (half_type(qtype)) {  /* the values themselves: BF16's exactly, F16's rounded */
+        for (int k = 0; k < 32; k++) q[k] = half_values(qtype, tb, k);
+        d = d1 = vf_set1(1.0f);
+        mn = vf_zero();
+    } else {
+        tile_scales(qtype, tb, b, tbb, 0.0f, &d, &d1, &mn);
+        unpack_fp32(qtype, tb, q);
+    }
     for (int p = 0; p < 16; p++) {  /* words 0-15: W[.][2p], 16-31: W[.][2p + 1]; then paired per row */
         const vf dp = p < 8 ? d : d1;  /* Q6_K: values 16-31 have their own scale */
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vf_fma(q[2 * p + 1], dp, mn), vf_fma(q[2 * p], dp, mn));

@@ -4,10 +4,11 @@
    decode step streams 2 bytes a weight instead of the 4 an fp32 copy would. A tile-block holds 32
    values of each of the 16 rows, value k of all 16 rows side by side (32 bytes at 32 k): one
    conversion (vcvtph2ps for F16, a 16-bit shift for BF16) gives value k of 16 outputs as fp32.
-   The activations stay fp32 whatever the call's mode asks (int8, int16, bf16 and q8_k round x
-   for integer or bf16 products of quants; these weights are already the model's floats), so every
-   output is a dot product in fp32, the same for a row whatever else shares its call (the layer
-   above sends calls past TILE_GEMV_MAX_ROWS rows to the fp32 GEMM on W^T instead). Included by
+   The activations stay fp32 in the integer modes (int8, int16 and q8_k round x for integer
+   products with quants; these weights are already the model's floats), so every output is a dot
+   product in fp32, the same for a row whatever else shares its call. Only bf16 mode, where a bf16
+   engine exists, goes to that engine instead (tiles_bf16.h: x and W rounded to bf16, at twice the
+   FMA's multiply-adds per instruction), as it does for the block types. Included by
    quant_tiles.c only, where HAVE_TILES holds. */
 #ifndef TOKENBUS_TILES_HALF_H
 #define TOKENBUS_TILES_HALF_H
