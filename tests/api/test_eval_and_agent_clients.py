@@ -67,6 +67,7 @@ metric_list:
 """)
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions_loglikelihood_and_rolling(server, tiny_llama_dir, tmp_path):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager

@@ -5,6 +5,7 @@ number of examples per route, so that CI stays quick)."""
 from __future__ import annotations
 
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
@@ -13,6 +14,7 @@ from tests.fixtures.server import ServerProcess
 EXAMPLES_PER_ROUTE = 100
 
 
+@pytest.mark.slow
 def test_no_generated_request_makes_the_server_fail(tiny_llama_dir, tmp_path):
     # --max-request-tokens: generated max_tokens stay cheap for the engine (a 400 above it).
     with ServerProcess(

@@ -220,6 +220,7 @@ def test_default_queue_bound_answers_503_with_retry_after(tiny_llama_dir, tmp_pa
         assert all(1 <= int(r.headers["retry-after"]) <= 60 for r in refused)
 
 
+@pytest.mark.slow
 def test_pathological_grammars_do_not_deny_structured_output_to_others(tiny_llama_dir, tmp_path):
     from tests.api.test_hostile_traffic import optional_properties_schema
     from tests.structured.test_validator import slow_grammar

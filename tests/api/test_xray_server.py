@@ -101,6 +101,7 @@ def test_one_panel_per_data_parallel_engine(tiny_llama_dir):
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium (Debian package chromium)")
 def test_page_in_a_browser_draws_the_grid_rows_and_a_moving_timeline(server):
     # Load for the whole test: a loaded machine may take many seconds per page load, and the

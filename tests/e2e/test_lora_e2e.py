@@ -100,6 +100,7 @@ def test_more_adapters_than_max_loras_take_turns(tiny_llama_dir, adapters):
     assert_engine_clean(llm)
 
 
+@pytest.mark.slow
 def test_adapters_on_gguf_blocks_match_hf_peft(tiny_llama_dir, adapters, tmp_path):
     from tests.fixtures.tiny_gguf import write_gguf
 

@@ -36,6 +36,7 @@ def chat_prompts(llm):
     ]
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_on_the_same_gguf(llm, chat_prompts):
     from tokenbus import SamplingParams
     from tokenbus.loader import resolve_model

@@ -42,6 +42,7 @@ def test_dp_needs_engine_processes():
         make_llm(cached_tiny_model("llama"), data_parallel_size=2)  # make_llm: multiprocess=False
 
 
+@pytest.mark.slow
 def test_server_dp2_metrics_per_engine_and_health_when_one_dies(tmp_path):
     server = ServerProcess(
         str(cached_tiny_model("llama")), "--data-parallel-size", "2", log_dir=tmp_path
@@ -94,6 +95,7 @@ def per_engine(metrics: str, name: str) -> list[float]:
     ]
 
 
+@pytest.mark.slow
 def test_server_dp2_prefix_routing_keeps_each_prefix_on_one_engine(tmp_path):
     """Three long prefixes, sent at once, then twice more one after another (both engines idle
     each time): routed by prefix, every repeat finds its prefix cached; in turns, the engines

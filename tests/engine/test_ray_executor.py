@@ -55,6 +55,7 @@ def ray_tokens(path, prompts, **engine_args):
         llm.shutdown()
 
 
+@pytest.mark.slow
 @needs_ray
 def test_ray_gives_the_same_tokens_as_mp():
     path = cached_tiny_model("llama")
@@ -139,6 +140,7 @@ print("TOKENS", json.dumps(tokens))
 """
 
 
+@pytest.mark.slow
 @needs_ray
 def test_ray_address_attaches_to_a_loopback_head(ray_head):
     """--ray-address 127.0.0.1:PORT, from a fresh process as `tokenbus serve` would be: a process

@@ -398,6 +398,7 @@ def test_quantization_choice_and_its_errors(tmp_path):
         resolve_quantization("gguf", gguf_src, cpu, tp=2)
 
 
+@pytest.mark.slow
 def test_smollm2_quantized_greedy_matches_transformers_on_the_same_gguf():
     """The default model with its Q4_1/Q8_0 blocks kept: HF's dequantized weights give the
     same greedy tokens (a differing token must be a near tie, as in tests/e2e/test_smollm2.py)."""

@@ -6,6 +6,7 @@ transformers' own GGUF loader is slow (it parses the file twice); it is the orac
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tests.fixtures.paged import PagedKV
 
@@ -36,6 +37,7 @@ def test_smollm2_arch_and_tokenizer():
     assert load_generation_config(src) == {}
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_greedy_matches_transformers():
     """Greedy tokens of 3 prompts batched through the paged cache equal transformers' on the same
     GGUF (fp32)."""

@@ -77,6 +77,7 @@ def test_greedy_identical_with_prefix_caching(kind, models, plain_outputs):
     assert_engine_clean(llm)
 
 
+@pytest.mark.slow
 @needs_triton_on_cpu
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_identical_with_verification_steps_padded_as_captured(kind, models, plain_outputs):

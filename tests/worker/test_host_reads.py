@@ -124,8 +124,12 @@ def test_draft_verification_reads_once(with_draft_probs):
 @needs_triton_on_cpu
 @pytest.mark.parametrize(
     "family, speculative, reads_a_step",
-    [("llama", None, 1), ("llama", NGRAM, 1), ("llama", SELF_DRAFT, 2), ("qwen3_moe", None, 1)],
-    ids=["llama", "ngram", "self_draft", "qwen3_moe"],
+    [
+        pytest.param("llama", None, 1, id="llama"),
+        pytest.param("llama", NGRAM, 1, id="ngram"),
+        pytest.param("llama", SELF_DRAFT, 2, id="self_draft", marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", None, 1, id="qwen3_moe", marks=pytest.mark.slow),
+    ],
 )
 def test_an_eager_triton_step_reads_once(family, speculative, reads_a_step):
     """A GPU's eager step, run on CPU: the step's inputs, the Triton attention plan and
