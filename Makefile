@@ -27,16 +27,16 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/tokenbus serve --host 127.0.0.1 --port 8000
 
-# The suite but its slow tier (tests marked `slow`: servers and other
-# processes, the real SmolLM2 model against HF at length, fuzzing, long runs of the Triton
-# interpreter), which `make test-slow` runs; CI (.ci/run) runs both.
-test: install $(VENV)/.browser
+# The suite but its slow tier (tests marked `slow`: servers and other processes, the real
+# SmolLM2 model against HF at length, fuzzing, long runs of the Triton interpreter), which
+# `make test-slow` runs; CI (.ci/run) runs both.
+test: install
 	$(VENV)/bin/python -m pytest -q -x --timeout=900 -m "not slow" tests
 
 test-slow: install $(VENV)/.browser
 	$(VENV)/bin/python -m pytest -q -x --timeout=900 -m slow tests
 
-# Headless Chromium for the /xray page's browser test (tests/api/test_xray_server.py), from
+# Headless Chromium for the /xray page's browser test (tests/api/test_xray_server.py, slow tier), from
 # Debian's package where apt-get may install it; elsewhere that one test skips, saying why.
 $(VENV)/.browser: | $(PY)
 	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \

@@ -150,7 +150,7 @@ def half_tiles(kernels, repeats: int) -> dict[str, dict[str, float]]:
     such a matrix: dequantize + fp32 GEMM per call, and oneDNN's fp32 linear on a dense copy
     packed once (twice the memory: what the model held before half tiles). GFLOP/s per row
     count, each cell the best of `repeats` rounds taken in turns."""
-    from tokenbus.model.layers.quantized import DequantBuffer, KernelWeight, shard_matmul
+    from tokenbus.model.layers.quantized import KernelWeight, shard_matmul
 
     rows, cols = HALF_SHAPE
     dense_w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))

@@ -375,7 +375,7 @@ def iter_gguf_weights(
     gf: GGUFFile, arch: ModelArch, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (HF name, weight) for every tensor with q/k un-permuted: an fp32 tensor, or with
-    keep_quantized a QuantizedWeight for each matrix of a KERNEL_QTYPES type; Apertus's xIELU
+    keep_quantized a QuantizedWeight for each matrix the kernels take (`in_blocks`); Apertus's xIELU
     parameters, from metadata, as its tensors."""
     import torch
 

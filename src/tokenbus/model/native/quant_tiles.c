@@ -13,7 +13,8 @@
    replaces; the K-quants' sub-blocks take the same form, their super-block scales in a header
    per 8 tile-blocks. A matrix is ceil(N / 16) tiles of (K / 32) tile-blocks; rows past N are
    zero (d = 0). Q4_K runs as Q4_1 does (a scale and a min per block), Q6_K as Q8_0 with a
-   second scale for values 16-31.
+   second scale for values 16-31. F16 and BF16 tile-blocks hold the 16 rows' 32 values themselves,
+   value k of the 16 rows side by side (no scales; tiles_half.h runs them).
 
    Kernels per call shape, y[m, n] = sum_k x[m, k] W[n, k] (y row-strided: a column slice of a
    wider output), and with AVX512-BF16 (AMX or not) a third for any number of rows (bf16, below):
@@ -477,12 +478,12 @@ int tile_dequant_rows(int qtype, const uint8_t *tiles, int64_t N, int64_t K, con
     for (int64_t i = 0; i < num_rows; i++) {
         const int64_t t = rows[i] / TR;
         const int r = (int)(rows[i] % TR);
+        if (half_type(qtype)) {
+            tile_dequant_row_half(qtype, tiles, blocks, tbb, t, r, out + i * K);
+            continue;
+        }
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
-            if (half_type(qtype)) {
-                for (int k = 0; k < 32; k++) out[i * K + b * 32 + k] = half_value(qtype, tb, r, k);
-                continue;
-            }
             vf dv, d1v, mv;
             float d[TR], d1[TR], m[TR];
             tile_scales(qtype, tb, b, tbb, 0.0f, &dv, &d1v, &mv);

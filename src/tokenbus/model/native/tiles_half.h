@@ -100,8 +100,17 @@ static int half_matmul(int qtype, const uint8_t *tiles, int64_t ntiles, int64_t 
 static void tile_dequant_t_half(int qtype, const uint8_t *tiles, int64_t blocks, int64_t tbb, int64_t t,
                                 float *out, int64_t ldo) {
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *tb = tiles + (t * blocks + b) * tbb;
+        const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
         for (int k = 0; k < 32; k++) vf_store(out + (b * 32 + k) * ldo, half_values(qtype, tb, k));
+    }
+}
+
+/* out [K] = row r of tile t, as fp32 (an embedding lookup): tile_dequant_rows' row. */
+static void tile_dequant_row_half(int qtype, const uint8_t *tiles, int64_t blocks, int64_t tbb, int64_t t, int r,
+                                  float *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *tb = tile_block(qtype, tiles, t, b, blocks, tbb);
+        for (int k = 0; k < 32; k++) out[b * 32 + k] = half_value(qtype, tb, r, k);
     }
 }
 
