@@ -97,7 +97,7 @@ from tokenbus.loader.mamba_config import (
 )
 from tokenbus.loader.minicpm3_config import MINICPM3_GGUF, minicpm3_gguf_fields
 from tokenbus.loader.minimax_m2_config import MINIMAX_M2_GGUF, minimax_m2_gguf_fields
-from tokenbus.loader.qk_rows import unpermute_head_rows, unpermute_qk
+from tokenbus.loader.qk_rows import PER_HEAD_NORMS, unpermute_head_rows, unpermute_qk
 from tokenbus.loader.qwen3_5_config import (
     QWEN3_5_ARCHITECTURES,
     QWEN3_5_GGUF_ARCHITECTURES,
@@ -152,8 +152,6 @@ _PERMUTED_QK_ARCHITECTURES = (
     "cohere",  # llama.cpp's "command-r"
     "cohere2",
 )
-# Per-head q/k norm weights [heads, D] (Command R+'s), whose D follow their heads' q/k rows
-_PER_HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 # llama.cpp's fixed NoPE pattern for SmolLM3: no rotary on layers il with (il + 1) % 4 == 0.
 _SMOLLM3_NO_ROPE_LAYER_STEP = 4
 # Architectures whose llama.cpp graph turns only rope.dimension_count dims of each head.
@@ -416,7 +414,7 @@ def iter_gguf_weights(
             tensor = unpermute_qk(tensor, arch.num_attention_heads, arch.rotary_dim)
         elif permuted and ".self_attn.k_proj." in name:
             tensor = unpermute_qk(tensor, arch.num_key_value_heads, arch.rotary_dim)
-        elif permuted and name.endswith(_PER_HEAD_NORMS) and tensor.dim() == 2:
+        elif permuted and name.endswith(PER_HEAD_NORMS) and tensor.dim() == 2:
             tensor = unpermute_head_rows(tensor, arch.rotary_dim)  # Command R+'s [heads, D]
         elif arch.architecture in GEMMA_GGUF_ARCHITECTURES and name.endswith("norm.weight"):
             tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF's w

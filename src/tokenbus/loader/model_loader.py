@@ -27,7 +27,7 @@ from tokenbus.loader.hunyuan_config import HUNYUAN_NORM_NAMES
 from tokenbus.loader.lfm2_config import lfm2_names
 from tokenbus.loader.multimodal_config import is_multimodal, text_model_weights
 from tokenbus.loader.mxfp4 import gpt_oss_experts
-from tokenbus.loader.qk_rows import unpermute_head_rows, unpermute_qk
+from tokenbus.loader.qk_rows import PER_HEAD_NORMS, unpermute_head_rows, unpermute_qk
 from tokenbus.loader.qwen3_5_config import QWEN3_5_ARCHITECTURES
 from tokenbus.loader.qwen3_5_config import without_mtp as qwen3_5_without_mtp
 from tokenbus.loader.source import ModelSource
@@ -91,7 +91,7 @@ def _rotary_pairs_as_halves(
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in heads and parts[-3:-2] == ["self_attn"]:
             tensor = unpermute_qk(tensor, heads[parts[-2]], arch.rotary_dim)
-        elif name.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight")):
+        elif name.endswith(PER_HEAD_NORMS):
             if tensor.dim() == 2:  # a weight per head [heads, D] (Command R+'s)
                 tensor = unpermute_head_rows(tensor, arch.rotary_dim)
         yield name, tensor

@@ -36,6 +36,10 @@ def unpermute_qk(
     return torch.cat((turned, heads[:, rotary_dim:]), dim=1).reshape(weight.shape)
 
 
+# HF names of q/k norm weights, which Command R+ holds per head [heads, D] (unpermute_head_rows)
+PER_HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+
+
 def unpermute_head_rows(weight: torch.Tensor, rotary_dim: int | None = None) -> torch.Tensor:
     """unpermute_qk of a weight per head [heads, D] (Command R+'s q/k LayerNorms): each head's
     D values reordered as its q/k rows are."""

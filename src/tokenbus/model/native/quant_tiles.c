@@ -69,13 +69,13 @@ static int tile_info(int qtype, tile_type *tt) {
     }
 }
 
-/* Bytes of one row's quants in a tile-block of this format. */
+/* Bytes of one row's quants in a tile-block of this format (the block types'; F16 and BF16 tiles
+   take tiles_half.h's own paths). */
 static inline int quant_bytes(int qtype) {
     switch (qtype) {
     case Q8_0: return 32;
     case Q5_0: case Q5_1: case Q5_K: return 20;
     case Q6_K: return 24;
-    case F16: case BF16: return HALF_BLOCK;
     default: return 16;
     }
 }
@@ -203,11 +203,11 @@ static int source_block(int qtype, int *values, int *bytes) {
 
 /* Row r of one 32-value GGUF block (src) into tile-block tb (of the same format). */
 static void repack_block32(int qtype, const uint8_t *src, uint8_t *tb, int r) {
-    const int qb = quant_bytes(qtype);
     if (half_type(qtype)) {  /* value k of the 16 rows side by side (tiles_half.h) */
         for (int k = 0; k < 32; k++) memcpy(tb + 2 * (TR * k + r), src + 2 * k, 2);
         return;
     }
+    const int qb = quant_bytes(qtype);
     if (qtype == MXFP4) {  /* e, qs[16]: the file's nibbles, then e as the row's scale byte */
         for (int c = 0; c < 4; c++) memcpy(tb + c * 64 + r * 4, src + 1 + 4 * c, 4);
         tb[qb * TR + r] = src[0];
