@@ -80,14 +80,19 @@ static inline __attribute__((always_inline)) void half_tiles(int qtype, const ui
     for (; m < M; m++) half_block(qtype, tiles, tile_bytes, K, x + m * ldx, ldx, y + m * ldy, ldy, N, t, 1, P);
 }
 
-/* y[M, N] = x @ W^T for any M, over groups of HALF_NP tiles. */
+/* y[M, N] = x @ W^T for any M, over groups of tiles. A group of HALF_NP tiles shares each
+   broadcast of x; where that leaves fewer than 4 groups a thread (a 512-row projection is 11
+   groups of 3: enough for 2 threads, not for 16), groups are one tile each instead. The split
+   changes no output's bits: each is one FMA chain whatever its group. */
 static int half_matmul(int qtype, const uint8_t *tiles, int64_t ntiles, int64_t blocks, int64_t tbb, int64_t N,
                        const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int num_threads) {
-    const int64_t K = blocks * 32, tile_bytes = blocks * tbb, groups = (ntiles + HALF_NP - 1) / HALF_NP;
+    const int64_t K = blocks * 32, tile_bytes = blocks * tbb;
+    const int64_t width = ntiles >= (int64_t)HALF_NP * 4 * num_threads ? HALF_NP : 1;
+    const int64_t groups = (ntiles + width - 1) / width;
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t t = g * HALF_NP, left = ntiles - t;
-        if (left >= HALF_NP) half_tiles(qtype, tiles, tile_bytes, K, x, ldx, M, y, ldy, N, t, HALF_NP);
+        const int64_t t = g * width, left = ntiles - t < width ? ntiles - t : width;
+        if (left == HALF_NP) half_tiles(qtype, tiles, tile_bytes, K, x, ldx, M, y, ldy, N, t, HALF_NP);
 #if HALF_NP > 2
         else if (left == 2) half_tiles(qtype, tiles, tile_bytes, K, x, ldx, M, y, ldy, N, t, 2);
 #endif
