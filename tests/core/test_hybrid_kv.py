@@ -85,6 +85,24 @@ def test_layers_reading_another_s_kv_join_no_group():
     assert one.groups == (KVGroup(None, (0, 1, 2)),) and one.place(3) == (0, 2)
 
 
+def test_layers_holding_no_kv_join_no_group():
+    """LFM3's pattern: convolutions (recurrent, no K/V) between its global and sliding layers;
+    they join no group, hold no buffer and have no place, but count among the layers."""
+    windows = [None, None, None, None, 256, None, None, None, 256, None]
+    convs = (0, 1, 3, 5, 7, 9)
+    layout = plan_kv_groups(windows, stateless=convs)
+    assert layout.groups == (KVGroup(None, (2, 6)), KVGroup(256, (4, 8)))
+    assert layout.num_buffers == 2 and layout.num_layers == 10
+    assert [layout.group_of(layer) for layer in range(4)] == [None, None, 0, None]
+    assert layout.place(8) == (1, 1)
+    with pytest.raises(ValueError, match="in no KV group"):
+        layout.place(0)
+    one = plan_kv_groups([None, 64, None], hybrid=False, stateless=(2,))
+    assert one.groups == (KVGroup(None, (0, 1)),) and one.group_of(2) is None
+    with pytest.raises(ValueError, match="at least one layer holding K/V"):
+        plan_kv_groups([None, 64], stateless=(0, 1))
+
+
 def test_sliding_group_frees_out_of_window_blocks():
     kv = manager()
     req = request("r", 10)

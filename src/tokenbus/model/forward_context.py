@@ -54,7 +54,8 @@ class ForwardContext:
     # wait_for_layer_load(i) before layer i runs, save_kv_layer(i, cache) after.
     kv_connector: Any = None
     # A hybrid KV cache: groups 1.. (slot_mapping, block_tables and attn_metadata above are
-    # group 0's) and each layer's group; empty: every layer in group 0.
+    # group 0's) and each layer's group (-1: a layer holding no K/V); empty: every layer in
+    # group 0.
     kv_groups: list[KVGroupInputs] = field(default_factory=list)
     layer_groups: tuple[int, ...] = ()
     # Recurrent layers (short convolutions, Mamba2, Gated DeltaNet: model/recurrent.py) hold a

@@ -131,9 +131,9 @@ class InputBuffers:
         num_groups = 1 if kv_groups is None else len(kv_groups.groups)
         self.num_groups = num_groups
         self.layer_groups: tuple[int, ...] = ()
-        if kv_groups is not None:
-            layers = range(kv_groups.num_layers)
-            self.layer_groups = tuple(kv_groups.place(i)[0] for i in layers)
+        if kv_groups is not None:  # a layer holding no K/V (a recurrent one) reads no group's
+            groups = map(kv_groups.group_of, range(kv_groups.num_layers))
+            self.layer_groups = tuple(-1 if g is None else g for g in groups)
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.staged = {

@@ -65,11 +65,14 @@ class KVGroupLayout:
     offset 0 of their own range (num_buffers in all); a model whose layers differ in KV heads or
     head size (Gemma 4's global layers) has a range per shape (`offsets`; (): every group at 0).
     A layer that reads another's K/V (`shared`: (layer, owner) pairs,
-    ModelArch.kv_shared_layers) is in no group: it is placed where its owner is."""
+    ModelArch.kv_shared_layers) is in no group: it is placed where its owner is. A layer that
+    holds no K/V (`stateless`: a recurrent or MLP-only layer, beside sliding ones in LFM3) is in
+    none either, and has no place."""
 
     groups: tuple[KVGroup, ...]
     shared: tuple[tuple[int, int], ...] = ()
     offsets: tuple[int, ...] = ()
+    stateless: tuple[int, ...] = ()
 
     def offset(self, group: int) -> int:
         return self.offsets[group] if self.offsets else 0
@@ -89,8 +92,13 @@ class KVGroupLayout:
 
     @property
     def num_layers(self) -> int:
-        """The decoder layers placed: the groups' and those reading another's K/V."""
-        return sum(len(group.layers) for group in self.groups) + len(self.shared)
+        """The decoder layers: the groups', those reading another's K/V, those holding none."""
+        placed = sum(len(group.layers) for group in self.groups) + len(self.shared)
+        return placed + len(self.stateless)
+
+    def group_of(self, layer: int) -> int | None:
+        """The KV group decoder layer `layer` attends through; None for one holding no K/V."""
+        return None if layer in self.stateless else self.place(layer)[0]
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -110,10 +118,12 @@ def plan_kv_groups(
     hybrid: bool = True,
     shared: tuple[tuple[int, int], ...] = (),
     shapes: Sequence[Hashable] = (),
+    stateless: Sequence[int] = (),
 ) -> KVGroupLayout:
     """KV groups for layers of these sliding windows (None: full attention); the layers of
-    `shared` ((layer, owner) pairs) read their owners' K/V and join no group; `shapes`: each
-    layer's K/V shape where layers differ ((): one shape).
+    `shared` ((layer, owner) pairs) read their owners' K/V and join no group, nor do those of
+    `stateless` (no K/V at all); `shapes`: each layer's K/V shape where layers differ ((): one
+    shape).
 
     One group of every layer when all windows and shapes agree, or with `hybrid` False (vLLM's
     --disable-hybrid-kv-cache-manager: every layer allocated as a global one, windows still
@@ -126,12 +136,19 @@ def plan_kv_groups(
     if not windows:
         raise ValueError("a model needs at least one layer")
     readers = {layer for layer, _ in shared}
+    stateless = tuple(sorted(stateless))
     shape_of = list(shapes) or [None] * len(windows)
-    own = {i: (window, shape_of[i]) for i, window in enumerate(windows) if i not in readers}
+    own = {
+        i: (window, shape_of[i])
+        for i, window in enumerate(windows)
+        if i not in readers and i not in stateless
+    }
+    if not own:
+        raise ValueError("a model with KV groups needs at least one layer holding K/V")
     distinct = list(dict.fromkeys(own.values()))  # first-appearance order
     if len(distinct) == 1 or not hybrid:
         window = distinct[0][0] if len(distinct) == 1 else None
-        return KVGroupLayout((KVGroup(window, tuple(own)),), shared)
+        return KVGroupLayout((KVGroup(window, tuple(own)),), shared, stateless=stateless)
     by_key = {key: tuple(i for i, x in own.items() if x == key) for key in distinct}
     size = min(len(layers) for layers in by_key.values())
     groups, group_shapes = [], []
@@ -147,7 +164,7 @@ def plan_kv_groups(
     for shape, count in ranges.items():
         starts[shape], total = total, total + count
     offsets = tuple(starts[shape] for shape in group_shapes) if len(ranges) > 1 else ()
-    return KVGroupLayout(tuple(groups), shared, offsets)
+    return KVGroupLayout(tuple(groups), shared, offsets, stateless)
 
 
 def layer_windows(arch: ModelArch) -> list[int | None]:
@@ -172,7 +189,8 @@ def engine_kv_groups(config: EngineConfig, arch: ModelArch) -> KVGroupLayout | N
     if not hybrid:
         return None
     shapes = [arch.kv_shape(i) for i in range(arch.num_hidden_layers)]
-    return plan_kv_groups(windows, hybrid, arch.kv_shared_layers, shapes)
+    stateless = (*arch.recurrent_layers, *arch.mlp_only_layers)
+    return plan_kv_groups(windows, hybrid, arch.kv_shared_layers, shapes, stateless)
 
 
 class HybridKVCacheManager(BlockTables):
