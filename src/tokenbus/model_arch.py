@@ -113,6 +113,9 @@ class ModelArch:
     # Attention whose output is gated per channel by sigmoid(gate), the gate projected with the
     # queries (Qwen3.5's, Qwen3-Next's)
     attn_output_gate: bool = False
+    # Attention whose heads' outputs are each scaled by one sigmoid(gate), a gate per head
+    # projected from the layer's input beside q, k and v (LFM3's g_proj)
+    attn_head_gate: bool = False
     # q and k RMSNormed per head before the rotary where the config says so (GLM-4.5's
     # use_qk_norm); a family that always has them (Qwen3) says so in its model class
     attn_qk_norm: bool = False

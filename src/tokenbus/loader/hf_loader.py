@@ -35,7 +35,7 @@ from tokenbus.loader.layer_kinds import (
     rope_by_layer_type,
     windows,
 )
-from tokenbus.loader.lfm2_config import lfm2_hf_fields, lfm2_moe_hf_fields
+from tokenbus.loader.lfm2_config import lfm2_hf_fields, lfm2_moe_hf_fields, lfm3_hf_fields
 from tokenbus.loader.minicpm3_config import minicpm3_hf_fields
 from tokenbus.loader.minimax_m2_config import minimax_m2_hf_fields, minimax_m2_partial_rotary
 from tokenbus.loader.multimodal_config import text_config
@@ -92,6 +92,7 @@ HF_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "Lfm2ForCausalLM": "lfm2",  # LFM2 / LFM2.5: short convolutions and attention
     "Lfm2MoeForCausalLM": "lfm2_moe",  # LFM2's layers with sigmoid-routed experts
+    "Lfm3ForCausalLM": "lfm3",  # LFM2's convolutions, gated and sliding attention, sandwiches
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention and MLP blocks
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet and gated attention layers
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # Qwen3.5's layers with experts
@@ -203,6 +204,9 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = lfm2_hf_fields(config, path)
     if architecture == "lfm2_moe":
         family = lfm2_moe_hf_fields(config, path)
+    if architecture == "lfm3":  # both kinds' rope in family
+        family = lfm3_hf_fields(config, path)
+        rope_config = {"rope_theta": family["rope_theta"]}
     if architecture == "glm4_moe":  # half of each head turns unless the config says otherwise
         rope_config = {"partial_rotary_factor": 0.5, **config}
         family = glm4_moe_hf_fields(config, path)

@@ -1,4 +1,4 @@
-"""LFM2 and LFM2-MoE shapes and names (L2; no torch): what their config.json and llama.cpp's
+"""LFM2, LFM2-MoE and LFM3 shapes and names (L2; no torch): what their config.json and llama.cpp's
 `lfm2` / `lfm2moe` GGUFs say beyond a Llama's. hf_loader / gguf_loader join these ModelArch
 fields to the rest.
 
@@ -18,6 +18,12 @@ fields to the rest.
   mlp.experts.N, the router feed_forward.gate is mlp.gate and feed_forward.expert_bias the
   selection bias model/moe.py loads (mlp.moe_statics.e_score_correction_bias, ERNIE's name;
   llama.cpp's exp_probs_b). An lfm2moe GGUF says its sigmoid scores by expert_gating_func 2.
+- LFM3 (config.json only: llama.cpp has no lfm3 yet): "sliding_attention" layers too, each
+  family of layers its own rope (lfm3_hf_fields), and sandwich blocks whose operator_norm /
+  post_operator_norm / ffn_norm / post_ffn_norm are the shared sandwich's input_layernorm /
+  post_attention_layernorm / pre_feedforward_layernorm / post_feedforward_layernorm; its
+  attention is Qwen3's names (q_proj .. o_proj, q_norm, k_norm), its per-head gate g_proj the
+  shared attention's gate_proj.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tokenbus.loader.layer_kinds import rope_by_layer_type, windows
 
 LFM2_GGUF_ARCHITECTURES = ("lfm2", "lfm2moe")
 LFM2_GGUF_GLOBAL_NAMES = {"token_embd_norm.weight": "model.norm.weight"}
@@ -44,6 +52,23 @@ _HF_LAYER_NAMES = {
     "self_attn.q_layernorm": "self_attn.q_norm",
     "self_attn.k_layernorm": "self_attn.k_norm",
 }
+# LFM3's sandwich blocks: the norm before the MLP and the two after each sublayer
+_HF_LFM3_LAYER_NAMES = {
+    "operator_norm": "input_layernorm",
+    "post_operator_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffn_norm": "post_feedforward_layernorm",
+    "self_attn.g_proj": "self_attn.gate_proj",
+}
+# Lfm3Config's rope when the config names none: the sliding layers' default, the full ones'
+_LFM3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {
+        "rope_type": "proportional",
+        "rope_theta": 1_000_000.0,
+        "partial_rotary_factor": 0.5,
+    },
+}
 # A gated MLP's linears, under feed_forward
 _HF_MLP_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -59,6 +84,52 @@ def lfm2_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
             width = int(multiplier * width)
             width = multiple * ((width + multiple - 1) // multiple)
     return dict(intermediate_size=width, **_hf_layer_fields(config, path))
+
+
+def lfm3_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelArch fields of an Lfm3ForCausalLM config (LFM3-1.7B): LFM2's convolutions (7 taps
+    by default), attention layers "full_attention" or "sliding_attention" (`sliding_window`,
+    256), the sliding ones turning every angle on their base (10k), the full ones as
+    `rope_parameters.full_attention` says ("proportional": half of each head's angles turn, on
+    1M), a sigmoid gate per attention head (`use_attention_gate`) and sandwich norms, which
+    every LFM3 has (`use_sandwich_norm`: False is refused). The MLP is intermediate_size wide,
+    as it is."""
+    if not config.get("use_sandwich_norm", True):
+        raise ValueError(f"{path}: use_sandwich_norm=false is not supported for lfm3")
+    kinds = config.get("layer_types")
+    num_layers = int(config["num_hidden_layers"])
+    if kinds is None:  # Lfm3Config's default order
+        kinds = [
+            "full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i else "conv"
+            for i in range(num_layers)
+        ]
+    allowed = {"conv", "sliding_attention", "full_attention"}
+    if len(kinds) != num_layers or set(kinds) - allowed:
+        raise ValueError(
+            f"{path}: layer_types must name one of {sorted(allowed)} for each of the "
+            f"{num_layers} layers, got {kinds!r}"
+        )
+    rope = config.get("rope_parameters") or _LFM3_ROPE
+    if not isinstance(rope.get("full_attention"), dict):
+        raise ValueError(f"{path}: rope_parameters must have an entry for full_attention")
+    global_rope, local_theta = rope_by_layer_type(rope, path)
+    full = dict(global_rope["rope_parameters"])
+    full_type = full.pop("rope_type", None) or "default"
+    if full_type not in ("default", "proportional"):
+        raise ValueError(
+            f"{path}: rope_parameters.full_attention: rope type {full_type!r} is not supported"
+        )
+    theta = float(full.pop("rope_theta", 1_000_000.0))
+    window = config.get("sliding_window", 256)
+    return dict(
+        intermediate_size=int(config["intermediate_size"]),
+        sliding_windows=windows([kind == "sliding_attention" for kind in kinds], window),
+        rope_theta=theta,
+        rope_scaling=None if full_type == "default" else {"rope_type": full_type, **full},
+        rope_local_theta=10_000.0 if local_theta is None else local_theta,
+        attn_head_gate=bool(config.get("use_attention_gate", True)),
+        **_hf_shared_fields(config, kinds, 7, path),
+    )
 
 
 def lfm2_moe_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -86,8 +157,8 @@ def lfm2_moe_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def _hf_layer_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """What LFM2's configs say of their layers: which are convolutions, their taps and
-    biases, the norms' epsilon, the tied head."""
+    """What LFM2's configs say of their layers: which are convolutions (`layer_types`, or the
+    older `full_attn_idxs`), then _hf_shared_fields'."""
     num_layers = int(config["num_hidden_layers"])
     kinds = config.get("layer_types")
     if kinds is None:
@@ -98,6 +169,14 @@ def _hf_layer_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
             f"{path}: layer_types must name 'conv' or 'full_attention' for each of the "
             f"{num_layers} layers, got {kinds!r}"
         )
+    return _hf_shared_fields(config, kinds, 3, path)
+
+
+def _hf_shared_fields(
+    config: dict[str, Any], kinds: list[str], taps: int, path: Path
+) -> dict[str, Any]:
+    """What LFM2's and LFM3's configs say alike: which layers are convolutions (`kinds`), their
+    taps (`taps` where conv_L_cache is absent) and biases, the norms' epsilon, the tied head."""
     return dict(
         rms_norm_eps=float(config.get("norm_eps", 1e-5)),
         tie_word_embeddings=bool(
@@ -105,7 +184,7 @@ def _hf_layer_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
         ),
         **_conv_fields(
             [i for i, kind in enumerate(kinds) if kind == "conv"],
-            int(config.get("conv_L_cache", 3)),
+            int(config.get("conv_L_cache", taps)),
             bool(config.get("conv_bias", False)),
             path,
         ),
@@ -148,8 +227,12 @@ def _conv_fields(conv: list[int], kernel: int, bias: bool, path: Path) -> dict[s
     return dict(recurrent_layers=tuple(conv), conv_kernel=kernel, conv_bias=bias)
 
 
-def lfm2_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """An LFM2 checkpoint's tensors under the shared parts' names."""
+def lfm2_names(
+    weights: Iterator[tuple[str, Any]], sandwich: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """An LFM2 checkpoint's tensors under the shared parts' names; `sandwich`: LFM3's, whose
+    blocks norm after each sublayer too."""
+    layer_names = {**_HF_LAYER_NAMES, **_HF_LFM3_LAYER_NAMES} if sandwich else _HF_LAYER_NAMES
     for name, tensor in weights:
         if name == "model.embedding_norm.weight":
             name = "model.norm.weight"
@@ -160,7 +243,7 @@ def lfm2_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         elif name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, _, leaf = rest.rpartition(".")
-            module = _HF_LAYER_NAMES.get(module, module)
+            module = layer_names.get(module, module)
             if module.startswith("feed_forward."):  # the MLP's linears (an expert's)
                 scope, _, linear = module.replace("feed_forward", "mlp", 1).rpartition(".")
                 module = f"{scope}.{_HF_MLP_NAMES.get(linear, linear)}"

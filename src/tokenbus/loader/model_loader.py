@@ -61,8 +61,8 @@ def iter_weights(
             return gpt_oss_experts(weights, keep_quantized)
         if arch.architecture == "glm4":
             weights = renamed_modules(weights, GLM4_NORM_NAMES)
-        if arch.architecture in ("lfm2", "lfm2_moe"):
-            weights = lfm2_names(weights)
+        if arch.architecture in ("lfm2", "lfm2_moe", "lfm3"):
+            weights = lfm2_names(weights, sandwich=arch.architecture == "lfm3")
         if arch.architecture == "hunyuan_v1_dense":
             weights = renamed_modules(weights, HUNYUAN_NORM_NAMES)
         if arch.architecture == "apertus":

@@ -48,8 +48,10 @@ class Attention(OpsModule):
     [R, T, 1, D/2], and this layer reads row `rope_table`; None: one table [T, 1, D/2].
     `output_gate` (arch.attn_output_gate, Qwen3.5's): qkv_proj projects a gate per query
     channel too (a fourth shard, `gate_proj`), and the heads' output is scaled by its sigmoid
-    before o_proj. `qk_norm_after_rope` (a family sets it: HunYuan's): the QKNorm.HEADS norms
-    come after the rotary instead of before it.
+    before o_proj; `head_gate` (arch.attn_head_gate, LFM3's): the gate is one value per query
+    head (the fourth shard is [Hq]), scaling all of that head's output. `qk_norm_after_rope`
+    (a family sets it: HunYuan's): the QKNorm.HEADS norms come after the rotary instead of
+    before it.
 
     A family's subclass only configures these (model/gemma.py's: scale, soft-cap, norms); the
     computation is this forward, which decode_layer.c mirrors
@@ -69,6 +71,7 @@ class Attention(OpsModule):
         self.tp = tp
         self.qk_norm = qk_norm
         self.output_gate = arch.attn_output_gate
+        self.head_gate = arch.attn_head_gate
         self.sliding_window = sliding_window
         local = tp.shard_arch(arch)
         self.num_heads = local.num_attention_heads
@@ -76,7 +79,7 @@ class Attention(OpsModule):
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        gate = (q_size,) if self.output_gate else ()
+        gate = (q_size,) if self.output_gate else (self.num_heads,) if self.head_gate else ()
         self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size, *gate), bias=qkv_bias)
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
         self.q_norm = self.k_norm = None
@@ -107,7 +110,7 @@ class Attention(OpsModule):
         if self.rope_table is not None:
             cos, sin = cos[self.rope_table], sin[self.rope_table]
         qkv, gate = self.qkv_proj(x), None
-        if self.output_gate:  # [q, k, v | gate]: q, k and v go on as one fresh tensor
+        if self.output_gate or self.head_gate:  # [q, k, v | gate]: q, k, v as one fresh tensor
             width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             qkv, gate = qkv[:, :width].contiguous(), qkv[:, width:]
         qkv = qkv.view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
@@ -135,8 +138,10 @@ class Attention(OpsModule):
             self.logit_softcap,
             self.sinks,
         )  # [T, Hq, D]
+        if self.head_gate:  # one gate a head: [T, Hq, D] * [T, Hq, 1]
+            out = out * torch.sigmoid(gate).unsqueeze(-1)
         out = out.view(num_tokens, self.num_heads * self.head_dim)
-        if gate is not None:
+        if self.output_gate:
             out = out * torch.sigmoid(gate)
         # Row-parallel: each rank's heads give a partial sum (o_proj's bias lives on rank 0 only).
         return self.tp.all_reduce(self.o_proj(out))
@@ -265,7 +270,7 @@ class SandwichDecoderLayer(nn.Module):
     def __init__(
         self,
         arch: ModelArch,
-        self_attn: Attention,
+        self_attn: Attention | None,
         mlp: GatedMLP,
         norm: type[RMSNorm] = RMSNorm,
         pre_norms: bool = True,
@@ -273,7 +278,7 @@ class SandwichDecoderLayer(nn.Module):
         super().__init__()
         size, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = norm(size, eps) if pre_norms else None
-        self.self_attn = self_attn
+        self.self_attn = self_attn  # None: another mixer (RecurrentSandwichDecoderLayer's)
         self.post_attention_layernorm = norm(size, eps)
         self.pre_feedforward_layernorm = norm(size, eps) if pre_norms else None
         self.mlp = mlp
@@ -291,10 +296,14 @@ class SandwichDecoderLayer(nn.Module):
         q_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = _add_and_norm(self.input_layernorm, x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, slot_mapping, plan, q_scale)
+        h = self.mix(h, cos, sin, kv_cache, slot_mapping, plan, q_scale)
         h = self.post_attention_layernorm(h)
         h, residual = _add_and_norm(self.pre_feedforward_layernorm, h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+    def mix(self, h: torch.Tensor, *step) -> torch.Tensor:
+        """The block's token mixer, as DecoderLayer.mix."""
+        return self.self_attn(h, *step)
 
 
 def _add_and_norm(

@@ -10,6 +10,15 @@ attention layers, each followed by a SwiGLU MLP in a pre-norm block.
 LFM2-MoE (Lfm2MoeForCausalLM: LFM2-8B-A1B, LFM2-24B-A2B) keeps these layers and makes every
 MLP after the first `num_dense_layers` a sparse MoE block (model/moe.py) whose router scores
 each expert by its sigmoid and chooses by score + a per-expert bias.
+
+LFM3 (Lfm3ForCausalLM: LFM3-1.7B) keeps the convolutions and makes three changes:
+- Attention layers are "full_attention" or "sliding_attention" (a window, 256 by default); the
+  full ones turn half of each head's angles on a base of 1M ("proportional" rope), the sliding
+  ones all of them on 10k (CausalLM's local table).
+- Each attention head's output is scaled by sigmoid(g_proj(x)), one gate a head
+  (ModelArch.attn_head_gate).
+- Every block is a sandwich (decoder.SandwichDecoderLayer, recurrent's for the convolutions):
+  the mixer's and the MLP's outputs are RMSNormed again before they join the residual.
 """
 
 from __future__ import annotations
@@ -17,10 +26,10 @@ from __future__ import annotations
 from torch import nn
 
 from tokenbus.model.causal_lm import CausalLM
-from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm
+from tokenbus.model.decoder import Attention, DecoderLayer, GatedMLP, QKNorm, SandwichDecoderLayer
 from tokenbus.model.moe_causal_lm import MoECausalLM
 from tokenbus.model.parallel import TensorParallel
-from tokenbus.model.recurrent import RecurrentDecoderLayer
+from tokenbus.model.recurrent import RecurrentDecoderLayer, RecurrentSandwichDecoderLayer
 from tokenbus.model.short_conv import ShortConv
 from tokenbus.model_arch import ModelArch
 
@@ -42,3 +51,13 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM, MoECausalLM):
 
     family = "lfm2_moe"
     make_mlp = MoECausalLM.make_mlp
+
+
+class Lfm3ForCausalLM(Lfm2ForCausalLM):
+    """LFM2's convolutions and Qwen3's attention (with a gate per head), in sandwich blocks."""
+
+    def make_layer(self, arch: ModelArch, tp: TensorParallel) -> nn.Module:
+        mlp = self.make_mlp(arch, tp)
+        if self.making_layer in arch.recurrent_layers:
+            return RecurrentSandwichDecoderLayer(arch, ShortConv(arch, tp), mlp)
+        return SandwichDecoderLayer(arch, Attention(arch, tp, qk_norm=QKNorm.HEADS), mlp)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenbus.model.decoder import DecoderLayer
+from tokenbus.model.decoder import DecoderLayer, SandwichDecoderLayer
 from tokenbus.model.forward_context import ForwardContext
 from tokenbus.model.layers import OpsModule, RMSNorm
 from tokenbus.model.weights import WeightLoader, copy_param
@@ -164,6 +164,21 @@ class RecurrentDecoderLayer(DecoderLayer):
     self_attn): x + mixer(norm(x)), then + mlp(norm(.)), Granite's residual scale on both. The
     mixer takes an attention layer's arguments: its state pool where the K/V cache was, the
     step's state rows where the slots were, the recurrent plan where the attention plan was."""
+
+    def __init__(
+        self, arch: ModelArch, mixer: nn.Module, mlp: nn.Module, norm: type[RMSNorm] = RMSNorm
+    ) -> None:
+        super().__init__(arch, None, mlp, norm)
+        self.mixer = mixer
+
+    def mix(self, h: torch.Tensor, *step) -> torch.Tensor:
+        return self.mixer(h, *step)
+
+
+class RecurrentSandwichDecoderLayer(SandwichDecoderLayer):
+    """SandwichDecoderLayer's block with a recurrent mixer where attention was (LFM3's
+    convolution layers): x + post_norm(mixer(norm(x))), then + post_norm(mlp(norm(.))), the
+    mixer taking RecurrentDecoderLayer's arguments."""
 
     def __init__(
         self, arch: ModelArch, mixer: nn.Module, mlp: nn.Module, norm: type[RMSNorm] = RMSNorm

@@ -21,7 +21,7 @@ from tokenbus.model.granite import (
     GraniteHybridForCausalLM,
     GraniteMoeForCausalLM,
 )
-from tokenbus.model.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
+from tokenbus.model.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM
 from tokenbus.model.llama import LlamaForCausalLM
 from tokenbus.model.minicpm3 import MiniCPM3ForCausalLM
 from tokenbus.model.minimax_m2 import MiniMaxM2ForCausalLM
@@ -128,6 +128,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "lfm2_moe": Lfm2MoeForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+    "lfm3": Lfm3ForCausalLM,
+    "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,

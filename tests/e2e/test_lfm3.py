@@ -1,0 +1,102 @@
+"""LFM3 (Lfm3ForCausalLM) end to end against HF transformers, fp32 on CPU: a tiny random LFM3
+(convolutions of 7 taps, a global attention layer turning half of each head on a 1M base, a
+sliding one of 20 tokens turning all on 10k, a sigmoid gate per head, sandwich norms
+everywhere) gives HF's greedy tokens and logprobs through chunks that cut prompts anywhere,
+preemptions (a state rebuilt from token 0) and two tensor-parallel ranks, each holding half the
+heads and their gates."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.oracle import (
+    assert_matches_hf,
+    assert_same_or_near_tie,
+    greedy_outputs,
+    hf_greedy_logprobs,
+    load_hf,
+    prompts_with_a_shared_prefix,
+)
+from tests.e2e.utils import assert_engine_clean, assert_rows_follow_requests, make_llm
+from tests.fixtures.tiny_models import cached_tiny_model
+
+MAX_TOKENS = 10
+ENGINE = dict(kv_cache_dtype="float32", max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module", params=["plain", "conv_bias"])
+def hf_dir(request):
+    if request.param == "conv_bias":  # biases on in_proj, the conv and out_proj
+        return cached_tiny_model("lfm3", conv_bias=True)
+    return cached_tiny_model("lfm3")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return prompts_with_a_shared_prefix(307, (1, 60))  # past the window of 20
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_dir, prompts):
+    hf = load_hf(str(hf_dir))
+    return [hf_greedy_logprobs(hf, prompt, MAX_TOKENS) for prompt in prompts]
+
+
+def test_the_config_s_layers_and_ropes():
+    from tokenbus.loader import load_arch, resolve_model
+
+    arch = load_arch(resolve_model(str(cached_tiny_model("lfm3"))))
+    assert (arch.architecture, arch.recurrent_layers, arch.conv_kernel) == ("lfm3", (0, 1, 3, 5), 7)
+    assert arch.sliding_windows == (None, None, None, None, 20, None)
+    assert (arch.rope_theta, arch.rope_local_theta, arch.rotary_dim) == (1e6, 1e4, None)
+    assert arch.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.5}
+    assert arch.attn_head_gate and not arch.attn_output_gate
+
+
+def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference):
+    llm = make_llm(hf_dir, **ENGINE)
+    model = llm.engine.client.engine_core.executor.worker.model
+    assert model.state_shapes() == {i: (6, 64) for i in (0, 1, 3, 5)}  # 7 taps: 6 kept
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert_rows_follow_requests(llm)
+    assert_engine_clean(llm)
+
+
+def test_tiny_token_budget_and_a_small_pool(hf_dir, prompts, hf_reference):
+    """Chunks of 1 to 8 tokens (a window straddles several steps' inputs), then preemptions:
+    recomputed requests start again from a zeroed state row."""
+    llm = make_llm(
+        hf_dir, kv_cache_dtype="float32", max_num_batched_tokens=16, long_prefill_token_threshold=7
+    )
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert_engine_clean(llm)
+    llm = make_llm(hf_dir, num_kv_blocks=12, max_model_len=80, **ENGINE)  # 2 KV groups
+    assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
+    assert llm.engine.stats_totals["num_preemptions"] > 0
+    assert_rows_follow_requests(llm)
+    assert_engine_clean(llm)
+
+
+def test_two_tensor_parallel_ranks(hf_dir, prompts, hf_reference):
+    """Each rank holds half the conv channels (and their state), half the heads and gates."""
+    llm = make_llm(hf_dir, tensor_parallel_size=2, **ENGINE)
+    try:
+        outputs = greedy_outputs(llm, prompts[:4], MAX_TOKENS, logprobs=5)
+        for out, (tokens, _) in zip(outputs, hf_reference[:4]):
+            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_config_without_sandwich_norms_is_refused(tmp_path):
+    import json
+    import shutil
+
+    from tokenbus.loader import load_arch, resolve_model
+
+    path = shutil.copytree(cached_tiny_model("lfm3"), tmp_path / "lfm3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "use_sandwich_norm": False}))
+    with pytest.raises(ValueError, match="use_sandwich_norm=false is not supported for lfm3"):
+        load_arch(resolve_model(str(path)))
