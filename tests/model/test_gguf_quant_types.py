@@ -149,12 +149,13 @@ def test_half_tiles_hold_the_file_s_values_and_take_x_as_fp32(qtype, cap):
             assert torch.equal(out[:1], first[kind][:1]), (mode, m)
 
 
-@pytest.mark.parametrize("cap", ["native", "avx2"])
+@pytest.mark.parametrize("cap", ["native", "avx512", "avx2"])
 @pytest.mark.parametrize("tiles", [13, 14])
 def test_half_tiles_give_the_same_bits_however_the_threads_split_them(tiles, cap):
-    """Half tiles go in groups of 3 where every thread gets 4 groups or more, else one by one:
-    13 and 14 tiles on one thread end in a group of 1 and of 2, on 2 and 3 threads go one by
-    one. Every split gives x @ W^T in fp32, and the same bits."""
+    """AVX-512 runs half tiles in groups of 3 (AVX2 one by one), and a decode-sized call (up to
+    4 rows) one by one where groups of 3 would leave a thread fewer than 4: 13 and 14 tiles on
+    one thread end in a group of 1 and of 2, at 1 row on 2 and 3 threads go one by one, at 6
+    rows stay in groups. Every split gives x @ W^T in fp32, and the same bits."""
     kernels = kernels_for(cap)
     rows, cols = 16 * tiles - 5, 128
     w = torch.from_numpy(blocks(Q.F16, rows, cols, seed=tiles))
@@ -162,17 +163,19 @@ def test_half_tiles_give_the_same_bits_however_the_threads_split_them(tiles, cap
     packed = kernels.repack_tiles(int(Q.F16), w, cols)
     x = torch.randn(6, cols, generator=torch.Generator().manual_seed(tiles))
     want, bound = x.double() @ dense.T, 1e-5 * (x.double().abs() @ dense.abs().T)
-    before, outs = torch.get_num_threads(), []
+    before = torch.get_num_threads()
     try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            out = torch.empty(6, rows)
-            kernels.tile_matmul(int(Q.F16), packed, rows, cols, x, out, "fp32")
-            outs.append(out)
+        for m in (1, 6):
+            outs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                out = torch.empty(m, rows)
+                kernels.tile_matmul(int(Q.F16), packed, rows, cols, x[:m], out, "fp32")
+                outs.append(out)
+            assert ((outs[0].double() - want[:m]).abs() <= bound[:m]).all(), m
+            assert all(torch.equal(out, outs[0]) for out in outs[1:]), m
     finally:
         torch.set_num_threads(before)
-    assert ((outs[0].double() - want).abs() <= bound).all()
-    assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 def mxfp4_blocks(rows: int, cols: int, exponents: np.ndarray) -> np.ndarray:

@@ -81,13 +81,15 @@ static inline __attribute__((always_inline)) void half_tiles(int qtype, const ui
 }
 
 /* y[M, N] = x @ W^T for any M, over groups of tiles. A group of HALF_NP tiles shares each
-   broadcast of x; where that leaves fewer than 4 groups a thread (a 512-row projection is 11
-   groups of 3: enough for 2 threads, not for 16), groups are one tile each instead. The split
-   changes no output's bits: each is one FMA chain whatever its group. */
+   broadcast of x. A decode-sized call (M <= HALF_MR: streaming W bounds it, not the
+   broadcasts) whose groups of HALF_NP would leave a thread fewer than 4 (a 512-row projection
+   is 11 groups of 3: enough for 2 threads, not for 16) takes one tile a group instead; a
+   longer x keeps the groups, whose register blocking it needs. The split changes no output's
+   bits: each is one FMA chain whatever its group. */
 static int half_matmul(int qtype, const uint8_t *tiles, int64_t ntiles, int64_t blocks, int64_t tbb, int64_t N,
                        const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int num_threads) {
     const int64_t K = blocks * 32, tile_bytes = blocks * tbb;
-    const int64_t width = ntiles >= (int64_t)HALF_NP * 4 * num_threads ? HALF_NP : 1;
+    const int64_t width = M > HALF_MR || ntiles >= (int64_t)HALF_NP * 4 * num_threads ? HALF_NP : 1;
     const int64_t groups = (ntiles + width - 1) / width;
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
     for (int64_t g = 0; g < groups; g++) {
