@@ -25,7 +25,13 @@ from typing import Any
 
 from tokenbus.loader.gemma3n_config import kv_shared_layers
 from tokenbus.loader.gemma_config import GEMMA_ACTIVATION
-from tokenbus.loader.layer_kinds import gguf_local_layers, hf_local_layers, windows
+from tokenbus.loader.layer_kinds import (
+    full_attention_rope,
+    gguf_local_layers,
+    hf_local_layers,
+    rope_by_layer_type,
+    windows,
+)
 
 GEMMA4_GGUF = "gemma4"
 _PATTERN = 6  # five local layers, then a global one (Gemma4TextConfig's default)
@@ -73,18 +79,10 @@ def gemma4_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     global_dim, global_kv = _hf_global_shape(config, local, kv_heads, k_eq_v)
     shapes = [(kv_heads, head_dim) if is_local else (global_kv, global_dim) for is_local in local]
     rope = config.get("rope_parameters") or _DEFAULT_ROPE
-    local_rope, global_rope = (
-        dict(rope.get("sliding_attention") or {}),
-        dict(rope["full_attention"]),
+    global_rope, local_theta = rope_by_layer_type(rope, path)
+    global_theta, global_scaling = full_attention_rope(
+        global_rope["rope_parameters"], path, _GLOBAL_THETA
     )
-    if (local_rope.get("rope_type") or "default") != "default":
-        raise ValueError(f"{path}: rope_parameters.sliding_attention must be the default rope")
-    global_type = global_rope.pop("rope_type", "default")
-    if global_type not in ("default", "proportional"):
-        raise ValueError(
-            f"{path}: rope_parameters.full_attention: rope type {global_type!r} is not supported"
-        )
-    global_theta = float(global_rope.pop("rope_theta", _GLOBAL_THETA))
     shared = int(config.get("num_kv_shared_layers") or 0)
     width = int(config["intermediate_size"])
     per_layer = int(config.get("hidden_size_per_layer_input") or 0)
@@ -95,10 +93,8 @@ def gemma4_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
         final_logit_softcapping=config.get("final_logit_softcapping"),
         sliding_windows=windows(local, int(config.get("sliding_window") or 512)),
         rope_theta=global_theta,
-        rope_scaling=None
-        if global_type == "default"
-        else {"rope_type": global_type, **global_rope},
-        rope_local_theta=float(local_rope.get("rope_theta", _LOCAL_THETA)),
+        rope_scaling=global_scaling,
+        rope_local_theta=_LOCAL_THETA if local_theta is None else local_theta,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
         kv_shared_layers=kv_shared_layers(local, shared),
         **_shape_fields(shapes, k_eq_v),

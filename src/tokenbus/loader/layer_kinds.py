@@ -79,6 +79,23 @@ def rope_by_layer_type(params: dict[str, Any], path: Path) -> tuple[dict[str, An
     )
 
 
+def full_attention_rope(
+    full: dict[str, Any], path: Path, default_theta: float
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) of the global layers' `rope_parameters.full_attention`
+    entry (Gemma 4's, LFM3's): the default rope or the "proportional" one, its
+    partial_rotary_factor kept in rope_scaling (model/layers/rotary.py turns the first part of
+    the angles over the whole head)."""
+    full = dict(full)
+    rope_type = full.pop("rope_type", None) or "default"
+    if rope_type not in ("default", "proportional"):
+        raise ValueError(
+            f"{path}: rope_parameters.full_attention: rope type {rope_type!r} is not supported"
+        )
+    theta = float(full.pop("rope_theta", default_theta))
+    return theta, None if rope_type == "default" else {"rope_type": rope_type, **full}
+
+
 def global_nope_layers(local: list[bool]) -> tuple[int, ...]:
     """ModelArch.nope_layers of a family whose global layers turn no rotary where its local ones
     slide (Cohere2's, EXAONE 4's); () where no layer slides."""
