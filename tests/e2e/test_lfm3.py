@@ -24,10 +24,10 @@ MAX_TOKENS = 10
 ENGINE = dict(kv_cache_dtype="float32", max_num_batched_tokens=32)
 
 
-@pytest.fixture(scope="module", params=["plain", "conv_bias"])
+@pytest.fixture(scope="module", params=["plain", "biases"])
 def hf_dir(request):
-    if request.param == "conv_bias":  # biases on in_proj, the conv and out_proj
-        return cached_tiny_model("lfm3", conv_bias=True)
+    if request.param == "biases":  # on in_proj, the conv and out_proj; q/k/v and o_proj
+        return cached_tiny_model("lfm3", conv_bias=True, attention_bias=True)
     return cached_tiny_model("lfm3")
 
 
@@ -89,7 +89,14 @@ def test_two_tensor_parallel_ranks(hf_dir, prompts, hf_reference):
         llm.shutdown()
 
 
-def test_a_config_without_sandwich_norms_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"use_sandwich_norm": False}, "use_sandwich_norm=false is not supported for lfm3"),
+        ({"sliding_window": None}, "sliding_window must be a positive integer, got None"),
+    ],
+)
+def test_what_lfm3_cannot_run_is_refused_by_name(tmp_path, change, error):
     import json
     import shutil
 
@@ -97,6 +104,26 @@ def test_a_config_without_sandwich_norms_is_refused(tmp_path):
 
     path = shutil.copytree(cached_tiny_model("lfm3"), tmp_path / "lfm3")
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "use_sandwich_norm": False}))
-    with pytest.raises(ValueError, match="use_sandwich_norm=false is not supported for lfm3"):
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=error):
         load_arch(resolve_model(str(path)))
+
+
+def test_a_rope_entry_without_a_base_takes_the_config_s():
+    from pathlib import Path
+
+    from tokenbus.loader.lfm2_config import lfm3_hf_fields
+
+    rope = {"sliding_attention": {"rope_type": "default"}, "full_attention": {}}
+    config = dict(
+        num_hidden_layers=2, intermediate_size=96, layer_types=["conv", "sliding_attention"],
+        rope_parameters=rope, rope_theta=5e5,
+    )  # fmt: skip
+    fields = lfm3_hf_fields(config, Path("config.json"))
+    assert (fields["rope_theta"], fields["rope_local_theta"], fields["rope_scaling"]) == (
+        5e5,
+        5e5,
+        None,
+    )
+    del config["rope_theta"]  # then Lfm3Config's 1M
+    assert lfm3_hf_fields(config, Path("config.json"))["rope_local_theta"] == 1e6

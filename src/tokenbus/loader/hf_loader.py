@@ -160,6 +160,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         config = {"hidden_act": "relu2", **config}
     if architecture == "apertus":  # ApertusConfig's default
         config = {"hidden_act": "xielu", **config}
+    if architecture == "lfm3":  # Lfm3Config's defaults where the file names none
+        config = {"head_dim": 128, "num_key_value_heads": 4, **config}
     if architecture == "nemotron_h":  # its layer count is its block list's (transformers')
         config = {**config, "num_hidden_layers": len(nemotron_h_kinds(config, path))}
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tokenbus.loader.layer_kinds import rope_by_layer_type, windows
+from tokenbus.loader.layer_kinds import full_attention_rope, rope_by_layer_type, windows
 
 LFM2_GGUF_ARCHITECTURES = ("lfm2", "lfm2moe")
 LFM2_GGUF_GLOBAL_NAMES = {"token_embd_norm.weight": "model.norm.weight"}
@@ -53,8 +53,7 @@ _HF_LAYER_NAMES = {
     "self_attn.k_layernorm": "self_attn.k_norm",
 }
 # LFM3's sandwich blocks: the norm before the MLP and the two after each sublayer
-_HF_LFM3_LAYER_NAMES = {
-    "operator_norm": "input_layernorm",
+_HF_LFM3_LAYER_NAMES = {  # beside LFM2's (operator_norm's too)
     "post_operator_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffn_norm": "post_feedforward_layernorm",
@@ -109,24 +108,25 @@ def lfm3_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
             f"{path}: layer_types must name one of {sorted(allowed)} for each of the "
             f"{num_layers} layers, got {kinds!r}"
         )
+    # an entry without a base takes the config's rope_theta, else Lfm3Config's 1M (as
+    # transformers' standardize_rope_params fills it in)
+    fallback = float(config.get("rope_theta") or 1_000_000.0)
     rope = config.get("rope_parameters") or _LFM3_ROPE
     if not isinstance(rope.get("full_attention"), dict):
         raise ValueError(f"{path}: rope_parameters must have an entry for full_attention")
     global_rope, local_theta = rope_by_layer_type(rope, path)
-    full = dict(global_rope["rope_parameters"])
-    full_type = full.pop("rope_type", None) or "default"
-    if full_type not in ("default", "proportional"):
-        raise ValueError(
-            f"{path}: rope_parameters.full_attention: rope type {full_type!r} is not supported"
-        )
-    theta = float(full.pop("rope_theta", 1_000_000.0))
+    theta, scaling = full_attention_rope(global_rope["rope_parameters"], path, fallback)
+    local = [kind == "sliding_attention" for kind in kinds]
     window = config.get("sliding_window", 256)
+    if any(local) and not (isinstance(window, int) and window > 0):
+        # without one the sliding layers would read the global layers' rope table
+        raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
     return dict(
         intermediate_size=int(config["intermediate_size"]),
-        sliding_windows=windows([kind == "sliding_attention" for kind in kinds], window),
+        sliding_windows=windows(local, window),
         rope_theta=theta,
-        rope_scaling=None if full_type == "default" else {"rope_type": full_type, **full},
-        rope_local_theta=10_000.0 if local_theta is None else local_theta,
+        rope_scaling=scaling,
+        rope_local_theta=fallback if local_theta is None else local_theta,
         attn_head_gate=bool(config.get("use_attention_gate", True)),
         **_hf_shared_fields(config, kinds, 7, path),
     )

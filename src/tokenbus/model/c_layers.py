@@ -91,7 +91,7 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
         and type(attn).forward is Attention.forward
         and type(attn)._head_norms_ is Attention._head_norms_  # not Command R+'s LayerNorms
         and not attn.output_gate
-        and not attn.head_gate
+        and attn.gate_proj is None
     )
     if type(layer) not in _C_LAYERS or type(mlp) not in _C_MLPS or not (latent or shared_attention):
         return None

@@ -48,8 +48,9 @@ class Attention(OpsModule):
     [R, T, 1, D/2], and this layer reads row `rope_table`; None: one table [T, 1, D/2].
     `output_gate` (arch.attn_output_gate, Qwen3.5's): qkv_proj projects a gate per query
     channel too (a fourth shard, `gate_proj`), and the heads' output is scaled by its sigmoid
-    before o_proj; `head_gate` (arch.attn_head_gate, LFM3's): the gate is one value per query
-    head (the fourth shard is [Hq]), scaling all of that head's output. `qk_norm_after_rope`
+    before o_proj; with arch.attn_head_gate (LFM3's) `gate_proj` [Hq, hidden], a linear of its
+    own (unbiased whatever q/k/v are), gives one gate a query head, scaling all of that head's
+    output. `qk_norm_after_rope`
     (a family sets it: HunYuan's): the QKNorm.HEADS norms come after the rotary instead of
     before it.
 
@@ -71,7 +72,6 @@ class Attention(OpsModule):
         self.tp = tp
         self.qk_norm = qk_norm
         self.output_gate = arch.attn_output_gate
-        self.head_gate = arch.attn_head_gate
         self.sliding_window = sliding_window
         local = tp.shard_arch(arch)
         self.num_heads = local.num_attention_heads
@@ -79,9 +79,12 @@ class Attention(OpsModule):
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        gate = (q_size,) if self.output_gate else (self.num_heads,) if self.head_gate else ()
+        gate = (q_size,) if self.output_gate else ()
         self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size, *gate), bias=qkv_bias)
         self.o_proj = Linear(q_size, (arch.hidden_size,), bias=o_bias)
+        self.gate_proj = (
+            Linear(arch.hidden_size, (self.num_heads,)) if arch.attn_head_gate else None
+        )
         self.q_norm = self.k_norm = None
         if qk_norm is not QKNorm.NONE:
             whole = qk_norm is QKNorm.WHOLE
@@ -110,7 +113,7 @@ class Attention(OpsModule):
         if self.rope_table is not None:
             cos, sin = cos[self.rope_table], sin[self.rope_table]
         qkv, gate = self.qkv_proj(x), None
-        if self.output_gate or self.head_gate:  # [q, k, v | gate]: q, k, v as one fresh tensor
+        if self.output_gate:  # [q, k, v | gate]: q, k and v go on as one fresh tensor
             width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             qkv, gate = qkv[:, :width].contiguous(), qkv[:, width:]
         qkv = qkv.view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D], fresh
@@ -138,8 +141,8 @@ class Attention(OpsModule):
             self.logit_softcap,
             self.sinks,
         )  # [T, Hq, D]
-        if self.head_gate:  # one gate a head: [T, Hq, D] * [T, Hq, 1]
-            out = out * torch.sigmoid(gate).unsqueeze(-1)
+        if self.gate_proj is not None:  # one gate a head: [T, Hq, D] * [T, Hq, 1]
+            out = out * torch.sigmoid(self.gate_proj(x)).unsqueeze(-1)
         out = out.view(num_tokens, self.num_heads * self.head_dim)
         if self.output_gate:
             out = out * torch.sigmoid(gate)

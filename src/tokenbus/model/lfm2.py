@@ -60,4 +60,6 @@ class Lfm3ForCausalLM(Lfm2ForCausalLM):
         mlp = self.make_mlp(arch, tp)
         if self.making_layer in arch.recurrent_layers:
             return RecurrentSandwichDecoderLayer(arch, ShortConv(arch, tp), mlp)
-        return SandwichDecoderLayer(arch, Attention(arch, tp, qk_norm=QKNorm.HEADS), mlp)
+        bias = arch.attention_bias  # q/k/v and o_proj, as HF's Lfm3Attention
+        attention = Attention(arch, tp, qkv_bias=bias, o_bias=bias, qk_norm=QKNorm.HEADS)
+        return SandwichDecoderLayer(arch, attention, mlp)

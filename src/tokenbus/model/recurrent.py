@@ -186,5 +186,4 @@ class RecurrentSandwichDecoderLayer(SandwichDecoderLayer):
         super().__init__(arch, None, mlp, norm)
         self.mixer = mixer
 
-    def mix(self, h: torch.Tensor, *step) -> torch.Tensor:
-        return self.mixer(h, *step)
+    mix = RecurrentDecoderLayer.mix

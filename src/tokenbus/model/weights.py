@@ -145,13 +145,14 @@ def _attention_shards(
     qkv = [("q_proj", q_rows, q_rows), ("k_proj", kv_rows, kv_rows), ("v_proj", kv_rows, kv_rows)]
     if attn.output_gate:  # its gate's rows follow the queries' (the family names them)
         qkv.append(("gate_proj", q_rows, q_rows))
-    if attn.head_gate:  # a row per query head: this rank's heads'
-        gate_rows = cut.rows(attn.num_heads * tp.rank, attn.num_heads)
-        qkv.append(("gate_proj", gate_rows, gate_rows))
-    return [
+    shards: _Shards = [
         (attn.qkv_proj, "self_attn.", qkv),
         (attn.o_proj, "self_attn.", [("o_proj", cut.columns(q_rows), cut.rank0_only())]),
     ]
+    if attn.gate_proj is not None:  # a row per query head: this rank's heads'
+        gate_rows = cut.rows(attn.num_heads * tp.rank, attn.num_heads)
+        shards.append((attn.gate_proj, "self_attn.", [("gate_proj", gate_rows, None)]))
+    return shards
 
 
 class TensorSlicer:
