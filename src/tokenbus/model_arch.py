@@ -67,9 +67,12 @@ class ModelArch:
     # How the router's logits become the experts' probabilities: a "softmax" over all of them,
     # or each its own "sigmoid" (LFM2-MoE's, GLM-4.5's); the chosen weights, renormalised (their
     # sum + moe_norm_eps the divisor: HF's LFM2-MoE 1e-6, GLM-4.5's 1e-20) or not, are then
-    # scaled by routed_scaling_factor.
+    # scaled by routed_scaling_factor. PhiMoE's "sparsemixer" (model/moe.py) chooses two
+    # experts one after the other, each weighed by a softmax over the logits within
+    # moe_jitter_eps (its router_jitter_noise) of the best one left.
     moe_scoring: str = "softmax"
     moe_norm_eps: float = 0.0
+    moe_jitter_eps: float = 0.0
     routed_scaling_factor: float = 1.0
     # DeepSeek-V3's group-limited choice (GLM-4.5's n_group, topk_group): the experts in
     # moe_groups equal groups, each group scored by the sum of its two best choice scores, the
@@ -116,6 +119,8 @@ class ModelArch:
     # Attention whose heads' outputs are each scaled by one sigmoid(gate), a gate per head
     # projected from the layer's input beside q, k and v (LFM3's g_proj)
     attn_head_gate: bool = False
+    # A bias on the LM head (PhiMoE's lm_head_bias)
+    lm_head_bias: bool = False
     # q and k RMSNormed per head before the rotary where the config says so (GLM-4.5's
     # use_qk_norm); a family that always has them (Qwen3) says so in its model class
     attn_qk_norm: bool = False

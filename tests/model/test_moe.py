@@ -238,6 +238,32 @@ def test_sigmoid_routing_matches_hf_lfm2_moe_block(bias, norm_topk_prob, scale):
         torch.testing.assert_close(ours(x), hf(x.unsqueeze(0))[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("eps", [0.01, 0.3])
+def test_sparsemixer_routing_equals_hf_s(eps):
+    """PhiMoE's two experts chosen one by one and their weights equal HF's sparsemixer at
+    inference, bit for bit in fp32: on random logits, on logits of one sign (the relative gap's
+    divisor then the best logit or |s|), and with ties for the best (the first one wins)."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer as hf_sparsemixer
+
+    from tokenbus.model.moe import sparsemixer
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 16, generator=generator)
+    ties = torch.randn(8, 16, generator=generator).round(decimals=1)
+    ties[:, 3] = ties[:, 9] = ties.max(dim=-1).values + 0.5
+    for scores in (logits, logits.abs() + 0.1, -logits.abs() - 0.1, ties):
+        want_weights, want_ids = hf_sparsemixer(scores, jitter_eps=eps, training=False)
+        weights, ids = sparsemixer(scores, eps)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    assert (sparsemixer(ties, eps)[1][:, 0] == 3).all()
+
+
+def test_sparsemixer_takes_two_experts_only():
+    arch = load_arch(resolve_model(str(cached_tiny_model("qwen3_moe", **TINY_QWEN3_MOE))))
+    with pytest.raises(ValueError, match="sparsemixer routing takes 2 experts a token, not 3"):
+        SparseMoeBlock(dataclasses.replace(arch, moe_scoring="sparsemixer", num_experts_per_tok=3))
+
+
 def test_unknown_scoring_is_refused_by_name(tmp_path):
     from tokenbus.loader.lfm2_config import lfm2_gguf_fields
 

@@ -92,6 +92,7 @@ HF_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "Lfm2ForCausalLM": "lfm2",  # LFM2 / LFM2.5: short convolutions and attention
     "Lfm2MoeForCausalLM": "lfm2_moe",  # LFM2's layers with sigmoid-routed experts
+    "PhimoeForCausalLM": "phimoe",  # Mixtral's layers, LayerNorms, sparsemixer routing
     "Lfm3ForCausalLM": "lfm3",  # LFM2's convolutions, gated and sliding attention, sandwiches
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention and MLP blocks
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet and gated attention layers
@@ -206,6 +207,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = lfm2_hf_fields(config, path)
     if architecture == "lfm2_moe":
         family = lfm2_moe_hf_fields(config, path)
+    if architecture == "phimoe":
+        family = {"lm_head_bias": bool(config.get("lm_head_bias", False))}
     if architecture == "lfm3":  # both kinds' rope in family
         family = lfm3_hf_fields(config, path)
         rope_config = {"rope_theta": family["rope_theta"]}
@@ -300,6 +303,7 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
     if architecture == "ernie4_5_moe":
         return ernie_hf_moe_fields(config, path)
     moe = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_next")
+    moe += ("phimoe",)
     if architecture not in moe:
         return {}
     if config.get("clip_qkv") is not None:
@@ -317,6 +321,15 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
             f"{path}: an MoE config needs 'num_local_experts' and 'num_experts_per_tok'"
         )
     num_layers = int(config["num_hidden_layers"])
+    if architecture == "phimoe":  # two experts chosen one by one, weights as they come
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=config["intermediate_size"],
+            norm_topk_prob=False,
+            moe_scoring="sparsemixer",
+            moe_jitter_eps=float(config.get("router_jitter_noise", 0.01)),
+        )
     if architecture in ("mixtral", "granitemoe", "gpt_oss"):  # softmax over the top k logits
         return dict(
             num_experts=num_experts,
@@ -500,7 +513,7 @@ def _sliding_windows(
     if architecture in gated and not config.get("use_sliding_window"):
         window = None
     windowed = (
-        *("mistral", "ministral", "ministral3", "mixtral", "phi3", "olmo3", "gpt_oss"),
+        *("mistral", "ministral", "ministral3", "mixtral", "phi3", "phimoe", "olmo3", "gpt_oss"),
         *("cohere2", "exaone4", "dots1"),
         *gated,
     )
@@ -509,7 +522,14 @@ def _sliding_windows(
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window must be a positive integer, got {window!r}")
     num_layers = config.get("num_hidden_layers", 0)
-    every_layer = architecture in ("mistral", "ministral3", "mixtral", "phi3", "qwen3_moe")
+    every_layer = architecture in (
+        "mistral",
+        "ministral3",
+        "mixtral",
+        "phi3",
+        "phimoe",
+        "qwen3_moe",
+    )
     if every_layer or (architecture == "ministral" and not config.get("layer_types")):
         return (window,) * num_layers
     patterned = ("olmo3", "gpt_oss", "cohere2", "exaone4")

@@ -40,6 +40,7 @@ from tokenbus.model.native.decode_layer_weights import (
     ShardWeights,
 )
 from tokenbus.model.native.dense_rows import RowInvariantLinear
+from tokenbus.model.weights import LAYER_NORM_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     )
     if type(layer) not in _C_LAYERS or type(mlp) not in _C_MLPS or not (latent or shared_attention):
         return None
+    norms = [getattr(layer, name, None) for name in LAYER_NORM_NAMES]
+    if not all(norm is None or isinstance(norm, RMSNorm) for norm in norms):
+        return None  # decode_layer.c's norms are RMSNorms (PhiMoE's LayerNorms are not)
     if isinstance(mlp, SparseMoeBlock):
         moe, gate_up, down = _moe_weights(mlp), None, None
         if moe is None:
@@ -276,6 +280,8 @@ def _moe_weights(block: SparseMoeBlock) -> MoeWeights | None:
     expert's two tiled linears with its gate on dense_rows.c's panels; or None."""
     router = block.gate.kernel
     if not isinstance(router, RowInvariantLinear) or block.tp.enabled:
+        return None
+    if block.sparsemixer_eps is not None:  # decode_layer.c routes by softmax or sigmoid only
         return None
     shared = None
     if block.shared_expert is not None:

@@ -104,7 +104,7 @@ class CausalLM(nn.Module):
                 attn.rope_table = LOCAL_ROPE if local else GLOBAL_ROPE
             if arch.nope_layers:  # likewise: its NoPE layers the identity turn
                 attn.rope_table = NO_ROPE if idx in arch.nope_layers else GLOBAL_ROPE
-        self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,))
+        self.lm_head = Linear(arch.hidden_size, (self.vocab_per_rank,), bias=arch.lm_head_bias)
         # A GGUF embedding kept in its blocks (then embed_tokens is released).
         self.embed_quantized: QuantizedWeight | KernelWeight | None = None
         self.kernels = KernelPlan.portable(self.embed_tokens.dtype)
@@ -244,8 +244,13 @@ class CausalLM(nn.Module):
             "model.embed_tokens.weight": sliced(self._load_embedding, vocab),
             "model.norm.weight": partial(copy_param, self.norm.weight),
         }
+        if getattr(self.norm, "bias", None) is not None:  # a LayerNorm's (PhiMoE's)
+            loaders["model.norm.bias"] = partial(copy_param, self.norm.bias)
         if not self.arch.tie_word_embeddings:
             loaders["lm_head.weight"] = sliced(self.lm_head.load_shard, vocab)
+        if self.lm_head.bias is not None:  # this rank's vocabulary rows, as the weight's
+            head_bias = partial(self.lm_head.load_shard, is_bias=True)
+            loaders["lm_head.bias"] = sliced(head_bias, vocab)
         for idx, layer in enumerate(self.layers):
             loaders.update(layer_loaders(f"model.layers.{idx}.", layer, self.tp, self.arch))
             if getattr(layer, "mixer", None) is not None:  # a recurrent layer's mixer

@@ -12,6 +12,7 @@ renormalises with HF's 1e-6 in the sum (arch.moe_norm_eps), and scales the weigh
 routed_scaling_factor. GLM-4.5's (DeepSeek-V3's) router is LFM2-MoE's with 1e-20 for the 1e-6,
 and may limit the choice to the best groups of experts (arch.moe_groups, moe_topk_groups):
 each group scored by its two best biased scores, the other groups' experts masked off.
+PhiMoE's sparsemixer picks its two experts one by one (`sparsemixer`).
 
 The expert step is fused over the batch: the T*k (token, expert) pairs are sorted by expert
 (a stable argsort), so each expert's tokens are one contiguous run; each active expert runs
@@ -55,6 +56,7 @@ from tokenbus.model_arch import ModelArch
 # An expert's HF tensor names per family: (gate, up, down).
 EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
+    "phimoe": ("w1", "w3", "w2"),
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
     "ernie4_5_moe": ("gate_proj", "up_proj", "down_proj"),
@@ -85,7 +87,7 @@ SHARED_EXPERT_NAMES = {
 # The experts' gate activations (ModelArch.hidden_act): SiLU, Gemma 4's tanh GELU
 EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # How a router's logits become probabilities (ModelArch.moe_scoring)
-MOE_SCORINGS = ("softmax", "sigmoid")
+MOE_SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 # ERNIE 4.5's selection bias, under the MoE block ([1, E] in HF's checkpoints); the families
 # that name it otherwise (GLM-4.5's router holds it, MiniMax-M2's MoE block)
 SELECTION_BIAS_NAME = "moe_statics.e_score_correction_bias"
@@ -94,6 +96,23 @@ SELECTION_BIAS_NAMES = {
     "minimax_m2": "e_score_correction_bias",
     "deepseek": "gate.e_score_correction_bias",  # DeepSeek-V3's
 }
+
+
+def sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's routing at inference (HF's sparsemixer, not training): (weights [T, 2], expert
+    ids [T, 2]). The best expert first; its weight is its softmax share among the experts whose
+    logit lies within a relative 2 eps of the best ((best - s) / max(|s|, best) <= 2 eps), the
+    others masked off. Then the same over the experts left, the first masked off, the relative
+    gap still measured against every logit's own |s|. Neither pair is renormalised."""
+    ids, weights = [], []
+    left = logits
+    for _ in range(2):
+        best, chosen = left.max(dim=-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * eps
+        weights.append(torch.softmax(left.masked_fill(far, float("-inf")), -1).gather(-1, chosen))
+        ids.append(chosen)
+        left = left.scatter(-1, chosen, float("-inf"))
+    return torch.cat(weights, -1), torch.cat(ids, -1)
 
 
 class Expert(nn.Module):
@@ -137,6 +156,13 @@ class SparseMoeBlock(OpsModule):
                 f"moe_scoring: {arch.moe_scoring!r} is not supported "
                 f"(supported: {', '.join(MOE_SCORINGS)})"
             )
+        # PhiMoE's sparsemixer threshold (its two experts chosen one by one); None: another
+        # scoring
+        self.sparsemixer_eps: float | None = None
+        if arch.moe_scoring == "sparsemixer":
+            if self.top_k != 2:
+                raise ValueError(f"sparsemixer routing takes 2 experts a token, not {self.top_k}")
+            self.sparsemixer_eps = arch.moe_jitter_eps
         self.norm_topk_prob = arch.norm_topk_prob
         self.norm_eps = arch.moe_norm_eps
         self.groups, self.topk_groups = _check_groups(arch)
@@ -177,6 +203,9 @@ class SparseMoeBlock(OpsModule):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of each token."""
         logits = self.gate(x).float()  # [T, E]
+        if self.sparsemixer_eps is not None:
+            weights, expert_ids = sparsemixer(logits, self.sparsemixer_eps)
+            return weights.to(x.dtype), expert_ids
         probs = torch.sigmoid(logits) if self.sigmoid_scores else torch.softmax(logits, dim=-1)
         if self.selection_bias is None and self.groups == 1:
             weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)

@@ -30,6 +30,7 @@ from tokenbus.model.nemotron_h import NemotronHForCausalLM
 from tokenbus.model.olmo2 import Olmo2ForCausalLM
 from tokenbus.model.olmoe import OlmoeForCausalLM
 from tokenbus.model.phi3 import Phi3ForCausalLM
+from tokenbus.model.phimoe import PhimoeForCausalLM
 from tokenbus.model.qwen2_moe import Qwen2MoeForCausalLM
 from tokenbus.model.qwen3 import Qwen3ForCausalLM
 from tokenbus.model.qwen3_5 import (
@@ -129,6 +130,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "lfm2_moe": Lfm2MoeForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "lfm3": Lfm3ForCausalLM,
+    "phimoe": PhimoeForCausalLM,
+    "PhimoeForCausalLM": PhimoeForCausalLM,
     "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,

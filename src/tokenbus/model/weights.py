@@ -84,6 +84,9 @@ def layer_loaders(
     loaders: dict[str, WeightLoader] = {
         f"{prefix}{name}.weight": partial(copy_param, norm.weight) for name, norm in norms
     }
+    for name, norm in norms:  # a LayerNorm's bias (PhiMoE's)
+        if getattr(norm, "bias", None) is not None:
+            loaders[f"{prefix}{name}.bias"] = partial(copy_param, norm.bias)
     cut = TensorSlicer(tp, arch)
     fused = _mlp_shards(mlp, cut, tp)
     if isinstance(attn, Attention):  # another attention (model/mla.py) names its own

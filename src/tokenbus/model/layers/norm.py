@@ -1,5 +1,6 @@
 """RMSNorm with an optional fused residual add (the pre-norm decoder's pattern), the one whose
-weight stays fp32 (Gemma's and OLMo 2's), and Cohere's LayerNorm without a bias."""
+weight stays fp32 (Gemma's and OLMo 2's), and LayerNorm (Cohere's without a bias, PhiMoE's
+with one)."""
 
 from __future__ import annotations
 
@@ -55,14 +56,18 @@ class LayerNorm(OpsModule):
     mean, then rsqrt), so an fp32 model gives its values bit for bit. The same interface as
     RMSNorm (forward, add_and_norm); the C ops take only RMSNorms. `hidden_size` may be a
     shape, (heads, D): each head of x [..., heads, D] then takes its own row of the weight
-    (Command R+'s q/k norms: CohereLayerNorm of shape (heads, head_dim))."""
+    (Command R+'s q/k norms: CohereLayerNorm of shape (heads, head_dim)). With `bias`, torch's
+    own layer norm plus a bias, in x's dtype: nn.LayerNorm's (PhiMoE's)."""
 
-    def __init__(self, hidden_size: int | tuple[int, int], eps: float) -> None:
+    def __init__(self, hidden_size: int | tuple[int, int], eps: float, bias: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
         h = x.to(torch.float32)
         mean = h.mean(-1, keepdim=True)
         variance = (h - mean).pow(2).mean(-1, keepdim=True)
