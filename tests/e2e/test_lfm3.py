@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.oracle import (
     assert_matches_hf,
-    assert_same_or_near_tie,
+    assert_ranks_match_hf,
     greedy_outputs,
     hf_greedy_logprobs,
     load_hf,
@@ -79,14 +79,7 @@ def test_tiny_token_budget_and_a_small_pool(hf_dir, prompts, hf_reference):
 
 def test_two_tensor_parallel_ranks(hf_dir, prompts, hf_reference):
     """Each rank holds half the conv channels (and their state), half the heads and gates."""
-    llm = make_llm(hf_dir, tensor_parallel_size=2, **ENGINE)
-    try:
-        outputs = greedy_outputs(llm, prompts[:4], MAX_TOKENS, logprobs=5)
-        for out, (tokens, _) in zip(outputs, hf_reference[:4]):
-            assert_same_or_near_tie(out.token_ids, tokens, out.logprobs)
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
+    assert_ranks_match_hf(hf_dir, prompts[:4], hf_reference[:4], MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
