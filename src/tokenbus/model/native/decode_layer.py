@@ -210,6 +210,7 @@ class DecodeLayers:
         if (
             tables < self.num_rope_tables
             or len(groups) <= max(layer_groups, default=0)
+            or min(layer_groups, default=0) < 0  # a layer of no group (holding no K/V)
             or 0 < len(layer_groups) < len(self._layers)
         ):
             raise ValueError(
