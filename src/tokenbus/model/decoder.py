@@ -50,9 +50,8 @@ class Attention(OpsModule):
     channel too (a fourth shard, `gate_proj`), and the heads' output is scaled by its sigmoid
     before o_proj; with arch.attn_head_gate (LFM3's) `gate_proj` [Hq, hidden], a linear of its
     own (unbiased whatever q/k/v are), gives one gate a query head, scaling all of that head's
-    output. `qk_norm_after_rope`
-    (a family sets it: HunYuan's): the QKNorm.HEADS norms come after the rotary instead of
-    before it.
+    output. `qk_norm_after_rope` (a family sets it: HunYuan's): the QKNorm.HEADS norms come
+    after the rotary instead of before it.
 
     A family's subclass only configures these (model/gemma.py's: scale, soft-cap, norms); the
     computation is this forward, which decode_layer.c mirrors
