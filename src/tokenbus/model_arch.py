@@ -68,8 +68,8 @@ class ModelArch:
     # or each its own "sigmoid" (LFM2-MoE's, GLM-4.5's); the chosen weights, renormalised (their
     # sum + moe_norm_eps the divisor: HF's LFM2-MoE 1e-6, GLM-4.5's 1e-20) or not, are then
     # scaled by routed_scaling_factor. PhiMoE's "sparsemixer" (model/moe.py) chooses two
-    # experts one after the other, each weighed by a softmax over the logits within
-    # moe_jitter_eps (its router_jitter_noise) of the best one left.
+    # experts one after the other, each weighed by a softmax over the logits within a relative
+    # 2 * moe_jitter_eps (its router_jitter_noise) of the best one left.
     moe_scoring: str = "softmax"
     moe_norm_eps: float = 0.0
     moe_jitter_eps: float = 0.0

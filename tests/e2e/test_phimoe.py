@@ -1,8 +1,8 @@
 """PhiMoE (PhimoeForCausalLM) end to end against HF transformers, fp32 on CPU: a tiny random
 PhiMoE (LayerNorms with biases, q/k/v, o_proj and LM head biases, 4 experts of which
 sparsemixer picks 2) gives HF's greedy tokens and logprobs with its default rope and with
-Phi-3.5-MoE's LongRoPE (short factors and short_mscale within the original context), in one
-batch, in small chunks and on two expert-parallel ranks."""
+Phi-3.5-MoE's LongRoPE (HF's short factors and short_mscale, in an engine whose context passes
+the original one), in one batch, in small chunks and on two expert-parallel ranks."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from tests.e2e.utils import assert_engine_clean, make_llm
 from tests.fixtures.tiny_models import cached_tiny_model
 
 MAX_TOKENS = 10
-ENGINE = dict(kv_cache_dtype="float32", max_num_batched_tokens=32, max_model_len=256)
+# a context past LongRoPE's original 256: HF keeps the short factors and short_mscale there
+ENGINE = dict(kv_cache_dtype="float32", max_num_batched_tokens=32, max_model_len=512)
 HEAD_DIM = 16  # TINY_CONFIG's 64 wide over 4 heads
 # Phi-3.5-MoE's rope_scaling at a tiny size: factors per rotary pair, an attention factor per set
 LONGROPE = {
@@ -72,7 +73,7 @@ def test_greedy_tokens_and_logprobs_are_hf_s(hf_dir, prompts, hf_reference):
     assert_matches_hf(greedy_outputs(llm, prompts, MAX_TOKENS), hf_reference)
     assert_engine_clean(llm)
     small = make_llm(
-        hf_dir, kv_cache_dtype="float32", max_num_batched_tokens=16, max_model_len=256,
+        hf_dir, kv_cache_dtype="float32", max_num_batched_tokens=16, max_model_len=512,
         long_prefill_token_threshold=7,
     )  # fmt: skip
     assert_matches_hf(greedy_outputs(small, prompts, MAX_TOKENS), hf_reference)

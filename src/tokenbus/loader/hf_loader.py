@@ -93,6 +93,7 @@ HF_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",  # LFM2 / LFM2.5: short convolutions and attention
     "Lfm2MoeForCausalLM": "lfm2_moe",  # LFM2's layers with sigmoid-routed experts
     "PhimoeForCausalLM": "phimoe",  # Mixtral's layers, LayerNorms, sparsemixer routing
+    "PhiMoEForCausalLM": "phimoe",  # Microsoft's checkpoints' spelling
     "Lfm3ForCausalLM": "lfm3",  # LFM2's convolutions, gated and sliding attention, sandwiches
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention and MLP blocks
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet and gated attention layers
@@ -234,6 +235,8 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         family = qwen3_5_moe_hf_fields(config, path)
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rope_theta, rope_scaling, partial_rotary_factor = _rope(rope_config, path, architecture)
+    if architecture == "phimoe" and rope_scaling is not None:
+        rope_scaling = _phimoe_longrope(rope_scaling, path)
     rotary_dim = None if partial_rotary_factor == 1.0 else int(head_dim * partial_rotary_factor)
     nope_layers = _nope_layers(config, architecture, path)
     sliding_windows = _sliding_windows(config, architecture, path, nope_layers)
@@ -297,13 +300,14 @@ def _attention_bias(config: dict[str, Any], architecture: str) -> bool:
 
 
 def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[str, Any]:
-    """ModelArch's MoE fields (model/moe.py) of a Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE,
-    GraniteMoE or gpt-oss config; {} otherwise. Fields we do not implement (shared experts outside
-    Qwen2-MoE, OLMoE's clip_qkv) are refused, naming them. ERNIE 4.5's: ernie_config.py."""
+    """ModelArch's MoE fields (model/moe.py) of a Mixtral, PhiMoE, Qwen3-MoE, Qwen2-MoE, OLMoE,
+    GraniteMoE, gpt-oss or Qwen3-Next config; {} otherwise. Fields we do not implement (shared
+    experts outside Qwen2-MoE, OLMoE's clip_qkv) are refused, naming them. ERNIE 4.5's:
+    ernie_config.py."""
     if architecture == "ernie4_5_moe":
         return ernie_hf_moe_fields(config, path)
-    moe = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_next")
-    moe += ("phimoe",)
+    moe = ("mixtral", "phimoe", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss")
+    moe += ("qwen3_next",)
     if architecture not in moe:
         return {}
     if config.get("clip_qkv") is not None:
@@ -328,7 +332,7 @@ def _moe_fields(config: dict[str, Any], architecture: str, path: Path) -> dict[s
             moe_intermediate_size=config["intermediate_size"],
             norm_topk_prob=False,
             moe_scoring="sparsemixer",
-            moe_jitter_eps=float(config.get("router_jitter_noise", 0.01)),
+            moe_jitter_eps=float(config.get("router_jitter_noise") or 0.01),
         )
     if architecture in ("mixtral", "granitemoe", "gpt_oss"):  # softmax over the top k logits
         return dict(
@@ -394,6 +398,21 @@ def _rope(
     if rope_type in ("yarn", "longrope"):
         params.update(_extended_context(config, params, architecture))
     return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}, partial
+
+
+def _phimoe_longrope(scaling: dict[str, Any], path: Path) -> dict[str, Any]:
+    """PhiMoE's LongRoPE as HF's PhimoeRotaryEmbedding computes it: the short factors at every
+    length (its long ones unused), cos and sin scaled by short_mscale. HF scales by long_mscale
+    instead for a forward whose positions pass the original context, which an engine holding
+    K/V cannot switch to in the middle of a sequence: past it, tokenbus keeps short_mscale."""
+    if scaling.get("rope_type") != "longrope":
+        raise ValueError(
+            f"{path}: rope type {scaling.get('rope_type')!r} is not supported for phimoe"
+        )
+    if "short_mscale" not in scaling:
+        raise ValueError(f"{path}: a phimoe LongRoPE needs 'short_mscale'")
+    short = scaling["short_factor"]
+    return {**scaling, "long_factor": short, "attention_factor": float(scaling["short_mscale"])}
 
 
 def _extended_context(
@@ -499,8 +518,8 @@ def _nope_layers(config: dict[str, Any], architecture: str, path: Path) -> tuple
 def _sliding_windows(
     config: dict[str, Any], architecture: str, path: Path, nope_layers: tuple[int, ...] = ()
 ) -> tuple[int | None, ...]:
-    """Each layer's window as transformers builds them: Mistral's, Mixtral's and Phi-3's
-    `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's /
+    """Each layer's window as transformers builds them: Mistral's, Mixtral's, Phi-3's and
+    PhiMoE's `sliding_window` on every layer, Qwen3-MoE's too with `use_sliding_window`; Qwen2's /
     Qwen2-MoE's / Qwen3's / SmolLM3's only with `use_sliding_window`, on the layers of
     `layer_types` (or, in a
     config without them, from `max_window_layers` on; SmolLM3: its `nope_layers`); OLMo 3's on

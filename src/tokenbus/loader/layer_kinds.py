@@ -66,6 +66,8 @@ def windows(local: list[bool], window: int | None) -> tuple[int | None, ...]:
 def rope_by_layer_type(params: dict[str, Any], path: Path) -> tuple[dict[str, Any], float | None]:
     """(a flat rope config for the global layers, the local layers' base or None where their
     entry has none) from transformers 5's `rope_parameters` keyed by layer type."""
+    if not isinstance(params.get("full_attention"), dict):
+        raise ValueError(f"{path}: rope_parameters must have an entry for full_attention")
     local = dict(params.get("sliding_attention") or {})
     local_type = local.get("rope_type") or local.get("type") or "default"
     if local_type != "default":

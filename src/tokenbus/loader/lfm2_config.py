@@ -112,8 +112,6 @@ def lfm3_hf_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     # transformers' standardize_rope_params fills it in)
     fallback = float(config.get("rope_theta") or 1_000_000.0)
     rope = config.get("rope_parameters") or _LFM3_ROPE
-    if not isinstance(rope.get("full_attention"), dict):
-        raise ValueError(f"{path}: rope_parameters must have an entry for full_attention")
     global_rope, local_theta = rope_by_layer_type(rope, path)
     theta, scaling = full_attention_rope(global_rope["rope_parameters"], path, fallback)
     local = [kind == "sliding_attention" for kind in kinds]

@@ -103,7 +103,9 @@ def sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.T
     ids [T, 2]). The best expert first; its weight is its softmax share among the experts whose
     logit lies within a relative 2 eps of the best ((best - s) / max(|s|, best) <= 2 eps), the
     others masked off. Then the same over the experts left, the first masked off, the relative
-    gap still measured against every logit's own |s|. Neither pair is renormalised."""
+    gap still measured against every logit's own |s|. Neither pair is renormalised. On the fp32
+    logits, as every router here: HF takes them in the router's dtype, so a bf16 model's mask
+    edge and weights may differ from HF's by that rounding."""
     ids, weights = [], []
     left = logits
     for _ in range(2):

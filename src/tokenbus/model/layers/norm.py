@@ -51,8 +51,8 @@ class Fp32RMSNorm(RMSNorm):
 
 
 class LayerNorm(OpsModule):
-    """(x - mean) / sqrt(var + eps) * weight over the last dim, no bias, computed in fp32 and
-    cast back: HF's CohereLayerNorm / Cohere2LayerNorm op for op (the variance taken around the
+    """(x - mean) / sqrt(var + eps) * weight over the last dim; without `bias` computed in fp32
+    and cast back: HF's CohereLayerNorm / Cohere2LayerNorm op for op (the variance taken around the
     mean, then rsqrt), so an fp32 model gives its values bit for bit. The same interface as
     RMSNorm (forward, add_and_norm); the C ops take only RMSNorms. `hidden_size` may be a
     shape, (heads, D): each head of x [..., heads, D] then takes its own row of the weight
@@ -61,6 +61,8 @@ class LayerNorm(OpsModule):
 
     def __init__(self, hidden_size: int | tuple[int, int], eps: float, bias: bool = False) -> None:
         super().__init__()
+        if bias and not isinstance(hidden_size, int):  # F.layer_norm would span every head
+            raise ValueError(f"a LayerNorm with a bias norms one dim, not {hidden_size}")
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None

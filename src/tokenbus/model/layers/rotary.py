@@ -17,10 +17,7 @@ in the middle of a sequence, so the set is fixed per engine from the longest seq
 the table's length (`max_position`: the engine's max_model_len, worker/model_builder.py): long
 when it exceeds the original context, short otherwise. This is vLLM's and llama.cpp's rule, and
 it is HF's for every sequence longer than the original context (long) and, for an engine capped
-at the original context, for every sequence (short). PhiMoE's LongRoPE gives each set its own
-attention factor (short_mscale, long_mscale), taken with the set; HF's PhimoeRotaryEmbedding
-keeps the short factors past the original context too and switches only the attention factor,
-so there our long set departs from it.
+at the original context, for every sequence (short).
 """
 
 from __future__ import annotations
@@ -107,9 +104,6 @@ def _longrope(
             1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         )
     key = "long_factor" if max_position > original else "short_factor"
-    mscale = scaling.get("long_mscale" if max_position > original else "short_mscale")
-    if mscale is not None:  # PhiMoE's: an attention factor per factor set
-        attention_factor = mscale
     ext_factors = torch.tensor(scaling[key], dtype=torch.float32)
     if ext_factors.shape != (dim // 2,):
         raise ValueError(
