@@ -273,9 +273,11 @@ def test_pathological_grammars_do_not_deny_structured_output_to_others(tiny_llam
         refused, killed, trivial, again = asyncio.run(scenario())
         # The client that left took its compile with it, long before the 4 s deadline.
         assert busy_descendants(server.proc.pid) == []
-        # Schemas whose compile would take minutes are refused before any compile starts...
+        # Schemas whose compile would take minutes are refused before any compile starts (four
+        # 5000-property schemas parsed and costed at once on 2 cores: 1.3 s seen, well under the
+        # 4 s a compile would be given)...
         for response, seconds in refused:
-            assert response.status_code == 400 and seconds < 1.0
+            assert response.status_code == 400 and seconds < 2.5
             assert "--max-schema-cost" in response.json()["error"]["message"]
         # ...grammars the estimate cannot see are stopped at the deadline...
         for response, seconds in killed:
