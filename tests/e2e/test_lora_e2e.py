@@ -232,3 +232,32 @@ def test_adapters_on_a_gpu_give_the_cpu_engines_tokens(tiny_llama_dir, adapters)
         assert_engine_clean(gpu)
     finally:
         gpu.shutdown()
+
+
+@pytest.mark.parametrize("module", ["self_attn.gate_proj", "mlp.q_proj", "block_sparse_moe.w1"])
+def test_a_projection_under_another_scope_is_refused_by_name(
+    module, tiny_llama_dir, adapters, tmp_path
+):
+    """LFM3's attention has a gate_proj of its own: an adapter of it must not land on the MLP's
+    gate, nor an "mlp.q_proj" on the attention's q."""
+    from safetensors.torch import save_file
+
+    from tokenbus.loader import load_arch, resolve_model
+    from tokenbus.loader.lora import check_adapter
+
+    arch = load_arch(resolve_model(str(tiny_llama_dir)))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    first = Path(adapters["first"].lora_path)
+    shutil.copy(first / "adapter_config.json", bad / "adapter_config.json")
+    prefix = f"base_model.model.model.layers.0.{module}"
+    save_file(
+        {
+            f"{prefix}.lora_A.weight": torch.zeros(4, arch.hidden_size),
+            f"{prefix}.lora_B.weight": torch.zeros(arch.hidden_size, 4),
+        },
+        str(bad / "adapter_model.safetensors"),
+    )
+    with pytest.raises(ValueError, match=rf"tensor {prefix}\.lora_A.* adapts a module we do not"):
+        check_adapter(bad, 4, arch)
+    check_adapter(first, 4, arch)  # the fixture's own adapter passes the same check

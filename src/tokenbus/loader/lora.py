@@ -24,12 +24,23 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The modules of a Llama-family decoder layer an adapter may target (model/lora.py maps each
-# onto its fused linear: q/k/v → qkv_proj, gate/up → gate_up_proj).
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The modules of a Llama-family decoder layer an adapter may target, each under the scope that
+# holds it (model/lora.py maps each onto its fused linear: q/k/v → qkv_proj, gate/up →
+# gate_up_proj). The scope is checked: LFM3's attention has a gate_proj of its own (a per-head
+# gate), which is not the MLP's.
+TARGET_SCOPES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+TARGET_MODULES = tuple(TARGET_SCOPES)
 # PEFT's names: base_model.model.<HF module>.lora_A.weight (the adapter's own name is dropped).
 _TENSOR_NAME = re.compile(
-    r"^base_model\.model\.(?P<module>model\.layers\.\d+\.(?:self_attn|mlp)\.(?P<target>\w+))"
+    r"^base_model\.model\.(?P<module>model\.layers\.\d+\.(?P<scope>\w+)\.(?P<target>\w+))"
     r"\.lora_(?P<part>[AB])\.weight$"
 )
 # Options that change what the adapter computes and that we do not implement: refused, never
@@ -173,10 +184,11 @@ def _read(config: AdapterConfig, get: Any) -> dict[str, dict[str, Any]]:
         with safe_open(str(config.path / WEIGHTS_FILE), framework="pt") as weights:
             for name in weights.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 match = _TENSOR_NAME.match(name)
-                if match is None or match["target"] not in TARGET_MODULES:
+                if match is None or TARGET_SCOPES.get(match["target"]) != match["scope"]:
+                    supported = ", ".join(f"{s}.{t}" for t, s in TARGET_SCOPES.items())
                     raise ValueError(
                         f"LoRA adapter {config.path}: tensor {name} adapts a module we do not "
-                        f"support (supported: {', '.join(TARGET_MODULES)} of decoder layers)"
+                        f"support (supported: {supported} of decoder layers)"
                     )
                 halves.setdefault(match["module"], {})[match["part"]] = get(weights, name)
     except SafetensorError as exc:
