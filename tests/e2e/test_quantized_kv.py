@@ -36,8 +36,11 @@ MAX_TOKENS = 32
 # tokens each): q8_0 0.04 / 0.017, fp8_e4m3 0.35 / 0.060, fp8_e5m2 0.67 / 0.118 (AMD EPYC,
 # AVX-512); fp8_e5m2 1.33 / 0.128 on an Intel Xeon with AMX, whose bf16 tiles give K/V other
 # last bits, so other values land a whole e5m2 step (2 mantissa bits) apart: the same noise,
-# drawn elsewhere.
-TOLERANCES = {"q8_0": (0.1, 0.03), "fp8_e4m3": (0.5, 0.1), "fp8_e5m2": (1.5, 0.2)}
+# drawn elsewhere. On an AVX2-only EPYC (Zen 3: int16 activations at every step size) q8_0 0.33
+# / 0.015 and fp8_e4m3 0.50 / 0.067: the means hold, but a first difference can fall where a
+# token's logprob moved by its tail (q8_0's largest |difference| there was 0.22 nats), so the
+# gap allows twice the tail; the mean is the figure that tracks each type's precision.
+TOLERANCES = {"q8_0": (0.5, 0.03), "fp8_e4m3": (0.8, 0.1), "fp8_e5m2": (1.5, 0.2)}
 
 
 def _run(kv_cache_dtype: str, prompts: list[list[int]], texts: list[list[int]] | None = None):
