@@ -7,6 +7,7 @@ where they can); without it the browser test is skipped with that reason.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ARTIFACTS = Path(os.environ.get("TOKENBUS_TEST_ARTIFACTS", "/tmp/tokenbus-test-artifacts"))
 
 
-def load(url: str, seconds: float, concurrency: int = 4) -> threading.Event:
+def load(url: str, seconds: float = math.inf, concurrency: int = 4) -> threading.Event:
     """Long completions for `seconds` (or until the returned event is set), in the background."""
     deadline, stop = time.monotonic() + seconds, threading.Event()
 
@@ -104,16 +105,17 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium (Debian package chromium)")
 def test_page_in_a_browser_draws_the_grid_rows_and_a_moving_timeline(server):
-    # Load for the whole test: a loaded machine may take many seconds per page load, and the
-    # rows and the moving timeline need running requests whenever the page is drawn.
-    stop = load(server.url, seconds=300, concurrency=6)
+    # Load for the whole test, however long: a loaded machine may take minutes over Chromium's
+    # first start and its page loads, and the rows and the moving timeline need running
+    # requests whenever the page is drawn (load of a fixed length can end between two draws).
+    stop = load(server.url, concurrency=6)
     try:
-        _browse(server)
+        _browse(server, started=time.monotonic())
     finally:
         stop.set()
 
 
-def _browse(server) -> None:
+def _browse(server, started: float) -> None:
     wait_for(server.url, lambda d: len(d["engines"][0]["steps"]) > 10)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = f"{server.url}/xray?api_key={KEY}"
@@ -144,7 +146,8 @@ def _browse(server) -> None:
     assert 'class="grid"' in dom and 'class="timeline"' in dom
     assert 'class="status running"' in dom  # a request row
     time.sleep(1.5)
-    assert rendered()[1] > first  # the timeline moves
+    again = rendered()[1]
+    assert again > first, f"step {again} after {first}, {time.monotonic() - started:.0f} s in"
     shot = ARTIFACTS / "xray.png"
     for _ in range(3):  # as above: a page load may end before the first snapshot is drawn
         chromium("--virtual-time-budget=6000", f"--screenshot={shot}", page)
