@@ -290,7 +290,7 @@ def test_k_quant_shards_take_their_own_activations_in_c(tmp_path):
     if not load_quant_kernels().q8_k:
         pytest.skip(f"q8_k needs AVX-512 VNNI; this CPU is {CpuFeatures.detect().describe()}")
     model = _model(tmp_path, "llama", k_quant_and_32_value_mix, quantization="gguf")
-    modes = TileModes("int16", 0, 0, q8_k_from_rows=1)  # every call past 0 rows
+    modes = TileModes("int16", 0, 0, k_quant_from_rows=1)  # every call past 0 rows
     model.kernels = dataclasses.replace(model.kernels, tile_modes=modes)
     linears = [m.kernel for m in model.modules() if isinstance(m, Linear)]
     for kernel in linears:

@@ -331,7 +331,7 @@ def test_mixed_type_gguf_greedy_matches_transformers(mixed_gguf, quant_activatio
         for out, prompt in zip(outputs, prompts):
             got, want = out.outputs[0], hf_greedy(hf, prompt, 16)
             if quant_activations != "fp32":
-                q8_k = any(m.kernel.modes.q8_k_from_rows for m in gguf_linears(model))
+                q8_k = any(m.kernel.modes.k_quant_from_rows for m in gguf_linears(model))
                 assert_same_or_near_tie(got.token_ids, want, got.logprobs, 0.5 if q8_k else 0.1)
                 continue
             assert got.token_ids == want

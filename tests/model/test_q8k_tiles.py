@@ -111,7 +111,7 @@ def test_quant_activations_choose_q8_k_for_k_quant_prefills():
         "int16",
         BF16_AUTO_MIN_ROWS["avx512_bf16"],
         GEMM_FROM_ROWS,
-        q8_k_from_rows=Q8_K_AUTO_MIN_ROWS,
+        k_quant_from_rows=Q8_K_AUTO_MIN_ROWS,
     )
     big = max(Q8_K_AUTO_MIN_ROWS, BF16_AUTO_MIN_ROWS["avx512_bf16"])
     assert [modes.mode(rows, k_quant=True) for rows in (1, Q8_K_AUTO_MIN_ROWS - 1, big)] == [
@@ -121,10 +121,10 @@ def test_quant_activations_choose_q8_k_for_k_quant_prefills():
     ]
     assert modes.mode(big) == "bf16"  # a Q8_0 / Q4_1 shard of the same call
     # AMX's bf16 is far ahead of VNNI: it keeps every large call
-    assert quant_activation_modes("auto", amx).q8_k_from_rows == 0
+    assert quant_activation_modes("auto", amx).k_quant_from_rows == 0
     # VNNI without a bf16 engine: int16 at any size, q8_k for K-quant prefills
     assert quant_activation_modes("auto", vnni_only) == TileModes(
-        "int16", 0, 0, q8_k_from_rows=Q8_K_AUTO_MIN_ROWS
+        "int16", 0, 0, k_quant_from_rows=Q8_K_AUTO_MIN_ROWS
     )
     # explicit: every call; int8 takes tiles at any size where q8_k runs (VNNI pairs)
     assert quant_activation_modes("q8_k", dp) == TileModes("q8_k", 0, 0)
@@ -147,7 +147,7 @@ def test_k_quant_model_prefills_on_q8_k(tmp_path, qtype):
     src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
     short, model = _logits(src, "gguf", "auto")
     assert {
-        m.kernel.modes.q8_k_from_rows
+        m.kernel.modes.k_quant_from_rows
         for m in model.modules()
         if isinstance(m, Linear) and hasattr(m.kernel, "modes")
     } == {Q8_K_AUTO_MIN_ROWS if model.quant_kernels.bf16_engine != "amx" else 0}

@@ -332,7 +332,7 @@ def quant_activation_modes(
             "int16",
             BF16_AUTO_MIN_ROWS.get(engine, 0),
             0 if any_rows else GEMM_FROM_ROWS,
-            q8_k_from_rows=Q8_K_AUTO_MIN_ROWS if q8_k and engine != "amx" else 0,
+            k_quant_from_rows=Q8_K_AUTO_MIN_ROWS if q8_k and engine != "amx" else 0,
         )
     int_any_rows = (any_rows and requested in ("int8", "int16")) or (q8_k and requested == "int8")
     return TileModes(requested, 0, 0 if int_any_rows else GEMM_FROM_ROWS)

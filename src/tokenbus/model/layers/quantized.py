@@ -91,15 +91,16 @@ class TileModes:
     gemm_from_rows: int = GEMM_FROM_ROWS
     row_invariant: bool = False
     # From this many rows (0: never), calls on K-quant tiles (KernelWeight.super_block) take
-    # q8_k, the activations llama.cpp pairs with K-quants; the other types' calls keep the modes
-    # above.
-    q8_k_from_rows: int = 0
+    # `k_quant_activations` (q8_k: the activations llama.cpp pairs with K-quants); the other
+    # types' calls keep the modes above.
+    k_quant_from_rows: int = 0
+    k_quant_activations: str = "q8_k"
 
     def mode(self, rows: int, k_quant: bool = False) -> str:
         """The mode of a call of `rows` rows (on K-quant tiles where `k_quant`): shard_matmul's
         `mode`."""
-        if self.q8_k_from_rows and rows >= self.q8_k_from_rows and k_quant:
-            return "q8_k"
+        if self.k_quant_from_rows and rows >= self.k_quant_from_rows and k_quant:
+            return self.k_quant_activations
         if self.bf16_from_rows and rows >= self.bf16_from_rows:
             return "bf16"
         return "gemm" if self.gemm_from_rows and rows >= self.gemm_from_rows else self.activations

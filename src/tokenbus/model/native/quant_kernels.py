@@ -68,7 +68,8 @@ class QuantKernels:
 
     def super_block(self, tile_format: int) -> bool:
         """Whether a tile format is in 256-value super-blocks (the K-quants): the calls that
-        TileModes.q8_k_from_rows moves to q8_k, as decode_layer.c's k_activations."""
+        TileModes.k_quant_from_rows moves to their own mode, as decode_layer.c's
+        k_activations."""
         return self.tile_fns is not None and bool(self.tile_fns["super_block"](tile_format))
 
     def repack_tiles(
