@@ -1,7 +1,8 @@
 """q8_k activations on tiles (quant_tiles.c's tiles_q8k.h, AVX-512 VNNI): x rounded to int8 per 256
 values, as llama.cpp's Q8_K. The kernel against dequantize-then-matmul on x rounded the same way,
 for every tiled type at any row count; how quant_activations chooses it (auto: K-quant calls of
-a prefill's size); a K-quant GGUF model on it against the dequantized model."""
+a prefill's size; int8 on AVX2, which has no q8_k); a K-quant GGUF model on that mode against
+the dequantized model."""
 
 from __future__ import annotations
 
@@ -136,23 +137,57 @@ def test_quant_activations_choose_q8_k_for_k_quant_prefills():
         quant_activation_modes("q8_k", no_vnni)
 
 
+def test_quant_activations_choose_int8_for_k_quant_prefills_on_avx2():
+    """AVX2 has neither q8_k nor a bf16 engine: the same K-quant calls take int8 (vpmaddubsw),
+    the other types' and smaller calls int16; AVX-512 without VNNI keeps int16 throughout."""
+    kernels = load_quant_kernels()
+    avx2 = dataclasses.replace(kernels, bf16_engine="", isa="avx2", q8_k=False)
+    modes = quant_activation_modes("auto", avx2)
+    assert modes == TileModes(
+        "int16", 0, 0, k_quant_from_rows=Q8_K_AUTO_MIN_ROWS, k_quant_activations="int8"
+    )
+    assert [modes.mode(rows, k_quant=True) for rows in (1, Q8_K_AUTO_MIN_ROWS - 1, 512)] == [
+        "int16",
+        "int16",
+        "int8",
+    ]
+    assert modes.mode(512) == "int16"  # a Q8_0 / Q4_1 shard of the same call
+    no_vnni = dataclasses.replace(avx2, isa="avx512")
+    assert quant_activation_modes("auto", no_vnni) == TileModes("int16", 0, 0)
+    # explicit modes and --batch-invariant are every call's, as elsewhere
+    assert quant_activation_modes("int16", avx2) == TileModes("int16", 0, 0)
+    assert quant_activation_modes("auto", avx2, row_invariant=True) == TileModes(
+        "int16", 0, 0, True
+    )
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_k_quant_model_prefills_on_q8_k(tmp_path, qtype):
-    """auto: a 40-token prefill's K-quant calls on q8_k, the 5-token one and the decodes on
-    int16. q8_k's coarser x moves the logits by ~1e-2 of their norm; each greedy choice stays the
-    dequantized model's or a near tie there."""
-    q8_k_kernels()
+def test_k_quant_model_prefills_on_their_own_mode(tmp_path, qtype):
+    """auto: a 40-token prefill's K-quant calls on q8_k (AVX-512 VNNI) or int8 (AVX2), the
+    5-token one and the decodes on int16. q8_k's coarser x moves the logits by ~1e-2 of their
+    norm (int8's, per 32 values, less); each greedy choice stays the dequantized model's or a
+    near tie there."""
+    kernels = load_quant_kernels()
+    if kernels.tile_fns is None:
+        pytest.skip(f"no tiled kernels on {DETECTED.describe()}")
     assert 5 < Q8_K_AUTO_MIN_ROWS <= 40
     hf_dir = cached_tiny_model("llama", hidden_size=256, intermediate_size=512)
     src = resolve_model(str(write_gguf(hf_dir, tmp_path / "m.gguf", qtype, with_tokenizer=False)))
     short, model = _logits(src, "gguf", "auto")
-    assert {
-        m.kernel.modes.k_quant_from_rows
+    modes = {
+        m.kernel.modes
         for m in model.modules()
         if isinstance(m, Linear) and hasattr(m.kernel, "modes")
-    } == {Q8_K_AUTO_MIN_ROWS if model.quant_kernels.bf16_engine != "amx" else 0}
+    }
+    assert modes == {quant_activation_modes("auto", model.quant_kernels)}
+    (modes,) = modes
     if model.quant_kernels.bf16_engine == "amx":
+        assert modes.k_quant_from_rows == 0
         pytest.skip("AMX takes the prefill calls in bf16 (test_bf16_tiles.py)")
+    if not modes.k_quant_from_rows:
+        pytest.skip(f"K-quant calls take no mode of their own on {DETECTED.describe()}")
+    assert modes.k_quant_from_rows == Q8_K_AUTO_MIN_ROWS
+    assert modes.k_quant_activations == ("q8_k" if model.quant_kernels.q8_k else "int8")
     error = lambda got, want: ((got - want).norm() / want.norm()).item()  # noqa: E731
     assert error(short, _logits(src, "none")[0]) < 1e-4  # every call below the threshold
     long_prompt, _ = _logits(src, "gguf", "auto", prompt_len=40)

@@ -49,6 +49,7 @@ from tokenbus.model.layers import TORCH_OPS, FusedCpuOps, Linear, OpsModule, Tor
 from tokenbus.model.layers.quantized import (
     BF16_AUTO_MIN_ROWS,
     GEMM_FROM_ROWS,
+    INT8_K_QUANT_ISAS,
     INT_TILES_ANY_ROWS_ISAS,
     Q8_K_AUTO_MIN_ROWS,
     DequantBuffer,
@@ -302,7 +303,8 @@ def quant_activation_modes(
     decode batches of 16+; AVX512-BF16: prefill chunks), else int16 at any size on
     INT_TILES_ANY_ROWS_ISAS (AVX2, AVX-512); without AMX but with q8_k's kernels (AVX-512
     VNNI), calls on K-quant tiles from Q8_K_AUTO_MIN_ROWS rows take q8_k (llama.cpp's pairing:
-    Q8_K activations for K-quant weights). bf16 and q8_k are that mode for every call and need
+    Q8_K activations for K-quant weights), and on INT8_K_QUANT_ISAS (AVX2, with neither q8_k
+    nor bf16) int8. bf16 and q8_k are that mode for every call and need
     their kernels; an explicit int8 or int16 takes its tiles at any size where
     auto's int16 does, and int8 wherever q8_k runs (VNNI: int8 tiles by pairs, ahead of the
     GEMM). Calls past the decode-sized ones dequantize for the fp32 GEMM otherwise.
@@ -328,11 +330,15 @@ def quant_activation_modes(
     if row_invariant:
         return TileModes("int16" if requested == "auto" else requested, 0, 0, True)
     if requested == "auto":
+        k_quant_mode = "q8_k" if q8_k and engine != "amx" else ""
+        if not q8_k and not engine and kernels is not None and kernels.isa in INT8_K_QUANT_ISAS:
+            k_quant_mode = "int8"
         return TileModes(
             "int16",
             BF16_AUTO_MIN_ROWS.get(engine, 0),
             0 if any_rows else GEMM_FROM_ROWS,
-            k_quant_from_rows=Q8_K_AUTO_MIN_ROWS if q8_k and engine != "amx" else 0,
+            k_quant_from_rows=Q8_K_AUTO_MIN_ROWS if k_quant_mode else 0,
+            k_quant_activations=k_quant_mode or "q8_k",
         )
     int_any_rows = (any_rows and requested in ("int8", "int16")) or (q8_k and requested == "int8")
     return TileModes(requested, 0, 0 if int_any_rows else GEMM_FROM_ROWS)

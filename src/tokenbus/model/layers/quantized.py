@@ -26,7 +26,8 @@ vdpbf16ps) sum the products in fp32 (quant_tiles.c). benchmarks/quant_linear.py 
 them with int16 tiles and with the fp32 GEMM. Without AMX but with AVX-512 VNNI, calls on
 K-quant tiles from Q8_K_AUTO_MIN_ROWS rows (prefill chunks, decode batches of 16+) take q8_k
 activations instead: x rounded to int8 per 256 values (llama.cpp's Q8_K) and integer dot
-products, at twice vdpbf16ps's multiply-adds per instruction (quant_tiles.c's tiles_q8k.h).
+products, at twice vdpbf16ps's multiply-adds per instruction (quant_tiles.c's tiles_q8k.h). On
+AVX2 (INT8_K_QUANT_ISAS), the same calls take int8 activations (per 32 values).
 
 Every mode above is row-local (a row's result is the same whatever other rows share the call:
 tests/model/test_batch_invariant.py), but which mode and kernel a call takes depends on its
@@ -62,6 +63,13 @@ BF16_AUTO_MIN_ROWS = {"amx": 16, "avx512_bf16": 32}
 # takes bf16: prefill chunks and decode batches of 16+ (as AMX's bf16), where its integer dots
 # beat vdpbf16ps and int16's vpdpwssd; smaller decode steps keep int16's numerics.
 Q8_K_AUTO_MIN_ROWS = 16
+# On these tile ISAs, where the kernels have neither q8_k nor a bf16 engine (AVX2: AMD Zen 3,
+# Intel Haswell to Comet Lake), the same K-quant calls (from Q8_K_AUTO_MIN_ROWS rows) take int8
+# instead: x rounded per 32 values (llama.cpp's Q8_0 activations; finer than the Q8_K that
+# llama.cpp pairs with these weights), whose vpmaddubsw does twice vpmaddwd's multiply-adds an
+# instruction. On an AVX2 EPYC a 1B Q4_K_M file prefills 1.6x faster than on int16
+# (docs/benchmarks.md); single-token decode steps keep int16, faster there and closer to fp32.
+INT8_K_QUANT_ISAS = ("avx2",)
 
 # Where no bf16 engine takes the big calls, from how many rows a call on tiles dequantizes its
 # weight for an fp32 GEMM instead (quant_activations=auto): past the decode-sized calls, except
