@@ -283,14 +283,19 @@ def test_gemma4_experts_in_c_match_the_layer_by_layer_path(tmp_path):
     _assert_c_steps_match_layer_by_layer(model)
 
 
-def test_k_quant_shards_take_their_own_activations_in_c(tmp_path):
-    """auto's q8_k from some rows up is for K-quant shards only: in one decode step the C layers
-    run those on q8_k and the Q8_0 ones on int16 (step.k_activations), as the layer-by-layer
-    path does shard by shard."""
-    if not load_quant_kernels().q8_k:
+@pytest.mark.parametrize("k_mode", ["q8_k", "int8"])
+def test_k_quant_shards_take_their_own_activations_in_c(tmp_path, k_mode):
+    """auto's q8_k (int8 on AVX2) from some rows up is for K-quant shards only: in one decode
+    step the C layers run those on it and the Q8_0 ones on int16 (step.k_activations), as the
+    layer-by-layer path does shard by shard."""
+    kernels = load_quant_kernels()
+    if k_mode == "q8_k" and not kernels.q8_k:
         pytest.skip(f"q8_k needs AVX-512 VNNI; this CPU is {CpuFeatures.detect().describe()}")
+    if kernels.tile_fns is None:
+        pytest.skip(f"no tiled kernels on {CpuFeatures.detect().describe()}")
     model = _model(tmp_path, "llama", k_quant_and_32_value_mix, quantization="gguf")
-    modes = TileModes("int16", 0, 0, k_quant_from_rows=1)  # every call past 0 rows
+    # every call past 0 rows
+    modes = TileModes("int16", 0, 0, k_quant_from_rows=1, k_quant_activations=k_mode)
     model.kernels = dataclasses.replace(model.kernels, tile_modes=modes)
     linears = [m.kernel for m in model.modules() if isinstance(m, Linear)]
     for kernel in linears:
@@ -303,8 +308,8 @@ def test_k_quant_shards_take_their_own_activations_in_c(tmp_path):
     want = _steps(model, False)
     assert {(gguf.GGMLQuantizationType(q).name, mode) for q, mode in taken} >= {
         ("Q8_0", "int16"),
-        ("Q4_K", "q8_k"),
-        ("Q6_K", "q8_k"),
+        ("Q4_K", k_mode),
+        ("Q6_K", k_mode),
     }
     for got, expected in zip(_steps(model, True), want):
         assert torch.equal(got, expected)
