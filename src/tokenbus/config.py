@@ -82,8 +82,9 @@ class ModelConfig:
     # VNNI): x rounded to int8 per 256 values for every call (llama.cpp's Q8_K activations:
     # integer dot products at twice bf16's rate, coarser). auto: int16, and from 16 rows up bf16
     # on AMX (prefill chunks, decode batches of 16+); else q8_k on K-quant weights from 16 rows
-    # on AVX-512 VNNI, bf16 from 32 with vdpbf16ps (prefill chunks). layers/quantized.py's
-    # BF16_AUTO_MIN_ROWS, Q8_K_AUTO_MIN_ROWS and GEMM_FROM_ROWS hold these thresholds.
+    # on AVX-512 VNNI, bf16 from 32 with vdpbf16ps (prefill chunks), int8 on K-quant weights
+    # from 16 rows on AVX2. layers/quantized.py's BF16_AUTO_MIN_ROWS, Q8_K_AUTO_MIN_ROWS,
+    # INT8_K_QUANT_ISAS and GEMM_FROM_ROWS hold these thresholds.
     quant_activations: str = "auto"
     # Every token's logits independent of the rest of its step (batch mates, chunk size, prefix
     # cache hits, decode or prefill route), bit for bit: one activation mode at every size (auto:

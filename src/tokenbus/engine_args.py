@@ -109,7 +109,7 @@ class EngineArgs:
         "vdpbf16ps); q8_k: every call in int8 per 256 values (llama.cpp's "
         "Q8_K; AVX-512 VNNI); auto: int16, and bf16 for calls of 16+ rows on "
         "AMX (prefill, batches), else q8_k on K-quants for 16+ (VNNI) and bf16 "
-        "for 32+ (prefill); on AVX2 or "
+        "for 32+ (prefill), else int8 on K-quants for 16+ (AVX2); on AVX2 or "
         "AVX-512 without a bf16 engine, auto's int16 and an explicit "
         "int8/int16 cover prefill chunks too",
         choices=QUANT_ACTIVATIONS,
