@@ -26,7 +26,12 @@ from tests.model.test_quantized import (
 from tokenbus.loader import resolve_model
 from tokenbus.model.kernel_plan import quant_activation_modes
 from tokenbus.model.layers import Linear
-from tokenbus.model.layers.quantized import BF16_AUTO_MIN_ROWS, GEMM_FROM_ROWS, TileModes
+from tokenbus.model.layers.quantized import (
+    BF16_AUTO_MIN_ROWS,
+    GEMM_FROM_ROWS,
+    Q8_K_AUTO_MIN_ROWS,
+    TileModes,
+)
 from tokenbus.model.native import load_quant_kernels
 from tokenbus.utils.cpu import CPU_ISA_ENV, CpuFeatures, _capped
 
@@ -120,10 +125,12 @@ def test_quant_activations_choose_bf16_only_with_an_engine():
     assert quant_activation_modes("auto", dp) == TileModes(
         "int16", BF16_AUTO_MIN_ROWS["avx512_bf16"], GEMM_FROM_ROWS
     )
-    # no bf16 engine: int16 tiles at any size (AVX-512 and AVX2); a scalar build dequantizes past
-    # decode sizes
+    # no bf16 engine: int16 tiles at any size (AVX-512 and AVX2; AVX2's K-quant calls of 16+
+    # rows on int8: test_q8k_tiles.py); a scalar build dequantizes past decode sizes
     assert quant_activation_modes("auto", none) == TileModes("int16", 0, 0)
-    assert quant_activation_modes("auto", avx2) == TileModes("int16", 0, 0)
+    assert quant_activation_modes("auto", avx2) == TileModes(
+        "int16", 0, 0, k_quant_from_rows=Q8_K_AUTO_MIN_ROWS, k_quant_activations="int8"
+    )
     assert quant_activation_modes("auto", baseline) == TileModes("int16", 0, GEMM_FROM_ROWS)
     assert (
         quant_activation_modes("bf16", amx)

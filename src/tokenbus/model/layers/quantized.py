@@ -16,8 +16,8 @@ which a model's many matmuls compound into greedy answers that differ from the m
 benchmarks/activation_error.py). A larger batch (a long prefill chunk) is
 compute-bound: its weight is dequantized chunk by chunk into the model's reused DequantBuffer
 and multiplied by an fp32 GEMM, so no dense copy is ever kept; on AVX2 and AVX-512 CPUs
-without a bf16 engine, under quant_activations=auto, it stays on int16 tiles instead (faster
-there: GEMM_FROM_ROWS).
+without a bf16 engine, under quant_activations=auto, it stays on integer tiles instead (faster
+there: GEMM_FROM_ROWS; int16, or int8 for AVX2's K-quant calls, below).
 
 On a CPU with AVX512-BF16, calls from BF16_AUTO_MIN_ROWS rows up (prefill chunks, and on AMX
 decode batches of 16+) take bf16 activations instead, at any size: each weight tile is
@@ -68,7 +68,9 @@ Q8_K_AUTO_MIN_ROWS = 16
 # instead: x rounded per 32 values (llama.cpp's Q8_0 activations; finer than the Q8_K that
 # llama.cpp pairs with these weights), whose vpmaddubsw does twice vpmaddwd's multiply-adds an
 # instruction. On an AVX2 EPYC a 1B Q4_K_M file prefills 1.6x faster than on int16
-# (docs/benchmarks.md); single-token decode steps keep int16, faster there and closer to fp32.
+# (docs/benchmarks.md), and a decode step's linears at 8, 16 and 32 rows ran 1.4-1.5x faster
+# (benchmarks/quant_linear.py --step --kernels int8 int16, the default model's shapes);
+# single-token decode steps keep int16, faster there and closer to fp32.
 INT8_K_QUANT_ISAS = ("avx2",)
 
 # Where no bf16 engine takes the big calls, from how many rows a call on tiles dequantizes its
