@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -26,9 +27,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ARTIFACTS = Path(os.environ.get("TOKENBUS_TEST_ARTIFACTS", "/tmp/tokenbus-test-artifacts"))
 
 
-def load(url: str, seconds: float = math.inf, concurrency: int = 4) -> threading.Event:
-    """Long completions for `seconds` (or until the returned event is set), in the background."""
+def load(
+    url: str, seconds: float = math.inf, concurrency: int = 4, outcomes: Counter | None = None
+) -> threading.Event:
+    """Long completions for `seconds` (or until the returned event is set), in the background;
+    each reply's status code (or the error's name) is counted in `outcomes`. A failed request
+    is retried: only the deadline or the event ends the load."""
     deadline, stop = time.monotonic() + seconds, threading.Event()
+    counts = Counter() if outcomes is None else outcomes
 
     def client(index: int) -> None:
         with httpx.Client(timeout=60, headers=AUTH) as http:
@@ -36,9 +42,10 @@ def load(url: str, seconds: float = math.inf, concurrency: int = 4) -> threading
                 prompt = f"Request {index}: tell me a long story about the sea and the stars."
                 body = {"prompt": prompt * (1 + index % 3), "max_tokens": 48, "ignore_eos": True}
                 try:
-                    http.post(url + "/v1/completions", json=body)
-                except httpx.HTTPError:  # the server is gone: the test that wanted load ended
-                    return
+                    counts[str(http.post(url + "/v1/completions", json=body).status_code)] += 1
+                except httpx.HTTPError as exc:  # the server is gone (the test ended), or a hiccup
+                    counts[type(exc).__name__] += 1
+                    time.sleep(0.2)
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
     for thread in threads:
@@ -108,14 +115,15 @@ def test_page_in_a_browser_draws_the_grid_rows_and_a_moving_timeline(server):
     # Load for the whole test, however long: a loaded machine may take minutes over Chromium's
     # first start and its page loads, and the rows and the moving timeline need running
     # requests whenever the page is drawn (load of a fixed length can end between two draws).
-    stop = load(server.url, concurrency=6)
+    outcomes: Counter = Counter()
+    stop = load(server.url, concurrency=6, outcomes=outcomes)
     try:
-        _browse(server, started=time.monotonic())
+        _browse(server, time.monotonic(), outcomes)
     finally:
         stop.set()
 
 
-def _browse(server, started: float) -> None:
+def _browse(server, started: float, outcomes: Counter) -> None:
     wait_for(server.url, lambda d: len(d["engines"][0]["steps"]) > 10)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = f"{server.url}/xray?api_key={KEY}"
@@ -145,9 +153,15 @@ def _browse(server, started: float) -> None:
     dom, first = rendered()
     assert 'class="grid"' in dom and 'class="timeline"' in dom
     assert 'class="status running"' in dom  # a request row
-    time.sleep(1.5)
-    again = rendered()[1]
-    assert again > first, f"step {again} after {first}, {time.monotonic() - started:.0f} s in"
+    for _ in range(3):  # the timeline moves (a few tries: a draw may show an older snapshot)
+        time.sleep(1.5)
+        again = rendered()[1]
+        if again > first:
+            break
+    assert again > first, (
+        f"step {again} after {first}, {time.monotonic() - started:.0f} s in; "
+        f"load replies so far: {dict(outcomes)}; the engine now: {_engine_summary(server.url)}"
+    )
     shot = ARTIFACTS / "xray.png"
     for _ in range(3):  # as above: a page load may end before the first snapshot is drawn
         chromium("--virtual-time-budget=6000", f"--screenshot={shot}", page)
@@ -156,3 +170,12 @@ def _browse(server, started: float) -> None:
         ):  # a drawn page; "connecting…" alone is ~10 kB
             break
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 20_000
+
+
+def _engine_summary(url: str) -> dict:
+    engine = snapshot(url)["engines"][0]
+    return {
+        "step_index": engine["step_index"],
+        "num_requests": engine["num_requests"],
+        "statuses": [r["status"] for r in engine["requests"]],
+    }
