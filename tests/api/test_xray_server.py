@@ -114,7 +114,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def test_page_in_a_browser_draws_the_grid_rows_and_a_moving_timeline(server):
     # Load for the whole test, however long: a loaded machine may take minutes over Chromium's
     # first start and its page loads, and the rows and the moving timeline need running
-    # requests whenever the page is drawn (load of a fixed length can end between two draws).
+    # requests whenever the page is drawn.
     outcomes: Counter = Counter()
     stop = load(server.url, concurrency=6, outcomes=outcomes)
     try:
