@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenbus.loader.fp8 import Fp8Scheme, fp8_scheme
 from tokenbus.loader.hf_loader import arch_from_hf_config
 
 PATH = Path("config.json")
@@ -185,10 +186,10 @@ def test_minimax_m2():
     )
     assert (arch.moe_scoring, arch.moe_selection_bias, arch.dense_layers) == ("sigmoid", True, ())
     assert arch.sliding_windows == ()
-    # the released safetensors hold FP8 blocks: refused, naming the method
+    # the released safetensors hold FP8 blocks: read as their fp32 values (loader/fp8.py)
     fp8 = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "weight_block_size": [128, 128]}
-    with pytest.raises(ValueError, match="quant_method 'fp8'"):
-        arch_from_hf_config({**MINIMAX_M2, "quantization_config": fp8}, PATH)
+    assert arch_from_hf_config({**MINIMAX_M2, "quantization_config": fp8}, PATH) == arch
+    assert fp8_scheme({"quantization_config": fp8}, PATH) == Fp8Scheme("fp8", (128, 128))
 
 
 def test_seed_oss_36b():
@@ -316,8 +317,7 @@ def test_deepseek_v3():
     assert routing == ("sigmoid", True, 8, 4)
     assert (arch.norm_topk_prob, arch.routed_scaling_factor) == (True, 2.5)
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    with pytest.raises(ValueError, match="quant_method 'fp8'"):
-        arch_from_hf_config({**DEEPSEEK_V3, "quantization_config": fp8}, PATH)
+    assert arch_from_hf_config({**DEEPSEEK_V3, "quantization_config": fp8}, PATH) == arch
 
 
 # MiniCPM3-4B (MiniCPM3Config's defaults are its values)

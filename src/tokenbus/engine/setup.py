@@ -25,6 +25,7 @@ from tokenbus.loader import (
     resolve_model,
     tokenizer_path,
 )
+from tokenbus.loader.fp8 import fp8_scheme
 from tokenbus.loader.hf_loader import hf_blocks_quantized, read_json
 from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
 from tokenbus.model_arch import ModelArch
@@ -356,7 +357,8 @@ def blocks_problem(device: str, tp_size: int) -> str | None:
 def resolve_quantization(
     requested: str, source: ModelSource | None, device: str | object, tp: int = 1
 ) -> str:
-    """ "gguf", "q8_0" or "none". auto picks gguf where it can run and the kernels build; an
+    """ "gguf", "q8_0" or "none". auto picks gguf where it can run and the kernels build (an
+    FP8 checkpoint: q8_0, _fp8_quantization); an
     explicit gguf or q8_0 that cannot run is a ValueError with the reason. `device`: a name or
     torch.device."""
     if requested == "none":
@@ -367,6 +369,8 @@ def resolve_quantization(
         if problem is not None:
             raise ValueError(f"quantization 'q8_0': {problem}; use --quantization none")
         return "q8_0"
+    if _holds_fp8(source):
+        return _fp8_quantization(requested, device, tp)
     problem = quantization_problem(source, device, tp) or _kernels_problem()
     if problem is None:
         return "gguf"
@@ -375,6 +379,32 @@ def resolve_quantization(
     if source is not None and source.kind == "gguf" and device.startswith("cpu"):
         logger.warning("GGUF weights are dequantized: %s", problem)
     return "none"
+
+
+def _holds_fp8(source: ModelSource | None) -> bool:
+    """Whether an HF checkpoint's linears are FP8 (loader/fp8.py)."""
+    if source is None or source.kind != "hf" or not (source.path / "config.json").is_file():
+        return False
+    config = source.path / "config.json"
+    return fp8_scheme(read_json(config), config) is not None
+
+
+def _fp8_quantization(requested: str, device: str, tp: int) -> str:
+    """An FP8 checkpoint (loader/fp8.py) under auto: its matrices stay 8-bit, rounded to Q8_0
+    blocks, where those kernels run; else dequantized to --dtype (a GPU's bf16). It holds no
+    GGUF blocks to keep: gguf is refused."""
+    if requested == "gguf":
+        raise ValueError(
+            "quantization 'gguf': the model is not a GGUF file (an FP8 checkpoint: "
+            "use --quantization q8_0 or none)"
+        )
+    problem = blocks_problem(device, tp) or _kernels_problem()
+    if problem is not None:
+        if device.startswith("cpu"):
+            logger.warning("FP8 weights are dequantized to the model's dtype: %s", problem)
+        return "none"
+    logger.info("FP8 weights are rounded to Q8_0 blocks (--quantization none keeps them fp32)")
+    return "q8_0"
 
 
 def _kernels_problem() -> str | None:

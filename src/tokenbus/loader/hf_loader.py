@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from tokenbus.loader.cohere2_config import COHERE2_PATTERN
 from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES, deepseek_hf_fields
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, check_ernie, ernie_hf_moe_fields
+from tokenbus.loader.fp8 import fp8_scheme
 from tokenbus.loader.gemma3n_config import gemma3n_hf_fields
 from tokenbus.loader.gemma4_config import gemma4_hf_fields
 from tokenbus.loader.gemma_config import (
@@ -175,12 +176,13 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
     if config.get("mlp_bias"):
         raise ValueError(f"{path}: mlp_bias=true is not supported")
     quantization = config.get("quantization_config")
-    if quantization and not (is_mxfp4(config) and architecture == "gpt_oss"):
+    readable = (is_mxfp4(config) and architecture == "gpt_oss") or fp8_scheme(config, path)
+    if quantization and not readable:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         raise ValueError(
             f"{path}: quantization_config (quant_method {method!r}) is not supported: "
-            "safetensors are read unquantized (but gpt-oss's MXFP4 experts); load the model's "
-            "GGUF for quantized weights"
+            "safetensors are read unquantized (but FP8 checkpoints and gpt-oss's MXFP4 "
+            "experts); load the model's GGUF for quantized weights"
         )
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     if architecture in ERNIE_ARCHITECTURES:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from tokenbus.loader.apertus_config import APERTUS_NORM_NAMES
 from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, without_mtp
+from tokenbus.loader.fp8 import dequantized_fp8, fp8_scheme
 from tokenbus.loader.gguf_file import read_gguf
 from tokenbus.loader.gguf_loader import (
     QuantizedWeight,
@@ -54,8 +55,12 @@ def iter_weights(
     do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py); ERNIE's q/k rows from
     interleaved pairs to halves (ERNIE's, GLM-4's); an image-and-text checkpoint's text model's."""
     if src.kind == "hf":
+        config_path = src.path / "config.json"
+        config = read_json(config_path)
         weights = iter_safetensors(safetensors_files(src.path))
-        if is_multimodal(read_json(src.path / "config.json")):
+        if (fp8 := fp8_scheme(config, config_path)) is not None:  # before any renaming: a
+            weights = dequantized_fp8(weights, fp8)  # matrix finds its scale by its own name
+        if is_multimodal(config):
             weights = text_model_weights(weights)
         if arch.architecture == "gpt_oss":
             return gpt_oss_experts(weights, keep_quantized)

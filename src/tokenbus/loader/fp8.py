@@ -1,0 +1,165 @@
+"""FP8 safetensors (L2): checkpoints released with 8-bit float weights, each matrix beside the
+scales that multiply it back, read as the fp32 matrices they stand for.
+
+Three `quantization_config`s name them, all with the same arithmetic, W = q * s:
+- `fp8` (transformers' FineGrainedFP8: Qwen3's and Qwen3-MoE's -FP8 releases, DeepSeek-V3,
+  MiniMax-M2): `<linear>.weight_scale_inv` holds one scale per block of
+  `weight_block_size` [rows, cols] (128 x 128 in those releases), the grid rounded up where a
+  side is not a multiple; without a block size, one scale for the matrix;
+- `compressed-tensors` in its `float-quantized` format (llm-compressor's FP8 and FP8-dynamic
+  releases): `<linear>.weight_scale` per matrix (`strategy` tensor), per output row
+  (channel) or per block (`block_structure`);
+- `fbgemm_fp8` (Meta's Llama 3.1 FP8): `<linear>.weight_scale` per output row.
+
+Every matrix whose dtype is an 8-bit float takes the scale tensor of its own name; the rest
+(norms, embeddings, routers, the layers a config leaves unquantized) pass as they come. The
+activation and KV scales a checkpoint keeps for fp8 GEMMs and an fp8 cache (`input_scale`,
+`k_scale`, ...) are dropped: activations here stay in the engine's precision, and the KV cache
+is its own (`--kv-cache-dtype`). On CPU the engine then rounds the fp32 matrices to Q8_0
+blocks (engine/setup.resolve_quantization): 8 bits a weight, as the checkpoint has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+# scales of the fp8 GEMM's activations and of an fp8 KV cache: nothing here reads them
+_DROPPED = ("input_scale", "input_scale_ub", "activation_scale", "k_scale", "v_scale", "kv_scale")
+_STRATEGIES = ("tensor", "channel", "block")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a checkpoint's FP8 matrices are scaled: `block` the [rows, cols] one scale covers
+    where the config names it (None: read from the scale's own shape)."""
+
+    method: str
+    block: tuple[int, int] | None = None
+
+
+def fp8_scheme(config: dict[str, Any], path: object) -> Fp8Scheme | None:
+    """The FP8 scheme config.json's `quantization_config` names, None when it names none of
+    FP8_METHODS; a compressed-tensors config of another kind (int4 packs, say) or an FP8
+    layout this reader does not know is a ValueError naming the field."""
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict):
+        return None
+    method = quantization.get("quant_method")
+    if method == "fp8":
+        return Fp8Scheme(method, _block(quantization.get("weight_block_size"), path))
+    if method == "fbgemm_fp8":
+        return Fp8Scheme(method)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quantization, path)
+    return None
+
+
+def _compressed_tensors(quantization: dict[str, Any], path: object) -> Fp8Scheme:
+    fmt = quantization.get("format")
+    if fmt != "float-quantized":
+        raise ValueError(
+            f"{path}: quantization_config format {fmt!r} (compressed-tensors) is not supported: "
+            "its FP8 checkpoints ('float-quantized') are; load the model's GGUF for others"
+        )
+    blocks = set()
+    for name, group in (quantization.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        kind = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+        if kind[:2] != ("float", 8) or kind[2] not in _STRATEGIES:
+            raise ValueError(
+                f"{path}: quantization_config config_groups.{name}.weights (type, num_bits, "
+                f"strategy) {kind} is not supported: FP8 weights by {'/'.join(_STRATEGIES)}"
+            )
+        if kind[2] == "block":
+            blocks.add(_block(weights.get("block_structure"), path))
+    if len(blocks) > 1:
+        raise ValueError(f"{path}: quantization_config config_groups name several block sizes")
+    return Fp8Scheme("compressed-tensors", blocks.pop() if blocks else None)
+
+
+def _block(value: Any, path: object) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and all(int(v) > 0 for v in value)):
+        raise ValueError(f"{path}: quantization_config block size {value!r} is not [rows, cols]")
+    return int(value[0]), int(value[1])
+
+
+def dequantized_fp8(
+    weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each FP8 matrix as fp32, multiplied by its scales; a matrix waits for its scale tensor
+    (either may come first: shards split them). Unscaled tensors pass; activation and KV
+    scales are dropped. A matrix without its scale, or a scale without its matrix, is a
+    ValueError naming it."""
+    matrices: dict[str, torch.Tensor] = {}  # prefix ("model.layers.0.mlp.up_proj.") -> fp8
+    scales: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> (the scale's name, tensor)
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        prefix += "."
+        if leaf in _DROPPED:
+            continue
+        if leaf in _SCALE_SUFFIXES:
+            if prefix in matrices:
+                yield prefix + "weight", dequantize(matrices.pop(prefix), tensor, scheme, name)
+            else:
+                scales[prefix] = (name, tensor)
+        elif leaf == "weight" and _is_fp8(tensor):
+            if prefix in scales:
+                scale_name, scale = scales.pop(prefix)
+                yield name, dequantize(tensor, scale, scheme, scale_name)
+            else:
+                matrices[prefix] = tensor
+        else:
+            yield name, tensor
+    if matrices:
+        raise ValueError(f"weight {next(iter(matrices))}weight: FP8 values without their scale")
+    if scales:
+        raise ValueError(f"weight {next(iter(scales.values()))[0]}: a scale without FP8 values")
+
+
+def _is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype.is_floating_point and tensor.element_size() == 1
+
+
+def dequantize(
+    values: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme, name: str
+) -> torch.Tensor:
+    """FP8 values [..., rows, cols] times their scales -> fp32: one scale (a tensor's), one a
+    row ([rows, 1]) or one a block ([ceil(rows / br), ceil(cols / bc)], the last block of a
+    side cut short). Leading dims (experts stacked in one tensor) carry their own scales."""
+    import torch
+
+    rows, cols = values.shape[-2:]
+    if scale.dtype == torch.uint8:  # E8M0 exponents stored as bytes (MXFP8 layouts)
+        scale = torch.exp2(scale.to(torch.float32) - 127)
+    scale = scale.to(torch.float32)
+    out = values.to(torch.float32)
+    if scale.numel() == 1:
+        return out.mul_(scale.reshape(()))
+    grid = tuple(scale.shape[-2:]) if scale.dim() >= 2 else (scale.shape[0], 1)
+    if scheme.block is not None:
+        block_rows, block_cols = scheme.block
+    elif rows % grid[0] == 0 and cols % grid[1] == 0:  # per row, or blocks the grid divides
+        block_rows, block_cols = rows // grid[0], cols // grid[1]
+    else:
+        block_rows = block_cols = 0
+    want = (math.ceil(rows / block_rows), math.ceil(cols / block_cols)) if block_rows else None
+    if grid != want or scale.numel() * rows * cols != math.prod(grid) * values.numel():
+        raise ValueError(
+            f"weight {name}: scales {list(scale.shape)} do not cover FP8 values "
+            f"{list(values.shape)}"
+            + (f" in blocks of {list(scheme.block)}" if scheme.block else "")
+        )
+    scale = scale.reshape(*values.shape[:-2], *grid)
+    # each scale spread over its block, the grid's last row and column cut to the matrix
+    spread = scale.repeat_interleave(block_rows, -2)[..., :rows, :]
+    return out.mul_(spread.repeat_interleave(block_cols, -1)[..., :cols])
