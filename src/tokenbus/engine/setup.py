@@ -25,8 +25,8 @@ from tokenbus.loader import (
     resolve_model,
     tokenizer_path,
 )
-from tokenbus.loader.fp8 import fp8_scheme
 from tokenbus.loader.hf_loader import hf_blocks_quantized, read_json
+from tokenbus.loader.quant_config import prequantized
 from tokenbus.loader.source import DEFAULT_MODEL_SAMPLING
 from tokenbus.model_arch import ModelArch
 from tokenbus.sampling_params import GENERATION_CONFIG_FIELDS
@@ -358,7 +358,7 @@ def resolve_quantization(
     requested: str, source: ModelSource | None, device: str | object, tp: int = 1
 ) -> str:
     """ "gguf", "q8_0" or "none". auto picks gguf where it can run and the kernels build (an
-    FP8 checkpoint: q8_0, _fp8_quantization); an
+    FP8, GPTQ or AWQ checkpoint: q8_0, _prequantized_quantization); an
     explicit gguf or q8_0 that cannot run is a ValueError with the reason. `device`: a name or
     torch.device."""
     if requested == "none":
@@ -369,8 +369,8 @@ def resolve_quantization(
         if problem is not None:
             raise ValueError(f"quantization 'q8_0': {problem}; use --quantization none")
         return "q8_0"
-    if _holds_fp8(source):
-        return _fp8_quantization(requested, device, tp)
+    if _prequantized(source):
+        return _prequantized_quantization(requested, device, tp)
     problem = quantization_problem(source, device, tp) or _kernels_problem()
     if problem is None:
         return "gguf"
@@ -381,29 +381,32 @@ def resolve_quantization(
     return "none"
 
 
-def _holds_fp8(source: ModelSource | None) -> bool:
-    """Whether an HF checkpoint's linears are FP8 (loader/fp8.py)."""
+def _prequantized(source: ModelSource | None) -> bool:
+    """Whether an HF checkpoint's linears are FP8, GPTQ or AWQ (loader/quant_config.py)."""
     if source is None or source.kind != "hf" or not (source.path / "config.json").is_file():
         return False
     config = source.path / "config.json"
-    return fp8_scheme(read_json(config), config) is not None
+    return prequantized(read_json(config), config)
 
 
-def _fp8_quantization(requested: str, device: str, tp: int) -> str:
-    """An FP8 checkpoint (loader/fp8.py) under auto: its matrices stay 8-bit, rounded to Q8_0
-    blocks, where those kernels run; else dequantized to --dtype (a GPU's bf16). It holds no
-    GGUF blocks to keep: gguf is refused."""
+def _prequantized_quantization(requested: str, device: str, tp: int) -> str:
+    """An FP8, GPTQ or AWQ checkpoint under auto: q8_0 where those kernels run (GPTQ's and
+    AWQ's integers kept as the GGUF blocks that hold them, loader/gptq.py; the rest rounded to
+    Q8_0 blocks), else dequantized to --dtype (a GPU's bf16). It is no GGUF: gguf is
+    refused."""
     if requested == "gguf":
         raise ValueError(
-            "quantization 'gguf': the model is not a GGUF file (an FP8 checkpoint: "
-            "use --quantization q8_0 or none)"
+            "quantization 'gguf': the model is not a GGUF file (an FP8, GPTQ or AWQ "
+            "checkpoint: use --quantization q8_0 or none)"
         )
     problem = blocks_problem(device, tp) or _kernels_problem()
     if problem is not None:
         if device.startswith("cpu"):
-            logger.warning("FP8 weights are dequantized to the model's dtype: %s", problem)
+            logger.warning(
+                "quantized safetensors are dequantized to the model's dtype: %s", problem
+            )
         return "none"
-    logger.info("FP8 weights are rounded to Q8_0 blocks (--quantization none keeps them fp32)")
+    logger.info("quantized safetensors run on GGUF blocks (--quantization none: fp32)")
     return "q8_0"
 
 

@@ -14,7 +14,6 @@ from safetensors import SafetensorError, safe_open
 from tokenbus.loader.cohere2_config import COHERE2_PATTERN
 from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES, deepseek_hf_fields
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, check_ernie, ernie_hf_moe_fields
-from tokenbus.loader.fp8 import fp8_scheme
 from tokenbus.loader.gemma3n_config import gemma3n_hf_fields
 from tokenbus.loader.gemma4_config import gemma4_hf_fields
 from tokenbus.loader.gemma_config import (
@@ -41,6 +40,7 @@ from tokenbus.loader.minicpm3_config import minicpm3_hf_fields
 from tokenbus.loader.minimax_m2_config import minimax_m2_hf_fields, minimax_m2_partial_rotary
 from tokenbus.loader.multimodal_config import text_config
 from tokenbus.loader.nemotron_h_config import nemotron_h_hf_fields, nemotron_h_kinds
+from tokenbus.loader.quant_config import check_quantization, is_mxfp4
 from tokenbus.loader.qwen3_5_config import qwen3_5_hf_fields, qwen3_5_moe_hf_fields
 from tokenbus.model_arch import ModelArch
 
@@ -175,15 +175,7 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
 
     if config.get("mlp_bias"):
         raise ValueError(f"{path}: mlp_bias=true is not supported")
-    quantization = config.get("quantization_config")
-    readable = (is_mxfp4(config) and architecture == "gpt_oss") or fp8_scheme(config, path)
-    if quantization and not readable:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(
-            f"{path}: quantization_config (quant_method {method!r}) is not supported: "
-            "safetensors are read unquantized (but FP8 checkpoints and gpt-oss's MXFP4 "
-            "experts); load the model's GGUF for quantized weights"
-        )
+    check_quantization(config, architecture, path)
     hidden_size, num_heads = need("hidden_size"), need("num_attention_heads")
     if architecture in ERNIE_ARCHITECTURES:
         check_ernie(config, path)
@@ -277,12 +269,6 @@ def arch_from_hf_config(config: dict[str, Any], path: Path) -> ModelArch:
         **_moe_fields(config, architecture, path),
     )
     return dataclasses.replace(arch, **family) if family else arch
-
-
-def is_mxfp4(config: dict[str, Any]) -> bool:
-    """Whether config.json says its experts are OpenAI's MXFP4 blocks (loader/mxfp4.py)."""
-    quantization = config.get("quantization_config")
-    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
 
 
 def hf_blocks_quantized(directory: Path) -> bool:

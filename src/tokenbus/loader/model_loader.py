@@ -16,6 +16,7 @@ from tokenbus.loader.gguf_loader import (
     iter_gguf_weights,
 )
 from tokenbus.loader.glm4_moe_config import without_mtp_layers
+from tokenbus.loader.gptq import packed_scheme, unpacked
 from tokenbus.loader.hf_loader import (
     GLM4_NORM_NAMES,
     INTERLEAVED_ROTARY_ARCHITECTURES,
@@ -58,8 +59,11 @@ def iter_weights(
         config_path = src.path / "config.json"
         config = read_json(config_path)
         weights = iter_safetensors(safetensors_files(src.path))
-        if (fp8 := fp8_scheme(config, config_path)) is not None:  # before any renaming: a
-            weights = dequantized_fp8(weights, fp8)  # matrix finds its scale by its own name
+        # before any renaming: a matrix finds its scales by its own name
+        if (fp8 := fp8_scheme(config, config_path)) is not None:
+            weights = dequantized_fp8(weights, fp8)
+        if (packed := packed_scheme(config, config_path)) is not None:
+            weights = unpacked(weights, packed, keep_quantized)
         if is_multimodal(config):
             weights = text_model_weights(weights)
         if arch.architecture == "gpt_oss":

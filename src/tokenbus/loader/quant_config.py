@@ -1,0 +1,37 @@
+"""The `quantization_config`s a safetensors checkpoint may carry here (L2): gpt-oss's MXFP4
+experts (loader/mxfp4.py), FP8 linears (loader/fp8.py), GPTQ's and AWQ's packed integers
+(loader/gptq.py). Any other is refused by name: its GGUF is the file to load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenbus.loader.fp8 import fp8_scheme
+from tokenbus.loader.gptq import packed_scheme
+
+
+def is_mxfp4(config: dict[str, Any]) -> bool:
+    """Whether config.json says its experts are OpenAI's MXFP4 blocks (loader/mxfp4.py)."""
+    quantization = config.get("quantization_config")
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+
+
+def prequantized(config: dict[str, Any], path: object) -> bool:
+    """Whether config.json names FP8, GPTQ or AWQ linears (a layout of theirs that is not read
+    is a ValueError naming the field)."""
+    return fp8_scheme(config, path) is not None or packed_scheme(config, path) is not None
+
+
+def check_quantization(config: dict[str, Any], architecture: str, path: object) -> None:
+    """A ValueError naming the method of a quantization_config that is not read."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return
+    if (is_mxfp4(config) and architecture == "gpt_oss") or prequantized(config, path):
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise ValueError(
+        f"{path}: quantization_config (quant_method {method!r}) is not supported: FP8, GPTQ "
+        "and AWQ checkpoints and gpt-oss's MXFP4 experts are read; load the model's GGUF for "
+        "other quantized weights"
+    )

@@ -1,0 +1,130 @@
+"""GPTQ and AWQ safetensors (loader/gptq.py): each layout's packed integers read back as the
+exact values they stand for (tests/fixtures/packed_checkpoint.py's fp32 twin), dequantized or
+as GGUF Q4_1 / Q8_0 blocks that gguf-py's reference dequantizer reads as the same values; the
+layouts no block holds come as fp32; malformed files refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tests.fixtures.packed_checkpoint import packed_checkpoint
+from tests.fixtures.tiny_models import cached_tiny_model
+
+from tokenbus.engine.setup import resolve_quantization
+from tokenbus.loader import iter_weights, load_arch, resolve_model
+from tokenbus.loader.gguf_loader import QuantizedWeight
+from tokenbus.loader.gptq import PackedScheme, packed_scheme
+
+LAYOUTS = {
+    "gptq-4bit-sym": dict(method="gptq"),
+    "gptq-4bit-asym-v2": dict(method="gptq", sym=False, fmt="gptq_v2"),
+    "gptq-4bit-asym": dict(method="gptq", sym=False),
+    "gptq-4bit-row": dict(method="gptq", group_size=-1),
+    "gptq-8bit-sym": dict(method="gptq", bits=8, group_size=64),
+    "gptq-8bit-asym": dict(method="gptq", bits=8, sym=False),
+    "gptq-act-order": dict(method="gptq", act_order=True),
+    "awq": dict(method="awq", sym=False),
+    "awq-64": dict(method="awq", sym=False, group_size=64),
+}
+# what a kept-quantized read gives each layout: GGUF blocks, or fp32 (no block holds it)
+BLOCKS = {"gptq-8bit-asym": None, "gptq-act-order": None, "gptq-8bit-sym": "Q8_0"}
+
+
+def _stream(path, keep_quantized=False) -> dict:
+    src = resolve_model(str(path))
+    return dict(iter_weights(src, load_arch(src), keep_quantized))
+
+
+def _as_floats(weight) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return weight
+    qtype = gguf.GGMLQuantizationType(weight.qtype)
+    values = gguf.quants.dequantize(weight.data.numpy(), qtype)
+    return torch.from_numpy(values.reshape(weight.rows, weight.cols))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_layout_reads_as_its_fp32_twin(tmp_path, layout):
+    packed, twin = packed_checkpoint(cached_tiny_model("llama"), tmp_path / "m", **LAYOUTS[layout])
+    want = _stream(twin)
+    dense = _stream(packed)
+    assert sorted(dense) == sorted(want)
+    for name, tensor in want.items():
+        assert dense[name].dtype == torch.float32 and torch.equal(dense[name], tensor), name
+    kept = _stream(packed, keep_quantized=True)
+    blocks = BLOCKS.get(layout, "Q4_1")
+    for name, tensor in want.items():
+        weight = kept[name]
+        if not name.endswith("_proj.weight") or blocks is None:
+            assert isinstance(weight, torch.Tensor) and torch.equal(weight, tensor), name
+            continue
+        assert isinstance(weight, QuantizedWeight), name
+        assert gguf.GGMLQuantizationType(weight.qtype).name == blocks
+        got = _as_floats(weight)
+        if layout in ("gptq-4bit-sym", "gptq-4bit-row", "gptq-8bit-sym"):
+            assert torch.equal(got, tensor), name  # m = -8s and Q8_0's d = s: exact
+        else:  # m = -z * s rounded once to fp16
+            assert (got - tensor).abs().max() <= 2**-11 * 15 * tensor.abs().max(), name
+
+
+def test_qwen2_biases_pass_beside_the_packed_parts(tmp_path):
+    packed, twin = packed_checkpoint(cached_tiny_model("qwen2"), tmp_path / "m", method="awq")
+    got, want = _stream(packed), _stream(twin)
+    assert "model.layers.0.self_attn.q_proj.bias" in got
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_moe_experts(tmp_path):
+    src = cached_tiny_model("qwen3_moe", num_experts=4, moe_intermediate_size=64)
+    packed, twin = packed_checkpoint(src, tmp_path / "m", method="gptq")
+    got, want = _stream(packed), _stream(twin)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in got
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_malformed_files_are_refused_by_name(tmp_path):
+    packed, _ = packed_checkpoint(cached_tiny_model("llama"), tmp_path / "m", method="gptq")
+    weights = load_file(str(packed / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.qzeros"]
+    save_file(weights, str(packed / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj: gptq parts without qzeros"):
+        _stream(packed)
+    weights["model.layers.1.mlp.up_proj.qzeros"] = torch.zeros(3, 16, dtype=torch.int32)
+    save_file(weights, str(packed / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"up_proj: gptq scales \[2, 128\] and zeros \[3, 128\]"):
+        _stream(packed)
+
+
+def test_layouts_not_read_are_refused_by_field():
+    def scheme(**quantization):
+        return packed_scheme({"quantization_config": quantization}, "config.json")
+
+    assert scheme(quant_method="gptq", bits=4, group_size=128) == PackedScheme(
+        "gptq", 4, 128, zero_offset=1
+    )
+    assert scheme(quant_method="awq", bits=4, group_size=128, version="GEMM") == PackedScheme(
+        "awq", 4, 128
+    )
+    assert scheme(quant_method="fp8") is None
+    with pytest.raises(ValueError, match=r"bits 3 \(gptq\): \(4, 8\) read"):
+        scheme(quant_method="gptq", bits=3)
+    with pytest.raises(ValueError, match="version 'gemv' \\(awq\\) is not supported"):
+        scheme(quant_method="awq", bits=4, version="gemv")
+    with pytest.raises(ValueError, match="checkpoint_format 'marlin'"):
+        scheme(quant_method="gptq", bits=4, checkpoint_format="marlin")
+    with pytest.raises(ValueError, match="group_size 0"):
+        scheme(quant_method="gptq", bits=4, group_size=0)
+
+
+def test_auto_keeps_the_blocks_on_cpu(tmp_path):
+    packed, twin = packed_checkpoint(cached_tiny_model("llama"), tmp_path / "m", method="awq")
+    src = resolve_model(str(packed))
+    assert load_arch(src) == load_arch(resolve_model(str(twin)))
+    assert resolve_quantization("auto", src, "cpu") == "q8_0"
+    assert resolve_quantization("auto", src, "cuda:0") == "none"
+    config = json.loads((packed / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "awq"
