@@ -1,10 +1,10 @@
-"""Quantized safetensors end to end: tiny models written as the FP8 (loader/fp8.py), GPTQ and
-AWQ (loader/gptq.py) releases are, against HF transformers: on the same FP8 files (it
-dequantizes them on a CPU), on the GPTQ and AWQ files' fp32 twins (its readers of those need
-GPU packages). Dequantized (--quantization none) the engine gives HF's tokens and logprobs;
-under auto on CPU the matrices run as GGUF blocks (GPTQ's and AWQ's 4-bit integers as Q4_1, the
-rest rounded to Q8_0) on the quantized kernels and the C decoder layers, with the dequantized
-engine's tokens up to near ties."""
+"""Quantized safetensors end to end: tiny models written as the FP8 (loader/fp8.py), GPTQ, AWQ
+and compressed-tensors W4A16 / W8A8 (loader/int_weights.py) releases are, against HF
+transformers: on the same FP8 files (it dequantizes them on a CPU), on the integer files' fp32
+twins (its readers of those need GPU packages). Dequantized (--quantization none) the engine
+gives HF's tokens and logprobs; under auto on CPU the matrices run as GGUF blocks (4-bit
+integers as Q4_1, symmetric 8-bit ones as Q8_0, the rest rounded to Q8_0) on the quantized
+kernels and the C decoder layers, with the dequantized engine's tokens up to near ties."""
 
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ CHECKPOINTS = {  # name: (family, its config overrides, writer)
     "fp8-llama": ("llama", {}, lambda src, out: fp8_checkpoint(src, out, "fp8", (32, 32))),
     "fp8-qwen3_moe": ("qwen3_moe", MOE, lambda src, out: fp8_checkpoint(src, out, "fp8", (32, 32))),
     "gptq-qwen2": ("qwen2", {}, lambda src, out: packed_checkpoint(src, out, "gptq")),
+    "w4a16-llama": ("llama", {}, lambda src, out: packed_checkpoint(src, out, "ct-pack")),
+    "w8a8-qwen3": (
+        "qwen3",
+        {},
+        lambda src, out: packed_checkpoint(src, out, "ct-int", bits=8, group_size=-1),
+    ),
     "awq-qwen3_moe": (
         "qwen3_moe",
         MOE,

@@ -358,7 +358,7 @@ def resolve_quantization(
     requested: str, source: ModelSource | None, device: str | object, tp: int = 1
 ) -> str:
     """ "gguf", "q8_0" or "none". auto picks gguf where it can run and the kernels build (an
-    FP8, GPTQ or AWQ checkpoint: q8_0, _prequantized_quantization); an
+    FP8 or integer checkpoint: q8_0, _prequantized_quantization); an
     explicit gguf or q8_0 that cannot run is a ValueError with the reason. `device`: a name or
     torch.device."""
     if requested == "none":
@@ -382,7 +382,7 @@ def resolve_quantization(
 
 
 def _prequantized(source: ModelSource | None) -> bool:
-    """Whether an HF checkpoint's linears are FP8, GPTQ or AWQ (loader/quant_config.py)."""
+    """Whether an HF checkpoint's linears are FP8 or integers (loader/quant_config.py)."""
     if source is None or source.kind != "hf" or not (source.path / "config.json").is_file():
         return False
     config = source.path / "config.json"
@@ -390,13 +390,13 @@ def _prequantized(source: ModelSource | None) -> bool:
 
 
 def _prequantized_quantization(requested: str, device: str, tp: int) -> str:
-    """An FP8, GPTQ or AWQ checkpoint under auto: q8_0 where those kernels run (GPTQ's and
-    AWQ's integers kept as the GGUF blocks that hold them, loader/gptq.py; the rest rounded to
-    Q8_0 blocks), else dequantized to --dtype (a GPU's bf16). It is no GGUF: gguf is
-    refused."""
+    """An FP8 or integer (GPTQ, AWQ, compressed-tensors) checkpoint under auto: q8_0 where
+    those kernels run (4-bit and symmetric 8-bit integers kept as the GGUF blocks that hold
+    them, loader/int_weights.py; the rest rounded to Q8_0 blocks), else dequantized to --dtype
+    (a GPU's bf16). It is no GGUF: gguf is refused."""
     if requested == "gguf":
         raise ValueError(
-            "quantization 'gguf': the model is not a GGUF file (an FP8, GPTQ or AWQ "
+            "quantization 'gguf': the model is not a GGUF file (a quantized safetensors "
             "checkpoint: use --quantization q8_0 or none)"
         )
     problem = blocks_problem(device, tp) or _kernels_problem()

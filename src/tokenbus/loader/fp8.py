@@ -47,8 +47,8 @@ class Fp8Scheme:
 
 def fp8_scheme(config: dict[str, Any], path: object) -> Fp8Scheme | None:
     """The FP8 scheme config.json's `quantization_config` names, None when it names none of
-    FP8_METHODS; a compressed-tensors config of another kind (int4 packs, say) or an FP8
-    layout this reader does not know is a ValueError naming the field."""
+    FP8_METHODS (or another compressed-tensors format); an FP8 layout this reader does not
+    know is a ValueError naming the field."""
     quantization = config.get("quantization_config")
     if not isinstance(quantization, dict):
         return None
@@ -62,13 +62,9 @@ def fp8_scheme(config: dict[str, Any], path: object) -> Fp8Scheme | None:
     return None
 
 
-def _compressed_tensors(quantization: dict[str, Any], path: object) -> Fp8Scheme:
-    fmt = quantization.get("format")
-    if fmt != "float-quantized":
-        raise ValueError(
-            f"{path}: quantization_config format {fmt!r} (compressed-tensors) is not supported: "
-            "its FP8 checkpoints ('float-quantized') are; load the model's GGUF for others"
-        )
+def _compressed_tensors(quantization: dict[str, Any], path: object) -> Fp8Scheme | None:
+    if quantization.get("format") != "float-quantized":
+        return None  # its integer formats: loader/int_weights.py (which refuses the rest)
     blocks = set()
     for name, group in (quantization.get("config_groups") or {}).items():
         weights = group.get("weights") or {}

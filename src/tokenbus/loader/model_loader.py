@@ -16,7 +16,6 @@ from tokenbus.loader.gguf_loader import (
     iter_gguf_weights,
 )
 from tokenbus.loader.glm4_moe_config import without_mtp_layers
-from tokenbus.loader.gptq import packed_scheme, unpacked
 from tokenbus.loader.hf_loader import (
     GLM4_NORM_NAMES,
     INTERLEAVED_ROTARY_ARCHITECTURES,
@@ -26,6 +25,7 @@ from tokenbus.loader.hf_loader import (
     safetensors_files,
 )
 from tokenbus.loader.hunyuan_config import HUNYUAN_NORM_NAMES
+from tokenbus.loader.int_weights import packed_scheme, unpacked
 from tokenbus.loader.lfm2_config import lfm2_names
 from tokenbus.loader.multimodal_config import is_multimodal, text_model_weights
 from tokenbus.loader.mxfp4 import gpt_oss_experts

@@ -1,13 +1,14 @@
 """The `quantization_config`s a safetensors checkpoint may carry here (L2): gpt-oss's MXFP4
-experts (loader/mxfp4.py), FP8 linears (loader/fp8.py), GPTQ's and AWQ's packed integers
-(loader/gptq.py). Any other is refused by name: its GGUF is the file to load."""
+experts (loader/mxfp4.py), FP8 linears (loader/fp8.py), integer ones (GPTQ, AWQ and
+compressed-tensors': loader/int_weights.py). Any other is refused by name: its GGUF is the
+file to load."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tokenbus.loader.fp8 import fp8_scheme
-from tokenbus.loader.gptq import packed_scheme
+from tokenbus.loader.int_weights import packed_scheme
 
 
 def is_mxfp4(config: dict[str, Any]) -> bool:
@@ -17,7 +18,7 @@ def is_mxfp4(config: dict[str, Any]) -> bool:
 
 
 def prequantized(config: dict[str, Any], path: object) -> bool:
-    """Whether config.json names FP8, GPTQ or AWQ linears (a layout of theirs that is not read
+    """Whether config.json names FP8 or integer linears (a layout of theirs that is not read
     is a ValueError naming the field)."""
     return fp8_scheme(config, path) is not None or packed_scheme(config, path) is not None
 
@@ -31,7 +32,7 @@ def check_quantization(config: dict[str, Any], architecture: str, path: object) 
         return
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     raise ValueError(
-        f"{path}: quantization_config (quant_method {method!r}) is not supported: FP8, GPTQ "
-        "and AWQ checkpoints and gpt-oss's MXFP4 experts are read; load the model's GGUF for "
-        "other quantized weights"
+        f"{path}: quantization_config (quant_method {method!r}) is not supported: FP8, GPTQ, "
+        "AWQ and compressed-tensors checkpoints and gpt-oss's MXFP4 experts are read; load "
+        "the model's GGUF for other quantized weights"
     )

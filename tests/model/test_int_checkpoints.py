@@ -1,4 +1,4 @@
-"""GPTQ and AWQ safetensors (loader/gptq.py): each layout's packed integers read back as the
+"""GPTQ and AWQ safetensors (loader/int_weights.py): each layout's packed integers read back as the
 exact values they stand for (tests/fixtures/packed_checkpoint.py's fp32 twin), dequantized or
 as GGUF Q4_1 / Q8_0 blocks that gguf-py's reference dequantizer reads as the same values; the
 layouts no block holds come as fp32; malformed files refused by name."""
@@ -17,7 +17,7 @@ from tests.fixtures.tiny_models import cached_tiny_model
 from tokenbus.engine.setup import resolve_quantization
 from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.gguf_loader import QuantizedWeight
-from tokenbus.loader.gptq import PackedScheme, packed_scheme
+from tokenbus.loader.int_weights import PackedScheme, packed_scheme
 
 LAYOUTS = {
     "gptq-4bit-sym": dict(method="gptq"),
@@ -29,9 +29,24 @@ LAYOUTS = {
     "gptq-act-order": dict(method="gptq", act_order=True),
     "awq": dict(method="awq", sym=False),
     "awq-64": dict(method="awq", sym=False, group_size=64),
+    "ct-pack": dict(method="ct-pack"),
+    "ct-pack-asym": dict(method="ct-pack", sym=False),
+    "ct-pack-asym-channel": dict(method="ct-pack", sym=False, group_size=-1),
+    "ct-pack-8bit": dict(method="ct-pack", bits=8, group_size=64),
+    "ct-pack-act-order": dict(method="ct-pack", act_order=True),
+    "ct-int": dict(method="ct-int", bits=8, group_size=-1),
 }
 # what a kept-quantized read gives each layout: GGUF blocks, or fp32 (no block holds it)
-BLOCKS = {"gptq-8bit-asym": None, "gptq-act-order": None, "gptq-8bit-sym": "Q8_0"}
+BLOCKS = {
+    "gptq-8bit-asym": None,
+    "gptq-act-order": None,
+    "ct-pack-act-order": None,
+    "gptq-8bit-sym": "Q8_0",
+    "ct-pack-8bit": "Q8_0",
+    "ct-int": "Q8_0",
+}
+# symmetric: m = -8s, and Q8_0's d = s, exact in fp16
+EXACT = ("gptq-4bit-sym", "gptq-4bit-row", "gptq-8bit-sym", "ct-pack", "ct-pack-8bit", "ct-int")
 
 
 def _stream(path, keep_quantized=False) -> dict:
@@ -65,8 +80,8 @@ def test_each_layout_reads_as_its_fp32_twin(tmp_path, layout):
         assert isinstance(weight, QuantizedWeight), name
         assert gguf.GGMLQuantizationType(weight.qtype).name == blocks
         got = _as_floats(weight)
-        if layout in ("gptq-4bit-sym", "gptq-4bit-row", "gptq-8bit-sym"):
-            assert torch.equal(got, tensor), name  # m = -8s and Q8_0's d = s: exact
+        if layout in EXACT:
+            assert torch.equal(got, tensor), name
         else:  # m = -z * s rounded once to fp16
             assert (got - tensor).abs().max() <= 2**-11 * 15 * tensor.abs().max(), name
 
@@ -118,6 +133,20 @@ def test_layouts_not_read_are_refused_by_field():
         scheme(quant_method="gptq", bits=4, checkpoint_format="marlin")
     with pytest.raises(ValueError, match="group_size 0"):
         scheme(quant_method="gptq", bits=4, group_size=0)
+
+    def compressed(fmt, **weights):
+        groups = {"group_0": {"weights": {"type": "int", "num_bits": 4, **weights}}}
+        return scheme(quant_method="compressed-tensors", format=fmt, config_groups=groups)
+
+    w4a16 = compressed("pack-quantized", strategy="group", group_size=128, actorder="group")
+    assert w4a16 == PackedScheme("pack-quantized", 4, 128, act_order=True, symmetric=True)
+    assert compressed("float-quantized") is None  # FP8: loader/fp8.py
+    with pytest.raises(ValueError, match="format 'marlin-24' .* is not supported"):
+        compressed("marlin-24", strategy="group", group_size=128)
+    with pytest.raises(ValueError, match=r"bits 4 \(int-quantized\): \(8,\) read"):
+        compressed("int-quantized", strategy="channel")
+    with pytest.raises(ValueError, match="weights strategy 'block'"):
+        compressed("pack-quantized", strategy="block")
 
 
 def test_auto_keeps_the_blocks_on_cpu(tmp_path):
