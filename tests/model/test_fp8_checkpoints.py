@@ -16,7 +16,8 @@ from tests.fixtures.tiny_models import cached_tiny_model
 
 from tokenbus.engine.setup import resolve_quantization
 from tokenbus.loader import iter_weights, load_arch, resolve_model
-from tokenbus.loader.fp8 import Fp8Scheme, dequantize, fp8_scheme
+from tokenbus.loader.fp8 import Fp8Scheme, dequantize, dequantized_fp8, fp8_scheme
+from tokenbus.loader.quant_config import prequantized
 
 SCHEMES = [
     ("fp8", (32, 32)),  # Qwen3-FP8's layout at a tiny model's scale: 2 x 2 blocks of q_proj
@@ -76,28 +77,25 @@ def test_the_twin_is_what_transformers_reads(tmp_path):
 def test_scales_by_tensor_row_and_block():
     values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]).to(torch.float8_e4m3fn)
     dense = values.float()
-    one = Fp8Scheme("fp8")
+    one = Fp8Scheme()
     assert torch.equal(dequantize(values, torch.tensor([2.0]), one, "w"), dense * 2)
     rows = torch.tensor([[2.0], [3.0]])
     assert torch.equal(dequantize(values, rows, one, "w"), dense * rows)
     blocks = torch.tensor([[2.0, 3.0]])  # [2 x 2] blocks: columns 0-1, then 2 alone
     want = dense * torch.tensor([[2.0, 2.0, 3.0]])
-    assert torch.equal(dequantize(values, blocks, Fp8Scheme("fp8", (2, 2)), "w"), want)
-    exponents = torch.tensor([[128, 129]], dtype=torch.uint8)  # E8M0 bytes: 2^1, 2^2
-    want = dense * torch.tensor([[2.0, 2.0, 4.0]])
-    assert torch.equal(dequantize(values, exponents, Fp8Scheme("fp8", (2, 2)), "w"), want)
+    assert torch.equal(dequantize(values, blocks, Fp8Scheme((2, 2)), "w"), want)
+    # a row's scales beside a block size (a compressed-tensors config mixing strategies)
+    assert torch.equal(dequantize(values, rows, Fp8Scheme((2, 2)), "w"), dense * rows)
     stacked = torch.stack([values, values])  # experts in one tensor, a scale grid each
     scales = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]])
-    got = dequantize(stacked, scales, Fp8Scheme("fp8", (2, 2)), "w")
+    got = dequantize(stacked, scales, Fp8Scheme((2, 2)), "w")
     assert torch.equal(got[1], dense * torch.tensor([[3.0, 3.0, 4.0]]))
     with pytest.raises(ValueError, match=r"weight w: scales \[3, 1, 2\] do not cover"):
-        dequantize(
-            stacked, torch.ones(3, 1, 2), Fp8Scheme("fp8", (2, 2)), "w"
-        )  # 3 grids, 2 experts
+        dequantize(stacked, torch.ones(3, 1, 2), Fp8Scheme((2, 2)), "w")  # 3 grids, 2 experts
     with pytest.raises(ValueError, match=r"scales \[3, 1\] do not cover FP8 values \[2, 3\]"):
         dequantize(values, torch.ones(3, 1), one, "w")
     with pytest.raises(ValueError, match=r"in blocks of \[1, 1\]"):
-        dequantize(values, blocks, Fp8Scheme("fp8", (1, 1)), "w")
+        dequantize(values, blocks, Fp8Scheme((1, 1)), "w")
 
 
 def _damaged(tmp_path, change) -> str:
@@ -124,6 +122,23 @@ def test_malformed_files_are_refused_by_name(tmp_path):
     stray = _damaged(tmp_path / "c", lambda w: {**w, "model.norm.weight_scale": torch.ones(1)})
     with pytest.raises(ValueError, match="model.norm.weight_scale: a scale without FP8 values"):
         _stream(stray)
+
+
+def test_scales_pair_by_name_whatever_the_tensor():
+    """`<name>_scale_inv` scales any FP8 tensor `<name>` (experts stacked in one tensor); a
+    model's own `*_scale` parameter passes; an FP8 tensor left without a scale is refused."""
+    values = torch.ones(2, 2).to(torch.float8_e4m3fn)
+    stream = [
+        ("m.experts.gate_up_proj", torch.stack([values, values])),
+        ("m.layer_scale", torch.ones(1)),
+        ("m.experts.gate_up_proj_scale_inv", torch.tensor([[[2.0]], [[3.0]]])),
+        ("m.attn.k_proj.k_scale", torch.ones(())),
+    ]
+    got = dict(dequantized_fp8(stream, Fp8Scheme()))
+    assert sorted(got) == ["m.experts.gate_up_proj", "m.layer_scale"]
+    assert torch.equal(got["m.experts.gate_up_proj"][1], torch.full((2, 2), 3.0))
+    with pytest.raises(ValueError, match="weight m.q_proj.weight: FP8 values without"):
+        list(dequantized_fp8([*stream, ("m.q_proj.weight", values)], Fp8Scheme()))
 
 
 def test_other_quantization_configs_are_refused_by_field(tmp_path):
@@ -154,9 +169,21 @@ def test_other_quantization_configs_are_refused_by_field(tmp_path):
             }
         },
     }
-    assert fp8_scheme({"quantization_config": block}, path) == Fp8Scheme(
-        "compressed-tensors", (128, 128)
+    assert fp8_scheme({"quantization_config": block}, path) == Fp8Scheme((128, 128))
+    # FineGrainedFP8's default where a config names no block size; an explicit null: none
+    assert fp8_scheme({"quantization_config": {"quant_method": "fp8"}}, path) == Fp8Scheme(
+        (128, 128)
     )
+    no_blocks = {"quant_method": "fp8", "weight_block_size": None}
+    assert fp8_scheme({"quantization_config": no_blocks}, path) == Fp8Scheme()
+    sparse = {**block, "sparsity_config": {"format": "sparse-24-bitmask"}}
+    with pytest.raises(ValueError, match="sparsity_config format 'sparse-24-bitmask'"):
+        prequantized({"quantization_config": sparse}, path)
+    rotated = {**block, "transform_config": {"config_groups": {"u": {}}}}
+    with pytest.raises(ValueError, match="transform_config"):
+        prequantized({"quantization_config": rotated}, path)
+    dense_sparsity = {**block, "sparsity_config": {"format": "dense"}}
+    assert prequantized({"quantization_config": dense_sparsity}, path)
 
 
 def test_auto_rounds_fp8_to_q8_0_on_cpu(tmp_path):

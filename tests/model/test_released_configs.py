@@ -189,7 +189,7 @@ def test_minimax_m2():
     # the released safetensors hold FP8 blocks: read as their fp32 values (loader/fp8.py)
     fp8 = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "weight_block_size": [128, 128]}
     assert arch_from_hf_config({**MINIMAX_M2, "quantization_config": fp8}, PATH) == arch
-    assert fp8_scheme({"quantization_config": fp8}, PATH) == Fp8Scheme("fp8", (128, 128))
+    assert fp8_scheme({"quantization_config": fp8}, PATH) == Fp8Scheme((128, 128))
 
 
 def test_seed_oss_36b():

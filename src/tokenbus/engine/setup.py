@@ -406,7 +406,7 @@ def _prequantized_quantization(requested: str, device: str, tp: int) -> str:
                 "quantized safetensors are dequantized to the model's dtype: %s", problem
             )
         return "none"
-    logger.info("quantized safetensors run on GGUF blocks (--quantization none: fp32)")
+    logger.info("quantized safetensors run on GGUF blocks (--quantization none: --dtype)")
     return "q8_0"
 
 

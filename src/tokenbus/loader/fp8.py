@@ -4,15 +4,17 @@ scales that multiply it back, read as the fp32 matrices they stand for.
 Three `quantization_config`s name them, all with the same arithmetic, W = q * s:
 - `fp8` (transformers' FineGrainedFP8: Qwen3's and Qwen3-MoE's -FP8 releases, DeepSeek-V3,
   MiniMax-M2): `<linear>.weight_scale_inv` holds one scale per block of
-  `weight_block_size` [rows, cols] (128 x 128 in those releases), the grid rounded up where a
-  side is not a multiple; without a block size, one scale for the matrix;
+  `weight_block_size` [rows, cols] (128 x 128 in those releases, and where a config names
+  none, as transformers reads it), the grid rounded up where a side is not a multiple; a null
+  block size: one scale for the matrix, or one a row, as the scale's shape says;
 - `compressed-tensors` in its `float-quantized` format (llm-compressor's FP8 and FP8-dynamic
   releases): `<linear>.weight_scale` per matrix (`strategy` tensor), per output row
   (channel) or per block (`block_structure`);
 - `fbgemm_fp8` (Meta's Llama 3.1 FP8): `<linear>.weight_scale` per output row.
 
-Every matrix whose dtype is an 8-bit float takes the scale tensor of its own name; the rest
-(norms, embeddings, routers, the layers a config leaves unquantized) pass as they come. The
+Every tensor whose dtype is an 8-bit float takes the scale tensor of its own name
+(`<name>_scale_inv` or `<name>_scale`: a linear's `weight`, `weight_scale_inv`); the rest (norms,
+embeddings, routers, the layers a config leaves unquantized) pass as they come. The
 activation and KV scales a checkpoint keeps for fp8 GEMMs and an fp8 cache (`input_scale`,
 `k_scale`, ...) are dropped: activations here stay in the engine's precision, and the KV cache
 is its own (`--kv-cache-dtype`). On CPU the engine then rounds the fp32 matrices to Q8_0
@@ -29,34 +31,43 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
-_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
-# scales of the fp8 GEMM's activations and of an fp8 KV cache: nothing here reads them
-_DROPPED = ("input_scale", "input_scale_ub", "activation_scale", "k_scale", "v_scale", "kv_scale")
+_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # `<values>_scale_inv` / `<values>_scale`
+# scales of the fp8 GEMM's activations and of an fp8 KV cache (llm-compressor's older files
+# name a KV scale `output_scale`): nothing here reads them
+_DROPPED = (
+    "input_scale",
+    "input_scale_ub",
+    "activation_scale",
+    "output_scale",
+    "k_scale",
+    "v_scale",
+    "kv_scale",
+)
 _STRATEGIES = ("tensor", "channel", "block")
+_DEFAULT_BLOCK = [128, 128]  # FineGrainedFP8Config's weight_block_size, where a config names none
 
 
 @dataclass(frozen=True)
 class Fp8Scheme:
     """How a checkpoint's FP8 matrices are scaled: `block` the [rows, cols] one scale covers
-    where the config names it (None: read from the scale's own shape)."""
+    where the config names it (None, or a scale of another grid: one scale for the matrix or
+    one a row, read from the scale's own shape)."""
 
-    method: str
     block: tuple[int, int] | None = None
 
 
 def fp8_scheme(config: dict[str, Any], path: object) -> Fp8Scheme | None:
-    """The FP8 scheme config.json's `quantization_config` names, None when it names none of
-    FP8_METHODS (or another compressed-tensors format); an FP8 layout this reader does not
-    know is a ValueError naming the field."""
+    """The FP8 scheme config.json's `quantization_config` names (quant_method fp8,
+    fbgemm_fp8, or compressed-tensors' float-quantized format), None for any other; an FP8
+    layout this reader does not know is a ValueError naming the field."""
     quantization = config.get("quantization_config")
     if not isinstance(quantization, dict):
         return None
     method = quantization.get("quant_method")
-    if method == "fp8":
-        return Fp8Scheme(method, _block(quantization.get("weight_block_size"), path))
+    if method == "fp8":  # an explicit null: no blocks
+        return Fp8Scheme(_block(quantization.get("weight_block_size", _DEFAULT_BLOCK), path))
     if method == "fbgemm_fp8":
-        return Fp8Scheme(method)
+        return Fp8Scheme()
     if method == "compressed-tensors":
         return _compressed_tensors(quantization, path)
     return None
@@ -78,7 +89,7 @@ def _compressed_tensors(quantization: dict[str, Any], path: object) -> Fp8Scheme
             blocks.add(_block(weights.get("block_structure"), path))
     if len(blocks) > 1:
         raise ValueError(f"{path}: quantization_config config_groups name several block sizes")
-    return Fp8Scheme("compressed-tensors", blocks.pop() if blocks else None)
+    return Fp8Scheme(blocks.pop() if blocks else None)
 
 
 def _block(value: Any, path: object) -> tuple[int, int] | None:
@@ -92,34 +103,44 @@ def _block(value: Any, path: object) -> tuple[int, int] | None:
 def dequantized_fp8(
     weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each FP8 matrix as fp32, multiplied by its scales; a matrix waits for its scale tensor
-    (either may come first: shards split them). Unscaled tensors pass; activation and KV
-    scales are dropped. A matrix without its scale, or a scale without its matrix, is a
-    ValueError naming it."""
-    matrices: dict[str, torch.Tensor] = {}  # prefix ("model.layers.0.mlp.up_proj.") -> fp8
-    scales: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> (the scale's name, tensor)
+    """Each FP8 tensor as fp32, multiplied by its scales (`<values>_scale_inv` or
+    `<values>_scale`: a linear's `weight` takes `weight_scale_inv`); a tensor waits for its
+    scales (either may come first: shards split them). Other tensors pass; activation and KV
+    scales are dropped. FP8 values without their scales, or a weight's scale without its
+    values, are a ValueError naming them."""
+    values: dict[str, torch.Tensor] = {}  # name -> fp8 values waiting for their scales
+    scales: dict[str, tuple[str, torch.Tensor]] = {}  # values' name -> (scale's name, tensor)
     for name, tensor in weights:
-        prefix, _, leaf = name.rpartition(".")
-        prefix += "."
-        if leaf in _DROPPED:
+        if name.rpartition(".")[2] in _DROPPED:
             continue
-        if leaf in _SCALE_SUFFIXES:
-            if prefix in matrices:
-                yield prefix + "weight", dequantize(matrices.pop(prefix), tensor, scheme, name)
-            else:
-                scales[prefix] = (name, tensor)
-        elif leaf == "weight" and _is_fp8(tensor):
-            if prefix in scales:
-                scale_name, scale = scales.pop(prefix)
+        if _is_fp8(tensor):
+            if name in scales:
+                scale_name, scale = scales.pop(name)
                 yield name, dequantize(tensor, scale, scheme, scale_name)
             else:
-                matrices[prefix] = tensor
-        else:
+                values[name] = tensor
+            continue
+        base = _scaled(name)
+        if base is None:
             yield name, tensor
-    if matrices:
-        raise ValueError(f"weight {next(iter(matrices))}weight: FP8 values without their scale")
-    if scales:
-        raise ValueError(f"weight {next(iter(scales.values()))[0]}: a scale without FP8 values")
+        elif base in values:
+            yield base, dequantize(values.pop(base), tensor, scheme, name)
+        else:
+            scales[base] = (name, tensor)
+    if values:
+        raise ValueError(f"weight {next(iter(values))}: FP8 values without their scale")
+    for base, (name, tensor) in scales.items():
+        if base.endswith(".weight"):
+            raise ValueError(f"weight {name}: a scale without FP8 values")
+        yield name, tensor  # a parameter of the model's own whose name ends in _scale
+
+
+def _scaled(name: str) -> str | None:
+    """The name of the values a scale's name scales, or None when it names no scale."""
+    for suffix in _SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return None
 
 
 def _is_fp8(tensor: torch.Tensor) -> bool:
@@ -135,14 +156,12 @@ def dequantize(
     import torch
 
     rows, cols = values.shape[-2:]
-    if scale.dtype == torch.uint8:  # E8M0 exponents stored as bytes (MXFP8 layouts)
-        scale = torch.exp2(scale.to(torch.float32) - 127)
     scale = scale.to(torch.float32)
     out = values.to(torch.float32)
     if scale.numel() == 1:
         return out.mul_(scale.reshape(()))
     grid = tuple(scale.shape[-2:]) if scale.dim() >= 2 else (scale.shape[0], 1)
-    if scheme.block is not None:
+    if scheme.block is not None and grid != (rows, 1):  # a row's scale beside blocks: per row
         block_rows, block_cols = scheme.block
     elif rows % grid[0] == 0 and cols % grid[1] == 0:  # per row, or blocks the grid divides
         block_rows, block_cols = rows // grid[0], cols // grid[1]

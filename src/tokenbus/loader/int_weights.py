@@ -21,8 +21,9 @@ each value's low bits first):
 
 Kept quantized (`--quantization` auto on CPU, as for FP8 checkpoints), a 4-bit matrix whose
 groups hold whole 32-column blocks becomes GGUF Q4_1 (each block: d = s, m = -z * s, its q as
-they are): exact where m is exact in fp16 (a symmetric layout's z = 8: m = -8s), else m rounded
-once to fp16. An 8-bit symmetric one (z = 128) becomes Q8_0 (d = s, q - 128), exactly. Any
+they are): exact where d and m are fp16 values (GPTQ's and AWQ's scales are fp16; a symmetric
+layout's m = -8s; compressed-tensors' bf16 scales convert exactly down to 2^-14), else rounded
+once to fp16. An 8-bit symmetric one (z = 128) becomes Q8_0 (d = s, q - 128), alike. Any
 other (act-order groups, 8-bit asymmetric) comes as fp32 and is rounded to Q8_0 with the dense
 weights. The embedding and LM head, unquantized in these files, load as they are.
 """
@@ -106,6 +107,9 @@ def packed_scheme(config: dict[str, Any], path: object) -> PackedScheme | None:
             f"{path}: quantization_config checkpoint_format {fmt!r} (gptq) is not supported: "
             "'gptq' and 'gptq_v2' are read"
         )
+    words = str(quantization.get("pack_dtype", "int32")).removeprefix("torch.")
+    if words != "int32":  # GPTQModel may pack into other words
+        raise ValueError(f"{path}: quantization_config pack_dtype {words!r} (gptq): int32 read")
     act_order = bool(quantization.get("desc_act"))
     return PackedScheme(method, bits, group_size, act_order, int(fmt == "gptq"))
 
@@ -135,8 +139,11 @@ def _compressed_tensors(quantization: dict[str, Any], path: object) -> PackedSch
             group_size = -1
         else:
             raise ValueError(f"{path}: config_groups.{name}.weights strategy {strategy!r}")
-        if fmt == "int-quantized" and not symmetric:
-            raise ValueError(f"{path}: config_groups.{name}.weights: int-quantized asymmetric")
+        if not symmetric and (fmt == "int-quantized" or strategy == "tensor"):
+            raise ValueError(
+                f"{path}: config_groups.{name}.weights: asymmetric {fmt} by {strategy} "
+                "(zero points are read packed, by group or channel)"
+            )
         act_order = weights.get("actorder") == "group"
         schemes.add(PackedScheme(fmt, bits, group_size, act_order, symmetric=symmetric))
     if len(schemes) != 1:
@@ -166,10 +173,10 @@ def unpacked(
     rest is a ValueError naming it."""
     needed, optional = scheme.parts()
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    dropped = _CT_DROPPED if scheme.method in _CT_FORMATS else ()
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
-        compressed = scheme.method in _CT_FORMATS
-        if compressed and leaf in _CT_DROPPED:
+        if leaf in dropped:
             continue
         if leaf not in needed | optional or (leaf == "weight" and _holds_floats(tensor)):
             yield name, tensor
@@ -195,7 +202,7 @@ def _linear(
 ) -> torch.Tensor | QuantizedWeight:
     import torch
 
-    q, z, scales = _integers(parts, scheme)  # [in, out], [groups, out], [groups, out]
+    q, z, scales = _integers(parts, scheme, prefix)  # [in, out], [groups, out], [groups, out]
     cols = q.shape[0]
     groups = 1 if scheme.group_size == -1 else -(-cols // scheme.group_size)
     if scales.shape != z.shape or z.shape != (groups, q.shape[1]):
@@ -215,7 +222,7 @@ def _linear(
     return ((q - z[group]).to(torch.float32) * s[group]).T.contiguous()
 
 
-def _integers(parts: dict[str, torch.Tensor], scheme: PackedScheme):
+def _integers(parts: dict[str, torch.Tensor], scheme: PackedScheme, prefix: str):
     """(q [in, out], z [groups, out], scales [groups, out]): q and z unsigned, in column
     order."""
     import torch
@@ -244,9 +251,29 @@ def _integers(parts: dict[str, torch.Tensor], scheme: PackedScheme):
         scales = scales.reshape(1, 1).expand(q.shape[1], 1)
     if scheme.symmetric:
         z = torch.full((scales.shape[1], q.shape[1]), offset, dtype=torch.int32)
-    else:  # signed zero points stored plus the offset: as unsigned, z itself
-        z = _unpack(parts["weight_zero_point"], bits, dim=0)[: q.shape[1]].T
+    else:
+        z = _ct_zero_points(parts["weight_zero_point"], bits, tuple(scales.shape), prefix)
     return q, z, scales.T
+
+
+def _ct_zero_points(
+    zero: torch.Tensor, bits: int, grid: tuple[int, int], prefix: str
+) -> torch.Tensor:
+    """compressed-tensors' zero points [out, groups] as unsigned z [groups, out]: packed
+    along the rows in int32 words (signed values plus 2^(bits-1): unsigned, z itself), or,
+    as files written before it packed them, int8 signed values."""
+    import torch
+
+    rows, groups = grid
+    per = 32 // bits
+    if zero.dtype == torch.int32 and zero.shape == (-(-rows // per), groups):
+        return _unpack(zero, bits, dim=0)[:rows].T
+    if zero.dtype == torch.int8 and zero.shape == grid:
+        return (zero.to(torch.int32) + (1 << (bits - 1))).T
+    raise ValueError(
+        f"weight {prefix}: weight_zero_point {zero.dtype} {list(zero.shape)} is neither "
+        f"int32 words [{-(-rows // per)}, {groups}] nor int8 [{rows}, {groups}]"
+    )
 
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -53,19 +54,28 @@ def iter_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
     fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them, and so
-    do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py); ERNIE's q/k rows from
-    interleaved pairs to halves (ERNIE's, GLM-4's); an image-and-text checkpoint's text model's."""
+    do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py) and the integers of GPTQ, AWQ
+    and compressed-tensors files (loader/int_weights.py); FP8 matrices multiplied out to fp32
+    (loader/fp8.py); ERNIE's q/k rows from interleaved pairs to halves (ERNIE's, GLM-4's); an
+    image-and-text checkpoint's text model's."""
     if src.kind == "hf":
         config_path = src.path / "config.json"
         config = read_json(config_path)
         weights = iter_safetensors(safetensors_files(src.path))
-        # before any renaming: a matrix finds its scales by its own name
+        # tensors never loaded go first (a vision tower, MTP layers: no work on their blocks)
+        if is_multimodal(config):
+            weights = text_model_weights(weights)
+        if arch.architecture in ERNIE_ARCHITECTURES:
+            weights = without_mtp(weights)
+        if arch.architecture in QWEN3_5_ARCHITECTURES:
+            weights = qwen3_5_without_mtp(weights)
+        if arch.architecture in ("glm4_moe", *DEEPSEEK_ARCHITECTURES):
+            weights = without_mtp_layers(weights, arch.num_hidden_layers)
+        # then, before any module is renamed, quantized matrices meet their scales by name
         if (fp8 := fp8_scheme(config, config_path)) is not None:
             weights = dequantized_fp8(weights, fp8)
         if (packed := packed_scheme(config, config_path)) is not None:
             weights = unpacked(weights, packed, keep_quantized)
-        if is_multimodal(config):
-            weights = text_model_weights(weights)
         if arch.architecture == "gpt_oss":
             return gpt_oss_experts(weights, keep_quantized)
         if arch.architecture == "glm4":
@@ -76,12 +86,6 @@ def iter_weights(
             weights = renamed_modules(weights, HUNYUAN_NORM_NAMES)
         if arch.architecture == "apertus":
             weights = renamed_modules(weights, APERTUS_NORM_NAMES)
-        if arch.architecture in ERNIE_ARCHITECTURES:
-            weights = without_mtp(weights)
-        if arch.architecture in QWEN3_5_ARCHITECTURES:
-            weights = qwen3_5_without_mtp(weights)
-        if arch.architecture in ("glm4_moe", *DEEPSEEK_ARCHITECTURES):
-            weights = without_mtp_layers(weights, arch.num_hidden_layers)
         if arch.architecture in INTERLEAVED_ROTARY_ARCHITECTURES:
             return _rotary_pairs_as_halves(weights, arch)
         return weights
@@ -89,8 +93,8 @@ def iter_weights(
 
 
 def _rotary_pairs_as_halves(
-    weights: Iterator[tuple[str, torch.Tensor]], arch: ModelArch
-) -> Iterator[tuple[str, torch.Tensor]]:
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], arch: ModelArch
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """q/k projections whose rotary turns adjacent pairs (GPT-J's layout), their rows reordered
     so each pair's two dims stand half the rotary width apart, as NeoX's rotary turns them: the
     inverse of llama.cpp's permute (within the rotary dims of a partial one). q·k is unchanged;
@@ -99,7 +103,11 @@ def _rotary_pairs_as_halves(
     for name, tensor in weights:
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in heads and parts[-3:-2] == ["self_attn"]:
-            tensor = unpermute_qk(tensor, heads[parts[-2]], arch.rotary_dim)
+            if isinstance(tensor, QuantizedWeight):  # whole rows move: rows of blocks too
+                rows = unpermute_qk(tensor.data, heads[parts[-2]], arch.rotary_dim)
+                tensor = dataclasses.replace(tensor, data=rows.contiguous())
+            else:
+                tensor = unpermute_qk(tensor, heads[parts[-2]], arch.rotary_dim)
         elif name.endswith(PER_HEAD_NORMS):
             if tensor.dim() == 2:  # a weight per head [heads, D] (Command R+'s)
                 tensor = unpermute_head_rows(tensor, arch.rotary_dim)

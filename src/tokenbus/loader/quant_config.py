@@ -20,7 +20,29 @@ def is_mxfp4(config: dict[str, Any]) -> bool:
 def prequantized(config: dict[str, Any], path: object) -> bool:
     """Whether config.json names FP8 or integer linears (a layout of theirs that is not read
     is a ValueError naming the field)."""
+    _check_compressed_tensors(config.get("quantization_config"), path)
     return fp8_scheme(config, path) is not None or packed_scheme(config, path) is not None
+
+
+def _check_compressed_tensors(quantization: Any, path: object) -> None:
+    """compressed-tensors' sparse layouts (2:4 bitmasks) and weight transforms (rotations) are
+    not read: refused by name rather than loaded wrong."""
+    if (
+        not isinstance(quantization, dict)
+        or quantization.get("quant_method") != "compressed-tensors"
+    ):
+        return
+    sparsity = quantization.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise ValueError(
+            f"{path}: quantization_config sparsity_config format {sparsity['format']!r} "
+            "(compressed-tensors) is not supported: dense checkpoints are read"
+        )
+    if quantization.get("transform_config"):
+        raise ValueError(
+            f"{path}: quantization_config transform_config (compressed-tensors) is not "
+            "supported: checkpoints without weight transforms are read"
+        )
 
 
 def check_quantization(config: dict[str, Any], architecture: str, path: object) -> None:
