@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ word holds, within its 8: this column
 _BLOCK = 32  # GGUF Q4_1 / Q8_0 values a block
 _CT_FORMATS = ("pack-quantized", "int-quantized")
-_CT_DROPPED = ("input_scale", "input_zero_point", "k_scale", "v_scale")
+# activation and KV-cache scales (llm-compressor's older files: a KV `output_scale`): unread
+_CT_DROPPED = ("input_scale", "input_zero_point", "output_scale", "k_scale", "v_scale")
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,8 @@ class PackedScheme:
     def parts(self) -> tuple[set[str], set[str]]:
         """(the tensor leaves a linear needs, those it may also have)."""
         if self.method == "gptq":
-            return {"qweight", "qzeros", "scales"} | ({"g_idx"} if self.act_order else set()), {
-                "g_idx"
-            }
+            needed = {"qweight", "qzeros", "scales"}
+            return needed | ({"g_idx"} if self.act_order else set()), {"g_idx"}
         if self.method == "awq":
             return {"qweight", "qzeros", "scales"}, set()
         if self.method == "int-quantized":
@@ -178,7 +178,8 @@ def unpacked(
         prefix, _, leaf = name.rpartition(".")
         if leaf in dropped:
             continue
-        if leaf not in needed | optional or (leaf == "weight" and _holds_floats(tensor)):
+        # a float `weight`: a linear the config left unquantized (int-quantized's are int8)
+        if leaf not in needed | optional or (leaf == "weight" and tensor.dtype.is_floating_point):
             yield name, tensor
             continue
         if leaf in optional - needed:  # g_idx without act order: column // group_size
@@ -191,10 +192,6 @@ def unpacked(
     for prefix, parts in pending.items():
         missing = ", ".join(sorted(needed - parts.keys()))
         raise ValueError(f"weight {prefix}: {scheme.method} parts without {missing}")
-
-
-def _holds_floats(tensor: torch.Tensor) -> bool:
-    return tensor.dtype.is_floating_point
 
 
 def _linear(
