@@ -98,8 +98,8 @@ class EngineArgs:
         "gguf: GGUF weights stay quantized (native kernels); q8_0: as gguf, and "
         "dense linear weights (safetensors) rounded to Q8_0 blocks at load (CPU); none: "
         "dequantize to --dtype; auto: gguf for GGUF models on CPU, q8_0 for FP8, GPTQ, "
-        "AWQ and compressed-tensors safetensors on CPU (4-bit integers in groups of 32k "
-        "kept as Q4_1 blocks)",
+        "AWQ, compressed-tensors and bitsandbytes safetensors on CPU (4-bit integers in "
+        "groups of 32k kept as Q4_1 blocks)",
         choices=QUANTIZATIONS,
     )
     quant_activations: str = _arg(

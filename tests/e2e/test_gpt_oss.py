@@ -273,10 +273,10 @@ def test_mxfp4_safetensors_dequantized_give_hfs_tokens(mxfp4_dirs, prompts):
 
 
 def test_other_quantized_safetensors_are_refused_by_name(tmp_path):
-    """A quantization_config is refused (bitsandbytes, say), and MXFP4 outside gpt-oss."""
+    """A quantization_config is refused (HQQ, say), and MXFP4 outside gpt-oss."""
     from tokenbus.loader import load_arch, resolve_model
 
-    for family, method in (("gpt_oss", "bitsandbytes"), ("llama", "mxfp4")):
+    for family, method in (("gpt_oss", "hqq"), ("llama", "mxfp4")):
         model = tmp_path / f"{family}-{method}"
         shutil.copytree(cached_tiny_model(family), model)
         config = json.loads((model / "config.json").read_text())

@@ -1,10 +1,11 @@
 """Quantized safetensors end to end: tiny models written as the FP8 (loader/fp8.py), GPTQ, AWQ
-and compressed-tensors W4A16 / W8A8 (loader/int_weights.py) releases are, against HF
-transformers: on the same FP8 files (it dequantizes them on a CPU), on the integer files' fp32
-twins (its readers of those need GPU packages). Dequantized (--quantization none) the engine
-gives HF's tokens and logprobs; under auto on CPU the matrices run as GGUF blocks (4-bit
-integers as Q4_1, symmetric 8-bit ones as Q8_0, the rest rounded to Q8_0) on the quantized
-kernels and the C decoder layers, with the dequantized engine's tokens up to near ties."""
+and compressed-tensors W4A16 / W8A8 (loader/int_weights.py) and bitsandbytes NF4 / int8
+(loader/bnb.py) releases are, against HF transformers: on the same FP8 files (it dequantizes
+them on a CPU), on the other files' fp32 twins (its readers of those need packages that are
+not ours). Dequantized (--quantization none) the engine gives HF's tokens and logprobs; under
+auto on CPU the matrices run as GGUF blocks (4-bit integers as Q4_1, symmetric 8-bit ones as
+Q8_0, the rest rounded to Q8_0) on the quantized kernels and the C decoder layers, with the
+dequantized engine's tokens up to near ties."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.e2e.oracle import (
     load_hf,
 )
 from tests.e2e.utils import assert_engine_clean, make_llm, random_prompts
+from tests.fixtures.bnb_checkpoint import bnb_checkpoint
 from tests.fixtures.fp8_checkpoint import fp8_checkpoint
 from tests.fixtures.packed_checkpoint import packed_checkpoint
 from tests.fixtures.tiny_models import cached_tiny_model
@@ -42,6 +44,8 @@ CHECKPOINTS = {  # name: (family, its config overrides, writer)
         {},
         lambda src, out: packed_checkpoint(src, out, "ct-int", bits=8, group_size=-1),
     ),
+    "bnb-nf4-llama": ("llama", {}, lambda src, out: bnb_checkpoint(src, out, 4, nested=True)),
+    "bnb-int8-qwen3_moe": ("qwen3_moe", MOE, lambda src, out: bnb_checkpoint(src, out, 8)),
     "awq-qwen3_moe": (
         "qwen3_moe",
         MOE,

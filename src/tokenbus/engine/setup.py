@@ -382,7 +382,7 @@ def resolve_quantization(
 
 
 def _prequantized(source: ModelSource | None) -> bool:
-    """Whether an HF checkpoint's linears are FP8 or integers (loader/quant_config.py)."""
+    """Whether an HF checkpoint's linears are quantized (loader/quant_config.py)."""
     if source is None or source.kind != "hf" or not (source.path / "config.json").is_file():
         return False
     config = source.path / "config.json"
@@ -390,10 +390,10 @@ def _prequantized(source: ModelSource | None) -> bool:
 
 
 def _prequantized_quantization(requested: str, device: str, tp: int) -> str:
-    """An FP8 or integer (GPTQ, AWQ, compressed-tensors) checkpoint under auto: q8_0 where
-    those kernels run (4-bit and symmetric 8-bit integers kept as the GGUF blocks that hold
-    them, loader/int_weights.py; the rest rounded to Q8_0 blocks), else dequantized to --dtype
-    (a GPU's bf16). It is no GGUF: gguf is refused."""
+    """A quantized (FP8, GPTQ, AWQ, compressed-tensors, bitsandbytes) checkpoint under auto:
+    q8_0 where those kernels run (4-bit and symmetric 8-bit integers kept as the GGUF blocks
+    that hold them, loader/int_weights.py and loader/bnb.py; the rest rounded to Q8_0 blocks),
+    else dequantized to --dtype (a GPU's bf16). It is no GGUF: gguf is refused."""
     if requested == "gguf":
         raise ValueError(
             "quantization 'gguf': the model is not a GGUF file (a quantized safetensors "

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tokenbus.loader.apertus_config import APERTUS_NORM_NAMES
+from tokenbus.loader.bnb import bnb_dequantized, bnb_scheme
 from tokenbus.loader.deepseek_config import DEEPSEEK_ARCHITECTURES
 from tokenbus.loader.ernie_config import ERNIE_ARCHITECTURES, without_mtp
 from tokenbus.loader.fp8 import dequantized_fp8, fp8_scheme
@@ -54,10 +55,11 @@ def iter_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF tensor name, tensor) pairs; GGUF tensors come with q/k un-permuted, dequantized to
     fp32 or (keep_quantized) as QuantizedWeight blocks where the native kernels run them, and so
-    do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py) and the integers of GPTQ, AWQ
-    and compressed-tensors files (loader/int_weights.py); FP8 matrices multiplied out to fp32
-    (loader/fp8.py); ERNIE's q/k rows from interleaved pairs to halves (ERNIE's, GLM-4's); an
-    image-and-text checkpoint's text model's."""
+    do gpt-oss's MXFP4 experts from safetensors (loader/mxfp4.py), the integers of GPTQ, AWQ
+    and compressed-tensors files (loader/int_weights.py) and bitsandbytes' int8 rows
+    (loader/bnb.py); FP8 matrices and bitsandbytes' 4-bit codes multiplied out to fp32;
+    ERNIE's q/k rows from interleaved pairs to halves (ERNIE's, GLM-4's); an image-and-text
+    checkpoint's text model's."""
     if src.kind == "hf":
         config_path = src.path / "config.json"
         config = read_json(config_path)
@@ -76,6 +78,8 @@ def iter_weights(
             weights = dequantized_fp8(weights, fp8)
         if (packed := packed_scheme(config, config_path)) is not None:
             weights = unpacked(weights, packed, keep_quantized)
+        if (bnb := bnb_scheme(config, config_path)) is not None:
+            weights = bnb_dequantized(weights, bnb, keep_quantized)
         if arch.architecture == "gpt_oss":
             return gpt_oss_experts(weights, keep_quantized)
         if arch.architecture == "glm4":

@@ -1,12 +1,13 @@
 """The `quantization_config`s a safetensors checkpoint may carry here (L2): gpt-oss's MXFP4
 experts (loader/mxfp4.py), FP8 linears (loader/fp8.py), integer ones (GPTQ, AWQ and
-compressed-tensors': loader/int_weights.py). Any other is refused by name: its GGUF is the
-file to load."""
+compressed-tensors': loader/int_weights.py), bitsandbytes' 4- and 8-bit ones (loader/bnb.py).
+Any other is refused by name: its GGUF is the file to load."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from tokenbus.loader.bnb import bnb_scheme
 from tokenbus.loader.fp8 import fp8_scheme
 from tokenbus.loader.int_weights import packed_scheme
 
@@ -18,10 +19,11 @@ def is_mxfp4(config: dict[str, Any]) -> bool:
 
 
 def prequantized(config: dict[str, Any], path: object) -> bool:
-    """Whether config.json names FP8 or integer linears (a layout of theirs that is not read
-    is a ValueError naming the field)."""
+    """Whether config.json names FP8, integer or bitsandbytes linears (a layout of theirs that
+    is not read is a ValueError naming the field)."""
     _check_compressed_tensors(config.get("quantization_config"), path)
-    return fp8_scheme(config, path) is not None or packed_scheme(config, path) is not None
+    readers = (fp8_scheme, packed_scheme, bnb_scheme)
+    return any(reader(config, path) is not None for reader in readers)
 
 
 def _check_compressed_tensors(quantization: Any, path: object) -> None:
@@ -55,6 +57,6 @@ def check_quantization(config: dict[str, Any], architecture: str, path: object) 
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     raise ValueError(
         f"{path}: quantization_config (quant_method {method!r}) is not supported: FP8, GPTQ, "
-        "AWQ and compressed-tensors checkpoints and gpt-oss's MXFP4 experts are read; load "
-        "the model's GGUF for other quantized weights"
+        "AWQ, compressed-tensors and bitsandbytes checkpoints and gpt-oss's MXFP4 experts are "
+        "read; load the model's GGUF for other quantized weights"
     )
