@@ -24,9 +24,10 @@ from tokenbus.loader.gguf_loader import QuantizedWeight
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "data" / "bnb_linears.safetensors"
 FOUR_BIT = (
-    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.q_proj",  # NF4, double quantization, a float32 state
     "model.layers.0.mlp.down_proj",
-    "model.layers.1.mlp.up_proj",
+    "model.layers.1.mlp.up_proj",  # FP4, fp32 absmax
+    "model.layers.1.self_attn.o_proj",  # NF4 of a bf16 matrix: its values cast to bf16
 )
 EIGHT_BIT = ("model.layers.0.self_attn.k_proj",)
 
@@ -74,6 +75,22 @@ def test_tiny_models_read_as_their_twins(tmp_path, bits, nested):
     assert resolve_quantization("auto", src, "cuda:0") == "none"
 
 
+def test_codes_stored_as_another_dtype():
+    """bnb_4bit_quant_storage: the codes' bytes viewed as bf16 ([n / 4, 1]) read as uint8."""
+    parts, want = _golden(FOUR_BIT[:1])
+    as_bf16 = {
+        n: t.flatten().view(torch.bfloat16).view(-1, 1)
+        for n, t in parts
+        if n.endswith("_proj.weight")
+    }
+    stored = [(n, as_bf16.get(n, t)) for n, t in parts]
+    got = dict(bnb_dequantized(stored, BnbScheme(4, "bfloat16"), keep_quantized=False))
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+    config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    config["bnb_4bit_quant_storage"] = "bfloat16"
+    assert bnb_scheme({"quantization_config": config}, "c") == BnbScheme(4, "bfloat16")
+
+
 def test_configs_and_parts_refused_by_name():
     assert bnb_scheme(
         {"quantization_config": {"quant_method": "bitsandbytes", "_load_in_4bit": True}}, "c"
@@ -82,6 +99,13 @@ def test_configs_and_parts_refused_by_name():
     with pytest.raises(ValueError, match="loads neither 4- nor 8-bit"):
         bnb_scheme({"quantization_config": {"quant_method": "bitsandbytes"}}, "c")
     parts, _ = _golden(FOUR_BIT[:1])
-    without_map = [(n, t) for n, t in parts if not n.endswith("quant_map")]
+    without_map = [(n, t) for n, t in parts if not n.endswith(".weight.quant_map")]
     with pytest.raises(ValueError, match=r"q_proj.weight: bitsandbytes parts \['absmax'"):
         list(bnb_dequantized(without_map, BnbScheme(4), keep_quantized=False))
+    unnested = [(n, t.float() if n.endswith(".weight.absmax") else t) for n, t in parts]
+    with pytest.raises(ValueError, match="absmax torch.float32 with double quantization"):
+        list(bnb_dequantized(unnested, BnbScheme(4), keep_quantized=False))
+    int8, _ = _golden(EIGHT_BIT)
+    tiled = [(n, torch.tensor(1, dtype=torch.uint8) if "format" in n else t) for n, t in int8]
+    with pytest.raises(ValueError, match="k_proj.weight_format: bitsandbytes weight_format 1"):
+        list(bnb_dequantized(tiled, BnbScheme(8), keep_quantized=False))

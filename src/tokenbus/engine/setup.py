@@ -391,8 +391,9 @@ def _prequantized(source: ModelSource | None) -> bool:
 
 def _prequantized_quantization(requested: str, device: str, tp: int) -> str:
     """A quantized (FP8, GPTQ, AWQ, compressed-tensors, bitsandbytes) checkpoint under auto:
-    q8_0 where those kernels run (4-bit and symmetric 8-bit integers kept as the GGUF blocks
-    that hold them, loader/int_weights.py and loader/bnb.py; the rest rounded to Q8_0 blocks),
+    q8_0 where those kernels run (GPTQ's, AWQ's and compressed-tensors' 4-bit and symmetric
+    8-bit integers and bitsandbytes' int8 rows kept as the GGUF blocks that hold them,
+    loader/int_weights.py and loader/bnb.py; the rest, NF4 too, rounded to Q8_0 blocks),
     else dequantized to --dtype (a GPU's bf16). It is no GGUF: gguf is refused."""
     if requested == "gguf":
         raise ValueError(

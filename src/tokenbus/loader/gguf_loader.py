@@ -205,6 +205,19 @@ class QuantizedWeight:
         return self.data.shape[0]
 
 
+def q8_0_weight(scales: torch.Tensor, values: torch.Tensor) -> QuantizedWeight:
+    """Q8_0 rows holding int8 `values` [rows, cols] as they are, each 32-value block scaled by
+    its entry of `scales` [rows, cols / 32] (rounded to the block's fp16 d): the exact blocks of
+    a checkpoint's own int8 values (GPTQ's, compressed-tensors', bitsandbytes')."""
+    import torch
+
+    rows, cols = values.shape
+    head = scales.to(torch.float16).unsqueeze(-1).view(torch.uint8)  # [rows, blocks, 2]
+    body = values.to(torch.int8).view(torch.uint8).view(rows, cols // 32, 32)
+    data = torch.cat((head, body), dim=-1).reshape(rows, -1).contiguous()
+    return QuantizedWeight(int(GGMLQuantizationType.Q8_0), data, cols)
+
+
 def arch_from_gguf(gf: GGUFFile) -> ModelArch:
     meta = gf.metadata
     arch = meta.get("general.architecture")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from gguf import GGMLQuantizationType
 
-from tokenbus.loader.gguf_loader import QuantizedWeight
+from tokenbus.loader.gguf_loader import QuantizedWeight, q8_0_weight
 
 if TYPE_CHECKING:
     import torch
@@ -326,9 +326,7 @@ def _blocks(
         nibbles = (values[..., :16] | (values[..., 16:] << 4)).to(torch.uint8)
         data, qtype = torch.cat((head, nibbles), -1), GGMLQuantizationType.Q4_1
     elif bool((zero == 128).all()):
-        head = s.to(torch.float16).unsqueeze(-1).view(torch.uint8)  # [out, nb, 2]
-        centred = (values - 128).to(torch.int8).view(torch.uint8)
-        data, qtype = torch.cat((head, centred), -1), GGMLQuantizationType.Q8_0
+        return q8_0_weight(s, (values - 128).reshape(rows, cols))
     else:
         return None
     return QuantizedWeight(int(qtype), data.reshape(rows, -1).contiguous(), cols)
