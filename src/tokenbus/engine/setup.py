@@ -357,10 +357,9 @@ def blocks_problem(device: str, tp_size: int) -> str | None:
 def resolve_quantization(
     requested: str, source: ModelSource | None, device: str | object, tp: int = 1
 ) -> str:
-    """ "gguf", "q8_0" or "none". auto picks gguf where it can run and the kernels build (an
-    FP8 or integer checkpoint: q8_0, _prequantized_quantization); an
-    explicit gguf or q8_0 that cannot run is a ValueError with the reason. `device`: a name or
-    torch.device."""
+    """ "gguf", "q8_0" or "none". auto picks gguf where it can run and the kernels build (a
+    quantized safetensors checkpoint: q8_0, _prequantized_quantization); an explicit gguf or
+    q8_0 that cannot run is a ValueError with the reason. `device`: a name or torch.device."""
     if requested == "none":
         return "none"
     device = str(device)
