@@ -1,20 +1,18 @@
-"""bitsandbytes safetensors (loader/bnb.py) against bitsandbytes itself: the linears in
-tests/fixtures/data/bnb_linears.safetensors were written by bitsandbytes 0.50.2 (a tiny Llama
-saved by transformers 5.25 with load_in_4bit, NF4 with double quantization, and with
-load_in_8bit; an FP4 matrix of its quantize_4bit, without), beside the values its own
-dequantize_4bit and int8_vectorwise_dequant give (`reference.<linear>`). The reader gives
-those values bit for bit; int8 rows kept as Q8_0 read back within d's fp16 rounding; whole
-tiny models written alike (tests/fixtures/bnb_checkpoint.py) read as their fp32 twins."""
+"""bitsandbytes safetensors (loader/bnb.py) against bitsandbytes itself: linears it writes
+here (tests/fixtures/bnb_reference.py: a tiny Llama saved by transformers with load_in_4bit,
+NF4 with double quantization, and with load_in_8bit; an FP4 matrix and a bf16 matrix's NF4 of
+its quantize_4bit), beside the values its own dequantize_4bit and int8_vectorwise_dequant give
+(`reference.<linear>`). The reader gives those values bit for bit; int8 rows kept as Q8_0 read
+back within d's fp16 rounding; whole tiny models written alike (tests/fixtures/bnb_checkpoint.py)
+read as their fp32 twins."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import gguf
 import pytest
 import torch
-from safetensors.torch import load_file
 from tests.fixtures.bnb_checkpoint import bnb_checkpoint
+from tests.fixtures.bnb_reference import bnb_reference
 from tests.fixtures.tiny_models import cached_tiny_model
 
 from tokenbus.engine.setup import resolve_quantization
@@ -22,7 +20,6 @@ from tokenbus.loader import iter_weights, load_arch, resolve_model
 from tokenbus.loader.bnb import BnbScheme, bnb_dequantized, bnb_scheme
 from tokenbus.loader.gguf_loader import QuantizedWeight
 
-GOLDEN = Path(__file__).parents[1] / "fixtures" / "data" / "bnb_linears.safetensors"
 FOUR_BIT = (
     "model.layers.0.self_attn.q_proj",  # NF4, double quantization, a float32 state
     "model.layers.0.mlp.down_proj",
@@ -33,7 +30,7 @@ EIGHT_BIT = ("model.layers.0.self_attn.k_proj",)
 
 
 def _golden(linears) -> tuple[list, dict[str, torch.Tensor]]:
-    tensors = load_file(str(GOLDEN))
+    tensors = bnb_reference()
     parts = [(n, t) for n, t in tensors.items() if n.startswith(linears)]
     return parts, {f"{n}.weight": tensors[f"reference.{n}"] for n in linears}
 
