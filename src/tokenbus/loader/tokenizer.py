@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ def _from_gguf_cached(path: Path):
         tmp = tempfile.mkdtemp(dir=cached.parent)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, cached)  # raises if another start got there first: theirs is as good
+        _touch(cached)
     except OSError:  # that, or an unwritable cache (then the next start converts again)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -82,9 +84,12 @@ TOKENIZER_CACHE_ENTRIES = 16
 
 
 def _touch(entry: Path) -> None:
-    """Mark an entry used now (its mtime orders _keep_most_recent), where the cache is writable."""
+    """Mark an entry used now (its mtime orders _keep_most_recent), where the cache is writable.
+    The time is the clock's, in ns: the kernel's own "now" for a file is rounded to its tick
+    (4 ms at HZ=250), so two uses within one tick would tie and evict either."""
     try:
-        os.utime(entry)
+        now = time.time_ns()
+        os.utime(entry, ns=(now, now))
     except OSError:
         pass
 
